@@ -1,0 +1,2 @@
+//! (being written)
+pub fn setup_cuda() -> anyhow::Result<()> { anyhow::bail!("todo") }

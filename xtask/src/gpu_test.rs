@@ -1,0 +1,2 @@
+//! (being written)
+pub fn run() -> anyhow::Result<()> { anyhow::bail!("todo") }

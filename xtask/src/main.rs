@@ -1,0 +1,48 @@
+//! `cargo xtask`: project chores that are not part of any crate's build.
+//!
+//! - `setup-cuda`: install the pinned CUDA 13.0 compiler wheels into `.cuda/`.
+//! - `bindings [--check]`: regenerate (or check) the committed rdma-core bindings.
+//! - `gpu-test`: build the GPU test bundle and print the `device` command that runs it.
+
+mod bindings;
+mod cuda;
+mod gpu_test;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "gpuverbs project tasks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install the pinned CUDA 13.0 wheels (nvcc, nvvm, crt, runtime, cccl) into `.cuda/`.
+    SetupCuda,
+    /// Regenerate `crates/rdma-core-sys/src/bindings.rs` from the installed rdma-core headers.
+    Bindings {
+        /// Fail instead of writing when the committed bindings are stale.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Build the GPU test bundle into `.gpu-bundle/` and print the command for the GPU machine.
+    GpuTest,
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::SetupCuda => cuda::setup_cuda(),
+        Cmd::Bindings { check } => bindings::run(check),
+        Cmd::GpuTest => gpu_test::run(),
+    }
+}
+
+/// The workspace root (the parent of this crate's manifest directory).
+pub fn workspace_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
