@@ -1,0 +1,882 @@
+//! Send-queue WQE segments, opcodes and typed builders.
+//!
+//! A WQE is a control segment followed by opcode-specific segments, `ds` 16-byte units in all,
+//! spanning `ceil(ds / 4)` 64-byte blocks. [`Op`] describes one operation; [`Op::encode`] turns it
+//! into a [`WqeBuf`] of whole blocks with every reserved byte zero; [`WqeBuf::copy_to_ring`]
+//! places the blocks in a ring, wrapping at its end as the hardware reads them.
+
+use crate::endian::{Be16, Be32, Be64, BeLkey, BeRkey, Lkey, Rkey};
+use crate::{DS_UNIT, MAX_DS, MAX_WQE_BBS, WQEBB};
+use bytemuck::{Pod, Zeroable};
+
+/// WQE opcodes (the low byte of `opmod_idx_opcode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    /// No operation; completes like any other WQE.
+    Nop = 0x00,
+    /// RDMA write.
+    RdmaWrite = 0x08,
+    /// RDMA write with immediate (consumes a receive WQE at the responder).
+    RdmaWriteImm = 0x09,
+    /// Send.
+    Send = 0x0a,
+    /// Send with immediate.
+    SendImm = 0x0b,
+    /// Wait until a CQ reaches an index (cross-channel WAIT).
+    Wait = 0x0f,
+    /// RDMA read.
+    RdmaRead = 0x10,
+    /// 8-byte atomic compare-and-swap.
+    AtomicCs = 0x11,
+    /// 8-byte atomic fetch-and-add.
+    AtomicFa = 0x12,
+    /// Masked compare-and-swap (4 or 8 bytes, per opmod).
+    AtomicMaskedCs = 0x14,
+    /// Masked fetch-and-add (4 or 8 bytes, per opmod).
+    AtomicMaskedFa = 0x15,
+}
+
+impl Opcode {
+    /// Decodes an opcode byte; `None` for opcodes this device does not implement.
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            0x00 => Self::Nop,
+            0x08 => Self::RdmaWrite,
+            0x09 => Self::RdmaWriteImm,
+            0x0a => Self::Send,
+            0x0b => Self::SendImm,
+            0x0f => Self::Wait,
+            0x10 => Self::RdmaRead,
+            0x11 => Self::AtomicCs,
+            0x12 => Self::AtomicFa,
+            0x14 => Self::AtomicMaskedCs,
+            0x15 => Self::AtomicMaskedFa,
+            _ => return None,
+        })
+    }
+
+    /// The name used in error messages (rdma-core style).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Nop => "NOP",
+            Self::RdmaWrite => "RDMA_WRITE",
+            Self::RdmaWriteImm => "RDMA_WRITE_IMM",
+            Self::Send => "SEND",
+            Self::SendImm => "SEND_IMM",
+            Self::Wait => "WAIT",
+            Self::RdmaRead => "RDMA_READ",
+            Self::AtomicCs => "ATOMIC_CS",
+            Self::AtomicFa => "ATOMIC_FA",
+            Self::AtomicMaskedCs => "ATOMIC_MASKED_CS",
+            Self::AtomicMaskedFa => "ATOMIC_MASKED_FA",
+        }
+    }
+}
+
+/// Name of a raw WQE opcode byte, `"UNKNOWN"` when it is not one of [`Opcode`].
+pub fn opcode_name(v: u8) -> &'static str {
+    Opcode::from_u8(v).map_or("UNKNOWN", Opcode::name)
+}
+
+/// `opmod` of a masked atomic on 4-byte operands.
+pub const OPMOD_MASKED_ATOMIC_4B: u8 = 0x08;
+/// `opmod` of a masked atomic on 8-byte operands.
+pub const OPMOD_MASKED_ATOMIC_8B: u8 = 0x09;
+
+/// `fm_ce_se`: CQE always (CQ update = 2 in bits 3:2).
+pub const FM_CE_SE_CQ_UPDATE: u8 = 2 << 2;
+/// `fm_ce_se`: solicited event.
+pub const FM_CE_SE_SOLICITED: u8 = 1 << 1;
+/// `fm_ce_se`: strong fence (wait for all earlier WQEs), fence mode 4.
+pub const FM_CE_SE_FENCE: u8 = 4 << 5;
+/// `fm_ce_se`: initiator small fence, fence mode 1.
+pub const FM_CE_SE_SMALL_FENCE: u8 = 1 << 5;
+
+/// Top bit of an inline segment's byte count.
+pub const INLINE_SEG: u32 = 0x8000_0000;
+/// The lkey of the receive-list terminator.
+pub const INVALID_LKEY: u32 = 0x100;
+
+/// Control segment, the first 16 bytes of every send WQE.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct CtrlSeg {
+    /// `opmod << 24 | wqe_index << 8 | opcode`.
+    pub opmod_idx_opcode: Be32,
+    /// `qpn << 8 | ds`.
+    pub qpn_ds: Be32,
+    /// Signature (unused, zero).
+    pub signature: u8,
+    /// DCI stream channel id (0 for RC).
+    pub dci_stream_channel_id: Be16,
+    /// Fence mode (7:5), CQ update (3:2), solicited (1).
+    pub fm_ce_se: u8,
+    /// Immediate data, raw.
+    pub imm: Be32,
+}
+
+impl CtrlSeg {
+    /// The opcode byte.
+    pub fn opcode(&self) -> u8 {
+        self.opmod_idx_opcode.get() as u8
+    }
+    /// The opcode modifier.
+    pub fn opmod(&self) -> u8 {
+        (self.opmod_idx_opcode.get() >> 24) as u8
+    }
+    /// The 16-bit WQE index of the first block.
+    pub fn wqe_index(&self) -> u16 {
+        (self.opmod_idx_opcode.get() >> 8) as u16
+    }
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn_ds.get() >> 8
+    }
+    /// The WQE length in 16-byte units (low 6 bits).
+    pub fn ds(&self) -> u8 {
+        (self.qpn_ds.get() & 0x3f) as u8
+    }
+    /// Number of 64-byte blocks the WQE spans (at least 1).
+    pub fn blocks(&self) -> usize {
+        blocks_for_ds(self.ds().max(1))
+    }
+}
+
+/// Number of 64-byte blocks a WQE of `ds` units spans.
+pub const fn blocks_for_ds(ds: u8) -> usize {
+    (ds as usize * DS_UNIT).div_ceil(WQEBB)
+}
+
+/// Remote address segment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct RaddrSeg {
+    /// Remote virtual address.
+    pub raddr: Be64,
+    /// Remote key.
+    pub rkey: BeRkey,
+    /// Reserved, zero.
+    pub reserved: [u8; 4],
+}
+
+/// Data (scatter/gather) segment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct DataSeg {
+    /// Byte count.
+    pub byte_count: Be32,
+    /// Local key.
+    pub lkey: BeLkey,
+    /// Local address.
+    pub addr: Be64,
+}
+
+impl DataSeg {
+    /// A data segment for `sge`.
+    pub fn new(sge: Sge) -> Self {
+        Self {
+            byte_count: Be32::new(sge.len),
+            lkey: BeLkey::new(sge.lkey),
+            addr: Be64::new(sge.addr),
+        }
+    }
+    /// The terminator that ends a short receive list.
+    pub fn terminator() -> Self {
+        Self {
+            byte_count: Be32::new(0),
+            lkey: BeLkey::new(Lkey(INVALID_LKEY)),
+            addr: Be64::new(0),
+        }
+    }
+    /// Whether this is the receive-list terminator.
+    pub fn is_terminator(&self) -> bool {
+        self.lkey.get().0 == INVALID_LKEY && self.byte_count.get() == 0
+    }
+    /// As a host-order [`Sge`].
+    pub fn sge(&self) -> Sge {
+        Sge {
+            addr: self.addr.get(),
+            len: self.byte_count.get(),
+            lkey: self.lkey.get(),
+        }
+    }
+}
+
+/// Atomic segment of ATOMIC_CS / ATOMIC_FA.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct AtomicSeg {
+    /// Swap value (CS) or addend (FA).
+    pub swap_add: Be64,
+    /// Compare value (CS), zero for FA.
+    pub compare: Be64,
+}
+
+/// Masked atomic segment on 8-byte operands, compare-and-swap form (32 bytes, 2 units).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct MaskedCs64Seg {
+    /// Swap value.
+    pub swap: Be64,
+    /// Compare value.
+    pub compare: Be64,
+    /// Bits of the target that the swap replaces.
+    pub swap_mask: Be64,
+    /// Bits of the target that take part in the compare.
+    pub compare_mask: Be64,
+}
+
+/// Masked atomic segment on 8-byte operands, fetch-and-add form (16 bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct MaskedFa64Seg {
+    /// Addend.
+    pub add: Be64,
+    /// Field boundary: a set bit ends a field (carries do not cross it).
+    pub field_boundary: Be64,
+}
+
+/// Masked atomic segment on 4-byte operands, compare-and-swap form (16 bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct MaskedCs32Seg {
+    /// Swap value.
+    pub swap: Be32,
+    /// Compare value.
+    pub compare: Be32,
+    /// Swap mask.
+    pub swap_mask: Be32,
+    /// Compare mask.
+    pub compare_mask: Be32,
+}
+
+/// Masked atomic segment on 4-byte operands, fetch-and-add form (16 bytes, last 8 reserved).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct MaskedFa32Seg {
+    /// Addend.
+    pub add: Be32,
+    /// Field boundary.
+    pub field_boundary: Be32,
+    /// Reserved, zero.
+    pub reserved: [u8; 8],
+}
+
+/// WAIT segment: hold this SQ until CQ `cqn` has produced CQE number `max_index`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct WaitSeg {
+    /// Reserved, zero.
+    pub reserved: [u8; 8],
+    /// The CQE index (producer count) to wait for.
+    pub max_index: Be32,
+    /// The CQ number to watch.
+    pub cqn: Be32,
+}
+
+/// A local buffer in host order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sge {
+    /// Address (host or GPU virtual address, as registered).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u32,
+    /// Key of the region that holds it.
+    pub lkey: Lkey,
+}
+
+/// A remote buffer: address and rkey.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemoteAddr {
+    /// Remote virtual address.
+    pub addr: u64,
+    /// Remote key.
+    pub rkey: Rkey,
+}
+
+/// Where the local bytes of a WRITE or SEND come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Local<'a> {
+    /// Gather from registered memory.
+    Sges(&'a [Sge]),
+    /// Carried inside the WQE.
+    Inline(&'a [u8]),
+}
+
+/// Operand size of a masked atomic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AtomicSize {
+    /// 4-byte operands (opmod 0x08).
+    B4,
+    /// 8-byte operands (opmod 0x09).
+    B8,
+}
+
+impl AtomicSize {
+    /// Operand size in bytes.
+    pub const fn bytes(self) -> u32 {
+        match self {
+            Self::B4 => 4,
+            Self::B8 => 8,
+        }
+    }
+    const fn opmod(self) -> u8 {
+        match self {
+            Self::B4 => OPMOD_MASKED_ATOMIC_4B,
+            Self::B8 => OPMOD_MASKED_ATOMIC_8B,
+        }
+    }
+}
+
+/// One send-queue operation, host order, before encoding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op<'a> {
+    /// NOP.
+    Nop,
+    /// RDMA write, with immediate when `imm` is set.
+    Write {
+        /// Target.
+        remote: RemoteAddr,
+        /// Source.
+        local: Local<'a>,
+        /// Immediate (makes it RDMA_WRITE_IMM).
+        imm: Option<u32>,
+    },
+    /// Send, with immediate when `imm` is set.
+    Send {
+        /// Source.
+        local: Local<'a>,
+        /// Immediate (makes it SEND_IMM).
+        imm: Option<u32>,
+    },
+    /// RDMA read into `local`.
+    Read {
+        /// Source at the peer.
+        remote: RemoteAddr,
+        /// Destination buffers.
+        local: &'a [Sge],
+    },
+    /// 8-byte fetch-and-add; the old value lands in `result`.
+    FetchAdd {
+        /// Target word (8-byte aligned).
+        remote: RemoteAddr,
+        /// Addend.
+        add: u64,
+        /// 8-byte buffer for the old value.
+        result: Sge,
+    },
+    /// 8-byte compare-and-swap; the old value lands in `result`.
+    CompareSwap {
+        /// Target word (8-byte aligned).
+        remote: RemoteAddr,
+        /// Expected value.
+        compare: u64,
+        /// New value.
+        swap: u64,
+        /// 8-byte buffer for the old value.
+        result: Sge,
+    },
+    /// Masked fetch-and-add on 4- or 8-byte operands.
+    MaskedFetchAdd {
+        /// Operand size.
+        size: AtomicSize,
+        /// Target word.
+        remote: RemoteAddr,
+        /// Addend.
+        add: u64,
+        /// Field boundaries (a set bit ends a field).
+        field_boundary: u64,
+        /// Buffer for the old value (`size` bytes).
+        result: Sge,
+    },
+    /// Masked compare-and-swap on 4- or 8-byte operands.
+    MaskedCompareSwap {
+        /// Operand size.
+        size: AtomicSize,
+        /// Target word.
+        remote: RemoteAddr,
+        /// Expected value (under `compare_mask`).
+        compare: u64,
+        /// Compare mask.
+        compare_mask: u64,
+        /// New value (under `swap_mask`).
+        swap: u64,
+        /// Swap mask.
+        swap_mask: u64,
+        /// Buffer for the old value (`size` bytes).
+        result: Sge,
+    },
+    /// Wait until CQ `cqn` has produced CQE number `max_index`.
+    Wait {
+        /// CQ number.
+        cqn: u32,
+        /// CQE index to wait for.
+        max_index: u32,
+    },
+}
+
+/// Fence mode of a WQE.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fence {
+    /// No fence.
+    #[default]
+    None,
+    /// Initiator small fence: wait for earlier RDMA READs and atomics.
+    Small,
+    /// Strong fence: wait for every earlier WQE to complete.
+    Strong,
+}
+
+/// Per-WQE flags of the control segment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtrlFlags {
+    /// Ask for a CQE on success (CQ update = always).
+    pub signaled: bool,
+    /// Solicited event bit.
+    pub solicited: bool,
+    /// Fence mode.
+    pub fence: Fence,
+}
+
+impl CtrlFlags {
+    /// A signaled WQE without fence.
+    pub const SIGNALED: Self = Self {
+        signaled: true,
+        solicited: false,
+        fence: Fence::None,
+    };
+
+    /// The `fm_ce_se` byte.
+    pub const fn fm_ce_se(self) -> u8 {
+        let mut v = 0;
+        if self.signaled {
+            v |= FM_CE_SE_CQ_UPDATE;
+        }
+        if self.solicited {
+            v |= FM_CE_SE_SOLICITED;
+        }
+        v | match self.fence {
+            Fence::None => 0,
+            Fence::Small => FM_CE_SE_SMALL_FENCE,
+            Fence::Strong => FM_CE_SE_FENCE,
+        }
+    }
+
+    /// Decodes a `fm_ce_se` byte (any non-zero fence mode other than 1 is a strong fence;
+    /// CQ update values with bit 3 set ask for a CQE).
+    pub const fn from_fm_ce_se(v: u8) -> Self {
+        Self {
+            signaled: v & 0x08 != 0,
+            solicited: v & FM_CE_SE_SOLICITED != 0,
+            fence: match v >> 5 {
+                0 => Fence::None,
+                1 => Fence::Small,
+                _ => Fence::Strong,
+            },
+        }
+    }
+}
+
+/// Why an [`Op`] cannot be encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BuildError {
+    /// More than 63 units: too many segments or too much inline data.
+    TooLarge {
+        /// Units the WQE would need.
+        ds: usize,
+    },
+    /// The ring is not a power of two number of blocks, or is too small for the WQE.
+    BadRing {
+        /// Ring size in blocks.
+        blocks: usize,
+    },
+    /// The QPN does not fit in 24 bits.
+    BadQpn(u32),
+}
+
+impl core::fmt::Display for BuildError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::TooLarge { ds } => write!(f, "WQE needs {ds} units, at most {MAX_DS} fit"),
+            Self::BadRing { blocks } => {
+                write!(
+                    f,
+                    "ring of {blocks} blocks is not a power of two large enough for the WQE"
+                )
+            }
+            Self::BadQpn(q) => write!(f, "QPN {q:#x} does not fit in 24 bits"),
+        }
+    }
+}
+
+/// An encoded WQE: whole 64-byte blocks, reserved bytes zero.
+#[derive(Clone, Debug)]
+pub struct WqeBuf {
+    bytes: [u8; MAX_WQE_BBS * WQEBB],
+    ds: u8,
+}
+
+impl WqeBuf {
+    /// Length in 16-byte units.
+    pub fn ds(&self) -> u8 {
+        self.ds
+    }
+    /// Number of 64-byte blocks.
+    pub fn blocks(&self) -> usize {
+        blocks_for_ds(self.ds)
+    }
+    /// The bytes of all blocks (a multiple of 64).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.blocks() * WQEBB]
+    }
+    /// The control segment.
+    pub fn ctrl(&self) -> CtrlSeg {
+        bytemuck::pod_read_unaligned(&self.bytes[..16])
+    }
+    /// Block `i` of the WQE.
+    pub fn block(&self, i: usize) -> &[u8; WQEBB] {
+        self.bytes[i * WQEBB..(i + 1) * WQEBB]
+            .try_into()
+            .expect("a block is 64 bytes")
+    }
+    /// Copies the blocks into `ring` (a power of two number of 64-byte blocks) starting at the
+    /// WQE's own index, wrapping at the ring's end. Returns the index after the WQE.
+    pub fn copy_to_ring(&self, ring: &mut [u8]) -> Result<u16, BuildError> {
+        let nblocks = ring.len() / WQEBB;
+        if ring.len() % WQEBB != 0 || !nblocks.is_power_of_two() || nblocks < self.blocks() {
+            return Err(BuildError::BadRing { blocks: nblocks });
+        }
+        let idx = self.ctrl().wqe_index();
+        for i in 0..self.blocks() {
+            let slot = (idx as usize + i) & (nblocks - 1);
+            ring[slot * WQEBB..(slot + 1) * WQEBB].copy_from_slice(self.block(i));
+        }
+        Ok(idx.wrapping_add(self.blocks() as u16))
+    }
+}
+
+/// Incremental writer of 16-byte units into a [`WqeBuf`].
+struct Units {
+    buf: WqeBuf,
+    at: usize,
+}
+
+impl Units {
+    fn push<T: Pod>(&mut self, seg: &T) -> Result<(), BuildError> {
+        let b = bytemuck::bytes_of(seg);
+        self.push_bytes(b)
+    }
+    /// Appends bytes, padded to a 16-byte unit with zeros.
+    fn push_bytes(&mut self, b: &[u8]) -> Result<(), BuildError> {
+        let units = b.len().div_ceil(DS_UNIT);
+        let end = self.at + units * DS_UNIT;
+        if end > MAX_DS as usize * DS_UNIT {
+            return Err(BuildError::TooLarge { ds: end / DS_UNIT });
+        }
+        self.buf.bytes[self.at..self.at + b.len()].copy_from_slice(b);
+        self.at = end;
+        Ok(())
+    }
+    fn push_local(&mut self, local: &Local<'_>) -> Result<(), BuildError> {
+        match local {
+            Local::Sges(sges) => sges.iter().try_for_each(|s| self.push(&DataSeg::new(*s))),
+            Local::Inline(data) => {
+                let need = (4 + data.len()).div_ceil(DS_UNIT) * DS_UNIT + self.at;
+                if need > MAX_DS as usize * DS_UNIT || data.len() > 0x7fff_ffff {
+                    return Err(BuildError::TooLarge { ds: need / DS_UNIT });
+                }
+                let hdr = Be32::new(data.len() as u32 | INLINE_SEG).to_bytes();
+                self.buf.bytes[self.at..self.at + 4].copy_from_slice(&hdr);
+                self.buf.bytes[self.at + 4..self.at + 4 + data.len()].copy_from_slice(data);
+                self.at = need;
+                Ok(())
+            }
+        }
+    }
+}
+
+fn raddr(r: RemoteAddr) -> RaddrSeg {
+    RaddrSeg {
+        raddr: Be64::new(r.addr),
+        rkey: BeRkey::new(r.rkey),
+        reserved: [0; 4],
+    }
+}
+
+impl Op<'_> {
+    /// The opcode and opmod this operation encodes to.
+    pub fn opcode(&self) -> (Opcode, u8) {
+        match self {
+            Op::Nop => (Opcode::Nop, 0),
+            Op::Write { imm: None, .. } => (Opcode::RdmaWrite, 0),
+            Op::Write { imm: Some(_), .. } => (Opcode::RdmaWriteImm, 0),
+            Op::Send { imm: None, .. } => (Opcode::Send, 0),
+            Op::Send { imm: Some(_), .. } => (Opcode::SendImm, 0),
+            Op::Read { .. } => (Opcode::RdmaRead, 0),
+            Op::FetchAdd { .. } => (Opcode::AtomicFa, 0),
+            Op::CompareSwap { .. } => (Opcode::AtomicCs, 0),
+            Op::MaskedFetchAdd { size, .. } => (Opcode::AtomicMaskedFa, size.opmod()),
+            Op::MaskedCompareSwap { size, .. } => (Opcode::AtomicMaskedCs, size.opmod()),
+            Op::Wait { .. } => (Opcode::Wait, 0),
+        }
+    }
+
+    /// Encodes the WQE whose first block has 16-bit index `idx`, for QP `qpn`.
+    pub fn encode(&self, idx: u16, qpn: u32, flags: CtrlFlags) -> Result<WqeBuf, BuildError> {
+        if qpn > 0x00ff_ffff {
+            return Err(BuildError::BadQpn(qpn));
+        }
+        let mut u = Units {
+            buf: WqeBuf {
+                bytes: [0; MAX_WQE_BBS * WQEBB],
+                ds: 0,
+            },
+            at: DS_UNIT,
+        };
+        let mut imm = 0u32;
+        match *self {
+            Op::Nop => {}
+            Op::Write {
+                remote,
+                local,
+                imm: i,
+            } => {
+                imm = i.unwrap_or(0);
+                u.push(&raddr(remote))?;
+                u.push_local(&local)?;
+            }
+            Op::Send { local, imm: i } => {
+                imm = i.unwrap_or(0);
+                u.push_local(&local)?;
+            }
+            Op::Read { remote, local } => {
+                u.push(&raddr(remote))?;
+                u.push_local(&Local::Sges(local))?;
+            }
+            Op::FetchAdd {
+                remote,
+                add,
+                result,
+            } => {
+                u.push(&raddr(remote))?;
+                u.push(&AtomicSeg {
+                    swap_add: Be64::new(add),
+                    compare: Be64::new(0),
+                })?;
+                u.push(&DataSeg::new(result))?;
+            }
+            Op::CompareSwap {
+                remote,
+                compare,
+                swap,
+                result,
+            } => {
+                u.push(&raddr(remote))?;
+                u.push(&AtomicSeg {
+                    swap_add: Be64::new(swap),
+                    compare: Be64::new(compare),
+                })?;
+                u.push(&DataSeg::new(result))?;
+            }
+            Op::MaskedFetchAdd {
+                size,
+                remote,
+                add,
+                field_boundary,
+                result,
+            } => {
+                u.push(&raddr(remote))?;
+                match size {
+                    AtomicSize::B4 => u.push(&MaskedFa32Seg {
+                        add: Be32::new(add as u32),
+                        field_boundary: Be32::new(field_boundary as u32),
+                        reserved: [0; 8],
+                    })?,
+                    AtomicSize::B8 => u.push(&MaskedFa64Seg {
+                        add: Be64::new(add),
+                        field_boundary: Be64::new(field_boundary),
+                    })?,
+                }
+                u.push(&DataSeg::new(result))?;
+            }
+            Op::MaskedCompareSwap {
+                size,
+                remote,
+                compare,
+                compare_mask,
+                swap,
+                swap_mask,
+                result,
+            } => {
+                u.push(&raddr(remote))?;
+                match size {
+                    AtomicSize::B4 => u.push(&MaskedCs32Seg {
+                        swap: Be32::new(swap as u32),
+                        compare: Be32::new(compare as u32),
+                        swap_mask: Be32::new(swap_mask as u32),
+                        compare_mask: Be32::new(compare_mask as u32),
+                    })?,
+                    AtomicSize::B8 => u.push(&MaskedCs64Seg {
+                        swap: Be64::new(swap),
+                        compare: Be64::new(compare),
+                        swap_mask: Be64::new(swap_mask),
+                        compare_mask: Be64::new(compare_mask),
+                    })?,
+                }
+                u.push(&DataSeg::new(result))?;
+            }
+            Op::Wait { cqn, max_index } => u.push(&WaitSeg {
+                reserved: [0; 8],
+                max_index: Be32::new(max_index),
+                cqn: Be32::new(cqn),
+            })?,
+        }
+        let ds = (u.at / DS_UNIT) as u8;
+        let (opcode, opmod) = self.opcode();
+        let ctrl = CtrlSeg {
+            opmod_idx_opcode: Be32::new((opmod as u32) << 24 | (idx as u32) << 8 | opcode as u32),
+            qpn_ds: Be32::new(qpn << 8 | ds as u32),
+            signature: 0,
+            dci_stream_channel_id: Be16::new(0),
+            fm_ce_se: flags.fm_ce_se(),
+            imm: Be32::new(imm),
+        };
+        u.buf.bytes[..DS_UNIT].copy_from_slice(bytemuck::bytes_of(&ctrl));
+        u.buf.ds = ds;
+        Ok(u.buf)
+    }
+}
+
+/// Largest inline payload a WRITE can carry in one WQE (ctrl + raddr + inline header).
+pub const MAX_INLINE_WRITE: usize = (MAX_DS as usize - 2) * DS_UNIT - 4;
+/// Largest inline payload a SEND can carry in one WQE.
+pub const MAX_INLINE_SEND: usize = (MAX_DS as usize - 1) * DS_UNIT - 4;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sge(addr: u64, len: u32) -> Sge {
+        Sge {
+            addr,
+            len,
+            lkey: Lkey(0x1234),
+        }
+    }
+
+    #[test]
+    fn write_two_sges_layout() {
+        let sges = [sge(0x1000, 8), sge(0x2000, 16)];
+        let op = Op::Write {
+            remote: RemoteAddr {
+                addr: 0xdead_beef_0000,
+                rkey: Rkey(0x77),
+            },
+            local: Local::Sges(&sges),
+            imm: None,
+        };
+        let w = op.encode(17, 0x1a2, CtrlFlags::SIGNALED).unwrap();
+        assert_eq!(w.ds(), 4);
+        assert_eq!(w.blocks(), 1);
+        let b = w.as_bytes();
+        assert_eq!(&b[0..4], &[0, 0, 17, 0x08]);
+        assert_eq!(&b[4..8], &[0, 0x01, 0xa2, 4]);
+        assert_eq!(b[11], 0x08);
+        assert_eq!(&b[16..24], &0xdead_beef_0000u64.to_be_bytes());
+        assert_eq!(&b[24..28], &[0, 0, 0, 0x77]);
+        assert_eq!(&b[32..36], &8u32.to_be_bytes());
+        assert_eq!(&b[36..40], &0x1234u32.to_be_bytes());
+        assert_eq!(&b[48..52], &16u32.to_be_bytes());
+    }
+
+    #[test]
+    fn inline_sizes_and_padding() {
+        let data = [0xabu8; 13];
+        let op = Op::Send {
+            local: Local::Inline(&data),
+            imm: Some(5),
+        };
+        let w = op.encode(0, 1, CtrlFlags::default()).unwrap();
+        // ctrl 1 + align(4+13,16)/16 = 2
+        assert_eq!(w.ds(), 3);
+        let b = w.as_bytes();
+        assert_eq!(&b[16..20], &(13u32 | INLINE_SEG).to_be_bytes());
+        assert_eq!(&b[20..33], &data);
+        assert!(b[33..].iter().all(|&x| x == 0), "reserved bytes zero");
+        assert_eq!(&b[12..16], &5u32.to_be_bytes());
+        assert_eq!(b[11], 0);
+    }
+
+    #[test]
+    fn too_large_is_an_error() {
+        let big = [0u8; MAX_INLINE_WRITE + 1];
+        let op = Op::Write {
+            remote: RemoteAddr::default(),
+            local: Local::Inline(&big),
+            imm: None,
+        };
+        assert!(matches!(
+            op.encode(0, 1, CtrlFlags::default()),
+            Err(BuildError::TooLarge { .. })
+        ));
+        let ok = [0u8; MAX_INLINE_WRITE];
+        let op = Op::Write {
+            remote: RemoteAddr::default(),
+            local: Local::Inline(&ok),
+            imm: None,
+        };
+        assert_eq!(op.encode(0, 1, CtrlFlags::default()).unwrap().ds(), 63);
+        let sges = [sge(0, 1); 63];
+        let fits = Op::Send {
+            local: Local::Sges(&sges[..62]),
+            imm: None,
+        };
+        assert_eq!(fits.encode(0, 1, CtrlFlags::default()).unwrap().ds(), 63);
+        let op = Op::Send {
+            local: Local::Sges(&sges),
+            imm: None,
+        };
+        assert_eq!(
+            op.encode(0, 1, CtrlFlags::default()).unwrap_err(),
+            BuildError::TooLarge { ds: 64 }
+        );
+    }
+
+    #[test]
+    fn multi_block_wqe_wraps_in_ring() {
+        let sges = [sge(0x10, 4); 10]; // ds = 2 + 10 = 12 → 3 blocks
+        let op = Op::Write {
+            remote: RemoteAddr::default(),
+            local: Local::Sges(&sges),
+            imm: None,
+        };
+        let w = op.encode(0xffff, 5, CtrlFlags::default()).unwrap();
+        assert_eq!(w.blocks(), 3);
+        let mut ring = [0u8; 4 * WQEBB];
+        let next = w.copy_to_ring(&mut ring).unwrap();
+        assert_eq!(next, 2);
+        // first block at slot 3, then slots 0 and 1
+        assert_eq!(&ring[3 * 64..4 * 64], w.block(0));
+        assert_eq!(&ring[0..64], w.block(1));
+        assert_eq!(&ring[64..128], w.block(2));
+        assert!(ring[128..192].iter().all(|&x| x == 0));
+        assert!(w.copy_to_ring(&mut [0u8; 3 * WQEBB]).is_err());
+    }
+
+    #[test]
+    fn flags_round_trip() {
+        for signaled in [false, true] {
+            for solicited in [false, true] {
+                for fence in [Fence::None, Fence::Small, Fence::Strong] {
+                    let f = CtrlFlags {
+                        signaled,
+                        solicited,
+                        fence,
+                    };
+                    assert_eq!(CtrlFlags::from_fm_ce_se(f.fm_ce_se()), f);
+                }
+            }
+        }
+    }
+}
