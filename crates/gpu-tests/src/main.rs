@@ -1,1 +1,204 @@
-fn main() {}
+//! `gpu-test`: the GPU test suite, run on the GPU machine (which has no cargo: `cargo xtask gpu-test`
+//! builds this binary and prints how to run it there).
+//!
+//! Output: one line per case, `PASS name (details)` or `FAIL name: error`, then exactly one summary
+//! line `gpu-test: N passed, M failed`, then one line naming the GPU, driver and date. The exit status
+//! is non-zero when a case failed or no GPU is present.
+//!
+//! Usage: `gpu-test [--list] [--ordinal N] [NAME...]` (names select cases; default: all).
+
+use std::panic::{self, AssertUnwindSafe};
+use std::process::ExitCode;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use gpuverbs::cuda;
+
+/// Per-run settings every case gets.
+struct Ctx {
+    ordinal: usize,
+}
+
+/// A named GPU test case; `Ok` carries the details printed after `PASS name`.
+struct Case {
+    name: &'static str,
+    run: fn(&Ctx) -> Result<String>,
+}
+
+const CASES: &[Case] = &[Case {
+    name: "pipeline",
+    run: pipeline,
+}];
+
+/// The embedded kernels load on this GPU, launch, and write exactly what the host expects.
+fn pipeline(ctx: &Ctx) -> Result<String> {
+    let report = cuda::pipeline_check(ctx.ordinal)?;
+    Ok(report.to_string())
+}
+
+struct Args {
+    list: bool,
+    ordinal: usize,
+    names: Vec<String>,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        list: false,
+        ordinal: 0,
+        names: Vec::new(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--list" => args.list = true,
+            "--ordinal" => {
+                let v = it.next().context("--ordinal needs a value")?;
+                args.ordinal = v.parse().with_context(|| format!("bad --ordinal {v:?}"))?;
+            }
+            "-h" | "--help" => {
+                println!("usage: gpu-test [--list] [--ordinal N] [NAME...]");
+                std::process::exit(0);
+            }
+            s if s.starts_with('-') => bail!("unknown option {s:?} (try --help)"),
+            _ => args.names.push(arg),
+        }
+    }
+    for name in &args.names {
+        if !CASES.iter().any(|c| c.name == name) {
+            let known: Vec<_> = CASES.iter().map(|c| c.name).collect();
+            bail!("unknown case {name:?}; cases: {}", known.join(", "));
+        }
+    }
+    Ok(args)
+}
+
+/// Runs one case, turning a panic into a failure.
+fn run_case(case: &Case, ctx: &Ctx) -> Result<String> {
+    match panic::catch_unwind(AssertUnwindSafe(|| (case.run)(ctx))) {
+        Ok(result) => result,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".into());
+            bail!("panicked: {msg}")
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("gpu-test: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    if args.list {
+        for c in CASES {
+            println!("{}", c.name);
+        }
+        return ExitCode::SUCCESS;
+    }
+
+    let ctx = Ctx {
+        ordinal: args.ordinal,
+    };
+    let selected = CASES
+        .iter()
+        .filter(|c| args.names.is_empty() || args.names.iter().any(|n| n == c.name));
+
+    let (mut passed, mut failed) = (0usize, 0usize);
+    for case in selected {
+        let start = Instant::now();
+        match run_case(case, &ctx) {
+            Ok(details) => {
+                passed += 1;
+                println!("PASS {} ({details}; {:.1?})", case.name, start.elapsed());
+            }
+            Err(e) => {
+                failed += 1;
+                println!("FAIL {}: {e:#}", case.name);
+            }
+        }
+    }
+
+    // The GPU line: also decides whether a GPU is present at all.
+    let gpu = cuda::device_info(args.ordinal);
+    println!("gpu-test: {passed} passed, {failed} failed");
+    match &gpu {
+        Ok(info) => println!("gpu: {info}; date {}", utc_now()),
+        Err(e) => println!("gpu: none ({e}); date {}", utc_now()),
+    }
+
+    if failed == 0 && gpu.is_ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ` (no date crate needed).
+fn utc_now() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days as i64);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian (year, month, day) (Howard Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+        assert_eq!(civil_from_days(20_454), (2026, 1, 1));
+        assert_eq!(civil_from_days(-1), (1969, 12, 31));
+    }
+
+    #[test]
+    fn case_names_are_unique() {
+        let mut names: Vec<_> = CASES.iter().map(|c| c.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), CASES.len());
+    }
+
+    #[test]
+    fn panicking_case_is_a_failure() {
+        fn boom(_: &Ctx) -> Result<String> {
+            panic!("boom")
+        }
+        let case = Case {
+            name: "boom",
+            run: boom,
+        };
+        let err = run_case(&case, &Ctx { ordinal: 0 }).unwrap_err();
+        assert!(err.to_string().contains("boom"));
+    }
+}
