@@ -41,7 +41,7 @@ impl CqeOpcode {
 }
 
 /// Error CQE syndromes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(u8)]
 pub enum Syndrome {
     /// Local length error.
