@@ -1,0 +1,96 @@
+//! Device counters: what the engine did, queryable at any time.
+
+use prm::Syndrome;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Live counters of one device.
+pub struct Counters {
+    pub(crate) wqes: AtomicU64,
+    pub(crate) bytes: AtomicU64,
+    pub(crate) cqes: AtomicU64,
+    pub(crate) doorbells: AtomicU64,
+    pub(crate) doorbells_dropped: AtomicU64,
+    pub(crate) bad_doorbells: AtomicU64,
+    pub(crate) stale_wqes: AtomicU64,
+    pub(crate) cq_overruns: AtomicU64,
+    errors: [AtomicU64; 64],
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self {
+            wqes: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            cqes: AtomicU64::new(0),
+            doorbells: AtomicU64::new(0),
+            doorbells_dropped: AtomicU64::new(0),
+            bad_doorbells: AtomicU64::new(0),
+            stale_wqes: AtomicU64::new(0),
+            cq_overruns: AtomicU64::new(0),
+            errors: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+impl Counters {
+    pub(crate) fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Relaxed);
+    }
+
+    pub(crate) fn error(&self, s: Syndrome) {
+        self.errors[s as usize & 63].fetch_add(1, Relaxed);
+    }
+
+    /// A consistent-enough copy of every counter.
+    pub fn snapshot(&self) -> CounterSnapshot {
+        let errors = Syndrome::ALL
+            .into_iter()
+            .filter_map(|s| {
+                let n = self.errors[s as usize & 63].load(Relaxed);
+                (n > 0).then_some((s, n))
+            })
+            .collect();
+        CounterSnapshot {
+            wqes_executed: self.wqes.load(Relaxed),
+            bytes_moved: self.bytes.load(Relaxed),
+            cqes_written: self.cqes.load(Relaxed),
+            doorbells_seen: self.doorbells.load(Relaxed),
+            doorbells_dropped: self.doorbells_dropped.load(Relaxed),
+            bad_doorbells: self.bad_doorbells.load(Relaxed),
+            stale_wqes: self.stale_wqes.load(Relaxed),
+            cq_overruns: self.cq_overruns.load(Relaxed),
+            errors,
+        }
+    }
+}
+
+/// A copy of a device's counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CounterSnapshot {
+    /// WQEs executed successfully.
+    pub wqes_executed: u64,
+    /// Payload bytes moved (writes, reads, sends, atomics).
+    pub bytes_moved: u64,
+    /// CQEs written (requester and responder, errors included).
+    pub cqes_written: u64,
+    /// Doorbell writes noticed.
+    pub doorbells_seen: u64,
+    /// Doorbells ignored by fault injection.
+    pub doorbells_dropped: u64,
+    /// Doorbells refused (wrong QPN, producer behind or too far ahead).
+    pub bad_doorbells: u64,
+    /// WQEs whose control-segment index did not match their ring position.
+    pub stale_wqes: u64,
+    /// CQ overruns.
+    pub cq_overruns: u64,
+    /// Error CQEs by syndrome (WR_FLUSH included).
+    pub errors: BTreeMap<Syndrome, u64>,
+}
+
+impl CounterSnapshot {
+    /// Error CQEs with syndrome `s`.
+    pub fn errors_of(&self, s: Syndrome) -> u64 {
+        self.errors.get(&s).copied().unwrap_or(0)
+    }
+}

@@ -1,0 +1,301 @@
+//! Completion queues: a ring of 64-byte CQEs with per-lap owner bits, written the way a ConnectX
+//! writes them (bytes 0..60, then the last 4 bytes released with one store).
+
+use crate::buffer::DmaBuf;
+use prm::cqe::{owner_bit, Cqe64, CQE_TAIL_OFFSET, OP_OWN_INVALID, OP_OWN_INVALID_OWNED};
+use prm::CQE_SIZE;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// How the device treats the consumer index.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CqMode {
+    /// The device never reads the consumer index (what GPU stacks use).
+    #[default]
+    OverrunIgnore,
+    /// The device reads the consumer index from the CQ doorbell record; a CQE that would
+    /// overwrite an entry not yet consumed puts the CQ in error (CQ overrun).
+    OverrunDetect,
+    /// Every CQE lands in slot 0 (the newest completion overwrites the last).
+    Collapsed,
+}
+
+/// The byte a fresh ring is filled with at `op_own`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CqInit {
+    /// `0xF0`, as the mlx5 provider initialises.
+    #[default]
+    Invalid,
+    /// `0xF1`, as DOCA pre-fills.
+    InvalidOwned,
+}
+
+/// Parameters of a new CQ.
+#[derive(Debug, Default)]
+pub struct CqConfig {
+    /// Number of CQEs (power of two).
+    pub ncqe: u32,
+    /// Consumer-index mode.
+    pub mode: CqMode,
+    /// Initial `op_own`.
+    pub init: CqInit,
+    /// Ring memory (at least `ncqe * 64` bytes); allocated in host memory when `None`.
+    pub ring: Option<DmaBuf>,
+}
+
+/// Why a CQE could not be written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CqError {
+    /// The consumer fell a whole ring behind (overrun-detect mode); the CQ is in error.
+    #[error("CQ {0:#x} overrun")]
+    Overrun(u32),
+}
+
+struct CqState {
+    /// CQEs produced so far (the producer index).
+    pi: u32,
+    overrun: bool,
+    delayed: VecDeque<(Instant, Cqe64)>,
+}
+
+/// A completion queue.
+pub struct Cq {
+    cqn: u32,
+    ncqe: u32,
+    mode: CqMode,
+    ring: DmaBuf,
+    dbrec: DmaBuf,
+    state: Mutex<CqState>,
+    produced: AtomicU32,
+}
+
+impl Cq {
+    pub(crate) fn new(cqn: u32, cfg: CqConfig) -> Result<Self, crate::Error> {
+        if cfg.ncqe == 0 || !cfg.ncqe.is_power_of_two() || cfg.ncqe > 1 << 22 {
+            return Err(crate::Error::InvalidArgument(
+                "CQ size must be a power of two ≤ 2^22",
+            ));
+        }
+        let bytes = cfg.ncqe as usize * CQE_SIZE;
+        let ring = match cfg.ring {
+            Some(r) if r.len() < bytes => {
+                return Err(crate::Error::InvalidArgument(
+                    "CQ ring memory smaller than ncqe * 64",
+                ))
+            }
+            Some(r) => r,
+            None => DmaBuf::alloc(bytes),
+        };
+        let fill = match cfg.init {
+            CqInit::Invalid => OP_OWN_INVALID,
+            CqInit::InvalidOwned => OP_OWN_INVALID_OWNED,
+        };
+        for i in 0..cfg.ncqe as usize {
+            ring.write(i * CQE_SIZE, bytemuck::bytes_of(&Cqe64::invalid(fill)));
+        }
+        Ok(Self {
+            cqn,
+            ncqe: cfg.ncqe,
+            mode: cfg.mode,
+            ring,
+            dbrec: DmaBuf::alloc(64),
+            state: Mutex::new(CqState {
+                pi: 0,
+                overrun: false,
+                delayed: VecDeque::new(),
+            }),
+            produced: AtomicU32::new(0),
+        })
+    }
+
+    /// CQ number.
+    pub fn cqn(&self) -> u32 {
+        self.cqn
+    }
+    /// Number of entries.
+    pub fn ncqe(&self) -> u32 {
+        self.ncqe
+    }
+    /// Consumer-index mode.
+    pub fn mode(&self) -> CqMode {
+        self.mode
+    }
+    /// The ring.
+    pub fn ring(&self) -> &DmaBuf {
+        &self.ring
+    }
+    /// The CQ doorbell record (word 0: consumer index, word 1: arm).
+    pub fn dbrec(&self) -> &DmaBuf {
+        &self.dbrec
+    }
+    /// CQEs written so far.
+    pub fn produced(&self) -> u32 {
+        self.produced.load(Ordering::Acquire)
+    }
+    /// Whether the CQ is in error after an overrun.
+    pub fn is_overrun(&self) -> bool {
+        self.lock().overrun
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, CqState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Writes a CQE now, or at `due` when completions are being delayed.
+    pub(crate) fn push(&self, cqe: Cqe64, due: Option<Instant>) -> Result<(), CqError> {
+        let mut st = self.lock();
+        match due {
+            Some(t) => {
+                st.delayed.push_back((t, cqe));
+                Ok(())
+            }
+            None if !st.delayed.is_empty() => {
+                // keep completion order behind delayed entries
+                st.delayed.push_back((Instant::now(), cqe));
+                Ok(())
+            }
+            None => self.write_locked(&mut st, cqe),
+        }
+    }
+
+    /// Writes delayed CQEs whose time has come. Returns whether any remain.
+    pub(crate) fn flush_due(&self, now: Instant) -> Result<bool, CqError> {
+        let mut st = self.lock();
+        while let Some(&(t, cqe)) = st.delayed.front() {
+            if t > now {
+                return Ok(true);
+            }
+            st.delayed.pop_front();
+            self.write_locked(&mut st, cqe)?;
+        }
+        Ok(false)
+    }
+
+    fn write_locked(&self, st: &mut CqState, mut cqe: Cqe64) -> Result<(), CqError> {
+        if st.overrun {
+            return Err(CqError::Overrun(self.cqn));
+        }
+        if self.mode == CqMode::OverrunDetect {
+            let ci = self.dbrec.atomic_u32(0).load(Ordering::Acquire);
+            let ci = u32::from_be(ci) & 0xff_ffff;
+            if st.pi.wrapping_sub(ci) & 0xff_ffff >= self.ncqe {
+                st.overrun = true;
+                return Err(CqError::Overrun(self.cqn));
+            }
+        }
+        let slot = match self.mode {
+            CqMode::Collapsed => 0,
+            _ => st.pi & (self.ncqe - 1),
+        } as usize;
+        cqe.op_own = (cqe.op_own & !1) | owner_bit(st.pi, self.ncqe);
+        let (head, tail) = cqe.split_for_release();
+        let off = slot * CQE_SIZE;
+        self.ring.write(off, &head);
+        self.ring
+            .atomic_u32(off + CQE_TAIL_OFFSET)
+            .store(tail, Ordering::Release);
+        st.pi = st.pi.wrapping_add(1);
+        self.produced.store(st.pi, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Cq {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cq")
+            .field("cqn", &self.cqn)
+            .field("ncqe", &self.ncqe)
+            .field("mode", &self.mode)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prm::cqe::sw_owns;
+
+    fn read(cq: &Cq, slot: usize) -> Cqe64 {
+        let mut b = [0u8; 64];
+        cq.ring().read(slot * 64, &mut b);
+        bytemuck::cast(b)
+    }
+
+    #[test]
+    fn owner_bit_flips_per_lap_and_init_fill() {
+        for (init, byte) in [(CqInit::Invalid, 0xf0), (CqInit::InvalidOwned, 0xf1)] {
+            let cq = Cq::new(
+                1,
+                CqConfig {
+                    ncqe: 4,
+                    init,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            assert_eq!(read(&cq, 3).op_own, byte);
+            assert!(!sw_owns(read(&cq, 0).op_own, 0, 4));
+            for i in 0..10u32 {
+                cq.push(Cqe64::requester(8, 1, i as u16, 0, 0), None)
+                    .unwrap();
+                let c = read(&cq, (i % 4) as usize);
+                assert!(sw_owns(c.op_own, i, 4), "cqe {i}");
+                assert_eq!(c.wqe_counter.get(), i as u16);
+            }
+        }
+    }
+
+    #[test]
+    fn overrun_detect_and_collapsed() {
+        let cq = Cq::new(
+            2,
+            CqConfig {
+                ncqe: 2,
+                mode: CqMode::OverrunDetect,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        cq.push(Cqe64::requester(8, 1, 0, 0, 0), None).unwrap();
+        cq.push(Cqe64::requester(8, 1, 1, 0, 0), None).unwrap();
+        assert_eq!(
+            cq.push(Cqe64::requester(8, 1, 2, 0, 0), None),
+            Err(CqError::Overrun(2))
+        );
+        assert!(cq.is_overrun());
+
+        let cq = Cq::new(
+            3,
+            CqConfig {
+                ncqe: 2,
+                mode: CqMode::OverrunDetect,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        for i in 0..6u32 {
+            cq.push(Cqe64::requester(8, 1, i as u16, 0, 0), None)
+                .unwrap();
+            cq.dbrec()
+                .atomic_u32(0)
+                .store((i + 1).to_be(), Ordering::Release);
+        }
+
+        let cq = Cq::new(
+            4,
+            CqConfig {
+                ncqe: 1,
+                mode: CqMode::Collapsed,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        for i in 0..5u16 {
+            cq.push(Cqe64::requester(8, 1, i, 0, 0), None).unwrap();
+            assert_eq!(read(&cq, 0).wqe_counter.get(), i);
+        }
+        assert_eq!(cq.produced(), 5);
+    }
+}

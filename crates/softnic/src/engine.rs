@@ -1,0 +1,832 @@
+//! The engine: one thread per device that notices doorbells, reads WQEs from the SQ ring (or a
+//! BlueFlame register) as a ConnectX would, checks them, executes them against registered
+//! memory, and writes CQEs.
+//!
+//! Requester and responder sides are split so a wire transport can sit between them later: the
+//! requester turns a WQE into a [`Request`] on the peer QP ([`respond`]) and maps the peer's
+//! answer (data, ACK, NAK) to its own completion. Today the peer is a QP of a device in this
+//! process and [`respond`] is a function call.
+
+use crate::counters::Counters;
+use crate::device::{lookup, Shared};
+use crate::mem::{copy_ranges, Access, AccessError, HostRange, MrGuard};
+use crate::qp::{DoorbellKind, Qp, QpState, SqState, Stall};
+use prm::cqe::{Cqe64, ErrorCqe, RespKind};
+use prm::doorbell::{DoorbellValue, BF_HALF_SIZE, BF_OFFSET};
+use prm::parse::{parse_wqe, sge_of, AtomicKind, ParsedLocal, ParsedOp};
+use prm::wqe::{blocks_for_ds, CtrlSeg, DataSeg};
+use prm::{Syndrome, DS_UNIT, MAX_WQE_BBS, WQEBB};
+use smallvec::SmallVec;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Vendor syndromes the soft NIC puts in byte 54 of its error CQEs, so a test (or a person)
+/// can tell apart causes that share a syndrome.
+pub mod vendor {
+    /// The WQE failed the format check (opcode, opmod, ds, inline or atomic length).
+    pub const MALFORMED_WQE: u8 = 0x81;
+    /// The WQE's control-segment index is not its ring position (stale or half-written WQE:
+    /// the initiator published out of order).
+    pub const STALE_WQE: u8 = 0x82;
+    /// The QPN in the WQE's control segment is not this QP's.
+    pub const WQE_QPN: u8 = 0x83;
+    /// The QPN in the doorbell value is not this QP's.
+    pub const DOORBELL_QPN: u8 = 0x84;
+    /// The doorbell producer index is behind the device's consumer index.
+    pub const DOORBELL_BEHIND: u8 = 0x85;
+    /// The doorbell producer index is more than a ring ahead of the consumer index.
+    pub const DOORBELL_AHEAD: u8 = 0x86;
+    /// The WQE extends past the producer index, or a BlueFlame WQE past its register.
+    pub const WQE_PAST_PRODUCER: u8 = 0x87;
+    /// Fault injection.
+    pub const INJECTED: u8 = 0x88;
+    /// Local key, PD, range or right.
+    pub const LOCAL_KEY: u8 = 0x89;
+    /// Remote key, PD, range or right (or QP access flags).
+    pub const REMOTE_KEY: u8 = 0x8a;
+    /// Receive buffer too small, or its key refused.
+    pub const RECV_BUFFER: u8 = 0x8b;
+    /// No peer answered (absent device or QP, or peer not ready).
+    pub const NO_PEER: u8 = 0x8c;
+    /// Receiver not ready (no receive WQE posted).
+    pub const RNR: u8 = 0x8d;
+    /// Misaligned atomic or a WAIT on an unknown CQ.
+    pub const INVALID_REQUEST: u8 = 0x8e;
+    /// Message longer than the device's maximum.
+    pub const TOO_LONG: u8 = 0x8f;
+    /// The CQ the completion went to overran.
+    pub const CQ_OVERRUN: u8 = 0x90;
+}
+
+/// Largest message (bytes), as ConnectX's `max_msg_sz`.
+pub const MAX_MSG: u64 = 1 << 30;
+
+/// Spins of an idle engine before it starts to sleep.
+const IDLE_SPINS: u32 = 4096;
+/// Longest sleep of an idle engine; a GPU doorbell (which cannot wake the thread) waits at
+/// most this long to be noticed.
+const MAX_PARK: Duration = Duration::from_micros(500);
+/// WQEs one QP runs before the engine looks at the next.
+const BUDGET: u32 = 64;
+
+pub(crate) fn run(dev: Arc<Shared>) {
+    let mut generation = u64::MAX;
+    let (mut qps, mut cqs) = (Vec::new(), Vec::new());
+    let mut idle = 0u32;
+    let mut park = Duration::from_micros(10);
+    while !dev.shutdown.load(Ordering::Acquire) {
+        let g = dev.generation.load(Ordering::Acquire);
+        if g != generation {
+            (qps, cqs) = dev.snapshot();
+            generation = g;
+        }
+        let mut work = false;
+        let mut timed = false;
+        for qp in &qps {
+            let (w, t) = service(&dev, qp);
+            work |= w;
+            timed |= t;
+        }
+        let now = Instant::now();
+        for cq in &cqs {
+            timed |= cq.flush_due(now).unwrap_or_else(|_| {
+                Counters::add(&dev.counters.cq_overruns, 1);
+                false
+            });
+        }
+        if work {
+            idle = 0;
+            park = Duration::from_micros(10);
+        } else {
+            idle = idle.saturating_add(1);
+            if idle < IDLE_SPINS {
+                std::hint::spin_loop();
+            } else {
+                let limit = if timed {
+                    Duration::from_micros(20)
+                } else {
+                    MAX_PARK
+                };
+                std::thread::park_timeout(park.min(limit));
+                park = (park * 2).min(MAX_PARK);
+            }
+        }
+    }
+}
+
+/// Runs one QP: doorbells, then up to [`BUDGET`] WQEs. Returns (did work, waits on time).
+fn service(dev: &Shared, qp: &Arc<Qp>) -> (bool, bool) {
+    let state = qp.state();
+    if state == QpState::Err {
+        flush_rq(dev, qp);
+    }
+    if !matches!(state, QpState::Rts | QpState::Err) {
+        return (false, false);
+    }
+    let mut sq = qp.lock_sq();
+    let mut work = false;
+    for h in 0..2 {
+        let v = qp.half_word(h);
+        if v != sq.last_half[h] {
+            sq.last_half[h] = v;
+            work = true;
+            doorbell(dev, qp, &mut sq, h, v);
+        }
+    }
+    let mut budget = BUDGET;
+    while sq.ci != sq.target && budget > 0 {
+        if let Some(stall) = sq.stall {
+            let over = match stall {
+                Stall::Until(t) => Instant::now() >= t,
+                Stall::Wait { cqn, max_index } => dev
+                    .cq(cqn)
+                    .is_none_or(|cq| cq.produced().wrapping_sub(max_index) as i32 >= 0),
+            };
+            if !over && qp.state() != QpState::Err {
+                return (work, true);
+            }
+            sq.stall = None;
+        }
+        budget -= 1;
+        work = true;
+        step(dev, qp, &mut sq);
+    }
+    (work, sq.stall.is_some())
+}
+
+/// Handles a new value in BlueFlame half `h`.
+fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
+    Counters::add(&dev.counters.doorbells, 1);
+    if sq.drop_doorbells > 0 {
+        sq.drop_doorbells -= 1;
+        Counters::add(&dev.counters.doorbells_dropped, 1);
+        return;
+    }
+    let dv = DoorbellValue::from_u64(v);
+    if dv.qpn() != qp.qpn {
+        Counters::add(&dev.counters.bad_doorbells, 1);
+        fail(dev, qp, sq, 0, Syndrome::LocalQpOp, vendor::DOORBELL_QPN);
+        return;
+    }
+    let from_value = match dv.ds() {
+        0 => dv.index(),
+        ds => dv.index().wrapping_add(blocks_for_ds(ds & 0x3f) as u16),
+    };
+    let rec = u32::from_be(
+        qp.ctrl
+            .atomic_u32(crate::qp::DBREC_OFF + 4)
+            .load(Ordering::Acquire),
+    ) as u16;
+    let ahead = |pi: u16| pi.wrapping_sub(sq.ci);
+    let fits = |d: u16| d as u32 <= qp.sq_blocks;
+    let best = [from_value, rec]
+        .into_iter()
+        .filter(|&pi| fits(ahead(pi)))
+        .max_by_key(|&pi| ahead(pi));
+    let Some(pi) = best else {
+        Counters::add(&dev.counters.bad_doorbells, 1);
+        let why = if ahead(from_value) > 0x8000 {
+            vendor::DOORBELL_BEHIND
+        } else {
+            vendor::DOORBELL_AHEAD
+        };
+        fail(dev, qp, sq, 0, Syndrome::LocalQpOp, why);
+        return;
+    };
+    if ahead(pi) > ahead(sq.target) {
+        sq.target = pi;
+    }
+    if qp.doorbell == DoorbellKind::BlueFlame && dv.ds() != 0 {
+        let mut copy = [0u8; BF_HALF_SIZE];
+        qp.uar.read(BF_OFFSET + h * BF_HALF_SIZE, &mut copy);
+        // the first 8 bytes are the ones we saw change (released last by the writer)
+        copy[..8].copy_from_slice(&v.to_ne_bytes());
+        sq.bf = Some((dv.index(), copy));
+    }
+}
+
+/// Reads, checks and runs the WQE at the consumer index.
+fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
+    let idx = sq.ci;
+    let mut buf = [0u8; MAX_WQE_BBS * WQEBB];
+    let from_bf = matches!(sq.bf, Some((i, _)) if i == idx);
+    let mask = qp.sq_blocks as usize - 1;
+    if let (true, Some((_, copy))) = (from_bf, &sq.bf) {
+        buf[..BF_HALF_SIZE].copy_from_slice(copy);
+    } else {
+        qp.sq_ring
+            .read((idx as usize & mask) * WQEBB, &mut buf[..WQEBB]);
+    }
+    let ctrl: CtrlSeg = bytemuck::pod_read_unaligned(&buf[..DS_UNIT]);
+    let blocks = blocks_for_ds(ctrl.ds().max(1));
+    if !from_bf {
+        for i in 1..blocks.min(qp.sq_blocks as usize) {
+            let slot = (idx as usize + i) & mask;
+            qp.sq_ring
+                .read(slot * WQEBB, &mut buf[i * WQEBB..(i + 1) * WQEBB]);
+        }
+    }
+    let opcode = ctrl.opcode();
+    let advance = |sq: &mut SqState| {
+        sq.ci = sq.ci.wrapping_add(blocks as u16);
+        if from_bf {
+            sq.bf = None;
+        }
+    };
+    if qp.state() == QpState::Err {
+        flush_wqe(dev, qp, sq, opcode, idx);
+        advance(sq);
+        return;
+    }
+    let past_producer = blocks > sq.target.wrapping_sub(idx) as usize
+        || blocks > qp.sq_blocks as usize
+        || (from_bf && blocks * WQEBB > BF_HALF_SIZE);
+    let check = if ctrl.wqe_index() != idx {
+        Counters::add(&dev.counters.stale_wqes, 1);
+        Err((Syndrome::LocalQpOp, vendor::STALE_WQE))
+    } else if past_producer {
+        Err((Syndrome::LocalQpOp, vendor::WQE_PAST_PRODUCER))
+    } else if ctrl.qpn() != qp.qpn {
+        Err((Syndrome::LocalQpOp, vendor::WQE_QPN))
+    } else if let Some((n, syndrome)) = sq.fail_next {
+        sq.fail_next = (n > 1).then_some((n - 1, syndrome));
+        Err((syndrome, vendor::INJECTED))
+    } else {
+        Ok(())
+    };
+    let outcome = check.and_then(|()| {
+        let wqe =
+            parse_wqe(&buf[..blocks * WQEBB]).map_err(|e| (e.syndrome(), vendor::MALFORMED_WQE))?;
+        execute(dev, qp, sq, &wqe).map(|r| (r, wqe.flags.signaled))
+    });
+    match outcome {
+        Ok((Done::Complete(byte_cnt), signaled)) => {
+            Counters::add(&dev.counters.wqes, 1);
+            sq.rnr_attempts = 0;
+            sq.retry_deadline = None;
+            if signaled {
+                let cqe = Cqe64::requester(opcode, qp.qpn, idx, byte_cnt, 0);
+                push_cqe(dev, qp, sq, &qp.send_cq, cqe);
+            }
+            advance(sq);
+        }
+        Ok((Done::Stalled(stall), _)) => sq.stall = Some(stall),
+        Err((syndrome, why)) => {
+            fail(dev, qp, sq, opcode, syndrome, why);
+            advance(sq);
+        }
+    }
+}
+
+/// Writes a CQE to `cq` on behalf of `qp` (delayed when fault injection asks).
+fn push_cqe(dev: &Shared, qp: &Qp, sq: &SqState, cq: &crate::cq::Cq, cqe: Cqe64) {
+    let due = sq.delay.map(|d| Instant::now() + d);
+    match cq.push(cqe, due) {
+        Ok(()) => Counters::add(&dev.counters.cqes, 1),
+        Err(_) => {
+            Counters::add(&dev.counters.cq_overruns, 1);
+            qp.set_state(QpState::Err);
+        }
+    }
+}
+
+/// Completes the WQE at the consumer index with an error CQE and moves the QP to ERR.
+fn fail(dev: &Shared, qp: &Qp, sq: &SqState, opcode: u8, syndrome: Syndrome, why: u8) {
+    dev.counters.error(syndrome);
+    tracing::debug!(
+        qpn = qp.qpn,
+        ?syndrome,
+        vendor = why,
+        wqe = sq.ci,
+        "WQE failed"
+    );
+    let e = ErrorCqe {
+        responder: false,
+        syndrome: syndrome as u8,
+        vendor_syndrome: why,
+        wqe_opcode: opcode,
+        qpn: qp.qpn,
+        wqe_counter: sq.ci,
+    };
+    qp.set_state(QpState::Err);
+    push_cqe(dev, qp, sq, &qp.send_cq, Cqe64::error(&e, 0));
+}
+
+fn flush_wqe(dev: &Shared, qp: &Qp, sq: &SqState, opcode: u8, idx: u16) {
+    dev.counters.error(Syndrome::WrFlush);
+    let e = ErrorCqe {
+        responder: false,
+        syndrome: Syndrome::WrFlush as u8,
+        vendor_syndrome: 0,
+        wqe_opcode: opcode,
+        qpn: qp.qpn,
+        wqe_counter: idx,
+    };
+    push_cqe(dev, qp, sq, &qp.send_cq, Cqe64::error(&e, 0));
+}
+
+/// Completes every posted receive of a QP in ERR with WR_FLUSH.
+fn flush_rq(dev: &Shared, qp: &Qp) {
+    if qp.rq_wqes == 0 {
+        return;
+    }
+    let mut rq = qp.lock_rq();
+    let head = rq_head(qp);
+    while (rq.ci as u16) != head && head.wrapping_sub(rq.ci as u16) as u32 <= qp.rq_wqes {
+        dev.counters.error(Syndrome::WrFlush);
+        let e = ErrorCqe {
+            responder: true,
+            syndrome: Syndrome::WrFlush as u8,
+            vendor_syndrome: 0,
+            wqe_opcode: 0,
+            qpn: qp.qpn,
+            wqe_counter: rq.ci as u16,
+        };
+        if qp.recv_cq.push(Cqe64::error(&e, 0), None).is_ok() {
+            Counters::add(&dev.counters.cqes, 1);
+        }
+        rq.ci = rq.ci.wrapping_add(1);
+    }
+}
+
+fn rq_head(qp: &Qp) -> u16 {
+    u32::from_be(
+        qp.ctrl
+            .atomic_u32(crate::qp::DBREC_OFF)
+            .load(Ordering::Acquire),
+    ) as u16
+}
+
+/// How a WQE ended when it did not fail.
+enum Done {
+    /// Completed; the byte count for the CQE.
+    Complete(u32),
+    /// Must run again later (RNR back-off, transport retry, WAIT).
+    Stalled(Stall),
+}
+
+type Fail = (Syndrome, u8);
+
+fn local_err(_: AccessError) -> Fail {
+    (Syndrome::LocalProt, vendor::LOCAL_KEY)
+}
+
+/// Checked local ranges of a gather/scatter list.
+fn local_ranges(
+    g: &MrGuard<'_>,
+    qp: &Qp,
+    need: Access,
+    list: &[DataSeg],
+) -> Result<SmallVec<[HostRange; 4]>, Fail> {
+    list.iter()
+        .map(|d| {
+            let s = sge_of(d);
+            g.check(qp.pd, need, s.lkey.0, s.addr, s.len as u64)
+                .map_err(local_err)
+        })
+        .collect()
+}
+
+fn total(r: &[HostRange]) -> u64 {
+    r.iter().map(|r| r.len).sum()
+}
+
+/// Finds the connected peer QP, or decides how long to keep retrying.
+fn peer(sq: &mut SqState) -> Result<Result<Arc<Qp>, Stall>, Fail> {
+    let cached = sq.peer.as_ref().and_then(|w| w.upgrade());
+    let found = cached.or_else(|| {
+        let (gid, qpn) = sq.remote?;
+        let p = lookup(&gid)?.qp(qpn)?;
+        sq.peer = Some(Arc::downgrade(&p));
+        Some(p)
+    });
+    match found {
+        Some(p) if matches!(p.state(), QpState::Rtr | QpState::Rts) => Ok(Ok(p)),
+        _ => {
+            // No answer: the transport timer runs retry_cnt + 1 times, then the QP fails.
+            let now = Instant::now();
+            let rts = sq.rts;
+            let deadline = *sq.retry_deadline.get_or_insert_with(|| {
+                if rts.timeout == 0 {
+                    now + Duration::from_secs(u64::MAX / 4)
+                } else {
+                    let one = Duration::from_nanos(4096u64 << rts.timeout.min(31));
+                    now + one * (rts.retry_cnt as u32 + 1)
+                }
+            });
+            if now >= deadline {
+                Err((Syndrome::TransportRetryExc, vendor::NO_PEER))
+            } else {
+                Ok(Err(Stall::Until(
+                    deadline.min(now + Duration::from_millis(1)),
+                )))
+            }
+        }
+    }
+}
+
+/// The IBTA RNR NAK timer table (encoding → microseconds).
+fn rnr_delay(code: u8) -> Duration {
+    const US: [u32; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840,
+        5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
+        245_760, 327_680, 491_520,
+    ];
+    Duration::from_micros(US[code as usize & 31] as u64)
+}
+
+/// What a request asks of the responder.
+pub(crate) enum Request<'a> {
+    Write {
+        raddr: u64,
+        rkey: u32,
+        src: &'a [HostRange],
+        len: u64,
+        imm: Option<u32>,
+    },
+    Send {
+        src: &'a [HostRange],
+        len: u64,
+        imm: Option<u32>,
+    },
+    Read {
+        raddr: u64,
+        rkey: u32,
+        dst: &'a [HostRange],
+        len: u64,
+    },
+    Atomic {
+        raddr: u64,
+        rkey: u32,
+        kind: AtomicKind,
+    },
+}
+
+/// The responder's answer, as it would travel back in an ACK/NAK.
+pub(crate) enum Response {
+    Ack,
+    /// The original value of an atomic.
+    AtomicAck(u64),
+    /// Receiver not ready, retry after this RNR timer code.
+    Rnr(u8),
+    /// NAK: the requester completes with this syndrome.
+    Nak(Syndrome, u8),
+}
+
+/// Executes a request at the responder `peer`, from requester QPN `from`.
+pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>) -> Response {
+    let peer_dev_counters = &peer.counters;
+    let mut rq = peer.lock_rq();
+    let access = rq.access;
+    let g = peer.mrs.read();
+    let remote = |need: Access, raddr: u64, rkey: u32, len: u64| {
+        if !access.contains(need) {
+            return Err(Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY));
+        }
+        g.check(peer.pd, need, rkey, raddr, len)
+            .map_err(|_| Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY))
+    };
+    // Error classes that put the responder in ERR (as an RC responder does on NAK-invalid
+    // request, remote access and remote operational errors).
+    let fatal = |r: Response| {
+        if matches!(r, Response::Nak(..)) {
+            peer.set_state(QpState::Err);
+        }
+        r
+    };
+    let needs_recv = matches!(
+        req,
+        Request::Send { .. } | Request::Write { imm: Some(_), .. }
+    );
+    let head = rq_head(peer);
+    if needs_recv && (peer.rq_wqes == 0 || rq.ci as u16 == head) {
+        return Response::Rnr(rq.min_rnr_timer);
+    }
+    let recv_cqe = |rq: &mut crate::qp::RqState, kind: RespKind, len: u64, imm: Option<u32>| {
+        let cqe = Cqe64::responder(kind, peer.qpn, from, rq.ci as u16, len as u32, imm, 0);
+        rq.ci = rq.ci.wrapping_add(1);
+        match peer.recv_cq.push(cqe, None) {
+            Ok(()) => Counters::add(&peer_dev_counters.cqes, 1),
+            Err(_) => {
+                Counters::add(&peer_dev_counters.cq_overruns, 1);
+                peer.set_state(QpState::Err);
+            }
+        }
+    };
+    let recv_error = |rq: &mut crate::qp::RqState, syndrome: Syndrome| {
+        peer_dev_counters.error(syndrome);
+        let e = ErrorCqe {
+            responder: true,
+            syndrome: syndrome as u8,
+            vendor_syndrome: vendor::RECV_BUFFER,
+            wqe_opcode: 0,
+            qpn: peer.qpn,
+            wqe_counter: rq.ci as u16,
+        };
+        rq.ci = rq.ci.wrapping_add(1);
+        let _ = peer.recv_cq.push(Cqe64::error(&e, 0), None);
+        Counters::add(&peer_dev_counters.cqes, 1);
+    };
+    match req {
+        Request::Write {
+            raddr,
+            rkey,
+            src,
+            len,
+            imm,
+        } => {
+            let dst = match remote(Access::REMOTE_WRITE, raddr, rkey, len) {
+                Ok(d) => d,
+                Err(r) => return fatal(r),
+            };
+            // SAFETY: `dst` was checked under `g` (still held); `src` was checked by the
+            // requester under its own guard, still held by the caller.
+            unsafe { copy_ranges(&[dst], src) };
+            if let Some(imm) = imm {
+                recv_cqe(&mut rq, RespKind::WriteImm, len, Some(imm));
+            }
+            Response::Ack
+        }
+        Request::Send { src, len, imm } => {
+            let off = (rq.ci & (peer.rq_wqes - 1)) as usize * peer.rq_stride as usize;
+            let mut segs: SmallVec<[DataSeg; 4]> = SmallVec::new();
+            for j in 0..peer.max_recv_sge as usize {
+                let mut b = [0u8; 16];
+                peer.rq_ring.read(off + j * 16, &mut b);
+                let d: DataSeg = bytemuck::cast(b);
+                if d.is_terminator() {
+                    break;
+                }
+                segs.push(d);
+            }
+            let dst: Result<SmallVec<[HostRange; 4]>, _> = segs
+                .iter()
+                .map(|d| {
+                    let s = sge_of(d);
+                    g.check(peer.pd, Access::LOCAL_WRITE, s.lkey.0, s.addr, s.len as u64)
+                })
+                .collect();
+            let Ok(dst) = dst else {
+                recv_error(&mut rq, Syndrome::LocalProt);
+                return fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER));
+            };
+            if total(&dst) < len {
+                recv_error(&mut rq, Syndrome::LocalLength);
+                return fatal(Response::Nak(Syndrome::RemoteInvalReq, vendor::RECV_BUFFER));
+            }
+            // SAFETY: `dst` checked under `g` (held); `src` checked by the requester (held).
+            unsafe { copy_ranges(&dst, src) };
+            let kind = if imm.is_some() {
+                RespKind::SendImm
+            } else {
+                RespKind::Send
+            };
+            recv_cqe(&mut rq, kind, len, imm);
+            Response::Ack
+        }
+        Request::Read {
+            raddr,
+            rkey,
+            dst,
+            len,
+        } => {
+            let src = match remote(Access::REMOTE_READ, raddr, rkey, len) {
+                Ok(s) => s,
+                Err(r) => return fatal(r),
+            };
+            // SAFETY: as for writes, with the directions swapped.
+            unsafe { copy_ranges(dst, &[src]) };
+            Response::Ack
+        }
+        Request::Atomic { raddr, rkey, kind } => {
+            let size = kind.size() as u64;
+            if raddr % size != 0 {
+                return fatal(Response::Nak(
+                    Syndrome::RemoteInvalReq,
+                    vendor::INVALID_REQUEST,
+                ));
+            }
+            let target = match remote(Access::REMOTE_ATOMIC, raddr, rkey, size) {
+                Ok(t) => t,
+                Err(r) => return fatal(r),
+            };
+            // SAFETY: `target` is checked, live (guard held) and naturally aligned.
+            Response::AtomicAck(unsafe { atomic(target.addr, kind) })
+        }
+    }
+}
+
+/// Performs an atomic on host memory and returns the original value.
+///
+/// # Safety
+/// `addr` must be live host memory, aligned to the operand size.
+unsafe fn atomic(addr: u64, kind: AtomicKind) -> u64 {
+    let op = |old: u64| -> Option<u64> {
+        match kind {
+            AtomicKind::FetchAdd { add } => Some(old.wrapping_add(add)),
+            AtomicKind::CompareSwap { compare, swap } => (old == compare).then_some(swap),
+            AtomicKind::MaskedFetchAdd {
+                add,
+                field_boundary,
+                size,
+            } => Some(field_add(old, add, field_boundary, size.bytes() * 8)),
+            AtomicKind::MaskedCompareSwap {
+                compare,
+                compare_mask,
+                swap,
+                swap_mask,
+                ..
+            } => ((old & compare_mask) == (compare & compare_mask))
+                .then_some((old & !swap_mask) | (swap & swap_mask)),
+        }
+    };
+    if kind.size() == 8 {
+        // SAFETY: aligned live memory per the contract; all device access is atomic.
+        let a = unsafe { AtomicU64::from_ptr(addr as *mut u64) };
+        let mut old = a.load(Ordering::Acquire);
+        loop {
+            let Some(new) = op(old) else { return old };
+            match a.compare_exchange_weak(old, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return old,
+                Err(cur) => old = cur,
+            }
+        }
+    } else {
+        // SAFETY: as above for a 4-byte operand.
+        let a = unsafe { AtomicU32::from_ptr(addr as *mut u32) };
+        let mut old = a.load(Ordering::Acquire);
+        loop {
+            let Some(new) = op(old as u64) else {
+                return old as u64;
+            };
+            match a.compare_exchange_weak(old, new as u32, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return old as u64,
+                Err(cur) => old = cur,
+            }
+        }
+    }
+}
+
+/// Adds `add` to `old` field by field: a set bit in `boundary` is the top bit of a field, and
+/// no carry crosses it.
+pub fn field_add(old: u64, add: u64, boundary: u64, bits: u32) -> u64 {
+    let mut out = 0u64;
+    let mut carry = 0u64;
+    for i in 0..bits {
+        let a = (old >> i) & 1;
+        let b = (add >> i) & 1;
+        let s = a + b + carry;
+        out |= (s & 1) << i;
+        carry = if (boundary >> i) & 1 == 1 { 0 } else { s >> 1 };
+    }
+    out
+}
+
+/// Checked local ranges of a WRITE/SEND source (SGEs, or the inline bytes in the WQE copy).
+fn gather(g: &MrGuard<'_>, qp: &Qp, l: &ParsedLocal<'_>) -> Result<SmallVec<[HostRange; 4]>, Fail> {
+    let ranges = match l {
+        ParsedLocal::Sges(list) => local_ranges(g, qp, Access::NONE, list)?,
+        ParsedLocal::Inline(bytes) => {
+            if bytes.len() as u32 > qp.max_inline {
+                return Err((Syndrome::LocalLength, vendor::TOO_LONG));
+            }
+            smallvec::smallvec![HostRange {
+                addr: bytes.as_ptr() as u64,
+                len: bytes.len() as u64
+            }]
+        }
+    };
+    if total(&ranges) > MAX_MSG {
+        return Err((Syndrome::LocalLength, vendor::TOO_LONG));
+    }
+    Ok(ranges)
+}
+
+/// Runs a parsed WQE as the requester.
+fn execute(
+    dev: &Shared,
+    qp: &Qp,
+    sq: &mut SqState,
+    wqe: &prm::ParsedWqe<'_>,
+) -> Result<Done, Fail> {
+    if let ParsedOp::Nop = wqe.op {
+        return Ok(Done::Complete(0));
+    }
+    if let ParsedOp::Wait { cqn, max_index } = wqe.op {
+        return match dev.cq(cqn) {
+            None => Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST)),
+            Some(cq) if cq.produced().wrapping_sub(max_index) as i32 >= 0 => Ok(Done::Complete(0)),
+            Some(_) => Ok(Done::Stalled(Stall::Wait { cqn, max_index })),
+        };
+    }
+    let g = qp.mrs.read();
+    let from = qp.qpn;
+    let imm = wqe.imm();
+    // Local checks come first: the requester gathers (or validates its scatter list) before
+    // anything goes out.
+    enum Prepared {
+        Write(prm::RemoteAddr, SmallVec<[HostRange; 4]>),
+        Send(SmallVec<[HostRange; 4]>),
+        Read(prm::RemoteAddr, SmallVec<[HostRange; 4]>),
+        Atomic(prm::RemoteAddr, AtomicKind, HostRange),
+    }
+    let prepared = match wqe.op {
+        ParsedOp::Write { remote, local } => Prepared::Write(remote, gather(&g, qp, &local)?),
+        ParsedOp::Send { local } => Prepared::Send(gather(&g, qp, &local)?),
+        ParsedOp::Read { remote, local } => {
+            let dst = local_ranges(&g, qp, Access::LOCAL_WRITE, local)?;
+            if total(&dst) > MAX_MSG {
+                return Err((Syndrome::LocalLength, vendor::TOO_LONG));
+            }
+            Prepared::Read(remote, dst)
+        }
+        ParsedOp::Atomic {
+            remote,
+            kind,
+            result,
+        } => {
+            let res = g
+                .check(
+                    qp.pd,
+                    Access::LOCAL_WRITE,
+                    result.lkey.0,
+                    result.addr,
+                    result.len as u64,
+                )
+                .map_err(local_err)?;
+            Prepared::Atomic(remote, kind, res)
+        }
+        ParsedOp::Nop | ParsedOp::Wait { .. } => unreachable!("handled above"),
+    };
+    let peer = match peer(sq)? {
+        Ok(p) => p,
+        Err(stall) => return Ok(Done::Stalled(stall)),
+    };
+    let (response, len) = match &prepared {
+        Prepared::Write(r, src) => {
+            let len = total(src);
+            let req = Request::Write {
+                raddr: r.addr,
+                rkey: r.rkey.0,
+                src,
+                len,
+                imm,
+            };
+            (respond(&peer, from, req), len)
+        }
+        Prepared::Send(src) => {
+            let len = total(src);
+            (respond(&peer, from, Request::Send { src, len, imm }), len)
+        }
+        Prepared::Read(r, dst) => {
+            let len = total(dst);
+            let req = Request::Read {
+                raddr: r.addr,
+                rkey: r.rkey.0,
+                dst,
+                len,
+            };
+            (respond(&peer, from, req), len)
+        }
+        Prepared::Atomic(r, kind, _) => {
+            let req = Request::Atomic {
+                raddr: r.addr,
+                rkey: r.rkey.0,
+                kind: *kind,
+            };
+            (respond(&peer, from, req), kind.size() as u64)
+        }
+    };
+    match response {
+        Response::Ack | Response::AtomicAck(_) => {
+            if let (Response::AtomicAck(old), Prepared::Atomic(_, kind, res)) =
+                (&response, &prepared)
+            {
+                let bytes = old.to_ne_bytes();
+                let n = kind.size() as usize;
+                // The original value lands host-endian (mlx5 in host-endian atomic mode).
+                let src = if n == 8 {
+                    &bytes[..]
+                } else {
+                    &(*old as u32).to_ne_bytes()[..]
+                };
+                // SAFETY: `res` was checked (LOCAL_WRITE, exactly n bytes) under `g`, still held.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), res.addr as *mut u8, n) };
+            }
+            Counters::add(&dev.counters.bytes, len);
+            Ok(Done::Complete(len as u32))
+        }
+        Response::Rnr(code) => {
+            sq.rnr_attempts += 1;
+            if sq.rts.rnr_retry != 7 && sq.rnr_attempts > sq.rts.rnr_retry as u32 {
+                Err((Syndrome::RnrRetryExc, vendor::RNR))
+            } else {
+                Ok(Done::Stalled(Stall::Until(
+                    Instant::now() + rnr_delay(code),
+                )))
+            }
+        }
+        Response::Nak(syndrome, why) => Err((syndrome, why)),
+    }
+}

@@ -1,0 +1,434 @@
+//! A CPU initiator: posts WQEs into an SQ, rings the doorbell and polls the CQ through raw ring
+//! geometry, exactly as a GPU kernel does. It is a real client of the device, not a shortcut
+//! into the engine: it works on any mlx5-format QP whose geometry it is given.
+
+use crate::qp::Qp;
+use prm::cqe::{sw_owns, Completion, Cqe64, CqeOpcode, CQE_TAIL_OFFSET};
+use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
+use prm::wqe::{blocks_for_ds, CtrlFlags, DataSeg, Op, Sge};
+use prm::{CQE_SIZE, WQEBB};
+use std::any::Any;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Where a send queue lives.
+#[derive(Clone, Copy, Debug)]
+pub struct SqGeometry {
+    /// First byte of the ring (64-byte blocks).
+    pub ring: *mut u8,
+    /// Ring size in blocks (power of two).
+    pub blocks: u32,
+    /// The 8-byte doorbell record (word 1 is the send word).
+    pub dbrec: *mut u8,
+    /// The doorbell/BlueFlame register (two halves of [`BF_HALF_SIZE`] bytes).
+    pub bf_reg: *mut u8,
+    /// QP number.
+    pub qpn: u32,
+}
+
+/// Where a receive queue lives.
+#[derive(Clone, Copy, Debug)]
+pub struct RqGeometry {
+    /// First byte of the ring.
+    pub ring: *mut u8,
+    /// Number of WQEs (power of two; 0 = no RQ).
+    pub wqes: u32,
+    /// Bytes per WQE.
+    pub stride: u32,
+    /// The doorbell record (word 0 is the receive word).
+    pub dbrec: *mut u8,
+}
+
+/// Where a completion queue lives.
+#[derive(Clone, Copy, Debug)]
+pub struct CqGeometry {
+    /// First CQE.
+    pub ring: *mut u8,
+    /// Number of CQEs (power of two).
+    pub ncqe: u32,
+    /// The CQ doorbell record (word 0: consumer index).
+    pub dbrec: *mut u8,
+    /// Every CQE lands in slot 0.
+    pub collapsed: bool,
+}
+
+/// How [`Initiator::ring`] tells the device about new WQEs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingMode {
+    /// DBREC, then the first 8 bytes of the last WQE's control segment to the register
+    /// (rdma-core), alternating halves.
+    RdmaCore,
+    /// DBREC, then `{BE32(pi << 8), BE32(qpn << 8)}` to the register (DOCA/UCX).
+    Doca,
+    /// DBREC, then the whole last WQE copied into the register, alternating halves.
+    BlueFlame,
+}
+
+/// Initiator errors.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum InitiatorError {
+    /// The WQE does not fit in the free part of the SQ; poll completions first.
+    #[error("send queue full: {need} blocks needed, {free} free")]
+    SqFull {
+        /// Blocks needed.
+        need: u32,
+        /// Blocks free.
+        free: u32,
+    },
+    /// The receive queue is full.
+    #[error("receive queue full")]
+    RqFull,
+    /// More SGEs than a receive WQE holds.
+    #[error("{0} SGEs do not fit a receive WQE")]
+    TooManySges(usize),
+    /// The operation cannot be encoded.
+    #[error("WQE cannot be built: {0}")]
+    Build(prm::BuildError),
+    /// No completion arrived in time.
+    #[error("no completion within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Polls one CQ.
+pub struct CqPoller {
+    g: CqGeometry,
+    ci: u32,
+    last_collapsed: Option<u32>,
+}
+
+// SAFETY: the poller only holds raw pointers into device-visible memory kept alive by the
+// initiator's keep-alive handle; all access is through atomics or raw copies.
+unsafe impl Send for CqPoller {}
+
+impl CqPoller {
+    /// # Safety
+    /// The geometry must describe live CQ memory that outlives the poller.
+    pub unsafe fn new(g: CqGeometry) -> Self {
+        Self {
+            g,
+            ci: 0,
+            last_collapsed: None,
+        }
+    }
+
+    /// Consumer index (CQEs taken so far).
+    pub fn consumer_index(&self) -> u32 {
+        self.ci
+    }
+
+    /// Takes the next CQE if software owns it.
+    pub fn poll(&mut self) -> Option<Cqe64> {
+        let slot = if self.g.collapsed {
+            0
+        } else {
+            self.ci & (self.g.ncqe - 1)
+        } as usize;
+        // SAFETY: slot < ncqe, inside the ring per the geometry contract; the tail word is
+        // 4-byte aligned (CQEs are 64-byte aligned).
+        let tail_ptr =
+            unsafe { self.g.ring.add(slot * CQE_SIZE + CQE_TAIL_OFFSET) } as *const AtomicU32;
+        // SAFETY: aligned, live; the device releases this word last.
+        let tail = unsafe { &*tail_ptr }.load(Ordering::Acquire);
+        let op_own = tail.to_ne_bytes()[3];
+        if op_own >> 4 == CqeOpcode::Invalid as u8 {
+            return None;
+        }
+        if self.g.collapsed {
+            if self.last_collapsed == Some(tail) {
+                return None;
+            }
+            self.last_collapsed = Some(tail);
+        } else if !sw_owns(op_own, self.ci, self.g.ncqe) {
+            return None;
+        }
+        let mut bytes = [0u8; CQE_SIZE];
+        // SAFETY: the CQE is inside the ring; its bytes 0..60 were written before the tail
+        // release we acquired.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.g.ring.add(slot * CQE_SIZE), bytes.as_mut_ptr(), 60)
+        };
+        bytes[60..].copy_from_slice(&tail.to_ne_bytes());
+        self.ci = self.ci.wrapping_add(1);
+        // SAFETY: the CQ DBREC's word 0 is live and 4-byte aligned per the geometry contract.
+        unsafe { &*(self.g.dbrec as *const AtomicU32) }
+            .store((self.ci & 0xff_ffff).to_be(), Ordering::Release);
+        Some(bytemuck::cast(bytes))
+    }
+}
+
+/// A CPU client of one QP.
+pub struct Initiator {
+    sq: SqGeometry,
+    rq: RqGeometry,
+    send: CqPoller,
+    recv: CqPoller,
+    mode: RingMode,
+    pi: u16,
+    sq_ci: u16,
+    rq_pi: u32,
+    rq_ci: u32,
+    half: usize,
+    /// Blocks of the WQE that starts at each ring slot (to retire on completion).
+    sizes: Vec<u8>,
+    last: Option<prm::WqeBuf>,
+    wake: Option<Arc<dyn Fn() + Send + Sync>>,
+    _keep: Arc<dyn Any + Send + Sync>,
+}
+
+// SAFETY: raw pointers into device-visible memory kept alive by `_keep`; see `CqPoller`.
+unsafe impl Send for Initiator {}
+
+impl Initiator {
+    /// # Safety
+    /// The geometries must describe live, correctly sized device memory of one QP and its CQs,
+    /// kept alive by `keep`, and no other client may post to this QP.
+    pub unsafe fn from_geometry(
+        sq: SqGeometry,
+        rq: RqGeometry,
+        send_cq: CqGeometry,
+        recv_cq: CqGeometry,
+        mode: RingMode,
+        keep: Arc<dyn Any + Send + Sync>,
+        wake: Option<Arc<dyn Fn() + Send + Sync>>,
+    ) -> Self {
+        Self {
+            sq,
+            rq,
+            // SAFETY: forwarded contract.
+            send: unsafe { CqPoller::new(send_cq) },
+            // SAFETY: forwarded contract.
+            recv: unsafe { CqPoller::new(recv_cq) },
+            mode,
+            pi: 0,
+            sq_ci: 0,
+            rq_pi: 0,
+            rq_ci: 0,
+            half: 0,
+            sizes: vec![0; sq.blocks as usize],
+            last: None,
+            wake,
+            _keep: keep,
+        }
+    }
+
+    /// An initiator for a soft-NIC QP (its CQs must not be polled by anyone else).
+    pub fn for_soft_qp(dev: &crate::Device, qp: &Arc<Qp>, mode: RingMode) -> Self {
+        let cq_geom = |cq: &crate::Cq| CqGeometry {
+            ring: cq.ring().as_ptr(),
+            ncqe: cq.ncqe(),
+            dbrec: cq.dbrec().as_ptr(),
+            collapsed: cq.mode() == crate::CqMode::Collapsed,
+        };
+        let ctrl = qp.ctrl_page().as_ptr();
+        // SAFETY: offsets inside the QP's own pages.
+        let (dbrec, bf) = unsafe {
+            (
+                ctrl.add(qp.dbrec_offset()),
+                qp.uar().as_ptr().add(prm::doorbell::BF_OFFSET),
+            )
+        };
+        let sq = SqGeometry {
+            ring: qp.sq_ring().as_ptr(),
+            blocks: qp.sq_blocks(),
+            dbrec,
+            bf_reg: bf,
+            qpn: qp.qpn(),
+        };
+        let rq = RqGeometry {
+            ring: qp.rq_ring().as_ptr(),
+            wqes: qp.rq_wqes(),
+            stride: qp.rq_stride(),
+            dbrec,
+        };
+        let shared = dev.shared().clone();
+        let wake: Arc<dyn Fn() + Send + Sync> = Arc::new(move || shared.kick());
+        // SAFETY: all pointers come from buffers owned by `qp` (and its CQs), kept alive by the
+        // Arc handed over as keep-alive.
+        unsafe {
+            Self::from_geometry(
+                sq,
+                rq,
+                cq_geom(qp.send_cq()),
+                cq_geom(qp.recv_cq()),
+                mode,
+                qp.clone(),
+                Some(wake),
+            )
+        }
+    }
+
+    /// Producer index (16-bit block counter of the next WQE).
+    pub fn producer(&self) -> u16 {
+        self.pi
+    }
+
+    /// Blocks not yet retired by a completion.
+    pub fn outstanding(&self) -> u32 {
+        self.pi.wrapping_sub(self.sq_ci) as u32
+    }
+
+    /// Writes one WQE into the SQ (without ringing). Returns its index.
+    pub fn post(&mut self, op: &Op<'_>, flags: CtrlFlags) -> Result<u16, InitiatorError> {
+        let w = op
+            .encode(self.pi, self.sq.qpn, flags)
+            .map_err(InitiatorError::Build)?;
+        let need = w.blocks() as u32;
+        let free = self.sq.blocks - self.outstanding();
+        if need > free {
+            return Err(InitiatorError::SqFull { need, free });
+        }
+        let mask = self.sq.blocks as usize - 1;
+        for i in 0..w.blocks() {
+            let slot = (self.pi as usize + i) & mask;
+            // SAFETY: slot < blocks, inside the ring per the geometry contract; the device
+            // only reads slots past its consumer index, which this post owns until the ring.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    w.block(i).as_ptr(),
+                    self.sq.ring.add(slot * WQEBB),
+                    WQEBB,
+                )
+            };
+        }
+        let idx = self.pi;
+        self.sizes[idx as usize & mask] = w.blocks() as u8;
+        self.pi = self.pi.wrapping_add(need as u16);
+        self.last = Some(w);
+        Ok(idx)
+    }
+
+    /// Tells the device about every WQE posted so far.
+    pub fn ring(&mut self) {
+        let Some(last) = self.last.take() else { return };
+        // SAFETY (both blocks below): the DBREC send word and the register halves are live,
+        // aligned device memory per the geometry contract.
+        unsafe { &*(self.sq.dbrec.add(4) as *const AtomicU32) }
+            .store((self.pi as u32).to_be(), Ordering::Release);
+        let bf_fits = last.blocks() * WQEBB <= BF_HALF_SIZE;
+        let reg = |h: usize| unsafe { self.sq.bf_reg.add(h * BF_HALF_SIZE) };
+        let value = match self.mode {
+            RingMode::RdmaCore => DoorbellValue::from_ctrl(&last.ctrl()),
+            RingMode::Doca => DoorbellValue::from_pi(self.pi, self.sq.qpn),
+            RingMode::BlueFlame if !bf_fits => DoorbellValue::from_pi(self.pi, self.sq.qpn),
+            RingMode::BlueFlame => {
+                let bytes = last.as_bytes();
+                // SAFETY: the WQE fits in one register half.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes[8..].as_ptr(),
+                        reg(self.half).add(8),
+                        bytes.len() - 8,
+                    )
+                };
+                fence(Ordering::Release);
+                DoorbellValue::from_ctrl(&last.ctrl())
+            }
+        };
+        // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
+        unsafe { &*(reg(self.half) as *const AtomicU64) }.store(value.to_u64(), Ordering::Release);
+        if self.mode != RingMode::Doca {
+            self.half ^= 1;
+        }
+        if let Some(w) = &self.wake {
+            w();
+        }
+    }
+
+    /// Posts and rings one WQE.
+    pub fn post_and_ring(&mut self, op: &Op<'_>, flags: CtrlFlags) -> Result<u16, InitiatorError> {
+        let idx = self.post(op, flags)?;
+        self.ring();
+        Ok(idx)
+    }
+
+    /// Posts a receive WQE (with a terminator when shorter than the stride).
+    pub fn post_recv(&mut self, sges: &[Sge]) -> Result<u16, InitiatorError> {
+        if self.rq.wqes == 0 || self.rq_pi.wrapping_sub(self.rq_ci) >= self.rq.wqes {
+            return Err(InitiatorError::RqFull);
+        }
+        let slots = (self.rq.stride / 16) as usize;
+        if sges.len() > slots {
+            return Err(InitiatorError::TooManySges(sges.len()));
+        }
+        let base = (self.rq_pi & (self.rq.wqes - 1)) as usize * self.rq.stride as usize;
+        for i in 0..slots.min(sges.len() + 1) {
+            let seg = sges
+                .get(i)
+                .map_or_else(DataSeg::terminator, |s| DataSeg::new(*s));
+            // SAFETY: inside the RQ slot per the geometry contract.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    bytemuck::bytes_of(&seg).as_ptr(),
+                    self.rq.ring.add(base + i * 16),
+                    16,
+                )
+            };
+        }
+        let idx = self.rq_pi as u16;
+        self.rq_pi = self.rq_pi.wrapping_add(1);
+        // SAFETY: DBREC receive word, live and aligned.
+        unsafe { &*(self.rq.dbrec as *const AtomicU32) }
+            .store((self.rq_pi & 0xffff).to_be(), Ordering::Release);
+        Ok(idx)
+    }
+
+    /// Takes the next send completion, retiring the SQ space it covers.
+    pub fn poll_send(&mut self) -> Option<Completion> {
+        let c = self.send.poll()?.decode();
+        let counter = match c {
+            Completion::Req { wqe_counter, .. } => Some(wqe_counter),
+            Completion::Error(e) if !e.responder => Some(e.wqe_counter),
+            _ => None,
+        };
+        if let Some(w) = counter {
+            let blocks = self.sizes[w as usize & (self.sq.blocks as usize - 1)].max(1);
+            self.sq_ci = w.wrapping_add(blocks as u16);
+        }
+        Some(c)
+    }
+
+    /// Takes the next receive completion.
+    pub fn poll_recv(&mut self) -> Option<Completion> {
+        let c = self.recv.poll()?.decode();
+        self.rq_ci = self.rq_ci.wrapping_add(1);
+        Some(c)
+    }
+
+    /// Waits for the next send completion, at most `timeout`.
+    pub fn wait_send(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
+        wait(timeout, || self.poll_send())
+    }
+
+    /// Waits for the next receive completion, at most `timeout`.
+    pub fn wait_recv(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
+        wait(timeout, || self.poll_recv())
+    }
+}
+
+fn wait(
+    timeout: Duration,
+    mut f: impl FnMut() -> Option<Completion>,
+) -> Result<Completion, InitiatorError> {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        if let Some(c) = f() {
+            return Ok(c);
+        }
+        if start.elapsed() >= timeout {
+            return Err(InitiatorError::Timeout(timeout));
+        }
+        spins += 1;
+        if spins > 1000 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Blocks of an encoded WQE of `ds` units (re-exported for callers sizing rings).
+pub fn wqe_blocks(ds: u8) -> usize {
+    blocks_for_ds(ds)
+}

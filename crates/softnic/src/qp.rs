@@ -1,0 +1,482 @@
+//! RC queue pairs: the SQ and RQ rings, the doorbell record, the UAR page with its BlueFlame
+//! halves, the CPU-proxy producer word, and the RESET → INIT → RTR → RTS → ERR state machine.
+
+use crate::buffer::DmaBuf;
+use crate::counters::Counters;
+use crate::cq::Cq;
+use crate::mem::{Access, MrTable, PdId};
+use crate::{Error, Gid};
+use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, UAR_PAGE_SIZE};
+use prm::Syndrome;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+/// QP states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum QpState {
+    /// Fresh or reset.
+    Reset = 0,
+    /// Initialised: receives may be posted.
+    Init = 1,
+    /// Ready to receive.
+    Rtr = 2,
+    /// Ready to send.
+    Rts = 3,
+    /// Error: every WQE completes with WR_FLUSH.
+    Err = 4,
+}
+
+impl QpState {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Reset,
+            1 => Self::Init,
+            2 => Self::Rtr,
+            3 => Self::Rts,
+            _ => Self::Err,
+        }
+    }
+}
+
+/// How the device learns of new send WQEs. Real hardware tells an 8-byte doorbell from a
+/// BlueFlame copy by the size of the MMIO write; memory cannot show that, so the QP says which
+/// one its writers use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DoorbellKind {
+    /// 8-byte doorbell writes to the register; WQEs are read from the SQ ring.
+    #[default]
+    Register,
+    /// Each doorbell write carries the whole WQE (BlueFlame); that WQE is executed from the
+    /// register copy, earlier ones from the ring. Writers store the WQE's bytes 8.. first and
+    /// its first 8 bytes last, with release ordering.
+    BlueFlame,
+}
+
+/// Parameters of a new QP.
+pub struct QpConfig {
+    /// Protection domain.
+    pub pd: PdId,
+    /// CQ for requester completions.
+    pub send_cq: Arc<Cq>,
+    /// CQ for responder completions.
+    pub recv_cq: Arc<Cq>,
+    /// SQ size in 64-byte blocks (power of two, ≤ 32768).
+    pub sq_blocks: u32,
+    /// RQ size in WQEs (power of two, or 0 for no RQ).
+    pub rq_wqes: u32,
+    /// Data segments per receive WQE.
+    pub max_recv_sge: u32,
+    /// Largest inline payload accepted.
+    pub max_inline: u32,
+    /// Doorbell kind.
+    pub doorbell: DoorbellKind,
+    /// SQ ring memory; allocated in host memory when `None`.
+    pub sq_ring: Option<DmaBuf>,
+    /// RQ ring memory; allocated in host memory when `None`.
+    pub rq_ring: Option<DmaBuf>,
+}
+
+impl QpConfig {
+    /// A config with the given PD and CQs, a 256-block SQ, a 256-entry RQ of 1 SGE, 256 bytes
+    /// of inline and register doorbells.
+    pub fn new(pd: PdId, send_cq: Arc<Cq>, recv_cq: Arc<Cq>) -> Self {
+        Self {
+            pd,
+            send_cq,
+            recv_cq,
+            sq_blocks: 256,
+            rq_wqes: 256,
+            max_recv_sge: 1,
+            max_inline: 256,
+            doorbell: DoorbellKind::Register,
+            sq_ring: None,
+            rq_ring: None,
+        }
+    }
+}
+
+/// Attributes of INIT → RTR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RtrAttr {
+    /// The peer device's GID.
+    pub remote_gid: Gid,
+    /// The peer QP number.
+    pub remote_qpn: u32,
+    /// Expected PSN of the first incoming packet.
+    pub rq_psn: u32,
+    /// Path MTU in bytes (256..4096).
+    pub mtu: u32,
+    /// Minimal RNR NAK timer (IBTA encoding, 0..31).
+    pub min_rnr_timer: u8,
+}
+
+/// Attributes of RTR → RTS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RtsAttr {
+    /// First PSN sent.
+    pub sq_psn: u32,
+    /// Local ACK timeout (4.096 µs · 2^timeout; 0 = infinite).
+    pub timeout: u8,
+    /// Transport retries (0..7).
+    pub retry_cnt: u8,
+    /// RNR retries (0..7; 7 = infinite).
+    pub rnr_retry: u8,
+}
+
+impl Default for RtsAttr {
+    fn default() -> Self {
+        Self {
+            sq_psn: 0,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+        }
+    }
+}
+
+/// A state transition with its attributes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Modify {
+    /// RESET → INIT (or INIT → INIT): the remote rights peers get through this QP.
+    Init {
+        /// Remote access rights (REMOTE_WRITE/READ/ATOMIC).
+        access: Access,
+    },
+    /// INIT → RTR.
+    Rtr(RtrAttr),
+    /// RTR → RTS (or RTS → RTS).
+    Rts(RtsAttr),
+    /// any → ERR.
+    Err,
+    /// any → RESET.
+    Reset,
+}
+
+/// Test-only misbehaviour of a QP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The next `count` WQEs fail with `syndrome`.
+    FailNext {
+        /// How many.
+        count: u32,
+        /// With what.
+        syndrome: Syndrome,
+    },
+    /// Every completion of this QP is written `delay` late.
+    DelayCompletions(Duration),
+    /// The next `count` doorbells are ignored.
+    DropDoorbells(u32),
+}
+
+/// Offsets of the QP's own control words in its control page.
+pub(crate) const DBREC_OFF: usize = 0;
+pub(crate) const PROXY_OFF: usize = 64;
+
+/// Requester-side state, owned by the engine while it runs the SQ.
+pub(crate) struct SqState {
+    pub ci: u16,
+    pub target: u16,
+    pub last_half: [u64; 2],
+    pub bf: Option<(u16, [u8; BF_HALF_SIZE])>,
+    pub remote: Option<(Gid, u32)>,
+    pub peer: Option<Weak<Qp>>,
+    pub rts: RtsAttr,
+    pub stall: Option<Stall>,
+    pub rnr_attempts: u32,
+    pub retry_deadline: Option<Instant>,
+    pub fail_next: Option<(u32, Syndrome)>,
+    pub delay: Option<Duration>,
+    pub drop_doorbells: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Stall {
+    /// Retry the WQE at `ci` at this time.
+    Until(Instant),
+    /// WAIT on a CQ.
+    Wait { cqn: u32, max_index: u32 },
+}
+
+/// Responder-side state.
+pub(crate) struct RqState {
+    pub ci: u32,
+    pub access: Access,
+    pub min_rnr_timer: u8,
+}
+
+/// An RC queue pair.
+pub struct Qp {
+    pub(crate) qpn: u32,
+    pub(crate) pd: PdId,
+    pub(crate) mrs: Arc<MrTable>,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) send_cq: Arc<Cq>,
+    pub(crate) recv_cq: Arc<Cq>,
+    pub(crate) sq_blocks: u32,
+    pub(crate) rq_wqes: u32,
+    pub(crate) rq_stride: u32,
+    pub(crate) max_recv_sge: u32,
+    pub(crate) max_inline: u32,
+    pub(crate) doorbell: DoorbellKind,
+    pub(crate) sq_ring: DmaBuf,
+    pub(crate) rq_ring: DmaBuf,
+    pub(crate) ctrl: DmaBuf,
+    pub(crate) uar: DmaBuf,
+    state: AtomicU8,
+    pub(crate) sq: Mutex<SqState>,
+    pub(crate) rq: Mutex<RqState>,
+}
+
+impl Qp {
+    pub(crate) fn new(
+        qpn: u32,
+        cfg: QpConfig,
+        mrs: Arc<MrTable>,
+        counters: Arc<Counters>,
+    ) -> Result<Self, Error> {
+        let pow2 = |n: u32| n.is_power_of_two();
+        if !pow2(cfg.sq_blocks) || cfg.sq_blocks > 32768 {
+            return Err(Error::InvalidArgument(
+                "SQ size must be a power of two ≤ 32768 blocks",
+            ));
+        }
+        if cfg.rq_wqes != 0 && (!pow2(cfg.rq_wqes) || cfg.rq_wqes > 32768) {
+            return Err(Error::InvalidArgument(
+                "RQ size must be 0 or a power of two ≤ 32768",
+            ));
+        }
+        if cfg.max_recv_sge == 0 || cfg.max_recv_sge > 32 {
+            return Err(Error::InvalidArgument("max_recv_sge must be 1..=32"));
+        }
+        if cfg.max_inline as usize > prm::wqe::MAX_INLINE_SEND {
+            return Err(Error::InvalidArgument(
+                "max_inline larger than a WQE can carry",
+            ));
+        }
+        let rq_stride = (cfg.max_recv_sge * 16).next_power_of_two();
+        let sq_bytes = cfg.sq_blocks as usize * prm::WQEBB;
+        let rq_bytes = (cfg.rq_wqes * rq_stride) as usize;
+        let ring = |given: Option<DmaBuf>, bytes: usize, what| match given {
+            Some(r) if r.len() < bytes => Err(Error::InvalidArgument(what)),
+            Some(r) => Ok(r),
+            None => Ok(DmaBuf::alloc(bytes)),
+        };
+        Ok(Self {
+            qpn,
+            pd: cfg.pd,
+            mrs,
+            counters,
+            sq_ring: ring(cfg.sq_ring, sq_bytes, "SQ ring memory too small")?,
+            rq_ring: ring(cfg.rq_ring, rq_bytes, "RQ ring memory too small")?,
+            send_cq: cfg.send_cq,
+            recv_cq: cfg.recv_cq,
+            sq_blocks: cfg.sq_blocks,
+            rq_wqes: cfg.rq_wqes,
+            rq_stride,
+            max_recv_sge: cfg.max_recv_sge,
+            max_inline: cfg.max_inline,
+            doorbell: cfg.doorbell,
+            ctrl: DmaBuf::alloc(128),
+            uar: DmaBuf::alloc(UAR_PAGE_SIZE),
+            state: AtomicU8::new(QpState::Reset as u8),
+            sq: Mutex::new(SqState {
+                ci: 0,
+                target: 0,
+                last_half: [0; 2],
+                bf: None,
+                remote: None,
+                peer: None,
+                rts: RtsAttr::default(),
+                stall: None,
+                rnr_attempts: 0,
+                retry_deadline: None,
+                fail_next: None,
+                delay: None,
+                drop_doorbells: 0,
+            }),
+            rq: Mutex::new(RqState {
+                ci: 0,
+                access: Access::NONE,
+                min_rnr_timer: 0,
+            }),
+        })
+    }
+
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        QpState::from_u8(self.state.load(Ordering::Acquire))
+    }
+    pub(crate) fn set_state(&self, s: QpState) {
+        self.state.store(s as u8, Ordering::Release);
+    }
+    /// Protection domain.
+    pub fn pd(&self) -> PdId {
+        self.pd
+    }
+    /// SQ size in blocks.
+    pub fn sq_blocks(&self) -> u32 {
+        self.sq_blocks
+    }
+    /// RQ size in WQEs.
+    pub fn rq_wqes(&self) -> u32 {
+        self.rq_wqes
+    }
+    /// Bytes per receive WQE.
+    pub fn rq_stride(&self) -> u32 {
+        self.rq_stride
+    }
+    /// Data segments per receive WQE.
+    pub fn max_recv_sge(&self) -> u32 {
+        self.max_recv_sge
+    }
+    /// Largest inline payload.
+    pub fn max_inline(&self) -> u32 {
+        self.max_inline
+    }
+    /// Doorbell kind.
+    pub fn doorbell_kind(&self) -> DoorbellKind {
+        self.doorbell
+    }
+    /// The send CQ.
+    pub fn send_cq(&self) -> &Arc<Cq> {
+        &self.send_cq
+    }
+    /// The receive CQ.
+    pub fn recv_cq(&self) -> &Arc<Cq> {
+        &self.recv_cq
+    }
+    /// The SQ ring.
+    pub fn sq_ring(&self) -> &DmaBuf {
+        &self.sq_ring
+    }
+    /// The RQ ring.
+    pub fn rq_ring(&self) -> &DmaBuf {
+        &self.rq_ring
+    }
+    /// The page holding the doorbell record (offset [`Qp::dbrec_offset`]) and the CPU-proxy
+    /// producer word (offset [`Qp::proxy_offset`]).
+    pub fn ctrl_page(&self) -> &DmaBuf {
+        &self.ctrl
+    }
+    /// Offset of the 8-byte doorbell record in [`Qp::ctrl_page`].
+    pub fn dbrec_offset(&self) -> usize {
+        DBREC_OFF
+    }
+    /// Offset of the 8-byte CPU-proxy producer word in [`Qp::ctrl_page`].
+    pub fn proxy_offset(&self) -> usize {
+        PROXY_OFF
+    }
+    /// The UAR page; the doorbell / BlueFlame register halves are at
+    /// [`prm::doorbell::BF_OFFSET`] and `BF_OFFSET + BF_HALF_SIZE`.
+    pub fn uar(&self) -> &DmaBuf {
+        &self.uar
+    }
+
+    pub(crate) fn lock_sq(&self) -> MutexGuard<'_, SqState> {
+        self.sq.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    pub(crate) fn lock_rq(&self) -> MutexGuard<'_, RqState> {
+        self.rq.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads the current value of BF half `h` (its first 8 bytes).
+    pub(crate) fn half_word(&self, h: usize) -> u64 {
+        self.uar
+            .atomic_u64(BF_OFFSET + h * BF_HALF_SIZE)
+            .load(Ordering::Acquire)
+    }
+
+    /// Applies a state transition.
+    pub fn modify(&self, m: Modify) -> Result<(), Error> {
+        use QpState::*;
+        let from = self.state();
+        let to = match m {
+            Modify::Init { .. } => Init,
+            Modify::Rtr(_) => Rtr,
+            Modify::Rts(_) => Rts,
+            Modify::Err => Err,
+            Modify::Reset => Reset,
+        };
+        let legal = matches!(
+            (from, to),
+            (_, Reset) | (_, Err) | (Reset | Init, Init) | (Init, Rtr) | (Rtr | Rts, Rts)
+        );
+        if !legal {
+            return Result::Err(Error::IllegalTransition { from, to });
+        }
+        let mut sq = self.lock_sq();
+        let mut rq = self.lock_rq();
+        match m {
+            Modify::Init { access } => rq.access = access,
+            Modify::Rtr(a) => {
+                if !matches!(a.mtu, 256 | 512 | 1024 | 2048 | 4096) {
+                    return Result::Err(Error::InvalidArgument(
+                        "path MTU must be 256..4096, a power of two",
+                    ));
+                }
+                if a.remote_qpn > 0xff_ffff || a.min_rnr_timer > 31 {
+                    return Result::Err(Error::InvalidArgument(
+                        "remote QPN or RNR timer out of range",
+                    ));
+                }
+                sq.remote = Some((a.remote_gid, a.remote_qpn));
+                sq.peer = None;
+                rq.min_rnr_timer = a.min_rnr_timer;
+            }
+            Modify::Rts(a) => {
+                if a.retry_cnt > 7 || a.rnr_retry > 7 || a.timeout > 31 {
+                    return Result::Err(Error::InvalidArgument(
+                        "retry_cnt, rnr_retry ≤ 7 and timeout ≤ 31",
+                    ));
+                }
+                sq.rts = a;
+            }
+            Modify::Reset => {
+                sq.ci = 0;
+                sq.target = 0;
+                sq.last_half = [self.half_word(0), self.half_word(1)];
+                sq.bf = None;
+                sq.stall = None;
+                sq.remote = None;
+                sq.peer = None;
+                rq.ci = 0;
+                self.ctrl.atomic_u64(DBREC_OFF).store(0, Ordering::Release);
+            }
+            Modify::Err => {}
+        }
+        self.set_state(to);
+        Ok(())
+    }
+
+    /// Injects a fault (tests).
+    pub fn inject(&self, f: Fault) {
+        let mut sq = self.lock_sq();
+        match f {
+            Fault::FailNext { count, syndrome } => {
+                sq.fail_next = (count > 0).then_some((count, syndrome))
+            }
+            Fault::DelayCompletions(d) => sq.delay = (!d.is_zero()).then_some(d),
+            Fault::DropDoorbells(n) => sq.drop_doorbells = n,
+        }
+    }
+
+    /// The device's consumer index on the SQ (blocks executed or flushed so far, 16 bits).
+    pub fn sq_consumer(&self) -> u16 {
+        self.lock_sq().ci
+    }
+}
+
+impl std::fmt::Debug for Qp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qp")
+            .field("qpn", &self.qpn)
+            .field("state", &self.state())
+            .finish()
+    }
+}
