@@ -103,7 +103,7 @@ pub enum CudaError {
 }
 
 /// Wraps a `DriverError` with what was being done.
-fn drv(op: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+pub(crate) fn drv(op: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |source| CudaError::Driver { op, source }
 }
 
@@ -164,7 +164,7 @@ pub fn driver_available() -> bool {
 
 /// Runs `f`, which uses the driver through cudarc, after checking the driver exists; a panic in
 /// cudarc (missing library or symbol) becomes [`CudaError::DriverPanicked`].
-fn with_driver<T>(
+pub(crate) fn with_driver<T>(
     op: &'static str,
     f: impl FnOnce() -> Result<T, CudaError>,
 ) -> Result<T, CudaError> {
@@ -246,7 +246,7 @@ impl fmt::Display for DeviceInfo {
 }
 
 /// Initialises the driver and opens the primary context of device `ordinal`.
-fn open(ordinal: usize) -> Result<(Arc<CudaContext>, DeviceInfo), CudaError> {
+pub(crate) fn open(ordinal: usize) -> Result<(Arc<CudaContext>, DeviceInfo), CudaError> {
     let count = match CudaContext::device_count() {
         Ok(n) => usize::try_from(n).unwrap_or(0),
         Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => 0,
@@ -283,14 +283,14 @@ pub fn device_info(ordinal: usize) -> Result<DeviceInfo, CudaError> {
 
 /// A module loaded into a context from an in-memory image; unloaded on drop (errors ignored: drop
 /// never panics).
-struct Module {
+pub(crate) struct Module {
     ctx: Arc<CudaContext>,
     raw: sys::CUmodule,
 }
 
 impl Module {
     /// Loads `image` (a fatbin, cubin or NUL-terminated PTX) into `ctx`.
-    fn load(ctx: &Arc<CudaContext>, image: &'static [u8]) -> Result<Self, CudaError> {
+    pub(crate) fn load(ctx: &Arc<CudaContext>, image: &'static [u8]) -> Result<Self, CudaError> {
         ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         // SAFETY: `image` is a complete fatbin that `fatbin::parse` accepted (the driver validates it
         // too), 16-byte aligned, and 'static, so it outlives the call (the driver copies it anyway).
@@ -303,7 +303,7 @@ impl Module {
         })
     }
 
-    fn function(&self, name: &str) -> Result<sys::CUfunction, CudaError> {
+    pub(crate) fn function(&self, name: &str) -> Result<sys::CUfunction, CudaError> {
         let cname = CString::new(name).expect("kernel names have no NUL");
         // SAFETY: `self.raw` is a loaded module, unloaded only in `drop`.
         unsafe { cudarc::driver::result::module::get_function(self.raw, cname) }

@@ -25,10 +25,72 @@ struct Case {
     run: fn(&Ctx) -> Result<String>,
 }
 
-const CASES: &[Case] = &[Case {
-    name: "pipeline",
-    run: pipeline,
-}];
+mod dataplane;
+
+use dataplane::PutCase;
+use gpuverbs::DoorbellMode::{BlueFlame, GpuDoorbell};
+
+macro_rules! put_cases {
+    ($($name:ident: $mode:expr, grid $grid:expr, block $block:expr, scope $scope:expr, skip $skip:expr,
+       size $size:expr, iters $iters:expr, signal $sig:expr, sq $sq:expr;)*) => {
+        $(fn $name(ctx: &Ctx) -> Result<String> {
+            dataplane::put_case(ctx.ordinal, &PutCase {
+                mode: $mode, grid: $grid, block: $block, scope: $scope, skip_mod: $skip,
+                size: $size, iters: $iters, signal_every: $sig, sq_blocks: $sq,
+            })
+        })*
+    };
+}
+
+put_cases! {
+    put_thread_gpudb: GpuDoorbell, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256;
+    put_thread_bf: BlueFlame, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256;
+    put_warp_gpudb: GpuDoorbell, grid 2, block 64, scope 1, skip 0, size 128, iters 8, signal 1, sq 256;
+    put_warp_partial_bf: BlueFlame, grid 2, block 64, scope 1, skip 3, size 128, iters 8, signal 1, sq 256;
+    put_block_gpudb: GpuDoorbell, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512;
+    put_block_partial_gpudb: GpuDoorbell, grid 3, block 96, scope 2, skip 4, size 32, iters 4, signal 1, sq 512;
+    put_many_ctas_shared: GpuDoorbell, grid 32, block 128, scope 0, skip 0, size 16, iters 4, signal 2, sq 256;
+}
+
+fn exclusive_wrap(ctx: &Ctx) -> Result<String> {
+    dataplane::exclusive_wrap(ctx.ordinal)
+}
+fn ops_gpudb(ctx: &Ctx) -> Result<String> {
+    dataplane::ops(ctx.ordinal, GpuDoorbell)
+}
+fn ops_bf(ctx: &Ctx) -> Result<String> {
+    dataplane::ops(ctx.ordinal, BlueFlame)
+}
+fn bad_rkey(ctx: &Ctx) -> Result<String> {
+    dataplane::bad_rkey(ctx.ordinal)
+}
+fn dropped_doorbell_timeout(ctx: &Ctx) -> Result<String> {
+    dataplane::dropped_doorbell_timeout(ctx.ordinal)
+}
+fn wait_signal(ctx: &Ctx) -> Result<String> {
+    dataplane::wait_signal(ctx.ordinal)
+}
+
+macro_rules! cases {
+    ($($name:ident),* $(,)?) => { &[$(Case { name: stringify!($name), run: $name }),*] };
+}
+
+const CASES: &[Case] = cases![
+    pipeline,
+    put_thread_gpudb,
+    put_thread_bf,
+    put_warp_gpudb,
+    put_warp_partial_bf,
+    put_block_gpudb,
+    put_block_partial_gpudb,
+    put_many_ctas_shared,
+    exclusive_wrap,
+    ops_gpudb,
+    ops_bf,
+    bad_rkey,
+    dropped_doorbell_timeout,
+    wait_signal,
+];
 
 /// The embedded kernels load on this GPU, launch, and write exactly what the host expects.
 fn pipeline(ctx: &Ctx) -> Result<String> {

@@ -36,9 +36,10 @@ unsafe impl Sync for DmaBuf {}
 pub const PAGE: usize = 4096;
 
 impl DmaBuf {
-    /// Allocates `len` zeroed bytes (rounded up to at least 64), page-aligned, in host memory.
+    /// Allocates `len` zeroed bytes, page-aligned, in host memory. The length is rounded up to
+    /// whole pages, so no two buffers share a page (each can be pinned or mapped on its own).
     pub fn alloc(len: usize) -> Self {
-        let len = len.max(64);
+        let len = len.max(1).next_multiple_of(PAGE);
         let layout = Layout::from_size_align(len, PAGE).expect("buffer size overflows a Layout");
         // SAFETY: the layout has non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };

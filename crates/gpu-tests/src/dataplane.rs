@@ -1,0 +1,522 @@
+//! Data-path cases: kernels drive exported soft-NIC QPs through the device API; the host checks
+//! every byte and every status.
+
+use anyhow::{bail, ensure, Context as _, Result};
+use gpuverbs::gpu::{ExportedQp, Gpu};
+use gpuverbs::{
+    Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, HostBuffer, Mr, Qp,
+    QpOptions,
+};
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+/// Budget for every wait in the kernels (ns).
+pub const BUDGET_NS: u64 = 2_000_000_000;
+
+/// The GPU shared by all cases (opening it loads the module once).
+pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
+    static GPU: OnceLock<Arc<Gpu>> = OnceLock::new();
+    if let Some(g) = GPU.get() {
+        return Ok(g.clone());
+    }
+    let g = Gpu::open(ordinal).context("open GPU")?;
+    Ok(GPU.get_or_init(|| g).clone())
+}
+
+/// Two soft devices with one connected RC QP pair; side A is exported to the GPU.
+pub struct Pair {
+    pub a: Context,
+    pub qa: Qp,
+    pub qb: Qp,
+    pub src: HostBuffer,
+    pub dst: HostBuffer,
+    pub src_mr: Mr,
+    pub dst_mr: Mr,
+    pub src_d: u64,
+    pub export: ExportedQp,
+    pub gpu: Arc<Gpu>,
+    _b: Context,
+}
+
+impl Pair {
+    pub fn new(ordinal: usize, mode: DoorbellMode, bytes: usize, sq_blocks: u32) -> Result<Self> {
+        let gpu = gpu(ordinal)?;
+        let a = Context::open(DeviceRequest::Soft)?;
+        let b = Context::open(DeviceRequest::Soft)?;
+        let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+        let cqa = a.create_cq(CqOptions {
+            depth: sq_blocks.max(64),
+            ..Default::default()
+        })?;
+        let cqb = b.create_cq(CqOptions {
+            depth: 64,
+            ..Default::default()
+        })?;
+        let mut oa = QpOptions::new(&cqa, &cqa);
+        oa.sq_blocks = sq_blocks;
+        oa.doorbell = mode;
+        let qa = pa.create_qp(oa)?;
+        let qb = pb.create_qp(QpOptions::new(&cqb, &cqb))?;
+        let remote = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+        let conn = ConnectOptions {
+            access: remote,
+            timeout: 10,
+            retry_cnt: 3,
+            ..Default::default()
+        };
+        qa.connect(&qb.local(), conn)?;
+        qb.connect(&qa.local(), conn)?;
+        let src = HostBuffer::new(bytes);
+        let dst = HostBuffer::new(bytes);
+        for i in (0..bytes).step_by(4096) {
+            let n = 4096.min(bytes - i);
+            let chunk: Vec<u8> = (0..n)
+                .map(|j| ((i + j) as u32).wrapping_mul(2654435761) as u8 | 1)
+                .collect();
+            src.write(i, &chunk);
+        }
+        let src_mr = pa.register_with(&src, Access::LOCAL_WRITE | remote)?;
+        let dst_mr = pb.register_with(&dst, Access::LOCAL_WRITE | remote)?;
+        let src_d = gpu.map_host(&src)?;
+        let export = gpu.export_qp(&qa)?;
+        Ok(Self {
+            a,
+            qa,
+            qb,
+            src,
+            dst,
+            src_mr,
+            dst_mr,
+            src_d,
+            export,
+            gpu,
+            _b: b,
+        })
+    }
+}
+
+/// Status words a kernel reports: [status, syndrome, vendor, wqe_counter, reached, ...].
+pub struct Status {
+    mem: gpuverbs::gpu::DeviceMem,
+}
+
+impl Status {
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Self> {
+        Ok(Self {
+            mem: gpu.alloc(32)?,
+        })
+    }
+    pub fn ptr(&self) -> u64 {
+        self.mem.ptr()
+    }
+    pub fn read(&self) -> Result<[i32; 8]> {
+        let mut b = [0u8; 32];
+        self.mem.read(0, &mut b)?;
+        Ok(bytemuck::cast(b))
+    }
+    /// Fails unless every thread reported OK.
+    pub fn expect_ok(&self) -> Result<()> {
+        let s = self.read()?;
+        if s[0] != 0 {
+            bail!(
+                "kernel status {} (syndrome {:#04x}, vendor {:#04x}, wqe {})",
+                status_name(s[0]),
+                s[1],
+                s[2],
+                s[3]
+            );
+        }
+        Ok(())
+    }
+}
+
+pub fn status_name(s: i32) -> &'static str {
+    match s {
+        0 => "OK",
+        1 => "ERROR_CQE",
+        2 => "TIMEOUT",
+        3 => "INVALID",
+        _ => "?",
+    }
+}
+
+/// Pointer-to-local helper for kernel parameter arrays.
+pub fn arg<T>(v: &mut T) -> *mut c_void {
+    (v as *mut T).cast()
+}
+
+/// Launches `gv_test_put` and checks every written byte.
+#[allow(clippy::too_many_arguments)]
+pub fn run_put(
+    p: &Pair,
+    grid: u32,
+    block: u32,
+    scope: u32,
+    skip_mod: u32,
+    size: u32,
+    iters: u32,
+    signal_every: u32,
+) -> Result<String> {
+    let st = Status::new(&p.gpu)?;
+    let mut q = p.export.ptr();
+    let mut lbase = p.src_d;
+    let mut lk = p.src_mr.lkey().0;
+    let mut rbase = p.dst_mr.addr();
+    let mut rk = p.dst_mr.rkey().0;
+    let (mut size_, mut iters_, mut scope_, mut skip_, mut sig_) =
+        (size, iters, scope, skip_mod, signal_every);
+    let mut budget = BUDGET_NS;
+    let mut out = st.ptr();
+    let mut params = [
+        arg(&mut q),
+        arg(&mut lbase),
+        arg(&mut lk),
+        arg(&mut rbase),
+        arg(&mut rk),
+        arg(&mut size_),
+        arg(&mut iters_),
+        arg(&mut scope_),
+        arg(&mut skip_),
+        arg(&mut sig_),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    let threads = grid as u64 * block as u64;
+    ensure!(
+        threads * iters as u64 * size as u64 <= p.dst.len() as u64,
+        "buffers too small"
+    );
+    // SAFETY: the parameters match gv_test_put's signature; q, lbase (mapped host memory) and
+    // out are live device-visible memory for the whole launch; rbase is only used as a remote
+    // address (checked by the device).
+    unsafe {
+        p.gpu
+            .launch_sync("gv_test_put", (grid, 1, 1), (block, 1, 1), 0, &mut params)?
+    };
+    st.expect_ok()?;
+    let (src, dst) = (p.src.to_vec(), p.dst.to_vec());
+    let mut msgs = 0u64;
+    for t in 0..threads {
+        let part = skip_mod == 0 || (t % block as u64) % skip_mod as u64 != skip_mod as u64 - 1;
+        for i in 0..iters as u64 {
+            let off = ((t * iters as u64 + i) * size as u64) as usize;
+            let range = off..off + size as usize;
+            if part {
+                ensure!(
+                    dst[range.clone()] == src[range.clone()],
+                    "thread {t} message {i}: bytes differ"
+                );
+                msgs += 1;
+            } else {
+                ensure!(
+                    dst[range.clone()].iter().all(|&b| b == 0),
+                    "thread {t} (not taking part) wrote bytes"
+                );
+            }
+        }
+    }
+    let d = p.export.read()?;
+    ensure!(
+        d.sq_retired == d.sq_ready && d.sq_ready == d.sq_rung,
+        "counters: {d:?}"
+    );
+    Ok(format!(
+        "{msgs} messages of {size} B verified, {} blocks",
+        d.sq_ready
+    ))
+}
+
+/// `put` cases: (doorbell mode, grid, block, scope, skip_mod, size, iters, signal_every, sq_blocks).
+pub struct PutCase {
+    pub mode: DoorbellMode,
+    pub grid: u32,
+    pub block: u32,
+    pub scope: u32,
+    pub skip_mod: u32,
+    pub size: u32,
+    pub iters: u32,
+    pub signal_every: u32,
+    pub sq_blocks: u32,
+}
+
+pub fn put_case(ordinal: usize, c: &PutCase) -> Result<String> {
+    let bytes = (c.grid * c.block * c.iters * c.size) as usize;
+    let p = Pair::new(ordinal, c.mode, bytes, c.sq_blocks)?;
+    let r = run_put(
+        &p,
+        c.grid,
+        c.block,
+        c.scope,
+        c.skip_mod,
+        c.size,
+        c.iters,
+        c.signal_every,
+    )?;
+    let dev = p.a.soft_device().expect("soft").counters();
+    ensure!(dev.errors.is_empty(), "device errors: {:?}", dev.errors);
+    Ok(format!("{r}; {} doorbells", dev.doorbells_seen))
+}
+
+/// One thread, exclusive sharing, many laps of a 64-block ring.
+pub fn exclusive_wrap(ordinal: usize) -> Result<String> {
+    let (iters, size) = (2000u32, 32u32);
+    let p = Pair::new(
+        ordinal,
+        DoorbellMode::GpuDoorbell,
+        (iters * size) as usize,
+        64,
+    )?;
+    let st = Status::new(&p.gpu)?;
+    let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
+        p.export.ptr(),
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0,
+    );
+    let (mut size_, mut iters_, mut sig, mut budget, mut out) =
+        (size, iters, 16u32, BUDGET_NS, st.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut lbase),
+        arg(&mut lk),
+        arg(&mut rbase),
+        arg(&mut rk),
+        arg(&mut size_),
+        arg(&mut iters_),
+        arg(&mut sig),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    // SAFETY: parameters match gv_test_put_exclusive; pointers are live device-visible memory.
+    unsafe {
+        p.gpu.launch_sync(
+            "gv_test_put_exclusive",
+            (1, 1, 1),
+            (1, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    st.expect_ok()?;
+    ensure!(
+        p.dst.to_vec() == p.src.to_vec()[..p.dst.len()],
+        "bytes differ"
+    );
+    let d = p.export.read()?;
+    ensure!(
+        d.sq_ready / 64 >= 30,
+        "only {} blocks: fewer than 30 laps",
+        d.sq_ready
+    );
+    Ok(format!(
+        "{iters} writes over {} laps of a 64-block SQ verified",
+        d.sq_ready / 64
+    ))
+}
+
+/// put_inline, put_signal, signal, get, fetch-add, compare-swap from one thread.
+pub fn ops(ordinal: usize, mode: DoorbellMode) -> Result<String> {
+    let p = Pair::new(ordinal, mode, 4096, 64)?;
+    // remote words for the atomics; remote bytes for the get
+    p.dst.write(1024, &100u64.to_ne_bytes());
+    p.dst.write(1032, &11u64.to_ne_bytes());
+    let pattern: Vec<u8> = (0..64).map(|i| 0x40 + i as u8).collect();
+    p.dst.write(256, &pattern);
+    let sig = HostBuffer::new(8);
+    let sig_mr =
+        p.qb.pd()
+            .register_with(&sig, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
+    let st = Status::new(&p.gpu)?;
+    let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
+        p.export.ptr(),
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0,
+    );
+    let (mut sig_addr, mut sig_key, mut budget, mut out) =
+        (sig_mr.addr(), sig_mr.rkey().0, BUDGET_NS, st.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut lbase),
+        arg(&mut lk),
+        arg(&mut rbase),
+        arg(&mut rk),
+        arg(&mut sig_addr),
+        arg(&mut sig_key),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    // SAFETY: parameters match gv_test_ops; pointers are live device-visible memory.
+    unsafe {
+        p.gpu
+            .launch_sync("gv_test_ops", (1, 1, 1), (1, 1, 1), 0, &mut params)?
+    };
+    st.expect_ok()?;
+    let (src, dst) = (p.src.to_vec(), p.dst.to_vec());
+    let inline: Vec<u8> = (0..40).map(|i| 0xA0 + i as u8).collect();
+    ensure!(dst[..40] == inline[..], "put_inline bytes differ");
+    ensure!(dst[64..128] == src[64..128], "put_signal payload differs");
+    let s = sig.atomic_u64(0).load(std::sync::atomic::Ordering::Acquire);
+    ensure!(s == 6, "signal word {s}, expected 1 + 5");
+    ensure!(src[512..576] == pattern[..], "get bytes differ");
+    let word = |b: &[u8], o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap());
+    ensure!(
+        word(&dst, 1024) == 107 && word(&src, 1024) == 100,
+        "fetch-add: target {} old {}",
+        word(&dst, 1024),
+        word(&src, 1024)
+    );
+    ensure!(
+        word(&dst, 1032) == 22 && word(&src, 1032) == 11,
+        "compare-swap: target {} old {}",
+        word(&dst, 1032),
+        word(&src, 1032)
+    );
+    Ok("inline, put_signal, signal, get, fetch-add, compare-swap verified".into())
+}
+
+/// A bad rkey comes back to the kernel as an error CQE with REMOTE_ACCESS; the next operation
+/// on the QP (now in ERR) fails at once instead of hanging.
+pub fn bad_rkey(ordinal: usize) -> Result<String> {
+    let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
+    let st = Status::new(&p.gpu)?;
+    let launch = |rk: u32, out: u64| -> Result<()> {
+        let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
+            p.export.ptr(),
+            p.src_d,
+            p.src_mr.lkey().0,
+            p.dst_mr.addr(),
+            rk,
+        );
+        let (mut size, mut iters, mut scope, mut skip, mut sig, mut budget, mut out) =
+            (64u32, 1u32, 0u32, 0u32, 1u32, BUDGET_NS, out);
+        let mut params = [
+            arg(&mut q),
+            arg(&mut lbase),
+            arg(&mut lk),
+            arg(&mut rbase),
+            arg(&mut rk),
+            arg(&mut size),
+            arg(&mut iters),
+            arg(&mut scope),
+            arg(&mut skip),
+            arg(&mut sig),
+            arg(&mut budget),
+            arg(&mut out),
+        ];
+        // SAFETY: parameters match gv_test_put; pointers are live device-visible memory.
+        unsafe {
+            p.gpu
+                .launch_sync("gv_test_put", (1, 1, 1), (1, 1, 1), 0, &mut params)?
+        };
+        Ok(())
+    };
+    launch(p.dst_mr.rkey().0 ^ 0x5500, st.ptr())?;
+    let s = st.read()?;
+    ensure!(
+        s[0] == 1 && s[1] == 0x13,
+        "expected ERROR_CQE REMOTE_ACCESS, got {} syndrome {:#x}",
+        status_name(s[0]),
+        s[1]
+    );
+    let err = prm::ErrorCqe {
+        responder: false,
+        syndrome: s[1] as u8,
+        vendor_syndrome: s[2] as u8,
+        wqe_opcode: 0x08,
+        qpn: p.qa.qpn(),
+        wqe_counter: s[3] as u16,
+    };
+    ensure!(
+        p.dst.to_vec().iter().all(|&b| b == 0),
+        "bytes landed despite the bad key"
+    );
+    ensure!(
+        p.qa.state() == gpuverbs::queue::QpState::Err,
+        "QP not in ERR"
+    );
+    let st2 = Status::new(&p.gpu)?;
+    launch(p.dst_mr.rkey().0, st2.ptr())?;
+    let s2 = st2.read()?;
+    ensure!(
+        s2[0] == 1,
+        "a post on a QP in ERR returned {}",
+        status_name(s2[0])
+    );
+    Ok(format!(
+        "kernel saw: {err}; next post on the ERR QP failed at once"
+    ))
+}
+
+/// A dropped doorbell makes the kernel's quiet return TIMEOUT within its budget, not hang.
+pub fn dropped_doorbell_timeout(ordinal: usize) -> Result<String> {
+    let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
+    p.qa.soft().inject(softnic::Fault::DropDoorbells(1));
+    let st = Status::new(&p.gpu)?;
+    let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
+        p.export.ptr(),
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0,
+    );
+    let (mut size, mut iters, mut scope, mut skip, mut sig, mut budget, mut out) =
+        (64u32, 1u32, 0u32, 0u32, 1u32, 50_000_000u64, st.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut lbase),
+        arg(&mut lk),
+        arg(&mut rbase),
+        arg(&mut rk),
+        arg(&mut size),
+        arg(&mut iters),
+        arg(&mut scope),
+        arg(&mut skip),
+        arg(&mut sig),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    let t = std::time::Instant::now();
+    // SAFETY: parameters match gv_test_put; pointers are live device-visible memory.
+    unsafe {
+        p.gpu
+            .launch_sync("gv_test_put", (1, 1, 1), (1, 1, 1), 0, &mut params)?
+    };
+    let s = st.read()?;
+    ensure!(s[0] == 2, "expected TIMEOUT, got {}", status_name(s[0]));
+    let c = p.a.soft_device().expect("soft").counters();
+    ensure!(c.doorbells_dropped == 1, "counters: {c:?}");
+    Ok(format!(
+        "TIMEOUT after {:.1?} with a 50 ms budget",
+        t.elapsed()
+    ))
+}
+
+/// wait_signal on a word nobody signals returns TIMEOUT; on a word already at the value, OK.
+pub fn wait_signal(ordinal: usize) -> Result<String> {
+    let gpu = gpu(ordinal)?;
+    let word = HostBuffer::new(8);
+    let d = gpu.map_host(&word)?;
+    let mut results = Vec::new();
+    for (value, preset, want) in [(1u64, 0u64, 2), (3, 3, 0)] {
+        word.write(0, &preset.to_ne_bytes());
+        let st = Status::new(&gpu)?;
+        let (mut sig, mut v, mut budget, mut out) = (d, value, 20_000_000u64, st.ptr());
+        let mut params = [arg(&mut sig), arg(&mut v), arg(&mut budget), arg(&mut out)];
+        // SAFETY: parameters match gv_test_wait_signal; `d` is the mapped word.
+        unsafe { gpu.launch_sync("gv_test_wait_signal", (1, 1, 1), (1, 1, 1), 0, &mut params)? };
+        let s = st.read()?;
+        ensure!(
+            s[0] == want,
+            "wait for {value} with {preset}: {}",
+            status_name(s[0])
+        );
+        results.push(status_name(s[0]));
+    }
+    Ok(format!(
+        "unsignaled: {}, already signaled: {}",
+        results[0], results[1]
+    ))
+}

@@ -1,0 +1,93 @@
+/* Generated from src/export.rs by gpuverbs (the single source of the layout).
+ * Do not edit: GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export rewrites it. */
+#pragma once
+#include <stdint.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+#define GPUVERBS_STATIC_ASSERT static_assert
+#else
+#define GPUVERBS_STATIC_ASSERT _Static_assert
+#endif
+
+typedef struct gpuverbs_qp {
+    uint64_t sq_ring; /* SQ ring (64-byte blocks). */
+    uint64_t rq_ring; /* RQ ring. */
+    uint64_t dbrec; /* 8-byte doorbell record (word 0 receive, word 1 send; big-endian). */
+    uint64_t db_reg; /* Doorbell / BlueFlame register (two 256-byte halves); 0 in CPU-proxy mode. */
+    uint64_t proxy_word; /* CPU-proxy producer word (u64, blocks, monotonic); 0 unless CPU-proxy mode. */
+    uint64_t scq_ring; /* Send CQ ring (64-byte CQEs). */
+    uint64_t scq_dbrec; /* Send CQ doorbell record (word 0: consumer index, big-endian). */
+    uint64_t rcq_ring; /* Receive CQ ring. */
+    uint64_t rcq_dbrec; /* Receive CQ doorbell record. */
+    uint64_t scratch; /* 8 registered bytes where atomics whose old value nobody wants land. */
+    uint32_t sq_blocks; /* SQ size in blocks (power of two). */
+    uint32_t rq_wqes; /* RQ size in WQEs. */
+    uint32_t rq_stride; /* Bytes per receive WQE. */
+    uint32_t qpn; /* QP number. */
+    uint32_t scq_ncqe; /* Send CQ entries. */
+    uint32_t rcq_ncqe; /* Receive CQ entries. */
+    uint32_t db_mode; /* Doorbell mode: 0 GPU doorbell, 1 BlueFlame, 2 CPU proxy. */
+    uint32_t ring_loc; /* Where rings and doorbells live: 0 host memory (system-scope ordering), 1 GPU memory. */
+    uint32_t max_inline; /* Largest inline payload. */
+    uint32_t scratch_lkey; /* lkey of `scratch`. */
+    uint32_t scq_collapsed; /* Send CQ is collapsed (every CQE in slot 0). */
+    uint32_t rcq_collapsed; /* Receive CQ is collapsed. */
+    uint64_t sq_reserved; /* Device API state: blocks reserved so far. */
+    uint64_t sq_ready; /* Device API state: blocks published in order (written and visible). */
+    uint64_t sq_rung; /* Device API state: producer index last told to the device. */
+    uint64_t sq_retired; /* Device API state: blocks completed (retired through CQEs). */
+    uint64_t sq_signaled_end; /* Device API state: end of the last signaled WQE published. */
+    uint64_t sq_last_start; /* Device API state: first block of the last WQE published. */
+    uint64_t scq_ci; /* Device API state: send CQ consumer index. */
+    uint64_t rcq_ci; /* Device API state: receive CQ consumer index. */
+    uint64_t rq_posted; /* Device API state: receive WQEs posted. */
+    uint64_t sq_error; /* Device API state: index of the first error CQE seen on the send CQ, plus 1 (0 none). */
+    uint64_t sq_error_info; /* Device API state: the error CQE's syndrome << 24 | vendor << 16 | wqe_counter. */
+    uint32_t bf_half; /* Device API state: next BlueFlame half. */
+    uint32_t ring_lock; /* Device API state: doorbell lock. */
+    uint32_t scq_lock; /* Device API state: send CQ lock. */
+    uint32_t reserved0; /* Reserved, zero. */
+} gpuverbs_qp;
+
+GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 232, "gpuverbs_qp size");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ring) == 0, "sq_ring");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_ring) == 8, "rq_ring");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, dbrec) == 16, "dbrec");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, db_reg) == 24, "db_reg");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, proxy_word) == 32, "proxy_word");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_ring) == 40, "scq_ring");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_dbrec) == 48, "scq_dbrec");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_ring) == 56, "rcq_ring");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_dbrec) == 64, "rcq_dbrec");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scratch) == 72, "scratch");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_blocks) == 80, "sq_blocks");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_wqes) == 84, "rq_wqes");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_stride) == 88, "rq_stride");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, qpn) == 92, "qpn");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_ncqe) == 96, "scq_ncqe");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_ncqe) == 100, "rcq_ncqe");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, db_mode) == 104, "db_mode");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, ring_loc) == 108, "ring_loc");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, max_inline) == 112, "max_inline");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scratch_lkey) == 116, "scratch_lkey");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_collapsed) == 120, "scq_collapsed");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_collapsed) == 124, "rcq_collapsed");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_reserved) == 128, "sq_reserved");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ready) == 136, "sq_ready");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_rung) == 144, "sq_rung");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_retired) == 152, "sq_retired");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_signaled_end) == 160, "sq_signaled_end");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_last_start) == 168, "sq_last_start");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_ci) == 176, "scq_ci");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_ci) == 184, "rcq_ci");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_posted) == 192, "rq_posted");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error) == 200, "sq_error");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error_info) == 208, "sq_error_info");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, bf_half) == 216, "bf_half");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, ring_lock) == 220, "ring_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_lock) == 224, "scq_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, reserved0) == 228, "reserved0");
+#define GPUVERBS_DB_GPU_DOORBELL 0u
+#define GPUVERBS_DB_BLUEFLAME 1u
+#define GPUVERBS_DB_CPU_PROXY 2u

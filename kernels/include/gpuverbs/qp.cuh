@@ -1,0 +1,683 @@
+// gpuverbs device API: drive an exported RC QP from CUDA kernels.
+//
+// Layers, low to high:
+//   reserve  -> wqe slots (lock-free, back-pressure against the send CQ)
+//   prepare  -> write one WQE of each kind into its slots (whole blocks, reserved bytes zero)
+//   publish  -> make WQEs visible in order
+//   ring     -> tell the device (GPU doorbell, BlueFlame, or CPU-proxy producer word)
+//   poll     -> take CQEs, retire SQ space, report errors
+//   high level: put, put_inline, put_signal, signal, get, atomic_fetch_add,
+//               atomic_compare_swap, wait_signal, quiet; warp- and block-scope put.
+//
+// Every wait takes a budget in nanoseconds (%globaltimer) and returns a status; nothing spins
+// forever, and an error CQE is reported (with its syndrome) rather than waited past.
+//
+// Ordering: WQE bytes are released before the doorbell (or producer word) that announces them,
+// at system scope when the rings live in host memory (ring_loc 0), at GPU scope otherwise. See
+// docs/memory-ordering.md.
+#ifndef GPUVERBS_QP_CUH
+#define GPUVERBS_QP_CUH
+
+#include <stdint.h>
+#include "desc.h"
+
+#if defined(__CUDACC__)
+
+namespace gpuverbs {
+
+// ------------------------------------------------------------------------------------------
+// Status, keys, byte order
+// ------------------------------------------------------------------------------------------
+
+enum status : int {
+    OK = 0,
+    ERROR_CQE = 1,   // an error completion arrived (see gpuverbs::error)
+    TIMEOUT = 2,     // the budget ran out
+    INVALID = 3,     // bad argument (size, inline length, alignment)
+};
+
+// The first error CQE a QP saw, decoded.
+struct error {
+    uint8_t syndrome;   // MLX5 CQE syndrome (0x13 REMOTE_ACCESS, 0x05 WR_FLUSH, ...)
+    uint8_t vendor;     // vendor syndrome
+    uint16_t wqe_counter;
+};
+
+// Keys are host-order values with distinct types: an lkey cannot be passed as an rkey, and the
+// byte swap to the wire order happens in exactly one place (the segment writers).
+struct lkey { uint32_t v; };
+struct rkey { uint32_t v; };
+
+// Scope of a call: which threads cooperate on it.
+enum class sharing { exclusive, cta, gpu };
+
+__device__ __forceinline__ uint32_t bswap32(uint32_t x) { return __byte_perm(x, 0, 0x0123); }
+
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// ------------------------------------------------------------------------------------------
+// Memory-ordering primitives
+// ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void fence_for(const gpuverbs_qp* q) {
+    if (q->ring_loc == 0) {
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+    } else {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_gpu64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_gpu64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys32(uint32_t* p, uint32_t v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys64(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_sys64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st16(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(a, b, c, d);
+}
+
+// A spin lock in GPU memory (descriptor fields), bounded.
+__device__ __forceinline__ bool lock(uint32_t* l, uint64_t deadline) {
+    while (atomicCAS(l, 0u, 1u) != 0u) {
+        if (now_ns() > deadline) return false;
+        __nanosleep(32);
+    }
+    __threadfence();
+    return true;
+}
+
+__device__ __forceinline__ void unlock(uint32_t* l) {
+    __threadfence();
+    atomicExch(l, 0u);
+}
+
+// ------------------------------------------------------------------------------------------
+// WQE formats (see MLX5-FACTS): segment writers, 16 bytes each, one vector store
+// ------------------------------------------------------------------------------------------
+
+enum opcode : uint8_t {
+    OP_NOP = 0x00,
+    OP_RDMA_WRITE = 0x08,
+    OP_RDMA_WRITE_IMM = 0x09,
+    OP_SEND = 0x0a,
+    OP_SEND_IMM = 0x0b,
+    OP_RDMA_READ = 0x10,
+    OP_ATOMIC_CS = 0x11,
+    OP_ATOMIC_FA = 0x12,
+    OP_ATOMIC_MASKED_CS = 0x14,
+    OP_ATOMIC_MASKED_FA = 0x15,
+};
+
+// fm_ce_se bits
+constexpr uint8_t CE_SIGNALED = 0x08;
+constexpr uint8_t FENCE_SMALL = 0x20;
+constexpr uint8_t FENCE_STRONG = 0x80;
+
+__device__ __forceinline__ uint8_t* wqe_slot(const gpuverbs_qp* q, uint64_t block) {
+    return reinterpret_cast<uint8_t*>(q->sq_ring) + ((block & (q->sq_blocks - 1)) << 6);
+}
+
+__device__ __forceinline__ void seg_ctrl(uint8_t* p, uint8_t op, uint8_t opmod, uint64_t idx,
+                                         uint32_t qpn, uint32_t ds, uint8_t fm_ce_se,
+                                         uint32_t imm) {
+    st16(p, bswap32((uint32_t)opmod << 24 | ((uint32_t)idx & 0xffffu) << 8 | op),
+         bswap32(qpn << 8 | ds), (uint32_t)fm_ce_se << 24, bswap32(imm));
+}
+
+__device__ __forceinline__ void seg_raddr(uint8_t* p, uint64_t addr, rkey k) {
+    st16(p, bswap32((uint32_t)(addr >> 32)), bswap32((uint32_t)addr), bswap32(k.v), 0);
+}
+
+__device__ __forceinline__ void seg_data(uint8_t* p, uint64_t addr, uint32_t len, lkey k) {
+    st16(p, bswap32(len), bswap32(k.v), bswap32((uint32_t)(addr >> 32)), bswap32((uint32_t)addr));
+}
+
+__device__ __forceinline__ void seg_atomic(uint8_t* p, uint64_t swap_add, uint64_t compare) {
+    st16(p, bswap32((uint32_t)(swap_add >> 32)), bswap32((uint32_t)swap_add),
+         bswap32((uint32_t)(compare >> 32)), bswap32((uint32_t)compare));
+}
+
+// Block `i` of a WQE whose first block is `idx` (multi-block WQEs wrap at the ring's end).
+__device__ __forceinline__ uint8_t* wqe_unit(const gpuverbs_qp* q, uint64_t idx, uint32_t unit) {
+    return wqe_slot(q, idx + unit / 4) + (unit % 4) * 16;
+}
+
+// Zero-fills units [from, 4*blocks) of a WQE so no stale bytes remain in its last block.
+__device__ __forceinline__ void zero_tail(const gpuverbs_qp* q, uint64_t idx, uint32_t from,
+                                          uint32_t blocks) {
+    for (uint32_t u = from; u < blocks * 4; ++u) st16(wqe_unit(q, idx, u), 0, 0, 0, 0);
+}
+
+// --- prepare: one function per WQE kind; each writes whole blocks at idx ---------------------
+
+// RDMA_WRITE (or WRITE_IMM when imm is given): 1 block.
+__device__ __forceinline__ void prep_write(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                           lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                           uint8_t flags, bool with_imm = false,
+                                           uint32_t imm = 0) {
+    uint8_t* p = wqe_slot(q, idx);
+    seg_ctrl(p, with_imm ? OP_RDMA_WRITE_IMM : OP_RDMA_WRITE, 0, idx, q->qpn, 3, flags, imm);
+    seg_raddr(p + 16, raddr, rk);
+    seg_data(p + 32, laddr, len, lk);
+    st16(p + 48, 0, 0, 0, 0);
+}
+
+// Blocks an inline write of `len` bytes takes: ctrl + raddr + align(4 + len, 16).
+__device__ __forceinline__ uint32_t inline_write_blocks(uint32_t len) {
+    uint32_t ds = 2 + (4 + len + 15) / 16;
+    return (ds + 3) / 4;
+}
+
+// RDMA_WRITE with the payload carried in the WQE.
+__device__ __forceinline__ void prep_write_inline(const gpuverbs_qp* q, uint64_t idx,
+                                                  const void* src, uint32_t len, uint64_t raddr,
+                                                  rkey rk, uint8_t flags) {
+    uint32_t ds = 2 + (4 + len + 15) / 16;
+    uint32_t blocks = (ds + 3) / 4;
+    uint8_t* p = wqe_slot(q, idx);
+    seg_ctrl(p, OP_RDMA_WRITE, 0, idx, q->qpn, ds, flags, 0);
+    seg_raddr(p + 16, raddr, rk);
+    // Inline bytes: a 4-byte header then the payload, unit by unit (units may wrap blocks).
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    for (uint32_t u = 2; u < blocks * 4; ++u) {
+        uint32_t w[4];
+        for (int k = 0; k < 4; ++k) {
+            uint32_t v = 0;
+            for (int b = 0; b < 4; ++b) {
+                int off = (int)((u - 2) * 16 + k * 4 + b) - 4;  // payload offset
+                uint8_t byte = 0;
+                if (off < 0) {
+                    uint32_t hdr = bswap32(len | 0x80000000u);
+                    byte = (uint8_t)(hdr >> (8 * (off + 4)));
+                } else if ((uint32_t)off < len) {
+                    byte = s[off];
+                }
+                v |= (uint32_t)byte << (8 * b);
+            }
+            w[k] = v;
+        }
+        st16(wqe_unit(q, idx, u), w[0], w[1], w[2], w[3]);
+    }
+}
+
+// RDMA_READ into local memory: 1 block.
+__device__ __forceinline__ void prep_read(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                          lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                          uint8_t flags) {
+    uint8_t* p = wqe_slot(q, idx);
+    seg_ctrl(p, OP_RDMA_READ, 0, idx, q->qpn, 3, flags, 0);
+    seg_raddr(p + 16, raddr, rk);
+    seg_data(p + 32, laddr, len, lk);
+    st16(p + 48, 0, 0, 0, 0);
+}
+
+// SEND from local memory: 1 block.
+__device__ __forceinline__ void prep_send(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                          lkey lk, uint32_t len, uint8_t flags,
+                                          bool with_imm = false, uint32_t imm = 0) {
+    uint8_t* p = wqe_slot(q, idx);
+    seg_ctrl(p, with_imm ? OP_SEND_IMM : OP_SEND, 0, idx, q->qpn, 2, flags, imm);
+    seg_data(p + 16, laddr, len, lk);
+    st16(p + 32, 0, 0, 0, 0);
+    st16(p + 48, 0, 0, 0, 0);
+}
+
+// ATOMIC_FA / ATOMIC_CS on an 8-byte remote word; the old value lands at `result`: 1 block.
+__device__ __forceinline__ void prep_atomic(const gpuverbs_qp* q, uint64_t idx, uint8_t op,
+                                            uint64_t raddr, rkey rk, uint64_t swap_add,
+                                            uint64_t compare, uint64_t result, lkey result_key,
+                                            uint8_t flags) {
+    uint8_t* p = wqe_slot(q, idx);
+    seg_ctrl(p, op, 0, idx, q->qpn, 4, flags, 0);
+    seg_raddr(p + 16, raddr, rk);
+    seg_atomic(p + 32, swap_add, compare);
+    seg_data(p + 48, result, 8, result_key);
+}
+
+// Masked atomics on 8-byte operands (opmod 0x09). FA: 1 block; CS: 2 blocks.
+__device__ __forceinline__ uint32_t prep_masked_fa(const gpuverbs_qp* q, uint64_t idx,
+                                                   uint64_t raddr, rkey rk, uint64_t add,
+                                                   uint64_t boundary, uint64_t result,
+                                                   lkey result_key, uint8_t flags) {
+    uint8_t* p = wqe_slot(q, idx);
+    seg_ctrl(p, OP_ATOMIC_MASKED_FA, 0x09, idx, q->qpn, 4, flags, 0);
+    seg_raddr(p + 16, raddr, rk);
+    seg_atomic(p + 32, add, boundary);
+    seg_data(p + 48, result, 8, result_key);
+    return 1;
+}
+
+__device__ __forceinline__ uint32_t prep_masked_cs(const gpuverbs_qp* q, uint64_t idx,
+                                                   uint64_t raddr, rkey rk, uint64_t compare,
+                                                   uint64_t compare_mask, uint64_t swap,
+                                                   uint64_t swap_mask, uint64_t result,
+                                                   lkey result_key, uint8_t flags) {
+    seg_ctrl(wqe_unit(q, idx, 0), OP_ATOMIC_MASKED_CS, 0x09, idx, q->qpn, 5, flags, 0);
+    seg_raddr(wqe_unit(q, idx, 1), raddr, rk);
+    seg_atomic(wqe_unit(q, idx, 2), swap, compare);
+    seg_atomic(wqe_unit(q, idx, 3), swap_mask, compare_mask);
+    seg_data(wqe_unit(q, idx, 4), result, 8, result_key);
+    zero_tail(q, idx, 5, 2);
+    return 2;
+}
+
+// NOP: 1 block.
+__device__ __forceinline__ void prep_nop(const gpuverbs_qp* q, uint64_t idx, uint8_t flags) {
+    uint8_t* p = wqe_slot(q, idx);
+    seg_ctrl(p, OP_NOP, 0, idx, q->qpn, 1, flags, 0);
+    st16(p + 16, 0, 0, 0, 0);
+    st16(p + 32, 0, 0, 0, 0);
+    st16(p + 48, 0, 0, 0, 0);
+}
+
+// ------------------------------------------------------------------------------------------
+// Completions
+// ------------------------------------------------------------------------------------------
+
+// Blocks of the WQE whose first block is `idx` (read back from its ctrl segment).
+__device__ __forceinline__ uint32_t wqe_blocks_at(const gpuverbs_qp* q, uint64_t idx) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(wqe_slot(q, idx));
+    uint32_t ds = bswap32(w[1]) & 0x3f;
+    return ds == 0 ? 1 : (ds * 16 + 63) / 64;
+}
+
+// Takes one send-CQ entry if software owns it. Returns 1 if one was taken (and retires the SQ
+// space it covers), 0 if none. Records the first error CQE in the descriptor.
+// Caller holds the send-CQ lock (or owns the QP exclusively).
+__device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
+    uint64_t ci = q->scq_ci;
+    uint32_t n = q->scq_ncqe;
+    uint32_t slot = q->scq_collapsed ? 0u : (uint32_t)(ci & (n - 1));
+    const uint8_t* cqe = reinterpret_cast<const uint8_t*>(q->scq_ring) + slot * 64;
+    uint32_t tail = ld_acquire_sys(reinterpret_cast<const uint32_t*>(cqe + 60));
+    uint32_t op_own = tail >> 24;
+    uint32_t opcode = op_own >> 4;
+    if (opcode == 15) return 0;
+    if (!q->scq_collapsed && (op_own & 1u) != (uint32_t)((ci / n) & 1u)) return 0;
+    uint16_t counter = (uint16_t)(((tail & 0xffu) << 8) | ((tail >> 8) & 0xffu));
+    if (opcode == 13 || opcode == 14) {
+        uint32_t synd_word = *reinterpret_cast<const volatile uint32_t*>(cqe + 52);
+        uint8_t vendor = (uint8_t)(synd_word >> 16);
+        uint8_t syndrome = (uint8_t)(synd_word >> 24);
+        if (q->sq_error == 0) {
+            q->sq_error_info = (uint64_t)syndrome << 24 | (uint64_t)vendor << 16 | counter;
+            q->sq_error = ci + 1;
+        }
+    }
+    uint32_t blocks = wqe_blocks_at(q, counter);
+    uint64_t retired = q->sq_retired;
+    uint16_t delta = (uint16_t)(counter + blocks - (uint16_t)retired);
+    if (delta <= q->sq_blocks) st_release_gpu64(&q->sq_retired, retired + delta);
+    ci += 1;
+    q->scq_ci = ci;
+    st_relaxed_sys32(reinterpret_cast<uint32_t*>(q->scq_dbrec), bswap32((uint32_t)(ci & 0xffffff)));
+    return 1;
+}
+
+__device__ __forceinline__ error last_error(const gpuverbs_qp* q) {
+    uint64_t info = q->sq_error_info;
+    return error{(uint8_t)(info >> 24), (uint8_t)(info >> 16), (uint16_t)info};
+}
+
+// Polls the send CQ until nothing is left to take, under the CQ lock when shared.
+template <sharing S>
+__device__ __forceinline__ status scq_progress(gpuverbs_qp* q, uint64_t deadline) {
+    if (S != sharing::exclusive) {
+        if (atomicCAS(&q->scq_lock, 0u, 1u) != 0u) return OK;  // someone else is polling
+        __threadfence();
+    }
+    while (scq_poll_one(q)) {
+    }
+    if (S != sharing::exclusive) unlock(&q->scq_lock);
+    (void)deadline;
+    return q->sq_error ? ERROR_CQE : OK;
+}
+
+// ------------------------------------------------------------------------------------------
+// Reserve, publish, ring
+// ------------------------------------------------------------------------------------------
+
+// Reserves `n` blocks; waits (polling the CQ) while the SQ is full. Lock-free (CAS), so a
+// timeout leaves no hole in the ring.
+template <sharing S>
+__device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t budget_ns,
+                                          uint64_t* start) {
+    uint64_t deadline = now_ns() + budget_ns;
+    if (q->sq_error) return ERROR_CQE;  // the QP is in error: nothing new would execute
+    for (;;) {
+        uint64_t r = S == sharing::exclusive ? q->sq_reserved
+                                             : ld_acquire_gpu64(&q->sq_reserved);
+        uint64_t retired = S == sharing::exclusive ? q->sq_retired
+                                                   : ld_acquire_gpu64(&q->sq_retired);
+        if (r + n - retired <= q->sq_blocks) {
+            if (S == sharing::exclusive) {
+                q->sq_reserved = r + n;
+                *start = r;
+                return OK;
+            }
+            if (atomicCAS(reinterpret_cast<unsigned long long*>(&q->sq_reserved), r, r + n) == r) {
+                *start = r;
+                return OK;
+            }
+            continue;
+        }
+        if (scq_progress<S>(q, deadline) == ERROR_CQE) return ERROR_CQE;
+        if (now_ns() > deadline) return TIMEOUT;
+    }
+}
+
+// Publishes blocks [start, start+n) after every earlier reservation: WQE bytes are released
+// first. `signaled` records that the last WQE asks for a CQE.
+template <sharing S>
+__device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32_t n,
+                                          uint64_t last_start, bool signaled,
+                                          uint64_t budget_ns) {
+    fence_for(q);
+    if (S != sharing::exclusive) {
+        uint64_t deadline = now_ns() + budget_ns;
+        while (ld_acquire_gpu64(&q->sq_ready) != start) {
+            if (now_ns() > deadline) return TIMEOUT;
+        }
+    }
+    q->sq_last_start = last_start;
+    if (signaled) q->sq_signaled_end = start + n;
+    if (S == sharing::exclusive) {
+        q->sq_ready = start + n;
+    } else {
+        st_release_gpu64(&q->sq_ready, start + n);
+    }
+    return OK;
+}
+
+// Tells the device about every published WQE, in the QP's doorbell mode.
+template <sharing S>
+__device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns) {
+    uint64_t deadline = now_ns() + budget_ns;
+    if (S != sharing::exclusive && !lock(&q->ring_lock, deadline)) return TIMEOUT;
+    uint64_t ready = S == sharing::exclusive ? q->sq_ready : ld_acquire_gpu64(&q->sq_ready);
+    if (ready != q->sq_rung) {
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        if (q->db_mode == GPUVERBS_DB_CPU_PROXY) {
+            st_release_sys64(reinterpret_cast<uint64_t*>(q->proxy_word), ready);
+        } else {
+            uint32_t* dbrec = reinterpret_cast<uint32_t*>(q->dbrec);
+            st_relaxed_sys32(dbrec + 1, bswap32((uint32_t)(ready & 0xffff)));
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
+            uint8_t* reg = reinterpret_cast<uint8_t*>(q->db_reg) + (q->bf_half & 1u) * 256;
+            uint64_t last = q->sq_last_start;
+            uint32_t blocks = wqe_blocks_at(q, last);
+            bool bf = q->db_mode == GPUVERBS_DB_BLUEFLAME && last + blocks == ready && blocks <= 4;
+            uint64_t value;
+            if (bf) {
+                // Whole WQE into the register: bytes 8.. first, its first 8 bytes last.
+                for (uint32_t u = 0; u < blocks * 4; ++u) {
+                    const uint4 v = *reinterpret_cast<const uint4*>(wqe_unit(q, last, u));
+                    if (u == 0) {
+                        st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg + 8),
+                                         (uint64_t)v.w << 32 | v.z);
+                    } else {
+                        *reinterpret_cast<uint4*>(reg + u * 16) = v;
+                    }
+                }
+                const uint2 head = *reinterpret_cast<const uint2*>(wqe_slot(q, last));
+                value = (uint64_t)head.y << 32 | head.x;
+                asm volatile("fence.acq_rel.sys;" ::: "memory");
+                q->bf_half ^= 1u;
+            } else {
+                // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.
+                value = (uint64_t)bswap32(q->qpn << 8) << 32 |
+                        bswap32(((uint32_t)ready & 0xffffu) << 8);
+            }
+            st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), value);
+        }
+        q->sq_rung = ready;
+    }
+    if (S != sharing::exclusive) unlock(&q->ring_lock);
+    return OK;
+}
+
+// ------------------------------------------------------------------------------------------
+// High level (thread scope)
+// ------------------------------------------------------------------------------------------
+
+// Waits until every WQE published so far has completed. Posts a signaled NOP first when the
+// last published WQE was unsignaled (unsignaled WQEs complete only behind a signaled one).
+template <sharing S = sharing::gpu>
+__device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr) {
+    uint64_t deadline = now_ns() + budget_ns;
+    uint64_t target = S == sharing::exclusive ? q->sq_ready : ld_acquire_gpu64(&q->sq_ready);
+    if (q->sq_signaled_end < target) {
+        uint64_t idx;
+        status s = reserve<S>(q, 1, budget_ns, &idx);
+        if (s == ERROR_CQE && err) *err = last_error(q);
+        if (s != OK) return s;
+        prep_nop(q, idx, CE_SIGNALED);
+        s = publish<S>(q, idx, 1, idx, true, budget_ns);
+        if (s != OK) return s;
+        s = ring<S>(q, budget_ns);
+        if (s != OK) return s;
+        target = idx + 1;
+    }
+    for (;;) {
+        status s = scq_progress<S>(q, deadline);
+        uint64_t retired = S == sharing::exclusive ? q->sq_retired
+                                                   : ld_acquire_gpu64(&q->sq_retired);
+        if (retired >= target) {
+            if (s == ERROR_CQE && err) *err = last_error(q);
+            return s;
+        }
+        if (now_ns() > deadline) return TIMEOUT;
+    }
+}
+
+// One WQE of `blocks` blocks: reserve, prepare (the callable), publish, ring.
+template <sharing S, typename Prep>
+__device__ __forceinline__ status post1(gpuverbs_qp* q, uint32_t blocks, bool signaled,
+                                        bool do_ring, uint64_t budget_ns, Prep prep) {
+    uint64_t idx;
+    status s = reserve<S>(q, blocks, budget_ns, &idx);
+    if (s != OK) return s;
+    prep(idx);
+    s = publish<S>(q, idx, blocks, idx, signaled, budget_ns);
+    if (s != OK || !do_ring) return s;
+    return ring<S>(q, budget_ns);
+}
+
+// RDMA write of `len` bytes.
+template <sharing S = sharing::gpu>
+__device__ status put(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                      uint32_t len, bool signaled, uint64_t budget_ns, bool do_ring = true) {
+    uint8_t f = signaled ? CE_SIGNALED : 0;
+    return post1<S>(q, 1, signaled, do_ring, budget_ns, [&](uint64_t idx) {
+        prep_write(q, idx, laddr, lk, raddr, rk, len, f);
+    });
+}
+
+// RDMA write with the payload in the WQE (len <= max_inline).
+template <sharing S = sharing::gpu>
+__device__ status put_inline(gpuverbs_qp* q, const void* src, uint32_t len, uint64_t raddr,
+                             rkey rk, bool signaled, uint64_t budget_ns) {
+    if (len > q->max_inline) return INVALID;
+    uint8_t f = signaled ? CE_SIGNALED : 0;
+    return post1<S>(q, inline_write_blocks(len), signaled, true, budget_ns, [&](uint64_t idx) {
+        prep_write_inline(q, idx, src, len, raddr, rk, f);
+    });
+}
+
+// Atomic add of `add` on a remote 8-byte signal word (old value discarded).
+template <sharing S = sharing::gpu>
+__device__ status signal(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key, uint64_t add,
+                         bool signaled, uint64_t budget_ns, bool do_ring = true) {
+    uint8_t f = signaled ? CE_SIGNALED : 0;
+    return post1<S>(q, 1, signaled, do_ring, budget_ns, [&](uint64_t idx) {
+        prep_atomic(q, idx, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
+                    lkey{q->scratch_lkey}, f);
+    });
+}
+
+// Write then signal, ordered (the RC responder executes them in order), one doorbell.
+template <sharing S = sharing::gpu>
+__device__ status put_signal(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                             uint32_t len, uint64_t sig_addr, rkey sig_key, uint64_t add,
+                             bool signaled, uint64_t budget_ns) {
+    uint64_t idx;
+    status s = reserve<S>(q, 2, budget_ns, &idx);
+    if (s != OK) return s;
+    prep_write(q, idx, laddr, lk, raddr, rk, len, 0);
+    prep_atomic(q, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
+                lkey{q->scratch_lkey}, signaled ? CE_SIGNALED : 0);
+    s = publish<S>(q, idx, 2, idx + 1, signaled, budget_ns);
+    if (s != OK) return s;
+    return ring<S>(q, budget_ns);
+}
+
+// RDMA read of `len` bytes into local memory; complete once quiet() returns OK.
+template <sharing S = sharing::gpu>
+__device__ status get(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                      uint32_t len, bool signaled, uint64_t budget_ns) {
+    uint8_t f = signaled ? CE_SIGNALED : 0;
+    return post1<S>(q, 1, signaled, true, budget_ns, [&](uint64_t idx) {
+        prep_read(q, idx, laddr, lk, raddr, rk, len, f);
+    });
+}
+
+// Remote fetch-and-add; the old value lands at `result` (8 registered bytes) after quiet().
+template <sharing S = sharing::gpu>
+__device__ status atomic_fetch_add(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint64_t add,
+                                   uint64_t result, lkey result_key, uint64_t budget_ns) {
+    return post1<S>(q, 1, true, true, budget_ns, [&](uint64_t idx) {
+        prep_atomic(q, idx, OP_ATOMIC_FA, raddr, rk, add, 0, result, result_key, CE_SIGNALED);
+    });
+}
+
+// Remote compare-and-swap; the old value lands at `result` after quiet().
+template <sharing S = sharing::gpu>
+__device__ status atomic_compare_swap(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                      uint64_t compare, uint64_t swap, uint64_t result,
+                                      lkey result_key, uint64_t budget_ns) {
+    return post1<S>(q, 1, true, true, budget_ns, [&](uint64_t idx) {
+        prep_atomic(q, idx, OP_ATOMIC_CS, raddr, rk, swap, compare, result, result_key,
+                    CE_SIGNALED);
+    });
+}
+
+// Orders later WQEs after earlier ones: the next WQE carries a strong fence.
+template <sharing S = sharing::gpu>
+__device__ status fence(gpuverbs_qp* q, uint64_t budget_ns) {
+    return post1<S>(q, 1, false, false, budget_ns,
+                    [&](uint64_t idx) { prep_nop(q, idx, FENCE_STRONG); });
+}
+
+// Waits (acquire, system scope) until the local 8-byte signal word reaches `value`.
+__device__ __forceinline__ status wait_signal(const uint64_t* sig, uint64_t value,
+                                              uint64_t budget_ns) {
+    uint64_t deadline = now_ns() + budget_ns;
+    while (ld_acquire_sys64(sig) < value) {
+        if (now_ns() > deadline) return TIMEOUT;
+    }
+    return OK;
+}
+
+// ------------------------------------------------------------------------------------------
+// Warp and block scope: one reservation, one doorbell, partial participation allowed
+// ------------------------------------------------------------------------------------------
+
+// Every active lane of the warp calls it with its own buffers; lanes that are not active
+// (diverged, exited) simply do not take part. One reservation and one doorbell per call.
+template <sharing S = sharing::gpu>
+__device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                           uint32_t len, bool signaled, uint64_t budget_ns) {
+    const uint32_t mask = __activemask();
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t leader = __ffs(mask) - 1;
+    const uint32_t count = __popc(mask);
+    const uint32_t rank = __popc(mask & ((1u << lane) - 1u));
+    uint64_t start = 0;
+    status s = OK;
+    if (lane == leader) s = reserve<S>(q, count, budget_ns, &start);
+    start = __shfl_sync(mask, start, leader);
+    s = (status)__shfl_sync(mask, (int)s, leader);
+    if (s != OK) return s;
+    bool last = rank == count - 1;
+    prep_write(q, start + rank, laddr, lk, raddr, rk, len, (signaled && last) ? CE_SIGNALED : 0);
+    __syncwarp(mask);
+    if (lane == leader) {
+        s = publish<S>(q, start, count, start + count - 1, signaled, budget_ns);
+        if (s == OK) s = ring<S>(q, budget_ns);
+    }
+    return (status)__shfl_sync(mask, (int)s, leader);
+}
+
+// Every thread of the block calls it (a collective: it synchronises the block); threads with
+// `participate == false` post nothing. One reservation and one doorbell for the block.
+template <sharing S = sharing::gpu>
+__device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lkey lk,
+                            uint64_t raddr, rkey rk, uint32_t len, bool signaled,
+                            uint64_t budget_ns) {
+    __shared__ uint32_t count;
+    __shared__ uint64_t start;
+    __shared__ int st;
+    const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    if (tid == 0) count = 0;
+    __syncthreads();
+    uint32_t rank = participate ? atomicAdd(&count, 1u) : 0;
+    __syncthreads();
+    if (tid == 0) {
+        st = count ? reserve<S>(q, count, budget_ns, &start) : OK;
+    }
+    __syncthreads();
+    status s = (status)st;
+    if (s == OK && participate) {
+        bool last = rank == count - 1;
+        prep_write(q, start + rank, laddr, lk, raddr, rk, len,
+                   (signaled && last) ? CE_SIGNALED : 0);
+    }
+    __syncthreads();
+    if (tid == 0 && s == OK && count) {
+        s = publish<S>(q, start, count, start + count - 1, signaled, budget_ns);
+        if (s == OK) s = ring<S>(q, budget_ns);
+        st = s;
+    }
+    __syncthreads();
+    s = (status)st;
+    __syncthreads();
+    return s;
+}
+
+}  // namespace gpuverbs
+
+#endif  // __CUDACC__
+#endif  // GPUVERBS_QP_CUH

@@ -1,0 +1,106 @@
+// Kernels the GPU test suite launches: each drives an exported QP through the public device
+// API and reports a status the host checks (payloads are verified on the host).
+#include <gpuverbs/gpuverbs.cuh>
+#include <gpuverbs/qp.cuh>
+
+namespace device_tests {
+
+// Records the first non-OK status (and its error) of any thread.
+GPUVERBS_DEVICE void report(int* out, gpuverbs::status s, const gpuverbs::error& e) {
+    if (s != gpuverbs::OK && atomicCAS(out, 0, (int)s) == 0) {
+        out[1] = e.syndrome;
+        out[2] = e.vendor;
+        out[3] = e.wqe_counter;
+    }
+}
+
+}  // namespace device_tests
+
+// Scope codes: 0 thread, 1 warp, 2 block.
+// Each participating thread writes `iters` messages of `size` bytes from its slice of the local
+// buffer to the same slice of the remote buffer; the last thread of each block calls quiet.
+// `skip_mod`: threads with (thread index % skip_mod == skip_mod - 1) do not take part (partial
+// warps and blocks); 0 = everyone takes part.
+GPUVERBS_KERNEL void gv_test_put(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, uint64_t rbase,
+                                 uint32_t rk, uint32_t size, uint32_t iters, uint32_t scope,
+                                 uint32_t skip_mod, uint32_t signal_every, uint64_t budget,
+                                 int* out) {
+    using namespace gpuverbs;
+    const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool part = skip_mod == 0 || (threadIdx.x % skip_mod) != skip_mod - 1;
+    status s = OK;
+    for (uint32_t i = 0; i < iters && s == OK; ++i) {
+        uint64_t off = ((uint64_t)tid * iters + i) * size;
+        bool sig = signal_every && ((i + 1) % signal_every == 0);
+        if (scope == 2) {
+            s = put_block(q, part, lbase + off, lkey{lk}, rbase + off, rkey{rk}, size, sig, budget);
+        } else if (!part) {
+            break;
+        } else if (scope == 1) {
+            s = put_warp(q, lbase + off, lkey{lk}, rbase + off, rkey{rk}, size, sig, budget);
+        } else {
+            s = put(q, lbase + off, lkey{lk}, rbase + off, rkey{rk}, size, sig, budget);
+        }
+    }
+    error e{};
+    if (s != OK) e = last_error(q);
+    device_tests::report(out, s, e);
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) {
+        s = quiet(q, budget, &e);
+        device_tests::report(out, s, e);
+    }
+}
+
+// Same as gv_test_put with thread scope and exclusive sharing (one thread in the grid).
+GPUVERBS_KERNEL void gv_test_put_exclusive(gpuverbs_qp* q, uint64_t lbase, uint32_t lk,
+                                           uint64_t rbase, uint32_t rk, uint32_t size,
+                                           uint32_t iters, uint32_t signal_every,
+                                           uint64_t budget, int* out) {
+    using namespace gpuverbs;
+    status s = OK;
+    for (uint32_t i = 0; i < iters && s == OK; ++i) {
+        uint64_t off = (uint64_t)i * size;
+        bool sig = signal_every && ((i + 1) % signal_every == 0);
+        s = put<sharing::exclusive>(q, lbase + off, lkey{lk}, rbase + off, rkey{rk}, size, sig,
+                                    budget);
+    }
+    error e{};
+    if (s == OK) s = quiet<sharing::exclusive>(q, budget, &e);
+    else e = last_error(q);
+    device_tests::report(out, s, e);
+}
+
+// The other high-level operations, one thread:
+//  put_inline of 40 bytes to remote+0, put_signal of 64 bytes to remote+64 with +1 on sig,
+//  signal +5 on sig, get of 64 bytes from remote+256 into local+512, fetch-add +7 on
+//  remote word at remote+1024 with the old value to local+1024, compare-swap on remote+1032
+//  (compare 11, swap 22) with the old value to local+1032, then quiet.
+GPUVERBS_KERNEL void gv_test_ops(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, uint64_t rbase,
+                                 uint32_t rk, uint64_t sig, uint32_t sig_key, uint64_t budget,
+                                 int* out) {
+    using namespace gpuverbs;
+    uint8_t payload[40];
+    for (int i = 0; i < 40; ++i) payload[i] = (uint8_t)(0xA0 + i);
+    error e{};
+    status s = put_inline(q, payload, 40, rbase, rkey{rk}, false, budget);
+    if (s == OK) s = put_signal(q, lbase + 64, lkey{lk}, rbase + 64, rkey{rk}, 64, sig,
+                                rkey{sig_key}, 1, false, budget);
+    if (s == OK) s = signal(q, sig, rkey{sig_key}, 5, false, budget);
+    if (s == OK) s = get(q, lbase + 512, lkey{lk}, rbase + 256, rkey{rk}, 64, false, budget);
+    if (s == OK) s = atomic_fetch_add(q, rbase + 1024, rkey{rk}, 7, lbase + 1024, lkey{lk}, budget);
+    if (s == OK) s = atomic_compare_swap(q, rbase + 1032, rkey{rk}, 11, 22, lbase + 1032,
+                                         lkey{lk}, budget);
+    if (s == OK) s = quiet(q, budget, &e);
+    else e = last_error(q);
+    device_tests::report(out, s, e);
+}
+
+// Waits on a local signal word until it reaches `value`; reports the status (TIMEOUT expected
+// when nobody signals).
+GPUVERBS_KERNEL void gv_test_wait_signal(const uint64_t* sig, uint64_t value, uint64_t budget,
+                                         int* out) {
+    gpuverbs::error e{};
+    device_tests::report(out, gpuverbs::wait_signal(sig, value, budget), e);
+    if (out[0] == 0) out[4] = 1;  // reached
+}

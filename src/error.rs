@@ -1,0 +1,24 @@
+//! The host API's error type.
+
+/// Errors of the gpuverbs host API.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No device with this name.
+    #[error("no RDMA device named {0:?} (soft NIC names: soft, softnic, softnic<N>)")]
+    NoSuchDevice(String),
+    /// The soft NIC refused a control-path operation.
+    #[error(transparent)]
+    Soft(#[from] softnic::Error),
+    /// CUDA failed (or is absent) where the operation needs it.
+    #[error(transparent)]
+    Cuda(#[from] crate::cuda::CudaError),
+    /// A parameter is out of range.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The device cannot do this (the reason says which device and what).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// The object is still used by in-flight work or by other objects.
+    #[error("{0} is still in use")]
+    Busy(&'static str),
+}

@@ -1,0 +1,205 @@
+//! The descriptor of a QP that kernels drive, and its C twin.
+//!
+//! [`QpDesc`] is defined once, by the `descriptor!` macro below, which produces both the Rust
+//! `#[repr(C)]` struct and the C declaration in `kernels/include/gpuverbs/desc.h` (through
+//! [`c_header`]; a test fails when the committed header differs, and
+//! `GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export` rewrites it). The C side also
+//! static-asserts every offset, so nvcc checks the same layout.
+//!
+//! The descriptor has one owner: it lives in GPU memory and its mutable counters (reserved,
+//! ready, rung, retired, consumer indexes) are changed only by the device API.
+
+use bytemuck::{Pod, Zeroable};
+
+macro_rules! descriptor {
+    (
+        $(#[doc = $doc:literal])*
+        struct $name:ident as $cname:literal {
+            $( $(#[doc = $fdoc:literal])* $field:ident : $ty:ident, )*
+        }
+    ) => {
+        $(#[doc = $doc])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+        pub struct $name {
+            $( $(#[doc = $fdoc])* pub $field: $ty, )*
+        }
+
+        impl $name {
+            /// The C type name.
+            pub const C_NAME: &'static str = $cname;
+            /// (field, C type, offset, doc) of every field, in order.
+            pub const FIELDS: &'static [(&'static str, &'static str, usize, &'static str)] = &[
+                $( (stringify!($field), c_type(stringify!($ty)), core::mem::offset_of!($name, $field),
+                    concat!($($fdoc),*)), )*
+            ];
+        }
+    };
+}
+
+const fn c_type(rust: &str) -> &'static str {
+    match rust.as_bytes() {
+        b"u64" => "uint64_t",
+        b"u32" => "uint32_t",
+        _ => panic!("descriptor fields are u32 or u64"),
+    }
+}
+
+descriptor! {
+    /// Everything a kernel needs to drive one RC QP and its CQs. Addresses are GPU-visible.
+    struct QpDesc as "gpuverbs_qp" {
+        /// SQ ring (64-byte blocks).
+        sq_ring: u64,
+        /// RQ ring.
+        rq_ring: u64,
+        /// 8-byte doorbell record (word 0 receive, word 1 send; big-endian).
+        dbrec: u64,
+        /// Doorbell / BlueFlame register (two 256-byte halves); 0 in CPU-proxy mode.
+        db_reg: u64,
+        /// CPU-proxy producer word (u64, blocks, monotonic); 0 unless CPU-proxy mode.
+        proxy_word: u64,
+        /// Send CQ ring (64-byte CQEs).
+        scq_ring: u64,
+        /// Send CQ doorbell record (word 0: consumer index, big-endian).
+        scq_dbrec: u64,
+        /// Receive CQ ring.
+        rcq_ring: u64,
+        /// Receive CQ doorbell record.
+        rcq_dbrec: u64,
+        /// 8 registered bytes where atomics whose old value nobody wants land.
+        scratch: u64,
+        /// SQ size in blocks (power of two).
+        sq_blocks: u32,
+        /// RQ size in WQEs.
+        rq_wqes: u32,
+        /// Bytes per receive WQE.
+        rq_stride: u32,
+        /// QP number.
+        qpn: u32,
+        /// Send CQ entries.
+        scq_ncqe: u32,
+        /// Receive CQ entries.
+        rcq_ncqe: u32,
+        /// Doorbell mode: 0 GPU doorbell, 1 BlueFlame, 2 CPU proxy.
+        db_mode: u32,
+        /// Where rings and doorbells live: 0 host memory (system-scope ordering), 1 GPU memory.
+        ring_loc: u32,
+        /// Largest inline payload.
+        max_inline: u32,
+        /// lkey of `scratch`.
+        scratch_lkey: u32,
+        /// Send CQ is collapsed (every CQE in slot 0).
+        scq_collapsed: u32,
+        /// Receive CQ is collapsed.
+        rcq_collapsed: u32,
+        /// Device API state: blocks reserved so far.
+        sq_reserved: u64,
+        /// Device API state: blocks published in order (written and visible).
+        sq_ready: u64,
+        /// Device API state: producer index last told to the device.
+        sq_rung: u64,
+        /// Device API state: blocks completed (retired through CQEs).
+        sq_retired: u64,
+        /// Device API state: end of the last signaled WQE published.
+        sq_signaled_end: u64,
+        /// Device API state: first block of the last WQE published.
+        sq_last_start: u64,
+        /// Device API state: send CQ consumer index.
+        scq_ci: u64,
+        /// Device API state: receive CQ consumer index.
+        rcq_ci: u64,
+        /// Device API state: receive WQEs posted.
+        rq_posted: u64,
+        /// Device API state: index of the first error CQE seen on the send CQ, plus 1 (0 none).
+        sq_error: u64,
+        /// Device API state: the error CQE's syndrome << 24 | vendor << 16 | wqe_counter.
+        sq_error_info: u64,
+        /// Device API state: next BlueFlame half.
+        bf_half: u32,
+        /// Device API state: doorbell lock.
+        ring_lock: u32,
+        /// Device API state: send CQ lock.
+        scq_lock: u32,
+        /// Reserved, zero.
+        reserved0: u32,
+    }
+}
+
+/// Doorbell-mode codes in [`QpDesc::db_mode`].
+pub mod db_mode {
+    /// DBREC + 8-byte doorbell store.
+    pub const GPU_DOORBELL: u32 = 0;
+    /// DBREC + whole WQE into the BlueFlame register.
+    pub const BLUEFLAME: u32 = 1;
+    /// Producer word for a host proxy thread.
+    pub const CPU_PROXY: u32 = 2;
+}
+
+/// The committed C header's path, relative to the workspace root.
+pub const HEADER_PATH: &str = "kernels/include/gpuverbs/desc.h";
+
+/// The C declaration of [`QpDesc`], with offset checks.
+pub fn c_header() -> String {
+    let mut s = String::new();
+    s.push_str("/* Generated from src/export.rs by gpuverbs (the single source of the layout).\n");
+    s.push_str(
+        " * Do not edit: GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export rewrites it. */\n",
+    );
+    s.push_str("#pragma once\n#include <stdint.h>\n#include <stddef.h>\n\n");
+    s.push_str("#ifdef __cplusplus\n#define GPUVERBS_STATIC_ASSERT static_assert\n#else\n#define GPUVERBS_STATIC_ASSERT _Static_assert\n#endif\n\n");
+    s.push_str(&format!("typedef struct {} {{\n", QpDesc::C_NAME));
+    for (name, ty, _, doc) in QpDesc::FIELDS {
+        s.push_str(&format!("    {ty} {name}; /* {} */\n", doc.trim()));
+    }
+    s.push_str(&format!("}} {};\n\n", QpDesc::C_NAME));
+    s.push_str(&format!(
+        "GPUVERBS_STATIC_ASSERT(sizeof({}) == {}, \"gpuverbs_qp size\");\n",
+        QpDesc::C_NAME,
+        core::mem::size_of::<QpDesc>()
+    ));
+    for (name, _, off, _) in QpDesc::FIELDS {
+        s.push_str(&format!(
+            "GPUVERBS_STATIC_ASSERT(offsetof({}, {name}) == {off}, \"{name}\");\n",
+            QpDesc::C_NAME
+        ));
+    }
+    for (n, v) in [
+        ("GPU_DOORBELL", db_mode::GPU_DOORBELL),
+        ("BLUEFLAME", db_mode::BLUEFLAME),
+        ("CPU_PROXY", db_mode::CPU_PROXY),
+    ] {
+        s.push_str(&format!("#define GPUVERBS_DB_{n} {v}u\n"));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn committed_header_matches_the_rust_layout() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(HEADER_PATH);
+        let want = c_header();
+        if std::env::var_os("GPUVERBS_WRITE_HEADER").is_some() {
+            std::fs::write(&path, &want).unwrap();
+        }
+        let have = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            have == want,
+            "{HEADER_PATH} is stale: run GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export"
+        );
+    }
+
+    #[test]
+    fn fields_are_naturally_aligned_and_in_order() {
+        let mut end = 0;
+        for (name, ty, off, _) in QpDesc::FIELDS {
+            let size = if *ty == "uint64_t" { 8 } else { 4 };
+            assert_eq!(off % size, 0, "{name} misaligned");
+            assert_eq!(*off, end, "{name} leaves a hole");
+            end = off + size;
+        }
+        assert_eq!(end, core::mem::size_of::<QpDesc>());
+    }
+}

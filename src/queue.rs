@@ -1,0 +1,348 @@
+//! Completion queues and RC queue pairs: sizes, ring placement, doorbell mode, state
+//! transitions, endpoints and connection.
+
+use crate::device::Backend;
+use crate::memory::{Access, Pd};
+use crate::{Context, Error};
+use std::sync::Arc;
+
+pub use softnic::{CqInit, CqMode, QpState};
+
+/// Where a queue's rings live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RingPlacement {
+    /// Host memory, mapped into the GPU when a kernel drives the queue.
+    #[default]
+    HostMapped,
+    /// GPU memory.
+    Gpu,
+}
+
+/// How kernels tell the device about new WQEs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DoorbellMode {
+    /// The best the platform allows (resolved at QP creation, with the reason recorded).
+    #[default]
+    Auto,
+    /// The kernel writes the doorbell record and an 8-byte doorbell to the mapped register.
+    GpuDoorbell,
+    /// The kernel copies the whole WQE into the BlueFlame register.
+    BlueFlame,
+    /// The kernel publishes its producer index in host memory; a host thread rings for it.
+    CpuProxy,
+}
+
+impl DoorbellMode {
+    /// The number the exported descriptor carries (`GPUVERBS_DB_*` in the device API).
+    pub fn code(self) -> u32 {
+        match self {
+            Self::Auto | Self::GpuDoorbell => 0,
+            Self::BlueFlame => 1,
+            Self::CpuProxy => 2,
+        }
+    }
+}
+
+/// Parameters of a CQ.
+#[derive(Clone, Copy, Debug)]
+pub struct CqOptions {
+    /// Entries (power of two).
+    pub depth: u32,
+    /// Ring placement.
+    pub placement: RingPlacement,
+    /// Consumer-index mode.
+    pub mode: CqMode,
+    /// Initial fill.
+    pub init: CqInit,
+}
+
+impl Default for CqOptions {
+    fn default() -> Self {
+        Self {
+            depth: 256,
+            placement: RingPlacement::HostMapped,
+            mode: CqMode::OverrunIgnore,
+            init: CqInit::Invalid,
+        }
+    }
+}
+
+/// A completion queue.
+#[derive(Clone, Debug)]
+pub struct Cq {
+    pub(crate) ctx: Context,
+    pub(crate) soft: Arc<softnic::Cq>,
+}
+
+impl Cq {
+    /// The context that owns it.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+    /// Number of entries.
+    pub fn depth(&self) -> u32 {
+        self.soft.ncqe()
+    }
+    /// CQ number.
+    pub fn cqn(&self) -> u32 {
+        self.soft.cqn()
+    }
+    /// The device's CQ (rings and doorbell record).
+    pub fn soft(&self) -> &Arc<softnic::Cq> {
+        &self.soft
+    }
+}
+
+fn placement_supported(p: RingPlacement) -> Result<(), Error> {
+    match p {
+        RingPlacement::HostMapped => Ok(()),
+        RingPlacement::Gpu => Err(Error::Unsupported(
+            "rings in GPU memory: the soft NIC engine reads rings from host memory only".into(),
+        )),
+    }
+}
+
+impl Context {
+    /// Creates a completion queue.
+    pub fn create_cq(&self, o: CqOptions) -> Result<Cq, Error> {
+        placement_supported(o.placement)?;
+        if !o.depth.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "CQ depth {} is not a power of two",
+                o.depth
+            )));
+        }
+        let soft = match &self.inner.backend {
+            Backend::Soft(d) => d.create_cq(softnic::CqConfig {
+                ncqe: o.depth,
+                mode: o.mode,
+                init: o.init,
+                ring: None,
+            })?,
+        };
+        Ok(Cq {
+            ctx: self.clone(),
+            soft,
+        })
+    }
+}
+
+/// Parameters of an RC QP.
+#[derive(Clone, Debug)]
+pub struct QpOptions {
+    /// CQ of requester completions.
+    pub send_cq: Cq,
+    /// CQ of responder completions.
+    pub recv_cq: Cq,
+    /// SQ size in 64-byte blocks (power of two).
+    pub sq_blocks: u32,
+    /// RQ size in WQEs (power of two, or 0).
+    pub rq_wqes: u32,
+    /// SGEs per receive WQE.
+    pub max_recv_sge: u32,
+    /// Largest inline payload.
+    pub max_inline: u32,
+    /// Ring placement.
+    pub placement: RingPlacement,
+    /// Doorbell mode.
+    pub doorbell: DoorbellMode,
+}
+
+impl QpOptions {
+    /// Defaults: 256-block SQ, 256-entry RQ of 1 SGE, 256 bytes inline, host-mapped rings,
+    /// automatic doorbell mode.
+    pub fn new(send_cq: &Cq, recv_cq: &Cq) -> Self {
+        Self {
+            send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
+            sq_blocks: 256,
+            rq_wqes: 256,
+            max_recv_sge: 1,
+            max_inline: 256,
+            placement: RingPlacement::HostMapped,
+            doorbell: DoorbellMode::Auto,
+        }
+    }
+}
+
+/// How a QP connects to its peer.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectOptions {
+    /// Rights peers get through this QP (REMOTE_WRITE/READ/ATOMIC); none by default.
+    pub access: Access,
+    /// Local ACK timeout exponent (4.096 µs · 2^timeout).
+    pub timeout: u8,
+    /// Transport retries.
+    pub retry_cnt: u8,
+    /// RNR retries (7 = infinite).
+    pub rnr_retry: u8,
+    /// RNR NAK timer code.
+    pub min_rnr_timer: u8,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        Self {
+            access: Access::NONE,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 1,
+        }
+    }
+}
+
+/// The peer of a connection, as exchanged out of band.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteQp {
+    /// Peer GID.
+    pub gid: softnic::Gid,
+    /// Peer QPN.
+    pub qpn: u32,
+    /// Peer's first PSN.
+    pub psn: u32,
+    /// Path MTU.
+    pub mtu: u32,
+}
+
+/// An RC queue pair. Dropping it destroys the device QP (peers see it vanish).
+#[derive(Debug)]
+pub struct Qp {
+    pub(crate) pd: Pd,
+    pub(crate) soft: Arc<softnic::Qp>,
+    pub(crate) send_cq: Cq,
+    pub(crate) recv_cq: Cq,
+    pub(crate) doorbell: DoorbellMode,
+    pub(crate) doorbell_reason: String,
+    pub(crate) psn: u32,
+    pub(crate) exported: std::sync::atomic::AtomicBool,
+}
+
+impl Pd {
+    /// Creates an RC QP in RESET.
+    pub fn create_qp(&self, o: QpOptions) -> Result<Qp, Error> {
+        placement_supported(o.placement)?;
+        let (mode, reason) = match o.doorbell {
+            DoorbellMode::Auto => (
+                DoorbellMode::GpuDoorbell,
+                "auto: the soft NIC's doorbell page is host memory that maps into any GPU"
+                    .to_string(),
+            ),
+            m => (m, "requested".to_string()),
+        };
+        let soft = match &self.ctx.inner.backend {
+            Backend::Soft(d) => d.create_qp(softnic::QpConfig {
+                pd: self.id,
+                send_cq: o.send_cq.soft.clone(),
+                recv_cq: o.recv_cq.soft.clone(),
+                sq_blocks: o.sq_blocks,
+                rq_wqes: o.rq_wqes,
+                max_recv_sge: o.max_recv_sge,
+                max_inline: o.max_inline,
+                doorbell: if mode == DoorbellMode::BlueFlame {
+                    softnic::DoorbellKind::BlueFlame
+                } else {
+                    softnic::DoorbellKind::Register
+                },
+                sq_ring: None,
+                rq_ring: None,
+            })?,
+        };
+        tracing::debug!(qpn = soft.qpn(), ?mode, %reason, "QP created");
+        let psn = (soft.qpn().wrapping_mul(0x9e37_79b9) >> 8) & 0xff_ffff;
+        Ok(Qp {
+            pd: self.clone(),
+            soft,
+            send_cq: o.send_cq,
+            recv_cq: o.recv_cq,
+            doorbell: mode,
+            doorbell_reason: reason,
+            psn,
+            exported: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+}
+
+impl Qp {
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        self.soft.qpn()
+    }
+    /// State.
+    pub fn state(&self) -> QpState {
+        self.soft.state()
+    }
+    /// The doorbell mode, as resolved, and why.
+    pub fn doorbell(&self) -> (DoorbellMode, &str) {
+        (self.doorbell, &self.doorbell_reason)
+    }
+    /// The protection domain.
+    pub fn pd(&self) -> &Pd {
+        &self.pd
+    }
+    /// The send CQ.
+    pub fn send_cq(&self) -> &Cq {
+        &self.send_cq
+    }
+    /// The receive CQ.
+    pub fn recv_cq(&self) -> &Cq {
+        &self.recv_cq
+    }
+    /// The device's QP (rings, doorbell record, register page).
+    pub fn soft(&self) -> &Arc<softnic::Qp> {
+        &self.soft
+    }
+
+    /// What the peer needs to connect to this QP.
+    pub fn local(&self) -> RemoteQp {
+        RemoteQp {
+            gid: self.pd.ctx.gid(),
+            qpn: self.qpn(),
+            psn: self.psn,
+            mtu: 4096,
+        }
+    }
+
+    /// RESET → INIT → RTR → RTS towards `remote`.
+    pub fn connect(&self, remote: &RemoteQp, o: ConnectOptions) -> Result<(), Error> {
+        use softnic::Modify;
+        self.soft.modify(Modify::Init { access: o.access })?;
+        self.soft.modify(Modify::Rtr(softnic::RtrAttr {
+            remote_gid: remote.gid,
+            remote_qpn: remote.qpn,
+            rq_psn: remote.psn,
+            mtu: remote.mtu,
+            min_rnr_timer: o.min_rnr_timer,
+        }))?;
+        self.soft.modify(Modify::Rts(softnic::RtsAttr {
+            sq_psn: self.psn,
+            timeout: o.timeout,
+            retry_cnt: o.retry_cnt,
+            rnr_retry: o.rnr_retry,
+        }))?;
+        Ok(())
+    }
+
+    /// A raw state transition (illegal ones are errors).
+    pub fn modify(&self, m: softnic::Modify) -> Result<(), Error> {
+        Ok(self.soft.modify(m)?)
+    }
+
+    /// A CPU initiator on this QP (it takes the QP's CQs for itself).
+    pub fn cpu_initiator(
+        &self,
+        mode: softnic::initiator::RingMode,
+    ) -> softnic::initiator::Initiator {
+        match &self.pd.ctx.inner.backend {
+            Backend::Soft(d) => softnic::initiator::Initiator::for_soft_qp(d, &self.soft, mode),
+        }
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        match &self.pd.ctx.inner.backend {
+            Backend::Soft(d) => d.destroy_qp(&self.soft),
+        }
+    }
+}
