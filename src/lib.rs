@@ -5,22 +5,31 @@
 //! - [`device`]: pick and open a device ([`Context`]), soft NIC or ConnectX, with the reason.
 //! - [`memory`]: protection domains, host buffers, memory regions.
 //! - [`queue`]: completion queues and RC queue pairs, doorbell modes, connection.
+//! - [`endpoint`], [`bootstrap`]: what peers exchange, and the TCP rendezvous that carries it.
 //! - [`export`]: the QP descriptor kernels drive (one layout shared with the CUDA headers).
 //! - [`gpu`]: a CUDA device with the kernels loaded; mapping and export into it.
+//! - [`proxy`]: the CPU proxy that rings doorbells for kernels that cannot.
 //! - [`cuda`], [`fatbin`]: the embedded kernels and the run-time-loaded CUDA driver.
 
+pub mod bootstrap;
 pub mod cuda;
 pub mod device;
+pub mod endpoint;
 mod error;
 pub mod export;
 pub mod fatbin;
 pub mod gpu;
 pub mod memory;
+pub mod proxy;
 pub mod queue;
 
 pub use device::{Context, DeviceRequest, Selection};
+pub use endpoint::{Endpoint, RemoteMemory};
 pub use error::Error;
 pub use memory::{Access, HostBuffer, Mr, Pd};
-pub use queue::{
-    ConnectOptions, Cq, CqOptions, DoorbellMode, Qp, QpOptions, RemoteQp, RingPlacement,
-};
+pub use queue::{ConnectOptions, Cq, CqOptions, DoorbellMode, Qp, QpOptions, RingPlacement};
+
+/// The walk-through in `docs/host-api.md`, compiled and run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/host-api.md")]
+struct HostApiWalkThrough;

@@ -2,6 +2,7 @@
 //! transitions, endpoints and connection.
 
 use crate::device::Backend;
+use crate::endpoint::Endpoint;
 use crate::memory::{Access, Pd};
 use crate::{Context, Error};
 use std::sync::Arc;
@@ -192,19 +193,6 @@ impl Default for ConnectOptions {
     }
 }
 
-/// The peer of a connection, as exchanged out of band.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RemoteQp {
-    /// Peer GID.
-    pub gid: softnic::Gid,
-    /// Peer QPN.
-    pub qpn: u32,
-    /// Peer's first PSN.
-    pub psn: u32,
-    /// Path MTU.
-    pub mtu: u32,
-}
-
 /// An RC queue pair. Dropping it destroys the device QP (peers see it vanish).
 #[derive(Debug)]
 pub struct Qp {
@@ -293,27 +281,27 @@ impl Qp {
         &self.soft
     }
 
-    /// What the peer needs to connect to this QP.
-    pub fn local(&self) -> RemoteQp {
-        RemoteQp {
-            gid: self.pd.ctx.gid(),
-            qpn: self.qpn(),
-            psn: self.psn,
-            mtu: 4096,
-        }
+    /// What the peer needs to connect to this QP (no rkey: memory travels separately, and
+    /// only when the application exports it).
+    pub fn endpoint(&self) -> Endpoint {
+        let sel = self.pd.ctx.selection();
+        Endpoint::new(
+            self.pd.ctx.gid(),
+            self.qpn(),
+            self.psn,
+            4096,
+            sel.name.clone(),
+        )
+        .expect("a device's own QPN, PSN and MTU are in range")
     }
 
-    /// RESET → INIT → RTR → RTS towards `remote`.
-    pub fn connect(&self, remote: &RemoteQp, o: ConnectOptions) -> Result<(), Error> {
+    /// RESET → INIT → RTR → RTS towards `remote`, at the smaller of both MTUs.
+    pub fn connect(&self, remote: &Endpoint, o: ConnectOptions) -> Result<(), Error> {
         use softnic::Modify;
         self.soft.modify(Modify::Init { access: o.access })?;
-        self.soft.modify(Modify::Rtr(softnic::RtrAttr {
-            remote_gid: remote.gid,
-            remote_qpn: remote.qpn,
-            rq_psn: remote.psn,
-            mtu: remote.mtu,
-            min_rnr_timer: o.min_rnr_timer,
-        }))?;
+        let mut rtr = remote.rtr_attr(o.min_rnr_timer);
+        rtr.mtu = remote.common_mtu(&self.endpoint());
+        self.soft.modify(Modify::Rtr(rtr))?;
         self.soft.modify(Modify::Rts(softnic::RtsAttr {
             sq_psn: self.psn,
             timeout: o.timeout,

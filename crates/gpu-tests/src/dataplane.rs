@@ -3,6 +3,7 @@
 
 use anyhow::{bail, ensure, Context as _, Result};
 use gpuverbs::gpu::{ExportedQp, Gpu};
+use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
 use gpuverbs::{
     Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, HostBuffer, Mr, Qp,
     QpOptions,
@@ -36,6 +37,8 @@ pub struct Pair {
     pub export: ExportedQp,
     pub gpu: Arc<Gpu>,
     _b: Context,
+    /// The proxy thread ringing for a CPU-proxy QP.
+    _proxy: Option<ProxyService>,
 }
 
 impl Pair {
@@ -64,8 +67,8 @@ impl Pair {
             retry_cnt: 3,
             ..Default::default()
         };
-        qa.connect(&qb.local(), conn)?;
-        qb.connect(&qa.local(), conn)?;
+        qa.connect(&qb.endpoint(), conn)?;
+        qb.connect(&qa.endpoint(), conn)?;
         let src = HostBuffer::new(bytes);
         let dst = HostBuffer::new(bytes);
         for i in (0..bytes).step_by(4096) {
@@ -79,6 +82,15 @@ impl Pair {
         let dst_mr = pb.register_with(&dst, Access::LOCAL_WRITE | remote)?;
         let src_d = gpu.map_host(&src)?;
         let export = gpu.export_qp(&qa)?;
+        let proxy = if mode == DoorbellMode::CpuProxy {
+            let svc = ProxyService::start(ProxyConfig::default())?;
+            let dev = a.soft_device().expect("soft device");
+            // The handle is not needed: the service (dropped with the pair) releases the target.
+            let _handle = svc.add(ProxyTarget::for_soft_qp(dev, qa.soft()))?;
+            Some(svc)
+        } else {
+            None
+        };
         Ok(Self {
             a,
             qa,
@@ -91,6 +103,7 @@ impl Pair {
             export,
             gpu,
             _b: b,
+            _proxy: proxy,
         })
     }
 }

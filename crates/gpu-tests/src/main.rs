@@ -28,7 +28,7 @@ struct Case {
 mod dataplane;
 
 use dataplane::PutCase;
-use gpuverbs::DoorbellMode::{BlueFlame, GpuDoorbell};
+use gpuverbs::DoorbellMode::{BlueFlame, CpuProxy, GpuDoorbell};
 
 macro_rules! put_cases {
     ($($name:ident: $mode:expr, grid $grid:expr, block $block:expr, scope $scope:expr, skip $skip:expr,
@@ -50,6 +50,11 @@ put_cases! {
     put_block_gpudb: GpuDoorbell, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512;
     put_block_partial_gpudb: GpuDoorbell, grid 3, block 96, scope 2, skip 4, size 32, iters 4, signal 1, sq 512;
     put_many_ctas_shared: GpuDoorbell, grid 32, block 128, scope 0, skip 0, size 16, iters 4, signal 2, sq 256;
+    put_thread_proxy: CpuProxy, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256;
+    put_warp_partial_proxy: CpuProxy, grid 2, block 64, scope 1, skip 3, size 128, iters 8, signal 1, sq 256;
+    put_block_proxy: CpuProxy, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512;
+    put_many_ctas_bf: BlueFlame, grid 32, block 128, scope 0, skip 0, size 16, iters 4, signal 2, sq 256;
+    put_many_ctas_proxy: CpuProxy, grid 32, block 128, scope 0, skip 0, size 16, iters 4, signal 2, sq 256;
 }
 
 fn exclusive_wrap(ctx: &Ctx) -> Result<String> {
@@ -60,6 +65,9 @@ fn ops_gpudb(ctx: &Ctx) -> Result<String> {
 }
 fn ops_bf(ctx: &Ctx) -> Result<String> {
     dataplane::ops(ctx.ordinal, BlueFlame)
+}
+fn ops_proxy(ctx: &Ctx) -> Result<String> {
+    dataplane::ops(ctx.ordinal, CpuProxy)
 }
 fn bad_rkey(ctx: &Ctx) -> Result<String> {
     dataplane::bad_rkey(ctx.ordinal)
@@ -84,9 +92,15 @@ const CASES: &[Case] = cases![
     put_block_gpudb,
     put_block_partial_gpudb,
     put_many_ctas_shared,
+    put_thread_proxy,
+    put_warp_partial_proxy,
+    put_block_proxy,
+    put_many_ctas_bf,
+    put_many_ctas_proxy,
     exclusive_wrap,
     ops_gpudb,
     ops_bf,
+    ops_proxy,
     bad_rkey,
     dropped_doorbell_timeout,
     wait_signal,

@@ -1,0 +1,571 @@
+//! What two peers tell each other to connect an RC QP: a serializable, versioned, validated
+//! [`Endpoint`] (GID, QPN, initial PSN, path MTU, device name), and the separate
+//! [`RemoteMemory`] descriptor (address, length, rkey) that an application hands out on purpose.
+//!
+//! # Capabilities
+//!
+//! An rkey grants remote access to memory, so it never travels by accident: an [`Endpoint`] has
+//! no key field at all, and a [`RemoteMemory`] is only made by the explicit
+//! [`RemoteMemory::export_rkey`] (or decoded from what a peer chose to send).
+//!
+//! # Wire format
+//!
+//! Both types encode as a JSON object carrying `"v": 1` ([`WIRE_VERSION`]). Decoding reads the
+//! version first, so a peer of another version gets [`EndpointError::UnsupportedVersion`] rather
+//! than a confusing missing-field message; every value is then range-checked. Unknown extra
+//! fields are ignored (a version bump is needed only when a field changes meaning or becomes
+//! required).
+//!
+//! ```json
+//! {"v":1,"gid":"::ffff:127.1.0.1","qpn":256,"psn":1193046,"mtu":1024,"device":"softnic:soft0"}
+//! {"v":1,"addr":140737488355328,"len":65536,"rkey":4660}
+//! ```
+//!
+//! Both types also implement serde's `Serialize`/`Deserialize` with the same format and checks,
+//! so they can be sent with [`crate::bootstrap::Bootstrap::exchange`] directly, alone or inside
+//! tuples and structs.
+
+use std::fmt;
+use std::net::Ipv6Addr;
+use std::str::FromStr;
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::Value;
+
+/// The wire version this build writes and the only one it reads.
+pub const WIRE_VERSION: u32 = 1;
+
+/// Largest 24-bit value (QPN and PSN are 24-bit fields in the BTH).
+pub const MAX_24BIT: u32 = 0x00ff_ffff;
+
+/// Longest device name an [`Endpoint`] carries, in bytes.
+pub const MAX_DEVICE_NAME: usize = 256;
+
+/// Path MTUs an RC QP may use, in bytes (IBTA: 256, 512, 1024, 2048, 4096).
+pub const VALID_MTUS: [u32; 5] = [256, 512, 1024, 2048, 4096];
+
+/// Errors of building, encoding or decoding an [`Endpoint`] or a [`RemoteMemory`].
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    /// The bytes are not JSON of the expected shape (or a field has the wrong type).
+    #[error("cannot decode {what}: {source}")]
+    Decode {
+        /// `"endpoint"` or `"remote memory descriptor"`.
+        what: &'static str,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The object has no `"v"` field (or it is not an unsigned integer).
+    #[error("{what} has no version field \"v\"")]
+    MissingVersion {
+        /// `"endpoint"` or `"remote memory descriptor"`.
+        what: &'static str,
+    },
+    /// The peer speaks another wire version.
+    #[error("{what} has wire version {found}; this build speaks version {supported}")]
+    UnsupportedVersion {
+        /// `"endpoint"` or `"remote memory descriptor"`.
+        what: &'static str,
+        /// The version in the message.
+        found: u64,
+        /// [`WIRE_VERSION`].
+        supported: u32,
+    },
+    /// QPN is not a 24-bit number of an ordinary QP (0 and 1 are the special QPs).
+    #[error("QPN {0:#x} out of range (RC QPNs are 0x2..=0xffffff)")]
+    QpnOutOfRange(u32),
+    /// PSN does not fit in 24 bits.
+    #[error("PSN {0:#x} out of range (PSNs are 24-bit: 0..=0xffffff)")]
+    PsnOutOfRange(u32),
+    /// Path MTU is not one of 256, 512, 1024, 2048, 4096.
+    #[error("path MTU {0} is invalid (one of 256, 512, 1024, 2048, 4096)")]
+    InvalidMtu(u32),
+    /// The device name is longer than [`MAX_DEVICE_NAME`] bytes or contains control characters.
+    #[error("device name invalid ({reason}): {name:?}")]
+    InvalidDeviceName {
+        /// The offending name (as received).
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// `addr + len` does not fit in 64 bits.
+    #[error("remote memory range {addr:#x} + {len:#x} overflows 64 bits")]
+    RangeOverflow {
+        /// Start address.
+        addr: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// A sub-range lies outside its parent range.
+    #[error(
+        "sub-range offset {offset:#x} + length {len:#x} exceeds the {parent_len:#x}-byte region"
+    )]
+    OutOfBounds {
+        /// Offset within the region.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// Length of the region.
+        parent_len: u64,
+    },
+}
+
+/// Result alias of this module.
+pub type Result<T, E = EndpointError> = std::result::Result<T, E>;
+
+// ---------------------------------------------------------------------------------------------
+// GID
+// ---------------------------------------------------------------------------------------------
+
+/// A 16-byte port GID. Serialized as its IPv6 text form (e.g. `"::ffff:127.1.0.1"` for a soft
+/// device, `"fe80::..."` for a link-local RoCE GID), the form `ibv_devinfo -v` and `show_gids`
+/// print, which round-trips every 16-byte value.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Gid(pub [u8; 16]);
+
+impl Gid {
+    /// The raw 16 bytes (network order).
+    pub const fn bytes(&self) -> [u8; 16] {
+        self.0
+    }
+}
+
+impl From<softnic::Gid> for Gid {
+    fn from(g: softnic::Gid) -> Self {
+        Self(g.0)
+    }
+}
+
+impl From<Gid> for softnic::Gid {
+    fn from(g: Gid) -> Self {
+        softnic::Gid(g.0)
+    }
+}
+
+impl From<[u8; 16]> for Gid {
+    fn from(b: [u8; 16]) -> Self {
+        Self(b)
+    }
+}
+
+impl From<Ipv6Addr> for Gid {
+    fn from(a: Ipv6Addr) -> Self {
+        Self(a.octets())
+    }
+}
+
+impl From<Gid> for Ipv6Addr {
+    fn from(g: Gid) -> Self {
+        Ipv6Addr::from(g.0)
+    }
+}
+
+impl fmt::Display for Gid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&Ipv6Addr::from(self.0), f)
+    }
+}
+
+impl FromStr for Gid {
+    type Err = std::net::AddrParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ipv6Addr::from_str(s).map(Self::from)
+    }
+}
+
+impl Serialize for Gid {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Gid {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = std::borrow::Cow::<str>::deserialize(d)?;
+        s.parse()
+            .map_err(|e| D::Error::custom(format!("invalid GID {s:?}: {e}")))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Endpoint
+// ---------------------------------------------------------------------------------------------
+
+/// The minimal description of one RC QP that its peer needs to connect to it (perftest's
+/// "local address" line): port GID, QPN, the PSN of the first packet it sends, the path MTU, and
+/// the device name for diagnostics. It never carries an rkey (see [`RemoteMemory`]).
+///
+/// Values are checked when built ([`Endpoint::new`]) and when decoded, so an `Endpoint` in hand
+/// is always in range.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    gid: Gid,
+    qpn: u32,
+    psn: u32,
+    mtu: u32,
+    device: String,
+}
+
+/// Version 1 wire form of an [`Endpoint`].
+#[derive(Serialize, Deserialize)]
+struct EndpointV1 {
+    v: u32,
+    gid: Gid,
+    qpn: u32,
+    psn: u32,
+    mtu: u32,
+    device: String,
+}
+
+const ENDPOINT: &str = "endpoint";
+const REMOTE_MEMORY: &str = "remote memory descriptor";
+
+impl Endpoint {
+    /// Build an endpoint, checking QPN (`2..=0xffffff`), PSN (24 bits), MTU (256..4096, a power
+    /// of two) and device name (at most [`MAX_DEVICE_NAME`] bytes, no control characters).
+    pub fn new(
+        gid: impl Into<Gid>,
+        qpn: u32,
+        psn: u32,
+        mtu: u32,
+        device: impl Into<String>,
+    ) -> Result<Self> {
+        let ep = Self {
+            gid: gid.into(),
+            qpn,
+            psn,
+            mtu,
+            device: device.into(),
+        };
+        ep.validate()?;
+        Ok(ep)
+    }
+
+    /// Check every field. Always passes for a value in hand ([`Endpoint::new`] and decoding
+    /// both call it); public so callers can state the invariant in their own checks.
+    pub fn validate(&self) -> Result<()> {
+        if !(2..=MAX_24BIT).contains(&self.qpn) {
+            return Err(EndpointError::QpnOutOfRange(self.qpn));
+        }
+        if self.psn > MAX_24BIT {
+            return Err(EndpointError::PsnOutOfRange(self.psn));
+        }
+        if !VALID_MTUS.contains(&self.mtu) {
+            return Err(EndpointError::InvalidMtu(self.mtu));
+        }
+        if self.device.len() > MAX_DEVICE_NAME {
+            return Err(EndpointError::InvalidDeviceName {
+                name: self.device.clone(),
+                reason: "longer than 256 bytes",
+            });
+        }
+        if self.device.chars().any(char::is_control) {
+            return Err(EndpointError::InvalidDeviceName {
+                name: self.device.clone(),
+                reason: "contains control characters",
+            });
+        }
+        Ok(())
+    }
+
+    /// The port GID.
+    pub fn gid(&self) -> Gid {
+        self.gid
+    }
+    /// The QP number (24 bits).
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+    /// The PSN of the first packet this QP sends (its SQ PSN; the peer's expected RQ PSN).
+    pub fn psn(&self) -> u32 {
+        self.psn
+    }
+    /// The path MTU in bytes.
+    pub fn mtu(&self) -> u32 {
+        self.mtu
+    }
+    /// The device name/kind, for diagnostics only (e.g. `"softnic:soft0"`, `"mlx5_0"`).
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    /// A random 24-bit initial PSN, as perftest draws one (`lrand48() & 0xffffff`), so that a
+    /// restarted QP does not accept stale packets of an earlier incarnation.
+    pub fn random_psn() -> u32 {
+        use std::collections::hash_map::RandomState;
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+            h.write_u128(t.as_nanos());
+        }
+        (h.finish() as u32) & MAX_24BIT
+    }
+
+    /// The INIT→RTR attributes that connect a local QP to this (remote) endpoint:
+    /// remote GID and QPN, expected PSN = this endpoint's initial PSN, and this endpoint's MTU.
+    /// Use the smaller of both sides' MTUs when they differ (see [`Endpoint::common_mtu`]).
+    pub fn rtr_attr(&self, min_rnr_timer: u8) -> softnic::RtrAttr {
+        softnic::RtrAttr {
+            remote_gid: self.gid.into(),
+            remote_qpn: self.qpn,
+            rq_psn: self.psn,
+            mtu: self.mtu,
+            min_rnr_timer,
+        }
+    }
+
+    /// The path MTU both ends support (the smaller one).
+    pub fn common_mtu(&self, other: &Endpoint) -> u32 {
+        self.mtu.min(other.mtu)
+    }
+
+    /// Encode (JSON, [`WIRE_VERSION`]).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        // Serializing a struct of integers and strings into a Vec cannot fail.
+        serde_json::to_vec(&self.to_wire()).expect("serializing an endpoint cannot fail")
+    }
+
+    /// Decode and validate (version first, then fields, then ranges).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let value: Value =
+            serde_json::from_slice(bytes).map_err(|source| EndpointError::Decode {
+                what: ENDPOINT,
+                source,
+            })?;
+        Self::from_value(value)
+    }
+
+    fn from_value(value: Value) -> Result<Self> {
+        check_version(&value, ENDPOINT)?;
+        let w: EndpointV1 =
+            serde_json::from_value(value).map_err(|source| EndpointError::Decode {
+                what: ENDPOINT,
+                source,
+            })?;
+        Self::new(w.gid, w.qpn, w.psn, w.mtu, w.device)
+    }
+
+    fn to_wire(&self) -> EndpointV1 {
+        EndpointV1 {
+            v: WIRE_VERSION,
+            gid: self.gid,
+            qpn: self.qpn,
+            psn: self.psn,
+            mtu: self.mtu,
+            device: self.device.clone(),
+        }
+    }
+}
+
+impl fmt::Display for Endpoint {
+    /// perftest style: `GID ::ffff:127.1.0.1 QPN 0x000100 PSN 0x123456 MTU 1024 (softnic:soft0)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "GID {} QPN {:#08x} PSN {:#08x} MTU {} ({})",
+            self.gid, self.qpn, self.psn, self.mtu, self.device
+        )
+    }
+}
+
+impl Serialize for Endpoint {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.to_wire().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Endpoint {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::from_value(Value::deserialize(d)?).map_err(D::Error::custom)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Remote memory
+// ---------------------------------------------------------------------------------------------
+
+/// A window of a peer's registered memory that this side may access with RDMA: start address
+/// (in the peer's address space), length and rkey.
+///
+/// It is a capability: there is deliberately no `Default`, no public fields and no conversion
+/// from a memory region. The only ways to get one are [`RemoteMemory::export_rkey`], which the
+/// owner of the memory calls when it decides to share it, and decoding what a peer sent.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteMemory {
+    addr: u64,
+    len: u64,
+    rkey: u32,
+}
+
+/// Version 1 wire form of a [`RemoteMemory`].
+#[derive(Serialize, Deserialize)]
+struct RemoteMemoryV1 {
+    v: u32,
+    addr: u64,
+    len: u64,
+    rkey: u32,
+}
+
+impl RemoteMemory {
+    /// Export `len` bytes at `addr` under `rkey` to a peer. Call this only for memory you mean to
+    /// expose; the result grants the rights the key was registered with. Fails when
+    /// `addr + len` overflows.
+    pub fn export_rkey(addr: u64, len: u64, rkey: u32) -> Result<Self> {
+        if addr.checked_add(len).is_none() {
+            return Err(EndpointError::RangeOverflow { addr, len });
+        }
+        Ok(Self { addr, len, rkey })
+    }
+
+    /// Start address (peer's address space).
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether the window is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The remote key.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// The sub-window `[offset, offset + len)` (same key).
+    pub fn slice(&self, offset: u64, len: u64) -> Result<Self> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(Self {
+                addr: self.addr + offset,
+                len,
+                rkey: self.rkey,
+            }),
+            _ => Err(EndpointError::OutOfBounds {
+                offset,
+                len,
+                parent_len: self.len,
+            }),
+        }
+    }
+
+    /// Encode (JSON, [`WIRE_VERSION`]).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(&self.to_wire()).expect("serializing integers cannot fail")
+    }
+
+    /// Decode and validate.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let value: Value =
+            serde_json::from_slice(bytes).map_err(|source| EndpointError::Decode {
+                what: REMOTE_MEMORY,
+                source,
+            })?;
+        Self::from_value(value)
+    }
+
+    fn from_value(value: Value) -> Result<Self> {
+        check_version(&value, REMOTE_MEMORY)?;
+        let w: RemoteMemoryV1 =
+            serde_json::from_value(value).map_err(|source| EndpointError::Decode {
+                what: REMOTE_MEMORY,
+                source,
+            })?;
+        Self::export_rkey(w.addr, w.len, w.rkey)
+    }
+
+    fn to_wire(self) -> RemoteMemoryV1 {
+        RemoteMemoryV1 {
+            v: WIRE_VERSION,
+            addr: self.addr,
+            len: self.len,
+            rkey: self.rkey,
+        }
+    }
+}
+
+impl fmt::Debug for RemoteMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteMemory")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("rkey", &format_args!("{:#x}", self.rkey))
+            .finish()
+    }
+}
+
+impl fmt::Display for RemoteMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "addr {:#x} len {} rkey {:#x}",
+            self.addr, self.len, self.rkey
+        )
+    }
+}
+
+impl Serialize for RemoteMemory {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.to_wire().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for RemoteMemory {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::from_value(Value::deserialize(d)?).map_err(D::Error::custom)
+    }
+}
+
+/// Read `"v"` before anything else.
+fn check_version(value: &Value, what: &'static str) -> Result<()> {
+    let v = value
+        .get("v")
+        .and_then(Value::as_u64)
+        .ok_or(EndpointError::MissingVersion { what })?;
+    if v != u64::from(WIRE_VERSION) {
+        return Err(EndpointError::UnsupportedVersion {
+            what,
+            found: v,
+            supported: WIRE_VERSION,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gid_text_round_trip() {
+        let g = Gid::from(softnic::Gid::from_ipv4(std::net::Ipv4Addr::new(
+            127, 1, 0, 1,
+        )));
+        assert_eq!(g.to_string(), "::ffff:127.1.0.1");
+        assert_eq!(g.to_string().parse::<Gid>().unwrap(), g);
+        let raw = Gid([0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(raw.to_string().parse::<Gid>().unwrap(), raw);
+        assert_eq!(softnic::Gid::from(raw).0, raw.0);
+    }
+
+    #[test]
+    fn rtr_attr_uses_peer_psn() {
+        let ep = Endpoint::new(Gid([1; 16]), 0x123, 0x456, 2048, "x").unwrap();
+        let a = ep.rtr_attr(12);
+        assert_eq!(a.remote_qpn, 0x123);
+        assert_eq!(a.rq_psn, 0x456);
+        assert_eq!(a.mtu, 2048);
+        assert_eq!(a.remote_gid.0, [1; 16]);
+    }
+
+    #[test]
+    fn random_psn_is_24_bit() {
+        for _ in 0..100 {
+            assert!(Endpoint::random_psn() <= MAX_24BIT);
+        }
+    }
+}

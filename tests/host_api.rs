@@ -1,0 +1,238 @@
+//! The host API end to end on soft NICs with the CPU initiator: device selection, memory,
+//! queues, connection, every operation, and the errors of bad input.
+
+use gpuverbs::queue::QpState;
+use gpuverbs::{
+    Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, Error, HostBuffer,
+    QpOptions, RingPlacement,
+};
+use prm::wqe::{AtomicSize, CtrlFlags, Local, Op};
+use prm::{Completion, Syndrome};
+use softnic::initiator::RingMode;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(5);
+
+struct Side {
+    ctx: Context,
+    pd: gpuverbs::Pd,
+    qp: gpuverbs::Qp,
+    buf: HostBuffer,
+    mr: gpuverbs::Mr,
+}
+
+fn side(mode: DoorbellMode) -> Side {
+    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(CqOptions::default()).unwrap();
+    let mut o = QpOptions::new(&cq, &cq);
+    o.doorbell = mode;
+    let qp = pd.create_qp(o).unwrap();
+    let buf = HostBuffer::new(8192);
+    let mr = pd
+        .register_with(
+            &buf,
+            Access::LOCAL_WRITE
+                | Access::REMOTE_WRITE
+                | Access::REMOTE_READ
+                | Access::REMOTE_ATOMIC,
+        )
+        .unwrap();
+    Side {
+        ctx,
+        pd,
+        qp,
+        buf,
+        mr,
+    }
+}
+
+fn connected(mode: DoorbellMode) -> (Side, Side) {
+    let (a, b) = (side(mode), side(DoorbellMode::Auto));
+    let all = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    let o = ConnectOptions {
+        access: all,
+        ..Default::default()
+    };
+    a.qp.connect(&b.qp.endpoint(), o).unwrap();
+    b.qp.connect(&a.qp.endpoint(), o).unwrap();
+    (a, b)
+}
+
+fn ok(c: Completion) {
+    assert!(matches!(c, Completion::Req { .. }), "{c:?}");
+}
+
+#[test]
+fn selection_is_reported_and_env_overrides() {
+    let ctx = Context::open(DeviceRequest::Auto).unwrap();
+    let s = ctx.selection();
+    assert!(s.name.starts_with("softnic"));
+    assert!(!s.reason.is_empty(), "a selection always says why");
+    let named = Context::open(DeviceRequest::Named("softnic-test-x".into())).unwrap();
+    assert_eq!(named.selection().name, "softnic-test-x");
+    match Context::open(DeviceRequest::Named("mlx5_9".into())) {
+        Err(Error::NoSuchDevice(n)) => assert_eq!(n, "mlx5_9"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn every_operation_through_the_public_api() {
+    for ring in [RingMode::RdmaCore, RingMode::Doca, RingMode::BlueFlame] {
+        let mode = if ring == RingMode::BlueFlame {
+            DoorbellMode::BlueFlame
+        } else {
+            DoorbellMode::GpuDoorbell
+        };
+        let (a, b) = connected(mode);
+        assert_eq!(a.qp.doorbell().0, mode);
+        let mut ini = a.qp.cpu_initiator(ring);
+        let mut resp = b.qp.cpu_initiator(RingMode::Doca);
+        a.buf.write(0, &[5u8; 64]);
+        // write
+        let w = Op::Write {
+            remote: b.mr.remote(0),
+            local: Local::Sges(&[a.mr.sge(0, 64)]),
+            imm: None,
+        };
+        ini.post_and_ring(&w, CtrlFlags::SIGNALED).unwrap();
+        ok(ini.wait_send(T).unwrap());
+        assert_eq!(b.buf.to_vec()[..64], [5u8; 64]);
+        // inline write
+        let w = Op::Write {
+            remote: b.mr.remote(100),
+            local: Local::Inline(b"inline!"),
+            imm: None,
+        };
+        ini.post_and_ring(&w, CtrlFlags::SIGNALED).unwrap();
+        ok(ini.wait_send(T).unwrap());
+        assert_eq!(&b.buf.to_vec()[100..107], b"inline!");
+        // send with immediate into a posted receive
+        resp.post_recv(&[b.mr.sge(1000, 64)]).unwrap();
+        let s = Op::Send {
+            local: Local::Sges(&[a.mr.sge(0, 16)]),
+            imm: Some(77),
+        };
+        ini.post_and_ring(&s, CtrlFlags::SIGNALED).unwrap();
+        ok(ini.wait_send(T).unwrap());
+        match resp.wait_recv(T).unwrap() {
+            Completion::Resp {
+                byte_cnt: 16,
+                imm: Some(77),
+                ..
+            } => {}
+            c => panic!("{c:?}"),
+        }
+        // read
+        b.buf.write(2000, b"read me");
+        let r = Op::Read {
+            remote: b.mr.remote(2000),
+            local: &[a.mr.sge(3000, 7)],
+        };
+        ini.post_and_ring(&r, CtrlFlags::SIGNALED).unwrap();
+        ok(ini.wait_send(T).unwrap());
+        assert_eq!(&a.buf.to_vec()[3000..3007], b"read me");
+        // atomics
+        b.buf.write(4096, &40u64.to_ne_bytes());
+        let fa = Op::FetchAdd {
+            remote: b.mr.remote(4096),
+            add: 2,
+            result: a.mr.sge(4096, 8),
+        };
+        ini.post_and_ring(&fa, CtrlFlags::SIGNALED).unwrap();
+        ok(ini.wait_send(T).unwrap());
+        let cs = Op::CompareSwap {
+            remote: b.mr.remote(4096),
+            compare: 42,
+            swap: 7,
+            result: a.mr.sge(4104, 8),
+        };
+        ini.post_and_ring(&cs, CtrlFlags::SIGNALED).unwrap();
+        ok(ini.wait_send(T).unwrap());
+        let m = Op::MaskedFetchAdd {
+            size: AtomicSize::B8,
+            remote: b.mr.remote(4096),
+            add: 1,
+            field_boundary: 0,
+            result: a.mr.sge(4112, 8),
+        };
+        ini.post_and_ring(&m, CtrlFlags::SIGNALED).unwrap();
+        ok(ini.wait_send(T).unwrap());
+        let v = a.buf.to_vec();
+        let word = |o: usize| u64::from_ne_bytes(v[o..o + 8].try_into().unwrap());
+        assert_eq!((word(4096), word(4104), word(4112)), (40, 42, 7));
+        assert_eq!(
+            u64::from_ne_bytes(b.buf.to_vec()[4096..4104].try_into().unwrap()),
+            8
+        );
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+    let pd = ctx.alloc_pd();
+    assert!(matches!(
+        ctx.create_cq(CqOptions {
+            depth: 100,
+            ..Default::default()
+        }),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ctx.create_cq(CqOptions {
+            placement: RingPlacement::Gpu,
+            ..Default::default()
+        }),
+        Err(Error::Unsupported(_))
+    ));
+    let cq = ctx.create_cq(CqOptions::default()).unwrap();
+    let mut o = QpOptions::new(&cq, &cq);
+    o.sq_blocks = 100;
+    assert!(matches!(pd.create_qp(o), Err(Error::Soft(_))));
+    assert!(matches!(
+        pd.register_gpu(0x1000, 4096, Access::LOCAL_WRITE),
+        Err(Error::Unsupported(_))
+    ));
+    // remote rights without local write are refused, as in verbs
+    let buf = HostBuffer::new(64);
+    assert!(matches!(
+        pd.register_with(&buf, Access::REMOTE_WRITE),
+        Err(Error::Soft(_))
+    ));
+    // access defaults to local only: a peer cannot write through it
+    let mr = pd.register(&buf).unwrap();
+    assert_eq!(mr.access(), Access::LOCAL_WRITE);
+    // illegal transitions
+    let qp = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
+    assert_eq!(qp.state(), QpState::Reset);
+    let rts = softnic::Modify::Rts(softnic::RtsAttr::default());
+    assert!(matches!(
+        qp.modify(rts),
+        Err(Error::Soft(softnic::Error::IllegalTransition { .. }))
+    ));
+    // export needs CUDA: without a driver it is an error, not a panic
+    if !gpuverbs::cuda::driver_available() {
+        assert!(gpuverbs::gpu::Gpu::open(0).is_err());
+    }
+}
+
+#[test]
+fn default_access_refuses_remote_writes() {
+    let (a, b) = connected(DoorbellMode::GpuDoorbell);
+    let local_only = b.pd.register(&HostBuffer::new(64)).unwrap();
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let w = Op::Write {
+        remote: local_only.remote(0),
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    ini.post_and_ring(&w, CtrlFlags::SIGNALED).unwrap();
+    match ini.wait_send(T).unwrap() {
+        Completion::Error(e) => assert_eq!(e.syndrome(), Some(Syndrome::RemoteAccess)),
+        c => panic!("{c:?}"),
+    }
+    assert_eq!(a.qp.state(), QpState::Err);
+    drop(b.ctx);
+}
