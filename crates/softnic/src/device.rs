@@ -237,6 +237,9 @@ impl Device {
     /// Destroys a QP: the device forgets it; peers see it vanish.
     pub fn destroy_qp(&self, qp: &Arc<Qp>) {
         self.shared.qps.write().remove(&qp.qpn());
+        // Handles may outlive the table entry (the caller's Arc, a peer's cached Weak): a
+        // destroyed QP answers nothing, so peers time out as with a vanished QP.
+        qp.set_state(crate::qp::QpState::Reset);
         self.shared.generation.fetch_add(1, Ordering::Release);
     }
 
@@ -252,6 +255,10 @@ impl Drop for Device {
         self.shared.kick();
         if let Some(h) = self.engine.take() {
             let _ = h.join();
+        }
+        // Peers may hold (cached) handles to our QPs: none of them answers any more.
+        for qp in self.shared.qps.read().values() {
+            qp.set_state(crate::qp::QpState::Reset);
         }
         let mut reg = REGISTRY.lock();
         reg.retain(|(_, w)| {

@@ -210,6 +210,13 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
 fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
     let idx = sq.ci;
     let mut buf = [0u8; MAX_WQE_BBS * WQEBB];
+    // A register copy only stands for a WQE still to run. One whose WQE already ran from the
+    // ring (its BlueFlame write was seen after the DBREC had announced it) or was skipped is
+    // dropped; kept, it would run instead of the ring's WQE when the 16-bit index comes
+    // round again, 64K blocks later.
+    if matches!(sq.bf, Some((i, _)) if i.wrapping_sub(idx) >= sq.target.wrapping_sub(idx)) {
+        sq.bf = None;
+    }
     let from_bf = matches!(sq.bf, Some((i, _)) if i == idx);
     let mask = qp.sq_blocks as usize - 1;
     if let (true, Some((_, copy))) = (from_bf, &sq.bf) {
@@ -228,8 +235,13 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
         }
     }
     let opcode = ctrl.opcode();
+    // Never move past the announced producer: a failed or flushed WQE whose ds claims more
+    // blocks than were announced (stale, half-written or past-producer WQE) ends at the
+    // producer, or the loop in `service` would flush ~64K blocks of garbage until the 16-bit
+    // consumer wrapped around to the target.
+    let step_blocks = (blocks as u16).min(sq.target.wrapping_sub(idx));
     let advance = |sq: &mut SqState| {
-        sq.ci = sq.ci.wrapping_add(blocks as u16);
+        sq.ci = sq.ci.wrapping_add(step_blocks);
         if from_bf {
             sq.bf = None;
         }

@@ -381,9 +381,21 @@ impl Initiator {
             Completion::Error(e) if !e.responder => Some(e.wqe_counter),
             _ => None,
         };
+        // Retire only within what is outstanding: an error CQE may name a counter that is
+        // not a posted WQE (a refused doorbell reports the device's consumer index, perhaps
+        // with nothing posted there) or repeat one already retired; retiring past the
+        // producer would make `outstanding` wrap and `post` underflow.
         if let Some(w) = counter {
-            let blocks = self.sizes[w as usize & (self.sq.blocks as usize - 1)].max(1);
-            self.sq_ci = w.wrapping_add(blocks as u16);
+            let outstanding = self.outstanding();
+            if (w.wrapping_sub(self.sq_ci) as u32) < outstanding {
+                let blocks = self.sizes[w as usize & (self.sq.blocks as usize - 1)].max(1);
+                let end = w.wrapping_add(blocks as u16);
+                self.sq_ci = if end.wrapping_sub(self.sq_ci) as u32 <= outstanding {
+                    end
+                } else {
+                    self.pi
+                };
+            }
         }
         Some(c)
     }
