@@ -126,7 +126,7 @@ mod tests {
         let w = Op::Nop.encode(77, 0x55, CtrlFlags::default()).unwrap();
         let c = DoorbellValue::from_ctrl(&w.ctrl());
         assert_eq!((c.index(), c.qpn(), c.ds()), (77, 0x55, 1));
-        assert_eq!(&bytemuck::bytes_of(&c)[..], &w.as_bytes()[..8]);
+        assert_eq!(bytemuck::bytes_of(&c), &w.as_bytes()[..8]);
     }
 
     #[test]

@@ -52,8 +52,8 @@ fn wqe_segments_match_mlx5dv() {
         [(swap_add, swap_add), (compare, compare)]
     );
     assert_eq!(size_of::<sys::mlx5_wqe_inl_data_seg>(), 4);
-    assert_eq!(wqe::INLINE_SEG, sys::MLX5_INLINE_SEG as u32);
-    assert_eq!(wqe::INVALID_LKEY, sys::MLX5_INVALID_LKEY as u32);
+    assert_eq!(wqe::INLINE_SEG, sys::MLX5_INLINE_SEG);
+    assert_eq!(wqe::INVALID_LKEY, sys::MLX5_INVALID_LKEY);
     assert_eq!(prm::WQEBB, sys::MLX5_SEND_WQE_BB as usize);
 }
 
@@ -110,7 +110,7 @@ fn opcodes_match_mlx5dv() {
         (Opcode::AtomicMaskedFa, sys::MLX5_OPCODE_ATOMIC_MASKED_FA),
     ];
     for (ours, theirs) in pairs {
-        assert_eq!(ours as u32, theirs as u32, "{ours:?}");
+        assert_eq!(ours as u32, theirs, "{ours:?}");
         assert_eq!(Opcode::from_u8(theirs as u8), Some(ours));
     }
     // WAIT (0x0f) is not in mlx5dv.h; it comes from the PRM (cross-channel WAIT).
@@ -129,7 +129,7 @@ fn cqe_opcodes_and_syndromes_match_mlx5dv() {
         (CqeOpcode::Invalid, sys::MLX5_CQE_INVALID),
     ];
     for (ours, theirs) in ops {
-        assert_eq!(ours as u32, theirs as u32, "{ours:?}");
+        assert_eq!(ours as u32, theirs, "{ours:?}");
     }
     let syndromes = [
         (
@@ -169,24 +169,18 @@ fn cqe_opcodes_and_syndromes_match_mlx5dv() {
     ];
     assert_eq!(syndromes.len(), Syndrome::ALL.len());
     for (ours, theirs) in syndromes {
-        assert_eq!(ours as u32, theirs as u32, "{ours:?}");
+        assert_eq!(ours as u32, theirs, "{ours:?}");
     }
 }
 
 #[test]
 fn ctrl_flags_and_doorbells_match_mlx5dv() {
-    assert_eq!(
-        wqe::FM_CE_SE_CQ_UPDATE as u32,
-        sys::MLX5_WQE_CTRL_CQ_UPDATE as u32
-    );
-    assert_eq!(
-        wqe::FM_CE_SE_SOLICITED as u32,
-        sys::MLX5_WQE_CTRL_SOLICITED as u32
-    );
-    assert_eq!(wqe::FM_CE_SE_FENCE as u32, sys::MLX5_WQE_CTRL_FENCE as u32);
+    assert_eq!(wqe::FM_CE_SE_CQ_UPDATE as u32, sys::MLX5_WQE_CTRL_CQ_UPDATE);
+    assert_eq!(wqe::FM_CE_SE_SOLICITED as u32, sys::MLX5_WQE_CTRL_SOLICITED);
+    assert_eq!(wqe::FM_CE_SE_FENCE as u32, sys::MLX5_WQE_CTRL_FENCE);
     assert_eq!(
         wqe::FM_CE_SE_SMALL_FENCE as u32,
-        sys::MLX5_WQE_CTRL_INITIATOR_SMALL_FENCE as u32
+        sys::MLX5_WQE_CTRL_INITIATOR_SMALL_FENCE
     );
     assert_eq!(doorbell::CQ_DOORBELL_OFFSET, sys::MLX5_CQ_DOORBELL as usize);
     assert_eq!(cqe::OP_OWN_INVALID >> 4, sys::MLX5_CQE_INVALID as u8);
