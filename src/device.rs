@@ -134,11 +134,29 @@ impl Context {
             DeviceRequest::Named(n) if n.starts_with("softnic") && n != "softnic" => n.clone(),
             _ => String::new(),
         };
-        let dev = softnic::Device::open(softnic::DeviceConfig { name, gid: None })?;
+        Self::soft(
+            softnic::DeviceConfig {
+                name,
+                ..Default::default()
+            },
+            soft_reason,
+        )
+    }
+
+    /// Opens a soft NIC with explicit settings (GID, name, completion-only mode).
+    pub fn open_soft(cfg: softnic::DeviceConfig) -> Result<Self, Error> {
+        Self::soft(
+            cfg,
+            "soft NIC with explicit settings, requested in code".into(),
+        )
+    }
+
+    fn soft(cfg: softnic::DeviceConfig, reason: String) -> Result<Self, Error> {
+        let dev = softnic::Device::open(cfg)?;
         let selection = Selection {
             kind: BackendKind::Soft,
             name: dev.name().to_string(),
-            reason: soft_reason,
+            reason,
         };
         tracing::info!(device = %selection, "gpuverbs device selected");
         Ok(Self {

@@ -19,11 +19,15 @@ pub struct DeviceConfig {
     pub name: String,
     /// GID; a fresh IPv4-mapped `::ffff:127.1.x.y` when `None`.
     pub gid: Option<Gid>,
+    /// Completion-only mode (benchmarks): WQEs this device sends are checked and completed
+    /// exactly as usual, but no payload moves and atomics leave their targets alone.
+    pub completion_only: bool,
 }
 
 /// State shared by the device handle, its engine and peers.
 pub(crate) struct Shared {
     pub name: String,
+    pub completion_only: bool,
     pub gid: Gid,
     pub mrs: Arc<MrTable>,
     pub counters: Arc<Counters>,
@@ -90,6 +94,7 @@ impl Device {
         };
         let shared = Arc::new(Shared {
             name,
+            completion_only: cfg.completion_only,
             gid,
             mrs: Arc::default(),
             counters: Arc::default(),

@@ -486,8 +486,10 @@ pub(crate) enum Response {
     Nak(Syndrome, u8),
 }
 
-/// Executes a request at the responder `peer`, from requester QPN `from`.
-pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>) -> Response {
+/// Executes a request at the responder `peer`, from requester QPN `from`. With `move_data`
+/// false (completion-only mode) every check and completion happens but no payload byte moves
+/// and atomics leave their target alone.
+pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -> Response {
     let peer_dev_counters = &peer.counters;
     let mut rq = peer.lock_rq();
     let access = rq.access;
@@ -554,7 +556,9 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>) -> Response {
             };
             // SAFETY: `dst` was checked under `g` (still held); `src` was checked by the
             // requester under its own guard, still held by the caller.
-            unsafe { copy_ranges(&[dst], src) };
+            if move_data {
+                unsafe { copy_ranges(&[dst], src) };
+            }
             if let Some(imm) = imm {
                 recv_cqe(&mut rq, RespKind::WriteImm, len, Some(imm));
             }
@@ -588,7 +592,9 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>) -> Response {
                 return fatal(Response::Nak(Syndrome::RemoteInvalReq, vendor::RECV_BUFFER));
             }
             // SAFETY: `dst` checked under `g` (held); `src` checked by the requester (held).
-            unsafe { copy_ranges(&dst, src) };
+            if move_data {
+                unsafe { copy_ranges(&dst, src) };
+            }
             let kind = if imm.is_some() {
                 RespKind::SendImm
             } else {
@@ -608,7 +614,9 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>) -> Response {
                 Err(r) => return fatal(r),
             };
             // SAFETY: as for writes, with the directions swapped.
-            unsafe { copy_ranges(dst, &[src]) };
+            if move_data {
+                unsafe { copy_ranges(dst, &[src]) };
+            }
             Response::Ack
         }
         Request::Atomic { raddr, rkey, kind } => {
@@ -623,6 +631,9 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>) -> Response {
                 Ok(t) => t,
                 Err(r) => return fatal(r),
             };
+            if !move_data {
+                return Response::Ack;
+            }
             // SAFETY: `target` is checked, live (guard held) and naturally aligned.
             Response::AtomicAck(unsafe { atomic(target.addr, kind) })
         }
@@ -775,6 +786,7 @@ fn execute(
         Ok(p) => p,
         Err(stall) => return Ok(Done::Stalled(stall)),
     };
+    let move_data = !dev.completion_only;
     let (response, len) = match &prepared {
         Prepared::Write(r, src) => {
             let len = total(src);
@@ -785,11 +797,14 @@ fn execute(
                 len,
                 imm,
             };
-            (respond(&peer, from, req), len)
+            (respond(&peer, from, req, move_data), len)
         }
         Prepared::Send(src) => {
             let len = total(src);
-            (respond(&peer, from, Request::Send { src, len, imm }), len)
+            (
+                respond(&peer, from, Request::Send { src, len, imm }, move_data),
+                len,
+            )
         }
         Prepared::Read(r, dst) => {
             let len = total(dst);
@@ -799,7 +814,7 @@ fn execute(
                 dst,
                 len,
             };
-            (respond(&peer, from, req), len)
+            (respond(&peer, from, req, move_data), len)
         }
         Prepared::Atomic(r, kind, _) => {
             let req = Request::Atomic {
@@ -807,7 +822,7 @@ fn execute(
                 rkey: r.rkey.0,
                 kind: *kind,
             };
-            (respond(&peer, from, req), kind.size() as u64)
+            (respond(&peer, from, req, move_data), kind.size() as u64)
         }
     };
     match response {
