@@ -31,7 +31,7 @@ fn completes_without_moving_bytes_and_still_checks_keys() {
     // SAFETY: both buffers outlive the devices (dropped at the end of the test).
     let (ma, mb) = unsafe {
         (
-            a.reg_host(pa, src.as_ptr() as u64, 64, Access::LOCAL_WRITE)
+            a.reg_host(pa, src.as_ptr() as u64, 64, Access::NONE)
                 .unwrap(),
             b.reg_host(pb, dst.as_mut_ptr() as u64, 64, all).unwrap(),
         )
