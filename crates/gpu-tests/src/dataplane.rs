@@ -158,63 +158,106 @@ pub fn arg<T>(v: &mut T) -> *mut c_void {
     (v as *mut T).cast()
 }
 
+/// The shape of one `gv_test_put` launch.
+#[derive(Clone, Copy, Debug)]
+pub struct PutArgs {
+    pub grid: u32,
+    pub block: u32,
+    /// 0 thread, 1 warp, 2 block.
+    pub scope: u32,
+    /// Threads with index % skip_mod == skip_mod - 1 do not take part (0: all do).
+    pub skip_mod: u32,
+    pub size: u32,
+    pub iters: u32,
+    pub signal_every: u32,
+    pub budget_ns: u64,
+}
+
+impl PutArgs {
+    /// One thread writing one signaled message of `size` bytes.
+    pub fn single(size: u32, budget_ns: u64) -> Self {
+        Self {
+            grid: 1,
+            block: 1,
+            scope: 0,
+            skip_mod: 0,
+            size,
+            iters: 1,
+            signal_every: 1,
+            budget_ns,
+        }
+    }
+    fn takes_part(&self, thread: u64) -> bool {
+        let m = self.skip_mod as u64;
+        m == 0 || (thread % self.block as u64) % m != m - 1
+    }
+}
+
+impl Pair {
+    /// Launches `gv_test_put` with rkey `rk` and returns the kernel's status words.
+    pub fn launch_put(&self, a: &PutArgs, rk: u32) -> Result<Status> {
+        let threads = a.grid as u64 * a.block as u64;
+        ensure!(
+            threads * a.iters as u64 * a.size as u64 <= self.dst.len() as u64,
+            "buffers too small"
+        );
+        let st = Status::new(&self.gpu)?;
+        let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
+            self.export.ptr(),
+            self.src_d,
+            self.src_mr.lkey().0,
+            self.dst_mr.addr(),
+            rk,
+        );
+        let (mut size, mut iters, mut scope, mut skip, mut sig, mut budget, mut out) = (
+            a.size,
+            a.iters,
+            a.scope,
+            a.skip_mod,
+            a.signal_every,
+            a.budget_ns,
+            st.ptr(),
+        );
+        let mut params = [
+            arg(&mut q),
+            arg(&mut lbase),
+            arg(&mut lk),
+            arg(&mut rbase),
+            arg(&mut rk),
+            arg(&mut size),
+            arg(&mut iters),
+            arg(&mut scope),
+            arg(&mut skip),
+            arg(&mut sig),
+            arg(&mut budget),
+            arg(&mut out),
+        ];
+        // SAFETY: the parameters match gv_test_put's signature; q, lbase (mapped host memory)
+        // and out are live device-visible memory for the whole launch; rbase is only used as a
+        // remote address (checked by the device).
+        unsafe {
+            self.gpu.launch_sync(
+                "gv_test_put",
+                (a.grid, 1, 1),
+                (a.block, 1, 1),
+                0,
+                &mut params,
+            )?
+        };
+        Ok(st)
+    }
+}
+
 /// Launches `gv_test_put` and checks every written byte.
-#[allow(clippy::too_many_arguments)]
-pub fn run_put(
-    p: &Pair,
-    grid: u32,
-    block: u32,
-    scope: u32,
-    skip_mod: u32,
-    size: u32,
-    iters: u32,
-    signal_every: u32,
-) -> Result<String> {
-    let st = Status::new(&p.gpu)?;
-    let mut q = p.export.ptr();
-    let mut lbase = p.src_d;
-    let mut lk = p.src_mr.lkey().0;
-    let mut rbase = p.dst_mr.addr();
-    let mut rk = p.dst_mr.rkey().0;
-    let (mut size_, mut iters_, mut scope_, mut skip_, mut sig_) =
-        (size, iters, scope, skip_mod, signal_every);
-    let mut budget = BUDGET_NS;
-    let mut out = st.ptr();
-    let mut params = [
-        arg(&mut q),
-        arg(&mut lbase),
-        arg(&mut lk),
-        arg(&mut rbase),
-        arg(&mut rk),
-        arg(&mut size_),
-        arg(&mut iters_),
-        arg(&mut scope_),
-        arg(&mut skip_),
-        arg(&mut sig_),
-        arg(&mut budget),
-        arg(&mut out),
-    ];
-    let threads = grid as u64 * block as u64;
-    ensure!(
-        threads * iters as u64 * size as u64 <= p.dst.len() as u64,
-        "buffers too small"
-    );
-    // SAFETY: the parameters match gv_test_put's signature; q, lbase (mapped host memory) and
-    // out are live device-visible memory for the whole launch; rbase is only used as a remote
-    // address (checked by the device).
-    unsafe {
-        p.gpu
-            .launch_sync("gv_test_put", (grid, 1, 1), (block, 1, 1), 0, &mut params)?
-    };
-    st.expect_ok()?;
+pub fn run_put(p: &Pair, a: &PutArgs) -> Result<String> {
+    p.launch_put(a, p.dst_mr.rkey().0)?.expect_ok()?;
     let (src, dst) = (p.src.to_vec(), p.dst.to_vec());
     let mut msgs = 0u64;
-    for t in 0..threads {
-        let part = skip_mod == 0 || (t % block as u64) % skip_mod as u64 != skip_mod as u64 - 1;
-        for i in 0..iters as u64 {
-            let off = ((t * iters as u64 + i) * size as u64) as usize;
-            let range = off..off + size as usize;
-            if part {
+    for t in 0..a.grid as u64 * a.block as u64 {
+        for i in 0..a.iters as u64 {
+            let off = ((t * a.iters as u64 + i) * a.size as u64) as usize;
+            let range = off..off + a.size as usize;
+            if a.takes_part(t) {
                 ensure!(
                     dst[range.clone()] == src[range.clone()],
                     "thread {t} message {i}: bytes differ"
@@ -222,7 +265,7 @@ pub fn run_put(
                 msgs += 1;
             } else {
                 ensure!(
-                    dst[range.clone()].iter().all(|&b| b == 0),
+                    dst[range].iter().all(|&b| b == 0),
                     "thread {t} (not taking part) wrote bytes"
                 );
             }
@@ -234,37 +277,23 @@ pub fn run_put(
         "counters: {d:?}"
     );
     Ok(format!(
-        "{msgs} messages of {size} B verified, {} blocks",
-        d.sq_ready
+        "{msgs} messages of {} B verified, {} blocks",
+        a.size, d.sq_ready
     ))
 }
 
-/// `put` cases: (doorbell mode, grid, block, scope, skip_mod, size, iters, signal_every, sq_blocks).
+/// A `put` case: doorbell mode, SQ size and launch shape.
 pub struct PutCase {
     pub mode: DoorbellMode,
-    pub grid: u32,
-    pub block: u32,
-    pub scope: u32,
-    pub skip_mod: u32,
-    pub size: u32,
-    pub iters: u32,
-    pub signal_every: u32,
     pub sq_blocks: u32,
+    pub args: PutArgs,
 }
 
 pub fn put_case(ordinal: usize, c: &PutCase) -> Result<String> {
-    let bytes = (c.grid * c.block * c.iters * c.size) as usize;
+    let a = &c.args;
+    let bytes = (a.grid * a.block * a.iters * a.size) as usize;
     let p = Pair::new(ordinal, c.mode, bytes, c.sq_blocks)?;
-    let r = run_put(
-        &p,
-        c.grid,
-        c.block,
-        c.scope,
-        c.skip_mod,
-        c.size,
-        c.iters,
-        c.signal_every,
-    )?;
+    let r = run_put(&p, a)?;
     let dev = p.a.soft_device().expect("soft").counters();
     ensure!(dev.errors.is_empty(), "device errors: {:?}", dev.errors);
     Ok(format!("{r}; {} doorbells", dev.doorbells_seen))
@@ -394,40 +423,8 @@ pub fn ops(ordinal: usize, mode: DoorbellMode) -> Result<String> {
 /// on the QP (now in ERR) fails at once instead of hanging.
 pub fn bad_rkey(ordinal: usize) -> Result<String> {
     let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
-    let st = Status::new(&p.gpu)?;
-    let launch = |rk: u32, out: u64| -> Result<()> {
-        let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
-            p.export.ptr(),
-            p.src_d,
-            p.src_mr.lkey().0,
-            p.dst_mr.addr(),
-            rk,
-        );
-        let (mut size, mut iters, mut scope, mut skip, mut sig, mut budget, mut out) =
-            (64u32, 1u32, 0u32, 0u32, 1u32, BUDGET_NS, out);
-        let mut params = [
-            arg(&mut q),
-            arg(&mut lbase),
-            arg(&mut lk),
-            arg(&mut rbase),
-            arg(&mut rk),
-            arg(&mut size),
-            arg(&mut iters),
-            arg(&mut scope),
-            arg(&mut skip),
-            arg(&mut sig),
-            arg(&mut budget),
-            arg(&mut out),
-        ];
-        // SAFETY: parameters match gv_test_put; pointers are live device-visible memory.
-        unsafe {
-            p.gpu
-                .launch_sync("gv_test_put", (1, 1, 1), (1, 1, 1), 0, &mut params)?
-        };
-        Ok(())
-    };
-    launch(p.dst_mr.rkey().0 ^ 0x5500, st.ptr())?;
-    let s = st.read()?;
+    let one = PutArgs::single(64, BUDGET_NS);
+    let s = p.launch_put(&one, p.dst_mr.rkey().0 ^ 0x5500)?.read()?;
     ensure!(
         s[0] == 1 && s[1] == 0x13,
         "expected ERROR_CQE REMOTE_ACCESS, got {} syndrome {:#x}",
@@ -450,9 +447,7 @@ pub fn bad_rkey(ordinal: usize) -> Result<String> {
         p.qa.state() == gpuverbs::queue::QpState::Err,
         "QP not in ERR"
     );
-    let st2 = Status::new(&p.gpu)?;
-    launch(p.dst_mr.rkey().0, st2.ptr())?;
-    let s2 = st2.read()?;
+    let s2 = p.launch_put(&one, p.dst_mr.rkey().0)?.read()?;
     ensure!(
         s2[0] == 1,
         "a post on a QP in ERR returned {}",
@@ -467,36 +462,8 @@ pub fn bad_rkey(ordinal: usize) -> Result<String> {
 pub fn dropped_doorbell_timeout(ordinal: usize) -> Result<String> {
     let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
     p.qa.soft().inject(softnic::Fault::DropDoorbells(1));
-    let st = Status::new(&p.gpu)?;
-    let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
-        p.export.ptr(),
-        p.src_d,
-        p.src_mr.lkey().0,
-        p.dst_mr.addr(),
-        p.dst_mr.rkey().0,
-    );
-    let (mut size, mut iters, mut scope, mut skip, mut sig, mut budget, mut out) =
-        (64u32, 1u32, 0u32, 0u32, 1u32, 50_000_000u64, st.ptr());
-    let mut params = [
-        arg(&mut q),
-        arg(&mut lbase),
-        arg(&mut lk),
-        arg(&mut rbase),
-        arg(&mut rk),
-        arg(&mut size),
-        arg(&mut iters),
-        arg(&mut scope),
-        arg(&mut skip),
-        arg(&mut sig),
-        arg(&mut budget),
-        arg(&mut out),
-    ];
     let t = std::time::Instant::now();
-    // SAFETY: parameters match gv_test_put; pointers are live device-visible memory.
-    unsafe {
-        p.gpu
-            .launch_sync("gv_test_put", (1, 1, 1), (1, 1, 1), 0, &mut params)?
-    };
+    let st = p.launch_put(&PutArgs::single(64, 50_000_000), p.dst_mr.rkey().0)?;
     let s = st.read()?;
     ensure!(s[0] == 2, "expected TIMEOUT, got {}", status_name(s[0]));
     let c = p.a.soft_device().expect("soft").counters();

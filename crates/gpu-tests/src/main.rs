@@ -27,7 +27,7 @@ struct Case {
 
 mod dataplane;
 
-use dataplane::PutCase;
+use dataplane::{PutArgs, PutCase};
 use gpuverbs::DoorbellMode::{BlueFlame, CpuProxy, GpuDoorbell};
 
 macro_rules! put_cases {
@@ -35,8 +35,12 @@ macro_rules! put_cases {
        size $size:expr, iters $iters:expr, signal $sig:expr, sq $sq:expr;)*) => {
         $(fn $name(ctx: &Ctx) -> Result<String> {
             dataplane::put_case(ctx.ordinal, &PutCase {
-                mode: $mode, grid: $grid, block: $block, scope: $scope, skip_mod: $skip,
-                size: $size, iters: $iters, signal_every: $sig, sq_blocks: $sq,
+                mode: $mode,
+                sq_blocks: $sq,
+                args: PutArgs {
+                    grid: $grid, block: $block, scope: $scope, skip_mod: $skip, size: $size,
+                    iters: $iters, signal_every: $sig, budget_ns: dataplane::BUDGET_NS,
+                },
             })
         })*
     };
