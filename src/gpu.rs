@@ -31,7 +31,8 @@ unsafe impl Send for Mapping {}
 /// An open GPU with the gpuverbs kernels loaded.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
-    module: Module,
+    /// gpuverbs' own kernels (`None` when this build embeds none).
+    kernels: Option<Module>,
     info: DeviceInfo,
     mapped: Mutex<HashMap<u64, Mapping>>,
 }
@@ -50,19 +51,107 @@ impl std::fmt::Debug for Gpu {
 }
 
 impl Gpu {
-    /// Opens GPU `ordinal` and loads the embedded kernels.
+    /// Opens GPU `ordinal` and loads the embedded kernels when this build has them (a build
+    /// without nvcc can still map memory, export QPs and run users' own modules).
     pub fn open(ordinal: usize) -> Result<Arc<Self>, CudaError> {
-        let image = crate::cuda::fatbin()?;
         with_driver("open GPU", || {
             let (ctx, info) = open(ordinal)?;
-            let module = Module::load(&ctx, image)?;
+            let kernels = match crate::cuda::fatbin() {
+                Ok(image) => Some(Module::load(&ctx, image)?),
+                Err(_) => None,
+            };
             Ok(Arc::new(Self {
                 ctx,
-                module,
+                kernels,
                 info,
                 mapped: Mutex::new(HashMap::new()),
             }))
         })
+    }
+
+    /// Loads a user's fatbin (e.g. built with `gpuverbs-build`) into this GPU's context.
+    pub fn load_module(&self, image: &'static [u8]) -> Result<GpuModule, CudaError> {
+        with_driver("load module", || {
+            Ok(GpuModule(Module::load(&self.ctx, image)?))
+        })
+    }
+
+    fn own_kernels(&self) -> Result<&Module, CudaError> {
+        match &self.kernels {
+            Some(m) => Ok(m),
+            // `open` loads the kernels whenever the build has them, so this names why not.
+            None => Err(crate::cuda::fatbin().expect_err("Gpu::open loads embedded kernels")),
+        }
+    }
+
+    /// Launches `name` of `module` on the default stream and waits; with `timed`, returns the
+    /// GPU time between two events recorded around the launch.
+    ///
+    /// # Safety
+    /// As [`Gpu::launch_sync`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch(
+        &self,
+        module: &Module,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_mem: u32,
+        params: &mut [*mut c_void],
+        timed: bool,
+    ) -> Result<std::time::Duration, CudaError> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let f = module.function(name)?;
+        let stream = self.ctx.default_stream();
+        let events = if timed {
+            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let start = self.ctx.new_event(flags).map_err(drv("cuEventCreate"))?;
+            let end = self.ctx.new_event(flags).map_err(drv("cuEventCreate"))?;
+            start.record(&stream).map_err(drv("cuEventRecord"))?;
+            Some((start, end))
+        } else {
+            None
+        };
+        // SAFETY: forwarded contract; `f` belongs to `module`, which outlives the call.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f,
+                grid,
+                block,
+                shared_mem,
+                stream.cu_stream(),
+                params,
+            )
+        }
+        .map_err(drv("cuLaunchKernel"))?;
+        if let Some((_, end)) = &events {
+            end.record(&stream).map_err(drv("cuEventRecord"))?;
+        }
+        stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
+        let ms = match &events {
+            Some((start, end)) => start.elapsed_ms(end).map_err(drv("cuEventElapsedTime"))?,
+            None => 0.0,
+        };
+        Ok(std::time::Duration::from_secs_f64(
+            f64::from(ms.max(0.0)) / 1e3,
+        ))
+    }
+
+    /// Launches `name` of a user's module on the default stream and waits for it.
+    ///
+    /// # Safety
+    /// As [`Gpu::launch_sync`].
+    pub unsafe fn launch_sync_in(
+        &self,
+        module: &GpuModule,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_mem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CudaError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.launch(&module.0, name, grid, block, shared_mem, params, false) }.map(|_| ())
     }
 
     /// Device name, capability, driver.
@@ -139,22 +228,28 @@ impl Gpu {
         shared_mem: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaError> {
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        let f = self.module.function(name)?;
-        let stream = self.ctx.default_stream();
-        // SAFETY: forwarded contract; `f` belongs to the loaded module which outlives the call.
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                f,
-                grid,
-                block,
-                shared_mem,
-                stream.cu_stream(),
-                params,
-            )
-        }
-        .map_err(drv("cuLaunchKernel"))?;
-        stream.synchronize().map_err(drv("cuStreamSynchronize"))
+        let m = self.own_kernels()?;
+        // SAFETY: forwarded contract.
+        unsafe { self.launch(m, name, grid, block, shared_mem, params, false) }.map(|_| ())
+    }
+
+    /// Launches kernel `name` like [`Gpu::launch_sync`], between two CUDA events recorded on
+    /// the same stream, waits for it, and returns the GPU time between the events (the kernel's
+    /// run on the device, without the host's launch and synchronisation overhead).
+    ///
+    /// # Safety
+    /// As [`Gpu::launch_sync`].
+    pub unsafe fn launch_timed(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_mem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<std::time::Duration, CudaError> {
+        let m = self.own_kernels()?;
+        // SAFETY: forwarded contract.
+        unsafe { self.launch(m, name, grid, block, shared_mem, params, true) }
     }
 
     /// Exports `qp` for kernels: maps its rings, doorbell record, register page (or proxy word)
@@ -245,6 +340,9 @@ impl Drop for Gpu {
         }
     }
 }
+
+/// A user's CUDA module loaded into a [`Gpu`]'s context; unloaded on drop.
+pub struct GpuModule(Module);
 
 /// Device memory; freed on drop.
 pub struct DeviceMem {

@@ -5,7 +5,7 @@
 //! machine's driver (580) is CUDA 13.0. Running it again is cheap: an existing venv is reused and pip
 //! leaves satisfied pins alone.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, Context as _, Result};
@@ -83,20 +83,9 @@ pub fn setup_cuda() -> Result<()> {
     Ok(())
 }
 
-/// `<venv>/lib/python3.*/site-packages/nvidia/cu13/bin/nvcc` (the same search build.rs does).
-pub fn find_venv_nvcc(venv: &Path) -> Option<PathBuf> {
-    let mut pythons: Vec<PathBuf> = std::fs::read_dir(venv.join("lib"))
-        .ok()?
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().starts_with("python3."))
-        .map(|e| e.path())
-        .collect();
-    pythons.sort();
-    pythons.into_iter().rev().find_map(|py| {
-        let p = py.join("site-packages/nvidia/cu13/bin/nvcc");
-        p.is_file().then_some(p)
-    })
-}
+/// `<venv>/lib/python3.*/site-packages/nvidia/cu13/bin/nvcc`: the very search build.rs does (both
+/// use gpuverbs-build).
+pub use gpuverbs_build::find_venv_nvcc;
 
 fn run(cmd: &mut Command) -> Result<()> {
     let status = cmd

@@ -63,14 +63,6 @@ __device__ __forceinline__ uint64_t now_ns() {
 // Memory-ordering primitives
 // ------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ void fence_for(const gpuverbs_qp* q) {
-    if (q->ring_loc == 0) {
-        asm volatile("fence.acq_rel.sys;" ::: "memory");
-    } else {
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    }
-}
-
 __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
     uint32_t v;
     asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -109,11 +101,15 @@ __device__ __forceinline__ void st16(void* p, uint32_t a, uint32_t b, uint32_t c
     *reinterpret_cast<uint4*>(p) = make_uint4(a, b, c, d);
 }
 
-// A spin lock in GPU memory (descriptor fields), bounded.
-__device__ __forceinline__ bool lock(uint32_t* l, uint64_t deadline) {
-    while (atomicCAS(l, 0u, 1u) != 0u) {
-        if (now_ns() > deadline) return false;
-        __nanosleep(32);
+// A spin lock in GPU memory (descriptor fields), bounded by `budget_ns` (the clock is read only
+// when the first attempt fails).
+__device__ __forceinline__ bool lock(uint32_t* l, uint64_t budget_ns) {
+    if (atomicCAS(l, 0u, 1u) != 0u) {
+        const uint64_t deadline = now_ns() + budget_ns;
+        while (atomicCAS(l, 0u, 1u) != 0u) {
+            if (now_ns() > deadline) return false;
+            __nanosleep(32);
+        }
     }
     __threadfence();
     return true;
@@ -326,7 +322,13 @@ __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
     uint32_t op_own = tail >> 24;
     uint32_t opcode = op_own >> 4;
     if (opcode == 15) return 0;
-    if (!q->scq_collapsed && (op_own & 1u) != (uint32_t)((ci / n) & 1u)) return 0;
+    if (q->scq_collapsed) {
+        // Slot 0 holds the newest completion: take it when its last word changed (each WQE
+        // has its own counter); in this mode scq_ci holds that word plus 1.
+        if (ci == (uint64_t)tail + 1) return 0;
+    } else if ((op_own & 1u) != (uint32_t)((ci / n) & 1u)) {
+        return 0;
+    }
     uint16_t counter = (uint16_t)(((tail & 0xffu) << 8) | ((tail >> 8) & 0xffu));
     if (opcode == 13 || opcode == 14) {
         uint32_t synd_word = *reinterpret_cast<const volatile uint32_t*>(cqe + 52);
@@ -341,7 +343,7 @@ __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
     uint64_t retired = q->sq_retired;
     uint16_t delta = (uint16_t)(counter + blocks - (uint16_t)retired);
     if (delta <= q->sq_blocks) st_release_gpu64(&q->sq_retired, retired + delta);
-    ci += 1;
+    ci = q->scq_collapsed ? (uint64_t)tail + 1 : ci + 1;
     q->scq_ci = ci;
     st_relaxed_sys32(reinterpret_cast<uint32_t*>(q->scq_dbrec), bswap32((uint32_t)(ci & 0xffffff)));
     return 1;
@@ -371,12 +373,12 @@ __device__ __forceinline__ status scq_progress(gpuverbs_qp* q, uint64_t deadline
 // ------------------------------------------------------------------------------------------
 
 // Reserves `n` blocks; waits (polling the CQ) while the SQ is full. Lock-free (CAS), so a
-// timeout leaves no hole in the ring.
+// timeout leaves no hole in the ring. The clock is read only once it has to wait.
 template <sharing S>
 __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t budget_ns,
                                           uint64_t* start) {
-    uint64_t deadline = now_ns() + budget_ns;
     if (q->sq_error) return ERROR_CQE;  // the QP is in error: nothing new would execute
+    uint64_t deadline = 0;
     for (;;) {
         uint64_t r = S == sharing::exclusive ? q->sq_reserved
                                              : ld_acquire_gpu64(&q->sq_reserved);
@@ -394,20 +396,22 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t b
             }
             continue;
         }
+        if (deadline == 0) deadline = now_ns() + budget_ns;
         if (scq_progress<S>(q, deadline) == ERROR_CQE) return ERROR_CQE;
         if (now_ns() > deadline) return TIMEOUT;
     }
 }
 
-// Publishes blocks [start, start+n) after every earlier reservation: WQE bytes are released
-// first. `signaled` records that the last WQE asks for a CQE.
+// Publishes blocks [start, start+n) after every earlier reservation. The ready counter is
+// released at GPU scope; the system-scope release of the WQE bytes happens in `ring`, whose
+// fence is cumulative over every WQE published before it. `signaled` records that the last
+// WQE asks for a CQE.
 template <sharing S>
 __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32_t n,
                                           uint64_t last_start, bool signaled,
                                           uint64_t budget_ns) {
-    fence_for(q);
-    if (S != sharing::exclusive) {
-        uint64_t deadline = now_ns() + budget_ns;
+    if (S != sharing::exclusive && ld_acquire_gpu64(&q->sq_ready) != start) {
+        const uint64_t deadline = now_ns() + budget_ns;
         while (ld_acquire_gpu64(&q->sq_ready) != start) {
             if (now_ns() > deadline) return TIMEOUT;
         }
@@ -422,44 +426,49 @@ __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32
     return OK;
 }
 
-// Tells the device about every published WQE, in the QP's doorbell mode.
+// Tells the device about every published WQE, in the QP's doorbell mode: one release fence
+// (system scope for host-resident rings, GPU scope otherwise) orders every published WQE
+// before the doorbell record and the doorbell. The doorbell value carries the producer index
+// itself ({BE32(pi << 8), BE32(qpn << 8)}), so the device never depends on the order in which
+// the doorbell record and the doorbell land.
 template <sharing S>
 __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns) {
-    uint64_t deadline = now_ns() + budget_ns;
-    if (S != sharing::exclusive && !lock(&q->ring_lock, deadline)) return TIMEOUT;
+    if (S != sharing::exclusive && !lock(&q->ring_lock, budget_ns)) return TIMEOUT;
     uint64_t ready = S == sharing::exclusive ? q->sq_ready : ld_acquire_gpu64(&q->sq_ready);
     if (ready != q->sq_rung) {
-        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        if (q->ring_loc == 0) {
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
+        } else {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        }
         if (q->db_mode == GPUVERBS_DB_CPU_PROXY) {
-            st_release_sys64(reinterpret_cast<uint64_t*>(q->proxy_word), ready);
+            st_relaxed_sys64(reinterpret_cast<uint64_t*>(q->proxy_word), ready);
         } else {
             uint32_t* dbrec = reinterpret_cast<uint32_t*>(q->dbrec);
             st_relaxed_sys32(dbrec + 1, bswap32((uint32_t)(ready & 0xffff)));
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
             uint8_t* reg = reinterpret_cast<uint8_t*>(q->db_reg) + (q->bf_half & 1u) * 256;
-            uint64_t last = q->sq_last_start;
-            uint32_t blocks = wqe_blocks_at(q, last);
-            bool bf = q->db_mode == GPUVERBS_DB_BLUEFLAME && last + blocks == ready && blocks <= 4;
-            uint64_t value;
-            if (bf) {
-                // Whole WQE into the register: bytes 8.. first, its first 8 bytes last.
-                for (uint32_t u = 0; u < blocks * 4; ++u) {
-                    const uint4 v = *reinterpret_cast<const uint4*>(wqe_unit(q, last, u));
-                    if (u == 0) {
-                        st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg + 8),
-                                         (uint64_t)v.w << 32 | v.z);
-                    } else {
-                        *reinterpret_cast<uint4*>(reg + u * 16) = v;
+            // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.
+            uint64_t value = (uint64_t)bswap32(q->qpn << 8) << 32 |
+                             bswap32(((uint32_t)ready & 0xffffu) << 8);
+            if (q->db_mode == GPUVERBS_DB_BLUEFLAME) {
+                const uint64_t last = q->sq_last_start;
+                const uint32_t blocks = wqe_blocks_at(q, last);
+                if (last + blocks == ready && blocks <= 4) {
+                    // Whole WQE into the register: bytes 8.. first, its first 8 bytes last.
+                    for (uint32_t u = 0; u < blocks * 4; ++u) {
+                        const uint4 v = *reinterpret_cast<const uint4*>(wqe_unit(q, last, u));
+                        if (u == 0) {
+                            st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg + 8),
+                                             (uint64_t)v.w << 32 | v.z);
+                        } else {
+                            *reinterpret_cast<uint4*>(reg + u * 16) = v;
+                        }
                     }
+                    const uint2 head = *reinterpret_cast<const uint2*>(wqe_slot(q, last));
+                    value = (uint64_t)head.y << 32 | head.x;
+                    asm volatile("fence.acq_rel.sys;" ::: "memory");
+                    q->bf_half ^= 1u;
                 }
-                const uint2 head = *reinterpret_cast<const uint2*>(wqe_slot(q, last));
-                value = (uint64_t)head.y << 32 | head.x;
-                asm volatile("fence.acq_rel.sys;" ::: "memory");
-                q->bf_half ^= 1u;
-            } else {
-                // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.
-                value = (uint64_t)bswap32(q->qpn << 8) << 32 |
-                        bswap32(((uint32_t)ready & 0xffffu) << 8);
             }
             st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), value);
         }
@@ -491,6 +500,10 @@ __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr
         if (s != OK) return s;
         target = idx + 1;
     }
+    // WQEs posted without ringing are announced now; otherwise quiet would wait for work the
+    // device was never told about.
+    status rs = ring<S>(q, budget_ns);
+    if (rs != OK) return rs;
     for (;;) {
         status s = scq_progress<S>(q, deadline);
         uint64_t retired = S == sharing::exclusive ? q->sq_retired
@@ -503,14 +516,23 @@ __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr
     }
 }
 
-// One WQE of `blocks` blocks: reserve, prepare (the callable), publish, ring.
+// Selective signaling must never starve the ring: a WQE ending at `end` is signaled anyway
+// when no signaled WQE covers the last half ring (only signaled completions retire space).
+__device__ __forceinline__ bool must_signal(const gpuverbs_qp* q, uint64_t end) {
+    const uint64_t covered = *reinterpret_cast<const volatile uint64_t*>(&q->sq_signaled_end);
+    return end - covered >= (q->sq_blocks >> 1);
+}
+
+// One WQE of `blocks` blocks: reserve, prepare (the callable, given the final signaled flag),
+// publish, ring.
 template <sharing S, typename Prep>
 __device__ __forceinline__ status post1(gpuverbs_qp* q, uint32_t blocks, bool signaled,
                                         bool do_ring, uint64_t budget_ns, Prep prep) {
     uint64_t idx;
     status s = reserve<S>(q, blocks, budget_ns, &idx);
     if (s != OK) return s;
-    prep(idx);
+    signaled = signaled || must_signal(q, idx + blocks);
+    prep(idx, signaled ? CE_SIGNALED : 0);
     s = publish<S>(q, idx, blocks, idx, signaled, budget_ns);
     if (s != OK || !do_ring) return s;
     return ring<S>(q, budget_ns);
@@ -520,8 +542,7 @@ __device__ __forceinline__ status post1(gpuverbs_qp* q, uint32_t blocks, bool si
 template <sharing S = sharing::gpu>
 __device__ status put(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
                       uint32_t len, bool signaled, uint64_t budget_ns, bool do_ring = true) {
-    uint8_t f = signaled ? CE_SIGNALED : 0;
-    return post1<S>(q, 1, signaled, do_ring, budget_ns, [&](uint64_t idx) {
+    return post1<S>(q, 1, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
         prep_write(q, idx, laddr, lk, raddr, rk, len, f);
     });
 }
@@ -531,18 +552,17 @@ template <sharing S = sharing::gpu>
 __device__ status put_inline(gpuverbs_qp* q, const void* src, uint32_t len, uint64_t raddr,
                              rkey rk, bool signaled, uint64_t budget_ns) {
     if (len > q->max_inline) return INVALID;
-    uint8_t f = signaled ? CE_SIGNALED : 0;
-    return post1<S>(q, inline_write_blocks(len), signaled, true, budget_ns, [&](uint64_t idx) {
-        prep_write_inline(q, idx, src, len, raddr, rk, f);
-    });
+    return post1<S>(q, inline_write_blocks(len), signaled, true, budget_ns,
+                    [&](uint64_t idx, uint8_t f) {
+                        prep_write_inline(q, idx, src, len, raddr, rk, f);
+                    });
 }
 
 // Atomic add of `add` on a remote 8-byte signal word (old value discarded).
 template <sharing S = sharing::gpu>
 __device__ status signal(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key, uint64_t add,
                          bool signaled, uint64_t budget_ns, bool do_ring = true) {
-    uint8_t f = signaled ? CE_SIGNALED : 0;
-    return post1<S>(q, 1, signaled, do_ring, budget_ns, [&](uint64_t idx) {
+    return post1<S>(q, 1, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
         prep_atomic(q, idx, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
                     lkey{q->scratch_lkey}, f);
     });
@@ -556,6 +576,7 @@ __device__ status put_signal(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t r
     uint64_t idx;
     status s = reserve<S>(q, 2, budget_ns, &idx);
     if (s != OK) return s;
+    signaled = signaled || must_signal(q, idx + 2);
     prep_write(q, idx, laddr, lk, raddr, rk, len, 0);
     prep_atomic(q, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
                 lkey{q->scratch_lkey}, signaled ? CE_SIGNALED : 0);
@@ -568,8 +589,7 @@ __device__ status put_signal(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t r
 template <sharing S = sharing::gpu>
 __device__ status get(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
                       uint32_t len, bool signaled, uint64_t budget_ns) {
-    uint8_t f = signaled ? CE_SIGNALED : 0;
-    return post1<S>(q, 1, signaled, true, budget_ns, [&](uint64_t idx) {
+    return post1<S>(q, 1, signaled, true, budget_ns, [&](uint64_t idx, uint8_t f) {
         prep_read(q, idx, laddr, lk, raddr, rk, len, f);
     });
 }
@@ -578,8 +598,8 @@ __device__ status get(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, r
 template <sharing S = sharing::gpu>
 __device__ status atomic_fetch_add(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint64_t add,
                                    uint64_t result, lkey result_key, uint64_t budget_ns) {
-    return post1<S>(q, 1, true, true, budget_ns, [&](uint64_t idx) {
-        prep_atomic(q, idx, OP_ATOMIC_FA, raddr, rk, add, 0, result, result_key, CE_SIGNALED);
+    return post1<S>(q, 1, true, true, budget_ns, [&](uint64_t idx, uint8_t f) {
+        prep_atomic(q, idx, OP_ATOMIC_FA, raddr, rk, add, 0, result, result_key, f);
     });
 }
 
@@ -588,9 +608,8 @@ template <sharing S = sharing::gpu>
 __device__ status atomic_compare_swap(gpuverbs_qp* q, uint64_t raddr, rkey rk,
                                       uint64_t compare, uint64_t swap, uint64_t result,
                                       lkey result_key, uint64_t budget_ns) {
-    return post1<S>(q, 1, true, true, budget_ns, [&](uint64_t idx) {
-        prep_atomic(q, idx, OP_ATOMIC_CS, raddr, rk, swap, compare, result, result_key,
-                    CE_SIGNALED);
+    return post1<S>(q, 1, true, true, budget_ns, [&](uint64_t idx, uint8_t f) {
+        prep_atomic(q, idx, OP_ATOMIC_CS, raddr, rk, swap, compare, result, result_key, f);
     });
 }
 
@@ -598,7 +617,7 @@ __device__ status atomic_compare_swap(gpuverbs_qp* q, uint64_t raddr, rkey rk,
 template <sharing S = sharing::gpu>
 __device__ status fence(gpuverbs_qp* q, uint64_t budget_ns) {
     return post1<S>(q, 1, false, false, budget_ns,
-                    [&](uint64_t idx) { prep_nop(q, idx, FENCE_STRONG); });
+                    [&](uint64_t idx, uint8_t f) { prep_nop(q, idx, FENCE_STRONG | f); });
 }
 
 // Waits (acquire, system scope) until the local 8-byte signal word reaches `value`.
@@ -627,9 +646,13 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     const uint32_t rank = __popc(mask & ((1u << lane) - 1u));
     uint64_t start = 0;
     status s = OK;
-    if (lane == leader) s = reserve<S>(q, count, budget_ns, &start);
+    if (lane == leader) {
+        s = reserve<S>(q, count, budget_ns, &start);
+        signaled = signaled || (s == OK && must_signal(q, start + count));
+    }
     start = __shfl_sync(mask, start, leader);
     s = (status)__shfl_sync(mask, (int)s, leader);
+    signaled = __shfl_sync(mask, signaled, leader);
     if (s != OK) return s;
     bool last = rank == count - 1;
     prep_write(q, start + rank, laddr, lk, raddr, rk, len, (signaled && last) ? CE_SIGNALED : 0);
@@ -650,6 +673,7 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     __shared__ uint32_t count;
     __shared__ uint64_t start;
     __shared__ int st;
+    __shared__ bool sig;
     const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     if (tid == 0) count = 0;
     __syncthreads();
@@ -657,9 +681,11 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     __syncthreads();
     if (tid == 0) {
         st = count ? reserve<S>(q, count, budget_ns, &start) : OK;
+        sig = signaled || (st == OK && count && must_signal(q, start + count));
     }
     __syncthreads();
     status s = (status)st;
+    signaled = sig;
     if (s == OK && participate) {
         bool last = rank == count - 1;
         prep_write(q, start + rank, laddr, lk, raddr, rk, len,

@@ -1,0 +1,92 @@
+// Kernels of the device-side benchmarks (samples/src/bin/gpu_bench.rs). Each records the
+// earliest start and latest end (%globaltimer, ns) of any thread in t[0] / t[1].
+#include <gpuverbs/gpuverbs.cuh>
+#include <gpuverbs/qp.cuh>
+
+namespace bench {
+
+GPUVERBS_DEVICE void stamp_start(unsigned long long* t) {
+    atomicMin(&t[0], (unsigned long long)gpuverbs::now_ns());
+}
+
+GPUVERBS_DEVICE void stamp_end(unsigned long long* t) {
+    atomicMax(&t[1], (unsigned long long)gpuverbs::now_ns());
+}
+
+}  // namespace bench
+
+// One benchmark step: a write of 8 bytes in the given scope. Thread scope rings once per
+// `batch` WQEs; warp and block scope ring once per call.
+template <gpuverbs::sharing S>
+GPUVERBS_DEVICE gpuverbs::status bench_step(gpuverbs_qp* q, uint32_t scope, uint32_t i,
+                                            uint32_t iters, uint32_t batch, bool sig,
+                                            uint64_t laddr, uint32_t lk, uint64_t raddr,
+                                            uint32_t rk, uint64_t budget) {
+    using namespace gpuverbs;
+    if (scope == 2) return put_block<S>(q, true, laddr, lkey{lk}, raddr, rkey{rk}, 8, sig, budget);
+    if (scope == 1) return put_warp<S>(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, sig, budget);
+    bool ring_now = batch <= 1 || (i + 1) % batch == 0 || i + 1 == iters;
+    return put<S>(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, sig, budget, ring_now);
+}
+
+// Posts `iters` 8-byte writes per thread (scope 0 thread, 1 warp, 2 block). Block b drives
+// QP qps[b % nqps]. `exclusive` selects the no-atomics sharing mode (only valid when one
+// thread drives each QP). With `signal_every` 0 nothing is signaled and nothing is awaited:
+// post-only, for QPs not in RTS (the device executes nothing, so only the device-side cost of
+// building and announcing WQEs is timed; the ring must hold the whole run). Otherwise every
+// `signal_every`-th WQE is signaled and the block ends with quiet (post and complete).
+GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t laddr,
+                                   uint32_t lk, uint64_t raddr, uint32_t rk, uint32_t iters,
+                                   uint32_t scope, uint32_t batch, uint32_t signal_every,
+                                   uint32_t exclusive, uint64_t budget, unsigned long long* t,
+                                   int* st_out) {
+    using namespace gpuverbs;
+    gpuverbs_qp* q = reinterpret_cast<gpuverbs_qp*>(qps[blockIdx.x % nqps]);
+    __syncthreads();
+    bench::stamp_start(t);
+    status s = OK;
+    for (uint32_t i = 0; i < iters && s == OK; ++i) {
+        bool sig = signal_every && (i + 1) % signal_every == 0;
+        s = exclusive ? bench_step<sharing::exclusive>(q, scope, i, iters, batch, sig, laddr, lk,
+                                                       raddr, rk, budget)
+                      : bench_step<sharing::gpu>(q, scope, i, iters, batch, sig, laddr, lk, raddr,
+                                                 rk, budget);
+    }
+    if (signal_every) {
+        __syncthreads();
+        if (s == OK && threadIdx.x == 0) {
+            s = exclusive ? quiet<sharing::exclusive>(q, budget) : quiet<sharing::gpu>(q, budget);
+        }
+    }
+    bench::stamp_end(t);
+    if (s != OK) atomicCAS(st_out, 0, (int)s);
+}
+
+// The floor of one doorbell: a system-scope release fence and an 8-byte store to host memory,
+// `iters` times, one thread.
+GPUVERBS_KERNEL void gv_bench_fence_store(uint64_t* host_word, uint32_t iters,
+                                          unsigned long long* t) {
+    bench::stamp_start(t);
+    for (uint32_t i = 0; i < iters; ++i) {
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        gpuverbs::st_relaxed_sys64(host_word, i);
+    }
+    bench::stamp_end(t);
+}
+
+// The ceiling of host-resident rings: every thread writes 64-byte blocks (four 16-byte
+// stores) into mapped host memory, `iters` blocks each, strided over `blocks_total` blocks.
+GPUVERBS_KERNEL void gv_bench_store64(uint8_t* host, uint32_t blocks_total, uint32_t iters,
+                                      unsigned long long* t) {
+    __syncthreads();
+    bench::stamp_start(t);
+    const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t nthreads = gridDim.x * blockDim.x;
+    for (uint32_t i = 0; i < iters; ++i) {
+        uint32_t b = (tid + i * nthreads) % blocks_total;
+        uint8_t* p = host + (size_t)b * 64;
+        for (int k = 0; k < 4; ++k) gpuverbs::st16(p + 16 * k, i, tid, k, b);
+    }
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    bench::stamp_end(t);
+}
