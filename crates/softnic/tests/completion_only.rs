@@ -25,8 +25,8 @@ fn completes_without_moving_bytes_and_still_checks_keys() {
         d.create_qp(QpConfig::new(pd, cq.clone(), cq)).unwrap()
     };
     let (qa, qb) = (mk(&a, pa), mk(&b, pb));
-    let src = vec![7u8; 64];
-    let mut dst = vec![0u8; 64];
+    let src = [7u8; 64];
+    let mut dst = [0u8; 64];
     let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
     // SAFETY: both buffers outlive the devices (dropped at the end of the test).
     let (ma, mb) = unsafe {
