@@ -374,9 +374,14 @@ __device__ __forceinline__ status scq_progress(gpuverbs_qp* q, uint64_t deadline
 
 // Reserves `n` blocks; waits (polling the CQ) while the SQ is full. Lock-free (CAS), so a
 // timeout leaves no hole in the ring. The clock is read only once it has to wait.
+//
+// `force_signal` (optional) is set when the reserved WQEs must ask for a CQE whatever the
+// caller wanted: selective signaling must never starve the ring, and only signaled
+// completions retire space, so a WQE is signaled when no signaled WQE covers the last half
+// ring. (The check uses values loaded with the reservation, so it costs no extra round trip.)
 template <sharing S>
 __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t budget_ns,
-                                          uint64_t* start) {
+                                          uint64_t* start, bool* force_signal = nullptr) {
     if (q->sq_error) return ERROR_CQE;  // the QP is in error: nothing new would execute
     uint64_t deadline = 0;
     for (;;) {
@@ -384,7 +389,11 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t b
                                              : ld_acquire_gpu64(&q->sq_reserved);
         uint64_t retired = S == sharing::exclusive ? q->sq_retired
                                                    : ld_acquire_gpu64(&q->sq_retired);
+        uint64_t covered = S == sharing::exclusive
+                               ? q->sq_signaled_end
+                               : *reinterpret_cast<volatile uint64_t*>(&q->sq_signaled_end);
         if (r + n - retired <= q->sq_blocks) {
+            if (force_signal) *force_signal = r + n - covered >= (q->sq_blocks >> 1);
             if (S == sharing::exclusive) {
                 q->sq_reserved = r + n;
                 *start = r;
@@ -516,22 +525,16 @@ __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr
     }
 }
 
-// Selective signaling must never starve the ring: a WQE ending at `end` is signaled anyway
-// when no signaled WQE covers the last half ring (only signaled completions retire space).
-__device__ __forceinline__ bool must_signal(const gpuverbs_qp* q, uint64_t end) {
-    const uint64_t covered = *reinterpret_cast<const volatile uint64_t*>(&q->sq_signaled_end);
-    return end - covered >= (q->sq_blocks >> 1);
-}
-
 // One WQE of `blocks` blocks: reserve, prepare (the callable, given the final signaled flag),
 // publish, ring.
 template <sharing S, typename Prep>
 __device__ __forceinline__ status post1(gpuverbs_qp* q, uint32_t blocks, bool signaled,
                                         bool do_ring, uint64_t budget_ns, Prep prep) {
     uint64_t idx;
-    status s = reserve<S>(q, blocks, budget_ns, &idx);
+    bool force = false;
+    status s = reserve<S>(q, blocks, budget_ns, &idx, &force);
     if (s != OK) return s;
-    signaled = signaled || must_signal(q, idx + blocks);
+    signaled = signaled || force;
     prep(idx, signaled ? CE_SIGNALED : 0);
     s = publish<S>(q, idx, blocks, idx, signaled, budget_ns);
     if (s != OK || !do_ring) return s;
@@ -574,9 +577,10 @@ __device__ status put_signal(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t r
                              uint32_t len, uint64_t sig_addr, rkey sig_key, uint64_t add,
                              bool signaled, uint64_t budget_ns) {
     uint64_t idx;
-    status s = reserve<S>(q, 2, budget_ns, &idx);
+    bool force = false;
+    status s = reserve<S>(q, 2, budget_ns, &idx, &force);
     if (s != OK) return s;
-    signaled = signaled || must_signal(q, idx + 2);
+    signaled = signaled || force;
     prep_write(q, idx, laddr, lk, raddr, rk, len, 0);
     prep_atomic(q, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
                 lkey{q->scratch_lkey}, signaled ? CE_SIGNALED : 0);
@@ -647,8 +651,9 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     uint64_t start = 0;
     status s = OK;
     if (lane == leader) {
-        s = reserve<S>(q, count, budget_ns, &start);
-        signaled = signaled || (s == OK && must_signal(q, start + count));
+        bool force = false;
+        s = reserve<S>(q, count, budget_ns, &start, &force);
+        signaled = signaled || force;
     }
     start = __shfl_sync(mask, start, leader);
     s = (status)__shfl_sync(mask, (int)s, leader);
@@ -680,8 +685,9 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     uint32_t rank = participate ? atomicAdd(&count, 1u) : 0;
     __syncthreads();
     if (tid == 0) {
-        st = count ? reserve<S>(q, count, budget_ns, &start) : OK;
-        sig = signaled || (st == OK && count && must_signal(q, start + count));
+        bool force = false;
+        st = count ? reserve<S>(q, count, budget_ns, &start, &force) : OK;
+        sig = signaled || force;
     }
     __syncthreads();
     status s = (status)st;
