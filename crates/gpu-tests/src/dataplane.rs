@@ -419,12 +419,14 @@ pub fn ops(ordinal: usize, mode: DoorbellMode) -> Result<String> {
     Ok("inline, put_signal, signal, get, fetch-add, compare-swap verified".into())
 }
 
-/// A bad rkey comes back to the kernel as an error CQE with REMOTE_ACCESS; the next operation
-/// on the QP (now in ERR) fails at once instead of hanging.
+/// A bad rkey comes back to the kernel as an error CQE with REMOTE_ACCESS; the WQEs behind it
+/// are flushed (each with its own WR_FLUSH CQE) and retired, so quiet returns instead of
+/// spinning; the next operation on the QP (now in ERR) fails at once.
 pub fn bad_rkey(ordinal: usize) -> Result<String> {
     let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
     let one = PutArgs::single(64, BUDGET_NS);
-    let s = p.launch_put(&one, p.dst_mr.rkey().0 ^ 0x5500)?.read()?;
+    let eight = PutArgs { iters: 8, ..one };
+    let s = p.launch_put(&eight, p.dst_mr.rkey().0 ^ 0x5500)?.read()?;
     ensure!(
         s[0] == 1 && s[1] == 0x13,
         "expected ERROR_CQE REMOTE_ACCESS, got {} syndrome {:#x}",
@@ -447,6 +449,19 @@ pub fn bad_rkey(ordinal: usize) -> Result<String> {
         p.qa.state() == gpuverbs::queue::QpState::Err,
         "QP not in ERR"
     );
+    let d = p.export.read()?;
+    let c = p.a.soft_device().expect("soft").counters();
+    let flushed = c.errors_of(prm::Syndrome::WrFlush);
+    ensure!(
+        c.errors_of(prm::Syndrome::RemoteAccess) == 1 && flushed + 1 == d.sq_ready,
+        "{} blocks posted, errors {:?}",
+        d.sq_ready,
+        c.errors
+    );
+    ensure!(
+        d.sq_retired == d.sq_ready,
+        "not all flushed WQEs retired: {d:?}"
+    );
     let s2 = p.launch_put(&one, p.dst_mr.rkey().0)?.read()?;
     ensure!(
         s2[0] == 1,
@@ -454,7 +469,8 @@ pub fn bad_rkey(ordinal: usize) -> Result<String> {
         status_name(s2[0])
     );
     Ok(format!(
-        "kernel saw: {err}; next post on the ERR QP failed at once"
+        "kernel saw: {err}; {flushed} later WQEs flushed and retired; next post on the ERR QP \
+         failed at once"
     ))
 }
 
