@@ -1,0 +1,190 @@
+// Kernels of the perftest-style samples (samples/src/bin/put_bw.rs, write_lat.rs). Each drives
+// exported QPs through the public device API only and reports a status the host decodes; the
+// host validates every payload byte.
+#include <gpuverbs/gpuverbs.cuh>
+#include <gpuverbs/qp.cuh>
+
+namespace samples {
+
+// One QP's share of a put_bw run. Mirrors `gpuverbs_samples::BwJob` (48 bytes, checked on both
+// sides).
+struct bw_job {
+    gpuverbs_qp* qp;     // exported descriptor
+    uint64_t lbase;      // NIC address of source slot 0 (the sources are shared by all jobs)
+    uint64_t rbase;      // remote address of this job's destination slot 0
+    uint32_t lkey;
+    uint32_t rkey;
+    uint32_t workers;    // threads that drive this QP (CTAs of the job x threads per CTA)
+    uint32_t dst_slots;  // destination slots of the job (a multiple of `workers`)
+    uint32_t src_slots;  // source slots (not dividing dst_slots: consecutive writes of a slot differ)
+    uint32_t src_shift;  // iteration i of the job reads source slot (i + src_shift) % src_slots
+};
+static_assert(sizeof(bw_job) == 48, "bw_job layout");
+
+// One side of a write_lat ping-pong. Mirrors `gpuverbs_samples::LatSide` (72 bytes).
+struct lat_side {
+    gpuverbs_qp* qp;
+    uint64_t src_nic;    // NIC address of the outgoing payload
+    uint64_t src_dev;    // the same bytes as the GPU sees them (the kernel writes the tail)
+    uint64_t dst_remote; // remote address the payload goes to
+    uint64_t recv_dev;   // GPU address of the aligned 8-byte word that ends the incoming payload
+    uint64_t sig_remote; // peer's signal word (remote address)
+    uint64_t sig_dev;    // own signal word (GPU address)
+    uint32_t lkey;
+    uint32_t rkey;
+    uint32_t sig_rkey;
+    uint32_t pad_;
+};
+static_assert(sizeof(lat_side) == 72, "lat_side layout");
+
+// Status words: [status, syndrome, vendor, wqe_counter, job/side, 0, 0, 0]; the first non-OK
+// status of any thread wins.
+GPUVERBS_DEVICE void report(int* out, gpuverbs::status s, const gpuverbs::error& e, int who) {
+    if (s != gpuverbs::OK && atomicCAS(out, 0, (int)s) == 0) {
+        out[1] = e.syndrome;
+        out[2] = e.vendor;
+        out[3] = e.wqe_counter;
+        out[4] = who;
+    }
+}
+
+// The tail of the payload of iteration k (k+1, little-endian, the last `n` <= 8 bytes).
+GPUVERBS_DEVICE uint64_t tail_mask(uint32_t n) {
+    return n >= 8 ? ~0ull : ((1ull << (8 * n)) - 1);
+}
+
+template <gpuverbs::sharing S>
+GPUVERBS_DEVICE gpuverbs::status bw_loop(gpuverbs_qp* q, const bw_job& job, uint32_t w,
+                                         uint32_t size, uint32_t iters, uint32_t scope,
+                                         uint32_t batch, uint32_t sig_calls, uint64_t budget) {
+    using namespace gpuverbs;
+    const uint32_t W = job.workers;
+    const uint32_t rounds = (iters + W - 1) / W;
+    status s = OK;
+    for (uint32_t r = 0; r < rounds; ++r) {
+        const uint64_t i = (uint64_t)r * W + w;
+        const bool part = i < iters;
+        const uint64_t laddr = job.lbase + ((i + job.src_shift) % job.src_slots) * size;
+        const uint64_t raddr = job.rbase + (i % job.dst_slots) * size;
+        const bool sig = (r + 1) % sig_calls == 0;
+        if (scope == 2) {
+            // Collective: every thread of the block takes part in every round.
+            s = put_block<S>(q, part, laddr, lkey{job.lkey}, raddr, rkey{job.rkey}, size, sig,
+                             budget);
+        } else if (!part) {
+            break;
+        } else if (scope == 1) {
+            s = put_warp<S>(q, laddr, lkey{job.lkey}, raddr, rkey{job.rkey}, size, sig, budget);
+        } else {
+            // Thread scope: `batch` WQEs per doorbell; a thread's last WQE always rings.
+            const bool last = i + W >= iters;
+            const bool ring_now = last || (r + 1) % batch == 0;
+            s = put<S>(q, laddr, lkey{job.lkey}, raddr, rkey{job.rkey}, size, sig, budget,
+                       ring_now);
+        }
+        if (s != OK) break;
+    }
+    return s;
+}
+
+}  // namespace samples
+
+// put_bw: every thread of the grid is a worker of one job (QP). CTA c drives job c % njobs;
+// worker w of a job posts the job's iterations w, w + W, w + 2W, ... (W = job.workers), each an
+// RDMA WRITE of `size` bytes from source slot (i + shift) % src_slots to destination slot
+// i % dst_slots. Scope 0 (thread): put() with `batch` WQEs per doorbell; 1 (warp): put_warp, one
+// doorbell per warp call; 2 (block): put_block, one doorbell per block call. One WQE in about
+// `sig_calls` calls of each poster asks for a CQE. After the loop one thread per CTA calls
+// quiet. `times[2c]`, `times[2c+1]`: %globaltimer at the CTA's start and after its quiet.
+GPUVERBS_KERNEL void gv_sample_put_bw(const samples::bw_job* jobs, uint32_t njobs, uint32_t size,
+                                      uint32_t iters, uint32_t scope, uint32_t batch,
+                                      uint32_t sig_calls, uint64_t budget, int* out,
+                                      uint64_t* times) {
+    using namespace gpuverbs;
+    const uint32_t j = blockIdx.x % njobs;
+    const samples::bw_job job = jobs[j];
+    gpuverbs_qp* q = job.qp;
+    const uint32_t w = (blockIdx.x / njobs) * blockDim.x + threadIdx.x;
+    // One thread alone on its QP owns it: no atomics needed.
+    const bool exclusive = job.workers == 1;
+    if (batch == 0) batch = 1;
+    if (sig_calls == 0) sig_calls = 1;
+    __syncthreads();
+    if (threadIdx.x == 0) times[2 * blockIdx.x] = now_ns();
+    status s = exclusive ? samples::bw_loop<sharing::exclusive>(q, job, w, size, iters, scope,
+                                                                batch, sig_calls, budget)
+                         : samples::bw_loop<sharing::gpu>(q, job, w, size, iters, scope, batch,
+                                                          sig_calls, budget);
+    error e{};
+    if (s != OK) e = last_error(q);
+    samples::report(out, s, e, (int)j);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s = exclusive ? quiet<sharing::exclusive>(q, budget, &e) : quiet<sharing::gpu>(q, budget, &e);
+        samples::report(out, s, e, (int)j);
+        times[2 * blockIdx.x + 1] = now_ns();
+    }
+}
+
+// write_lat: block 0 drives side A, block 1 side B, one thread each (each owns its QP). For
+// k = 0 .. iters-1: A stamps %globaltimer, writes the tail k+1 into its payload and writes the
+// payload to B; B waits until the tail (or, with `use_signal`, its signal word) shows k+1 and
+// answers the same way; A waits for the answer and records the round trip in rtt[k]. One WQE in
+// `cq_mod` asks for a CQE. Every wait is bounded by `budget` ns.
+// `tail_len`: bytes of the tail (min(size, 8)); the tail ends on an 8-byte boundary.
+GPUVERBS_KERNEL void gv_sample_write_lat(const samples::lat_side* sides, uint32_t size,
+                                         uint32_t tail_len, uint32_t iters, uint32_t use_signal,
+                                         uint32_t cq_mod, uint64_t budget, int* out,
+                                         uint64_t* rtt) {
+    using namespace gpuverbs;
+    if (threadIdx.x != 0 || blockIdx.x > 1) return;
+    const int me = (int)blockIdx.x;
+    const samples::lat_side side = sides[me];
+    gpuverbs_qp* q = side.qp;
+    const uint64_t mask = samples::tail_mask(tail_len);
+    const uint32_t shift = 64 - 8 * tail_len;  // the tail is the top bytes of the word
+    if (cq_mod == 0) cq_mod = 1;
+    uint8_t* tail_dst = reinterpret_cast<uint8_t*>(side.src_dev) + size - tail_len;
+    const uint64_t* recv_word = reinterpret_cast<const uint64_t*>(side.recv_dev);
+    status s = OK;
+    error e{};
+
+    auto wait_for = [&](uint64_t k1) -> status {
+        if (use_signal) return wait_signal(reinterpret_cast<const uint64_t*>(side.sig_dev), k1, budget);
+        const uint64_t want = k1 & mask;
+        const uint64_t deadline = now_ns() + budget;
+        while (((ld_acquire_sys64(recv_word) >> shift) & mask) != want) {
+            if (now_ns() > deadline) return TIMEOUT;
+        }
+        return OK;
+    };
+    auto send = [&](uint64_t k1) -> status {
+        for (uint32_t b = 0; b < tail_len; ++b) tail_dst[b] = (uint8_t)(k1 >> (8 * b));
+        const bool sig = k1 % cq_mod == 0;
+        if (use_signal) {
+            return put_signal<sharing::exclusive>(q, side.src_nic, lkey{side.lkey},
+                                                  side.dst_remote, rkey{side.rkey}, size,
+                                                  side.sig_remote, rkey{side.sig_rkey}, 1, sig,
+                                                  budget);
+        }
+        return put<sharing::exclusive>(q, side.src_nic, lkey{side.lkey}, side.dst_remote,
+                                       rkey{side.rkey}, size, sig, budget);
+    };
+
+    for (uint32_t k = 0; k < iters && s == OK; ++k) {
+        const uint64_t k1 = (uint64_t)k + 1;
+        if (me == 0) {
+            const uint64_t t0 = now_ns();
+            s = send(k1);
+            if (s == OK) s = wait_for(k1);
+            rtt[k] = now_ns() - t0;
+        } else {
+            s = wait_for(k1);
+            if (s == OK) s = send(k1);
+        }
+    }
+    if (s == ERROR_CQE) e = last_error(q);
+    samples::report(out, s, e, me);
+    s = quiet<sharing::exclusive>(q, budget, &e);
+    samples::report(out, s, e, me);
+}

@@ -1,0 +1,1049 @@
+//! `put_bw`: RDMA WRITE bandwidth with the WQEs posted by CUDA kernels (or by the CPU), in the
+//! style of perftest's `ib_write_bw`.
+//!
+//! ```text
+//! put_bw --loopback -a                      # every size, both sides in this process
+//! put_bw --loopback -s 1M -q 4 --bidir      # 4 QPs each way
+//! put_bw --loopback --scope warp --db proxy --report-gbits
+//! put_bw -p 18515        /  put_bw <server> -p 18515     # server / client roles
+//! ```
+//!
+//! What one size does:
+//! 1. The sources get a fresh pattern: `S` slots of `size` bytes, each its own bytes
+//!    ([`gpuverbs_samples::pattern`]); iteration `i` of job (QP) `j` sends slot `(i + j) % S`.
+//! 2. Warm-up iterations run untimed.
+//! 3. The destinations are poisoned: every slot gets the complement of what it must end with.
+//! 4. The timed iterations run. Iteration `i` of a job writes destination slot `i % D`; a job has
+//!    `D` slots (`D` >= the iterations when they fit in 16 MiB, else as many as fit), and `S`
+//!    does not divide `D`, so two writes into one slot always carry different bytes. With the GPU
+//!    initiator every thread of the grid is a worker of one QP and owns the slots `i % D` of its
+//!    iterations, so every slot has one writer, in order.
+//! 5. The receiver checks every byte of every destination slot: the bytes of the last write into
+//!    it (or, for a slot nobody writes, the poison).
+//!
+//! Timing: GPU initiator — average from CUDA events around the launch, peak from the kernel's
+//! own run (%globaltimer, first CTA start to last CTA end after its quiet). CPU initiator —
+//! average from the first post to the last completion, peak the best rate over windows of
+//! completions (at least `--cq-mod` messages and a sixteenth of the run), sampled once per
+//! polling pass ([`gpuverbs_samples::Peak`]). MB/sec is 2^20 bytes
+//! per second, Gb/sec 10^9 bits (as perftest does); the peak is never shown below the average.
+//! With `--bidir` the numbers are the sum of both
+//! directions. Exit status: 0 when every size ran and validated; 1 on a validation failure, an
+//! error completion (printed decoded), a lost peer, or any other error; 2 on bad arguments.
+
+use anyhow::{bail, Context as _, Result};
+use clap::{CommandFactory, Parser, ValueEnum};
+use gpuverbs::gpu::Gpu;
+use gpuverbs::{Access, Context, HostBuffer, Mr, Qp};
+use gpuverbs_samples::{
+    arg, check_placement, common_header, common_json, connect_pair, cpu_ring_mode, create_qp,
+    doorbell_line, exit_with, merge, open_env, pattern, refuse_remote, table_row, tx_depth_for,
+    upload, BwJob, CommonArgs, Exports, GpuStatus, Header, Initiator, Peak, Progress, QpSpec,
+    Units,
+};
+use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
+use prm::{Completion, Lkey, Rkey};
+use serde_json::json;
+use softnic::initiator::{InitiatorError, RingMode};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const TEST: &str = "put_bw";
+/// Default size (perftest's).
+const DEFAULT_SIZE: u64 = 65536;
+/// Default iterations of small sizes (perftest's).
+const DEFAULT_ITERS: u32 = 5000;
+/// Default bytes per job and size: larger sizes get fewer iterations.
+const BYTES_PER_SIZE: u64 = 1 << 30;
+/// Fewest default iterations of a size.
+const MIN_ITERS: u32 = 64;
+/// Destination bytes per job before slots are reused.
+const DST_CAP: u64 = 16 << 20;
+/// Source bytes (per direction) before fewer source slots are used.
+const SRC_CAP: u64 = 64 << 20;
+/// Byte of destination slots that no iteration writes.
+const UNTOUCHED: u8 = 0xa5;
+
+/// How GPU threads post.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Scope {
+    /// Each thread posts its own WQEs (`put`), `--batch` per doorbell.
+    Thread,
+    /// The lanes of a warp post together (`put_warp`): one reservation and doorbell per call.
+    Warp,
+    /// The threads of a block post together (`put_block`): one doorbell per call.
+    Block,
+}
+
+impl Scope {
+    fn code(self) -> u32 {
+        match self {
+            Self::Thread => 0,
+            Self::Warp => 1,
+            Self::Block => 2,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Self::Thread => "thread",
+            Self::Warp => "warp",
+            Self::Block => "block",
+        }
+    }
+}
+
+/// Failures made on purpose (tests of the error paths).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Inject {
+    /// The timed writes use a wrong rkey: the device answers with REMOTE_ACCESS error CQEs.
+    BadRkey,
+    /// A destination byte is changed after the run: validation must fail.
+    Corrupt,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "put_bw",
+    version,
+    about = "RDMA WRITE bandwidth, posted by CUDA kernels (or the CPU), perftest style",
+    long_about = "RDMA WRITE bandwidth, posted by CUDA kernels (or the CPU), perftest style \
+                  (ib_write_bw's table). Every byte that arrives is checked.\n\n\
+                  Roles: `put_bw --loopback` runs both sides in this process; `put_bw` (server) \
+                  and `put_bw SERVER` (client) meet over TCP on -p, but soft NICs in different \
+                  processes cannot reach each other yet, so those roles stop after exchanging \
+                  endpoints.\n\n\
+                  Default iterations per size and QP: 5000, or 1 GiB worth when less (at least \
+                  64); warm-up about a tenth (at most 500)."
+)]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Number of QPs (in each direction).
+    #[arg(short = 'q', long, default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    qps: u32,
+    /// Both sides write at once; the numbers are the sum of both directions.
+    #[arg(short = 'b', long, alias = "bidirectional")]
+    bidir: bool,
+    /// Report Gb/sec (10^9 bits) instead of MB/sec (2^20 bytes).
+    #[arg(long, alias = "report_gbits")]
+    report_gbits: bool,
+    /// GPU: CTAs (thread blocks); CTA c drives QP c % QPs [default: one per QP].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65535))]
+    ctas: Option<u32>,
+    /// GPU: threads per CTA [default: 1 for thread scope, 32 for warp, 128 for block].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Option<u32>,
+    /// GPU: who posts together [default: thread].
+    #[arg(long, value_enum)]
+    scope: Option<Scope>,
+    /// WQEs per doorbell (thread scope and CPU; a warp or block call rings once for its WQEs).
+    #[arg(long, default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    batch: u32,
+    /// Make the run fail on purpose (tests).
+    #[arg(long, value_enum, hide = true)]
+    inject: Option<Inject>,
+}
+
+impl Args {
+    fn gpu_only_options(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.ctas.is_some() {
+            v.push("--ctas");
+        }
+        if self.threads.is_some() {
+            v.push("--threads");
+        }
+        if self.scope.is_some() {
+            v.push("--scope");
+        }
+        v
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    // Conflicts visible in the arguments alone are usage errors (exit code 2).
+    if args.common.initiator == Some(Initiator::Cpu) {
+        let gpu_only = args.gpu_only_options();
+        if !gpu_only.is_empty() {
+            Args::command()
+                .error(
+                    clap::error::ErrorKind::ArgumentConflict,
+                    format!(
+                        "{} {} --initiator gpu",
+                        gpu_only.join(", "),
+                        needs(&gpu_only)
+                    ),
+                )
+                .exit();
+        }
+        if args.common.db == gpuverbs_samples::DbArg::Proxy {
+            Args::command()
+                .error(
+                    clap::error::ErrorKind::ArgumentConflict,
+                    "--db proxy needs --initiator gpu (the CPU initiator rings its own doorbells)",
+                )
+                .exit();
+        }
+    }
+    exit_with(TEST, run(&args))
+}
+
+/// "needs" or "need", for a list of options.
+fn needs(options: &[&str]) -> &'static str {
+    if options.len() == 1 {
+        "needs"
+    } else {
+        "need"
+    }
+}
+
+/// Iterations and warm-up of a size.
+fn iterations(a: &CommonArgs, size: u64) -> (u32, u32) {
+    let iters = a.iters.unwrap_or_else(|| {
+        (BYTES_PER_SIZE / size).clamp(MIN_ITERS as u64, DEFAULT_ITERS as u64) as u32
+    });
+    let warmup = a.warmup.unwrap_or((iters / 10).clamp(1, 500));
+    (iters, warmup)
+}
+
+/// One QP's work: direction 0 is A → B, 1 is B → A (with --bidir).
+#[derive(Clone, Copy, Debug)]
+struct Job {
+    dir: usize,
+    /// QP index within its side.
+    k: usize,
+    /// Threads that drive it (1 for the CPU).
+    workers: u32,
+}
+
+/// The layout of one size.
+#[derive(Clone, Debug)]
+struct Plan {
+    size: u64,
+    iters: u32,
+    warmup: u32,
+    /// Destination slots of each job.
+    dst_slots: Vec<u32>,
+    /// Byte offset of each job's slots in its receiver's destination buffer.
+    dst_off: Vec<u64>,
+    /// Source slots (shared by the jobs of a direction).
+    src_slots: u32,
+    /// Destination bytes each receiver needs.
+    dst_len: [u64; 2],
+}
+
+impl Plan {
+    fn new(jobs: &[Job], size: u64, iters: u32, warmup: u32) -> Self {
+        let mut dst_slots = Vec::with_capacity(jobs.len());
+        let mut dst_off = Vec::with_capacity(jobs.len());
+        let mut dst_len = [0u64; 2];
+        let most = iters.max(warmup) as u64;
+        for j in jobs {
+            let w = j.workers as u64;
+            let fit = (DST_CAP / (w * size)).max(1);
+            let per_worker = most.div_ceil(w).clamp(1, fit);
+            let d = (w * per_worker) as u32;
+            dst_off.push(dst_len[1 - j.dir]);
+            dst_len[1 - j.dir] += d as u64 * size;
+            dst_slots.push(d);
+        }
+        // Two consecutive writes into a slot (iterations i and i + D) read sources i and i + D
+        // modulo S: they differ when S does not divide D. S = D + 1 gives every iteration of a
+        // pass its own bytes; large sizes take fewer sources (the largest S that still divides
+        // no D).
+        let dmax = dst_slots.iter().copied().max().unwrap_or(1);
+        let cap = ((SRC_CAP / size).min(u32::MAX as u64) as u32)
+            .max(3)
+            .min(dmax + 1);
+        let src_slots = (2..=cap)
+            .rev()
+            .find(|s| dst_slots.iter().all(|d| d % s != 0))
+            .unwrap_or(dmax + 1);
+        Self {
+            size,
+            iters,
+            warmup,
+            dst_slots,
+            dst_off,
+            src_slots,
+            dst_len,
+        }
+    }
+
+    /// The source slot whose bytes destination slot `r` of job `j` ends with after `iters`
+    /// iterations, or `None` when no iteration writes it.
+    fn expected(&self, j: usize, r: u32, iters: u32) -> Option<u64> {
+        let d = self.dst_slots[j] as u64;
+        let r = r as u64;
+        if r >= iters as u64 {
+            return None;
+        }
+        let last = r + d * ((iters as u64 - 1 - r) / d);
+        Some((last + j as u64) % self.src_slots as u64)
+    }
+}
+
+/// One side of the loopback: its QPs, its source and destination buffers.
+struct Side {
+    qps: Vec<Qp>,
+    src: Option<(HostBuffer, Mr)>,
+    dst: Option<(HostBuffer, Mr)>,
+}
+
+/// A CPU initiator driving one job.
+struct Flow {
+    ini: softnic::initiator::Initiator,
+    lkey: Lkey,
+    src: u64,
+    rkey: Rkey,
+    dst: u64,
+    slots: u64,
+    shift: u64,
+    posted: u32,
+    since_sig: u32,
+    /// Signaled WQEs in flight: the messages each completes.
+    pending: VecDeque<u64>,
+}
+
+fn run(args: &Args) -> Result<()> {
+    let a = &args.common;
+    let sizes = a.sizes(DEFAULT_SIZE);
+    let dirs = if args.bidir { 2 } else { 1 };
+    if !a.loopback {
+        let params = json!({
+            "sizes": sizes, "iters": a.iters, "qps": args.qps, "bidir": args.bidir,
+        });
+        let spec = QpSpec {
+            tx_depth: a.tx_depth.next_power_of_two(),
+            rings: a.rings,
+            db: a.db,
+        };
+        let max = *sizes.iter().max().expect("one size at least");
+        return refuse_remote(a, TEST, args.qps, max as usize, spec, params);
+    }
+
+    let env = open_env(a)?;
+    if env.initiator == Initiator::Cpu {
+        let gpu_only = args.gpu_only_options();
+        if !gpu_only.is_empty() {
+            bail!(
+                "{} {} the GPU initiator, and this run uses the CPU ({}; GPU: {})",
+                gpu_only.join(", "),
+                needs(&gpu_only),
+                env.initiator_why,
+                env.gpu_line
+            );
+        }
+    }
+    let ring_mode = match env.initiator {
+        Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
+        Initiator::Gpu => None,
+    };
+    check_placement(a, &env)?;
+
+    // Jobs and their workers.
+    let njobs = args.qps * dirs;
+    let scope = args.scope.unwrap_or(Scope::Thread);
+    let threads = args.threads.unwrap_or(match scope {
+        Scope::Thread => 1,
+        Scope::Warp => 32,
+        Scope::Block => 128,
+    });
+    let ctas = args.ctas.unwrap_or(njobs);
+    if env.initiator == Initiator::Gpu && ctas < njobs {
+        bail!("--ctas {ctas} is fewer than the {njobs} QPs to drive (--qps x directions)");
+    }
+    let jobs: Vec<Job> = (0..njobs as usize)
+        .map(|j| {
+            let workers = match env.initiator {
+                Initiator::Cpu => 1,
+                Initiator::Gpu => {
+                    let n = njobs as usize;
+                    let c = ctas as usize / n + usize::from(j < ctas as usize % n);
+                    (c as u32) * threads
+                }
+            };
+            Job {
+                dir: j / args.qps as usize,
+                k: j % args.qps as usize,
+                workers,
+            }
+        })
+        .collect();
+
+    // SQ size and signaling.
+    let (unit, batch_eff) = match (env.initiator, scope) {
+        (Initiator::Cpu, _) => (1, args.batch),
+        (Initiator::Gpu, Scope::Thread) => (1, args.batch),
+        (Initiator::Gpu, Scope::Warp) => (threads.min(32), 1),
+        (Initiator::Gpu, Scope::Block) => (threads, 1),
+    };
+    let sig_calls = (a.cq_mod / unit).max(1);
+    let wmax = jobs.iter().map(|j| j.workers).max().unwrap_or(1) as u64;
+    // Blocks one QP's posters may leave without a CQE (unsignaled) or unrung.
+    let pending = wmax * (sig_calls as u64 + batch_eff as u64) + unit as u64;
+    let tx = tx_depth_for(a.tx_depth, pending)?;
+    let spec = QpSpec {
+        tx_depth: tx,
+        rings: a.rings,
+        db: a.db,
+    };
+
+    // Plans of every size, and the buffers the largest needs.
+    let plans: Vec<Plan> = sizes
+        .iter()
+        .map(|&s| {
+            let (n, w) = iterations(a, s);
+            Plan::new(&jobs, s, n, w)
+        })
+        .collect();
+    let src_len = plans
+        .iter()
+        .map(|p| p.src_slots as u64 * p.size)
+        .max()
+        .unwrap_or(0);
+    let dst_len = |d: usize| plans.iter().map(|p| p.dst_len[d]).max().unwrap_or(0);
+
+    // Both sides on one device (two PDs), QP k of A connected to QP k of B.
+    let ctx: &Context = &env.ctx;
+    let (pa, pb) = (ctx.alloc_pd(), ctx.alloc_pd());
+    let mut sides = Vec::new();
+    for (s, pd) in [&pa, &pb].into_iter().enumerate() {
+        let qps = (0..args.qps)
+            .map(|_| create_qp(pd, spec))
+            .collect::<Result<Vec<_>>>()?;
+        let sends = s == 0 || args.bidir;
+        let receives = s == 1 || args.bidir;
+        let src = if sends {
+            let b = HostBuffer::new(src_len as usize);
+            let mr = pd.register_with(&b, Access::LOCAL_WRITE)?;
+            Some((b, mr))
+        } else {
+            None
+        };
+        let dst = if receives {
+            let b = HostBuffer::new(dst_len(s) as usize);
+            let mr = pd.register_with(&b, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+            Some((b, mr))
+        } else {
+            None
+        };
+        sides.push(Side { qps, src, dst });
+    }
+    for k in 0..args.qps as usize {
+        connect_pair(&sides[0].qps[k], &sides[1].qps[k])?;
+    }
+    let initiating: Vec<&Qp> = jobs.iter().map(|j| &sides[j.dir].qps[j.k]).collect();
+
+    // Header.
+    let units = if args.report_gbits {
+        Units::Gbits
+    } else {
+        Units::MBytes
+    };
+    let mut h = Header::new("RDMA_Write BW Test (put_bw)");
+    common_header(
+        &mut h,
+        &env,
+        a,
+        doorbell_line(initiating[0], env.initiator, ring_mode),
+    );
+    h.line("Number of qps", format!("{} (each direction)", args.qps))
+        .line("Bidirectional", if args.bidir { "on" } else { "off" });
+    match env.initiator {
+        Initiator::Gpu => h.line(
+            "Posting",
+            format!(
+                "{ctas} CTA(s) x {threads} thread(s), {} scope, {}",
+                scope.name(),
+                match scope {
+                    Scope::Thread => format!("{} WQEs per doorbell per thread", args.batch),
+                    Scope::Warp => "one doorbell per warp call".into(),
+                    Scope::Block => "one doorbell per block call".into(),
+                }
+            ),
+        ),
+        Initiator::Cpu => h.line(
+            "Posting",
+            format!("one host thread, {} WQEs per doorbell", args.batch),
+        ),
+    };
+    h.line("CQ moderation", a.cq_mod)
+        .line("TX depth", format!("{tx} blocks"))
+        .line("Mtu", format!("{}[B]", initiating[0].endpoint().mtu()))
+        .line(
+            "Iterations",
+            match a.iters {
+                Some(n) => format!("{n} per size and QP"),
+                None => format!(
+                    "per size and QP: {DEFAULT_ITERS}, or {} MiB worth when less (at least \
+                     {MIN_ITERS})",
+                    BYTES_PER_SIZE >> 20
+                ),
+            },
+        )
+        .line(
+            "Validation",
+            "every byte of every destination slot, every size",
+        );
+    h.print(a.json);
+    if !a.json {
+        let cols = [
+            ("#bytes".to_string(), 10),
+            ("#iterations".to_string(), 14),
+            (format!("BW peak[{}]", units.label()), 20),
+            (format!("BW average[{}]", units.label()), 22),
+            ("MsgRate[Mpps]".to_string(), 0),
+        ];
+        println!("{}", table_row(&cols));
+    }
+    let base_json = merge(
+        common_json(&env, a, initiating[0]),
+        json!({
+            "test": TEST, "qps": args.qps, "bidir": args.bidir, "cq_mod": a.cq_mod,
+            "tx_depth": tx, "batch": args.batch, "bw_unit": units.label(),
+            "scope": (env.initiator == Initiator::Gpu).then(|| scope.name()),
+            "ctas": (env.initiator == Initiator::Gpu).then_some(ctas),
+            "threads": (env.initiator == Initiator::Gpu).then_some(threads),
+        }),
+    );
+
+    // The initiators.
+    let mut engine = match env.initiator {
+        Initiator::Cpu => {
+            let mode = ring_mode.expect("CPU ring mode");
+            Engine::Cpu(
+                jobs.iter()
+                    .zip(&initiating)
+                    .map(|(j, q)| cpu_flow(j, q, &sides, mode))
+                    .collect(),
+                args.batch,
+            )
+        }
+        Initiator::Gpu => {
+            let gpu = env.gpu.clone().expect("GPU initiator has a GPU");
+            let exports = Exports::new(&gpu, &initiating)?;
+            let status = GpuStatus::new(&gpu)?;
+            let times = gpu.alloc(16 * ctas as usize)?;
+            Engine::Gpu(Box::new(GpuEngine {
+                gpu,
+                exports,
+                status,
+                times,
+                ctas,
+                threads,
+                scope,
+                batch: args.batch,
+                sig_calls,
+            }))
+        }
+    };
+    let qpns: Vec<u32> = initiating.iter().map(|q| q.qpn()).collect();
+
+    let mut progress = Progress::new(TEST, plans.len());
+    let mut scratch = Vec::new();
+    for (n, plan) in plans.iter().enumerate() {
+        let seed = pattern::seed(1, plan.size);
+        // Fresh sources.
+        for (d, side) in sides.iter().enumerate() {
+            if let Some((b, _)) = &side.src {
+                for s in 0..plan.src_slots as u64 {
+                    pattern::fill(&mut scratch, seed ^ d as u64, s, plan.size as usize);
+                    b.write((s * plan.size) as usize, &scratch);
+                }
+            }
+        }
+        let keys = Keys::new(&jobs, &sides, args.inject == Some(Inject::BadRkey));
+        // Warm-up, untimed (with the right keys: a failing warm-up would hide the injection).
+        if plan.warmup > 0 {
+            engine.run(
+                plan,
+                &jobs,
+                &Keys::new(&jobs, &sides, false),
+                plan.warmup,
+                a,
+                &qpns,
+            )?;
+        }
+        for (j, job) in jobs.iter().enumerate() {
+            poison(
+                dst_of(&sides, job),
+                plan,
+                j,
+                seed ^ job.dir as u64,
+                &mut scratch,
+            );
+        }
+        let t = engine.run(plan, &jobs, &keys, plan.iters, a, &qpns)?;
+        if args.inject == Some(Inject::Corrupt) {
+            let b = dst_of(&sides, &jobs[0]);
+            let off = plan.dst_off[0] as usize + plan.size as usize / 2;
+            let mut x = [0u8];
+            b.read(off, &mut x);
+            b.write(off, &[!x[0]]);
+        }
+        let mut failure = None;
+        for (j, job) in jobs.iter().enumerate() {
+            if let Err(e) = validate(
+                dst_of(&sides, job),
+                plan,
+                j,
+                seed ^ job.dir as u64,
+                &mut scratch,
+            ) {
+                failure = Some(format!("QP {:#x} (job {j}): {e}", qpns[j]));
+                break;
+            }
+        }
+        let msgs = plan.iters as f64 * jobs.len() as f64;
+        let bytes = msgs * plan.size as f64;
+        let avg = units.bw(bytes, t.total.as_secs_f64());
+        let peak = t
+            .peak_rate
+            .map_or(avg, |r| units.bw(r * plan.size as f64, 1.0))
+            .max(avg);
+        let mpps = msgs / t.total.as_secs_f64() / 1e6;
+        progress.clear();
+        if a.json {
+            let v = merge(
+                base_json.clone(),
+                json!({
+                    "bytes": plan.size, "iterations": plan.iters, "warmup": plan.warmup,
+                    "bw_peak": peak, "bw_average": avg, "msg_rate_mpps": mpps,
+                    "time_s": t.total.as_secs_f64(), "validated": failure.is_none(),
+                }),
+            );
+            println!("{v}");
+        } else {
+            println!(
+                "{}",
+                table_row(&[
+                    (plan.size.to_string(), 10),
+                    (plan.iters.to_string(), 14),
+                    (format!("{peak:.2}"), 20),
+                    (format!("{avg:.2}"), 22),
+                    (format!("{mpps:.6}"), 0),
+                ])
+            );
+        }
+        if let Some(f) = failure {
+            bail!("validation failed at {} B: {f}", plan.size);
+        }
+        progress.step(n + 1, plan.size);
+    }
+    progress.clear();
+    if !a.json {
+        println!("{}", gpuverbs_samples::RULE);
+    }
+    Ok(())
+}
+
+/// The destination buffer job `job` writes into.
+fn dst_of<'a>(sides: &'a [Side], job: &Job) -> &'a HostBuffer {
+    &sides[1 - job.dir]
+        .dst
+        .as_ref()
+        .expect("receiver has a destination")
+        .0
+}
+
+/// Keys and addresses of each job.
+struct Keys {
+    lbase: Vec<u64>,
+    lkey: Vec<u32>,
+    rbase: Vec<u64>,
+    rkey: Vec<u32>,
+}
+
+impl Keys {
+    fn new(jobs: &[Job], sides: &[Side], bad_rkey: bool) -> Self {
+        let mut k = Self {
+            lbase: vec![],
+            lkey: vec![],
+            rbase: vec![],
+            rkey: vec![],
+        };
+        for j in jobs {
+            let src = &sides[j.dir].src.as_ref().expect("sender has sources").1;
+            let dst = &sides[1 - j.dir].dst.as_ref().expect("receiver").1;
+            k.lbase.push(src.addr());
+            k.lkey.push(src.lkey().0);
+            k.rbase.push(dst.addr());
+            k.rkey
+                .push(dst.rkey().0 ^ if bad_rkey { 0x5a00 } else { 0 });
+        }
+        k
+    }
+}
+
+fn cpu_flow(j: &Job, q: &Qp, sides: &[Side], mode: RingMode) -> Flow {
+    let src = &sides[j.dir].src.as_ref().expect("sender has sources").1;
+    let dst = &sides[1 - j.dir].dst.as_ref().expect("receiver").1;
+    Flow {
+        ini: q.cpu_initiator(mode),
+        lkey: src.lkey(),
+        src: src.addr(),
+        rkey: dst.rkey(),
+        dst: dst.addr(),
+        slots: 1,
+        shift: 0,
+        posted: 0,
+        since_sig: 0,
+        pending: VecDeque::new(),
+    }
+}
+
+/// Fills job `j`'s destination slots with the complement of what they must end with (and the
+/// slots no iteration writes with [`UNTOUCHED`]).
+fn poison(b: &HostBuffer, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) {
+    let size = p.size as usize;
+    for r in 0..p.dst_slots[j] {
+        let off = p.dst_off[j] as usize + r as usize * size;
+        match p.expected(j, r, p.iters) {
+            Some(s) => {
+                pattern::fill(scratch, seed, s, size);
+                scratch.iter_mut().for_each(|x| *x = !*x);
+                b.write(off, scratch);
+            }
+            None => b.fill(off, size, UNTOUCHED),
+        }
+    }
+}
+
+/// Checks every byte of job `j`'s destination slots.
+fn validate(b: &HostBuffer, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) -> Result<()> {
+    let size = p.size as usize;
+    let mut got = vec![0u8; size];
+    for r in 0..p.dst_slots[j] {
+        let off = p.dst_off[j] as usize + r as usize * size;
+        b.read(off, &mut got);
+        match p.expected(j, r, p.iters) {
+            Some(s) => {
+                pattern::fill(scratch, seed, s, size);
+                if let Some(o) = pattern::first_difference(&got, scratch) {
+                    let d = p.dst_slots[j] as u64;
+                    let last = r as u64 + d * ((p.iters as u64 - 1 - r as u64) / d);
+                    bail!(
+                        "destination slot {r} (last written by iteration {last}, source slot \
+                         {s}): byte {o} is {:#04x}, expected {:#04x}{}",
+                        got[o],
+                        scratch[o],
+                        if got[o] == !scratch[o] {
+                            " (the poison: the write never arrived)"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+            }
+            None => {
+                if let Some(o) = got.iter().position(|&x| x != UNTOUCHED) {
+                    bail!("destination slot {r} is written by no iteration, but byte {o} changed");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What a timed run measured.
+struct Timing {
+    /// Average: the whole run.
+    total: Duration,
+    /// Peak message rate per second, when measured.
+    peak_rate: Option<f64>,
+}
+
+struct GpuEngine {
+    gpu: Arc<Gpu>,
+    exports: Exports,
+    status: GpuStatus,
+    times: gpuverbs::gpu::DeviceMem,
+    ctas: u32,
+    threads: u32,
+    scope: Scope,
+    batch: u32,
+    sig_calls: u32,
+}
+
+enum Engine {
+    Cpu(Vec<Flow>, u32),
+    Gpu(Box<GpuEngine>),
+}
+
+impl Engine {
+    fn run(
+        &mut self,
+        p: &Plan,
+        jobs: &[Job],
+        keys: &Keys,
+        iters: u32,
+        a: &CommonArgs,
+        qpns: &[u32],
+    ) -> Result<Timing> {
+        match self {
+            Engine::Cpu(flows, batch) => run_cpu(flows, *batch, p, keys, iters, a),
+            Engine::Gpu(g) => g.run(p, jobs, keys, iters, a, qpns),
+        }
+    }
+}
+
+/// The CPU initiator: one host thread, round robin over the jobs, `--batch` WQEs per doorbell,
+/// one CQE per `--cq-mod` WQEs (and for each job's last).
+fn run_cpu(
+    flows: &mut [Flow],
+    batch: u32,
+    p: &Plan,
+    keys: &Keys,
+    iters: u32,
+    a: &CommonArgs,
+) -> Result<Timing> {
+    let size = p.size;
+    for (j, f) in flows.iter_mut().enumerate() {
+        f.slots = p.dst_slots[j] as u64;
+        f.shift = j as u64;
+        f.dst = keys.rbase[j] + p.dst_off[j];
+        f.rkey = Rkey(keys.rkey[j]);
+        f.src = keys.lbase[j];
+        f.lkey = Lkey(keys.lkey[j]);
+        f.posted = 0;
+        f.since_sig = 0;
+        f.pending.clear();
+    }
+    let total = iters as u64 * flows.len() as u64;
+    let mut peak = Peak::with_capacity((total / a.cq_mod as u64 + 8) as usize);
+    let mut done = 0u64;
+    let start = Instant::now();
+    peak.record(start, 0);
+    let mut last_progress = start;
+    while done < total {
+        let before = done;
+        for f in flows.iter_mut() {
+            let mut n = 0;
+            while n < batch && f.posted < iters {
+                let i = f.posted as u64;
+                let last = f.posted + 1 == iters;
+                let sig = f.since_sig + 1 >= a.cq_mod || last;
+                let sge = Sge {
+                    addr: f.src + ((i + f.shift) % p.src_slots as u64) * size,
+                    len: size as u32,
+                    lkey: f.lkey,
+                };
+                let op = Op::Write {
+                    remote: RemoteAddr {
+                        addr: f.dst + (i % f.slots) * size,
+                        rkey: f.rkey,
+                    },
+                    local: Local::Sges(std::slice::from_ref(&sge)),
+                    imm: None,
+                };
+                let flags = if sig {
+                    CtrlFlags::SIGNALED
+                } else {
+                    CtrlFlags::default()
+                };
+                match f.ini.post(&op, flags) {
+                    Ok(_) => {}
+                    Err(InitiatorError::SqFull { .. }) => break,
+                    Err(e) => return Err(e).context("post an RDMA WRITE"),
+                }
+                f.posted += 1;
+                f.since_sig += 1;
+                n += 1;
+                if sig {
+                    f.pending.push_back(f.since_sig as u64);
+                    f.since_sig = 0;
+                }
+            }
+            if n > 0 {
+                f.ini.ring();
+            }
+            while let Some(c) = f.ini.poll_send() {
+                match c {
+                    Completion::Req { .. } => {
+                        let m = f
+                            .pending
+                            .pop_front()
+                            .context("a completion for a WQE that asked for none")?;
+                        done += m;
+                    }
+                    Completion::Error(e) => bail!("a completion carries an error: {e}"),
+                    other => bail!("unexpected completion on the send CQ: {other:?}"),
+                }
+            }
+        }
+        if done > before {
+            last_progress = Instant::now();
+            peak.record(last_progress, done);
+        } else if last_progress.elapsed() > a.wait() {
+            bail!(
+                "no completion for {:?} ({done} of {total} WRITEs completed): the device stopped \
+                 answering",
+                a.wait()
+            );
+        }
+    }
+    let total_t = last_progress.duration_since(start);
+    let window = (a.cq_mod as u64).max(total / 16);
+    Ok(Timing {
+        total: total_t,
+        peak_rate: peak.best_rate(window),
+    })
+}
+
+impl GpuEngine {
+    fn run(
+        &mut self,
+        p: &Plan,
+        jobs: &[Job],
+        keys: &Keys,
+        iters: u32,
+        a: &CommonArgs,
+        qpns: &[u32],
+    ) -> Result<Timing> {
+        let descs: Vec<BwJob> = jobs
+            .iter()
+            .enumerate()
+            .map(|(j, job)| BwJob {
+                qp: self.exports.qps[j].ptr(),
+                lbase: keys.lbase[j],
+                rbase: keys.rbase[j] + p.dst_off[j],
+                lkey: keys.lkey[j],
+                rkey: keys.rkey[j],
+                workers: job.workers,
+                dst_slots: p.dst_slots[j],
+                src_slots: p.src_slots,
+                src_shift: j as u32,
+            })
+            .collect();
+        let dev_jobs = upload(&self.gpu, &descs)?;
+        self.status.reset()?;
+        let mut jobs_ptr = dev_jobs.ptr();
+        let mut njobs = jobs.len() as u32;
+        let mut size = p.size as u32;
+        let mut iters_ = iters;
+        let mut scope = self.scope.code();
+        let mut batch = self.batch;
+        let mut sig_calls = self.sig_calls;
+        let mut budget = a.wait().as_nanos() as u64;
+        let mut out = self.status.ptr();
+        let mut times = self.times.ptr();
+        let mut params = [
+            arg(&mut jobs_ptr),
+            arg(&mut njobs),
+            arg(&mut size),
+            arg(&mut iters_),
+            arg(&mut scope),
+            arg(&mut batch),
+            arg(&mut sig_calls),
+            arg(&mut budget),
+            arg(&mut out),
+            arg(&mut times),
+        ];
+        // SAFETY: the parameters match gv_sample_put_bw's signature; the job array, the status
+        // words and the times are live GPU memory for the whole launch; the descriptors are
+        // exported QPs kept alive by `self.exports`; the addresses in the jobs are only used
+        // as NIC addresses (checked by the device against the registered regions).
+        let total = unsafe {
+            self.gpu.launch_timed(
+                "gv_sample_put_bw",
+                (self.ctas, 1, 1),
+                (self.threads, 1, 1),
+                0,
+                &mut params,
+            )
+        }
+        .context("launch gv_sample_put_bw")?;
+        self.status
+            .check("gv_sample_put_bw", |j| qpns.get(j).copied().unwrap_or(0))?;
+        let mut raw = vec![0u8; 16 * self.ctas as usize];
+        self.times.read(0, &mut raw)?;
+        let t: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let first = t.iter().step_by(2).min().copied().unwrap_or(0);
+        let last = t.iter().skip(1).step_by(2).max().copied().unwrap_or(0);
+        let span = last.saturating_sub(first);
+        let msgs = iters as f64 * jobs.len() as f64;
+        Ok(Timing {
+            total,
+            peak_rate: (span > 0).then(|| msgs / (span as f64 / 1e9)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn jobs(workers: &[u32], dirs: usize) -> Vec<Job> {
+        let per = workers.len() / dirs;
+        workers
+            .iter()
+            .enumerate()
+            .map(|(j, &w)| Job {
+                dir: j / per,
+                k: j % per,
+                workers: w,
+            })
+            .collect()
+    }
+
+    /// Simulates a run: each slot ends with the source of its last write.
+    fn check_plan(p: &Plan, jobs: &[Job]) {
+        for (j, job) in jobs.iter().enumerate() {
+            let d = p.dst_slots[j];
+            assert_eq!(d % job.workers, 0, "{p:?}");
+            assert!(d as u64 * p.size <= (DST_CAP).max(job.workers as u64 * p.size));
+            let mut last = vec![None; d as usize];
+            for i in 0..p.iters as u64 {
+                let slot = (i % d as u64) as usize;
+                let src = (i + j as u64) % p.src_slots as u64;
+                if let Some(prev) = last[slot] {
+                    assert_ne!(
+                        prev, src,
+                        "two writes into slot {slot} carry the same bytes"
+                    );
+                }
+                last[slot] = Some(src);
+            }
+            for r in 0..d {
+                assert_eq!(p.expected(j, r, p.iters), last[r as usize], "slot {r}");
+            }
+        }
+        assert!(p.src_slots as u64 * p.size <= SRC_CAP.max(3 * p.size) || p.src_slots == 2);
+    }
+
+    #[test]
+    fn plans_give_each_slot_one_writer_and_distinct_consecutive_bytes() {
+        for (workers, dirs) in [
+            (vec![1], 1),
+            (vec![1, 1, 1, 1], 2),
+            (vec![32, 32], 1),
+            (vec![256, 128, 128], 1),
+            (vec![128], 1),
+        ] {
+            let js = jobs(&workers, dirs);
+            for size in [2u64, 4096, 1 << 20, 8 << 20] {
+                for (iters, warmup) in [(1, 1), (7, 1), (5000, 500), (64, 6), (300, 30)] {
+                    let p = Plan::new(&js, size, iters, warmup);
+                    check_plan(&p, &js);
+                    for d in 0..dirs {
+                        let sum: u64 = js
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, j)| 1 - j.dir == d)
+                            .map(|(j, _)| p.dst_slots[j] as u64 * size)
+                            .sum();
+                        assert_eq!(p.dst_len[d], sum);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,623 @@
+//! `write_lat`: RDMA WRITE ping-pong latency between two GPU kernels (or two CPU initiators), in
+//! the style of perftest's `ib_write_lat`.
+//!
+//! ```text
+//! write_lat --loopback -a            # every size, both sides in this process
+//! write_lat --loopback --signal      # the receiver waits on a signal word, not the payload
+//! ```
+//!
+//! Side A writes `size` bytes into B's receive buffer; B waits until the last bytes of its
+//! receive buffer show the iteration (or, with `--signal`, until its signal word, raised by an
+//! atomic that follows the write, does) and answers the same way; A waits for the answer. The
+//! columns are perftest's, in microseconds of half a round trip: t_min, t_max, t_typical
+//! (median), t_avg, t_stdev, 99% and 99.9% percentiles.
+//!
+//! The payload's last min(size, 8) bytes carry the iteration number (written by the sender
+//! before each post, as perftest does); the rest is a pattern of the run. Both receive buffers
+//! are checked byte by byte after the run (and the signal words with `--signal`).
+//!
+//! GPU initiator: one kernel of two blocks, block 0 drives side A and block 1 side B (one thread
+//! each, owning its QP); A times each round trip with %globaltimer. CPU initiator: one host
+//! thread drives both sides in turn and times with the monotonic clock. Warm-up iterations run
+//! first, in the same loop, and are left out of the numbers.
+
+use anyhow::{bail, Context as _, Result};
+use clap::{CommandFactory, Parser};
+use gpuverbs::{Access, HostBuffer, Mr, Pd, Qp};
+use gpuverbs_samples::{
+    arg, check_placement, common_header, common_json, connect_pair, cpu_ring_mode, create_qp,
+    doorbell_line, exit_with, merge, open_env, pattern, refuse_remote, table_row, tx_depth_for,
+    upload, CommonArgs, Exports, GpuStatus, Header, Initiator, LatSide, LatStats, Progress, QpSpec,
+};
+use prm::wqe::{CtrlFlags, Local, Op};
+use prm::Completion;
+use serde_json::json;
+use softnic::initiator::{Initiator as CpuInitiator, InitiatorError};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+const TEST: &str = "write_lat";
+/// Default size (perftest's).
+const DEFAULT_SIZE: u64 = 2;
+/// Default iterations of small sizes (perftest's).
+const DEFAULT_ITERS: u32 = 1000;
+/// Default bytes per size and direction: larger sizes get fewer iterations.
+const BYTES_PER_SIZE: u64 = 256 << 20;
+/// Fewest default iterations of a size.
+const MIN_ITERS: u32 = 100;
+/// perftest's latency columns and their widths.
+const LAT_COLUMNS: [(&str, usize); 9] = [
+    ("#bytes", 7),
+    ("#iterations", 12),
+    ("t_min[usec]", 14),
+    ("t_max[usec]", 14),
+    ("t_typical[usec]", 16),
+    ("t_avg[usec]", 14),
+    ("t_stdev[usec]", 15),
+    ("99% percentile[usec]", 22),
+    ("99.9% percentile[usec]", 0),
+];
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "write_lat",
+    version,
+    about = "RDMA WRITE ping-pong latency between two GPU kernels (or CPU initiators), perftest \
+             style",
+    long_about = "RDMA WRITE ping-pong latency between two GPU kernels (or CPU initiators), \
+                  perftest style (ib_write_lat's columns, half round trip in microseconds). \
+                  Both receive buffers are checked after every size.\n\n\
+                  Roles: `write_lat --loopback` runs both sides in this process; `write_lat` \
+                  (server) and `write_lat SERVER` (client) meet over TCP on -p, but soft NICs in \
+                  different processes cannot reach each other yet, so those roles stop after \
+                  exchanging endpoints.\n\n\
+                  Default iterations per size: 1000, or 256 MiB worth when less (at least 100); \
+                  warm-up about a tenth (at most 100)."
+)]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// The receiver waits on a signal word raised by an atomic after the write, instead of
+    /// polling the payload's last bytes.
+    #[arg(long)]
+    signal: bool,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    if args.common.initiator == Some(Initiator::Cpu)
+        && args.common.db == gpuverbs_samples::DbArg::Proxy
+    {
+        Args::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "--db proxy needs --initiator gpu (the CPU initiator rings its own doorbells)",
+            )
+            .exit();
+    }
+    exit_with(TEST, run(&args))
+}
+
+/// Iterations and warm-up of a size.
+fn iterations(a: &CommonArgs, size: u64) -> (u32, u32) {
+    let iters = a.iters.unwrap_or_else(|| {
+        (BYTES_PER_SIZE / size).clamp(MIN_ITERS as u64, DEFAULT_ITERS as u64) as u32
+    });
+    let warmup = a.warmup.unwrap_or((iters / 10).clamp(1, 100));
+    (iters, warmup)
+}
+
+/// Bytes of the tail that carries the iteration number.
+fn tail_len(size: u64) -> usize {
+    size.min(8) as usize
+}
+
+/// Where a message of `size` bytes starts in its buffer: it ends on an 8-byte boundary, so its
+/// last bytes lie in one aligned word that can be read atomically.
+fn pad(size: u64) -> u64 {
+    size.next_multiple_of(8) - size
+}
+
+/// The value the last `n` bytes of the word ending a payload show for iteration number `k1`
+/// (they are the word's top bytes).
+fn tail_of_word(word: u64, n: usize) -> u64 {
+    let mask = if n >= 8 {
+        u64::MAX
+    } else {
+        (1u64 << (8 * n)) - 1
+    };
+    (word >> (64 - 8 * n as u32)) & mask
+}
+
+fn tail_value(k1: u64, n: usize) -> u64 {
+    if n >= 8 {
+        k1
+    } else {
+        k1 & ((1u64 << (8 * n)) - 1)
+    }
+}
+
+/// One side: its QP, outgoing payload, receive buffer, signal word and atomic result word.
+struct Side {
+    qp: Qp,
+    src: HostBuffer,
+    src_mr: Mr,
+    recv: HostBuffer,
+    recv_mr: Mr,
+    sig: HostBuffer,
+    sig_mr: Mr,
+    /// Where the atomics' old values land (the region keeps its buffer alive).
+    result_mr: Mr,
+}
+
+impl Side {
+    fn new(pd: &Pd, spec: QpSpec, len: usize) -> Result<Self> {
+        let qp = create_qp(pd, spec)?;
+        let src = HostBuffer::new(len);
+        let src_mr = pd.register_with(&src, Access::LOCAL_WRITE)?;
+        let recv = HostBuffer::new(len);
+        let recv_mr = pd.register_with(&recv, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+        let sig = HostBuffer::new(64);
+        let sig_mr = pd.register_with(&sig, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
+        let result = HostBuffer::new(64);
+        let result_mr = pd.register_with(&result, Access::LOCAL_WRITE)?;
+        Ok(Self {
+            qp,
+            src,
+            src_mr,
+            recv,
+            recv_mr,
+            sig,
+            sig_mr,
+            result_mr,
+        })
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    let a = &args.common;
+    let sizes = a.sizes(DEFAULT_SIZE);
+    // Two blocks per iteration with --signal (write + atomic), one CQE per --cq-mod iterations.
+    let tx = tx_depth_for(a.tx_depth, 2 * a.cq_mod as u64 + 2)?;
+    let spec = QpSpec {
+        tx_depth: tx,
+        rings: a.rings,
+        db: a.db,
+    };
+    let max = *sizes.iter().max().expect("one size at least");
+    let len = (max.next_multiple_of(8) as usize).max(8);
+    if !a.loopback {
+        let params = json!({ "sizes": sizes, "iters": a.iters, "signal": args.signal });
+        return refuse_remote(a, TEST, 1, len, spec, params);
+    }
+
+    let env = open_env(a)?;
+    let ring_mode = match env.initiator {
+        Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
+        Initiator::Gpu => None,
+    };
+    check_placement(a, &env)?;
+    let (pa, pb) = (env.ctx.alloc_pd(), env.ctx.alloc_pd());
+    let sides = [Side::new(&pa, spec, len)?, Side::new(&pb, spec, len)?];
+    connect_pair(&sides[0].qp, &sides[1].qp)?;
+
+    let mut h = Header::new("RDMA_Write Latency Test (write_lat)");
+    common_header(
+        &mut h,
+        &env,
+        a,
+        doorbell_line(&sides[0].qp, env.initiator, ring_mode),
+    );
+    h.line(
+        "Posting",
+        match env.initiator {
+            Initiator::Gpu => "one kernel: block 0 drives side A, block 1 side B (one thread each)",
+            Initiator::Cpu => "one host thread drives both sides in turn",
+        },
+    )
+    .line(
+        "Receiver waits",
+        if args.signal {
+            "on a signal word (atomic add after the write)"
+        } else {
+            "on the last bytes of its receive buffer"
+        },
+    )
+    .line("CQ moderation", a.cq_mod)
+    .line("TX depth", format!("{tx} blocks"))
+    .line("Mtu", format!("{}[B]", sides[0].qp.endpoint().mtu()))
+    .line(
+        "Iterations",
+        match a.iters {
+            Some(n) => format!("{n} per size"),
+            None => format!(
+                "per size: {DEFAULT_ITERS}, or {} MiB worth when less (at least {MIN_ITERS})",
+                BYTES_PER_SIZE >> 20
+            ),
+        },
+    )
+    .line("Times", "half round trip, microseconds")
+    .line("Validation", "both receive buffers, every byte, every size");
+    h.print(a.json);
+    if !a.json {
+        println!(
+            "{}",
+            table_row(&LAT_COLUMNS.map(|(n, w)| (n.to_string(), w)))
+        );
+    }
+    let base_json = merge(
+        common_json(&env, a, &sides[0].qp),
+        json!({ "test": TEST, "signal": args.signal, "cq_mod": a.cq_mod, "tx_depth": tx }),
+    );
+
+    let mut engine = match env.initiator {
+        Initiator::Cpu => {
+            let mode = ring_mode.expect("CPU ring mode");
+            Engine::Cpu(Box::new([
+                sides[0].qp.cpu_initiator(mode),
+                sides[1].qp.cpu_initiator(mode),
+            ]))
+        }
+        Initiator::Gpu => {
+            let gpu = env.gpu.clone().expect("GPU initiator has a GPU");
+            let exports = Exports::new(&gpu, &[&sides[0].qp, &sides[1].qp])?;
+            let mut mapped = Vec::new();
+            for s in &sides {
+                mapped.push([
+                    gpu.map_host(&s.src)?,
+                    gpu.map_host(&s.recv)?,
+                    gpu.map_host(&s.sig)?,
+                ]);
+            }
+            let status = GpuStatus::new(&gpu)?;
+            Engine::Gpu(Box::new(GpuLat {
+                gpu,
+                exports,
+                mapped,
+                status,
+            }))
+        }
+    };
+
+    let mut progress = Progress::new(TEST, sizes.len());
+    let mut scratch = Vec::new();
+    for (n, &size) in sizes.iter().enumerate() {
+        let (iters, warmup) = iterations(a, size);
+        let total = iters + warmup;
+        let seed = pattern::seed(2, size);
+        let (p, tl) = (pad(size) as usize, tail_len(size));
+        for (i, s) in sides.iter().enumerate() {
+            pattern::fill(&mut scratch, seed ^ i as u64, 0, size as usize - tl);
+            s.src.write(p, &scratch);
+            s.src.fill(p + size as usize - tl, tl, 0);
+            s.recv.fill(0, s.recv.len(), 0);
+            s.sig.atomic_u64(0).store(0, Ordering::Release);
+        }
+        let rtt_ns = engine.run(&sides, size, total, args.signal, a)?;
+        let mut half_us: Vec<f64> = rtt_ns[warmup as usize..]
+            .iter()
+            .map(|&t| t as f64 / 2e3)
+            .collect();
+        let st = LatStats::of(&mut half_us);
+        let failure = validate(&sides, size, total, seed, args.signal, &mut scratch).err();
+        progress.clear();
+        if a.json {
+            let v = merge(
+                base_json.clone(),
+                json!({
+                    "bytes": size, "iterations": iters, "warmup": warmup,
+                    "t_min_us": st.min, "t_max_us": st.max, "t_typical_us": st.typical,
+                    "t_avg_us": st.avg, "t_stdev_us": st.stdev, "p99_us": st.p99,
+                    "p99_9_us": st.p999, "validated": failure.is_none(),
+                }),
+            );
+            println!("{v}");
+        } else {
+            let f = |x: f64| format!("{x:.2}");
+            let cells = [
+                size.to_string(),
+                iters.to_string(),
+                f(st.min),
+                f(st.max),
+                f(st.typical),
+                f(st.avg),
+                f(st.stdev),
+                f(st.p99),
+                f(st.p999),
+            ];
+            let row: Vec<(String, usize)> =
+                cells.into_iter().zip(LAT_COLUMNS.map(|(_, w)| w)).collect();
+            println!("{}", table_row(&row));
+        }
+        if let Some(e) = failure {
+            bail!("validation failed at {size} B: {e:#}");
+        }
+        progress.step(n + 1, size);
+    }
+    progress.clear();
+    if !a.json {
+        println!("{}", gpuverbs_samples::RULE);
+    }
+    Ok(())
+}
+
+/// Checks both receive buffers: the peer's pattern, then the last iteration's number; and the
+/// signal words with `--signal`.
+fn validate(
+    sides: &[Side; 2],
+    size: u64,
+    total: u32,
+    seed: u64,
+    signal: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let (p, tl) = (pad(size) as usize, tail_len(size));
+    for (me, s) in sides.iter().enumerate() {
+        let peer = 1 - me;
+        pattern::fill(scratch, seed ^ peer as u64, 0, size as usize - tl);
+        scratch.extend_from_slice(&(total as u64).to_le_bytes()[..tl]);
+        let mut got = vec![0u8; size as usize];
+        s.recv.read(p, &mut got);
+        if let Some(o) = pattern::first_difference(&got, scratch) {
+            bail!(
+                "side {}'s receive buffer: byte {o} of {size} is {:#04x}, expected {:#04x}",
+                ["A", "B"][me],
+                got[o],
+                scratch[o]
+            );
+        }
+        let mut before = vec![0u8; p];
+        s.recv.read(0, &mut before);
+        if before.iter().any(|&x| x != 0) {
+            bail!("side {}: bytes before the payload changed", ["A", "B"][me]);
+        }
+        if signal {
+            let v = s.sig.atomic_u64(0).load(Ordering::Acquire);
+            if v != total as u64 {
+                bail!(
+                    "side {}'s signal word is {v}, expected {total}",
+                    ["A", "B"][me]
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+struct GpuLat {
+    gpu: std::sync::Arc<gpuverbs::gpu::Gpu>,
+    exports: Exports,
+    /// Per side: GPU addresses of src, recv, sig.
+    mapped: Vec<[u64; 3]>,
+    status: GpuStatus,
+}
+
+enum Engine {
+    Cpu(Box<[CpuInitiator; 2]>),
+    Gpu(Box<GpuLat>),
+}
+
+impl Engine {
+    /// Runs `total` round trips; returns each one's time in ns.
+    fn run(
+        &mut self,
+        sides: &[Side; 2],
+        size: u64,
+        total: u32,
+        signal: bool,
+        a: &CommonArgs,
+    ) -> Result<Vec<u64>> {
+        match self {
+            Engine::Cpu(inis) => run_cpu(inis, sides, size, total, signal, a),
+            Engine::Gpu(g) => g.run(sides, size, total, signal, a),
+        }
+    }
+}
+
+/// Takes the send completions there are; an error completion ends the run.
+fn reap(ini: &mut CpuInitiator) -> Result<()> {
+    while let Some(c) = ini.poll_send() {
+        match c {
+            Completion::Req { .. } => {}
+            Completion::Error(e) => bail!("a completion carries an error: {e}"),
+            other => bail!("unexpected completion on the send CQ: {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+fn run_cpu(
+    inis: &mut [CpuInitiator; 2],
+    sides: &[Side; 2],
+    size: u64,
+    total: u32,
+    signal: bool,
+    a: &CommonArgs,
+) -> Result<Vec<u64>> {
+    let (p, tl) = (pad(size), tail_len(size));
+    let word_off = (p + size - 8) as usize;
+    let wait = a.wait();
+    let mut rtt = Vec::with_capacity(total as usize);
+
+    // Posts side `me`'s payload for iteration number k1.
+    let send = |inis: &mut [CpuInitiator; 2], me: usize, k1: u64| -> Result<()> {
+        let (s, peer) = (&sides[me], &sides[1 - me]);
+        s.src
+            .write((p + size) as usize - tl, &k1.to_le_bytes()[..tl]);
+        // One CQE per --cq-mod iterations, and for the last (so that every WQE completes).
+        let sig = k1 % a.cq_mod as u64 == 0 || k1 == total as u64;
+        let flags = |on: bool| {
+            if on {
+                CtrlFlags::SIGNALED
+            } else {
+                CtrlFlags::default()
+            }
+        };
+        let sge = [s.src_mr.sge(p, size as u32)];
+        let write = Op::Write {
+            remote: peer.recv_mr.remote(p),
+            local: Local::Sges(&sge),
+            imm: None,
+        };
+        let add = Op::FetchAdd {
+            remote: peer.sig_mr.remote(0),
+            add: 1,
+            result: s.result_mr.sge(0, 8),
+        };
+        let ops: &[(&Op<'_>, CtrlFlags)] = if signal {
+            &[(&write, flags(false)), (&add, flags(sig))]
+        } else {
+            &[(&write, flags(sig))]
+        };
+        let start = Instant::now();
+        for (op, f) in ops {
+            loop {
+                match inis[me].post(op, *f) {
+                    Ok(_) => break,
+                    Err(InitiatorError::SqFull { .. }) => {
+                        reap(&mut inis[me])?;
+                        if start.elapsed() > wait {
+                            bail!("the send queue stayed full for {wait:?}");
+                        }
+                    }
+                    Err(e) => return Err(e).context("post a WRITE"),
+                }
+            }
+        }
+        inis[me].ring();
+        Ok(())
+    };
+    // Waits until side `me` has received iteration number k1.
+    let arrived = |inis: &mut [CpuInitiator; 2], me: usize, k1: u64| -> Result<()> {
+        let s = &sides[me];
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let done = if signal {
+                s.sig.atomic_u64(0).load(Ordering::Acquire) >= k1
+            } else {
+                let w = s.recv.atomic_u64(word_off).load(Ordering::Acquire);
+                tail_of_word(w, tl) == tail_value(k1, tl)
+            };
+            if done {
+                return Ok(());
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 256 == 0 {
+                reap(&mut inis[0])?;
+                reap(&mut inis[1])?;
+                if start.elapsed() > wait {
+                    bail!(
+                        "side {} waited {wait:?} for iteration {k1}: nothing arrived",
+                        ["A", "B"][me]
+                    );
+                }
+            }
+            std::hint::spin_loop();
+        }
+    };
+
+    for k in 0..total as u64 {
+        let k1 = k + 1;
+        let t0 = Instant::now();
+        send(inis, 0, k1)?;
+        arrived(inis, 1, k1)?;
+        send(inis, 1, k1)?;
+        arrived(inis, 0, k1)?;
+        rtt.push(t0.elapsed().as_nanos() as u64);
+        if k % 64 == 63 {
+            reap(&mut inis[0])?;
+            reap(&mut inis[1])?;
+        }
+    }
+    // Drain: every WQE done (and any error reported) before the buffers are checked; the
+    // last WQE of each side asked for a CQE, which retires every earlier one.
+    for (me, ini) in inis.iter_mut().enumerate() {
+        let start = Instant::now();
+        while ini.outstanding() > 0 {
+            reap(ini)?;
+            if start.elapsed() > wait {
+                bail!(
+                    "side {}: {} SQ blocks still uncompleted after {wait:?}",
+                    ["A", "B"][me],
+                    ini.outstanding()
+                );
+            }
+            std::hint::spin_loop();
+        }
+    }
+    Ok(rtt)
+}
+
+impl GpuLat {
+    fn run(
+        &mut self,
+        sides: &[Side; 2],
+        size: u64,
+        total: u32,
+        signal: bool,
+        a: &CommonArgs,
+    ) -> Result<Vec<u64>> {
+        let p = pad(size);
+        let descs: Vec<LatSide> = (0..2)
+            .map(|me| {
+                let (s, peer) = (&sides[me], &sides[1 - me]);
+                let [src_d, recv_d, sig_d] = self.mapped[me];
+                LatSide {
+                    qp: self.exports.qps[me].ptr(),
+                    src_nic: s.src_mr.addr() + p,
+                    src_dev: src_d + p,
+                    dst_remote: peer.recv_mr.addr() + p,
+                    recv_dev: recv_d + p + size - 8,
+                    sig_remote: peer.sig_mr.addr(),
+                    sig_dev: sig_d,
+                    lkey: s.src_mr.lkey().0,
+                    rkey: peer.recv_mr.rkey().0,
+                    sig_rkey: peer.sig_mr.rkey().0,
+                    pad: 0,
+                }
+            })
+            .collect();
+        let dev_sides = upload(&self.gpu, &descs)?;
+        let rtt = self.gpu.alloc(8 * total as usize)?;
+        self.status.reset()?;
+        let mut sides_ptr = dev_sides.ptr();
+        let mut size_ = size as u32;
+        let mut tail = tail_len(size) as u32;
+        let mut iters = total;
+        let mut use_signal = signal as u32;
+        let mut cq_mod = a.cq_mod;
+        let mut budget = a.wait().as_nanos() as u64;
+        let mut out = self.status.ptr();
+        let mut rtt_ptr = rtt.ptr();
+        let mut params = [
+            arg(&mut sides_ptr),
+            arg(&mut size_),
+            arg(&mut tail),
+            arg(&mut iters),
+            arg(&mut use_signal),
+            arg(&mut cq_mod),
+            arg(&mut budget),
+            arg(&mut out),
+            arg(&mut rtt_ptr),
+        ];
+        // SAFETY: the parameters match gv_sample_write_lat's signature; the side array, the
+        // status words and the times are live GPU memory for the whole launch; the GPU
+        // addresses in the sides are mapped host buffers owned by `sides` (alive across the
+        // launch) and the descriptors are exported QPs kept alive by `self.exports`.
+        unsafe {
+            self.gpu
+                .launch_sync("gv_sample_write_lat", (2, 1, 1), (1, 1, 1), 0, &mut params)
+        }
+        .context("launch gv_sample_write_lat")?;
+        let qpns = [sides[0].qp.qpn(), sides[1].qp.qpn()];
+        self.status
+            .check("gv_sample_write_lat", |i| qpns.get(i).copied().unwrap_or(0))?;
+        let mut raw = vec![0u8; 8 * total as usize];
+        rtt.read(0, &mut raw)?;
+        Ok(raw
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
+            .collect())
+    }
+}

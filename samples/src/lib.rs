@@ -1,0 +1,1126 @@
+//! Code shared by the perftest-style samples `put_bw` (RDMA WRITE bandwidth) and `write_lat`
+//! (RDMA WRITE ping-pong latency).
+//!
+//! - [`CommonArgs`]: the options both samples take (roles, sizes, device, GPU, initiator,
+//!   doorbell mode, ring and buffer placement, output), perftest's names where perftest has them.
+//! - [`open_env`]: opens the device and decides the initiator (GPU when a GPU and the kernels are
+//!   there, else the CPU, and why), [`check_placement`] refuses what the device cannot do.
+//! - [`Header`]: the block above the table, with every choice as resolved.
+//! - [`refuse_remote`]: the server/client roles: rendezvous over TCP with
+//!   [`gpuverbs::bootstrap::Bootstrap`], exchange of endpoints, and the clear refusal that
+//!   follows (soft NICs in different processes cannot reach each other yet).
+//! - [`pattern`]: the payload pattern and its checks; [`LatStats`], [`Peak`], [`Units`]: the
+//!   numbers; [`Progress`]: the progress line of long sweeps.
+//! - [`BwJob`], [`LatSide`], [`GpuStatus`], [`Exports`]: what the kernels in
+//!   `kernels/src/samples.cu` are given, and how their status comes back.
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Args, ValueEnum};
+use gpuverbs::bootstrap::Bootstrap;
+use gpuverbs::gpu::{DeviceMem, ExportedQp, Gpu};
+use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
+use gpuverbs::{
+    Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, Endpoint, HostBuffer,
+    Pd, Qp, QpOptions, RemoteMemory, RingPlacement,
+};
+use serde_json::{json, Value};
+use softnic::initiator::RingMode;
+use std::ffi::c_void;
+use std::io::{IsTerminal as _, Write as _};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// perftest's default TCP port.
+pub const DEFAULT_PORT: u16 = 18515;
+/// Largest message size accepted by `-s`.
+pub const MAX_SIZE: u64 = 1 << 30;
+/// Sizes of `-a`: 2 B .. 8 MiB, powers of two (perftest's `-a`).
+pub const ALL_SIZES: std::ops::RangeInclusive<u32> = 1..=23;
+/// Largest SQ (blocks) a QP may have.
+pub const MAX_TX_DEPTH: u32 = 32768;
+
+// ---------------------------------------------------------------------------------------------
+// Options
+// ---------------------------------------------------------------------------------------------
+
+/// Who posts the WQEs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Initiator {
+    /// CUDA kernels build WQEs, ring doorbells and poll CQEs (the point of gpuverbs).
+    Gpu,
+    /// A host thread does the same through the same rings (softnic's CPU initiator).
+    Cpu,
+}
+
+impl Initiator {
+    /// `"gpu"` or `"cpu"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gpu => "gpu",
+            Self::Cpu => "cpu",
+        }
+    }
+}
+
+/// Doorbell mode asked for with `--db`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DbArg {
+    /// The best the platform allows (the device says which and why).
+    Auto,
+    /// DBREC + 8-byte doorbell register write.
+    Gpu,
+    /// BlueFlame: the whole WQE into the register.
+    Bf,
+    /// The kernel publishes its producer index; a host proxy thread rings.
+    Proxy,
+}
+
+impl DbArg {
+    /// The QP's doorbell mode.
+    pub fn mode(self) -> DoorbellMode {
+        match self {
+            Self::Auto => DoorbellMode::Auto,
+            Self::Gpu => DoorbellMode::GpuDoorbell,
+            Self::Bf => DoorbellMode::BlueFlame,
+            Self::Proxy => DoorbellMode::CpuProxy,
+        }
+    }
+}
+
+/// Where rings or payload buffers live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Placement {
+    /// Host memory (mapped into the GPU when a kernel uses it).
+    Host,
+    /// GPU memory.
+    Gpu,
+}
+
+impl Placement {
+    /// `"host"` or `"gpu"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Host => "host",
+            Self::Gpu => "gpu",
+        }
+    }
+}
+
+/// Parses a size: bytes, or with a K/M/G suffix (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&t[..i], 1u64 << 10),
+        Some((i, 'm' | 'M')) => (&t[..i], 1 << 20),
+        Some((i, 'g' | 'G')) => (&t[..i], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (bytes, or a number with K, M or G)"))?;
+    let v = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))?;
+    if v == 0 || v > MAX_SIZE {
+        return Err(format!("size must be 1 B .. 1 GiB, not {v}"));
+    }
+    Ok(v)
+}
+
+/// Options of both samples.
+#[derive(Args, Clone, Debug)]
+pub struct CommonArgs {
+    /// Server to connect to (client role). Without it, and without --loopback, this process is
+    /// the server and waits for a client.
+    #[arg(value_name = "SERVER", conflicts_with = "loopback")]
+    pub server: Option<String>,
+    /// TCP port of the rendezvous (server listens, client connects).
+    #[arg(short = 'p', long, default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+    /// Run both sides in this process, over two QPs of one device (no TCP).
+    #[arg(long)]
+    pub loopback: bool,
+    /// Message size in bytes (K, M, G suffixes: powers of 1024).
+    #[arg(short = 's', long, value_parser = parse_size, conflicts_with = "all")]
+    pub size: Option<u64>,
+    /// Run every size from 2 B to 8 MiB (powers of two).
+    #[arg(short = 'a', long)]
+    pub all: bool,
+    /// Timed iterations per size (default: depends on the size; see the header).
+    #[arg(short = 'n', long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub iters: Option<u32>,
+    /// Untimed warm-up iterations before the timed ones (default: about a tenth).
+    #[arg(long)]
+    pub warmup: Option<u32>,
+    /// RDMA device: `soft`, `softnic<N>`, or a ConnectX name such as `mlx5_0` [default: the
+    /// best available; GPUVERBS_DEVICE overrides].
+    #[arg(short = 'd', long = "device", alias = "ib-dev")]
+    pub device: Option<String>,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// Who posts the WQEs [default: gpu when a GPU and the kernels are available, else cpu].
+    #[arg(long, value_enum)]
+    pub initiator: Option<Initiator>,
+    /// Doorbell mode (as resolved by the device: the header says what it became and why).
+    #[arg(long, value_enum, default_value_t = DbArg::Auto)]
+    pub db: DbArg,
+    /// Where the SQ/CQ rings live.
+    #[arg(long, value_enum, default_value_t = Placement::Host)]
+    pub rings: Placement,
+    /// Where the payload buffers live.
+    #[arg(long, value_enum, default_value_t = Placement::Host)]
+    pub mem: Placement,
+    /// One WQE in this many asks for a CQE.
+    #[arg(short = 'Q', long, default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub cq_mod: u32,
+    /// SQ size per QP in 64-byte blocks (a minimum: raised when the posters need more).
+    #[arg(short = 't', long, default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(16..=MAX_TX_DEPTH as i64))]
+    pub tx_depth: u32,
+    /// Seconds any single wait may take (completion, peer, rendezvous) before the run fails.
+    #[arg(long, default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub timeout: u64,
+    /// One JSON object per size on stdout (the header goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl CommonArgs {
+    /// The sizes to run.
+    pub fn sizes(&self, default: u64) -> Vec<u64> {
+        if self.all {
+            ALL_SIZES.map(|e| 1u64 << e).collect()
+        } else {
+            vec![self.size.unwrap_or(default)]
+        }
+    }
+
+    /// The per-wait timeout.
+    pub fn wait(&self) -> Duration {
+        Duration::from_secs(self.timeout)
+    }
+
+    /// The role, for messages.
+    pub fn role(&self) -> &'static str {
+        if self.loopback {
+            "loopback"
+        } else if self.server.is_some() {
+            "client"
+        } else {
+            "server"
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device, GPU, initiator
+// ---------------------------------------------------------------------------------------------
+
+/// The device, the GPU and the initiator of a run, as resolved.
+pub struct Env {
+    /// The device (both sides of a loopback run share it).
+    pub ctx: Context,
+    /// The GPU, when one is used.
+    pub gpu: Option<Arc<Gpu>>,
+    /// What the header says about the GPU.
+    pub gpu_line: String,
+    /// Who posts.
+    pub initiator: Initiator,
+    /// Why that initiator.
+    pub initiator_why: String,
+}
+
+/// The device `-d` asks for.
+pub fn device_request(d: Option<&str>) -> DeviceRequest {
+    match d {
+        None => DeviceRequest::Auto,
+        Some("soft") => DeviceRequest::Soft,
+        Some(n) => DeviceRequest::Named(n.to_string()),
+    }
+}
+
+/// Opens the device and resolves the initiator: `--initiator gpu` needs a GPU with the kernels;
+/// without `--initiator`, the GPU is used when it opens, and otherwise the CPU, with the reason.
+pub fn open_env(a: &CommonArgs) -> Result<Env> {
+    let ctx = Context::open(device_request(a.device.as_deref())).context("open the RDMA device")?;
+    // The GPU initiator needs a GPU and gpuverbs' kernels (a build without nvcc has none).
+    let open_gpu = || -> Result<Arc<Gpu>, gpuverbs::cuda::CudaError> {
+        gpuverbs::cuda::fatbin()?;
+        Gpu::open(a.gpu)
+    };
+    let (gpu, gpu_line, initiator, why) = match a.initiator {
+        Some(Initiator::Cpu) => (
+            None,
+            "not used (--initiator cpu)".to_string(),
+            Initiator::Cpu,
+            "requested".to_string(),
+        ),
+        Some(Initiator::Gpu) => {
+            let g =
+                open_gpu().with_context(|| format!("--initiator gpu: cannot use GPU {}", a.gpu))?;
+            let line = g.info().to_string();
+            (Some(g), line, Initiator::Gpu, "requested".to_string())
+        }
+        None => match open_gpu() {
+            Ok(g) => {
+                let line = g.info().to_string();
+                let why = format!("auto: GPU {} and the gpuverbs kernels are available", a.gpu);
+                (Some(g), line, Initiator::Gpu, why)
+            }
+            Err(e) => (
+                None,
+                format!("none usable: {e}"),
+                Initiator::Cpu,
+                format!("auto: no usable GPU {} (see GPU), so the CPU posts", a.gpu),
+            ),
+        },
+    };
+    Ok(Env {
+        ctx,
+        gpu,
+        gpu_line,
+        initiator,
+        initiator_why: why,
+    })
+}
+
+/// Refuses `--mem gpu` with the reason: payload buffers in GPU memory must be registered with
+/// the device, which the soft NIC cannot do (its engine reads and writes host memory only).
+/// `--rings gpu` is refused by the device itself when the first CQ is made
+/// ([`create_qp`] says which option it was).
+pub fn check_placement(a: &CommonArgs, env: &Env) -> Result<()> {
+    if a.mem == Placement::Host {
+        return Ok(());
+    }
+    let pd = env.ctx.alloc_pd();
+    let Some(gpu) = &env.gpu else {
+        let soft = env.ctx.soft_device().is_some();
+        bail!(
+            "--mem gpu: payload buffers in GPU memory need a GPU, and this run has none ({}){}",
+            env.gpu_line,
+            if soft {
+                "; besides, the soft NIC registers host memory only (use --mem host)"
+            } else {
+                ""
+            }
+        );
+    };
+    let mem = gpu.alloc(4096).context("--mem gpu: allocate GPU memory")?;
+    match pd.register_gpu(mem.ptr(), 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE) {
+        Ok(_) => bail!("--mem gpu: this sample does not place payloads in GPU memory yet"),
+        Err(e) => {
+            Err(e).context("--mem gpu: the device cannot register GPU memory (use --mem host)")
+        }
+    }
+}
+
+/// The doorbell convention a CPU initiator uses for a QP created with `db`, or why it cannot.
+pub fn cpu_ring_mode(db: DbArg) -> Result<RingMode> {
+    match db {
+        // The device API rings with the DOCA convention; the CPU does the same.
+        DbArg::Auto | DbArg::Gpu => Ok(RingMode::Doca),
+        DbArg::Bf => Ok(RingMode::BlueFlame),
+        DbArg::Proxy => bail!(
+            "--db proxy: the CPU proxy rings doorbells for kernels; the CPU initiator rings its \
+             own (use --initiator gpu, or --db auto|gpu|bf)"
+        ),
+    }
+}
+
+/// The doorbell line of the header: the QP's mode as resolved, why, and who rings.
+pub fn doorbell_line(qp: &Qp, initiator: Initiator, ring: Option<RingMode>) -> String {
+    let (mode, why) = qp.doorbell();
+    let name = doorbell_name(mode);
+    match (initiator, ring) {
+        (Initiator::Cpu, Some(r)) => {
+            let conv = match r {
+                RingMode::RdmaCore => "rdma-core convention",
+                RingMode::Doca => "DOCA convention",
+                RingMode::BlueFlame => "whole WQE into the BlueFlame register",
+            };
+            format!("{name} ({why}); rung by the CPU initiator ({conv})")
+        }
+        (Initiator::Gpu, _) if mode == DoorbellMode::CpuProxy => {
+            format!("{name} ({why}); a host proxy thread rings for the kernels")
+        }
+        _ => format!("{name} ({why}); rung by the kernels"),
+    }
+}
+
+/// Short name of a doorbell mode (JSON and header).
+pub fn doorbell_name(m: DoorbellMode) -> &'static str {
+    match m {
+        DoorbellMode::Auto => "auto",
+        DoorbellMode::GpuDoorbell => "gpu-doorbell",
+        DoorbellMode::BlueFlame => "blueflame",
+        DoorbellMode::CpuProxy => "cpu-proxy",
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queues
+// ---------------------------------------------------------------------------------------------
+
+/// How the samples make QPs.
+#[derive(Clone, Copy, Debug)]
+pub struct QpSpec {
+    /// SQ blocks (power of two); the QP's CQ gets as many entries (one CQE per block at most).
+    pub tx_depth: u32,
+    /// Ring placement.
+    pub rings: Placement,
+    /// Doorbell mode.
+    pub db: DbArg,
+}
+
+/// An RC QP with a CQ of its own (send and receive), as `spec` says.
+pub fn create_qp(pd: &Pd, spec: QpSpec) -> Result<Qp> {
+    let placement = match spec.rings {
+        Placement::Host => RingPlacement::HostMapped,
+        Placement::Gpu => RingPlacement::Gpu,
+    };
+    let ctx = pd.context();
+    let cq = ctx
+        .create_cq(CqOptions {
+            depth: spec.tx_depth.max(64),
+            placement,
+            ..Default::default()
+        })
+        .with_context(|| format!("--rings {}: create a CQ", spec.rings.name()))?;
+    let mut o = QpOptions::new(&cq, &cq);
+    o.sq_blocks = spec.tx_depth;
+    o.placement = placement;
+    o.doorbell = spec.db.mode();
+    pd.create_qp(o)
+        .with_context(|| format!("--rings {}: create a QP", spec.rings.name()))
+}
+
+/// What the samples' QPs allow their peers: writes and the atomics of `--signal`.
+pub fn connect_options() -> ConnectOptions {
+    ConnectOptions {
+        access: Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
+        ..Default::default()
+    }
+}
+
+/// Connects two QPs of this process to each other.
+pub fn connect_pair(a: &Qp, b: &Qp) -> Result<()> {
+    a.connect(&b.endpoint(), connect_options())
+        .context("connect QP A")?;
+    b.connect(&a.endpoint(), connect_options())
+        .context("connect QP B")?;
+    Ok(())
+}
+
+/// The SQ size a run needs: at least `min`, and more than the blocks the posters of one QP can
+/// leave without a CQE (unsignaled, or published but not rung yet), so that a full SQ always
+/// holds a rung, signaled WQE whose CQE frees space.
+pub fn tx_depth_for(min: u32, unsignaled_blocks: u64) -> Result<u32> {
+    let need = (unsignaled_blocks + 1).max(min as u64).next_power_of_two();
+    if need > MAX_TX_DEPTH as u64 {
+        bail!(
+            "the posters of one QP may leave {unsignaled_blocks} blocks without a CQE, which needs \
+             an SQ of {need} blocks (at most {MAX_TX_DEPTH}): lower --cq-mod or --batch, or use \
+             fewer threads per QP"
+        );
+    }
+    Ok(need as u32)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Header
+// ---------------------------------------------------------------------------------------------
+
+/// The block above the table: one `name : value` line per choice.
+#[derive(Default)]
+pub struct Header {
+    title: String,
+    lines: Vec<(String, String)>,
+}
+
+/// The rule perftest draws around its header.
+pub const RULE: &str =
+    "---------------------------------------------------------------------------------------";
+
+impl Header {
+    /// A header titled `title`.
+    pub fn new(title: impl Into<String>) -> Self {
+        Self {
+            title: title.into(),
+            lines: Vec::new(),
+        }
+    }
+
+    /// Adds a line.
+    pub fn line(&mut self, name: &str, value: impl std::fmt::Display) -> &mut Self {
+        self.lines.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// Prints it to stdout, or to stderr when stdout carries JSON.
+    pub fn print(&self, json: bool) {
+        let mut s = String::new();
+        s.push_str(RULE);
+        s.push('\n');
+        s.push_str(&format!(
+            "{:>width$}\n",
+            self.title,
+            width = 20 + self.title.len()
+        ));
+        for (n, v) in &self.lines {
+            s.push_str(&format!(" {n:<16}: {v}\n"));
+        }
+        s.push_str(RULE);
+        if json {
+            eprintln!("{s}");
+        } else {
+            println!("{s}");
+        }
+    }
+}
+
+/// One line of a perftest-style table: each cell left-aligned in its width, one space between
+/// (a width of 0: as wide as the cell).
+pub fn table_row(cells: &[(String, usize)]) -> String {
+    let mut s = String::new();
+    for (c, w) in cells {
+        s.push(' ');
+        s.push_str(&format!("{c:<w$}"));
+    }
+    s.trim_end().to_string()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server / client roles
+// ---------------------------------------------------------------------------------------------
+
+/// What each side tells the other at the rendezvous.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Hello {
+    test: String,
+    params: Value,
+    endpoints: Vec<Endpoint>,
+    memory: RemoteMemory,
+}
+
+/// The server/client roles: sets up this side (device, `nqps` QPs, a receive buffer of
+/// `buf_len` bytes), meets the peer over TCP (`-p`), exchanges endpoints and the memory
+/// descriptor, checks that both sides run the same test with the same parameters — and then
+/// refuses to go on, because soft NICs in different processes cannot reach each other yet.
+/// Always returns an error (the reason).
+pub fn refuse_remote(
+    a: &CommonArgs,
+    test: &str,
+    nqps: u32,
+    buf_len: usize,
+    spec: QpSpec,
+    params: Value,
+) -> Result<()> {
+    let ctx = Context::open(device_request(a.device.as_deref())).context("open the RDMA device")?;
+    let pd = ctx.alloc_pd();
+    let qps = (0..nqps)
+        .map(|_| create_qp(&pd, spec))
+        .collect::<Result<Vec<_>>>()?;
+    let buf = HostBuffer::new(buf_len.max(4096));
+    let mr = pd.register_with(&buf, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    let mine = Hello {
+        test: test.to_string(),
+        params: params.clone(),
+        endpoints: qps.iter().map(Qp::endpoint).collect(),
+        memory: RemoteMemory::export_rkey(mr.addr(), mr.len(), mr.rkey().0)?,
+    };
+    let mut bs = match &a.server {
+        None => {
+            let addr = format!("0.0.0.0:{}", a.port);
+            eprintln!(
+                "{test}: server: waiting for a client on port {} ({}s)",
+                a.port, a.timeout
+            );
+            Bootstrap::server(addr.as_str(), a.wait()).context("rendezvous (server)")?
+        }
+        Some(host) => {
+            let addr = if host.contains(':') && !host.starts_with('[') {
+                format!("[{host}]:{}", a.port)
+            } else {
+                format!("{host}:{}", a.port)
+            };
+            eprintln!("{test}: client: connecting to {addr}");
+            Bootstrap::client(addr.as_str(), a.wait()).context("rendezvous (client)")?
+        }
+    };
+    let peer: Hello = bs
+        .exchange(&mine)
+        .context("exchange endpoints with the peer")?;
+    bs.barrier().context("rendezvous barrier")?;
+    if peer.test != test {
+        bail!("the peer runs {}, not {test}", peer.test);
+    }
+    if peer.params != params {
+        bail!(
+            "the peer's parameters differ: ours {params}, theirs {}",
+            peer.params
+        );
+    }
+    let qpns: Vec<String> = peer
+        .endpoints
+        .iter()
+        .map(|e| format!("{:#x}", e.qpn()))
+        .collect();
+    eprintln!(
+        "{test}: {}: exchanged endpoints with {} (device {}, QPN {}, {} B of remote memory)",
+        a.role(),
+        bs.peer_addr(1 - bs.rank())
+            .map_or("the peer".into(), |s| s.to_string()),
+        peer.endpoints.first().map_or("?", |e| e.device()),
+        qpns.join(", "),
+        peer.memory.len()
+    );
+    match ctx.soft_device() {
+        Some(_) => bail!(
+            "soft NICs in different processes cannot reach each other yet: soft devices find \
+             each other only inside one process (there is no wire transport between processes \
+             yet). Run both sides in one process with --loopback"
+        ),
+        None => bail!("this device has no data path to a peer process yet"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Payload pattern
+// ---------------------------------------------------------------------------------------------
+
+/// The payload pattern: 8 bytes at a time from a mix of (seed, slot, word index), so every
+/// slot of every run has its own bytes, and a byte at the wrong place, from the wrong slot or
+/// from an earlier run shows.
+pub mod pattern {
+    /// splitmix64's finaliser.
+    pub fn mix(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// The seed of a run (a size of a test).
+    pub fn seed(test: u64, size: u64) -> u64 {
+        mix(test.wrapping_mul(0x100_0000_01b3) ^ size)
+    }
+
+    /// Writes the `len` pattern bytes of `slot` into `out` (cleared first).
+    pub fn fill(out: &mut Vec<u8>, seed: u64, slot: u64, len: usize) {
+        out.clear();
+        out.reserve(len);
+        let base = mix(seed ^ slot.wrapping_mul(0xd6e8_feb8_6659_fd93));
+        let mut k = 0u64;
+        while out.len() < len {
+            let w = mix(base ^ k).to_le_bytes();
+            let n = (len - out.len()).min(8);
+            out.extend_from_slice(&w[..n]);
+            k += 1;
+        }
+    }
+
+    /// The first offset where `got` differs from `want`.
+    pub fn first_difference(got: &[u8], want: &[u8]) -> Option<usize> {
+        if got == want {
+            return None;
+        }
+        got.iter()
+            .zip(want)
+            .position(|(a, b)| a != b)
+            .or(Some(got.len().min(want.len())))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Numbers
+// ---------------------------------------------------------------------------------------------
+
+/// Bandwidth units: perftest's MB/sec (2^20 bytes) or, with `--report-gbits`, Gb/sec (10^9
+/// bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Units {
+    /// 2^20 bytes per second.
+    MBytes,
+    /// 10^9 bits per second.
+    Gbits,
+}
+
+impl Units {
+    /// The bandwidth of `bytes` in `secs`.
+    pub fn bw(self, bytes: f64, secs: f64) -> f64 {
+        if secs <= 0.0 {
+            return 0.0;
+        }
+        match self {
+            Self::MBytes => bytes / secs / (1u64 << 20) as f64,
+            Self::Gbits => bytes * 8.0 / secs / 1e9,
+        }
+    }
+    /// The label in the table header (`MB/sec` or `Gb/sec`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::MBytes => "MB/sec",
+            Self::Gbits => "Gb/sec",
+        }
+    }
+}
+
+/// The completion timeline of a CPU run: after each polling pass that took completions, the
+/// time and the number of messages completed so far. The peak rate is the best over windows of
+/// at least `window` messages. One sample per pass (not per CQE) keeps a burst of CQEs taken at
+/// once, after the thread was descheduled, from looking like an instant: it counts from the
+/// previous pass, which saw none of them.
+#[derive(Default)]
+pub struct Peak {
+    samples: Vec<(Instant, u64)>,
+}
+
+impl Peak {
+    /// An empty timeline with room for `n` samples.
+    pub fn with_capacity(n: usize) -> Self {
+        Self {
+            samples: Vec::with_capacity(n),
+        }
+    }
+    /// Records that `done` messages had completed when a pass ended at `t` (`done` does not
+    /// decrease).
+    pub fn record(&mut self, t: Instant, done: u64) {
+        self.samples.push((t, done));
+    }
+    /// Forgets every sample.
+    pub fn clear(&mut self) {
+        self.samples.clear();
+    }
+    /// The best message rate (per second) over windows of at least `window` messages, if any
+    /// window has a measurable duration.
+    pub fn best_rate(&self, window: u64) -> Option<f64> {
+        let s = &self.samples;
+        let mut best: Option<f64> = None;
+        let mut j = 0;
+        for i in 1..s.len() {
+            // The latest start that still leaves `window` messages.
+            while j + 1 < i && s[i].1 - s[j + 1].1 >= window {
+                j += 1;
+            }
+            let n = s[i].1 - s[j].1;
+            if n >= window {
+                let dt = s[i].0.saturating_duration_since(s[j].0).as_secs_f64();
+                if dt > 0.0 {
+                    let r = n as f64 / dt;
+                    best = Some(best.map_or(r, |b: f64| b.max(r)));
+                }
+            }
+        }
+        best
+    }
+}
+
+/// perftest's latency columns, in microseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LatStats {
+    /// Smallest.
+    pub min: f64,
+    /// Largest.
+    pub max: f64,
+    /// Median.
+    pub typical: f64,
+    /// Mean.
+    pub avg: f64,
+    /// Standard deviation (population).
+    pub stdev: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// 99.9th percentile.
+    pub p999: f64,
+}
+
+impl LatStats {
+    /// The statistics of `us` (sorted in place). Empty input gives zeros.
+    pub fn of(us: &mut [f64]) -> Self {
+        if us.is_empty() {
+            return Self::default();
+        }
+        us.sort_by(f64::total_cmp);
+        let n = us.len();
+        let avg = us.iter().sum::<f64>() / n as f64;
+        let var = us.iter().map(|x| (x - avg) * (x - avg)).sum::<f64>() / n as f64;
+        let pct = |p: f64| us[((p * n as f64).ceil() as usize).clamp(1, n) - 1];
+        Self {
+            min: us[0],
+            max: us[n - 1],
+            typical: us[n / 2],
+            avg,
+            stdev: var.sqrt(),
+            p99: pct(0.99),
+            p999: pct(0.999),
+        }
+    }
+}
+
+/// A progress line on stderr for sweeps that run longer than a couple of seconds.
+pub struct Progress {
+    test: &'static str,
+    start: Instant,
+    last: Instant,
+    total: usize,
+    tty: bool,
+    shown: bool,
+}
+
+impl Progress {
+    /// Progress of `total` sizes.
+    pub fn new(test: &'static str, total: usize) -> Self {
+        let now = Instant::now();
+        Self {
+            test,
+            start: now,
+            last: now,
+            total,
+            tty: std::io::stderr().is_terminal(),
+            shown: false,
+        }
+    }
+
+    /// Says that `done` of the sizes are finished, the last one being `size` bytes.
+    pub fn step(&mut self, done: usize, size: u64) {
+        if self.total < 2 || done >= self.total {
+            return;
+        }
+        let now = Instant::now();
+        let elapsed = now.duration_since(self.start);
+        // Not before 2 s; then at most every second (every 2 s when not on a terminal).
+        let every = if self.tty { 1 } else { 2 };
+        if elapsed < Duration::from_secs(2) || now.duration_since(self.last).as_secs() < every {
+            return;
+        }
+        self.last = now;
+        self.shown = true;
+        let msg = format!(
+            "{}: {done}/{} sizes done (last {size} B), {:.1} s",
+            self.test,
+            self.total,
+            elapsed.as_secs_f64()
+        );
+        let mut e = std::io::stderr().lock();
+        let _ = if self.tty {
+            write!(e, "\r{msg}\x1b[K")
+        } else {
+            writeln!(e, "{msg}")
+        };
+    }
+
+    /// Clears the line (on a terminal) before table output continues.
+    pub fn clear(&mut self) {
+        if self.tty && self.shown {
+            let _ = write!(std::io::stderr().lock(), "\r\x1b[K");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU side
+// ---------------------------------------------------------------------------------------------
+
+/// One QP's share of a `put_bw` run, as `gv_sample_put_bw` reads it (`samples::bw_job`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct BwJob {
+    /// Exported descriptor (`gpuverbs_qp*`).
+    pub qp: u64,
+    /// NIC address of source slot 0.
+    pub lbase: u64,
+    /// Remote address of the job's destination slot 0.
+    pub rbase: u64,
+    /// lkey of the sources.
+    pub lkey: u32,
+    /// rkey of the destinations.
+    pub rkey: u32,
+    /// Threads that drive the QP.
+    pub workers: u32,
+    /// Destination slots (a multiple of `workers`).
+    pub dst_slots: u32,
+    /// Source slots.
+    pub src_slots: u32,
+    /// Iteration i reads source slot (i + src_shift) % src_slots.
+    pub src_shift: u32,
+}
+const _: () = assert!(std::mem::size_of::<BwJob>() == 48);
+
+/// One side of a `write_lat` ping-pong, as `gv_sample_write_lat` reads it (`samples::lat_side`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct LatSide {
+    /// Exported descriptor.
+    pub qp: u64,
+    /// NIC address of the outgoing payload.
+    pub src_nic: u64,
+    /// GPU address of the outgoing payload (the kernel writes its tail).
+    pub src_dev: u64,
+    /// Remote address the payload goes to.
+    pub dst_remote: u64,
+    /// GPU address of the aligned 8-byte word that ends the incoming payload.
+    pub recv_dev: u64,
+    /// The peer's signal word (remote address).
+    pub sig_remote: u64,
+    /// The own signal word (GPU address).
+    pub sig_dev: u64,
+    /// lkey of the payload.
+    pub lkey: u32,
+    /// rkey of the peer's receive buffer.
+    pub rkey: u32,
+    /// rkey of the peer's signal word.
+    pub sig_rkey: u32,
+    /// Zero.
+    pub pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<LatSide>() == 72);
+
+/// A pointer to a kernel parameter.
+pub fn arg<T>(v: &mut T) -> *mut c_void {
+    (v as *mut T).cast()
+}
+
+/// Copies plain values into new GPU memory.
+pub fn upload<T: bytemuck::Pod>(gpu: &Arc<Gpu>, v: &[T]) -> Result<DeviceMem> {
+    let bytes: &[u8] = bytemuck::cast_slice(v);
+    let mem = gpu.alloc(bytes.len())?;
+    mem.write(0, bytes)?;
+    Ok(mem)
+}
+
+/// The status words the sample kernels report: [status, syndrome, vendor, wqe_counter, who].
+pub struct GpuStatus {
+    mem: DeviceMem,
+}
+
+impl GpuStatus {
+    /// Zeroed status words.
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Self> {
+        Ok(Self {
+            mem: gpu.alloc(32)?,
+        })
+    }
+    /// Device address for the kernel.
+    pub fn ptr(&self) -> u64 {
+        self.mem.ptr()
+    }
+    /// Clears the words before a launch.
+    pub fn reset(&self) -> Result<()> {
+        Ok(self.mem.write(0, &[0u8; 32])?)
+    }
+    /// Fails with the decoded status unless every thread reported OK. `qpn(who)` names the QP
+    /// of job/side `who`.
+    pub fn check(&self, what: &str, qpn: impl Fn(usize) -> u32) -> Result<()> {
+        let mut b = [0u8; 32];
+        self.mem.read(0, &mut b)?;
+        let s: [i32; 8] = bytemuck::cast(b);
+        match s[0] {
+            0 => Ok(()),
+            1 => {
+                let e = prm::ErrorCqe {
+                    responder: false,
+                    syndrome: s[1] as u8,
+                    vendor_syndrome: s[2] as u8,
+                    wqe_opcode: prm::Opcode::RdmaWrite as u8,
+                    qpn: qpn(s[4].max(0) as usize),
+                    wqe_counter: s[3] as u16,
+                };
+                bail!("{what}: a completion carries an error: {e}")
+            }
+            2 => bail!(
+                "{what}: a wait in the kernel ran out of its budget (TIMEOUT) on QP {:#x}: the \
+                 device stopped answering",
+                qpn(s[4].max(0) as usize)
+            ),
+            3 => bail!("{what}: the kernel refused an argument (INVALID)"),
+            x => bail!("{what}: the kernel reported unknown status {x}"),
+        }
+    }
+}
+
+/// QPs exported to a GPU, and the proxy thread that rings for them in CPU-proxy mode.
+pub struct Exports {
+    /// One descriptor per QP, in the order given.
+    pub qps: Vec<ExportedQp>,
+    // Dropped after the descriptors: the proxy stops before the QPs go.
+    _proxy: Option<ProxyService>,
+}
+
+impl Exports {
+    /// Exports `qps` to `gpu`; starts a proxy thread when their doorbell mode is CPU proxy.
+    pub fn new(gpu: &Arc<Gpu>, qps: &[&Qp]) -> Result<Self> {
+        let mut out = Vec::with_capacity(qps.len());
+        for q in qps {
+            out.push(gpu.export_qp(q).context("export a QP to the GPU")?);
+        }
+        let proxied: Vec<&&Qp> = qps
+            .iter()
+            .filter(|q| q.doorbell().0 == DoorbellMode::CpuProxy)
+            .collect();
+        let proxy = if proxied.is_empty() {
+            None
+        } else {
+            let svc = ProxyService::start(ProxyConfig::default()).context("start the CPU proxy")?;
+            for q in proxied {
+                let dev = q
+                    .pd()
+                    .context()
+                    .soft_device()
+                    .context("the CPU proxy needs the QP's device")?;
+                // The service releases its targets when it is dropped.
+                let _handle = svc.add(ProxyTarget::for_soft_qp(dev, q.soft()))?;
+            }
+            Some(svc)
+        };
+        Ok(Self {
+            qps: out,
+            _proxy: proxy,
+        })
+    }
+}
+
+/// Writes the header's common lines (device, GPU, initiator, doorbell, placements).
+pub fn common_header(h: &mut Header, env: &Env, a: &CommonArgs, doorbell: String) {
+    h.line("Device", env.ctx.selection())
+        .line("GPU", &env.gpu_line)
+        .line(
+            "Initiator",
+            format!("{} ({})", env.initiator.name(), env.initiator_why),
+        )
+        .line("Doorbell", doorbell)
+        .line(
+            "Rings",
+            match a.rings {
+                Placement::Host => "host memory (mapped into the GPU when a kernel posts)",
+                Placement::Gpu => "GPU memory",
+            },
+        )
+        .line(
+            "Buffers",
+            match a.mem {
+                Placement::Host => "host memory",
+                Placement::Gpu => "GPU memory",
+            },
+        );
+}
+
+/// The JSON fields every result line carries (the header's choices).
+pub fn common_json(env: &Env, a: &CommonArgs, qp: &Qp) -> Value {
+    let (mode, why) = qp.doorbell();
+    json!({
+        "device": env.ctx.selection().to_string(),
+        "gpu": env.gpu.as_ref().map(|g| g.info().to_string()),
+        "initiator": env.initiator.name(),
+        "initiator_reason": env.initiator_why,
+        "doorbell": doorbell_name(mode),
+        "doorbell_reason": why,
+        "rings": a.rings.name(),
+        "mem": a.mem.name(),
+    })
+}
+
+/// Merges the fields of `extra` into the object `base`.
+pub fn merge(mut base: Value, extra: Value) -> Value {
+    if let (Some(b), Value::Object(e)) = (base.as_object_mut(), extra) {
+        b.extend(e);
+    }
+    base
+}
+
+/// Exit code of a run that failed (runtime error, validation failure, error completion).
+pub const EXIT_FAILURE: u8 = 1;
+
+/// Runs `f`, printing an error as `test: error: ...` with its causes, and maps the outcome to
+/// the process exit code.
+pub fn exit_with(test: &str, r: Result<()>) -> std::process::ExitCode {
+    match r {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            let _ = std::io::stdout().flush();
+            eprintln!("{test}: error: {e:#}");
+            std::process::ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("65536"), Ok(65536));
+        assert_eq!(parse_size("64K"), Ok(65536));
+        assert_eq!(parse_size("8m"), Ok(8 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("2G").is_err());
+        assert!(parse_size("12Q").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn latency_columns() {
+        let mut v: Vec<f64> = (1..=1000).rev().map(f64::from).collect();
+        let s = LatStats::of(&mut v);
+        assert_eq!((s.min, s.max), (1.0, 1000.0));
+        assert_eq!(s.typical, 501.0);
+        assert_eq!(s.avg, 500.5);
+        assert_eq!(s.p99, 990.0);
+        assert_eq!(s.p999, 999.0);
+        assert!((s.stdev - 288.675).abs() < 0.01, "{}", s.stdev);
+        let one = LatStats::of(&mut [3.0]);
+        assert_eq!((one.min, one.p999, one.stdev), (3.0, 3.0, 0.0));
+        assert_eq!(LatStats::of(&mut []), LatStats::default());
+    }
+
+    #[test]
+    fn peak_is_the_best_window() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut p = Peak::default();
+        // 10 messages per ms for 10 ms, then 40 per ms for 2 ms.
+        for i in 0..=10 {
+            p.record(ms(i), 10 * i);
+        }
+        p.record(ms(11), 140);
+        p.record(ms(12), 180);
+        let best = p.best_rate(80).unwrap();
+        assert!((best - 80.0 / 0.002).abs() < 1.0, "{best}");
+        // A window longer than the run has no rate.
+        assert_eq!(p.best_rate(1000), None);
+        // Windows of at least 100 messages cannot pick the 2-ms burst alone.
+        let wide = p.best_rate(100).unwrap();
+        assert!(wide < best && (wide - 100.0 / 0.004).abs() < 1.0, "{wide}");
+        // The whole run.
+        assert!((p.best_rate(180).unwrap() - 180.0 / 0.012).abs() < 1.0);
+    }
+
+    #[test]
+    fn pattern_differs_by_seed_slot_and_offset() {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        pattern::fill(&mut a, 1, 0, 4099);
+        assert_eq!(a.len(), 4099);
+        pattern::fill(&mut b, 1, 1, 4099);
+        assert!(a.iter().zip(&b).filter(|(x, y)| x == y).count() < 64);
+        pattern::fill(&mut b, 2, 0, 4099);
+        assert!(a.iter().zip(&b).filter(|(x, y)| x == y).count() < 64);
+        pattern::fill(&mut b, 1, 0, 4099);
+        assert_eq!(a, b);
+        assert_eq!(pattern::first_difference(&a, &b), None);
+        b[17] ^= 1;
+        assert_eq!(pattern::first_difference(&a, &b), Some(17));
+    }
+
+    #[test]
+    fn tx_depth_covers_what_posters_leave_unsignaled() {
+        assert_eq!(tx_depth_for(256, 80).unwrap(), 256);
+        assert_eq!(tx_depth_for(16, 256).unwrap(), 512);
+        assert_eq!(tx_depth_for(100, 10).unwrap(), 128);
+        assert!(tx_depth_for(256, 40_000).is_err());
+    }
+}
