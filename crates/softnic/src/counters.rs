@@ -15,6 +15,7 @@ pub struct Counters {
     pub(crate) stale_wqes: AtomicU64,
     pub(crate) cq_overruns: AtomicU64,
     errors: [AtomicU64; 64],
+    pub(crate) wire: WireCounters<AtomicU64>,
 }
 
 impl Default for Counters {
@@ -29,6 +30,7 @@ impl Default for Counters {
             stale_wqes: AtomicU64::new(0),
             cq_overruns: AtomicU64::new(0),
             errors: std::array::from_fn(|_| AtomicU64::new(0)),
+            wire: WireCounters::default(),
         }
     }
 }
@@ -61,6 +63,7 @@ impl Counters {
             stale_wqes: self.stale_wqes.load(Relaxed),
             cq_overruns: self.cq_overruns.load(Relaxed),
             errors,
+            wire: self.wire.load(),
         }
     }
 }
@@ -86,6 +89,8 @@ pub struct CounterSnapshot {
     pub cq_overruns: u64,
     /// Error CQEs by syndrome (WR_FLUSH included).
     pub errors: BTreeMap<Syndrome, u64>,
+    /// What the wire port did (all zero without one).
+    pub wire: WireCounters,
 }
 
 impl CounterSnapshot {
@@ -93,4 +98,70 @@ impl CounterSnapshot {
     pub fn errors_of(&self, s: Syndrome) -> u64 {
         self.errors.get(&s).copied().unwrap_or(0)
     }
+}
+
+macro_rules! wire_counters {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        /// Counters of a device's wire port (RoCEv2 over UDP). Live counters are
+        /// `WireCounters<AtomicU64>`; a snapshot is `WireCounters<u64>`.
+        #[derive(Clone, Debug, Default, PartialEq, Eq)]
+        pub struct WireCounters<T = u64> {
+            $($(#[$doc])* pub $name: T,)*
+        }
+
+        impl WireCounters<AtomicU64> {
+            fn load(&self) -> WireCounters<u64> {
+                WireCounters { $($name: self.$name.load(Relaxed),)* }
+            }
+        }
+    };
+}
+
+wire_counters! {
+    /// Datagrams sent (after fault injection: what reached the socket).
+    tx_packets,
+    /// Datagram bytes sent.
+    tx_bytes,
+    /// Datagrams received.
+    rx_packets,
+    /// Datagram bytes received.
+    rx_bytes,
+    /// Request packets sent again (go-back-N after a NAK, a timeout or a missing response).
+    retransmits,
+    /// Expirations of a requester's retransmission timer.
+    timeouts,
+    /// PSN sequence error NAKs sent (one per gap).
+    seq_naks_sent,
+    /// RNR NAKs sent.
+    rnr_naks_sent,
+    /// Error NAKs sent (invalid request, remote access, remote operational).
+    error_naks_sent,
+    /// PSN sequence error NAKs received.
+    seq_naks_received,
+    /// RNR NAKs received.
+    rnr_naks_received,
+    /// Duplicate requests received (re-acknowledged, reads re-executed, atomics answered
+    /// from the responder's cache; never applied twice).
+    duplicates,
+    /// Requests dropped for a PSN past the expected one (after the one NAK of the gap).
+    out_of_sequence,
+    /// Datagrams dropped as malformed: truncated, oversized, unsupported opcode or version,
+    /// payload longer than the path MTU, pad errors.
+    rx_malformed,
+    /// Datagrams dropped for a wrong ICRC.
+    rx_bad_icrc,
+    /// Datagrams dropped for naming no QP of this device, or a QP not ready to take them.
+    rx_unknown_qp,
+    /// Responses dropped because they match nothing outstanding (late, duplicate or stray).
+    rx_unexpected,
+    /// Socket send errors.
+    tx_errors,
+    /// Datagrams dropped by fault injection.
+    injected_drops,
+    /// Datagrams sent twice by fault injection.
+    injected_duplicates,
+    /// Datagrams held back behind the next one by fault injection.
+    injected_reorders,
+    /// Datagrams corrupted (one byte flipped) by fault injection.
+    injected_corruptions,
 }

@@ -1,13 +1,17 @@
-//! The device object: identity (name, GID), the object tables, the engine thread, and the
-//! process-wide registry through which soft devices find each other's QPs.
+//! The device object: identity (name, GID), the object tables, the engine thread, the wire
+//! port and its I/O thread, and the process-wide registry through which soft devices find each
+//! other's QPs.
 
 use crate::counters::{CounterSnapshot, Counters};
 use crate::cq::{Cq, CqConfig};
 use crate::mem::{Access, MemKind, MrInfo, MrTable, PdId};
 use crate::qp::{Qp, QpConfig};
+use crate::wire::socket::Port;
+use crate::wire::{Capture, WireConfig, WireError, WireFaults};
 use crate::{Error, Gid};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::thread::{JoinHandle, Thread};
@@ -20,8 +24,13 @@ pub struct DeviceConfig {
     /// GID; a fresh IPv4-mapped `::ffff:127.1.x.y` when `None`.
     pub gid: Option<Gid>,
     /// Completion-only mode (benchmarks): WQEs this device sends are checked and completed
-    /// exactly as usual, but no payload moves and atomics leave their targets alone.
+    /// exactly as usual, but no payload moves and atomics leave their targets alone. It
+    /// applies to the in-process path only; the wire always carries the payload.
     pub completion_only: bool,
+    /// A wire port: RoCEv2 over UDP for peers in other processes or hosts. `None`: the
+    /// device reaches peers of this process only. With a port and no explicit `gid`, the GID
+    /// is the IPv4-mapped form of the bind address.
+    pub wire: Option<WireConfig>,
 }
 
 /// State shared by the device handle, its engine and peers.
@@ -40,6 +49,10 @@ pub(crate) struct Shared {
     next_pd: AtomicU32,
     pub shutdown: AtomicBool,
     pub engine: OnceLock<Thread>,
+    /// The wire port, if any.
+    pub port: Option<Arc<Port>>,
+    /// GID → UDP address of wire peers ([`Device::add_peer`]).
+    peers: RwLock<HashMap<Gid, SocketAddr>>,
 }
 
 impl Shared {
@@ -59,18 +72,30 @@ impl Shared {
             t.unpark();
         }
     }
+    pub fn port(&self) -> Option<&Arc<Port>> {
+        self.port.as_ref()
+    }
+    pub fn peer_addr(&self, gid: &Gid) -> Option<SocketAddr> {
+        self.port.as_ref()?;
+        self.peers.read().get(gid).copied()
+    }
 }
 
-static REGISTRY: Mutex<Vec<(Gid, Weak<Shared>)>> = Mutex::new(Vec::new());
+/// Live devices: GID, whether it has a wire port, the device.
+static REGISTRY: Mutex<Vec<(Gid, bool, Weak<Shared>)>> = Mutex::new(Vec::new());
 static NEXT_DEVICE: AtomicU32 = AtomicU32::new(1);
 
-/// Finds the live soft device with this GID.
+/// Finds the live soft device with this GID, when exactly one has it (wire devices may share
+/// a GID: several ports on one host address; such a GID names no in-process peer).
 pub(crate) fn lookup(gid: &Gid) -> Option<Arc<Shared>> {
-    REGISTRY
-        .lock()
+    let reg = REGISTRY.lock();
+    let mut live = reg
         .iter()
-        .find(|(g, _)| g == gid)
-        .and_then(|(_, w)| w.upgrade())
+        .filter(|(g, _, w)| g == gid && w.strong_count() > 0);
+    match (live.next(), live.next()) {
+        (Some((_, _, w)), None) => w.upgrade(),
+        _ => None,
+    }
 }
 
 /// A soft mlx5 device. Dropping it stops its engine; peers then see its QPs vanish (their
@@ -78,26 +103,45 @@ pub(crate) fn lookup(gid: &Gid) -> Option<Arc<Shared>> {
 pub struct Device {
     shared: Arc<Shared>,
     engine: Option<JoinHandle<()>>,
+    io: Option<JoinHandle<()>>,
 }
 
 impl Device {
-    /// Creates a device and starts its engine thread.
+    /// Creates a device and starts its engine thread (and, with a wire port, binds its socket
+    /// and starts its I/O thread).
     pub fn open(cfg: DeviceConfig) -> Result<Self, Error> {
         let n = NEXT_DEVICE.fetch_add(1, Ordering::Relaxed);
-        let gid = cfg.gid.unwrap_or_else(|| {
-            Gid::from_ipv4(std::net::Ipv4Addr::new(127, 1, (n >> 8) as u8, n as u8))
-        });
+        let gid = match (cfg.gid, &cfg.wire) {
+            (Some(g), _) => g,
+            (None, Some(w)) => match w.bind.ip() {
+                std::net::IpAddr::V4(ip) if !ip.is_unspecified() => Gid::from_ipv4(ip),
+                std::net::IpAddr::V4(_) => return Err(WireError::WildcardNeedsGid(w.bind).into()),
+                std::net::IpAddr::V6(_) => return Err(WireError::NotIpv4(w.bind).into()),
+            },
+            (None, None) => {
+                Gid::from_ipv4(std::net::Ipv4Addr::new(127, 1, (n >> 8) as u8, n as u8))
+            }
+        };
         let name = if cfg.name.is_empty() {
             format!("softnic{n}")
         } else {
             cfg.name
         };
+        let counters: Arc<Counters> = Arc::default();
+        let port = match cfg.wire {
+            Some(w) => {
+                let ip = gid.to_ipv4().ok_or(WireError::GidNotIpv4(gid))?;
+                Some(Arc::new(Port::open(w, ip, counters.clone())?))
+            }
+            None => None,
+        };
+        let wire = port.is_some();
         let shared = Arc::new(Shared {
             name,
             completion_only: cfg.completion_only,
             gid,
             mrs: Arc::default(),
-            counters: Arc::default(),
+            counters,
             qps: RwLock::default(),
             cqs: RwLock::default(),
             generation: AtomicU64::new(0),
@@ -107,25 +151,81 @@ impl Device {
             next_pd: AtomicU32::new(1),
             shutdown: AtomicBool::new(false),
             engine: OnceLock::new(),
+            port,
+            peers: RwLock::default(),
         });
         {
             let mut reg = REGISTRY.lock();
-            reg.retain(|(_, w)| w.strong_count() > 0);
-            if reg.iter().any(|(g, _)| *g == gid) {
+            reg.retain(|(_, _, w)| w.strong_count() > 0);
+            // In-process peers are found by GID: it must name one device, unless every device
+            // holding it has a wire port (several UDP ports on one host address).
+            if reg.iter().any(|(g, w2, _)| *g == gid && !(wire && *w2)) {
                 return Err(Error::GidInUse(gid));
             }
-            reg.push((gid, Arc::downgrade(&shared)));
+            reg.push((gid, wire, Arc::downgrade(&shared)));
         }
         let s = shared.clone();
         let handle = std::thread::Builder::new()
             .name(format!("{}-engine", shared.name))
             .spawn(move || crate::engine::run(s))?;
         let _ = shared.engine.set(handle.thread().clone());
-        tracing::debug!(name = %shared.name, gid = %gid, "soft NIC opened");
-        Ok(Self {
-            shared,
+        let mut dev = Self {
+            shared: shared.clone(),
             engine: Some(handle),
-        })
+            io: None,
+        };
+        if let Some(port) = shared.port.clone() {
+            let s = shared.clone();
+            dev.io = Some(
+                std::thread::Builder::new()
+                    .name(format!("{}-wire", shared.name))
+                    .spawn(move || crate::wire::socket::run(s, port))?,
+            );
+        }
+        tracing::debug!(name = %shared.name, gid = %gid, wire = ?dev.wire_addr(), "soft NIC opened");
+        Ok(dev)
+    }
+
+    /// The bound address of the wire port (with the port the system picked), if any.
+    pub fn wire_addr(&self) -> Option<SocketAddr> {
+        self.shared.port.as_ref().map(|p| p.local)
+    }
+
+    /// Says where the wire peer with `gid` listens: QPs of this device connected to `gid`
+    /// (RTR's `remote_gid`) send their packets to `addr`, whether or not a device of this
+    /// process has that GID. Takes effect for QPs that have not yet sent anything.
+    pub fn add_peer(&self, gid: Gid, addr: SocketAddr) -> Result<(), Error> {
+        if self.shared.port.is_none() {
+            return Err(WireError::NoPort.into());
+        }
+        if !addr.is_ipv4() {
+            return Err(WireError::NotIpv4(addr).into());
+        }
+        if gid.to_ipv4().is_none() {
+            return Err(WireError::GidNotIpv4(gid).into());
+        }
+        self.shared.peers.write().insert(gid, addr);
+        Ok(())
+    }
+
+    /// Forgets a peer-table entry.
+    pub fn remove_peer(&self, gid: &Gid) -> Option<SocketAddr> {
+        self.shared.peers.write().remove(gid)
+    }
+
+    /// Replaces the wire port's fault injection (restarting its decision sequence from the
+    /// new seed).
+    pub fn set_wire_faults(&self, f: WireFaults) -> Result<(), Error> {
+        let port = self.shared.port.as_ref().ok_or(WireError::NoPort)?;
+        port.set_faults(f);
+        Ok(())
+    }
+
+    /// Starts (or, with `None`, stops) capturing the wire port's datagrams.
+    pub fn set_capture(&self, c: Option<Capture>) -> Result<(), Error> {
+        let port = self.shared.port.as_ref().ok_or(WireError::NoPort)?;
+        port.set_capture(c);
+        Ok(())
     }
 
     /// Device name.
@@ -261,12 +361,18 @@ impl Drop for Device {
         if let Some(h) = self.engine.take() {
             let _ = h.join();
         }
+        if let Some(h) = self.io.take() {
+            if let Some(p) = &self.shared.port {
+                p.wake();
+            }
+            let _ = h.join();
+        }
         // Peers may hold (cached) handles to our QPs: none of them answers any more.
         for qp in self.shared.qps.read().values() {
             qp.set_state(crate::qp::QpState::Reset);
         }
         let mut reg = REGISTRY.lock();
-        reg.retain(|(_, w)| {
+        reg.retain(|(_, _, w)| {
             !std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.shared)) && w.strong_count() > 0
         });
     }
@@ -277,6 +383,7 @@ impl std::fmt::Debug for Device {
         f.debug_struct("Device")
             .field("name", &self.shared.name)
             .field("gid", &self.shared.gid)
+            .field("wire", &self.wire_addr())
             .finish()
     }
 }

@@ -2,15 +2,18 @@
 //! BlueFlame register) as a ConnectX would, checks them, executes them against registered
 //! memory, and writes CQEs.
 //!
-//! Requester and responder sides are split so a wire transport can sit between them later: the
-//! requester turns a WQE into a [`Request`] on the peer QP ([`respond`]) and maps the peer's
-//! answer (data, ACK, NAK) to its own completion. Today the peer is a QP of a device in this
-//! process and [`respond`] is a function call.
+//! Requester and responder sides are split so that a transport can sit between them: the
+//! requester checks a WQE locally (shared by every route), then either runs it on a peer QP of
+//! this process ([`respond`], a function call) or hands it to the wire transport
+//! ([`crate::wire`]), which completes it when the peer's ACK arrives. Both [`respond`] and the
+//! wire responder run requests through the same responder checks (`Resp`).
 
 use crate::counters::Counters;
 use crate::device::{lookup, Shared};
 use crate::mem::{copy_ranges, Access, AccessError, HostRange, MrGuard};
-use crate::qp::{DoorbellKind, Qp, QpState, SqState, Stall};
+use crate::qp::{DoorbellKind, Qp, QpState, RqState, SqState, Stall};
+use crate::wire::transport;
+use parking_lot::MutexGuard;
 use prm::cqe::{Cqe64, ErrorCqe, RespKind};
 use prm::doorbell::{DoorbellValue, BF_HALF_SIZE, BF_OFFSET};
 use prm::parse::{parse_wqe, sge_of, AtomicKind, ParsedLocal, ParsedOp};
@@ -57,6 +60,8 @@ pub mod vendor {
     pub const TOO_LONG: u8 = 0x8f;
     /// The CQ the completion went to overran.
     pub const CQ_OVERRUN: u8 = 0x90;
+    /// A wire response that does not fit its request (opcode or length): BAD_RESP.
+    pub const BAD_RESPONSE: u8 = 0x91;
 }
 
 /// Largest message (bytes), as ConnectX's `max_msg_sz`.
@@ -115,7 +120,8 @@ pub(crate) fn run(dev: Arc<Shared>) {
     }
 }
 
-/// Runs one QP: doorbells, then up to [`BUDGET`] WQEs. Returns (did work, waits on time).
+/// Runs one QP: doorbells, the wire transport's timers, then up to [`BUDGET`] WQEs. Returns
+/// (did work, waits on time).
 fn service(dev: &Shared, qp: &Arc<Qp>) -> (bool, bool) {
     let state = qp.state();
     if state == QpState::Err {
@@ -125,23 +131,49 @@ fn service(dev: &Shared, qp: &Arc<Qp>) -> (bool, bool) {
         return (false, false);
     }
     let mut sq = qp.lock_sq();
+    let r = service_locked(dev, qp, &mut sq);
+    if sq.wire.is_some() {
+        // The I/O thread may be waiting to process ACKs: hand the lock over rather than
+        // take it again on the next loop before it got a chance.
+        MutexGuard::unlock_fair(sq);
+    }
+    r
+}
+
+fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) {
     let mut work = false;
     for h in 0..2 {
         let v = qp.half_word(h);
         if v != sq.last_half[h] {
             sq.last_half[h] = v;
             work = true;
-            doorbell(dev, qp, &mut sq, h, v);
+            doorbell(dev, qp, sq, h, v);
+        }
+    }
+    let mut timed = false;
+    if sq.wire.is_some() {
+        if qp.state() == QpState::Err {
+            // WQEs already handed to the wire complete (flush) before those still in the ring.
+            work |= transport::flush_all(dev, qp, sq);
+        } else {
+            let (sent, outstanding) = transport::tick(dev, qp, sq, Instant::now());
+            work |= sent;
+            timed |= outstanding;
         }
     }
     let mut budget = BUDGET;
     while sq.ci != sq.target && budget > 0 {
+        if sq.wire.as_ref().is_some_and(|w| w.blocked) && qp.state() != QpState::Err {
+            // a WQE failed behind WQEs still on the wire: nothing runs until it completes
+            return (work, true);
+        }
         if let Some(stall) = sq.stall {
             let over = match stall {
                 Stall::Until(t) => Instant::now() >= t,
                 Stall::Wait { cqn, max_index } => dev
                     .cq(cqn)
                     .is_none_or(|cq| cq.produced().wrapping_sub(max_index) as i32 >= 0),
+                Stall::Drain => sq.wire.as_ref().is_none_or(|w| w.msgs.is_empty()),
             };
             if !over && qp.state() != QpState::Err {
                 return (work, true);
@@ -150,9 +182,9 @@ fn service(dev: &Shared, qp: &Arc<Qp>) -> (bool, bool) {
         }
         budget -= 1;
         work = true;
-        step(dev, qp, &mut sq);
+        step(dev, qp, sq);
     }
-    (work, sq.stall.is_some())
+    (work, timed || sq.stall.is_some())
 }
 
 /// Handles a new value in BlueFlame half `h`.
@@ -272,7 +304,14 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
             parse_wqe(&buf[..blocks * WQEBB]).map_err(|e| (e.syndrome(), vendor::MALFORMED_WQE))?;
         execute(dev, qp, sq, &wqe).map(|r| (r, wqe.flags.signaled))
     });
+    // Behind WQEs still on the wire, a WQE that completes or fails right away takes its turn
+    // in the wire's completion order.
+    let queued = sq.wire.as_ref().is_some_and(|w| !w.msgs.is_empty());
     match outcome {
+        Ok((Done::Complete(byte_cnt), signaled)) if queued => {
+            transport::enqueue_local(sq, idx, opcode, signaled, byte_cnt, None);
+            advance(sq);
+        }
         Ok((Done::Complete(byte_cnt), signaled)) => {
             Counters::add(&dev.counters.wqes, 1);
             sq.rnr_attempts = 0;
@@ -283,7 +322,23 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
             }
             advance(sq);
         }
+        Ok((Done::Queued, _)) => {
+            sq.rnr_attempts = 0;
+            sq.retry_deadline = None;
+            advance(sq);
+        }
         Ok((Done::Stalled(stall), _)) => sq.stall = Some(stall),
+        Err((syndrome, why)) if queued => {
+            tracing::debug!(
+                qpn = qp.qpn,
+                ?syndrome,
+                vendor = why,
+                wqe = idx,
+                "WQE failed"
+            );
+            transport::enqueue_local(sq, idx, opcode, true, 0, Some((syndrome, why)));
+            advance(sq);
+        }
         Err((syndrome, why)) => {
             fail(dev, qp, sq, opcode, syndrome, why);
             advance(sq);
@@ -293,7 +348,18 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
 
 /// Writes a CQE to `cq` on behalf of `qp` (delayed when fault injection asks).
 fn push_cqe(dev: &Shared, qp: &Qp, sq: &SqState, cq: &crate::cq::Cq, cqe: Cqe64) {
-    let due = sq.delay.map(|d| Instant::now() + d);
+    push_cqe_delayed(dev, qp, sq.delay, cq, cqe)
+}
+
+/// Writes a CQE to `cq` on behalf of `qp`, `delay` late when fault injection asks.
+pub(crate) fn push_cqe_delayed(
+    dev: &Shared,
+    qp: &Qp,
+    delay: Option<Duration>,
+    cq: &crate::cq::Cq,
+    cqe: Cqe64,
+) {
+    let due = delay.map(|d| Instant::now() + d);
     match cq.push(cqe, due) {
         Ok(()) => Counters::add(&dev.counters.cqes, 1),
         Err(_) => {
@@ -304,7 +370,9 @@ fn push_cqe(dev: &Shared, qp: &Qp, sq: &SqState, cq: &crate::cq::Cq, cqe: Cqe64)
 }
 
 /// Completes the WQE at the consumer index with an error CQE and moves the QP to ERR.
-fn fail(dev: &Shared, qp: &Qp, sq: &SqState, opcode: u8, syndrome: Syndrome, why: u8) {
+/// WQEs still on the wire flush first, keeping completions in WQE order.
+fn fail(dev: &Shared, qp: &Qp, sq: &mut SqState, opcode: u8, syndrome: Syndrome, why: u8) {
+    transport::flush_all(dev, qp, sq);
     dev.counters.error(syndrome);
     tracing::debug!(
         qpn = qp.qpn,
@@ -326,6 +394,11 @@ fn fail(dev: &Shared, qp: &Qp, sq: &SqState, opcode: u8, syndrome: Syndrome, why
 }
 
 fn flush_wqe(dev: &Shared, qp: &Qp, sq: &SqState, opcode: u8, idx: u16) {
+    flush_cqe(dev, qp, sq.delay, opcode, idx)
+}
+
+/// Writes the WR_FLUSH CQE of the WQE at `idx`.
+pub(crate) fn flush_cqe(dev: &Shared, qp: &Qp, delay: Option<Duration>, opcode: u8, idx: u16) {
     dev.counters.error(Syndrome::WrFlush);
     let e = ErrorCqe {
         responder: false,
@@ -335,7 +408,7 @@ fn flush_wqe(dev: &Shared, qp: &Qp, sq: &SqState, opcode: u8, idx: u16) {
         qpn: qp.qpn,
         wqe_counter: idx,
     };
-    push_cqe(dev, qp, sq, &qp.send_cq, Cqe64::error(&e, 0));
+    push_cqe_delayed(dev, qp, delay, &qp.send_cq, Cqe64::error(&e, 0));
 }
 
 /// Completes every posted receive of a QP in ERR with WR_FLUSH.
@@ -362,7 +435,7 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
     }
 }
 
-fn rq_head(qp: &Qp) -> u16 {
+pub(crate) fn rq_head(qp: &Qp) -> u16 {
     u32::from_be(
         qp.ctrl
             .atomic_u32(crate::qp::DBREC_OFF)
@@ -371,16 +444,18 @@ fn rq_head(qp: &Qp) -> u16 {
 }
 
 /// How a WQE ended when it did not fail.
-enum Done {
+pub(crate) enum Done {
     /// Completed; the byte count for the CQE.
     Complete(u32),
     /// Must run again later (RNR back-off, transport retry, WAIT).
     Stalled(Stall),
+    /// Handed to the wire transport, which completes it when the peer answers.
+    Queued,
 }
 
-type Fail = (Syndrome, u8);
+pub(crate) type Fail = (Syndrome, u8);
 
-fn local_err(_: AccessError) -> Fail {
+pub(crate) fn local_err(_: AccessError) -> Fail {
     (Syndrome::LocalProt, vendor::LOCAL_KEY)
 }
 
@@ -400,21 +475,62 @@ fn local_ranges(
         .collect()
 }
 
-fn total(r: &[HostRange]) -> u64 {
+pub(crate) fn total(r: &[HostRange]) -> u64 {
     r.iter().map(|r| r.len).sum()
 }
 
-/// Finds the connected peer QP, or decides how long to keep retrying.
-fn peer(sq: &mut SqState) -> Result<Result<Arc<Qp>, Stall>, Fail> {
+/// Where a QP's peer is.
+enum Route {
+    /// A QP of a device in this process: requests are function calls ([`respond`]).
+    Local(Arc<Qp>),
+    /// Over the wire; the transport state is in `sq.wire`.
+    Wire,
+}
+
+/// Finds the connected peer QP, or decides how long to keep retrying. The first use decides
+/// the route: a peer-table entry of this device for the remote GID means the wire; else a
+/// device of this process with that GID means the in-process path; else, when this device
+/// has a wire port and the GID is IPv4-mapped, the wire at the GID's address and the port's
+/// default UDP port.
+fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
+    if sq.wire.is_some() {
+        return Ok(Ok(Route::Wire));
+    }
     let cached = sq.peer.as_ref().and_then(|w| w.upgrade());
-    let found = cached.or_else(|| {
-        let (gid, qpn) = sq.remote?;
-        let p = lookup(&gid)?.qp(qpn)?;
-        sq.peer = Some(Arc::downgrade(&p));
-        Some(p)
-    });
+    let found = match (cached, sq.remote) {
+        (Some(p), _) => Some(p),
+        (None, None) => None,
+        (None, Some((gid, qpn))) => {
+            if let Some(to) = dev.peer_addr(&gid) {
+                if transport::connect(dev, sq, gid, qpn, to) {
+                    return Ok(Ok(Route::Wire));
+                }
+            }
+            match lookup(&gid) {
+                Some(d) => {
+                    let p = d.qp(qpn);
+                    if let Some(p) = &p {
+                        sq.peer = Some(Arc::downgrade(p));
+                    }
+                    p
+                }
+                None => {
+                    let to = dev.port().and_then(|port| {
+                        let ip = gid.to_ipv4()?;
+                        Some(std::net::SocketAddr::from((ip, port.cfg.default_port)))
+                    });
+                    if let Some(to) = to {
+                        if transport::connect(dev, sq, gid, qpn, to) {
+                            return Ok(Ok(Route::Wire));
+                        }
+                    }
+                    None
+                }
+            }
+        }
+    };
     match found {
-        Some(p) if matches!(p.state(), QpState::Rtr | QpState::Rts) => Ok(Ok(p)),
+        Some(p) if matches!(p.state(), QpState::Rtr | QpState::Rts) => Ok(Ok(Route::Local(p))),
         _ => {
             // No answer: the transport timer runs retry_cnt + 1 times, then the QP fails.
             let now = Instant::now();
@@ -439,7 +555,7 @@ fn peer(sq: &mut SqState) -> Result<Result<Arc<Qp>, Stall>, Fail> {
 }
 
 /// The IBTA RNR NAK timer table (encoding → microseconds).
-fn rnr_delay(code: u8) -> Duration {
+pub(crate) fn rnr_delay(code: u8) -> Duration {
     const US: [u32; 32] = [
         655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840,
         5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
@@ -476,6 +592,7 @@ pub(crate) enum Request<'a> {
 }
 
 /// The responder's answer, as it would travel back in an ACK/NAK.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Response {
     Ack,
     /// The original value of an atomic.
@@ -486,62 +603,163 @@ pub(crate) enum Response {
     Nak(Syndrome, u8),
 }
 
-/// Executes a request at the responder `peer`, from requester QPN `from`. With `move_data`
-/// false (completion-only mode) every check and completion happens but no payload byte moves
-/// and atomics leave their target alone.
-pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -> Response {
-    let peer_dev_counters = &peer.counters;
-    let mut rq = peer.lock_rq();
-    let access = rq.access;
-    let g = peer.mrs.read();
-    let remote = |need: Access, raddr: u64, rkey: u32, len: u64| {
-        if !access.contains(need) {
+/// The responder side of one QP, held for one request (in-process) or one packet (wire):
+/// its receive state and its device's memory table. Every check a responder makes is here, so
+/// the in-process path ([`respond`]) and the wire responder ([`crate::wire`]) make the same
+/// ones with the same outcomes.
+pub(crate) struct Resp<'a> {
+    pub qp: &'a Qp,
+    pub rq: MutexGuard<'a, RqState>,
+    pub g: MrGuard<'a>,
+}
+
+impl<'a> Resp<'a> {
+    /// Takes the QP's receive state and its memory table.
+    pub fn lock(qp: &'a Qp) -> Self {
+        let rq = qp.lock_rq();
+        let g = qp.mrs.read();
+        Self { qp, rq, g }
+    }
+
+    /// A remote access: the QP's access flags, then key, PD, range and right of the region.
+    /// Not fatal by itself (see [`Resp::fatal`]).
+    pub fn remote(
+        &self,
+        need: Access,
+        raddr: u64,
+        rkey: u32,
+        len: u64,
+    ) -> Result<HostRange, Response> {
+        if !self.rq.access.contains(need) {
             return Err(Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY));
         }
-        g.check(peer.pd, need, rkey, raddr, len)
+        self.g
+            .check(self.qp.pd, need, rkey, raddr, len)
             .map_err(|_| Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY))
-    };
-    // Error classes that put the responder in ERR (as an RC responder does on NAK-invalid
-    // request, remote access and remote operational errors).
-    let fatal = |r: Response| {
+    }
+
+    /// Error classes that put the responder in ERR (as an RC responder does on NAK-invalid
+    /// request, remote access and remote operational errors).
+    pub fn fatal(&self, r: Response) -> Response {
         if matches!(r, Response::Nak(..)) {
-            peer.set_state(QpState::Err);
+            self.qp.set_state(QpState::Err);
         }
         r
-    };
-    let needs_recv = matches!(
-        req,
-        Request::Send { .. } | Request::Write { imm: Some(_), .. }
-    );
-    let head = rq_head(peer);
-    if needs_recv && (peer.rq_wqes == 0 || rq.ci as u16 == head) {
-        return Response::Rnr(rq.min_rnr_timer);
     }
-    let recv_cqe = |rq: &mut crate::qp::RqState, kind: RespKind, len: u64, imm: Option<u32>| {
-        let cqe = Cqe64::responder(kind, peer.qpn, from, rq.ci as u16, len as u32, imm, 0);
-        rq.ci = rq.ci.wrapping_add(1);
-        match peer.recv_cq.push(cqe, None) {
-            Ok(()) => Counters::add(&peer_dev_counters.cqes, 1),
+
+    /// Whether a receive WQE is posted.
+    pub fn has_recv(&self) -> bool {
+        self.qp.rq_wqes != 0 && self.rq.ci as u16 != rq_head(self.qp)
+    }
+
+    /// Receiver not ready, with this QP's RNR timer.
+    pub fn rnr(&self) -> Response {
+        Response::Rnr(self.rq.min_rnr_timer)
+    }
+
+    /// The checked scatter list of the receive WQE at the head (which must be posted). A bad
+    /// key completes the receive with LOCAL_PROT and NAKs remote operational error (fatal).
+    pub fn recv_ranges(&mut self) -> Result<SmallVec<[HostRange; 4]>, Response> {
+        let qp = self.qp;
+        if qp.rq_wqes == 0 {
+            return Err(self.fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER)));
+        }
+        let off = (self.rq.ci & (qp.rq_wqes - 1)) as usize * qp.rq_stride as usize;
+        let mut segs: SmallVec<[DataSeg; 4]> = SmallVec::new();
+        for j in 0..qp.max_recv_sge as usize {
+            let mut b = [0u8; 16];
+            qp.rq_ring.read(off + j * 16, &mut b);
+            let d: DataSeg = bytemuck::cast(b);
+            if d.is_terminator() {
+                break;
+            }
+            segs.push(d);
+        }
+        let dst: Result<SmallVec<[HostRange; 4]>, _> = segs
+            .iter()
+            .map(|d| {
+                let s = sge_of(d);
+                self.g
+                    .check(qp.pd, Access::LOCAL_WRITE, s.lkey.0, s.addr, s.len as u64)
+            })
+            .collect();
+        dst.map_err(|_| {
+            self.recv_error(Syndrome::LocalProt);
+            self.fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER))
+        })
+    }
+
+    /// A message longer than the receive buffer: the receive completes with LOCAL_LENGTH and
+    /// the requester gets NAK invalid request (fatal).
+    pub fn recv_too_small(&mut self) -> Response {
+        self.recv_error(Syndrome::LocalLength);
+        self.fatal(Response::Nak(Syndrome::RemoteInvalReq, vendor::RECV_BUFFER))
+    }
+
+    /// Completes the receive WQE at the head successfully.
+    pub fn recv_done(&mut self, kind: RespKind, len: u64, imm: Option<u32>, from: u32) {
+        let qp = self.qp;
+        let cqe = Cqe64::responder(kind, qp.qpn, from, self.rq.ci as u16, len as u32, imm, 0);
+        self.rq.ci = self.rq.ci.wrapping_add(1);
+        match qp.recv_cq.push(cqe, None) {
+            Ok(()) => Counters::add(&qp.counters.cqes, 1),
             Err(_) => {
-                Counters::add(&peer_dev_counters.cq_overruns, 1);
-                peer.set_state(QpState::Err);
+                Counters::add(&qp.counters.cq_overruns, 1);
+                qp.set_state(QpState::Err);
             }
         }
-    };
-    let recv_error = |rq: &mut crate::qp::RqState, syndrome: Syndrome| {
-        peer_dev_counters.error(syndrome);
+    }
+
+    fn recv_error(&mut self, syndrome: Syndrome) {
+        let qp = self.qp;
+        qp.counters.error(syndrome);
         let e = ErrorCqe {
             responder: true,
             syndrome: syndrome as u8,
             vendor_syndrome: vendor::RECV_BUFFER,
             wqe_opcode: 0,
-            qpn: peer.qpn,
-            wqe_counter: rq.ci as u16,
+            qpn: qp.qpn,
+            wqe_counter: self.rq.ci as u16,
         };
-        rq.ci = rq.ci.wrapping_add(1);
-        let _ = peer.recv_cq.push(Cqe64::error(&e, 0), None);
-        Counters::add(&peer_dev_counters.cqes, 1);
-    };
+        self.rq.ci = self.rq.ci.wrapping_add(1);
+        let _ = qp.recv_cq.push(Cqe64::error(&e, 0), None);
+        Counters::add(&qp.counters.cqes, 1);
+    }
+
+    /// Runs an atomic: alignment, access, then the operation (skipped with `move_data`
+    /// false). Errors are fatal.
+    pub fn atomic(&self, raddr: u64, rkey: u32, kind: AtomicKind, move_data: bool) -> Response {
+        let size = kind.size() as u64;
+        if raddr % size != 0 {
+            return self.fatal(Response::Nak(
+                Syndrome::RemoteInvalReq,
+                vendor::INVALID_REQUEST,
+            ));
+        }
+        let target = match self.remote(Access::REMOTE_ATOMIC, raddr, rkey, size) {
+            Ok(t) => t,
+            Err(r) => return self.fatal(r),
+        };
+        if !move_data {
+            return Response::Ack;
+        }
+        // SAFETY: `target` is checked, live (guard held) and naturally aligned.
+        Response::AtomicAck(unsafe { atomic(target.addr, kind) })
+    }
+}
+
+/// Executes a request at the responder `peer`, from requester QPN `from`. With `move_data`
+/// false (completion-only mode) every check and completion happens but no payload byte moves
+/// and atomics leave their target alone.
+pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -> Response {
+    let mut r = Resp::lock(peer);
+    let needs_recv = matches!(
+        req,
+        Request::Send { .. } | Request::Write { imm: Some(_), .. }
+    );
+    if needs_recv && !r.has_recv() {
+        return r.rnr();
+    }
     match req {
         Request::Write {
             raddr,
@@ -550,48 +768,29 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
             len,
             imm,
         } => {
-            let dst = match remote(Access::REMOTE_WRITE, raddr, rkey, len) {
+            let dst = match r.remote(Access::REMOTE_WRITE, raddr, rkey, len) {
                 Ok(d) => d,
-                Err(r) => return fatal(r),
+                Err(e) => return r.fatal(e),
             };
-            // SAFETY: `dst` was checked under `g` (still held); `src` was checked by the
+            // SAFETY: `dst` was checked under `r.g` (still held); `src` was checked by the
             // requester under its own guard, still held by the caller.
             if move_data {
                 unsafe { copy_ranges(&[dst], src) };
             }
             if let Some(imm) = imm {
-                recv_cqe(&mut rq, RespKind::WriteImm, len, Some(imm));
+                r.recv_done(RespKind::WriteImm, len, Some(imm), from);
             }
             Response::Ack
         }
         Request::Send { src, len, imm } => {
-            let off = (rq.ci & (peer.rq_wqes - 1)) as usize * peer.rq_stride as usize;
-            let mut segs: SmallVec<[DataSeg; 4]> = SmallVec::new();
-            for j in 0..peer.max_recv_sge as usize {
-                let mut b = [0u8; 16];
-                peer.rq_ring.read(off + j * 16, &mut b);
-                let d: DataSeg = bytemuck::cast(b);
-                if d.is_terminator() {
-                    break;
-                }
-                segs.push(d);
-            }
-            let dst: Result<SmallVec<[HostRange; 4]>, _> = segs
-                .iter()
-                .map(|d| {
-                    let s = sge_of(d);
-                    g.check(peer.pd, Access::LOCAL_WRITE, s.lkey.0, s.addr, s.len as u64)
-                })
-                .collect();
-            let Ok(dst) = dst else {
-                recv_error(&mut rq, Syndrome::LocalProt);
-                return fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER));
+            let dst = match r.recv_ranges() {
+                Ok(d) => d,
+                Err(e) => return e,
             };
             if total(&dst) < len {
-                recv_error(&mut rq, Syndrome::LocalLength);
-                return fatal(Response::Nak(Syndrome::RemoteInvalReq, vendor::RECV_BUFFER));
+                return r.recv_too_small();
             }
-            // SAFETY: `dst` checked under `g` (held); `src` checked by the requester (held).
+            // SAFETY: `dst` checked under `r.g` (held); `src` checked by the requester (held).
             if move_data {
                 unsafe { copy_ranges(&dst, src) };
             }
@@ -600,7 +799,7 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
             } else {
                 RespKind::Send
             };
-            recv_cqe(&mut rq, kind, len, imm);
+            r.recv_done(kind, len, imm, from);
             Response::Ack
         }
         Request::Read {
@@ -609,9 +808,9 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
             dst,
             len,
         } => {
-            let src = match remote(Access::REMOTE_READ, raddr, rkey, len) {
+            let src = match r.remote(Access::REMOTE_READ, raddr, rkey, len) {
                 Ok(s) => s,
-                Err(r) => return fatal(r),
+                Err(e) => return r.fatal(e),
             };
             // SAFETY: as for writes, with the directions swapped.
             if move_data {
@@ -619,24 +818,7 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
             }
             Response::Ack
         }
-        Request::Atomic { raddr, rkey, kind } => {
-            let size = kind.size() as u64;
-            if raddr % size != 0 {
-                return fatal(Response::Nak(
-                    Syndrome::RemoteInvalReq,
-                    vendor::INVALID_REQUEST,
-                ));
-            }
-            let target = match remote(Access::REMOTE_ATOMIC, raddr, rkey, size) {
-                Ok(t) => t,
-                Err(r) => return fatal(r),
-            };
-            if !move_data {
-                return Response::Ack;
-            }
-            // SAFETY: `target` is checked, live (guard held) and naturally aligned.
-            Response::AtomicAck(unsafe { atomic(target.addr, kind) })
-        }
+        Request::Atomic { raddr, rkey, kind } => r.atomic(raddr, rkey, kind, move_data),
     }
 }
 
@@ -782,8 +964,13 @@ fn execute(
         }
         ParsedOp::Nop | ParsedOp::Wait { .. } => unreachable!("handled above"),
     };
-    let peer = match peer(sq)? {
-        Ok(p) => p,
+    let peer = match route(dev, sq)? {
+        Ok(Route::Local(p)) => p,
+        Ok(Route::Wire) => {
+            drop(prepared);
+            drop(g);
+            return transport::enqueue(dev, qp, sq, wqe);
+        }
         Err(stall) => return Ok(Done::Stalled(stall)),
     };
     let move_data = !dev.completion_only;

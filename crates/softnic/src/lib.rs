@@ -9,6 +9,9 @@
 //!
 //! Faithfulness is the point: every malformed WQE, bad key, range or right, missing receive and
 //! bad doorbell becomes the error CQE a ConnectX would write, and the QP goes to ERR.
+//!
+//! Across processes and hosts, devices opened with a [`WireConfig`] speak RoCEv2 over UDP with
+//! RC reliability ([`wire`]); [`pcap`] captures what they send.
 
 pub mod buffer;
 pub mod counters;
@@ -17,14 +20,17 @@ mod device;
 pub mod engine;
 pub mod initiator;
 pub mod mem;
+pub mod pcap;
 pub mod qp;
+pub mod wire;
 
 pub use buffer::DmaBuf;
-pub use counters::CounterSnapshot;
+pub use counters::{CounterSnapshot, WireCounters};
 pub use cq::{Cq, CqConfig, CqInit, CqMode};
 pub use device::{Device, DeviceConfig};
 pub use mem::{Access, MrInfo, PdId};
 pub use qp::{DoorbellKind, Fault, Modify, Qp, QpConfig, QpState, RtrAttr, RtsAttr};
+pub use wire::{Capture, WireConfig, WireError, WireFaults};
 
 /// A 16-byte port GID (IPv4-mapped for soft devices: `::ffff:a.b.c.d`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -38,6 +44,13 @@ impl Gid {
         g[11] = 0xff;
         g[12..].copy_from_slice(&a.octets());
         Self(g)
+    }
+
+    /// The IPv4 address of an IPv4-mapped GID (`::ffff:a.b.c.d`).
+    pub fn to_ipv4(&self) -> Option<std::net::Ipv4Addr> {
+        let g = &self.0;
+        (g[..10].iter().all(|&b| b == 0) && g[10] == 0xff && g[11] == 0xff)
+            .then(|| std::net::Ipv4Addr::new(g[12], g[13], g[14], g[15]))
     }
 }
 
@@ -73,4 +86,7 @@ pub enum Error {
     /// The engine thread could not be started.
     #[error("could not start the engine thread: {0}")]
     Spawn(#[from] std::io::Error),
+    /// The wire port could not be set up, or the device has none.
+    #[error(transparent)]
+    Wire(#[from] WireError),
 }

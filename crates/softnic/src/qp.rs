@@ -6,10 +6,11 @@ use crate::counters::Counters;
 use crate::cq::Cq;
 use crate::mem::{Access, MrTable, PdId};
 use crate::{Error, Gid};
+use parking_lot::{Mutex, MutexGuard};
 use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, UAR_PAGE_SIZE};
 use prm::Syndrome;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 /// QP states.
@@ -189,6 +190,10 @@ pub(crate) struct SqState {
     pub fail_next: Option<(u32, Syndrome)>,
     pub delay: Option<Duration>,
     pub drop_doorbells: u32,
+    /// Path MTU (from RTR).
+    pub mtu: u32,
+    /// The requester transport, once the peer was found on the wire.
+    pub wire: Option<Box<crate::wire::transport::ReqWire>>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -197,6 +202,8 @@ pub(crate) enum Stall {
     Until(Instant),
     /// WAIT on a CQ.
     Wait { cqn: u32, max_index: u32 },
+    /// Until every WQE handed to the wire has completed (fence, PSN space).
+    Drain,
 }
 
 /// Responder-side state.
@@ -204,6 +211,8 @@ pub(crate) struct RqState {
     pub ci: u32,
     pub access: Access,
     pub min_rnr_timer: u8,
+    /// The wire responder's state (expected PSN, MSN, message in progress).
+    pub wire: crate::wire::transport::RespWire,
 }
 
 /// An RC queue pair.
@@ -225,6 +234,8 @@ pub struct Qp {
     pub(crate) ctrl: DmaBuf,
     pub(crate) uar: DmaBuf,
     state: AtomicU8,
+    /// The connected peer for the wire: `1 << 56 | ipv4 << 24 | qpn`, 0 when none.
+    remote: AtomicU64,
     pub(crate) sq: Mutex<SqState>,
     pub(crate) rq: Mutex<RqState>,
 }
@@ -281,6 +292,7 @@ impl Qp {
             ctrl: DmaBuf::alloc(128),
             uar: DmaBuf::alloc(UAR_PAGE_SIZE),
             state: AtomicU8::new(QpState::Reset as u8),
+            remote: AtomicU64::new(0),
             sq: Mutex::new(SqState {
                 ci: 0,
                 target: 0,
@@ -295,11 +307,14 @@ impl Qp {
                 fail_next: None,
                 delay: None,
                 drop_doorbells: 0,
+                mtu: 4096,
+                wire: None,
             }),
             rq: Mutex::new(RqState {
                 ci: 0,
                 access: Access::NONE,
                 min_rnr_timer: 0,
+                wire: Default::default(),
             }),
         })
     }
@@ -314,6 +329,17 @@ impl Qp {
     }
     pub(crate) fn set_state(&self, s: QpState) {
         self.state.store(s as u8, Ordering::Release);
+    }
+    /// The connected peer's IPv4 address (from its GID) and QPN, when its GID is
+    /// IPv4-mapped and the QP has been through RTR.
+    pub(crate) fn wire_remote(&self) -> Option<(std::net::Ipv4Addr, u32)> {
+        let v = self.remote.load(Ordering::Acquire);
+        (v >> 56 == 1).then(|| {
+            (
+                std::net::Ipv4Addr::from((v >> 24) as u32),
+                (v & 0xff_ffff) as u32,
+            )
+        })
     }
     /// Protection domain.
     pub fn pd(&self) -> PdId {
@@ -379,10 +405,10 @@ impl Qp {
     }
 
     pub(crate) fn lock_sq(&self) -> MutexGuard<'_, SqState> {
-        self.sq.lock().unwrap_or_else(|e| e.into_inner())
+        self.sq.lock()
     }
     pub(crate) fn lock_rq(&self) -> MutexGuard<'_, RqState> {
-        self.rq.lock().unwrap_or_else(|e| e.into_inner())
+        self.rq.lock()
     }
 
     /// Reads the current value of BF half `h` (its first 8 bytes).
@@ -427,7 +453,14 @@ impl Qp {
                 }
                 sq.remote = Some((a.remote_gid, a.remote_qpn));
                 sq.peer = None;
+                sq.mtu = a.mtu;
+                sq.wire = None;
                 rq.min_rnr_timer = a.min_rnr_timer;
+                rq.wire = crate::wire::transport::RespWire::new(a.rq_psn, a.mtu);
+                let remote = a.remote_gid.to_ipv4().map_or(0, |ip| {
+                    1u64 << 56 | (u32::from(ip) as u64) << 24 | a.remote_qpn as u64
+                });
+                self.remote.store(remote, Ordering::Release);
             }
             Modify::Rts(a) => {
                 if a.retry_cnt > 7 || a.rnr_retry > 7 || a.timeout > 31 {
@@ -436,6 +469,9 @@ impl Qp {
                     ));
                 }
                 sq.rts = a;
+                if let Some(w) = sq.wire.as_mut() {
+                    w.set_rts(&a);
+                }
             }
             Modify::Reset => {
                 sq.ci = 0;
@@ -445,7 +481,10 @@ impl Qp {
                 sq.stall = None;
                 sq.remote = None;
                 sq.peer = None;
+                sq.wire = None;
                 rq.ci = 0;
+                rq.wire = Default::default();
+                self.remote.store(0, Ordering::Release);
                 self.ctrl.atomic_u64(DBREC_OFF).store(0, Ordering::Release);
             }
             Modify::Err => {}

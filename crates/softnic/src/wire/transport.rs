@@ -1,0 +1,1711 @@
+//! RC reliability over the wire: the requester's state machine (PSNs, send window,
+//! segmentation, ACK processing, go-back-N retransmission, timers, in-order completion) and
+//! the responder's (expected PSN, MSN, duplicate detection, NAKs, READ responses, the atomic
+//! result cache).
+//!
+//! Locking: the requester state lives in the QP's SQ state and the responder state in its RQ
+//! state, so each is touched under the same lock as the rest of that side (the engine holds
+//! the SQ lock while it runs WQEs; the I/O thread takes it to process responses). Neither path
+//! ever holds both.
+
+use super::packet::{
+    self, aeth, opcode as op, Aeth, AtomicEth, Bth, Flow, MaskedAtomicEth, Packet, Reth, BTH_LEN,
+    DEFAULT_PKEY, ICRC_LEN, MASK24,
+};
+use super::socket::{Port, TxBatch};
+use crate::counters::Counters;
+use crate::device::Shared;
+use crate::engine::{
+    flush_cqe, local_err, push_cqe_delayed, rnr_delay, total, vendor, Fail, Resp, Response,
+};
+use crate::mem::{Access, HostRange, MrGuard};
+use crate::qp::{Qp, QpState, RtsAttr, SqState};
+use crate::Gid;
+use prm::cqe::{Cqe64, ErrorCqe, RespKind};
+use prm::parse::{sge_of, AtomicKind, ParsedLocal, ParsedOp, ParsedWqe};
+use prm::wqe::{AtomicSize, Fence, Sge};
+use prm::Syndrome;
+use smallvec::SmallVec;
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+/// `p + n` in 24-bit PSN space.
+pub(crate) fn psn_add(p: u32, n: u32) -> u32 {
+    p.wrapping_add(n) & MASK24
+}
+
+/// `a - b` in 24-bit PSN space, as a signed distance.
+pub(crate) fn psn_diff(a: u32, b: u32) -> i32 {
+    ((a.wrapping_sub(b) << 8) as i32) >> 8
+}
+
+/// The most PSNs a requester keeps outstanding (well inside the 2^23 half of PSN space in
+/// which ordering is defined).
+const MAX_OUTSTANDING_PSNS: i64 = 1 << 22;
+/// Atomic results a responder remembers for duplicate atomics.
+const ATOMIC_CACHE: usize = 64;
+/// Packets one pump sends before it lets go of the QP (so that ACKs are taken between
+/// bursts); the engine and every ACK pump again.
+const BURST: u32 = 32;
+/// The smallest congestion window (packets).
+const MIN_CWND: u32 = 16;
+/// Out-of-sequence requests after which a responder repeats its sequence NAK for the same
+/// expected PSN (the retransmission it asked for was lost too).
+const RENAK_AFTER: u32 = 4;
+/// Bounds of the early retransmission timer (see [`ReqWire::fast_rto`]).
+const FAST_RTO_MIN: Duration = Duration::from_millis(2);
+const FAST_RTO_MAX: Duration = Duration::from_millis(20);
+
+// ---------------------------------------------------------------------------- requester
+
+/// Where the local bytes of a WRITE or SEND come from.
+pub(crate) enum Src {
+    /// A gather list, re-checked whenever a packet is built from it.
+    Sges(SmallVec<[Sge; 4]>),
+    /// Inline bytes, copied out of the WQE.
+    Inline(Vec<u8>),
+}
+
+/// What a message on the wire does.
+pub(crate) enum OutOp {
+    Write {
+        raddr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+        src: Src,
+    },
+    Send {
+        imm: Option<u32>,
+        src: Src,
+    },
+    Read {
+        raddr: u64,
+        rkey: u32,
+        dst: SmallVec<[Sge; 4]>,
+    },
+    Atomic {
+        raddr: u64,
+        rkey: u32,
+        kind: AtomicKind,
+        result: Sge,
+    },
+    /// A WQE that needs no packet (NOP, WAIT) or failed locally, queued behind WQEs on the
+    /// wire to complete in order.
+    Local {
+        byte_cnt: u32,
+    },
+}
+
+/// One WQE on its way through the requester transport.
+pub(crate) struct OutMsg {
+    idx: u16,
+    opcode: u8,
+    signaled: bool,
+    solicited: bool,
+    op: OutOp,
+    len: u64,
+    /// First PSN.
+    psn: u32,
+    /// PSNs it consumes (packets, or READ response packets); 0 for `Local`.
+    npkts: u32,
+    /// Completes with this error when it reaches the front.
+    fail: Option<Fail>,
+}
+
+impl OutMsg {
+    fn end(&self) -> u32 {
+        psn_add(self.psn, self.npkts)
+    }
+}
+
+/// The requester side of a QP on the wire.
+pub(crate) struct ReqWire {
+    to: SocketAddr,
+    flow: Flow,
+    remote_qpn: u32,
+    mtu: u32,
+    window: u32,
+    timeout: Option<Duration>,
+    retry_cnt: u32,
+    rnr_retry: u8,
+    pub(crate) msgs: VecDeque<OutMsg>,
+    /// Next PSN to give a new message.
+    next_psn: u32,
+    /// Oldest PSN not yet acknowledged (or answered).
+    una: u32,
+    /// Next PSN to transmit (moved back by go-back-N).
+    send_psn: u32,
+    /// One past the highest PSN transmitted.
+    sent_hi: u32,
+    retries: u32,
+    rnr_retries: u32,
+    /// The IBTA local ACK timeout: its expirations count against `retry_cnt`.
+    deadline: Option<Instant>,
+    /// The early retransmission timer (RTT-based, never fails the QP).
+    fast_deadline: Option<Instant>,
+    rnr_until: Option<Instant>,
+    /// `una` and time of the last go-back (one per gap and round trip).
+    goback: Option<(u32, Instant)>,
+    /// Congestion window (packets) and its additive-increase accumulator.
+    cwnd: u32,
+    cwnd_acc: u32,
+    /// Smoothed round-trip time and its mean deviation, and the AckReq packet being timed.
+    srtt: Duration,
+    rttvar: Duration,
+    rtt_probe: Option<(u32, Instant)>,
+    /// A WQE that failed locally is queued: run no more WQEs until it completes.
+    pub(crate) blocked: bool,
+    /// A queued message failed while being sent: send nothing more.
+    halted: bool,
+    scratch: Vec<u8>,
+    batch: TxBatch,
+}
+
+impl ReqWire {
+    pub(crate) fn set_rts(&mut self, a: &RtsAttr) {
+        self.timeout = (a.timeout != 0).then(|| Duration::from_nanos(4096u64 << a.timeout));
+        self.retry_cnt = a.retry_cnt as u32;
+        self.rnr_retry = a.rnr_retry;
+    }
+
+    fn restart_timer(&mut self, now: Instant) {
+        let busy = self.una != self.sent_hi;
+        self.deadline = if busy {
+            self.timeout.map(|t| now + t)
+        } else {
+            None
+        };
+        self.fast_deadline = busy.then(|| now + self.fast_rto());
+    }
+
+    /// When to retransmit a tail nobody NAKs: a few round trips, well before the IBTA timeout.
+    fn fast_rto(&self) -> Duration {
+        let t = if self.srtt.is_zero() {
+            FAST_RTO_MAX // no sample yet
+        } else {
+            (self.srtt + self.rttvar * 4).clamp(FAST_RTO_MIN, FAST_RTO_MAX)
+        };
+        match self.timeout {
+            Some(ib) => t.min(ib / 2),
+            None => t,
+        }
+    }
+
+    /// A loss was detected: halve the congestion window.
+    fn congestion(&mut self) {
+        self.cwnd = (self.cwnd / 2).max(MIN_CWND).min(self.window);
+        self.cwnd_acc = 0;
+    }
+
+    /// Index of the first message whose PSN range ends after `p`.
+    fn find(&self, p: u32) -> usize {
+        self.msgs.partition_point(|m| psn_diff(m.end(), p) <= 0)
+    }
+
+    /// Retransmits from `to` (go-back-N); the rest of the window follows.
+    fn go_back(&mut self, to: u32, now: Instant) {
+        self.send_psn = to;
+        self.goback = Some((to, now));
+        self.rtt_probe = None;
+        self.congestion();
+    }
+
+    /// Goes back to `una` for a NAK or a missing response, once per gap and round trip (the
+    /// NAKs and responses of one loss arrive together).
+    fn go_back_once(&mut self, now: Instant) {
+        let una = self.una;
+        let again = match self.goback {
+            Some((p, t)) => p != una || now.duration_since(t) > self.srtt * 2,
+            None => true,
+        };
+        if again {
+            self.go_back(una, now);
+        }
+    }
+
+    /// Fails the message holding PSN `p` (or the first unfinished one).
+    fn fail_at(&mut self, p: u32, f: Fail) {
+        let i = self.find(p).min(self.msgs.len().saturating_sub(1));
+        if let Some(m) = self.msgs.get_mut(i) {
+            m.fail.get_or_insert(f);
+        }
+        self.halted = true;
+    }
+
+    /// Acknowledges every PSN before `to`. Stops at a READ or atomic still missing its
+    /// responses: those PSNs are acknowledged only by the responses themselves.
+    fn ack_to(&mut self, to: u32, now: Instant) -> Acked {
+        if psn_diff(to, self.una) <= 0 {
+            return Acked::Ok;
+        }
+        if psn_diff(to, self.sent_hi) > 0 {
+            return Acked::Bogus;
+        }
+        let old = self.una;
+        let mut out = Acked::Ok;
+        for m in self.msgs.iter().skip(self.find(self.una)) {
+            if m.npkts == 0 {
+                continue;
+            }
+            if psn_diff(m.psn, to) >= 0 {
+                break;
+            }
+            match m.op {
+                OutOp::Write { .. } | OutOp::Send { .. } => {
+                    let end = m.end();
+                    self.una = if psn_diff(to, end) < 0 { to } else { end };
+                    if self.una != end {
+                        break;
+                    }
+                }
+                _ => {
+                    out = Acked::Implicit;
+                    break;
+                }
+            }
+        }
+        if self.una != old {
+            self.progress(old, now);
+        }
+        out
+    }
+
+    /// `una` moved forward from `old`.
+    fn progress(&mut self, old: u32, now: Instant) {
+        self.retries = 0;
+        self.rnr_retries = 0;
+        self.goback = None;
+        if psn_diff(self.send_psn, self.una) < 0 {
+            self.send_psn = self.una;
+        }
+        if let Some((p, t)) = self.rtt_probe {
+            if psn_diff(self.una, p) > 0 {
+                let sample = now.saturating_duration_since(t);
+                if self.srtt.is_zero() {
+                    self.srtt = sample;
+                    self.rttvar = sample / 2;
+                } else {
+                    let dev = self.srtt.abs_diff(sample);
+                    self.rttvar = (self.rttvar * 3 + dev) / 4;
+                    self.srtt = (self.srtt * 7 + sample) / 8;
+                }
+                self.rtt_probe = None;
+            }
+        }
+        // additive increase: about four packets per round trip
+        self.cwnd_acc += psn_diff(self.una, old).max(0) as u32;
+        let step = (self.cwnd / 4).max(1);
+        while self.cwnd_acc >= step && self.cwnd < self.window {
+            self.cwnd_acc -= step;
+            self.cwnd += 1;
+        }
+        self.restart_timer(now);
+    }
+}
+
+enum Acked {
+    Ok,
+    /// A READ or atomic before the acknowledged PSN has no response: go back to it.
+    Implicit,
+    /// Acknowledges PSNs never sent: ignored.
+    Bogus,
+}
+
+/// Sets up the wire transport of a QP whose peer (`gid`, `qpn`) listens at `to`. False when
+/// the device has no port or the GID names no IPv4 address.
+pub(crate) fn connect(dev: &Shared, sq: &mut SqState, gid: Gid, qpn: u32, to: SocketAddr) -> bool {
+    let (Some(port), Some(ip), SocketAddr::V4(to4)) = (dev.port(), gid.to_ipv4(), to) else {
+        return false;
+    };
+    let psn = sq.rts.sq_psn & MASK24;
+    let mut w = ReqWire {
+        to,
+        flow: Flow {
+            src: port.ip,
+            dst: ip,
+            sport: port.local.port(),
+            dport: to4.port(),
+        },
+        remote_qpn: qpn,
+        mtu: sq.mtu,
+        window: port.cfg.window.max(1),
+        timeout: None,
+        retry_cnt: 0,
+        rnr_retry: 0,
+        msgs: VecDeque::new(),
+        next_psn: psn,
+        una: psn,
+        send_psn: psn,
+        sent_hi: psn,
+        retries: 0,
+        rnr_retries: 0,
+        deadline: None,
+        fast_deadline: None,
+        rnr_until: None,
+        goback: None,
+        cwnd: port.cfg.window.max(1),
+        cwnd_acc: 0,
+        srtt: Duration::ZERO,
+        rttvar: Duration::ZERO,
+        rtt_probe: None,
+        blocked: false,
+        halted: false,
+        scratch: Vec::with_capacity(packet::MAX_DATAGRAM),
+        batch: TxBatch::default(),
+    };
+    w.set_rts(&sq.rts);
+    tracing::debug!(to = %to, remote_qpn = qpn, "QP on the wire");
+    sq.wire = Some(Box::new(w));
+    true
+}
+
+/// Queues a WQE that needs no packet (or failed locally) behind the WQEs on the wire.
+pub(crate) fn enqueue_local(
+    sq: &mut SqState,
+    idx: u16,
+    opcode: u8,
+    signaled: bool,
+    byte_cnt: u32,
+    fail: Option<Fail>,
+) {
+    let Some(w) = sq.wire.as_mut() else { return };
+    w.blocked |= fail.is_some();
+    w.msgs.push_back(OutMsg {
+        idx,
+        opcode,
+        signaled,
+        solicited: false,
+        op: OutOp::Local { byte_cnt },
+        len: 0,
+        psn: w.next_psn,
+        npkts: 0,
+        fail,
+    });
+}
+
+fn src_of(l: &ParsedLocal<'_>) -> Src {
+    match l {
+        ParsedLocal::Sges(list) => Src::Sges(list.iter().map(sge_of).collect()),
+        ParsedLocal::Inline(b) => Src::Inline(b.to_vec()),
+    }
+}
+
+/// Hands a WQE that passed the local checks to the wire.
+pub(crate) fn enqueue(
+    dev: &Shared,
+    qp: &Qp,
+    sq: &mut SqState,
+    wqe: &ParsedWqe<'_>,
+) -> Result<crate::engine::Done, Fail> {
+    use crate::engine::Done;
+    let Some(w) = sq.wire.as_mut() else {
+        return Err((Syndrome::TransportRetryExc, vendor::NO_PEER));
+    };
+    if wqe.flags.fence != Fence::None && !w.msgs.is_empty() {
+        return Ok(Done::Stalled(crate::qp::Stall::Drain));
+    }
+    let imm = wqe.imm();
+    let (op, len) = match wqe.op {
+        ParsedOp::Write { remote, local } => (
+            OutOp::Write {
+                raddr: remote.addr,
+                rkey: remote.rkey.0,
+                imm,
+                src: src_of(&local),
+            },
+            local.len(),
+        ),
+        ParsedOp::Send { local } => (
+            OutOp::Send {
+                imm,
+                src: src_of(&local),
+            },
+            local.len(),
+        ),
+        ParsedOp::Read { remote, local } => {
+            let dst: SmallVec<[Sge; 4]> = local.iter().map(sge_of).collect();
+            let len = dst.iter().map(|s| s.len as u64).sum();
+            (
+                OutOp::Read {
+                    raddr: remote.addr,
+                    rkey: remote.rkey.0,
+                    dst,
+                },
+                len,
+            )
+        }
+        ParsedOp::Atomic {
+            remote,
+            kind,
+            result,
+        } => (
+            OutOp::Atomic {
+                raddr: remote.addr,
+                rkey: remote.rkey.0,
+                kind,
+                result,
+            },
+            kind.size() as u64,
+        ),
+        ParsedOp::Nop | ParsedOp::Wait { .. } => return Ok(Done::Complete(0)),
+    };
+    let npkts = match op {
+        OutOp::Atomic { .. } => 1,
+        _ => len.div_ceil(w.mtu as u64).max(1) as u32,
+    };
+    let outstanding = psn_diff(w.next_psn, w.una) as i64;
+    if !w.msgs.is_empty() && outstanding + npkts as i64 > MAX_OUTSTANDING_PSNS {
+        return Ok(Done::Stalled(crate::qp::Stall::Drain));
+    }
+    let psn = w.next_psn;
+    w.next_psn = psn_add(psn, npkts);
+    w.msgs.push_back(OutMsg {
+        idx: wqe.wqe_index,
+        opcode: wqe.opcode as u8,
+        signaled: wqe.flags.signaled,
+        solicited: wqe.flags.solicited,
+        op,
+        len,
+        psn,
+        npkts,
+        fail: None,
+    });
+    pump(dev, qp, w, Instant::now());
+    Ok(Done::Queued)
+}
+
+/// Copies `n` bytes at offset `off` of a message's source into `out`.
+fn gather(
+    g: &MrGuard<'_>,
+    pd: crate::PdId,
+    src: &Src,
+    off: u64,
+    n: u64,
+    out: &mut Vec<u8>,
+) -> Result<(), Fail> {
+    match src {
+        Src::Inline(b) => {
+            let (a, e) = (off as usize, (off + n) as usize);
+            out.extend_from_slice(
+                b.get(a..e)
+                    .ok_or((Syndrome::LocalLength, vendor::TOO_LONG))?,
+            );
+        }
+        Src::Sges(list) => {
+            let mut pos = 0u64;
+            for s in list {
+                let slen = s.len as u64;
+                let (a, e) = (off.max(pos), (off + n).min(pos + slen));
+                if a < e {
+                    let r = g
+                        .check(pd, Access::NONE, s.lkey.0, s.addr + (a - pos), e - a)
+                        .map_err(local_err)?;
+                    append_host(out, r);
+                }
+                pos += slen;
+                if pos >= off + n {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Appends the bytes of a checked host range.
+fn append_host(out: &mut Vec<u8>, r: HostRange) {
+    let n = r.len as usize;
+    out.reserve(n);
+    // SAFETY: `r` was checked under an `MrGuard` the caller still holds, so it is live host
+    // memory; the destination has `n` bytes reserved past its length. The source may be
+    // written concurrently (DMA semantics): it is copied raw, never referenced.
+    unsafe {
+        std::ptr::copy_nonoverlapping(r.addr as *const u8, out.as_mut_ptr().add(out.len()), n);
+        out.set_len(out.len() + n);
+    }
+}
+
+/// Copies `bytes` to host range `r` at offset `at`.
+///
+/// # Safety
+/// `r` must have been checked under an `MrGuard` still held, and `at + bytes.len() <= r.len`.
+unsafe fn put_host(r: HostRange, at: u64, bytes: &[u8]) {
+    // SAFETY: per the contract; `copy` tolerates a source inside the same memory.
+    unsafe { std::ptr::copy(bytes.as_ptr(), (r.addr + at) as *mut u8, bytes.len()) }
+}
+
+/// Scatters `bytes` at offset `off` of a local list (LOCAL_WRITE checked).
+fn scatter(
+    g: &MrGuard<'_>,
+    pd: crate::PdId,
+    dst: &[Sge],
+    off: u64,
+    bytes: &[u8],
+) -> Result<(), Fail> {
+    let n = bytes.len() as u64;
+    let mut pos = 0u64;
+    for s in dst {
+        let slen = s.len as u64;
+        let (a, e) = (off.max(pos), (off + n).min(pos + slen));
+        if a < e {
+            let r = g
+                .check(pd, Access::LOCAL_WRITE, s.lkey.0, s.addr + (a - pos), e - a)
+                .map_err(local_err)?;
+            // SAFETY: `r` checked under `g` (held by the caller), exactly `e - a` bytes.
+            unsafe { put_host(r, 0, &bytes[(a - off) as usize..(e - off) as usize]) };
+        }
+        pos += slen;
+        if pos >= off + n {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Transmits what the window allows, at most [`BURST`] packets. Returns whether it sent
+/// anything.
+fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
+    let Some(port) = dev.port() else {
+        return false;
+    };
+    if w.halted || qp.state() != QpState::Rts {
+        return false;
+    }
+    if let Some(t) = w.rnr_until {
+        if now < t {
+            return false;
+        }
+        w.rnr_until = None;
+    }
+    let mut sent = 0u32;
+    let g = qp.mrs.read();
+    let mut buf = std::mem::take(&mut w.scratch);
+    let limit = w.window.min(w.cwnd).max(1) as i32;
+    // ACKs requested about four times per window, so one lost ACK costs nothing
+    let ack_every = (limit as u32 / 4).max(1);
+    while w.send_psn != w.next_psn && psn_diff(w.send_psn, w.una) < limit && sent < BURST {
+        let p = w.send_psn;
+        let i = w.find(p);
+        let next_psn = w.next_psn;
+        let window_edge = psn_diff(psn_add(p, 1), w.una) >= limit;
+        let (mtu, dest_qp) = (w.mtu as u64, w.remote_qpn);
+        let Some(m) = w.msgs.get_mut(i) else { break };
+        if m.fail.is_some() {
+            w.halted = true;
+            break;
+        }
+        let k = psn_diff(p, m.psn).max(0) as u32;
+        let mut bth = Bth {
+            opcode: 0,
+            mig_req: true,
+            pkey: DEFAULT_PKEY,
+            dest_qp,
+            psn: p,
+            ..Bth::default()
+        };
+        let mut pkt = Packet::default();
+        let mut next = psn_add(p, 1);
+        let built: Result<(), Fail> = match &m.op {
+            OutOp::Write { .. } | OutOp::Send { .. } => {
+                let off = k as u64 * mtu;
+                let n = mtu.min(m.len.saturating_sub(off));
+                let first = k == 0;
+                let last = k + 1 >= m.npkts;
+                let (opc, src) = match &m.op {
+                    OutOp::Write {
+                        imm,
+                        src,
+                        raddr,
+                        rkey,
+                    } => {
+                        if first {
+                            pkt.reth = Some(Reth {
+                                va: *raddr,
+                                rkey: *rkey,
+                                len: m.len as u32,
+                            });
+                        }
+                        let o = match (first, last, imm.is_some()) {
+                            (true, true, false) => op::WRITE_ONLY,
+                            (true, true, true) => op::WRITE_ONLY_IMM,
+                            (true, false, _) => op::WRITE_FIRST,
+                            (false, false, _) => op::WRITE_MIDDLE,
+                            (false, true, false) => op::WRITE_LAST,
+                            (false, true, true) => op::WRITE_LAST_IMM,
+                        };
+                        if last {
+                            pkt.imm = *imm;
+                        }
+                        (o, src)
+                    }
+                    OutOp::Send { imm, src } => {
+                        let o = match (first, last, imm.is_some()) {
+                            (true, true, false) => op::SEND_ONLY,
+                            (true, true, true) => op::SEND_ONLY_IMM,
+                            (true, false, _) => op::SEND_FIRST,
+                            (false, false, _) => op::SEND_MIDDLE,
+                            (false, true, false) => op::SEND_LAST,
+                            (false, true, true) => op::SEND_LAST_IMM,
+                        };
+                        if last {
+                            pkt.imm = *imm;
+                        }
+                        (o, src)
+                    }
+                    _ => unreachable!("matched above"),
+                };
+                bth.opcode = opc;
+                bth.solicited = last && m.solicited && (imm_of(&m.op) || is_send(&m.op));
+                bth.ack_req =
+                    last || window_edge || psn_add(p, 1) == next_psn || p % ack_every == 0;
+                pkt.bth = bth;
+                let _ = packet::encode_headers(&pkt, n as usize, &mut buf);
+                gather(&g, qp.pd, src, off, n, &mut buf)
+                    .map(|()| packet::finish(&w.flow, n as usize, &mut buf))
+            }
+            OutOp::Read { raddr, rkey, .. } => {
+                let off = k as u64 * mtu;
+                bth.opcode = op::READ_REQUEST;
+                pkt.bth = bth;
+                pkt.reth = Some(Reth {
+                    va: raddr.wrapping_add(off),
+                    rkey: *rkey,
+                    len: m.len.saturating_sub(off) as u32,
+                });
+                next = m.end();
+                packet::encode(&pkt, &w.flow, &mut buf).map_err(|_| bad_wire())
+            }
+            OutOp::Atomic {
+                raddr, rkey, kind, ..
+            } => {
+                match *kind {
+                    AtomicKind::FetchAdd { add } => {
+                        bth.opcode = op::FETCH_ADD;
+                        pkt.atomic = Some(AtomicEth {
+                            va: *raddr,
+                            rkey: *rkey,
+                            swap_add: add,
+                            compare: 0,
+                        });
+                    }
+                    AtomicKind::CompareSwap { compare, swap } => {
+                        bth.opcode = op::CMP_SWAP;
+                        pkt.atomic = Some(AtomicEth {
+                            va: *raddr,
+                            rkey: *rkey,
+                            swap_add: swap,
+                            compare,
+                        });
+                    }
+                    AtomicKind::MaskedFetchAdd {
+                        size,
+                        add,
+                        field_boundary,
+                    } => {
+                        bth.opcode = op::MASKED_FETCH_ADD;
+                        pkt.masked = Some(MaskedAtomicEth {
+                            va: *raddr,
+                            rkey: *rkey,
+                            size: size.bytes() as u8,
+                            swap_add: add,
+                            compare_boundary: field_boundary,
+                            swap_mask: 0,
+                            compare_mask: 0,
+                        });
+                    }
+                    AtomicKind::MaskedCompareSwap {
+                        size,
+                        compare,
+                        compare_mask,
+                        swap,
+                        swap_mask,
+                    } => {
+                        bth.opcode = op::MASKED_CMP_SWAP;
+                        pkt.masked = Some(MaskedAtomicEth {
+                            va: *raddr,
+                            rkey: *rkey,
+                            size: size.bytes() as u8,
+                            swap_add: swap,
+                            compare_boundary: compare,
+                            swap_mask,
+                            compare_mask,
+                        });
+                    }
+                }
+                pkt.bth = bth;
+                packet::encode(&pkt, &w.flow, &mut buf).map_err(|_| bad_wire())
+            }
+            OutOp::Local { .. } => {
+                // Holds no PSN: `find` never returns it for a PSN still to send.
+                w.send_psn = next_psn;
+                break;
+            }
+        };
+        if let Err(f) = built {
+            m.fail = Some(f);
+            w.halted = true;
+            break;
+        }
+        port.send(&buf, w.to, &w.flow, &mut w.batch);
+        if psn_diff(p, w.sent_hi) < 0 {
+            Counters::add(&dev.counters.wire.retransmits, 1);
+        } else if w.rtt_probe.is_none() && (bth.ack_req || next != psn_add(p, 1)) {
+            w.rtt_probe = Some((p, Instant::now()));
+        }
+        w.send_psn = next;
+        if psn_diff(next, w.sent_hi) > 0 {
+            w.sent_hi = next;
+        }
+        sent += 1;
+    }
+    w.scratch = buf;
+    port.flush(&mut w.batch);
+    if sent > 0 {
+        // from the end of the burst: a slow sender must not time itself out
+        let end = Instant::now();
+        if w.deadline.is_none() {
+            w.deadline = w.timeout.map(|t| end + t);
+        }
+        if w.fast_deadline.is_none() {
+            w.fast_deadline = Some(end + w.fast_rto());
+        }
+    }
+    sent > 0
+}
+
+fn imm_of(o: &OutOp) -> bool {
+    matches!(
+        o,
+        OutOp::Write { imm: Some(_), .. } | OutOp::Send { imm: Some(_), .. }
+    )
+}
+fn is_send(o: &OutOp) -> bool {
+    matches!(o, OutOp::Send { .. })
+}
+fn bad_wire() -> Fail {
+    (Syndrome::LocalQpOp, vendor::MALFORMED_WQE)
+}
+
+/// Writes the CQEs of every finished message at the front, in order; an error completes
+/// with its syndrome, moves the QP to ERR and flushes the rest.
+fn complete_front(dev: &Shared, qp: &Qp, w: &mut ReqWire, delay: Option<Duration>) {
+    while let Some(m) = w.msgs.front() {
+        let done = m.fail.is_some() || m.npkts == 0 || psn_diff(w.una, m.end()) >= 0;
+        if !done {
+            break;
+        }
+        let Some(m) = w.msgs.pop_front() else { break };
+        if let Some((syndrome, why)) = m.fail {
+            dev.counters.error(syndrome);
+            tracing::debug!(
+                qpn = qp.qpn,
+                ?syndrome,
+                vendor = why,
+                wqe = m.idx,
+                "WQE failed"
+            );
+            let e = ErrorCqe {
+                responder: false,
+                syndrome: syndrome as u8,
+                vendor_syndrome: why,
+                wqe_opcode: m.opcode,
+                qpn: qp.qpn,
+                wqe_counter: m.idx,
+            };
+            qp.set_state(QpState::Err);
+            push_cqe_delayed(dev, qp, delay, &qp.send_cq, Cqe64::error(&e, 0));
+            flush_msgs(dev, qp, w, delay);
+            return;
+        }
+        let byte_cnt = match m.op {
+            OutOp::Local { byte_cnt } => byte_cnt,
+            _ => {
+                Counters::add(&dev.counters.bytes, m.len);
+                m.len as u32
+            }
+        };
+        Counters::add(&dev.counters.wqes, 1);
+        if m.signaled {
+            let cqe = Cqe64::requester(m.opcode, qp.qpn, m.idx, byte_cnt, 0);
+            push_cqe_delayed(dev, qp, delay, &qp.send_cq, cqe);
+        }
+    }
+}
+
+fn flush_msgs(dev: &Shared, qp: &Qp, w: &mut ReqWire, delay: Option<Duration>) {
+    for m in w.msgs.drain(..) {
+        flush_cqe(dev, qp, delay, m.opcode, m.idx);
+    }
+    w.blocked = false;
+    w.halted = true;
+    w.deadline = None;
+    w.fast_deadline = None;
+    w.rnr_until = None;
+}
+
+/// Flushes every WQE on the wire (QP in ERR). Returns whether there were any.
+pub(crate) fn flush_all(dev: &Shared, qp: &Qp, sq: &mut SqState) -> bool {
+    let delay = sq.delay;
+    match sq.wire.as_mut() {
+        Some(w) if !w.msgs.is_empty() => {
+            flush_msgs(dev, qp, w, delay);
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Runs the timers (retransmission, RNR back-off) and the window. Returns (sent something,
+/// anything outstanding: the engine then polls on time).
+pub(crate) fn tick(dev: &Shared, qp: &Qp, sq: &mut SqState, now: Instant) -> (bool, bool) {
+    let delay = sq.delay;
+    let Some(w) = sq.wire.as_mut() else {
+        return (false, false);
+    };
+    if w.msgs.is_empty() {
+        return (false, false);
+    }
+    if w.rnr_until.is_none() && w.una == w.sent_hi {
+        w.deadline = None;
+        w.fast_deadline = None;
+    }
+    if let Some(d) = w.deadline.filter(|&d| now >= d && w.rnr_until.is_none()) {
+        let _ = d;
+        Counters::add(&dev.counters.wire.timeouts, 1);
+        w.retries += 1;
+        let una = w.una;
+        if w.retries > w.retry_cnt {
+            w.fail_at(una, (Syndrome::TransportRetryExc, vendor::NO_PEER));
+        } else {
+            w.go_back(una, now);
+            w.deadline = None;
+            w.fast_deadline = None;
+        }
+    } else if let Some(d) = w
+        .fast_deadline
+        .filter(|&d| now >= d && w.rnr_until.is_none())
+    {
+        let _ = d;
+        // A lost tail (or a lost NAK): retransmit early, without counting a retry.
+        let una = w.una;
+        w.go_back(una, now);
+        w.fast_deadline = None;
+        w.rttvar = (w.rttvar * 2)
+            .max(Duration::from_micros(100))
+            .min(FAST_RTO_MAX);
+    }
+    complete_front(dev, qp, w, delay);
+    let sent = pump(dev, qp, w, now);
+    (sent, !w.msgs.is_empty())
+}
+
+/// Handles a response (ACK/NAK, READ response, atomic ACK) for requester QP `qp`.
+fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
+    let now = Instant::now();
+    let mut sq = qp.lock_sq();
+    let delay = sq.delay;
+    let Some(w) = sq.wire.as_mut() else {
+        Counters::add(&dev.counters.wire.rx_unexpected, 1);
+        return;
+    };
+    if qp.state() != QpState::Rts {
+        Counters::add(&dev.counters.wire.rx_unknown_qp, 1);
+        return;
+    }
+    let wc = &dev.counters.wire;
+    let p = pkt.bth.psn;
+    let g = qp.mrs.read();
+    match pkt.bth.opcode {
+        op::ACK => {
+            let s = pkt.aeth.map_or(0, |a| a.syndrome);
+            match s >> 5 {
+                0 => {
+                    if let Acked::Implicit = w.ack_to(psn_add(p, 1), now) {
+                        w.go_back_once(now);
+                    }
+                }
+                1 | 3 => match w.ack_to(p, now) {
+                    Acked::Bogus => {
+                        Counters::add(&wc.rx_unexpected, 1);
+                        return;
+                    }
+                    Acked::Implicit => w.go_back_once(now),
+                    Acked::Ok if w.una != p => Counters::add(&wc.rx_unexpected, 1),
+                    Acked::Ok if s >> 5 == 1 => {
+                        Counters::add(&wc.rnr_naks_received, 1);
+                        w.rnr_retries += 1;
+                        if w.rnr_retry != 7 && w.rnr_retries > w.rnr_retry as u32 {
+                            w.fail_at(p, (Syndrome::RnrRetryExc, vendor::RNR));
+                        } else {
+                            w.rnr_until = Some(now + rnr_delay(s & 0x1f));
+                            w.send_psn = p;
+                            w.deadline = None;
+                            w.fast_deadline = None;
+                        }
+                    }
+                    Acked::Ok => match s {
+                        aeth::NAK_SEQ => {
+                            Counters::add(&wc.seq_naks_received, 1);
+                            w.go_back_once(now);
+                        }
+                        aeth::NAK_INVALID => {
+                            let i = w.find(p);
+                            let recv = w.msgs.get(i).is_some_and(|m| {
+                                matches!(
+                                    m.op,
+                                    OutOp::Send { .. } | OutOp::Write { imm: Some(_), .. }
+                                )
+                            });
+                            let why = if recv {
+                                vendor::RECV_BUFFER
+                            } else {
+                                vendor::INVALID_REQUEST
+                            };
+                            w.fail_at(p, (Syndrome::RemoteInvalReq, why));
+                        }
+                        aeth::NAK_ACCESS => {
+                            w.fail_at(p, (Syndrome::RemoteAccess, vendor::REMOTE_KEY))
+                        }
+                        aeth::NAK_OPERATIONAL => {
+                            w.fail_at(p, (Syndrome::RemoteOp, vendor::RECV_BUFFER))
+                        }
+                        _ => Counters::add(&wc.rx_unexpected, 1),
+                    },
+                },
+                _ => Counters::add(&wc.rx_unexpected, 1),
+            }
+        }
+        op::READ_RESPONSE_FIRST
+        | op::READ_RESPONSE_MIDDLE
+        | op::READ_RESPONSE_LAST
+        | op::READ_RESPONSE_ONLY => {
+            let i = w.find(p);
+            let (mpsn, is_read) = match w.msgs.get(i) {
+                Some(m) => (m.psn, matches!(m.op, OutOp::Read { .. })),
+                None => (p, false),
+            };
+            if !is_read || psn_diff(p, mpsn) < 0 {
+                Counters::add(&wc.rx_unexpected, 1);
+            } else {
+                match w.ack_to(mpsn, now) {
+                    Acked::Bogus => Counters::add(&wc.rx_unexpected, 1),
+                    Acked::Implicit => w.go_back_once(now),
+                    Acked::Ok if p != w.una => {
+                        if psn_diff(p, w.una) > 0 {
+                            w.go_back_once(now);
+                        } else {
+                            Counters::add(&wc.rx_unexpected, 1);
+                        }
+                    }
+                    Acked::Ok => {
+                        let mtu = w.mtu as u64;
+                        let m = &mut w.msgs[i];
+                        let k = psn_diff(p, m.psn) as u32;
+                        let off = k as u64 * mtu;
+                        let last = k + 1 == m.npkts;
+                        // A READ retried from packet k is a new request for the rest: its
+                        // responses start again with FIRST (or ONLY).
+                        let o = pkt.bth.opcode;
+                        let op_ok = match (k == 0, last) {
+                            (_, true) => o == op::READ_RESPONSE_LAST || o == op::READ_RESPONSE_ONLY,
+                            (true, false) => o == op::READ_RESPONSE_FIRST,
+                            (false, false) => {
+                                o == op::READ_RESPONSE_MIDDLE || o == op::READ_RESPONSE_FIRST
+                            }
+                        };
+                        let op_ok = op_ok && (o != op::READ_RESPONSE_LAST || k > 0);
+                        let want_len = if last { m.len.saturating_sub(off) } else { mtu };
+                        if !op_ok || pkt.payload.len() as u64 != want_len {
+                            m.fail = Some((Syndrome::BadResp, vendor::BAD_RESPONSE));
+                            w.halted = true;
+                        } else if let OutOp::Read { dst, .. } = &m.op {
+                            match scatter(&g, qp.pd, dst, off, pkt.payload) {
+                                Ok(()) => {
+                                    w.una = psn_add(p, 1);
+                                    w.progress(p, now);
+                                }
+                                Err(f) => {
+                                    m.fail = Some(f);
+                                    w.halted = true;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        op::ATOMIC_ACK => {
+            let i = w.find(p);
+            let ok = w
+                .msgs
+                .get(i)
+                .is_some_and(|m| m.psn == p && matches!(m.op, OutOp::Atomic { .. }));
+            if !ok {
+                Counters::add(&wc.rx_unexpected, 1);
+            } else {
+                match w.ack_to(p, now) {
+                    Acked::Bogus => Counters::add(&wc.rx_unexpected, 1),
+                    Acked::Implicit => w.go_back_once(now),
+                    Acked::Ok if p != w.una => Counters::add(&wc.rx_unexpected, 1),
+                    Acked::Ok => {
+                        let m = &mut w.msgs[i];
+                        if let OutOp::Atomic { kind, result, .. } = &m.op {
+                            let old = pkt.atomic_ack.unwrap_or(0);
+                            let n = kind.size() as usize;
+                            let bytes = old.to_ne_bytes();
+                            let small = (old as u32).to_ne_bytes();
+                            // The original value lands host-endian (mlx5 host-endian
+                            // atomic mode), as on the in-process path.
+                            let v: &[u8] = if n == 8 { &bytes } else { &small };
+                            match g.check(
+                                qp.pd,
+                                Access::LOCAL_WRITE,
+                                result.lkey.0,
+                                result.addr,
+                                n as u64,
+                            ) {
+                                Ok(r) => {
+                                    // SAFETY: `r` checked under `g` (held), exactly n bytes.
+                                    unsafe { put_host(r, 0, v) };
+                                    w.una = psn_add(p, 1);
+                                    w.progress(p, now);
+                                }
+                                Err(e) => {
+                                    m.fail = Some(local_err(e));
+                                    w.halted = true;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        _ => Counters::add(&wc.rx_unexpected, 1),
+    }
+    drop(g);
+    complete_front(dev, qp, w, delay);
+    pump(dev, qp, w, now);
+}
+
+// ---------------------------------------------------------------------------- responder
+
+/// A multi-packet message in progress at the responder.
+#[derive(Clone, Copy, Debug)]
+enum InMsg {
+    Write {
+        va: u64,
+        rkey: u32,
+        len: u64,
+        off: u64,
+    },
+    Send {
+        off: u64,
+    },
+}
+
+/// The responder side of a QP on the wire.
+#[derive(Debug, Default)]
+pub(crate) struct RespWire {
+    epsn: u32,
+    msn: u32,
+    mtu: u32,
+    nak_sent: bool,
+    /// Out-of-sequence requests since the last sequence NAK.
+    oos: u32,
+    cur: Option<InMsg>,
+    atomics: VecDeque<(u32, u64)>,
+}
+
+impl RespWire {
+    pub(crate) fn new(rq_psn: u32, mtu: u32) -> Self {
+        Self {
+            epsn: rq_psn & MASK24,
+            mtu,
+            ..Self::default()
+        }
+    }
+}
+
+/// Sends the responder's packets back to the requester.
+struct Reply<'a> {
+    port: &'a Port,
+    to: SocketAddr,
+    flow: Flow,
+    dest_qp: u32,
+    buf: &'a mut Vec<u8>,
+    batch: &'a mut TxBatch,
+}
+
+impl Reply<'_> {
+    fn bth(&self, opcode: u8, psn: u32) -> Bth {
+        Bth {
+            opcode,
+            mig_req: true,
+            pkey: DEFAULT_PKEY,
+            dest_qp: self.dest_qp,
+            psn,
+            ..Bth::default()
+        }
+    }
+
+    fn send(&mut self, p: &Packet<'_>) {
+        if packet::encode(p, &self.flow, self.buf).is_ok() {
+            self.port.send(self.buf, self.to, &self.flow, self.batch);
+        }
+    }
+
+    fn aeth(&mut self, psn: u32, syndrome: u8, msn: u32) {
+        let p = Packet {
+            bth: self.bth(op::ACK, psn),
+            aeth: Some(Aeth { syndrome, msn }),
+            ..Packet::default()
+        };
+        self.send(&p);
+    }
+}
+
+/// The AETH syndrome of a NAK response.
+fn nak_syndrome(r: &Response) -> u8 {
+    match r {
+        Response::Rnr(t) => aeth::RNR | (t & 0x1f),
+        Response::Nak(Syndrome::RemoteAccess, _) => aeth::NAK_ACCESS,
+        Response::Nak(Syndrome::RemoteInvalReq, _) => aeth::NAK_INVALID,
+        _ => aeth::NAK_OPERATIONAL,
+    }
+}
+
+/// What a new request packet led to.
+enum Outcome {
+    /// Accepted: the expected PSN moves on by this many PSNs.
+    Accepted(u32),
+    /// Answered by a NAK (RNR or error); the expected PSN stays.
+    Nak(Response),
+    /// Dropped without an answer (malformed against this QP's MTU).
+    Dropped,
+}
+
+/// Handles a request packet for responder QP `qp`, from the requester at `to`.
+fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
+    let wc = &dev.counters.wire;
+    let mut r = Resp::lock(qp);
+    let from = reply.dest_qp;
+    let psn = pkt.bth.psn;
+    let d = psn_diff(psn, r.rq.wire.epsn);
+    if pkt.payload.len() > r.rq.wire.mtu as usize {
+        Counters::add(&wc.rx_malformed, 1);
+        return;
+    }
+    if d > 0 {
+        Counters::add(&wc.out_of_sequence, 1);
+        let w = &mut r.rq.wire;
+        w.oos += 1;
+        // One NAK per gap; again only when the retransmission it asked for was lost too.
+        if !w.nak_sent || w.oos >= RENAK_AFTER {
+            w.nak_sent = true;
+            w.oos = 0;
+            Counters::add(&wc.seq_naks_sent, 1);
+            let (e, msn) = (r.rq.wire.epsn, r.rq.wire.msn);
+            reply.aeth(e, aeth::NAK_SEQ, msn);
+        }
+        return;
+    }
+    if d < 0 {
+        Counters::add(&wc.duplicates, 1);
+        duplicate(&mut r, pkt, reply);
+        return;
+    }
+    r.rq.wire.nak_sent = false;
+    r.rq.wire.oos = 0;
+    let outcome = new_request(&mut r, pkt, from, reply);
+    match outcome {
+        Outcome::Accepted(n) => {
+            let w = &mut r.rq.wire;
+            w.epsn = psn_add(w.epsn, n);
+            if pkt.bth.ack_req && packet::layout(pkt.bth.opcode).is_some_and(|l| l.payload) {
+                let (e, msn) = (psn_add(w.epsn, MASK24), w.msn);
+                reply.aeth(e, aeth::ACK, msn);
+            }
+        }
+        Outcome::Nak(resp) => {
+            let c = if matches!(resp, Response::Rnr(_)) {
+                &wc.rnr_naks_sent
+            } else {
+                &wc.error_naks_sent
+            };
+            Counters::add(c, 1);
+            let msn = r.rq.wire.msn;
+            reply.aeth(psn, nak_syndrome(&resp), msn);
+        }
+        Outcome::Dropped => Counters::add(&wc.rx_malformed, 1),
+    }
+}
+
+fn invalid(r: &Resp<'_>) -> Outcome {
+    Outcome::Nak(r.fatal(Response::Nak(
+        Syndrome::RemoteInvalReq,
+        vendor::INVALID_REQUEST,
+    )))
+}
+
+/// Runs a request packet with the expected PSN.
+fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<'_>) -> Outcome {
+    let opc = pkt.bth.opcode;
+    let mtu = r.rq.wire.mtu as u64;
+    let n = pkt.payload.len() as u64;
+    let cur = r.rq.wire.cur;
+    match opc {
+        op::SEND_FIRST | op::SEND_ONLY | op::SEND_ONLY_IMM => {
+            if cur.is_some() {
+                return invalid(r);
+            }
+            if !r.has_recv() {
+                return Outcome::Nak(r.rnr());
+            }
+            if opc == op::SEND_FIRST && n != mtu {
+                return invalid(r);
+            }
+            let dst = match r.recv_ranges() {
+                Ok(d) => d,
+                Err(e) => return Outcome::Nak(e),
+            };
+            if total(&dst) < n {
+                return Outcome::Nak(r.recv_too_small());
+            }
+            scatter_ranges(&dst, 0, pkt.payload);
+            if opc == op::SEND_FIRST {
+                r.rq.wire.cur = Some(InMsg::Send { off: n });
+            } else {
+                let kind = if pkt.imm.is_some() {
+                    RespKind::SendImm
+                } else {
+                    RespKind::Send
+                };
+                r.recv_done(kind, n, pkt.imm, from);
+                r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+            }
+            Outcome::Accepted(1)
+        }
+        op::SEND_MIDDLE | op::SEND_LAST | op::SEND_LAST_IMM => {
+            let Some(InMsg::Send { off }) = cur else {
+                return invalid(r);
+            };
+            let ok_len = if opc == op::SEND_MIDDLE {
+                n == mtu
+            } else {
+                n >= 1
+            };
+            if !ok_len {
+                return invalid(r);
+            }
+            let dst = match r.recv_ranges() {
+                Ok(d) => d,
+                Err(e) => {
+                    r.rq.wire.cur = None;
+                    return Outcome::Nak(e);
+                }
+            };
+            if total(&dst) < off + n {
+                r.rq.wire.cur = None;
+                return Outcome::Nak(r.recv_too_small());
+            }
+            scatter_ranges(&dst, off, pkt.payload);
+            if opc == op::SEND_MIDDLE {
+                r.rq.wire.cur = Some(InMsg::Send { off: off + n });
+            } else {
+                let kind = if pkt.imm.is_some() {
+                    RespKind::SendImm
+                } else {
+                    RespKind::Send
+                };
+                r.recv_done(kind, off + n, pkt.imm, from);
+                r.rq.wire.cur = None;
+                r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+            }
+            Outcome::Accepted(1)
+        }
+        op::WRITE_FIRST | op::WRITE_ONLY | op::WRITE_ONLY_IMM => {
+            let Some(reth) = pkt.reth else {
+                return Outcome::Dropped;
+            };
+            if cur.is_some() {
+                return invalid(r);
+            }
+            if opc == op::WRITE_ONLY_IMM && !r.has_recv() {
+                return Outcome::Nak(r.rnr());
+            }
+            let len = reth.len as u64;
+            let dst = match r.remote(Access::REMOTE_WRITE, reth.va, reth.rkey, len) {
+                Ok(d) => d,
+                Err(e) => return Outcome::Nak(r.fatal(e)),
+            };
+            let ok_len = if opc == op::WRITE_FIRST {
+                n == mtu && len > mtu
+            } else {
+                n == len
+            };
+            if !ok_len {
+                return invalid(r);
+            }
+            // SAFETY: `dst` checked under `r.g` (held) for `len >= n` bytes.
+            unsafe { put_host(dst, 0, pkt.payload) };
+            if opc == op::WRITE_FIRST {
+                r.rq.wire.cur = Some(InMsg::Write {
+                    va: reth.va,
+                    rkey: reth.rkey,
+                    len,
+                    off: n,
+                });
+            } else {
+                if opc == op::WRITE_ONLY_IMM {
+                    r.recv_done(RespKind::WriteImm, len, pkt.imm, from);
+                }
+                r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+            }
+            Outcome::Accepted(1)
+        }
+        op::WRITE_MIDDLE | op::WRITE_LAST | op::WRITE_LAST_IMM => {
+            let Some(InMsg::Write { va, rkey, len, off }) = cur else {
+                return invalid(r);
+            };
+            if opc == op::WRITE_LAST_IMM && !r.has_recv() {
+                return Outcome::Nak(r.rnr());
+            }
+            let ok_len = if opc == op::WRITE_MIDDLE {
+                n == mtu && off + n < len
+            } else {
+                n >= 1 && off + n == len
+            };
+            if !ok_len {
+                r.rq.wire.cur = None;
+                return invalid(r);
+            }
+            let dst = match r.remote(Access::REMOTE_WRITE, va.wrapping_add(off), rkey, n) {
+                Ok(d) => d,
+                Err(e) => {
+                    r.rq.wire.cur = None;
+                    return Outcome::Nak(r.fatal(e));
+                }
+            };
+            // SAFETY: `dst` checked under `r.g` (held) for exactly `n` bytes.
+            unsafe { put_host(dst, 0, pkt.payload) };
+            if opc == op::WRITE_MIDDLE {
+                r.rq.wire.cur = Some(InMsg::Write {
+                    va,
+                    rkey,
+                    len,
+                    off: off + n,
+                });
+            } else {
+                if opc == op::WRITE_LAST_IMM {
+                    r.recv_done(RespKind::WriteImm, len, pkt.imm, from);
+                }
+                r.rq.wire.cur = None;
+                r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+            }
+            Outcome::Accepted(1)
+        }
+        op::READ_REQUEST => {
+            let Some(reth) = pkt.reth else {
+                return Outcome::Dropped;
+            };
+            if cur.is_some() {
+                return invalid(r);
+            }
+            let len = reth.len as u64;
+            let src = match r.remote(Access::REMOTE_READ, reth.va, reth.rkey, len) {
+                Ok(s) => s,
+                Err(e) => return Outcome::Nak(r.fatal(e)),
+            };
+            let count = len.div_ceil(mtu).max(1) as u32;
+            r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+            let msn = r.rq.wire.msn;
+            read_responses(src, pkt.bth.psn, mtu, msn, reply);
+            Outcome::Accepted(count)
+        }
+        op::CMP_SWAP | op::FETCH_ADD | op::MASKED_CMP_SWAP | op::MASKED_FETCH_ADD => {
+            if cur.is_some() {
+                return invalid(r);
+            }
+            let Some((va, rkey, kind)) = atomic_kind(pkt) else {
+                return invalid(r);
+            };
+            match r.atomic(va, rkey, kind, true) {
+                Response::AtomicAck(old) => {
+                    let w = &mut r.rq.wire;
+                    if w.atomics.len() >= ATOMIC_CACHE {
+                        w.atomics.pop_front();
+                    }
+                    w.atomics.push_back((pkt.bth.psn, old));
+                    w.msn = psn_add(w.msn, 1);
+                    let msn = w.msn;
+                    atomic_ack(reply, pkt.bth.psn, msn, old);
+                    Outcome::Accepted(1)
+                }
+                Response::Ack => Outcome::Accepted(1),
+                e => Outcome::Nak(e),
+            }
+        }
+        _ => Outcome::Dropped,
+    }
+}
+
+/// Scatters a payload at offset `off` of checked receive ranges (`off + len` fits).
+fn scatter_ranges(dst: &[HostRange], off: u64, bytes: &[u8]) {
+    let n = bytes.len() as u64;
+    let mut pos = 0u64;
+    for r in dst {
+        let (a, e) = (off.max(pos), (off + n).min(pos + r.len));
+        if a < e {
+            // SAFETY: the ranges were checked under the responder's guard, still held by the
+            // caller; `a - pos .. e - pos` lies inside range `r`.
+            unsafe { put_host(*r, a - pos, &bytes[(a - off) as usize..(e - off) as usize]) };
+        }
+        pos += r.len;
+        if pos >= off + n {
+            break;
+        }
+    }
+}
+
+fn atomic_kind(pkt: &Packet<'_>) -> Option<(u64, u32, AtomicKind)> {
+    if let Some(a) = pkt.atomic {
+        let kind = if pkt.bth.opcode == op::CMP_SWAP {
+            AtomicKind::CompareSwap {
+                compare: a.compare,
+                swap: a.swap_add,
+            }
+        } else {
+            AtomicKind::FetchAdd { add: a.swap_add }
+        };
+        return Some((a.va, a.rkey, kind));
+    }
+    let m = pkt.masked?;
+    let size = match m.size {
+        4 => AtomicSize::B4,
+        8 => AtomicSize::B8,
+        _ => return None,
+    };
+    let kind = if pkt.bth.opcode == op::MASKED_CMP_SWAP {
+        AtomicKind::MaskedCompareSwap {
+            size,
+            compare: m.compare_boundary,
+            compare_mask: m.compare_mask,
+            swap: m.swap_add,
+            swap_mask: m.swap_mask,
+        }
+    } else {
+        AtomicKind::MaskedFetchAdd {
+            size,
+            add: m.swap_add,
+            field_boundary: m.compare_boundary,
+        }
+    };
+    Some((m.va, m.rkey, kind))
+}
+
+fn atomic_ack(reply: &mut Reply<'_>, psn: u32, msn: u32, old: u64) {
+    let p = Packet {
+        bth: reply.bth(op::ATOMIC_ACK, psn),
+        aeth: Some(Aeth {
+            syndrome: aeth::ACK,
+            msn,
+        }),
+        atomic_ack: Some(old),
+        ..Packet::default()
+    };
+    reply.send(&p);
+}
+
+/// Sends the responses of a READ of checked range `src`, PSNs from `psn`.
+fn read_responses(src: HostRange, psn: u32, mtu: u64, msn: u32, reply: &mut Reply<'_>) {
+    let count = src.len.div_ceil(mtu).max(1);
+    for k in 0..count {
+        let off = k * mtu;
+        let n = mtu.min(src.len - off.min(src.len));
+        let opc = match (count == 1, k == 0, k + 1 == count) {
+            (true, _, _) => op::READ_RESPONSE_ONLY,
+            (false, true, _) => op::READ_RESPONSE_FIRST,
+            (false, false, true) => op::READ_RESPONSE_LAST,
+            (false, false, false) => op::READ_RESPONSE_MIDDLE,
+        };
+        let p = Packet {
+            bth: reply.bth(opc, psn_add(psn, k as u32)),
+            aeth: (opc != op::READ_RESPONSE_MIDDLE).then_some(Aeth {
+                syndrome: aeth::ACK,
+                msn,
+            }),
+            ..Packet::default()
+        };
+        if packet::encode_headers(&p, n as usize, reply.buf).is_err() {
+            return;
+        }
+        append_host(
+            reply.buf,
+            HostRange {
+                addr: src.addr + off,
+                len: n,
+            },
+        );
+        packet::finish(&reply.flow, n as usize, reply.buf);
+        reply
+            .port
+            .send(reply.buf, reply.to, &reply.flow, reply.batch);
+    }
+}
+
+/// A request with a PSN the responder already passed: answered, never applied again.
+fn duplicate(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
+    let msn = r.rq.wire.msn;
+    match pkt.bth.opcode {
+        op::READ_REQUEST => {
+            // Reads are re-executed: the request carries the part still wanted.
+            let Some(reth) = pkt.reth else { return };
+            match r.remote(Access::REMOTE_READ, reth.va, reth.rkey, reth.len as u64) {
+                Ok(src) => {
+                    let mtu = r.rq.wire.mtu as u64;
+                    read_responses(src, pkt.bth.psn, mtu, msn, reply);
+                }
+                Err(e) => {
+                    let e = r.fatal(e);
+                    reply.aeth(pkt.bth.psn, nak_syndrome(&e), msn);
+                }
+            }
+        }
+        op::CMP_SWAP | op::FETCH_ADD | op::MASKED_CMP_SWAP | op::MASKED_FETCH_ADD => {
+            let hit =
+                r.rq.wire
+                    .atomics
+                    .iter()
+                    .find(|(p, _)| *p == pkt.bth.psn)
+                    .map(|&(_, v)| v);
+            if let Some(old) = hit {
+                atomic_ack(reply, pkt.bth.psn, msn, old);
+            }
+        }
+        _ => {
+            if pkt.bth.ack_req {
+                let e = psn_add(r.rq.wire.epsn, MASK24);
+                reply.aeth(e, aeth::ACK, msn);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- receive
+
+/// Takes one received datagram: checks it (size, QP, ICRC, format) and hands it to the
+/// responder or requester side of its QP. Never panics on any input; every drop is counted.
+pub(crate) fn receive(
+    dev: &Shared,
+    port: &Port,
+    d: &[u8],
+    from: SocketAddr,
+    scratch: &mut Vec<u8>,
+    batch: &mut TxBatch,
+) {
+    let wc = &dev.counters.wire;
+    Counters::add(&wc.rx_packets, 1);
+    Counters::add(&wc.rx_bytes, d.len() as u64);
+    let SocketAddr::V4(from4) = from else {
+        Counters::add(&wc.rx_malformed, 1);
+        return;
+    };
+    if d.len() < BTH_LEN + ICRC_LEN || d.len() > packet::MAX_DATAGRAM {
+        port.capture_rx(
+            &Flow {
+                src: *from4.ip(),
+                dst: port.ip,
+                sport: from.port(),
+                dport: port.local.port(),
+            },
+            d,
+        );
+        Counters::add(&wc.rx_malformed, 1);
+        return;
+    }
+    let bth = Bth::from_bytes(d[..BTH_LEN].try_into().unwrap_or(&[0; BTH_LEN]));
+    let qp = dev.qp(bth.dest_qp);
+    let remote = qp.as_ref().and_then(|q| q.wire_remote());
+    let flow = Flow {
+        src: remote.map_or(*from4.ip(), |(ip, _)| ip),
+        dst: port.ip,
+        sport: from.port(),
+        dport: port.local.port(),
+    };
+    port.capture_rx(&flow, d);
+    let (Some(qp), Some((_, remote_qpn))) = (qp, remote) else {
+        Counters::add(&wc.rx_unknown_qp, 1);
+        return;
+    };
+    if !packet::icrc_matches(&flow, d) {
+        Counters::add(&wc.rx_bad_icrc, 1);
+        return;
+    }
+    let pkt = match packet::parse(d) {
+        Ok(p) if p.bth.pkey & 0x7fff == 0x7fff => p,
+        _ => {
+            Counters::add(&wc.rx_malformed, 1);
+            return;
+        }
+    };
+    let state = qp.state();
+    if packet::is_request(pkt.bth.opcode) {
+        if !matches!(state, QpState::Rtr | QpState::Rts) {
+            Counters::add(&wc.rx_unknown_qp, 1);
+            return;
+        }
+        // Replies go back where the request came from: a soft NIC sends from its bound port.
+        let mut reply = Reply {
+            port,
+            to: from,
+            flow: Flow {
+                src: port.ip,
+                dst: flow.src,
+                sport: port.local.port(),
+                dport: from.port(),
+            },
+            dest_qp: remote_qpn,
+            buf: scratch,
+            batch,
+        };
+        on_request(dev, &qp, &pkt, &mut reply);
+    } else {
+        on_response(dev, &qp, &pkt);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn psn_arithmetic_wraps_at_24_bits() {
+        assert_eq!(psn_add(0xff_ffff, 1), 0);
+        assert_eq!(psn_add(0xff_fff0, 0x20), 0x10);
+        assert_eq!(psn_diff(0x10, 0xff_fff0), 0x20);
+        assert_eq!(psn_diff(0xff_fff0, 0x10), -0x20);
+        assert_eq!(psn_diff(5, 5), 0);
+        // half the space ahead is "after", the other half "before"
+        assert_eq!(psn_diff(0x7f_ffff, 0), 0x7f_ffff);
+        assert_eq!(psn_diff(0x80_0000, 0), -0x80_0000);
+        assert_eq!(psn_add(MASK24, MASK24), MASK24 - 1);
+    }
+
+    #[test]
+    fn nak_syndromes() {
+        assert_eq!(nak_syndrome(&Response::Rnr(14)), 0x2e);
+        assert_eq!(
+            nak_syndrome(&Response::Nak(Syndrome::RemoteAccess, 0)),
+            aeth::NAK_ACCESS
+        );
+        assert_eq!(
+            nak_syndrome(&Response::Nak(Syndrome::RemoteInvalReq, 0)),
+            aeth::NAK_INVALID
+        );
+        assert_eq!(
+            nak_syndrome(&Response::Nak(Syndrome::RemoteOp, 0)),
+            aeth::NAK_OPERATIONAL
+        );
+    }
+}
