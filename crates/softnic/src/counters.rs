@@ -14,6 +14,7 @@ pub struct Counters {
     pub(crate) bad_doorbells: AtomicU64,
     pub(crate) stale_wqes: AtomicU64,
     pub(crate) cq_overruns: AtomicU64,
+    pub(crate) bf_torn: AtomicU64,
     errors: [AtomicU64; 64],
     pub(crate) wire: WireCounters<AtomicU64>,
 }
@@ -29,6 +30,7 @@ impl Default for Counters {
             bad_doorbells: AtomicU64::new(0),
             stale_wqes: AtomicU64::new(0),
             cq_overruns: AtomicU64::new(0),
+            bf_torn: AtomicU64::new(0),
             errors: std::array::from_fn(|_| AtomicU64::new(0)),
             wire: WireCounters::default(),
         }
@@ -62,6 +64,7 @@ impl Counters {
             bad_doorbells: self.bad_doorbells.load(Relaxed),
             stale_wqes: self.stale_wqes.load(Relaxed),
             cq_overruns: self.cq_overruns.load(Relaxed),
+            bf_torn: self.bf_torn.load(Relaxed),
             errors,
             wire: self.wire.load(),
         }
@@ -87,6 +90,9 @@ pub struct CounterSnapshot {
     pub stale_wqes: u64,
     /// CQ overruns.
     pub cq_overruns: u64,
+    /// BlueFlame register copies dropped because a later write to the half began while the
+    /// engine copied it (the WQE then ran from the ring).
+    pub bf_torn: u64,
     /// Error CQEs by syndrome (WR_FLUSH included).
     pub errors: BTreeMap<Syndrome, u64>,
     /// What the wire port did (all zero without one).

@@ -189,6 +189,11 @@ fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) 
 
 /// Handles a new value in BlueFlame half `h`.
 fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
+    if v == 0 {
+        // A BlueFlame writer cleared the half before rewriting it: not a doorbell (no valid
+        // doorbell is all zeros: its QPN field is never 0).
+        return;
+    }
     Counters::add(&dev.counters.doorbells, 1);
     if sq.drop_doorbells > 0 {
         sq.drop_doorbells -= 1;
@@ -232,9 +237,17 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
     if qp.doorbell == DoorbellKind::BlueFlame && dv.ds() != 0 {
         let mut copy = [0u8; BF_HALF_SIZE];
         qp.uar.read(BF_OFFSET + h * BF_HALF_SIZE, &mut copy);
-        // the first 8 bytes are the ones we saw change (released last by the writer)
-        copy[..8].copy_from_slice(&v.to_ne_bytes());
-        sq.bf = Some((dv.index(), copy));
+        // Writers clear the first 8 bytes, write bytes 8.., then the first 8 bytes (a seqlock):
+        // if the half no longer holds `v`, a later write started while we copied and the copy
+        // may mix two WQEs. The WQE is in the ring too: it then runs from there. (A ConnectX
+        // takes the register write as one burst; memory cannot.)
+        std::sync::atomic::fence(Ordering::Acquire);
+        if qp.half_word(h) == v {
+            copy[..8].copy_from_slice(&v.to_ne_bytes());
+            sq.bf = Some((dv.index(), copy));
+        } else {
+            Counters::add(&dev.counters.bf_torn, 1);
+        }
     }
 }
 

@@ -313,6 +313,11 @@ impl Initiator {
             RingMode::BlueFlame if !bf_fits => DoorbellValue::from_pi(self.pi, self.sq.qpn),
             RingMode::BlueFlame => {
                 let bytes = last.as_bytes();
+                // Seqlock order: clear the half's first 8 bytes, then bytes 8.., then (below)
+                // the first 8 bytes, so a device copying the half can tell it was rewritten.
+                // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
+                unsafe { &*(reg(self.half) as *const AtomicU64) }.swap(0, Ordering::Acquire);
+                fence(Ordering::Release);
                 // SAFETY: the WQE fits in one register half.
                 unsafe {
                     std::ptr::copy_nonoverlapping(

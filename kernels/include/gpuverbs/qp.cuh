@@ -463,7 +463,11 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns) {
                 const uint64_t last = q->sq_last_start;
                 const uint32_t blocks = wqe_blocks_at(q, last);
                 if (last + blocks == ready && blocks <= 4) {
-                    // Whole WQE into the register: bytes 8.. first, its first 8 bytes last.
+                    // Whole WQE into the register, seqlock style: the half's first 8 bytes
+                    // are cleared first (a device reading the half meanwhile sees it is being
+                    // rewritten), then bytes 8.., then the first 8 bytes last.
+                    st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), 0);
+                    asm volatile("fence.acq_rel.sys;" ::: "memory");
                     for (uint32_t u = 0; u < blocks * 4; ++u) {
                         const uint4 v = *reinterpret_cast<const uint4*>(wqe_unit(q, last, u));
                         if (u == 0) {
