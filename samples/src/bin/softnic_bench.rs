@@ -134,6 +134,8 @@ enum Test {
     /// Doorbell-to-CQE time of single 8-byte writes: engine spinning, engine asleep and woken
     /// by the initiator, engine asleep and finding the doorbell by polling (as a GPU's).
     Latency,
+    /// CPU time of idle soft NICs (connected QPs, no traffic), per engine thread.
+    Idle,
 }
 
 impl std::fmt::Display for Test {
@@ -143,6 +145,7 @@ impl std::fmt::Display for Test {
             Test::Burst => "burst",
             Test::Bw => "bw",
             Test::Latency => "latency",
+            Test::Idle => "idle",
         })
     }
 }
@@ -1110,6 +1113,34 @@ fn main() -> Result<()> {
         }
     }
 
+    if args.tests.contains(&Test::Idle) {
+        let lb = Loopback::new(&args, args.ring, SLOT, false)?;
+        // Let the engines fall through their spin phase into parked sleep first.
+        std::thread::sleep(Duration::from_millis(500));
+        let window = Duration::from_secs(3);
+        let (t0, c0) = (Instant::now(), process_cpu_seconds()?);
+        std::thread::sleep(window);
+        let (elapsed, c1) = (t0.elapsed().as_secs_f64(), process_cpu_seconds()?);
+        lb.check_clean()?;
+        // Two devices, one engine thread each; nothing else of this process runs meanwhile.
+        let per_engine = (c1 - c0) / elapsed / 2.0;
+        lines.push(json!({
+            "test": "idle_cpu",
+            "engine_threads": 2,
+            "window_s": elapsed,
+            "cpu_cores_per_engine": per_engine,
+            "target": "< 0.05",
+        }));
+        rows.push([
+            "idle_cpu (per engine thread)".into(),
+            "-".into(),
+            format!("{:.2}% of a core", per_engine * 100.0),
+            "-".into(),
+            "< 5% of one core".into(),
+            if per_engine < 0.05 { "yes" } else { "no" }.into(),
+        ]);
+    }
+
     if args.json {
         for l in &lines {
             println!("{l}");
@@ -1175,4 +1206,20 @@ fn size_name(n: usize) -> String {
     } else {
         format!("{n} B")
     }
+}
+
+/// This process's user + system CPU time so far, in seconds (from /proc/self/stat).
+fn process_cpu_seconds() -> Result<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("malformed /proc/self/stat")?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| -> Result<f64> {
+        Ok(f.get(i).context("short /proc/self/stat")?.parse::<f64>()?)
+    };
+    // rest starts at field 3 (state): utime is field 14, stime 15.
+    Ok((ticks(11)? + ticks(12)?) / 100.0)
 }
