@@ -1,6 +1,7 @@
 //! What two peers tell each other to connect an RC QP: a serializable, versioned, validated
-//! [`Endpoint`] (GID, QPN, initial PSN, path MTU, device name), and the separate
-//! [`RemoteMemory`] descriptor (address, length, rkey) that an application hands out on purpose.
+//! [`Endpoint`] (GID, QPN, initial PSN, path MTU, device name, and the UDP port of a soft NIC on
+//! the wire), and the separate [`RemoteMemory`] descriptor (address, length, rkey) that an
+//! application hands out on purpose.
 //!
 //! # Capabilities
 //!
@@ -18,15 +19,26 @@
 //!
 //! ```json
 //! {"v":1,"gid":"::ffff:127.1.0.1","qpn":256,"psn":1193046,"mtu":1024,"device":"softnic:soft0"}
+//! {"v":1,"gid":"::ffff:10.0.0.1","qpn":4352,"psn":77,"mtu":4096,"device":"softnic2","udp_port":40123}
 //! {"v":1,"addr":140737488355328,"len":65536,"rkey":4660}
 //! ```
+//!
+//! `udp_port` (optional, added within version 1): the UDP port where the QP's soft NIC listens
+//! for RoCEv2 packets ([`Endpoint::udp_port`]); the address is the GID's IPv4 address. Absent
+//! (every endpoint written before it existed, a device without a wire port, hardware) means the
+//! RoCEv2 default: the peer is found by its GID alone, in this process or at UDP
+//! [`ROCE_UDP_PORT`] (4791). It is written only when present, so an endpoint without it encodes
+//! exactly as before, and v1 endpoints without it decode as before. It is an optional field of
+//! version 1 rather than a version 2: its absence keeps the meaning it always had (GID alone,
+//! port 4791), and builds before it had no wire path in the host API, so no earlier reader can
+//! misroute an endpoint that carries it.
 //!
 //! Both types also implement serde's `Serialize`/`Deserialize` with the same format and checks,
 //! so they can be sent with [`crate::bootstrap::Bootstrap::exchange`] directly, alone or inside
 //! tuples and structs.
 
 use std::fmt;
-use std::net::Ipv6Addr;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::str::FromStr;
 
 use serde::de::Error as _;
@@ -44,6 +56,9 @@ pub const MAX_DEVICE_NAME: usize = 256;
 
 /// Path MTUs an RC QP may use, in bytes (IBTA: 256, 512, 1024, 2048, 4096).
 pub const VALID_MTUS: [u32; 5] = [256, 512, 1024, 2048, 4096];
+
+/// RoCEv2's UDP port: where a peer whose [`Endpoint`] carries no `udp_port` listens.
+pub const ROCE_UDP_PORT: u16 = 4791;
 
 /// Errors of building, encoding or decoding an [`Endpoint`] or a [`RemoteMemory`].
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +105,17 @@ pub enum EndpointError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// A UDP port that cannot name a wire peer: port 0, or a GID that is not IPv4-mapped (the
+    /// soft NIC's wire speaks IPv4 only; its GID is `::ffff:a.b.c.d`).
+    #[error("UDP port {port} invalid for GID {gid}: {reason}")]
+    InvalidUdpPort {
+        /// The port.
+        port: u16,
+        /// The endpoint's GID.
+        gid: Gid,
+        /// What is wrong.
+        reason: &'static str,
+    },
     /// `addr + len` does not fit in 64 bits.
     #[error("remote memory range {addr:#x} + {len:#x} overflows 64 bits")]
     RangeOverflow {
@@ -129,6 +155,12 @@ impl Gid {
     /// The raw 16 bytes (network order).
     pub const fn bytes(&self) -> [u8; 16] {
         self.0
+    }
+
+    /// The IPv4 address of an IPv4-mapped GID (`::ffff:a.b.c.d`), the form of every soft NIC
+    /// GID and of RoCEv2 GIDs of IPv4 addresses.
+    pub fn to_ipv4(&self) -> Option<Ipv4Addr> {
+        Ipv6Addr::from(self.0).to_ipv4_mapped()
     }
 }
 
@@ -194,8 +226,9 @@ impl<'de> Deserialize<'de> for Gid {
 // ---------------------------------------------------------------------------------------------
 
 /// The minimal description of one RC QP that its peer needs to connect to it (perftest's
-/// "local address" line): port GID, QPN, the PSN of the first packet it sends, the path MTU, and
-/// the device name for diagnostics. It never carries an rkey (see [`RemoteMemory`]).
+/// "local address" line): port GID, QPN, the PSN of the first packet it sends, the path MTU, the
+/// device name for diagnostics and, for a soft NIC on the wire, the UDP port it listens on. It
+/// never carries an rkey (see [`RemoteMemory`]).
 ///
 /// Values are checked when built ([`Endpoint::new`]) and when decoded, so an `Endpoint` in hand
 /// is always in range.
@@ -206,9 +239,11 @@ pub struct Endpoint {
     psn: u32,
     mtu: u32,
     device: String,
+    udp_port: Option<u16>,
 }
 
-/// Version 1 wire form of an [`Endpoint`].
+/// Version 1 wire form of an [`Endpoint`] (`udp_port` optional: absent in endpoints of
+/// devices without a wire port, and in every endpoint written before it was added).
 #[derive(Serialize, Deserialize)]
 struct EndpointV1 {
     v: u32,
@@ -217,6 +252,8 @@ struct EndpointV1 {
     psn: u32,
     mtu: u32,
     device: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    udp_port: Option<u16>,
 }
 
 const ENDPOINT: &str = "endpoint";
@@ -224,7 +261,8 @@ const REMOTE_MEMORY: &str = "remote memory descriptor";
 
 impl Endpoint {
     /// Build an endpoint, checking QPN (`2..=0xffffff`), PSN (24 bits), MTU (256..4096, a power
-    /// of two) and device name (at most [`MAX_DEVICE_NAME`] bytes, no control characters).
+    /// of two) and device name (at most [`MAX_DEVICE_NAME`] bytes, no control characters). It
+    /// carries no UDP port (see [`Endpoint::with_udp_port`]).
     pub fn new(
         gid: impl Into<Gid>,
         qpn: u32,
@@ -238,9 +276,19 @@ impl Endpoint {
             psn,
             mtu,
             device: device.into(),
+            udp_port: None,
         };
         ep.validate()?;
         Ok(ep)
+    }
+
+    /// The same endpoint, saying that its soft NIC listens for RoCEv2 packets on UDP `port` at
+    /// the GID's IPv4 address (`None`: says nothing, the peer is found by its GID alone).
+    /// Fails for port 0 and for a GID that is not IPv4-mapped.
+    pub fn with_udp_port(mut self, port: Option<u16>) -> Result<Self> {
+        self.udp_port = port;
+        self.validate()?;
+        Ok(self)
     }
 
     /// Check every field. Always passes for a value in hand ([`Endpoint::new`] and decoding
@@ -267,6 +315,22 @@ impl Endpoint {
                 reason: "contains control characters",
             });
         }
+        if let Some(port) = self.udp_port {
+            let reason = if port == 0 {
+                "port 0 is no port"
+            } else if self.gid.to_ipv4().is_none() {
+                "a UDP port needs an IPv4-mapped GID (::ffff:a.b.c.d): the wire speaks IPv4"
+            } else {
+                ""
+            };
+            if !reason.is_empty() {
+                return Err(EndpointError::InvalidUdpPort {
+                    port,
+                    gid: self.gid,
+                    reason,
+                });
+            }
+        }
         Ok(())
     }
 
@@ -289,6 +353,21 @@ impl Endpoint {
     /// The device name/kind, for diagnostics only (e.g. `"softnic:soft0"`, `"mlx5_0"`).
     pub fn device(&self) -> &str {
         &self.device
+    }
+    /// The UDP port the QP's soft NIC listens on, when the endpoint says (a soft NIC with a wire
+    /// port always does). `None`: the RoCEv2 default, [`ROCE_UDP_PORT`], for a wire peer; or a
+    /// peer in the same process, found by its GID.
+    pub fn udp_port(&self) -> Option<u16> {
+        self.udp_port
+    }
+    /// Where RoCEv2 packets for this QP go: the GID's IPv4 address and [`Endpoint::udp_port`]
+    /// (4791 when absent). `None` for a GID that is not IPv4-mapped.
+    pub fn udp_addr(&self) -> Option<SocketAddr> {
+        let ip = self.gid.to_ipv4()?;
+        Some(SocketAddr::from((
+            ip,
+            self.udp_port.unwrap_or(ROCE_UDP_PORT),
+        )))
     }
 
     /// A random 24-bit initial PSN, as perftest draws one (`lrand48() & 0xffffff`), so that a
@@ -345,7 +424,7 @@ impl Endpoint {
                 what: ENDPOINT,
                 source,
             })?;
-        Self::new(w.gid, w.qpn, w.psn, w.mtu, w.device)
+        Self::new(w.gid, w.qpn, w.psn, w.mtu, w.device)?.with_udp_port(w.udp_port)
     }
 
     fn to_wire(&self) -> EndpointV1 {
@@ -356,18 +435,24 @@ impl Endpoint {
             psn: self.psn,
             mtu: self.mtu,
             device: self.device.clone(),
+            udp_port: self.udp_port,
         }
     }
 }
 
 impl fmt::Display for Endpoint {
-    /// perftest style: `GID ::ffff:127.1.0.1 QPN 0x000100 PSN 0x123456 MTU 1024 (softnic:soft0)`.
+    /// perftest style: `GID ::ffff:127.1.0.1 QPN 0x000100 PSN 0x123456 MTU 1024 (softnic:soft0)`,
+    /// with ` UDP 40123` before the device name when the endpoint carries a UDP port.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "GID {} QPN {:#08x} PSN {:#08x} MTU {} ({})",
-            self.gid, self.qpn, self.psn, self.mtu, self.device
-        )
+            "GID {} QPN {:#08x} PSN {:#08x} MTU {}",
+            self.gid, self.qpn, self.psn, self.mtu
+        )?;
+        if let Some(p) = self.udp_port {
+            write!(f, " UDP {p}")?;
+        }
+        write!(f, " ({})", self.device)
     }
 }
 
@@ -560,6 +645,45 @@ mod tests {
         assert_eq!(a.rq_psn, 0x456);
         assert_eq!(a.mtu, 2048);
         assert_eq!(a.remote_gid.0, [1; 16]);
+    }
+
+    #[test]
+    fn udp_port_is_optional_in_v1() {
+        let gid = Gid::from(softnic::Gid::from_ipv4(Ipv4Addr::new(10, 0, 0, 1)));
+        let v1 = br#"{"v":1,"gid":"::ffff:10.0.0.1","qpn":256,"psn":5,"mtu":1024,"device":"d"}"#;
+        let ep = Endpoint::from_bytes(v1).unwrap();
+        assert_eq!(ep.udp_port(), None);
+        assert_eq!(ep.udp_addr(), Some("10.0.0.1:4791".parse().unwrap()));
+        assert_eq!(ep.to_bytes(), v1.to_vec(), "written exactly as before");
+        let wired = ep.clone().with_udp_port(Some(40123)).unwrap();
+        let bytes = wired.to_bytes();
+        assert!(std::str::from_utf8(&bytes)
+            .unwrap()
+            .contains(r#""udp_port":40123"#));
+        let back = Endpoint::from_bytes(&bytes).unwrap();
+        assert_eq!(back, wired);
+        assert_eq!(back.udp_addr(), Some("10.0.0.1:40123".parse().unwrap()));
+        assert!(wired.to_string().contains("UDP 40123"), "{wired}");
+        assert!(matches!(
+            ep.clone().with_udp_port(Some(0)),
+            Err(EndpointError::InvalidUdpPort { port: 0, .. })
+        ));
+        let v6 = Endpoint::new(Gid([0xfe; 16]), 2, 0, 1024, "").unwrap();
+        assert!(matches!(
+            v6.with_udp_port(Some(4791)),
+            Err(EndpointError::InvalidUdpPort { port: 4791, .. })
+        ));
+        let bad = br#"{"v":1,"gid":"::ffff:10.0.0.1","qpn":256,"psn":5,"mtu":1024,"device":"d","udp_port":0}"#;
+        assert!(matches!(
+            Endpoint::from_bytes(bad),
+            Err(EndpointError::InvalidUdpPort { .. })
+        ));
+        let big = br#"{"v":1,"gid":"::ffff:10.0.0.1","qpn":256,"psn":5,"mtu":1024,"device":"d","udp_port":70000}"#;
+        assert!(matches!(
+            Endpoint::from_bytes(big),
+            Err(EndpointError::Decode { .. })
+        ));
+        assert_eq!(gid.to_ipv4(), Some(Ipv4Addr::new(10, 0, 0, 1)));
     }
 
     #[test]

@@ -1,19 +1,22 @@
 //! A GPU as gpuverbs uses it: a CUDA context with the embedded kernels loaded, host memory
-//! mapped into it (rings, doorbell pages, payload buffers), device memory, launches, and the
-//! export of QP descriptors into GPU memory.
+//! mapped into it (rings, doorbell pages, payload buffers), device memory, launches, the
+//! export of QP descriptors into GPU memory, and the soft NIC's access to this GPU's memory
+//! ([`Gpu::device_memory`]: CUDA copies on a stream of their own).
 
 use crate::cuda::{drv, open, with_driver, CudaError, DeviceInfo, Module};
 use crate::export::{db_mode, QpDesc};
 use crate::memory::{Access, HostBuffer, Mr};
 use crate::queue::{DoorbellMode, Qp};
 use crate::Error;
+use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext};
+use softnic::devmem::{same_memory, DeviceMemory, DeviceMemoryError};
 use softnic::DmaBuf;
 use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 /// `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP`.
 const HOST_REGISTER_FLAGS: u32 = 0x01 | 0x02;
@@ -35,7 +38,12 @@ pub struct Gpu {
     kernels: Option<Module>,
     info: DeviceInfo,
     mapped: Mutex<HashMap<u64, Mapping>>,
+    /// The soft NIC's access to this GPU's memory.
+    memory: Arc<GpuMemory>,
 }
+
+/// Every `Gpu` opened in this process (for [`owner_of`]).
+static OPEN: Mutex<Vec<Weak<Gpu>>> = Mutex::new(Vec::new());
 
 // SAFETY: CUDA driver handles (the context and the module) may be used from any thread; every
 // method binds the context to the calling thread before using them, and the mapping table is
@@ -60,13 +68,68 @@ impl Gpu {
                 Ok(image) => Some(Module::load(&ctx, image)?),
                 Err(_) => None,
             };
-            Ok(Arc::new(Self {
+            let memory = Arc::new(GpuMemory::new(&ctx)?);
+            let gpu = Arc::new(Self {
                 ctx,
                 kernels,
                 info,
                 mapped: Mutex::new(HashMap::new()),
-            }))
+                memory,
+            });
+            let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+            open.retain(|w| w.strong_count() > 0);
+            open.push(Arc::downgrade(&gpu));
+            Ok(gpu)
         })
+    }
+
+    /// How the soft NIC reaches this GPU's memory: regions registered with
+    /// [`crate::Pd::register_gpu`] / [`crate::Pd::register_device_mem`] and rings placed with
+    /// [`crate::RingPlacement::Gpu`] use it. Its copies run on a non-blocking stream of its
+    /// own, each synchronised before it returns (so a kernel running on the default stream
+    /// does not block them), staged through 1 MiB of pinned host memory.
+    pub fn device_memory(&self) -> Arc<dyn DeviceMemory> {
+        self.memory.clone()
+    }
+
+    /// Whether `dptr..dptr+len` lies in one allocation of this GPU's device memory.
+    fn holds(&self, dptr: u64, len: u64) -> bool {
+        let query = || -> Result<bool, CudaError> {
+            self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+            let mut kind: u32 = 0;
+            // SAFETY: the attribute is a 4-byte enum written through a valid pointer; any
+            // address may be queried (unknown ones are an error, not a fault).
+            let r = unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut kind as *mut u32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                    dptr,
+                )
+            };
+            if r.result().is_err() || kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+                return Ok(false);
+            }
+            let mut ordinal: i32 = -1;
+            // SAFETY: as above, a 4-byte int.
+            let r = unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut ordinal as *mut i32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    dptr,
+                )
+            };
+            if r.result().is_err() || ordinal as usize != self.info.ordinal {
+                return Ok(false);
+            }
+            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: two out-parameters through valid pointers.
+            let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, dptr) };
+            Ok(r.result().is_ok()
+                && dptr
+                    .checked_add(len)
+                    .is_some_and(|end| end <= base + size as u64))
+        };
+        with_driver("device pointer query", query).unwrap_or(false)
     }
 
     /// Loads a user's fatbin (e.g. built with `gpuverbs-build`) into this GPU's context.
@@ -202,17 +265,42 @@ impl Gpu {
     /// Allocates `len` bytes of device memory, zeroed.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Result<DeviceMem, CudaError> {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        // SAFETY: plain allocation; freed in DeviceMem::drop.
+        // SAFETY: plain allocation; freed when the last DeviceMem clone drops.
         let dptr = unsafe { cudarc::driver::result::malloc_sync(len.max(1)) }
             .map_err(drv("cuMemAlloc"))?;
-        // SAFETY: dptr holds at least len bytes.
-        unsafe { cudarc::driver::result::memset_d8_sync(dptr, 0, len.max(1)) }
-            .map_err(drv("cuMemsetD8"))?;
-        Ok(DeviceMem {
+        let mem = DeviceMem(Arc::new(Alloc {
             gpu: self.clone(),
             dptr,
             len,
-        })
+        }));
+        // SAFETY: dptr holds at least len bytes.
+        unsafe { cudarc::driver::result::memset_d8_sync(dptr, 0, len.max(1)) }
+            .map_err(drv("cuMemsetD8"))?;
+        Ok(mem)
+    }
+
+    /// A buffer of `len` bytes of this GPU's memory for a queue's ring, reached by the soft
+    /// NIC through [`Gpu::device_memory`]; the allocation lives as long as the buffer.
+    pub(crate) fn ring_buffer(self: &Arc<Self>, len: usize) -> Result<DmaBuf, CudaError> {
+        let mem = self.alloc(len)?;
+        Ok(DmaBuf::from_device(
+            mem.ptr(),
+            len,
+            self.device_memory(),
+            Box::new(mem),
+        ))
+    }
+
+    /// The device address kernels use for `buf`: its own address when it is in this GPU's
+    /// memory, else its mapping into the GPU (registered on first use).
+    fn gpu_addr(&self, buf: &DmaBuf, keep: Arc<dyn Any + Send + Sync>) -> Result<u64, Error> {
+        match buf.device_memory() {
+            None => Ok(self.map_buf(buf, keep)?),
+            Some(m) if same_memory(m, &self.device_memory()) => Ok(buf.addr()),
+            Some(_) => Err(Error::InvalidArgument(
+                "a ring of this QP is in another GPU's memory: export it to that GPU".into(),
+            )),
+        }
     }
 
     /// Launches kernel `name` of the embedded fatbin on the default stream and waits for it.
@@ -276,11 +364,11 @@ impl Gpu {
         let scratch = HostBuffer::new(64);
         let scratch_mr = qp.pd().register_with(&scratch, Access::LOCAL_WRITE)?;
         let keep_qp: Arc<dyn Any + Send + Sync> = s.clone();
-        let map_qp = |b: &DmaBuf| self.map_buf(b, keep_qp.clone());
+        let map_qp = |b: &DmaBuf| self.gpu_addr(b, keep_qp.clone());
         let ctrl = map_qp(s.ctrl_page())?;
         let uar = map_qp(s.uar())?;
         let (scq, rcq) = (qp.send_cq().soft(), qp.recv_cq().soft());
-        let map_cq = |cq: &Arc<softnic::Cq>, b: &DmaBuf| self.map_buf(b, cq.clone());
+        let map_cq = |cq: &Arc<softnic::Cq>, b: &DmaBuf| self.gpu_addr(b, cq.clone());
         let mode = qp.doorbell().0;
         let desc = QpDesc {
             sq_ring: map_qp(s.sq_ring())?,
@@ -312,7 +400,9 @@ impl Gpu {
                 DoorbellMode::BlueFlame => db_mode::BLUEFLAME,
                 DoorbellMode::CpuProxy => db_mode::CPU_PROXY,
             },
-            ring_loc: 0,
+            // The WQE release before the doorbell: system scope for a host-memory SQ, GPU
+            // scope for one in this GPU's memory (read by the NIC only after the doorbell).
+            ring_loc: u32::from(!s.sq_ring().is_host()),
             max_inline: s.max_inline(),
             scratch_lkey: scratch_mr.lkey().0,
             scq_collapsed: (scq.mode() == softnic::CqMode::Collapsed) as u32,
@@ -344,8 +434,200 @@ impl Drop for Gpu {
 /// A user's CUDA module loaded into a [`Gpu`]'s context; unloaded on drop.
 pub struct GpuModule(Module);
 
-/// Device memory; freed on drop.
-pub struct DeviceMem {
+/// The open [`Gpu`] whose device memory holds `dptr..dptr+len` (one allocation), for
+/// [`crate::Pd::register_gpu`]. `Error::Unsupported` when no `Gpu` is open in this process
+/// (nothing could reach the memory), `Error::InvalidArgument` when none of them holds it.
+pub(crate) fn owner_of(dptr: u64, len: u64) -> Result<Arc<Gpu>, Error> {
+    let open: Vec<Arc<Gpu>> = OPEN
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    if open.is_empty() {
+        return Err(Error::Unsupported(
+            "registering GPU memory needs the gpuverbs::gpu::Gpu it belongs to, and none is \
+             open in this process (Gpu::open; or use Pd::register_device_mem)"
+                .into(),
+        ));
+    }
+    open.into_iter()
+        .find(|g| g.holds(dptr, len))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{dptr:#x}+{len} is not inside one device-memory allocation of an open Gpu"
+            ))
+        })
+}
+
+/// Bytes of pinned host memory a [`GpuMemory`] stages its copies through.
+const STAGING: usize = 1 << 20;
+
+/// The soft NIC's access to one GPU's memory ([`Gpu::device_memory`]): CUDA copies
+/// (`cuMemcpy{DtoH,HtoD,DtoD}Async`, UVA addresses, so host-registered memory with a device
+/// address works too), staged through pinned host memory, on a non-blocking stream (no
+/// implicit synchronisation with the default stream, where kernels that wait for the very
+/// copies may be running), each synchronised before it returns, as [`DeviceMemory`]
+/// requires. The context is bound to whichever thread calls (the soft NIC's engine or wire
+/// thread). One copy at a time per GPU (a mutex).
+struct GpuMemory {
+    ctx: Arc<CudaContext>,
+    io: Mutex<Io>,
+}
+
+struct Io {
+    stream: sys::CUstream,
+    staging: *mut u8,
+}
+
+// SAFETY: the stream and the pinned buffer are used only under the mutex, with the context
+// bound to the calling thread; CUDA handles may be used from any thread.
+unsafe impl Send for Io {}
+
+impl GpuMemory {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
+        use cudarc::driver::result::stream;
+        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let stream =
+            stream::create(stream::StreamKind::NonBlocking).map_err(drv("cuStreamCreate"))?;
+        // SAFETY: a plain pinned allocation, freed in `drop`.
+        let staging = match unsafe { cudarc::driver::result::malloc_host(STAGING, 0) } {
+            Ok(p) => p.cast::<u8>(),
+            Err(e) => {
+                // SAFETY: created above, destroyed once.
+                let _ = unsafe { stream::destroy(stream) };
+                return Err(drv("cuMemHostAlloc")(e));
+            }
+        };
+        Ok(Self {
+            ctx: ctx.clone(),
+            io: Mutex::new(Io { stream, staging }),
+        })
+    }
+
+    /// Runs `f` under the mutex with the context bound (driver panics caught); a failure
+    /// names the call and the range.
+    fn with_io(
+        &self,
+        what: &'static str,
+        addr: u64,
+        len: usize,
+        f: impl FnOnce(&Io) -> Result<(), DriverError>,
+    ) -> Result<(), DeviceMemoryError> {
+        let io = self.io.lock().unwrap_or_else(|e| e.into_inner());
+        with_driver(what, || {
+            self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+            f(&io).map_err(drv(what))
+        })
+        .map_err(|e| DeviceMemoryError(format!("{e} (GPU address {addr:#x}, {len} bytes)")))
+    }
+}
+
+/// Which way a copy goes. Every copy names its direction: an address the driver does not know
+/// (device memory freed under a region) is then an error, never taken for a host pointer, as
+/// the pointer-inferring `cuMemcpy` would (and copy from or to host memory).
+#[derive(Clone, Copy)]
+enum Dir {
+    /// Device to the staging buffer.
+    DtoH,
+    /// The staging buffer to device.
+    HtoD,
+    /// Device to device.
+    DtoD,
+}
+
+/// One asynchronous copy on the stream, then a synchronisation.
+fn copy_sync(io: &Io, dir: Dir, dst: u64, src: u64, n: usize) -> Result<(), DriverError> {
+    // SAFETY: the device side is an address the soft NIC checked against a region (a bad one
+    // is an error), the host side the staging buffer, which holds at least `n` bytes.
+    unsafe {
+        match dir {
+            Dir::DtoH => sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, n, io.stream),
+            Dir::HtoD => sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, n, io.stream),
+            Dir::DtoD => sys::cuMemcpyDtoDAsync_v2(dst, src, n, io.stream),
+        }
+    }
+    .result()?;
+    // SAFETY: the stream is live (destroyed only in drop).
+    unsafe { sys::cuStreamSynchronize(io.stream) }.result()
+}
+
+impl DeviceMemory for GpuMemory {
+    fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), DeviceMemoryError> {
+        // SAFETY: `dst` is a live, exclusively borrowed slice of `dst.len()` bytes.
+        unsafe { self.read_to_host(src, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    fn write(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
+        // SAFETY: `src` is a live slice of `src.len()` bytes.
+        unsafe { self.write_from_host(dst, src.as_ptr(), src.len()) }
+    }
+
+    fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError> {
+        self.with_io("cuMemcpyAsync (device to device)", dst, len, |io| {
+            copy_sync(io, Dir::DtoD, dst, src, len)
+        })
+    }
+
+    unsafe fn read_to_host(
+        &self,
+        src: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), DeviceMemoryError> {
+        self.with_io("cuMemcpyAsync (device to host)", src, len, |io| {
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(STAGING);
+                copy_sync(io, Dir::DtoH, io.staging as u64, src + done as u64, n)?;
+                // SAFETY: the staging buffer holds `n` copied bytes; `dst + done .. + n` is
+                // inside the caller's writable range.
+                unsafe { std::ptr::copy_nonoverlapping(io.staging, dst.add(done), n) };
+                done += n;
+            }
+            Ok(())
+        })
+    }
+
+    unsafe fn write_from_host(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), DeviceMemoryError> {
+        self.with_io("cuMemcpyAsync (host to device)", dst, len, |io| {
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(STAGING);
+                // SAFETY: `src + done .. + n` is inside the caller's readable range; the
+                // staging buffer has STAGING bytes and is ours under the mutex.
+                unsafe { std::ptr::copy_nonoverlapping(src.add(done), io.staging, n) };
+                copy_sync(io, Dir::HtoD, dst + done as u64, io.staging as u64, n)?;
+                done += n;
+            }
+            Ok(())
+        })
+    }
+}
+
+impl Drop for GpuMemory {
+    fn drop(&mut self) {
+        let io = self.io.get_mut().unwrap_or_else(|e| e.into_inner());
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: created in `new`, each destroyed once, here; nothing uses them after.
+            unsafe {
+                let _ = cudarc::driver::result::stream::destroy(io.stream);
+                let _ = cudarc::driver::result::free_host(io.staging.cast());
+            }
+        }
+    }
+}
+
+/// Device memory; freed when the last clone drops (a registered region holds one).
+#[derive(Clone)]
+pub struct DeviceMem(Arc<Alloc>);
+
+struct Alloc {
     gpu: Arc<Gpu>,
     dptr: u64,
     len: usize,
@@ -354,44 +636,59 @@ pub struct DeviceMem {
 impl DeviceMem {
     /// Device address.
     pub fn ptr(&self) -> u64 {
-        self.dptr
+        self.0.dptr
     }
     /// Length.
     pub fn len(&self) -> usize {
-        self.len
+        self.0.len
     }
     /// Whether empty.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.0.len == 0
+    }
+    /// The GPU it belongs to.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.0.gpu
     }
     /// Copies host bytes in.
     pub fn write(&self, off: usize, src: &[u8]) -> Result<(), CudaError> {
-        assert!(off + src.len() <= self.len, "DeviceMem write out of range");
-        self.gpu
+        assert!(
+            off + src.len() <= self.len(),
+            "DeviceMem write out of range"
+        );
+        self.0
+            .gpu
             .ctx
             .bind_to_thread()
             .map_err(drv("cuCtxSetCurrent"))?;
         // SAFETY: the destination range is inside this allocation.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(self.dptr + off as u64, src) }
+        unsafe { cudarc::driver::result::memcpy_htod_sync(self.ptr() + off as u64, src) }
             .map_err(drv("cuMemcpyHtoD"))
     }
     /// Copies bytes out.
     pub fn read(&self, off: usize, dst: &mut [u8]) -> Result<(), CudaError> {
-        assert!(off + dst.len() <= self.len, "DeviceMem read out of range");
-        self.gpu
+        assert!(off + dst.len() <= self.len(), "DeviceMem read out of range");
+        self.0
+            .gpu
             .ctx
             .bind_to_thread()
             .map_err(drv("cuCtxSetCurrent"))?;
         // SAFETY: the source range is inside this allocation.
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, self.dptr + off as u64) }
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, self.ptr() + off as u64) }
             .map_err(drv("cuMemcpyDtoH"))
     }
 }
 
-impl Drop for DeviceMem {
+impl std::fmt::Debug for DeviceMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceMem({:#x}, {} bytes)", self.ptr(), self.len())
+    }
+}
+
+impl Drop for Alloc {
     fn drop(&mut self) {
         if self.gpu.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated in `Gpu::alloc`, freed once.
+            // SAFETY: allocated in `Gpu::alloc`, freed once, when the last clone is gone.
             let _ = unsafe { cudarc::driver::result::free_sync(self.dptr) };
         }
     }

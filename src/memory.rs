@@ -4,13 +4,19 @@
 //! drop deregisters it, waiting for any device copy in flight (the device never touches freed
 //! memory). Access rights default to the minimum: local write only; remote rights only when
 //! asked.
+//!
+//! Regions may be host memory ([`Pd::register`]) or GPU memory ([`Pd::register_device_mem`],
+//! [`Pd::register_gpu`]); the soft NIC moves the bytes of GPU regions with CUDA copies
+//! ([`crate::gpu::Gpu::device_memory`]).
 
 use crate::device::{Backend, Context};
+use crate::gpu::DeviceMem;
 use crate::Error;
+use softnic::devmem::DeviceMemory;
 use softnic::DmaBuf;
 use std::sync::Arc;
 
-pub use softnic::Access;
+pub use softnic::{Access, MemKind};
 
 /// A protection domain.
 #[derive(Clone, Debug)]
@@ -81,12 +87,21 @@ impl HostBuffer {
     }
 }
 
+/// What a region keeps alive.
+#[derive(Debug)]
+pub(crate) enum Keep {
+    /// Nothing: the caller keeps the memory valid.
+    Nothing,
+    Host(#[allow(dead_code)] HostBuffer),
+    Device(#[allow(dead_code)] DeviceMem),
+}
+
 /// A registered memory region.
 #[derive(Debug)]
 pub struct Mr {
     pd: Pd,
     info: softnic::MrInfo,
-    _buf: Option<HostBuffer>,
+    _keep: Keep,
 }
 
 impl Mr {
@@ -113,6 +128,10 @@ impl Mr {
     /// Rights.
     pub fn access(&self) -> Access {
         self.info.access
+    }
+    /// Where its bytes live: host memory or GPU memory.
+    pub fn kind(&self) -> MemKind {
+        self.info.kind
     }
     /// An SGE over `off..off+len` of this region.
     pub fn sge(&self, off: u64, len: u32) -> prm::Sge {
@@ -142,7 +161,7 @@ impl Pd {
         // SAFETY: the region keeps a clone of the buffer, so the memory outlives the
         // registration (which ends in `Mr::drop`).
         let mut mr = unsafe { self.register_raw(buf.addr(), buf.len() as u64, access)? };
-        mr._buf = Some(buf.clone());
+        mr._keep = Keep::Host(buf.clone());
         Ok(mr)
     }
 
@@ -158,18 +177,50 @@ impl Pd {
         Ok(Mr {
             pd: self.clone(),
             info,
-            _buf: None,
+            _keep: Keep::Nothing,
         })
     }
 
-    /// Registers GPU memory (a device pointer and length).
-    pub fn register_gpu(&self, _dptr: u64, _len: u64, _access: Access) -> Result<Mr, Error> {
-        match &self.ctx.inner.backend {
-            Backend::Soft(_) => Err(Error::Unsupported(
-                "the soft NIC registers host memory only; use a HostBuffer mapped into the GPU"
-                    .into(),
-            )),
-        }
+    /// Registers GPU memory: `dptr..dptr+len` must lie in one device-memory allocation
+    /// (`cuMemAlloc`, [`crate::gpu::Gpu::alloc`]) of a [`crate::gpu::Gpu`] open in this
+    /// process, which the caller keeps allocated while the region exists
+    /// ([`Pd::register_device_mem`] keeps it for you). The device reads and writes the region
+    /// only through that GPU's CUDA copies ([`crate::gpu::Gpu::device_memory`]), never with
+    /// host loads and stores; if the memory is freed under the region, transfers fail with
+    /// error CQEs (or land in whatever GPU memory reuses the addresses).
+    ///
+    /// Errors: `Error::Unsupported` when no `Gpu` is open, `Error::InvalidArgument` when the
+    /// range is not device memory of an open one, the device's checks (empty range, remote
+    /// write or atomic without local write).
+    pub fn register_gpu(&self, dptr: u64, len: u64, access: Access) -> Result<Mr, Error> {
+        let gpu = crate::gpu::owner_of(dptr, len)?;
+        self.register_device(gpu.device_memory(), dptr, len, access, Keep::Nothing)
+    }
+
+    /// Registers all of `mem` (GPU memory); the region keeps it allocated.
+    pub fn register_device_mem(&self, mem: &DeviceMem, access: Access) -> Result<Mr, Error> {
+        let keep = Keep::Device(mem.clone());
+        let dm = mem.gpu().device_memory();
+        self.register_device(dm, mem.ptr(), mem.len() as u64, access, keep)
+    }
+
+    /// Registers device memory reached through `mem`.
+    pub(crate) fn register_device(
+        &self,
+        mem: Arc<dyn DeviceMemory>,
+        dptr: u64,
+        len: u64,
+        access: Access,
+        keep: Keep,
+    ) -> Result<Mr, Error> {
+        let info = match &self.ctx.inner.backend {
+            Backend::Soft(d) => d.reg_device(self.id, dptr, len, access, mem)?,
+        };
+        Ok(Mr {
+            pd: self.clone(),
+            info,
+            _keep: keep,
+        })
     }
 
     /// The context.
@@ -187,5 +238,62 @@ impl Drop for Mr {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ConnectOptions, CqOptions, DeviceRequest, QpOptions};
+    use prm::wqe::{CtrlFlags, Local, Op};
+    use softnic::initiator::RingMode;
+    use softnic::SimDeviceMemory;
+    use std::time::Duration;
+
+    #[test]
+    fn device_memory_regions_through_the_host_api() {
+        let (a, b) = (
+            Context::open(DeviceRequest::Soft).unwrap(),
+            Context::open(DeviceRequest::Soft).unwrap(),
+        );
+        let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+        let (ca, cb) = (
+            a.create_cq(CqOptions::default()).unwrap(),
+            b.create_cq(CqOptions::default()).unwrap(),
+        );
+        let qa = pa.create_qp(QpOptions::new(&ca, &ca)).unwrap();
+        let qb = pb.create_qp(QpOptions::new(&cb, &cb)).unwrap();
+        let conn = ConnectOptions {
+            access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+            ..Default::default()
+        };
+        qa.connect(&qb.endpoint(), conn).unwrap();
+        qb.connect(&qa.endpoint(), conn).unwrap();
+        let gpu = SimDeviceMemory::new(1 << 16);
+        let rights = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let target = pb
+            .register_device(gpu.clone(), gpu.base(), 4096, rights, Keep::Nothing)
+            .unwrap();
+        assert_eq!(target.kind(), MemKind::Device);
+        let src = HostBuffer::new(4096);
+        src.write(0, b"to the GPU");
+        let src_mr = pa.register(&src).unwrap();
+        assert_eq!(src_mr.kind(), MemKind::Host);
+        let mut ini = qa.cpu_initiator(RingMode::Doca);
+        let w = Op::Write {
+            remote: target.remote(100),
+            local: Local::Sges(&[src_mr.sge(0, 10)]),
+            imm: None,
+        };
+        ini.post_and_ring(&w, CtrlFlags::SIGNALED).unwrap();
+        let done = ini.wait_send(Duration::from_secs(10)).unwrap();
+        assert!(matches!(done, prm::Completion::Req { .. }), "{done:?}");
+        assert_eq!(gpu.peek(gpu.base() + 100, 10), b"to the GPU");
+        assert!(gpu.counts().writes >= 1);
+        // without an open Gpu, a raw device pointer has nothing to reach it
+        assert!(matches!(
+            pb.register_gpu(gpu.base(), 64, Access::LOCAL_WRITE),
+            Err(Error::Unsupported(_))
+        ));
     }
 }

@@ -3,8 +3,10 @@
 
 use crate::device::Backend;
 use crate::endpoint::Endpoint;
+use crate::gpu::Gpu;
 use crate::memory::{Access, Pd};
 use crate::{Context, Error};
+use softnic::DmaBuf;
 use std::sync::Arc;
 
 pub use softnic::{CqInit, CqMode, QpState};
@@ -15,7 +17,11 @@ pub enum RingPlacement {
     /// Host memory, mapped into the GPU when a kernel drives the queue.
     #[default]
     HostMapped,
-    /// GPU memory.
+    /// GPU memory (cudaMalloc'ed), for a QP that only kernels drive: the SQ and RQ rings of a
+    /// QP, the CQE ring of a CQ. The doorbell record, the doorbell register (UAR) and the CQ
+    /// doorbell record stay in host memory, as on hardware (the UAR is NIC BAR space). Needs
+    /// the GPU: [`Context::create_cq_on`], [`Pd::create_qp_on`]. The CPU initiator cannot
+    /// drive such a queue ([`Qp::try_cpu_initiator`]).
     Gpu,
 }
 
@@ -92,21 +98,52 @@ impl Cq {
     pub fn soft(&self) -> &Arc<softnic::Cq> {
         &self.soft
     }
+    /// Where its CQE ring lives.
+    pub fn placement(&self) -> RingPlacement {
+        placement_of(self.soft.ring())
+    }
 }
 
-fn placement_supported(p: RingPlacement) -> Result<(), Error> {
+fn placement_of(ring: &DmaBuf) -> RingPlacement {
+    if ring.is_host() {
+        RingPlacement::HostMapped
+    } else {
+        RingPlacement::Gpu
+    }
+}
+
+/// `create_cq` / `create_qp` have no GPU to put rings in.
+fn needs_gpu(p: RingPlacement, what: &str) -> Result<(), Error> {
     match p {
         RingPlacement::HostMapped => Ok(()),
-        RingPlacement::Gpu => Err(Error::Unsupported(
-            "rings in GPU memory: the soft NIC engine reads rings from host memory only".into(),
-        )),
+        RingPlacement::Gpu => Err(Error::Unsupported(format!(
+            "rings in GPU memory need the GPU: use {what}(&gpu, options)"
+        ))),
     }
 }
 
 impl Context {
-    /// Creates a completion queue.
+    /// Creates a completion queue with its ring in host memory
+    /// ([`RingPlacement::Gpu`] needs [`Context::create_cq_on`]).
     pub fn create_cq(&self, o: CqOptions) -> Result<Cq, Error> {
-        placement_supported(o.placement)?;
+        needs_gpu(o.placement, "Context::create_cq_on")?;
+        self.create_cq_with(o, None)
+    }
+
+    /// Creates a completion queue whose ring is placed as `o.placement` says: in `gpu`'s
+    /// memory for [`RingPlacement::Gpu`] (its CQ doorbell record stays in host memory).
+    pub fn create_cq_on(&self, gpu: &Arc<Gpu>, o: CqOptions) -> Result<Cq, Error> {
+        let ring = match o.placement {
+            RingPlacement::HostMapped => None,
+            RingPlacement::Gpu => {
+                let bytes = (o.depth as usize).saturating_mul(prm::CQE_SIZE);
+                Some(gpu.ring_buffer(bytes)?)
+            }
+        };
+        self.create_cq_with(o, ring)
+    }
+
+    fn create_cq_with(&self, o: CqOptions, ring: Option<DmaBuf>) -> Result<Cq, Error> {
         if !o.depth.is_power_of_two() {
             return Err(Error::InvalidArgument(format!(
                 "CQ depth {} is not a power of two",
@@ -118,7 +155,7 @@ impl Context {
                 ncqe: o.depth,
                 mode: o.mode,
                 init: o.init,
-                ring: None,
+                ring,
             })?,
         };
         Ok(Cq {
@@ -207,9 +244,31 @@ pub struct Qp {
 }
 
 impl Pd {
-    /// Creates an RC QP in RESET.
+    /// Creates an RC QP in RESET, its rings in host memory ([`RingPlacement::Gpu`] needs
+    /// [`Pd::create_qp_on`]).
     pub fn create_qp(&self, o: QpOptions) -> Result<Qp, Error> {
-        placement_supported(o.placement)?;
+        needs_gpu(o.placement, "Pd::create_qp_on")?;
+        self.create_qp_with(o, None)
+    }
+
+    /// Creates an RC QP in RESET whose SQ and RQ rings are placed as `o.placement` says: in
+    /// `gpu`'s memory for [`RingPlacement::Gpu`] (the doorbell record, the CPU-proxy word and
+    /// the doorbell register stay in host memory). Its CQs are placed by their own options.
+    pub fn create_qp_on(&self, gpu: &Arc<Gpu>, o: QpOptions) -> Result<Qp, Error> {
+        let rings = match o.placement {
+            RingPlacement::HostMapped => None,
+            RingPlacement::Gpu => {
+                let sq = (o.sq_blocks as usize).saturating_mul(prm::WQEBB);
+                let stride = (o.max_recv_sge.clamp(1, 32) * 16).next_power_of_two() as usize;
+                let rq = (o.rq_wqes as usize).saturating_mul(stride);
+                Some((gpu.ring_buffer(sq)?, gpu.ring_buffer(rq)?))
+            }
+        };
+        self.create_qp_with(o, rings)
+    }
+
+    fn create_qp_with(&self, o: QpOptions, rings: Option<(DmaBuf, DmaBuf)>) -> Result<Qp, Error> {
+        let (sq_ring, rq_ring) = rings.unzip();
         let (mode, reason) = match o.doorbell {
             DoorbellMode::Auto => (
                 DoorbellMode::GpuDoorbell,
@@ -232,8 +291,8 @@ impl Pd {
                 } else {
                     softnic::DoorbellKind::Register
                 },
-                sq_ring: None,
-                rq_ring: None,
+                sq_ring,
+                rq_ring,
             })?,
         };
         tracing::debug!(qpn = soft.qpn(), ?mode, %reason, "QP created");
@@ -292,12 +351,14 @@ impl Qp {
             4096,
             sel.name.clone(),
         )
-        .expect("a device's own QPN, PSN and MTU are in range")
+        .and_then(|e| e.with_udp_port(self.pd.ctx.udp_port()))
+        .expect("a device's own QPN, PSN, MTU and UDP port are in range")
     }
 
     /// RESET → INIT → RTR → RTS towards `remote`, at the smaller of both MTUs.
     pub fn connect(&self, remote: &Endpoint, o: ConnectOptions) -> Result<(), Error> {
         use softnic::Modify;
+        self.pd.ctx.route_to(&self.soft, remote)?;
         self.soft.modify(Modify::Init { access: o.access })?;
         let mut rtr = remote.rtr_attr(o.min_rnr_timer);
         rtr.mtu = remote.common_mtu(&self.endpoint());
@@ -316,13 +377,37 @@ impl Qp {
         Ok(self.soft.modify(m)?)
     }
 
+    /// Where its SQ and RQ rings live.
+    pub fn placement(&self) -> RingPlacement {
+        placement_of(self.soft.sq_ring())
+    }
+
     /// A CPU initiator on this QP (it takes the QP's CQs for itself).
+    ///
+    /// # Panics
+    /// When the QP or one of its CQs has its rings in GPU memory; see
+    /// [`Qp::try_cpu_initiator`].
     pub fn cpu_initiator(
         &self,
         mode: softnic::initiator::RingMode,
     ) -> softnic::initiator::Initiator {
+        match self.try_cpu_initiator(mode) {
+            Ok(i) => i,
+            Err(e) => panic!("Qp::cpu_initiator: {e}"),
+        }
+    }
+
+    /// A CPU initiator on this QP, or an error when the QP or one of its CQs has its rings in
+    /// GPU memory ([`RingPlacement::Gpu`]): the CPU writes WQEs and polls CQEs with host
+    /// stores and loads, which GPU memory does not take. Drive such a QP from a kernel.
+    pub fn try_cpu_initiator(
+        &self,
+        mode: softnic::initiator::RingMode,
+    ) -> Result<softnic::initiator::Initiator, Error> {
         match &self.pd.ctx.inner.backend {
-            Backend::Soft(d) => softnic::initiator::Initiator::for_soft_qp(d, &self.soft, mode),
+            Backend::Soft(d) => Ok(softnic::initiator::Initiator::try_for_soft_qp(
+                d, &self.soft, mode,
+            )?),
         }
     }
 }
@@ -332,5 +417,57 @@ impl Drop for Qp {
         match &self.pd.ctx.inner.backend {
             Backend::Soft(d) => d.destroy_qp(&self.soft),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DeviceRequest;
+    use softnic::initiator::RingMode;
+    use softnic::SimDeviceMemory;
+
+    #[test]
+    fn rings_in_device_memory_reach_the_device_and_refuse_the_cpu() {
+        let ctx = Context::open(DeviceRequest::Soft).unwrap();
+        let pd = ctx.alloc_pd();
+        let gpu_o = CqOptions {
+            depth: 64,
+            placement: RingPlacement::Gpu,
+            ..Default::default()
+        };
+        // without the GPU: an error that names the call to use
+        match ctx.create_cq(gpu_o) {
+            Err(Error::Unsupported(m)) => assert!(m.contains("create_cq_on"), "{m}"),
+            r => panic!("{r:?}"),
+        }
+        let mem = SimDeviceMemory::new(1 << 20);
+        let ring = |off: u64, len: usize| {
+            DmaBuf::from_device(mem.base() + off, len, mem.clone(), Box::new(()))
+        };
+        let cq = ctx.create_cq_with(gpu_o, Some(ring(0, 64 * 64))).unwrap();
+        assert_eq!(cq.placement(), RingPlacement::Gpu);
+        let host_cq = ctx.create_cq(CqOptions::default()).unwrap();
+        assert_eq!(host_cq.placement(), RingPlacement::HostMapped);
+        let mut o = QpOptions::new(&host_cq, &host_cq);
+        o.placement = RingPlacement::Gpu;
+        match pd.create_qp(o.clone()) {
+            Err(Error::Unsupported(m)) => assert!(m.contains("create_qp_on"), "{m}"),
+            r => panic!("{r:?}"),
+        }
+        let qp = pd
+            .create_qp_with(o, Some((ring(0x10000, 256 * 64), ring(0x20000, 256 * 16))))
+            .unwrap();
+        assert_eq!(qp.placement(), RingPlacement::Gpu);
+        assert!(matches!(
+            qp.try_cpu_initiator(RingMode::Doca),
+            Err(Error::Soft(softnic::Error::InvalidArgument(_)))
+        ));
+        // a host QP on a device-memory CQ is refused too
+        let q2 = pd.create_qp(QpOptions::new(&cq, &host_cq)).unwrap();
+        assert_eq!(q2.placement(), RingPlacement::HostMapped);
+        assert!(q2.try_cpu_initiator(RingMode::Doca).is_err());
+        let q3 = pd.create_qp(QpOptions::new(&host_cq, &host_cq)).unwrap();
+        assert!(q3.try_cpu_initiator(RingMode::Doca).is_ok());
     }
 }

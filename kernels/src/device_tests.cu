@@ -104,3 +104,39 @@ GPUVERBS_KERNEL void gv_test_wait_signal(const uint64_t* sig, uint64_t value, ui
     device_tests::report(out, gpuverbs::wait_signal(sig, value, budget), e);
     if (out[0] == 0) out[4] = 1;  // reached
 }
+
+// Payload in GPU memory, produced and consumed by the kernel: the block fills `n` bytes
+// (n % 4 == 0) at `local` (device memory, registered with lkey `lk`) with
+// gpuverbs_selftest_value(seed, word); thread 0 puts them to `remote`, quiets, gets them back
+// into `local + n`, quiets; then the block checks every word it got back, loading them past
+// the L1 (the device wrote them with copies the SMs did not see). out[4] = index + 1 of a
+// mismatching word (status INVALID), 0 when all match.
+GPUVERBS_KERNEL void gv_test_gpumem_roundtrip(gpuverbs_qp* q, uint64_t local, uint32_t lk,
+                                              uint64_t remote, uint32_t rk, uint32_t n,
+                                              uint32_t seed, uint64_t budget, int* out) {
+    using namespace gpuverbs;
+    uint32_t* words = reinterpret_cast<uint32_t*>(local);
+    const uint32_t count = n / 4;
+    for (uint32_t i = threadIdx.x; i < count; i += blockDim.x) {
+        words[i] = gpuverbs_selftest_value(seed, i);
+    }
+    __syncthreads();
+    __shared__ int st;
+    if (threadIdx.x == 0) {
+        error e{};
+        status s = put(q, local, lkey{lk}, remote, rkey{rk}, n, false, budget);
+        if (s == OK) s = quiet(q, budget, &e);
+        if (s == OK) s = get(q, local + n, lkey{lk}, remote, rkey{rk}, n, false, budget);
+        if (s == OK) s = quiet(q, budget, &e);
+        if (s != OK && e.syndrome == 0) e = last_error(q);
+        device_tests::report(out, s, e);
+        st = s;
+    }
+    __syncthreads();
+    if (st != OK) return;
+    for (uint32_t i = threadIdx.x; i < count; i += blockDim.x) {
+        if (__ldcv(words + count + i) != gpuverbs_selftest_value(seed, i)) {
+            if (atomicCAS(&out[4], 0, (int)i + 1) == 0) atomicCAS(out, 0, (int)INVALID);
+        }
+    }
+}

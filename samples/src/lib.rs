@@ -6,9 +6,11 @@
 //! - [`open_env`]: opens the device and decides the initiator (GPU when a GPU and the kernels are
 //!   there, else the CPU, and why), [`check_placement`] refuses what the device cannot do.
 //! - [`Header`]: the block above the table, with every choice as resolved.
-//! - [`refuse_remote`]: the server/client roles: rendezvous over TCP with
-//!   [`gpuverbs::bootstrap::Bootstrap`], exchange of endpoints, and the clear refusal that
-//!   follows (soft NICs in different processes cannot reach each other yet).
+//! - [`Peer`]: the server/client roles: rendezvous over TCP with
+//!   [`gpuverbs::bootstrap::Bootstrap`], a soft NIC on the wire bound to the address that
+//!   reaches the peer ([`open_env_remote`]), the exchange of endpoints, parameters and memory
+//!   ([`Peer::hello`], [`Peer::step`]), and the steps of each size, in which a failure on
+//!   either side ends both with its reason.
 //! - [`pattern`]: the payload pattern and its checks; [`LatStats`], [`Peak`], [`Units`]: the
 //!   numbers; [`Progress`]: the progress line of long sweeps.
 //! - [`BwJob`], [`LatSide`], [`GpuStatus`], [`Exports`]: what the kernels in
@@ -20,13 +22,16 @@ use gpuverbs::bootstrap::Bootstrap;
 use gpuverbs::gpu::{DeviceMem, ExportedQp, Gpu};
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
 use gpuverbs::{
-    Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, Endpoint, HostBuffer,
-    Pd, Qp, QpOptions, RemoteMemory, RingPlacement,
+    Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, Endpoint, Pd, Qp,
+    QpOptions, RingPlacement,
 };
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use softnic::initiator::RingMode;
 use std::ffi::c_void;
 use std::io::{IsTerminal as _, Write as _};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -106,6 +111,19 @@ impl Placement {
     }
 }
 
+/// Parses a loss percentage (`0` .. `100`, fractions allowed).
+pub fn parse_loss(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .trim_end_matches('%')
+        .parse()
+        .map_err(|_| format!("{s:?} is not a percentage"))?;
+    if !(0.0..=100.0).contains(&v) {
+        return Err(format!("loss must be 0 .. 100 (percent), not {v}"));
+    }
+    Ok(v)
+}
+
 /// Parses a size: bytes, or with a K/M/G suffix (powers of 1024).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
@@ -179,10 +197,21 @@ pub struct CommonArgs {
     #[arg(short = 't', long, default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(16..=MAX_TX_DEPTH as i64))]
     pub tx_depth: u32,
-    /// Seconds any single wait may take (completion, peer, rendezvous) before the run fails.
+    /// Seconds any single wait may take (completion, rendezvous) before the run fails; a
+    /// step of the server/client roles waits up to 30 times this for the peer's part of it.
     #[arg(long, default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub timeout: u64,
+    /// Server/client roles: UDP port of this side's soft NIC (its wire port; 0: the system
+    /// picks one). It binds the local IPv4 address that reaches the peer; the endpoints tell
+    /// the peer where. GPUVERBS_SOFTNIC_ADDR=ip:port overrides the whole address.
+    #[arg(long, default_value_t = 0, conflicts_with = "loopback")]
+    pub wire_port: u16,
+    /// Server/client roles: drop this percentage of the datagrams this side's soft NIC sends
+    /// (fault injection: data from a sender, ACKs from a receiver); give it to both sides for
+    /// loss both ways. RC retransmission repairs it; every byte is still validated.
+    #[arg(long, value_name = "PCT", value_parser = parse_loss, conflicts_with = "loopback")]
+    pub loss: Option<f64>,
     /// One JSON object per size on stdout (the header goes to stderr).
     #[arg(long)]
     pub json: bool,
@@ -246,36 +275,102 @@ pub fn device_request(d: Option<&str>) -> DeviceRequest {
 /// without `--initiator`, the GPU is used when it opens, and otherwise the CPU, with the reason.
 pub fn open_env(a: &CommonArgs) -> Result<Env> {
     let ctx = Context::open(device_request(a.device.as_deref())).context("open the RDMA device")?;
+    resolve_env(a, ctx, None)
+}
+
+/// The server/client roles' device: a soft NIC with a wire port on the local IPv4 address that
+/// reaches the peer (the route's source address) and `--wire-port` (GPUVERBS_SOFTNIC_ADDR
+/// overrides both), with `--loss` applied to what it sends; then the initiator as
+/// [`open_env`] resolves it. `no_gpu`: why this test cannot use the GPU initiator across
+/// processes (`--initiator gpu` is then an error, and the automatic choice the CPU).
+pub fn open_env_remote(a: &CommonArgs, peer: &Peer, no_gpu: Option<&str>) -> Result<Env> {
+    let ip = local_ip_towards(peer.addr.ip())?;
+    let bind = SocketAddr::from((ip, a.wire_port));
+    let ctx = Context::open_wire(device_request(a.device.as_deref()), bind)
+        .with_context(|| format!("open the RDMA device with a wire port on {bind}"))?;
+    let dev = ctx
+        .soft_device()
+        .context("the server/client roles need a soft NIC")?;
+    if ctx.wire_addr().is_none() {
+        bail!("the device {} has no wire port", ctx.selection());
+    }
+    if let Some(pct) = a.loss.filter(|&p| p > 0.0) {
+        // One decision sequence per role, the same every run.
+        let seed = 0x5eed_0000 + u64::from(peer.bs.rank());
+        dev.set_wire_faults(softnic::WireFaults::loss(pct / 100.0, seed))
+            .context("--loss: set the fault injection")?;
+    }
+    resolve_env(a, ctx, no_gpu)
+}
+
+/// The source address the kernel picks for packets to `peer`: the local address the peer can
+/// answer to (127.0.0.1 for a peer on 127.0.0.1).
+pub fn local_ip_towards(peer: IpAddr) -> Result<Ipv4Addr> {
+    let v4 = match peer {
+        IpAddr::V4(v) => v,
+        IpAddr::V6(v) => v.to_ipv4_mapped().with_context(|| {
+            format!(
+                "the peer is at {v}, an IPv6 address, and the soft NIC's wire speaks IPv4 only: \
+                 use its IPv4 address (or set GPUVERBS_SOFTNIC_ADDR)"
+            )
+        })?,
+    };
+    let probe = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).context("bind a UDP probe socket")?;
+    // A connected UDP socket sends nothing; it only asks the kernel for the route.
+    probe
+        .connect((v4, 9))
+        .with_context(|| format!("no route to the peer's address {v4}"))?;
+    match probe
+        .local_addr()
+        .context("the route's source address")?
+        .ip()
+    {
+        IpAddr::V4(ip) if !ip.is_unspecified() => Ok(ip),
+        other => bail!("the route to {v4} has no IPv4 source address (got {other})"),
+    }
+}
+
+/// Resolves the GPU and the initiator for an opened device.
+fn resolve_env(a: &CommonArgs, ctx: Context, no_gpu: Option<&str>) -> Result<Env> {
     // The GPU initiator needs a GPU and gpuverbs' kernels (a build without nvcc has none).
     let open_gpu = || -> Result<Arc<Gpu>, gpuverbs::cuda::CudaError> {
         gpuverbs::cuda::fatbin()?;
         Gpu::open(a.gpu)
     };
-    let (gpu, gpu_line, initiator, why) = match a.initiator {
-        Some(Initiator::Cpu) => (
+    let (gpu, gpu_line, initiator, why) = match (a.initiator, no_gpu) {
+        (Some(Initiator::Gpu), Some(why)) => bail!("--initiator gpu: {why}"),
+        (None, Some(why)) => (
             None,
-            "not used (--initiator cpu)".to_string(),
+            "not used (the CPU posts across processes)".to_string(),
             Initiator::Cpu,
-            "requested".to_string(),
+            format!("auto: {why}"),
         ),
-        Some(Initiator::Gpu) => {
-            let g =
-                open_gpu().with_context(|| format!("--initiator gpu: cannot use GPU {}", a.gpu))?;
-            let line = g.info().to_string();
-            (Some(g), line, Initiator::Gpu, "requested".to_string())
-        }
-        None => match open_gpu() {
-            Ok(g) => {
-                let line = g.info().to_string();
-                let why = format!("auto: GPU {} and the gpuverbs kernels are available", a.gpu);
-                (Some(g), line, Initiator::Gpu, why)
-            }
-            Err(e) => (
+        (i, _) => match i {
+            Some(Initiator::Cpu) => (
                 None,
-                format!("none usable: {e}"),
+                "not used (--initiator cpu)".to_string(),
                 Initiator::Cpu,
-                format!("auto: no usable GPU {} (see GPU), so the CPU posts", a.gpu),
+                "requested".to_string(),
             ),
+            Some(Initiator::Gpu) => {
+                let g = open_gpu()
+                    .with_context(|| format!("--initiator gpu: cannot use GPU {}", a.gpu))?;
+                let line = g.info().to_string();
+                (Some(g), line, Initiator::Gpu, "requested".to_string())
+            }
+            None => match open_gpu() {
+                Ok(g) => {
+                    let line = g.info().to_string();
+                    let why = format!("auto: GPU {} and the gpuverbs kernels are available", a.gpu);
+                    (Some(g), line, Initiator::Gpu, why)
+                }
+                Err(e) => (
+                    None,
+                    format!("none usable: {e}"),
+                    Initiator::Cpu,
+                    format!("auto: no usable GPU {} (see GPU), so the CPU posts", a.gpu),
+                ),
+            },
         },
     };
     Ok(Env {
@@ -287,34 +382,23 @@ pub fn open_env(a: &CommonArgs) -> Result<Env> {
     })
 }
 
-/// Refuses `--mem gpu` with the reason: payload buffers in GPU memory must be registered with
-/// the device, which the soft NIC cannot do (its engine reads and writes host memory only).
-/// `--rings gpu` is refused by the device itself when the first CQ is made
-/// ([`create_qp`] says which option it was).
+/// Refuses `--mem gpu` with the reason: the samples keep payload buffers in host memory (the
+/// API can register GPU memory; the samples do not use it yet). `--rings gpu` is refused when
+/// the first QP is made ([`create_qp`]).
 pub fn check_placement(a: &CommonArgs, env: &Env) -> Result<()> {
     if a.mem == Placement::Host {
         return Ok(());
     }
-    let pd = env.ctx.alloc_pd();
-    let Some(gpu) = &env.gpu else {
-        let soft = env.ctx.soft_device().is_some();
+    if env.gpu.is_none() {
         bail!(
-            "--mem gpu: payload buffers in GPU memory need a GPU, and this run has none ({}){}",
-            env.gpu_line,
-            if soft {
-                "; besides, the soft NIC registers host memory only (use --mem host)"
-            } else {
-                ""
-            }
+            "--mem gpu: payload buffers in GPU memory need a GPU, and this run has none ({})",
+            env.gpu_line
         );
-    };
-    let mem = gpu.alloc(4096).context("--mem gpu: allocate GPU memory")?;
-    match pd.register_gpu(mem.ptr(), 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE) {
-        Ok(_) => bail!("--mem gpu: this sample does not place payloads in GPU memory yet"),
-        Err(e) => {
-            Err(e).context("--mem gpu: the device cannot register GPU memory (use --mem host)")
-        }
     }
+    bail!(
+        "--mem gpu: this sample keeps its payload buffers in host memory only (GPU-memory regions \
+         exist in the API: Pd::register_device_mem / Pd::register_gpu; use --mem host)"
+    )
 }
 
 /// The doorbell convention a CPU initiator uses for a QP created with `db`, or why it cannot.
@@ -379,7 +463,10 @@ pub struct QpSpec {
 pub fn create_qp(pd: &Pd, spec: QpSpec) -> Result<Qp> {
     let placement = match spec.rings {
         Placement::Host => RingPlacement::HostMapped,
-        Placement::Gpu => RingPlacement::Gpu,
+        Placement::Gpu => bail!(
+            "--rings gpu: this sample keeps its rings in host memory only (GPU-resident rings \
+             exist in the API: Context::create_cq_on / Pd::create_qp_on; use --rings host)"
+        ),
     };
     let ctx = pd.context();
     let cq = ctx
@@ -496,95 +583,275 @@ pub fn table_row(cells: &[(String, usize)]) -> String {
 // Server / client roles
 // ---------------------------------------------------------------------------------------------
 
+/// How much longer than `--timeout` a step waits for the peer's part of it (the peer's own
+/// waits are bounded by `--timeout`; a peer that dies closes the connection at once).
+pub const STEP_WAIT_FACTOR: u32 = 30;
+
 /// What each side tells the other at the rendezvous.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Hello {
-    test: String,
-    params: Value,
-    endpoints: Vec<Endpoint>,
-    memory: RemoteMemory,
+#[derive(Serialize, Deserialize)]
+pub struct Hello {
+    /// The test (`put_bw`, `write_lat`).
+    pub test: String,
+    /// What both sides must agree on (sizes, iterations, ...).
+    pub params: Value,
+    /// This side's QPs, in order: QP k connects to the peer's QP k.
+    pub endpoints: Vec<Endpoint>,
+    /// Test-specific facts about this side the peer needs (not compared).
+    pub facts: Value,
 }
 
-/// The server/client roles: sets up this side (device, `nqps` QPs, a receive buffer of
-/// `buf_len` bytes), meets the peer over TCP (`-p`), exchanges endpoints and the memory
-/// descriptor, checks that both sides run the same test with the same parameters — and then
-/// refuses to go on, because soft NICs in different processes cannot reach each other yet.
-/// Always returns an error (the reason).
-pub fn refuse_remote(
-    a: &CommonArgs,
-    test: &str,
-    nqps: u32,
-    buf_len: usize,
-    spec: QpSpec,
-    params: Value,
-) -> Result<()> {
-    let ctx = Context::open(device_request(a.device.as_deref())).context("open the RDMA device")?;
-    let pd = ctx.alloc_pd();
-    let qps = (0..nqps)
-        .map(|_| create_qp(&pd, spec))
-        .collect::<Result<Vec<_>>>()?;
-    let buf = HostBuffer::new(buf_len.max(4096));
-    let mr = pd.register_with(&buf, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
-    let mine = Hello {
-        test: test.to_string(),
-        params: params.clone(),
-        endpoints: qps.iter().map(Qp::endpoint).collect(),
-        memory: RemoteMemory::export_rkey(mr.addr(), mr.len(), mr.rkey().0)?,
-    };
-    let mut bs = match &a.server {
-        None => {
-            let addr = format!("0.0.0.0:{}", a.port);
-            eprintln!(
-                "{test}: server: waiting for a client on port {} ({}s)",
-                a.port, a.timeout
+/// A step's outcome, as it travels.
+#[derive(Serialize)]
+struct StepOut<'a, T> {
+    step: &'a str,
+    outcome: Result<&'a T, String>,
+}
+
+#[derive(Deserialize)]
+struct StepIn<T> {
+    step: String,
+    outcome: Result<T, String>,
+}
+
+/// The other process of the server/client roles, over the TCP bootstrap.
+pub struct Peer {
+    /// The bootstrap connection (rank 0: server, rank 1: client).
+    pub bs: Bootstrap,
+    /// The peer's TCP address.
+    pub addr: SocketAddr,
+    /// `"server"` or `"client"`: this side.
+    pub role: &'static str,
+    /// `"client"` or `"server"`: the other side.
+    pub peer_role: &'static str,
+}
+
+impl Peer {
+    /// Meets the peer over TCP on `-p`: the server waits for a client, the client connects to
+    /// the server (retrying until `--timeout`).
+    pub fn rendezvous(a: &CommonArgs, test: &str) -> Result<Self> {
+        let bs = match &a.server {
+            None => {
+                let addr = format!("0.0.0.0:{}", a.port);
+                eprintln!(
+                    "{test}: server: waiting for a client on port {} ({}s)",
+                    a.port, a.timeout
+                );
+                Bootstrap::server(addr.as_str(), a.wait()).context("rendezvous (server)")?
+            }
+            Some(host) => {
+                let addr = if host.contains(':') && !host.starts_with('[') {
+                    format!("[{host}]:{}", a.port)
+                } else {
+                    format!("{host}:{}", a.port)
+                };
+                eprintln!("{test}: client: connecting to {addr}");
+                Bootstrap::client(addr.as_str(), a.wait()).context("rendezvous (client)")?
+            }
+        };
+        let addr = bs
+            .peer_addr(1 - bs.rank())
+            .context("the bootstrap connection has no peer address")?;
+        let (role, peer_role) = if bs.rank() == 0 {
+            ("server", "client")
+        } else {
+            ("client", "server")
+        };
+        Ok(Self {
+            bs,
+            addr,
+            role,
+            peer_role,
+        })
+    }
+
+    /// The side this process plays: 0 (A, the client: it sends first) or 1 (B, the server).
+    pub fn side(&self) -> usize {
+        if self.bs.rank() == 0 {
+            1
+        } else {
+            0
+        }
+    }
+
+    /// Exchanges [`Hello`]s and checks that both sides run `test` with the same `params`.
+    /// Afterwards a step may wait [`STEP_WAIT_FACTOR`] × `--timeout` for the peer.
+    pub fn hello(
+        &mut self,
+        a: &CommonArgs,
+        test: &str,
+        params: Value,
+        endpoints: Vec<Endpoint>,
+        facts: Value,
+    ) -> Result<Hello> {
+        let mine = Hello {
+            test: test.to_string(),
+            params,
+            endpoints,
+            facts,
+        };
+        let peer: Hello = self
+            .bs
+            .exchange(&mine)
+            .context("exchange endpoints with the peer")?;
+        if peer.test != test {
+            bail!("the peer runs {}, not {test}", peer.test);
+        }
+        if peer.params != mine.params {
+            bail!(
+                "the peer's parameters differ: ours {}, theirs {}",
+                mine.params,
+                peer.params
             );
-            Bootstrap::server(addr.as_str(), a.wait()).context("rendezvous (server)")?
         }
-        Some(host) => {
-            let addr = if host.contains(':') && !host.starts_with('[') {
-                format!("[{host}]:{}", a.port)
-            } else {
-                format!("{host}:{}", a.port)
-            };
-            eprintln!("{test}: client: connecting to {addr}");
-            Bootstrap::client(addr.as_str(), a.wait()).context("rendezvous (client)")?
+        if peer.endpoints.len() != mine.endpoints.len() {
+            bail!(
+                "the peer has {} QPs, this side {}",
+                peer.endpoints.len(),
+                mine.endpoints.len()
+            );
         }
-    };
-    let peer: Hello = bs
-        .exchange(&mine)
-        .context("exchange endpoints with the peer")?;
-    bs.barrier().context("rendezvous barrier")?;
-    if peer.test != test {
-        bail!("the peer runs {}, not {test}", peer.test);
-    }
-    if peer.params != params {
-        bail!(
-            "the peer's parameters differ: ours {params}, theirs {}",
-            peer.params
+        let qpns: Vec<String> = peer
+            .endpoints
+            .iter()
+            .map(|e| format!("{:#x}", e.qpn()))
+            .collect();
+        eprintln!(
+            "{test}: {}: exchanged endpoints with the {} at {} (device {}, QPN {}, UDP {})",
+            self.role,
+            self.peer_role,
+            self.addr,
+            peer.endpoints.first().map_or("?", |e| e.device()),
+            qpns.join(", "),
+            peer.endpoints
+                .first()
+                .and_then(Endpoint::udp_addr)
+                .map_or("-".into(), |u| u.to_string()),
         );
+        self.bs
+            .set_timeout(a.wait().saturating_mul(STEP_WAIT_FACTOR));
+        Ok(peer)
     }
-    let qpns: Vec<String> = peer
-        .endpoints
-        .iter()
-        .map(|e| format!("{:#x}", e.qpn()))
-        .collect();
-    eprintln!(
-        "{test}: {}: exchanged endpoints with {} (device {}, QPN {}, {} B of remote memory)",
-        a.role(),
-        bs.peer_addr(1 - bs.rank())
-            .map_or("the peer".into(), |s| s.to_string()),
-        peer.endpoints.first().map_or("?", |e| e.device()),
-        qpns.join(", "),
-        peer.memory.len()
-    );
-    match ctx.soft_device() {
-        Some(_) => bail!(
-            "soft NICs in different processes cannot reach each other yet: soft devices find \
-             each other only inside one process (there is no wire transport between processes \
-             yet). Run both sides in one process with --loopback"
+
+    /// One step both sides take: sends this side's outcome, receives the peer's. A failure on
+    /// this side is returned (after the peer has been told); a failure the peer reports ends
+    /// this side too, with the peer's reason. Both sides must name the same step.
+    pub fn step<T: Serialize + DeserializeOwned>(
+        &mut self,
+        name: &str,
+        mine: Result<T>,
+    ) -> Result<T> {
+        let out = StepOut {
+            step: name,
+            outcome: mine.as_ref().map_err(|e| format!("{e:#}")),
+        };
+        let bytes = serde_json::to_vec(&out).context("encode a step")?;
+        let theirs = if self.bs.rank() == 0 {
+            self.bs.send(&bytes).and_then(|()| self.bs.recv())
+        } else {
+            self.bs
+                .recv()
+                .and_then(|t| self.bs.send(&bytes).map(|()| t))
+        };
+        // This side's failure first: it is the cause when both failed.
+        mine.with_context(|| format!("{} ({name})", self.role))?;
+        let theirs = theirs.with_context(|| {
+            format!(
+                "lost the {} during \"{name}\" (it stopped or failed)",
+                self.peer_role
+            )
+        })?;
+        let theirs: StepIn<T> = serde_json::from_slice(&theirs)
+            .with_context(|| format!("decode the {}'s \"{name}\"", self.peer_role))?;
+        if theirs.step != name {
+            bail!(
+                "protocol: this side is at \"{name}\", the {} at \"{}\"",
+                self.peer_role,
+                theirs.step
+            );
+        }
+        theirs
+            .outcome
+            .map_err(|e| anyhow::anyhow!("the {} failed ({name}): {e}", self.peer_role))
+    }
+}
+
+/// A step of a run that has a peer, or just this side's outcome in loopback.
+pub fn step<T: Serialize + DeserializeOwned>(
+    peer: &mut Option<Peer>,
+    name: &str,
+    mine: Result<T>,
+) -> Result<Option<T>> {
+    match peer {
+        Some(p) => p.step(name, mine).map(Some),
+        None => mine.map(|_| None),
+    }
+}
+
+/// The header lines of the server/client roles: role, peer, wire, loss.
+pub fn remote_header(
+    h: &mut Header,
+    a: &CommonArgs,
+    peer: &Peer,
+    ctx: &Context,
+    remote: &Endpoint,
+) {
+    h.line(
+        "Role",
+        format!(
+            "{} (the {} is at {} over TCP)",
+            peer.role, peer.peer_role, peer.addr
         ),
-        None => bail!("this device has no data path to a peer process yet"),
-    }
+    )
+    .line(
+        "Wire",
+        format!(
+            "RoCEv2 over UDP: {} -> {}",
+            ctx.wire_addr().map_or("-".into(), |w| w.to_string()),
+            remote.udp_addr().map_or("-".into(), |w| w.to_string())
+        ),
+    )
+    .line(
+        "Loss",
+        match a.loss {
+            Some(p) if p > 0.0 => {
+                format!("{p}% of the datagrams this side sends are dropped (fault injection)")
+            }
+            _ => "none injected on this side".to_string(),
+        },
+    );
+}
+
+/// What this side's wire port did between two counter snapshots (the JSON's `"wire"`):
+/// datagrams each way, request packets sent again, timer expirations, sequence NAKs, datagrams
+/// dropped on purpose.
+pub fn wire_delta(before: &softnic::WireCounters, after: &softnic::WireCounters) -> Value {
+    let d = |a: u64, b: u64| a.saturating_sub(b);
+    json!({
+        "tx_packets": d(after.tx_packets, before.tx_packets),
+        "rx_packets": d(after.rx_packets, before.rx_packets),
+        "retransmits": d(after.retransmits, before.retransmits),
+        "timeouts": d(after.timeouts, before.timeouts),
+        "seq_naks_sent": d(after.seq_naks_sent, before.seq_naks_sent),
+        "seq_naks_received": d(after.seq_naks_received, before.seq_naks_received),
+        "injected_drops": d(after.injected_drops, before.injected_drops),
+    })
+}
+
+/// The wire counters of a context's soft NIC (zero without one).
+pub fn wire_counters(ctx: &Context) -> softnic::WireCounters {
+    ctx.soft_device()
+        .map(|d| d.counters().wire)
+        .unwrap_or_default()
+}
+
+/// The JSON fields of the server/client roles.
+pub fn remote_json(a: &CommonArgs, peer: &Peer, ctx: &Context, remote: &Endpoint) -> Value {
+    json!({
+        "role": peer.role,
+        "wire_addr": ctx.wire_addr().map(|w| w.to_string()),
+        "peer_wire_addr": remote.udp_addr().map(|w| w.to_string()),
+        "loss_pct": a.loss.unwrap_or(0.0),
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -719,7 +986,7 @@ impl Peak {
 }
 
 /// perftest's latency columns, in microseconds.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LatStats {
     /// Smallest.
     pub min: f64,

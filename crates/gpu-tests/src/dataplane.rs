@@ -2,11 +2,11 @@
 //! every byte and every status.
 
 use anyhow::{bail, ensure, Context as _, Result};
-use gpuverbs::gpu::{ExportedQp, Gpu};
+use gpuverbs::gpu::{DeviceMem, ExportedQp, Gpu};
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
 use gpuverbs::{
-    Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, HostBuffer, Mr, Qp,
-    QpOptions,
+    Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, HostBuffer, Mr, Pd,
+    Qp, QpOptions, RingPlacement,
 };
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
@@ -24,13 +24,86 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
     Ok(GPU.get_or_init(|| g).clone())
 }
 
+/// Where a payload buffer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mem {
+    /// Host memory mapped into the GPU.
+    Host,
+    /// GPU memory (registered with `Pd::register_device_mem`).
+    Gpu,
+}
+
+/// A payload buffer in host or GPU memory.
+pub enum Buf {
+    Host(HostBuffer),
+    Gpu(DeviceMem),
+}
+
+impl Buf {
+    fn new(gpu: &Arc<Gpu>, mem: Mem, bytes: usize) -> Result<Self> {
+        Ok(match mem {
+            Mem::Host => Buf::Host(HostBuffer::new(bytes)),
+            Mem::Gpu => Buf::Gpu(gpu.alloc(bytes)?),
+        })
+    }
+    fn register(&self, pd: &Pd, access: Access) -> Result<Mr> {
+        Ok(match self {
+            Buf::Host(b) => pd.register_with(b, access)?,
+            Buf::Gpu(m) => pd.register_device_mem(m, access)?,
+        })
+    }
+    /// The address kernels use for it.
+    fn gpu_addr(&self, gpu: &Gpu) -> Result<u64> {
+        Ok(match self {
+            Buf::Host(b) => gpu.map_host(b)?,
+            Buf::Gpu(m) => m.ptr(),
+        })
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Buf::Host(b) => b.len(),
+            Buf::Gpu(m) => m.len(),
+        }
+    }
+    pub fn write(&self, off: usize, bytes: &[u8]) -> Result<()> {
+        match self {
+            Buf::Host(b) => b.write(off, bytes),
+            Buf::Gpu(m) => m.write(off, bytes)?,
+        }
+        Ok(())
+    }
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        Ok(match self {
+            Buf::Host(b) => b.to_vec(),
+            Buf::Gpu(m) => {
+                let mut v = vec![0; m.len()];
+                m.read(0, &mut v)?;
+                v
+            }
+        })
+    }
+}
+
+/// What a [`Pair`] is made of.
+#[derive(Clone, Copy, Debug)]
+pub struct PairSpec {
+    pub mode: DoorbellMode,
+    /// Payload bytes of each side's buffer.
+    pub bytes: usize,
+    pub sq_blocks: u32,
+    /// Where both payload buffers live.
+    pub mem: Mem,
+    /// Where side A's SQ, RQ and CQ rings live.
+    pub rings: RingPlacement,
+}
+
 /// Two soft devices with one connected RC QP pair; side A is exported to the GPU.
 pub struct Pair {
     pub a: Context,
     pub qa: Qp,
     pub qb: Qp,
-    pub src: HostBuffer,
-    pub dst: HostBuffer,
+    pub src: Buf,
+    pub dst: Buf,
     pub src_mr: Mr,
     pub dst_mr: Mr,
     pub src_d: u64,
@@ -43,14 +116,38 @@ pub struct Pair {
 
 impl Pair {
     pub fn new(ordinal: usize, mode: DoorbellMode, bytes: usize, sq_blocks: u32) -> Result<Self> {
+        Self::with(
+            ordinal,
+            PairSpec {
+                mode,
+                bytes,
+                sq_blocks,
+                mem: Mem::Host,
+                rings: RingPlacement::HostMapped,
+            },
+        )
+    }
+
+    pub fn with(ordinal: usize, spec: PairSpec) -> Result<Self> {
+        let PairSpec {
+            mode,
+            bytes,
+            sq_blocks,
+            mem,
+            rings,
+        } = spec;
         let gpu = gpu(ordinal)?;
         let a = Context::open(DeviceRequest::Soft)?;
         let b = Context::open(DeviceRequest::Soft)?;
         let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
-        let cqa = a.create_cq(CqOptions {
-            depth: sq_blocks.max(64),
-            ..Default::default()
-        })?;
+        let cqa = a.create_cq_on(
+            &gpu,
+            CqOptions {
+                depth: sq_blocks.max(64),
+                placement: rings,
+                ..Default::default()
+            },
+        )?;
         let cqb = b.create_cq(CqOptions {
             depth: 64,
             ..Default::default()
@@ -58,7 +155,12 @@ impl Pair {
         let mut oa = QpOptions::new(&cqa, &cqa);
         oa.sq_blocks = sq_blocks;
         oa.doorbell = mode;
-        let qa = pa.create_qp(oa)?;
+        oa.placement = rings;
+        let qa = pa.create_qp_on(&gpu, oa)?;
+        ensure!(
+            qa.placement() == rings && cqa.placement() == rings,
+            "rings not where asked"
+        );
         let qb = pb.create_qp(QpOptions::new(&cqb, &cqb))?;
         let remote = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
         let conn = ConnectOptions {
@@ -69,19 +171,27 @@ impl Pair {
         };
         qa.connect(&qb.endpoint(), conn)?;
         qb.connect(&qa.endpoint(), conn)?;
-        let src = HostBuffer::new(bytes);
-        let dst = HostBuffer::new(bytes);
-        for i in (0..bytes).step_by(4096) {
-            let n = 4096.min(bytes - i);
-            let chunk: Vec<u8> = (0..n)
-                .map(|j| ((i + j) as u32).wrapping_mul(2654435761) as u8 | 1)
-                .collect();
-            src.write(i, &chunk);
-        }
-        let src_mr = pa.register_with(&src, Access::LOCAL_WRITE | remote)?;
-        let dst_mr = pb.register_with(&dst, Access::LOCAL_WRITE | remote)?;
-        let src_d = gpu.map_host(&src)?;
+        let src = Buf::new(&gpu, mem, bytes)?;
+        let dst = Buf::new(&gpu, mem, bytes)?;
+        let pattern: Vec<u8> = (0..bytes)
+            .map(|j| (j as u32).wrapping_mul(2654435761) as u8 | 1)
+            .collect();
+        src.write(0, &pattern)?;
+        let src_mr = src.register(&pa, Access::LOCAL_WRITE | remote)?;
+        let dst_mr = dst.register(&pb, Access::LOCAL_WRITE | remote)?;
+        let want_kind = match mem {
+            Mem::Host => gpuverbs::memory::MemKind::Host,
+            Mem::Gpu => gpuverbs::memory::MemKind::Device,
+        };
+        ensure!(src_mr.kind() == want_kind && dst_mr.kind() == want_kind);
+        let src_d = src.gpu_addr(&gpu)?;
         let export = gpu.export_qp(&qa)?;
+        let ring_loc = export.read()?.ring_loc;
+        let want_loc = u32::from(rings == RingPlacement::Gpu);
+        ensure!(
+            ring_loc == want_loc,
+            "descriptor ring_loc {ring_loc}, expected {want_loc}"
+        );
         let proxy = if mode == DoorbellMode::CpuProxy {
             let svc = ProxyService::start(ProxyConfig::default())?;
             let dev = a.soft_device().expect("soft device");
@@ -251,7 +361,7 @@ impl Pair {
 /// Launches `gv_test_put` and checks every written byte.
 pub fn run_put(p: &Pair, a: &PutArgs) -> Result<String> {
     p.launch_put(a, p.dst_mr.rkey().0)?.expect_ok()?;
-    let (src, dst) = (p.src.to_vec(), p.dst.to_vec());
+    let (src, dst) = (p.src.to_vec()?, p.dst.to_vec()?);
     let mut msgs = 0u64;
     for t in 0..a.grid as u64 * a.block as u64 {
         for i in 0..a.iters as u64 {
@@ -282,32 +392,43 @@ pub fn run_put(p: &Pair, a: &PutArgs) -> Result<String> {
     ))
 }
 
-/// A `put` case: doorbell mode, SQ size and launch shape.
+/// A `put` case: doorbell mode, SQ size, launch shape, payload and ring placement.
 pub struct PutCase {
     pub mode: DoorbellMode,
     pub sq_blocks: u32,
     pub args: PutArgs,
+    pub mem: Mem,
+    pub rings: RingPlacement,
 }
 
 pub fn put_case(ordinal: usize, c: &PutCase) -> Result<String> {
     let a = &c.args;
     let bytes = (a.grid * a.block * a.iters * a.size) as usize;
-    let p = Pair::new(ordinal, c.mode, bytes, c.sq_blocks)?;
+    let spec = PairSpec {
+        mode: c.mode,
+        bytes,
+        sq_blocks: c.sq_blocks,
+        mem: c.mem,
+        rings: c.rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
     let r = run_put(&p, a)?;
     let dev = p.a.soft_device().expect("soft").counters();
     ensure!(dev.errors.is_empty(), "device errors: {:?}", dev.errors);
     Ok(format!("{r}; {} doorbells", dev.doorbells_seen))
 }
 
-/// One thread, exclusive sharing, many laps of a 64-block ring.
-pub fn exclusive_wrap(ordinal: usize) -> Result<String> {
+/// One thread, exclusive sharing, many laps of a 64-block ring (in host or GPU memory).
+pub fn exclusive_wrap(ordinal: usize, rings: RingPlacement) -> Result<String> {
     let (iters, size) = (2000u32, 32u32);
-    let p = Pair::new(
-        ordinal,
-        DoorbellMode::GpuDoorbell,
-        (iters * size) as usize,
-        64,
-    )?;
+    let spec = PairSpec {
+        mode: DoorbellMode::GpuDoorbell,
+        bytes: (iters * size) as usize,
+        sq_blocks: 64,
+        mem: Mem::Host,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
     let st = Status::new(&p.gpu)?;
     let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
         p.export.ptr(),
@@ -342,7 +463,7 @@ pub fn exclusive_wrap(ordinal: usize) -> Result<String> {
     };
     st.expect_ok()?;
     ensure!(
-        p.dst.to_vec() == p.src.to_vec()[..p.dst.len()],
+        p.dst.to_vec()? == p.src.to_vec()?[..p.dst.len()],
         "bytes differ"
     );
     let d = p.export.read()?;
@@ -357,18 +478,24 @@ pub fn exclusive_wrap(ordinal: usize) -> Result<String> {
     ))
 }
 
-/// put_inline, put_signal, signal, get, fetch-add, compare-swap from one thread.
-pub fn ops(ordinal: usize, mode: DoorbellMode) -> Result<String> {
-    let p = Pair::new(ordinal, mode, 4096, 64)?;
+/// put_inline, put_signal, signal, get, fetch-add, compare-swap from one thread; payload,
+/// atomic targets, results and the signal word in `mem`, side A's rings in `rings`.
+pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -> Result<String> {
+    let spec = PairSpec {
+        mode,
+        bytes: 4096,
+        sq_blocks: 64,
+        mem,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
     // remote words for the atomics; remote bytes for the get
-    p.dst.write(1024, &100u64.to_ne_bytes());
-    p.dst.write(1032, &11u64.to_ne_bytes());
+    p.dst.write(1024, &100u64.to_ne_bytes())?;
+    p.dst.write(1032, &11u64.to_ne_bytes())?;
     let pattern: Vec<u8> = (0..64).map(|i| 0x40 + i as u8).collect();
-    p.dst.write(256, &pattern);
-    let sig = HostBuffer::new(8);
-    let sig_mr =
-        p.qb.pd()
-            .register_with(&sig, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
+    p.dst.write(256, &pattern)?;
+    let sig = Buf::new(&p.gpu, mem, 8)?;
+    let sig_mr = sig.register(p.qb.pd(), Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
     let st = Status::new(&p.gpu)?;
     let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
         p.export.ptr(),
@@ -396,11 +523,11 @@ pub fn ops(ordinal: usize, mode: DoorbellMode) -> Result<String> {
             .launch_sync("gv_test_ops", (1, 1, 1), (1, 1, 1), 0, &mut params)?
     };
     st.expect_ok()?;
-    let (src, dst) = (p.src.to_vec(), p.dst.to_vec());
+    let (src, dst) = (p.src.to_vec()?, p.dst.to_vec()?);
     let inline: Vec<u8> = (0..40).map(|i| 0xA0 + i as u8).collect();
     ensure!(dst[..40] == inline[..], "put_inline bytes differ");
     ensure!(dst[64..128] == src[64..128], "put_signal payload differs");
-    let s = sig.atomic_u64(0).load(std::sync::atomic::Ordering::Acquire);
+    let s = u64::from_ne_bytes(sig.to_vec()?[..8].try_into()?);
     ensure!(s == 6, "signal word {s}, expected 1 + 5");
     ensure!(src[512..576] == pattern[..], "get bytes differ");
     let word = |b: &[u8], o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap());
@@ -416,14 +543,29 @@ pub fn ops(ordinal: usize, mode: DoorbellMode) -> Result<String> {
         word(&dst, 1032),
         word(&src, 1032)
     );
-    Ok("inline, put_signal, signal, get, fetch-add, compare-swap verified".into())
+    let c = p.a.soft_device().expect("soft").counters();
+    ensure!(
+        c.errors.is_empty() && c.device_memory_errors == 0,
+        "device: {c:?}"
+    );
+    Ok(format!(
+        "inline, put_signal, signal, get, fetch-add, compare-swap verified (payload {mem:?}, \
+         rings {rings:?})"
+    ))
 }
 
 /// A bad rkey comes back to the kernel as an error CQE with REMOTE_ACCESS; the WQEs behind it
 /// are flushed (each with its own WR_FLUSH CQE) and retired, so quiet returns instead of
 /// spinning; the next operation on the QP (now in ERR) fails at once.
-pub fn bad_rkey(ordinal: usize) -> Result<String> {
-    let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
+pub fn bad_rkey(ordinal: usize, rings: RingPlacement) -> Result<String> {
+    let spec = PairSpec {
+        mode: DoorbellMode::GpuDoorbell,
+        bytes: 4096,
+        sq_blocks: 64,
+        mem: Mem::Host,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
     let one = PutArgs::single(64, BUDGET_NS);
     let eight = PutArgs { iters: 8, ..one };
     let s = p.launch_put(&eight, p.dst_mr.rkey().0 ^ 0x5500)?.read()?;
@@ -442,7 +584,7 @@ pub fn bad_rkey(ordinal: usize) -> Result<String> {
         wqe_counter: s[3] as u16,
     };
     ensure!(
-        p.dst.to_vec().iter().all(|&b| b == 0),
+        p.dst.to_vec()?.iter().all(|&b| b == 0),
         "bytes landed despite the bad key"
     );
     ensure!(

@@ -26,14 +26,20 @@ struct Case {
 }
 
 mod dataplane;
+mod devmem;
 
-use dataplane::{PutArgs, PutCase};
+use dataplane::{Mem, PutArgs, PutCase};
 use gpuverbs::DoorbellMode::{BlueFlame, CpuProxy, GpuDoorbell};
+use gpuverbs::RingPlacement::{self, Gpu as GpuRings, HostMapped};
 
 macro_rules! put_cases {
     ($($name:ident: $mode:expr, grid $grid:expr, block $block:expr, scope $scope:expr, skip $skip:expr,
-       size $size:expr, iters $iters:expr, signal $sig:expr, sq $sq:expr;)*) => {
+       size $size:expr, iters $iters:expr, signal $sig:expr, sq $sq:expr
+       $(, mem $mem:expr, rings $rings:expr)?;)*) => {
         $(fn $name(ctx: &Ctx) -> Result<String> {
+            #[allow(unused_mut, unused_assignments)]
+            let (mut mem, mut rings) = (Mem::Host, HostMapped);
+            $((mem, rings) = ($mem, $rings);)?
             dataplane::put_case(ctx.ordinal, &PutCase {
                 mode: $mode,
                 sq_blocks: $sq,
@@ -41,6 +47,8 @@ macro_rules! put_cases {
                     grid: $grid, block: $block, scope: $scope, skip_mod: $skip, size: $size,
                     iters: $iters, signal_every: $sig, budget_ns: dataplane::BUDGET_NS,
                 },
+                mem,
+                rings,
             })
         })*
     };
@@ -59,22 +67,71 @@ put_cases! {
     put_block_proxy: CpuProxy, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512;
     put_many_ctas_bf: BlueFlame, grid 32, block 128, scope 0, skip 0, size 16, iters 4, signal 2, sq 256;
     put_many_ctas_proxy: CpuProxy, grid 32, block 128, scope 0, skip 0, size 16, iters 4, signal 2, sq 256;
+    // payload in GPU memory (registered device memory; the soft NIC copies with CUDA)
+    put_gpumem_thread_gpudb: GpuDoorbell, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256, mem Mem::Gpu, rings HostMapped;
+    put_gpumem_warp_partial_proxy: CpuProxy, grid 2, block 64, scope 1, skip 3, size 128, iters 8, signal 1, sq 256, mem Mem::Gpu, rings HostMapped;
+    put_gpumem_block_bf: BlueFlame, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512, mem Mem::Gpu, rings HostMapped;
+    // SQ, RQ and CQ rings in GPU memory (descriptor ring_loc 1)
+    put_gpurings_thread_gpudb: GpuDoorbell, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256, mem Mem::Host, rings GpuRings;
+    put_gpurings_thread_proxy: CpuProxy, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256, mem Mem::Host, rings GpuRings;
+    put_gpurings_warp_partial_bf: BlueFlame, grid 2, block 64, scope 1, skip 3, size 128, iters 8, signal 1, sq 256, mem Mem::Host, rings GpuRings;
+    put_gpurings_block_gpudb: GpuDoorbell, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512, mem Mem::Host, rings GpuRings;
+    put_gpurings_many_ctas_gpudb: GpuDoorbell, grid 8, block 128, scope 0, skip 0, size 16, iters 2, signal 2, sq 256, mem Mem::Host, rings GpuRings;
+    // both
+    put_gpuall_thread_gpudb: GpuDoorbell, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256, mem Mem::Gpu, rings GpuRings;
+    put_gpuall_block_proxy: CpuProxy, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512, mem Mem::Gpu, rings GpuRings;
 }
 
 fn exclusive_wrap(ctx: &Ctx) -> Result<String> {
-    dataplane::exclusive_wrap(ctx.ordinal)
+    dataplane::exclusive_wrap(ctx.ordinal, HostMapped)
 }
-fn ops_gpudb(ctx: &Ctx) -> Result<String> {
-    dataplane::ops(ctx.ordinal, GpuDoorbell)
+fn exclusive_wrap_gpurings(ctx: &Ctx) -> Result<String> {
+    dataplane::exclusive_wrap(ctx.ordinal, GpuRings)
 }
-fn ops_bf(ctx: &Ctx) -> Result<String> {
-    dataplane::ops(ctx.ordinal, BlueFlame)
+
+macro_rules! ops_cases {
+    ($($name:ident: $mode:expr, $mem:expr, $rings:expr;)*) => {
+        $(fn $name(ctx: &Ctx) -> Result<String> {
+            dataplane::ops(ctx.ordinal, $mode, $mem, $rings)
+        })*
+    };
 }
-fn ops_proxy(ctx: &Ctx) -> Result<String> {
-    dataplane::ops(ctx.ordinal, CpuProxy)
+
+ops_cases! {
+    ops_gpudb: GpuDoorbell, Mem::Host, HostMapped;
+    ops_bf: BlueFlame, Mem::Host, HostMapped;
+    ops_proxy: CpuProxy, Mem::Host, HostMapped;
+    ops_gpumem_gpudb: GpuDoorbell, Mem::Gpu, HostMapped;
+    ops_gpumem_proxy: CpuProxy, Mem::Gpu, HostMapped;
+    ops_gpurings_gpudb: GpuDoorbell, Mem::Host, GpuRings;
+    ops_gpurings_proxy: CpuProxy, Mem::Host, GpuRings;
+    ops_gpuall_bf: BlueFlame, Mem::Gpu, GpuRings;
 }
+
 fn bad_rkey(ctx: &Ctx) -> Result<String> {
-    dataplane::bad_rkey(ctx.ordinal)
+    dataplane::bad_rkey(ctx.ordinal, HostMapped)
+}
+fn bad_rkey_gpurings(ctx: &Ctx) -> Result<String> {
+    dataplane::bad_rkey(ctx.ordinal, GpuRings)
+}
+
+fn roundtrip(ctx: &Ctx, mode: gpuverbs::DoorbellMode, rings: RingPlacement) -> Result<String> {
+    devmem::gpumem_roundtrip(ctx.ordinal, mode, rings)
+}
+fn gpumem_roundtrip_gpudb(ctx: &Ctx) -> Result<String> {
+    roundtrip(ctx, GpuDoorbell, HostMapped)
+}
+fn gpumem_roundtrip_proxy(ctx: &Ctx) -> Result<String> {
+    roundtrip(ctx, CpuProxy, HostMapped)
+}
+fn gpumem_roundtrip_gpurings_gpudb(ctx: &Ctx) -> Result<String> {
+    roundtrip(ctx, GpuDoorbell, GpuRings)
+}
+fn gpumem_roundtrip_gpurings_proxy(ctx: &Ctx) -> Result<String> {
+    roundtrip(ctx, CpuProxy, GpuRings)
+}
+fn cpu_initiator_gpumem(ctx: &Ctx) -> Result<String> {
+    devmem::cpu_initiator_gpumem(ctx.ordinal)
 }
 fn dropped_doorbell_timeout(ctx: &Ctx) -> Result<String> {
     dataplane::dropped_doorbell_timeout(ctx.ordinal)
@@ -108,6 +165,29 @@ const CASES: &[Case] = cases![
     bad_rkey,
     dropped_doorbell_timeout,
     wait_signal,
+    // GPU memory: regions, rings, both
+    cpu_initiator_gpumem,
+    put_gpumem_thread_gpudb,
+    put_gpumem_warp_partial_proxy,
+    put_gpumem_block_bf,
+    ops_gpumem_gpudb,
+    ops_gpumem_proxy,
+    gpumem_roundtrip_gpudb,
+    gpumem_roundtrip_proxy,
+    put_gpurings_thread_gpudb,
+    put_gpurings_thread_proxy,
+    put_gpurings_warp_partial_bf,
+    put_gpurings_block_gpudb,
+    put_gpurings_many_ctas_gpudb,
+    exclusive_wrap_gpurings,
+    ops_gpurings_gpudb,
+    ops_gpurings_proxy,
+    bad_rkey_gpurings,
+    put_gpuall_thread_gpudb,
+    put_gpuall_block_proxy,
+    ops_gpuall_bf,
+    gpumem_roundtrip_gpurings_gpudb,
+    gpumem_roundtrip_gpurings_proxy,
 ];
 
 /// The embedded kernels load on this GPU, launch, and write exactly what the host expects.

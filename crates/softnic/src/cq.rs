@@ -1,5 +1,10 @@
 //! Completion queues: a ring of 64-byte CQEs with per-lap owner bits, written the way a ConnectX
 //! writes them (bytes 0..60, then the last 4 bytes released with one store).
+//!
+//! The ring may be host memory or device memory ([`DmaBuf::from_device`]); in device memory the
+//! two parts are two ordered writes through its [`crate::DeviceMemory`], and a write that fails
+//! puts the CQ in error for good (as a ConnectX's CQ error after a PCIe fault). The CQ doorbell
+//! record is always host memory.
 
 use crate::buffer::DmaBuf;
 use prm::cqe::{owner_bit, Cqe64, CQE_TAIL_OFFSET, OP_OWN_INVALID, OP_OWN_INVALID_OWNED};
@@ -41,7 +46,8 @@ pub struct CqConfig {
     pub mode: CqMode,
     /// Initial `op_own`.
     pub init: CqInit,
-    /// Ring memory (at least `ncqe * 64` bytes); allocated in host memory when `None`.
+    /// Ring memory (at least `ncqe * 64` bytes), host or device memory; allocated in host
+    /// memory when `None`.
     pub ring: Option<DmaBuf>,
 }
 
@@ -51,12 +57,19 @@ pub enum CqError {
     /// The consumer fell a whole ring behind (overrun-detect mode); the CQ is in error.
     #[error("CQ {0:#x} overrun")]
     Overrun(u32),
+    /// Writing this CQE into the ring (device memory) failed; the CQ is in error.
+    #[error("CQ {0:#x}: writing a CQE to device memory failed")]
+    DeviceMemory(u32),
+    /// The CQ is in error after a failed CQE write; nothing more is written.
+    #[error("CQ {0:#x} is in error")]
+    Failed(u32),
 }
 
 struct CqState {
     /// CQEs produced so far (the producer index).
     pi: u32,
     overrun: bool,
+    failed: bool,
     delayed: VecDeque<(Instant, Cqe64)>,
 }
 
@@ -92,8 +105,21 @@ impl Cq {
             CqInit::Invalid => OP_OWN_INVALID,
             CqInit::InvalidOwned => OP_OWN_INVALID_OWNED,
         };
-        for i in 0..cfg.ncqe as usize {
-            ring.write(i * CQE_SIZE, bytemuck::bytes_of(&Cqe64::invalid(fill)));
+        let entry = Cqe64::invalid(fill);
+        if ring.is_host() {
+            for i in 0..cfg.ncqe as usize {
+                ring.write(i * CQE_SIZE, bytemuck::bytes_of(&entry));
+            }
+        } else {
+            // device memory: as few writes as the bounce size allows (one for rings ≤ 1 MiB)
+            let chunk = bytes.min(crate::devmem::BOUNCE);
+            let mut fill = Vec::with_capacity(chunk);
+            while fill.len() < chunk {
+                fill.extend_from_slice(bytemuck::bytes_of(&entry));
+            }
+            for off in (0..bytes).step_by(chunk) {
+                ring.try_write(off, &fill[..chunk.min(bytes - off)])?;
+            }
         }
         Ok(Self {
             cqn,
@@ -104,6 +130,7 @@ impl Cq {
             state: Mutex::new(CqState {
                 pi: 0,
                 overrun: false,
+                failed: false,
                 delayed: VecDeque::new(),
             }),
             produced: AtomicU32::new(0),
@@ -137,6 +164,10 @@ impl Cq {
     /// Whether the CQ is in error after an overrun.
     pub fn is_overrun(&self) -> bool {
         self.lock().overrun
+    }
+    /// Whether the CQ is in error after a CQE write to its (device-memory) ring failed.
+    pub fn is_failed(&self) -> bool {
+        self.lock().failed
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, CqState> {
@@ -177,6 +208,9 @@ impl Cq {
         if st.overrun {
             return Err(CqError::Overrun(self.cqn));
         }
+        if st.failed {
+            return Err(CqError::Failed(self.cqn));
+        }
         if self.mode == CqMode::OverrunDetect {
             let ci = self.dbrec.atomic_u32(0).load(Ordering::Acquire);
             let ci = u32::from_be(ci) & 0xff_ffff;
@@ -192,10 +226,16 @@ impl Cq {
         cqe.op_own = (cqe.op_own & !1) | owner_bit(st.pi, self.ncqe);
         let (head, tail) = cqe.split_for_release();
         let off = slot * CQE_SIZE;
-        self.ring.write(off, &head);
-        self.ring
-            .atomic_u32(off + CQE_TAIL_OFFSET)
-            .store(tail, Ordering::Release);
+        // Two ordered writes: a consumer that sees the tail (acquire) sees the head.
+        let written = self
+            .ring
+            .try_write(off, &head)
+            .and_then(|()| self.ring.store_u32_release(off + CQE_TAIL_OFFSET, tail));
+        if let Err(e) = written {
+            tracing::warn!(cqn = self.cqn, error = %e, "CQE write failed: CQ in error");
+            st.failed = true;
+            return Err(CqError::DeviceMemory(self.cqn));
+        }
         st.pi = st.pi.wrapping_add(1);
         self.produced.store(st.pi, Ordering::Release);
         Ok(())
@@ -245,6 +285,43 @@ mod tests {
                 assert_eq!(c.wqe_counter.get(), i as u16);
             }
         }
+    }
+
+    #[test]
+    fn device_ring_fill_and_cqes_go_through_the_trait() {
+        use crate::devmem::SimDeviceMemory;
+        let m = SimDeviceMemory::new(4 << 20);
+        let ncqe = 1u32 << 15; // 2 MiB: filled in two writes
+        let ring = DmaBuf::from_device(m.base(), ncqe as usize * 64, m.clone(), Box::new(()));
+        let cq = Cq::new(
+            5,
+            CqConfig {
+                ncqe,
+                ring: Some(ring),
+                init: CqInit::InvalidOwned,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(m.counts().writes, 2);
+        let last = m.peek(m.base() + (ncqe as u64 - 1) * 64, 64);
+        assert_eq!(last[63], 0xf1);
+        cq.push(Cqe64::requester(8, 1, 7, 0, 0), None).unwrap();
+        assert_eq!(m.counts().writes, 4, "a CQE is two writes");
+        let c: Cqe64 = bytemuck::pod_read_unaligned(&m.peek(m.base(), 64));
+        assert!(sw_owns(c.op_own, 0, ncqe));
+        assert_eq!(c.wqe_counter.get(), 7);
+        m.fail_range(m.base() + 64, 64);
+        assert_eq!(
+            cq.push(Cqe64::requester(8, 1, 8, 0, 0), None),
+            Err(CqError::DeviceMemory(5))
+        );
+        assert!(cq.is_failed());
+        m.heal();
+        assert_eq!(
+            cq.push(Cqe64::requester(8, 1, 9, 0, 0), None),
+            Err(CqError::Failed(5))
+        );
     }
 
     #[test]

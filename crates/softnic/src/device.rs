@@ -4,7 +4,8 @@
 
 use crate::counters::{CounterSnapshot, Counters};
 use crate::cq::{Cq, CqConfig};
-use crate::mem::{Access, MemKind, MrInfo, MrTable, PdId};
+use crate::devmem::DeviceMemory;
+use crate::mem::{Access, MrInfo, MrTable, PdId};
 use crate::qp::{Qp, QpConfig};
 use crate::wire::socket::Port;
 use crate::wire::{Capture, WireConfig, WireError, WireFaults};
@@ -266,20 +267,24 @@ impl Device {
         len: u64,
         access: Access,
     ) -> Result<MrInfo, Error> {
-        if len == 0 || addr.checked_add(len).is_none() || addr == 0 {
-            return Err(Error::InvalidArgument(
-                "memory region must be a non-empty, non-null range",
-            ));
-        }
-        // Remote write or atomic rights need local write, as in verbs.
-        if (access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC))
-            && !access.contains(Access::LOCAL_WRITE)
-        {
-            return Err(Error::InvalidArgument(
-                "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE",
-            ));
-        }
-        Ok(self.shared.mrs.insert(pd, addr, len, access, MemKind::Host))
+        check_region(addr, len, access)?;
+        Ok(self.shared.mrs.insert(pd, addr, len, access, None))
+    }
+
+    /// Registers device (GPU) memory at device address `addr`: every byte the device moves to
+    /// or from the region goes through `mem` (kept with the region until it is deregistered).
+    /// Safe: the engine never dereferences `addr` on the host; if the memory goes away under
+    /// the region, `mem` fails and the WQE completes with an error CQE.
+    pub fn reg_device(
+        &self,
+        pd: PdId,
+        addr: u64,
+        len: u64,
+        access: Access,
+        mem: Arc<dyn DeviceMemory>,
+    ) -> Result<MrInfo, Error> {
+        check_region(addr, len, access)?;
+        Ok(self.shared.mrs.insert(pd, addr, len, access, Some(mem)))
     }
 
     /// Deregisters a region. Waits for any copy in flight that uses it.
@@ -352,6 +357,24 @@ impl Device {
     pub fn qp(&self, qpn: u32) -> Option<Arc<Qp>> {
         self.shared.qp(qpn)
     }
+}
+
+/// The checks every registration makes.
+fn check_region(addr: u64, len: u64, access: Access) -> Result<(), Error> {
+    if len == 0 || addr.checked_add(len).is_none() || addr == 0 {
+        return Err(Error::InvalidArgument(
+            "memory region must be a non-empty, non-null range",
+        ));
+    }
+    // Remote write or atomic rights need local write, as in verbs.
+    if (access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC))
+        && !access.contains(Access::LOCAL_WRITE)
+    {
+        return Err(Error::InvalidArgument(
+            "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE",
+        ));
+    }
+    Ok(())
 }
 
 impl Drop for Device {

@@ -9,8 +9,9 @@
 //! wire responder run requests through the same responder checks (`Resp`).
 
 use crate::counters::Counters;
+use crate::cq::CqError;
 use crate::device::{lookup, Shared};
-use crate::mem::{copy_ranges, Access, AccessError, HostRange, MrGuard};
+use crate::mem::{copy_ranges, write_range, Access, AccessError, CopyError, MemRange, MrGuard};
 use crate::qp::{DoorbellKind, Qp, QpState, RqState, SqState, Stall};
 use crate::wire::transport;
 use parking_lot::MutexGuard;
@@ -62,6 +63,9 @@ pub mod vendor {
     pub const CQ_OVERRUN: u8 = 0x90;
     /// A wire response that does not fit its request (opcode or length): BAD_RESP.
     pub const BAD_RESPONSE: u8 = 0x91;
+    /// A device-memory (GPU memory) access failed: a payload copy, an atomic, a WQE read from
+    /// a GPU-resident ring (the driver's error is logged at warn level).
+    pub const DEVICE_MEMORY: u8 = 0x92;
 }
 
 /// Largest message (bytes), as ConnectX's `max_msg_sz`.
@@ -95,8 +99,8 @@ pub(crate) fn run(dev: Arc<Shared>) {
         }
         let now = Instant::now();
         for cq in &cqs {
-            timed |= cq.flush_due(now).unwrap_or_else(|_| {
-                Counters::add(&dev.counters.cq_overruns, 1);
+            timed |= cq.flush_due(now).unwrap_or_else(|e| {
+                count_cq_error(&dev.counters, e);
                 false
             });
         }
@@ -263,22 +267,27 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
         sq.bf = None;
     }
     let from_bf = matches!(sq.bf, Some((i, _)) if i == idx);
-    let mask = qp.sq_blocks as usize - 1;
-    if let (true, Some((_, copy))) = (from_bf, &sq.bf) {
+    let fetched = if let (true, Some((_, copy))) = (from_bf, &sq.bf) {
         buf[..BF_HALF_SIZE].copy_from_slice(copy);
+        Ok(())
     } else {
-        qp.sq_ring
-            .read((idx as usize & mask) * WQEBB, &mut buf[..WQEBB]);
+        fetch_wqe(qp, sq, idx, &mut buf)
+    };
+    if let Err(e) = fetched {
+        // The ring (device memory) cannot be read: the WQE's size is unknown, so it ends
+        // after one block; the blocks behind it fail (flush) the same way, one by one.
+        tracing::warn!(qpn = qp.qpn, wqe = idx, error = %e, "WQE fetch failed");
+        Counters::add(&dev.counters.devmem_errors, 1);
+        if qp.state() == QpState::Err {
+            flush_wqe(dev, qp, sq, 0, idx);
+        } else {
+            fail(dev, qp, sq, 0, Syndrome::LocalQpOp, vendor::DEVICE_MEMORY);
+        }
+        sq.ci = sq.ci.wrapping_add(1);
+        return;
     }
     let ctrl: CtrlSeg = bytemuck::pod_read_unaligned(&buf[..DS_UNIT]);
     let blocks = blocks_for_ds(ctrl.ds().max(1));
-    if !from_bf {
-        for i in 1..blocks.min(qp.sq_blocks as usize) {
-            let slot = (idx as usize + i) & mask;
-            qp.sq_ring
-                .read(slot * WQEBB, &mut buf[i * WQEBB..(i + 1) * WQEBB]);
-        }
-    }
     let opcode = ctrl.opcode();
     // Never move past the announced producer: a failed or flushed WQE whose ds claims more
     // blocks than were announced (stale, half-written or past-producer WQE) ends at the
@@ -359,6 +368,49 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
     }
 }
 
+/// Reads the WQE at `idx` from the SQ ring into `buf`: its first block, then as many more as
+/// its ds names (up to the ring size). From a ring in device memory every block announced so
+/// far (up to the largest WQE) comes in one read per contiguous span, since each read is a
+/// round trip through the driver.
+fn fetch_wqe(
+    qp: &Qp,
+    sq: &SqState,
+    idx: u16,
+    buf: &mut [u8; MAX_WQE_BBS * WQEBB],
+) -> Result<(), crate::DeviceMemoryError> {
+    let ring = &qp.sq_ring;
+    let mask = qp.sq_blocks as usize - 1;
+    let first = idx as usize & mask;
+    let mut have = 1;
+    if ring.is_host() {
+        ring.try_read(first * WQEBB, &mut buf[..WQEBB])?;
+    } else {
+        let announced = (sq.target.wrapping_sub(idx) as usize).clamp(1, MAX_WQE_BBS);
+        have = announced.min(qp.sq_blocks as usize);
+        let head = have.min(qp.sq_blocks as usize - first);
+        ring.try_read(first * WQEBB, &mut buf[..head * WQEBB])?;
+        if head < have {
+            ring.try_read(0, &mut buf[head * WQEBB..have * WQEBB])?;
+        }
+    }
+    let ctrl: CtrlSeg = bytemuck::pod_read_unaligned(&buf[..DS_UNIT]);
+    let blocks = blocks_for_ds(ctrl.ds().max(1)).min(qp.sq_blocks as usize);
+    for i in have..blocks {
+        let slot = (idx as usize + i) & mask;
+        ring.try_read(slot * WQEBB, &mut buf[i * WQEBB..(i + 1) * WQEBB])?;
+    }
+    Ok(())
+}
+
+/// Counts a CQE the CQ refused.
+pub(crate) fn count_cq_error(c: &Counters, e: CqError) {
+    match e {
+        CqError::Overrun(_) => Counters::add(&c.cq_overruns, 1),
+        CqError::DeviceMemory(_) => Counters::add(&c.devmem_errors, 1),
+        CqError::Failed(_) => {}
+    }
+}
+
 /// Writes a CQE to `cq` on behalf of `qp` (delayed when fault injection asks).
 fn push_cqe(dev: &Shared, qp: &Qp, sq: &SqState, cq: &crate::cq::Cq, cqe: Cqe64) {
     push_cqe_delayed(dev, qp, sq.delay, cq, cqe)
@@ -375,8 +427,8 @@ pub(crate) fn push_cqe_delayed(
     let due = delay.map(|d| Instant::now() + d);
     match cq.push(cqe, due) {
         Ok(()) => Counters::add(&dev.counters.cqes, 1),
-        Err(_) => {
-            Counters::add(&dev.counters.cq_overruns, 1);
+        Err(e) => {
+            count_cq_error(&dev.counters, e);
             qp.set_state(QpState::Err);
         }
     }
@@ -441,8 +493,9 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
             qpn: qp.qpn,
             wqe_counter: rq.ci as u16,
         };
-        if qp.recv_cq.push(Cqe64::error(&e, 0), None).is_ok() {
-            Counters::add(&dev.counters.cqes, 1);
+        match qp.recv_cq.push(Cqe64::error(&e, 0), None) {
+            Ok(()) => Counters::add(&dev.counters.cqes, 1),
+            Err(e) => count_cq_error(&dev.counters, e),
         }
         rq.ci = rq.ci.wrapping_add(1);
     }
@@ -472,13 +525,31 @@ pub(crate) fn local_err(_: AccessError) -> Fail {
     (Syndrome::LocalProt, vendor::LOCAL_KEY)
 }
 
+/// A device-memory access of the requester's own buffers failed (gather source, READ
+/// destination, atomic result): LOCAL_PROT, as a ConnectX reports a local buffer it cannot
+/// access, with vendor syndrome [`vendor::DEVICE_MEMORY`].
+pub(crate) fn local_devmem_err(c: &Counters, e: &crate::DeviceMemoryError) -> Fail {
+    tracing::warn!(error = %e, "device memory failed (requester)");
+    Counters::add(&c.devmem_errors, 1);
+    (Syndrome::LocalProt, vendor::DEVICE_MEMORY)
+}
+
+/// The responder's answer when its own device memory failed (WRITE target, READ source, atomic
+/// target, receive buffer or receive WQE): NAK remote operational error (REMOTE_OP at the
+/// requester), fatal for the responder.
+pub(crate) fn remote_devmem_nak(c: &Counters, e: &crate::DeviceMemoryError) -> Response {
+    tracing::warn!(error = %e, "device memory failed (responder)");
+    Counters::add(&c.devmem_errors, 1);
+    Response::Nak(Syndrome::RemoteOp, vendor::DEVICE_MEMORY)
+}
+
 /// Checked local ranges of a gather/scatter list.
 fn local_ranges(
     g: &MrGuard<'_>,
     qp: &Qp,
     need: Access,
     list: &[DataSeg],
-) -> Result<SmallVec<[HostRange; 4]>, Fail> {
+) -> Result<SmallVec<[MemRange; 4]>, Fail> {
     list.iter()
         .map(|d| {
             let s = sge_of(d);
@@ -488,7 +559,7 @@ fn local_ranges(
         .collect()
 }
 
-pub(crate) fn total(r: &[HostRange]) -> u64 {
+pub(crate) fn total(r: &[MemRange]) -> u64 {
     r.iter().map(|r| r.len).sum()
 }
 
@@ -582,19 +653,19 @@ pub(crate) enum Request<'a> {
     Write {
         raddr: u64,
         rkey: u32,
-        src: &'a [HostRange],
+        src: &'a [MemRange],
         len: u64,
         imm: Option<u32>,
     },
     Send {
-        src: &'a [HostRange],
+        src: &'a [MemRange],
         len: u64,
         imm: Option<u32>,
     },
     Read {
         raddr: u64,
         rkey: u32,
-        dst: &'a [HostRange],
+        dst: &'a [MemRange],
         len: u64,
     },
     Atomic {
@@ -612,7 +683,9 @@ pub(crate) enum Response {
     AtomicAck(u64),
     /// Receiver not ready, retry after this RNR timer code.
     Rnr(u8),
-    /// NAK: the requester completes with this syndrome.
+    /// NAK: the requester completes with this syndrome. (In-process only, also the
+    /// requester's own failure found during the transfer: LOCAL_PROT for a source or READ
+    /// destination in device memory that failed; the responder is not affected.)
     Nak(Syndrome, u8),
 }
 
@@ -642,7 +715,7 @@ impl<'a> Resp<'a> {
         raddr: u64,
         rkey: u32,
         len: u64,
-    ) -> Result<HostRange, Response> {
+    ) -> Result<MemRange, Response> {
         if !self.rq.access.contains(need) {
             return Err(Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY));
         }
@@ -672,23 +745,29 @@ impl<'a> Resp<'a> {
 
     /// The checked scatter list of the receive WQE at the head (which must be posted). A bad
     /// key completes the receive with LOCAL_PROT and NAKs remote operational error (fatal).
-    pub fn recv_ranges(&mut self) -> Result<SmallVec<[HostRange; 4]>, Response> {
+    pub fn recv_ranges(&mut self) -> Result<SmallVec<[MemRange; 4]>, Response> {
         let qp = self.qp;
         if qp.rq_wqes == 0 {
             return Err(self.fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER)));
         }
         let off = (self.rq.ci & (qp.rq_wqes - 1)) as usize * qp.rq_stride as usize;
+        // The whole receive WQE at once (one round trip when the ring is device memory).
+        let mut wqe = [0u8; 16 * 32];
+        let n = qp.max_recv_sge as usize * 16;
+        if let Err(e) = qp.rq_ring.try_read(off, &mut wqe[..n]) {
+            self.recv_error(Syndrome::LocalAccess, vendor::DEVICE_MEMORY);
+            let nak = remote_devmem_nak(&qp.counters, &e);
+            return Err(self.fatal(nak));
+        }
         let mut segs: SmallVec<[DataSeg; 4]> = SmallVec::new();
         for j in 0..qp.max_recv_sge as usize {
-            let mut b = [0u8; 16];
-            qp.rq_ring.read(off + j * 16, &mut b);
-            let d: DataSeg = bytemuck::cast(b);
+            let d: DataSeg = bytemuck::pod_read_unaligned(&wqe[j * 16..(j + 1) * 16]);
             if d.is_terminator() {
                 break;
             }
             segs.push(d);
         }
-        let dst: Result<SmallVec<[HostRange; 4]>, _> = segs
+        let dst: Result<SmallVec<[MemRange; 4]>, _> = segs
             .iter()
             .map(|d| {
                 let s = sge_of(d);
@@ -697,7 +776,7 @@ impl<'a> Resp<'a> {
             })
             .collect();
         dst.map_err(|_| {
-            self.recv_error(Syndrome::LocalProt);
+            self.recv_error(Syndrome::LocalProt, vendor::RECV_BUFFER);
             self.fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER))
         })
     }
@@ -705,8 +784,17 @@ impl<'a> Resp<'a> {
     /// A message longer than the receive buffer: the receive completes with LOCAL_LENGTH and
     /// the requester gets NAK invalid request (fatal).
     pub fn recv_too_small(&mut self) -> Response {
-        self.recv_error(Syndrome::LocalLength);
+        self.recv_error(Syndrome::LocalLength, vendor::RECV_BUFFER);
         self.fatal(Response::Nak(Syndrome::RemoteInvalReq, vendor::RECV_BUFFER))
+    }
+
+    /// Scattering into the receive buffer (device memory) failed: the receive completes with
+    /// LOCAL_ACCESS (a responder's local access error) and the requester gets NAK remote
+    /// operational error (fatal).
+    pub fn recv_devmem_failed(&mut self, e: &crate::DeviceMemoryError) -> Response {
+        self.recv_error(Syndrome::LocalAccess, vendor::DEVICE_MEMORY);
+        let nak = remote_devmem_nak(&self.qp.counters, e);
+        self.fatal(nak)
     }
 
     /// Completes the receive WQE at the head successfully.
@@ -716,26 +804,28 @@ impl<'a> Resp<'a> {
         self.rq.ci = self.rq.ci.wrapping_add(1);
         match qp.recv_cq.push(cqe, None) {
             Ok(()) => Counters::add(&qp.counters.cqes, 1),
-            Err(_) => {
-                Counters::add(&qp.counters.cq_overruns, 1);
+            Err(e) => {
+                count_cq_error(&qp.counters, e);
                 qp.set_state(QpState::Err);
             }
         }
     }
 
-    fn recv_error(&mut self, syndrome: Syndrome) {
+    fn recv_error(&mut self, syndrome: Syndrome, why: u8) {
         let qp = self.qp;
         qp.counters.error(syndrome);
         let e = ErrorCqe {
             responder: true,
             syndrome: syndrome as u8,
-            vendor_syndrome: vendor::RECV_BUFFER,
+            vendor_syndrome: why,
             wqe_opcode: 0,
             qpn: qp.qpn,
             wqe_counter: self.rq.ci as u16,
         };
         self.rq.ci = self.rq.ci.wrapping_add(1);
-        let _ = qp.recv_cq.push(Cqe64::error(&e, 0), None);
+        if let Err(e) = qp.recv_cq.push(Cqe64::error(&e, 0), None) {
+            count_cq_error(&qp.counters, e);
+        }
         Counters::add(&qp.counters.cqes, 1);
     }
 
@@ -756,8 +846,17 @@ impl<'a> Resp<'a> {
         if !move_data {
             return Response::Ack;
         }
-        // SAFETY: `target` is checked, live (guard held) and naturally aligned.
-        Response::AtomicAck(unsafe { atomic(target.addr, kind) })
+        match &target.dev {
+            // SAFETY: `target` is checked, live host memory (guard held), naturally aligned.
+            None => Response::AtomicAck(unsafe { atomic(target.addr, kind) }),
+            Some(m) => match device_atomic(m.as_ref(), target.addr, kind) {
+                Ok(old) => Response::AtomicAck(old),
+                Err(e) => {
+                    let nak = remote_devmem_nak(&self.qp.counters, &e);
+                    self.fatal(nak)
+                }
+            },
+        }
     }
 }
 
@@ -785,10 +884,12 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
                 Ok(d) => d,
                 Err(e) => return r.fatal(e),
             };
-            // SAFETY: `dst` was checked under `r.g` (still held); `src` was checked by the
-            // requester under its own guard, still held by the caller.
             if move_data {
-                unsafe { copy_ranges(&[dst], src) };
+                // SAFETY: `dst` was checked under `r.g` (still held); `src` was checked by the
+                // requester under its own guard, still held by the caller.
+                if let Err(e) = unsafe { copy_ranges(&[dst], src) } {
+                    return copy_failed(&r, e);
+                }
             }
             if let Some(imm) = imm {
                 r.recv_done(RespKind::WriteImm, len, Some(imm), from);
@@ -803,9 +904,14 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
             if total(&dst) < len {
                 return r.recv_too_small();
             }
-            // SAFETY: `dst` checked under `r.g` (held); `src` checked by the requester (held).
             if move_data {
-                unsafe { copy_ranges(&dst, src) };
+                // SAFETY: `dst` checked under `r.g` (held); `src` checked by the requester
+                // (held).
+                match unsafe { copy_ranges(&dst, src) } {
+                    Ok(_) => {}
+                    Err(CopyError::Dst(e)) => return r.recv_devmem_failed(&e),
+                    Err(e) => return copy_failed(&r, e),
+                }
             }
             let kind = if imm.is_some() {
                 RespKind::SendImm
@@ -825,9 +931,16 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
                 Ok(s) => s,
                 Err(e) => return r.fatal(e),
             };
-            // SAFETY: as for writes, with the directions swapped.
             if move_data {
-                unsafe { copy_ranges(dst, &[src]) };
+                // SAFETY: as for writes, with the directions swapped.
+                if let Err(e) = unsafe { copy_ranges(dst, &[src]) } {
+                    // the sides swap: the source is the responder's, the destination ours
+                    let e = match e {
+                        CopyError::Src(e) => CopyError::Dst(e),
+                        CopyError::Dst(e) => CopyError::Src(e),
+                    };
+                    return copy_failed(&r, e);
+                }
             }
             Response::Ack
         }
@@ -835,12 +948,25 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
     }
 }
 
-/// Performs an atomic on host memory and returns the original value.
-///
-/// # Safety
-/// `addr` must be live host memory, aligned to the operand size.
-unsafe fn atomic(addr: u64, kind: AtomicKind) -> u64 {
-    let op = |old: u64| -> Option<u64> {
+/// A failed in-process transfer, seen from the requester: `Dst` is the responder's memory
+/// (REMOTE_OP, responder to ERR), `Src` the requester's own (LOCAL_PROT, responder unchanged).
+fn copy_failed(r: &Resp<'_>, e: CopyError) -> Response {
+    match e {
+        CopyError::Dst(e) => {
+            let nak = remote_devmem_nak(&r.qp.counters, &e);
+            r.fatal(nak)
+        }
+        CopyError::Src(e) => {
+            // counted by the requester (`execute`), whose memory it is
+            tracing::warn!(error = %e, "device memory failed (requester)");
+            Response::Nak(Syndrome::LocalProt, vendor::DEVICE_MEMORY)
+        }
+    }
+}
+
+/// What an atomic makes of the original value: the new value, or `None` to leave it.
+fn atomic_op(kind: AtomicKind) -> impl Fn(u64) -> Option<u64> {
+    move |old: u64| -> Option<u64> {
         match kind {
             AtomicKind::FetchAdd { add } => Some(old.wrapping_add(add)),
             AtomicKind::CompareSwap { compare, swap } => (old == compare).then_some(swap),
@@ -858,7 +984,49 @@ unsafe fn atomic(addr: u64, kind: AtomicKind) -> u64 {
             } => ((old & compare_mask) == (compare & compare_mask))
                 .then_some((old & !swap_mask) | (swap & swap_mask)),
         }
-    };
+    }
+}
+
+/// Serialises the soft NIC's read-modify-writes on device memory (every device of the
+/// process): atomic with respect to each other, NOT with respect to GPU threads, which the
+/// host cannot lock out (a GPU atomic on the same word between the read and the write is lost
+/// or overwritten).
+static DEVICE_ATOMICS: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+/// Performs an atomic on device memory as a read-modify-write through `mem` (original value
+/// returned, host-endian as in host memory). See [`DEVICE_ATOMICS`] for what is atomic.
+fn device_atomic(
+    mem: &dyn crate::DeviceMemory,
+    addr: u64,
+    kind: AtomicKind,
+) -> Result<u64, crate::DeviceMemoryError> {
+    let op = atomic_op(kind);
+    let _one_at_a_time = DEVICE_ATOMICS.lock();
+    if kind.size() == 8 {
+        let mut b = [0u8; 8];
+        mem.read(addr, &mut b)?;
+        let old = u64::from_ne_bytes(b);
+        if let Some(new) = op(old) {
+            mem.write(addr, &new.to_ne_bytes())?;
+        }
+        Ok(old)
+    } else {
+        let mut b = [0u8; 4];
+        mem.read(addr, &mut b)?;
+        let old = u32::from_ne_bytes(b) as u64;
+        if let Some(new) = op(old) {
+            mem.write(addr, &(new as u32).to_ne_bytes())?;
+        }
+        Ok(old)
+    }
+}
+
+/// Performs an atomic on host memory and returns the original value.
+///
+/// # Safety
+/// `addr` must be live host memory, aligned to the operand size.
+unsafe fn atomic(addr: u64, kind: AtomicKind) -> u64 {
+    let op = atomic_op(kind);
     if kind.size() == 8 {
         // SAFETY: aligned live memory per the contract; all device access is atomic.
         let a = unsafe { AtomicU64::from_ptr(addr as *mut u64) };
@@ -902,17 +1070,14 @@ pub fn field_add(old: u64, add: u64, boundary: u64, bits: u32) -> u64 {
 }
 
 /// Checked local ranges of a WRITE/SEND source (SGEs, or the inline bytes in the WQE copy).
-fn gather(g: &MrGuard<'_>, qp: &Qp, l: &ParsedLocal<'_>) -> Result<SmallVec<[HostRange; 4]>, Fail> {
+fn gather(g: &MrGuard<'_>, qp: &Qp, l: &ParsedLocal<'_>) -> Result<SmallVec<[MemRange; 4]>, Fail> {
     let ranges = match l {
         ParsedLocal::Sges(list) => local_ranges(g, qp, Access::NONE, list)?,
         ParsedLocal::Inline(bytes) => {
             if bytes.len() as u32 > qp.max_inline {
                 return Err((Syndrome::LocalLength, vendor::TOO_LONG));
             }
-            smallvec::smallvec![HostRange {
-                addr: bytes.as_ptr() as u64,
-                len: bytes.len() as u64
-            }]
+            smallvec::smallvec![MemRange::host(bytes.as_ptr() as u64, bytes.len() as u64)]
         }
     };
     if total(&ranges) > MAX_MSG {
@@ -944,10 +1109,10 @@ fn execute(
     // Local checks come first: the requester gathers (or validates its scatter list) before
     // anything goes out.
     enum Prepared {
-        Write(prm::RemoteAddr, SmallVec<[HostRange; 4]>),
-        Send(SmallVec<[HostRange; 4]>),
-        Read(prm::RemoteAddr, SmallVec<[HostRange; 4]>),
-        Atomic(prm::RemoteAddr, AtomicKind, HostRange),
+        Write(prm::RemoteAddr, SmallVec<[MemRange; 4]>),
+        Send(SmallVec<[MemRange; 4]>),
+        Read(prm::RemoteAddr, SmallVec<[MemRange; 4]>),
+        Atomic(prm::RemoteAddr, AtomicKind, MemRange),
     }
     let prepared = match wqe.op {
         ParsedOp::Write { remote, local } => Prepared::Write(remote, gather(&g, qp, &local)?),
@@ -1039,7 +1204,9 @@ fn execute(
                     &(*old as u32).to_ne_bytes()[..]
                 };
                 // SAFETY: `res` was checked (LOCAL_WRITE, exactly n bytes) under `g`, still held.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), res.addr as *mut u8, n) };
+                if let Err(e) = unsafe { write_range(res, 0, src) } {
+                    return Err(local_devmem_err(&dev.counters, &e));
+                }
             }
             Counters::add(&dev.counters.bytes, len);
             Ok(Done::Complete(len as u32))
@@ -1054,6 +1221,12 @@ fn execute(
                 )))
             }
         }
-        Response::Nak(syndrome, why) => Err((syndrome, why)),
+        Response::Nak(syndrome, why) => {
+            if (syndrome, why) == (Syndrome::LocalProt, vendor::DEVICE_MEMORY) {
+                // our own memory failed during the transfer (see `copy_failed`)
+                Counters::add(&dev.counters.devmem_errors, 1);
+            }
+            Err((syndrome, why))
+        }
     }
 }

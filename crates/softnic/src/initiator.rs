@@ -213,7 +213,40 @@ impl Initiator {
     }
 
     /// An initiator for a soft-NIC QP (its CQs must not be polled by anyone else).
+    ///
+    /// # Panics
+    /// When a ring of the QP or of its CQs is in device memory (a CPU cannot store into GPU
+    /// memory); [`Initiator::try_for_soft_qp`] returns that as an error.
     pub fn for_soft_qp(dev: &crate::Device, qp: &Arc<Qp>, mode: RingMode) -> Self {
+        match Self::try_for_soft_qp(dev, qp, mode) {
+            Ok(i) => i,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// An initiator for a soft-NIC QP, or [`crate::Error::InvalidArgument`] when a ring of the
+    /// QP or of its CQs is in device memory: the CPU initiator writes WQEs and polls CQEs with
+    /// host loads and stores, which GPU-resident rings do not allow (drive such a QP from a
+    /// kernel).
+    pub fn try_for_soft_qp(
+        dev: &crate::Device,
+        qp: &Arc<Qp>,
+        mode: RingMode,
+    ) -> Result<Self, crate::Error> {
+        let on_device = !qp.sq_ring().is_host()
+            || !qp.rq_ring().is_host()
+            || !qp.send_cq().ring().is_host()
+            || !qp.recv_cq().ring().is_host();
+        if on_device {
+            return Err(crate::Error::InvalidArgument(
+                "the CPU initiator cannot drive a QP whose rings (SQ, RQ or CQ) are in device \
+                 memory: drive it from a GPU kernel",
+            ));
+        }
+        Ok(Self::for_host_rings(dev, qp, mode))
+    }
+
+    fn for_host_rings(dev: &crate::Device, qp: &Arc<Qp>, mode: RingMode) -> Self {
         let cq_geom = |cq: &crate::Cq| CqGeometry {
             ring: cq.ring().as_ptr(),
             ncqe: cq.ncqe(),

@@ -12,11 +12,16 @@
 //!
 //! Across processes and hosts, devices opened with a [`WireConfig`] speak RoCEv2 over UDP with
 //! RC reliability ([`wire`]); [`pcap`] captures what they send.
+//!
+//! Memory regions and rings may live in device (GPU) memory: the engine reaches them through a
+//! [`DeviceMemory`] trait object supplied at registration ([`devmem`]), so this crate needs no
+//! CUDA.
 
 pub mod buffer;
 pub mod counters;
 pub mod cq;
 mod device;
+pub mod devmem;
 pub mod engine;
 pub mod initiator;
 pub mod mem;
@@ -28,7 +33,8 @@ pub use buffer::DmaBuf;
 pub use counters::{CounterSnapshot, WireCounters};
 pub use cq::{Cq, CqConfig, CqInit, CqMode};
 pub use device::{Device, DeviceConfig};
-pub use mem::{Access, MrInfo, PdId};
+pub use devmem::{DeviceMemory, DeviceMemoryError, SimDeviceMemory};
+pub use mem::{Access, MemKind, MrInfo, PdId};
 pub use qp::{DoorbellKind, Fault, Modify, Qp, QpConfig, QpState, RtrAttr, RtsAttr};
 pub use wire::{Capture, WireConfig, WireError, WireFaults};
 
@@ -89,4 +95,7 @@ pub enum Error {
     /// The wire port could not be set up, or the device has none.
     #[error(transparent)]
     Wire(#[from] WireError),
+    /// Device memory (a ring in GPU memory) failed while the device set it up.
+    #[error(transparent)]
+    DeviceMemory(#[from] DeviceMemoryError),
 }

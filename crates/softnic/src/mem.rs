@@ -4,8 +4,14 @@
 //! An mkey is `index << 8 | tag`; lkey and rkey are the same value (as on mlx5). The tag changes
 //! each time an index is reused, so a stale key from a deregistered region is a bad key, not a
 //! silent hit on whatever took its slot.
+//!
+//! A region is host memory (the engine copies with raw pointers) or device memory (every access
+//! goes through the region's [`DeviceMemory`]). A checked [`MemRange`] carries which; the
+//! copies here ([`copy_ranges`], [`read_range`], [`write_range`]) dispatch on it.
 
+use crate::devmem::{same_memory, DeviceMemory, DeviceMemoryError, BOUNCE};
 use parking_lot::{RwLock, RwLockReadGuard};
+use std::sync::Arc;
 
 /// Access rights of a memory region (ibverbs bit values).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -75,6 +81,8 @@ pub enum AccessError {
 pub enum MemKind {
     /// Host memory the engine can address directly.
     Host,
+    /// Device (GPU) memory, reached through the [`DeviceMemory`] given at registration.
+    Device,
 }
 
 /// A registered region as the device records it.
@@ -107,6 +115,7 @@ impl MrInfo {
 struct Slot {
     tag: u8,
     mr: Option<MrInfo>,
+    dev: Option<Arc<dyn DeviceMemory>>,
 }
 
 /// The device's table of memory regions.
@@ -115,18 +124,63 @@ pub struct MrTable {
     slots: RwLock<Vec<Slot>>,
 }
 
-/// A checked host range `addr..addr+len` inside a live region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HostRange {
+/// A checked range `addr..addr+len` inside a live region: host memory (`dev` is `None`) or
+/// device memory reached through `dev`.
+#[derive(Clone)]
+pub struct MemRange {
     /// First byte.
     pub addr: u64,
     /// Length.
     pub len: u64,
+    /// The device memory holding the range, `None` for host memory.
+    pub dev: Option<Arc<dyn DeviceMemory>>,
+}
+
+impl MemRange {
+    /// A host range.
+    pub fn host(addr: u64, len: u64) -> Self {
+        Self {
+            addr,
+            len,
+            dev: None,
+        }
+    }
+
+    /// Whether the range is host memory.
+    pub fn is_host(&self) -> bool {
+        self.dev.is_none()
+    }
+}
+
+impl PartialEq for MemRange {
+    fn eq(&self, o: &Self) -> bool {
+        let same_dev = match (&self.dev, &o.dev) {
+            (None, None) => true,
+            (Some(a), Some(b)) => same_memory(a, b),
+            _ => false,
+        };
+        self.addr == o.addr && self.len == o.len && same_dev
+    }
+}
+
+impl std::fmt::Debug for MemRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if self.is_host() { "host" } else { "device" };
+        write!(f, "MemRange({kind} {:#x}+{})", self.addr, self.len)
+    }
 }
 
 impl MrTable {
-    /// Records a region and returns its description with its key.
-    pub fn insert(&self, pd: PdId, addr: u64, len: u64, access: Access, kind: MemKind) -> MrInfo {
+    /// Records a region and returns its description with its key: host memory when `dev` is
+    /// `None`, else device memory reached through `dev`.
+    pub fn insert(
+        &self,
+        pd: PdId,
+        addr: u64,
+        len: u64,
+        access: Access,
+        dev: Option<Arc<dyn DeviceMemory>>,
+    ) -> MrInfo {
         let mut slots = self.slots.write();
         let index = slots
             .iter()
@@ -143,9 +197,14 @@ impl MrTable {
             addr,
             len,
             access,
-            kind,
+            kind: if dev.is_some() {
+                MemKind::Device
+            } else {
+                MemKind::Host
+            },
         };
         slot.mr = Some(info);
+        slot.dev = dev;
         info
     }
 
@@ -155,7 +214,10 @@ impl MrTable {
     pub fn remove(&self, key: u32) -> Option<MrInfo> {
         let mut slots = self.slots.write();
         match slots.get_mut((key >> 8) as usize) {
-            Some(s) if s.mr.is_some_and(|m| m.key == key) => s.mr.take(),
+            Some(s) if s.mr.is_some_and(|m| m.key == key) => {
+                s.dev = None;
+                s.mr.take()
+            }
             _ => None,
         }
     }
@@ -177,10 +239,13 @@ pub struct MrGuard<'a>(RwLockReadGuard<'a, Vec<Slot>>);
 
 impl MrGuard<'_> {
     fn lookup(&self, key: u32) -> Option<MrInfo> {
+        self.slot(key).and_then(|s| s.mr)
+    }
+
+    fn slot(&self, key: u32) -> Option<&Slot> {
         self.0
             .get((key >> 8) as usize)
-            .and_then(|s| s.mr)
-            .filter(|m| m.key == key)
+            .filter(|s| s.mr.is_some_and(|m| m.key == key))
     }
 
     /// Checks that `addr..addr+len` lies in the region of `key`, in `pd`, with rights `need`.
@@ -191,8 +256,9 @@ impl MrGuard<'_> {
         key: u32,
         addr: u64,
         len: u64,
-    ) -> Result<HostRange, AccessError> {
-        let mr = self.lookup(key).ok_or(AccessError::BadKey(key))?;
+    ) -> Result<MemRange, AccessError> {
+        let slot = self.slot(key).ok_or(AccessError::BadKey(key))?;
+        let mr = slot.mr.ok_or(AccessError::BadKey(key))?;
         if mr.pd != pd {
             return Err(AccessError::WrongPd(key));
         }
@@ -202,32 +268,42 @@ impl MrGuard<'_> {
         if !mr.access.contains(need) {
             return Err(AccessError::MissingRight { key, need });
         }
-        Ok(HostRange { addr, len })
+        Ok(MemRange {
+            addr,
+            len,
+            dev: slot.dev.clone(),
+        })
     }
 }
 
+/// Which side of a copy failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CopyError {
+    /// Reading the source failed.
+    #[error("source: {0}")]
+    Src(DeviceMemoryError),
+    /// Writing the destination failed.
+    #[error("destination: {0}")]
+    Dst(DeviceMemoryError),
+}
+
 /// Copies bytes from `src` ranges to `dst` ranges (total lengths may differ; copies the
-/// shorter total). Returns bytes copied.
+/// shorter total). Host to host is a raw copy (memmove); anything involving device memory goes
+/// through the ranges' [`DeviceMemory`]. Returns bytes copied, or which side failed (bytes
+/// before the failure may have been copied, as with a DMA that faults half-way).
 ///
 /// # Safety
-/// Every range must be live host memory: checked by an [`MrGuard`] still held by the caller,
-/// or a buffer the caller owns.
-pub unsafe fn copy_ranges(dst: &[HostRange], src: &[HostRange]) -> u64 {
+/// Every host range must be live host memory: checked by an [`MrGuard`] still held by the
+/// caller, or a buffer the caller owns.
+pub unsafe fn copy_ranges(dst: &[MemRange], src: &[MemRange]) -> Result<u64, CopyError> {
     let (mut di, mut doff, mut si, mut soff, mut total) = (0, 0u64, 0, 0u64, 0u64);
+    let mut bounce = Vec::new();
     while di < dst.len() && si < src.len() {
-        let d = dst[di];
-        let s = src[si];
+        let (d, s) = (&dst[di], &src[si]);
         let n = (d.len - doff).min(s.len - soff);
         if n > 0 {
-            // SAFETY: both ranges are live host memory per the caller's contract, and n stays
-            // within each; `copy` tolerates overlap (a region written into itself).
-            unsafe {
-                std::ptr::copy(
-                    (s.addr + soff) as *const u8,
-                    (d.addr + doff) as *mut u8,
-                    n as usize,
-                )
-            };
+            // SAFETY: both ranges are live per the caller's contract, and n stays within each.
+            unsafe { copy_piece(d, doff, s, soff, n, &mut bounce)? };
         }
         total += n;
         doff += n;
@@ -241,7 +317,104 @@ pub unsafe fn copy_ranges(dst: &[HostRange], src: &[HostRange]) -> u64 {
             soff = 0;
         }
     }
-    total
+    Ok(total)
+}
+
+/// Copies `n` bytes from `s` at `soff` to `d` at `doff`.
+///
+/// # Safety
+/// As [`copy_ranges`], with both pieces inside their ranges.
+unsafe fn copy_piece(
+    d: &MemRange,
+    doff: u64,
+    s: &MemRange,
+    soff: u64,
+    n: u64,
+    bounce: &mut Vec<u8>,
+) -> Result<(), CopyError> {
+    let (da, sa, len) = (d.addr + doff, s.addr + soff, n as usize);
+    match (&d.dev, &s.dev) {
+        (None, None) => {
+            // SAFETY: both are live host memory per the contract; `copy` tolerates overlap (a
+            // region written into itself).
+            unsafe { std::ptr::copy(sa as *const u8, da as *mut u8, len) };
+            Ok(())
+        }
+        (Some(dm), None) => {
+            // SAFETY: the host side is live host memory per the contract, `len` bytes.
+            unsafe { dm.write_from_host(da, sa as *const u8, len) }.map_err(CopyError::Dst)
+        }
+        (None, Some(sm)) => {
+            // SAFETY: the host side is live host memory per the contract, `len` bytes.
+            unsafe { sm.read_to_host(sa, da as *mut u8, len) }.map_err(CopyError::Src)
+        }
+        (Some(dm), Some(sm)) => {
+            let same = same_memory(dm, sm);
+            let overlap = sa < da + n && da < sa + n;
+            if same && !overlap && dm.copy(da, sa, len).is_ok() {
+                return Ok(());
+            }
+            // Different memories, a range moved within itself, or a failed device-to-device
+            // copy (which cannot say which side failed: redone through the host, it fails on
+            // its side, or succeeds): through the host, chunk by chunk, backwards when the
+            // destination is above an overlapping source (memmove).
+            bounce.resize(len.min(BOUNCE), 0);
+            let chunks = len.div_ceil(BOUNCE);
+            for i in 0..chunks {
+                let i = if same && overlap && da > sa {
+                    chunks - 1 - i
+                } else {
+                    i
+                };
+                let at = i * BOUNCE;
+                let k = (len - at).min(BOUNCE);
+                sm.read(sa + at as u64, &mut bounce[..k])
+                    .map_err(CopyError::Src)?;
+                dm.write(da + at as u64, &bounce[..k])
+                    .map_err(CopyError::Dst)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Copies `out.len()` bytes at offset `off` of range `r` into `out`.
+///
+/// # Safety
+/// A host `r` must be live host memory (checked under a guard still held), and
+/// `off + out.len() <= r.len`.
+pub unsafe fn read_range(r: &MemRange, off: u64, out: &mut [u8]) -> Result<(), DeviceMemoryError> {
+    match &r.dev {
+        Some(m) => m.read(r.addr + off, out),
+        None => {
+            // SAFETY: per the contract; the source may be written concurrently (DMA semantics):
+            // it is copied raw, never referenced.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (r.addr + off) as *const u8,
+                    out.as_mut_ptr(),
+                    out.len(),
+                )
+            };
+            Ok(())
+        }
+    }
+}
+
+/// Copies `bytes` to offset `off` of range `r`.
+///
+/// # Safety
+/// A host `r` must be live host memory (checked under a guard still held), and
+/// `off + bytes.len() <= r.len`.
+pub unsafe fn write_range(r: &MemRange, off: u64, bytes: &[u8]) -> Result<(), DeviceMemoryError> {
+    match &r.dev {
+        Some(m) => m.write(r.addr + off, bytes),
+        None => {
+            // SAFETY: per the contract; `copy` tolerates a source inside the same memory.
+            unsafe { std::ptr::copy(bytes.as_ptr(), (r.addr + off) as *mut u8, bytes.len()) };
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]
@@ -257,15 +430,12 @@ mod tests {
             0x1000,
             0x100,
             Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-            MemKind::Host,
+            None,
         );
         let g = t.read();
         assert_eq!(
             g.check(pd, Access::REMOTE_WRITE, a.key, 0x1080, 0x80),
-            Ok(HostRange {
-                addr: 0x1080,
-                len: 0x80
-            })
+            Ok(MemRange::host(0x1080, 0x80))
         );
         assert_eq!(
             g.check(pd, Access::REMOTE_WRITE, a.key, 0x1080, 0x81),
@@ -289,7 +459,7 @@ mod tests {
         drop(g);
         assert!(t.remove(a.key).is_some());
         assert!(t.remove(a.key).is_none());
-        let b = t.insert(pd, 0x1000, 0x100, Access::NONE, MemKind::Host);
+        let b = t.insert(pd, 0x1000, 0x100, Access::NONE, None);
         assert_ne!(a.key, b.key, "reused slot gets a new tag");
         assert_eq!(
             t.read().check(pd, Access::NONE, a.key, 0x1000, 1),
@@ -302,27 +472,78 @@ mod tests {
         let src = *b"abcdefghij";
         let mut dst = [0u8; 10];
         let s = [
-            HostRange {
-                addr: src.as_ptr() as u64,
-                len: 3,
-            },
-            HostRange {
-                addr: src.as_ptr() as u64 + 3,
-                len: 7,
-            },
+            MemRange::host(src.as_ptr() as u64, 3),
+            MemRange::host(src.as_ptr() as u64 + 3, 7),
         ];
         let d = [
-            HostRange {
-                addr: dst.as_mut_ptr() as u64,
-                len: 5,
-            },
-            HostRange {
-                addr: dst.as_mut_ptr() as u64 + 5,
-                len: 5,
-            },
+            MemRange::host(dst.as_mut_ptr() as u64, 5),
+            MemRange::host(dst.as_mut_ptr() as u64 + 5, 5),
         ];
         // SAFETY: the ranges are the two local arrays.
         let n = unsafe { copy_ranges(&d, &s) };
-        assert_eq!((n, &dst), (10, b"abcdefghij"));
+        assert_eq!((n, &dst), (Ok(10), b"abcdefghij"));
+    }
+
+    #[test]
+    fn copies_dispatch_on_the_memory_kind() {
+        use crate::devmem::SimDeviceMemory;
+        let (g1, g2) = (SimDeviceMemory::new(1 << 21), SimDeviceMemory::new(4096));
+        let (b1, b2) = (g1.base(), g2.base());
+        let dev = |m: &Arc<SimDeviceMemory>, addr, len| MemRange {
+            addr,
+            len,
+            dev: Some(m.clone() as Arc<dyn DeviceMemory>),
+        };
+        let host = *b"0123456789";
+        let mut back = [0u8; 10];
+        let h = |a: &[u8]| MemRange::host(a.as_ptr() as u64, a.len() as u64);
+        // SAFETY: every host range below is one of the local arrays.
+        unsafe {
+            // host -> device, scattered over two memories
+            let n = copy_ranges(&[dev(&g1, b1, 4), dev(&g2, b2, 6)], &[h(&host)]);
+            assert_eq!(n, Ok(10));
+            // device -> device within one memory: one copy call
+            copy_ranges(&[dev(&g1, b1 + 100, 4)], &[dev(&g1, b1, 4)]).unwrap();
+            assert_eq!(g1.counts().copies, 1);
+            // across memories: through the host
+            copy_ranges(&[dev(&g1, b1 + 104, 6)], &[dev(&g2, b2, 6)]).unwrap();
+            // device -> host
+            let bh = MemRange::host(back.as_mut_ptr() as u64, 10);
+            copy_ranges(&[bh], &[dev(&g1, b1 + 100, 10)]).unwrap();
+        }
+        assert_eq!(&back, b"0123456789");
+        // overlapping move within one memory, larger than a bounce chunk, upwards
+        let pat: Vec<u8> = (0..BOUNCE + 1000).map(|i| (i % 251) as u8).collect();
+        g1.poke(b1, &pat);
+        // SAFETY: no host ranges.
+        unsafe {
+            copy_ranges(
+                &[dev(&g1, b1 + 10, pat.len() as u64)],
+                &[dev(&g1, b1, pat.len() as u64)],
+            )
+        }
+        .unwrap();
+        assert_eq!(g1.peek(b1 + 10, pat.len()), pat);
+        // failures name their side
+        g2.fail_range(b2, 1);
+        // SAFETY: `back` is a local array.
+        let e = unsafe {
+            copy_ranges(
+                &[MemRange::host(back.as_mut_ptr() as u64, 4)],
+                &[dev(&g2, b2, 4)],
+            )
+        };
+        assert!(matches!(e, Err(CopyError::Src(_))), "{e:?}");
+        // SAFETY: no host ranges.
+        let e = unsafe { copy_ranges(&[dev(&g2, b2, 4)], &[dev(&g1, b1, 4)]) };
+        assert!(matches!(e, Err(CopyError::Dst(_))), "{e:?}");
+        // within one memory, a failed copy is redone through the host to name its side
+        g1.fail_range(b1 + 8, 1);
+        // SAFETY: no host ranges.
+        let e = unsafe { copy_ranges(&[dev(&g1, b1 + 100, 16)], &[dev(&g1, b1, 16)]) };
+        assert!(matches!(e, Err(CopyError::Src(_))), "{e:?}");
+        // SAFETY: no host ranges.
+        let e = unsafe { copy_ranges(&[dev(&g1, b1, 16)], &[dev(&g1, b1 + 100, 16)]) };
+        assert!(matches!(e, Err(CopyError::Dst(_))), "{e:?}");
     }
 }

@@ -6,7 +6,17 @@
 //! put_bw --loopback -s 1M -q 4 --bidir      # 4 QPs each way
 //! put_bw --loopback --scope warp --db proxy --report-gbits
 //! put_bw -p 18515        /  put_bw <server> -p 18515     # server / client roles
+//! put_bw --initiator cpu -a --loss 1   /  put_bw --initiator cpu -a --loss 1 <server>
 //! ```
+//!
+//! Server/client roles: the processes meet over TCP (`-p`), each opens a soft NIC with a wire
+//! port (RoCEv2 over UDP) on the local address that reaches the other (`--wire-port`, or
+//! `GPUVERBS_SOFTNIC_ADDR`), exchange endpoints, parameters and their destination buffer, and
+//! connect QP k to QP k. The client is side A (it writes; the server only receives, unless
+//! `--bidir`). Each size runs in steps both sides take together over the TCP connection
+//! (warm-up, poison, timed run, validation), so that the receiver poisons after the warm-up
+//! writes and checks after the timed ones, and every failure, on either side, ends both runs
+//! with its reason. Both print the same row (with `--bidir`, the sum of both directions).
 //!
 //! What one size does:
 //! 1. The sources get a fresh pattern: `S` slots of `size` bytes, each its own bytes
@@ -19,7 +29,8 @@
 //!    initiator every thread of the grid is a worker of one QP and owns the slots `i % D` of its
 //!    iterations, so every slot has one writer, in order.
 //! 5. The receiver checks every byte of every destination slot: the bytes of the last write into
-//!    it (or, for a slot nobody writes, the poison).
+//!    it (or, for a slot nobody writes, the poison). The plan is a function of the options and
+//!    of each job's workers, so a receiver in another process knows what every slot must hold.
 //!
 //! Timing: GPU initiator — average from CUDA events around the launch, peak from the kernel's
 //! own run (%globaltimer, first CTA start to last CTA end after its quiet). CPU initiator —
@@ -34,12 +45,12 @@
 use anyhow::{bail, Context as _, Result};
 use clap::{CommandFactory, Parser, ValueEnum};
 use gpuverbs::gpu::Gpu;
-use gpuverbs::{Access, Context, HostBuffer, Mr, Qp};
+use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Qp, RemoteMemory};
 use gpuverbs_samples::{
-    arg, check_placement, common_header, common_json, connect_pair, cpu_ring_mode, create_qp,
-    doorbell_line, exit_with, merge, open_env, pattern, refuse_remote, table_row, tx_depth_for,
-    upload, BwJob, CommonArgs, Exports, GpuStatus, Header, Initiator, Peak, Progress, QpSpec,
-    Units,
+    arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
+    create_qp, doorbell_line, exit_with, merge, open_env, open_env_remote, pattern, remote_header,
+    remote_json, step, table_row, tx_depth_for, upload, wire_counters, wire_delta, BwJob,
+    CommonArgs, Exports, GpuStatus, Header, Initiator, Peak, Peer, Progress, QpSpec, Units,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey};
@@ -110,9 +121,11 @@ enum Inject {
     long_about = "RDMA WRITE bandwidth, posted by CUDA kernels (or the CPU), perftest style \
                   (ib_write_bw's table). Every byte that arrives is checked.\n\n\
                   Roles: `put_bw --loopback` runs both sides in this process; `put_bw` (server) \
-                  and `put_bw SERVER` (client) meet over TCP on -p, but soft NICs in different \
-                  processes cannot reach each other yet, so those roles stop after exchanging \
-                  endpoints.\n\n\
+                  and `put_bw SERVER` (client) meet over TCP on -p, each opens a soft NIC with a \
+                  UDP wire port (RoCEv2) on the address that reaches the other, and the client \
+                  writes into the server's memory (with --bidir both write); the receiver checks \
+                  every byte after each size and reports to the sender, so both exit non-zero \
+                  on a failure. --loss PCT drops datagrams on purpose.\n\n\
                   Default iterations per size and QP: 5000, or 1 GiB worth when less (at least \
                   64); warm-up about a tenth (at most 500)."
 )]
@@ -287,7 +300,7 @@ impl Plan {
     }
 }
 
-/// One side of the loopback: its QPs, its source and destination buffers.
+/// One side: its QPs, its source and destination buffers.
 struct Side {
     qps: Vec<Qp>,
     src: Option<(HostBuffer, Mr)>,
@@ -309,24 +322,53 @@ struct Flow {
     pending: VecDeque<u64>,
 }
 
+/// What one side measured of one size (its own jobs); the server/client roles send it to the
+/// peer, so that both print the same row.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+struct Measured {
+    /// Messages sent.
+    msgs: f64,
+    /// Seconds from the first post to the last completion.
+    secs: f64,
+    /// Peak message rate per second, when measured.
+    peak_rate: Option<f64>,
+}
+
+/// The numbers of a row: the sum over the sides that sent (peak, average, Mpps), and the
+/// longest time.
+fn combine(ms: &[Measured], size: u64, units: Units) -> (f64, f64, f64, f64) {
+    let (mut peak, mut avg, mut mpps, mut secs) = (0.0, 0.0, 0.0, 0.0f64);
+    for m in ms {
+        let bytes = m.msgs * size as f64;
+        let a = units.bw(bytes, m.secs);
+        avg += a;
+        peak += m
+            .peak_rate
+            .map_or(a, |r| units.bw(r * size as f64, 1.0))
+            .max(a);
+        if m.secs > 0.0 {
+            mpps += m.msgs / m.secs / 1e6;
+        }
+        secs = secs.max(m.secs);
+    }
+    (peak, avg, mpps, secs)
+}
+
 fn run(args: &Args) -> Result<()> {
     let a = &args.common;
     let sizes = a.sizes(DEFAULT_SIZE);
     let dirs = if args.bidir { 2 } else { 1 };
-    if !a.loopback {
-        let params = json!({
-            "sizes": sizes, "iters": a.iters, "qps": args.qps, "bidir": args.bidir,
-        });
-        let spec = QpSpec {
-            tx_depth: a.tx_depth.next_power_of_two(),
-            rings: a.rings,
-            db: a.db,
-        };
-        let max = *sizes.iter().max().expect("one size at least");
-        return refuse_remote(a, TEST, args.qps, max as usize, spec, params);
-    }
-
-    let env = open_env(a)?;
+    // The server/client roles meet first: the soft NIC's wire port binds the local address
+    // that reaches the peer.
+    let mut peer = if a.loopback {
+        None
+    } else {
+        Some(Peer::rendezvous(a, TEST)?)
+    };
+    let env = match &peer {
+        None => open_env(a)?,
+        Some(p) => open_env_remote(a, p, None)?,
+    };
     if env.initiator == Initiator::Cpu {
         let gpu_only = args.gpu_only_options();
         if !gpu_only.is_empty() {
@@ -345,32 +387,37 @@ fn run(args: &Args) -> Result<()> {
     };
     check_placement(a, &env)?;
 
-    // Jobs and their workers.
-    let njobs = args.qps * dirs;
+    // Jobs: QP k of side A writes into side B (direction 0) and, with --bidir, QP k of B into A
+    // (direction 1). In loopback this process drives them all; across processes each side
+    // drives the jobs it sends (the client is A, the server B).
+    let me = peer.as_ref().map(Peer::side);
+    let qps = args.qps as usize;
+    let njobs = qps * dirs;
+    let local: Vec<usize> = (0..njobs)
+        .filter(|&j| me.is_none_or(|s| j / qps == s))
+        .collect();
     let scope = args.scope.unwrap_or(Scope::Thread);
     let threads = args.threads.unwrap_or(match scope {
         Scope::Thread => 1,
         Scope::Warp => 32,
         Scope::Block => 128,
     });
-    let ctas = args.ctas.unwrap_or(njobs);
-    if env.initiator == Initiator::Gpu && ctas < njobs {
-        bail!("--ctas {ctas} is fewer than the {njobs} QPs to drive (--qps x directions)");
+    let ctas = args.ctas.unwrap_or(local.len().max(1) as u32);
+    if env.initiator == Initiator::Gpu && !local.is_empty() && (ctas as usize) < local.len() {
+        bail!(
+            "--ctas {ctas} is fewer than the {} QPs this process drives (--qps{})",
+            local.len(),
+            if a.loopback { " x directions" } else { "" }
+        );
     }
-    let jobs: Vec<Job> = (0..njobs as usize)
-        .map(|j| {
-            let workers = match env.initiator {
-                Initiator::Cpu => 1,
-                Initiator::Gpu => {
-                    let n = njobs as usize;
-                    let c = ctas as usize / n + usize::from(j < ctas as usize % n);
-                    (c as u32) * threads
-                }
-            };
-            Job {
-                dir: j / args.qps as usize,
-                k: j % args.qps as usize,
-                workers,
+    // Workers of the jobs this process drives: CTA c drives local job c % n.
+    let local_workers: Vec<u32> = (0..local.len())
+        .map(|i| match env.initiator {
+            Initiator::Cpu => 1,
+            Initiator::Gpu => {
+                let n = local.len();
+                let c = ctas as usize / n + usize::from(i < ctas as usize % n);
+                (c as u32) * threads
             }
         })
         .collect();
@@ -383,7 +430,7 @@ fn run(args: &Args) -> Result<()> {
         (Initiator::Gpu, Scope::Block) => (threads, 1),
     };
     let sig_calls = (a.cq_mod / unit).max(1);
-    let wmax = jobs.iter().map(|j| j.workers).max().unwrap_or(1) as u64;
+    let wmax = local_workers.iter().copied().max().unwrap_or(1) as u64;
     // Blocks one QP's posters may leave without a CQE (unsignaled) or unrung.
     let pending = wmax * (sig_calls as u64 + batch_eff as u64) + unit as u64;
     let tx = tx_depth_for(a.tx_depth, pending)?;
@@ -392,6 +439,95 @@ fn run(args: &Args) -> Result<()> {
         rings: a.rings,
         db: a.db,
     };
+
+    // QPs: both sides in loopback (one device, a PD each), this side's across processes.
+    let mut sides: [Option<Side>; 2] = [None, None];
+    for (s, slot) in sides.iter_mut().enumerate() {
+        if me.is_none_or(|m| m == s) {
+            let pd = env.ctx.alloc_pd();
+            let qps = (0..args.qps)
+                .map(|_| create_qp(&pd, spec))
+                .collect::<Result<Vec<_>>>()?;
+            *slot = Some(Side {
+                qps,
+                src: None,
+                dst: None,
+            });
+        }
+    }
+    let side = |s: usize| sides[s].as_ref();
+
+    // Connection, and the workers of every job (the peer says how many drive its jobs).
+    let mut peer_eps: Vec<Endpoint> = Vec::new();
+    let workers: Vec<u32> = match (&mut peer, me) {
+        (Some(p), Some(m)) => {
+            let params = json!({
+                "sizes": sizes, "iters": a.iters, "warmup": a.warmup, "qps": args.qps,
+                "bidir": args.bidir, "inject": args.inject.map(|i| format!("{i:?}")),
+            });
+            let mine = side(m)
+                .expect("this side")
+                .qps
+                .iter()
+                .map(Qp::endpoint)
+                .collect();
+            let hello = p.hello(a, TEST, params, mine, json!({ "workers": local_workers }))?;
+            let theirs: Vec<u32> = serde_json::from_value(hello.facts["workers"].clone())
+                .context("the peer's workers per QP")?;
+            if theirs.len() != njobs - local.len() || theirs.contains(&0) {
+                bail!(
+                    "the peer drives {} QPs with {theirs:?} workers; expected {}",
+                    theirs.len(),
+                    njobs - local.len()
+                );
+            }
+            for (k, (q, ep)) in side(m)
+                .expect("this side")
+                .qps
+                .iter()
+                .zip(&hello.endpoints)
+                .enumerate()
+            {
+                q.connect(ep, connect_options())
+                    .with_context(|| format!("connect QP {k} to the {} ({ep})", p.peer_role))?;
+            }
+            peer_eps = hello.endpoints;
+            let (mut mine_w, mut theirs_w) = (local_workers.iter(), theirs.iter());
+            (0..njobs)
+                .map(|j| {
+                    if j / qps == m {
+                        mine_w.next()
+                    } else {
+                        theirs_w.next()
+                    }
+                    .copied()
+                    .expect("counts checked")
+                })
+                .collect()
+        }
+        _ => {
+            let (sa, sb) = (side(0).expect("side A"), side(1).expect("side B"));
+            for k in 0..qps {
+                connect_pair(&sa.qps[k], &sb.qps[k])?;
+            }
+            local_workers.clone()
+        }
+    };
+    let jobs: Vec<Job> = (0..njobs)
+        .map(|j| Job {
+            dir: j / qps,
+            k: j % qps,
+            workers: workers[j],
+        })
+        .collect();
+    // QPN of each job's sender (this process's QP, or the peer's).
+    let sender_qpn: Vec<u32> = jobs
+        .iter()
+        .map(|job| match side(job.dir) {
+            Some(s) => s.qps[job.k].qpn(),
+            None => peer_eps.get(job.k).map_or(0, Endpoint::qpn),
+        })
+        .collect();
 
     // Plans of every size, and the buffers the largest needs.
     let plans: Vec<Plan> = sizes
@@ -407,37 +543,57 @@ fn run(args: &Args) -> Result<()> {
         .max()
         .unwrap_or(0);
     let dst_len = |d: usize| plans.iter().map(|p| p.dst_len[d]).max().unwrap_or(0);
-
-    // Both sides on one device (two PDs), QP k of A connected to QP k of B.
-    let ctx: &Context = &env.ctx;
-    let (pa, pb) = (ctx.alloc_pd(), ctx.alloc_pd());
-    let mut sides = Vec::new();
-    for (s, pd) in [&pa, &pb].into_iter().enumerate() {
-        let qps = (0..args.qps)
-            .map(|_| create_qp(pd, spec))
-            .collect::<Result<Vec<_>>>()?;
-        let sends = s == 0 || args.bidir;
-        let receives = s == 1 || args.bidir;
-        let src = if sends {
+    for (s, slot) in sides.iter_mut().enumerate() {
+        let Some(sd) = slot else { continue };
+        let pd = sd.qps[0].pd().clone();
+        if jobs.iter().any(|j| j.dir == s) {
             let b = HostBuffer::new(src_len as usize);
             let mr = pd.register_with(&b, Access::LOCAL_WRITE)?;
-            Some((b, mr))
-        } else {
-            None
-        };
-        let dst = if receives {
+            sd.src = Some((b, mr));
+        }
+        if jobs.iter().any(|j| j.dir == 1 - s) {
             let b = HostBuffer::new(dst_len(s) as usize);
             let mr = pd.register_with(&b, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
-            Some((b, mr))
-        } else {
-            None
-        };
-        sides.push(Side { qps, src, dst });
+            sd.dst = Some((b, mr));
+        }
     }
-    for k in 0..args.qps as usize {
-        connect_pair(&sides[0].qps[k], &sides[1].qps[k])?;
-    }
-    let initiating: Vec<&Qp> = jobs.iter().map(|j| &sides[j.dir].qps[j.k]).collect();
+    let side = |s: usize| sides[s].as_ref();
+    // Across processes the receiver hands out its destination buffer.
+    let peer_dst: Option<RemoteMemory> = match (&mut peer, me) {
+        (Some(p), Some(m)) => {
+            let mine = side(m)
+                .and_then(|s| s.dst.as_ref())
+                .map(|(_, mr)| RemoteMemory::export_rkey(mr.addr(), mr.len(), mr.rkey().0))
+                .transpose()
+                .map_err(anyhow::Error::from);
+            let theirs: Option<RemoteMemory> = p.step("memory", mine)?;
+            let need = dst_len(1 - m);
+            match theirs {
+                Some(r) if r.len() < need => bail!(
+                    "the {}'s destination buffer has {} B, the plan needs {need}",
+                    p.peer_role,
+                    r.len()
+                ),
+                None if !local.is_empty() => {
+                    bail!("the {} exported no destination buffer", p.peer_role)
+                }
+                t => t,
+            }
+        }
+        _ => None,
+    };
+    let initiating: Vec<&Qp> = local
+        .iter()
+        .map(|&j| &side(jobs[j].dir).expect("a local job's side").qps[jobs[j].k])
+        .collect();
+    let first_qp = initiating.first().copied().unwrap_or_else(|| {
+        &sides
+            .iter()
+            .flatten()
+            .next()
+            .expect("one side at least")
+            .qps[0]
+    });
 
     // Header.
     let units = if args.report_gbits {
@@ -445,16 +601,26 @@ fn run(args: &Args) -> Result<()> {
     } else {
         Units::MBytes
     };
+    let receives_only = local.is_empty();
+    let peer_role = peer.as_ref().map_or("peer", |p| p.peer_role);
     let mut h = Header::new("RDMA_Write BW Test (put_bw)");
     common_header(
         &mut h,
         &env,
         a,
-        doorbell_line(initiating[0], env.initiator, ring_mode),
+        if receives_only {
+            format!("none: this side only receives (the {peer_role} posts)")
+        } else {
+            doorbell_line(first_qp, env.initiator, ring_mode)
+        },
     );
+    if let (Some(p), Some(ep)) = (&peer, peer_eps.first()) {
+        remote_header(&mut h, a, p, &env.ctx, ep);
+    }
     h.line("Number of qps", format!("{} (each direction)", args.qps))
         .line("Bidirectional", if args.bidir { "on" } else { "off" });
     match env.initiator {
+        _ if receives_only => h.line("Posting", "none: this side only receives"),
         Initiator::Gpu => h.line(
             "Posting",
             format!(
@@ -474,7 +640,7 @@ fn run(args: &Args) -> Result<()> {
     };
     h.line("CQ moderation", a.cq_mod)
         .line("TX depth", format!("{tx} blocks"))
-        .line("Mtu", format!("{}[B]", initiating[0].endpoint().mtu()))
+        .line("Mtu", format!("{}[B]", first_qp.endpoint().mtu()))
         .line(
             "Iterations",
             match a.iters {
@@ -488,7 +654,12 @@ fn run(args: &Args) -> Result<()> {
         )
         .line(
             "Validation",
-            "every byte of every destination slot, every size",
+            if peer.is_some() {
+                "every byte of every destination slot, every size, by the receiving side \
+                 (which reports to the sender)"
+            } else {
+                "every byte of every destination slot, every size"
+            },
         );
     h.print(a.json);
     if !a.json {
@@ -501,8 +672,8 @@ fn run(args: &Args) -> Result<()> {
         ];
         println!("{}", table_row(&cols));
     }
-    let base_json = merge(
-        common_json(&env, a, initiating[0]),
+    let mut base_json = merge(
+        common_json(&env, a, first_qp),
         json!({
             "test": TEST, "qps": args.qps, "bidir": args.bidir, "cq_mod": a.cq_mod,
             "tx_depth": tx, "batch": args.batch, "bw_unit": units.label(),
@@ -511,25 +682,26 @@ fn run(args: &Args) -> Result<()> {
             "threads": (env.initiator == Initiator::Gpu).then_some(threads),
         }),
     );
+    if let (Some(p), Some(ep)) = (&peer, peer_eps.first()) {
+        base_json = merge(base_json, remote_json(a, p, &env.ctx, ep));
+    }
 
-    // The initiators.
+    // The initiators of the jobs this process drives.
     let mut engine = match env.initiator {
+        _ if receives_only => None,
         Initiator::Cpu => {
             let mode = ring_mode.expect("CPU ring mode");
-            Engine::Cpu(
-                jobs.iter()
-                    .zip(&initiating)
-                    .map(|(j, q)| cpu_flow(j, q, &sides, mode))
-                    .collect(),
+            Some(Engine::Cpu(
+                initiating.iter().map(|q| cpu_flow(q, mode)).collect(),
                 args.batch,
-            )
+            ))
         }
         Initiator::Gpu => {
             let gpu = env.gpu.clone().expect("GPU initiator has a GPU");
             let exports = Exports::new(&gpu, &initiating)?;
             let status = GpuStatus::new(&gpu)?;
             let times = gpu.alloc(16 * ctas as usize)?;
-            Engine::Gpu(Box::new(GpuEngine {
+            Some(Engine::Gpu(Box::new(GpuEngine {
                 gpu,
                 exports,
                 status,
@@ -539,7 +711,7 @@ fn run(args: &Args) -> Result<()> {
                 scope,
                 batch: args.batch,
                 sig_calls,
-            }))
+            })))
         }
     };
     let qpns: Vec<u32> = initiating.iter().map(|q| q.qpn()).collect();
@@ -549,74 +721,99 @@ fn run(args: &Args) -> Result<()> {
     for (n, plan) in plans.iter().enumerate() {
         let seed = pattern::seed(1, plan.size);
         // Fresh sources.
-        for (d, side) in sides.iter().enumerate() {
-            if let Some((b, _)) = &side.src {
+        for (d, sd) in sides.iter().enumerate() {
+            if let Some((b, _)) = sd.as_ref().and_then(|s| s.src.as_ref()) {
                 for s in 0..plan.src_slots as u64 {
                     pattern::fill(&mut scratch, seed ^ d as u64, s, plan.size as usize);
                     b.write((s * plan.size) as usize, &scratch);
                 }
             }
         }
-        let keys = Keys::new(&jobs, &sides, args.inject == Some(Inject::BadRkey));
+        let keys = |bad| Keys::new(&jobs, &local, &sides, peer_dst.as_ref(), bad);
         // Warm-up, untimed (with the right keys: a failing warm-up would hide the injection).
-        if plan.warmup > 0 {
-            engine.run(
-                plan,
-                &jobs,
-                &Keys::new(&jobs, &sides, false),
-                plan.warmup,
-                a,
-                &qpns,
-            )?;
-        }
+        let warm = match &mut engine {
+            Some(e) if plan.warmup > 0 => e
+                .run(plan, &jobs, &local, &keys(false), plan.warmup, a, &qpns)
+                .map(|_| ()),
+            _ => Ok(()),
+        };
+        step(&mut peer, "warm-up", warm)?;
+        // The receiver poisons its destinations once the warm-up writes are done.
         for (j, job) in jobs.iter().enumerate() {
-            poison(
-                dst_of(&sides, job),
-                plan,
-                j,
-                seed ^ job.dir as u64,
-                &mut scratch,
-            );
+            if let Some(b) = dst_buf(&sides, job) {
+                poison(b, plan, j, seed ^ job.dir as u64, &mut scratch);
+            }
         }
-        let t = engine.run(plan, &jobs, &keys, plan.iters, a, &qpns)?;
+        step(&mut peer, "poisoned", Ok(()))?;
+        let wire_before = wire_counters(&env.ctx);
+        let mine: Result<Option<Measured>> = match &mut engine {
+            Some(e) => e
+                .run(
+                    plan,
+                    &jobs,
+                    &local,
+                    &keys(args.inject == Some(Inject::BadRkey)),
+                    plan.iters,
+                    a,
+                    &qpns,
+                )
+                .map(|t| {
+                    Some(Measured {
+                        msgs: plan.iters as f64 * local.len() as f64,
+                        secs: t.total.as_secs_f64(),
+                        peak_rate: t.peak_rate,
+                    })
+                }),
+            None => Ok(None),
+        };
+        let own = mine.as_ref().ok().copied().flatten();
+        let theirs = step(&mut peer, "timed", mine)?.flatten();
+        let wire = wire_delta(&wire_before, &wire_counters(&env.ctx));
         if args.inject == Some(Inject::Corrupt) {
-            let b = dst_of(&sides, &jobs[0]);
-            let off = plan.dst_off[0] as usize + plan.size as usize / 2;
-            let mut x = [0u8];
-            b.read(off, &mut x);
-            b.write(off, &[!x[0]]);
+            if let Some(b) = dst_buf(&sides, &jobs[0]) {
+                let off = plan.dst_off[0] as usize + plan.size as usize / 2;
+                let mut x = [0u8];
+                b.read(off, &mut x);
+                b.write(off, &[!x[0]]);
+            }
         }
+        // Every byte of the destinations this process holds.
         let mut failure = None;
         for (j, job) in jobs.iter().enumerate() {
-            if let Err(e) = validate(
-                dst_of(&sides, job),
-                plan,
-                j,
-                seed ^ job.dir as u64,
-                &mut scratch,
-            ) {
-                failure = Some(format!("QP {:#x} (job {j}): {e}", qpns[j]));
+            let Some(b) = dst_buf(&sides, job) else {
+                continue;
+            };
+            if let Err(e) = validate(b, plan, j, seed ^ job.dir as u64, &mut scratch) {
+                failure = Some(format!("QP {:#x} (job {j}): {e}", sender_qpn[j]));
                 break;
             }
         }
-        let msgs = plan.iters as f64 * jobs.len() as f64;
-        let bytes = msgs * plan.size as f64;
-        let avg = units.bw(bytes, t.total.as_secs_f64());
-        let peak = t
-            .peak_rate
-            .map_or(avg, |r| units.bw(r * plan.size as f64, 1.0))
-            .max(avg);
-        let mpps = msgs / t.total.as_secs_f64() / 1e6;
+        let failure = match &mut peer {
+            None => failure,
+            Some(p) => {
+                let theirs: Option<String> = p.step("validated", Ok(failure.clone()))?;
+                let by = |f: String, who: &str| format!("{f} (checked by the {who})");
+                failure
+                    .map(|f| by(f, p.role))
+                    .or_else(|| theirs.map(|f| by(f, p.peer_role)))
+            }
+        };
+        let measured: Vec<Measured> = own.into_iter().chain(theirs).collect();
+        let (peak, avg, mpps, secs) = combine(&measured, plan.size, units);
         progress.clear();
         if a.json {
-            let v = merge(
+            let mut v = merge(
                 base_json.clone(),
                 json!({
                     "bytes": plan.size, "iterations": plan.iters, "warmup": plan.warmup,
                     "bw_peak": peak, "bw_average": avg, "msg_rate_mpps": mpps,
-                    "time_s": t.total.as_secs_f64(), "validated": failure.is_none(),
+                    "time_s": secs, "validated": failure.is_none(),
                 }),
             );
+            if peer.is_some() {
+                // This side's wire port during the timed run.
+                v = merge(v, json!({ "wire": wire }));
+            }
             println!("{v}");
         } else {
             println!(
@@ -642,16 +839,15 @@ fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// The destination buffer job `job` writes into.
-fn dst_of<'a>(sides: &'a [Side], job: &Job) -> &'a HostBuffer {
-    &sides[1 - job.dir]
-        .dst
+/// The destination buffer job `job` writes into, when this process holds it.
+fn dst_buf<'a>(sides: &'a [Option<Side>; 2], job: &Job) -> Option<&'a HostBuffer> {
+    sides[1 - job.dir]
         .as_ref()
-        .expect("receiver has a destination")
-        .0
+        .and_then(|s| s.dst.as_ref())
+        .map(|(b, _)| b)
 }
 
-/// Keys and addresses of each job.
+/// Keys and addresses of the jobs this process drives (in the order of `ids`).
 struct Keys {
     lbase: Vec<u64>,
     lkey: Vec<u32>,
@@ -660,35 +856,53 @@ struct Keys {
 }
 
 impl Keys {
-    fn new(jobs: &[Job], sides: &[Side], bad_rkey: bool) -> Self {
+    /// `peer_dst`: the peer's destination buffer (across processes).
+    fn new(
+        jobs: &[Job],
+        ids: &[usize],
+        sides: &[Option<Side>; 2],
+        peer_dst: Option<&RemoteMemory>,
+        bad_rkey: bool,
+    ) -> Self {
         let mut k = Self {
             lbase: vec![],
             lkey: vec![],
             rbase: vec![],
             rkey: vec![],
         };
-        for j in jobs {
-            let src = &sides[j.dir].src.as_ref().expect("sender has sources").1;
-            let dst = &sides[1 - j.dir].dst.as_ref().expect("receiver").1;
+        for &j in ids {
+            let job = &jobs[j];
+            let src = &sides[job.dir]
+                .as_ref()
+                .and_then(|s| s.src.as_ref())
+                .expect("sender has sources")
+                .1;
+            let (rbase, rkey) = match sides[1 - job.dir].as_ref() {
+                Some(s) => {
+                    let mr = &s.dst.as_ref().expect("receiver has a destination").1;
+                    (mr.addr(), mr.rkey().0)
+                }
+                None => {
+                    let r = peer_dst.expect("the peer's destination");
+                    (r.addr(), r.rkey())
+                }
+            };
             k.lbase.push(src.addr());
             k.lkey.push(src.lkey().0);
-            k.rbase.push(dst.addr());
-            k.rkey
-                .push(dst.rkey().0 ^ if bad_rkey { 0x5a00 } else { 0 });
+            k.rbase.push(rbase);
+            k.rkey.push(rkey ^ if bad_rkey { 0x5a00 } else { 0 });
         }
         k
     }
 }
 
-fn cpu_flow(j: &Job, q: &Qp, sides: &[Side], mode: RingMode) -> Flow {
-    let src = &sides[j.dir].src.as_ref().expect("sender has sources").1;
-    let dst = &sides[1 - j.dir].dst.as_ref().expect("receiver").1;
+fn cpu_flow(q: &Qp, mode: RingMode) -> Flow {
     Flow {
         ini: q.cpu_initiator(mode),
-        lkey: src.lkey(),
-        src: src.addr(),
-        rkey: dst.rkey(),
-        dst: dst.addr(),
+        lkey: Lkey(0),
+        src: 0,
+        rkey: Rkey(0),
+        dst: 0,
         slots: 1,
         shift: 0,
         posted: 0,
@@ -776,18 +990,22 @@ enum Engine {
 }
 
 impl Engine {
+    /// Runs `iters` iterations of the jobs `ids` (those this process drives; the flows,
+    /// exported QPs, keys and `qpns` are in that order).
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
         p: &Plan,
         jobs: &[Job],
+        ids: &[usize],
         keys: &Keys,
         iters: u32,
         a: &CommonArgs,
         qpns: &[u32],
     ) -> Result<Timing> {
         match self {
-            Engine::Cpu(flows, batch) => run_cpu(flows, *batch, p, keys, iters, a),
-            Engine::Gpu(g) => g.run(p, jobs, keys, iters, a, qpns),
+            Engine::Cpu(flows, batch) => run_cpu(flows, *batch, p, ids, keys, iters, a),
+            Engine::Gpu(g) => g.run(p, jobs, ids, keys, iters, a, qpns),
         }
     }
 }
@@ -798,18 +1016,20 @@ fn run_cpu(
     flows: &mut [Flow],
     batch: u32,
     p: &Plan,
+    ids: &[usize],
     keys: &Keys,
     iters: u32,
     a: &CommonArgs,
 ) -> Result<Timing> {
     let size = p.size;
-    for (j, f) in flows.iter_mut().enumerate() {
+    for (i, f) in flows.iter_mut().enumerate() {
+        let j = ids[i];
         f.slots = p.dst_slots[j] as u64;
         f.shift = j as u64;
-        f.dst = keys.rbase[j] + p.dst_off[j];
-        f.rkey = Rkey(keys.rkey[j]);
-        f.src = keys.lbase[j];
-        f.lkey = Lkey(keys.lkey[j]);
+        f.dst = keys.rbase[i] + p.dst_off[j];
+        f.rkey = Rkey(keys.rkey[i]);
+        f.src = keys.lbase[i];
+        f.lkey = Lkey(keys.lkey[i]);
         f.posted = 0;
         f.since_sig = 0;
         f.pending.clear();
@@ -879,7 +1099,12 @@ fn run_cpu(
         if done > before {
             last_progress = Instant::now();
             peak.record(last_progress, done);
-        } else if last_progress.elapsed() > a.wait() {
+        } else if !a.loopback {
+            // Across processes the completions come from this process's device threads (the
+            // wire's ACKs): give them the core rather than spin.
+            std::thread::yield_now();
+        }
+        if done == before && last_progress.elapsed() > a.wait() {
             bail!(
                 "no completion for {:?} ({done} of {total} WRITEs completed): the device stopped \
                  answering",
@@ -896,25 +1121,27 @@ fn run_cpu(
 }
 
 impl GpuEngine {
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
         p: &Plan,
         jobs: &[Job],
+        ids: &[usize],
         keys: &Keys,
         iters: u32,
         a: &CommonArgs,
         qpns: &[u32],
     ) -> Result<Timing> {
-        let descs: Vec<BwJob> = jobs
+        let descs: Vec<BwJob> = ids
             .iter()
             .enumerate()
-            .map(|(j, job)| BwJob {
-                qp: self.exports.qps[j].ptr(),
-                lbase: keys.lbase[j],
-                rbase: keys.rbase[j] + p.dst_off[j],
-                lkey: keys.lkey[j],
-                rkey: keys.rkey[j],
-                workers: job.workers,
+            .map(|(i, &j)| BwJob {
+                qp: self.exports.qps[i].ptr(),
+                lbase: keys.lbase[i],
+                rbase: keys.rbase[i] + p.dst_off[j],
+                lkey: keys.lkey[i],
+                rkey: keys.rkey[i],
+                workers: jobs[j].workers,
                 dst_slots: p.dst_slots[j],
                 src_slots: p.src_slots,
                 src_shift: j as u32,
@@ -923,7 +1150,7 @@ impl GpuEngine {
         let dev_jobs = upload(&self.gpu, &descs)?;
         self.status.reset()?;
         let mut jobs_ptr = dev_jobs.ptr();
-        let mut njobs = jobs.len() as u32;
+        let mut njobs = ids.len() as u32;
         let mut size = p.size as u32;
         let mut iters_ = iters;
         let mut scope = self.scope.code();
@@ -969,7 +1196,7 @@ impl GpuEngine {
         let first = t.iter().step_by(2).min().copied().unwrap_or(0);
         let last = t.iter().skip(1).step_by(2).max().copied().unwrap_or(0);
         let span = last.saturating_sub(first);
-        let msgs = iters as f64 * jobs.len() as f64;
+        let msgs = iters as f64 * ids.len() as f64;
         Ok(Timing {
             total,
             peak_rate: (span > 0).then(|| msgs / (span as f64 / 1e9)),

@@ -4,7 +4,15 @@
 //! ```text
 //! write_lat --loopback -a            # every size, both sides in this process
 //! write_lat --loopback --signal      # the receiver waits on a signal word, not the payload
+//! write_lat -p 18515 --initiator cpu  /  write_lat 127.0.0.1 -p 18515 --initiator cpu
 //! ```
+//!
+//! Server/client roles: the client is side A, the server side B; each process opens a soft NIC
+//! with a wire port (RoCEv2 over UDP), its own thread drives its side with the CPU initiator,
+//! and each size runs in steps both take over the TCP connection (buffers cleared, ping-pong,
+//! each side's check of its receive buffer and side A's numbers exchanged), so both print the
+//! same row and both fail when either check fails. The GPU initiator needs `--loopback`: its
+//! kernel runs both sides in one launch.
 //!
 //! Side A writes `size` bytes into B's receive buffer; B waits until the last bytes of its
 //! receive buffer show the iteration (or, with `--signal`, until its signal word, raised by an
@@ -23,14 +31,15 @@
 
 use anyhow::{bail, Context as _, Result};
 use clap::{CommandFactory, Parser};
-use gpuverbs::{Access, HostBuffer, Mr, Pd, Qp};
+use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Pd, Qp, RemoteMemory};
 use gpuverbs_samples::{
-    arg, check_placement, common_header, common_json, connect_pair, cpu_ring_mode, create_qp,
-    doorbell_line, exit_with, merge, open_env, pattern, refuse_remote, table_row, tx_depth_for,
-    upload, CommonArgs, Exports, GpuStatus, Header, Initiator, LatSide, LatStats, Progress, QpSpec,
+    arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
+    create_qp, doorbell_line, exit_with, merge, open_env, open_env_remote, pattern, remote_header,
+    remote_json, step, table_row, tx_depth_for, upload, CommonArgs, Exports, GpuStatus, Header,
+    Initiator, LatSide, LatStats, Peer, Progress, QpSpec,
 };
-use prm::wqe::{CtrlFlags, Local, Op};
-use prm::Completion;
+use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
+use prm::{Completion, Rkey};
 use serde_json::json;
 use softnic::initiator::{Initiator as CpuInitiator, InitiatorError};
 use std::sync::atomic::Ordering;
@@ -68,9 +77,10 @@ const LAT_COLUMNS: [(&str, usize); 9] = [
                   perftest style (ib_write_lat's columns, half round trip in microseconds). \
                   Both receive buffers are checked after every size.\n\n\
                   Roles: `write_lat --loopback` runs both sides in this process; `write_lat` \
-                  (server) and `write_lat SERVER` (client) meet over TCP on -p, but soft NICs in \
-                  different processes cannot reach each other yet, so those roles stop after \
-                  exchanging endpoints.\n\n\
+                  (server, side B) and `write_lat SERVER` (client, side A) meet over TCP on -p, \
+                  each opens a soft NIC with a UDP wire port (RoCEv2) and the CPU posts (the GPU \
+                  initiator needs --loopback); each side checks its receive buffer and reports \
+                  to the other.\n\n\
                   Default iterations per size: 1000, or 256 MiB worth when less (at least 100); \
                   warm-up about a tenth (at most 100)."
 )]
@@ -85,13 +95,21 @@ struct Args {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    if args.common.initiator == Some(Initiator::Cpu)
-        && args.common.db == gpuverbs_samples::DbArg::Proxy
-    {
+    let cpu = args.common.initiator == Some(Initiator::Cpu);
+    if args.common.db == gpuverbs_samples::DbArg::Proxy && (cpu || !args.common.loopback) {
         Args::command()
             .error(
                 clap::error::ErrorKind::ArgumentConflict,
-                "--db proxy needs --initiator gpu (the CPU initiator rings its own doorbells)",
+                "--db proxy needs --initiator gpu (the CPU initiator rings its own doorbells), \
+                 which needs --loopback",
+            )
+            .exit();
+    }
+    if args.common.initiator == Some(Initiator::Gpu) && !args.common.loopback {
+        Args::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                format!("--initiator gpu needs --loopback: {GPU_NEEDS_LOOPBACK}"),
             )
             .exit();
     }
@@ -174,6 +192,11 @@ impl Side {
     }
 }
 
+/// Why the GPU initiator needs `--loopback`.
+const GPU_NEEDS_LOOPBACK: &str = "write_lat's kernel runs both sides of the ping-pong in one \
+     launch (block 0 is side A, block 1 side B), so a process cannot run one side alone: the CPU \
+     posts across processes (use --loopback for the GPU initiator)";
+
 fn run(args: &Args) -> Result<()> {
     let a = &args.common;
     let sizes = a.sizes(DEFAULT_SIZE);
@@ -186,20 +209,79 @@ fn run(args: &Args) -> Result<()> {
     };
     let max = *sizes.iter().max().expect("one size at least");
     let len = (max.next_multiple_of(8) as usize).max(8);
-    if !a.loopback {
-        let params = json!({ "sizes": sizes, "iters": a.iters, "signal": args.signal });
-        return refuse_remote(a, TEST, 1, len, spec, params);
-    }
-
-    let env = open_env(a)?;
+    // The server/client roles meet first: the soft NIC's wire port binds the local address
+    // that reaches the peer.
+    let mut peer = if a.loopback {
+        None
+    } else {
+        Some(Peer::rendezvous(a, TEST)?)
+    };
+    let env = match &peer {
+        None => open_env(a)?,
+        Some(p) => open_env_remote(a, p, Some(GPU_NEEDS_LOOPBACK))?,
+    };
     let ring_mode = match env.initiator {
         Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
         Initiator::Gpu => None,
     };
     check_placement(a, &env)?;
-    let (pa, pb) = (env.ctx.alloc_pd(), env.ctx.alloc_pd());
-    let sides = [Side::new(&pa, spec, len)?, Side::new(&pb, spec, len)?];
-    connect_pair(&sides[0].qp, &sides[1].qp)?;
+    // Loopback: both sides, on one device (a PD each). Across processes: this side (the client
+    // is A, the server B), and where its messages go on the peer.
+    let me = peer.as_ref().map(Peer::side);
+    let mut sides: Vec<Side> = Vec::new();
+    let mut targets: Vec<Target> = Vec::new();
+    let mut peer_ep: Option<Endpoint> = None;
+    match (&mut peer, me) {
+        (Some(p), Some(_)) => {
+            let pd = env.ctx.alloc_pd();
+            let s = Side::new(&pd, spec, len)?;
+            let export = |mr: &Mr| RemoteMemory::export_rkey(mr.addr(), mr.len(), mr.rkey().0);
+            let facts = json!({ "recv": export(&s.recv_mr)?, "sig": export(&s.sig_mr)? });
+            let params = json!({
+                "sizes": sizes, "iters": a.iters, "warmup": a.warmup, "signal": args.signal,
+            });
+            let hello = p.hello(a, TEST, params, vec![s.qp.endpoint()], facts)?;
+            let remote = |k: &str| -> Result<RemoteMemory> {
+                serde_json::from_value(hello.facts[k].clone())
+                    .with_context(|| format!("the {}'s {k} buffer", p.peer_role))
+            };
+            let (recv, sig) = (remote("recv")?, remote("sig")?);
+            if recv.len() < len as u64 || sig.len() < 8 {
+                bail!(
+                    "the {}'s buffers are too small ({} B to receive, {} B of signal word)",
+                    p.peer_role,
+                    recv.len(),
+                    sig.len()
+                );
+            }
+            let ep = hello.endpoints[0].clone();
+            s.qp.connect(&ep, connect_options())
+                .with_context(|| format!("connect to the {} ({ep})", p.peer_role))?;
+            targets.push(Target {
+                recv: RemoteAddr {
+                    addr: recv.addr(),
+                    rkey: Rkey(recv.rkey()),
+                },
+                sig: RemoteAddr {
+                    addr: sig.addr(),
+                    rkey: Rkey(sig.rkey()),
+                },
+            });
+            sides.push(s);
+            peer_ep = Some(ep);
+        }
+        _ => {
+            let (pa, pb) = (env.ctx.alloc_pd(), env.ctx.alloc_pd());
+            sides = vec![Side::new(&pa, spec, len)?, Side::new(&pb, spec, len)?];
+            connect_pair(&sides[0].qp, &sides[1].qp)?;
+            targets = (0..2).map(|i| Target::of(&sides[1 - i])).collect();
+        }
+    }
+    // The side number (A = 0, B = 1) of each entry of `sides`.
+    let ids: Vec<usize> = match me {
+        Some(m) => vec![m],
+        None => vec![0, 1],
+    };
 
     let mut h = Header::new("RDMA_Write Latency Test (write_lat)");
     common_header(
@@ -208,11 +290,18 @@ fn run(args: &Args) -> Result<()> {
         a,
         doorbell_line(&sides[0].qp, env.initiator, ring_mode),
     );
+    if let (Some(p), Some(ep)) = (&peer, &peer_ep) {
+        remote_header(&mut h, a, p, &env.ctx, ep);
+    }
     h.line(
         "Posting",
-        match env.initiator {
-            Initiator::Gpu => "one kernel: block 0 drives side A, block 1 side B (one thread each)",
-            Initiator::Cpu => "one host thread drives both sides in turn",
+        match (env.initiator, me) {
+            (Initiator::Gpu, _) => {
+                "one kernel: block 0 drives side A, block 1 side B (one thread each)"
+            }
+            (Initiator::Cpu, None) => "one host thread drives both sides in turn",
+            (Initiator::Cpu, Some(0)) => "one host thread drives side A (it sends first)",
+            (Initiator::Cpu, Some(_)) => "one host thread drives side B (it answers)",
         },
     )
     .line(
@@ -236,8 +325,22 @@ fn run(args: &Args) -> Result<()> {
             ),
         },
     )
-    .line("Times", "half round trip, microseconds")
-    .line("Validation", "both receive buffers, every byte, every size");
+    .line(
+        "Times",
+        if peer.is_some() {
+            "half round trip, microseconds, measured by side A (the client)"
+        } else {
+            "half round trip, microseconds"
+        },
+    )
+    .line(
+        "Validation",
+        if peer.is_some() {
+            "each side its receive buffer, every byte, every size (reported to the peer)"
+        } else {
+            "both receive buffers, every byte, every size"
+        },
+    );
     h.print(a.json);
     if !a.json {
         println!(
@@ -245,18 +348,18 @@ fn run(args: &Args) -> Result<()> {
             table_row(&LAT_COLUMNS.map(|(n, w)| (n.to_string(), w)))
         );
     }
-    let base_json = merge(
+    let mut base_json = merge(
         common_json(&env, a, &sides[0].qp),
         json!({ "test": TEST, "signal": args.signal, "cq_mod": a.cq_mod, "tx_depth": tx }),
     );
+    if let (Some(p), Some(ep)) = (&peer, &peer_ep) {
+        base_json = merge(base_json, remote_json(a, p, &env.ctx, ep));
+    }
 
     let mut engine = match env.initiator {
         Initiator::Cpu => {
             let mode = ring_mode.expect("CPU ring mode");
-            Engine::Cpu(Box::new([
-                sides[0].qp.cpu_initiator(mode),
-                sides[1].qp.cpu_initiator(mode),
-            ]))
+            Engine::Cpu(sides.iter().map(|s| s.qp.cpu_initiator(mode)).collect())
         }
         Initiator::Gpu => {
             let gpu = env.gpu.clone().expect("GPU initiator has a GPU");
@@ -286,20 +389,46 @@ fn run(args: &Args) -> Result<()> {
         let total = iters + warmup;
         let seed = pattern::seed(2, size);
         let (p, tl) = (pad(size) as usize, tail_len(size));
-        for (i, s) in sides.iter().enumerate() {
+        for (&i, s) in ids.iter().zip(&sides) {
             pattern::fill(&mut scratch, seed ^ i as u64, 0, size as usize - tl);
             s.src.write(p, &scratch);
             s.src.fill(p + size as usize - tl, tl, 0);
             s.recv.fill(0, s.recv.len(), 0);
             s.sig.atomic_u64(0).store(0, Ordering::Release);
         }
-        let rtt_ns = engine.run(&sides, size, total, args.signal, a)?;
-        let mut half_us: Vec<f64> = rtt_ns[warmup as usize..]
-            .iter()
-            .map(|&t| t as f64 / 2e3)
-            .collect();
-        let st = LatStats::of(&mut half_us);
-        let failure = validate(&sides, size, total, seed, args.signal, &mut scratch).err();
+        // Across processes A sends only once B has cleared its buffers.
+        step(&mut peer, "ready", Ok(()))?;
+        let ran = engine.run(&sides, &ids, &targets, size, total, args.signal, a);
+        // Side A's times (B has none).
+        let mine: Option<Vec<u64>> = ran.as_ref().ok().cloned().flatten();
+        step(&mut peer, "ran", ran.map(|_| ()))?;
+        let failure = validate(&sides, &ids, size, total, seed, args.signal, &mut scratch)
+            .err()
+            .map(|e| format!("{e:#}"));
+        let stats = mine.map(|rtt| {
+            let mut half_us: Vec<f64> = rtt[warmup as usize..]
+                .iter()
+                .map(|&t| t as f64 / 2e3)
+                .collect();
+            LatStats::of(&mut half_us)
+        });
+        // Across processes: the peer's check, and side A's numbers for side B.
+        let (failure, st) = match &mut peer {
+            None => (failure, stats.unwrap_or_default()),
+            Some(pr) => {
+                let (their_failure, their_stats): (Option<String>, Option<LatStats>) =
+                    pr.step("validated", Ok((failure.clone(), stats)))?;
+                let by = |f: String, who: &str| format!("{f} (checked by the {who})");
+                (
+                    failure
+                        .map(|f| by(f, pr.role))
+                        .or_else(|| their_failure.map(|f| by(f, pr.peer_role))),
+                    stats
+                        .or(their_stats)
+                        .context("neither side measured round trips")?,
+                )
+            }
+        };
         progress.clear();
         if a.json {
             let v = merge(
@@ -330,7 +459,7 @@ fn run(args: &Args) -> Result<()> {
             println!("{}", table_row(&row));
         }
         if let Some(e) = failure {
-            bail!("validation failed at {size} B: {e:#}");
+            bail!("validation failed at {size} B: {e}");
         }
         progress.step(n + 1, size);
     }
@@ -341,10 +470,11 @@ fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// Checks both receive buffers: the peer's pattern, then the last iteration's number; and the
-/// signal words with `--signal`.
+/// Checks the receive buffers of `sides` (side numbers `ids`): the peer's pattern, then the
+/// last iteration's number; and the signal words with `--signal`.
 fn validate(
-    sides: &[Side; 2],
+    sides: &[Side],
+    ids: &[usize],
     size: u64,
     total: u32,
     seed: u64,
@@ -352,7 +482,7 @@ fn validate(
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let (p, tl) = (pad(size) as usize, tail_len(size));
-    for (me, s) in sides.iter().enumerate() {
+    for (&me, s) in ids.iter().zip(sides) {
         let peer = 1 - me;
         pattern::fill(scratch, seed ^ peer as u64, 0, size as usize - tl);
         scratch.extend_from_slice(&(total as u64).to_le_bytes()[..tl]);
@@ -393,25 +523,64 @@ struct GpuLat {
 }
 
 enum Engine {
-    Cpu(Box<[CpuInitiator; 2]>),
+    /// One initiator per entry of `sides`.
+    Cpu(Vec<CpuInitiator>),
     Gpu(Box<GpuLat>),
 }
 
 impl Engine {
-    /// Runs `total` round trips; returns each one's time in ns.
+    /// Runs `total` round trips; returns each one's time in ns when this process runs side A.
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
-        sides: &[Side; 2],
+        sides: &[Side],
+        ids: &[usize],
+        targets: &[Target],
         size: u64,
         total: u32,
         signal: bool,
         a: &CommonArgs,
-    ) -> Result<Vec<u64>> {
+    ) -> Result<Option<Vec<u64>>> {
         match self {
-            Engine::Cpu(inis) => run_cpu(inis, sides, size, total, signal, a),
-            Engine::Gpu(g) => g.run(sides, size, total, signal, a),
+            Engine::Cpu(inis) => {
+                let mut posters: Vec<Poster<'_>> = inis
+                    .iter_mut()
+                    .zip(sides)
+                    .zip(targets)
+                    .map(|((ini, side), to)| Poster { ini, side, to })
+                    .collect();
+                run_cpu(&mut posters, ids, size, total, signal, a)
+            }
+            Engine::Gpu(g) => {
+                let sides: &[Side; 2] = sides.try_into().context("the GPU runs both sides")?;
+                g.run(sides, size, total, signal, a).map(Some)
+            }
         }
     }
+}
+
+/// Where a side's messages go: the peer's receive buffer and signal word.
+#[derive(Clone, Copy, Debug)]
+struct Target {
+    recv: RemoteAddr,
+    sig: RemoteAddr,
+}
+
+impl Target {
+    /// The receive buffer and signal word of a side of this process.
+    fn of(s: &Side) -> Self {
+        Self {
+            recv: s.recv_mr.remote(0),
+            sig: s.sig_mr.remote(0),
+        }
+    }
+}
+
+/// One side driven by the CPU: its initiator, its buffers, and where its messages go.
+struct Poster<'a> {
+    ini: &'a mut CpuInitiator,
+    side: &'a Side,
+    to: &'a Target,
 }
 
 /// Takes the send completions there are; an error completion ends the run.
@@ -426,22 +595,31 @@ fn reap(ini: &mut CpuInitiator) -> Result<()> {
     Ok(())
 }
 
+/// The CPU initiator: `posters` are the sides of this process (numbers `ids`: both in loopback,
+/// driven in turn by one thread; one across processes). Side A sends iteration k and waits for
+/// the answer; side B waits for it and answers. Returns side A's round trips, when it is here.
 fn run_cpu(
-    inis: &mut [CpuInitiator; 2],
-    sides: &[Side; 2],
+    posters: &mut [Poster<'_>],
+    ids: &[usize],
     size: u64,
     total: u32,
     signal: bool,
     a: &CommonArgs,
-) -> Result<Vec<u64>> {
+) -> Result<Option<Vec<u64>>> {
     let (p, tl) = (pad(size), tail_len(size));
     let word_off = (p + size - 8) as usize;
     let wait = a.wait();
     let mut rtt = Vec::with_capacity(total as usize);
+    let at = |side: usize| ids.iter().position(|&i| i == side);
+    // Across processes the waits give the CPU away after a short spin: the peer's packets are
+    // handled by this process's device threads, which need a core (a 2-core machine runs six
+    // busy threads here).
+    let yield_after = if a.loopback { u32::MAX } else { 64 };
+    let (a_at, b_at) = (at(0), at(1));
 
-    // Posts side `me`'s payload for iteration number k1.
-    let send = |inis: &mut [CpuInitiator; 2], me: usize, k1: u64| -> Result<()> {
-        let (s, peer) = (&sides[me], &sides[1 - me]);
+    // Posts the payload of poster `i` for iteration number k1.
+    let send = |posters: &mut [Poster<'_>], i: usize, k1: u64| -> Result<()> {
+        let Poster { ini, side: s, to } = &mut posters[i];
         s.src
             .write((p + size) as usize - tl, &k1.to_le_bytes()[..tl]);
         // One CQE per --cq-mod iterations, and for the last (so that every WQE completes).
@@ -455,12 +633,15 @@ fn run_cpu(
         };
         let sge = [s.src_mr.sge(p, size as u32)];
         let write = Op::Write {
-            remote: peer.recv_mr.remote(p),
+            remote: RemoteAddr {
+                addr: to.recv.addr + p,
+                rkey: to.recv.rkey,
+            },
             local: Local::Sges(&sge),
             imm: None,
         };
         let add = Op::FetchAdd {
-            remote: peer.sig_mr.remote(0),
+            remote: to.sig,
             add: 1,
             result: s.result_mr.sge(0, 8),
         };
@@ -472,10 +653,10 @@ fn run_cpu(
         let start = Instant::now();
         for (op, f) in ops {
             loop {
-                match inis[me].post(op, *f) {
+                match ini.post(op, *f) {
                     Ok(_) => break,
                     Err(InitiatorError::SqFull { .. }) => {
-                        reap(&mut inis[me])?;
+                        reap(ini)?;
                         if start.elapsed() > wait {
                             bail!("the send queue stayed full for {wait:?}");
                         }
@@ -484,15 +665,16 @@ fn run_cpu(
                 }
             }
         }
-        inis[me].ring();
+        ini.ring();
         Ok(())
     };
-    // Waits until side `me` has received iteration number k1.
-    let arrived = |inis: &mut [CpuInitiator; 2], me: usize, k1: u64| -> Result<()> {
-        let s = &sides[me];
+    // Waits until poster `i`'s side has received iteration number k1.
+    let arrived = |posters: &mut [Poster<'_>], i: usize, k1: u64| -> Result<()> {
+        let me = ids[i];
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
+            let s = posters[i].side;
             let done = if signal {
                 s.sig.atomic_u64(0).load(Ordering::Acquire) >= k1
             } else {
@@ -504,8 +686,9 @@ fn run_cpu(
             }
             spins = spins.wrapping_add(1);
             if spins % 256 == 0 {
-                reap(&mut inis[0])?;
-                reap(&mut inis[1])?;
+                for p in posters.iter_mut() {
+                    reap(p.ini)?;
+                }
                 if start.elapsed() > wait {
                     bail!(
                         "side {} waited {wait:?} for iteration {k1}: nothing arrived",
@@ -513,40 +696,51 @@ fn run_cpu(
                     );
                 }
             }
-            std::hint::spin_loop();
+            if spins >= yield_after {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     };
 
     for k in 0..total as u64 {
         let k1 = k + 1;
         let t0 = Instant::now();
-        send(inis, 0, k1)?;
-        arrived(inis, 1, k1)?;
-        send(inis, 1, k1)?;
-        arrived(inis, 0, k1)?;
-        rtt.push(t0.elapsed().as_nanos() as u64);
+        if let Some(ia) = a_at {
+            send(posters, ia, k1)?;
+        }
+        if let Some(ib) = b_at {
+            arrived(posters, ib, k1)?;
+            send(posters, ib, k1)?;
+        }
+        if let Some(ia) = a_at {
+            arrived(posters, ia, k1)?;
+            rtt.push(t0.elapsed().as_nanos() as u64);
+        }
         if k % 64 == 63 {
-            reap(&mut inis[0])?;
-            reap(&mut inis[1])?;
+            for p in posters.iter_mut() {
+                reap(p.ini)?;
+            }
         }
     }
     // Drain: every WQE done (and any error reported) before the buffers are checked; the
     // last WQE of each side asked for a CQE, which retires every earlier one.
-    for (me, ini) in inis.iter_mut().enumerate() {
+    for (i, p) in posters.iter_mut().enumerate() {
         let start = Instant::now();
-        while ini.outstanding() > 0 {
-            reap(ini)?;
+        while p.ini.outstanding() > 0 {
+            reap(p.ini)?;
             if start.elapsed() > wait {
                 bail!(
                     "side {}: {} SQ blocks still uncompleted after {wait:?}",
-                    ["A", "B"][me],
-                    ini.outstanding()
+                    ["A", "B"][ids[i]],
+                    p.ini.outstanding()
                 );
             }
             std::hint::spin_loop();
         }
     }
-    Ok(rtt)
+    Ok(a_at.map(|_| rtt))
 }
 
 impl GpuLat {

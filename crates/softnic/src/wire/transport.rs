@@ -16,10 +16,12 @@ use super::socket::{Port, TxBatch};
 use crate::counters::Counters;
 use crate::device::Shared;
 use crate::engine::{
-    flush_cqe, local_err, push_cqe_delayed, rnr_delay, total, vendor, Fail, Resp, Response,
+    flush_cqe, local_devmem_err, local_err, push_cqe_delayed, remote_devmem_nak, rnr_delay, total,
+    vendor, Fail, Resp, Response,
 };
-use crate::mem::{Access, HostRange, MrGuard};
+use crate::mem::{read_range, write_range, Access, MemRange, MrGuard};
 use crate::qp::{Qp, QpState, RtsAttr, SqState};
+use crate::DeviceMemoryError;
 use crate::Gid;
 use prm::cqe::{Cqe64, ErrorCqe, RespKind};
 use prm::parse::{sge_of, AtomicKind, ParsedLocal, ParsedOp, ParsedWqe};
@@ -477,6 +479,7 @@ pub(crate) fn enqueue(
 
 /// Copies `n` bytes at offset `off` of a message's source into `out`.
 fn gather(
+    c: &Counters,
     g: &MrGuard<'_>,
     pd: crate::PdId,
     src: &Src,
@@ -501,7 +504,9 @@ fn gather(
                     let r = g
                         .check(pd, Access::NONE, s.lkey.0, s.addr + (a - pos), e - a)
                         .map_err(local_err)?;
-                    append_host(out, r);
+                    // SAFETY: `r` was checked under `g`, which the caller still holds.
+                    unsafe { append_range(out, &r, 0, r.len) }
+                        .map_err(|e| local_devmem_err(c, &e))?;
                 }
                 pos += slen;
                 if pos >= off + n {
@@ -513,30 +518,46 @@ fn gather(
     Ok(())
 }
 
-/// Appends the bytes of a checked host range.
-fn append_host(out: &mut Vec<u8>, r: HostRange) {
-    let n = r.len as usize;
-    out.reserve(n);
-    // SAFETY: `r` was checked under an `MrGuard` the caller still holds, so it is live host
-    // memory; the destination has `n` bytes reserved past its length. The source may be
-    // written concurrently (DMA semantics): it is copied raw, never referenced.
-    unsafe {
-        std::ptr::copy_nonoverlapping(r.addr as *const u8, out.as_mut_ptr().add(out.len()), n);
-        out.set_len(out.len() + n);
-    }
-}
-
-/// Copies `bytes` to host range `r` at offset `at`.
+/// Appends `n` bytes at offset `off` of a checked range (host or device memory). On a
+/// device-memory failure `out` keeps its length.
 ///
 /// # Safety
-/// `r` must have been checked under an `MrGuard` still held, and `at + bytes.len() <= r.len`.
-unsafe fn put_host(r: HostRange, at: u64, bytes: &[u8]) {
-    // SAFETY: per the contract; `copy` tolerates a source inside the same memory.
-    unsafe { std::ptr::copy(bytes.as_ptr(), (r.addr + at) as *mut u8, bytes.len()) }
+/// `r` must have been checked under an `MrGuard` the caller still holds, and
+/// `off + n <= r.len`.
+unsafe fn append_range(
+    out: &mut Vec<u8>,
+    r: &MemRange,
+    off: u64,
+    n: u64,
+) -> Result<(), DeviceMemoryError> {
+    let (start, n) = (out.len(), n as usize);
+    if r.is_host() {
+        out.reserve(n);
+        // SAFETY: `r` is live host memory (checked under a guard the caller holds) with
+        // `off + n` bytes; the destination has `n` bytes reserved past its length. The source
+        // may be written concurrently (DMA semantics): it is copied raw, never referenced.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (r.addr + off) as *const u8,
+                out.as_mut_ptr().add(start),
+                n,
+            );
+            out.set_len(start + n);
+        }
+        return Ok(());
+    }
+    out.resize(start + n, 0);
+    // SAFETY: per the contract.
+    let read = unsafe { read_range(r, off, &mut out[start..]) };
+    if read.is_err() {
+        out.truncate(start);
+    }
+    read
 }
 
 /// Scatters `bytes` at offset `off` of a local list (LOCAL_WRITE checked).
 fn scatter(
+    c: &Counters,
     g: &MrGuard<'_>,
     pd: crate::PdId,
     dst: &[Sge],
@@ -553,7 +574,8 @@ fn scatter(
                 .check(pd, Access::LOCAL_WRITE, s.lkey.0, s.addr + (a - pos), e - a)
                 .map_err(local_err)?;
             // SAFETY: `r` checked under `g` (held by the caller), exactly `e - a` bytes.
-            unsafe { put_host(r, 0, &bytes[(a - off) as usize..(e - off) as usize]) };
+            unsafe { write_range(&r, 0, &bytes[(a - off) as usize..(e - off) as usize]) }
+                .map_err(|e| local_devmem_err(c, &e))?;
         }
         pos += slen;
         if pos >= off + n {
@@ -661,7 +683,7 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
                     last || window_edge || psn_add(p, 1) == next_psn || p % ack_every == 0;
                 pkt.bth = bth;
                 let _ = packet::encode_headers(&pkt, n as usize, &mut buf);
-                gather(&g, qp.pd, src, off, n, &mut buf)
+                gather(&dev.counters, &g, qp.pd, src, off, n, &mut buf)
                     .map(|()| packet::finish(&w.flow, n as usize, &mut buf))
             }
             OutOp::Read { raddr, rkey, .. } => {
@@ -968,7 +990,17 @@ fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
                             w.fail_at(p, (Syndrome::RemoteAccess, vendor::REMOTE_KEY))
                         }
                         aeth::NAK_OPERATIONAL => {
-                            w.fail_at(p, (Syndrome::RemoteOp, vendor::RECV_BUFFER))
+                            // The NAK carries no cause: a SEND's is its receive buffer (key
+                            // or device memory), any other request's the responder's device
+                            // memory, the only operational error it can meet.
+                            let i = w.find(p);
+                            let send = w.msgs.get(i).is_some_and(|m| is_send(&m.op));
+                            let why = if send {
+                                vendor::RECV_BUFFER
+                            } else {
+                                vendor::DEVICE_MEMORY
+                            };
+                            w.fail_at(p, (Syndrome::RemoteOp, why))
                         }
                         _ => Counters::add(&wc.rx_unexpected, 1),
                     },
@@ -1020,7 +1052,7 @@ fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
                             m.fail = Some((Syndrome::BadResp, vendor::BAD_RESPONSE));
                             w.halted = true;
                         } else if let OutOp::Read { dst, .. } = &m.op {
-                            match scatter(&g, qp.pd, dst, off, pkt.payload) {
+                            match scatter(&dev.counters, &g, qp.pd, dst, off, pkt.payload) {
                                 Ok(()) => {
                                     w.una = psn_add(p, 1);
                                     w.progress(p, now);
@@ -1067,9 +1099,16 @@ fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
                             ) {
                                 Ok(r) => {
                                     // SAFETY: `r` checked under `g` (held), exactly n bytes.
-                                    unsafe { put_host(r, 0, v) };
-                                    w.una = psn_add(p, 1);
-                                    w.progress(p, now);
+                                    match unsafe { write_range(&r, 0, v) } {
+                                        Ok(()) => {
+                                            w.una = psn_add(p, 1);
+                                            w.progress(p, now);
+                                        }
+                                        Err(e) => {
+                                            m.fail = Some(local_devmem_err(&dev.counters, &e));
+                                            w.halted = true;
+                                        }
+                                    }
                                 }
                                 Err(e) => {
                                     m.fail = Some(local_err(e));
@@ -1183,6 +1222,9 @@ enum Outcome {
     Nak(Response),
     /// Dropped without an answer (malformed against this QP's MTU).
     Dropped,
+    /// Already answered by a NAK in the middle of READ responses (the responder's memory
+    /// failed); the responder is in ERR.
+    Answered,
 }
 
 /// Handles a request packet for responder QP `qp`, from the requester at `to`.
@@ -1238,6 +1280,7 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
             reply.aeth(psn, nak_syndrome(&resp), msn);
         }
         Outcome::Dropped => Counters::add(&wc.rx_malformed, 1),
+        Outcome::Answered => Counters::add(&wc.error_naks_sent, 1),
     }
 }
 
@@ -1272,7 +1315,9 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
             if total(&dst) < n {
                 return Outcome::Nak(r.recv_too_small());
             }
-            scatter_ranges(&dst, 0, pkt.payload);
+            if let Err(e) = scatter_ranges(&dst, 0, pkt.payload) {
+                return Outcome::Nak(r.recv_devmem_failed(&e));
+            }
             if opc == op::SEND_FIRST {
                 r.rq.wire.cur = Some(InMsg::Send { off: n });
             } else {
@@ -1309,7 +1354,10 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
                 r.rq.wire.cur = None;
                 return Outcome::Nak(r.recv_too_small());
             }
-            scatter_ranges(&dst, off, pkt.payload);
+            if let Err(e) = scatter_ranges(&dst, off, pkt.payload) {
+                r.rq.wire.cur = None;
+                return Outcome::Nak(r.recv_devmem_failed(&e));
+            }
             if opc == op::SEND_MIDDLE {
                 r.rq.wire.cur = Some(InMsg::Send { off: off + n });
             } else {
@@ -1348,7 +1396,10 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
                 return invalid(r);
             }
             // SAFETY: `dst` checked under `r.g` (held) for `len >= n` bytes.
-            unsafe { put_host(dst, 0, pkt.payload) };
+            if let Err(e) = unsafe { write_range(&dst, 0, pkt.payload) } {
+                let nak = remote_devmem_nak(&r.qp.counters, &e);
+                return Outcome::Nak(r.fatal(nak));
+            }
             if opc == op::WRITE_FIRST {
                 r.rq.wire.cur = Some(InMsg::Write {
                     va: reth.va,
@@ -1388,7 +1439,11 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
                 }
             };
             // SAFETY: `dst` checked under `r.g` (held) for exactly `n` bytes.
-            unsafe { put_host(dst, 0, pkt.payload) };
+            if let Err(e) = unsafe { write_range(&dst, 0, pkt.payload) } {
+                r.rq.wire.cur = None;
+                let nak = remote_devmem_nak(&r.qp.counters, &e);
+                return Outcome::Nak(r.fatal(nak));
+            }
             if opc == op::WRITE_MIDDLE {
                 r.rq.wire.cur = Some(InMsg::Write {
                     va,
@@ -1420,8 +1475,20 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
             let count = len.div_ceil(mtu).max(1) as u32;
             r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
             let msn = r.rq.wire.msn;
-            read_responses(src, pkt.bth.psn, mtu, msn, reply);
-            Outcome::Accepted(count)
+            match read_responses(&src, pkt.bth.psn, mtu, msn, reply) {
+                Ok(()) => Outcome::Accepted(count),
+                Err((k, e)) => {
+                    let nak = remote_devmem_nak(&r.qp.counters, &e);
+                    let nak = r.fatal(nak);
+                    if k == 0 {
+                        Outcome::Nak(nak)
+                    } else {
+                        // responses before packet k went out: the NAK names packet k
+                        reply.aeth(psn_add(pkt.bth.psn, k), nak_syndrome(&nak), msn);
+                        Outcome::Answered
+                    }
+                }
+            }
         }
         op::CMP_SWAP | op::FETCH_ADD | op::MASKED_CMP_SWAP | op::MASKED_FETCH_ADD => {
             if cur.is_some() {
@@ -1451,7 +1518,7 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
 }
 
 /// Scatters a payload at offset `off` of checked receive ranges (`off + len` fits).
-fn scatter_ranges(dst: &[HostRange], off: u64, bytes: &[u8]) {
+fn scatter_ranges(dst: &[MemRange], off: u64, bytes: &[u8]) -> Result<(), DeviceMemoryError> {
     let n = bytes.len() as u64;
     let mut pos = 0u64;
     for r in dst {
@@ -1459,13 +1526,14 @@ fn scatter_ranges(dst: &[HostRange], off: u64, bytes: &[u8]) {
         if a < e {
             // SAFETY: the ranges were checked under the responder's guard, still held by the
             // caller; `a - pos .. e - pos` lies inside range `r`.
-            unsafe { put_host(*r, a - pos, &bytes[(a - off) as usize..(e - off) as usize]) };
+            unsafe { write_range(r, a - pos, &bytes[(a - off) as usize..(e - off) as usize])? };
         }
         pos += r.len;
         if pos >= off + n {
             break;
         }
     }
+    Ok(())
 }
 
 fn atomic_kind(pkt: &Packet<'_>) -> Option<(u64, u32, AtomicKind)> {
@@ -1517,8 +1585,15 @@ fn atomic_ack(reply: &mut Reply<'_>, psn: u32, msn: u32, old: u64) {
     reply.send(&p);
 }
 
-/// Sends the responses of a READ of checked range `src`, PSNs from `psn`.
-fn read_responses(src: HostRange, psn: u32, mtu: u64, msn: u32, reply: &mut Reply<'_>) {
+/// Sends the responses of a READ of checked range `src`, PSNs from `psn`. When reading the
+/// source (device memory) fails, stops before packet `k` and returns it with the error.
+fn read_responses(
+    src: &MemRange,
+    psn: u32,
+    mtu: u64,
+    msn: u32,
+    reply: &mut Reply<'_>,
+) -> Result<(), (u32, DeviceMemoryError)> {
     let count = src.len.div_ceil(mtu).max(1);
     for k in 0..count {
         let off = k * mtu;
@@ -1538,20 +1613,17 @@ fn read_responses(src: HostRange, psn: u32, mtu: u64, msn: u32, reply: &mut Repl
             ..Packet::default()
         };
         if packet::encode_headers(&p, n as usize, reply.buf).is_err() {
-            return;
+            return Ok(());
         }
-        append_host(
-            reply.buf,
-            HostRange {
-                addr: src.addr + off,
-                len: n,
-            },
-        );
+        // SAFETY: `src` was checked under the responder's guard, still held by the caller;
+        // `off + n <= src.len`.
+        unsafe { append_range(reply.buf, src, off, n) }.map_err(|e| (k as u32, e))?;
         packet::finish(&reply.flow, n as usize, reply.buf);
         reply
             .port
             .send(reply.buf, reply.to, &reply.flow, reply.batch);
     }
+    Ok(())
 }
 
 /// A request with a PSN the responder already passed: answered, never applied again.
@@ -1564,7 +1636,11 @@ fn duplicate(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
             match r.remote(Access::REMOTE_READ, reth.va, reth.rkey, reth.len as u64) {
                 Ok(src) => {
                     let mtu = r.rq.wire.mtu as u64;
-                    read_responses(src, pkt.bth.psn, mtu, msn, reply);
+                    if let Err((k, e)) = read_responses(&src, pkt.bth.psn, mtu, msn, reply) {
+                        let nak = remote_devmem_nak(&r.qp.counters, &e);
+                        let nak = r.fatal(nak);
+                        reply.aeth(psn_add(pkt.bth.psn, k), nak_syndrome(&nak), msn);
+                    }
                 }
                 Err(e) => {
                     let e = r.fatal(e);

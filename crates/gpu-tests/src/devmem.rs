@@ -1,0 +1,207 @@
+//! GPU-memory cases beyond the shared `put`/`ops` shapes: a kernel that produces and consumes
+//! a payload in GPU memory (put it away, get it back, check it on the GPU), and GPU-memory
+//! regions driven by the CPU initiator (no kernel: the soft NIC's CUDA copies alone).
+
+use crate::dataplane::{arg, gpu, Mem, Pair, PairSpec, Status, BUDGET_NS};
+use anyhow::{ensure, Result};
+use gpuverbs::memory::MemKind;
+use gpuverbs::{
+    Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, Error, HostBuffer,
+    QpOptions, RingPlacement,
+};
+use prm::wqe::{CtrlFlags, Local, Op};
+use prm::Completion;
+use softnic::initiator::RingMode;
+use std::time::Duration;
+
+/// Bytes the round trip moves: more than the soft NIC's 1 MiB staging buffer.
+const ROUNDTRIP: usize = (1 << 20) + 4096;
+
+fn pattern(seed: u32, bytes: usize) -> Vec<u8> {
+    (0..bytes as u32 / 4)
+        .flat_map(|i| gpuverbs::cuda::selftest_value(seed, i).to_ne_bytes())
+        .collect()
+}
+
+/// `gv_test_gpumem_roundtrip`: the kernel writes a pattern into GPU memory, puts it to the
+/// peer's GPU memory, gets it back into its own and checks every word on the GPU; the host
+/// then checks both buffers too.
+pub fn gpumem_roundtrip(
+    ordinal: usize,
+    mode: DoorbellMode,
+    rings: RingPlacement,
+) -> Result<String> {
+    let n = ROUNDTRIP;
+    let spec = PairSpec {
+        mode,
+        bytes: 2 * n,
+        sq_blocks: 64,
+        mem: Mem::Gpu,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
+    // the local buffer starts zeroed: nothing of the pattern is there before the kernel runs
+    p.src.write(0, &vec![0; 2 * n])?;
+    let seed = 0x5eed_0bad_u32;
+    let st = Status::new(&p.gpu)?;
+    let (mut q, mut local, mut lk, mut remote, mut rk) = (
+        p.export.ptr(),
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0,
+    );
+    let (mut n32, mut seed_, mut budget, mut out) = (n as u32, seed, BUDGET_NS, st.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut local),
+        arg(&mut lk),
+        arg(&mut remote),
+        arg(&mut rk),
+        arg(&mut n32),
+        arg(&mut seed_),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    // SAFETY: the parameters match gv_test_gpumem_roundtrip; `local` is the device address of
+    // a live 2n-byte allocation, `out` of the status words; `remote` is only a WQE address.
+    unsafe {
+        p.gpu.launch_sync(
+            "gv_test_gpumem_roundtrip",
+            (1, 1, 1),
+            (256, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    let s = st.read()?;
+    ensure!(
+        s[4] == 0,
+        "the kernel read back a wrong word at index {}",
+        s[4] - 1
+    );
+    st.expect_ok()?;
+    let want = pattern(seed, n);
+    let (src, dst) = (p.src.to_vec()?, p.dst.to_vec()?);
+    ensure!(dst[..n] == want[..], "the peer's GPU memory differs");
+    ensure!(src[n..] == want[..], "the bytes read back differ");
+    let c = p.a.soft_device().expect("soft").counters();
+    ensure!(
+        c.errors.is_empty() && c.device_memory_errors == 0,
+        "device: {c:?}"
+    );
+    Ok(format!(
+        "{n} B written by the kernel, put and got back through GPU memory, checked on the GPU \
+         and the host (rings {rings:?})"
+    ))
+}
+
+/// GPU-memory regions driven by the CPU initiator (host rings): `Pd::register_gpu` on a raw
+/// device pointer and `Pd::register_device_mem`; WRITE host → GPU, GPU → GPU (one GPU: a
+/// device-to-device copy), READ GPU → host, fetch-add on a GPU word with the result in GPU
+/// memory, 3 MiB through the staging buffer; registration refuses what is not device memory.
+pub fn cpu_initiator_gpumem(ordinal: usize) -> Result<String> {
+    let gpu = gpu(ordinal)?;
+    let a = Context::open(DeviceRequest::Soft)?;
+    let b = Context::open(DeviceRequest::Soft)?;
+    let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+    let (ca, cb) = (
+        a.create_cq(CqOptions::default())?,
+        b.create_cq(CqOptions::default())?,
+    );
+    let qa = pa.create_qp(QpOptions::new(&ca, &ca))?;
+    let qb = pb.create_qp(QpOptions::new(&cb, &cb))?;
+    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let conn = ConnectOptions {
+        access: all | Access::REMOTE_ATOMIC,
+        ..Default::default()
+    };
+    qa.connect(&qb.endpoint(), conn)?;
+    qb.connect(&qa.endpoint(), conn)?;
+    let big = 3 << 20;
+    let ga = gpu.alloc(big)?;
+    let gb = gpu.alloc(big)?;
+    let host = HostBuffer::new(big);
+    // refusals: a host pointer, a range past the allocation
+    ensure!(
+        matches!(
+            pa.register_gpu(host.addr(), 4096, Access::LOCAL_WRITE),
+            Err(Error::InvalidArgument(_))
+        ),
+        "a host pointer registered as GPU memory"
+    );
+    ensure!(
+        matches!(
+            pa.register_gpu(ga.ptr() + 4096, big as u64, Access::LOCAL_WRITE),
+            Err(Error::InvalidArgument(_))
+        ),
+        "a range past the allocation registered"
+    );
+    let mra = pa.register_gpu(ga.ptr(), big as u64, all | Access::REMOTE_ATOMIC)?;
+    let mrb = pb.register_device_mem(&gb, all | Access::REMOTE_ATOMIC)?;
+    let mrh = pa.register_with(&host, all)?;
+    ensure!(mra.kind() == MemKind::Device && mrb.kind() == MemKind::Device);
+    let mut ini = qa.try_cpu_initiator(RingMode::Doca)?;
+    let mut go = |op: &Op<'_>| -> Result<()> {
+        ini.post_and_ring(op, CtrlFlags::SIGNALED)?;
+        let c = ini.wait_send(Duration::from_secs(10))?;
+        ensure!(matches!(c, Completion::Req { .. }), "{c:?}");
+        Ok(())
+    };
+    let data = pattern(0x1234, big);
+    host.write(0, &data);
+    let read_gpu = |m: &gpuverbs::gpu::DeviceMem, off: usize, n: usize| -> Result<Vec<u8>> {
+        let mut v = vec![0; n];
+        m.read(off, &mut v)?;
+        Ok(v)
+    };
+    // host -> GPU (B), 3 MiB: three staging chunks
+    go(&Op::Write {
+        remote: mrb.remote(0),
+        local: Local::Sges(&[mrh.sge(0, big as u32)]),
+        imm: None,
+    })?;
+    ensure!(read_gpu(&gb, 0, big)? == data, "host -> GPU bytes differ");
+    // GPU (B) -> GPU (A) by READ: one device-to-device copy
+    go(&Op::Read {
+        remote: mrb.remote(0),
+        local: &[mra.sge(0, big as u32)],
+    })?;
+    ensure!(read_gpu(&ga, 0, big)? == data, "GPU -> GPU bytes differ");
+    // GPU (B) -> host by READ
+    host.fill(0, big, 0);
+    go(&Op::Read {
+        remote: mrb.remote(4096),
+        local: &[mrh.sge(0, 8192)],
+    })?;
+    ensure!(
+        host.to_vec()[..8192] == data[4096..4096 + 8192],
+        "GPU -> host bytes differ"
+    );
+    // fetch-add on a GPU word, the old value into GPU memory
+    gb.write(64, &41u64.to_ne_bytes())?;
+    go(&Op::FetchAdd {
+        remote: mrb.remote(64),
+        add: 1,
+        result: mra.sge(128, 8),
+    })?;
+    let word = |m: &gpuverbs::gpu::DeviceMem, off| -> Result<u64> {
+        Ok(u64::from_ne_bytes(read_gpu(m, off, 8)?.try_into().unwrap()))
+    };
+    ensure!(
+        word(&gb, 64)? == 42 && word(&ga, 128)? == 41,
+        "fetch-add: target {} old {}",
+        word(&gb, 64)?,
+        word(&ga, 128)?
+    );
+    let c = a.soft_device().expect("soft").counters();
+    ensure!(c.device_memory_errors == 0 && c.errors.is_empty(), "{c:?}");
+    // the regions go before the memory under them
+    drop((mra, mrb, mrh));
+    drop((ga, gb));
+    Ok(format!(
+        "register_gpu / register_device_mem; {} MiB host -> GPU, GPU -> GPU, GPU -> host, \
+         fetch-add on GPU memory verified",
+        big >> 20
+    ))
+}

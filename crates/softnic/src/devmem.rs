@@ -1,0 +1,328 @@
+//! Device memory (GPU memory) behind a trait.
+//!
+//! The soft NIC is a host program: it can dereference host addresses, never a GPU's. Memory
+//! regions and rings that live in device memory carry an [`DeviceMemory`] object, supplied by
+//! whoever registered them (gpuverbs implements it with CUDA copies), and every byte the engine
+//! moves to or from such memory goes through it. The crate itself knows nothing of CUDA.
+//!
+//! [`SimDeviceMemory`] is a simulated device memory (host bytes behind the trait, at addresses
+//! that are not host addresses, with call counters and injectable failures) for tests.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A device-memory access that failed (a driver error, an address the memory does not hold).
+/// The engine turns it into an error CQE, never a panic.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("device memory: {0}")]
+pub struct DeviceMemoryError(pub String);
+
+/// Largest bounce buffer the provided methods (and the engine) use at once.
+pub const BOUNCE: usize = 1 << 20;
+
+/// Access to one kind of device memory by device address.
+///
+/// Contract, for every method:
+/// - it is complete when it returns: written bytes are in device memory, where any later
+///   access (a kernel's load, a later call from any thread) sees them, and read bytes are what
+///   device memory held at some point during the call;
+/// - calls made one after the other take effect in that order (the engine relies on it to write
+///   a CQE's first 60 bytes before its last 4, as two calls);
+/// - it never panics on a bad address or a driver failure: it returns the error.
+///
+/// Implementations may be called from any thread (the device's engine thread, its wire I/O
+/// thread); a CUDA implementation binds its context to the calling thread first.
+pub trait DeviceMemory: Send + Sync {
+    /// Copies `dst.len()` bytes from device address `src` into `dst`.
+    fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), DeviceMemoryError>;
+
+    /// Copies `src` to device address `dst`.
+    fn write(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError>;
+
+    /// Copies `len` bytes from device address `src` to device address `dst` of this same
+    /// memory. The soft NIC never calls it with overlapping ranges (it bounces those through
+    /// the host).
+    fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError>;
+
+    /// Copies `len` bytes from device address `src` to host memory at `dst`. The provided
+    /// version bounces through a host buffer and [`DeviceMemory::read`]; an implementation may
+    /// copy directly (one copy less).
+    ///
+    /// # Safety
+    /// `dst..dst+len` must be host memory writable for the duration of the call, covered by no
+    /// Rust reference (other agents may access it concurrently, as with DMA).
+    unsafe fn read_to_host(
+        &self,
+        src: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), DeviceMemoryError> {
+        let mut buf = vec![0u8; len.min(BOUNCE)];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(BOUNCE);
+            self.read(src + done as u64, &mut buf[..n])?;
+            // SAFETY: `dst + done .. + n` lies inside the caller's writable range; `buf` is ours.
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), dst.add(done), n) };
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes from host memory at `src` to device address `dst`. The provided
+    /// version bounces through a host buffer and [`DeviceMemory::write`].
+    ///
+    /// # Safety
+    /// `src..src+len` must be host memory readable for the duration of the call, covered by no
+    /// `&mut` reference.
+    unsafe fn write_from_host(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), DeviceMemoryError> {
+        let mut buf = vec![0u8; len.min(BOUNCE)];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(BOUNCE);
+            // SAFETY: `src + done .. + n` lies inside the caller's readable range; `buf` is ours.
+            unsafe { std::ptr::copy_nonoverlapping(src.add(done), buf.as_mut_ptr(), n) };
+            self.write(dst + done as u64, &buf[..n])?;
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// Whether two device memories are the same object (so [`DeviceMemory::copy`] may move bytes
+/// between them).
+pub fn same_memory(a: &Arc<dyn DeviceMemory>, b: &Arc<dyn DeviceMemory>) -> bool {
+    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+}
+
+/// Calls a [`SimDeviceMemory`] has served (failed ones included).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimCounts {
+    /// `read` calls (the provided `read_to_host` makes one per bounce chunk).
+    pub reads: u64,
+    /// `write` calls.
+    pub writes: u64,
+    /// `copy` calls.
+    pub copies: u64,
+    /// Bytes read, written or copied.
+    pub bytes: u64,
+}
+
+impl SimCounts {
+    /// Every call.
+    pub fn calls(&self) -> u64 {
+        self.reads + self.writes + self.copies
+    }
+}
+
+/// A simulated device memory for tests: `len` host bytes behind [`DeviceMemory`], at device
+/// addresses `base()..base()+len` that are *not* host addresses (non-canonical on x86-64 and
+/// AArch64), so any path that dereferenced them on the host would fault instead of passing.
+/// It counts calls and fails, on demand, every access that touches a chosen range.
+pub struct SimDeviceMemory {
+    base: u64,
+    bytes: Mutex<Vec<u8>>,
+    reads: AtomicU64,
+    writes: AtomicU64,
+    copies: AtomicU64,
+    moved: AtomicU64,
+    failing: Mutex<Vec<Range<u64>>>,
+}
+
+static NEXT_SIM: AtomicU64 = AtomicU64::new(0);
+
+impl SimDeviceMemory {
+    /// `len` zeroed bytes at a fresh base address.
+    pub fn new(len: usize) -> Arc<Self> {
+        let k = NEXT_SIM.fetch_add(1, Ordering::Relaxed) % 0x1_0000;
+        Arc::new(Self {
+            // Non-canonical: bits 63..48 differ from bit 47; 16 Ki instances of up to 1 TiB.
+            base: 0x5a00_0000_0000_0000 | k << 40,
+            bytes: Mutex::new(vec![0; len]),
+            reads: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
+            copies: AtomicU64::new(0),
+            moved: AtomicU64::new(0),
+            failing: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Device address of the first byte.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether the memory has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Calls served so far.
+    pub fn counts(&self) -> SimCounts {
+        SimCounts {
+            reads: self.reads.load(Ordering::Relaxed),
+            writes: self.writes.load(Ordering::Relaxed),
+            copies: self.copies.load(Ordering::Relaxed),
+            bytes: self.moved.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Makes every later access that touches `addr..addr+len` fail (as a driver error would).
+    pub fn fail_range(&self, addr: u64, len: u64) {
+        self.failing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(addr..addr + len);
+    }
+
+    /// Ends every injected failure.
+    pub fn heal(&self) {
+        self.failing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    /// The bytes at `addr..addr+len`, for checks (not counted, never failing; panics outside
+    /// the memory).
+    pub fn peek(&self, addr: u64, len: usize) -> Vec<u8> {
+        let off = (addr - self.base) as usize;
+        self.lock()[off..off + len].to_vec()
+    }
+
+    /// Stores `bytes` at `addr`, for setting up (not counted, never failing; panics outside
+    /// the memory).
+    pub fn poke(&self, addr: u64, bytes: &[u8]) {
+        let off = (addr - self.base) as usize;
+        self.lock()[off..off + bytes.len()].copy_from_slice(bytes);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<u8>> {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The offset of `addr..addr+len`, or why it cannot be accessed.
+    fn span(&self, addr: u64, len: usize, have: usize) -> Result<usize, DeviceMemoryError> {
+        let end = addr.checked_add(len as u64);
+        let inside = addr >= self.base && end.is_some_and(|e| e <= self.base + have as u64);
+        if !inside {
+            return Err(DeviceMemoryError(format!(
+                "{addr:#x}+{len} is not in simulated device memory {:#x}+{have}",
+                self.base
+            )));
+        }
+        let failing = self.failing.lock().unwrap_or_else(|e| e.into_inner());
+        if failing
+            .iter()
+            .any(|r| addr < r.end && addr + len as u64 > r.start)
+        {
+            return Err(DeviceMemoryError(format!(
+                "injected failure at {addr:#x}+{len}"
+            )));
+        }
+        Ok((addr - self.base) as usize)
+    }
+}
+
+impl DeviceMemory for SimDeviceMemory {
+    fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), DeviceMemoryError> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        let mem = self.lock();
+        let off = self.span(src, dst.len(), mem.len())?;
+        dst.copy_from_slice(&mem[off..off + dst.len()]);
+        self.moved.fetch_add(dst.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn write(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        let mut mem = self.lock();
+        let off = self.span(dst, src.len(), mem.len())?;
+        mem[off..off + src.len()].copy_from_slice(src);
+        self.moved.fetch_add(src.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError> {
+        self.copies.fetch_add(1, Ordering::Relaxed);
+        let mut mem = self.lock();
+        let have = mem.len();
+        let s = self.span(src, len, have)?;
+        let d = self.span(dst, len, have)?;
+        mem.copy_within(s..s + len, d);
+        self.moved.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for SimDeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimDeviceMemory")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len())
+            .field("counts", &self.counts())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sim_reads_writes_copies_counts_and_fails() {
+        let m = SimDeviceMemory::new(4096);
+        let b = m.base();
+        m.write(b + 10, b"hello").unwrap();
+        m.copy(b + 100, b + 10, 5).unwrap();
+        let mut x = [0u8; 5];
+        m.read(b + 100, &mut x).unwrap();
+        assert_eq!(&x, b"hello");
+        assert_eq!(
+            m.counts(),
+            SimCounts {
+                reads: 1,
+                writes: 1,
+                copies: 1,
+                bytes: 15
+            }
+        );
+        assert!(m.read(b + 4094, &mut x).is_err(), "past the end");
+        assert!(m.read(0x1000, &mut x).is_err(), "not device memory");
+        m.fail_range(b + 102, 1);
+        assert!(m.read(b + 100, &mut x).is_err());
+        assert!(m.read(b + 101, &mut x[..2]).is_err());
+        m.read(b + 103, &mut x[..2]).unwrap();
+        m.read(b + 90, &mut x).unwrap();
+        m.heal();
+        m.read(b + 100, &mut x).unwrap();
+        // the provided host paths bounce through read/write
+        let mut host = [0u8; 5];
+        // SAFETY: `host` is a local array of 5 bytes.
+        unsafe { m.read_to_host(b + 100, host.as_mut_ptr(), 5) }.unwrap();
+        assert_eq!(&host, b"hello");
+        // SAFETY: as above.
+        unsafe { m.write_from_host(b + 200, host.as_ptr(), 5) }.unwrap();
+        assert_eq!(m.peek(b + 200, 5), b"hello");
+    }
+
+    #[test]
+    fn sim_bases_are_not_host_addresses() {
+        let (a, b) = (SimDeviceMemory::new(1), SimDeviceMemory::new(1));
+        assert_ne!(a.base(), b.base());
+        // bits 63..47 not all equal: non-canonical
+        let top = a.base() >> 47;
+        assert!(top != 0 && top != 0x1_ffff);
+    }
+}

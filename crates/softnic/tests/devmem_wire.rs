@@ -1,0 +1,221 @@
+//! Device memory over the wire (RoCEv2 over UDP on 127.0.0.1): the same dispatch as the
+//! in-process path. Every opcode with its buffers in two different simulated device memories
+//! (two hosts' GPUs) gives the completions and bytes of host memory, also under loss,
+//! duplication and reordering (retransmissions re-read device sources, duplicate READs re-run);
+//! every failing device access, requester or responder side, becomes the documented error CQE.
+
+mod common;
+mod devmem_util;
+mod wire_util;
+
+use common::*;
+use devmem_util::{reference, req_err, script, Kind, Region, ALL, REGION};
+use prm::wqe::{Local, Op, Opcode};
+use prm::{Completion, ErrorCqe, Syndrome};
+use softnic::devmem::SimDeviceMemory;
+use softnic::engine::vendor;
+use softnic::{QpState, WireFaults};
+use std::sync::Arc;
+use wire_util::{faults, serial, wire_opts, wire_pair};
+
+const MB: usize = 1 << 20;
+
+fn pair(mtu: u32) -> Pair {
+    wire_pair(
+        wire_opts(),
+        wire_opts(),
+        mtu,
+        WireFaults::default(),
+        WireFaults::default(),
+    )
+}
+
+#[test]
+fn every_opcode_in_device_memory_over_the_wire() {
+    let _serial = serial();
+    let want = reference();
+    let (g1, g2) = (SimDeviceMemory::new(MB), SimDeviceMemory::new(MB));
+    let runs = [
+        (256, WireFaults::default(), WireFaults::default()),
+        (
+            1024,
+            faults(0xd1, 0.05, 0.05, 0.05, 0.02),
+            faults(0xd2, 0.05, 0.05, 0.05, 0.02),
+        ),
+    ];
+    for (i, (mtu, fa, fb)) in runs.into_iter().enumerate() {
+        let mut p = wire_pair(wire_opts(), wire_opts(), mtu, fa, fb);
+        let base = i as u64 * 0x40000;
+        let l = Region::new(&p.a, &Kind::Dev(g1.clone(), base), REGION, ALL);
+        let r = Region::new(&p.b, &Kind::Dev(g2.clone(), base), REGION, ALL);
+        let v = Region::new(&p.b, &Kind::Dev(g2.clone(), base + 0x10000), REGION, ALL);
+        let (c1, c2) = (g1.counts(), g2.counts());
+        let got = script(&mut p, &l, &r, &v);
+        let what = format!("MTU {mtu}, run {i}");
+        assert_eq!(got.completions, want.completions, "{what}");
+        assert!(got.local == want.local, "{what}: local bytes differ");
+        assert!(got.remote == want.remote, "{what}: remote bytes differ");
+        assert!(got.recv == want.recv, "{what}: receive bytes differ");
+        assert!(
+            g1.counts().calls() > c1.calls() + 8,
+            "{what}: {:?}",
+            g1.counts()
+        );
+        assert!(
+            g2.counts().calls() > c2.calls() + 8,
+            "{what}: {:?}",
+            g2.counts()
+        );
+        assert!(p.a.dev.counters().wire.tx_packets > 10);
+        assert_eq!(p.a.dev.counters().device_memory_errors, 0);
+        assert_eq!(p.b.dev.counters().device_memory_errors, 0);
+    }
+}
+
+#[test]
+fn failing_requester_memory_over_the_wire() {
+    let _serial = serial();
+    let g = SimDeviceMemory::new(MB);
+    // the gather source
+    let mut p = pair(256);
+    let src = Region::new(&p.a, &Kind::Dev(g.clone(), 0), 4096, ALL);
+    let dst = Region::new(&p.b, &Kind::Host, 4096, ALL);
+    src.fail(700, 1);
+    let op = Op::Write {
+        remote: dst.remote(0),
+        local: Local::Sges(&[src.sge(0, 1000)]),
+        imm: None,
+    };
+    let idx = p.ea.go(&op, SIG);
+    p.ea.expect_err(
+        Syndrome::LocalProt,
+        vendor::DEVICE_MEMORY,
+        Opcode::RdmaWrite as u8,
+        idx,
+    );
+    assert_eq!(p.eb.qp.state(), QpState::Rts);
+    assert_eq!(p.a.dev.counters().device_memory_errors, 1);
+    g.heal();
+    // the READ destination
+    let mut p = pair(256);
+    let mine = Region::new(&p.a, &Kind::Dev(g.clone(), 0), 4096, ALL);
+    let theirs = Region::new(&p.b, &Kind::Host, 4096, ALL);
+    mine.fail(300, 1);
+    let op = Op::Read {
+        remote: theirs.remote(0),
+        local: &[mine.sge(0, 1000)],
+    };
+    let idx = p.ea.go(&op, SIG);
+    p.ea.expect_err(
+        Syndrome::LocalProt,
+        vendor::DEVICE_MEMORY,
+        Opcode::RdmaRead as u8,
+        idx,
+    );
+    g.heal();
+    // the atomic result
+    let mut p = pair(256);
+    let mine = Region::new(&p.a, &Kind::Dev(g.clone(), 0), 4096, ALL);
+    let theirs = Region::new(&p.b, &Kind::Host, 4096, ALL);
+    mine.fail(0, 8);
+    let op = Op::FetchAdd {
+        remote: theirs.remote(0),
+        add: 1,
+        result: mine.sge(0, 8),
+    };
+    let idx = p.ea.go(&op, SIG);
+    p.ea.expect_err(
+        Syndrome::LocalProt,
+        vendor::DEVICE_MEMORY,
+        Opcode::AtomicFa as u8,
+        idx,
+    );
+    assert_eq!(theirs.u64_at(0), 1, "the remote side already happened");
+}
+
+#[test]
+fn failing_responder_memory_over_the_wire() {
+    let _serial = serial();
+    let g = SimDeviceMemory::new(MB);
+    let remote_op = |p: &mut Pair, opcode: Opcode, idx: u16| {
+        p.ea.expect_err(Syndrome::RemoteOp, vendor::DEVICE_MEMORY, opcode as u8, idx);
+        assert_eq!(p.eb.qp.state(), QpState::Err);
+        assert_eq!(p.b.dev.counters().device_memory_errors, 1);
+    };
+    // a WRITE target failing at its third packet: the first two landed
+    let mut p = pair(256);
+    let src = Region::new(&p.a, &Kind::Host, 4096, ALL);
+    let dst = Region::new(&p.b, &Kind::Dev(g.clone(), 0), 4096, ALL);
+    src.write(0, &[0x77; 1000]);
+    dst.fail(600, 1);
+    let op = Op::Write {
+        remote: dst.remote(0),
+        local: Local::Sges(&[src.sge(0, 1000)]),
+        imm: None,
+    };
+    let idx = p.ea.go(&op, SIG);
+    remote_op(&mut p, Opcode::RdmaWrite, idx);
+    assert_eq!(dst.read(0, 512), vec![0x77; 512]);
+    g.heal();
+    // a READ source failing at its third response packet
+    let mut p = pair(256);
+    let mine = Region::new(&p.a, &Kind::Host, 4096, ALL);
+    let theirs = Region::new(&p.b, &Kind::Dev(g.clone(), 0), 4096, ALL);
+    theirs.write(0, &[0x33; 1000]);
+    theirs.fail(600, 1);
+    let op = Op::Read {
+        remote: theirs.remote(0),
+        local: &[mine.sge(0, 1000)],
+    };
+    let idx = p.ea.go(&op, SIG);
+    remote_op(&mut p, Opcode::RdmaRead, idx);
+    g.heal();
+    // an atomic target
+    let mut p = pair(256);
+    let mine = Region::new(&p.a, &Kind::Host, 4096, ALL);
+    let theirs = Region::new(&p.b, &Kind::Dev(g.clone(), 0), 4096, ALL);
+    theirs.fail(8, 8);
+    let op = Op::CompareSwap {
+        remote: theirs.remote(8),
+        compare: 0,
+        swap: 1,
+        result: mine.sge(0, 8),
+    };
+    let idx = p.ea.go(&op, SIG);
+    remote_op(&mut p, Opcode::AtomicCs, idx);
+    g.heal();
+    // a receive buffer: the receive completes with LOCAL_ACCESS
+    let mut p = pair(256);
+    let src = Region::new(&p.a, &Kind::Host, 4096, ALL);
+    let rbuf = Region::new(&p.b, &Kind::Dev(g.clone(), 0), 4096, ALL);
+    rbuf.fail(300, 1);
+    p.eb.ini.post_recv(&[rbuf.sge(0, 2048)]).unwrap();
+    let op = Op::Send {
+        local: Local::Sges(&[src.sge(0, 1000)]),
+        imm: None,
+    };
+    let idx = p.ea.go(&op, SIG);
+    assert_eq!(
+        p.ea.send_cqe(),
+        req_err(
+            p.ea.qpn(),
+            Syndrome::RemoteOp,
+            vendor::RECV_BUFFER,
+            Opcode::Send as u8,
+            idx
+        )
+    );
+    assert_eq!(
+        p.eb.recv_cqe(),
+        Completion::Error(ErrorCqe {
+            responder: true,
+            syndrome: Syndrome::LocalAccess as u8,
+            vendor_syndrome: vendor::DEVICE_MEMORY,
+            wqe_opcode: 0,
+            qpn: p.eb.qpn(),
+            wqe_counter: 0,
+        })
+    );
+    assert_eq!(p.eb.qp.state(), QpState::Err);
+    let _keep: Arc<SimDeviceMemory> = g;
+}
