@@ -140,3 +140,31 @@ GPUVERBS_KERNEL void gv_test_gpumem_roundtrip(gpuverbs_qp* q, uint64_t local, ui
         }
     }
 }
+
+// Many CTAs, each with a private QP (CTA sharing): block b drives QP qps[b] and writes `iters`
+// messages of `size` bytes per thread from its pair's source to the same slice of its
+// destination (every 4th signaled, so each thread's last WQE is); the last thread of each block
+// then waits for the block's last ticket with wait_ticket.
+GPUVERBS_KERNEL void gv_test_put_private(const uint64_t* qps, const uint64_t* lbases,
+                                         const uint32_t* lks, const uint64_t* rbases,
+                                         const uint32_t* rks, uint32_t size, uint32_t iters,
+                                         uint64_t budget, int* out) {
+    using namespace gpuverbs;
+    gpuverbs_qp* q = reinterpret_cast<gpuverbs_qp*>(qps[blockIdx.x]);
+    const uint64_t lbase = lbases[blockIdx.x], rbase = rbases[blockIdx.x];
+    const lkey lk{lks[blockIdx.x]};
+    const rkey rk{rks[blockIdx.x]};
+    status s = OK;
+    for (uint32_t i = 0; i < iters && s == OK; ++i) {
+        uint64_t off = ((uint64_t)threadIdx.x * iters + i) * size;
+        s = put<sharing::cta>(q, lbase + off, lk, rbase + off, rk, size, (i + 1) % 4 == 0, budget);
+    }
+    error e{};
+    if (s != OK) e = last_error(q);
+    device_tests::report(out, s, e);
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) {
+        s = wait_ticket<sharing::cta>(q, ld_acquire_gpu64(&q->sq_ready), budget, &e);
+        device_tests::report(out, s, e);
+    }
+}

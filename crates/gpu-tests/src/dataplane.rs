@@ -658,3 +658,83 @@ pub fn wait_signal(ordinal: usize) -> Result<String> {
         results[0], results[1]
     ))
 }
+
+/// Many CTAs, each driving a private QP of its own pair (CTA sharing): every byte of every pair
+/// checked.
+pub fn private_qps(ordinal: usize, mode: DoorbellMode) -> Result<String> {
+    let (ctas, threads, iters, size) = (8u32, 64u32, 8u32, 64u32);
+    let bytes = (threads * iters * size) as usize;
+    let pairs: Vec<Pair> = (0..ctas)
+        .map(|_| Pair::new(ordinal, mode, bytes, 256))
+        .collect::<Result<_>>()?;
+    let gpu = pairs[0].gpu.clone();
+    let array = |words: Vec<u8>| -> Result<gpuverbs::gpu::DeviceMem> {
+        let m = gpu.alloc(words.len())?;
+        m.write(0, &words)?;
+        Ok(m)
+    };
+    let qps = array(
+        pairs
+            .iter()
+            .flat_map(|p| p.export.ptr().to_ne_bytes())
+            .collect(),
+    )?;
+    let lbases = array(pairs.iter().flat_map(|p| p.src_d.to_ne_bytes()).collect())?;
+    let lks = array(
+        pairs
+            .iter()
+            .flat_map(|p| p.src_mr.lkey().0.to_ne_bytes())
+            .collect(),
+    )?;
+    let rbases = array(
+        pairs
+            .iter()
+            .flat_map(|p| p.dst_mr.addr().to_ne_bytes())
+            .collect(),
+    )?;
+    let rks = array(
+        pairs
+            .iter()
+            .flat_map(|p| p.dst_mr.rkey().0.to_ne_bytes())
+            .collect(),
+    )?;
+    let st = Status::new(&gpu)?;
+    let (mut a, mut b, mut c, mut d, mut e) =
+        (qps.ptr(), lbases.ptr(), lks.ptr(), rbases.ptr(), rks.ptr());
+    let (mut size_, mut iters_, mut budget, mut out) = (size, iters, BUDGET_NS, st.ptr());
+    let mut params = [
+        arg(&mut a),
+        arg(&mut b),
+        arg(&mut c),
+        arg(&mut d),
+        arg(&mut e),
+        arg(&mut size_),
+        arg(&mut iters_),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    // SAFETY: parameters match gv_test_put_private; the arrays hold one entry per CTA and
+    // every pointer in them is live device-visible memory for the whole launch.
+    unsafe {
+        gpu.launch_sync(
+            "gv_test_put_private",
+            (ctas, 1, 1),
+            (threads, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    st.expect_ok()?;
+    for (i, p) in pairs.iter().enumerate() {
+        ensure!(
+            p.dst.to_vec()? == p.src.to_vec()?,
+            "CTA {i}: destination differs from source"
+        );
+        let desc = p.export.read()?;
+        ensure!(desc.sq_retired == desc.sq_ready, "CTA {i}: {desc:?}");
+    }
+    Ok(format!(
+        "{ctas} CTAs x {threads} threads, each CTA on its own QP: {} messages of {size} B verified",
+        ctas * threads * iters
+    ))
+}

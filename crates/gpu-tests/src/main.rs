@@ -82,6 +82,12 @@ put_cases! {
     put_gpuall_block_proxy: CpuProxy, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512, mem Mem::Gpu, rings GpuRings;
 }
 
+fn private_qps_gpudb(ctx: &Ctx) -> Result<String> {
+    dataplane::private_qps(ctx.ordinal, GpuDoorbell)
+}
+fn private_qps_proxy(ctx: &Ctx) -> Result<String> {
+    dataplane::private_qps(ctx.ordinal, CpuProxy)
+}
 fn exclusive_wrap(ctx: &Ctx) -> Result<String> {
     dataplane::exclusive_wrap(ctx.ordinal, HostMapped)
 }
@@ -158,6 +164,8 @@ const CASES: &[Case] = cases![
     put_block_proxy,
     put_many_ctas_bf,
     put_many_ctas_proxy,
+    private_qps_gpudb,
+    private_qps_proxy,
     exclusive_wrap,
     ops_gpudb,
     ops_bf,

@@ -529,6 +529,28 @@ __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr
     }
 }
 
+// Waits until everything up to block `ticket` has completed: a ticket is the end of a WQE (its
+// first block from `reserve` plus its blocks, or `sq_ready` read after publishing). Only
+// signaled completions retire space, so a signaled WQE must end at or after the ticket (`quiet`
+// is the variant that posts one when needed). Returns ERROR_CQE (with the first error) when an
+// error completion was seen, TIMEOUT when the budget ran out.
+template <sharing S = sharing::gpu>
+__device__ status wait_ticket(gpuverbs_qp* q, uint64_t ticket, uint64_t budget_ns,
+                              error* err = nullptr) {
+    uint64_t deadline = 0;
+    for (;;) {
+        status s = scq_progress<S>(q, deadline);
+        uint64_t retired = S == sharing::exclusive ? q->sq_retired
+                                                   : ld_acquire_gpu64(&q->sq_retired);
+        if (retired >= ticket) {
+            if (s == ERROR_CQE && err) *err = last_error(q);
+            return s;
+        }
+        if (deadline == 0) deadline = now_ns() + budget_ns;
+        if (now_ns() > deadline) return TIMEOUT;
+    }
+}
+
 // One WQE of `blocks` blocks: reserve, prepare (the callable, given the final signaled flag),
 // publish, ring.
 template <sharing S, typename Prep>
