@@ -4,6 +4,7 @@
 use anyhow::{bail, ensure, Context as _, Result};
 use gpuverbs::gpu::{DeviceMem, ExportedQp, Gpu};
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
+use gpuverbs::queue::CqMode;
 use gpuverbs::{
     Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, HostBuffer, Mr, Pd,
     Qp, QpOptions, RingPlacement,
@@ -129,6 +130,11 @@ impl Pair {
     }
 
     pub fn with(ordinal: usize, spec: PairSpec) -> Result<Self> {
+        Self::build(ordinal, spec, CqMode::OverrunIgnore)
+    }
+
+    /// As [`Pair::with`], with side A's CQ in `cq_mode`.
+    pub fn build(ordinal: usize, spec: PairSpec, cq_mode: CqMode) -> Result<Self> {
         let PairSpec {
             mode,
             bytes,
@@ -145,6 +151,7 @@ impl Pair {
             CqOptions {
                 depth: sq_blocks.max(64),
                 placement: rings,
+                mode: cq_mode,
                 ..Default::default()
             },
         )?;
@@ -737,4 +744,29 @@ pub fn private_qps(ordinal: usize, mode: DoorbellMode) -> Result<String> {
         "{ctas} CTAs x {threads} threads, each CTA on its own QP: {} messages of {size} B verified",
         ctas * threads * iters
     ))
+}
+
+/// A collapsed send CQ (every CQE in slot 0): the device API takes slot 0 whenever its last word
+/// changes and retires up to the WQE it names; puts, quiet and the bytes all check out.
+pub fn collapsed_cq(ordinal: usize) -> Result<String> {
+    let a = PutArgs {
+        grid: 2,
+        block: 64,
+        scope: 0,
+        skip_mod: 0,
+        size: 64,
+        iters: 8,
+        signal_every: 4,
+        budget_ns: BUDGET_NS,
+    };
+    let spec = PairSpec {
+        mode: DoorbellMode::GpuDoorbell,
+        bytes: (a.grid * a.block * a.iters * a.size) as usize,
+        sq_blocks: 256,
+        mem: Mem::Host,
+        rings: RingPlacement::HostMapped,
+    };
+    let p = Pair::build(ordinal, spec, CqMode::Collapsed)?;
+    let r = run_put(&p, &a)?;
+    Ok(format!("{r} (collapsed send CQ)"))
 }

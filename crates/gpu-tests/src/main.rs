@@ -88,6 +88,9 @@ fn private_qps_gpudb(ctx: &Ctx) -> Result<String> {
 fn private_qps_proxy(ctx: &Ctx) -> Result<String> {
     dataplane::private_qps(ctx.ordinal, CpuProxy)
 }
+fn collapsed_cq(ctx: &Ctx) -> Result<String> {
+    dataplane::collapsed_cq(ctx.ordinal)
+}
 fn exclusive_wrap(ctx: &Ctx) -> Result<String> {
     dataplane::exclusive_wrap(ctx.ordinal, HostMapped)
 }
@@ -166,6 +169,7 @@ const CASES: &[Case] = cases![
     put_many_ctas_proxy,
     private_qps_gpudb,
     private_qps_proxy,
+    collapsed_cq,
     exclusive_wrap,
     ops_gpudb,
     ops_bf,
