@@ -382,23 +382,104 @@ fn resolve_env(a: &CommonArgs, ctx: Context, no_gpu: Option<&str>) -> Result<Env
     })
 }
 
-/// Refuses `--mem gpu` with the reason: the samples keep payload buffers in host memory (the
-/// API can register GPU memory; the samples do not use it yet). `--rings gpu` is refused when
-/// the first QP is made ([`create_qp`]).
-pub fn check_placement(a: &CommonArgs, env: &Env) -> Result<()> {
-    if a.mem == Placement::Host {
-        return Ok(());
-    }
-    if env.gpu.is_none() {
+/// Refuses the placements this run cannot honour, with the reason. `--rings gpu` needs the
+/// GPU initiator (the CPU initiator reads and writes the SQ/CQ rings from the host, so it cannot
+/// drive rings in GPU memory). `--mem gpu` needs a GPU, and a sample that keeps its payload in
+/// GPU memory (`gpu_mem`: put_bw does, with the GPU initiator; write_lat does not).
+pub fn check_placement(a: &CommonArgs, env: &Env, gpu_mem: bool) -> Result<()> {
+    if a.rings == Placement::Gpu && (env.initiator != Initiator::Gpu || env.gpu.is_none()) {
         bail!(
-            "--mem gpu: payload buffers in GPU memory need a GPU, and this run has none ({})",
+            "--rings gpu: rings in GPU memory are driven by the GPU initiator only, and this run \
+             uses the CPU ({}; GPU: {}); the CPU initiator cannot drive GPU-resident rings (use \
+             --initiator gpu on a machine with a GPU, or --rings host)",
+            env.initiator_why,
             env.gpu_line
         );
     }
-    bail!(
-        "--mem gpu: this sample keeps its payload buffers in host memory only (GPU-memory regions \
-         exist in the API: Pd::register_device_mem / Pd::register_gpu; use --mem host)"
-    )
+    if a.mem == Placement::Host {
+        return Ok(());
+    }
+    if env.gpu.is_none() || env.initiator != Initiator::Gpu {
+        bail!(
+            "--mem gpu: payload buffers in GPU memory need a GPU and the GPU initiator, and this \
+             run has none ({}; initiator: {})",
+            env.gpu_line,
+            env.initiator_why
+        );
+    }
+    if !gpu_mem {
+        bail!(
+            "--mem gpu: this sample keeps its payload buffers in host memory only (GPU-memory \
+             regions exist in the API: Pd::register_device_mem / Pd::register_gpu; use --mem \
+             host)"
+        );
+    }
+    Ok(())
+}
+
+/// A payload buffer: host memory, or GPU memory (`--mem gpu`) that the host fills and checks
+/// by copying through [`DeviceMem::read`] / [`DeviceMem::write`].
+pub enum Payload {
+    /// Host memory.
+    Host(gpuverbs::HostBuffer),
+    /// GPU memory, registered with [`Pd::register_device_mem`].
+    Gpu(DeviceMem),
+}
+
+impl Payload {
+    /// `len` bytes where `mem` says (GPU memory needs `gpu`).
+    pub fn new(mem: Placement, gpu: Option<&Arc<Gpu>>, len: usize) -> Result<Self> {
+        Ok(match mem {
+            Placement::Host => Payload::Host(gpuverbs::HostBuffer::new(len)),
+            Placement::Gpu => {
+                let gpu = gpu.context("--mem gpu: payload buffers in GPU memory need a GPU")?;
+                Payload::Gpu(
+                    gpu.alloc(len.max(1))
+                        .with_context(|| format!("--mem gpu: allocate {len} B of GPU memory"))?,
+                )
+            }
+        })
+    }
+
+    /// Registers it (host memory with `Pd::register_with`, GPU memory with
+    /// `Pd::register_device_mem`).
+    pub fn register(&self, pd: &Pd, access: Access) -> Result<gpuverbs::Mr> {
+        Ok(match self {
+            Payload::Host(b) => pd.register_with(b, access)?,
+            Payload::Gpu(m) => pd
+                .register_device_mem(m, access)
+                .context("--mem gpu: register GPU memory")?,
+        })
+    }
+
+    /// Copies bytes in at `off`.
+    pub fn write(&self, off: usize, src: &[u8]) -> Result<()> {
+        match self {
+            Payload::Host(b) => b.write(off, src),
+            Payload::Gpu(m) => m.write(off, src).context("copy into GPU memory")?,
+        }
+        Ok(())
+    }
+
+    /// Copies bytes out from `off`.
+    pub fn read(&self, off: usize, dst: &mut [u8]) -> Result<()> {
+        match self {
+            Payload::Host(b) => b.read(off, dst),
+            Payload::Gpu(m) => m.read(off, dst).context("copy out of GPU memory")?,
+        }
+        Ok(())
+    }
+
+    /// Sets `n` bytes at `off` to `byte`.
+    pub fn fill(&self, off: usize, n: usize, byte: u8) -> Result<()> {
+        match self {
+            Payload::Host(b) => {
+                b.fill(off, n, byte);
+                Ok(())
+            }
+            Payload::Gpu(_) => self.write(off, &vec![byte; n]),
+        }
+    }
 }
 
 /// The doorbell convention a CPU initiator uses for a QP created with `db`, or why it cannot.
@@ -459,29 +540,36 @@ pub struct QpSpec {
     pub db: DbArg,
 }
 
-/// An RC QP with a CQ of its own (send and receive), as `spec` says.
-pub fn create_qp(pd: &Pd, spec: QpSpec) -> Result<Qp> {
+/// An RC QP with a CQ of its own (send and receive), as `spec` says; rings in GPU memory
+/// (`--rings gpu`) are allocated on `gpu` (`Context::create_cq_on` / `Pd::create_qp_on`).
+pub fn create_qp(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>) -> Result<Qp> {
     let placement = match spec.rings {
         Placement::Host => RingPlacement::HostMapped,
-        Placement::Gpu => bail!(
-            "--rings gpu: this sample keeps its rings in host memory only (GPU-resident rings \
-             exist in the API: Context::create_cq_on / Pd::create_qp_on; use --rings host)"
-        ),
+        Placement::Gpu => RingPlacement::Gpu,
     };
     let ctx = pd.context();
-    let cq = ctx
-        .create_cq(CqOptions {
-            depth: spec.tx_depth.max(64),
-            placement,
-            ..Default::default()
-        })
-        .with_context(|| format!("--rings {}: create a CQ", spec.rings.name()))?;
+    let co = CqOptions {
+        depth: spec.tx_depth.max(64),
+        placement,
+        ..Default::default()
+    };
+    let cq = match (spec.rings, gpu) {
+        (Placement::Host, _) => ctx.create_cq(co),
+        (Placement::Gpu, Some(g)) => ctx.create_cq_on(g, co),
+        (Placement::Gpu, None) => bail!(
+            "--rings gpu: rings in GPU memory need a GPU (and the GPU initiator; use --rings host)"
+        ),
+    }
+    .with_context(|| format!("--rings {}: create a CQ", spec.rings.name()))?;
     let mut o = QpOptions::new(&cq, &cq);
     o.sq_blocks = spec.tx_depth;
     o.placement = placement;
     o.doorbell = spec.db.mode();
-    pd.create_qp(o)
-        .with_context(|| format!("--rings {}: create a QP", spec.rings.name()))
+    match (spec.rings, gpu) {
+        (Placement::Gpu, Some(g)) => pd.create_qp_on(g, o),
+        _ => pd.create_qp(o),
+    }
+    .with_context(|| format!("--rings {}: create a QP", spec.rings.name()))
 }
 
 /// What the samples' QPs allow their peers: writes and the atomics of `--signal`.
@@ -1262,14 +1350,20 @@ pub fn common_header(h: &mut Header, env: &Env, a: &CommonArgs, doorbell: String
             "Rings",
             match a.rings {
                 Placement::Host => "host memory (mapped into the GPU when a kernel posts)",
-                Placement::Gpu => "GPU memory",
+                Placement::Gpu => {
+                    "GPU memory (SQ/RQ and CQ rings from Context::create_cq_on / \
+                     Pd::create_qp_on; doorbell records in host memory)"
+                }
             },
         )
         .line(
             "Buffers",
             match a.mem {
                 Placement::Host => "host memory",
-                Placement::Gpu => "GPU memory",
+                Placement::Gpu => {
+                    "GPU memory (registered with Pd::register_device_mem; the host fills and \
+                     checks it by copying)"
+                }
             },
         );
 }

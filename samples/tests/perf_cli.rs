@@ -255,16 +255,22 @@ fn bad_arguments_are_usage_errors() {
 }
 
 #[test]
-fn gpu_memory_placements_are_refused_clearly() {
+fn gpu_memory_placements_need_the_gpu_initiator() {
     for bin in [PUT_BW, WRITE_LAT] {
         let out = run(bin, &["--loopback", "--mem", "gpu", "-n", "10"]);
         let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
-        assert!(stderr.contains("--mem gpu"), "{stderr}");
-        assert!(
-            stderr.contains("host memory only") || stderr.contains("need a GPU"),
-            "{stderr}"
-        );
+        if bin == PUT_BW && out.status.success() {
+            // A machine with a GPU: put_bw runs with its buffers in GPU memory.
+            let stdout = text(&out.stdout);
+            assert!(stdout.contains("GPU memory (registered"), "{stdout}");
+        } else {
+            assert_eq!(out.status.code(), Some(1), "{stderr}");
+            assert!(stderr.contains("--mem gpu"), "{stderr}");
+            assert!(
+                stderr.contains("host memory only") || stderr.contains("need a GPU"),
+                "{stderr}"
+            );
+        }
         let out = run(
             bin,
             &[
@@ -280,7 +286,29 @@ fn gpu_memory_placements_are_refused_clearly() {
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{stderr}");
         assert!(
-            stderr.contains("--rings gpu") && stderr.contains("host memory only"),
+            stderr.contains("--rings gpu") && stderr.contains("GPU initiator only"),
+            "{stderr}"
+        );
+    }
+    // write_lat keeps its payload in host memory even with a GPU; put_bw needs one (and the GPU
+    // initiator) for --mem gpu. Both refuse GPU memory with the CPU initiator.
+    for bin in [PUT_BW, WRITE_LAT] {
+        let out = run(
+            bin,
+            &[
+                "--loopback",
+                "--mem",
+                "gpu",
+                "--initiator",
+                "cpu",
+                "-n",
+                "10",
+            ],
+        );
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("--mem gpu") && stderr.contains("need a GPU"),
             "{stderr}"
         );
     }

@@ -7,7 +7,14 @@
 //! put_bw --loopback --scope warp --db proxy --report-gbits
 //! put_bw -p 18515        /  put_bw <server> -p 18515     # server / client roles
 //! put_bw --initiator cpu -a --loss 1   /  put_bw --initiator cpu -a --loss 1 <server>
+//! put_bw --loopback -a --initiator gpu --mem gpu --rings gpu   # buffers and rings on the GPU
 //! ```
+//!
+//! Placement (GPU initiator only): `--rings gpu` puts the SQ/RQ and CQ rings in GPU memory
+//! (`Context::create_cq_on` / `Pd::create_qp_on`); `--mem gpu` puts the source and
+//! destination slots in GPU memory registered with `Pd::register_device_mem`, which the host
+//! fills, poisons and checks by copying (`DeviceMem::write` / `read`). The CPU initiator
+//! refuses both.
 //!
 //! Server/client roles: the processes meet over TCP (`-p`), each opens a soft NIC with a wire
 //! port (RoCEv2 over UDP) on the local address that reaches the other (`--wire-port`, or
@@ -45,12 +52,13 @@
 use anyhow::{bail, Context as _, Result};
 use clap::{CommandFactory, Parser, ValueEnum};
 use gpuverbs::gpu::Gpu;
-use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Qp, RemoteMemory};
+use gpuverbs::{Access, Endpoint, Mr, Qp, RemoteMemory};
 use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
     create_qp, doorbell_line, exit_with, merge, open_env, open_env_remote, pattern, remote_header,
     remote_json, step, table_row, tx_depth_for, upload, wire_counters, wire_delta, BwJob,
-    CommonArgs, Exports, GpuStatus, Header, Initiator, Peak, Peer, Progress, QpSpec, Units,
+    CommonArgs, Exports, GpuStatus, Header, Initiator, Payload, Peak, Peer, Progress, QpSpec,
+    Units,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey};
@@ -303,8 +311,8 @@ impl Plan {
 /// One side: its QPs, its source and destination buffers.
 struct Side {
     qps: Vec<Qp>,
-    src: Option<(HostBuffer, Mr)>,
-    dst: Option<(HostBuffer, Mr)>,
+    src: Option<(Payload, Mr)>,
+    dst: Option<(Payload, Mr)>,
 }
 
 /// A CPU initiator driving one job.
@@ -385,7 +393,7 @@ fn run(args: &Args) -> Result<()> {
         Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
         Initiator::Gpu => None,
     };
-    check_placement(a, &env)?;
+    check_placement(a, &env, true)?;
 
     // Jobs: QP k of side A writes into side B (direction 0) and, with --bidir, QP k of B into A
     // (direction 1). In loopback this process drives them all; across processes each side
@@ -446,7 +454,7 @@ fn run(args: &Args) -> Result<()> {
         if me.is_none_or(|m| m == s) {
             let pd = env.ctx.alloc_pd();
             let qps = (0..args.qps)
-                .map(|_| create_qp(&pd, spec))
+                .map(|_| create_qp(&pd, spec, env.gpu.as_ref()))
                 .collect::<Result<Vec<_>>>()?;
             *slot = Some(Side {
                 qps,
@@ -547,13 +555,13 @@ fn run(args: &Args) -> Result<()> {
         let Some(sd) = slot else { continue };
         let pd = sd.qps[0].pd().clone();
         if jobs.iter().any(|j| j.dir == s) {
-            let b = HostBuffer::new(src_len as usize);
-            let mr = pd.register_with(&b, Access::LOCAL_WRITE)?;
+            let b = Payload::new(a.mem, env.gpu.as_ref(), src_len as usize)?;
+            let mr = b.register(&pd, Access::LOCAL_WRITE)?;
             sd.src = Some((b, mr));
         }
         if jobs.iter().any(|j| j.dir == 1 - s) {
-            let b = HostBuffer::new(dst_len(s) as usize);
-            let mr = pd.register_with(&b, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+            let b = Payload::new(a.mem, env.gpu.as_ref(), dst_len(s) as usize)?;
+            let mr = b.register(&pd, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
             sd.dst = Some((b, mr));
         }
     }
@@ -725,7 +733,7 @@ fn run(args: &Args) -> Result<()> {
             if let Some((b, _)) = sd.as_ref().and_then(|s| s.src.as_ref()) {
                 for s in 0..plan.src_slots as u64 {
                     pattern::fill(&mut scratch, seed ^ d as u64, s, plan.size as usize);
-                    b.write((s * plan.size) as usize, &scratch);
+                    b.write((s * plan.size) as usize, &scratch)?;
                 }
             }
         }
@@ -741,7 +749,7 @@ fn run(args: &Args) -> Result<()> {
         // The receiver poisons its destinations once the warm-up writes are done.
         for (j, job) in jobs.iter().enumerate() {
             if let Some(b) = dst_buf(&sides, job) {
-                poison(b, plan, j, seed ^ job.dir as u64, &mut scratch);
+                poison(b, plan, j, seed ^ job.dir as u64, &mut scratch)?;
             }
         }
         step(&mut peer, "poisoned", Ok(()))?;
@@ -773,8 +781,8 @@ fn run(args: &Args) -> Result<()> {
             if let Some(b) = dst_buf(&sides, &jobs[0]) {
                 let off = plan.dst_off[0] as usize + plan.size as usize / 2;
                 let mut x = [0u8];
-                b.read(off, &mut x);
-                b.write(off, &[!x[0]]);
+                b.read(off, &mut x)?;
+                b.write(off, &[!x[0]])?;
             }
         }
         // Every byte of the destinations this process holds.
@@ -840,7 +848,7 @@ fn run(args: &Args) -> Result<()> {
 }
 
 /// The destination buffer job `job` writes into, when this process holds it.
-fn dst_buf<'a>(sides: &'a [Option<Side>; 2], job: &Job) -> Option<&'a HostBuffer> {
+fn dst_buf<'a>(sides: &'a [Option<Side>; 2], job: &Job) -> Option<&'a Payload> {
     sides[1 - job.dir]
         .as_ref()
         .and_then(|s| s.dst.as_ref())
@@ -913,7 +921,7 @@ fn cpu_flow(q: &Qp, mode: RingMode) -> Flow {
 
 /// Fills job `j`'s destination slots with the complement of what they must end with (and the
 /// slots no iteration writes with [`UNTOUCHED`]).
-fn poison(b: &HostBuffer, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) {
+fn poison(b: &Payload, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) -> Result<()> {
     let size = p.size as usize;
     for r in 0..p.dst_slots[j] {
         let off = p.dst_off[j] as usize + r as usize * size;
@@ -921,20 +929,21 @@ fn poison(b: &HostBuffer, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) 
             Some(s) => {
                 pattern::fill(scratch, seed, s, size);
                 scratch.iter_mut().for_each(|x| *x = !*x);
-                b.write(off, scratch);
+                b.write(off, scratch)?;
             }
-            None => b.fill(off, size, UNTOUCHED),
+            None => b.fill(off, size, UNTOUCHED)?,
         }
     }
+    Ok(())
 }
 
 /// Checks every byte of job `j`'s destination slots.
-fn validate(b: &HostBuffer, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) -> Result<()> {
+fn validate(b: &Payload, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) -> Result<()> {
     let size = p.size as usize;
     let mut got = vec![0u8; size];
     for r in 0..p.dst_slots[j] {
         let off = p.dst_off[j] as usize + r as usize * size;
-        b.read(off, &mut got);
+        b.read(off, &mut got)?;
         match p.expected(j, r, p.iters) {
             Some(s) => {
                 pattern::fill(scratch, seed, s, size);

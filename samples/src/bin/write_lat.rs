@@ -31,6 +31,7 @@
 
 use anyhow::{bail, Context as _, Result};
 use clap::{CommandFactory, Parser};
+use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Pd, Qp, RemoteMemory};
 use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
@@ -43,6 +44,7 @@ use prm::{Completion, Rkey};
 use serde_json::json;
 use softnic::initiator::{Initiator as CpuInitiator, InitiatorError};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 const TEST: &str = "write_lat";
@@ -169,8 +171,8 @@ struct Side {
 }
 
 impl Side {
-    fn new(pd: &Pd, spec: QpSpec, len: usize) -> Result<Self> {
-        let qp = create_qp(pd, spec)?;
+    fn new(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>, len: usize) -> Result<Self> {
+        let qp = create_qp(pd, spec, gpu)?;
         let src = HostBuffer::new(len);
         let src_mr = pd.register_with(&src, Access::LOCAL_WRITE)?;
         let recv = HostBuffer::new(len);
@@ -224,7 +226,7 @@ fn run(args: &Args) -> Result<()> {
         Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
         Initiator::Gpu => None,
     };
-    check_placement(a, &env)?;
+    check_placement(a, &env, false)?;
     // Loopback: both sides, on one device (a PD each). Across processes: this side (the client
     // is A, the server B), and where its messages go on the peer.
     let me = peer.as_ref().map(Peer::side);
@@ -234,7 +236,7 @@ fn run(args: &Args) -> Result<()> {
     match (&mut peer, me) {
         (Some(p), Some(_)) => {
             let pd = env.ctx.alloc_pd();
-            let s = Side::new(&pd, spec, len)?;
+            let s = Side::new(&pd, spec, env.gpu.as_ref(), len)?;
             let export = |mr: &Mr| RemoteMemory::export_rkey(mr.addr(), mr.len(), mr.rkey().0);
             let facts = json!({ "recv": export(&s.recv_mr)?, "sig": export(&s.sig_mr)? });
             let params = json!({
@@ -272,7 +274,10 @@ fn run(args: &Args) -> Result<()> {
         }
         _ => {
             let (pa, pb) = (env.ctx.alloc_pd(), env.ctx.alloc_pd());
-            sides = vec![Side::new(&pa, spec, len)?, Side::new(&pb, spec, len)?];
+            sides = vec![
+                Side::new(&pa, spec, env.gpu.as_ref(), len)?,
+                Side::new(&pb, spec, env.gpu.as_ref(), len)?,
+            ];
             connect_pair(&sides[0].qp, &sides[1].qp)?;
             targets = (0..2).map(|i| Target::of(&sides[1 - i])).collect();
         }
