@@ -532,3 +532,42 @@ pub fn spread_sges(buf: &Buf, lens: &[u32]) -> (Vec<Sge>, Vec<u8>) {
     }
     (sges, ordered)
 }
+
+/// A completion with QPNs replaced by role (0 = A, 1 = B), so runs with different QPNs compare.
+pub fn norm(c: Completion, qa: u32, qb: u32) -> Completion {
+    let r = |q: u32| match q {
+        q if q == qa => 0,
+        q if q == qb => 1,
+        _ => 0xbad,
+    };
+    match c {
+        Completion::Req {
+            wqe_opcode,
+            qpn,
+            wqe_counter,
+            byte_cnt,
+        } => Completion::Req {
+            wqe_opcode,
+            qpn: r(qpn),
+            wqe_counter,
+            byte_cnt,
+        },
+        Completion::Resp {
+            kind,
+            qpn,
+            wqe_counter,
+            byte_cnt,
+            imm,
+            remote_qpn,
+        } => Completion::Resp {
+            kind,
+            qpn: r(qpn),
+            wqe_counter,
+            byte_cnt,
+            imm,
+            remote_qpn: r(remote_qpn),
+        },
+        Completion::Error(e) => Completion::Error(ErrorCqe { qpn: r(e.qpn), ..e }),
+        other => other,
+    }
+}

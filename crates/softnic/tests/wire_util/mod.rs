@@ -5,7 +5,7 @@
 
 use crate::common::*;
 use prm::wqe::{AtomicSize, Local, Op};
-use prm::{Completion, ErrorCqe};
+use prm::Completion;
 use softnic::initiator::Initiator;
 use softnic::*;
 use std::sync::Arc;
@@ -150,50 +150,6 @@ pub fn faults(seed: u64, drop: f64, duplicate: f64, reorder: f64, corrupt: f64) 
         duplicate,
         reorder,
         corrupt,
-    }
-}
-
-/// A completion with QPNs replaced by role (0 = A, 1 = B), so traces of different device
-/// pairs compare.
-pub fn norm(c: Completion, qa: u32, qb: u32) -> Completion {
-    let r = |q: u32| {
-        if q == qa {
-            0
-        } else if q == qb {
-            1
-        } else {
-            0xbad
-        }
-    };
-    match c {
-        Completion::Req {
-            wqe_opcode,
-            qpn,
-            wqe_counter,
-            byte_cnt,
-        } => Completion::Req {
-            wqe_opcode,
-            qpn: r(qpn),
-            wqe_counter,
-            byte_cnt,
-        },
-        Completion::Resp {
-            kind,
-            qpn,
-            wqe_counter,
-            byte_cnt,
-            imm,
-            remote_qpn,
-        } => Completion::Resp {
-            kind,
-            qpn: r(qpn),
-            wqe_counter,
-            byte_cnt,
-            imm,
-            remote_qpn: r(remote_qpn),
-        },
-        Completion::Error(e) => Completion::Error(ErrorCqe { qpn: r(e.qpn), ..e }),
-        other => other,
     }
 }
 
