@@ -388,11 +388,13 @@ impl Entry {
             );
             return;
         }
+        // Counted before the ring, so that whoever sees the completion it causes also sees the
+        // count (the device may finish the WQE before this thread runs again).
+        self.forwarded.store(v, Ordering::Relaxed);
+        c.doorbells.fetch_add(1, Ordering::Relaxed);
         if !self.target.ring(v) {
             c.wake_panics.fetch_add(1, Ordering::Relaxed);
         }
-        self.forwarded.store(v, Ordering::Relaxed);
-        c.doorbells.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The last look at the word before the target leaves (no thread holds it any more).
