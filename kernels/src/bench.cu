@@ -35,6 +35,8 @@ GPUVERBS_DEVICE gpuverbs::status bench_step(gpuverbs_qp* q, uint32_t scope, uint
 // post-only, for QPs not in RTS (the device executes nothing, so only the device-side cost of
 // building and announcing WQEs is timed; the ring must hold the whole run). Otherwise every
 // `signal_every`-th WQE is signaled and the block ends with quiet (post and complete).
+// Exclusive thread-scope runs work on a register copy of the descriptor (checkout / checkin);
+// exclusive warp-scope runs (one warp per QP) work on the descriptor itself.
 GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t laddr,
                                    uint32_t lk, uint64_t raddr, uint32_t rk, uint32_t iters,
                                    uint32_t scope, uint32_t batch, uint32_t signal_every,
@@ -45,17 +47,29 @@ GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t 
     __syncthreads();
     bench::stamp_start(t);
     status s = OK;
-    for (uint32_t i = 0; i < iters && s == OK; ++i) {
-        bool sig = signal_every && (i + 1) % signal_every == 0;
-        s = exclusive ? bench_step<sharing::exclusive>(q, scope, i, iters, batch, sig, laddr, lk,
-                                                       raddr, rk, budget)
-                      : bench_step<sharing::gpu>(q, scope, i, iters, batch, sig, laddr, lk, raddr,
-                                                 rk, budget);
-    }
-    if (signal_every) {
-        __syncthreads();
-        if (s == OK && threadIdx.x == 0) {
-            s = exclusive ? quiet<sharing::exclusive>(q, budget) : quiet<sharing::gpu>(q, budget);
+    if (exclusive && scope == 0) {
+        gpuverbs_qp mine = checkout(q);
+        for (uint32_t i = 0; i < iters && s == OK; ++i) {
+            bool sig = signal_every && (i + 1) % signal_every == 0;
+            s = bench_step<sharing::exclusive>(&mine, scope, i, iters, batch, sig, laddr, lk,
+                                               raddr, rk, budget);
+        }
+        if (s == OK && signal_every) s = quiet<sharing::exclusive>(&mine, budget);
+        checkin(q, mine);
+    } else {
+        for (uint32_t i = 0; i < iters && s == OK; ++i) {
+            bool sig = signal_every && (i + 1) % signal_every == 0;
+            s = exclusive ? bench_step<sharing::exclusive>(q, scope, i, iters, batch, sig, laddr,
+                                                           lk, raddr, rk, budget)
+                          : bench_step<sharing::gpu>(q, scope, i, iters, batch, sig, laddr, lk,
+                                                     raddr, rk, budget);
+        }
+        if (signal_every) {
+            __syncthreads();
+            if (s == OK && threadIdx.x == 0) {
+                s = exclusive ? quiet<sharing::exclusive>(q, budget)
+                              : quiet<sharing::gpu>(q, budget);
+            }
         }
     }
     bench::stamp_end(t);
@@ -68,7 +82,7 @@ GPUVERBS_KERNEL void gv_bench_fence_store(uint64_t* host_word, uint32_t iters,
                                           unsigned long long* t) {
     bench::stamp_start(t);
     for (uint32_t i = 0; i < iters; ++i) {
-        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        asm volatile("fence.release.sys;" ::: "memory");
         gpuverbs::st_relaxed_sys64(host_word, i);
     }
     bench::stamp_end(t);
@@ -85,8 +99,8 @@ GPUVERBS_KERNEL void gv_bench_store64(uint8_t* host, uint32_t blocks_total, uint
     for (uint32_t i = 0; i < iters; ++i) {
         uint32_t b = (tid + i * nthreads) % blocks_total;
         uint8_t* p = host + (size_t)b * 64;
-        for (int k = 0; k < 4; ++k) gpuverbs::st16(p + 16 * k, i, tid, k, b);
+        for (int k = 0; k < 4; ++k) gpuverbs::st16(p + 16 * k, make_uint4(i, tid, k, b));
     }
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    asm volatile("fence.release.sys;" ::: "memory");
     bench::stamp_end(t);
 }

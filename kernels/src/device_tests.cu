@@ -52,22 +52,25 @@ GPUVERBS_KERNEL void gv_test_put(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, ui
     }
 }
 
-// Same as gv_test_put with thread scope and exclusive sharing (one thread in the grid).
+// Same as gv_test_put with thread scope and exclusive sharing (one thread in the grid), on a
+// register copy of the descriptor that is checked in at the end.
 GPUVERBS_KERNEL void gv_test_put_exclusive(gpuverbs_qp* q, uint64_t lbase, uint32_t lk,
                                            uint64_t rbase, uint32_t rk, uint32_t size,
                                            uint32_t iters, uint32_t signal_every,
                                            uint64_t budget, int* out) {
     using namespace gpuverbs;
+    gpuverbs_qp mine = checkout(q);
     status s = OK;
     for (uint32_t i = 0; i < iters && s == OK; ++i) {
         uint64_t off = (uint64_t)i * size;
         bool sig = signal_every && ((i + 1) % signal_every == 0);
-        s = put<sharing::exclusive>(q, lbase + off, lkey{lk}, rbase + off, rkey{rk}, size, sig,
-                                    budget);
+        s = put<sharing::exclusive>(&mine, lbase + off, lkey{lk}, rbase + off, rkey{rk}, size,
+                                    sig, budget);
     }
     error e{};
-    if (s == OK) s = quiet<sharing::exclusive>(q, budget, &e);
-    else e = last_error(q);
+    if (s == OK) s = quiet<sharing::exclusive>(&mine, budget, &e);
+    else e = last_error(&mine);
+    checkin(q, mine);
     device_tests::report(out, s, e);
 }
 

@@ -425,11 +425,13 @@ pub fn put_case(ordinal: usize, c: &PutCase) -> Result<String> {
     Ok(format!("{r}; {} doorbells", dev.doorbells_seen))
 }
 
-/// One thread, exclusive sharing, many laps of a 64-block ring (in host or GPU memory).
-pub fn exclusive_wrap(ordinal: usize, rings: RingPlacement) -> Result<String> {
+/// One thread, exclusive sharing on a register copy of the descriptor (checkout / checkin),
+/// many laps of a 64-block ring (in host or GPU memory); the descriptor read back afterwards
+/// must hold the state the copy reached.
+pub fn exclusive_wrap(ordinal: usize, mode: DoorbellMode, rings: RingPlacement) -> Result<String> {
     let (iters, size) = (2000u32, 32u32);
     let spec = PairSpec {
-        mode: DoorbellMode::GpuDoorbell,
+        mode,
         bytes: (iters * size) as usize,
         sq_blocks: 64,
         mem: Mem::Host,
@@ -476,12 +478,31 @@ pub fn exclusive_wrap(ordinal: usize, rings: RingPlacement) -> Result<String> {
     let d = p.export.read()?;
     ensure!(
         d.sq_ready / 64 >= 30,
-        "only {} blocks: fewer than 30 laps",
+        "only {} blocks: fewer than 30 laps (state not checked in?)",
         d.sq_ready
     );
+    // quiet returned OK, so everything posted retired; checkin wrote that back.
+    ensure!(
+        d.sq_retired == d.sq_ready && d.sq_rung == d.sq_ready && d.sq_reserved == d.sq_ready,
+        "descriptor after checkin: reserved {} ready {} rung {} retired {}",
+        d.sq_reserved,
+        d.sq_ready,
+        d.sq_rung,
+        d.sq_retired
+    );
+    let dev = p.a.soft_device().expect("soft").counters();
+    ensure!(dev.errors.is_empty(), "device errors: {:?}", dev.errors);
+    ensure!(
+        (mode == DoorbellMode::BlueFlame) == (dev.bf_run > 0),
+        "{} WQEs ran from BlueFlame copies in {mode:?} mode",
+        dev.bf_run
+    );
     Ok(format!(
-        "{iters} writes over {} laps of a 64-block SQ verified",
-        d.sq_ready / 64
+        "{iters} writes over {} laps of a 64-block SQ verified; {} WQEs from BlueFlame copies, {} \
+         copies torn",
+        d.sq_ready / 64,
+        dev.bf_run,
+        dev.bf_torn
     ))
 }
 

@@ -92,10 +92,13 @@ fn collapsed_cq(ctx: &Ctx) -> Result<String> {
     dataplane::collapsed_cq(ctx.ordinal)
 }
 fn exclusive_wrap(ctx: &Ctx) -> Result<String> {
-    dataplane::exclusive_wrap(ctx.ordinal, HostMapped)
+    dataplane::exclusive_wrap(ctx.ordinal, GpuDoorbell, HostMapped)
+}
+fn exclusive_wrap_bf(ctx: &Ctx) -> Result<String> {
+    dataplane::exclusive_wrap(ctx.ordinal, BlueFlame, HostMapped)
 }
 fn exclusive_wrap_gpurings(ctx: &Ctx) -> Result<String> {
-    dataplane::exclusive_wrap(ctx.ordinal, GpuRings)
+    dataplane::exclusive_wrap(ctx.ordinal, GpuDoorbell, GpuRings)
 }
 
 macro_rules! ops_cases {
@@ -171,6 +174,7 @@ const CASES: &[Case] = cases![
     private_qps_proxy,
     collapsed_cq,
     exclusive_wrap,
+    exclusive_wrap_bf,
     ops_gpudb,
     ops_bf,
     ops_proxy,

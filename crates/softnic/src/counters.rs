@@ -15,6 +15,7 @@ pub struct Counters {
     pub(crate) stale_wqes: AtomicU64,
     pub(crate) cq_overruns: AtomicU64,
     pub(crate) bf_torn: AtomicU64,
+    pub(crate) bf_run: AtomicU64,
     pub(crate) devmem_errors: AtomicU64,
     errors: [AtomicU64; 64],
     pub(crate) wire: WireCounters<AtomicU64>,
@@ -32,6 +33,7 @@ impl Default for Counters {
             stale_wqes: AtomicU64::new(0),
             cq_overruns: AtomicU64::new(0),
             bf_torn: AtomicU64::new(0),
+            bf_run: AtomicU64::new(0),
             devmem_errors: AtomicU64::new(0),
             errors: std::array::from_fn(|_| AtomicU64::new(0)),
             wire: WireCounters::default(),
@@ -67,6 +69,7 @@ impl Counters {
             stale_wqes: self.stale_wqes.load(Relaxed),
             cq_overruns: self.cq_overruns.load(Relaxed),
             bf_torn: self.bf_torn.load(Relaxed),
+            bf_run: self.bf_run.load(Relaxed),
             device_memory_errors: self.devmem_errors.load(Relaxed),
             errors,
             wire: self.wire.load(),
@@ -96,6 +99,8 @@ pub struct CounterSnapshot {
     /// BlueFlame register copies dropped because a later write to the half began while the
     /// engine copied it (the WQE then ran from the ring).
     pub bf_torn: u64,
+    /// WQEs read from a BlueFlame register copy instead of the ring.
+    pub bf_run: u64,
     /// Device-memory accesses (payload copies, ring reads, CQE writes) that failed.
     pub device_memory_errors: u64,
     /// Error CQEs by syndrome (WR_FLUSH included).

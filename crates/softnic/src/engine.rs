@@ -269,6 +269,7 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
     let from_bf = matches!(sq.bf, Some((i, _)) if i == idx);
     let fetched = if let (true, Some((_, copy))) = (from_bf, &sq.bf) {
         buf[..BF_HALF_SIZE].copy_from_slice(copy);
+        Counters::add(&dev.counters.bf_run, 1);
         Ok(())
     } else {
         fetch_wqe(qp, sq, idx, &mut buf)

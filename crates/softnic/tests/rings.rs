@@ -551,6 +551,7 @@ fn blueflame_executes_the_register_copy_not_the_ring() {
         p.ea.ini.ring();
         p.ea.expect_req(0x08, idx);
         assert_eq!(dst.read(0, 100), a, "lap {n}: the ring copy executed");
+        assert_eq!(p.a.dev.counters().bf_run, n as u64 + 1, "lap {n}: counted");
     }
     // the other way round: the register carries a payload the ring does not have
     let a = [b'R'; 40];

@@ -97,9 +97,7 @@ __device__ __forceinline__ void st_release_sys64(uint64_t* p, uint64_t v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-__device__ __forceinline__ void st16(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(a, b, c, d);
-}
+__device__ __forceinline__ void st16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 
 // A spin lock in GPU memory (descriptor fields), bounded by `budget_ns` (the clock is read only
 // when the first attempt fails).
@@ -146,24 +144,37 @@ __device__ __forceinline__ uint8_t* wqe_slot(const gpuverbs_qp* q, uint64_t bloc
     return reinterpret_cast<uint8_t*>(q->sq_ring) + ((block & (q->sq_blocks - 1)) << 6);
 }
 
-__device__ __forceinline__ void seg_ctrl(uint8_t* p, uint8_t op, uint8_t opmod, uint64_t idx,
-                                         uint32_t qpn, uint32_t ds, uint8_t fm_ce_se,
-                                         uint32_t imm) {
-    st16(p, bswap32((uint32_t)opmod << 24 | ((uint32_t)idx & 0xffffu) << 8 | op),
-         bswap32(qpn << 8 | ds), (uint32_t)fm_ce_se << 24, bswap32(imm));
+__device__ __forceinline__ uint4 seg_ctrl(uint8_t op, uint8_t opmod, uint64_t idx, uint32_t qpn,
+                                          uint32_t ds, uint8_t fm_ce_se, uint32_t imm) {
+    return make_uint4(bswap32((uint32_t)opmod << 24 | ((uint32_t)idx & 0xffffu) << 8 | op),
+                      bswap32(qpn << 8 | ds), (uint32_t)fm_ce_se << 24, bswap32(imm));
 }
 
-__device__ __forceinline__ void seg_raddr(uint8_t* p, uint64_t addr, rkey k) {
-    st16(p, bswap32((uint32_t)(addr >> 32)), bswap32((uint32_t)addr), bswap32(k.v), 0);
+__device__ __forceinline__ uint4 seg_raddr(uint64_t addr, rkey k) {
+    return make_uint4(bswap32((uint32_t)(addr >> 32)), bswap32((uint32_t)addr), bswap32(k.v), 0);
 }
 
-__device__ __forceinline__ void seg_data(uint8_t* p, uint64_t addr, uint32_t len, lkey k) {
-    st16(p, bswap32(len), bswap32(k.v), bswap32((uint32_t)(addr >> 32)), bswap32((uint32_t)addr));
+__device__ __forceinline__ uint4 seg_data(uint64_t addr, uint32_t len, lkey k) {
+    return make_uint4(bswap32(len), bswap32(k.v), bswap32((uint32_t)(addr >> 32)),
+                      bswap32((uint32_t)addr));
 }
 
-__device__ __forceinline__ void seg_atomic(uint8_t* p, uint64_t swap_add, uint64_t compare) {
-    st16(p, bswap32((uint32_t)(swap_add >> 32)), bswap32((uint32_t)swap_add),
-         bswap32((uint32_t)(compare >> 32)), bswap32((uint32_t)compare));
+__device__ __forceinline__ uint4 seg_atomic(uint64_t swap_add, uint64_t compare) {
+    return make_uint4(bswap32((uint32_t)(swap_add >> 32)), bswap32((uint32_t)swap_add),
+                      bswap32((uint32_t)(compare >> 32)), bswap32((uint32_t)compare));
+}
+
+constexpr uint4 SEG_ZERO = {0, 0, 0, 0};
+
+// One 64-byte block of a WQE, built in registers: the one-block kinds are built whole and
+// stored with one call, and the BlueFlame copy is taken from the registers, not read back.
+struct block {
+    uint4 u[4];
+};
+
+__device__ __forceinline__ void store_block(const gpuverbs_qp* q, uint64_t idx, const block& b) {
+    uint8_t* p = wqe_slot(q, idx);
+    for (int i = 0; i < 4; ++i) st16(p + 16 * i, b.u[i]);
 }
 
 // Block `i` of a WQE whose first block is `idx` (multi-block WQEs wrap at the ring's end).
@@ -174,21 +185,25 @@ __device__ __forceinline__ uint8_t* wqe_unit(const gpuverbs_qp* q, uint64_t idx,
 // Zero-fills units [from, 4*blocks) of a WQE so no stale bytes remain in its last block.
 __device__ __forceinline__ void zero_tail(const gpuverbs_qp* q, uint64_t idx, uint32_t from,
                                           uint32_t blocks) {
-    for (uint32_t u = from; u < blocks * 4; ++u) st16(wqe_unit(q, idx, u), 0, 0, 0, 0);
+    for (uint32_t u = from; u < blocks * 4; ++u) st16(wqe_unit(q, idx, u), SEG_ZERO);
 }
 
 // --- prepare: one function per WQE kind; each writes whole blocks at idx ---------------------
 
 // RDMA_WRITE (or WRITE_IMM when imm is given): 1 block.
+__device__ __forceinline__ block build_write(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                             lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                             uint8_t flags, bool with_imm = false,
+                                             uint32_t imm = 0) {
+    return block{{seg_ctrl(with_imm ? OP_RDMA_WRITE_IMM : OP_RDMA_WRITE, 0, idx, q->qpn, 3,
+                           flags, imm),
+                  seg_raddr(raddr, rk), seg_data(laddr, len, lk), SEG_ZERO}};
+}
 __device__ __forceinline__ void prep_write(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
                                            lkey lk, uint64_t raddr, rkey rk, uint32_t len,
                                            uint8_t flags, bool with_imm = false,
                                            uint32_t imm = 0) {
-    uint8_t* p = wqe_slot(q, idx);
-    seg_ctrl(p, with_imm ? OP_RDMA_WRITE_IMM : OP_RDMA_WRITE, 0, idx, q->qpn, 3, flags, imm);
-    seg_raddr(p + 16, raddr, rk);
-    seg_data(p + 32, laddr, len, lk);
-    st16(p + 48, 0, 0, 0, 0);
+    store_block(q, idx, build_write(q, idx, laddr, lk, raddr, rk, len, flags, with_imm, imm));
 }
 
 // Blocks an inline write of `len` bytes takes: ctrl + raddr + align(4 + len, 16).
@@ -203,9 +218,8 @@ __device__ __forceinline__ void prep_write_inline(const gpuverbs_qp* q, uint64_t
                                                   rkey rk, uint8_t flags) {
     uint32_t ds = 2 + (4 + len + 15) / 16;
     uint32_t blocks = (ds + 3) / 4;
-    uint8_t* p = wqe_slot(q, idx);
-    seg_ctrl(p, OP_RDMA_WRITE, 0, idx, q->qpn, ds, flags, 0);
-    seg_raddr(p + 16, raddr, rk);
+    st16(wqe_unit(q, idx, 0), seg_ctrl(OP_RDMA_WRITE, 0, idx, q->qpn, ds, flags, 0));
+    st16(wqe_unit(q, idx, 1), seg_raddr(raddr, rk));
     // Inline bytes: a 4-byte header then the payload, unit by unit (units may wrap blocks).
     const uint8_t* s = static_cast<const uint8_t*>(src);
     for (uint32_t u = 2; u < blocks * 4; ++u) {
@@ -225,42 +239,46 @@ __device__ __forceinline__ void prep_write_inline(const gpuverbs_qp* q, uint64_t
             }
             w[k] = v;
         }
-        st16(wqe_unit(q, idx, u), w[0], w[1], w[2], w[3]);
+        st16(wqe_unit(q, idx, u), make_uint4(w[0], w[1], w[2], w[3]));
     }
 }
 
 // RDMA_READ into local memory: 1 block.
+__device__ __forceinline__ block build_read(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                            lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                            uint8_t flags) {
+    return block{{seg_ctrl(OP_RDMA_READ, 0, idx, q->qpn, 3, flags, 0), seg_raddr(raddr, rk),
+                  seg_data(laddr, len, lk), SEG_ZERO}};
+}
 __device__ __forceinline__ void prep_read(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
                                           lkey lk, uint64_t raddr, rkey rk, uint32_t len,
                                           uint8_t flags) {
-    uint8_t* p = wqe_slot(q, idx);
-    seg_ctrl(p, OP_RDMA_READ, 0, idx, q->qpn, 3, flags, 0);
-    seg_raddr(p + 16, raddr, rk);
-    seg_data(p + 32, laddr, len, lk);
-    st16(p + 48, 0, 0, 0, 0);
+    store_block(q, idx, build_read(q, idx, laddr, lk, raddr, rk, len, flags));
 }
 
 // SEND from local memory: 1 block.
 __device__ __forceinline__ void prep_send(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
                                           lkey lk, uint32_t len, uint8_t flags,
                                           bool with_imm = false, uint32_t imm = 0) {
-    uint8_t* p = wqe_slot(q, idx);
-    seg_ctrl(p, with_imm ? OP_SEND_IMM : OP_SEND, 0, idx, q->qpn, 2, flags, imm);
-    seg_data(p + 16, laddr, len, lk);
-    st16(p + 32, 0, 0, 0, 0);
-    st16(p + 48, 0, 0, 0, 0);
+    store_block(q, idx,
+                block{{seg_ctrl(with_imm ? OP_SEND_IMM : OP_SEND, 0, idx, q->qpn, 2, flags, imm),
+                       seg_data(laddr, len, lk), SEG_ZERO, SEG_ZERO}});
 }
 
 // ATOMIC_FA / ATOMIC_CS on an 8-byte remote word; the old value lands at `result`: 1 block.
+__device__ __forceinline__ block build_atomic(const gpuverbs_qp* q, uint64_t idx, uint8_t op,
+                                              uint64_t raddr, rkey rk, uint64_t swap_add,
+                                              uint64_t compare, uint64_t result,
+                                              lkey result_key, uint8_t flags) {
+    return block{{seg_ctrl(op, 0, idx, q->qpn, 4, flags, 0), seg_raddr(raddr, rk),
+                  seg_atomic(swap_add, compare), seg_data(result, 8, result_key)}};
+}
 __device__ __forceinline__ void prep_atomic(const gpuverbs_qp* q, uint64_t idx, uint8_t op,
                                             uint64_t raddr, rkey rk, uint64_t swap_add,
                                             uint64_t compare, uint64_t result, lkey result_key,
                                             uint8_t flags) {
-    uint8_t* p = wqe_slot(q, idx);
-    seg_ctrl(p, op, 0, idx, q->qpn, 4, flags, 0);
-    seg_raddr(p + 16, raddr, rk);
-    seg_atomic(p + 32, swap_add, compare);
-    seg_data(p + 48, result, 8, result_key);
+    store_block(q, idx,
+                build_atomic(q, idx, op, raddr, rk, swap_add, compare, result, result_key, flags));
 }
 
 // Masked atomics on 8-byte operands (opmod 0x09). FA: 1 block; CS: 2 blocks.
@@ -268,11 +286,10 @@ __device__ __forceinline__ uint32_t prep_masked_fa(const gpuverbs_qp* q, uint64_
                                                    uint64_t raddr, rkey rk, uint64_t add,
                                                    uint64_t boundary, uint64_t result,
                                                    lkey result_key, uint8_t flags) {
-    uint8_t* p = wqe_slot(q, idx);
-    seg_ctrl(p, OP_ATOMIC_MASKED_FA, 0x09, idx, q->qpn, 4, flags, 0);
-    seg_raddr(p + 16, raddr, rk);
-    seg_atomic(p + 32, add, boundary);
-    seg_data(p + 48, result, 8, result_key);
+    store_block(q, idx,
+                block{{seg_ctrl(OP_ATOMIC_MASKED_FA, 0x09, idx, q->qpn, 4, flags, 0),
+                       seg_raddr(raddr, rk), seg_atomic(add, boundary),
+                       seg_data(result, 8, result_key)}});
     return 1;
 }
 
@@ -281,22 +298,21 @@ __device__ __forceinline__ uint32_t prep_masked_cs(const gpuverbs_qp* q, uint64_
                                                    uint64_t compare_mask, uint64_t swap,
                                                    uint64_t swap_mask, uint64_t result,
                                                    lkey result_key, uint8_t flags) {
-    seg_ctrl(wqe_unit(q, idx, 0), OP_ATOMIC_MASKED_CS, 0x09, idx, q->qpn, 5, flags, 0);
-    seg_raddr(wqe_unit(q, idx, 1), raddr, rk);
-    seg_atomic(wqe_unit(q, idx, 2), swap, compare);
-    seg_atomic(wqe_unit(q, idx, 3), swap_mask, compare_mask);
-    seg_data(wqe_unit(q, idx, 4), result, 8, result_key);
+    st16(wqe_unit(q, idx, 0), seg_ctrl(OP_ATOMIC_MASKED_CS, 0x09, idx, q->qpn, 5, flags, 0));
+    st16(wqe_unit(q, idx, 1), seg_raddr(raddr, rk));
+    st16(wqe_unit(q, idx, 2), seg_atomic(swap, compare));
+    st16(wqe_unit(q, idx, 3), seg_atomic(swap_mask, compare_mask));
+    st16(wqe_unit(q, idx, 4), seg_data(result, 8, result_key));
     zero_tail(q, idx, 5, 2);
     return 2;
 }
 
 // NOP: 1 block.
+__device__ __forceinline__ block build_nop(const gpuverbs_qp* q, uint64_t idx, uint8_t flags) {
+    return block{{seg_ctrl(OP_NOP, 0, idx, q->qpn, 1, flags, 0), SEG_ZERO, SEG_ZERO, SEG_ZERO}};
+}
 __device__ __forceinline__ void prep_nop(const gpuverbs_qp* q, uint64_t idx, uint8_t flags) {
-    uint8_t* p = wqe_slot(q, idx);
-    seg_ctrl(p, OP_NOP, 0, idx, q->qpn, 1, flags, 0);
-    st16(p + 16, 0, 0, 0, 0);
-    st16(p + 32, 0, 0, 0, 0);
-    st16(p + 48, 0, 0, 0, 0);
+    store_block(q, idx, build_nop(q, idx, flags));
 }
 
 // ------------------------------------------------------------------------------------------
@@ -313,6 +329,7 @@ __device__ __forceinline__ uint32_t wqe_blocks_at(const gpuverbs_qp* q, uint64_t
 // Takes one send-CQ entry if software owns it. Returns 1 if one was taken (and retires the SQ
 // space it covers), 0 if none. Records the first error CQE in the descriptor.
 // Caller holds the send-CQ lock (or owns the QP exclusively).
+template <sharing S>
 __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
     uint64_t ci = q->scq_ci;
     uint32_t n = q->scq_ncqe;
@@ -342,7 +359,13 @@ __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
     uint32_t blocks = wqe_blocks_at(q, counter);
     uint64_t retired = q->sq_retired;
     uint16_t delta = (uint16_t)(counter + blocks - (uint16_t)retired);
-    if (delta <= q->sq_blocks) st_release_gpu64(&q->sq_retired, retired + delta);
+    if (delta <= q->sq_blocks) {
+        if constexpr (S == sharing::exclusive) {
+            q->sq_retired = retired + delta;
+        } else {
+            st_release_gpu64(&q->sq_retired, retired + delta);
+        }
+    }
     ci = q->scq_collapsed ? (uint64_t)tail + 1 : ci + 1;
     q->scq_ci = ci;
     st_relaxed_sys32(reinterpret_cast<uint32_t*>(q->scq_dbrec), bswap32((uint32_t)(ci & 0xffffff)));
@@ -361,7 +384,7 @@ __device__ __forceinline__ status scq_progress(gpuverbs_qp* q, uint64_t deadline
         if (atomicCAS(&q->scq_lock, 0u, 1u) != 0u) return OK;  // someone else is polling
         __threadfence();
     }
-    while (scq_poll_one(q)) {
+    while (scq_poll_one<S>(q)) {
     }
     if (S != sharing::exclusive) unlock(&q->scq_lock);
     (void)deadline;
@@ -440,55 +463,99 @@ __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32
 // before the doorbell record and the doorbell. The doorbell value carries the producer index
 // itself ({BE32(pi << 8), BE32(qpn << 8)}), so the device never depends on the order in which
 // the doorbell record and the doorbell land.
+//
+// BlueFlame: the last WQE (up to 4 blocks) goes into the register half as well, seqlock style:
+// the half was cleared by the previous ring (its first 8 bytes are 0, ordered before this
+// ring's bytes by the release fence, system scope in this mode), bytes 8.. are written, a
+// second fence, then the first 8 bytes; then the other half is cleared for the next ring. `last` is the last WQE when the
+// caller built it in registers (one block); otherwise it is read back from the ring.
 template <sharing S>
-__device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns) {
+__device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
+                                       const block* last = nullptr) {
     if (S != sharing::exclusive && !lock(&q->ring_lock, budget_ns)) return TIMEOUT;
     uint64_t ready = S == sharing::exclusive ? q->sq_ready : ld_acquire_gpu64(&q->sq_ready);
     if (ready != q->sq_rung) {
-        if (q->ring_loc == 0) {
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
+        // System scope for host-resident rings; also in BlueFlame mode, where it orders the
+        // previous ring's clear of this half (host memory) before this ring's copy.
+        if (q->ring_loc == 0 || q->db_mode == GPUVERBS_DB_BLUEFLAME) {
+            asm volatile("fence.release.sys;" ::: "memory");
         } else {
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            asm volatile("fence.release.gpu;" ::: "memory");
         }
         if (q->db_mode == GPUVERBS_DB_CPU_PROXY) {
             st_relaxed_sys64(reinterpret_cast<uint64_t*>(q->proxy_word), ready);
         } else {
             uint32_t* dbrec = reinterpret_cast<uint32_t*>(q->dbrec);
             st_relaxed_sys32(dbrec + 1, bswap32((uint32_t)(ready & 0xffff)));
-            uint8_t* reg = reinterpret_cast<uint8_t*>(q->db_reg) + (q->bf_half & 1u) * 256;
+            uint8_t* const halves = reinterpret_cast<uint8_t*>(q->db_reg);
+            uint8_t* reg = halves + (q->bf_half & 1u) * 256;
             // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.
             uint64_t value = (uint64_t)bswap32(q->qpn << 8) << 32 |
                              bswap32(((uint32_t)ready & 0xffffu) << 8);
             if (q->db_mode == GPUVERBS_DB_BLUEFLAME) {
-                const uint64_t last = q->sq_last_start;
-                const uint32_t blocks = wqe_blocks_at(q, last);
-                if (last + blocks == ready && blocks <= 4) {
-                    // Whole WQE into the register, seqlock style: the half's first 8 bytes
-                    // are cleared first (a device reading the half meanwhile sees it is being
-                    // rewritten), then bytes 8.., then the first 8 bytes last.
-                    st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), 0);
-                    asm volatile("fence.acq_rel.sys;" ::: "memory");
-                    for (uint32_t u = 0; u < blocks * 4; ++u) {
-                        const uint4 v = *reinterpret_cast<const uint4*>(wqe_unit(q, last, u));
-                        if (u == 0) {
-                            st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg + 8),
-                                             (uint64_t)v.w << 32 | v.z);
-                        } else {
-                            *reinterpret_cast<uint4*>(reg + u * 16) = v;
+                const uint64_t at = q->sq_last_start;
+                const uint32_t blocks = last ? 1u : wqe_blocks_at(q, at);
+                if (at + blocks == ready && blocks <= 4) {
+                    uint4 first;
+                    if (last) {
+                        first = last->u[0];
+                        for (int u = 1; u < 4; ++u) st16(reg + u * 16, last->u[u]);
+                    } else {
+                        first = *reinterpret_cast<const uint4*>(wqe_unit(q, at, 0));
+                        for (uint32_t u = 1; u < blocks * 4; ++u) {
+                            st16(reg + u * 16, *reinterpret_cast<const uint4*>(wqe_unit(q, at, u)));
                         }
                     }
-                    const uint2 head = *reinterpret_cast<const uint2*>(wqe_slot(q, last));
-                    value = (uint64_t)head.y << 32 | head.x;
-                    asm volatile("fence.acq_rel.sys;" ::: "memory");
-                    q->bf_half ^= 1u;
+                    st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg + 8),
+                                     (uint64_t)first.w << 32 | first.z);
+                    value = (uint64_t)first.y << 32 | first.x;
+                    asm volatile("fence.release.sys;" ::: "memory");
                 }
             }
             st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), value);
+            if (q->db_mode == GPUVERBS_DB_BLUEFLAME) {
+                q->bf_half ^= 1u;
+                st_relaxed_sys64(reinterpret_cast<uint64_t*>(halves + (q->bf_half & 1u) * 256), 0);
+            }
         }
         q->sq_rung = ready;
     }
     if (S != sharing::exclusive) unlock(&q->ring_lock);
     return OK;
+}
+
+// ------------------------------------------------------------------------------------------
+// Exclusive ownership in registers
+// ------------------------------------------------------------------------------------------
+
+// A thread that alone drives a QP for a stretch of work (sharing::exclusive) can take a copy of
+// its descriptor, call the exclusive-mode functions on the copy, and hand the device-API state
+// back before any other thread or kernel uses the QP:
+//
+//     gpuverbs_qp mine = gpuverbs::checkout(q);
+//     ... put<sharing::exclusive>(&mine, ...); quiet<sharing::exclusive>(&mine, ...); ...
+//     gpuverbs::checkin(q, mine);
+//
+// Inside the stretch the QP's state lives in registers, so a WQE costs no descriptor loads or
+// stores (through `q` every put reloads the state from L2). Everything posted through the copy
+// is on the rings and known to the device whether or not it is checked in; a stretch that is
+// not checked in leaves `q` behind the device, and the next user of `q` would reuse ring slots
+// still in flight.
+__device__ __forceinline__ gpuverbs_qp checkout(const gpuverbs_qp* q) { return *q; }
+
+__device__ __forceinline__ void checkin(gpuverbs_qp* q, const gpuverbs_qp& mine) {
+    q->sq_reserved = mine.sq_reserved;
+    q->sq_ready = mine.sq_ready;
+    q->sq_rung = mine.sq_rung;
+    q->sq_retired = mine.sq_retired;
+    q->sq_signaled_end = mine.sq_signaled_end;
+    q->sq_last_start = mine.sq_last_start;
+    q->scq_ci = mine.scq_ci;
+    q->rcq_ci = mine.rcq_ci;
+    q->rq_posted = mine.rq_posted;
+    q->sq_error = mine.sq_error;
+    q->sq_error_info = mine.sq_error_info;
+    q->bf_half = mine.bf_half;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -506,10 +573,11 @@ __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr
         status s = reserve<S>(q, 1, budget_ns, &idx);
         if (s == ERROR_CQE && err) *err = last_error(q);
         if (s != OK) return s;
-        prep_nop(q, idx, CE_SIGNALED);
+        const block nop = build_nop(q, idx, CE_SIGNALED);
+        store_block(q, idx, nop);
         s = publish<S>(q, idx, 1, idx, true, budget_ns);
         if (s != OK) return s;
-        s = ring<S>(q, budget_ns);
+        s = ring<S>(q, budget_ns, &nop);
         if (s != OK) return s;
         target = idx + 1;
     }
@@ -567,12 +635,29 @@ __device__ __forceinline__ status post1(gpuverbs_qp* q, uint32_t blocks, bool si
     return ring<S>(q, budget_ns);
 }
 
+// One one-block WQE built in registers (`build(idx, flags)` returns it): reserve, store,
+// publish, ring (a BlueFlame ring copies it from the registers).
+template <sharing S, typename Build>
+__device__ __forceinline__ status post_block(gpuverbs_qp* q, bool signaled, bool do_ring,
+                                             uint64_t budget_ns, Build build) {
+    uint64_t idx;
+    bool force = false;
+    status s = reserve<S>(q, 1, budget_ns, &idx, &force);
+    if (s != OK) return s;
+    signaled = signaled || force;
+    const block b = build(idx, signaled ? CE_SIGNALED : 0);
+    store_block(q, idx, b);
+    s = publish<S>(q, idx, 1, idx, signaled, budget_ns);
+    if (s != OK || !do_ring) return s;
+    return ring<S>(q, budget_ns, &b);
+}
+
 // RDMA write of `len` bytes.
 template <sharing S = sharing::gpu>
 __device__ status put(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
                       uint32_t len, bool signaled, uint64_t budget_ns, bool do_ring = true) {
-    return post1<S>(q, 1, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
-        prep_write(q, idx, laddr, lk, raddr, rk, len, f);
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_write(q, idx, laddr, lk, raddr, rk, len, f);
     });
 }
 
@@ -591,9 +676,9 @@ __device__ status put_inline(gpuverbs_qp* q, const void* src, uint32_t len, uint
 template <sharing S = sharing::gpu>
 __device__ status signal(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key, uint64_t add,
                          bool signaled, uint64_t budget_ns, bool do_ring = true) {
-    return post1<S>(q, 1, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
-        prep_atomic(q, idx, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
-                    lkey{q->scratch_lkey}, f);
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_atomic(q, idx, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
+                            lkey{q->scratch_lkey}, f);
     });
 }
 
@@ -608,19 +693,20 @@ __device__ status put_signal(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t r
     if (s != OK) return s;
     signaled = signaled || force;
     prep_write(q, idx, laddr, lk, raddr, rk, len, 0);
-    prep_atomic(q, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
-                lkey{q->scratch_lkey}, signaled ? CE_SIGNALED : 0);
+    const block sig = build_atomic(q, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0,
+                                   q->scratch, lkey{q->scratch_lkey}, signaled ? CE_SIGNALED : 0);
+    store_block(q, idx + 1, sig);
     s = publish<S>(q, idx, 2, idx + 1, signaled, budget_ns);
     if (s != OK) return s;
-    return ring<S>(q, budget_ns);
+    return ring<S>(q, budget_ns, &sig);
 }
 
 // RDMA read of `len` bytes into local memory; complete once quiet() returns OK.
 template <sharing S = sharing::gpu>
 __device__ status get(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
                       uint32_t len, bool signaled, uint64_t budget_ns) {
-    return post1<S>(q, 1, signaled, true, budget_ns, [&](uint64_t idx, uint8_t f) {
-        prep_read(q, idx, laddr, lk, raddr, rk, len, f);
+    return post_block<S>(q, signaled, true, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_read(q, idx, laddr, lk, raddr, rk, len, f);
     });
 }
 
@@ -628,8 +714,8 @@ __device__ status get(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, r
 template <sharing S = sharing::gpu>
 __device__ status atomic_fetch_add(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint64_t add,
                                    uint64_t result, lkey result_key, uint64_t budget_ns) {
-    return post1<S>(q, 1, true, true, budget_ns, [&](uint64_t idx, uint8_t f) {
-        prep_atomic(q, idx, OP_ATOMIC_FA, raddr, rk, add, 0, result, result_key, f);
+    return post_block<S>(q, true, true, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_atomic(q, idx, OP_ATOMIC_FA, raddr, rk, add, 0, result, result_key, f);
     });
 }
 
@@ -638,16 +724,18 @@ template <sharing S = sharing::gpu>
 __device__ status atomic_compare_swap(gpuverbs_qp* q, uint64_t raddr, rkey rk,
                                       uint64_t compare, uint64_t swap, uint64_t result,
                                       lkey result_key, uint64_t budget_ns) {
-    return post1<S>(q, 1, true, true, budget_ns, [&](uint64_t idx, uint8_t f) {
-        prep_atomic(q, idx, OP_ATOMIC_CS, raddr, rk, swap, compare, result, result_key, f);
+    return post_block<S>(q, true, true, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_atomic(q, idx, OP_ATOMIC_CS, raddr, rk, swap, compare, result, result_key,
+                            f);
     });
 }
 
 // Orders later WQEs after earlier ones: the next WQE carries a strong fence.
 template <sharing S = sharing::gpu>
 __device__ status fence(gpuverbs_qp* q, uint64_t budget_ns) {
-    return post1<S>(q, 1, false, false, budget_ns,
-                    [&](uint64_t idx, uint8_t f) { prep_nop(q, idx, FENCE_STRONG | f); });
+    return post_block<S>(q, false, false, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_nop(q, idx, FENCE_STRONG | f);
+    });
 }
 
 // Waits (acquire, system scope) until the local 8-byte signal word reaches `value`.
@@ -685,13 +773,31 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     s = (status)__shfl_sync(mask, (int)s, leader);
     signaled = __shfl_sync(mask, signaled, leader);
     if (s != OK) return s;
-    bool last = rank == count - 1;
-    prep_write(q, start + rank, laddr, lk, raddr, rk, len, (signaled && last) ? CE_SIGNALED : 0);
+    const bool last = rank == count - 1;
+    const block b = build_write(q, start + rank, laddr, lk, raddr, rk, len,
+                                (signaled && last) ? CE_SIGNALED : 0);
+    store_block(q, start + rank, b);
+    // A BlueFlame ring copies the last WQE from the leader's registers: the lane that built
+    // it hands it over (other modes do not read it).
+    block lastb = b;
+    const bool bf = q->db_mode == GPUVERBS_DB_BLUEFLAME;
+    if (bf) {
+        const uint32_t owner = 31u - __clz(mask);
+        for (int i = 0; i < 4; ++i) {
+            lastb.u[i].x = __shfl_sync(mask, b.u[i].x, owner);
+            lastb.u[i].y = __shfl_sync(mask, b.u[i].y, owner);
+            lastb.u[i].z = __shfl_sync(mask, b.u[i].z, owner);
+            lastb.u[i].w = __shfl_sync(mask, b.u[i].w, owner);
+        }
+    }
     __syncwarp(mask);
     if (lane == leader) {
         s = publish<S>(q, start, count, start + count - 1, signaled, budget_ns);
-        if (s == OK) s = ring<S>(q, budget_ns);
+        if (s == OK) s = ring<S>(q, budget_ns, &lastb);
     }
+    // Orders the leader's descriptor stores before whichever lane leads the next call
+    // (exclusive mode reads them with plain loads).
+    __syncwarp(mask);
     return (status)__shfl_sync(mask, (int)s, leader);
 }
 
@@ -705,6 +811,7 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     __shared__ uint64_t start;
     __shared__ int st;
     __shared__ bool sig;
+    __shared__ block lastb;  // the last WQE, for a BlueFlame ring
     const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     if (tid == 0) count = 0;
     __syncthreads();
@@ -719,14 +826,16 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     status s = (status)st;
     signaled = sig;
     if (s == OK && participate) {
-        bool last = rank == count - 1;
-        prep_write(q, start + rank, laddr, lk, raddr, rk, len,
-                   (signaled && last) ? CE_SIGNALED : 0);
+        const bool last = rank == count - 1;
+        const block b = build_write(q, start + rank, laddr, lk, raddr, rk, len,
+                                    (signaled && last) ? CE_SIGNALED : 0);
+        store_block(q, start + rank, b);
+        if (last) lastb = b;
     }
     __syncthreads();
     if (tid == 0 && s == OK && count) {
         s = publish<S>(q, start, count, start + count - 1, signaled, budget_ns);
-        if (s == OK) s = ring<S>(q, budget_ns);
+        if (s == OK) s = ring<S>(q, budget_ns, &lastb);
         st = s;
     }
     __syncthreads();

@@ -1,7 +1,7 @@
 //! Device-side benchmarks of the gpuverbs device API on a GPU, against soft NICs.
 //!
 //! - `store64`: the ceiling of host-resident rings: 64-byte GPU stores into mapped host memory.
-//! - `fence_store`: the floor of one doorbell: `fence.acq_rel.sys` + an 8-byte store.
+//! - `fence_store`: the floor of one doorbell: `fence.release.sys` + an 8-byte store.
 //! - `post_only`: kernels fill a ring deep enough for the whole run and ring the doorbell; the
 //!   QP is not in RTS, so the device executes nothing and only device-side cost is timed. For
 //!   1 thread, 1 warp, 1 block and many blocks, per doorbell mode and batch size.
@@ -324,7 +324,7 @@ fn main() -> Result<()> {
         unit: "M 64B-stores/s",
     });
 
-    // Floor: fence.acq_rel.sys + 8-byte store, one thread.
+    // Floor: fence.release.sys + 8-byte store, one thread.
     let st = Stamps::new(&gpu)?;
     let (mut p, mut it, mut t) = (hd, 10_000u32, st.t());
     let mut params = [arg(&mut p), arg(&mut it), arg(&mut t)];
@@ -359,6 +359,10 @@ fn main() -> Result<()> {
         ),
         ("1 warp, warp scope", shape(1, 32, 1, 512, 1, false, false)),
         (
+            "1 warp, exclusive, warp scope",
+            shape(1, 32, 1, 512, 1, false, true),
+        ),
+        (
             "1 block of 256, block scope",
             shape(1, 256, 2, 64, 1, false, false),
         ),
@@ -372,7 +376,9 @@ fn main() -> Result<()> {
         ),
     ];
     let mut thread_rate = 0.0;
+    // Warp scope against one thread, both owning their QP (exclusive), and the shared warp.
     let mut warp_rate = 0.0;
+    let mut shared_warp_rate = 0.0;
     for mode in modes {
         for (name, sh) in configs {
             let r = post_rate(&gpu, mode, false, sh)
@@ -389,8 +395,11 @@ fn main() -> Result<()> {
                     unit: "ns",
                 });
             }
-            if mode == DoorbellMode::GpuDoorbell && name == "1 warp, warp scope" {
+            if mode == DoorbellMode::GpuDoorbell && name == "1 warp, exclusive, warp scope" {
                 warp_rate = r;
+            }
+            if mode == DoorbellMode::GpuDoorbell && name == "1 warp, warp scope" {
+                shared_warp_rate = r;
             }
             lines.push(Line {
                 test: "post_only",
@@ -430,7 +439,7 @@ fn main() -> Result<()> {
             });
         }
     }
-    if thread_rate == 0.0 || warp_rate == 0.0 {
+    if thread_rate == 0.0 || warp_rate == 0.0 || shared_warp_rate == 0.0 {
         bail!("missing reference rates");
     }
     let info = gpu.info().to_string();
@@ -443,7 +452,7 @@ fn main() -> Result<()> {
         }
         println!(
             "{}",
-            serde_json::json!({"test": "ratios", "single_put_over_floor": (1e9 / thread_rate) / floor_ns, "warp_over_thread": warp_rate / thread_rate, "gpu": info})
+            serde_json::json!({"test": "ratios", "single_put_over_floor": (1e9 / thread_rate) / floor_ns, "warp_over_thread": warp_rate / thread_rate, "shared_warp_over_thread": shared_warp_rate / thread_rate, "gpu": info})
         );
     } else {
         println!("# {info}");
@@ -462,8 +471,12 @@ fn main() -> Result<()> {
             (1e9 / thread_rate) / floor_ns
         );
         println!(
-            "warp-scope rate / one-thread rate: {:.1}x",
+            "warp-scope rate / one-thread rate (both exclusive): {:.1}x",
             warp_rate / thread_rate
+        );
+        println!(
+            "shared warp-scope rate / exclusive one-thread rate: {:.1}x",
+            shared_warp_rate / thread_rate
         );
     }
     Ok(())
