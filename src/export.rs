@@ -120,8 +120,8 @@ descriptor! {
         ring_lock: u32,
         /// Device API state: send CQ lock.
         scq_lock: u32,
-        /// Reserved, zero.
-        reserved0: u32,
+        /// Device API state: 1 while one thread holds the QP's state in registers (`checkout`).
+        checked_out: u32,
     }
 }
 

@@ -48,14 +48,16 @@ GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t 
     bench::stamp_start(t);
     status s = OK;
     if (exclusive && scope == 0) {
-        gpuverbs_qp mine = checkout(q);
+        gpuverbs_qp mine;
+        const status held = checkout(q, &mine);
+        s = held;
         for (uint32_t i = 0; i < iters && s == OK; ++i) {
             bool sig = signal_every && (i + 1) % signal_every == 0;
             s = bench_step<sharing::exclusive>(&mine, scope, i, iters, batch, sig, laddr, lk,
                                                raddr, rk, budget);
         }
         if (s == OK && signal_every) s = quiet<sharing::exclusive>(&mine, budget);
-        checkin(q, mine);
+        if (held == OK) checkin(q, mine);
     } else {
         for (uint32_t i = 0; i < iters && s == OK; ++i) {
             bool sig = signal_every && (i + 1) % signal_every == 0;

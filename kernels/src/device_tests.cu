@@ -52,24 +52,37 @@ GPUVERBS_KERNEL void gv_test_put(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, ui
     }
 }
 
-// Same as gv_test_put with thread scope and exclusive sharing (one thread in the grid), on a
-// register copy of the descriptor that is checked in at the end.
+// Same as gv_test_put with thread scope and exclusive sharing (one thread in the grid), on the
+// QP's state checked out into registers and checked in at the end. While it is checked out, a
+// second checkout and calls through `q` must return BUSY (else the kernel reports INVALID with
+// out[4] = 1).
 GPUVERBS_KERNEL void gv_test_put_exclusive(gpuverbs_qp* q, uint64_t lbase, uint32_t lk,
                                            uint64_t rbase, uint32_t rk, uint32_t size,
                                            uint32_t iters, uint32_t signal_every,
                                            uint64_t budget, int* out) {
     using namespace gpuverbs;
-    gpuverbs_qp mine = checkout(q);
-    status s = OK;
+    gpuverbs_qp mine;
+    status s = checkout(q, &mine);
+    error e{};
+    if (s != OK) {
+        device_tests::report(out, s, e);
+        return;
+    }
+    gpuverbs_qp other;
+    if (checkout(q, &other) != BUSY ||
+        put<sharing::gpu>(q, lbase, lkey{lk}, rbase, rkey{rk}, size, true, budget) != BUSY ||
+        quiet<sharing::gpu>(q, budget) != BUSY || ring<sharing::gpu>(q, budget) != BUSY) {
+        out[4] = 1;
+        s = INVALID;
+    }
     for (uint32_t i = 0; i < iters && s == OK; ++i) {
         uint64_t off = (uint64_t)i * size;
         bool sig = signal_every && ((i + 1) % signal_every == 0);
         s = put<sharing::exclusive>(&mine, lbase + off, lkey{lk}, rbase + off, rkey{rk}, size,
                                     sig, budget);
     }
-    error e{};
     if (s == OK) s = quiet<sharing::exclusive>(&mine, budget, &e);
-    else e = last_error(&mine);
+    else if (s == ERROR_CQE) e = last_error(&mine);
     checkin(q, mine);
     device_tests::report(out, s, e);
 }

@@ -266,6 +266,7 @@ pub fn status_name(s: i32) -> &'static str {
         1 => "ERROR_CQE",
         2 => "TIMEOUT",
         3 => "INVALID",
+        4 => "BUSY",
         _ => "?",
     }
 }
@@ -481,7 +482,14 @@ pub fn exclusive_wrap(ordinal: usize, mode: DoorbellMode, rings: RingPlacement) 
         "only {} blocks: fewer than 30 laps (state not checked in?)",
         d.sq_ready
     );
-    // quiet returned OK, so everything posted retired; checkin wrote that back.
+    // quiet returned OK, so everything posted retired; checkin wrote that back, released the
+    // QP, and the BUSY calls made while it was checked out posted nothing.
+    ensure!(
+        d.sq_ready == u64::from(iters),
+        "{} blocks published for {iters} one-block writes",
+        d.sq_ready
+    );
+    ensure!(d.checked_out == 0, "the QP is still checked out");
     ensure!(
         d.sq_retired == d.sq_ready && d.sq_rung == d.sq_ready && d.sq_reserved == d.sq_ready,
         "descriptor after checkin: reserved {} ready {} rung {} retired {}",

@@ -47,7 +47,7 @@ typedef struct gpuverbs_qp {
     uint32_t bf_half; /* Device API state: next BlueFlame half. */
     uint32_t ring_lock; /* Device API state: doorbell lock. */
     uint32_t scq_lock; /* Device API state: send CQ lock. */
-    uint32_t reserved0; /* Reserved, zero. */
+    uint32_t checked_out; /* Device API state: 1 while one thread holds the QP's state in registers (`checkout`). */
 } gpuverbs_qp;
 
 GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 232, "gpuverbs_qp size");
@@ -87,7 +87,7 @@ GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error_info) == 208, "sq_error_in
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, bf_half) == 216, "bf_half");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, ring_lock) == 220, "ring_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_lock) == 224, "scq_lock");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, reserved0) == 228, "reserved0");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, checked_out) == 228, "checked_out");
 #define GPUVERBS_DB_GPU_DOORBELL 0u
 #define GPUVERBS_DB_BLUEFLAME 1u
 #define GPUVERBS_DB_CPU_PROXY 2u

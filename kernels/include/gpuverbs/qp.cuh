@@ -34,6 +34,7 @@ enum status : int {
     ERROR_CQE = 1,   // an error completion arrived (see gpuverbs::error)
     TIMEOUT = 2,     // the budget ran out
     INVALID = 3,     // bad argument (size, inline length, alignment)
+    BUSY = 4,        // the QP is checked out by a thread (checkout): use its copy, or wait
 };
 
 // The first error CQE a QP saw, decoded.
@@ -380,6 +381,7 @@ __device__ __forceinline__ error last_error(const gpuverbs_qp* q) {
 // Polls the send CQ until nothing is left to take, under the CQ lock when shared.
 template <sharing S>
 __device__ __forceinline__ status scq_progress(gpuverbs_qp* q, uint64_t deadline) {
+    if (q->checked_out) return BUSY;
     if (S != sharing::exclusive) {
         if (atomicCAS(&q->scq_lock, 0u, 1u) != 0u) return OK;  // someone else is polling
         __threadfence();
@@ -406,6 +408,7 @@ template <sharing S>
 __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t budget_ns,
                                           uint64_t* start, bool* force_signal = nullptr) {
     if (q->sq_error) return ERROR_CQE;  // the QP is in error: nothing new would execute
+    if (q->checked_out) return BUSY;
     uint64_t deadline = 0;
     for (;;) {
         uint64_t r = S == sharing::exclusive ? q->sq_reserved
@@ -429,7 +432,8 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t b
             continue;
         }
         if (deadline == 0) deadline = now_ns() + budget_ns;
-        if (scq_progress<S>(q, deadline) == ERROR_CQE) return ERROR_CQE;
+        const status p = scq_progress<S>(q, deadline);
+        if (p != OK) return p;
         if (now_ns() > deadline) return TIMEOUT;
     }
 }
@@ -472,6 +476,7 @@ __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32
 template <sharing S>
 __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
                                        const block* last = nullptr) {
+    if (q->checked_out) return BUSY;
     if (S != sharing::exclusive && !lock(&q->ring_lock, budget_ns)) return TIMEOUT;
     uint64_t ready = S == sharing::exclusive ? q->sq_ready : ld_acquire_gpu64(&q->sq_ready);
     if (ready != q->sq_rung) {
@@ -528,20 +533,27 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
 // Exclusive ownership in registers
 // ------------------------------------------------------------------------------------------
 
-// A thread that alone drives a QP for a stretch of work (sharing::exclusive) can take a copy of
-// its descriptor, call the exclusive-mode functions on the copy, and hand the device-API state
-// back before any other thread or kernel uses the QP:
+// A thread that alone drives a QP for a stretch of work (sharing::exclusive) can take its state
+// into registers, call the exclusive-mode functions on the copy, and hand the state back:
 //
-//     gpuverbs_qp mine = gpuverbs::checkout(q);
+//     gpuverbs_qp mine;
+//     if (gpuverbs::checkout(q, &mine) != gpuverbs::OK) ...;   // BUSY: someone holds it
 //     ... put<sharing::exclusive>(&mine, ...); quiet<sharing::exclusive>(&mine, ...); ...
 //     gpuverbs::checkin(q, mine);
 //
-// Inside the stretch the QP's state lives in registers, so a WQE costs no descriptor loads or
-// stores (through `q` every put reloads the state from L2). Everything posted through the copy
-// is on the rings and known to the device whether or not it is checked in; a stretch that is
-// not checked in leaves `q` behind the device, and the next user of `q` would reuse ring slots
-// still in flight.
-__device__ __forceinline__ gpuverbs_qp checkout(const gpuverbs_qp* q) { return *q; }
+// Inside the stretch a WQE costs no descriptor loads or stores (through `q` every put reloads
+// the state it stored, from L2). While the QP is checked out, every call through `q` (reserve,
+// ring, CQ polling, and so every high-level call) returns BUSY and changes nothing, and a second
+// checkout returns BUSY. Everything posted through the copy is on the rings and announced to the
+// device; only `checkin` makes `q` usable again.
+__device__ __forceinline__ status checkout(gpuverbs_qp* q, gpuverbs_qp* mine) {
+    if (atomicCAS(&q->checked_out, 0u, 1u) != 0u) return BUSY;
+    // Acquire: the state the previous holder released (checkin or st.release.gpu) is visible.
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    *mine = *q;
+    mine->checked_out = 0;  // the copy itself is not checked out
+    return OK;
+}
 
 __device__ __forceinline__ void checkin(gpuverbs_qp* q, const gpuverbs_qp& mine) {
     q->sq_reserved = mine.sq_reserved;
@@ -556,6 +568,8 @@ __device__ __forceinline__ void checkin(gpuverbs_qp* q, const gpuverbs_qp& mine)
     q->sq_error = mine.sq_error;
     q->sq_error_info = mine.sq_error_info;
     q->bf_half = mine.bf_half;
+    // Release: the state above before the QP is free again.
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(&q->checked_out), "r"(0u) : "memory");
 }
 
 // ------------------------------------------------------------------------------------------
@@ -587,6 +601,7 @@ __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr
     if (rs != OK) return rs;
     for (;;) {
         status s = scq_progress<S>(q, deadline);
+        if (s == BUSY) return s;
         uint64_t retired = S == sharing::exclusive ? q->sq_retired
                                                    : ld_acquire_gpu64(&q->sq_retired);
         if (retired >= target) {
@@ -608,6 +623,7 @@ __device__ status wait_ticket(gpuverbs_qp* q, uint64_t ticket, uint64_t budget_n
     uint64_t deadline = 0;
     for (;;) {
         status s = scq_progress<S>(q, deadline);
+        if (s == BUSY) return s;
         uint64_t retired = S == sharing::exclusive ? q->sq_retired
                                                    : ld_acquire_gpu64(&q->sq_retired);
         if (retired >= ticket) {
