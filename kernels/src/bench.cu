@@ -30,8 +30,8 @@ GPUVERBS_DEVICE gpuverbs::status bench_step(gpuverbs_qp* q, uint32_t scope, uint
 }
 
 // Posts `iters` 8-byte writes per thread (scope 0 thread, 1 warp, 2 block). Block b drives
-// QP qps[b % nqps]. `exclusive` selects the no-atomics sharing mode (only valid when one
-// thread drives each QP). With `signal_every` 0 nothing is signaled and nothing is awaited:
+// QP qps[b % nqps]. `share` is the sharing mode: 0 gpu, 1 exclusive (no atomics: one thread,
+// or with warp scope one warp, drives each QP), 2 cta (the QP's users are one block's threads). With `signal_every` 0 nothing is signaled and nothing is awaited:
 // post-only, for QPs not in RTS (the device executes nothing, so only the device-side cost of
 // building and announcing WQEs is timed; the ring must hold the whole run). Otherwise every
 // `signal_every`-th WQE is signaled and the block ends with quiet (post and complete).
@@ -40,14 +40,14 @@ GPUVERBS_DEVICE gpuverbs::status bench_step(gpuverbs_qp* q, uint32_t scope, uint
 GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t laddr,
                                    uint32_t lk, uint64_t raddr, uint32_t rk, uint32_t iters,
                                    uint32_t scope, uint32_t batch, uint32_t signal_every,
-                                   uint32_t exclusive, uint64_t budget, unsigned long long* t,
+                                   uint32_t share, uint64_t budget, unsigned long long* t,
                                    int* st_out) {
     using namespace gpuverbs;
     gpuverbs_qp* q = reinterpret_cast<gpuverbs_qp*>(qps[blockIdx.x % nqps]);
     __syncthreads();
     bench::stamp_start(t);
     status s = OK;
-    if (exclusive && scope == 0) {
+    if (share == 1 && scope == 0) {
         gpuverbs_qp mine;
         const status held = checkout(q, &mine);
         s = held;
@@ -61,16 +61,19 @@ GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t 
     } else {
         for (uint32_t i = 0; i < iters && s == OK; ++i) {
             bool sig = signal_every && (i + 1) % signal_every == 0;
-            s = exclusive ? bench_step<sharing::exclusive>(q, scope, i, iters, batch, sig, laddr,
-                                                           lk, raddr, rk, budget)
-                          : bench_step<sharing::gpu>(q, scope, i, iters, batch, sig, laddr, lk,
-                                                     raddr, rk, budget);
+            s = share == 1   ? bench_step<sharing::exclusive>(q, scope, i, iters, batch, sig,
+                                                             laddr, lk, raddr, rk, budget)
+                : share == 2 ? bench_step<sharing::cta>(q, scope, i, iters, batch, sig, laddr, lk,
+                                                        raddr, rk, budget)
+                             : bench_step<sharing::gpu>(q, scope, i, iters, batch, sig, laddr, lk,
+                                                        raddr, rk, budget);
         }
         if (signal_every) {
             __syncthreads();
             if (s == OK && threadIdx.x == 0) {
-                s = exclusive ? quiet<sharing::exclusive>(q, budget)
-                              : quiet<sharing::gpu>(q, budget);
+                s = share == 1   ? quiet<sharing::exclusive>(q, budget)
+                    : share == 2 ? quiet<sharing::cta>(q, budget)
+                                 : quiet<sharing::gpu>(q, budget);
             }
         }
     }

@@ -88,6 +88,9 @@ fn private_qps_gpudb(ctx: &Ctx) -> Result<String> {
 fn private_qps_proxy(ctx: &Ctx) -> Result<String> {
     dataplane::private_qps(ctx.ordinal, CpuProxy)
 }
+fn private_qps_bf(ctx: &Ctx) -> Result<String> {
+    dataplane::private_qps(ctx.ordinal, BlueFlame)
+}
 fn collapsed_cq(ctx: &Ctx) -> Result<String> {
     dataplane::collapsed_cq(ctx.ordinal)
 }
@@ -172,6 +175,7 @@ const CASES: &[Case] = cases![
     put_many_ctas_proxy,
     private_qps_gpudb,
     private_qps_proxy,
+    private_qps_bf,
     collapsed_cq,
     exclusive_wrap,
     exclusive_wrap_bf,

@@ -100,23 +100,79 @@ __device__ __forceinline__ void st_release_sys64(uint64_t* p, uint64_t v) {
 
 __device__ __forceinline__ void st16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 
+// ------------------------------------------------------------------------------------------
+// The QP's device-API state, at the scope of the sharing mode
+// ------------------------------------------------------------------------------------------
+//
+// exclusive: one thread, plain loads and stores (also on a register copy, see checkout);
+// cta: the threads of one block, acquire/release and atomics at CTA scope (the ordering stays in
+//      the SM); gpu: any thread on the GPU, at GPU scope.
+
+template <sharing S>
+__device__ __forceinline__ uint64_t state_load(const uint64_t* p) {
+    uint64_t v;
+    if constexpr (S == sharing::exclusive) {
+        v = *p;
+    } else if constexpr (S == sharing::cta) {
+        asm volatile("ld.acquire.cta.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    } else {
+        v = ld_acquire_gpu64(p);
+    }
+    return v;
+}
+
+template <sharing S>
+__device__ __forceinline__ void state_store(uint64_t* p, uint64_t v) {
+    if constexpr (S == sharing::exclusive) {
+        *p = v;
+    } else if constexpr (S == sharing::cta) {
+        asm volatile("st.release.cta.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    } else {
+        st_release_gpu64(p, v);
+    }
+}
+
+template <sharing S>
+__device__ __forceinline__ uint64_t state_cas(uint64_t* p, uint64_t expect, uint64_t v) {
+    auto* u = reinterpret_cast<unsigned long long*>(p);
+    if constexpr (S == sharing::cta) return atomicCAS_block(u, expect, v);
+    return atomicCAS(u, expect, v);
+}
+
+template <sharing S>
+__device__ __forceinline__ bool try_lock(uint32_t* l) {
+    const bool got = (S == sharing::cta ? atomicCAS_block(l, 0u, 1u) : atomicCAS(l, 0u, 1u)) == 0u;
+    if (got) {
+        if constexpr (S == sharing::cta) {
+            asm volatile("fence.acq_rel.cta;" ::: "memory");
+        } else {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        }
+    }
+    return got;
+}
+
 // A spin lock in GPU memory (descriptor fields), bounded by `budget_ns` (the clock is read only
 // when the first attempt fails).
+template <sharing S>
 __device__ __forceinline__ bool lock(uint32_t* l, uint64_t budget_ns) {
-    if (atomicCAS(l, 0u, 1u) != 0u) {
+    if (!try_lock<S>(l)) {
         const uint64_t deadline = now_ns() + budget_ns;
-        while (atomicCAS(l, 0u, 1u) != 0u) {
+        while (!try_lock<S>(l)) {
             if (now_ns() > deadline) return false;
             __nanosleep(32);
         }
     }
-    __threadfence();
     return true;
 }
 
+template <sharing S>
 __device__ __forceinline__ void unlock(uint32_t* l) {
-    __threadfence();
-    atomicExch(l, 0u);
+    if constexpr (S == sharing::cta) {
+        asm volatile("st.release.cta.global.u32 [%0], %1;" ::"l"(l), "r"(0u) : "memory");
+    } else {
+        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(l), "r"(0u) : "memory");
+    }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -360,13 +416,7 @@ __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
     uint32_t blocks = wqe_blocks_at(q, counter);
     uint64_t retired = q->sq_retired;
     uint16_t delta = (uint16_t)(counter + blocks - (uint16_t)retired);
-    if (delta <= q->sq_blocks) {
-        if constexpr (S == sharing::exclusive) {
-            q->sq_retired = retired + delta;
-        } else {
-            st_release_gpu64(&q->sq_retired, retired + delta);
-        }
-    }
+    if (delta <= q->sq_blocks) state_store<S>(&q->sq_retired, retired + delta);
     ci = q->scq_collapsed ? (uint64_t)tail + 1 : ci + 1;
     q->scq_ci = ci;
     st_relaxed_sys32(reinterpret_cast<uint32_t*>(q->scq_dbrec), bswap32((uint32_t)(ci & 0xffffff)));
@@ -382,13 +432,12 @@ __device__ __forceinline__ error last_error(const gpuverbs_qp* q) {
 template <sharing S>
 __device__ __forceinline__ status scq_progress(gpuverbs_qp* q, uint64_t deadline) {
     if (q->checked_out) return BUSY;
-    if (S != sharing::exclusive) {
-        if (atomicCAS(&q->scq_lock, 0u, 1u) != 0u) return OK;  // someone else is polling
-        __threadfence();
+    if constexpr (S != sharing::exclusive) {
+        if (!try_lock<S>(&q->scq_lock)) return OK;  // someone else is polling
     }
     while (scq_poll_one<S>(q)) {
     }
-    if (S != sharing::exclusive) unlock(&q->scq_lock);
+    if constexpr (S != sharing::exclusive) unlock<S>(&q->scq_lock);
     (void)deadline;
     return q->sq_error ? ERROR_CQE : OK;
 }
@@ -411,10 +460,8 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t b
     if (q->checked_out) return BUSY;
     uint64_t deadline = 0;
     for (;;) {
-        uint64_t r = S == sharing::exclusive ? q->sq_reserved
-                                             : ld_acquire_gpu64(&q->sq_reserved);
-        uint64_t retired = S == sharing::exclusive ? q->sq_retired
-                                                   : ld_acquire_gpu64(&q->sq_retired);
+        uint64_t r = state_load<S>(&q->sq_reserved);
+        uint64_t retired = state_load<S>(&q->sq_retired);
         uint64_t covered = S == sharing::exclusive
                                ? q->sq_signaled_end
                                : *reinterpret_cast<volatile uint64_t*>(&q->sq_signaled_end);
@@ -425,7 +472,7 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t b
                 *start = r;
                 return OK;
             }
-            if (atomicCAS(reinterpret_cast<unsigned long long*>(&q->sq_reserved), r, r + n) == r) {
+            if (state_cas<S>(&q->sq_reserved, r, r + n) == r) {
                 *start = r;
                 return OK;
             }
@@ -446,19 +493,15 @@ template <sharing S>
 __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32_t n,
                                           uint64_t last_start, bool signaled,
                                           uint64_t budget_ns) {
-    if (S != sharing::exclusive && ld_acquire_gpu64(&q->sq_ready) != start) {
+    if (S != sharing::exclusive && state_load<S>(&q->sq_ready) != start) {
         const uint64_t deadline = now_ns() + budget_ns;
-        while (ld_acquire_gpu64(&q->sq_ready) != start) {
+        while (state_load<S>(&q->sq_ready) != start) {
             if (now_ns() > deadline) return TIMEOUT;
         }
     }
     q->sq_last_start = last_start;
     if (signaled) q->sq_signaled_end = start + n;
-    if (S == sharing::exclusive) {
-        q->sq_ready = start + n;
-    } else {
-        st_release_gpu64(&q->sq_ready, start + n);
-    }
+    state_store<S>(&q->sq_ready, start + n);
     return OK;
 }
 
@@ -477,8 +520,8 @@ template <sharing S>
 __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
                                        const block* last = nullptr) {
     if (q->checked_out) return BUSY;
-    if (S != sharing::exclusive && !lock(&q->ring_lock, budget_ns)) return TIMEOUT;
-    uint64_t ready = S == sharing::exclusive ? q->sq_ready : ld_acquire_gpu64(&q->sq_ready);
+    if (S != sharing::exclusive && !lock<S>(&q->ring_lock, budget_ns)) return TIMEOUT;
+    uint64_t ready = state_load<S>(&q->sq_ready);
     if (ready != q->sq_rung) {
         // System scope for host-resident rings; also in BlueFlame mode, where it orders the
         // previous ring's clear of this half (host memory) before this ring's copy.
@@ -525,7 +568,7 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
         }
         q->sq_rung = ready;
     }
-    if (S != sharing::exclusive) unlock(&q->ring_lock);
+    if (S != sharing::exclusive) unlock<S>(&q->ring_lock);
     return OK;
 }
 
@@ -581,7 +624,7 @@ __device__ __forceinline__ void checkin(gpuverbs_qp* q, const gpuverbs_qp& mine)
 template <sharing S = sharing::gpu>
 __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr) {
     uint64_t deadline = now_ns() + budget_ns;
-    uint64_t target = S == sharing::exclusive ? q->sq_ready : ld_acquire_gpu64(&q->sq_ready);
+    uint64_t target = state_load<S>(&q->sq_ready);
     if (q->sq_signaled_end < target) {
         uint64_t idx;
         status s = reserve<S>(q, 1, budget_ns, &idx);
@@ -602,8 +645,7 @@ __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr
     for (;;) {
         status s = scq_progress<S>(q, deadline);
         if (s == BUSY) return s;
-        uint64_t retired = S == sharing::exclusive ? q->sq_retired
-                                                   : ld_acquire_gpu64(&q->sq_retired);
+        uint64_t retired = state_load<S>(&q->sq_retired);
         if (retired >= target) {
             if (s == ERROR_CQE && err) *err = last_error(q);
             return s;
@@ -624,8 +666,7 @@ __device__ status wait_ticket(gpuverbs_qp* q, uint64_t ticket, uint64_t budget_n
     for (;;) {
         status s = scq_progress<S>(q, deadline);
         if (s == BUSY) return s;
-        uint64_t retired = S == sharing::exclusive ? q->sq_retired
-                                                   : ld_acquire_gpu64(&q->sq_retired);
+        uint64_t retired = state_load<S>(&q->sq_retired);
         if (retired >= ticket) {
             if (s == ERROR_CQE && err) *err = last_error(q);
             return s;

@@ -163,6 +163,17 @@ fn setup(
     })
 }
 
+/// The device API's sharing mode a run uses (the kernel's `share` code).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Share {
+    /// Any thread on the GPU.
+    Gpu = 0,
+    /// One thread (thread scope, on a checked-out copy) or one warp (warp scope) per QP.
+    Exclusive = 1,
+    /// The threads of one block.
+    Cta = 2,
+}
+
 /// One post-rate measurement.
 #[derive(Clone, Copy)]
 struct Shape {
@@ -174,7 +185,7 @@ struct Shape {
     batch: u32,
     /// One QP per block (else one QP for the grid).
     private_qps: bool,
-    exclusive: bool,
+    share: Share,
     /// Where side A's rings live.
     rings: RingPlacement,
 }
@@ -186,7 +197,7 @@ fn shape(
     iters: u32,
     batch: u32,
     private_qps: bool,
-    exclusive: bool,
+    share: Share,
 ) -> Shape {
     Shape {
         grid,
@@ -195,7 +206,7 @@ fn shape(
         iters,
         batch,
         private_qps,
-        exclusive,
+        share,
         rings: RingPlacement::HostMapped,
     }
 }
@@ -230,7 +241,7 @@ fn post_rate(gpu: &Arc<Gpu>, mode: DoorbellMode, complete: bool, sh: Shape) -> R
         sh.scope,
         sh.batch,
         if complete { 64u32 } else { 0 },
-        sh.exclusive as u32,
+        sh.share as u32,
     );
     let (mut budget, mut t, mut out) = (BUDGET, st.t(), st.status());
     let mut params = [
@@ -361,39 +372,58 @@ fn main() -> Result<()> {
     let configs = [
         (
             "1 thread, exclusive, batch 1",
-            shape(1, 1, 0, 8192, 1, false, true),
+            shape(1, 1, 0, 8192, 1, false, Share::Exclusive),
         ),
         (
             "1 thread, exclusive, batch 1, GPU rings",
             Shape {
                 rings: RingPlacement::Gpu,
-                ..shape(1, 1, 0, 8192, 1, false, true)
+                ..shape(1, 1, 0, 8192, 1, false, Share::Exclusive)
             },
         ),
         (
             "1 thread, shared, batch 1",
-            shape(1, 1, 0, 8192, 1, false, false),
+            shape(1, 1, 0, 8192, 1, false, Share::Gpu),
         ),
         (
             "1 thread, exclusive, batch 32",
-            shape(1, 1, 0, 8192, 32, false, true),
+            shape(1, 1, 0, 8192, 32, false, Share::Exclusive),
         ),
-        ("1 warp, warp scope", shape(1, 32, 1, 512, 1, false, false)),
+        (
+            "1 warp, warp scope",
+            shape(1, 32, 1, 512, 1, false, Share::Gpu),
+        ),
         (
             "1 warp, exclusive, warp scope",
-            shape(1, 32, 1, 512, 1, false, true),
+            shape(1, 32, 1, 512, 1, false, Share::Exclusive),
         ),
         (
             "1 block of 256, block scope",
-            shape(1, 256, 2, 64, 1, false, false),
+            shape(1, 256, 2, 64, 1, false, Share::Gpu),
+        ),
+        (
+            "1 block of 256, block scope, CTA sharing",
+            shape(1, 256, 2, 64, 1, false, Share::Cta),
+        ),
+        (
+            "1 block of 256, thread scope",
+            shape(1, 256, 0, 32, 1, false, Share::Gpu),
+        ),
+        (
+            "1 block of 256, thread scope, CTA sharing",
+            shape(1, 256, 0, 32, 1, false, Share::Cta),
         ),
         (
             "many blocks, 1 QP, warp scope",
-            shape(sms, 128, 1, 1, 1, false, false),
+            shape(sms, 128, 1, 1, 1, false, Share::Gpu),
         ),
         (
             "many blocks, QP per block, block scope",
-            shape(sms, 256, 2, 16, 1, true, false),
+            shape(sms, 256, 2, 16, 1, true, Share::Gpu),
+        ),
+        (
+            "many blocks, QP per block, block scope, CTA sharing",
+            shape(sms, 256, 2, 16, 1, true, Share::Cta),
         ),
     ];
     let mut thread_rate = 0.0;
@@ -447,12 +477,15 @@ fn main() -> Result<()> {
     let complete_configs = [
         (
             "1 thread, exclusive, batch 32",
-            shape(1, 1, 0, 32768, 32, false, true),
+            shape(1, 1, 0, 32768, 32, false, Share::Exclusive),
         ),
-        ("1 warp, warp scope", shape(1, 32, 1, 2048, 1, false, false)),
+        (
+            "1 warp, warp scope",
+            shape(1, 32, 1, 2048, 1, false, Share::Gpu),
+        ),
         (
             "8 blocks, QP per block, block scope",
-            shape(8, 256, 2, 64, 1, true, false),
+            shape(8, 256, 2, 64, 1, true, Share::Gpu),
         ),
     ];
     for mode in modes {
