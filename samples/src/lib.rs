@@ -384,9 +384,9 @@ fn resolve_env(a: &CommonArgs, ctx: Context, no_gpu: Option<&str>) -> Result<Env
 
 /// Refuses the placements this run cannot honour, with the reason. `--rings gpu` needs the
 /// GPU initiator (the CPU initiator reads and writes the SQ/CQ rings from the host, so it cannot
-/// drive rings in GPU memory). `--mem gpu` needs a GPU, and a sample that keeps its payload in
-/// GPU memory (`gpu_mem`: put_bw does, with the GPU initiator; write_lat does not).
-pub fn check_placement(a: &CommonArgs, env: &Env, gpu_mem: bool) -> Result<()> {
+/// drive rings in GPU memory). `--mem gpu` needs a GPU and the GPU initiator (the CPU
+/// initiator reaches its buffers through host pointers).
+pub fn check_placement(a: &CommonArgs, env: &Env) -> Result<()> {
     if a.rings == Placement::Gpu && (env.initiator != Initiator::Gpu || env.gpu.is_none()) {
         bail!(
             "--rings gpu: rings in GPU memory are driven by the GPU initiator only, and this run \
@@ -405,13 +405,6 @@ pub fn check_placement(a: &CommonArgs, env: &Env, gpu_mem: bool) -> Result<()> {
              run has none ({}; initiator: {})",
             env.gpu_line,
             env.initiator_why
-        );
-    }
-    if !gpu_mem {
-        bail!(
-            "--mem gpu: this sample keeps its payload buffers in host memory only (GPU-memory \
-             regions exist in the API: Pd::register_device_mem / Pd::register_gpu; use --mem \
-             host)"
         );
     }
     Ok(())
@@ -478,6 +471,43 @@ impl Payload {
                 Ok(())
             }
             Payload::Gpu(_) => self.write(off, &vec![byte; n]),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::Host(b) => b.len(),
+            Payload::Gpu(m) => m.len(),
+        }
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The address a kernel on `gpu` uses: host memory mapped into the GPU
+    /// ([`Gpu::map_host`]), GPU memory as it is ([`DeviceMem::ptr`]).
+    pub fn gpu_addr(&self, gpu: &Gpu) -> Result<u64> {
+        match self {
+            Payload::Host(b) => Ok(gpu
+                .map_host(b)
+                .context("map a host payload buffer into the GPU")?),
+            Payload::Gpu(m) => {
+                if !std::ptr::eq(Arc::as_ptr(m.gpu()), gpu) {
+                    bail!("--mem gpu: the payload buffer belongs to another GPU");
+                }
+                Ok(m.ptr())
+            }
+        }
+    }
+
+    /// The host buffer, when it is host memory (what the CPU initiator polls with atomics).
+    pub fn host(&self) -> Option<&gpuverbs::HostBuffer> {
+        match self {
+            Payload::Host(b) => Some(b),
+            Payload::Gpu(_) => None,
         }
     }
 }

@@ -259,15 +259,14 @@ fn gpu_memory_placements_need_the_gpu_initiator() {
     for bin in [PUT_BW, WRITE_LAT] {
         let out = run(bin, &["--loopback", "--mem", "gpu", "-n", "10"]);
         let stderr = text(&out.stderr);
-        if bin == PUT_BW && out.status.success() {
-            // A machine with a GPU: put_bw runs with its buffers in GPU memory.
+        if out.status.success() {
+            // A machine with a GPU: the sample runs with its buffers in GPU memory.
             let stdout = text(&out.stdout);
             assert!(stdout.contains("GPU memory (registered"), "{stdout}");
         } else {
             assert_eq!(out.status.code(), Some(1), "{stderr}");
-            assert!(stderr.contains("--mem gpu"), "{stderr}");
             assert!(
-                stderr.contains("host memory only") || stderr.contains("need a GPU"),
+                stderr.contains("--mem gpu") && stderr.contains("need a GPU"),
                 "{stderr}"
             );
         }
@@ -290,8 +289,9 @@ fn gpu_memory_placements_need_the_gpu_initiator() {
             "{stderr}"
         );
     }
-    // write_lat keeps its payload in host memory even with a GPU; put_bw needs one (and the GPU
-    // initiator) for --mem gpu. Both refuse GPU memory with the CPU initiator.
+    // Both keep their buffers (write_lat: and signal words) in GPU memory with the GPU initiator
+    // only: the CPU initiator reaches them through host pointers, so --mem gpu with it is refused
+    // before anything runs, on any machine.
     for bin in [PUT_BW, WRITE_LAT] {
         let out = run(
             bin,
@@ -308,9 +308,12 @@ fn gpu_memory_placements_need_the_gpu_initiator() {
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{stderr}");
         assert!(
-            stderr.contains("--mem gpu") && stderr.contains("need a GPU"),
+            stderr.contains("--mem gpu")
+                && stderr.contains("need a GPU and the GPU initiator")
+                && stderr.contains("--initiator cpu"),
             "{stderr}"
         );
+        assert!(out.stdout.is_empty(), "{bin}: {}", text(&out.stdout));
     }
 }
 

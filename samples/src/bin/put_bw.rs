@@ -393,7 +393,7 @@ fn run(args: &Args) -> Result<()> {
         Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
         Initiator::Gpu => None,
     };
-    check_placement(a, &env, true)?;
+    check_placement(a, &env)?;
 
     // Jobs: QP k of side A writes into side B (direction 0) and, with --bidir, QP k of B into A
     // (direction 1). In loopback this process drives them all; across processes each side

@@ -4,6 +4,7 @@
 //! ```text
 //! write_lat --loopback -a            # every size, both sides in this process
 //! write_lat --loopback --signal      # the receiver waits on a signal word, not the payload
+//! write_lat --loopback -a --initiator gpu --mem gpu   # buffers and signal words on the GPU
 //! write_lat -p 18515 --initiator cpu  /  write_lat 127.0.0.1 -p 18515 --initiator cpu
 //! ```
 //!
@@ -28,6 +29,13 @@
 //! each, owning its QP); A times each round trip with %globaltimer. CPU initiator: one host
 //! thread drives both sides in turn and times with the monotonic clock. Warm-up iterations run
 //! first, in the same loop, and are left out of the numbers.
+//!
+//! Placement (GPU initiator only): `--mem gpu` puts each side's source buffer, receive buffer
+//! and signal word in GPU memory registered with `Pd::register_device_mem` (the kernel gets
+//! their device pointers; the atomics' discarded old values still land in host memory); the
+//! host fills, clears and checks them by copying (`DeviceMem::write` / `read`). `--rings gpu`
+//! puts the SQ/RQ and CQ rings in GPU memory. The CPU initiator refuses both: it reaches its
+//! buffers and rings through host pointers.
 
 use anyhow::{bail, Context as _, Result};
 use clap::{CommandFactory, Parser};
@@ -37,7 +45,7 @@ use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
     create_qp, doorbell_line, exit_with, merge, open_env, open_env_remote, pattern, remote_header,
     remote_json, step, table_row, tx_depth_for, upload, CommonArgs, Exports, GpuStatus, Header,
-    Initiator, LatSide, LatStats, Peer, Progress, QpSpec,
+    Initiator, LatSide, LatStats, Payload, Peer, Placement, Progress, QpSpec,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
 use prm::{Completion, Rkey};
@@ -157,28 +165,35 @@ fn tail_value(k1: u64, n: usize) -> u64 {
     }
 }
 
-/// One side: its QP, outgoing payload, receive buffer, signal word and atomic result word.
+/// One side: its QP, outgoing payload, receive buffer, signal word (each in host or GPU memory,
+/// as `--mem` says) and atomic result word (host memory: nobody reads it).
 struct Side {
     qp: Qp,
-    src: HostBuffer,
+    src: Payload,
     src_mr: Mr,
-    recv: HostBuffer,
+    recv: Payload,
     recv_mr: Mr,
-    sig: HostBuffer,
+    sig: Payload,
     sig_mr: Mr,
     /// Where the atomics' old values land (the region keeps its buffer alive).
     result_mr: Mr,
 }
 
 impl Side {
-    fn new(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>, len: usize) -> Result<Self> {
+    fn new(
+        pd: &Pd,
+        spec: QpSpec,
+        gpu: Option<&Arc<Gpu>>,
+        mem: Placement,
+        len: usize,
+    ) -> Result<Self> {
         let qp = create_qp(pd, spec, gpu)?;
-        let src = HostBuffer::new(len);
-        let src_mr = pd.register_with(&src, Access::LOCAL_WRITE)?;
-        let recv = HostBuffer::new(len);
-        let recv_mr = pd.register_with(&recv, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
-        let sig = HostBuffer::new(64);
-        let sig_mr = pd.register_with(&sig, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
+        let src = Payload::new(mem, gpu, len)?;
+        let src_mr = src.register(pd, Access::LOCAL_WRITE)?;
+        let recv = Payload::new(mem, gpu, len)?;
+        let recv_mr = recv.register(pd, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+        let sig = Payload::new(mem, gpu, 64)?;
+        let sig_mr = sig.register(pd, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
         let result = HostBuffer::new(64);
         let result_mr = pd.register_with(&result, Access::LOCAL_WRITE)?;
         Ok(Self {
@@ -226,7 +241,7 @@ fn run(args: &Args) -> Result<()> {
         Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
         Initiator::Gpu => None,
     };
-    check_placement(a, &env, false)?;
+    check_placement(a, &env)?;
     // Loopback: both sides, on one device (a PD each). Across processes: this side (the client
     // is A, the server B), and where its messages go on the peer.
     let me = peer.as_ref().map(Peer::side);
@@ -236,7 +251,7 @@ fn run(args: &Args) -> Result<()> {
     match (&mut peer, me) {
         (Some(p), Some(_)) => {
             let pd = env.ctx.alloc_pd();
-            let s = Side::new(&pd, spec, env.gpu.as_ref(), len)?;
+            let s = Side::new(&pd, spec, env.gpu.as_ref(), a.mem, len)?;
             let export = |mr: &Mr| RemoteMemory::export_rkey(mr.addr(), mr.len(), mr.rkey().0);
             let facts = json!({ "recv": export(&s.recv_mr)?, "sig": export(&s.sig_mr)? });
             let params = json!({
@@ -275,8 +290,8 @@ fn run(args: &Args) -> Result<()> {
         _ => {
             let (pa, pb) = (env.ctx.alloc_pd(), env.ctx.alloc_pd());
             sides = vec![
-                Side::new(&pa, spec, env.gpu.as_ref(), len)?,
-                Side::new(&pb, spec, env.gpu.as_ref(), len)?,
+                Side::new(&pa, spec, env.gpu.as_ref(), a.mem, len)?,
+                Side::new(&pb, spec, env.gpu.as_ref(), a.mem, len)?,
             ];
             connect_pair(&sides[0].qp, &sides[1].qp)?;
             targets = (0..2).map(|i| Target::of(&sides[1 - i])).collect();
@@ -372,9 +387,9 @@ fn run(args: &Args) -> Result<()> {
             let mut mapped = Vec::new();
             for s in &sides {
                 mapped.push([
-                    gpu.map_host(&s.src)?,
-                    gpu.map_host(&s.recv)?,
-                    gpu.map_host(&s.sig)?,
+                    s.src.gpu_addr(&gpu)?,
+                    s.recv.gpu_addr(&gpu)?,
+                    s.sig.gpu_addr(&gpu)?,
                 ]);
             }
             let status = GpuStatus::new(&gpu)?;
@@ -396,10 +411,10 @@ fn run(args: &Args) -> Result<()> {
         let (p, tl) = (pad(size) as usize, tail_len(size));
         for (&i, s) in ids.iter().zip(&sides) {
             pattern::fill(&mut scratch, seed ^ i as u64, 0, size as usize - tl);
-            s.src.write(p, &scratch);
-            s.src.fill(p + size as usize - tl, tl, 0);
-            s.recv.fill(0, s.recv.len(), 0);
-            s.sig.atomic_u64(0).store(0, Ordering::Release);
+            s.src.write(p, &scratch)?;
+            s.src.fill(p + size as usize - tl, tl, 0)?;
+            s.recv.fill(0, s.recv.len(), 0)?;
+            s.sig.write(0, &0u64.to_ne_bytes())?;
         }
         // Across processes A sends only once B has cleared its buffers.
         step(&mut peer, "ready", Ok(()))?;
@@ -492,7 +507,7 @@ fn validate(
         pattern::fill(scratch, seed ^ peer as u64, 0, size as usize - tl);
         scratch.extend_from_slice(&(total as u64).to_le_bytes()[..tl]);
         let mut got = vec![0u8; size as usize];
-        s.recv.read(p, &mut got);
+        s.recv.read(p, &mut got)?;
         if let Some(o) = pattern::first_difference(&got, scratch) {
             bail!(
                 "side {}'s receive buffer: byte {o} of {size} is {:#04x}, expected {:#04x}",
@@ -502,12 +517,15 @@ fn validate(
             );
         }
         let mut before = vec![0u8; p];
-        s.recv.read(0, &mut before);
+        s.recv.read(0, &mut before)?;
         if before.iter().any(|&x| x != 0) {
             bail!("side {}: bytes before the payload changed", ["A", "B"][me]);
         }
         if signal {
-            let v = s.sig.atomic_u64(0).load(Ordering::Acquire);
+            // The run is over (every WQE completed): a plain copy reads the final value.
+            let mut word = [0u8; 8];
+            s.sig.read(0, &mut word)?;
+            let v = u64::from_ne_bytes(word);
             if v != total as u64 {
                 bail!(
                     "side {}'s signal word is {v}, expected {total}",
@@ -522,7 +540,7 @@ fn validate(
 struct GpuLat {
     gpu: std::sync::Arc<gpuverbs::gpu::Gpu>,
     exports: Exports,
-    /// Per side: GPU addresses of src, recv, sig.
+    /// Per side: GPU addresses of src, recv, sig (mapped host memory, or GPU memory).
     mapped: Vec<[u64; 3]>,
     status: GpuStatus,
 }
@@ -552,8 +570,8 @@ impl Engine {
                     .iter_mut()
                     .zip(sides)
                     .zip(targets)
-                    .map(|((ini, side), to)| Poster { ini, side, to })
-                    .collect();
+                    .map(|((ini, side), to)| Poster::new(ini, side, to))
+                    .collect::<Result<_>>()?;
                 run_cpu(&mut posters, ids, size, total, signal, a)
             }
             Engine::Gpu(g) => {
@@ -586,6 +604,26 @@ struct Poster<'a> {
     ini: &'a mut CpuInitiator,
     side: &'a Side,
     to: &'a Target,
+    /// The side's receive buffer and signal word, which the CPU polls with host atomics.
+    recv: &'a HostBuffer,
+    sig: &'a HostBuffer,
+}
+
+impl<'a> Poster<'a> {
+    fn new(ini: &'a mut CpuInitiator, side: &'a Side, to: &'a Target) -> Result<Self> {
+        // check_placement keeps GPU memory from the CPU initiator.
+        let host = |p: &'a Payload| {
+            p.host()
+                .context("the CPU initiator polls host memory only (--mem host)")
+        };
+        Ok(Self {
+            ini,
+            side,
+            to,
+            recv: host(&side.recv)?,
+            sig: host(&side.sig)?,
+        })
+    }
 }
 
 /// Takes the send completions there are; an error completion ends the run.
@@ -624,9 +662,11 @@ fn run_cpu(
 
     // Posts the payload of poster `i` for iteration number k1.
     let send = |posters: &mut [Poster<'_>], i: usize, k1: u64| -> Result<()> {
-        let Poster { ini, side: s, to } = &mut posters[i];
+        let Poster {
+            ini, side: s, to, ..
+        } = &mut posters[i];
         s.src
-            .write((p + size) as usize - tl, &k1.to_le_bytes()[..tl]);
+            .write((p + size) as usize - tl, &k1.to_le_bytes()[..tl])?;
         // One CQE per --cq-mod iterations, and for the last (so that every WQE completes).
         let sig = k1 % a.cq_mod as u64 == 0 || k1 == total as u64;
         let flags = |on: bool| {
@@ -679,7 +719,7 @@ fn run_cpu(
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
-            let s = posters[i].side;
+            let s = &posters[i];
             let done = if signal {
                 s.sig.atomic_u64(0).load(Ordering::Acquire) >= k1
             } else {
@@ -802,8 +842,9 @@ impl GpuLat {
         ];
         // SAFETY: the parameters match gv_sample_write_lat's signature; the side array, the
         // status words and the times are live GPU memory for the whole launch; the GPU
-        // addresses in the sides are mapped host buffers owned by `sides` (alive across the
-        // launch) and the descriptors are exported QPs kept alive by `self.exports`.
+        // addresses in the sides are mapped host buffers or GPU memory (`--mem gpu`) owned by
+        // `sides` (alive across the launch) and the descriptors are exported QPs kept alive by
+        // `self.exports`.
         unsafe {
             self.gpu
                 .launch_sync("gv_sample_write_lat", (2, 1, 1), (1, 1, 1), 0, &mut params)
