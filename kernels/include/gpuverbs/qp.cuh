@@ -588,7 +588,8 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
 // the state it stored, from L2). While the QP is checked out, every call through `q` (reserve,
 // ring, CQ polling, and so every high-level call) returns BUSY and changes nothing, and a second
 // checkout returns BUSY. Everything posted through the copy is on the rings and announced to the
-// device; only `checkin` makes `q` usable again.
+// device; only `checkin` makes `q` usable again. checkout does not wait for calls already in
+// progress through `q`: take a QP nobody is using at that moment (BUSY guards later calls).
 __device__ __forceinline__ status checkout(gpuverbs_qp* q, gpuverbs_qp* mine) {
     if (atomicCAS(&q->checked_out, 0u, 1u) != 0u) return BUSY;
     // Acquire: the state the previous holder released (checkin or st.release.gpu) is visible.
