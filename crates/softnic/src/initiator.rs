@@ -169,6 +169,8 @@ pub struct Initiator {
     rq_pi: u32,
     rq_ci: u32,
     half: usize,
+    /// `half`'s first 8 bytes were cleared by this initiator's previous ring.
+    half_clear: bool,
     /// Blocks of the WQE that starts at each ring slot (to retire on completion).
     sizes: Vec<u8>,
     last: Option<prm::WqeBuf>,
@@ -205,6 +207,7 @@ impl Initiator {
             rq_pi: 0,
             rq_ci: 0,
             half: 0,
+            half_clear: false,
             sizes: vec![0; sq.blocks as usize],
             last: None,
             wake,
@@ -346,10 +349,14 @@ impl Initiator {
             RingMode::BlueFlame if !bf_fits => DoorbellValue::from_pi(self.pi, self.sq.qpn),
             RingMode::BlueFlame => {
                 let bytes = last.as_bytes();
-                // Seqlock order: clear the half's first 8 bytes, then bytes 8.., then (below)
-                // the first 8 bytes, so a device copying the half can tell it was rewritten.
-                // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
-                unsafe { &*(reg(self.half) as *const AtomicU64) }.swap(0, Ordering::Acquire);
+                // Seqlock order (the GPU device API's too): the half's first 8 bytes were
+                // cleared by the previous ring (below; the first ring clears them here), this
+                // fence orders that clear before bytes 8.., then (below) the first 8 bytes, so
+                // a device copying the half can tell it was rewritten.
+                if !self.half_clear {
+                    // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
+                    unsafe { &*(reg(self.half) as *const AtomicU64) }.store(0, Ordering::Relaxed);
+                }
                 fence(Ordering::Release);
                 // SAFETY: the WQE fits in one register half.
                 unsafe {
@@ -367,6 +374,12 @@ impl Initiator {
         unsafe { &*(reg(self.half) as *const AtomicU64) }.store(value.to_u64(), Ordering::Release);
         if self.mode != RingMode::Doca {
             self.half ^= 1;
+        }
+        if self.mode == RingMode::BlueFlame {
+            // Clear the next ring's half ahead of it (see the seqlock order above).
+            // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
+            unsafe { &*(reg(self.half) as *const AtomicU64) }.store(0, Ordering::Relaxed);
+            self.half_clear = true;
         }
         if let Some(w) = &self.wake {
             w();

@@ -98,5 +98,8 @@ fn blueflame_copies_are_never_torn() {
     }
     let c = a.counters();
     assert!(c.errors.is_empty(), "{c:?}");
-    eprintln!("torn register copies dropped: {}", c.bf_torn);
+    eprintln!(
+        "WQEs run from register copies: {}, torn copies dropped: {}",
+        c.bf_run, c.bf_torn
+    );
 }
