@@ -122,6 +122,10 @@ descriptor! {
         scq_lock: u32,
         /// Device API state: 1 while one thread holds the QP's state in registers (`checkout`).
         checked_out: u32,
+        /// Device API state: receive-posting lock.
+        rq_lock: u32,
+        /// Device API state: receive CQ lock.
+        rcq_lock: u32,
     }
 }
 

@@ -184,3 +184,64 @@ GPUVERBS_KERNEL void gv_test_put_private(const uint64_t* qps, const uint64_t* lb
         device_tests::report(out, s, e);
     }
 }
+
+// Receive side, two QPs of one connection, one thread each. Block 0 is the receiver on `rq`:
+// it posts n_imm + n_send receive buffers of `rsize` bytes (at rbuf + k * rsize, lkey rlk),
+// raises *ready, then takes n_imm + n_send receive completions into comps[4k..4k+3] =
+// {opcode, imm, byte_count, wqe_counter}, reporting into out_recv. Block 1 is the sender on
+// `sq`: once *ready, it writes n_imm messages of `size` bytes from src + k * size to
+// dst + k * size with immediate 0x1000 + k, then sends n_send messages from
+// src + (n_imm + k) * size (SEND_IMM with 0x2000 + k for odd k), then quiets, reporting into
+// out_send.
+GPUVERBS_KERNEL void gv_test_recv(gpuverbs_qp* sq, gpuverbs_qp* rq, uint64_t src, uint32_t slk,
+                                  uint64_t dst, uint32_t drk, uint32_t size, uint32_t n_imm,
+                                  uint32_t n_send, uint64_t rbuf, uint32_t rlk, uint32_t rsize,
+                                  uint32_t* ready, uint32_t* comps, uint64_t budget,
+                                  int* out_recv, int* out_send) {
+    using namespace gpuverbs;
+    if (threadIdx.x != 0) return;
+    error e{};
+    status s = OK;
+    if (blockIdx.x == 0) {
+        for (uint32_t k = 0; k < n_imm + n_send && s == OK; ++k) {
+            s = post_recv<sharing::exclusive>(rq, rbuf + (uint64_t)k * rsize, lkey{rlk}, rsize,
+                                              budget);
+        }
+        atomicExch(ready, 1u);
+        for (uint32_t k = 0; k < n_imm + n_send && s == OK; ++k) {
+            recv_completion c{};
+            s = recv_wait<sharing::exclusive>(rq, &c, budget, &e);
+            if (s == OK) {
+                comps[4 * k] = c.opcode;
+                comps[4 * k + 1] = c.imm;
+                comps[4 * k + 2] = c.byte_count;
+                comps[4 * k + 3] = c.wqe_counter;
+            }
+        }
+        device_tests::report(out_recv, s, e);
+        return;
+    }
+    const uint64_t deadline = now_ns() + budget;
+    while (atomicAdd(ready, 0u) == 0u) {
+        if (now_ns() > deadline) {
+            device_tests::report(out_send, TIMEOUT, e);
+            return;
+        }
+    }
+    for (uint32_t k = 0; k < n_imm && s == OK; ++k) {
+        const uint64_t off = (uint64_t)k * size;
+        s = put_imm<sharing::exclusive>(sq, src + off, lkey{slk}, dst + off, rkey{drk}, size,
+                                        0x1000u + k, false, budget);
+    }
+    for (uint32_t k = 0; k < n_send && s == OK; ++k) {
+        const uint64_t off = (uint64_t)(n_imm + k) * size;
+        s = send<sharing::exclusive>(sq, src + off, lkey{slk}, size, k % 2 == 1, 0x2000u + k,
+                                     false, budget);
+    }
+    if (s == OK) {
+        s = quiet<sharing::exclusive>(sq, budget, &e);
+    } else if (s == ERROR_CQE) {
+        e = last_error(sq);
+    }
+    device_tests::report(out_send, s, e);
+}

@@ -91,6 +91,15 @@ fn private_qps_proxy(ctx: &Ctx) -> Result<String> {
 fn private_qps_bf(ctx: &Ctx) -> Result<String> {
     dataplane::private_qps(ctx.ordinal, BlueFlame)
 }
+fn recv_gpudb(ctx: &Ctx) -> Result<String> {
+    dataplane::recv(ctx.ordinal, GpuDoorbell, HostMapped, false)
+}
+fn recv_proxy_gpurings(ctx: &Ctx) -> Result<String> {
+    dataplane::recv(ctx.ordinal, CpuProxy, GpuRings, false)
+}
+fn recv_too_small_bf(ctx: &Ctx) -> Result<String> {
+    dataplane::recv(ctx.ordinal, BlueFlame, HostMapped, true)
+}
 fn collapsed_cq(ctx: &Ctx) -> Result<String> {
     dataplane::collapsed_cq(ctx.ordinal)
 }
@@ -177,6 +186,9 @@ const CASES: &[Case] = cases![
     private_qps_proxy,
     private_qps_bf,
     collapsed_cq,
+    recv_gpudb,
+    recv_proxy_gpurings,
+    recv_too_small_bf,
     exclusive_wrap,
     exclusive_wrap_bf,
     ops_gpudb,

@@ -48,9 +48,11 @@ typedef struct gpuverbs_qp {
     uint32_t ring_lock; /* Device API state: doorbell lock. */
     uint32_t scq_lock; /* Device API state: send CQ lock. */
     uint32_t checked_out; /* Device API state: 1 while one thread holds the QP's state in registers (`checkout`). */
+    uint32_t rq_lock; /* Device API state: receive-posting lock. */
+    uint32_t rcq_lock; /* Device API state: receive CQ lock. */
 } gpuverbs_qp;
 
-GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 232, "gpuverbs_qp size");
+GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 240, "gpuverbs_qp size");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ring) == 0, "sq_ring");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_ring) == 8, "rq_ring");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, dbrec) == 16, "dbrec");
@@ -88,6 +90,8 @@ GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, bf_half) == 216, "bf_half");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, ring_lock) == 220, "ring_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_lock) == 224, "scq_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, checked_out) == 228, "checked_out");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_lock) == 232, "rq_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_lock) == 236, "rcq_lock");
 #define GPUVERBS_DB_GPU_DOORBELL 0u
 #define GPUVERBS_DB_BLUEFLAME 1u
 #define GPUVERBS_DB_CPU_PROXY 2u
