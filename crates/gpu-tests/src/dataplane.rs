@@ -267,6 +267,7 @@ pub fn status_name(s: i32) -> &'static str {
         2 => "TIMEOUT",
         3 => "INVALID",
         4 => "BUSY",
+        5 => "FULL",
         _ => "?",
     }
 }

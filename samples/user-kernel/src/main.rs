@@ -196,7 +196,7 @@ fn run() -> Result<()> {
         .chunks_exact(4)
         .map(|c| i32::from_ne_bytes(c.try_into().expect("4 bytes")))
         .collect();
-    let names = ["OK", "ERROR_CQE", "TIMEOUT", "INVALID", "BUSY"];
+    let names = ["OK", "ERROR_CQE", "TIMEOUT", "INVALID", "BUSY", "FULL"];
     ensure!(
         s[0] == 0,
         "kernel status {} (syndrome {:#04x}, vendor {:#04x}, wqe {})",
