@@ -520,8 +520,10 @@ __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32
 // BlueFlame: the last WQE (up to 4 blocks) goes into the register half as well, seqlock style:
 // the half was cleared by the previous ring (its first 8 bytes are 0, ordered before this
 // ring's bytes by the release fence, system scope in this mode), bytes 8.. are written, a
-// second fence, then the first 8 bytes; then the other half is cleared for the next ring. `last` is the last WQE when the
-// caller built it in registers (one block); otherwise it is read back from the ring.
+// second fence, then the first 8 bytes; then the other half is cleared for the next ring.
+// `last` is the caller's newest WQE when it built it in registers (one block): it is copied
+// from there when it is the last published WQE, which its ctrl segment's index says;
+// otherwise the last WQE is read back from the ring.
 template <sharing S>
 __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
                                        const block* last = nullptr) {
@@ -547,11 +549,15 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
             uint64_t value = (uint64_t)bswap32(q->qpn << 8) << 32 |
                              bswap32(((uint32_t)ready & 0xffffu) << 8);
             if (q->db_mode == GPUVERBS_DB_BLUEFLAME) {
+                // `last` stands for the last published WQE only if its ctrl segment names the
+                // same index (in shared modes another thread may have published after it).
                 const uint64_t at = q->sq_last_start;
-                const uint32_t blocks = last ? 1u : wqe_blocks_at(q, at);
+                const bool held = last && ((bswap32(last->u[0].x) >> 8) & 0xffffu) ==
+                                              (uint32_t)(at & 0xffffu);
+                const uint32_t blocks = held ? 1u : wqe_blocks_at(q, at);
                 if (at + blocks == ready && blocks <= 4) {
                     uint4 first;
-                    if (last) {
+                    if (held) {
                         first = last->u[0];
                         for (int u = 1; u < 4; ++u) st16(reg + u * 16, last->u[u]);
                     } else {
