@@ -29,14 +29,48 @@ GPUVERBS_DEVICE gpuverbs::status bench_step(gpuverbs_qp* q, uint32_t scope, uint
     return put<S>(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, sig, budget, ring_now);
 }
 
+// The timed part of gv_bench_post in sharing mode S: `iters` steps, then (post and complete)
+// quiet by thread 0. Exclusive thread scope works on a register copy of the descriptor
+// (checkout / checkin); exclusive warp scope (one warp per QP) on the descriptor itself.
+template <gpuverbs::sharing S>
+GPUVERBS_DEVICE gpuverbs::status bench_run(gpuverbs_qp* q, uint64_t laddr, uint32_t lk,
+                                           uint64_t raddr, uint32_t rk, uint32_t iters,
+                                           uint32_t scope, uint32_t batch,
+                                           uint32_t signal_every, uint64_t budget) {
+    using namespace gpuverbs;
+    // Each call site passes one fixed descriptor, so the register copy stays in registers.
+    auto steps = [&](gpuverbs_qp* on) {
+        status s = OK;
+        for (uint32_t i = 0; i < iters && s == OK; ++i) {
+            bool sig = signal_every && (i + 1) % signal_every == 0;
+            s = bench_step<S>(on, scope, i, iters, batch, sig, laddr, lk, raddr, rk, budget);
+        }
+        return s;
+    };
+    if (S == sharing::exclusive && scope == 0) {
+        gpuverbs_qp mine;
+        status s = checkout(q, &mine);
+        if (s != OK) return s;
+        s = steps(&mine);
+        if (s == OK && signal_every) s = quiet<S>(&mine, budget);
+        checkin(q, mine);
+        return s;
+    }
+    status s = steps(q);
+    if (signal_every) {
+        __syncthreads();
+        if (s == OK && threadIdx.x == 0) s = quiet<S>(q, budget);
+    }
+    return s;
+}
+
 // Posts `iters` 8-byte writes per thread (scope 0 thread, 1 warp, 2 block). Block b drives
 // QP qps[b % nqps]. `share` is the sharing mode: 0 gpu, 1 exclusive (no atomics: one thread,
-// or with warp scope one warp, drives each QP), 2 cta (the QP's users are one block's threads). With `signal_every` 0 nothing is signaled and nothing is awaited:
-// post-only, for QPs not in RTS (the device executes nothing, so only the device-side cost of
-// building and announcing WQEs is timed; the ring must hold the whole run). Otherwise every
-// `signal_every`-th WQE is signaled and the block ends with quiet (post and complete).
-// Exclusive thread-scope runs work on a register copy of the descriptor (checkout / checkin);
-// exclusive warp-scope runs (one warp per QP) work on the descriptor itself.
+// or with warp scope one warp, drives each QP), 2 cta (the QP's users are one block's threads).
+// With `signal_every` 0 nothing is signaled and nothing is awaited: post-only, for QPs not in
+// RTS (the device executes nothing, so only the device-side cost of building and announcing
+// WQEs is timed; the ring must hold the whole run). Otherwise every `signal_every`-th WQE is
+// signaled and the block ends with quiet (post and complete).
 GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t laddr,
                                    uint32_t lk, uint64_t raddr, uint32_t rk, uint32_t iters,
                                    uint32_t scope, uint32_t batch, uint32_t signal_every,
@@ -46,37 +80,13 @@ GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t 
     gpuverbs_qp* q = reinterpret_cast<gpuverbs_qp*>(qps[blockIdx.x % nqps]);
     __syncthreads();
     bench::stamp_start(t);
-    status s = OK;
-    if (share == 1 && scope == 0) {
-        gpuverbs_qp mine;
-        const status held = checkout(q, &mine);
-        s = held;
-        for (uint32_t i = 0; i < iters && s == OK; ++i) {
-            bool sig = signal_every && (i + 1) % signal_every == 0;
-            s = bench_step<sharing::exclusive>(&mine, scope, i, iters, batch, sig, laddr, lk,
-                                               raddr, rk, budget);
-        }
-        if (s == OK && signal_every) s = quiet<sharing::exclusive>(&mine, budget);
-        if (held == OK) checkin(q, mine);
-    } else {
-        for (uint32_t i = 0; i < iters && s == OK; ++i) {
-            bool sig = signal_every && (i + 1) % signal_every == 0;
-            s = share == 1   ? bench_step<sharing::exclusive>(q, scope, i, iters, batch, sig,
-                                                             laddr, lk, raddr, rk, budget)
-                : share == 2 ? bench_step<sharing::cta>(q, scope, i, iters, batch, sig, laddr, lk,
-                                                        raddr, rk, budget)
-                             : bench_step<sharing::gpu>(q, scope, i, iters, batch, sig, laddr, lk,
-                                                        raddr, rk, budget);
-        }
-        if (signal_every) {
-            __syncthreads();
-            if (s == OK && threadIdx.x == 0) {
-                s = share == 1   ? quiet<sharing::exclusive>(q, budget)
-                    : share == 2 ? quiet<sharing::cta>(q, budget)
-                                 : quiet<sharing::gpu>(q, budget);
-            }
-        }
-    }
+    const status s =
+        share == 1   ? bench_run<sharing::exclusive>(q, laddr, lk, raddr, rk, iters, scope,
+                                                     batch, signal_every, budget)
+        : share == 2 ? bench_run<sharing::cta>(q, laddr, lk, raddr, rk, iters, scope, batch,
+                                               signal_every, budget)
+                     : bench_run<sharing::gpu>(q, laddr, lk, raddr, rk, iters, scope, batch,
+                                               signal_every, budget);
     bench::stamp_end(t);
     if (s != OK) atomicCAS(st_out, 0, (int)s);
 }

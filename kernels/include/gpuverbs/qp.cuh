@@ -177,6 +177,16 @@ __device__ __forceinline__ void unlock(uint32_t* l) {
     }
 }
 
+// Releases the ring writes before the doorbell record or register store that follows: system
+// scope for host-resident rings (ring_loc 0) or when `sys` asks for it, GPU scope otherwise.
+__device__ __forceinline__ void release_wqes(const gpuverbs_qp* q, bool sys = false) {
+    if (sys || q->ring_loc == 0) {
+        asm volatile("fence.release.sys;" ::: "memory");
+    } else {
+        asm volatile("fence.release.gpu;" ::: "memory");
+    }
+}
+
 // ------------------------------------------------------------------------------------------
 // WQE formats (see MLX5-FACTS): segment writers, 16 bytes each, one vector store
 // ------------------------------------------------------------------------------------------
@@ -531,13 +541,9 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
     if (S != sharing::exclusive && !lock<S>(&q->ring_lock, budget_ns)) return TIMEOUT;
     uint64_t ready = state_load<S>(&q->sq_ready);
     if (ready != q->sq_rung) {
-        // System scope for host-resident rings; also in BlueFlame mode, where it orders the
-        // previous ring's clear of this half (host memory) before this ring's copy.
-        if (q->ring_loc == 0 || q->db_mode == GPUVERBS_DB_BLUEFLAME) {
-            asm volatile("fence.release.sys;" ::: "memory");
-        } else {
-            asm volatile("fence.release.gpu;" ::: "memory");
-        }
+        // System scope also in BlueFlame mode, where it orders the previous ring's clear of
+        // this half (host memory) before this ring's copy.
+        release_wqes(q, q->db_mode == GPUVERBS_DB_BLUEFLAME);
         if (q->db_mode == GPUVERBS_DB_CPU_PROXY) {
             st_relaxed_sys64(reinterpret_cast<uint64_t*>(q->proxy_word), ready);
         } else {
@@ -880,11 +886,7 @@ __device__ status post_recv(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint32_t le
                      (posted & (q->rq_wqes - 1)) * (uint64_t)q->rq_stride;
         st16(p, seg_data(laddr, len, lk));
         if (q->rq_stride >= 32) st16(p + 16, seg_data(0, 0, lkey{0x100}));  // terminator
-        if (q->ring_loc == 0) {
-            asm volatile("fence.release.sys;" ::: "memory");
-        } else {
-            asm volatile("fence.release.gpu;" ::: "memory");
-        }
+        release_wqes(q);
         st_relaxed_sys32(reinterpret_cast<uint32_t*>(q->dbrec),
                          bswap32((uint32_t)((posted + 1) & 0xffff)));
         state_store<S>(&q->rq_posted, posted + 1);
