@@ -156,6 +156,7 @@ impl Context {
                 mode: o.mode,
                 init: o.init,
                 ring,
+                dbrec: None,
             })?,
         };
         Ok(Cq {
@@ -293,6 +294,10 @@ impl Pd {
                 },
                 sq_ring,
                 rq_ring,
+                rq_stride: None,
+                dbrec: None,
+                uar: None,
+                user_index: None,
             })?,
         };
         tracing::debug!(qpn = soft.qpn(), ?mode, %reason, "QP created");

@@ -49,6 +49,9 @@ pub struct CqConfig {
     /// Ring memory (at least `ncqe * 64` bytes), host or device memory; allocated in host
     /// memory when `None`.
     pub ring: Option<DmaBuf>,
+    /// The CQ doorbell record (8 bytes of host memory: consumer index, arm word), in memory
+    /// the consumer allocated, as a verbs provider does; allocated by the device when `None`.
+    pub dbrec: Option<DmaBuf>,
 }
 
 /// Why a CQE could not be written.
@@ -92,6 +95,15 @@ impl Cq {
             ));
         }
         let bytes = cfg.ncqe as usize * CQE_SIZE;
+        let dbrec = match cfg.dbrec {
+            Some(d) if d.len() < 8 || !d.is_host() => {
+                return Err(crate::Error::InvalidArgument(
+                    "CQ doorbell record must be 8 bytes of host memory",
+                ))
+            }
+            Some(d) => d,
+            None => DmaBuf::alloc(64),
+        };
         let ring = match cfg.ring {
             Some(r) if r.len() < bytes => {
                 return Err(crate::Error::InvalidArgument(
@@ -126,7 +138,7 @@ impl Cq {
             ncqe: cfg.ncqe,
             mode: cfg.mode,
             ring,
-            dbrec: DmaBuf::alloc(64),
+            dbrec,
             state: Mutex::new(CqState {
                 pi: 0,
                 overrun: false,

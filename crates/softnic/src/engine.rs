@@ -16,7 +16,7 @@ use crate::qp::{DoorbellKind, Qp, QpState, RqState, SqState, Stall};
 use crate::wire::transport;
 use parking_lot::MutexGuard;
 use prm::cqe::{Cqe64, ErrorCqe, RespKind};
-use prm::doorbell::{DoorbellValue, BF_HALF_SIZE, BF_OFFSET};
+use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
 use prm::parse::{parse_wqe, sge_of, AtomicKind, ParsedLocal, ParsedOp};
 use prm::wqe::{blocks_for_ds, CtrlSeg, DataSeg};
 use prm::{Syndrome, DS_UNIT, MAX_WQE_BBS, WQEBB};
@@ -198,14 +198,19 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
         // doorbell is all zeros: its QPN field is never 0).
         return;
     }
-    Counters::add(&dev.counters.doorbells, 1);
-    if sq.drop_doorbells > 0 {
-        sq.drop_doorbells -= 1;
-        Counters::add(&dev.counters.doorbells_dropped, 1);
-        return;
-    }
     let dv = DoorbellValue::from_u64(v);
-    if dv.qpn() != qp.qpn {
+    // On a shared register a doorbell for another QP is that QP's; it may have overwritten
+    // ours before we saw it, so the doorbell record is looked at all the same.
+    let mine = dv.qpn() == qp.qpn;
+    if mine || !qp.shared_uar {
+        Counters::add(&dev.counters.doorbells, 1);
+        if sq.drop_doorbells > 0 {
+            sq.drop_doorbells -= 1;
+            Counters::add(&dev.counters.doorbells_dropped, 1);
+            return;
+        }
+    }
+    if !mine && !qp.shared_uar {
         Counters::add(&dev.counters.bad_doorbells, 1);
         fail(dev, qp, sq, 0, Syndrome::LocalQpOp, vendor::DOORBELL_QPN);
         return;
@@ -214,11 +219,14 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
         0 => dv.index(),
         ds => dv.index().wrapping_add(blocks_for_ds(ds & 0x3f) as u16),
     };
-    let rec = u32::from_be(
-        qp.ctrl
-            .atomic_u32(crate::qp::DBREC_OFF + 4)
-            .load(Ordering::Acquire),
-    ) as u16;
+    let rec = u32::from_be(qp.dbrec_word(1).load(Ordering::Acquire)) as u16;
+    if !mine {
+        let ahead = rec.wrapping_sub(sq.ci);
+        if ahead as u32 <= qp.sq_blocks && ahead > sq.target.wrapping_sub(sq.ci) {
+            sq.target = rec;
+        }
+        return;
+    }
     let ahead = |pi: u16| pi.wrapping_sub(sq.ci);
     let fits = |d: u16| d as u32 <= qp.sq_blocks;
     let best = [from_value, rec]
@@ -240,7 +248,7 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
     }
     if qp.doorbell == DoorbellKind::BlueFlame && dv.ds() != 0 {
         let mut copy = [0u8; BF_HALF_SIZE];
-        qp.uar.read(BF_OFFSET + h * BF_HALF_SIZE, &mut copy);
+        qp.uar.read(qp.bf_off + h * BF_HALF_SIZE, &mut copy);
         // Writers clear the first 8 bytes, write bytes 8.., then the first 8 bytes (a seqlock):
         // if the half no longer holds `v`, a later write started while we copied and the copy
         // may mix two WQEs. The WQE is in the ring too: it then runs from there. (A ConnectX
@@ -426,7 +434,7 @@ pub(crate) fn push_cqe_delayed(
     cqe: Cqe64,
 ) {
     let due = delay.map(|d| Instant::now() + d);
-    match cq.push(cqe, due) {
+    match cq.push(qp.stamp(cqe), due) {
         Ok(()) => Counters::add(&dev.counters.cqes, 1),
         Err(e) => {
             count_cq_error(&dev.counters, e);
@@ -494,7 +502,7 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
             qpn: qp.qpn,
             wqe_counter: rq.ci as u16,
         };
-        match qp.recv_cq.push(Cqe64::error(&e, 0), None) {
+        match qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
             Ok(()) => Counters::add(&dev.counters.cqes, 1),
             Err(e) => count_cq_error(&dev.counters, e),
         }
@@ -503,11 +511,7 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
 }
 
 pub(crate) fn rq_head(qp: &Qp) -> u16 {
-    u32::from_be(
-        qp.ctrl
-            .atomic_u32(crate::qp::DBREC_OFF)
-            .load(Ordering::Acquire),
-    ) as u16
+    u32::from_be(qp.dbrec_word(0).load(Ordering::Acquire)) as u16
 }
 
 /// How a WQE ended when it did not fail.
@@ -803,7 +807,7 @@ impl<'a> Resp<'a> {
         let qp = self.qp;
         let cqe = Cqe64::responder(kind, qp.qpn, from, self.rq.ci as u16, len as u32, imm, 0);
         self.rq.ci = self.rq.ci.wrapping_add(1);
-        match qp.recv_cq.push(cqe, None) {
+        match qp.recv_cq.push(qp.stamp(cqe), None) {
             Ok(()) => Counters::add(&qp.counters.cqes, 1),
             Err(e) => {
                 count_cq_error(&qp.counters, e);
@@ -824,7 +828,7 @@ impl<'a> Resp<'a> {
             wqe_counter: self.rq.ci as u16,
         };
         self.rq.ci = self.rq.ci.wrapping_add(1);
-        if let Err(e) = qp.recv_cq.push(Cqe64::error(&e, 0), None) {
+        if let Err(e) = qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
             count_cq_error(&qp.counters, e);
         }
         Counters::add(&qp.counters.cqes, 1);

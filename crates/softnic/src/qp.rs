@@ -9,7 +9,7 @@ use crate::{Error, Gid};
 use parking_lot::{Mutex, MutexGuard};
 use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, UAR_PAGE_SIZE};
 use prm::Syndrome;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -77,6 +77,28 @@ pub struct QpConfig {
     pub sq_ring: Option<DmaBuf>,
     /// RQ ring memory; allocated in host memory when `None`.
     pub rq_ring: Option<DmaBuf>,
+    /// Bytes per receive WQE (a power of two ≥ 16 · `max_recv_sge`); the smallest such power
+    /// of two when `None`.
+    pub rq_stride: Option<u32>,
+    /// Where the 8-byte doorbell record lives (offset 0 of this buffer): memory the writer
+    /// allocated, as a verbs provider does. In the QP's own control page when `None`.
+    pub dbrec: Option<DmaBuf>,
+    /// The doorbell register, when it is on a UAR page several QPs share (a verbs context's
+    /// pages). A private UAR page when `None`.
+    pub uar: Option<UarRegister>,
+    /// A user index (24 bits) written into every CQE of this QP (`srqn_uidx`), as a ConnectX
+    /// does for QPs created with one under CQE version 1. `None`: the field stays 0.
+    pub user_index: Option<u32>,
+}
+
+/// A doorbell (BlueFlame) register on a UAR page that may be shared by several QPs: doorbells
+/// written to it carry the QPN of the QP they are for, and a QP ignores those naming another.
+#[derive(Clone)]
+pub struct UarRegister {
+    /// The UAR page.
+    pub page: Arc<DmaBuf>,
+    /// Offset of the register (its first half) in the page: `0x800 + k · bf_reg_size`.
+    pub offset: usize,
 }
 
 impl QpConfig {
@@ -94,6 +116,10 @@ impl QpConfig {
             doorbell: DoorbellKind::Register,
             sq_ring: None,
             rq_ring: None,
+            rq_stride: None,
+            dbrec: None,
+            uar: None,
+            user_index: None,
         }
     }
 }
@@ -232,7 +258,15 @@ pub struct Qp {
     pub(crate) sq_ring: DmaBuf,
     pub(crate) rq_ring: DmaBuf,
     pub(crate) ctrl: DmaBuf,
-    pub(crate) uar: DmaBuf,
+    /// An external doorbell record ([`QpConfig::dbrec`]); the control page holds it otherwise.
+    dbrec_ext: Option<DmaBuf>,
+    pub(crate) uar: Arc<DmaBuf>,
+    /// Offset of this QP's doorbell register in [`Qp::uar`].
+    pub(crate) bf_off: usize,
+    /// Whether other QPs ring the same register (doorbells naming them are not errors).
+    pub(crate) shared_uar: bool,
+    /// [`QpConfig::user_index`].
+    user_index: Option<u32>,
     state: AtomicU8,
     /// The connected peer for the wire: `1 << 56 | ipv4 << 24 | qpn`, 0 when none.
     remote: AtomicU64,
@@ -266,7 +300,40 @@ impl Qp {
                 "max_inline larger than a WQE can carry",
             ));
         }
-        let rq_stride = (cfg.max_recv_sge * 16).next_power_of_two();
+        let min_stride = (cfg.max_recv_sge * 16).next_power_of_two();
+        let rq_stride = match cfg.rq_stride {
+            None => min_stride,
+            Some(s) if s.is_power_of_two() && s >= min_stride && s <= 1 << 15 => s,
+            Some(_) => {
+                return Err(Error::InvalidArgument(
+                    "RQ stride must be a power of two ≥ 16 · max_recv_sge",
+                ))
+            }
+        };
+        if cfg
+            .dbrec
+            .as_ref()
+            .is_some_and(|d| d.len() < 8 || !d.is_host())
+        {
+            return Err(Error::InvalidArgument(
+                "doorbell record must be 8 bytes of host memory",
+            ));
+        }
+        let (uar, bf_off, shared_uar) = match cfg.uar {
+            None => (Arc::new(DmaBuf::alloc(UAR_PAGE_SIZE)), BF_OFFSET, false),
+            Some(r) => {
+                if !r.page.is_host()
+                    || r.offset < BF_OFFSET
+                    || r.offset % 8 != 0
+                    || r.offset + 2 * BF_HALF_SIZE > r.page.len()
+                {
+                    return Err(Error::InvalidArgument(
+                        "doorbell register outside its UAR page",
+                    ));
+                }
+                (r.page, r.offset, true)
+            }
+        };
         let sq_bytes = cfg.sq_blocks as usize * prm::WQEBB;
         let rq_bytes = (cfg.rq_wqes * rq_stride) as usize;
         let ring = |given: Option<DmaBuf>, bytes: usize, what| match given {
@@ -290,7 +357,11 @@ impl Qp {
             max_inline: cfg.max_inline,
             doorbell: cfg.doorbell,
             ctrl: DmaBuf::alloc(128),
-            uar: DmaBuf::alloc(UAR_PAGE_SIZE),
+            dbrec_ext: cfg.dbrec,
+            uar,
+            bf_off,
+            shared_uar,
+            user_index: cfg.user_index.map(|u| u & 0xff_ffff),
             state: AtomicU8::new(QpState::Reset as u8),
             remote: AtomicU64::new(0),
             sq: Mutex::new(SqState {
@@ -385,23 +456,46 @@ impl Qp {
     pub fn rq_ring(&self) -> &DmaBuf {
         &self.rq_ring
     }
-    /// The page holding the doorbell record (offset [`Qp::dbrec_offset`]) and the CPU-proxy
-    /// producer word (offset [`Qp::proxy_offset`]).
+    /// The QP's control page: the CPU-proxy producer word (offset [`Qp::proxy_offset`]) and,
+    /// unless the QP was given an external one, the doorbell record.
     pub fn ctrl_page(&self) -> &DmaBuf {
         &self.ctrl
     }
-    /// Offset of the 8-byte doorbell record in [`Qp::ctrl_page`].
+    /// The buffer holding the 8-byte doorbell record, at [`Qp::dbrec_offset`].
+    pub fn dbrec_page(&self) -> &DmaBuf {
+        self.dbrec_ext.as_ref().unwrap_or(&self.ctrl)
+    }
+    /// Offset of the 8-byte doorbell record in [`Qp::dbrec_page`].
     pub fn dbrec_offset(&self) -> usize {
-        DBREC_OFF
+        if self.dbrec_ext.is_some() {
+            0
+        } else {
+            DBREC_OFF
+        }
+    }
+    /// Word `i` of the doorbell record (0: RQ head, 1: SQ producer), big-endian as stored.
+    pub(crate) fn dbrec_word(&self, i: usize) -> &AtomicU32 {
+        self.dbrec_page().atomic_u32(self.dbrec_offset() + 4 * i)
     }
     /// Offset of the 8-byte CPU-proxy producer word in [`Qp::ctrl_page`].
     pub fn proxy_offset(&self) -> usize {
         PROXY_OFF
     }
-    /// The UAR page; the doorbell / BlueFlame register halves are at
-    /// [`prm::doorbell::BF_OFFSET`] and `BF_OFFSET + BF_HALF_SIZE`.
+    /// The UAR page; the doorbell / BlueFlame register halves are at [`Qp::bf_offset`] and
+    /// `bf_offset() + BF_HALF_SIZE` ([`prm::doorbell::BF_OFFSET`] on a private page).
     pub fn uar(&self) -> &DmaBuf {
         &self.uar
+    }
+    /// Offset of the QP's doorbell register in [`Qp::uar`].
+    pub fn bf_offset(&self) -> usize {
+        self.bf_off
+    }
+    /// Puts the QP's user index into a CQE written for it.
+    pub(crate) fn stamp(&self, mut cqe: prm::cqe::Cqe64) -> prm::cqe::Cqe64 {
+        if let Some(u) = self.user_index {
+            cqe.srqn_uidx = prm::Be32::new(u);
+        }
+        cqe
     }
 
     pub(crate) fn lock_sq(&self) -> MutexGuard<'_, SqState> {
@@ -414,7 +508,7 @@ impl Qp {
     /// Reads the current value of BF half `h` (its first 8 bytes).
     pub(crate) fn half_word(&self, h: usize) -> u64 {
         self.uar
-            .atomic_u64(BF_OFFSET + h * BF_HALF_SIZE)
+            .atomic_u64(self.bf_off + h * BF_HALF_SIZE)
             .load(Ordering::Acquire)
     }
 
@@ -485,7 +579,10 @@ impl Qp {
                 rq.ci = 0;
                 rq.wire = Default::default();
                 self.remote.store(0, Ordering::Release);
-                self.ctrl.atomic_u64(DBREC_OFF).store(0, Ordering::Release);
+                if self.dbrec_ext.is_none() {
+                    // The device's own record; an external one belongs to its writer.
+                    self.ctrl.atomic_u64(DBREC_OFF).store(0, Ordering::Release);
+                }
             }
             Modify::Err => {}
         }

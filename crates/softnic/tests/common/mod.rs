@@ -218,6 +218,7 @@ fn make_qp(n: &Node, o: &Opts) -> (Arc<Qp>, Arc<Cq>, Arc<Cq>) {
                 mode: o.cq_mode,
                 init: o.cq_init,
                 ring: None,
+                dbrec: None,
             })
             .unwrap()
     };

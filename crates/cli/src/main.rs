@@ -1,0 +1,174 @@
+//! `gpuverbs`: the project's command-line tool.
+//!
+//! `gpuverbs emu [--ip A] [--port P] [--devices N] -- COMMAND ARGS...` runs COMMAND with soft
+//! NICs that the distro's real libibverbs and libmlx5 see as ConnectX devices (`mlx5_0`, ...):
+//! it writes a sysfs tree for them, preloads the uverbs emulation, runs the command, passes
+//! its exit status through and removes the tree. `--print-env` prints the variables instead,
+//! for scripts.
+
+use anyhow::{bail, Context as _};
+use clap::{Args, Parser, Subcommand};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use uverbs::config::{EmuConfig, ROCE_PORT};
+
+/// The file name of the preload library.
+const PRELOAD: &str = "libgpuverbs_uverbs_preload.so";
+/// Overrides where the preload library is looked for.
+const ENV_PRELOAD: &str = "GPUVERBS_PRELOAD";
+
+#[derive(Parser)]
+#[command(name = "gpuverbs", version, about = "gpuverbs tools")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a program on emulated ConnectX devices (soft NICs under the real rdma-core).
+    Emu(Emu),
+}
+
+#[derive(Args)]
+struct Emu {
+    /// Address of the first device (its RoCE v2 GID is the IPv4-mapped form); device k gets
+    /// this address plus k. Give each process of a job its own.
+    #[arg(long, default_value = "127.0.0.1")]
+    ip: Ipv4Addr,
+    /// UDP port the devices bind and expect their peers on.
+    #[arg(long, default_value_t = ROCE_PORT)]
+    port: u16,
+    /// Number of devices (mlx5_0 ...).
+    #[arg(long, default_value_t = 1)]
+    devices: u32,
+    /// Print the environment (shell `export` lines) instead of running a command; the sysfs
+    /// tree is written to --sysfs (or a new temporary folder) and left for the caller.
+    #[arg(long)]
+    print_env: bool,
+    /// Where to write the sysfs tree (default: a new temporary folder).
+    #[arg(long)]
+    sysfs: Option<PathBuf>,
+    /// The command and its arguments.
+    #[arg(last = true)]
+    command: Vec<String>,
+}
+
+fn preload_path() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os(ENV_PRELOAD) {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("{ENV_PRELOAD}={} is not a file", p.display());
+        }
+        return Ok(p);
+    }
+    let exe = std::env::current_exe().context("cannot find the gpuverbs executable")?;
+    let dir = exe.parent().context("the executable has no folder")?;
+    for d in [dir.to_path_buf(), dir.join("../lib")] {
+        let p = d.join(PRELOAD);
+        if p.is_file() {
+            return Ok(p.canonicalize().unwrap_or(p));
+        }
+    }
+    bail!(
+        "{PRELOAD} not found next to {} (build the workspace, or set {ENV_PRELOAD})",
+        exe.display()
+    )
+}
+
+fn fresh_dir() -> anyhow::Result<PathBuf> {
+    let base = std::env::temp_dir();
+    for i in 0..1000u32 {
+        let d = base.join(format!("gpuverbs-emu-{}-{i}", std::process::id()));
+        match std::fs::create_dir(&d) {
+            Ok(()) => return Ok(d),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e).with_context(|| format!("cannot create {}", d.display())),
+        }
+    }
+    bail!("no free temporary folder name in {}", base.display())
+}
+
+/// The environment of an emulated process.
+fn environment(cfg: &EmuConfig, sysfs: &Path, lib: &Path) -> Vec<(String, String)> {
+    let mut preload = lib.display().to_string();
+    if let Ok(old) = std::env::var("LD_PRELOAD") {
+        if !old.is_empty() {
+            preload = format!("{preload} {old}");
+        }
+    }
+    let mut env = vec![
+        ("LD_PRELOAD".to_string(), preload),
+        ("SYSFS_PATH".to_string(), sysfs.display().to_string()),
+    ];
+    env.extend(cfg.to_env().into_iter().map(|(k, v)| (k.to_string(), v)));
+    env
+}
+
+fn emu(a: Emu) -> anyhow::Result<ExitCode> {
+    let cfg = EmuConfig {
+        ip: a.ip,
+        port: a.port,
+        devices: a.devices,
+    };
+    cfg.validate()?;
+    let lib = preload_path()?;
+    if a.print_env {
+        if !a.command.is_empty() {
+            bail!("--print-env takes no command");
+        }
+        let dir = match a.sysfs {
+            Some(d) => d,
+            None => fresh_dir()?,
+        };
+        uverbs::sysfs::write_tree(&dir, &cfg)
+            .with_context(|| format!("cannot write the sysfs tree in {}", dir.display()))?;
+        for (k, v) in environment(&cfg, &dir, &lib) {
+            println!("export {k}='{v}'");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let Some((prog, args)) = a.command.split_first() else {
+        bail!("no command given: gpuverbs emu [OPTIONS] -- COMMAND [ARGS...]");
+    };
+    let (dir, owned) = match a.sysfs {
+        Some(d) => (d, false),
+        None => (fresh_dir()?, true),
+    };
+    let run = || -> anyhow::Result<ExitCode> {
+        uverbs::sysfs::write_tree(&dir, &cfg)
+            .with_context(|| format!("cannot write the sysfs tree in {}", dir.display()))?;
+        let status = std::process::Command::new(prog)
+            .args(args)
+            .envs(environment(&cfg, &dir, &lib))
+            .status()
+            .with_context(|| format!("cannot run {prog}"))?;
+        use std::os::unix::process::ExitStatusExt as _;
+        let code = match (status.code(), status.signal()) {
+            (Some(c), _) => c,
+            (None, Some(s)) => 128 + s,
+            (None, None) => 1,
+        };
+        Ok(ExitCode::from(code.clamp(0, 255) as u8))
+    };
+    let r = run();
+    if owned {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    r
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Emu(a) => emu(a),
+    };
+    match r {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("gpuverbs: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

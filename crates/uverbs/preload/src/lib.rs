@@ -1,0 +1,341 @@
+//! The LD_PRELOAD library of `gpuverbs emu`: interposes the libc calls that libibverbs and
+//! libmlx5 make on `/dev/infiniband/uverbsN` (open, close, read, write, ioctl, mmap, stat,
+//! fstat) and the RDMA netlink socket, and hands those on the emulation's files to
+//! [`uverbs::Emulation`]. Every other file descriptor and path goes to the real libc function
+//! untouched (one bitmap load for `read`, `write` and `close`).
+//!
+//! No Rust panic crosses into C: each hook catches unwinds and answers EIO.
+
+#![allow(clippy::missing_safety_doc)]
+
+use libc::{c_char, c_int, c_ulong, c_void, mode_t, off_t, size_t, ssize_t};
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use uverbs::{emulation, is_ours, Errno};
+
+/// The next definition of `name` (libc's), looked up once.
+fn next(slot: &AtomicUsize, name: &CStr) -> usize {
+    let p = slot.load(Ordering::Acquire);
+    if p != 0 {
+        return p;
+    }
+    // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name; the result is checked below.
+    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+    if p == 0 {
+        // Nothing to forward to: no process can work like this.
+        uverbs::complain(format_args!("no next definition of {name:?}"));
+        // SAFETY: terminating the process is always sound.
+        unsafe { libc::abort() };
+    }
+    slot.store(p, Ordering::Release);
+    p
+}
+
+macro_rules! real {
+    ($name:literal : fn($($t:ty),*) -> $r:ty) => {{
+        static SLOT: AtomicUsize = AtomicUsize::new(0);
+        let p = next(&SLOT, $name);
+        // (used inside the caller's `unsafe` block: `p` is libc's definition of this symbol,
+        // whose C signature this type states)
+        std::mem::transmute::<usize, unsafe extern "C" fn($($t),*) -> $r>(p)
+    }};
+}
+
+fn set_errno(e: Errno) {
+    // SAFETY: the thread's errno location is always valid.
+    unsafe { *libc::__errno_location() = e.0 };
+}
+
+/// Runs a hook body; a panic becomes EIO.
+fn guard<T>(fail: T, f: impl FnOnce() -> Result<T, Errno>) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            set_errno(e);
+            fail
+        }
+        Err(_) => {
+            uverbs::complain(format_args!("internal error (panic) in a device call; EIO"));
+            set_errno(Errno(libc::EIO));
+            fail
+        }
+    }
+}
+
+/// The path bytes when `path` names an emulated device file (cheap prefix test first).
+unsafe fn device_path<'a>(path: *const c_char) -> Option<&'a [u8]> {
+    if path.is_null() {
+        return None;
+    }
+    // SAFETY: the caller passed a NUL-terminated path (as open/stat require).
+    let p = unsafe { CStr::from_ptr(path) }.to_bytes();
+    p.starts_with(b"/dev/infiniband/uverbs").then_some(p)
+}
+
+fn open_device(p: &[u8], flags: c_int) -> Option<c_int> {
+    let emu = emulation()?;
+    let r =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| emu.open(p, flags))).ok()??;
+    Some(match r {
+        Ok(fd) => fd,
+        Err(e) => {
+            set_errno(e);
+            -1
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    // SAFETY: forwards the caller's arguments.
+    if let Some(p) = unsafe { device_path(path) } {
+        if let Some(fd) = open_device(p, flags) {
+            return fd;
+        }
+    }
+    // SAFETY: libc's open with the caller's arguments.
+    unsafe { real!(c"open": fn(*const c_char, c_int, mode_t) -> c_int)(path, flags, mode) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    // SAFETY: forwards the caller's arguments.
+    if let Some(p) = unsafe { device_path(path) } {
+        if let Some(fd) = open_device(p, flags) {
+            return fd;
+        }
+    }
+    // SAFETY: libc's open64 with the caller's arguments.
+    unsafe { real!(c"open64": fn(*const c_char, c_int, mode_t) -> c_int)(path, flags, mode) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn openat(
+    dirfd: c_int,
+    path: *const c_char,
+    flags: c_int,
+    mode: mode_t,
+) -> c_int {
+    // SAFETY: forwards the caller's arguments (device paths are absolute, so dirfd is moot).
+    if let Some(p) = unsafe { device_path(path) } {
+        if let Some(fd) = open_device(p, flags) {
+            return fd;
+        }
+    }
+    // SAFETY: libc's openat with the caller's arguments.
+    unsafe {
+        real!(c"openat": fn(c_int, *const c_char, c_int, mode_t) -> c_int)(dirfd, path, flags, mode)
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn openat64(
+    dirfd: c_int,
+    path: *const c_char,
+    flags: c_int,
+    mode: mode_t,
+) -> c_int {
+    // SAFETY: forwards the caller's arguments.
+    if let Some(p) = unsafe { device_path(path) } {
+        if let Some(fd) = open_device(p, flags) {
+            return fd;
+        }
+    }
+    // SAFETY: libc's openat64 with the caller's arguments.
+    unsafe {
+        real!(c"openat64": fn(c_int, *const c_char, c_int, mode_t) -> c_int)(
+            dirfd, path, flags, mode,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if is_ours(fd) {
+        if let Some(emu) = emulation() {
+            let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| emu.close(fd)))
+                .unwrap_or(true);
+            if !forward {
+                return 0;
+            }
+        }
+    }
+    // SAFETY: libc's close with the caller's fd.
+    unsafe { real!(c"close": fn(c_int) -> c_int)(fd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    if is_ours(fd) {
+        if let Some(emu) = emulation() {
+            return guard(-1, || emu.read(fd, buf as u64, n).map(|v| v as ssize_t));
+        }
+    }
+    // SAFETY: libc's read with the caller's arguments.
+    unsafe { real!(c"read": fn(c_int, *mut c_void, size_t) -> ssize_t)(fd, buf, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    if is_ours(fd) {
+        if let Some(emu) = emulation() {
+            return guard(-1, || emu.write(fd, buf as u64, n).map(|v| v as ssize_t));
+        }
+    }
+    // SAFETY: libc's write with the caller's arguments.
+    unsafe { real!(c"write": fn(c_int, *const c_void, size_t) -> ssize_t)(fd, buf, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, request: c_ulong, arg: *mut c_void) -> c_int {
+    if is_ours(fd) {
+        // No ioctl interface: libibverbs then uses the write() commands for everything.
+        set_errno(Errno::ENOTTY);
+        return -1;
+    }
+    // SAFETY: libc's ioctl with the caller's arguments.
+    unsafe { real!(c"ioctl": fn(c_int, c_ulong, *mut c_void) -> c_int)(fd, request, arg) }
+}
+
+unsafe fn mmap_hook(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+    sixty_four: bool,
+) -> *mut c_void {
+    if is_ours(fd) {
+        if let Some(emu) = emulation() {
+            return guard(libc::MAP_FAILED, || {
+                emu.mmap(fd, addr, len, prot, flags, off)
+            });
+        }
+    }
+    if sixty_four {
+        // SAFETY: libc's mmap64 with the caller's arguments.
+        unsafe {
+            real!(c"mmap64": fn(*mut c_void, size_t, c_int, c_int, c_int, off_t) -> *mut c_void)(
+                addr, len, prot, flags, fd, off,
+            )
+        }
+    } else {
+        // SAFETY: libc's mmap with the caller's arguments.
+        unsafe {
+            real!(c"mmap": fn(*mut c_void, size_t, c_int, c_int, c_int, off_t) -> *mut c_void)(
+                addr, len, prot, flags, fd, off,
+            )
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    // SAFETY: forwards the caller's arguments.
+    unsafe { mmap_hook(addr, len, prot, flags, fd, off, false) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap64(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    // SAFETY: forwards the caller's arguments.
+    unsafe { mmap_hook(addr, len, prot, flags, fd, off, true) }
+}
+
+unsafe fn fake_stat(path: *const c_char, out: *mut libc::stat) -> Option<c_int> {
+    // SAFETY: `path` is the caller's NUL-terminated path.
+    let p = unsafe { device_path(path) }?;
+    let st =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| emulation()?.stat(p))).ok()??;
+    if out.is_null() {
+        set_errno(Errno::EFAULT);
+        return Some(-1);
+    }
+    // SAFETY: the caller passed a `struct stat` to fill.
+    unsafe { out.write(st) };
+    Some(0)
+}
+
+unsafe fn fake_fstat(fd: c_int, out: *mut libc::stat) -> Option<c_int> {
+    if !is_ours(fd) {
+        return None;
+    }
+    let st = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| emulation()?.fstat(fd)))
+        .ok()??;
+    if out.is_null() {
+        set_errno(Errno::EFAULT);
+        return Some(-1);
+    }
+    // SAFETY: the caller passed a `struct stat` to fill.
+    unsafe { out.write(st) };
+    Some(0)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn stat(path: *const c_char, out: *mut libc::stat) -> c_int {
+    // SAFETY: forwards the caller's arguments.
+    if let Some(r) = unsafe { fake_stat(path, out) } {
+        return r;
+    }
+    // SAFETY: libc's stat with the caller's arguments.
+    unsafe { real!(c"stat": fn(*const c_char, *mut libc::stat) -> c_int)(path, out) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn stat64(path: *const c_char, out: *mut libc::stat) -> c_int {
+    // SAFETY: forwards the caller's arguments (`stat64` is `stat` on 64-bit Linux).
+    if let Some(r) = unsafe { fake_stat(path, out) } {
+        return r;
+    }
+    // SAFETY: libc's stat64 with the caller's arguments.
+    unsafe { real!(c"stat64": fn(*const c_char, *mut libc::stat) -> c_int)(path, out) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fstat(fd: c_int, out: *mut libc::stat) -> c_int {
+    // SAFETY: forwards the caller's arguments.
+    if let Some(r) = unsafe { fake_fstat(fd, out) } {
+        return r;
+    }
+    // SAFETY: libc's fstat with the caller's arguments.
+    unsafe { real!(c"fstat": fn(c_int, *mut libc::stat) -> c_int)(fd, out) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fstat64(fd: c_int, out: *mut libc::stat) -> c_int {
+    // SAFETY: forwards the caller's arguments.
+    if let Some(r) = unsafe { fake_fstat(fd, out) } {
+        return r;
+    }
+    // SAFETY: libc's fstat64 with the caller's arguments.
+    unsafe { real!(c"fstat64": fn(c_int, *mut libc::stat) -> c_int)(fd, out) }
+}
+
+/// `NETLINK_RDMA`.
+const NETLINK_RDMA: c_int = 20;
+
+#[no_mangle]
+pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
+    if domain == libc::AF_NETLINK && protocol == NETLINK_RDMA && emulation().is_some() {
+        // As on a kernel without RDMA: libibverbs then scans $SYSFS_PATH, which names the
+        // emulated devices (and not the host's).
+        set_errno(Errno::EPROTONOSUPPORT);
+        return -1;
+    }
+    // SAFETY: libc's socket with the caller's arguments.
+    unsafe { real!(c"socket": fn(c_int, c_int, c_int) -> c_int)(domain, ty, protocol) }
+}

@@ -1,0 +1,449 @@
+//! The soft NIC under the real rdma-core: a userspace emulation of the kernel side of
+//! `/dev/infiniband/uverbsN` for the mlx5 driver, so that the distro's own libibverbs and
+//! libmlx5 open soft NICs as if they were ConnectX devices.
+//!
+//! The pieces, in the order a program meets them:
+//! - [`sysfs`] writes the tree libibverbs scans (`$SYSFS_PATH`) to find devices;
+//! - the preload library (`crates/uverbs/preload`) interposes the libc calls libibverbs and
+//!   libmlx5 make on the device files and hands them to [`Emulation`];
+//! - [`context`] answers the uverbs `write()` commands ([`abi`]) as the kernel's uverbs core and
+//!   mlx5_ib would, creating soft-NIC objects on the rings, doorbell records and UAR pages the
+//!   provider set up; [`events`] serves completion channels and the async event fd;
+//! - [`device`] holds the soft NICs (one per `mlx5_N`, each with a RoCEv2 wire port on its
+//!   own address, [`config`]).
+//!
+//! Core ioctls answer ENOTTY, so libibverbs takes its `write()` command path throughout.
+
+pub mod abi;
+pub mod config;
+pub mod context;
+pub mod device;
+pub mod events;
+pub mod sysfs;
+pub mod uaccess;
+
+use context::{Context, CqObj, Created, Io};
+use events::EventQueue;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+pub use uaccess::Errno;
+
+/// Writes one line to stderr, prefixed with the emulation's name (never through the hooked
+/// `write`: a raw system call).
+pub fn complain(args: std::fmt::Arguments<'_>) {
+    let line = format!("gpuverbs-emu: {args}\n");
+    // SAFETY: writes our own buffer to fd 2.
+    unsafe { libc::syscall(libc::SYS_write, 2, line.as_ptr(), line.len()) };
+}
+
+static KEYS: AtomicU64 = AtomicU64::new(1);
+/// A process-unique key for an object (event ownership).
+pub(crate) fn next_key() -> u64 {
+    KEYS.fetch_add(1, Ordering::Relaxed)
+}
+
+enum FdKind {
+    /// A device file and its context.
+    Device(Arc<Context>),
+    /// A completion channel of a context.
+    Channel(Arc<EventQueue>, Weak<Context>),
+    /// A context's async event file.
+    Async(Arc<EventQueue>, Weak<Context>),
+}
+
+/// One watched CQ: its context's UAR page 0 (the CQ arm doorbell) and the last value seen there.
+struct Watched {
+    cq: Weak<CqObj>,
+    page0: Arc<softnic::buffer::DmaBuf>,
+    last_db: u64,
+}
+
+/// Bitmap of the fds that are ours (fds below 65536), so that the hooks of `read`, `write` and
+/// `close` cost one load for everyone else's fds.
+static OURS: [AtomicU64; 1024] = [const { AtomicU64::new(0) }; 1024];
+
+fn mark(fd: RawFd, on: bool) {
+    if let Some(w) = OURS.get(fd as usize / 64) {
+        let bit = 1u64 << (fd as usize % 64);
+        if on {
+            w.fetch_or(bit, Ordering::AcqRel);
+        } else {
+            w.fetch_and(!bit, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Whether `fd` is a file of the emulation (cheap; for the hooks' fast path).
+pub fn is_ours(fd: RawFd) -> bool {
+    if fd < 0 {
+        return false;
+    }
+    match OURS.get(fd as usize / 64) {
+        Some(w) => w.load(Ordering::Acquire) & (1 << (fd as usize % 64)) != 0,
+        None => EMU
+            .get()
+            .and_then(|e| e.as_ref())
+            .is_some_and(|e| e.fds.lock().contains_key(&fd)),
+    }
+}
+
+/// The emulation of this process.
+pub struct Emulation {
+    devices: &'static device::Devices,
+    fds: Mutex<HashMap<RawFd, FdKind>>,
+    watched: Mutex<Vec<Watched>>,
+    watcher: OnceLock<()>,
+}
+
+static EMU: OnceLock<Option<Emulation>> = OnceLock::new();
+
+/// The process's emulation, set up from the environment on first use; `None` (after one line
+/// on stderr) when the settings are bad.
+pub fn emulation() -> Option<&'static Emulation> {
+    EMU.get_or_init(|| match config::EmuConfig::from_env() {
+        Ok(cfg) => Some(Emulation {
+            devices: Box::leak(Box::new(device::Devices::new(cfg))),
+            fds: Mutex::new(HashMap::new()),
+            watched: Mutex::new(Vec::new()),
+            watcher: OnceLock::new(),
+        }),
+        Err(e) => {
+            complain(format_args!("emulation disabled: {e}"));
+            None
+        }
+    })
+    .as_ref()
+}
+
+fn os_errno() -> Errno {
+    Errno(
+        std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO),
+    )
+}
+
+impl Emulation {
+    /// The emulated devices.
+    pub fn devices(&self) -> &'static device::Devices {
+        self.devices
+    }
+
+    /// `open(path, flags)`: `None` when `path` is not an emulated device file.
+    pub fn open(&self, path: &[u8], flags: i32) -> Option<Result<RawFd, Errno>> {
+        let dev = self.devices.by_cdev(path)?;
+        if flags & libc::O_ACCMODE != libc::O_RDWR {
+            return Some(Err(Errno::EPERM));
+        }
+        let cloexec = if flags & libc::O_CLOEXEC != 0 {
+            libc::EFD_CLOEXEC
+        } else {
+            0
+        };
+        // A real fd holds the number: an eventfd nothing ever signals.
+        // SAFETY: plain system call; the result is checked.
+        let fd = unsafe { libc::eventfd(0, cloexec) };
+        if fd < 0 {
+            return Some(Err(os_errno()));
+        }
+        self.fds
+            .lock()
+            .insert(fd, FdKind::Device(Arc::new(Context::new(dev))));
+        mark(fd, true);
+        Some(Ok(fd))
+    }
+
+    fn context(&self, fd: RawFd) -> Option<Arc<Context>> {
+        match self.fds.lock().get(&fd) {
+            Some(FdKind::Device(c)) => Some(c.clone()),
+            _ => None,
+        }
+    }
+
+    /// `write(fd, buf, len)` on a file of ours: one uverbs command.
+    pub fn write(&self, fd: RawFd, buf: u64, len: usize) -> Result<usize, Errno> {
+        let ctx = match self.fds.lock().get(&fd) {
+            Some(FdKind::Device(c)) => c.clone(),
+            Some(_) => return Err(Errno::EINVAL),
+            None => return Err(Errno::EBADF),
+        };
+        let bytes = context::read_command(buf, len)?;
+        if bytes.len() < 8 {
+            return Err(Errno::EINVAL);
+        }
+        let hdr: abi::CmdHdr = bytemuck::pod_read_unaligned(&bytes[..8]);
+        let command = hdr.command;
+        let created = if command & abi::CMD_FLAG_EXTENDED != 0 {
+            if bytes.len() < 24 {
+                return Err(Errno::EINVAL);
+            }
+            let ex: abi::ExCmdHdr = bytemuck::pod_read_unaligned(&bytes[8..24]);
+            let core_in = hdr.in_words as usize * 8;
+            let drv_in = ex.provider_in_words as usize * 8;
+            if 24 + core_in + drv_in != len || ex.cmd_hdr_reserved != 0 {
+                return Err(Errno::EINVAL);
+            }
+            let core_out = hdr.out_words as usize * 8;
+            let drv_out = ex.provider_out_words as usize * 8;
+            if (core_out > 0 || drv_out > 0) && ex.response == 0 {
+                return Err(Errno::EFAULT);
+            }
+            let io = Io {
+                core: &bytes[24..24 + core_in],
+                udata: &bytes[24 + core_in..],
+                resp: (ex.response, core_out),
+                uresp: (ex.response + core_out as u64, drv_out),
+            };
+            ctx.ex_command(command & abi::CMD_MASK, &io)
+        } else {
+            if hdr.in_words as usize * 4 != len {
+                return Err(Errno::EINVAL);
+            }
+            let out = hdr.out_words as usize * 4;
+            let c = command & abi::CMD_MASK;
+            let (core_size, resp_size) = legacy_sizes(c);
+            if bytes.len() < 8 + core_size {
+                return Err(Errno::EINVAL);
+            }
+            let core = &bytes[8..8 + core_size];
+            let resp = if resp_size > 0 {
+                u64::from_ne_bytes(core[..8].try_into().expect("8 bytes"))
+            } else {
+                0
+            };
+            let io = Io {
+                core,
+                udata: &bytes[8 + core_size..],
+                resp: (resp, out.min(resp_size)),
+                uresp: (resp + resp_size as u64, out.saturating_sub(resp_size)),
+            };
+            if resp_size > 0 && out < resp_size {
+                return Err(Errno::ENOSPC);
+            }
+            ctx.command(c, &io)
+        };
+        match created? {
+            Created::Nothing => {}
+            Created::Channel(q) => {
+                self.fds
+                    .lock()
+                    .insert(q.fd(), FdKind::Channel(q.clone(), Arc::downgrade(&ctx)));
+                mark(q.fd(), true);
+            }
+            Created::Cq(cq) => self.watch(&ctx, cq),
+        }
+        if command == abi::cmd::GET_CONTEXT {
+            if let Some(q) = ctx.async_q.lock().clone() {
+                self.fds
+                    .lock()
+                    .insert(q.fd(), FdKind::Async(q.clone(), Arc::downgrade(&ctx)));
+                mark(q.fd(), true);
+            }
+        }
+        Ok(len)
+    }
+
+    /// `read(fd, buf, len)` on a file of ours.
+    pub fn read(&self, fd: RawFd, buf: u64, len: usize) -> Result<usize, Errno> {
+        let q = match self.fds.lock().get(&fd) {
+            Some(FdKind::Channel(q, _)) | Some(FdKind::Async(q, _)) => q.clone(),
+            Some(FdKind::Device(_)) => return Err(Errno::EINVAL),
+            None => return Err(Errno::EBADF),
+        };
+        q.read(buf, len)
+    }
+
+    /// `mmap` of a device file: UAR pages (`offset = (cmd << 8 | index) * 4096`).
+    pub fn mmap(
+        &self,
+        fd: RawFd,
+        addr: *mut libc::c_void,
+        len: usize,
+        prot: i32,
+        flags: i32,
+        offset: i64,
+    ) -> Result<*mut libc::c_void, Errno> {
+        let ctx = self.context(fd).ok_or(Errno::EINVAL)?;
+        if offset < 0 || offset % 4096 != 0 {
+            return Err(Errno::EINVAL);
+        }
+        let pg = (offset / 4096) as u64;
+        let (cmd, index) = (pg >> 8, pg & 0xff);
+        // MLX5_IB_MMAP_REGULAR_PAGE 0, WC_PAGE 2, NC_PAGE 3
+        if !matches!(cmd, 0 | 2 | 3) {
+            complain(format_args!(
+                "mmap command {cmd} of the device file is not served (EINVAL)"
+            ));
+            return Err(Errno::EINVAL);
+        }
+        let uars = ctx.uars.lock();
+        uars.as_ref()
+            .ok_or(Errno::EINVAL)?
+            .map(addr, len, prot, flags, index as usize)
+    }
+
+    /// `close(fd)` on a file of ours. Returns whether the caller must close the real fd too.
+    pub fn close(&self, fd: RawFd) -> bool {
+        mark(fd, false);
+        let kind = self.fds.lock().remove(&fd);
+        match kind {
+            Some(FdKind::Device(ctx)) => {
+                ctx.teardown();
+                true
+            }
+            Some(FdKind::Channel(q, ctx)) => {
+                if let Some(c) = ctx.upgrade() {
+                    c.close_channel(q.fd());
+                }
+                // the eventfd closes when the last CQ using the channel is gone
+                false
+            }
+            Some(FdKind::Async(_, ctx)) => {
+                if let Some(c) = ctx.upgrade() {
+                    c.async_q.lock().take();
+                }
+                false
+            }
+            None => true,
+        }
+    }
+
+    /// `fstat` of a device file: the character device libibverbs checks.
+    pub fn fstat(&self, fd: RawFd) -> Option<libc::stat> {
+        match self.fds.lock().get(&fd) {
+            Some(FdKind::Device(c)) => Some(cdev_stat(&c.dev.id)),
+            _ => None,
+        }
+    }
+
+    /// `stat` of `/dev/infiniband/uverbsN`.
+    pub fn stat(&self, path: &[u8]) -> Option<libc::stat> {
+        self.devices.by_cdev(path).map(|d| cdev_stat(&d.id))
+    }
+
+    fn watch(&self, ctx: &Arc<Context>, cq: Arc<CqObj>) {
+        if cq.channel.is_none() {
+            return;
+        }
+        let Some(page0) = ctx.uars.lock().as_ref().and_then(|u| u.page0()) else {
+            return;
+        };
+        let last_db = page0
+            .atomic_u64(context::CQ_DOORBELL)
+            .load(Ordering::Acquire);
+        cq.arm.lock().last_word = cq.dbrec.atomic_u32(4).load(Ordering::Acquire);
+        self.watched.lock().push(Watched {
+            cq: Arc::downgrade(&cq),
+            page0,
+            last_db,
+        });
+        self.watcher.get_or_init(|| {
+            let _ = std::thread::Builder::new()
+                .name("gpuverbs-emu-events".into())
+                .spawn(|| watch_loop(emulation().expect("running")));
+        });
+    }
+}
+
+/// Core struct size and response size of each legacy command (the response pointer is the
+/// struct's first field when there is a response).
+fn legacy_sizes(c: u32) -> (usize, usize) {
+    use abi::cmd::*;
+    use std::mem::size_of as s;
+    match c {
+        GET_CONTEXT => (8, s::<abi::GetContextResp>()),
+        QUERY_DEVICE => (8, s::<abi::QueryDeviceResp>()),
+        QUERY_PORT => (s::<abi::QueryPort>(), s::<abi::QueryPortResp>()),
+        ALLOC_PD => (8, s::<abi::AllocPdResp>()),
+        DEALLOC_PD | DEREG_MR | DEALLOC_MW | DESTROY_AH => (4, 0),
+        REG_MR => (s::<abi::RegMr>(), s::<abi::RegMrResp>()),
+        REREG_MR => (s::<abi::ReregMr>(), s::<abi::ReregMrResp>()),
+        CREATE_COMP_CHANNEL => (8, s::<abi::CompChannelResp>()),
+        CREATE_CQ => (s::<abi::CreateCq>(), s::<abi::CreateCqResp>()),
+        RESIZE_CQ => (s::<abi::ResizeCq>(), 8),
+        DESTROY_CQ => (s::<abi::Destroy>(), s::<abi::DestroyCqResp>()),
+        CREATE_QP => (s::<abi::CreateQp>(), s::<abi::CreateQpResp>()),
+        QUERY_QP => (s::<abi::QueryQp>(), s::<abi::QueryQpResp>()),
+        MODIFY_QP => (s::<abi::ModifyQp>(), 0),
+        DESTROY_QP => (s::<abi::Destroy>(), s::<abi::DestroyQpResp>()),
+        CREATE_AH => (s::<abi::CreateAh>(), s::<abi::CreateAhResp>()),
+        _ => (0, 0),
+    }
+}
+
+fn cdev_stat(id: &config::DeviceIdentity) -> libc::stat {
+    // SAFETY: `stat` is plain old data; all-zero is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    let (maj, min) = id.rdev();
+    st.st_mode = libc::S_IFCHR | 0o666;
+    st.st_rdev = libc::makedev(maj, min);
+    st.st_nlink = 1;
+    st.st_blksize = 4096;
+    st
+}
+
+/// Notices CQ arm doorbells (page 0 of a context's UARs, and the arm word of each CQ's
+/// doorbell record, which the provider writes first) and turns an armed CQ that has a
+/// completion at or past its arm index into one completion event on its channel.
+fn watch_loop(emu: &'static Emulation) {
+    loop {
+        let mut any_armed = false;
+        {
+            let mut w = emu.watched.lock();
+            w.retain(|x| x.cq.strong_count() > 0);
+            for x in w.iter_mut() {
+                let Some(cq) = x.cq.upgrade() else { continue };
+                let mut arm = cq.arm.lock();
+                let db = x
+                    .page0
+                    .atomic_u64(context::CQ_DOORBELL)
+                    .load(Ordering::Acquire);
+                let word = cq.dbrec.atomic_u32(4).load(Ordering::Acquire);
+                if db != x.last_db {
+                    x.last_db = db;
+                    // {BE32(sn << 28 | cmd | ci), BE32(cqn)}
+                    let b = db.to_ne_bytes();
+                    let w0 = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+                    let cqn = u32::from_be_bytes([b[4], b[5], b[6], b[7]]) & 0xff_ffff;
+                    if cqn == cq.soft.cqn() {
+                        arm.armed = true;
+                        arm.ci = w0 & 0xff_ffff;
+                    }
+                }
+                if word != arm.last_word {
+                    arm.last_word = word;
+                    arm.armed = true;
+                    arm.ci = u32::from_be(word) & 0xff_ffff;
+                }
+                if arm.armed {
+                    let produced = cq.soft.produced() & 0xff_ffff;
+                    let ahead = produced.wrapping_sub(arm.ci) & 0xff_ffff;
+                    if ahead != 0 && ahead < 1 << 23 {
+                        arm.armed = false;
+                        if let Some(ch) = &cq.channel {
+                            let ev = abi::CompEvent {
+                                cq_handle: cq.user_handle,
+                            };
+                            ch.push(
+                                bytemuck::bytes_of(&ev),
+                                cq.key,
+                                Some(cq.comp_reported.clone()),
+                            );
+                        }
+                    } else {
+                        any_armed = true;
+                    }
+                }
+            }
+        }
+        std::thread::sleep(if any_armed {
+            Duration::from_micros(20)
+        } else {
+            Duration::from_micros(200)
+        });
+    }
+}
