@@ -287,6 +287,25 @@ impl Device {
         Ok(self.shared.mrs.insert(pd, addr, len, access, Some(mem)))
     }
 
+    /// Re-registers host region `key` in place: a new range, PD or rights under the same key.
+    ///
+    /// # Safety
+    /// As for [`Device::reg_host`], for the new range.
+    pub unsafe fn rereg_host(
+        &self,
+        key: u32,
+        pd: PdId,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<MrInfo, Error> {
+        check_region(addr, len, access)?;
+        self.shared
+            .mrs
+            .replace(key, pd, addr, len, access)
+            .ok_or(Error::NoSuchMr(key))
+    }
+
     /// Deregisters a region. Waits for any copy in flight that uses it.
     pub fn dereg(&self, key: u32) -> Result<MrInfo, Error> {
         self.shared.mrs.remove(key).ok_or(Error::NoSuchMr(key))

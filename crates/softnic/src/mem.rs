@@ -222,6 +222,35 @@ impl MrTable {
         }
     }
 
+    /// Re-registers a live host region in place (new range, PD or rights; the key stays, as
+    /// a ConnectX modifies an mkey in place). Waits for copies in flight, like [`MrTable::remove`].
+    /// `None` when the key is not a live host region.
+    pub fn replace(
+        &self,
+        key: u32,
+        pd: PdId,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> Option<MrInfo> {
+        let mut slots = self.slots.write();
+        match slots.get_mut((key >> 8) as usize) {
+            Some(s) if s.mr.is_some_and(|m| m.key == key) && s.dev.is_none() => {
+                let info = MrInfo {
+                    key,
+                    pd,
+                    addr,
+                    len,
+                    access,
+                    kind: MemKind::Host,
+                };
+                s.mr = Some(info);
+                Some(info)
+            }
+            _ => None,
+        }
+    }
+
     /// Looks a region up by key.
     pub fn get(&self, key: u32) -> Option<MrInfo> {
         self.read().lookup(key)

@@ -10,6 +10,11 @@ pub const ENV_PORT: &str = "GPUVERBS_EMU_PORT";
 /// Number of emulated devices (`mlx5_0` …).
 pub const ENV_DEVICES: &str = "GPUVERBS_EMU_DEVICES";
 
+/// When set, the emulated process writes its soft NICs' counters to this file at exit (one
+/// line per started device: `mlx5_0 wqes=… bad_doorbells=… stale_wqes=… cq_overruns=…
+/// error_cqes=…`).
+pub const ENV_COUNTERS: &str = "GPUVERBS_EMU_COUNTERS";
+
 /// The RoCEv2 UDP port.
 pub const ROCE_PORT: u16 = 4791;
 /// Most devices one process may emulate.

@@ -117,7 +117,7 @@ impl Uars {
     /// Maps UAR page `index` for the application (the device fd's `mmap`).
     pub fn map(
         &self,
-        addr: *mut libc::c_void,
+        addr: usize,
         len: usize,
         prot: i32,
         flags: i32,
@@ -130,7 +130,7 @@ impl Uars {
         // `addr`/`flags` exactly as for any mmap.
         let p = unsafe {
             libc::mmap(
-                addr,
+                addr as *mut libc::c_void,
                 len,
                 prot,
                 flags,
@@ -687,10 +687,10 @@ impl Context {
             Self::check_mr(start, len, va, 0)?;
             old.access
         };
-        // A new registration (new keys) replaces the old one, as on ConnectX.
-        // SAFETY: as in reg_mr.
-        let info = unsafe { soft.reg_host(pd, start, len, a) }.map_err(|_| Errno::EINVAL)?;
-        let _ = soft.dereg(old.key);
+        // The key stays (mlx5_ib modifies the mkey in place).
+        // SAFETY: as in reg_mr, for the new range.
+        let info =
+            unsafe { soft.rereg_host(old.key, pd, start, len, a) }.map_err(|_| Errno::EINVAL)?;
         let h = r.mr_handle;
         io.reply(&abi::ReregMrResp {
             lkey: info.key,

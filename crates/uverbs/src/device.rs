@@ -62,6 +62,11 @@ impl EmuDevice {
         Ok(d)
     }
 
+    /// The soft NIC, if it was started.
+    pub fn started(&self) -> Option<Arc<softnic::Device>> {
+        self.soft.lock().clone()
+    }
+
     /// QUERY_DEVICE's answer.
     pub fn attr(&self) -> abi::QueryDeviceResp {
         abi::QueryDeviceResp {
@@ -143,5 +148,10 @@ impl Devices {
     /// Device `i`.
     pub fn get(&self, i: u32) -> Option<&EmuDevice> {
         self.devs.get(i as usize)
+    }
+
+    /// Every device.
+    pub fn iter(&self) -> impl Iterator<Item = &EmuDevice> {
+        self.devs.iter()
     }
 }

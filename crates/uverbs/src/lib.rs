@@ -105,18 +105,52 @@ static EMU: OnceLock<Option<Emulation>> = OnceLock::new();
 /// on stderr) when the settings are bad.
 pub fn emulation() -> Option<&'static Emulation> {
     EMU.get_or_init(|| match config::EmuConfig::from_env() {
-        Ok(cfg) => Some(Emulation {
-            devices: Box::leak(Box::new(device::Devices::new(cfg))),
-            fds: Mutex::new(HashMap::new()),
-            watched: Mutex::new(Vec::new()),
-            watcher: OnceLock::new(),
-        }),
+        Ok(cfg) => {
+            if std::env::var_os(config::ENV_COUNTERS).is_some() {
+                // SAFETY: registers a plain `extern "C" fn()` to run at exit.
+                unsafe { libc::atexit(dump_counters) };
+            }
+            Some(Emulation {
+                devices: Box::leak(Box::new(device::Devices::new(cfg))),
+                fds: Mutex::new(HashMap::new()),
+                watched: Mutex::new(Vec::new()),
+                watcher: OnceLock::new(),
+            })
+        }
         Err(e) => {
             complain(format_args!("emulation disabled: {e}"));
             None
         }
     })
     .as_ref()
+}
+
+/// One line per started device with the counters that show the sanitizer's verdict.
+pub fn counters_report(emu: &Emulation) -> String {
+    let mut out = String::new();
+    for d in emu.devices.iter() {
+        if let Some(s) = d.started() {
+            let c = s.counters();
+            out += &format!(
+                "{} wqes={} bad_doorbells={} stale_wqes={} cq_overruns={} error_cqes={}\n",
+                d.id.name,
+                c.wqes_executed,
+                c.bad_doorbells,
+                c.stale_wqes,
+                c.cq_overruns,
+                c.errors.values().sum::<u64>()
+            );
+        }
+    }
+    out
+}
+
+extern "C" fn dump_counters() {
+    let _ = std::panic::catch_unwind(|| {
+        if let (Some(path), Some(Some(emu))) = (std::env::var_os(config::ENV_COUNTERS), EMU.get()) {
+            let _ = std::fs::write(path, counters_report(emu));
+        }
+    });
 }
 
 fn os_errno() -> Errno {
@@ -261,7 +295,7 @@ impl Emulation {
     pub fn mmap(
         &self,
         fd: RawFd,
-        addr: *mut libc::c_void,
+        addr: usize,
         len: usize,
         prot: i32,
         flags: i32,

@@ -209,7 +209,7 @@ unsafe fn mmap_hook(
     if is_ours(fd) {
         if let Some(emu) = emulation() {
             return guard(libc::MAP_FAILED, || {
-                emu.mmap(fd, addr, len, prot, flags, off)
+                emu.mmap(fd, addr as usize, len, prot, flags, off)
             });
         }
     }

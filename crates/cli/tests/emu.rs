@@ -1,0 +1,485 @@
+//! `gpuverbs emu` end to end: the distro's real libibverbs and libmlx5 drive soft NICs.
+//! Unmodified rdma-core tools (ibv_devices, ibv_devinfo, ibv_rc_pingpong), Debian's perftest
+//! (server and client as two processes with their own addresses) and rdma-core's pyverbs test
+//! suite run on the emulated devices; afterwards the soft NICs' counters must show no
+//! sanitizer complaint.
+//!
+//! Needs Debian's ibverbs-utils, perftest, python3-pyverbs and rdma-core (CI installs them);
+//! a missing tool fails the test with the package to install.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
+
+/// One heavy test at a time: the machine has two cores.
+fn serial() -> MutexGuard<'static, ()> {
+    static M: Mutex<()> = Mutex::new(());
+    M.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Builds the preload library next to the gpuverbs binary (`cargo test` builds binaries but
+/// not cdylibs of other packages), once per test process.
+fn preload() -> PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
+        let release = dir.file_name().is_some_and(|n| n == "release");
+        let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
+        c.args(["build", "-q", "-p", "gpuverbs-uverbs-preload"]);
+        if release {
+            c.arg("--release");
+        }
+        if let Some(target) = dir.parent() {
+            c.env("CARGO_TARGET_DIR", target);
+        }
+        let st = c.status().expect("run cargo to build the preload library");
+        assert!(st.success(), "building gpuverbs-uverbs-preload failed");
+        let p = dir.join("libgpuverbs_uverbs_preload.so");
+        assert!(p.is_file(), "{} missing after the build", p.display());
+        p
+    })
+    .clone()
+}
+
+fn need(tool: &str, package: &str) {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+        || Path::new(tool).is_file();
+    assert!(
+        found,
+        "{tool} not found: install the Debian package {package}"
+    );
+}
+
+fn emu(ip: &str, counters: Option<&Path>, args: &[&str]) -> Command {
+    let mut c = Command::new(GPUVERBS);
+    c.env("GPUVERBS_PRELOAD", preload());
+    if let Some(f) = counters {
+        c.env("GPUVERBS_EMU_COUNTERS", f);
+    }
+    c.args(["emu", "--ip", ip, "--"]).args(args);
+    c
+}
+
+fn wait(mut child: Child, limit: Duration, what: &str) -> Output {
+    let t = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let o = child.wait_with_output().unwrap();
+            panic!(
+                "{what} did not finish in {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn run(mut c: Command, limit: Duration, what: &str) -> String {
+    let child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = wait(child, limit, what);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{what} failed ({}):\n{text}", o.status);
+    text
+}
+
+/// Whether a TCP port is in LISTEN state (from /proc/net/tcp, without connecting to it).
+fn listening(port: u16) -> bool {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    tcp.lines().skip(1).any(|l| {
+        let f: Vec<_> = l.split_whitespace().collect();
+        f.len() > 3
+            && f[3] == "0A"
+            && f[1]
+                .rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok())
+                == Some(port)
+    })
+}
+
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("gv-emu-{}-{name}", std::process::id()))
+}
+
+/// The counters file must show a clean run: no bad doorbell, stale WQE, CQ overrun or error
+/// completion, and (for an active side) WQEs executed.
+fn check_counters(path: &Path, what: &str, active: bool) {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{what}: no counters ({e})"));
+    let line = text
+        .lines()
+        .next()
+        .unwrap_or_else(|| panic!("{what}: empty counters"));
+    let val = |k: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix(&format!("{k}=")).map(|v| v.parse().unwrap()))
+            .unwrap_or_else(|| panic!("{what}: no {k} in {line:?}"))
+    };
+    assert!(
+        !active || val("wqes") > 0,
+        "{what}: no WQE executed: {line}"
+    );
+    for k in ["bad_doorbells", "stale_wqes", "cq_overruns", "error_cqes"] {
+        assert_eq!(val(k), 0, "{what}: sanitizer complaint: {line}");
+    }
+    let _ = std::fs::remove_file(path);
+}
+
+/// A perftest (or ibv_rc_pingpong) server and client on one host, each under its own
+/// `gpuverbs emu` with its own address. Returns the client's output.
+fn pair(
+    tool: &str,
+    net: u8,
+    tcp_port: u16,
+    args: &[&str],
+    extra_client: &[&str],
+) -> (String, String) {
+    let (sip, cip) = (format!("127.0.{net}.1"), format!("127.0.{net}.2"));
+    let (sc, cc) = (
+        tmp(&format!("{tool}-{net}-s")),
+        tmp(&format!("{tool}-{net}-c")),
+    );
+    let port = tcp_port.to_string();
+    let mut sargs = vec![tool, "-p", &port];
+    sargs.extend_from_slice(args);
+    let server = emu(&sip, Some(&sc), &sargs)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !listening(tcp_port) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{tool} server never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut cargs = sargs.clone();
+    cargs.extend_from_slice(extra_client);
+    cargs.push(&sip);
+    let client = run(
+        emu(&cip, Some(&cc), &cargs),
+        Duration::from_secs(120),
+        &format!("{tool} client"),
+    );
+    let so = wait(server, Duration::from_secs(30), &format!("{tool} server"));
+    let stext =
+        String::from_utf8_lossy(&so.stdout).to_string() + &String::from_utf8_lossy(&so.stderr);
+    assert!(so.status.success(), "{tool} server failed:\n{stext}");
+    // the client always posts; a passive server (WRITE, READ targets) may execute nothing
+    check_counters(&cc, &format!("{tool} client"), true);
+    check_counters(&sc, &format!("{tool} server"), false);
+    (client, stext)
+}
+
+/// The numeric rows of a perftest table (lines that start with the message size).
+fn rows(out: &str) -> Vec<Vec<f64>> {
+    out.lines()
+        .map(|l| {
+            l.split_whitespace()
+                .map(|f| f.parse::<f64>())
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .filter_map(|r| r.ok())
+        .filter(|r| r.len() >= 4)
+        .collect()
+}
+
+#[test]
+fn ibv_devices_and_devinfo_describe_the_device() {
+    need("ibv_devices", "ibverbs-utils");
+    let _g = serial();
+    let mut two = Command::new(GPUVERBS);
+    two.env("GPUVERBS_PRELOAD", preload()).args([
+        "emu",
+        "--ip",
+        "127.0.9.1",
+        "--devices",
+        "2",
+        "--",
+        "ibv_devices",
+    ]);
+    let out = run(two, Duration::from_secs(30), "ibv_devices");
+    assert!(out.contains("mlx5_0") && out.contains("mlx5_1"), "{out}");
+    assert!(
+        out.contains("029ca5ff7f000901"),
+        "node GUID from the address: {out}"
+    );
+    let info = run(
+        emu("127.0.9.1", None, &["ibv_devinfo", "-v"]),
+        Duration::from_secs(30),
+        "ibv_devinfo",
+    );
+    for want in [
+        "hca_id:\tmlx5_0",
+        "board_id:\t\t\tGPUVERBS_SOFTNIC",
+        "vendor_part_id:\t\t\t4125",
+        "PORT_ACTIVE (4)",
+        "link_layer:\t\tEthernet",
+        "GID[  0]:\t\t::ffff:127.0.9.1, RoCE v2",
+        "max_qp_wr:\t\t\t32768",
+    ] {
+        assert!(
+            info.contains(want),
+            "ibv_devinfo -v lacks {want:?}:\n{info}"
+        );
+    }
+}
+
+#[test]
+fn rc_pingpong_checks_every_byte_polled_and_with_events() {
+    need("ibv_rc_pingpong", "ibverbs-utils");
+    let _g = serial();
+    for (i, (size, events)) in [
+        ("64", false),
+        ("4096", false),
+        ("65536", false),
+        ("8", true),
+        ("16384", true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut args = vec!["-g", "0", "-n", "50", "-s", size, "--chk"];
+        if events {
+            args.push("-e");
+        }
+        let (c, s) = pair(
+            "ibv_rc_pingpong",
+            20 + i as u8,
+            18510 + i as u16,
+            &args,
+            &[],
+        );
+        for out in [c, s] {
+            assert!(
+                out.contains("50 iters in"),
+                "size {size} events {events}:\n{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn perftest_bandwidth_tests_run_on_the_emulated_device() {
+    need("ib_write_bw", "perftest");
+    let _g = serial();
+    let mut net = 30;
+    for tool in ["ib_write_bw", "ib_read_bw", "ib_send_bw", "ib_atomic_bw"] {
+        let sizes: &[&str] = if tool == "ib_atomic_bw" {
+            &["8"]
+        } else {
+            &["8", "4096", "65536"]
+        };
+        for size in sizes {
+            net += 1;
+            let args = ["-x", "0", "-s", size, "-n", "200"];
+            let (c, _) = pair(tool, net, 18600 + net as u16, &args, &[]);
+            let r = rows(&c);
+            assert_eq!(
+                r.len(),
+                1,
+                "{tool} -s {size}: one result row expected:\n{c}"
+            );
+            let [bytes, iters, peak, avg, rate] = r[0][..5] else {
+                panic!("{c}")
+            };
+            assert_eq!(bytes, size.parse::<f64>().unwrap(), "{c}");
+            assert_eq!(iters, 200.0, "{c}");
+            assert!(
+                avg > 0.0 && peak >= avg * 0.99 && rate > 0.0,
+                "{tool}: implausible {c}"
+            );
+        }
+    }
+    // duration mode and two QPs
+    net += 1;
+    let (c, _) = pair(
+        "ib_write_bw",
+        net,
+        18600 + net as u16,
+        &["-x", "0", "-s", "4096", "-D", "1"],
+        &[],
+    );
+    assert!(rows(&c).first().is_some_and(|r| r[3] > 0.0), "-D 1:\n{c}");
+    net += 1;
+    let (c, _) = pair(
+        "ib_send_bw",
+        net,
+        18600 + net as u16,
+        &["-x", "0", "-s", "1024", "-n", "100", "-q", "2"],
+        &[],
+    );
+    let r = rows(&c);
+    assert!(
+        r.first().is_some_and(|r| r[1] == 200.0 && r[3] > 0.0),
+        "-q 2 counts 2 x 100 iterations:\n{c}"
+    );
+}
+
+#[test]
+fn perftest_latency_tests_run_on_the_emulated_device() {
+    need("ib_write_lat", "perftest");
+    let _g = serial();
+    let mut net = 60;
+    for tool in ["ib_write_lat", "ib_read_lat", "ib_send_lat"] {
+        for size in ["8", "4096"] {
+            net += 1;
+            let (c, _) = pair(
+                tool,
+                net,
+                18700 + net as u16,
+                &["-x", "0", "-s", size, "-n", "100"],
+                &[],
+            );
+            let r = rows(&c);
+            assert_eq!(
+                r.len(),
+                1,
+                "{tool} -s {size}: one result row expected:\n{c}"
+            );
+            let (tmin, tmax, typical) = (r[0][2], r[0][3], r[0][4]);
+            assert!(
+                tmin > 0.0 && tmin <= typical && typical <= tmax,
+                "{tool}: implausible {c}"
+            );
+        }
+    }
+}
+
+/// Every pyverbs test docs/emulation.md lists as passing must pass; none may fail or error.
+#[test]
+fn pyverbs_tests_pass_or_skip() {
+    let suite = Path::new("/usr/share/doc/rdma-core/tests");
+    assert!(
+        suite.join("run_tests.py").is_file(),
+        "install the Debian package rdma-core (pyverbs tests)"
+    );
+    need("/usr/bin/python3", "python3");
+    let _g = serial();
+    // the suite ships gzipped in Debian: unpack a copy
+    let dir = tmp("pyverbs");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let st = Command::new("cp")
+        .arg("-r")
+        .arg(suite)
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let tests = dir.join("tests");
+    let st = Command::new("sh")
+        .arg("-c")
+        .arg("gunzip -f *.gz")
+        .current_dir(&tests)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let modules = [
+        "test_device",
+        "test_pd",
+        "test_mr",
+        "test_cq",
+        "test_qp",
+        "test_qpex",
+        "test_atomic",
+        "test_cq_events",
+    ];
+    let mut c = emu(
+        "127.0.90.1",
+        None,
+        &[
+            "/usr/bin/python3",
+            "run_tests.py",
+            "--dev",
+            "mlx5_0",
+            "--port",
+            "1",
+            "--gid",
+            "0",
+            "-v",
+        ],
+    );
+    c.args(modules).current_dir(&tests);
+    let child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = wait(child, Duration::from_secs(600), "pyverbs tests");
+    let text = String::from_utf8_lossy(&o.stderr).to_string();
+    let _ = std::fs::remove_dir_all(&dir);
+    let results = pyverbs_results(&text);
+    let expected = include_str!("pyverbs-pass.txt");
+    for name in expected
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let got = results
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, s)| s.as_str());
+        assert_eq!(got, Some("ok"), "pyverbs {name} no longer passes:\n{text}");
+    }
+    let bad: Vec<_> = results
+        .iter()
+        .filter(|(_, s)| s == "ERROR" || s == "FAIL")
+        .collect();
+    assert!(bad.is_empty(), "pyverbs tests failed: {bad:?}\n{text}");
+    assert!(text.contains("\nOK"), "pyverbs suite not OK:\n{text}");
+}
+
+/// (test id, status) from unittest's verbose output: `name (module.Class.name) ... ok`, where
+/// a docstring line may come between and the emulation's own stderr lines may precede the
+/// status.
+fn pyverbs_results(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut current: Option<String> = None;
+    let mut pending = false;
+    for line in text.lines() {
+        if line.starts_with("test_") && line.contains(" (tests.") {
+            let id = line.split(')').next().unwrap_or(line).to_string() + ")";
+            current = Some(id);
+            pending = false;
+        }
+        let status = if let Some((_, rest)) = line.rsplit_once(" ... ") {
+            Some(rest)
+        } else if pending {
+            Some(line)
+        } else {
+            None
+        };
+        if let (Some(id), Some(st)) = (&current, status) {
+            let st = st.trim();
+            if st.starts_with("gpuverbs-emu:") || st.is_empty() {
+                pending = true;
+                continue;
+            }
+            let word = st.split_whitespace().next().unwrap_or("").to_string();
+            out.push((id.clone(), word));
+            current = None;
+            pending = false;
+        }
+    }
+    out
+}
