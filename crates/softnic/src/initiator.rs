@@ -117,6 +117,24 @@ impl CqPoller {
         self.ci
     }
 
+    /// Continues from the consumer index in the CQ doorbell record (what the CQ's previous
+    /// poller last published, 24 bits): the next CQE taken is number `ci`, owned when its owner
+    /// bit is `(ci / ncqe) & 1` (ncqe divides 2^24, so the parity survives the truncation). In
+    /// collapsed mode the CQE now in slot 0, when there is one, counts as already taken.
+    fn resume_from_dbrec(&mut self) {
+        // SAFETY: the CQ DBREC's word 0 is live and 4-byte aligned per the geometry contract.
+        let word = unsafe { &*(self.g.dbrec as *const AtomicU32) }.load(Ordering::Acquire);
+        self.ci = u32::from_be(word) & 0xff_ffff;
+        if self.g.collapsed && self.ci != 0 {
+            // SAFETY: slot 0's tail word is inside the ring and 4-byte aligned.
+            let tail = unsafe { &*(self.g.ring.add(CQE_TAIL_OFFSET) as *const AtomicU32) }
+                .load(Ordering::Acquire);
+            if tail.to_ne_bytes()[3] >> 4 != CqeOpcode::Invalid as u8 {
+                self.last_collapsed = Some(tail);
+            }
+        }
+    }
+
     /// Takes the next CQE if software owns it.
     pub fn poll(&mut self) -> Option<Cqe64> {
         let slot = if self.g.collapsed {
@@ -176,6 +194,8 @@ pub struct Initiator {
     last: Option<prm::WqeBuf>,
     wake: Option<Arc<dyn Fn() + Send + Sync>>,
     _keep: Arc<dyn Any + Send + Sync>,
+    /// Dropped with the initiator (e.g. a claim on the QP that lets one poster at a time in).
+    _guard: Option<Box<dyn Any + Send>>,
 }
 
 // SAFETY: raw pointers into device-visible memory kept alive by `_keep`; see `CqPoller`.
@@ -212,10 +232,23 @@ impl Initiator {
             last: None,
             wake,
             _keep: keep,
+            _guard: None,
         }
     }
 
-    /// An initiator for a soft-NIC QP (its CQs must not be polled by anyone else).
+    /// Hands the initiator something to drop when it is dropped (a claim on its QP).
+    pub fn with_guard(mut self, guard: Box<dyn Any + Send>) -> Self {
+        self._guard = Some(guard);
+        self
+    }
+
+    /// An initiator for a soft-NIC QP (its CQs must not be polled by anyone else). It
+    /// continues from the queue's state as the memory and the device hold it, so it may follow
+    /// an earlier poster (another initiator, a kernel, the CPU proxy) that has stopped: its
+    /// producer index is the doorbell record's send word (the last producer rung), the SQ
+    /// space not yet executed by the device stays taken, the RQ head is the record's receive
+    /// word, and each CQ poller starts at the consumer index in its CQ doorbell record (owner
+    /// parity included). WQEs written but never rung by the earlier poster are overwritten.
     ///
     /// # Panics
     /// When a ring of the QP or of its CQs is in device memory (a CPU cannot store into GPU
@@ -281,7 +314,7 @@ impl Initiator {
         let wake: Arc<dyn Fn() + Send + Sync> = Arc::new(move || shared.kick());
         // SAFETY: all pointers come from buffers owned by `qp` (and its CQs), kept alive by the
         // Arc handed over as keep-alive.
-        unsafe {
+        let mut ini = unsafe {
             Self::from_geometry(
                 sq,
                 rq,
@@ -291,7 +324,39 @@ impl Initiator {
                 qp.clone(),
                 Some(wake),
             )
-        }
+        };
+        ini.resume(qp);
+        ini
+    }
+
+    /// Takes over the queue's state from memory and the device (see [`Self::for_soft_qp`]).
+    fn resume(&mut self, qp: &Qp) {
+        let rec = qp.ctrl_page();
+        let word = |i: usize| {
+            u32::from_be(
+                rec.atomic_u32(qp.dbrec_offset() + 4 * i)
+                    .load(Ordering::Acquire),
+            )
+        };
+        let (rq_head, sq_pi) = (word(0) as u16, word(1) as u16);
+        self.pi = sq_pi;
+        // Blocks the device has not executed yet belong to WQEs still in flight; a record
+        // further ahead than one ring cannot be (then nothing is counted in flight).
+        let in_flight = sq_pi.wrapping_sub(qp.sq_consumer());
+        self.sq_ci = if u32::from(in_flight) <= self.sq.blocks {
+            qp.sq_consumer()
+        } else {
+            sq_pi
+        };
+        let rq_out = rq_head.wrapping_sub(qp.rq_consumer() as u16);
+        self.rq_pi = u32::from(rq_head);
+        self.rq_ci = if u32::from(rq_out) <= self.rq.wqes {
+            self.rq_pi.wrapping_sub(u32::from(rq_out))
+        } else {
+            self.rq_pi
+        };
+        self.send.resume_from_dbrec();
+        self.recv.resume_from_dbrec();
     }
 
     /// Producer index (16-bit block counter of the next WQE).
@@ -343,6 +408,21 @@ impl Initiator {
             .store((self.pi as u32).to_be(), Ordering::Release);
         let bf_fits = last.blocks() * WQEBB <= BF_HALF_SIZE;
         let reg = |h: usize| unsafe { self.sq.bf_reg.add(h * BF_HALF_SIZE) };
+        // The device notices a doorbell as a change of a half's first 8 bytes: a value that
+        // half already holds (the same index, QPN and size again, e.g. after a RESET took the
+        // indices back to 0) goes to the other half, which cannot hold it too.
+        let want = match self.mode {
+            RingMode::Doca => DoorbellValue::from_pi(self.pi, self.sq.qpn),
+            RingMode::BlueFlame if !bf_fits => DoorbellValue::from_pi(self.pi, self.sq.qpn),
+            _ => DoorbellValue::from_ctrl(&last.ctrl()),
+        };
+        // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
+        if unsafe { &*(reg(self.half) as *const AtomicU64) }.load(Ordering::Relaxed)
+            == want.to_u64()
+        {
+            self.half ^= 1;
+            self.half_clear = false;
+        }
         let value = match self.mode {
             RingMode::RdmaCore => DoorbellValue::from_ctrl(&last.ctrl()),
             RingMode::Doca => DoorbellValue::from_pi(self.pi, self.sq.qpn),
