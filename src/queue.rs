@@ -57,7 +57,13 @@ pub struct CqOptions {
     pub depth: u32,
     /// Ring placement.
     pub placement: RingPlacement,
-    /// Consumer-index mode.
+    /// Consumer-index mode. The default, [`CqMode::OverrunDetect`], never loses a completion
+    /// silently: the device reads the consumer index from the CQ doorbell record (the CPU
+    /// initiator and the device API keep it current), and a CQE that would overwrite one not
+    /// yet taken puts the CQ in error and the QP that produced it in ERR; the CPU initiator's
+    /// `wait_send` / `wait_recv` then return `InitiatorError::CqOverrun` once the CQEs in the
+    /// ring are taken. [`CqMode::OverrunIgnore`] (the device never reads the consumer index;
+    /// a slow consumer is overwritten) is for GPU stacks that ask for it.
     pub mode: CqMode,
     /// Initial fill.
     pub init: CqInit,
@@ -68,7 +74,7 @@ impl Default for CqOptions {
         Self {
             depth: 256,
             placement: RingPlacement::HostMapped,
-            mode: CqMode::OverrunIgnore,
+            mode: CqMode::OverrunDetect,
             init: CqInit::Invalid,
         }
     }

@@ -236,3 +236,96 @@ fn default_access_refuses_remote_writes() {
     assert_eq!(a.qp.state(), QpState::Err);
     drop(b.ctx);
 }
+
+/// 16 signaled WRITEs into a 4-entry CQ that nobody polls meanwhile.
+fn flood_small_cq(
+    mode: Option<gpuverbs::queue::CqMode>,
+) -> (Side, Side, softnic::initiator::Initiator) {
+    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+    let pd = ctx.alloc_pd();
+    let mut co = CqOptions {
+        depth: 4,
+        ..Default::default()
+    };
+    if let Some(m) = mode {
+        co.mode = m;
+    }
+    let cq = ctx.create_cq(co).unwrap();
+    let qp = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
+    let buf = HostBuffer::new(4096);
+    let mr = pd.register_with(&buf, Access::LOCAL_WRITE).unwrap();
+    let a = Side {
+        ctx,
+        pd,
+        qp,
+        buf,
+        mr,
+    };
+    let b = side(DoorbellMode::Auto);
+    let o = ConnectOptions {
+        access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+        ..Default::default()
+    };
+    a.qp.connect(&b.qp.endpoint(), o).unwrap();
+    b.qp.connect(&a.qp.endpoint(), o).unwrap();
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    for i in 0..16u64 {
+        let op = Op::Write {
+            remote: b.mr.remote(i * 8),
+            local: Local::Sges(&[a.mr.sge(i * 8, 8)]),
+            imm: None,
+        };
+        ini.post(&op, CtrlFlags::SIGNALED).unwrap();
+    }
+    ini.ring();
+    (a, b, ini)
+}
+
+#[test]
+fn the_default_cq_reports_an_overrun_to_the_poller() {
+    let (a, _b, mut ini) = flood_small_cq(None);
+    let deadline = std::time::Instant::now() + T;
+    while a.qp.state() != QpState::Err {
+        assert!(std::time::Instant::now() < deadline, "no overrun detected");
+        std::thread::yield_now();
+    }
+    for i in 0..4 {
+        assert!(
+            matches!(ini.wait_send(T).unwrap(), Completion::Req { wqe_counter, .. } if wqe_counter == i)
+        );
+    }
+    let t0 = std::time::Instant::now();
+    assert_eq!(
+        ini.wait_send(T),
+        Err(softnic::initiator::InitiatorError::CqOverrun("send"))
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "reported, not timed out"
+    );
+    assert!(ini.cq_overrun(false));
+    assert!(a.qp.send_cq().soft().is_overrun());
+    assert_eq!(a.ctx.soft_device().unwrap().counters().cq_overruns, 12); // the 5th CQE and the 11 flushes after it
+}
+
+#[test]
+fn overrun_ignore_stays_available_on_request() {
+    let (a, b, mut ini) = flood_small_cq(Some(gpuverbs::queue::CqMode::OverrunIgnore));
+    let deadline = std::time::Instant::now() + T;
+    while b.buf.to_vec()[120..128] != a.buf.to_vec()[120..128]
+        || a.ctx.soft_device().unwrap().counters().wqes_executed < 16
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the WRITEs did not run"
+        );
+        std::thread::yield_now();
+    }
+    assert_eq!(a.qp.state(), QpState::Rts);
+    assert!(!ini.cq_overrun(false));
+    assert_eq!(a.ctx.soft_device().unwrap().counters().cq_overruns, 0);
+    // the ring was overwritten: what is there is whatever the last lap left, never an error
+    while let Some(c) = ini.poll_send() {
+        assert!(matches!(c, Completion::Req { .. }), "{c:?}");
+    }
+}

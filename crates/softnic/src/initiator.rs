@@ -88,6 +88,11 @@ pub enum InitiatorError {
     /// No completion arrived in time.
     #[error("no completion within {0:?}")]
     Timeout(Duration),
+    /// The CQ is in error after an overrun (its consumer fell a whole ring behind, in
+    /// overrun-detect mode): completions were lost, and the QP that produced the refused CQE
+    /// is in ERR. Reported once the CQEs still in the ring have been taken.
+    #[error("the {0} CQ overran: completions were lost and the CQ is in error")]
+    CqOverrun(&'static str),
 }
 
 /// Polls one CQ.
@@ -193,6 +198,8 @@ pub struct Initiator {
     sizes: Vec<u8>,
     last: Option<prm::WqeBuf>,
     wake: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// Whether the send / receive CQ is in error (overrun), where the device can say.
+    cq_error: Option<[Arc<dyn Fn() -> bool + Send + Sync>; 2]>,
     _keep: Arc<dyn Any + Send + Sync>,
     /// Dropped with the initiator (e.g. a claim on the QP that lets one poster at a time in).
     _guard: Option<Box<dyn Any + Send>>,
@@ -231,6 +238,7 @@ impl Initiator {
             sizes: vec![0; sq.blocks as usize],
             last: None,
             wake,
+            cq_error: None,
             _keep: keep,
             _guard: None,
         }
@@ -326,6 +334,11 @@ impl Initiator {
             )
         };
         ini.resume(qp);
+        let probe = |cq: &Arc<crate::Cq>| -> Arc<dyn Fn() -> bool + Send + Sync> {
+            let cq = cq.clone();
+            Arc::new(move || cq.is_overrun())
+        };
+        ini.cq_error = Some([probe(qp.send_cq()), probe(qp.recv_cq())]);
         ini
     }
 
@@ -538,19 +551,33 @@ impl Initiator {
         Some(c)
     }
 
-    /// Waits for the next send completion, at most `timeout`.
-    pub fn wait_send(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
-        wait(timeout, || self.poll_send())
+    /// Whether the send CQ (`recv` false) or the receive CQ is in error after an overrun
+    /// (known for soft-NIC QPs; false where the device cannot say).
+    pub fn cq_overrun(&self, recv: bool) -> bool {
+        self.cq_error
+            .as_ref()
+            .is_some_and(|p| p[usize::from(recv)]())
     }
 
-    /// Waits for the next receive completion, at most `timeout`.
+    /// Waits for the next send completion, at most `timeout`;
+    /// [`InitiatorError::CqOverrun`] when the send CQ overran and holds no more CQEs.
+    pub fn wait_send(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
+        let probe = self.cq_error.as_ref().map(|p| p[0].clone());
+        wait(timeout, "send", probe, || self.poll_send())
+    }
+
+    /// Waits for the next receive completion, at most `timeout`;
+    /// [`InitiatorError::CqOverrun`] when the receive CQ overran and holds no more CQEs.
     pub fn wait_recv(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
-        wait(timeout, || self.poll_recv())
+        let probe = self.cq_error.as_ref().map(|p| p[1].clone());
+        wait(timeout, "receive", probe, || self.poll_recv())
     }
 }
 
 fn wait(
     timeout: Duration,
+    which: &'static str,
+    overrun: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
     mut f: impl FnMut() -> Option<Completion>,
 ) -> Result<Completion, InitiatorError> {
     let start = Instant::now();
@@ -558,6 +585,10 @@ fn wait(
     loop {
         if let Some(c) = f() {
             return Ok(c);
+        }
+        if overrun.as_ref().is_some_and(|o| o()) {
+            // Nothing more will be written: take what the ring still holds first.
+            return f().ok_or(InitiatorError::CqOverrun(which));
         }
         if start.elapsed() >= timeout {
             return Err(InitiatorError::Timeout(timeout));
