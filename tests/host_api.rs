@@ -329,3 +329,53 @@ fn overrun_ignore_stays_available_on_request() {
         assert!(matches!(c, Completion::Req { .. }), "{c:?}");
     }
 }
+
+#[test]
+fn host_buffer_len_is_what_was_asked() {
+    for len in [0usize, 1, 16, 4095, 4096, 4097, 10_000] {
+        let b = HostBuffer::new(len);
+        assert_eq!(b.len(), len);
+        assert_eq!(b.is_empty(), len == 0);
+        assert_eq!(b.to_vec(), vec![0u8; len]);
+        assert_eq!(b.addr() % 4096, 0, "page-aligned");
+    }
+    let b = HostBuffer::new(16);
+    b.write(8, &[7; 8]);
+    assert_eq!(b.to_vec(), [[0u8; 8], [7; 8]].concat());
+    // a region covers what was asked for
+    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+    let mr = ctx.alloc_pd().register(&b).unwrap();
+    assert_eq!(mr.len(), 16);
+}
+
+#[test]
+fn host_buffer_sizes_the_allocator_cannot_serve_are_errors() {
+    for len in [usize::MAX - 10, usize::MAX, isize::MAX as usize - 10] {
+        match HostBuffer::try_new(len) {
+            Err(Error::HostAlloc { len: l, .. }) => assert_eq!(l, len),
+            Err(e) => panic!("{len}: {e}"),
+            Ok(b) => panic!("{len}: a buffer of {} bytes", b.len()),
+        }
+    }
+    // More than this machine has: refused by the allocator where the kernel does not
+    // overcommit without limit (mode 1 would hand out the address space).
+    let mode = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").unwrap_or_default();
+    if mode.trim() != "1" {
+        assert!(matches!(
+            HostBuffer::try_new(1 << 50),
+            Err(Error::HostAlloc { .. })
+        ));
+    }
+}
+
+#[test]
+#[should_panic(expected = "HostBuffer::new(18446744073709551605): cannot allocate")]
+fn host_buffer_new_panics_clearly_when_it_cannot_allocate() {
+    let _ = HostBuffer::new(usize::MAX - 10);
+}
+
+#[test]
+#[should_panic(expected = "HostBuffer::write: 12+8 is beyond its 16 bytes")]
+fn host_buffer_access_is_bounded_by_its_length() {
+    HostBuffer::new(16).write(12, &[0; 8]);
+}
