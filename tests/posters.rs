@@ -251,3 +251,44 @@ fn an_initiator_after_reset_starts_at_zero() {
     assert_eq!(counter(&put(&mut ini, &a, &b, 16, 3)), 0);
     assert_eq!(&b.buf.to_vec()[16..24], &[3; 8]);
 }
+
+#[test]
+fn posting_below_rts_is_accepted_and_runs_once_the_qp_is_ready() {
+    // As rdma-core's mlx5 provider (_mlx5_post_send checks no QP state): the WQE is written
+    // and rung; the device runs a QP's SQ only in RTS (and flushes it in ERR), so it waits.
+    let (a, b) = (side(256, DoorbellMode::Auto), side(256, DoorbellMode::Auto));
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    a.buf.fill(0, 8, 0x5a);
+    let (sge, remote) = write_op(&a, &b, 0);
+    let op = Op::Write {
+        remote,
+        local: Local::Sges(&[sge]),
+        imm: None,
+    };
+    assert_eq!(a.qp.state(), gpuverbs::queue::QpState::Reset);
+    assert_eq!(ini.post_and_ring(&op, CtrlFlags::SIGNALED), Ok(0));
+    let o = ConnectOptions {
+        access: Access::REMOTE_WRITE,
+        ..Default::default()
+    };
+    a.qp.modify(softnic::Modify::Init {
+        access: Access::REMOTE_WRITE,
+    })
+    .unwrap();
+    assert_eq!(
+        ini.wait_send(Duration::from_millis(50)),
+        Err(softnic::initiator::InitiatorError::Timeout(
+            Duration::from_millis(50)
+        ))
+    );
+    assert_eq!(b.buf.to_vec()[..8], [0; 8], "nothing ran below RTS");
+    a.qp.modify(softnic::Modify::Reset).unwrap();
+    // RESET dropped what was posted (as mlx5_modify_qp resets the indices): post again.
+    drop(ini);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    assert_eq!(ini.post_and_ring(&op, CtrlFlags::SIGNALED), Ok(0));
+    a.qp.connect(&b.qp.endpoint(), o).unwrap();
+    b.qp.connect(&a.qp.endpoint(), o).unwrap();
+    assert_eq!(counter(&ini.wait_send(T).unwrap()), 0);
+    assert_eq!(b.buf.to_vec()[..8], [0x5a; 8]);
+}
