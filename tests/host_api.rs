@@ -379,3 +379,40 @@ fn host_buffer_new_panics_clearly_when_it_cannot_allocate() {
 fn host_buffer_access_is_bounded_by_its_length() {
     HostBuffer::new(16).write(12, &[0; 8]);
 }
+
+#[test]
+fn dump_reads_one_local_segment_and_completes() {
+    // DUMP (0x23) needs no peer: a QP in RTS towards nothing in particular will do.
+    let (a, _b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let idx = ini
+        .post_and_ring(
+            &Op::Dump {
+                local: a.mr.sge(64, 256),
+            },
+            CtrlFlags::SIGNALED,
+        )
+        .unwrap();
+    match ini.wait_send(T).unwrap() {
+        Completion::Req {
+            wqe_opcode,
+            byte_cnt,
+            wqe_counter,
+            ..
+        } => assert_eq!((wqe_opcode, byte_cnt, wqe_counter), (0x23, 256, idx)),
+        c => panic!("{c:?}"),
+    }
+    // a bad lkey is the requester's LOCAL_PROT, as for any local segment
+    let mut bad = a.mr.sge(0, 8);
+    bad.lkey = prm::Lkey(bad.lkey.0 ^ 0x5500);
+    ini.post_and_ring(&Op::Dump { local: bad }, CtrlFlags::SIGNALED)
+        .unwrap();
+    match ini.wait_send(T).unwrap() {
+        Completion::Error(e) => {
+            assert_eq!(e.syndrome(), Some(Syndrome::LocalProt));
+            assert_eq!(e.wqe_opcode, 0x23);
+        }
+        c => panic!("{c:?}"),
+    }
+    assert_eq!(a.qp.state(), QpState::Err);
+}
