@@ -416,3 +416,52 @@ fn dump_reads_one_local_segment_and_completes() {
     }
     assert_eq!(a.qp.state(), QpState::Err);
 }
+
+#[test]
+fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
+    // WAIT { cqn, max_index } waits for a count: the CQ's written CQEs reaching max_index.
+    let (a, b) = connected(DoorbellMode::Auto);
+    let c2 = a.ctx.create_cq(CqOptions::default()).unwrap();
+    let q2 = a.pd.create_qp(QpOptions::new(&c2, &c2)).unwrap();
+    let cb = b.ctx.create_cq(CqOptions::default()).unwrap();
+    let qb = b.pd.create_qp(QpOptions::new(&cb, &cb)).unwrap();
+    q2.connect(&qb.endpoint(), ConnectOptions::default())
+        .unwrap();
+    qb.connect(&q2.endpoint(), ConnectOptions::default())
+        .unwrap();
+    let mut waiter = a.qp.cpu_initiator(RingMode::Doca);
+    let mut other = q2.cpu_initiator(RingMode::Doca);
+    let wait = Op::Wait {
+        cqn: c2.cqn(),
+        max_index: 2,
+    };
+    waiter.post_and_ring(&wait, CtrlFlags::SIGNALED).unwrap();
+    let short = Duration::from_millis(50);
+    for n in 1..=2u32 {
+        // one edge: with max_index - 1 CQEs produced, the WAIT has not completed
+        assert!(
+            waiter.wait_send(short).is_err(),
+            "completed at {} CQEs",
+            n - 1
+        );
+        other.post_and_ring(&Op::Nop, CtrlFlags::SIGNALED).unwrap();
+        ok(other.wait_send(T).unwrap());
+        assert_eq!(c2.soft().produced(), n);
+    }
+    // the other edge: at max_index CQEs it completes
+    match waiter.wait_send(T).unwrap() {
+        Completion::Req { wqe_opcode, .. } => assert_eq!(wqe_opcode, 0x0f),
+        c => panic!("{c:?}"),
+    }
+    // a max_index already passed completes at once
+    waiter
+        .post_and_ring(
+            &Op::Wait {
+                cqn: c2.cqn(),
+                max_index: 1,
+            },
+            CtrlFlags::SIGNALED,
+        )
+        .unwrap();
+    ok(waiter.wait_send(T).unwrap());
+}
