@@ -21,4 +21,21 @@ pub enum Error {
     /// The object is still used by in-flight work or by other objects.
     #[error("{0} is still in use")]
     Busy(&'static str),
+    /// Host memory of this size cannot be allocated.
+    #[error("cannot allocate a host buffer of {len} bytes: {reason}")]
+    HostAlloc {
+        /// Bytes asked for.
+        len: usize,
+        /// Why not.
+        reason: &'static str,
+    },
+    /// The QP's send queue already has a poster (one at a time: a CPU initiator, a GPU export
+    /// or the CPU proxy; a GPU export and its proxy together).
+    #[error("the QP already has a poster ({held}), so {wanted} cannot post to it: drop it first")]
+    PosterBusy {
+        /// Who holds the QP.
+        held: crate::queue::Poster,
+        /// Who was refused.
+        wanted: crate::queue::Poster,
+    },
 }

@@ -6,7 +6,7 @@
 use crate::cuda::{drv, open, with_driver, CudaError, DeviceInfo, Module};
 use crate::export::{db_mode, QpDesc};
 use crate::memory::{Access, HostBuffer, Mr};
-use crate::queue::{DoorbellMode, Qp};
+use crate::queue::{DoorbellMode, Poster, PosterClaim, Qp, QueueState};
 use crate::Error;
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext};
@@ -341,26 +341,18 @@ impl Gpu {
     }
 
     /// Exports `qp` for kernels: maps its rings, doorbell record, register page (or proxy word)
-    /// and CQs into this GPU and writes a [`QpDesc`] into GPU memory. A QP has one descriptor
-    /// (its owner); a second export is an error.
+    /// and CQs into this GPU and writes a [`QpDesc`] into GPU memory. The export is the QP's
+    /// poster ([`crate::queue::Poster`]) until it is dropped: while a CPU initiator or another
+    /// export holds the QP this is [`Error::PosterBusy`]. The descriptor's counters start from
+    /// the queue's state ([`resume_desc`]), so a kernel continues where an earlier poster
+    /// stopped.
     pub fn export_qp(self: &Arc<Self>, qp: &Qp) -> Result<ExportedQp, Error> {
-        if qp.exported.swap(true, Ordering::AcqRel) {
-            return Err(Error::Busy("QP (already exported: one descriptor per QP)"));
-        }
-        let result = self.export_inner(qp);
-        if result.is_err() {
-            qp.exported.store(false, Ordering::Release);
-        }
-        result
+        let claim = qp.posters.claim(Poster::GpuExport)?;
+        self.export_inner(qp, claim)
     }
 
-    fn export_inner(self: &Arc<Self>, qp: &Qp) -> Result<ExportedQp, Error> {
+    fn export_inner(self: &Arc<Self>, qp: &Qp, claim: PosterClaim) -> Result<ExportedQp, Error> {
         let s = qp.soft();
-        if s.sq_consumer() != 0 {
-            return Err(Error::InvalidArgument(
-                "export a QP before posting to it".into(),
-            ));
-        }
         let scratch = HostBuffer::new(64);
         let scratch_mr = qp.pd().register_with(&scratch, Access::LOCAL_WRITE)?;
         let keep_qp: Arc<dyn Any + Send + Sync> = s.clone();
@@ -409,11 +401,22 @@ impl Gpu {
             rcq_collapsed: (rcq.mode() == softnic::CqMode::Collapsed) as u32,
             ..QpDesc::default()
         };
+        let mut desc = desc;
+        let state = QueueState::of(s);
+        resume_desc(&mut desc, &state)?;
+        if mode == DoorbellMode::CpuProxy {
+            // The kernel's 64-bit producer continues from the queue's (a proxy target made
+            // now starts there too).
+            s.ctrl_page()
+                .atomic_u64(s.proxy_offset())
+                .store(state.sq_pi, Ordering::Release);
+        }
         let mem = self.alloc(core::mem::size_of::<QpDesc>())?;
         mem.write(0, bytemuck::bytes_of(&desc))?;
         Ok(ExportedQp {
             mem,
             _scratch: (scratch, scratch_mr),
+            _claim: claim,
         })
     }
 }
@@ -698,6 +701,44 @@ impl Drop for Alloc {
 pub struct ExportedQp {
     mem: DeviceMem,
     _scratch: (HostBuffer, Mr),
+    _claim: PosterClaim,
+}
+
+/// Sets a new descriptor's device-API counters to continue from `st`: every counter of the
+/// SQ at the producer last rung, less the blocks the device has not executed (still in flight,
+/// so not retired); the CQ consumer indexes from their doorbell records (a collapsed send CQ:
+/// its slot-0 word plus 1, the device API's convention, when a CQE was taken before). The
+/// device API counts receive WQEs against receive completions, so the RQ continues only when
+/// the receive CQ's consumer index is in step with the RQ (every consumed receive's CQE
+/// taken, the receive CQ not shared with the send CQ or another QP); otherwise
+/// `Error::InvalidArgument`.
+pub(crate) fn resume_desc(d: &mut QpDesc, st: &QueueState) -> Result<(), Error> {
+    let pi = st.sq_pi;
+    d.sq_reserved = pi;
+    d.sq_ready = pi;
+    d.sq_rung = pi;
+    d.sq_signaled_end = pi;
+    d.sq_last_start = pi;
+    d.sq_retired = pi.wrapping_sub(u64::from(st.sq_in_flight));
+    d.scq_ci = if d.scq_collapsed != 0 {
+        match st.scq_slot0 {
+            Some(tail) if st.scq_ci != 0 => u64::from(tail) + 1,
+            _ => 0,
+        }
+    } else {
+        u64::from(st.scq_ci)
+    };
+    let rq_out = st.rq_head.wrapping_sub(st.rq_consumer as u16);
+    if d.rq_wqes != 0 && st.rq_consumer as u16 != st.rcq_ci as u16 {
+        return Err(Error::InvalidArgument(format!(
+            "the receive CQ's consumer index ({}) is not in step with the RQ ({} receives \
+             consumed): take every receive completion before exporting the QP",
+            st.rcq_ci, st.rq_consumer
+        )));
+    }
+    d.rcq_ci = u64::from(st.rcq_ci);
+    d.rq_posted = d.rcq_ci + u64::from(rq_out);
+    Ok(())
 }
 
 impl ExportedQp {

@@ -195,6 +195,30 @@ impl ProxyTarget {
         }
     }
 
+    /// The target for a QP of the host API: [`ProxyTarget::for_soft_qp`], holding the QP as
+    /// its CPU-proxy poster ([`crate::queue::Poster`]) until the target is removed (or its
+    /// service dropped), and starting at the queue's producer index (the CPU-proxy word when
+    /// its low 16 bits agree with the doorbell record, else the record's 16 bits), so it
+    /// continues after an earlier poster. [`crate::Error::PosterBusy`] while a CPU initiator
+    /// or another proxy target holds the QP; a GPU export may hold it too (the kernel writes
+    /// the WQEs, the proxy rings for it).
+    pub fn for_qp(qp: &crate::Qp) -> Result<Self, crate::Error> {
+        let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
+        let start = crate::queue::QueueState::of(qp.soft()).sq_pi;
+        let crate::device::Backend::Soft(dev) = &qp.pd().context().inner.backend;
+        if !qp.posters.holds(crate::queue::Poster::GpuExport) {
+            // No kernel writes the word now: it starts where the queue is, not behind it.
+            qp.soft()
+                .ctrl_page()
+                .atomic_u64(qp.soft().proxy_offset())
+                .store(start, Ordering::Release);
+        }
+        let mut t = Self::for_soft_qp(dev, qp.soft()).with_start(start);
+        let keep: Arc<dyn Any + Send + Sync> = Arc::new((t.keep.clone(), claim));
+        t.keep = keep;
+        Ok(t)
+    }
+
     /// Sets the producer index the doorbell already covers (default 0): a word holding a
     /// larger sane value when the target is added is forwarded at once.
     pub fn with_start(mut self, start: u64) -> Self {

@@ -7,7 +7,7 @@ use crate::gpu::Gpu;
 use crate::memory::{Access, Pd};
 use crate::{Context, Error};
 use softnic::DmaBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 pub use softnic::{CqInit, CqMode, QpState};
 
@@ -57,7 +57,13 @@ pub struct CqOptions {
     pub depth: u32,
     /// Ring placement.
     pub placement: RingPlacement,
-    /// Consumer-index mode.
+    /// Consumer-index mode. The default, [`CqMode::OverrunDetect`], never loses a completion
+    /// silently: the device reads the consumer index from the CQ doorbell record (the CPU
+    /// initiator and the device API keep it current), and a CQE that would overwrite one not
+    /// yet taken puts the CQ in error and the QP that produced it in ERR; the CPU initiator's
+    /// `wait_send` / `wait_recv` then return `InitiatorError::CqOverrun` once the CQEs in the
+    /// ring are taken. [`CqMode::OverrunIgnore`] (the device never reads the consumer index;
+    /// a slow consumer is overwritten) is for GPU stacks that ask for it.
     pub mode: CqMode,
     /// Initial fill.
     pub init: CqInit,
@@ -68,7 +74,7 @@ impl Default for CqOptions {
         Self {
             depth: 256,
             placement: RingPlacement::HostMapped,
-            mode: CqMode::OverrunIgnore,
+            mode: CqMode::OverrunDetect,
             init: CqInit::Invalid,
         }
     }
@@ -241,7 +247,148 @@ pub struct Qp {
     pub(crate) doorbell: DoorbellMode,
     pub(crate) doorbell_reason: String,
     pub(crate) psn: u32,
-    pub(crate) exported: std::sync::atomic::AtomicBool,
+    pub(crate) posters: Arc<Posters>,
+}
+
+/// Who posts to a QP's send queue. A send queue has one poster at a time: a CPU initiator
+/// ([`Qp::cpu_initiator`]), a GPU export ([`crate::gpu::Gpu::export_qp`]) or the CPU proxy
+/// ([`crate::proxy::ProxyTarget::for_qp`]); a GPU export and the proxy that rings for it may
+/// hold the QP together (the CPU-proxy doorbell mode). A new poster continues from the queue's
+/// state: producer index, SQ space in flight, CQ consumer indexes and owner parity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Poster {
+    /// A CPU initiator.
+    CpuInitiator,
+    /// A descriptor exported to a GPU.
+    GpuExport,
+    /// A CPU-proxy target.
+    Proxy,
+}
+
+impl std::fmt::Display for Poster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::CpuInitiator => "a CPU initiator",
+            Self::GpuExport => "a GPU export",
+            Self::Proxy => "a CPU-proxy target",
+        })
+    }
+}
+
+/// The posters that hold a QP now.
+#[derive(Debug, Default)]
+pub(crate) struct Posters(Mutex<Vec<Poster>>);
+
+impl Posters {
+    /// Takes the QP for `who`, or says who holds it.
+    pub(crate) fn claim(self: &Arc<Self>, who: Poster) -> Result<PosterClaim, Error> {
+        let mut held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let together = |a: Poster, b: Poster| {
+            matches!(
+                (a, b),
+                (Poster::GpuExport, Poster::Proxy) | (Poster::Proxy, Poster::GpuExport)
+            )
+        };
+        if let Some(&h) = held.iter().find(|&&h| !together(h, who)) {
+            return Err(Error::PosterBusy {
+                held: h,
+                wanted: who,
+            });
+        }
+        held.push(who);
+        drop(held);
+        Ok(PosterClaim {
+            posters: self.clone(),
+            who,
+        })
+    }
+}
+
+impl Posters {
+    /// Whether `who` holds the QP now.
+    pub(crate) fn holds(&self, who: Poster) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&who)
+    }
+}
+
+/// A poster's hold on a QP; dropping it lets the next poster in.
+#[derive(Debug)]
+pub(crate) struct PosterClaim {
+    posters: Arc<Posters>,
+    who: Poster,
+}
+
+impl Drop for PosterClaim {
+    fn drop(&mut self) {
+        let mut held = self
+            .posters
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = held.iter().position(|&h| h == self.who) {
+            held.swap_remove(i);
+        }
+    }
+}
+
+/// A QP's queue state as memory and the device hold it, from which a new poster continues.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct QueueState {
+    /// The producer index (64-bit): the CPU-proxy word when it is at or ahead of the doorbell
+    /// record's 16 bits (a kernel's producer not yet rung, or rung), else those 16 bits.
+    pub sq_pi: u64,
+    /// Blocks before `sq_pi` that the device has not executed yet.
+    pub sq_in_flight: u16,
+    /// The RQ head (doorbell record, receive word).
+    pub rq_head: u16,
+    /// The device's RQ consumer index.
+    pub rq_consumer: u32,
+    /// Send and receive CQ consumer indexes (their CQ doorbell records, 24 bits).
+    pub scq_ci: u32,
+    pub rcq_ci: u32,
+    /// The last word (wqe_counter, signature, op_own) of the send CQ's slot 0 when it holds
+    /// a CQE (for a collapsed CQ).
+    pub scq_slot0: Option<u32>,
+}
+
+impl QueueState {
+    pub(crate) fn of(qp: &softnic::Qp) -> Self {
+        use std::sync::atomic::Ordering::Acquire;
+        let rec = qp.ctrl_page();
+        let word = |i: usize| u32::from_be(rec.atomic_u32(qp.dbrec_offset() + 4 * i).load(Acquire));
+        let sq16 = word(1) as u16;
+        let proxy = rec.atomic_u64(qp.proxy_offset()).load(Acquire);
+        // The proxy word, when a kernel wrote it ahead of the record (its WQEs not rung yet),
+        // else the record's 16 bits, as the 64-bit value at or below the word.
+        let sq_pi = proxy
+            .checked_sub(u64::from((proxy as u16).wrapping_sub(sq16)))
+            .unwrap_or(u64::from(sq16));
+        let in_flight = (sq_pi as u16).wrapping_sub(qp.sq_consumer());
+        let cq_ci =
+            |cq: &softnic::Cq| u32::from_be(cq.dbrec().atomic_u32(0).load(Acquire)) & 0xff_ffff;
+        let scq = qp.send_cq();
+        let scq_slot0 = scq
+            .ring()
+            .load_u32_acquire(prm::cqe::CQE_TAIL_OFFSET)
+            .ok()
+            .filter(|t| t.to_ne_bytes()[3] >> 4 != prm::cqe::CqeOpcode::Invalid as u8);
+        Self {
+            sq_pi,
+            sq_in_flight: if u32::from(in_flight) <= qp.sq_blocks() {
+                in_flight
+            } else {
+                0
+            },
+            rq_head: word(0) as u16,
+            rq_consumer: qp.rq_consumer(),
+            scq_ci: cq_ci(scq),
+            rcq_ci: cq_ci(qp.recv_cq()),
+            scq_slot0,
+        }
+    }
 }
 
 impl Pd {
@@ -310,7 +457,7 @@ impl Pd {
             doorbell: mode,
             doorbell_reason: reason,
             psn,
-            exported: std::sync::atomic::AtomicBool::new(false),
+            posters: Arc::default(),
         })
     }
 }
@@ -387,11 +534,12 @@ impl Qp {
         placement_of(self.soft.sq_ring())
     }
 
-    /// A CPU initiator on this QP (it takes the QP's CQs for itself).
+    /// A CPU initiator on this QP (it takes the QP's CQs for itself). It is the QP's one
+    /// poster until it is dropped, and it continues from the queue's state ([`Poster`]).
     ///
     /// # Panics
-    /// When the QP or one of its CQs has its rings in GPU memory; see
-    /// [`Qp::try_cpu_initiator`].
+    /// When [`Qp::try_cpu_initiator`] fails: the QP or one of its CQs has its rings in GPU
+    /// memory, or the QP already has a poster.
     pub fn cpu_initiator(
         &self,
         mode: softnic::initiator::RingMode,
@@ -402,17 +550,24 @@ impl Qp {
         }
     }
 
-    /// A CPU initiator on this QP, or an error when the QP or one of its CQs has its rings in
-    /// GPU memory ([`RingPlacement::Gpu`]): the CPU writes WQEs and polls CQEs with host
-    /// stores and loads, which GPU memory does not take. Drive such a QP from a kernel.
+    /// A CPU initiator on this QP, or an error: [`Error::PosterBusy`] while another poster
+    /// (CPU initiator, GPU export, CPU proxy) holds the QP; `Error::Soft(InvalidArgument)`
+    /// when the QP or one of its CQs has its rings in GPU memory ([`RingPlacement::Gpu`]):
+    /// the CPU writes WQEs and polls CQEs with host stores and loads, which GPU memory does
+    /// not take (drive such a QP from a kernel). The initiator holds the QP until it is
+    /// dropped; it starts where the queue is: the producer index last rung, the SQ space the
+    /// device has not executed yet, the CQ consumer indexes (and owner parity) in the CQ
+    /// doorbell records.
     pub fn try_cpu_initiator(
         &self,
         mode: softnic::initiator::RingMode,
     ) -> Result<softnic::initiator::Initiator, Error> {
+        let claim = self.posters.claim(Poster::CpuInitiator)?;
         match &self.pd.ctx.inner.backend {
             Backend::Soft(d) => Ok(softnic::initiator::Initiator::try_for_soft_qp(
                 d, &self.soft, mode,
-            )?),
+            )?
+            .with_guard(Box::new(claim))),
         }
     }
 }
@@ -474,5 +629,105 @@ mod tests {
         assert!(q2.try_cpu_initiator(RingMode::Doca).is_err());
         let q3 = pd.create_qp(QpOptions::new(&host_cq, &host_cq)).unwrap();
         assert!(q3.try_cpu_initiator(RingMode::Doca).is_ok());
+    }
+
+    #[test]
+    fn a_gpu_export_claim_excludes_the_cpu_and_pairs_with_the_proxy() {
+        let ctx = Context::open(DeviceRequest::Soft).unwrap();
+        let cq = ctx.create_cq(CqOptions::default()).unwrap();
+        let qp = ctx.alloc_pd().create_qp(QpOptions::new(&cq, &cq)).unwrap();
+        let ini = qp.cpu_initiator(RingMode::Doca);
+        assert!(matches!(
+            qp.posters.claim(Poster::GpuExport),
+            Err(Error::PosterBusy {
+                held: Poster::CpuInitiator,
+                wanted: Poster::GpuExport
+            })
+        ));
+        drop(ini);
+        let gpu = qp.posters.claim(Poster::GpuExport).unwrap();
+        let proxy = qp.posters.claim(Poster::Proxy).unwrap();
+        assert!(matches!(
+            qp.posters.claim(Poster::GpuExport),
+            Err(Error::PosterBusy {
+                held: Poster::GpuExport,
+                wanted: Poster::GpuExport
+            })
+        ));
+        assert!(matches!(
+            qp.try_cpu_initiator(RingMode::Doca),
+            Err(Error::PosterBusy {
+                wanted: Poster::CpuInitiator,
+                ..
+            })
+        ));
+        drop((gpu, proxy));
+        assert!(qp.try_cpu_initiator(RingMode::Doca).is_ok());
+    }
+
+    #[test]
+    fn a_gpu_descriptor_continues_from_the_queue() {
+        use crate::gpu::resume_desc;
+        use crate::{Access, ConnectOptions, HostBuffer};
+        use prm::wqe::{CtrlFlags, Local, Op};
+        let (a, b) = (
+            Context::open(DeviceRequest::Soft).unwrap(),
+            Context::open(DeviceRequest::Soft).unwrap(),
+        );
+        let (sa, ra, cb) = (
+            a.create_cq(CqOptions::default()).unwrap(),
+            a.create_cq(CqOptions::default()).unwrap(),
+            b.create_cq(CqOptions::default()).unwrap(),
+        );
+        let pa = a.alloc_pd();
+        let qa = pa.create_qp(QpOptions::new(&sa, &ra)).unwrap();
+        let shared = pa.create_qp(QpOptions::new(&sa, &sa)).unwrap();
+        let pb = b.alloc_pd();
+        let qb = pb.create_qp(QpOptions::new(&cb, &cb)).unwrap();
+        let o = ConnectOptions {
+            access: Access::REMOTE_WRITE,
+            ..Default::default()
+        };
+        qa.connect(&qb.endpoint(), o).unwrap();
+        qb.connect(&qa.endpoint(), o).unwrap();
+        let (src, dst) = (HostBuffer::new(64), HostBuffer::new(64));
+        let smr = pa.register(&src).unwrap();
+        let dmr = pb
+            .register_with(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+        let mut ini = qa.cpu_initiator(RingMode::RdmaCore);
+        ini.post_recv(&[smr.sge(0, 8)]).unwrap();
+        for i in 0..3 {
+            let op = Op::Write {
+                remote: dmr.remote(i * 8),
+                local: Local::Sges(&[smr.sge(0, 8)]),
+                imm: None,
+            };
+            ini.post_and_ring(&op, CtrlFlags::SIGNALED).unwrap();
+            ini.wait_send(std::time::Duration::from_secs(5)).unwrap();
+        }
+        drop(ini);
+        let st = QueueState::of(qa.soft());
+        let mut d = crate::export::QpDesc {
+            rq_wqes: 256,
+            ..Default::default()
+        };
+        resume_desc(&mut d, &st).unwrap();
+        assert_eq!(
+            (
+                d.sq_reserved,
+                d.sq_ready,
+                d.sq_rung,
+                d.sq_retired,
+                d.sq_signaled_end
+            ),
+            (3, 3, 3, 3, 3)
+        );
+        assert_eq!((d.scq_ci, d.rcq_ci, d.rq_posted), (3, 0, 1));
+        // A receive CQ that also takes send completions (here qa's) is not in step with the RQ.
+        assert!(matches!(
+            resume_desc(&mut d, &QueueState::of(shared.soft())),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 }

@@ -236,3 +236,232 @@ fn default_access_refuses_remote_writes() {
     assert_eq!(a.qp.state(), QpState::Err);
     drop(b.ctx);
 }
+
+/// 16 signaled WRITEs into a 4-entry CQ that nobody polls meanwhile.
+fn flood_small_cq(
+    mode: Option<gpuverbs::queue::CqMode>,
+) -> (Side, Side, softnic::initiator::Initiator) {
+    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+    let pd = ctx.alloc_pd();
+    let mut co = CqOptions {
+        depth: 4,
+        ..Default::default()
+    };
+    if let Some(m) = mode {
+        co.mode = m;
+    }
+    let cq = ctx.create_cq(co).unwrap();
+    let qp = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
+    let buf = HostBuffer::new(4096);
+    let mr = pd.register_with(&buf, Access::LOCAL_WRITE).unwrap();
+    let a = Side {
+        ctx,
+        pd,
+        qp,
+        buf,
+        mr,
+    };
+    let b = side(DoorbellMode::Auto);
+    let o = ConnectOptions {
+        access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+        ..Default::default()
+    };
+    a.qp.connect(&b.qp.endpoint(), o).unwrap();
+    b.qp.connect(&a.qp.endpoint(), o).unwrap();
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    for i in 0..16u64 {
+        let op = Op::Write {
+            remote: b.mr.remote(i * 8),
+            local: Local::Sges(&[a.mr.sge(i * 8, 8)]),
+            imm: None,
+        };
+        ini.post(&op, CtrlFlags::SIGNALED).unwrap();
+    }
+    ini.ring();
+    (a, b, ini)
+}
+
+#[test]
+fn the_default_cq_reports_an_overrun_to_the_poller() {
+    let (a, _b, mut ini) = flood_small_cq(None);
+    let deadline = std::time::Instant::now() + T;
+    while a.qp.state() != QpState::Err {
+        assert!(std::time::Instant::now() < deadline, "no overrun detected");
+        std::thread::yield_now();
+    }
+    for i in 0..4 {
+        assert!(
+            matches!(ini.wait_send(T).unwrap(), Completion::Req { wqe_counter, .. } if wqe_counter == i)
+        );
+    }
+    let t0 = std::time::Instant::now();
+    assert_eq!(
+        ini.wait_send(T),
+        Err(softnic::initiator::InitiatorError::CqOverrun("send"))
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "reported, not timed out"
+    );
+    assert!(ini.cq_overrun(false));
+    assert!(a.qp.send_cq().soft().is_overrun());
+    assert_eq!(a.ctx.soft_device().unwrap().counters().cq_overruns, 12); // the 5th CQE and the 11 flushes after it
+}
+
+#[test]
+fn overrun_ignore_stays_available_on_request() {
+    let (a, b, mut ini) = flood_small_cq(Some(gpuverbs::queue::CqMode::OverrunIgnore));
+    let deadline = std::time::Instant::now() + T;
+    while b.buf.to_vec()[120..128] != a.buf.to_vec()[120..128]
+        || a.ctx.soft_device().unwrap().counters().wqes_executed < 16
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the WRITEs did not run"
+        );
+        std::thread::yield_now();
+    }
+    assert_eq!(a.qp.state(), QpState::Rts);
+    assert!(!ini.cq_overrun(false));
+    assert_eq!(a.ctx.soft_device().unwrap().counters().cq_overruns, 0);
+    // the ring was overwritten: what is there is whatever the last lap left, never an error
+    while let Some(c) = ini.poll_send() {
+        assert!(matches!(c, Completion::Req { .. }), "{c:?}");
+    }
+}
+
+#[test]
+fn host_buffer_len_is_what_was_asked() {
+    for len in [0usize, 1, 16, 4095, 4096, 4097, 10_000] {
+        let b = HostBuffer::new(len);
+        assert_eq!(b.len(), len);
+        assert_eq!(b.is_empty(), len == 0);
+        assert_eq!(b.to_vec(), vec![0u8; len]);
+        assert_eq!(b.addr() % 4096, 0, "page-aligned");
+    }
+    let b = HostBuffer::new(16);
+    b.write(8, &[7; 8]);
+    assert_eq!(b.to_vec(), [[0u8; 8], [7; 8]].concat());
+    // a region covers what was asked for
+    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+    let mr = ctx.alloc_pd().register(&b).unwrap();
+    assert_eq!(mr.len(), 16);
+}
+
+#[test]
+fn host_buffer_sizes_the_allocator_cannot_serve_are_errors() {
+    for len in [usize::MAX - 10, usize::MAX, isize::MAX as usize - 10] {
+        match HostBuffer::try_new(len) {
+            Err(Error::HostAlloc { len: l, .. }) => assert_eq!(l, len),
+            Err(e) => panic!("{len}: {e}"),
+            Ok(b) => panic!("{len}: a buffer of {} bytes", b.len()),
+        }
+    }
+    // More than this machine has: refused by the allocator where the kernel does not
+    // overcommit without limit (mode 1 would hand out the address space).
+    let mode = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").unwrap_or_default();
+    if mode.trim() != "1" {
+        assert!(matches!(
+            HostBuffer::try_new(1 << 50),
+            Err(Error::HostAlloc { .. })
+        ));
+    }
+}
+
+#[test]
+#[should_panic(expected = "HostBuffer::new(18446744073709551605): cannot allocate")]
+fn host_buffer_new_panics_clearly_when_it_cannot_allocate() {
+    let _ = HostBuffer::new(usize::MAX - 10);
+}
+
+#[test]
+#[should_panic(expected = "HostBuffer::write: 12+8 is beyond its 16 bytes")]
+fn host_buffer_access_is_bounded_by_its_length() {
+    HostBuffer::new(16).write(12, &[0; 8]);
+}
+
+#[test]
+fn dump_reads_one_local_segment_and_completes() {
+    // DUMP (0x23) needs no peer: a QP in RTS towards nothing in particular will do.
+    let (a, _b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let idx = ini
+        .post_and_ring(
+            &Op::Dump {
+                local: a.mr.sge(64, 256),
+            },
+            CtrlFlags::SIGNALED,
+        )
+        .unwrap();
+    match ini.wait_send(T).unwrap() {
+        Completion::Req {
+            wqe_opcode,
+            byte_cnt,
+            wqe_counter,
+            ..
+        } => assert_eq!((wqe_opcode, byte_cnt, wqe_counter), (0x23, 256, idx)),
+        c => panic!("{c:?}"),
+    }
+    // a bad lkey is the requester's LOCAL_PROT, as for any local segment
+    let mut bad = a.mr.sge(0, 8);
+    bad.lkey = prm::Lkey(bad.lkey.0 ^ 0x5500);
+    ini.post_and_ring(&Op::Dump { local: bad }, CtrlFlags::SIGNALED)
+        .unwrap();
+    match ini.wait_send(T).unwrap() {
+        Completion::Error(e) => {
+            assert_eq!(e.syndrome(), Some(Syndrome::LocalProt));
+            assert_eq!(e.wqe_opcode, 0x23);
+        }
+        c => panic!("{c:?}"),
+    }
+    assert_eq!(a.qp.state(), QpState::Err);
+}
+
+#[test]
+fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
+    // WAIT { cqn, max_index } waits for a count: the CQ's written CQEs reaching max_index.
+    let (a, b) = connected(DoorbellMode::Auto);
+    let c2 = a.ctx.create_cq(CqOptions::default()).unwrap();
+    let q2 = a.pd.create_qp(QpOptions::new(&c2, &c2)).unwrap();
+    let cb = b.ctx.create_cq(CqOptions::default()).unwrap();
+    let qb = b.pd.create_qp(QpOptions::new(&cb, &cb)).unwrap();
+    q2.connect(&qb.endpoint(), ConnectOptions::default())
+        .unwrap();
+    qb.connect(&q2.endpoint(), ConnectOptions::default())
+        .unwrap();
+    let mut waiter = a.qp.cpu_initiator(RingMode::Doca);
+    let mut other = q2.cpu_initiator(RingMode::Doca);
+    let wait = Op::Wait {
+        cqn: c2.cqn(),
+        max_index: 2,
+    };
+    waiter.post_and_ring(&wait, CtrlFlags::SIGNALED).unwrap();
+    let short = Duration::from_millis(50);
+    for n in 1..=2u32 {
+        // one edge: with max_index - 1 CQEs produced, the WAIT has not completed
+        assert!(
+            waiter.wait_send(short).is_err(),
+            "completed at {} CQEs",
+            n - 1
+        );
+        other.post_and_ring(&Op::Nop, CtrlFlags::SIGNALED).unwrap();
+        ok(other.wait_send(T).unwrap());
+        assert_eq!(c2.soft().produced(), n);
+    }
+    // the other edge: at max_index CQEs it completes
+    match waiter.wait_send(T).unwrap() {
+        Completion::Req { wqe_opcode, .. } => assert_eq!(wqe_opcode, 0x0f),
+        c => panic!("{c:?}"),
+    }
+    // a max_index already passed completes at once
+    waiter
+        .post_and_ring(
+            &Op::Wait {
+                cqn: c2.cqn(),
+                max_index: 1,
+            },
+            CtrlFlags::SIGNALED,
+        )
+        .unwrap();
+    ok(waiter.wait_send(T).unwrap());
+}

@@ -139,6 +139,11 @@ pub enum ParsedOp<'a> {
         /// CQE index to wait for.
         max_index: u32,
     },
+    /// DUMP: a local read of one data segment.
+    Dump {
+        /// The range (byte count 0 read as 2 GiB).
+        local: Sge,
+    },
 }
 
 /// A WQE as the device sees it.
@@ -445,6 +450,16 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
                 max_index: w.max_index.get(),
             }
         }
+        Opcode::Dump => {
+            if n != 2 {
+                return Err(shape);
+            }
+            let d: DataSeg = seg(bytes, 1);
+            if d.byte_count.get() & INLINE_SEG != 0 {
+                return Err(WqeError::InlineNotAllowed { opcode: raw_op });
+            }
+            ParsedOp::Dump { local: sge_of(&d) }
+        }
     };
     Ok(ParsedWqe {
         opcode,
@@ -612,6 +627,7 @@ mod tests {
             ) => {
                 assert_eq!((cqn, max_index), (c2, m2));
             }
+            (Op::Dump { local }, ParsedOp::Dump { local: l2 }) => assert_eq!(local, l2),
             (a, b) => panic!("{a:?} parsed as {b:?}"),
         }
     }
@@ -683,6 +699,50 @@ mod tests {
             cqn: 7,
             max_index: 99,
         });
+        round_trip(Op::Dump {
+            local: Sge {
+                addr: 0x1000,
+                len: 64,
+                lkey: Lkey(0x1234),
+            },
+        });
+    }
+
+    #[test]
+    fn dump_is_ctrl_plus_one_data_segment() {
+        let local = Sge {
+            addr: 0x1122_3344_5566_7788,
+            len: 4096,
+            lkey: Lkey(0xabcd),
+        };
+        let w = Op::Dump { local }
+            .encode(5, 0x42, CtrlFlags::SIGNALED)
+            .unwrap();
+        let b = w.as_bytes();
+        assert_eq!(w.ds(), 2);
+        assert_eq!(&b[0..4], &(5u32 << 8 | 0x23).to_be_bytes());
+        assert_eq!(&b[4..8], &(0x42u32 << 8 | 2).to_be_bytes());
+        assert_eq!(&b[16..20], &4096u32.to_be_bytes());
+        assert_eq!(&b[20..24], &0xabcdu32.to_be_bytes());
+        assert_eq!(&b[24..32], &0x1122_3344_5566_7788u64.to_be_bytes());
+        // wrong sizes and inline data are malformed
+        let mut three = [0u8; 128];
+        three[..32].copy_from_slice(&b[..32]);
+        three[7] = 3;
+        assert!(matches!(
+            parse_wqe(&three),
+            Err(WqeError::BadShape {
+                opcode: 0x23,
+                ds: 3
+            })
+        ));
+        let mut inl = [0u8; 128];
+        inl[..32].copy_from_slice(&b[..32]);
+        inl[16..20].copy_from_slice(&(0x8000_0008u32).to_be_bytes());
+        assert!(matches!(
+            parse_wqe(&inl),
+            Err(WqeError::InlineNotAllowed { opcode: 0x23 })
+        ));
     }
 
     fn raw(opcode: u32, opmod: u32, ds: u32) -> [u8; 128] {

@@ -35,6 +35,9 @@ pub enum Opcode {
     AtomicMaskedCs = 0x14,
     /// Masked fetch-and-add (4 or 8 bytes, per opmod).
     AtomicMaskedFa = 0x15,
+    /// Local read of one data segment (lkey-checked) that completes with a CQE; DOCA GPUNetIO
+    /// posts it after a READ to flush GPUDirect writes on GPUs without write ordering.
+    Dump = 0x23,
 }
 
 impl Opcode {
@@ -52,6 +55,7 @@ impl Opcode {
             0x12 => Self::AtomicFa,
             0x14 => Self::AtomicMaskedCs,
             0x15 => Self::AtomicMaskedFa,
+            0x23 => Self::Dump,
             _ => return None,
         })
     }
@@ -70,6 +74,7 @@ impl Opcode {
             Self::AtomicFa => "ATOMIC_FA",
             Self::AtomicMaskedCs => "ATOMIC_MASKED_CS",
             Self::AtomicMaskedFa => "ATOMIC_MASKED_FA",
+            Self::Dump => "DUMP",
         }
     }
 }
@@ -414,6 +419,12 @@ pub enum Op<'a> {
         /// CQE index to wait for.
         max_index: u32,
     },
+    /// DUMP: ctrl + one data segment (ds 2); the device reads `local` (lkey-checked) and
+    /// completes.
+    Dump {
+        /// The local range read.
+        local: Sge,
+    },
 }
 
 /// Fence mode of a WQE.
@@ -619,6 +630,7 @@ impl Op<'_> {
             Op::MaskedFetchAdd { size, .. } => (Opcode::AtomicMaskedFa, size.opmod()),
             Op::MaskedCompareSwap { size, .. } => (Opcode::AtomicMaskedCs, size.opmod()),
             Op::Wait { .. } => (Opcode::Wait, 0),
+            Op::Dump { .. } => (Opcode::Dump, 0),
         }
     }
 
@@ -731,6 +743,7 @@ impl Op<'_> {
                 max_index: Be32::new(max_index),
                 cqn: Be32::new(cqn),
             })?,
+            Op::Dump { local } => u.push(&DataSeg::new(local))?,
         }
         let ds = (u.at / DS_UNIT) as u8;
         let (opcode, opmod) = self.opcode();

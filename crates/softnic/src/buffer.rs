@@ -44,8 +44,13 @@ pub const PAGE: usize = 4096;
 impl DmaBuf {
     /// Allocates `len` zeroed bytes, page-aligned, in host memory. The length is rounded up to
     /// whole pages, so no two buffers share a page (each can be pinned or mapped on its own).
+    ///
+    /// # Panics
+    /// When `len` rounded up to whole pages overflows or is not a valid allocation size.
     pub fn alloc(len: usize) -> Self {
-        let len = len.max(1).next_multiple_of(PAGE);
+        let Some(len) = len.max(1).checked_next_multiple_of(PAGE) else {
+            panic!("DmaBuf::alloc({len}): larger than the address space");
+        };
         let layout = Layout::from_size_align(len, PAGE).expect("buffer size overflows a Layout");
         // SAFETY: the layout has non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };

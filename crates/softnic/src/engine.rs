@@ -1109,6 +1109,20 @@ fn execute(
         };
     }
     let g = qp.mrs.read();
+    if let ParsedOp::Dump { local } = wqe.op {
+        // A local read of one segment: the lkey, PD and range are checked as for any gather.
+        // The device's own writes are complete before their CQEs, so there is nothing left
+        // to flush: the read moves no byte.
+        g.check(
+            qp.pd,
+            Access::NONE,
+            local.lkey.0,
+            local.addr,
+            local.len as u64,
+        )
+        .map_err(local_err)?;
+        return Ok(Done::Complete(local.len));
+    }
     let from = qp.qpn;
     let imm = wqe.imm();
     // Local checks come first: the requester gathers (or validates its scatter list) before
@@ -1145,7 +1159,9 @@ fn execute(
                 .map_err(local_err)?;
             Prepared::Atomic(remote, kind, res)
         }
-        ParsedOp::Nop | ParsedOp::Wait { .. } => unreachable!("handled above"),
+        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } => {
+            unreachable!("handled above")
+        }
     };
     let peer = match route(dev, sq)? {
         Ok(Route::Local(p)) => p,

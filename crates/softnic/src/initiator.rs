@@ -88,6 +88,11 @@ pub enum InitiatorError {
     /// No completion arrived in time.
     #[error("no completion within {0:?}")]
     Timeout(Duration),
+    /// The CQ is in error after an overrun (its consumer fell a whole ring behind, in
+    /// overrun-detect mode): completions were lost, and the QP that produced the refused CQE
+    /// is in ERR. Reported once the CQEs still in the ring have been taken.
+    #[error("the {0} CQ overran: completions were lost and the CQ is in error")]
+    CqOverrun(&'static str),
 }
 
 /// Polls one CQ.
@@ -115,6 +120,24 @@ impl CqPoller {
     /// Consumer index (CQEs taken so far).
     pub fn consumer_index(&self) -> u32 {
         self.ci
+    }
+
+    /// Continues from the consumer index in the CQ doorbell record (what the CQ's previous
+    /// poller last published, 24 bits): the next CQE taken is number `ci`, owned when its owner
+    /// bit is `(ci / ncqe) & 1` (ncqe divides 2^24, so the parity survives the truncation). In
+    /// collapsed mode the CQE now in slot 0, when there is one, counts as already taken.
+    fn resume_from_dbrec(&mut self) {
+        // SAFETY: the CQ DBREC's word 0 is live and 4-byte aligned per the geometry contract.
+        let word = unsafe { &*(self.g.dbrec as *const AtomicU32) }.load(Ordering::Acquire);
+        self.ci = u32::from_be(word) & 0xff_ffff;
+        if self.g.collapsed && self.ci != 0 {
+            // SAFETY: slot 0's tail word is inside the ring and 4-byte aligned.
+            let tail = unsafe { &*(self.g.ring.add(CQE_TAIL_OFFSET) as *const AtomicU32) }
+                .load(Ordering::Acquire);
+            if tail.to_ne_bytes()[3] >> 4 != CqeOpcode::Invalid as u8 {
+                self.last_collapsed = Some(tail);
+            }
+        }
     }
 
     /// Takes the next CQE if software owns it.
@@ -175,7 +198,11 @@ pub struct Initiator {
     sizes: Vec<u8>,
     last: Option<prm::WqeBuf>,
     wake: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// Whether the send / receive CQ is in error (overrun), where the device can say.
+    cq_error: Option<[Arc<dyn Fn() -> bool + Send + Sync>; 2]>,
     _keep: Arc<dyn Any + Send + Sync>,
+    /// Dropped with the initiator (e.g. a claim on the QP that lets one poster at a time in).
+    _guard: Option<Box<dyn Any + Send>>,
 }
 
 // SAFETY: raw pointers into device-visible memory kept alive by `_keep`; see `CqPoller`.
@@ -211,11 +238,25 @@ impl Initiator {
             sizes: vec![0; sq.blocks as usize],
             last: None,
             wake,
+            cq_error: None,
             _keep: keep,
+            _guard: None,
         }
     }
 
-    /// An initiator for a soft-NIC QP (its CQs must not be polled by anyone else).
+    /// Hands the initiator something to drop when it is dropped (a claim on its QP).
+    pub fn with_guard(mut self, guard: Box<dyn Any + Send>) -> Self {
+        self._guard = Some(guard);
+        self
+    }
+
+    /// An initiator for a soft-NIC QP (its CQs must not be polled by anyone else). It
+    /// continues from the queue's state as the memory and the device hold it, so it may follow
+    /// an earlier poster (another initiator, a kernel, the CPU proxy) that has stopped: its
+    /// producer index is the doorbell record's send word (the last producer rung), the SQ
+    /// space not yet executed by the device stays taken, the RQ head is the record's receive
+    /// word, and each CQ poller starts at the consumer index in its CQ doorbell record (owner
+    /// parity included). WQEs written but never rung by the earlier poster are overwritten.
     ///
     /// # Panics
     /// When a ring of the QP or of its CQs is in device memory (a CPU cannot store into GPU
@@ -281,7 +322,7 @@ impl Initiator {
         let wake: Arc<dyn Fn() + Send + Sync> = Arc::new(move || shared.kick());
         // SAFETY: all pointers come from buffers owned by `qp` (and its CQs), kept alive by the
         // Arc handed over as keep-alive.
-        unsafe {
+        let mut ini = unsafe {
             Self::from_geometry(
                 sq,
                 rq,
@@ -291,7 +332,44 @@ impl Initiator {
                 qp.clone(),
                 Some(wake),
             )
-        }
+        };
+        ini.resume(qp);
+        let probe = |cq: &Arc<crate::Cq>| -> Arc<dyn Fn() -> bool + Send + Sync> {
+            let cq = cq.clone();
+            Arc::new(move || cq.is_overrun())
+        };
+        ini.cq_error = Some([probe(qp.send_cq()), probe(qp.recv_cq())]);
+        ini
+    }
+
+    /// Takes over the queue's state from memory and the device (see [`Self::for_soft_qp`]).
+    fn resume(&mut self, qp: &Qp) {
+        let rec = qp.ctrl_page();
+        let word = |i: usize| {
+            u32::from_be(
+                rec.atomic_u32(qp.dbrec_offset() + 4 * i)
+                    .load(Ordering::Acquire),
+            )
+        };
+        let (rq_head, sq_pi) = (word(0) as u16, word(1) as u16);
+        self.pi = sq_pi;
+        // Blocks the device has not executed yet belong to WQEs still in flight; a record
+        // further ahead than one ring cannot be (then nothing is counted in flight).
+        let in_flight = sq_pi.wrapping_sub(qp.sq_consumer());
+        self.sq_ci = if u32::from(in_flight) <= self.sq.blocks {
+            qp.sq_consumer()
+        } else {
+            sq_pi
+        };
+        let rq_out = rq_head.wrapping_sub(qp.rq_consumer() as u16);
+        self.rq_pi = u32::from(rq_head);
+        self.rq_ci = if u32::from(rq_out) <= self.rq.wqes {
+            self.rq_pi.wrapping_sub(u32::from(rq_out))
+        } else {
+            self.rq_pi
+        };
+        self.send.resume_from_dbrec();
+        self.recv.resume_from_dbrec();
     }
 
     /// Producer index (16-bit block counter of the next WQE).
@@ -343,6 +421,21 @@ impl Initiator {
             .store((self.pi as u32).to_be(), Ordering::Release);
         let bf_fits = last.blocks() * WQEBB <= BF_HALF_SIZE;
         let reg = |h: usize| unsafe { self.sq.bf_reg.add(h * BF_HALF_SIZE) };
+        // The device notices a doorbell as a change of a half's first 8 bytes: a value that
+        // half already holds (the same index, QPN and size again, e.g. after a RESET took the
+        // indices back to 0) goes to the other half, which cannot hold it too.
+        let want = match self.mode {
+            RingMode::Doca => DoorbellValue::from_pi(self.pi, self.sq.qpn),
+            RingMode::BlueFlame if !bf_fits => DoorbellValue::from_pi(self.pi, self.sq.qpn),
+            _ => DoorbellValue::from_ctrl(&last.ctrl()),
+        };
+        // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
+        if unsafe { &*(reg(self.half) as *const AtomicU64) }.load(Ordering::Relaxed)
+            == want.to_u64()
+        {
+            self.half ^= 1;
+            self.half_clear = false;
+        }
         let value = match self.mode {
             RingMode::RdmaCore => DoorbellValue::from_ctrl(&last.ctrl()),
             RingMode::Doca => DoorbellValue::from_pi(self.pi, self.sq.qpn),
@@ -458,19 +551,33 @@ impl Initiator {
         Some(c)
     }
 
-    /// Waits for the next send completion, at most `timeout`.
-    pub fn wait_send(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
-        wait(timeout, || self.poll_send())
+    /// Whether the send CQ (`recv` false) or the receive CQ is in error after an overrun
+    /// (known for soft-NIC QPs; false where the device cannot say).
+    pub fn cq_overrun(&self, recv: bool) -> bool {
+        self.cq_error
+            .as_ref()
+            .is_some_and(|p| p[usize::from(recv)]())
     }
 
-    /// Waits for the next receive completion, at most `timeout`.
+    /// Waits for the next send completion, at most `timeout`;
+    /// [`InitiatorError::CqOverrun`] when the send CQ overran and holds no more CQEs.
+    pub fn wait_send(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
+        let probe = self.cq_error.as_ref().map(|p| p[0].clone());
+        wait(timeout, "send", probe, || self.poll_send())
+    }
+
+    /// Waits for the next receive completion, at most `timeout`;
+    /// [`InitiatorError::CqOverrun`] when the receive CQ overran and holds no more CQEs.
     pub fn wait_recv(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
-        wait(timeout, || self.poll_recv())
+        let probe = self.cq_error.as_ref().map(|p| p[1].clone());
+        wait(timeout, "receive", probe, || self.poll_recv())
     }
 }
 
 fn wait(
     timeout: Duration,
+    which: &'static str,
+    overrun: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
     mut f: impl FnMut() -> Option<Completion>,
 ) -> Result<Completion, InitiatorError> {
     let start = Instant::now();
@@ -478,6 +585,10 @@ fn wait(
     loop {
         if let Some(c) = f() {
             return Ok(c);
+        }
+        if overrun.as_ref().is_some_and(|o| o()) {
+            // Nothing more will be written: take what the ring still holds first.
+            return f().ok_or(InitiatorError::CqOverrun(which));
         }
         if start.elapsed() >= timeout {
             return Err(InitiatorError::Timeout(timeout));

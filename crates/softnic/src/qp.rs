@@ -606,6 +606,11 @@ impl Qp {
     pub fn sq_consumer(&self) -> u16 {
         self.lock_sq().ci
     }
+
+    /// The device's consumer index on the RQ (receive WQEs consumed or flushed so far).
+    pub fn rq_consumer(&self) -> u32 {
+        self.lock_rq().ci
+    }
 }
 
 impl std::fmt::Debug for Qp {

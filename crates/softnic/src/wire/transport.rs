@@ -450,7 +450,9 @@ pub(crate) fn enqueue(
             },
             kind.size() as u64,
         ),
-        ParsedOp::Nop | ParsedOp::Wait { .. } => return Ok(Done::Complete(0)),
+        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } => {
+            return Ok(Done::Complete(0))
+        }
     };
     let npkts = match op {
         OutOp::Atomic { .. } => 1,
