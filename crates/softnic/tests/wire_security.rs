@@ -424,3 +424,72 @@ fn duplicate_reads_are_served_only_inside_a_held_read() {
     p.ea.expect_req(0x10, i);
     assert_eq!(rdst.read(0, 500), tgt.read(100, 500));
 }
+
+#[test]
+fn requesters_send_from_an_entropy_port_per_flow() {
+    let _s = serial();
+    let a = wire_node(WireFaults::default());
+    // the peer is this socket: it sees the UDP source port of every request
+    let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
+    peer.set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let gid = softnic::Gid::from_ipv4(Ipv4Addr::LOCALHOST);
+    a.dev.add_peer(gid, peer.local_addr().unwrap()).unwrap();
+    let src = a.buf(64, Access::NONE);
+    let mut eps = Vec::new();
+    for k in 0..4u32 {
+        let o = wire_opts();
+        let ep = endpoint(&a, &o);
+        bring_up_to(&ep.qp, &o, gid, 0x40 + k, 0, 1024);
+        eps.push(ep);
+    }
+    for ep in &mut eps {
+        // twice: both requests of one flow leave from one port
+        for _ in 0..2 {
+            ep.go(
+                &Op::Write {
+                    remote: prm::wqe::RemoteAddr {
+                        addr: 0x1000,
+                        rkey: prm::Rkey(0x1234),
+                    },
+                    local: Local::Sges(&[src.sge(0, 64)]),
+                    imm: None,
+                },
+                SIG,
+            );
+        }
+    }
+    let bound = a.dev.wire_addr().unwrap().port();
+    let mut ports = std::collections::BTreeMap::<u32, std::collections::BTreeSet<u16>>::new();
+    let mut buf = [0u8; 2048];
+    let start = Instant::now();
+    while ports.values().map(|s| s.len()).sum::<usize>() < 4 || ports.len() < 4 {
+        assert!(start.elapsed() < Duration::from_secs(5), "{ports:?}");
+        let Ok((n, from)) = peer.recv_from(&mut buf) else {
+            continue;
+        };
+        let k = packet::parse(&buf[..n]).unwrap();
+        assert_eq!(k.bth.opcode, opcode::WRITE_ONLY);
+        ports.entry(k.bth.dest_qp).or_default().insert(from.port());
+    }
+    // a little longer: retransmissions too come from the flow's port
+    let until = Instant::now() + Duration::from_millis(100);
+    while Instant::now() < until {
+        if let Ok((n, from)) = peer.recv_from(&mut buf) {
+            let k = packet::parse(&buf[..n]).unwrap();
+            ports.entry(k.bth.dest_qp).or_default().insert(from.port());
+        }
+    }
+    let used: std::collections::BTreeSet<u16> = ports.values().flatten().copied().collect();
+    assert_eq!(ports.len(), 4, "{ports:?}");
+    assert!(
+        ports.values().all(|s| s.len() == 1),
+        "one port per flow: {ports:?}"
+    );
+    assert_eq!(used.len(), 4, "a port of its own for each flow: {ports:?}");
+    assert!(
+        used.iter()
+            .all(|p| (0xC000..=0xFFFF).contains(p) && *p != bound),
+        "entropy ports: {ports:?} (bound {bound})"
+    );
+}

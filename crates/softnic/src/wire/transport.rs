@@ -329,7 +329,8 @@ pub(crate) fn connect(dev: &Shared, sq: &mut SqState, gid: Gid, qpn: u32, to: So
         flow: Flow {
             src: port.ip,
             dst: ip,
-            sport: port.local.port(),
+            // an entropy port per flow (answers come back to it)
+            sport: port.source_port(qpn ^ u32::from(ip)),
             dport: to4.port(),
         },
         remote_qpn: qpn,
@@ -1744,6 +1745,7 @@ pub(crate) fn receive(
     port: &Port,
     d: &[u8],
     from: SocketAddr,
+    dport: u16,
     scratch: &mut Vec<u8>,
     batch: &mut TxBatch,
 ) {
@@ -1760,7 +1762,7 @@ pub(crate) fn receive(
                 src: *from4.ip(),
                 dst: port.ip,
                 sport: from.port(),
-                dport: port.local.port(),
+                dport,
             },
             d,
         );
@@ -1774,7 +1776,7 @@ pub(crate) fn receive(
         src: remote.map_or(*from4.ip(), |(ip, _)| ip),
         dst: port.ip,
         sport: from.port(),
-        dport: port.local.port(),
+        dport,
     };
     port.capture_rx(&flow, d);
     let (Some(qp), Some((remote_ip, remote_qpn))) = (qp, remote) else {
