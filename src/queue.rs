@@ -448,7 +448,9 @@ impl Pd {
             })?,
         };
         tracing::debug!(qpn = soft.qpn(), ?mode, %reason, "QP created");
-        let psn = (soft.qpn().wrapping_mul(0x9e37_79b9) >> 8) & 0xff_ffff;
+        // Random per QP (as perftest draws one), so that a QP restarted with the same QPN
+        // does not take stale packets of its earlier incarnation, nor do guessed PSNs work.
+        let psn = Endpoint::random_psn();
         Ok(Qp {
             pd: self.clone(),
             soft,
@@ -586,6 +588,47 @@ mod tests {
     use crate::DeviceRequest;
     use softnic::initiator::RingMode;
     use softnic::SimDeviceMemory;
+
+    /// Set in the child processes of the test below.
+    const PSN_CHILD: &str = "GPUVERBS_TEST_PSN_CHILD";
+
+    #[test]
+    fn initial_psns_are_random_not_a_function_of_the_qpn() {
+        if std::env::var_os(PSN_CHILD).is_some() {
+            // The first QP of a fresh process: the same QPN in every run.
+            let ctx = Context::open(DeviceRequest::Soft).unwrap();
+            let pd = ctx.alloc_pd();
+            let cq = ctx.create_cq(CqOptions::default()).unwrap();
+            let qp = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
+            let ep = qp.endpoint();
+            println!("\nPSN-CHILD {} {}", qp.qpn(), ep.psn());
+            return;
+        }
+        let name = "queue::tests::initial_psns_are_random_not_a_function_of_the_qpn";
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", name, "--nocapture", "--test-threads=1"])
+                .env(PSN_CHILD, "1")
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let line = text
+                .lines()
+                .find_map(|l| l.split_once("PSN-CHILD ").map(|(_, v)| v.trim()))
+                .unwrap_or_else(|| panic!("no PSN line in {text}"));
+            let v: Vec<u32> = line.split(' ').map(|x| x.parse().unwrap()).collect();
+            assert!(v[1] <= 0xff_ffff);
+            seen.push((v[0], v[1]));
+        }
+        assert!(seen.iter().all(|&(q, _)| q == seen[0].0), "{seen:x?}");
+        let mut psns: Vec<u32> = seen.iter().map(|&(_, p)| p).collect();
+        psns.sort_unstable();
+        psns.dedup();
+        // the same QPN every time; four equal 24-bit draws would be a 2^-72 chance
+        assert!(psns.len() > 1, "{seen:x?}");
+    }
 
     #[test]
     fn rings_in_device_memory_reach_the_device_and_refuse_the_cpu() {

@@ -168,8 +168,16 @@ wire_counters! {
     rx_bad_icrc,
     /// Datagrams dropped for naming no QP of this device, or a QP not ready to take them.
     rx_unknown_qp,
-    /// Responses dropped because they match nothing outstanding (late, duplicate or stray).
+    /// Responses dropped because they match nothing outstanding (late, duplicate or stray),
+    /// ACKs and NAKs of PSNs never sent among them.
     rx_unexpected,
+    /// Datagrams dropped because their source IPv4 address is not the one of the QP's
+    /// connected peer (its RTR `remote_gid`): requests and responses alike, with no effect on
+    /// the QP.
+    rx_wrong_source,
+    /// Duplicate READ requests dropped because they match no READ the responder still holds
+    /// (rkey, range or PSN window differ), with no effect on the QP.
+    rx_bad_duplicate_reads,
     /// Socket send errors.
     tx_errors,
     /// Datagrams dropped by fault injection.

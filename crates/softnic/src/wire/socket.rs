@@ -1,5 +1,6 @@
-//! The wire port of a device: its UDP socket, the egress path (fault injection, capture,
-//! batching with UDP segmentation offload) and the I/O thread that receives datagrams (with
+//! The wire port of a device: its UDP sockets (the bound one, and the entropy-port ones that
+//! requesters send from), the egress path (fault injection, capture, batching with UDP
+//! segmentation offload) and the I/O thread that polls the sockets, receives datagrams (with
 //! UDP receive coalescing) and hands them to the transport one RoCEv2 packet at a time.
 //!
 //! Batching: consecutive packets of one sender to one destination that have the same size
@@ -26,6 +27,15 @@ const RECV_TIMEOUT: Duration = Duration::from_millis(1);
 const MAX_UDP: usize = 65507;
 /// Segments one segmented send may carry (the kernel's `UDP_MAX_SEGMENTS`).
 const MAX_SEGMENTS: usize = 64;
+/// Sockets bound to entropy source ports (RoCE's 0xC000..=0xFFFF) from which requesters send:
+/// a QP sends from one of them (chosen by its peer's QPN and address), so that flows of
+/// different QPs spread over ECMP paths as they do from a RoCE NIC. Their answers come back
+/// to them.
+const ENTROPY_SOCKETS: usize = 8;
+/// The RoCE entropy source-port range.
+pub(crate) const ENTROPY_PORTS: std::ops::RangeInclusive<u16> = 0xC000..=0xFFFF;
+/// Datagrams the I/O thread takes from one ready socket before it looks at the others.
+const RX_BURST: usize = 64;
 
 struct FaultState {
     f: WireFaults,
@@ -55,11 +65,26 @@ pub(crate) struct TxBatch {
     /// The last segment is shorter than `seg`: nothing may follow it.
     closed: bool,
     to: Option<SocketAddr>,
+    /// Index of the socket (in [`Port::socks`]) it leaves from.
+    sock: usize,
 }
 
-/// A device's UDP endpoint.
-pub(crate) struct Port {
+/// One UDP socket of a port.
+pub(crate) struct Sock {
     pub sock: UdpSocket,
+    /// Its bound port.
+    pub port: u16,
+    /// Segmented sends work on this socket (cleared at the first failure).
+    gso: AtomicBool,
+    /// The socket coalesces received datagrams.
+    gro: bool,
+}
+
+/// A device's UDP endpoint: the bound socket (where peers send requests, and from which
+/// answers leave) and the entropy-port sockets that requesters send from.
+pub(crate) struct Port {
+    /// `socks[0]` is the bound socket, the rest bound to entropy ports.
+    pub socks: Vec<Sock>,
     /// The bound address.
     pub local: SocketAddr,
     /// The device's own IPv4 address (from its GID), as put in synthesized headers.
@@ -70,10 +95,6 @@ pub(crate) struct Port {
     faults: Mutex<FaultState>,
     capturing: AtomicBool,
     capture: Mutex<Option<Capture>>,
-    /// Segmented sends work on this socket (cleared at the first failure).
-    gso: AtomicBool,
-    /// The socket coalesces received datagrams.
-    pub gro: bool,
 }
 
 fn setsockopt_int(sock: &UdpSocket, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> bool {
@@ -109,34 +130,72 @@ fn sockaddr_in(a: SocketAddrV4) -> libc::sockaddr_in {
     }
 }
 
+/// Sets up a bound socket: buffers, receive coalescing. Sends block; receives do not (the
+/// I/O thread polls).
+fn setup(sock: UdpSocket, cfg: &WireConfig) -> Result<Sock, WireError> {
+    set_buffer(
+        &sock,
+        libc::SO_RCVBUFFORCE,
+        libc::SO_RCVBUF,
+        cfg.socket_buffer,
+    );
+    set_buffer(
+        &sock,
+        libc::SO_SNDBUFFORCE,
+        libc::SO_SNDBUF,
+        cfg.socket_buffer,
+    );
+    let gro = setsockopt_int(&sock, libc::SOL_UDP, libc::UDP_GRO, 1);
+    let port = sock.local_addr().map_err(WireError::Socket)?.port();
+    Ok(Sock {
+        sock,
+        port,
+        gso: AtomicBool::new(true),
+        gro,
+    })
+}
+
+/// Binds up to `n` sockets on `ip` at random ports of [`ENTROPY_PORTS`] (ports in use are
+/// skipped; fewer, or none, when the range is crowded).
+fn entropy_socks(ip: Ipv4Addr, n: usize, cfg: &WireConfig) -> Vec<Sock> {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    let mut seed = h.finish();
+    let span = (*ENTROPY_PORTS.end() - *ENTROPY_PORTS.start()) as u64 + 1;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n * 16 {
+        if out.len() == n {
+            break;
+        }
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let port = *ENTROPY_PORTS.start() + ((seed >> 33) % span) as u16;
+        if let Ok(sock) = UdpSocket::bind(SocketAddrV4::new(ip, port)) {
+            if let Ok(s) = setup(sock, cfg) {
+                out.push(s);
+            }
+        }
+    }
+    out
+}
+
 impl Port {
     pub fn open(cfg: WireConfig, ip: Ipv4Addr, counters: Arc<Counters>) -> Result<Self, WireError> {
-        if !cfg.bind.is_ipv4() {
+        let SocketAddr::V4(bind4) = cfg.bind else {
             return Err(WireError::NotIpv4(cfg.bind));
-        }
+        };
         let sock = UdpSocket::bind(cfg.bind).map_err(|source| WireError::Bind {
             addr: cfg.bind,
             source,
         })?;
-        set_buffer(
-            &sock,
-            libc::SO_RCVBUFFORCE,
-            libc::SO_RCVBUF,
-            cfg.socket_buffer,
-        );
-        set_buffer(
-            &sock,
-            libc::SO_SNDBUFFORCE,
-            libc::SO_SNDBUF,
-            cfg.socket_buffer,
-        );
-        let gro = setsockopt_int(&sock, libc::SOL_UDP, libc::UDP_GRO, 1);
-        sock.set_read_timeout(Some(RECV_TIMEOUT))
-            .map_err(WireError::Socket)?;
         let local = sock.local_addr().map_err(WireError::Socket)?;
+        let mut socks = vec![setup(sock, &cfg)?];
+        socks.extend(entropy_socks(*bind4.ip(), ENTROPY_SOCKETS, &cfg));
         let faults = cfg.faults;
         Ok(Self {
-            sock,
+            socks,
             local,
             ip,
             counters,
@@ -148,10 +207,22 @@ impl Port {
             }),
             capturing: AtomicBool::new(false),
             capture: Mutex::new(None),
-            gso: AtomicBool::new(true),
-            gro,
             cfg,
         })
+    }
+
+    /// The source port of a requester flow (`key`: its peer's QPN and address): one of the
+    /// entropy ports, or the bound port when none could be bound.
+    pub fn source_port(&self, key: u32) -> u16 {
+        match self.socks.len() {
+            0 | 1 => self.local.port(),
+            n => self.socks[1 + key as usize % (n - 1)].port,
+        }
+    }
+
+    /// The socket bound to source port `sport` (the bound one when none is).
+    fn sock_of(&self, sport: u16) -> usize {
+        self.socks.iter().position(|s| s.port == sport).unwrap_or(0)
     }
 
     pub fn set_faults(&self, f: WireFaults) {
@@ -191,8 +262,10 @@ impl Port {
                 c.writer.write_udp(flow, d);
             }
         }
+        let sock = self.sock_of(flow.sport);
         let fits = b.count > 0
             && b.to == Some(to)
+            && b.sock == sock
             && !b.closed
             && d.len() <= b.seg
             && b.count < MAX_SEGMENTS
@@ -201,11 +274,12 @@ impl Port {
             self.flush(b);
             b.seg = d.len();
             b.to = Some(to);
+            b.sock = sock;
         }
         b.buf.extend_from_slice(d);
         b.count += 1;
         b.closed = d.len() < b.seg;
-        if !self.gso.load(Ordering::Relaxed) {
+        if !self.socks[b.sock].gso.load(Ordering::Relaxed) {
             self.flush(b);
         }
     }
@@ -216,17 +290,18 @@ impl Port {
         if b.count == 0 {
             return;
         }
+        let s = &self.socks[b.sock.min(self.socks.len() - 1)];
         let ok = if b.count == 1 {
-            self.sock.send_to(&b.buf, to).is_ok()
+            send_one(&s.sock, &b.buf, to)
         } else {
-            match self.send_segmented(&b.buf, b.seg, to) {
+            match send_segmented(&s.sock, &b.buf, b.seg, to) {
                 Ok(()) => true,
                 Err(_) => {
                     // no segmentation offload here: one datagram at a time from now on
-                    self.gso.store(false, Ordering::Relaxed);
+                    s.gso.store(false, Ordering::Relaxed);
                     let mut ok = true;
                     for d in b.buf.chunks(b.seg) {
-                        ok &= self.sock.send_to(d, to).is_ok();
+                        ok &= send_one(&s.sock, d, to);
                     }
                     ok
                 }
@@ -243,9 +318,20 @@ impl Port {
         b.count = 0;
         b.closed = false;
     }
+}
 
-    /// One `sendmsg` with `UDP_SEGMENT`: the kernel cuts `data` into `seg`-byte datagrams.
-    fn send_segmented(&self, data: &[u8], seg: usize, to: SocketAddr) -> std::io::Result<()> {
+fn send_one(sock: &UdpSocket, d: &[u8], to: SocketAddr) -> bool {
+    sock.send_to(d, to).is_ok()
+}
+
+/// One `sendmsg` with `UDP_SEGMENT`: the kernel cuts `data` into `seg`-byte datagrams.
+fn send_segmented(
+    sock: &UdpSocket,
+    data: &[u8],
+    seg: usize,
+    to: SocketAddr,
+) -> std::io::Result<()> {
+    {
         let SocketAddr::V4(to) = to else {
             return Err(std::io::ErrorKind::Unsupported.into());
         };
@@ -272,7 +358,7 @@ impl Port {
             (*c).cmsg_type = libc::UDP_SEGMENT;
             (*c).cmsg_len = libc::CMSG_LEN(2) as _;
             std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, seg as u16);
-            libc::sendmsg(self.sock.as_raw_fd(), &msg, 0)
+            libc::sendmsg(sock.as_raw_fd(), &msg, 0)
         };
         if r < 0 {
             Err(std::io::Error::last_os_error())
@@ -280,7 +366,9 @@ impl Port {
             Ok(())
         }
     }
+}
 
+impl Port {
     /// Sends one datagram (BTH through ICRC) to `to` through batch `b` (flush it when done);
     /// `flow` names its synthesized headers. Fault injection decides here.
     pub fn send(&self, d: &[u8], to: SocketAddr, flow: &Flow, b: &mut TxBatch) {
@@ -345,16 +433,17 @@ impl Port {
         if to.ip().is_unspecified() {
             to.set_ip(Ipv4Addr::LOCALHOST.into());
         }
-        let _ = self.sock.send_to(&[], to);
+        let _ = self.socks[0].sock.send_to(&[], to);
     }
 
-    /// Receives one datagram, or a coalesced run of them. Returns (bytes, source, segment
-    /// size when coalesced, truncated).
-    fn recv(&self, buf: &mut [u8]) -> std::io::Result<(usize, SocketAddr, Option<usize>, bool)> {
-        if !self.gro {
-            let (n, from) = self.sock.recv_from(buf)?;
-            return Ok((n, from, None, false));
-        }
+    /// Receives one datagram, or a coalesced run of them, from socket `i` without waiting.
+    /// Returns (bytes, source, segment size when coalesced, truncated).
+    fn recv(
+        &self,
+        i: usize,
+        buf: &mut [u8],
+    ) -> std::io::Result<(usize, SocketAddr, Option<usize>, bool)> {
+        let s = &self.socks[i];
         // SAFETY: zeroed sockaddr_in and msghdr are valid; every pointer put in the msghdr
         // points to a live local (or `buf`) with its length, for the duration of recvmsg.
         // Control messages are read only within msg_controllen, through the CMSG macros.
@@ -365,18 +454,22 @@ impl Port {
                 iov_len: buf.len(),
             };
             let mut cbuf = [0u64; 8];
+            let gro = s.gro;
             let mut msg: libc::msghdr = std::mem::zeroed();
             msg.msg_name = &mut addr as *mut libc::sockaddr_in as *mut libc::c_void;
             msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
             msg.msg_iov = &mut iov;
             msg.msg_iovlen = 1;
-            msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-            msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
-            let n = libc::recvmsg(self.sock.as_raw_fd(), &mut msg, 0);
+            if gro {
+                msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+                msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
+            }
+            let n = libc::recvmsg(s.sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT);
             if n < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             let mut seg = None;
+            // (CMSG_FIRSTHDR is null without a control buffer)
             let mut c = libc::CMSG_FIRSTHDR(&msg);
             while !c.is_null() {
                 if (*c).cmsg_level == libc::SOL_UDP && (*c).cmsg_type == libc::UDP_GRO {
@@ -394,6 +487,29 @@ impl Port {
     }
 }
 
+/// Waits at most [`RECV_TIMEOUT`] for datagrams on any of the sockets `fds`; marks the ready ones
+/// in `ready`. Returns whether any is.
+fn wait_readable(fds: &mut [libc::pollfd], ready: &mut [bool]) -> bool {
+    for p in fds.iter_mut() {
+        p.revents = 0;
+    }
+    // SAFETY: `fds` is a live slice of pollfds of open sockets (owned by the port, which the
+    // caller holds), its length passed along.
+    let n = unsafe {
+        libc::poll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            RECV_TIMEOUT.as_millis() as libc::c_int,
+        )
+    };
+    let mut any = false;
+    for (r, p) in ready.iter_mut().zip(fds.iter()) {
+        *r = n > 0 && p.revents != 0;
+        any |= *r;
+    }
+    any
+}
+
 /// The I/O thread: receives datagrams until the device shuts down.
 pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
     // Large enough for any UDP datagram and any coalesced run, so an oversized datagram is
@@ -401,47 +517,66 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
     let mut buf = vec![0u8; 1 << 17];
     let mut scratch = Vec::with_capacity(MAX_DATAGRAM + ICRC_LEN);
     let mut batch = TxBatch::default();
+    let mut fds: Vec<libc::pollfd> = port
+        .socks
+        .iter()
+        .map(|s| libc::pollfd {
+            fd: s.sock.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let mut ready = vec![false; fds.len()];
     while !dev.shutdown.load(Ordering::Acquire) {
-        match port.recv(&mut buf) {
-            Ok((n, from, seg, truncated)) => {
-                if dev.shutdown.load(Ordering::Acquire) {
-                    break;
-                }
-                if truncated {
-                    Counters::add(&dev.counters.wire.rx_packets, 1);
-                    Counters::add(&dev.counters.wire.rx_malformed, 1);
-                    continue;
-                }
-                let data = &buf[..n];
-                match seg {
-                    Some(s) if s > 0 && n > s => {
-                        for d in data.chunks(s) {
-                            super::transport::receive(
+        if !wait_readable(&mut fds, &mut ready) {
+            port.flush_held();
+            continue;
+        }
+        for (i, _) in ready.iter().enumerate().filter(|(_, r)| **r) {
+            let dport = port.socks[i].port;
+            for _ in 0..RX_BURST {
+                match port.recv(i, &mut buf) {
+                    Ok((n, from, seg, truncated)) => {
+                        if dev.shutdown.load(Ordering::Acquire) {
+                            return;
+                        }
+                        if truncated {
+                            Counters::add(&dev.counters.wire.rx_packets, 1);
+                            Counters::add(&dev.counters.wire.rx_malformed, 1);
+                            continue;
+                        }
+                        let data = &buf[..n];
+                        match seg {
+                            Some(s) if s > 0 && n > s => {
+                                for d in data.chunks(s) {
+                                    super::transport::receive(
+                                        &dev,
+                                        &port,
+                                        d,
+                                        from,
+                                        dport,
+                                        &mut scratch,
+                                        &mut batch,
+                                    );
+                                }
+                            }
+                            _ => super::transport::receive(
                                 &dev,
                                 &port,
-                                d,
+                                data,
                                 from,
+                                dport,
                                 &mut scratch,
                                 &mut batch,
-                            );
+                            ),
                         }
+                        port.flush(&mut batch);
                     }
-                    _ => {
-                        super::transport::receive(&dev, &port, data, from, &mut scratch, &mut batch)
-                    }
+                    // drained (WouldBlock), or an ICMP error reported on the socket and the
+                    // like: on to the next socket
+                    Err(_) => break,
                 }
-                port.flush(&mut batch);
             }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                port.flush_held();
-            }
-            // ICMP errors reported on the socket and the like: nothing to do but go on.
-            Err(_) => {}
         }
     }
 }

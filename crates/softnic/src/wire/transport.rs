@@ -47,6 +47,9 @@ pub(crate) fn psn_diff(a: u32, b: u32) -> i32 {
 const MAX_OUTSTANDING_PSNS: i64 = 1 << 22;
 /// Atomic results a responder remembers for duplicate atomics.
 const ATOMIC_CACHE: usize = 64;
+/// READ requests a responder holds for duplicates at least (more when its port's window is
+/// larger: a requester has at most a window of READs outstanding).
+const READ_CACHE: usize = 1024;
 /// Packets one pump sends before it lets go of the QP (so that ACKs are taken between
 /// bursts); the engine and every ACK pump again.
 const BURST: u32 = 32;
@@ -326,7 +329,8 @@ pub(crate) fn connect(dev: &Shared, sq: &mut SqState, gid: Gid, qpn: u32, to: So
         flow: Flow {
             src: port.ip,
             dst: ip,
-            sport: port.local.port(),
+            // an entropy port per flow (answers come back to it)
+            sport: port.source_port(qpn ^ u32::from(ip)),
             dport: to4.port(),
         },
         remote_qpn: qpn,
@@ -944,11 +948,15 @@ fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
         op::ACK => {
             let s = pkt.aeth.map_or(0, |a| a.syndrome);
             match s >> 5 {
-                0 => {
-                    if let Acked::Implicit = w.ack_to(psn_add(p, 1), now) {
-                        w.go_back_once(now);
+                0 => match w.ack_to(psn_add(p, 1), now) {
+                    Acked::Bogus => {
+                        // acknowledges PSNs never sent
+                        Counters::add(&wc.rx_unexpected, 1);
+                        return;
                     }
-                }
+                    Acked::Implicit => w.go_back_once(now),
+                    Acked::Ok => {}
+                },
                 1 | 3 => match w.ack_to(p, now) {
                     Acked::Bogus => {
                         Counters::add(&wc.rx_unexpected, 1);
@@ -1156,6 +1164,38 @@ pub(crate) struct RespWire {
     oos: u32,
     cur: Option<InMsg>,
     atomics: VecDeque<(u32, u64)>,
+    /// READs answered and still held: a duplicate READ is served only inside one of them.
+    reads: VecDeque<HeldRead>,
+}
+
+/// A READ request a responder answered, held so that a duplicate of it (a retry from any of
+/// its response packets) can be served again.
+#[derive(Clone, Copy, Debug)]
+struct HeldRead {
+    psn: u32,
+    /// Response packets (PSNs) it consumed.
+    npkts: u32,
+    va: u64,
+    rkey: u32,
+    len: u64,
+}
+
+impl HeldRead {
+    /// Whether a duplicate READ (`psn`, `reth`) asks for a part of this one: its PSN inside
+    /// this READ's PSN window, the same rkey, its range inside this one's, and its responses
+    /// inside the window too.
+    fn covers(&self, psn: u32, reth: &Reth, mtu: u64) -> bool {
+        let k = psn_diff(psn, self.psn);
+        if k < 0 || k as u32 >= self.npkts || reth.rkey != self.rkey {
+            return false;
+        }
+        let len = reth.len as u64;
+        let count = len.div_ceil(mtu.max(1)).max(1);
+        let end = self.va.saturating_add(self.len);
+        reth.va >= self.va
+            && reth.va.checked_add(len).is_some_and(|e| e <= end)
+            && k as u64 + count <= self.npkts as u64
+    }
 }
 
 impl RespWire {
@@ -1255,8 +1295,11 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
         return;
     }
     if d < 0 {
-        Counters::add(&wc.duplicates, 1);
-        duplicate(&mut r, pkt, reply);
+        if duplicate(&mut r, pkt, reply) {
+            Counters::add(&wc.duplicates, 1);
+        } else {
+            Counters::add(&wc.rx_bad_duplicate_reads, 1);
+        }
         return;
     }
     r.rq.wire.nak_sent = false;
@@ -1478,7 +1521,21 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
             r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
             let msn = r.rq.wire.msn;
             match read_responses(&src, pkt.bth.psn, mtu, msn, reply) {
-                Ok(()) => Outcome::Accepted(count),
+                Ok(()) => {
+                    let cap = READ_CACHE.max(reply.port.cfg.window as usize);
+                    let w = &mut r.rq.wire;
+                    while w.reads.len() >= cap {
+                        w.reads.pop_front();
+                    }
+                    w.reads.push_back(HeldRead {
+                        psn: pkt.bth.psn,
+                        npkts: count,
+                        va: reth.va,
+                        rkey: reth.rkey,
+                        len,
+                    });
+                    Outcome::Accepted(count)
+                }
                 Err((k, e)) => {
                     let nak = remote_devmem_nak(&r.qp.counters, &e);
                     let nak = r.fatal(nak);
@@ -1629,15 +1686,25 @@ fn read_responses(
 }
 
 /// A request with a PSN the responder already passed: answered, never applied again.
-fn duplicate(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
+/// Returns false for a duplicate READ that matches no READ still held (dropped unanswered,
+/// nothing changed).
+fn duplicate(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) -> bool {
     let msn = r.rq.wire.msn;
     match pkt.bth.opcode {
         op::READ_REQUEST => {
-            // Reads are re-executed: the request carries the part still wanted.
-            let Some(reth) = pkt.reth else { return };
+            // A READ is re-executed only for the part of a READ still held that it asks for
+            // again (a retry from one of its response packets, VA and length adjusted).
+            let Some(reth) = pkt.reth else { return false };
+            let mtu = r.rq.wire.mtu as u64;
+            let held = r.rq.wire.reads.iter().any(|h| {
+                psn_diff(r.rq.wire.epsn, psn_add(h.psn, h.npkts)) <= MAX_OUTSTANDING_PSNS as i32
+                    && h.covers(pkt.bth.psn, &reth, mtu)
+            });
+            if !held {
+                return false;
+            }
             match r.remote(Access::REMOTE_READ, reth.va, reth.rkey, reth.len as u64) {
                 Ok(src) => {
-                    let mtu = r.rq.wire.mtu as u64;
                     if let Err((k, e)) = read_responses(&src, pkt.bth.psn, mtu, msn, reply) {
                         let nak = remote_devmem_nak(&r.qp.counters, &e);
                         let nak = r.fatal(nak);
@@ -1668,6 +1735,7 @@ fn duplicate(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
             }
         }
     }
+    true
 }
 
 // ---------------------------------------------------------------------------- receive
@@ -1679,6 +1747,7 @@ pub(crate) fn receive(
     port: &Port,
     d: &[u8],
     from: SocketAddr,
+    dport: u16,
     scratch: &mut Vec<u8>,
     batch: &mut TxBatch,
 ) {
@@ -1695,7 +1764,7 @@ pub(crate) fn receive(
                 src: *from4.ip(),
                 dst: port.ip,
                 sport: from.port(),
-                dport: port.local.port(),
+                dport,
             },
             d,
         );
@@ -1709,13 +1778,19 @@ pub(crate) fn receive(
         src: remote.map_or(*from4.ip(), |(ip, _)| ip),
         dst: port.ip,
         sport: from.port(),
-        dport: port.local.port(),
+        dport,
     };
     port.capture_rx(&flow, d);
-    let (Some(qp), Some((_, remote_qpn))) = (qp, remote) else {
+    let (Some(qp), Some((remote_ip, remote_qpn))) = (qp, remote) else {
         Counters::add(&wc.rx_unknown_qp, 1);
         return;
     };
+    // An RC QP takes packets from its connected peer only (rxe's check_addr): the source
+    // address must be the peer GID's. The source port is entropy and is not checked.
+    if *from4.ip() != remote_ip {
+        Counters::add(&wc.rx_wrong_source, 1);
+        return;
+    }
     if !packet::icrc_matches(&flow, d) {
         Counters::add(&wc.rx_bad_icrc, 1);
         return;
