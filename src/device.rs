@@ -1,8 +1,9 @@
 //! Device selection: which NIC backs a [`Context`], chosen automatically or by name, with the
 //! choice and its reason logged and queryable.
 //!
-//! Backends: the soft NIC (always available) and, later, a ConnectX through rdma-core. The
-//! boundary is [`Backend`]: everything above it (memory, queues, export, proxy) is shared.
+//! Backends: the soft NIC (always available) and a ConnectX through rdma-core's libibverbs and
+//! libmlx5 (`crate::mlx5`; run here on the emulated device of `gpuverbs emu`). The boundary is
+//! [`Backend`]: everything above it (memory, queues, export, proxy) is shared.
 //!
 //! A soft NIC reaches QPs of soft NICs in other processes and on other hosts when it has a
 //! *wire port* (RoCEv2 over UDP, `docs/wire.md`): [`SOFTNIC_ADDR_ENV`], [`Context::open_wire`],
@@ -53,12 +54,15 @@ pub fn parse_softnic_addr(v: &str) -> Result<SocketAddr, Error> {
 pub enum BackendKind {
     /// The in-process software mlx5 device.
     Soft,
+    /// An mlx5 (ConnectX) device through rdma-core.
+    Mlx5,
 }
 
 impl std::fmt::Display for BackendKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Soft => "soft NIC",
+            Self::Mlx5 => "mlx5",
         })
     }
 }
@@ -96,6 +100,7 @@ pub enum DeviceRequest {
 /// The device behind a context.
 pub(crate) enum Backend {
     Soft(Arc<softnic::Device>),
+    Mlx5(Arc<crate::mlx5::Device>),
 }
 
 /// An open device: the root of every other object (PDs, CQs, QPs keep it alive).
@@ -143,33 +148,7 @@ fn devices_with(gid: softnic::Gid, addr: SocketAddr) -> (usize, bool) {
 
 /// Names rdma-core lists, or why it lists none.
 fn rdma_core_devices() -> Result<Vec<String>, String> {
-    let verbs = rdma_core_sys::verbs().map_err(|e| e.to_string())?;
-    let mut n = 0i32;
-    // SAFETY: `ibv_get_device_list` writes the count through a valid pointer and returns a
-    // NULL-terminated array we free with `ibv_free_device_list`.
-    let list = unsafe { (verbs.ibv_get_device_list)(&mut n) };
-    if list.is_null() {
-        return Err(format!(
-            "ibv_get_device_list failed: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    let mut names = Vec::new();
-    for i in 0..n.max(0) as usize {
-        // SAFETY: i < n entries of the list just returned; each is a live device.
-        let name = unsafe { (verbs.ibv_get_device_name)(*list.add(i)) };
-        if !name.is_null() {
-            // SAFETY: ibv_get_device_name returns a NUL-terminated string owned by the device.
-            names.push(
-                unsafe { std::ffi::CStr::from_ptr(name) }
-                    .to_string_lossy()
-                    .into_owned(),
-            );
-        }
-    }
-    // SAFETY: `list` came from ibv_get_device_list and is freed once.
-    unsafe { (verbs.ibv_free_device_list)(list) };
-    Ok(names)
+    crate::mlx5::device_names().map_err(|e| e.to_string())
 }
 
 /// A non-empty environment variable.
@@ -203,10 +182,15 @@ impl Context {
         };
         let soft_reason = match &req {
             DeviceRequest::Auto => match rdma_core_devices() {
-                Ok(names) if !names.is_empty() => format!(
-                    "rdma-core lists {} but this build has no ConnectX backend",
-                    names.join(", ")
-                ),
+                Ok(names) if !names.is_empty() => {
+                    let pick = names
+                        .iter()
+                        .find(|n| n.starts_with("mlx5"))
+                        .unwrap_or(&names[0])
+                        .clone();
+                    let why = format!("auto: rdma-core lists {}", names.join(", "));
+                    return Self::mlx5(&pick, why);
+                }
                 Ok(_) => "rdma-core lists no RDMA device".to_string(),
                 Err(why) => format!("no rdma-core device: {why}"),
             },
@@ -216,7 +200,13 @@ impl Context {
             {
                 origin
             }
-            DeviceRequest::Named(n) => return Err(Error::NoSuchDevice(n.clone())),
+            DeviceRequest::Named(n) => {
+                let names = rdma_core_devices().unwrap_or_default();
+                if !names.contains(n) {
+                    return Err(Error::NoSuchDevice(n.clone()));
+                }
+                return Self::mlx5(n, origin);
+            }
         };
         let name = match &req {
             DeviceRequest::Named(n) if n.starts_with("softnic") && n != "softnic" => n.clone(),
@@ -251,6 +241,29 @@ impl Context {
         )
     }
 
+    /// Opens rdma-core device `name` with the ConnectX backend.
+    fn mlx5(name: &str, reason: String) -> Result<Self, Error> {
+        let dev = crate::mlx5::Device::open(name)?;
+        let selection = Selection {
+            kind: BackendKind::Mlx5,
+            name: dev.name.clone(),
+            reason: format!(
+                "{reason}; GID index {} ({}), MTU {}",
+                dev.gid.index,
+                std::net::Ipv6Addr::from(dev.gid.gid),
+                dev.mtu
+            ),
+        };
+        tracing::info!(device = %selection, "gpuverbs device selected");
+        Ok(Self {
+            inner: Arc::new(ContextInner {
+                backend: Backend::Mlx5(dev),
+                selection,
+                routes: Mutex::default(),
+            }),
+        })
+    }
+
     /// Opens the soft device; `reason` says why a soft NIC, `wire_origin` why its wire port.
     fn soft(cfg: softnic::DeviceConfig, reason: String, wire_origin: &str) -> Result<Self, Error> {
         let dev = Arc::new(softnic::Device::open(cfg)?);
@@ -283,6 +296,7 @@ impl Context {
     pub fn wire_addr(&self) -> Option<SocketAddr> {
         match &self.inner.backend {
             Backend::Soft(d) => d.wire_addr(),
+            Backend::Mlx5(_) => None,
         }
     }
 
@@ -306,7 +320,10 @@ impl Context {
     /// UDP address while a QP connected to the first is still alive (not destroyed, not in
     /// ERR) is [`Error::Unsupported`] (open another context for it). Nothing changes on error.
     pub(crate) fn route_to(&self, qp: &Arc<softnic::Qp>, remote: &Endpoint) -> Result<(), Error> {
-        let Backend::Soft(dev) = &self.inner.backend;
+        let Backend::Soft(dev) = &self.inner.backend else {
+            // a real NIC routes by GID (IP) itself
+            return Ok(());
+        };
         let (Some(_), Some(to)) = (remote.udp_port(), remote.udp_addr()) else {
             return Ok(());
         };
@@ -381,6 +398,16 @@ impl Context {
     pub fn gid(&self) -> softnic::Gid {
         match &self.inner.backend {
             Backend::Soft(d) => d.gid(),
+            Backend::Mlx5(d) => softnic::Gid(d.gid.gid),
+        }
+    }
+
+    /// The path MTU the device offers (bytes): the port's active MTU on rdma-core devices,
+    /// 4096 on the soft NIC.
+    pub fn mtu(&self) -> u32 {
+        match &self.inner.backend {
+            Backend::Soft(_) => 4096,
+            Backend::Mlx5(d) => d.mtu,
         }
     }
 
@@ -388,6 +415,7 @@ impl Context {
     pub fn soft_device(&self) -> Option<&Arc<softnic::Device>> {
         match &self.inner.backend {
             Backend::Soft(d) => Some(d),
+            Backend::Mlx5(_) => None,
         }
     }
 }

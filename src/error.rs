@@ -12,6 +12,16 @@ pub enum Error {
     /// CUDA failed (or is absent) where the operation needs it.
     #[error(transparent)]
     Cuda(#[from] crate::cuda::CudaError),
+    /// An rdma-core call failed (the ConnectX backend).
+    #[error("{call} failed: {} ({detail})", std::io::Error::from_raw_os_error(*errno))]
+    Verbs {
+        /// The call.
+        call: &'static str,
+        /// Its errno.
+        errno: i32,
+        /// What it was asked to do.
+        detail: String,
+    },
     /// A parameter is out of range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

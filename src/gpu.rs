@@ -352,14 +352,20 @@ impl Gpu {
     }
 
     fn export_inner(self: &Arc<Self>, qp: &Qp, claim: PosterClaim) -> Result<ExportedQp, Error> {
-        let s = qp.soft();
+        let (Some(s), Some(scq), Some(rcq)) = (qp.soft(), qp.send_cq().soft(), qp.recv_cq().soft())
+        else {
+            return Err(Error::Unsupported(
+                "exporting an mlx5 QP to a GPU is not implemented yet (its provider-allocated \
+                 rings, doorbell records and UAR page must be registered into the GPU)"
+                    .into(),
+            ));
+        };
         let scratch = HostBuffer::new(64);
         let scratch_mr = qp.pd().register_with(&scratch, Access::LOCAL_WRITE)?;
         let keep_qp: Arc<dyn Any + Send + Sync> = s.clone();
         let map_qp = |b: &DmaBuf| self.gpu_addr(b, keep_qp.clone());
         let ctrl = map_qp(s.ctrl_page())?;
         let uar = map_qp(s.uar())?;
-        let (scq, rcq) = (qp.send_cq().soft(), qp.recv_cq().soft());
         let map_cq = |cq: &Arc<softnic::Cq>, b: &DmaBuf| self.gpu_addr(b, cq.clone());
         let mode = qp.doorbell().0;
         let desc = QpDesc {

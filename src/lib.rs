@@ -20,6 +20,7 @@ pub mod export;
 pub mod fatbin;
 pub mod gpu;
 pub mod memory;
+mod mlx5;
 pub mod proxy;
 pub mod queue;
 

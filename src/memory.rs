@@ -19,22 +19,51 @@ use std::sync::Arc;
 pub use softnic::{Access, MemKind};
 
 /// A protection domain.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Pd {
     pub(crate) ctx: Context,
-    pub(crate) id: softnic::PdId,
+    pub(crate) dev: PdDev,
+}
+
+/// The device's PD.
+#[derive(Clone)]
+pub(crate) enum PdDev {
+    Soft(softnic::PdId),
+    Mlx5(Arc<crate::mlx5::Pd>),
+}
+
+impl std::fmt::Debug for Pd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.dev {
+            PdDev::Soft(id) => write!(f, "Pd({:?}, {id:?})", self.ctx),
+            PdDev::Mlx5(_) => write!(f, "Pd({:?})", self.ctx),
+        }
+    }
 }
 
 impl Context {
     /// Allocates a protection domain.
+    ///
+    /// # Panics
+    /// When [`Context::try_alloc_pd`] fails (only an rdma-core device can refuse), with the
+    /// device's error.
     pub fn alloc_pd(&self) -> Pd {
-        let id = match &self.inner.backend {
-            Backend::Soft(d) => d.alloc_pd(),
-        };
-        Pd {
-            ctx: self.clone(),
-            id,
+        match self.try_alloc_pd() {
+            Ok(pd) => pd,
+            Err(e) => panic!("Context::alloc_pd: {e}"),
         }
+    }
+
+    /// Allocates a protection domain, or the device's error.
+    pub fn try_alloc_pd(&self) -> Result<Pd, Error> {
+        let dev = match &self.inner.backend {
+            Backend::Soft(d) => PdDev::Soft(d.alloc_pd()),
+            Backend::Mlx5(d) => PdDev::Mlx5(d.alloc_pd()?),
+        };
+        Ok(Pd {
+            ctx: self.clone(),
+            dev,
+        })
     }
 }
 
@@ -178,8 +207,21 @@ pub(crate) enum Keep {
 #[derive(Debug)]
 pub struct Mr {
     pd: Pd,
+    /// Range, rights and kind; `key` is the lkey.
     info: softnic::MrInfo,
+    rkey: u32,
+    /// The rdma-core registration (deregistered on drop), on the mlx5 backend.
+    _mlx5: Option<MlxMr>,
     _keep: Keep,
+}
+
+/// An rdma-core region owner (opaque in Debug output).
+struct MlxMr(#[allow(dead_code)] crate::mlx5::Mr);
+
+impl std::fmt::Debug for MlxMr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("mlx5 MR")
+    }
 }
 
 impl Mr {
@@ -189,7 +231,7 @@ impl Mr {
     }
     /// The remote key (a capability: hand it out only on purpose).
     pub fn rkey(&self) -> prm::Rkey {
-        prm::Rkey(self.info.key)
+        prm::Rkey(self.rkey)
     }
     /// First byte.
     pub fn addr(&self) -> u64 {
@@ -248,13 +290,35 @@ impl Pd {
     /// # Safety
     /// `addr..addr+len` must stay valid host memory until the returned region is dropped.
     pub unsafe fn register_raw(&self, addr: u64, len: u64, access: Access) -> Result<Mr, Error> {
-        let info = match &self.ctx.inner.backend {
-            // SAFETY: forwarded contract.
-            Backend::Soft(d) => unsafe { d.reg_host(self.id, addr, len, access)? },
+        let (info, rkey, mlx5) = match (&self.ctx.inner.backend, &self.dev) {
+            (Backend::Soft(d), PdDev::Soft(id)) => {
+                // SAFETY: forwarded contract.
+                let info = unsafe { d.reg_host(*id, addr, len, access)? };
+                (info, info.key, None)
+            }
+            (Backend::Mlx5(_), PdDev::Mlx5(pd)) => {
+                if len == 0 {
+                    return Err(Error::InvalidArgument("an empty memory region".into()));
+                }
+                // SAFETY: forwarded contract.
+                let mr = unsafe { pd.reg_host(addr, len, access)? };
+                let info = softnic::MrInfo {
+                    key: mr.lkey,
+                    pd: softnic::PdId(0),
+                    addr,
+                    len,
+                    access,
+                    kind: MemKind::Host,
+                };
+                (info, mr.rkey, Some(MlxMr(mr)))
+            }
+            _ => unreachable!("a PD belongs to its context's backend"),
         };
         Ok(Mr {
             pd: self.clone(),
             info,
+            rkey,
+            _mlx5: mlx5,
             _keep: Keep::Nothing,
         })
     }
@@ -291,12 +355,21 @@ impl Pd {
         access: Access,
         keep: Keep,
     ) -> Result<Mr, Error> {
-        let info = match &self.ctx.inner.backend {
-            Backend::Soft(d) => d.reg_device(self.id, dptr, len, access, mem)?,
+        let info = match (&self.ctx.inner.backend, &self.dev) {
+            (Backend::Soft(d), PdDev::Soft(id)) => d.reg_device(*id, dptr, len, access, mem)?,
+            _ => {
+                return Err(Error::Unsupported(
+                    "GPU-memory regions on the mlx5 backend (ibv_reg_dmabuf_mr or \
+                     nvidia-peermem) are not implemented yet"
+                        .into(),
+                ))
+            }
         };
         Ok(Mr {
             pd: self.clone(),
             info,
+            rkey: info.key,
+            _mlx5: None,
             _keep: keep,
         })
     }
@@ -315,6 +388,8 @@ impl Drop for Mr {
                     tracing::warn!(key = self.info.key, error = %e, "deregistration failed");
                 }
             }
+            // the rdma-core registration ends when `mlx5` drops
+            Backend::Mlx5(_) => {}
         }
     }
 }

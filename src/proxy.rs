@@ -203,17 +203,22 @@ impl ProxyTarget {
     /// or another proxy target holds the QP; a GPU export may hold it too (the kernel writes
     /// the WQEs, the proxy rings for it).
     pub fn for_qp(qp: &crate::Qp) -> Result<Self, crate::Error> {
+        let (crate::device::Backend::Soft(dev), Some(sqp)) =
+            (&qp.pd().context().inner.backend, qp.soft())
+        else {
+            return Err(crate::Error::Unsupported(
+                "a CPU-proxy target for an mlx5 QP is not implemented yet".into(),
+            ));
+        };
         let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
-        let start = crate::queue::QueueState::of(qp.soft()).sq_pi;
-        let crate::device::Backend::Soft(dev) = &qp.pd().context().inner.backend;
+        let start = crate::queue::QueueState::of(sqp).sq_pi;
         if !qp.posters.holds(crate::queue::Poster::GpuExport) {
             // No kernel writes the word now: it starts where the queue is, not behind it.
-            qp.soft()
-                .ctrl_page()
-                .atomic_u64(qp.soft().proxy_offset())
+            sqp.ctrl_page()
+                .atomic_u64(sqp.proxy_offset())
                 .store(start, Ordering::Release);
         }
-        let mut t = Self::for_soft_qp(dev, qp.soft()).with_start(start);
+        let mut t = Self::for_soft_qp(dev, sqp).with_start(start);
         let keep: Arc<dyn Any + Send + Sync> = Arc::new((t.keep.clone(), claim));
         t.keep = keep;
         Ok(t)

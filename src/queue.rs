@@ -4,7 +4,7 @@
 use crate::device::Backend;
 use crate::endpoint::Endpoint;
 use crate::gpu::Gpu;
-use crate::memory::{Access, Pd};
+use crate::memory::{Access, Pd, PdDev};
 use crate::{Context, Error};
 use softnic::DmaBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -84,7 +84,23 @@ impl Default for CqOptions {
 #[derive(Clone, Debug)]
 pub struct Cq {
     pub(crate) ctx: Context,
-    pub(crate) soft: Arc<softnic::Cq>,
+    pub(crate) dev: CqDev,
+}
+
+/// The device's CQ.
+#[derive(Clone)]
+pub(crate) enum CqDev {
+    Soft(Arc<softnic::Cq>),
+    Mlx5(Arc<crate::mlx5::Cq>),
+}
+
+impl std::fmt::Debug for CqDev {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Soft(c) => write!(f, "soft CQ {:#x}", c.cqn()),
+            Self::Mlx5(c) => write!(f, "mlx5 CQ {:#x}", c.cqn),
+        }
+    }
 }
 
 impl Cq {
@@ -94,19 +110,48 @@ impl Cq {
     }
     /// Number of entries.
     pub fn depth(&self) -> u32 {
-        self.soft.ncqe()
+        match &self.dev {
+            CqDev::Soft(c) => c.ncqe(),
+            CqDev::Mlx5(c) => c.ncqe,
+        }
     }
     /// CQ number.
     pub fn cqn(&self) -> u32 {
-        self.soft.cqn()
+        match &self.dev {
+            CqDev::Soft(c) => c.cqn(),
+            CqDev::Mlx5(c) => c.cqn,
+        }
     }
-    /// The device's CQ (rings and doorbell record).
-    pub fn soft(&self) -> &Arc<softnic::Cq> {
-        &self.soft
+    /// The soft NIC's CQ (rings, doorbell record, overrun state): soft backend only.
+    pub fn soft(&self) -> Option<&Arc<softnic::Cq>> {
+        match &self.dev {
+            CqDev::Soft(c) => Some(c),
+            CqDev::Mlx5(_) => None,
+        }
     }
     /// Where its CQE ring lives.
     pub fn placement(&self) -> RingPlacement {
-        placement_of(self.soft.ring())
+        match &self.dev {
+            CqDev::Soft(c) => placement_of(c.ring()),
+            CqDev::Mlx5(_) => RingPlacement::HostMapped,
+        }
+    }
+    /// Where the CQ lives, for a CPU poller.
+    pub(crate) fn geometry(&self) -> softnic::initiator::CqGeometry {
+        match &self.dev {
+            CqDev::Soft(c) => softnic::initiator::CqGeometry {
+                ring: c.ring().as_ptr(),
+                ncqe: c.ncqe(),
+                dbrec: c.dbrec().as_ptr(),
+                collapsed: c.mode() == CqMode::Collapsed,
+            },
+            CqDev::Mlx5(c) => softnic::initiator::CqGeometry {
+                ring: c.ring,
+                ncqe: c.ncqe,
+                dbrec: c.dbrec,
+                collapsed: false,
+            },
+        }
     }
 }
 
@@ -156,18 +201,40 @@ impl Context {
                 o.depth
             )));
         }
-        let soft = match &self.inner.backend {
-            Backend::Soft(d) => d.create_cq(softnic::CqConfig {
+        let dev = match &self.inner.backend {
+            Backend::Soft(d) => CqDev::Soft(d.create_cq(softnic::CqConfig {
                 ncqe: o.depth,
                 mode: o.mode,
                 init: o.init,
                 ring,
                 dbrec: None,
-            })?,
+            })?),
+            Backend::Mlx5(d) => {
+                if ring.is_some() {
+                    return Err(Error::Unsupported(
+                        "CQ rings in GPU memory on the mlx5 backend need DEVX (not yet)".into(),
+                    ));
+                }
+                if o.mode != CqMode::OverrunDetect || o.init != CqInit::Invalid {
+                    return Err(Error::Unsupported(format!(
+                        "{:?} / {:?} CQs: rdma-core's mlx5 CQs always detect overrun and start \
+                         with op_own 0xF0 (the other modes need DEVX, not yet)",
+                        o.mode, o.init
+                    )));
+                }
+                let cq = d.create_cq(o.depth)?;
+                if cq.ncqe != o.depth {
+                    return Err(Error::Unsupported(format!(
+                        "the provider made a CQ of {} entries for {}",
+                        cq.ncqe, o.depth
+                    )));
+                }
+                CqDev::Mlx5(cq)
+            }
         };
         Ok(Cq {
             ctx: self.clone(),
-            soft,
+            dev,
         })
     }
 }
@@ -241,13 +308,30 @@ impl Default for ConnectOptions {
 #[derive(Debug)]
 pub struct Qp {
     pub(crate) pd: Pd,
-    pub(crate) soft: Arc<softnic::Qp>,
+    pub(crate) dev: QpDev,
     pub(crate) send_cq: Cq,
     pub(crate) recv_cq: Cq,
     pub(crate) doorbell: DoorbellMode,
     pub(crate) doorbell_reason: String,
     pub(crate) psn: u32,
     pub(crate) posters: Arc<Posters>,
+    /// Whether a CPU initiator has posted to this mlx5 QP (it cannot hand over yet).
+    pub(crate) cpu_used: std::sync::atomic::AtomicBool,
+}
+
+/// The device's QP.
+pub(crate) enum QpDev {
+    Soft(Arc<softnic::Qp>),
+    Mlx5(Arc<crate::mlx5::Qp>),
+}
+
+impl std::fmt::Debug for QpDev {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Soft(q) => write!(f, "soft QP {:#x}", q.qpn()),
+            Self::Mlx5(q) => write!(f, "mlx5 QP {:#x}", q.qpn),
+        }
+    }
 }
 
 /// Who posts to a QP's send queue. A send queue has one poster at a time: a CPU initiator
@@ -425,53 +509,107 @@ impl Pd {
             ),
             m => (m, "requested".to_string()),
         };
-        let soft = match &self.ctx.inner.backend {
-            Backend::Soft(d) => d.create_qp(softnic::QpConfig {
-                pd: self.id,
-                send_cq: o.send_cq.soft.clone(),
-                recv_cq: o.recv_cq.soft.clone(),
-                sq_blocks: o.sq_blocks,
-                rq_wqes: o.rq_wqes,
-                max_recv_sge: o.max_recv_sge,
-                max_inline: o.max_inline,
-                doorbell: if mode == DoorbellMode::BlueFlame {
-                    softnic::DoorbellKind::BlueFlame
-                } else {
-                    softnic::DoorbellKind::Register
-                },
-                sq_ring,
-                rq_ring,
-                rq_stride: None,
-                dbrec: None,
-                uar: None,
-                user_index: None,
-            })?,
+        let dev = match (
+            &self.ctx.inner.backend,
+            &self.dev,
+            &o.send_cq.dev,
+            &o.recv_cq.dev,
+        ) {
+            (Backend::Soft(d), PdDev::Soft(id), CqDev::Soft(scq), CqDev::Soft(rcq)) => {
+                QpDev::Soft(d.create_qp(softnic::QpConfig {
+                    pd: *id,
+                    send_cq: scq.clone(),
+                    recv_cq: rcq.clone(),
+                    sq_blocks: o.sq_blocks,
+                    rq_wqes: o.rq_wqes,
+                    max_recv_sge: o.max_recv_sge,
+                    max_inline: o.max_inline,
+                    doorbell: if mode == DoorbellMode::BlueFlame {
+                        softnic::DoorbellKind::BlueFlame
+                    } else {
+                        softnic::DoorbellKind::Register
+                    },
+                    sq_ring,
+                    rq_ring,
+                    rq_stride: None,
+                    dbrec: None,
+                    uar: None,
+                    user_index: None,
+                })?)
+            }
+            (Backend::Mlx5(_), PdDev::Mlx5(pd), CqDev::Mlx5(scq), CqDev::Mlx5(rcq)) => {
+                if sq_ring.is_some() {
+                    return Err(Error::Unsupported(
+                        "QP rings in GPU memory on the mlx5 backend need DEVX (not yet)".into(),
+                    ));
+                }
+                if !o.sq_blocks.is_power_of_two()
+                    || (o.rq_wqes != 0 && !o.rq_wqes.is_power_of_two())
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "SQ of {} blocks, RQ of {} WQEs: powers of two",
+                        o.sq_blocks, o.rq_wqes
+                    )));
+                }
+                // libmlx5 sizes the SQ from work requests of its largest WQE (inline data
+                // included): ask for a quarter of the blocks, then take what it made.
+                QpDev::Mlx5(pd.create_qp(
+                    scq,
+                    rcq,
+                    (o.sq_blocks / 4).max(1),
+                    o.rq_wqes,
+                    o.max_recv_sge,
+                    o.max_inline,
+                )?)
+            }
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "the QP's CQs belong to another device".into(),
+                ))
+            }
         };
-        tracing::debug!(qpn = soft.qpn(), ?mode, %reason, "QP created");
+        tracing::debug!(qpn = dev_qpn(&dev), ?mode, %reason, "QP created");
         // Random per QP (as perftest draws one), so that a QP restarted with the same QPN
         // does not take stale packets of its earlier incarnation, nor do guessed PSNs work.
         let psn = Endpoint::random_psn();
         Ok(Qp {
             pd: self.clone(),
-            soft,
+            dev,
             send_cq: o.send_cq,
             recv_cq: o.recv_cq,
             doorbell: mode,
             doorbell_reason: reason,
             psn,
             posters: Arc::default(),
+            cpu_used: Default::default(),
         })
+    }
+}
+
+fn dev_qpn(d: &QpDev) -> u32 {
+    match d {
+        QpDev::Soft(q) => q.qpn(),
+        QpDev::Mlx5(q) => q.qpn,
     }
 }
 
 impl Qp {
     /// QP number.
     pub fn qpn(&self) -> u32 {
-        self.soft.qpn()
+        dev_qpn(&self.dev)
     }
-    /// State.
+    /// State (on the mlx5 backend as QUERY_QP reports it; ERR when the query fails).
     pub fn state(&self) -> QpState {
-        self.soft.state()
+        match &self.dev {
+            QpDev::Soft(q) => q.state(),
+            QpDev::Mlx5(q) => match q.state() {
+                Ok(0) => QpState::Reset,
+                Ok(1) => QpState::Init,
+                Ok(2) => QpState::Rtr,
+                Ok(3) => QpState::Rts,
+                _ => QpState::Err,
+            },
+        }
     }
     /// The doorbell mode, as resolved, and why.
     pub fn doorbell(&self) -> (DoorbellMode, &str) {
@@ -489,9 +627,13 @@ impl Qp {
     pub fn recv_cq(&self) -> &Cq {
         &self.recv_cq
     }
-    /// The device's QP (rings, doorbell record, register page).
-    pub fn soft(&self) -> &Arc<softnic::Qp> {
-        &self.soft
+    /// The soft NIC's QP (rings, doorbell record, register page, fault injection): soft
+    /// backend only.
+    pub fn soft(&self) -> Option<&Arc<softnic::Qp>> {
+        match &self.dev {
+            QpDev::Soft(q) => Some(q),
+            QpDev::Mlx5(_) => None,
+        }
     }
 
     /// What the peer needs to connect to this QP (no rkey: memory travels separately, and
@@ -502,7 +644,7 @@ impl Qp {
             self.pd.ctx.gid(),
             self.qpn(),
             self.psn,
-            4096,
+            self.pd.ctx.mtu(),
             sel.name.clone(),
         )
         .and_then(|e| e.with_udp_port(self.pd.ctx.udp_port()))
@@ -512,28 +654,55 @@ impl Qp {
     /// RESET → INIT → RTR → RTS towards `remote`, at the smaller of both MTUs.
     pub fn connect(&self, remote: &Endpoint, o: ConnectOptions) -> Result<(), Error> {
         use softnic::Modify;
-        self.pd.ctx.route_to(&self.soft, remote)?;
-        self.soft.modify(Modify::Init { access: o.access })?;
-        let mut rtr = remote.rtr_attr(o.min_rnr_timer);
-        rtr.mtu = remote.common_mtu(&self.endpoint());
-        self.soft.modify(Modify::Rtr(rtr))?;
-        self.soft.modify(Modify::Rts(softnic::RtsAttr {
-            sq_psn: self.psn,
-            timeout: o.timeout,
-            retry_cnt: o.retry_cnt,
-            rnr_retry: o.rnr_retry,
-        }))?;
+        let mtu = remote.common_mtu(&self.endpoint());
+        match &self.dev {
+            QpDev::Soft(q) => {
+                self.pd.ctx.route_to(q, remote)?;
+                q.modify(Modify::Init { access: o.access })?;
+                let mut rtr = remote.rtr_attr(o.min_rnr_timer);
+                rtr.mtu = mtu;
+                q.modify(Modify::Rtr(rtr))?;
+                q.modify(Modify::Rts(softnic::RtsAttr {
+                    sq_psn: self.psn,
+                    timeout: o.timeout,
+                    retry_cnt: o.retry_cnt,
+                    rnr_retry: o.rnr_retry,
+                }))?;
+            }
+            QpDev::Mlx5(q) => {
+                let r = crate::mlx5::Remote {
+                    gid: remote.gid().0,
+                    qpn: remote.qpn(),
+                    psn: remote.psn(),
+                    mtu,
+                };
+                q.connect(o.access, &r, self.psn, &o)?;
+            }
+        }
         Ok(())
     }
 
-    /// A raw state transition (illegal ones are errors).
+    /// A raw state transition (illegal ones are errors). On the mlx5 backend only RESET and
+    /// ERR (the others take attributes: [`Qp::connect`]).
     pub fn modify(&self, m: softnic::Modify) -> Result<(), Error> {
-        Ok(self.soft.modify(m)?)
+        match &self.dev {
+            QpDev::Soft(q) => Ok(q.modify(m)?),
+            QpDev::Mlx5(q) => match m {
+                softnic::Modify::Reset => q.to_state(rdma_core_sys::IBV_QPS_RESET),
+                softnic::Modify::Err => q.to_state(rdma_core_sys::IBV_QPS_ERR),
+                other => Err(Error::Unsupported(format!(
+                    "{other:?} on an mlx5 QP: use Qp::connect"
+                ))),
+            },
+        }
     }
 
     /// Where its SQ and RQ rings live.
     pub fn placement(&self) -> RingPlacement {
-        placement_of(self.soft.sq_ring())
+        match &self.dev {
+            QpDev::Soft(q) => placement_of(q.sq_ring()),
+            QpDev::Mlx5(_) => RingPlacement::HostMapped,
+        }
     }
 
     /// A CPU initiator on this QP (it takes the QP's CQs for itself). It is the QP's one
@@ -565,19 +734,64 @@ impl Qp {
         mode: softnic::initiator::RingMode,
     ) -> Result<softnic::initiator::Initiator, Error> {
         let claim = self.posters.claim(Poster::CpuInitiator)?;
-        match &self.pd.ctx.inner.backend {
-            Backend::Soft(d) => Ok(softnic::initiator::Initiator::try_for_soft_qp(
-                d, &self.soft, mode,
-            )?
-            .with_guard(Box::new(claim))),
+        match (&self.pd.ctx.inner.backend, &self.dev) {
+            (Backend::Soft(d), QpDev::Soft(q)) => {
+                Ok(softnic::initiator::Initiator::try_for_soft_qp(d, q, mode)?
+                    .with_guard(Box::new(claim)))
+            }
+            (Backend::Mlx5(_), QpDev::Mlx5(q)) => {
+                use std::sync::atomic::Ordering::AcqRel;
+                if self.cpu_used.swap(true, AcqRel) {
+                    return Err(Error::Unsupported(format!(
+                        "QP {:#x}: a second CPU initiator on an mlx5 QP (handing the queue's \
+                         state over from an earlier poster is soft-NIC only so far)",
+                        q.qpn
+                    )));
+                }
+                let sq = softnic::initiator::SqGeometry {
+                    ring: q.sq_buf,
+                    blocks: q.sq_blocks,
+                    dbrec: q.dbrec,
+                    bf_reg: q.bf_reg,
+                    qpn: q.qpn,
+                };
+                let rq = softnic::initiator::RqGeometry {
+                    ring: q.rq_buf,
+                    wqes: q.rq_wqes,
+                    stride: q.rq_stride,
+                    dbrec: q.dbrec,
+                };
+                let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new((
+                    q.clone(),
+                    self.send_cq.dev.clone(),
+                    self.recv_cq.dev.clone(),
+                ));
+                // SAFETY: the geometry is the provider's (mlx5dv_init_obj) for this live QP
+                // and its CQs, kept alive by `keep`; the claim makes the initiator the QP's
+                // only poster and its CQs' only poller.
+                let ini = unsafe {
+                    softnic::initiator::Initiator::from_geometry(
+                        sq,
+                        rq,
+                        self.send_cq.geometry(),
+                        self.recv_cq.geometry(),
+                        mode,
+                        keep,
+                        None,
+                    )
+                };
+                Ok(ini.with_guard(Box::new(claim)))
+            }
+            _ => unreachable!("a QP belongs to its context's backend"),
         }
     }
 }
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        match &self.pd.ctx.inner.backend {
-            Backend::Soft(d) => d.destroy_qp(&self.soft),
+        // (an rdma-core QP is destroyed when the last holder, maybe an initiator, lets go)
+        if let (Backend::Soft(d), QpDev::Soft(q)) = (&self.pd.ctx.inner.backend, &self.dev) {
+            d.destroy_qp(q)
         }
     }
 }
@@ -750,7 +964,7 @@ mod tests {
             ini.wait_send(std::time::Duration::from_secs(5)).unwrap();
         }
         drop(ini);
-        let st = QueueState::of(qa.soft());
+        let st = QueueState::of(qa.soft().unwrap());
         let mut d = crate::export::QpDesc {
             rq_wqes: 256,
             ..Default::default()
@@ -769,7 +983,7 @@ mod tests {
         assert_eq!((d.scq_ci, d.rcq_ci, d.rq_posted), (3, 0, 1));
         // A receive CQ that also takes send completions (here qa's) is not in step with the RQ.
         assert!(matches!(
-            resume_desc(&mut d, &QueueState::of(shared.soft())),
+            resume_desc(&mut d, &QueueState::of(shared.soft().unwrap())),
             Err(Error::InvalidArgument(_))
         ));
     }

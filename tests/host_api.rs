@@ -304,7 +304,7 @@ fn the_default_cq_reports_an_overrun_to_the_poller() {
         "reported, not timed out"
     );
     assert!(ini.cq_overrun(false));
-    assert!(a.qp.send_cq().soft().is_overrun());
+    assert!(a.qp.send_cq().soft().unwrap().is_overrun());
     assert_eq!(a.ctx.soft_device().unwrap().counters().cq_overruns, 12); // the 5th CQE and the 11 flushes after it
 }
 
@@ -446,7 +446,7 @@ fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
         );
         other.post_and_ring(&Op::Nop, CtrlFlags::SIGNALED).unwrap();
         ok(other.wait_send(T).unwrap());
-        assert_eq!(c2.soft().produced(), n);
+        assert_eq!(c2.soft().unwrap().produced(), n);
     }
     // the other edge: at max_index CQEs it completes
     match waiter.wait_send(T).unwrap() {

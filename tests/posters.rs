@@ -209,7 +209,10 @@ fn a_proxy_target_and_a_cpu_initiator_exclude_each_other_and_hand_over() {
     };
     let w = op.encode(1, a.qp.qpn(), CtrlFlags::SIGNALED).unwrap();
     for i in 0..w.blocks() {
-        a.qp.soft().sq_ring().write((1 + i) * WQEBB, w.block(i));
+        a.qp.soft()
+            .unwrap()
+            .sq_ring()
+            .write((1 + i) * WQEBB, w.block(i));
     }
     // SAFETY: the word lives in the QP's control page, alive while `a.qp` is.
     unsafe { &*word }.store(1 + w.blocks() as u64, Ordering::Release);

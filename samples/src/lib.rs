@@ -1356,7 +1356,10 @@ impl Exports {
                     .soft_device()
                     .context("the CPU proxy needs the QP's device")?;
                 // The service releases its targets when it is dropped.
-                let _handle = svc.add(ProxyTarget::for_soft_qp(dev, q.soft()))?;
+                let _handle = svc.add(ProxyTarget::for_soft_qp(
+                    dev,
+                    q.soft().expect("a soft-NIC QP"),
+                ))?;
             }
             Some(svc)
         };

@@ -196,7 +196,10 @@ impl Pair {
             let svc = ProxyService::start(ProxyConfig::default())?;
             let dev = a.soft_device().expect("soft device");
             // The handle is not needed: the service (dropped with the pair) releases the target.
-            let _handle = svc.add(ProxyTarget::for_soft_qp(dev, qa.soft()))?;
+            let _handle = svc.add(ProxyTarget::for_soft_qp(
+                dev,
+                qa.soft().expect("a soft-NIC QP"),
+            ))?;
             Some(svc)
         } else {
             None
@@ -663,7 +666,9 @@ pub fn bad_rkey(ordinal: usize, rings: RingPlacement) -> Result<String> {
 /// A dropped doorbell makes the kernel's quiet return TIMEOUT within its budget, not hang.
 pub fn dropped_doorbell_timeout(ordinal: usize) -> Result<String> {
     let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
-    p.qa.soft().inject(softnic::Fault::DropDoorbells(1));
+    p.qa.soft()
+        .expect("a soft-NIC QP")
+        .inject(softnic::Fault::DropDoorbells(1));
     let t = std::time::Instant::now();
     let st = p.launch_put(&PutArgs::single(64, 50_000_000), p.dst_mr.rkey().0)?;
     let s = st.read()?;
@@ -869,7 +874,7 @@ pub fn recv(
         let svc = ProxyService::start(ProxyConfig::default())?;
         let _handle = svc.add(ProxyTarget::for_soft_qp(
             b.soft_device().expect("soft device"),
-            qb.soft(),
+            qb.soft().expect("a soft-NIC QP"),
         ))?;
         Some(svc)
     } else {

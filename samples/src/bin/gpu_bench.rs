@@ -139,7 +139,7 @@ fn setup(
         if let Some(svc) = &proxy {
             let _h = svc.add(ProxyTarget::for_soft_qp(
                 a.soft_device().expect("soft"),
-                qa.soft(),
+                qa.soft().expect("a soft-NIC QP"),
             ))?;
         }
         qps.push((qa, qb, export));

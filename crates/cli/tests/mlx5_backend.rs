@@ -1,0 +1,337 @@
+//! The ConnectX backend through the real libibverbs + libmlx5, on the emulated device: the same
+//! traffic and error scenario runs on the in-process soft NIC and on `mlx5_0`/`mlx5_1` under
+//! `gpuverbs emu`, and must give the same completions (statuses, byte counts, immediates, old
+//! values of atomics) and the same bytes.
+
+use gpuverbs::{Access, ConnectOptions, Context, CqOptions, DeviceRequest, HostBuffer, QpOptions};
+use prm::wqe::{CtrlFlags, Local, Op};
+use prm::Completion;
+use softnic::initiator::{Initiator, RingMode};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
+const CHILD: &str = "GPUVERBS_MLX5_CHILD";
+const T: Duration = Duration::from_secs(10);
+
+fn preload() -> std::path::PathBuf {
+    let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
+    let release = dir.file_name().is_some_and(|n| n == "release");
+    let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
+    c.args(["build", "-q", "-p", "gpuverbs-uverbs-preload"]);
+    if release {
+        c.arg("--release");
+    }
+    if let Some(target) = dir.parent() {
+        c.env("CARGO_TARGET_DIR", target);
+    }
+    assert!(
+        c.status().unwrap().success(),
+        "building the preload library failed"
+    );
+    dir.join("libgpuverbs_uverbs_preload.so")
+}
+
+struct Side {
+    _ctx: Context,
+    qp: gpuverbs::Qp,
+    ini: Initiator,
+    buf: HostBuffer,
+    mr: gpuverbs::Mr,
+}
+
+/// Two connected QPs, one per context, each driven by a CPU initiator.
+fn pair(a: &Context, b: &Context, o: ConnectOptions) -> (Side, Side) {
+    let side = |ctx: &Context| {
+        let pd = ctx.alloc_pd();
+        let scq = ctx.create_cq(CqOptions::default()).unwrap();
+        let rcq = ctx.create_cq(CqOptions::default()).unwrap();
+        let qp = pd.create_qp(QpOptions::new(&scq, &rcq)).unwrap();
+        let buf = HostBuffer::new(16384);
+        let rights = Access::LOCAL_WRITE
+            | Access::REMOTE_WRITE
+            | Access::REMOTE_READ
+            | Access::REMOTE_ATOMIC;
+        let mr = pd.register_with(&buf, rights).unwrap();
+        (qp, buf, mr)
+    };
+    let (qa, ba, ma) = side(a);
+    let (qb, bb, mb) = side(b);
+    qa.connect(&qb.endpoint(), o).unwrap();
+    qb.connect(&qa.endpoint(), o).unwrap();
+    let ia = qa.cpu_initiator(RingMode::RdmaCore);
+    let ib = qb.cpu_initiator(RingMode::RdmaCore);
+    (
+        Side {
+            _ctx: a.clone(),
+            qp: qa,
+            ini: ia,
+            buf: ba,
+            mr: ma,
+        },
+        Side {
+            _ctx: b.clone(),
+            qp: qb,
+            ini: ib,
+            buf: bb,
+            mr: mb,
+        },
+    )
+}
+
+fn outcome(c: &Completion) -> String {
+    match c {
+        Completion::Req {
+            wqe_opcode,
+            byte_cnt,
+            ..
+        } => format!("req op {wqe_opcode:#x} bytes {byte_cnt}"),
+        Completion::Resp {
+            kind,
+            byte_cnt,
+            imm,
+            ..
+        } => format!("resp {kind:?} bytes {byte_cnt} imm {imm:?}"),
+        Completion::Error(e) => format!(
+            "error {} syndrome {:#x} op {:#x}",
+            if e.responder {
+                "responder"
+            } else {
+                "requester"
+            },
+            e.syndrome,
+            e.wqe_opcode
+        ),
+        Completion::Invalid(o) => format!("invalid {o:#x}"),
+    }
+}
+
+fn send_wait(s: &mut Side, op: &Op<'_>) -> String {
+    s.ini.post_and_ring(op, CtrlFlags::SIGNALED).unwrap();
+    match s.ini.wait_send(T) {
+        Ok(c) => outcome(&c),
+        Err(e) => format!("wait: {e}"),
+    }
+}
+
+/// The scenario: every line is one observable outcome.
+fn scenario(a: &Context, b: &Context) -> Vec<String> {
+    let mut out = Vec::new();
+    let all = ConnectOptions {
+        access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+        ..Default::default()
+    };
+    let (mut x, mut y) = pair(a, b, all);
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    x.buf.write(0, &pattern);
+    let w = Op::Write {
+        remote: y.mr.remote(0),
+        local: Local::Sges(&[x.mr.sge(0, 4096)]),
+        imm: None,
+    };
+    out.push(format!("write: {}", send_wait(&mut x, &w)));
+    out.push(format!(
+        "write bytes equal: {}",
+        y.buf.to_vec()[..4096] == pattern[..]
+    ));
+    let r = Op::Read {
+        remote: y.mr.remote(0),
+        local: &[x.mr.sge(8192, 4096)],
+    };
+    out.push(format!("read: {}", send_wait(&mut x, &r)));
+    out.push(format!(
+        "read bytes equal: {}",
+        x.buf.to_vec()[8192..12288] == pattern[..]
+    ));
+    y.ini.post_recv(&[y.mr.sge(4096, 256)]).unwrap();
+    x.buf.write(0, b"a send of some bytes");
+    let s = Op::Send {
+        local: Local::Sges(&[x.mr.sge(0, 20)]),
+        imm: None,
+    };
+    out.push(format!("send: {}", send_wait(&mut x, &s)));
+    out.push(format!(
+        "send recv: {}",
+        y.ini
+            .wait_recv(T)
+            .map(|c| outcome(&c))
+            .unwrap_or_else(|e| e.to_string())
+    ));
+    out.push(format!(
+        "send bytes: {}",
+        String::from_utf8_lossy(&y.buf.to_vec()[4096..4116])
+    ));
+    y.ini.post_recv(&[y.mr.sge(4096, 256)]).unwrap();
+    let wi = Op::Write {
+        remote: y.mr.remote(6000),
+        local: Local::Sges(&[x.mr.sge(0, 16)]),
+        imm: Some(0x1234),
+    };
+    out.push(format!("write_imm: {}", send_wait(&mut x, &wi)));
+    out.push(format!(
+        "write_imm recv: {}",
+        y.ini
+            .wait_recv(T)
+            .map(|c| outcome(&c))
+            .unwrap_or_else(|e| e.to_string())
+    ));
+    y.buf.write(8192, &5u64.to_ne_bytes());
+    let fa = Op::FetchAdd {
+        remote: y.mr.remote(8192),
+        add: 3,
+        result: x.mr.sge(12288, 8),
+    };
+    out.push(format!("fetch_add: {}", send_wait(&mut x, &fa)));
+    let old = u64::from_ne_bytes(x.buf.to_vec()[12288..12296].try_into().unwrap());
+    let now = u64::from_ne_bytes(y.buf.to_vec()[8192..8200].try_into().unwrap());
+    out.push(format!("fetch_add old {old} now {now}"));
+    let cs = Op::CompareSwap {
+        remote: y.mr.remote(8192),
+        compare: 8,
+        swap: 42,
+        result: x.mr.sge(12288, 8),
+    };
+    out.push(format!("cmp_swap: {}", send_wait(&mut x, &cs)));
+    let old = u64::from_ne_bytes(x.buf.to_vec()[12288..12296].try_into().unwrap());
+    let now = u64::from_ne_bytes(y.buf.to_vec()[8192..8200].try_into().unwrap());
+    out.push(format!("cmp_swap old {old} now {now}"));
+    // bad rkey: REMOTE_ACCESS, then the QP is in error
+    let mut bad = y.mr.remote(0);
+    bad.rkey = prm::Rkey(bad.rkey.0 ^ 0x80);
+    let w = Op::Write {
+        remote: bad,
+        local: Local::Sges(&[x.mr.sge(0, 64)]),
+        imm: None,
+    };
+    out.push(format!("bad rkey: {}", send_wait(&mut x, &w)));
+    out.push(format!("bad rkey state: {:?}", x.qp.state()));
+    // bad lkey: LOCAL_PROT
+    let (mut x, y) = pair(a, b, all);
+    let mut sge = x.mr.sge(0, 64);
+    sge.lkey = prm::Lkey(sge.lkey.0 ^ 0x80);
+    let w = Op::Write {
+        remote: y.mr.remote(0),
+        local: Local::Sges(&[sge]),
+        imm: None,
+    };
+    out.push(format!("bad lkey: {}", send_wait(&mut x, &w)));
+    // a send longer than the receive buffer: REMOTE_INVAL_REQ and LOCAL_LENGTH
+    let (mut x, mut y) = pair(a, b, all);
+    y.ini.post_recv(&[y.mr.sge(0, 128)]).unwrap();
+    let s = Op::Send {
+        local: Local::Sges(&[x.mr.sge(0, 512)]),
+        imm: None,
+    };
+    out.push(format!("too long: {}", send_wait(&mut x, &s)));
+    out.push(format!(
+        "too long recv: {}",
+        y.ini
+            .wait_recv(T)
+            .map(|c| outcome(&c))
+            .unwrap_or_else(|e| e.to_string())
+    ));
+    // no receive posted, no RNR retries: RNR_RETRY_EXC
+    let (mut x, _y) = pair(
+        a,
+        b,
+        ConnectOptions {
+            rnr_retry: 0,
+            ..all
+        },
+    );
+    let s = Op::Send {
+        local: Local::Sges(&[x.mr.sge(0, 8)]),
+        imm: None,
+    };
+    out.push(format!("rnr: {}", send_wait(&mut x, &s)));
+    // the peer QP is gone: TRANSPORT_RETRY_EXC
+    let (mut x, y) = pair(
+        a,
+        b,
+        ConnectOptions {
+            timeout: 8,
+            retry_cnt: 1,
+            ..all
+        },
+    );
+    let target = y.mr.remote(0);
+    drop(y);
+    let w = Op::Write {
+        remote: target,
+        local: Local::Sges(&[x.mr.sge(0, 8)]),
+        imm: None,
+    };
+    out.push(format!("peer gone: {}", send_wait(&mut x, &w)));
+    out
+}
+
+/// Runs under `gpuverbs emu --devices 2` (started by the test below); does nothing otherwise.
+#[test]
+fn mlx5_child() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let a = Context::open(DeviceRequest::Named("mlx5_0".into())).unwrap();
+    let b = Context::open(DeviceRequest::Named("mlx5_1".into())).unwrap();
+    let auto = Context::open(DeviceRequest::Auto).unwrap();
+    println!("SELECTION {}", auto.selection());
+    println!("KIND {:?} {:?}", a.selection().kind, b.selection().kind);
+    for line in scenario(&a, &b) {
+        println!("RESULT {line}");
+    }
+}
+
+#[test]
+fn the_mlx5_backend_gives_the_soft_nics_completions() {
+    let a = Context::open(DeviceRequest::Soft).unwrap();
+    let b = Context::open(DeviceRequest::Soft).unwrap();
+    let soft = scenario(&a, &b);
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(GPUVERBS)
+        .env("GPUVERBS_PRELOAD", preload())
+        .env(CHILD, "1")
+        .args(["emu", "--devices", "2", "--ip", "127.0.95.1", "--"])
+        .arg(&exe)
+        .args(["--exact", "mlx5_child", "--nocapture", "--test-threads=1"])
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the child under gpuverbs emu failed:\n{text}"
+    );
+    let mlx5: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("RESULT ").map(str::to_string))
+        .collect();
+    assert!(text.contains("KIND Mlx5 Mlx5"), "{text}");
+    assert!(
+        text.contains("SELECTION mlx5 mlx5_0 (auto: rdma-core lists mlx5_0, mlx5_1"),
+        "{text}"
+    );
+    assert_eq!(
+        mlx5, soft,
+        "soft NIC (right) and mlx5 backend (left) differ:\n{text}"
+    );
+    // and the scenario is what a ConnectX gives
+    for want in [
+        "write bytes equal: true",
+        "read bytes equal: true",
+        "send bytes: a send of some bytes",
+        "fetch_add old 5 now 8",
+        "cmp_swap old 8 now 42",
+        "bad rkey: error requester syndrome 0x13",
+        "bad lkey: error requester syndrome 0x4",
+        "too long: error requester syndrome 0x12",
+        "too long recv: error responder syndrome 0x1",
+        "rnr: error requester syndrome 0x16",
+        "peer gone: error requester syndrome 0x15",
+    ] {
+        assert!(
+            soft.iter().any(|l| l.starts_with(want)),
+            "missing {want:?} in {soft:#?}"
+        );
+    }
+}
