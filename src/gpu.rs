@@ -6,7 +6,7 @@
 use crate::cuda::{drv, open, with_driver, CudaError, DeviceInfo, Module};
 use crate::export::{db_mode, QpDesc};
 use crate::memory::{Access, HostBuffer, Mr};
-use crate::queue::{DoorbellMode, Poster, PosterClaim, Qp, QueueState};
+use crate::queue::{CqDev, DoorbellMode, Poster, PosterClaim, Qp, QpDev, QueueState};
 use crate::Error;
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext};
@@ -21,10 +21,14 @@ use std::sync::{Arc, Mutex, Weak};
 /// `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP`.
 const HOST_REGISTER_FLAGS: u32 = 0x01 | 0x02;
 
+/// `CU_MEMHOSTREGISTER_IOMEMORY`: the range is device (MMIO) memory, such as a NIC's UAR.
+const HOST_REGISTER_IOMEMORY: u32 = 0x04;
+
 /// A host range registered with CUDA, and what keeps its memory alive.
 struct Mapping {
     dptr: u64,
     host: *mut u8,
+    len: usize,
     _keep: Arc<dyn Any + Send + Sync>,
 }
 
@@ -251,10 +255,62 @@ impl Gpu {
             Mapping {
                 dptr,
                 host: buf.as_ptr(),
+                len: buf.len(),
                 _keep: keep,
             },
         );
         Ok(dptr)
+    }
+
+    /// Maps the pages holding `addr..addr+len` (memory a provider allocated, owned by `keep`)
+    /// into the GPU and returns the device address of `addr`. A range inside pages mapped
+    /// before (a doorbell-record page shared by several objects) reuses that mapping. With
+    /// `iomem` the pages are registered as I/O memory (a UAR page).
+    fn map_range(
+        &self,
+        addr: u64,
+        len: usize,
+        keep: Arc<dyn Any + Send + Sync>,
+        iomem: bool,
+    ) -> Result<u64, CudaError> {
+        const PAGE: u64 = 4096;
+        let start = addr & !(PAGE - 1);
+        let end = (addr + len.max(1) as u64).next_multiple_of(PAGE);
+        let mut mapped = self.mapped.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = mapped
+            .values()
+            .find(|m| m.host as u64 <= start && end <= m.host as u64 + m.len as u64)
+        {
+            return Ok(m.dptr + (addr - m.host as u64));
+        }
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let flags = HOST_REGISTER_FLAGS | if iomem { HOST_REGISTER_IOMEMORY } else { 0 };
+        let host = start as *mut u8;
+        let n = (end - start) as usize;
+        // SAFETY: whole pages of live host memory (the provider's allocation or its mapped UAR
+        // page, alive as long as `keep`, which the mapping holds until `drop` unregisters it).
+        unsafe { sys::cuMemHostRegister_v2(host.cast(), n, flags) }
+            .result()
+            .map_err(drv(if iomem {
+                "cuMemHostRegister(IOMEMORY)"
+            } else {
+                "cuMemHostRegister"
+            }))?;
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: the range was just registered with DEVICEMAP.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, host.cast(), 0) }
+            .result()
+            .map_err(drv("cuMemHostGetDevicePointer"))?;
+        mapped.insert(
+            start,
+            Mapping {
+                dptr,
+                host,
+                len: n,
+                _keep: keep,
+            },
+        );
+        Ok(dptr + (addr - start))
     }
 
     /// Maps a host buffer (payload, signal words) into the GPU; returns its device address.
@@ -354,11 +410,7 @@ impl Gpu {
     fn export_inner(self: &Arc<Self>, qp: &Qp, claim: PosterClaim) -> Result<ExportedQp, Error> {
         let (Some(s), Some(scq), Some(rcq)) = (qp.soft(), qp.send_cq().soft(), qp.recv_cq().soft())
         else {
-            return Err(Error::Unsupported(
-                "exporting an mlx5 QP to a GPU is not implemented yet (its provider-allocated \
-                 rings, doorbell records and UAR page must be registered into the GPU)"
-                    .into(),
-            ));
+            return self.export_mlx5(qp, claim);
         };
         let scratch = HostBuffer::new(64);
         let scratch_mr = qp.pd().register_with(&scratch, Access::LOCAL_WRITE)?;
@@ -417,6 +469,113 @@ impl Gpu {
                 .atomic_u64(s.proxy_offset())
                 .store(state.sq_pi, Ordering::Release);
         }
+        let mem = self.alloc(core::mem::size_of::<QpDesc>())?;
+        mem.write(0, bytemuck::bytes_of(&desc))?;
+        Ok(ExportedQp {
+            mem,
+            _scratch: (scratch, scratch_mr),
+            _claim: claim,
+        })
+    }
+}
+
+impl Gpu {
+    /// Exports a QP of the ConnectX backend: the provider's rings, doorbell record and CQs are
+    /// registered into the GPU (`cuMemHostRegister`, DEVICEMAP), the UAR page as I/O memory
+    /// (real UARs are MMIO) or, when the driver refuses that, as plain memory; when neither
+    /// works the export fails and says why (a CPU proxy for mlx5 QPs is not there yet).
+    fn export_mlx5(self: &Arc<Self>, qp: &Qp, claim: PosterClaim) -> Result<ExportedQp, Error> {
+        let (QpDev::Mlx5(q), CqDev::Mlx5(scq), CqDev::Mlx5(rcq)) =
+            (&qp.dev, &qp.send_cq().dev, &qp.recv_cq().dev)
+        else {
+            return Err(Error::InvalidArgument(
+                "a QP on CQs of another device".into(),
+            ));
+        };
+        if qp.cpu_used.load(Ordering::Acquire) {
+            return Err(Error::Unsupported(format!(
+                "QP {:#x}: exporting an mlx5 QP after a CPU initiator posted to it (handing the \
+                 queue's state over is soft-NIC only so far)",
+                q.qpn
+            )));
+        }
+        let mode = qp.doorbell().0;
+        if mode == DoorbellMode::CpuProxy {
+            return Err(Error::Unsupported(
+                "the CPU-proxy doorbell mode on the mlx5 backend is not implemented yet".into(),
+            ));
+        }
+        let scratch = HostBuffer::new(64);
+        let scratch_mr = qp.pd().register_with(&scratch, Access::LOCAL_WRITE)?;
+        let keep_qp: Arc<dyn Any + Send + Sync> = q.clone();
+        let map = |addr: *mut u8, len: usize, keep: &Arc<dyn Any + Send + Sync>| {
+            self.map_range(addr as u64, len, keep.clone(), false)
+        };
+        let keep_scq: Arc<dyn Any + Send + Sync> = scq.clone();
+        let keep_rcq: Arc<dyn Any + Send + Sync> = rcq.clone();
+        let uar = match self.map_range(
+            q.bf_reg as u64,
+            2 * prm::doorbell::BF_HALF_SIZE,
+            keep_qp.clone(),
+            true,
+        ) {
+            Ok(a) => a,
+            Err(io_err) => match self.map_range(
+                q.bf_reg as u64,
+                2 * prm::doorbell::BF_HALF_SIZE,
+                keep_qp.clone(),
+                false,
+            ) {
+                Ok(a) => {
+                    tracing::info!(qpn = q.qpn, error = %io_err, "UAR page mapped as plain memory");
+                    a
+                }
+                Err(e) => {
+                    return Err(Error::Unsupported(format!(
+                        "the GPU cannot map QP {:#x}'s doorbell page: {io_err}; as plain memory: \
+                         {e} (on x86 hosts the NVIDIA driver needs \
+                         NVreg_RegistryDwords=\"PeerMappingOverride=1;\")",
+                        q.qpn
+                    )))
+                }
+            },
+        };
+        let desc = QpDesc {
+            sq_ring: map(q.sq_buf, q.sq_blocks as usize * prm::WQEBB, &keep_qp)?,
+            rq_ring: if q.rq_wqes == 0 {
+                0
+            } else {
+                map(q.rq_buf, (q.rq_wqes * q.rq_stride) as usize, &keep_qp)?
+            },
+            dbrec: map(q.dbrec, 8, &keep_qp)?,
+            db_reg: uar,
+            proxy_word: 0,
+            scq_ring: map(scq.ring, scq.ncqe as usize * prm::CQE_SIZE, &keep_scq)?,
+            scq_dbrec: map(scq.dbrec, 8, &keep_scq)?,
+            rcq_ring: map(rcq.ring, rcq.ncqe as usize * prm::CQE_SIZE, &keep_rcq)?,
+            rcq_dbrec: map(rcq.dbrec, 8, &keep_rcq)?,
+            scratch: self.map_host(&scratch)?,
+            sq_blocks: q.sq_blocks,
+            rq_wqes: q.rq_wqes,
+            rq_stride: q.rq_stride,
+            qpn: q.qpn,
+            scq_ncqe: scq.ncqe,
+            rcq_ncqe: rcq.ncqe,
+            db_mode: match mode {
+                DoorbellMode::BlueFlame => db_mode::BLUEFLAME,
+                _ => db_mode::GPU_DOORBELL,
+            },
+            // the provider's rings are host memory: system-scope release before the doorbell
+            ring_loc: 0,
+            max_inline: q.max_inline,
+            scratch_lkey: scratch_mr.lkey().0,
+            scq_collapsed: 0,
+            rcq_collapsed: 0,
+            ..QpDesc::default()
+        };
+        let mut desc = desc;
+        // a fresh QP: every counter starts at 0
+        resume_desc(&mut desc, &QueueState::default())?;
         let mem = self.alloc(core::mem::size_of::<QpDesc>())?;
         mem.write(0, bytemuck::bytes_of(&desc))?;
         Ok(ExportedQp {

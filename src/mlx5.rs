@@ -460,6 +460,7 @@ impl Pd {
             rq_stride: out.rq.stride,
             dbrec: out.dbrec.cast(),
             bf_reg: out.bf.reg.cast(),
+            max_inline: a.cap.max_inline_data,
         }))
     }
 }
@@ -525,6 +526,7 @@ pub(crate) struct Qp {
     pub rq_stride: u32,
     pub dbrec: *mut u8,
     pub bf_reg: *mut u8,
+    pub max_inline: u32,
 }
 
 // SAFETY: the provider's QP and its memory, owned by this value until drop; modify calls are

@@ -372,6 +372,14 @@ impl Device {
         self.shared.generation.fetch_add(1, Ordering::Release);
     }
 
+    /// Finishes the flush of a QP in ERR now: every receive WQE and every announced send WQE
+    /// gets its flush CQE before this returns (a kernel driver's move out of ERR does this
+    /// before it returns, so a provider that then cleans the QP's CQEs from its CQs finds
+    /// them all). No effect on a QP in another state.
+    pub fn drain_errored(&self, qp: &Arc<Qp>) {
+        crate::engine::drain_err(&self.shared, qp);
+    }
+
     /// Looks a QP up by number.
     pub fn qp(&self, qpn: u32) -> Option<Arc<Qp>> {
         self.shared.qp(qpn)

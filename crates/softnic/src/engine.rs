@@ -144,6 +144,24 @@ fn service(dev: &Shared, qp: &Arc<Qp>) -> (bool, bool) {
     r
 }
 
+/// Completes, now and on the caller's thread, what a QP in ERR still owes: a flush CQE for
+/// every receive WQE and every announced send WQE (what a ConnectX has done by the time its
+/// transition out of ERR returns). A QP in another state is left alone.
+pub(crate) fn drain_err(dev: &Shared, qp: &Arc<Qp>) {
+    if qp.state() != QpState::Err {
+        return;
+    }
+    flush_rq(dev, qp);
+    // each round executes (flushes) up to BUDGET WQEs; a ring holds at most 32K blocks
+    for _ in 0..=(qp.sq_blocks / BUDGET + 1) {
+        let mut sq = qp.lock_sq();
+        service_locked(dev, qp, &mut sq);
+        if sq.ci == sq.target {
+            break;
+        }
+    }
+}
+
 fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) {
     let mut work = false;
     for h in 0..2 {
@@ -491,6 +509,11 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
         return;
     }
     let mut rq = qp.lock_rq();
+    // The state was read without the lock: a move out of ERR (RESET, then receives posted
+    // again) may have happened since, and those receives must not be flushed.
+    if qp.state() != QpState::Err {
+        return;
+    }
     let head = rq_head(qp);
     while (rq.ci as u16) != head && head.wrapping_sub(rq.ci as u16) as u32 <= qp.rq_wqes {
         dev.counters.error(Syndrome::WrFlush);

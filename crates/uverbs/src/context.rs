@@ -1159,6 +1159,11 @@ impl Context {
             _ => None,
         };
         if let Some(s) = step {
+            if matches!(s, softnic::Modify::Reset) {
+                // RESET returns only once the device is done with the QP (libmlx5 then
+                // removes the QP's CQEs from its CQs): the flush of an errored QP completes first
+                self.soft()?.drain_errored(&q.soft);
+            }
             q.soft.modify(s).map_err(|_| Errno::EINVAL)?;
         }
         if new == 0 {
