@@ -505,6 +505,15 @@ impl Gpu {
                 "the CPU-proxy doorbell mode on the mlx5 backend is not implemented yet".into(),
             ));
         }
+        if scq.ncqe < q.sq_blocks {
+            // rdma-core CQs detect overrun, and the device API bounds the signaled WQEs in
+            // flight by the SQ's size, not the CQ's
+            return Err(Error::InvalidArgument(format!(
+                "QP {:#x}: its send CQ has {} entries for an SQ of {} blocks; a kernel could \
+                 overrun it (make the CQ at least as deep as the SQ)",
+                q.qpn, scq.ncqe, q.sq_blocks
+            )));
+        }
         let scratch = HostBuffer::new(64);
         let scratch_mr = qp.pd().register_with(&scratch, Access::LOCAL_WRITE)?;
         let keep_qp: Arc<dyn Any + Send + Sync> = q.clone();

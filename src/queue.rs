@@ -551,12 +551,16 @@ impl Pd {
                         o.sq_blocks, o.rq_wqes
                     )));
                 }
-                // libmlx5 sizes the SQ from work requests of its largest WQE (inline data
-                // included): ask for a quarter of the blocks, then take what it made.
+                // libmlx5 sizes the SQ as the power of two of max_send_wr times its largest
+                // WQE (ctrl + raddr + the inline data, in 64-byte blocks): ask for as many
+                // work requests of that size as fit in the blocks asked for.
+                let wqe_blocks = (32 + (4 + o.max_inline as usize).next_multiple_of(16))
+                    .div_ceil(prm::WQEBB)
+                    .max(1) as u32;
                 QpDev::Mlx5(pd.create_qp(
                     scq,
                     rcq,
-                    (o.sq_blocks / 4).max(1),
+                    (o.sq_blocks / wqe_blocks).max(1),
                     o.rq_wqes,
                     o.max_recv_sge,
                     o.max_inline,

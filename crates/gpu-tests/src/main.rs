@@ -231,6 +231,7 @@ fn pipeline(ctx: &Ctx) -> Result<String> {
 struct Args {
     list: bool,
     ordinal: usize,
+    backend: dataplane::Backend,
     names: Vec<String>,
 }
 
@@ -238,6 +239,7 @@ fn parse_args() -> Result<Args> {
     let mut args = Args {
         list: false,
         ordinal: 0,
+        backend: dataplane::Backend::Soft,
         names: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -248,8 +250,19 @@ fn parse_args() -> Result<Args> {
                 let v = it.next().context("--ordinal needs a value")?;
                 args.ordinal = v.parse().with_context(|| format!("bad --ordinal {v:?}"))?;
             }
+            "--backend" => {
+                args.backend = match it.next().as_deref() {
+                    Some("soft") => dataplane::Backend::Soft,
+                    Some("mlx5") => dataplane::Backend::Mlx5,
+                    v => bail!("--backend soft|mlx5, not {v:?}"),
+                };
+            }
             "-h" | "--help" => {
-                println!("usage: gpu-test [--list] [--ordinal N] [NAME...]");
+                println!(
+                    "usage: gpu-test [--list] [--ordinal N] [--backend soft|mlx5] [NAME...]\n\
+                     (--backend mlx5 drives mlx5_0 and mlx5_1 through rdma-core: run it under \
+                     `gpuverbs emu --devices 2`)"
+                );
                 std::process::exit(0);
             }
             s if s.starts_with('-') => bail!("unknown option {s:?} (try --help)"),
@@ -295,6 +308,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
 
+    let _ = dataplane::BACKEND.set(args.backend);
     let ctx = Ctx {
         ordinal: args.ordinal,
     };
@@ -302,13 +316,17 @@ fn main() -> ExitCode {
         .iter()
         .filter(|c| args.names.is_empty() || args.names.iter().any(|n| n == c.name));
 
-    let (mut passed, mut failed) = (0usize, 0usize);
+    let (mut passed, mut failed, mut skipped) = (0usize, 0usize, 0usize);
     for case in selected {
         let start = Instant::now();
         match run_case(case, &ctx) {
             Ok(details) => {
                 passed += 1;
                 println!("PASS {} ({details}; {:.1?})", case.name, start.elapsed());
+            }
+            Err(e) if e.downcast_ref::<dataplane::Skip>().is_some() => {
+                skipped += 1;
+                println!("SKIP {} ({e})", case.name);
             }
             Err(e) => {
                 failed += 1;
@@ -319,7 +337,12 @@ fn main() -> ExitCode {
 
     // The GPU line: also decides whether a GPU is present at all.
     let gpu = cuda::device_info(args.ordinal);
-    println!("gpu-test: {passed} passed, {failed} failed");
+    if skipped > 0 {
+        println!("gpu-test: {passed} passed, {failed} failed, {skipped} skipped");
+    } else {
+        println!("gpu-test: {passed} passed, {failed} failed");
+    }
+    println!("backend: {:?}", args.backend);
     match &gpu {
         Ok(info) => println!("gpu: {info}; date {}", utc_now()),
         Err(e) => println!("gpu: none ({e}); date {}", utc_now()),
