@@ -552,19 +552,20 @@ impl Pd {
                     )));
                 }
                 // libmlx5 sizes the SQ as the power of two of max_send_wr times its largest
-                // WQE (ctrl + raddr + the inline data, in 64-byte blocks): ask for as many
-                // work requests of that size as fit in the blocks asked for.
+                // WQE (ctrl + raddr + the inline data, in 64-byte blocks; versions differ in
+                // what else they count): ask for as many work requests of that size as fit in
+                // the blocks asked for, and fewer while the provider makes a larger SQ.
                 let wqe_blocks = (32 + (4 + o.max_inline as usize).next_multiple_of(16))
                     .div_ceil(prm::WQEBB)
                     .max(1) as u32;
-                QpDev::Mlx5(pd.create_qp(
-                    scq,
-                    rcq,
-                    (o.sq_blocks / wqe_blocks).max(1),
-                    o.rq_wqes,
-                    o.max_recv_sge,
-                    o.max_inline,
-                )?)
+                let mut wrs = (o.sq_blocks / wqe_blocks).max(1);
+                loop {
+                    let q = pd.create_qp(scq, rcq, wrs, o.rq_wqes, o.max_recv_sge, o.max_inline)?;
+                    if q.sq_blocks <= o.sq_blocks || wrs == 1 {
+                        break QpDev::Mlx5(q);
+                    }
+                    wrs /= 2;
+                }
             }
             _ => {
                 return Err(Error::InvalidArgument(

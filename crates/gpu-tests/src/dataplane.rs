@@ -142,10 +142,22 @@ impl Pair {
             mem,
             rings,
         } = spec;
-        skip_on_mlx5(rings == RingPlacement::Gpu, "GPU-resident rings need DEVX (not yet)")?;
-        skip_on_mlx5(mem == Mem::Gpu, "GPU-memory regions (dma-buf / peermem) not yet")?;
-        skip_on_mlx5(mode == DoorbellMode::CpuProxy, "the CPU proxy for mlx5 QPs not yet")?;
-        skip_on_mlx5(cq_mode == CqMode::Collapsed, "collapsed CQs need DEVX (not yet)")?;
+        skip_on_mlx5(
+            rings == RingPlacement::Gpu,
+            "GPU-resident rings need DEVX (not yet)",
+        )?;
+        skip_on_mlx5(
+            mem == Mem::Gpu,
+            "GPU-memory regions (dma-buf / peermem) not yet",
+        )?;
+        skip_on_mlx5(
+            mode == DoorbellMode::CpuProxy,
+            "the CPU proxy for mlx5 QPs not yet",
+        )?;
+        skip_on_mlx5(
+            cq_mode == CqMode::Collapsed,
+            "collapsed CQs need DEVX (not yet)",
+        )?;
         // rdma-core's CQs always detect overrun; the device API keeps their consumer index
         let cq_mode = if backend() == Backend::Mlx5 {
             CqMode::OverrunDetect
@@ -741,7 +753,10 @@ pub fn bad_rkey(ordinal: usize, rings: RingPlacement) -> Result<String> {
 
 /// A dropped doorbell makes the kernel's quiet return TIMEOUT within its budget, not hang.
 pub fn dropped_doorbell_timeout(ordinal: usize) -> Result<String> {
-    skip_on_mlx5(true, "needs the soft NIC's fault injection (dropped doorbells)")?;
+    skip_on_mlx5(
+        true,
+        "needs the soft NIC's fault injection (dropped doorbells)",
+    )?;
     let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
     p.qa.soft()
         .expect("a soft-NIC QP")
@@ -909,8 +924,14 @@ pub fn recv(
     };
     let rsize = if too_small { size / 2 } else { size };
     let n = (n_imm + n_send) as usize;
-    skip_on_mlx5(rings == RingPlacement::Gpu, "GPU-resident rings need DEVX (not yet)")?;
-    skip_on_mlx5(mode == DoorbellMode::CpuProxy, "the CPU proxy for mlx5 QPs not yet")?;
+    skip_on_mlx5(
+        rings == RingPlacement::Gpu,
+        "GPU-resident rings need DEVX (not yet)",
+    )?;
+    skip_on_mlx5(
+        mode == DoorbellMode::CpuProxy,
+        "the CPU proxy for mlx5 QPs not yet",
+    )?;
     let gpu = gpu(ordinal)?;
     let (a, b) = contexts()?;
     let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
@@ -927,6 +948,8 @@ pub fn recv(
     let (scq_a, rcq_a) = (cq_a(64)?, cq_a(64)?);
     let mut oa = QpOptions::new(&scq_a, &rcq_a);
     oa.rq_wqes = 64;
+    // A only receives: an SQ no deeper than its send CQ (an exported mlx5 QP must have that)
+    oa.sq_blocks = 64;
     oa.placement = rings;
     let qa = pa.create_qp_on(&gpu, oa)?;
     let (scq_b, rcq_b) = (
