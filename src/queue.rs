@@ -504,8 +504,17 @@ impl Pd {
         let (mode, reason) = match o.doorbell {
             DoorbellMode::Auto => (
                 DoorbellMode::GpuDoorbell,
-                "auto: the soft NIC's doorbell page is host memory that maps into any GPU"
-                    .to_string(),
+                match &self.dev {
+                    PdDev::Soft(_) => {
+                        "auto: the soft NIC's doorbell page is host memory that maps into any GPU"
+                    }
+                    PdDev::Mlx5(_) => {
+                        "auto: GPU doorbell; the UAR page is registered into the GPU at export \
+                         (as I/O memory, else as plain memory; the export fails and says why \
+                         when the GPU cannot map it)"
+                    }
+                }
+                .to_string(),
             ),
             m => (m, "requested".to_string()),
         };

@@ -1406,6 +1406,10 @@ pub fn common_json(env: &Env, a: &CommonArgs, qp: &Qp) -> Value {
     let (mode, why) = qp.doorbell();
     json!({
         "device": env.ctx.selection().to_string(),
+        "backend": match env.ctx.selection().kind {
+            gpuverbs::device::BackendKind::Soft => "soft",
+            gpuverbs::device::BackendKind::Mlx5 => "mlx5",
+        },
         "gpu": env.gpu.as_ref().map(|g| g.info().to_string()),
         "initiator": env.initiator.name(),
         "initiator_reason": env.initiator_why,

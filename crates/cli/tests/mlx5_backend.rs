@@ -16,21 +16,26 @@ const CHILD: &str = "GPUVERBS_MLX5_CHILD";
 const T: Duration = Duration::from_secs(10);
 
 fn preload() -> std::path::PathBuf {
+    build(&["-p", "gpuverbs-uverbs-preload"]);
+    Path::new(GPUVERBS)
+        .parent()
+        .unwrap()
+        .join("libgpuverbs_uverbs_preload.so")
+}
+
+/// `cargo build` of more artifacts into the target folder of this test's binaries.
+fn build(what: &[&str]) {
     let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
     let release = dir.file_name().is_some_and(|n| n == "release");
     let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
-    c.args(["build", "-q", "-p", "gpuverbs-uverbs-preload"]);
+    c.args(["build", "-q"]).args(what);
     if release {
         c.arg("--release");
     }
     if let Some(target) = dir.parent() {
         c.env("CARGO_TARGET_DIR", target);
     }
-    assert!(
-        c.status().unwrap().success(),
-        "building the preload library failed"
-    );
-    dir.join("libgpuverbs_uverbs_preload.so")
+    assert!(c.status().unwrap().success(), "cargo build {what:?} failed");
 }
 
 struct Side {
@@ -333,5 +338,65 @@ fn the_mlx5_backend_gives_the_soft_nics_completions() {
             soft.iter().any(|l| l.starts_with(want)),
             "missing {want:?} in {soft:#?}"
         );
+    }
+}
+
+/// The samples run on the mlx5 backend under `gpuverbs emu` (loopback, CPU initiator), every
+/// byte validated, and their JSON says which backend.
+#[test]
+fn put_bw_and_write_lat_run_on_the_mlx5_backend() {
+    build(&[
+        "-p",
+        "gpuverbs-samples",
+        "--bin",
+        "put_bw",
+        "--bin",
+        "write_lat",
+    ]);
+    let dir = Path::new(GPUVERBS).parent().unwrap();
+    for (bin, args) in [
+        (
+            "put_bw",
+            &[
+                "--loopback",
+                "--initiator",
+                "cpu",
+                "-s",
+                "4096",
+                "-n",
+                "50",
+                "--json",
+            ][..],
+        ),
+        (
+            "write_lat",
+            &[
+                "--loopback",
+                "--initiator",
+                "cpu",
+                "-s",
+                "64",
+                "-n",
+                "50",
+                "--json",
+            ][..],
+        ),
+    ] {
+        let out = Command::new(GPUVERBS)
+            .env("GPUVERBS_PRELOAD", preload())
+            .args(["emu", "--ip", "127.0.96.1", "--"])
+            .arg(dir.join(bin))
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{bin} on mlx5_0 failed:\n{text}");
+        let rec = text
+            .lines()
+            .find(|l| l.starts_with('{') && l.contains("\"bytes\""))
+            .unwrap_or_else(|| panic!("{bin}: no JSON record:\n{text}"));
+        assert!(rec.contains("\"backend\":\"mlx5\""), "{bin}: {rec}");
+        assert!(rec.contains("\"device\":\"mlx5 mlx5_0"), "{bin}: {rec}");
     }
 }
