@@ -490,8 +490,16 @@ pub(crate) fn flush_cqe(dev: &Shared, qp: &Qp, delay: Option<Duration>, opcode: 
 /// the SRQ WQE it holds for a message in progress (the others stay for the SRQ's other QPs)
 /// and raises LAST_WQE_REACHED once.
 fn flush_rq(dev: &Shared, qp: &Qp) {
+    // The state is checked again under the RQ lock: a QP reset (and perhaps brought up and
+    // given new receives) since the engine saw ERR must not have them flushed.
     if qp.srq.is_some() {
-        let held = qp.lock_rq().srq_wqe.take();
+        let held = {
+            let mut rq = qp.lock_rq();
+            if qp.state() != QpState::Err {
+                return;
+            }
+            rq.srq_wqe.take()
+        };
         if let Some(idx) = held {
             dev.counters.error(Syndrome::WrFlush);
             let e = ErrorCqe {
@@ -516,6 +524,9 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
         return;
     }
     let mut rq = qp.lock_rq();
+    if qp.state() != QpState::Err {
+        return;
+    }
     let head = rq_head(qp);
     while (rq.ci as u16) != head && head.wrapping_sub(rq.ci as u16) as u32 <= qp.rq_wqes {
         dev.counters.error(Syndrome::WrFlush);
