@@ -451,6 +451,7 @@ fn pyverbs_tests_pass_or_skip() {
         "test_qpex",
         "test_atomic",
         "test_cq_events",
+        "test_parent_domain",
     ];
     let mut c = emu(
         "127.0.90.1",
