@@ -365,6 +365,54 @@ fn perftest_latency_tests_run_on_the_emulated_device() {
     }
 }
 
+#[test]
+fn perftest_send_bw_on_a_shared_receive_queue() {
+    need("ib_send_bw", "perftest");
+    let _g = serial();
+    for (i, (size, qps)) in [("8", "1"), ("4096", "1"), ("65536", "1"), ("1024", "2")]
+        .into_iter()
+        .enumerate()
+    {
+        let net = 103 + i as u8;
+        let args = ["-x", "0", "-s", size, "-n", "100", "-q", qps, "--use-srq"];
+        let (c, s) = pair("ib_send_bw", net, 18810 + i as u16, &args, &[]);
+        let want = 100.0 * qps.parse::<f64>().unwrap();
+        for out in [&c, &s] {
+            let r = rows(out);
+            assert!(
+                r.first()
+                    .is_some_and(|r| r[0] == size.parse::<f64>().unwrap() && r[1] == want),
+                "--use-srq -s {size} -q {qps}:\n{out}"
+            );
+        }
+        assert!(rows(&c)[0][3] > 0.0, "{c}");
+    }
+}
+
+/// `verbs_traffic.py` through the real libibverbs: WRITE, READ, SEND/RECV, WRITE_IMM and
+/// atomics with every byte and old value checked; the error cases with a ConnectX's statuses;
+/// SRQs (two QPs sharing one, its limit and LAST_WQE_REACHED events); RESIZE_CQ with
+/// completions carried over; a CQ overrun's CQ_ERR and QP_FATAL events.
+#[test]
+fn verbs_traffic_script_checks_bytes_statuses_and_events() {
+    need("/usr/bin/python3", "python3");
+    let _g = serial();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/verbs_traffic.py");
+    let mut c = Command::new(GPUVERBS);
+    c.env("GPUVERBS_PRELOAD", preload())
+        .env("VERBS_TRAFFIC_LIMIT", "150")
+        .args(["emu", "--ip", "127.0.102.1", "--devices", "2", "--"])
+        .arg("/usr/bin/python3")
+        .arg(&script);
+    let out = run(c, Duration::from_secs(180), "verbs_traffic.py");
+    for case in ["traffic", "errors", "srq", "resize", "async"] {
+        assert!(
+            out.contains(&format!("PASS {case}\n")),
+            "verbs_traffic.py {case}:\n{out}"
+        );
+    }
+}
+
 /// Every pyverbs test docs/emulation.md lists as passing must pass; none may fail or error.
 #[test]
 fn pyverbs_tests_pass_or_skip() {
@@ -403,6 +451,7 @@ fn pyverbs_tests_pass_or_skip() {
         "test_qpex",
         "test_atomic",
         "test_cq_events",
+        "test_parent_domain",
     ];
     let mut c = emu(
         "127.0.90.1",

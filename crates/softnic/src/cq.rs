@@ -7,12 +7,16 @@
 //! record is always host memory.
 
 use crate::buffer::DmaBuf;
+use crate::event::{AsyncEvent, EventHandler, EventSlot};
 use prm::cqe::{owner_bit, Cqe64, CQE_TAIL_OFFSET, OP_OWN_INVALID, OP_OWN_INVALID_OWNED};
 use prm::CQE_SIZE;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
+
+/// `op_own` of the CQE a resize writes into the old ring (opcode `MLX5_CQE_RESIZE_CQ`).
+pub const RESIZE_OP_OWN: u8 = 5 << 4;
 
 /// How the device treats the consumer index.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -71,6 +75,8 @@ pub enum CqError {
 struct CqState {
     /// CQEs produced so far (the producer index).
     pi: u32,
+    /// The ring the CQ writes into after [`Cq::resize`] (the creation ring when `None`).
+    resized: Option<DmaBuf>,
     overrun: bool,
     failed: bool,
     delayed: VecDeque<(Instant, Cqe64)>,
@@ -79,12 +85,13 @@ struct CqState {
 /// A completion queue.
 pub struct Cq {
     cqn: u32,
-    ncqe: u32,
+    ncqe: AtomicU32,
     mode: CqMode,
     ring: DmaBuf,
     dbrec: DmaBuf,
     state: Mutex<CqState>,
     produced: AtomicU32,
+    pub(crate) events: EventSlot,
 }
 
 impl Cq {
@@ -135,12 +142,14 @@ impl Cq {
         }
         Ok(Self {
             cqn,
-            ncqe: cfg.ncqe,
+            ncqe: AtomicU32::new(cfg.ncqe),
             mode: cfg.mode,
             ring,
             dbrec,
+            events: EventSlot::default(),
             state: Mutex::new(CqState {
                 pi: 0,
+                resized: None,
                 overrun: false,
                 failed: false,
                 delayed: VecDeque::new(),
@@ -153,15 +162,16 @@ impl Cq {
     pub fn cqn(&self) -> u32 {
         self.cqn
     }
-    /// Number of entries.
+    /// Number of entries (the new number after [`Cq::resize`]).
     pub fn ncqe(&self) -> u32 {
-        self.ncqe
+        self.ncqe.load(Ordering::Acquire)
     }
     /// Consumer-index mode.
     pub fn mode(&self) -> CqMode {
         self.mode
     }
-    /// The ring.
+    /// The ring the CQ was created with (a resized CQ writes into the ring given to
+    /// [`Cq::resize`]).
     pub fn ring(&self) -> &DmaBuf {
         &self.ring
     }
@@ -180,6 +190,55 @@ impl Cq {
     /// Whether the CQ is in error after a CQE write to its (device-memory) ring failed.
     pub fn is_failed(&self) -> bool {
         self.lock().failed
+    }
+
+    /// Sets (or clears) the receiver of this CQ's asynchronous events.
+    pub fn set_event_handler(&self, h: Option<EventHandler>) {
+        self.events.set(h);
+    }
+
+    /// Resizes the CQ as a ConnectX does for the mlx5 provider: the device writes one CQE of
+    /// opcode RESIZE_CQ (5) into the old ring at the producer index and writes every later
+    /// CQE into `ring` of `ncqe` entries, the index space continuing (the next CQE goes to
+    /// slot `pi + 1` of the new ring, with the new ring's owner bit). The provider copies the
+    /// CQEs it has not polled, up to the RESIZE CQE, to the new ring itself. The new ring
+    /// must hold the CQEs not yet consumed plus the next one (overrun-detect mode), and the
+    /// old ring must have room for the RESIZE CQE.
+    pub fn resize(&self, ncqe: u32, ring: DmaBuf) -> Result<(), crate::Error> {
+        if ncqe < 2 || !ncqe.is_power_of_two() || ncqe > 1 << 22 {
+            return Err(crate::Error::InvalidArgument(
+                "CQ size must be a power of two in 2..=2^22",
+            ));
+        }
+        if ring.len() < ncqe as usize * CQE_SIZE {
+            return Err(crate::Error::InvalidArgument(
+                "CQ ring memory smaller than ncqe * 64",
+            ));
+        }
+        if self.mode == CqMode::Collapsed {
+            return Err(crate::Error::InvalidArgument(
+                "a collapsed CQ is not resized",
+            ));
+        }
+        let mut st = self.lock();
+        if st.overrun || st.failed {
+            return Err(crate::Error::Busy("CQ in error"));
+        }
+        if self.mode == CqMode::OverrunDetect {
+            let ci = u32::from_be(self.dbrec.atomic_u32(0).load(Ordering::Acquire)) & 0xff_ffff;
+            let pending = st.pi.wrapping_sub(ci) & 0xff_ffff;
+            if pending + 1 > ncqe || pending >= self.ncqe() {
+                return Err(crate::Error::InvalidArgument(
+                    "the new CQ size cannot hold the CQEs not yet polled",
+                ));
+            }
+        }
+        // The RESIZE CQE, in the old ring.
+        self.write_locked(&mut st, Cqe64::invalid(RESIZE_OP_OWN))
+            .map_err(|_| crate::Error::Busy("CQ in error"))?;
+        st.resized = Some(ring);
+        self.ncqe.store(ncqe, Ordering::Release);
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, CqState> {
@@ -226,26 +285,30 @@ impl Cq {
         if self.mode == CqMode::OverrunDetect {
             let ci = self.dbrec.atomic_u32(0).load(Ordering::Acquire);
             let ci = u32::from_be(ci) & 0xff_ffff;
-            if st.pi.wrapping_sub(ci) & 0xff_ffff >= self.ncqe {
+            if st.pi.wrapping_sub(ci) & 0xff_ffff >= self.ncqe() {
                 st.overrun = true;
+                tracing::debug!(cqn = self.cqn, "CQ overrun");
+                self.events.raise(AsyncEvent::CqError);
                 return Err(CqError::Overrun(self.cqn));
             }
         }
+        let ncqe = self.ncqe();
         let slot = match self.mode {
             CqMode::Collapsed => 0,
-            _ => st.pi & (self.ncqe - 1),
+            _ => st.pi & (ncqe - 1),
         } as usize;
-        cqe.op_own = (cqe.op_own & !1) | owner_bit(st.pi, self.ncqe);
+        cqe.op_own = (cqe.op_own & !1) | owner_bit(st.pi, ncqe);
         let (head, tail) = cqe.split_for_release();
         let off = slot * CQE_SIZE;
         // Two ordered writes: a consumer that sees the tail (acquire) sees the head.
-        let written = self
-            .ring
+        let ring = st.resized.as_ref().unwrap_or(&self.ring);
+        let written = ring
             .try_write(off, &head)
-            .and_then(|()| self.ring.store_u32_release(off + CQE_TAIL_OFFSET, tail));
+            .and_then(|()| ring.store_u32_release(off + CQE_TAIL_OFFSET, tail));
         if let Err(e) = written {
             tracing::warn!(cqn = self.cqn, error = %e, "CQE write failed: CQ in error");
             st.failed = true;
+            self.events.raise(AsyncEvent::CqError);
             return Err(CqError::DeviceMemory(self.cqn));
         }
         st.pi = st.pi.wrapping_add(1);
@@ -258,7 +321,7 @@ impl std::fmt::Debug for Cq {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cq")
             .field("cqn", &self.cqn)
-            .field("ncqe", &self.ncqe)
+            .field("ncqe", &self.ncqe())
             .field("mode", &self.mode)
             .finish()
     }

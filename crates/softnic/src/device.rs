@@ -7,6 +7,7 @@ use crate::cq::{Cq, CqConfig};
 use crate::devmem::DeviceMemory;
 use crate::mem::{Access, MrInfo, MrTable, PdId};
 use crate::qp::{Qp, QpConfig};
+use crate::srq::{Srq, SrqConfig};
 use crate::wire::socket::Port;
 use crate::wire::{Capture, WireConfig, WireError, WireFaults};
 use crate::{Error, Gid};
@@ -47,6 +48,7 @@ pub(crate) struct Shared {
     pub generation: AtomicU64,
     next_qpn: AtomicU32,
     next_cqn: AtomicU32,
+    next_srqn: AtomicU32,
     next_pd: AtomicU32,
     pub shutdown: AtomicBool,
     pub engine: OnceLock<Thread>,
@@ -149,6 +151,7 @@ impl Device {
             // QPNs and CQNs start above the reserved range, as on hardware.
             next_qpn: AtomicU32::new(0x100 + (n & 0xff) * 0x1000),
             next_cqn: AtomicU32::new(0x80),
+            next_srqn: AtomicU32::new(0x40),
             next_pd: AtomicU32::new(1),
             shutdown: AtomicBool::new(false),
             engine: OnceLock::new(),
@@ -341,8 +344,39 @@ impl Device {
         Ok(())
     }
 
+    /// Creates a shared receive queue.
+    pub fn create_srq(&self, cfg: SrqConfig) -> Result<Arc<Srq>, Error> {
+        let srqn = self.shared.next_srqn.fetch_add(1, Ordering::Relaxed) & 0xff_ffff;
+        Ok(Arc::new(Srq::new(srqn, cfg, self.shared.counters.clone())?))
+    }
+
+    /// Destroys an SRQ; fails while a QP still takes receives from it.
+    pub fn destroy_srq(&self, srq: &Arc<Srq>) -> Result<(), Error> {
+        let used = self
+            .shared
+            .qps
+            .read()
+            .values()
+            .any(|q| q.srq.as_ref().is_some_and(|s| Arc::ptr_eq(s, srq)));
+        if used {
+            return Err(Error::Busy("SRQ"));
+        }
+        srq.set_event_handler(None);
+        Ok(())
+    }
+
     /// Creates an RC QP in RESET.
     pub fn create_qp(&self, cfg: QpConfig) -> Result<Arc<Qp>, Error> {
+        self.create_qp_inner(cfg, None)
+    }
+
+    /// Creates an RC QP in RESET whose receives come from `srq` (its own RQ, if
+    /// `cfg.rq_wqes` asks for one, is never used).
+    pub fn create_qp_on_srq(&self, cfg: QpConfig, srq: &Arc<Srq>) -> Result<Arc<Qp>, Error> {
+        self.create_qp_inner(cfg, Some(srq.clone()))
+    }
+
+    fn create_qp_inner(&self, cfg: QpConfig, srq: Option<Arc<Srq>>) -> Result<Arc<Qp>, Error> {
         let own = |cq: &Arc<Cq>| {
             self.shared
                 .cq(cq.cqn())
@@ -355,6 +389,7 @@ impl Device {
         let qp = Arc::new(Qp::new(
             qpn,
             cfg,
+            srq,
             self.shared.mrs.clone(),
             self.shared.counters.clone(),
         )?);

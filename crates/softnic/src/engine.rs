@@ -11,6 +11,7 @@
 use crate::counters::Counters;
 use crate::cq::CqError;
 use crate::device::{lookup, Shared};
+use crate::event::AsyncEvent;
 use crate::mem::{copy_ranges, write_range, Access, AccessError, CopyError, MemRange, MrGuard};
 use crate::qp::{DoorbellKind, Qp, QpState, RqState, SqState, Stall};
 use crate::wire::transport;
@@ -456,7 +457,7 @@ pub(crate) fn push_cqe_delayed(
         Ok(()) => Counters::add(&dev.counters.cqes, 1),
         Err(e) => {
             count_cq_error(&dev.counters, e);
-            qp.set_state(QpState::Err);
+            qp.fatal(AsyncEvent::QpFatal);
         }
     }
 }
@@ -503,8 +504,40 @@ pub(crate) fn flush_cqe(dev: &Shared, qp: &Qp, delay: Option<Duration>, opcode: 
     push_cqe_delayed(dev, qp, delay, &qp.send_cq, Cqe64::error(&e, 0));
 }
 
-/// Completes every posted receive of a QP in ERR with WR_FLUSH.
+/// Completes every posted receive of a QP in ERR with WR_FLUSH. A QP on an SRQ flushes only
+/// the SRQ WQE it holds for a message in progress (the others stay for the SRQ's other QPs)
+/// and raises LAST_WQE_REACHED once.
 fn flush_rq(dev: &Shared, qp: &Qp) {
+    // The state is checked again under the RQ lock: a QP reset (and perhaps brought up and
+    // given new receives) since the engine saw ERR must not have them flushed.
+    if qp.srq.is_some() {
+        let held = {
+            let mut rq = qp.lock_rq();
+            if qp.state() != QpState::Err {
+                return;
+            }
+            rq.srq_wqe.take()
+        };
+        if let Some(idx) = held {
+            dev.counters.error(Syndrome::WrFlush);
+            let e = ErrorCqe {
+                responder: true,
+                syndrome: Syndrome::WrFlush as u8,
+                vendor_syndrome: 0,
+                wqe_opcode: 0,
+                qpn: qp.qpn,
+                wqe_counter: idx,
+            };
+            match qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
+                Ok(()) => Counters::add(&dev.counters.cqes, 1),
+                Err(e) => count_cq_error(&dev.counters, e),
+            }
+        }
+        if !qp.last_wqe_raised.swap(true, Ordering::AcqRel) {
+            qp.events.raise(AsyncEvent::LastWqeReached);
+        }
+        return;
+    }
     if qp.rq_wqes == 0 {
         return;
     }
@@ -725,6 +758,8 @@ pub(crate) struct Resp<'a> {
     pub qp: &'a Qp,
     pub rq: MutexGuard<'a, RqState>,
     pub g: MrGuard<'a>,
+    /// Whether a receive completion reported this request's failure.
+    reported: bool,
 }
 
 impl<'a> Resp<'a> {
@@ -732,7 +767,12 @@ impl<'a> Resp<'a> {
     pub fn lock(qp: &'a Qp) -> Self {
         let rq = qp.lock_rq();
         let g = qp.mrs.read();
-        Self { qp, rq, g }
+        Self {
+            qp,
+            rq,
+            g,
+            reported: false,
+        }
     }
 
     /// A remote access: the QP's access flags, then key, PD, range and right of the region.
@@ -754,16 +794,54 @@ impl<'a> Resp<'a> {
 
     /// Error classes that put the responder in ERR (as an RC responder does on NAK-invalid
     /// request, remote access and remote operational errors).
+    /// A failure no receive completion reported raises the affiliated event a ConnectX
+    /// responder raises: QP_REQ_ERR for an invalid request, QP_ACCESS_ERR for a remote access
+    /// violation, QP_FATAL otherwise.
     pub fn fatal(&self, r: Response) -> Response {
-        if matches!(r, Response::Nak(..)) {
-            self.qp.set_state(QpState::Err);
+        if let Response::Nak(syndrome, _) = r {
+            if self.reported {
+                self.qp.set_state(QpState::Err);
+            } else {
+                self.qp.fatal(match syndrome {
+                    Syndrome::RemoteInvalReq => AsyncEvent::QpRequestError,
+                    Syndrome::RemoteAccess => AsyncEvent::QpAccessError,
+                    _ => AsyncEvent::QpFatal,
+                });
+            }
         }
         r
     }
 
-    /// Whether a receive WQE is posted.
-    pub fn has_recv(&self) -> bool {
-        self.qp.rq_wqes != 0 && self.rq.ci as u16 != rq_head(self.qp)
+    /// Whether a receive WQE is posted. A QP on an SRQ takes the SRQ's next WQE here and
+    /// holds it for the message (other QPs of the SRQ cannot take it meanwhile).
+    pub fn has_recv(&mut self) -> bool {
+        match &self.qp.srq {
+            Some(s) => {
+                if self.rq.srq_wqe.is_none() {
+                    self.rq.srq_wqe = s.take();
+                }
+                self.rq.srq_wqe.is_some()
+            }
+            None => self.qp.rq_wqes != 0 && self.rq.ci as u16 != rq_head(self.qp),
+        }
+    }
+
+    /// The `wqe_counter` of the receive at the head: the RQ's counter, or the index of the
+    /// SRQ WQE held.
+    fn recv_counter(&self) -> u16 {
+        match (&self.qp.srq, self.rq.srq_wqe) {
+            (Some(_), Some(i)) => i,
+            _ => self.rq.ci as u16,
+        }
+    }
+
+    /// Moves past the receive just completed.
+    fn recv_advance(&mut self) {
+        if self.qp.srq.is_some() {
+            self.rq.srq_wqe = None;
+        } else {
+            self.rq.ci = self.rq.ci.wrapping_add(1);
+        }
     }
 
     /// Receiver not ready, with this QP's RNR timer.
@@ -775,20 +853,32 @@ impl<'a> Resp<'a> {
     /// key completes the receive with LOCAL_PROT and NAKs remote operational error (fatal).
     pub fn recv_ranges(&mut self) -> Result<SmallVec<[MemRange; 4]>, Response> {
         let qp = self.qp;
-        if qp.rq_wqes == 0 {
-            return Err(self.fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER)));
-        }
-        let off = (self.rq.ci & (qp.rq_wqes - 1)) as usize * qp.rq_stride as usize;
+        let (ring, off, nsge, pd) = match &qp.srq {
+            Some(s) => {
+                if !self.has_recv() {
+                    return Err(self.rnr());
+                }
+                let idx = self.recv_counter();
+                (s.ring(), s.data_offset(idx), s.max_sge() as usize, s.pd())
+            }
+            None => {
+                if qp.rq_wqes == 0 {
+                    return Err(self.fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER)));
+                }
+                let off = (self.rq.ci & (qp.rq_wqes - 1)) as usize * qp.rq_stride as usize;
+                (&qp.rq_ring, off, qp.max_recv_sge as usize, qp.pd)
+            }
+        };
         // The whole receive WQE at once (one round trip when the ring is device memory).
         let mut wqe = [0u8; 16 * 32];
-        let n = qp.max_recv_sge as usize * 16;
-        if let Err(e) = qp.rq_ring.try_read(off, &mut wqe[..n]) {
+        let n = nsge.min(32) * 16;
+        if let Err(e) = ring.try_read(off, &mut wqe[..n]) {
             self.recv_error(Syndrome::LocalAccess, vendor::DEVICE_MEMORY);
             let nak = remote_devmem_nak(&qp.counters, &e);
             return Err(self.fatal(nak));
         }
         let mut segs: SmallVec<[DataSeg; 4]> = SmallVec::new();
-        for j in 0..qp.max_recv_sge as usize {
+        for j in 0..n / 16 {
             let d: DataSeg = bytemuck::pod_read_unaligned(&wqe[j * 16..(j + 1) * 16]);
             if d.is_terminator() {
                 break;
@@ -800,7 +890,7 @@ impl<'a> Resp<'a> {
             .map(|d| {
                 let s = sge_of(d);
                 self.g
-                    .check(qp.pd, Access::LOCAL_WRITE, s.lkey.0, s.addr, s.len as u64)
+                    .check(pd, Access::LOCAL_WRITE, s.lkey.0, s.addr, s.len as u64)
             })
             .collect();
         dst.map_err(|_| {
@@ -828,13 +918,18 @@ impl<'a> Resp<'a> {
     /// Completes the receive WQE at the head successfully.
     pub fn recv_done(&mut self, kind: RespKind, len: u64, imm: Option<u32>, from: u32) {
         let qp = self.qp;
-        let cqe = Cqe64::responder(kind, qp.qpn, from, self.rq.ci as u16, len as u32, imm, 0);
-        self.rq.ci = self.rq.ci.wrapping_add(1);
+        if qp.srq.is_some() && !self.has_recv() {
+            // only after has_recv said yes, which holds the WQE: not reached
+            return;
+        }
+        let counter = self.recv_counter();
+        let cqe = Cqe64::responder(kind, qp.qpn, from, counter, len as u32, imm, 0);
+        self.recv_advance();
         match qp.recv_cq.push(qp.stamp(cqe), None) {
             Ok(()) => Counters::add(&qp.counters.cqes, 1),
             Err(e) => {
                 count_cq_error(&qp.counters, e);
-                qp.set_state(QpState::Err);
+                qp.fatal(AsyncEvent::QpFatal);
             }
         }
     }
@@ -848,9 +943,10 @@ impl<'a> Resp<'a> {
             vendor_syndrome: why,
             wqe_opcode: 0,
             qpn: qp.qpn,
-            wqe_counter: self.rq.ci as u16,
+            wqe_counter: self.recv_counter(),
         };
-        self.rq.ci = self.rq.ci.wrapping_add(1);
+        self.recv_advance();
+        self.reported = true;
         if let Err(e) = qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
             count_cq_error(&qp.counters, e);
         }

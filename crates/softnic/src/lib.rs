@@ -23,10 +23,12 @@ pub mod cq;
 mod device;
 pub mod devmem;
 pub mod engine;
+pub mod event;
 pub mod initiator;
 pub mod mem;
 pub mod pcap;
 pub mod qp;
+pub mod srq;
 pub mod wire;
 
 pub use buffer::DmaBuf;
@@ -34,8 +36,10 @@ pub use counters::{CounterSnapshot, WireCounters};
 pub use cq::{Cq, CqConfig, CqInit, CqMode};
 pub use device::{Device, DeviceConfig};
 pub use devmem::{DeviceMemory, DeviceMemoryError, SimDeviceMemory};
+pub use event::{AsyncEvent, EventHandler};
 pub use mem::{Access, MemKind, MrInfo, PdId};
 pub use qp::{DoorbellKind, Fault, Modify, Qp, QpConfig, QpState, RtrAttr, RtsAttr};
+pub use srq::{Srq, SrqConfig};
 pub use wire::{Capture, WireConfig, WireError, WireFaults};
 
 /// A 16-byte port GID (IPv4-mapped for soft devices: `::ffff:a.b.c.d`).

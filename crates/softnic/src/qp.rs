@@ -4,12 +4,14 @@
 use crate::buffer::DmaBuf;
 use crate::counters::Counters;
 use crate::cq::Cq;
+use crate::event::{AsyncEvent, EventHandler, EventSlot};
 use crate::mem::{Access, MrTable, PdId};
+use crate::srq::Srq;
 use crate::{Error, Gid};
 use parking_lot::{Mutex, MutexGuard};
 use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, UAR_PAGE_SIZE};
 use prm::Syndrome;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -235,6 +237,8 @@ pub(crate) enum Stall {
 /// Responder-side state.
 pub(crate) struct RqState {
     pub ci: u32,
+    /// The SRQ WQE this QP took for the message in progress (QPs on an SRQ).
+    pub srq_wqe: Option<u16>,
     pub access: Access,
     pub min_rnr_timer: u8,
     /// The wire responder's state (expected PSN, MSN, message in progress).
@@ -272,15 +276,24 @@ pub struct Qp {
     remote: AtomicU64,
     pub(crate) sq: Mutex<SqState>,
     pub(crate) rq: Mutex<RqState>,
+    /// The SRQ receives come from (instead of the RQ).
+    pub(crate) srq: Option<Arc<Srq>>,
+    /// Whether LAST_WQE_REACHED was raised since the QP last entered ERR.
+    pub(crate) last_wqe_raised: AtomicBool,
+    pub(crate) events: EventSlot,
 }
 
 impl Qp {
     pub(crate) fn new(
         qpn: u32,
         cfg: QpConfig,
+        srq: Option<Arc<Srq>>,
         mrs: Arc<MrTable>,
         counters: Arc<Counters>,
     ) -> Result<Self, Error> {
+        if srq.as_ref().is_some_and(|s| s.pd() != cfg.pd) {
+            return Err(Error::InvalidArgument("the SRQ is in another PD"));
+        }
         let pow2 = |n: u32| n.is_power_of_two();
         if !pow2(cfg.sq_blocks) || cfg.sq_blocks > 32768 {
             return Err(Error::InvalidArgument(
@@ -381,8 +394,12 @@ impl Qp {
                 mtu: 4096,
                 wire: None,
             }),
+            srq,
+            last_wqe_raised: AtomicBool::new(false),
+            events: EventSlot::default(),
             rq: Mutex::new(RqState {
                 ci: 0,
+                srq_wqe: None,
                 access: Access::NONE,
                 min_rnr_timer: 0,
                 wire: Default::default(),
@@ -400,6 +417,22 @@ impl Qp {
     }
     pub(crate) fn set_state(&self, s: QpState) {
         self.state.store(s as u8, Ordering::Release);
+    }
+    /// Moves the QP to ERR for an error no completion of its own reports, raising `e` when
+    /// the QP was not already in ERR.
+    pub(crate) fn fatal(&self, e: AsyncEvent) {
+        let was = self.state.swap(QpState::Err as u8, Ordering::AcqRel);
+        if QpState::from_u8(was) != QpState::Err {
+            self.events.raise(e);
+        }
+    }
+    /// Sets (or clears) the receiver of this QP's asynchronous events.
+    pub fn set_event_handler(&self, h: Option<EventHandler>) {
+        self.events.set(h);
+    }
+    /// The SRQ this QP takes its receives from, if any.
+    pub fn srq(&self) -> Option<&Arc<Srq>> {
+        self.srq.as_ref()
     }
     /// The connected peer's IPv4 address (from its GID) and QPN, when its GID is
     /// IPv4-mapped and the QP has been through RTR.
@@ -577,7 +610,9 @@ impl Qp {
                 sq.peer = None;
                 sq.wire = None;
                 rq.ci = 0;
+                rq.srq_wqe = None;
                 rq.wire = Default::default();
+                self.last_wqe_raised.store(false, Ordering::Release);
                 self.remote.store(0, Ordering::Release);
                 if self.dbrec_ext.is_none() {
                     // The device's own record; an external one belongs to its writer.

@@ -257,6 +257,47 @@ pod!(
     ResizeCq[16] { response: u64, cq_handle: u32, cqe: u32 }
 );
 pod!(
+    /// `struct ib_uverbs_resize_cq_resp`.
+    ResizeCqResp[8] { cqe: u32, reserved: u32 }
+);
+pod!(
+    /// `struct mlx5_ib_resize_cq`.
+    Mlx5ResizeCq[16] { buf_addr: u64, cqe_size: u16, reserved0: u16, reserved1: u32 }
+);
+pod!(
+    /// `struct ib_uverbs_create_srq`.
+    CreateSrq[32] {
+        response: u64, user_handle: u64, pd_handle: u32, max_wr: u32, max_sge: u32,
+        srq_limit: u32,
+    }
+);
+pod!(
+    /// `struct ib_uverbs_create_srq_resp`.
+    CreateSrqResp[16] { srq_handle: u32, max_wr: u32, max_sge: u32, srqn: u32 }
+);
+pod!(
+    /// `struct ib_uverbs_modify_srq`.
+    ModifySrq[16] { srq_handle: u32, attr_mask: u32, max_wr: u32, srq_limit: u32 }
+);
+pod!(
+    /// `struct ib_uverbs_query_srq`.
+    QuerySrq[16] { response: u64, srq_handle: u32, reserved: u32 }
+);
+pod!(
+    /// `struct ib_uverbs_query_srq_resp`.
+    QuerySrqResp[16] { max_wr: u32, max_sge: u32, srq_limit: u32, reserved: u32 }
+);
+pod!(
+    /// `struct mlx5_ib_create_srq`.
+    Mlx5CreateSrq[32] {
+        buf_addr: u64, db_addr: u64, flags: u32, reserved0: u32, uidx: u32, reserved1: u32,
+    }
+);
+pod!(
+    /// `struct mlx5_ib_create_srq_resp`.
+    Mlx5CreateSrqResp[8] { srqn: u32, reserved: u32 }
+);
+pod!(
     /// `struct ib_uverbs_destroy_cq` (and `_qp`, `_srq`: the same shape).
     Destroy[16] { response: u64, handle: u32, reserved: u32 }
 );
@@ -483,6 +524,15 @@ pub mod access {
 pub mod event {
     pub const CQ_ERR: u32 = 0;
     pub const QP_FATAL: u32 = 1;
+    pub const QP_REQ_ERR: u32 = 2;
+    pub const QP_ACCESS_ERR: u32 = 3;
     pub const COMM_EST: u32 = 4;
+    pub const SRQ_LIMIT_REACHED: u32 = 15;
     pub const QP_LAST_WQE_REACHED: u32 = 16;
+}
+
+/// `IB_SRQ_*` attribute mask bits of MODIFY_SRQ.
+pub mod srq_attr {
+    pub const MAX_WR: u32 = 1 << 0;
+    pub const LIMIT: u32 = 1 << 1;
 }

@@ -5,7 +5,7 @@
 //! EOPNOTSUPP.
 
 use crate::abi::{self, access, qp_attr};
-use crate::device::{EmuDevice, MAX_CQE, MAX_QP_WR, MAX_RD_ATOM, MAX_SGE};
+use crate::device::{EmuDevice, MAX_CQE, MAX_QP_WR, MAX_RD_ATOM, MAX_SGE, MAX_SRQ_SGE};
 use crate::events::EventQueue;
 use crate::uaccess::{check_mapped, copy_from_user, copy_to_user, Errno};
 use bytemuck::Pod;
@@ -176,6 +176,8 @@ pub struct CqObj {
     pub user_handle: u64,
     pub channel: Option<Arc<EventQueue>>,
     pub comp_reported: Arc<AtomicU32>,
+    /// Async events read for this CQ (DESTROY_CQ's `async_events_reported`).
+    pub async_reported: Arc<AtomicU32>,
     /// The CQ doorbell record (consumer index, arm word), the application's.
     pub dbrec: DmaBuf,
     pub arm: Mutex<Arm>,
@@ -215,6 +217,9 @@ struct QpAttrs {
 struct QpObj {
     soft: Arc<softnic::Qp>,
     pd: u32,
+    srq: Option<u32>,
+    key: u64,
+    async_reported: Arc<AtomicU32>,
     send_cq: u32,
     recv_cq: u32,
     caps: abi::CreateQpResp,
@@ -227,6 +232,13 @@ struct AhObj {
     pd: u32,
 }
 
+struct SrqObj {
+    soft: Arc<softnic::Srq>,
+    pd: u32,
+    key: u64,
+    async_reported: Arc<AtomicU32>,
+}
+
 /// Everything a context owns.
 #[derive(Default)]
 struct Objects {
@@ -236,6 +248,7 @@ struct Objects {
     cqs: HashMap<u32, Arc<CqObj>>,
     qps: HashMap<u32, QpObj>,
     ahs: HashMap<u32, AhObj>,
+    srqs: HashMap<u32, SrqObj>,
     /// Completion channels created through this context, by fd.
     channels: HashMap<RawFd, Arc<EventQueue>>,
     /// QPs per BlueFlame register (non-fast-path numbering).
@@ -397,6 +410,11 @@ impl Context {
                 )
             }
             c::DESTROY_CQ => self.destroy_cq(io),
+            c::RESIZE_CQ => self.resize_cq(io),
+            c::CREATE_SRQ => self.create_srq(io),
+            c::MODIFY_SRQ => self.modify_srq(io),
+            c::QUERY_SRQ => self.query_srq(io),
+            c::DESTROY_SRQ => self.destroy_srq(io),
             c::CREATE_QP => {
                 let r: abi::CreateQp = io.core()?;
                 let ex = abi::ExCreateQp {
@@ -598,7 +616,8 @@ impl Context {
         }
         let used = o.mrs.values().any(|m| m.pd == r.handle)
             || o.qps.values().any(|q| q.pd == r.handle)
-            || o.ahs.values().any(|a| a.pd == r.handle);
+            || o.ahs.values().any(|a| a.pd == r.handle)
+            || o.srqs.values().any(|q| q.pd == r.handle);
         if used {
             return Err(Errno::EBUSY);
         }
@@ -795,14 +814,22 @@ impl Context {
             let _ = soft.destroy_cq(&scq);
             return Err(e);
         }
+        let async_reported: Arc<AtomicU32> = Arc::default();
+        let key = crate::next_key();
+        scq.set_event_handler(Some(self.event_handler(
+            user_handle,
+            key,
+            async_reported.clone(),
+        )));
         let obj = Arc::new(CqObj {
             soft: scq,
             user_handle,
             channel,
             comp_reported: Arc::default(),
+            async_reported,
             dbrec: arm_view,
             arm: Mutex::new(Arm::default()),
-            key: crate::next_key(),
+            key,
         });
         o.cqs.insert(h, obj.clone());
         Ok(Created::Cq(obj))
@@ -821,12 +848,14 @@ impl Context {
         }
         soft.destroy_cq(&cq.soft).map_err(|_| Errno::EBUSY)?;
         o.cqs.remove(&r.handle);
+        cq.soft.set_event_handler(None);
         if let Some(ch) = &cq.channel {
             ch.purge(cq.key);
         }
+        self.purge_async(cq.key);
         io.reply(&abi::DestroyCqResp {
             comp_events_reported: cq.comp_reported.load(Ordering::Acquire),
-            async_events_reported: 0,
+            async_events_reported: cq.async_reported.load(Ordering::Acquire),
         })?;
         Ok(Created::Nothing)
     }
@@ -857,9 +886,7 @@ impl Context {
         if r.qp_type != IBV_QPT_RC {
             return Err(unsupported("QP types other than RC"));
         }
-        if r.is_srq != 0 {
-            return Err(unsupported("QPs on an SRQ"));
-        }
+        let srq_handle = (r.is_srq != 0).then_some(r.srq_handle);
         use abi::mlx5_qp_flag as f;
         let known = f::SIGNATURE
             | f::SCATTER_CQE
@@ -883,23 +910,29 @@ impl Context {
             return Err(Errno::EINVAL);
         }
         let pow2 = |n: u32| n == 0 || n.is_power_of_two();
+        // a QP on an SRQ has no RQ (the provider allocates none)
+        let rq_wqe_count = if srq_handle.is_some() {
+            0
+        } else {
+            u.rq_wqe_count
+        };
         if !pow2(u.sq_wqe_count)
             || u.sq_wqe_count == 0
             || u.sq_wqe_count > MAX_QP_WR
-            || !pow2(u.rq_wqe_count)
-            || u.rq_wqe_count > MAX_QP_WR
+            || !pow2(rq_wqe_count)
+            || rq_wqe_count > MAX_QP_WR
         {
             return Err(Errno::EINVAL);
         }
         let rq_stride = 1u32
             .checked_shl(u.rq_wqe_shift)
             .filter(|&s| (16..=512).contains(&s));
-        let rq_stride = match (u.rq_wqe_count, rq_stride) {
+        let rq_stride = match (rq_wqe_count, rq_stride) {
             (0, _) => 16,
             (_, Some(s)) => s,
             (_, None) => return Err(Errno::EINVAL),
         };
-        let rq_bytes = u.rq_wqe_count as usize * rq_stride as usize;
+        let rq_bytes = rq_wqe_count as usize * rq_stride as usize;
         let sq_bytes = u.sq_wqe_count as usize * prm::WQEBB;
         check_mapped(u.buf_addr, (rq_bytes + sq_bytes) as u64)?;
         let rq_ring = if rq_bytes > 0 {
@@ -925,17 +958,21 @@ impl Context {
             .ok_or(Errno::EINVAL)?
             .soft
             .clone();
+        let srq = match srq_handle {
+            Some(h) => Some(o.srqs.get(&h).ok_or(Errno::EINVAL)?.soft.clone()),
+            None => None,
+        };
         let uars = self.uars.lock();
         let uars = uars.as_ref().ok_or(Errno::EINVAL)?;
         let bfreg = Self::alloc_bfreg(&mut o);
         let page = uars.pages[(bfreg / BFREGS_PER_UAR) as usize].buf.clone();
         let offset = BF_OFFSET + (bfreg % BFREGS_PER_UAR) as usize * BF_REG_SIZE as usize;
-        let created = soft.create_qp(softnic::QpConfig {
+        let cfg = softnic::QpConfig {
             pd,
             send_cq: scq,
             recv_cq: rcq,
             sq_blocks: u.sq_wqe_count,
-            rq_wqes: u.rq_wqe_count,
+            rq_wqes: rq_wqe_count,
             max_recv_sge: (rq_stride / 16).min(32),
             max_inline: prm::wqe::MAX_INLINE_SEND as u32,
             doorbell: softnic::DoorbellKind::Register,
@@ -945,7 +982,11 @@ impl Context {
             dbrec: Some(dbrec),
             uar: Some(softnic::qp::UarRegister { page, offset }),
             user_index: (cqe_version == 1).then_some(u.uidx & 0xff_ffff),
-        });
+        };
+        let created = match &srq {
+            Some(s) => soft.create_qp_on_srq(cfg, s),
+            None => soft.create_qp(cfg),
+        };
         let sqp = match created {
             Ok(q) => q,
             Err(_) => {
@@ -963,6 +1004,16 @@ impl Context {
             max_recv_sge: r.max_recv_sge,
             max_inline_data: r.max_inline_data,
             reserved: 0,
+        };
+        let caps = if srq.is_some() {
+            // mlx5_ib: a QP without an RQ reports no receive capacity
+            abi::CreateQpResp {
+                max_recv_wr: 0,
+                max_recv_sge: 0,
+                ..caps
+            }
+        } else {
+            caps
         };
         let gross = bfreg / BFREGS_PER_UAR * GROSS_BFREGS_PER_UAR + bfreg % BFREGS_PER_UAR;
         let reply = if ex {
@@ -984,11 +1035,21 @@ impl Context {
             o.bfreg_use[bfreg as usize] -= 1;
             return Err(e);
         }
+        let key = crate::next_key();
+        let async_reported: Arc<AtomicU32> = Arc::default();
+        sqp.set_event_handler(Some(self.event_handler(
+            r.user_handle,
+            key,
+            async_reported.clone(),
+        )));
         o.qps.insert(
             h,
             QpObj {
                 soft: sqp,
                 pd: r.pd_handle,
+                srq: srq_handle,
+                key,
+                async_reported,
                 send_cq: r.send_cq_handle,
                 recv_cq: r.recv_cq_handle,
                 caps,
@@ -1221,8 +1282,12 @@ impl Context {
         let mut o = self.objs.lock();
         let q = o.qps.remove(&r.handle).ok_or(Errno::EINVAL)?;
         soft.destroy_qp(&q.soft);
+        q.soft.set_event_handler(None);
         o.bfreg_use[q.bfreg as usize] -= 1;
-        io.reply(&abi::DestroyQpResp { events_reported: 0 })?;
+        self.purge_async(q.key);
+        io.reply(&abi::DestroyQpResp {
+            events_reported: q.async_reported.load(Ordering::Acquire),
+        })?;
         Ok(Created::Nothing)
     }
 
@@ -1258,6 +1323,204 @@ impl Context {
         Ok(Created::Nothing)
     }
 
+    /// The handler that turns a soft-NIC object's events into `ib_uverbs_async_event_desc`s
+    /// for `element` (the object's user handle) on this context's async event file.
+    fn event_handler(
+        &self,
+        element: u64,
+        key: u64,
+        counter: Arc<AtomicU32>,
+    ) -> softnic::EventHandler {
+        let q = self.async_q.lock().as_ref().map(Arc::downgrade);
+        Arc::new(move |e: softnic::AsyncEvent| {
+            use abi::event as ev;
+            use softnic::AsyncEvent as A;
+            let Some(q) = q.as_ref().and_then(|q| q.upgrade()) else {
+                return;
+            };
+            let event_type = match e {
+                A::CqError => ev::CQ_ERR,
+                A::QpFatal => ev::QP_FATAL,
+                A::QpRequestError => ev::QP_REQ_ERR,
+                A::QpAccessError => ev::QP_ACCESS_ERR,
+                A::LastWqeReached => ev::QP_LAST_WQE_REACHED,
+                A::SrqLimitReached => ev::SRQ_LIMIT_REACHED,
+            };
+            let desc = abi::AsyncEvent {
+                element,
+                event_type,
+                reserved: 0,
+            };
+            q.push(bytemuck::bytes_of(&desc), key, Some(counter.clone()));
+        })
+    }
+
+    /// Drops the unread async events of a destroyed object.
+    fn purge_async(&self, key: u64) {
+        if let Some(q) = self.async_q.lock().as_ref() {
+            q.purge(key);
+        }
+    }
+
+    fn resize_cq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::ResizeCq = io.core()?;
+        let u: abi::Mlx5ResizeCq = io.udata()?;
+        if io.udata.len() < std::mem::size_of::<abi::Mlx5ResizeCq>() {
+            return Err(Errno::EINVAL);
+        }
+        if u.reserved0 != 0 || u.reserved1 != 0 {
+            return Err(Errno::EINVAL);
+        }
+        if u.cqe_size != 64 {
+            return Err(if u.cqe_size == 128 {
+                unsupported("128-byte CQEs")
+            } else {
+                Errno::EINVAL
+            });
+        }
+        if r.cqe < 1 || r.cqe > MAX_CQE {
+            return Err(Errno::EINVAL);
+        }
+        let cq = self
+            .objs
+            .lock()
+            .cqs
+            .get(&r.cq_handle)
+            .cloned()
+            .ok_or(Errno::EINVAL)?;
+        let ncqe = (r.cqe + 1).next_power_of_two();
+        if ncqe != cq.soft.ncqe() {
+            let ring = user_buf(u.buf_addr, ncqe as usize * 64)?;
+            cq.soft.resize(ncqe, ring).map_err(|_| Errno::EINVAL)?;
+        }
+        io.reply(&abi::ResizeCqResp {
+            cqe: cq.soft.ncqe() - 1,
+            reserved: 0,
+        })?;
+        Ok(Created::Nothing)
+    }
+
+    fn create_srq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::CreateSrq = io.core()?;
+        let u: abi::Mlx5CreateSrq = io.udata()?;
+        if io.udata.len() < 24 {
+            return Err(Errno::EINVAL);
+        }
+        // MLX5_SRQ_FLAG_SIGNATURE is the only flag
+        if u.flags & !1 != 0 || u.reserved0 != 0 || u.reserved1 != 0 {
+            return Err(Errno::EINVAL);
+        }
+        let cqe_version = *self.cqe_version.lock();
+        if (cqe_version == 0 && u.uidx != 0) || u.uidx > 0xff_ffff {
+            return Err(Errno::EINVAL);
+        }
+        if r.max_wr >= MAX_QP_WR || r.max_sge > MAX_SRQ_SGE {
+            return Err(Errno::EINVAL);
+        }
+        let wqes = (r.max_wr + 1).next_power_of_two().max(2);
+        let stride = (16 + 16 * r.max_sge).max(32).next_power_of_two();
+        if r.srq_limit >= wqes {
+            return Err(Errno::EINVAL);
+        }
+        let ring = user_buf(u.buf_addr, (wqes * stride) as usize)?;
+        let dbrec = user_buf(u.db_addr, 8)?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
+        let srq = soft
+            .create_srq(softnic::SrqConfig {
+                pd,
+                wqes,
+                stride,
+                ring: Some(ring),
+                dbrec: Some(dbrec),
+                limit: r.srq_limit,
+            })
+            .map_err(|_| Errno::EINVAL)?;
+        let h = o.handle();
+        let reply = io
+            .reply(&abi::CreateSrqResp {
+                srq_handle: h,
+                max_wr: wqes - 1,
+                max_sge: srq.max_sge(),
+                srqn: srq.srqn(),
+            })
+            .and_then(|_| {
+                io.ureply(&abi::Mlx5CreateSrqResp {
+                    srqn: srq.srqn(),
+                    reserved: 0,
+                })
+            });
+        if let Err(e) = reply {
+            let _ = soft.destroy_srq(&srq);
+            return Err(e);
+        }
+        let key = crate::next_key();
+        let async_reported: Arc<AtomicU32> = Arc::default();
+        srq.set_event_handler(Some(self.event_handler(
+            r.user_handle,
+            key,
+            async_reported.clone(),
+        )));
+        o.srqs.insert(
+            h,
+            SrqObj {
+                soft: srq,
+                pd: r.pd_handle,
+                key,
+                async_reported,
+            },
+        );
+        Ok(Created::Nothing)
+    }
+
+    fn modify_srq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::ModifySrq = io.core()?;
+        let o = self.objs.lock();
+        let s = o.srqs.get(&r.srq_handle).ok_or(Errno::EINVAL)?;
+        use abi::srq_attr::*;
+        // mlx5_ib cannot resize an SRQ
+        if r.attr_mask & !(MAX_WR | LIMIT) != 0 || r.attr_mask & MAX_WR != 0 {
+            return Err(Errno::EINVAL);
+        }
+        if r.attr_mask & LIMIT != 0 {
+            s.soft.set_limit(r.srq_limit).map_err(|_| Errno::EINVAL)?;
+        }
+        Ok(Created::Nothing)
+    }
+
+    fn query_srq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::QuerySrq = io.core()?;
+        let o = self.objs.lock();
+        let s = o.srqs.get(&r.srq_handle).ok_or(Errno::EINVAL)?;
+        io.reply(&abi::QuerySrqResp {
+            max_wr: s.soft.wqes() - 1,
+            max_sge: s.soft.max_sge(),
+            srq_limit: s.soft.limit(),
+            reserved: 0,
+        })?;
+        Ok(Created::Nothing)
+    }
+
+    fn destroy_srq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::Destroy = io.core()?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        if !o.srqs.contains_key(&r.handle) {
+            return Err(Errno::EINVAL);
+        }
+        if o.qps.values().any(|q| q.srq == Some(r.handle)) {
+            return Err(Errno::EBUSY);
+        }
+        let s = o.srqs.remove(&r.handle).ok_or(Errno::EINVAL)?;
+        soft.destroy_srq(&s.soft).map_err(|_| Errno::EBUSY)?;
+        self.purge_async(s.key);
+        io.reply(&abi::DestroyQpResp {
+            events_reported: s.async_reported.load(Ordering::Acquire),
+        })?;
+        Ok(Created::Nothing)
+    }
+
     /// Destroys everything (the device file was closed), QPs first, as the kernel does.
     pub fn teardown(&self) {
         let Some(soft) = self.soft.lock().clone() else {
@@ -1269,6 +1532,9 @@ impl Context {
         }
         for (_, c) in o.cqs.drain() {
             let _ = soft.destroy_cq(&c.soft);
+        }
+        for (_, s) in o.srqs.drain() {
+            let _ = soft.destroy_srq(&s.soft);
         }
         for (_, m) in o.mrs.drain() {
             let _ = soft.dereg(m.key);

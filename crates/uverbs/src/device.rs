@@ -14,6 +14,10 @@ pub const MAX_QP_WR: u32 = 32768;
 pub const MAX_CQE: u32 = (1 << 22) - 1;
 /// Scatter/gather entries per WQE.
 pub const MAX_SGE: u32 = 30;
+/// Data segments per SRQ WQE (512-byte WQEs: the next segment and 31 data segments).
+pub const MAX_SRQ_SGE: u32 = 31;
+/// Largest SRQ (WQEs, one less than its ring).
+pub const MAX_SRQ_WR: u32 = MAX_QP_WR - 1;
 /// Outstanding READs / atomics per QP.
 pub const MAX_RD_ATOM: u32 = 16;
 /// `IB_MTU_4096`.
@@ -94,6 +98,9 @@ impl EmuDevice {
             max_qp_init_rd_atom: MAX_RD_ATOM,
             atomic_cap: 1, // IB_ATOMIC_HCA
             max_ah: i32::MAX as u32,
+            max_srq: 1 << 23,
+            max_srq_wr: MAX_SRQ_WR,
+            max_srq_sge: MAX_SRQ_SGE,
             max_pkeys: 1,
             local_ca_ack_delay: 16,
             phys_port_cnt: 1,
