@@ -24,11 +24,34 @@ mod mlx5;
 pub mod proxy;
 pub mod queue;
 
+/// What CPU code posts and reads back: work requests in the mlx5 format (the same bytes a kernel
+/// writes), completions, keys, and the CPU initiator that drives a QP's rings
+/// ([`Qp::cpu_initiator`]). One set of types for both backends.
+pub mod post {
+    pub use prm::cqe::RespKind;
+    pub use prm::wqe::AtomicSize;
+    pub use prm::{Completion, CtrlFlags, ErrorCqe, Fence, Lkey, Local, Op, RemoteAddr, Rkey, Sge};
+    pub use prm::{Opcode, Syndrome};
+    pub use softnic::initiator::{Initiator as CpuInitiator, InitiatorError, RingMode};
+}
+
+/// Soft-NIC-only controls, for the soft backend ([`Context::soft_device`] returns its device):
+/// opening one with explicit settings ([`Context::open_soft`]), fault injection, engine and
+/// wire counters, packet capture. Nothing here applies to a ConnectX.
+pub mod soft {
+    pub use softnic::{
+        Capture, CounterSnapshot, Device, DeviceConfig, Error, Fault, Gid, WireConfig,
+        WireCounters, WireFaults,
+    };
+}
+
 pub use device::{Context, DeviceRequest, Selection};
 pub use endpoint::{Endpoint, RemoteMemory};
 pub use error::Error;
 pub use memory::{Access, HostBuffer, Mr, Pd};
-pub use queue::{ConnectOptions, Cq, CqOptions, DoorbellMode, Qp, QpOptions, RingPlacement};
+pub use queue::{
+    ConnectOptions, Cq, CqOptions, DoorbellMode, Modify, Qp, QpOptions, RingPlacement,
+};
 
 /// The walk-through in `docs/host-api.md`, compiled and run as a doc test.
 #[cfg(doctest)]

@@ -9,7 +9,7 @@ use crate::{Context, Error};
 use softnic::DmaBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
-pub use softnic::{CqInit, CqMode, QpState};
+pub use softnic::{CqInit, CqMode, Modify, QpState};
 
 /// Where a queue's rings live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
