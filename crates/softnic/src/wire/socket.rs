@@ -9,7 +9,7 @@
 //! The receiving socket asks for `UDP_GRO` and splits what it gets back into the original
 //! datagrams. Kernels without either fall back to one system call per packet.
 
-use super::packet::{Flow, ICRC_LEN, MAX_DATAGRAM};
+use super::packet::{self, Flow, ICRC_LEN, MAX_DATAGRAM};
 use super::{Capture, WireConfig, WireError, WireFaults};
 use crate::counters::Counters;
 use crate::device::Shared;
@@ -130,9 +130,23 @@ fn sockaddr_in(a: SocketAddrV4) -> libc::sockaddr_in {
     }
 }
 
-/// Sets up a bound socket: buffers, receive coalescing. Sends block; receives do not (the
-/// I/O thread polls).
+/// Sets up a bound socket: DF with identification 0, buffers, receive coalescing. Sends
+/// block; receives do not (the I/O thread polls).
 fn setup(sock: UdpSocket, cfg: &WireConfig) -> Result<Sock, WireError> {
+    // RoCEv2 is never fragmented, and its ICRC covers the IPv4 identification and flags.
+    // With IP_PMTUDISC_DO, Linux sets DF on every datagram of an unconnected socket, never
+    // fragments it (a datagram over the path MTU fails with EMSGSIZE) and gives it
+    // identification 0 (the n-th segment of a segmented send: n), the headers the ICRC is
+    // computed over ([`super::packet::icrc_for_id`]). Without it the kernel picks hashed
+    // identifications no receiver could check.
+    if !setsockopt_int(
+        &sock,
+        libc::IPPROTO_IP,
+        libc::IP_MTU_DISCOVER,
+        libc::IP_PMTUDISC_DO,
+    ) {
+        return Err(WireError::Socket(std::io::Error::last_os_error()));
+    }
     set_buffer(
         &sock,
         libc::SO_RCVBUFFORCE,
@@ -246,22 +260,20 @@ impl Port {
         *g = c;
     }
 
-    /// Captures a received datagram when ingress capture is on.
-    pub fn capture_rx(&self, flow: &Flow, d: &[u8]) {
+    /// Captures a received datagram when ingress capture is on, with the IPv4 identification
+    /// its ICRC was computed over (0 when none fits).
+    pub fn capture_rx(&self, flow: &Flow, d: &[u8], id_hint: u16) {
         if self.capturing.load(Ordering::Acquire) {
             if let Some(c) = self.capture.lock().as_ref().filter(|c| c.ingress) {
-                c.writer.write_udp(flow, d);
+                let id = packet::icrc_ip_id(flow, d, id_hint).unwrap_or(0);
+                c.writer.write_udp_with_id(flow, id, d);
             }
         }
     }
 
-    /// Puts one datagram on its way (captured now, sent at the next flush).
+    /// Puts one datagram (sealed for IPv4 identification 0) on its way: resealed for the
+    /// identification it will leave with, captured now, sent at the next flush.
     fn emit(&self, d: &[u8], to: SocketAddr, flow: &Flow, b: &mut TxBatch) {
-        if self.capturing.load(Ordering::Acquire) {
-            if let Some(c) = self.capture.lock().as_ref() {
-                c.writer.write_udp(flow, d);
-            }
-        }
         let sock = self.sock_of(flow.sport);
         let fits = b.count > 0
             && b.to == Some(to)
@@ -276,7 +288,16 @@ impl Port {
             b.to = Some(to);
             b.sock = sock;
         }
+        // The kernel gives the n-th segment of a segmented send identification n.
+        let id = b.count as u16;
+        let start = b.buf.len();
         b.buf.extend_from_slice(d);
+        packet::reseal_ip_id(&mut b.buf[start..], 0, id);
+        if self.capturing.load(Ordering::Acquire) {
+            if let Some(c) = self.capture.lock().as_ref() {
+                c.writer.write_udp_with_id(flow, id, &b.buf[start..]);
+            }
+        }
         b.count += 1;
         b.closed = d.len() < b.seg;
         if !self.socks[b.sock].gso.load(Ordering::Relaxed) {
@@ -300,7 +321,9 @@ impl Port {
                     // no segmentation offload here: one datagram at a time from now on
                     s.gso.store(false, Ordering::Relaxed);
                     let mut ok = true;
-                    for d in b.buf.chunks(b.seg) {
+                    for (i, d) in b.buf.chunks_mut(b.seg).enumerate() {
+                        // alone, each leaves with identification 0
+                        packet::reseal_ip_id(d, i as u16, 0);
                         ok &= send_one(&s.sock, d, to);
                     }
                     ok
@@ -548,12 +571,14 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
                         let data = &buf[..n];
                         match seg {
                             Some(s) if s > 0 && n > s => {
-                                for d in data.chunks(s) {
+                                // a run's n-th datagram was most likely a segmented send's
+                                // n-th segment: its identification (the ICRC's hint)
+                                for (k, d) in data.chunks(s).enumerate() {
                                     super::transport::receive(
                                         &dev,
                                         &port,
                                         d,
-                                        from,
+                                        (from, k as u16),
                                         dport,
                                         &mut scratch,
                                         &mut batch,
@@ -564,7 +589,7 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
                                 &dev,
                                 &port,
                                 data,
-                                from,
+                                (from, 0),
                                 dport,
                                 &mut scratch,
                                 &mut batch,
