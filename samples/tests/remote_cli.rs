@@ -290,3 +290,57 @@ fn different_parameters_are_refused_by_both() {
         assert!(stderr.contains("parameters differ"), "{role}: {stderr}");
     }
 }
+
+#[test]
+fn put_bw_and_write_lat_take_a_path_mtu() {
+    // -m 1024 on both sides: every 256 KiB write is 256 packets of 1 KiB
+    let args = [
+        "--initiator",
+        "cpu",
+        "--json",
+        "-s",
+        "256K",
+        "-n",
+        "16",
+        "--warmup",
+        "1",
+        "-m",
+        "1024",
+    ];
+    let (server, client) = pair(PUT_BW, &args, &args);
+    for (role, out) in [("server", &server), ("client", &client)] {
+        assert!(out.status.success(), "{role}: {}", text(&out.stderr));
+        let err = text(&out.stderr);
+        assert!(
+            err.lines()
+                .any(|l| l.starts_with(" Mtu") && l.ends_with(": 1024[B]")),
+            "{role}:\n{err}"
+        );
+    }
+    let c: Value = serde_json::from_str(text(&client.stdout).lines().next().unwrap()).unwrap();
+    let cw = &c["wire"];
+    assert!(
+        num(cw, "tx_packets") - num(cw, "retransmits") >= (16 * 256) as f64,
+        "{cw}"
+    );
+    // only one side asks: the smaller MTU wins on both
+    let (server, client) = pair(
+        WRITE_LAT,
+        &["--initiator", "cpu", "-s", "4097", "-n", "20", "-m", "512"],
+        &["--initiator", "cpu", "-s", "4097", "-n", "20"],
+    );
+    for (role, out) in [("server", &server), ("client", &client)] {
+        assert!(out.status.success(), "{role}: {}", text(&out.stderr));
+        let all = text(&out.stdout) + &text(&out.stderr);
+        assert!(
+            all.lines()
+                .any(|l| l.starts_with(" Mtu") && l.ends_with(": 512[B]")),
+            "{role}:\n{all}"
+        );
+    }
+    // not an MTU of IBTA's: a usage error
+    let out = command(PUT_BW, &["--initiator", "cpu", "-m", "1500", "--loopback"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}

@@ -1,6 +1,6 @@
 //! The bytes on the wire: traffic between two soft NICs is captured by the kernel (an
 //! AF_PACKET socket of the test) on a loopback and on a veth pair between two network
-//! namespaces, and every frame is checked with an ICRC the test computes itself from the IBTA
+//! namespaces (link MTU 9000 and 1500; QPs asking for path MTU 4096), and every frame is checked with an ICRC the test computes itself from the IBTA
 //! rule over the headers Linux actually sent (identification, flags, lengths), with DF set
 //! and no IP fragment. The kernel is made to segment segmented sends before the capture point
 //! (`gso_max_segs 1`), so the capture holds the datagrams a wire would carry. Needs root
@@ -235,4 +235,29 @@ fn veth_mtu_9000_frames_carry_a_valid_icrc() {
         // path MTU 4096: the largest frame is 4096 bytes of payload with its headers
         assert!(c.largest > 4096 && c.largest <= 4096 + 64, "{c:?}");
     }
+}
+
+#[test]
+fn veth_mtu_1500_frames_carry_a_valid_icrc_and_no_fragment() {
+    let _s = serial();
+    if let Some(c) = over_veth(2, 1500) {
+        // path MTU 1024 (RTR asked for 4096): the largest frame is 1024 bytes of payload
+        // with its headers
+        assert!(c.largest > 1024 && c.largest <= 1024 + 64, "{c:?}");
+    }
+}
+
+#[test]
+fn path_mtu_from_the_link() {
+    use softnic::wire::{roce_mtu, route_mtu};
+    assert_eq!(roce_mtu(65536), 4096);
+    assert_eq!(roce_mtu(9000), 4096);
+    assert_eq!(roce_mtu(4160), 4096);
+    assert_eq!(roce_mtu(4159), 2048);
+    assert_eq!(roce_mtu(1500), 1024);
+    assert_eq!(roce_mtu(1280), 1024);
+    assert_eq!(roce_mtu(576), 512);
+    assert_eq!(roce_mtu(300), 256);
+    let lo = std::net::Ipv4Addr::LOCALHOST;
+    assert_eq!(route_mtu(lo, lo).map(roce_mtu).unwrap(), 4096);
 }

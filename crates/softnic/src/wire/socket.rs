@@ -95,6 +95,8 @@ pub(crate) struct Port {
     faults: Mutex<FaultState>,
     capturing: AtomicBool,
     capture: Mutex<Option<Capture>>,
+    /// RoCE path MTUs of the routes to peers found so far.
+    path_mtus: Mutex<Vec<(Ipv4Addr, u32)>>,
 }
 
 fn setsockopt_int(sock: &UdpSocket, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> bool {
@@ -128,6 +130,43 @@ fn sockaddr_in(a: SocketAddrV4) -> libc::sockaddr_in {
         },
         sin_zero: [0; 8],
     }
+}
+
+/// Bytes a RoCEv2 packet adds to its payload in an IPv4 datagram, at most: IPv4 20, UDP 8,
+/// BTH 12, RETH 16 and ImmDt 4 (a WRITE ONLY with immediate), ICRC 4.
+pub const ROCE_OVERHEAD: u32 = 20 + 8 + 12 + 16 + 4 + 4;
+
+/// The RoCE path MTU for a link MTU: the largest of 256, 512, 1024, 2048 and 4096 whose
+/// packets fit in one IPv4 datagram of the link (256 when none does).
+pub fn roce_mtu(link_mtu: u32) -> u32 {
+    [4096, 2048, 1024, 512]
+        .into_iter()
+        .find(|m| m + ROCE_OVERHEAD <= link_mtu)
+        .unwrap_or(256)
+}
+
+/// The link MTU of the route from `local` to `peer`, as the kernel has it (`IP_MTU` of a UDP
+/// socket connected there; connecting sends nothing). Needs no privilege.
+pub fn route_mtu(local: Ipv4Addr, peer: Ipv4Addr) -> std::io::Result<u32> {
+    let sock = UdpSocket::bind(SocketAddrV4::new(local, 0))?;
+    sock.connect(SocketAddrV4::new(peer, super::packet::ROCE_PORT))?;
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: the fd is an open socket owned by `sock` for the duration of the call; `v` and
+    // `len` are live locals and `len` is the size of `v`.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_MTU,
+            &mut v as *mut libc::c_int as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r != 0 || v <= 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(v as u32)
 }
 
 /// Sets up a bound socket: DF with identification 0, buffers, receive coalescing. Sends
@@ -221,6 +260,7 @@ impl Port {
             }),
             capturing: AtomicBool::new(false),
             capture: Mutex::new(None),
+            path_mtus: Mutex::new(Vec::new()),
             cfg,
         })
     }
@@ -232,6 +272,25 @@ impl Port {
             0 | 1 => self.local.port(),
             n => self.socks[1 + key as usize % (n - 1)].port,
         }
+    }
+
+    /// The RoCE path MTU to `peer` ([`roce_mtu`] of the route's link MTU); `None` when the
+    /// kernel has no route there. Looked up once per peer address.
+    pub fn path_mtu(&self, peer: Ipv4Addr) -> Option<u32> {
+        if let Some(&(_, m)) = self.path_mtus.lock().iter().find(|(a, _)| *a == peer) {
+            return Some(m);
+        }
+        let local = match self.local {
+            SocketAddr::V4(a) => *a.ip(),
+            SocketAddr::V6(_) => Ipv4Addr::UNSPECIFIED,
+        };
+        let m = roce_mtu(route_mtu(local, peer).ok()?);
+        let mut g = self.path_mtus.lock();
+        if g.len() >= 1024 {
+            g.clear();
+        }
+        g.push((peer, m));
+        Some(m)
     }
 
     /// The socket bound to source port `sport` (the bound one when none is).

@@ -324,6 +324,11 @@ pub(crate) fn connect(dev: &Shared, sq: &mut SqState, gid: Gid, qpn: u32, to: So
         return false;
     };
     let psn = sq.rts.sq_psn & MASK24;
+    // RoCE never fragments: the RTR path MTU, but no more than the route's link allows.
+    let mtu = port.path_mtu(ip).map_or(sq.mtu, |m| m.min(sq.mtu));
+    if mtu != sq.mtu {
+        tracing::debug!(rtr = sq.mtu, mtu, "path MTU lowered to the route's");
+    }
     let mut w = ReqWire {
         to,
         flow: Flow {
@@ -334,7 +339,7 @@ pub(crate) fn connect(dev: &Shared, sq: &mut SqState, gid: Gid, qpn: u32, to: So
             dport: to4.port(),
         },
         remote_qpn: qpn,
-        mtu: sq.mtu,
+        mtu,
         window: port.cfg.window.max(1),
         timeout: None,
         retry_cnt: 0,
@@ -1159,6 +1164,8 @@ pub(crate) struct RespWire {
     epsn: u32,
     msn: u32,
     mtu: u32,
+    /// `mtu` has been lowered to the route's (at the first request).
+    route_checked: bool,
     nak_sent: bool,
     /// Out-of-sequence requests since the last sequence NAK.
     oos: u32,
@@ -1276,6 +1283,13 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
     let from = reply.dest_qp;
     let psn = pkt.bth.psn;
     let d = psn_diff(psn, r.rq.wire.epsn);
+    if !r.rq.wire.route_checked {
+        // as the requester does: the RTR path MTU, but no more than the route's link allows
+        r.rq.wire.route_checked = true;
+        if let Some(m) = reply.port.path_mtu(reply.flow.dst) {
+            r.rq.wire.mtu = r.rq.wire.mtu.min(m);
+        }
+    }
     if pkt.payload.len() > r.rq.wire.mtu as usize {
         Counters::add(&wc.rx_malformed, 1);
         return;
