@@ -217,6 +217,11 @@ pub struct CommonArgs {
     /// MTU lowers it further where a 4096-byte packet would not fit (1500: 1024).
     #[arg(short = 'm', long, value_parser = parse_mtu)]
     pub mtu: Option<u32>,
+    /// Server/client roles: the soft NIC captures every datagram this side sends and receives
+    /// to FILE (pcap, raw IPv4: the headers its ICRC covers), for tshark or Wireshark
+    /// (docs/wire.md shows how).
+    #[arg(long, value_name = "FILE", conflicts_with = "loopback")]
+    pub pcap: Option<std::path::PathBuf>,
     /// One JSON object per size on stdout (the header goes to stderr).
     #[arg(long)]
     pub json: bool,
@@ -605,6 +610,62 @@ pub fn create_qp(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>) -> Result<Qp> {
         _ => pd.create_qp(o),
     }
     .with_context(|| format!("--rings {}: create a QP", spec.rings.name()))
+}
+
+/// A capture of this side's soft NIC (`--pcap`), detached and flushed by [`Pcap::finish`] or
+/// on drop (an early exit keeps what was captured).
+pub struct Pcap {
+    dev: Arc<softnic::Device>,
+    writer: Arc<softnic::pcap::PcapWriter>,
+    path: std::path::PathBuf,
+}
+
+/// Starts `--pcap` on the device of `ctx`: egress and ingress, the whole conversation.
+pub fn start_pcap(a: &CommonArgs, ctx: &Context) -> Result<Option<Pcap>> {
+    let Some(path) = &a.pcap else {
+        return Ok(None);
+    };
+    let Some(dev) = ctx.soft_device() else {
+        bail!(
+            "--pcap needs the soft NIC (this run uses {})",
+            ctx.selection().name
+        );
+    };
+    let writer = softnic::pcap::PcapWriter::create(path)
+        .with_context(|| format!("--pcap: create {}", path.display()))?;
+    dev.set_capture(Some(softnic::Capture {
+        writer: writer.clone(),
+        ingress: true,
+    }))
+    .context("--pcap: the soft NIC has no wire port")?;
+    Ok(Some(Pcap {
+        dev: dev.clone(),
+        writer,
+        path: path.clone(),
+    }))
+}
+
+impl Pcap {
+    /// Stops capturing and writes the file out; says how many frames it holds (stderr).
+    pub fn finish(self) -> Result<()> {
+        let _ = self.dev.set_capture(None);
+        self.writer
+            .flush()
+            .with_context(|| format!("--pcap: write {}", self.path.display()))?;
+        eprintln!(
+            "pcap: {} frames in {}",
+            self.writer.packets(),
+            self.path.display()
+        );
+        Ok(())
+    }
+}
+
+impl Drop for Pcap {
+    fn drop(&mut self) {
+        let _ = self.dev.set_capture(None);
+        let _ = self.writer.flush();
+    }
 }
 
 /// `-m`: a path MTU of IBTA's (256..4096, a power of two).

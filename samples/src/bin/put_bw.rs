@@ -377,6 +377,7 @@ fn run(args: &Args) -> Result<()> {
         None => open_env(a)?,
         Some(p) => open_env_remote(a, p, None)?,
     };
+    let pcap = gpuverbs_samples::start_pcap(a, &env.ctx)?;
     if env.initiator == Initiator::Cpu {
         let gpu_only = args.gpu_only_options();
         if !gpu_only.is_empty() {
@@ -846,6 +847,9 @@ fn run(args: &Args) -> Result<()> {
     progress.clear();
     if !a.json {
         println!("{}", gpuverbs_samples::RULE);
+    }
+    if let Some(p) = pcap {
+        p.finish()?;
     }
     Ok(())
 }

@@ -238,6 +238,7 @@ fn run(args: &Args) -> Result<()> {
         None => open_env(a)?,
         Some(p) => open_env_remote(a, p, Some(GPU_NEEDS_LOOPBACK))?,
     };
+    let pcap = gpuverbs_samples::start_pcap(a, &env.ctx)?;
     let ring_mode = match env.initiator {
         Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
         Initiator::Gpu => None,
@@ -496,6 +497,9 @@ fn run(args: &Args) -> Result<()> {
     progress.clear();
     if !a.json {
         println!("{}", gpuverbs_samples::RULE);
+    }
+    if let Some(p) = pcap {
+        p.finish()?;
     }
     Ok(())
 }
