@@ -212,6 +212,16 @@ pub struct CommonArgs {
     /// loss both ways. RC retransmission repairs it; every byte is still validated.
     #[arg(long, value_name = "PCT", value_parser = parse_loss, conflicts_with = "loopback")]
     pub loss: Option<f64>,
+    /// Path MTU (256, 512, 1024, 2048 or 4096), as perftest's -m: the QPs use the smallest
+    /// of this, the peer's and 4096 [default: 4096]. On the soft NIC's wire the route's link
+    /// MTU lowers it further where a 4096-byte packet would not fit (1500: 1024).
+    #[arg(short = 'm', long, value_parser = parse_mtu)]
+    pub mtu: Option<u32>,
+    /// Server/client roles: the soft NIC captures every datagram this side sends and receives
+    /// to FILE (pcap, raw IPv4: the headers its ICRC covers), for tshark or Wireshark
+    /// (docs/wire.md shows how).
+    #[arg(long, value_name = "FILE", conflicts_with = "loopback")]
+    pub pcap: Option<std::path::PathBuf>,
     /// One JSON object per size on stdout (the header goes to stderr).
     #[arg(long)]
     pub json: bool,
@@ -602,6 +612,89 @@ pub fn create_qp(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>) -> Result<Qp> {
     .with_context(|| format!("--rings {}: create a QP", spec.rings.name()))
 }
 
+/// A capture of this side's soft NIC (`--pcap`), detached and flushed by [`Pcap::finish`] or
+/// on drop (an early exit keeps what was captured).
+pub struct Pcap {
+    dev: Arc<softnic::Device>,
+    writer: Arc<softnic::pcap::PcapWriter>,
+    path: std::path::PathBuf,
+}
+
+/// Starts `--pcap` on the device of `ctx`: egress and ingress, the whole conversation.
+pub fn start_pcap(a: &CommonArgs, ctx: &Context) -> Result<Option<Pcap>> {
+    let Some(path) = &a.pcap else {
+        return Ok(None);
+    };
+    let Some(dev) = ctx.soft_device() else {
+        bail!(
+            "--pcap needs the soft NIC (this run uses {})",
+            ctx.selection().name
+        );
+    };
+    let writer = softnic::pcap::PcapWriter::create(path)
+        .with_context(|| format!("--pcap: create {}", path.display()))?;
+    dev.set_capture(Some(softnic::Capture {
+        writer: writer.clone(),
+        ingress: true,
+    }))
+    .context("--pcap: the soft NIC has no wire port")?;
+    Ok(Some(Pcap {
+        dev: dev.clone(),
+        writer,
+        path: path.clone(),
+    }))
+}
+
+impl Pcap {
+    /// Stops capturing and writes the file out; says how many frames it holds (stderr).
+    pub fn finish(self) -> Result<()> {
+        let _ = self.dev.set_capture(None);
+        self.writer
+            .flush()
+            .with_context(|| format!("--pcap: write {}", self.path.display()))?;
+        eprintln!(
+            "pcap: {} frames in {}",
+            self.writer.packets(),
+            self.path.display()
+        );
+        Ok(())
+    }
+}
+
+impl Drop for Pcap {
+    fn drop(&mut self) {
+        let _ = self.dev.set_capture(None);
+        let _ = self.writer.flush();
+    }
+}
+
+/// `-m`: a path MTU of IBTA's (256..4096, a power of two).
+fn parse_mtu(s: &str) -> std::result::Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(m @ (256 | 512 | 1024 | 2048 | 4096)) => Ok(m),
+        _ => Err(format!("{s}: the MTU is one of 256, 512, 1024, 2048, 4096")),
+    }
+}
+
+/// `ep` with its MTU lowered to `mtu` (`-m`), when given: what this side offers the peer, and
+/// what it connects to.
+pub fn with_mtu(ep: &Endpoint, mtu: Option<u32>) -> Endpoint {
+    match mtu {
+        Some(m) if m < ep.mtu() => {
+            Endpoint::new(ep.gid(), ep.qpn(), ep.psn(), m, ep.device().to_string())
+                .and_then(|e| e.with_udp_port(ep.udp_port()))
+                .unwrap_or_else(|_| ep.clone())
+        }
+        _ => ep.clone(),
+    }
+}
+
+/// Connects `q` to the peer's endpoint at no more than `mtu` (`-m`).
+pub fn connect_mtu(q: &Qp, remote: &Endpoint, mtu: Option<u32>) -> Result<()> {
+    q.connect(&with_mtu(remote, mtu), connect_options())?;
+    Ok(())
+}
+
 /// What the samples' QPs allow their peers: writes and the atomics of `--signal`.
 pub fn connect_options() -> ConnectOptions {
     ConnectOptions {
@@ -610,13 +703,34 @@ pub fn connect_options() -> ConnectOptions {
     }
 }
 
-/// Connects two QPs of this process to each other.
-pub fn connect_pair(a: &Qp, b: &Qp) -> Result<()> {
-    a.connect(&b.endpoint(), connect_options())
-        .context("connect QP A")?;
-    b.connect(&a.endpoint(), connect_options())
-        .context("connect QP B")?;
+/// Connects two QPs of this process to each other, at no more than `mtu` (`-m`).
+pub fn connect_pair(a: &Qp, b: &Qp, mtu: Option<u32>) -> Result<()> {
+    connect_mtu(a, &b.endpoint(), mtu).context("connect QP A")?;
+    connect_mtu(b, &a.endpoint(), mtu).context("connect QP B")?;
     Ok(())
+}
+
+/// The header's "Mtu": the path MTU the QPs were connected with (`-m`, the peer's, 4096),
+/// and, over the soft NIC's wire, what the route's link MTU leaves of it.
+pub fn mtu_line(mtu: Option<u32>, local: &Endpoint, peer: Option<&Endpoint>) -> String {
+    let mut m = with_mtu(local, mtu).mtu();
+    if let Some(p) = peer {
+        m = m.min(with_mtu(p, mtu).mtu());
+    }
+    let route = peer
+        .and_then(|p| p.udp_addr())
+        .zip(local.gid().to_ipv4())
+        .and_then(|(to, from)| match to {
+            std::net::SocketAddr::V4(to) => softnic::wire::route_mtu(from, *to.ip()).ok(),
+            std::net::SocketAddr::V6(_) => None,
+        });
+    match route {
+        Some(link) if softnic::wire::roce_mtu(link) < m => format!(
+            "{}[B] (asked {m}; the route's link MTU is {link})",
+            softnic::wire::roce_mtu(link)
+        ),
+        _ => format!("{m}[B]"),
+    }
 }
 
 /// The SQ size a run needs: at least `min`, and more than the blocks the posters of one QP can

@@ -290,3 +290,127 @@ fn different_parameters_are_refused_by_both() {
         assert!(stderr.contains("parameters differ"), "{role}: {stderr}");
     }
 }
+
+#[test]
+fn put_bw_and_write_lat_take_a_path_mtu() {
+    // -m 1024 on both sides: every 256 KiB write is 256 packets of 1 KiB
+    let args = [
+        "--initiator",
+        "cpu",
+        "--json",
+        "-s",
+        "256K",
+        "-n",
+        "16",
+        "--warmup",
+        "1",
+        "-m",
+        "1024",
+    ];
+    let (server, client) = pair(PUT_BW, &args, &args);
+    for (role, out) in [("server", &server), ("client", &client)] {
+        assert!(out.status.success(), "{role}: {}", text(&out.stderr));
+        let err = text(&out.stderr);
+        assert!(
+            err.lines()
+                .any(|l| l.starts_with(" Mtu") && l.ends_with(": 1024[B]")),
+            "{role}:\n{err}"
+        );
+    }
+    let c: Value = serde_json::from_str(text(&client.stdout).lines().next().unwrap()).unwrap();
+    let cw = &c["wire"];
+    assert!(
+        num(cw, "tx_packets") - num(cw, "retransmits") >= (16 * 256) as f64,
+        "{cw}"
+    );
+    // only one side asks: the smaller MTU wins on both
+    let (server, client) = pair(
+        WRITE_LAT,
+        &["--initiator", "cpu", "-s", "4097", "-n", "20", "-m", "512"],
+        &["--initiator", "cpu", "-s", "4097", "-n", "20"],
+    );
+    for (role, out) in [("server", &server), ("client", &client)] {
+        assert!(out.status.success(), "{role}: {}", text(&out.stderr));
+        let all = text(&out.stdout) + &text(&out.stderr);
+        assert!(
+            all.lines()
+                .any(|l| l.starts_with(" Mtu") && l.ends_with(": 512[B]")),
+            "{role}:\n{all}"
+        );
+    }
+    // not an MTU of IBTA's: a usage error
+    let out = command(PUT_BW, &["--initiator", "cpu", "-m", "1500", "--loopback"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}
+
+/// The frames of a pcap file written by the soft NIC: (IPv4 header, UDP header, payload).
+fn pcap_frames(path: &std::path::Path) -> Vec<([u8; 20], [u8; 8], Vec<u8>)> {
+    let data = std::fs::read(path).unwrap();
+    assert_eq!(&data[..4], &0xa1b2_c3d4u32.to_le_bytes(), "pcap magic");
+    assert_eq!(u32::from_le_bytes(data[20..24].try_into().unwrap()), 101);
+    let mut at = 24;
+    let mut out = Vec::new();
+    while at < data.len() {
+        let incl = u32::from_le_bytes(data[at + 8..at + 12].try_into().unwrap()) as usize;
+        let f = &data[at + 16..at + 16 + incl];
+        at += 16 + incl;
+        out.push((
+            f[..20].try_into().unwrap(),
+            f[20..28].try_into().unwrap(),
+            f[28..].to_vec(),
+        ));
+    }
+    out
+}
+
+#[test]
+fn put_bw_and_write_lat_write_a_pcap() {
+    use softnic::wire::packet;
+    let dir = std::env::temp_dir().join(format!("gpuverbs-pcap-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for bin in [PUT_BW, WRITE_LAT] {
+        let (sp, cp) = (dir.join("server.pcap"), dir.join("client.pcap"));
+        let common = [
+            "--initiator",
+            "cpu",
+            "-s",
+            "8K",
+            "-n",
+            "20",
+            "--warmup",
+            "2",
+        ];
+        let mut s: Vec<&str> = common.to_vec();
+        s.extend(["--pcap", sp.to_str().unwrap()]);
+        let mut c: Vec<&str> = common.to_vec();
+        c.extend(["--pcap", cp.to_str().unwrap()]);
+        let (server, client) = pair(bin, &s, &c);
+        for (role, out, path) in [("server", &server, &sp), ("client", &client, &cp)] {
+            let err = text(&out.stderr);
+            assert!(out.status.success(), "{bin} {role}: {err}");
+            let frames = pcap_frames(path);
+            let line = format!("pcap: {} frames in {}", frames.len(), path.display());
+            assert!(err.contains(&line), "{bin} {role}: no `{line}` in\n{err}");
+            // 22 writes of 8 KiB at MTU 4096 each way, ACKs: sent and received
+            assert!(frames.len() >= 44, "{bin} {role}: {} frames", frames.len());
+            let mut ops = std::collections::BTreeSet::new();
+            for (i, (ip, udp, payload)) in frames.iter().enumerate() {
+                let (body, icrc) = payload.split_at(payload.len() - 4);
+                assert_eq!(
+                    packet::icrc_with_headers(ip, udp, body).to_le_bytes(),
+                    icrc,
+                    "{bin} {role}: ICRC of frame {i}"
+                );
+                ops.insert(packet::parse(payload).expect("RoCEv2").bth.opcode);
+            }
+            // both directions: WRITEs one way, ACKs the other
+            assert!(
+                ops.contains(&packet::opcode::ACK) && ops.iter().any(|&o| o <= 0x0b),
+                "{bin} {role}: {ops:?}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

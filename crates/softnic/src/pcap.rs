@@ -1,10 +1,11 @@
 //! A pcap writer for the soft NIC's wire: every captured datagram is written as a raw IPv4
 //! frame (link type 101, `LINKTYPE_RAW`) with the IPv4 and UDP headers synthesized around the
-//! RoCEv2 packet exactly as its ICRC was computed ([`crate::wire::packet::ipv4_udp_headers`]),
+//! RoCEv2 packet exactly as its ICRC was computed
+//! ([`crate::wire::packet::ipv4_udp_headers_with_id`]: DF, the identification it leaves with),
 //! so Wireshark and tshark dissect it as RoCEv2 (on port 4791 without options; on another
 //! port with `-d udp.port==PORT,infiniband`).
 
-use crate::wire::packet::{ipv4_udp_headers, Flow};
+use crate::wire::packet::{ipv4_udp_headers_with_id, Flow};
 use parking_lot::Mutex;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -51,7 +52,13 @@ impl PcapWriter {
     /// Errors are kept and reported by [`PcapWriter::flush`]; capturing never disturbs the
     /// data path.
     pub fn write_udp(&self, flow: &Flow, udp_payload: &[u8]) {
-        let (ip, udp) = ipv4_udp_headers(flow, udp_payload.len());
+        self.write_udp_with_id(flow, 0, udp_payload)
+    }
+
+    /// [`PcapWriter::write_udp`] with IPv4 identification `ip_id` (the one the datagram
+    /// leaves with, and its ICRC covers).
+    pub fn write_udp_with_id(&self, flow: &Flow, ip_id: u16, udp_payload: &[u8]) {
+        let (ip, udp) = ipv4_udp_headers_with_id(flow, ip_id, udp_payload.len());
         let len = (ip.len() + udp.len() + udp_payload.len()) as u32;
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -55,10 +55,10 @@ use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, Endpoint, Mr, Qp, RemoteMemory};
 use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
-    create_qp, doorbell_line, exit_with, merge, open_env, open_env_remote, pattern, remote_header,
-    remote_json, step, table_row, tx_depth_for, upload, wire_counters, wire_delta, BwJob,
-    CommonArgs, Exports, GpuStatus, Header, Initiator, Payload, Peak, Peer, Progress, QpSpec,
-    Units,
+    create_qp, doorbell_line, exit_with, merge, mtu_line, open_env, open_env_remote, pattern,
+    remote_header, remote_json, step, table_row, tx_depth_for, upload, wire_counters, wire_delta,
+    with_mtu, BwJob, CommonArgs, Exports, GpuStatus, Header, Initiator, Payload, Peak, Peer,
+    Progress, QpSpec, Units,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey};
@@ -377,6 +377,7 @@ fn run(args: &Args) -> Result<()> {
         None => open_env(a)?,
         Some(p) => open_env_remote(a, p, None)?,
     };
+    let pcap = gpuverbs_samples::start_pcap(a, &env.ctx)?;
     if env.initiator == Initiator::Cpu {
         let gpu_only = args.gpu_only_options();
         if !gpu_only.is_empty() {
@@ -477,7 +478,7 @@ fn run(args: &Args) -> Result<()> {
                 .expect("this side")
                 .qps
                 .iter()
-                .map(Qp::endpoint)
+                .map(|q| with_mtu(&q.endpoint(), a.mtu))
                 .collect();
             let hello = p.hello(a, TEST, params, mine, json!({ "workers": local_workers }))?;
             let theirs: Vec<u32> = serde_json::from_value(hello.facts["workers"].clone())
@@ -496,7 +497,7 @@ fn run(args: &Args) -> Result<()> {
                 .zip(&hello.endpoints)
                 .enumerate()
             {
-                q.connect(ep, connect_options())
+                q.connect(&with_mtu(ep, a.mtu), connect_options())
                     .with_context(|| format!("connect QP {k} to the {} ({ep})", p.peer_role))?;
             }
             peer_eps = hello.endpoints;
@@ -516,7 +517,7 @@ fn run(args: &Args) -> Result<()> {
         _ => {
             let (sa, sb) = (side(0).expect("side A"), side(1).expect("side B"));
             for k in 0..qps {
-                connect_pair(&sa.qps[k], &sb.qps[k])?;
+                connect_pair(&sa.qps[k], &sb.qps[k], a.mtu)?;
             }
             local_workers.clone()
         }
@@ -648,7 +649,10 @@ fn run(args: &Args) -> Result<()> {
     };
     h.line("CQ moderation", a.cq_mod)
         .line("TX depth", format!("{tx} blocks"))
-        .line("Mtu", format!("{}[B]", first_qp.endpoint().mtu()))
+        .line(
+            "Mtu",
+            mtu_line(a.mtu, &first_qp.endpoint(), peer_eps.first()),
+        )
         .line(
             "Iterations",
             match a.iters {
@@ -843,6 +847,9 @@ fn run(args: &Args) -> Result<()> {
     progress.clear();
     if !a.json {
         println!("{}", gpuverbs_samples::RULE);
+    }
+    if let Some(p) = pcap {
+        p.finish()?;
     }
     Ok(())
 }

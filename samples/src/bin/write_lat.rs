@@ -43,9 +43,10 @@ use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Pd, Qp, RemoteMemory};
 use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
-    create_qp, doorbell_line, exit_with, merge, open_env, open_env_remote, pattern, remote_header,
-    remote_json, step, table_row, tx_depth_for, upload, CommonArgs, Exports, GpuStatus, Header,
-    Initiator, LatSide, LatStats, Payload, Peer, Placement, Progress, QpSpec,
+    create_qp, doorbell_line, exit_with, merge, mtu_line, open_env, open_env_remote, pattern,
+    remote_header, remote_json, step, table_row, tx_depth_for, upload, with_mtu, CommonArgs,
+    Exports, GpuStatus, Header, Initiator, LatSide, LatStats, Payload, Peer, Placement, Progress,
+    QpSpec,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
 use prm::{Completion, Rkey};
@@ -237,6 +238,7 @@ fn run(args: &Args) -> Result<()> {
         None => open_env(a)?,
         Some(p) => open_env_remote(a, p, Some(GPU_NEEDS_LOOPBACK))?,
     };
+    let pcap = gpuverbs_samples::start_pcap(a, &env.ctx)?;
     let ring_mode = match env.initiator {
         Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
         Initiator::Gpu => None,
@@ -257,7 +259,13 @@ fn run(args: &Args) -> Result<()> {
             let params = json!({
                 "sizes": sizes, "iters": a.iters, "warmup": a.warmup, "signal": args.signal,
             });
-            let hello = p.hello(a, TEST, params, vec![s.qp.endpoint()], facts)?;
+            let hello = p.hello(
+                a,
+                TEST,
+                params,
+                vec![with_mtu(&s.qp.endpoint(), a.mtu)],
+                facts,
+            )?;
             let remote = |k: &str| -> Result<RemoteMemory> {
                 serde_json::from_value(hello.facts[k].clone())
                     .with_context(|| format!("the {}'s {k} buffer", p.peer_role))
@@ -272,7 +280,7 @@ fn run(args: &Args) -> Result<()> {
                 );
             }
             let ep = hello.endpoints[0].clone();
-            s.qp.connect(&ep, connect_options())
+            s.qp.connect(&with_mtu(&ep, a.mtu), connect_options())
                 .with_context(|| format!("connect to the {} ({ep})", p.peer_role))?;
             targets.push(Target {
                 recv: RemoteAddr {
@@ -293,7 +301,7 @@ fn run(args: &Args) -> Result<()> {
                 Side::new(&pa, spec, env.gpu.as_ref(), a.mem, len)?,
                 Side::new(&pb, spec, env.gpu.as_ref(), a.mem, len)?,
             ];
-            connect_pair(&sides[0].qp, &sides[1].qp)?;
+            connect_pair(&sides[0].qp, &sides[1].qp, a.mtu)?;
             targets = (0..2).map(|i| Target::of(&sides[1 - i])).collect();
         }
     }
@@ -334,7 +342,10 @@ fn run(args: &Args) -> Result<()> {
     )
     .line("CQ moderation", a.cq_mod)
     .line("TX depth", format!("{tx} blocks"))
-    .line("Mtu", format!("{}[B]", sides[0].qp.endpoint().mtu()))
+    .line(
+        "Mtu",
+        mtu_line(a.mtu, &sides[0].qp.endpoint(), peer_ep.as_ref()),
+    )
     .line(
         "Iterations",
         match a.iters {
@@ -486,6 +497,9 @@ fn run(args: &Args) -> Result<()> {
     progress.clear();
     if !a.json {
         println!("{}", gpuverbs_samples::RULE);
+    }
+    if let Some(p) = pcap {
+        p.finish()?;
     }
     Ok(())
 }

@@ -13,6 +13,8 @@
 pub mod bench;
 pub mod packet;
 pub(crate) mod socket;
+
+pub use socket::{roce_mtu, route_mtu, ROCE_OVERHEAD};
 pub(crate) mod transport;
 
 use crate::pcap::PcapWriter;

@@ -9,11 +9,15 @@
 //! byte 4 (FECN/BECN/reserved) set to all ones, then everything after the BTH up to the ICRC.
 //!
 //! The soft NIC never sees the IP and UDP headers the kernel builds around its datagrams, so
-//! both ends compute the ICRC over the *same synthesized headers* ([`ipv4_udp_headers`]): IPv4
-//! with identification 0, DF set, TTL 64, protocol UDP, addresses from the endpoints' GIDs, and
-//! UDP with the real source and destination ports. The capture writer ([`crate::pcap`])
-//! writes exactly these headers, so a captured frame's ICRC is the one an IBTA-conformant
-//! receiver would compute.
+//! it computes the ICRC over the headers the kernel *will* put on the wire
+//! ([`ipv4_udp_headers_with_id`]): IPv4 with DF set, addresses from the endpoints' GIDs,
+//! protocol UDP, the real lengths, and the identification Linux gives a DF datagram of an
+//! unconnected socket with `IP_PMTUDISC_DO` (0; the n-th segment of a segmented send gets
+//! n); UDP with the real source and destination ports. TOS, TTL and both checksums are masked
+//! out of the ICRC. A receiver, which cannot see the identification either, accepts any
+//! identification a segmented send produces ([`icrc_ip_id`]). The capture writer
+//! ([`crate::pcap`]) writes the same headers, so a captured frame's ICRC is the one an
+//! IBTA-conformant receiver computes.
 
 use std::net::Ipv4Addr;
 
@@ -586,14 +590,24 @@ pub struct Flow {
 }
 
 /// Synthesizes the IPv4 (20 bytes, with a correct header checksum) and UDP (8 bytes,
-/// checksum 0) headers of a datagram carrying `udp_payload_len` bytes.
+/// checksum 0) headers of a datagram carrying `udp_payload_len` bytes, with identification 0.
 pub fn ipv4_udp_headers(flow: &Flow, udp_payload_len: usize) -> ([u8; 20], [u8; 8]) {
+    ipv4_udp_headers_with_id(flow, 0, udp_payload_len)
+}
+
+/// [`ipv4_udp_headers`] with IPv4 identification `ip_id` (DF set, TTL 64).
+pub fn ipv4_udp_headers_with_id(
+    flow: &Flow,
+    ip_id: u16,
+    udp_payload_len: usize,
+) -> ([u8; 20], [u8; 8]) {
     let udp_len = (8 + udp_payload_len) as u16;
     let total = 20u16.wrapping_add(udp_len);
     let mut ip = [0u8; 20];
     ip[0] = 0x45;
     ip[2..4].copy_from_slice(&total.to_be_bytes());
-    // identification 0, DF
+    ip[4..6].copy_from_slice(&ip_id.to_be_bytes());
+    // DF, fragment offset 0
     ip[6] = 0x40;
     ip[8] = 64;
     ip[9] = 17;
@@ -639,20 +653,153 @@ pub fn icrc_with_headers(ip: &[u8; 20], udp: &[u8; 8], bth_to_pad: &[u8]) -> u32
     h.finalize()
 }
 
-/// The ICRC of a UDP payload without its trailing ICRC (`bth_to_pad`), for `flow`.
+/// The ICRC of a UDP payload without its trailing ICRC (`bth_to_pad`), for `flow` and IPv4
+/// identification 0.
 pub fn icrc(flow: &Flow, bth_to_pad: &[u8]) -> u32 {
-    let (ip, udp) = ipv4_udp_headers(flow, bth_to_pad.len() + ICRC_LEN);
+    icrc_for_id(flow, 0, bth_to_pad)
+}
+
+/// [`icrc`] for IPv4 identification `ip_id`.
+pub fn icrc_for_id(flow: &Flow, ip_id: u16, bth_to_pad: &[u8]) -> u32 {
+    let (ip, udp) = ipv4_udp_headers_with_id(flow, ip_id, bth_to_pad.len() + ICRC_LEN);
     icrc_with_headers(&ip, &udp, bth_to_pad)
 }
 
-/// Whether the datagram's trailing ICRC is right for `flow`.
+/// Whether the datagram's trailing ICRC is right for `flow` with IPv4 identification 0.
 pub fn icrc_matches(flow: &Flow, datagram: &[u8]) -> bool {
-    let Some(split) = datagram.len().checked_sub(ICRC_LEN) else {
-        return false;
-    };
+    icrc_ip_id(flow, datagram, 0) == Some(0)
+}
+
+/// The identifications a segmented send gives its datagrams: 0 for the first (and for a
+/// datagram sent alone), n for the n-th segment. A receiver accepts these.
+pub const IP_IDS: u16 = 64;
+
+/// The IPv4 identification in `0..IP_IDS` for which the datagram's trailing ICRC is right
+/// for `flow`, trying `hint` first (the datagram's place in a coalesced run); `None` when
+/// there is none (a corrupted datagram).
+pub fn icrc_ip_id(flow: &Flow, datagram: &[u8], hint: u16) -> Option<u16> {
+    let split = datagram.len().checked_sub(ICRC_LEN)?;
     let (body, tail) = datagram.split_at(split);
-    let want = u32::from_le_bytes(tail.try_into().expect("4 bytes"));
-    icrc(flow, body) == want
+    let want = u32::from_le_bytes(tail.try_into().ok()?);
+    let diff = icrc(flow, body) ^ want;
+    if diff == 0 {
+        return Some(0);
+    }
+    let shift = crc_shift(body.len());
+    if hint != 0 && hint < IP_IDS && gf2_mul(crc_of_id(hint), shift) == diff {
+        return Some(hint);
+    }
+    // The change of the ICRC is linear in the identification's bits: walk 1..IP_IDS in Gray
+    // code order, one XOR per step.
+    let basis: [u32; 6] = std::array::from_fn(|b| gf2_mul(crc_of_id(1 << b), shift));
+    let mut acc = 0u32;
+    for i in 1..IP_IDS {
+        let bit = i.trailing_zeros() as usize;
+        acc ^= basis[bit];
+        if acc == diff {
+            return Some(i ^ (i >> 1));
+        }
+    }
+    None
+}
+
+/// Changes the ICRC at the end of `datagram` (BTH through ICRC, sealed for identification
+/// `a`) to the one for identification `b`.
+pub fn reseal_ip_id(datagram: &mut [u8], a: u16, b: u16) {
+    let Some(split) = datagram.len().checked_sub(ICRC_LEN) else {
+        return;
+    };
+    if a == b {
+        return;
+    }
+    let delta = gf2_mul(crc_of_id(a ^ b), crc_shift(split));
+    let tail = &mut datagram[split..];
+    let v = u32::from_le_bytes([tail[0], tail[1], tail[2], tail[3]]) ^ delta;
+    tail.copy_from_slice(&v.to_le_bytes());
+}
+
+// CRC-32 arithmetic for changing the identification under a finished ICRC. A CRC is affine in
+// its message: two messages of one length that differ in D have CRCs that differ in
+// crc_raw(D), the register (zero start, no final inversion) after D. D is the changed
+// identification followed by zeros, and a zero byte multiplies the register by x^8 modulo the
+// polynomial. Polynomials are in the reflected order of zlib's CRC-32: bit 31 is x^0.
+
+/// The reflected CRC-32 polynomial (IEEE 802.3).
+const CRC_POLY: u32 = 0xedb8_8320;
+
+/// `a * b` modulo the CRC polynomial (reflected representation).
+fn gf2_mul(a: u32, mut b: u32) -> u32 {
+    let mut p = 0u32;
+    for i in 0..32 {
+        if a & (0x8000_0000 >> i) != 0 {
+            p ^= b;
+        }
+        // b *= x
+        b = if b & 1 != 0 {
+            (b >> 1) ^ CRC_POLY
+        } else {
+            b >> 1
+        };
+    }
+    p
+}
+
+/// The register after the two bytes of a big-endian identification (zero start).
+fn crc_of_id(id: u16) -> u32 {
+    let mut c = 0u32;
+    for byte in id.to_be_bytes() {
+        c ^= byte as u32;
+        for _ in 0..8 {
+            c = if c & 1 != 0 {
+                (c >> 1) ^ CRC_POLY
+            } else {
+                c >> 1
+            };
+        }
+    }
+    c
+}
+
+/// Bytes of the ICRC's message after the identification, besides the UDP payload: the rest
+/// of the IPv4 header (14) and the UDP header (8).
+const AFTER_ID: usize = 14 + 8;
+
+/// x^(8n) modulo the polynomial, where n is the number of message bytes after the
+/// identification for a UDP payload (without ICRC) of `body_len` bytes. Cached for every
+/// length a datagram can have.
+fn crc_shift(body_len: usize) -> u32 {
+    static TABLE: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    let t = TABLE.get_or_init(|| {
+        let x8 = 1u32 << (31 - 8);
+        let mut v = Vec::with_capacity(MAX_DATAGRAM + 1);
+        // x^(8 * AFTER_ID)
+        let mut p = 1u32 << 31;
+        for _ in 0..AFTER_ID {
+            p = gf2_mul(p, x8);
+        }
+        for _ in 0..=MAX_DATAGRAM {
+            v.push(p);
+            p = gf2_mul(p, x8);
+        }
+        v
+    });
+    match t.get(body_len) {
+        Some(&p) => p,
+        None => {
+            // longer than any datagram the soft NIC sends or accepts: computed here
+            let x8 = 1u32 << (31 - 8);
+            let mut p = 1u32 << 31;
+            let (mut base, mut n) = (x8, body_len + AFTER_ID);
+            while n > 0 {
+                if n & 1 != 0 {
+                    p = gf2_mul(p, base);
+                }
+                base = gf2_mul(base, base);
+                n >>= 1;
+            }
+            p
+        }
+    }
 }
 
 #[cfg(test)]
@@ -676,6 +823,58 @@ mod tests {
         let udp: [u8; 8] = frame[20..28].try_into().unwrap();
         let crc = icrc_with_headers(&ip, &udp, &frame[28..56]);
         assert_eq!(crc.to_le_bytes(), [0x82, 0xfd, 0x00, 0x2a]);
+    }
+
+    #[test]
+    fn icrc_follows_the_ip_id() {
+        let flow = Flow {
+            src: Ipv4Addr::new(10, 1, 0, 1),
+            dst: Ipv4Addr::new(10, 1, 0, 2),
+            sport: 0xc123,
+            dport: ROCE_PORT,
+        };
+        for len in [0usize, 3, 100, 1024, 4096] {
+            let payload = vec![0x5au8; len];
+            let p = Packet {
+                bth: Bth {
+                    opcode: opcode::SEND_ONLY,
+                    pkey: DEFAULT_PKEY,
+                    dest_qp: 0x11,
+                    psn: 7,
+                    ..Bth::default()
+                },
+                payload: &payload,
+                ..Packet::default()
+            };
+            let mut d = Vec::new();
+            encode(&p, &flow, &mut d).unwrap();
+            assert_eq!(icrc_ip_id(&flow, &d, 0), Some(0));
+            for id in [1u16, 2, 5, 31, 62, 63] {
+                let mut e = d.clone();
+                reseal_ip_id(&mut e, 0, id);
+                let body = &e[..e.len() - ICRC_LEN];
+                // the resealed ICRC is the one computed from scratch over that identification
+                assert_eq!(
+                    icrc_for_id(&flow, id, body).to_le_bytes(),
+                    e[e.len() - ICRC_LEN..],
+                    "len {len} id {id}"
+                );
+                assert_eq!(icrc_ip_id(&flow, &e, 0), Some(id));
+                assert_eq!(icrc_ip_id(&flow, &e, id), Some(id));
+                assert_eq!(icrc_ip_id(&flow, &e, 9), Some(id));
+                assert!(!icrc_matches(&flow, &e));
+                reseal_ip_id(&mut e, id, 0);
+                assert_eq!(e, d);
+            }
+            // an identification outside the accepted range, or a flipped bit, is rejected
+            let mut far = d.clone();
+            reseal_ip_id(&mut far, 0, 1000);
+            assert_eq!(icrc_ip_id(&flow, &far, 0), None);
+            let mut bad = d.clone();
+            bad[BTH_LEN] ^= 1;
+            assert_eq!(icrc_ip_id(&flow, &bad, 0), None);
+        }
+        assert_eq!(icrc_ip_id(&flow, &[1, 2, 3], 0), None);
     }
 
     #[test]

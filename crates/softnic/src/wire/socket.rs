@@ -9,7 +9,7 @@
 //! The receiving socket asks for `UDP_GRO` and splits what it gets back into the original
 //! datagrams. Kernels without either fall back to one system call per packet.
 
-use super::packet::{Flow, ICRC_LEN, MAX_DATAGRAM};
+use super::packet::{self, Flow, ICRC_LEN, MAX_DATAGRAM};
 use super::{Capture, WireConfig, WireError, WireFaults};
 use crate::counters::Counters;
 use crate::device::Shared;
@@ -95,6 +95,8 @@ pub(crate) struct Port {
     faults: Mutex<FaultState>,
     capturing: AtomicBool,
     capture: Mutex<Option<Capture>>,
+    /// RoCE path MTUs of the routes to peers found so far.
+    path_mtus: Mutex<Vec<(Ipv4Addr, u32)>>,
 }
 
 fn setsockopt_int(sock: &UdpSocket, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> bool {
@@ -130,9 +132,60 @@ fn sockaddr_in(a: SocketAddrV4) -> libc::sockaddr_in {
     }
 }
 
-/// Sets up a bound socket: buffers, receive coalescing. Sends block; receives do not (the
-/// I/O thread polls).
+/// Bytes a RoCEv2 packet adds to its payload in an IPv4 datagram, at most: IPv4 20, UDP 8,
+/// BTH 12, RETH 16 and ImmDt 4 (a WRITE ONLY with immediate), ICRC 4.
+pub const ROCE_OVERHEAD: u32 = 20 + 8 + 12 + 16 + 4 + 4;
+
+/// The RoCE path MTU for a link MTU: the largest of 256, 512, 1024, 2048 and 4096 whose
+/// packets fit in one IPv4 datagram of the link (256 when none does).
+pub fn roce_mtu(link_mtu: u32) -> u32 {
+    [4096, 2048, 1024, 512]
+        .into_iter()
+        .find(|m| m + ROCE_OVERHEAD <= link_mtu)
+        .unwrap_or(256)
+}
+
+/// The link MTU of the route from `local` to `peer`, as the kernel has it (`IP_MTU` of a UDP
+/// socket connected there; connecting sends nothing). Needs no privilege.
+pub fn route_mtu(local: Ipv4Addr, peer: Ipv4Addr) -> std::io::Result<u32> {
+    let sock = UdpSocket::bind(SocketAddrV4::new(local, 0))?;
+    sock.connect(SocketAddrV4::new(peer, super::packet::ROCE_PORT))?;
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: the fd is an open socket owned by `sock` for the duration of the call; `v` and
+    // `len` are live locals and `len` is the size of `v`.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_MTU,
+            &mut v as *mut libc::c_int as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r != 0 || v <= 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(v as u32)
+}
+
+/// Sets up a bound socket: DF with identification 0, buffers, receive coalescing. Sends
+/// block; receives do not (the I/O thread polls).
 fn setup(sock: UdpSocket, cfg: &WireConfig) -> Result<Sock, WireError> {
+    // RoCEv2 is never fragmented, and its ICRC covers the IPv4 identification and flags.
+    // With IP_PMTUDISC_DO, Linux sets DF on every datagram of an unconnected socket, never
+    // fragments it (a datagram over the path MTU fails with EMSGSIZE) and gives it
+    // identification 0 (the n-th segment of a segmented send: n), the headers the ICRC is
+    // computed over ([`super::packet::icrc_for_id`]). Without it the kernel picks hashed
+    // identifications no receiver could check.
+    if !setsockopt_int(
+        &sock,
+        libc::IPPROTO_IP,
+        libc::IP_MTU_DISCOVER,
+        libc::IP_PMTUDISC_DO,
+    ) {
+        return Err(WireError::Socket(std::io::Error::last_os_error()));
+    }
     set_buffer(
         &sock,
         libc::SO_RCVBUFFORCE,
@@ -207,6 +260,7 @@ impl Port {
             }),
             capturing: AtomicBool::new(false),
             capture: Mutex::new(None),
+            path_mtus: Mutex::new(Vec::new()),
             cfg,
         })
     }
@@ -218,6 +272,25 @@ impl Port {
             0 | 1 => self.local.port(),
             n => self.socks[1 + key as usize % (n - 1)].port,
         }
+    }
+
+    /// The RoCE path MTU to `peer` ([`roce_mtu`] of the route's link MTU); `None` when the
+    /// kernel has no route there. Looked up once per peer address.
+    pub fn path_mtu(&self, peer: Ipv4Addr) -> Option<u32> {
+        if let Some(&(_, m)) = self.path_mtus.lock().iter().find(|(a, _)| *a == peer) {
+            return Some(m);
+        }
+        let local = match self.local {
+            SocketAddr::V4(a) => *a.ip(),
+            SocketAddr::V6(_) => Ipv4Addr::UNSPECIFIED,
+        };
+        let m = roce_mtu(route_mtu(local, peer).ok()?);
+        let mut g = self.path_mtus.lock();
+        if g.len() >= 1024 {
+            g.clear();
+        }
+        g.push((peer, m));
+        Some(m)
     }
 
     /// The socket bound to source port `sport` (the bound one when none is).
@@ -246,22 +319,20 @@ impl Port {
         *g = c;
     }
 
-    /// Captures a received datagram when ingress capture is on.
-    pub fn capture_rx(&self, flow: &Flow, d: &[u8]) {
+    /// Captures a received datagram when ingress capture is on, with the IPv4 identification
+    /// its ICRC was computed over (0 when none fits).
+    pub fn capture_rx(&self, flow: &Flow, d: &[u8], id_hint: u16) {
         if self.capturing.load(Ordering::Acquire) {
             if let Some(c) = self.capture.lock().as_ref().filter(|c| c.ingress) {
-                c.writer.write_udp(flow, d);
+                let id = packet::icrc_ip_id(flow, d, id_hint).unwrap_or(0);
+                c.writer.write_udp_with_id(flow, id, d);
             }
         }
     }
 
-    /// Puts one datagram on its way (captured now, sent at the next flush).
+    /// Puts one datagram (sealed for IPv4 identification 0) on its way: resealed for the
+    /// identification it will leave with, captured now, sent at the next flush.
     fn emit(&self, d: &[u8], to: SocketAddr, flow: &Flow, b: &mut TxBatch) {
-        if self.capturing.load(Ordering::Acquire) {
-            if let Some(c) = self.capture.lock().as_ref() {
-                c.writer.write_udp(flow, d);
-            }
-        }
         let sock = self.sock_of(flow.sport);
         let fits = b.count > 0
             && b.to == Some(to)
@@ -276,7 +347,16 @@ impl Port {
             b.to = Some(to);
             b.sock = sock;
         }
+        // The kernel gives the n-th segment of a segmented send identification n.
+        let id = b.count as u16;
+        let start = b.buf.len();
         b.buf.extend_from_slice(d);
+        packet::reseal_ip_id(&mut b.buf[start..], 0, id);
+        if self.capturing.load(Ordering::Acquire) {
+            if let Some(c) = self.capture.lock().as_ref() {
+                c.writer.write_udp_with_id(flow, id, &b.buf[start..]);
+            }
+        }
         b.count += 1;
         b.closed = d.len() < b.seg;
         if !self.socks[b.sock].gso.load(Ordering::Relaxed) {
@@ -300,7 +380,9 @@ impl Port {
                     // no segmentation offload here: one datagram at a time from now on
                     s.gso.store(false, Ordering::Relaxed);
                     let mut ok = true;
-                    for d in b.buf.chunks(b.seg) {
+                    for (i, d) in b.buf.chunks_mut(b.seg).enumerate() {
+                        // alone, each leaves with identification 0
+                        packet::reseal_ip_id(d, i as u16, 0);
                         ok &= send_one(&s.sock, d, to);
                     }
                     ok
@@ -548,12 +630,14 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
                         let data = &buf[..n];
                         match seg {
                             Some(s) if s > 0 && n > s => {
-                                for d in data.chunks(s) {
+                                // a run's n-th datagram was most likely a segmented send's
+                                // n-th segment: its identification (the ICRC's hint)
+                                for (k, d) in data.chunks(s).enumerate() {
                                     super::transport::receive(
                                         &dev,
                                         &port,
                                         d,
-                                        from,
+                                        (from, k as u16),
                                         dport,
                                         &mut scratch,
                                         &mut batch,
@@ -564,7 +648,7 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
                                 &dev,
                                 &port,
                                 data,
-                                from,
+                                (from, 0),
                                 dport,
                                 &mut scratch,
                                 &mut batch,

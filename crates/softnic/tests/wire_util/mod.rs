@@ -3,6 +3,8 @@
 //! completions and memory can be compared between the in-process path and the wire.
 #![allow(dead_code)]
 
+pub mod netns;
+
 use crate::common::*;
 use prm::wqe::{AtomicSize, Local, Op};
 use prm::Completion;
