@@ -480,10 +480,37 @@ impl Gpu {
 }
 
 impl Gpu {
+    /// Maps an mlx5 QP's UAR page (its BlueFlame register) into the GPU: as I/O memory first
+    /// (real UARs are MMIO), else as plain memory, else an error that says why.
+    fn map_uar(
+        &self,
+        q: &crate::mlx5::Qp,
+        keep: &Arc<dyn Any + Send + Sync>,
+    ) -> Result<u64, Error> {
+        let (addr, len) = (q.bf_reg as u64, 2 * prm::doorbell::BF_HALF_SIZE);
+        let io_err = match self.map_range(addr, len, keep.clone(), true) {
+            Ok(a) => return Ok(a),
+            Err(e) => e,
+        };
+        match self.map_range(addr, len, keep.clone(), false) {
+            Ok(a) => {
+                tracing::info!(qpn = q.qpn, error = %io_err, "UAR page mapped as plain memory");
+                Ok(a)
+            }
+            Err(e) => Err(Error::Unsupported(format!(
+                "the GPU cannot map QP {:#x}'s doorbell page: {io_err}; as plain memory: {e} (on \
+                 x86 hosts the NVIDIA driver needs NVreg_RegistryDwords=\"PeerMappingOverride=1;\"; \
+                 or use the CPU-proxy doorbell mode)",
+                q.qpn
+            ))),
+        }
+    }
+
     /// Exports a QP of the ConnectX backend: the provider's rings, doorbell record and CQs are
     /// registered into the GPU (`cuMemHostRegister`, DEVICEMAP), the UAR page as I/O memory
     /// (real UARs are MMIO) or, when the driver refuses that, as plain memory; when neither
-    /// works the export fails and says why (a CPU proxy for mlx5 QPs is not there yet).
+    /// works the export fails and says why. In the CPU-proxy mode the UAR is not mapped: the
+    /// kernel publishes its producer in the QP's proxy word ([`crate::proxy::ProxyTarget::for_qp`]).
     fn export_mlx5(self: &Arc<Self>, qp: &Qp, claim: PosterClaim) -> Result<ExportedQp, Error> {
         let (QpDev::Mlx5(q), CqDev::Mlx5(scq), CqDev::Mlx5(rcq)) =
             (&qp.dev, &qp.send_cq().dev, &qp.recv_cq().dev)
@@ -500,11 +527,6 @@ impl Gpu {
             )));
         }
         let mode = qp.doorbell().0;
-        if mode == DoorbellMode::CpuProxy {
-            return Err(Error::Unsupported(
-                "the CPU-proxy doorbell mode on the mlx5 backend is not implemented yet".into(),
-            ));
-        }
         if scq.ncqe < q.sq_blocks {
             // rdma-core CQs detect overrun, and the device API bounds the signaled WQEs in
             // flight by the SQ's size, not the CQ's
@@ -522,32 +544,16 @@ impl Gpu {
         };
         let keep_scq: Arc<dyn Any + Send + Sync> = scq.clone();
         let keep_rcq: Arc<dyn Any + Send + Sync> = rcq.clone();
-        let uar = match self.map_range(
-            q.bf_reg as u64,
-            2 * prm::doorbell::BF_HALF_SIZE,
-            keep_qp.clone(),
-            true,
-        ) {
-            Ok(a) => a,
-            Err(io_err) => match self.map_range(
-                q.bf_reg as u64,
-                2 * prm::doorbell::BF_HALF_SIZE,
-                keep_qp.clone(),
-                false,
-            ) {
-                Ok(a) => {
-                    tracing::info!(qpn = q.qpn, error = %io_err, "UAR page mapped as plain memory");
-                    a
-                }
-                Err(e) => {
-                    return Err(Error::Unsupported(format!(
-                        "the GPU cannot map QP {:#x}'s doorbell page: {io_err}; as plain memory: \
-                         {e} (on x86 hosts the NVIDIA driver needs \
-                         NVreg_RegistryDwords=\"PeerMappingOverride=1;\")",
-                        q.qpn
-                    )))
-                }
-            },
+        // the doorbell: the UAR page mapped into the GPU, or (CPU proxy) a host word the kernel
+        // stores its producer into and a host thread rings for it
+        let (uar, proxy_word) = if mode == DoorbellMode::CpuProxy {
+            let word = qp
+                .proxy_word
+                .as_ref()
+                .ok_or_else(|| Error::InvalidArgument("an mlx5 QP without a proxy word".into()))?;
+            (0, self.map_host(word)?)
+        } else {
+            (self.map_uar(q, &keep_qp)?, 0)
         };
         let desc = QpDesc {
             sq_ring: map(q.sq_buf, q.sq_blocks as usize * prm::WQEBB, &keep_qp)?,
@@ -558,7 +564,7 @@ impl Gpu {
             },
             dbrec: map(q.dbrec, 8, &keep_qp)?,
             db_reg: uar,
-            proxy_word: 0,
+            proxy_word,
             scq_ring: map(scq.ring, scq.ncqe as usize * prm::CQE_SIZE, &keep_scq)?,
             scq_dbrec: map(scq.dbrec, 8, &keep_scq)?,
             rcq_ring: map(rcq.ring, rcq.ncqe as usize * prm::CQE_SIZE, &keep_rcq)?,
@@ -572,6 +578,7 @@ impl Gpu {
             rcq_ncqe: rcq.ncqe,
             db_mode: match mode {
                 DoorbellMode::BlueFlame => db_mode::BLUEFLAME,
+                DoorbellMode::CpuProxy => db_mode::CPU_PROXY,
                 _ => db_mode::GPU_DOORBELL,
             },
             // the provider's rings are host memory: system-scope release before the doorbell

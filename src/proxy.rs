@@ -206,9 +206,7 @@ impl ProxyTarget {
         let (crate::device::Backend::Soft(dev), Some(sqp)) =
             (&qp.pd().context().inner.backend, qp.soft())
         else {
-            return Err(crate::Error::Unsupported(
-                "a CPU-proxy target for an mlx5 QP is not implemented yet".into(),
-            ));
+            return Self::for_mlx5_qp(qp);
         };
         let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
         let start = crate::queue::QueueState::of(sqp).sq_pi;
@@ -222,6 +220,36 @@ impl ProxyTarget {
         let keep: Arc<dyn Any + Send + Sync> = Arc::new((t.keep.clone(), claim));
         t.keep = keep;
         Ok(t)
+    }
+
+    /// The target for a QP of the mlx5 backend: its proxy word (a host page of the QP), the
+    /// provider's doorbell record and BlueFlame register. A fresh QP's producer starts at 0
+    /// (handing a queue over from an earlier poster is soft-NIC only so far).
+    fn for_mlx5_qp(qp: &crate::Qp) -> Result<Self, crate::Error> {
+        let crate::queue::QpDev::Mlx5(q) = &qp.dev else {
+            return Err(crate::Error::InvalidArgument("not an mlx5 QP".into()));
+        };
+        if qp.cpu_used.load(Ordering::Acquire) {
+            return Err(crate::Error::Unsupported(format!(
+                "QP {:#x}: a CPU-proxy target after a CPU initiator posted to it (handing the \
+                 queue's state over is soft-NIC only so far)",
+                q.qpn
+            )));
+        }
+        let word = qp.proxy_word.clone().ok_or_else(|| {
+            crate::Error::InvalidArgument("an mlx5 QP without a proxy word".into())
+        })?;
+        let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
+        let producer: *const AtomicU64 = word.atomic_u64(0);
+        let keep: Arc<dyn Any + Send + Sync> = Arc::new((q.clone(), word, claim));
+        // SAFETY: the proxy word is 8 aligned bytes of the QP's host page, the doorbell record
+        // and the BlueFlame register are the provider's (mlx5dv_init_obj), all kept alive by
+        // `keep` (the QP's Arc holds its CQs, PD and context); the GPU and this proxy access the
+        // word atomically, and while the target is registered only the proxy writes the
+        // record's send word and the register (the documented CPU-proxy mode).
+        let t = unsafe { Self::new(producer, q.dbrec, q.bf_reg, q.qpn, None, keep) }
+            .map_err(|e| crate::Error::InvalidArgument(e.to_string()))?;
+        Ok(t.with_max_jump(q.sq_blocks))
     }
 
     /// Sets the producer index the doorbell already covers (default 0): a word holding a

@@ -317,6 +317,9 @@ pub struct Qp {
     pub(crate) posters: Arc<Posters>,
     /// Whether a CPU initiator has posted to this mlx5 QP (it cannot hand over yet).
     pub(crate) cpu_used: std::sync::atomic::AtomicBool,
+    /// The CPU-proxy word of an mlx5 QP (a soft QP has one in its control page): the kernel
+    /// stores its producer index there and the proxy turns it into doorbells.
+    pub(crate) proxy_word: Option<crate::HostBuffer>,
 }
 
 /// The device's QP.
@@ -583,6 +586,10 @@ impl Pd {
             }
         };
         tracing::debug!(qpn = dev_qpn(&dev), ?mode, %reason, "QP created");
+        let dev_kind = match &dev {
+            QpDev::Soft(_) => DevKind::Soft,
+            QpDev::Mlx5(_) => DevKind::Mlx5,
+        };
         // Random per QP (as perftest draws one), so that a QP restarted with the same QPN
         // does not take stale packets of its earlier incarnation, nor do guessed PSNs work.
         let psn = Endpoint::random_psn();
@@ -596,8 +603,14 @@ impl Pd {
             psn,
             posters: Arc::default(),
             cpu_used: Default::default(),
+            proxy_word: matches!(dev_kind, DevKind::Mlx5).then(|| crate::HostBuffer::new(64)),
         })
     }
+}
+
+enum DevKind {
+    Soft,
+    Mlx5,
 }
 
 fn dev_qpn(d: &QpDev) -> u32 {

@@ -215,12 +215,8 @@ impl Pair {
         );
         let proxy = if mode == DoorbellMode::CpuProxy {
             let svc = ProxyService::start(ProxyConfig::default())?;
-            let dev = a.soft_device().expect("soft device");
             // The handle is not needed: the service (dropped with the pair) releases the target.
-            let _handle = svc.add(ProxyTarget::for_soft_qp(
-                dev,
-                qa.soft().expect("a soft-NIC QP"),
-            ))?;
+            let _handle = svc.add(ProxyTarget::for_qp(&qa)?)?;
             Some(svc)
         } else {
             None
@@ -973,10 +969,7 @@ pub fn recv(
     let (ea, eb) = (gpu.export_qp(&qa)?, gpu.export_qp(&qb)?);
     let _proxy = if mode == DoorbellMode::CpuProxy {
         let svc = ProxyService::start(ProxyConfig::default())?;
-        let _handle = svc.add(ProxyTarget::for_soft_qp(
-            b.soft_device().expect("soft device"),
-            qb.soft().expect("a soft-NIC QP"),
-        ))?;
+        let _handle = svc.add(ProxyTarget::for_qp(&qb)?)?;
         Some(svc)
     } else {
         None
