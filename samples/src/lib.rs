@@ -1464,16 +1464,8 @@ impl Exports {
         } else {
             let svc = ProxyService::start(ProxyConfig::default()).context("start the CPU proxy")?;
             for q in proxied {
-                let dev = q
-                    .pd()
-                    .context()
-                    .soft_device()
-                    .context("the CPU proxy needs the QP's device")?;
                 // The service releases its targets when it is dropped.
-                let _handle = svc.add(ProxyTarget::for_soft_qp(
-                    dev,
-                    q.soft().expect("a soft-NIC QP"),
-                ))?;
+                let _handle = svc.add(ProxyTarget::for_qp(q)?)?;
             }
             Some(svc)
         };

@@ -151,10 +151,6 @@ impl Pair {
             "GPU-memory regions (dma-buf / peermem) not yet",
         )?;
         skip_on_mlx5(
-            mode == DoorbellMode::CpuProxy,
-            "the CPU proxy for mlx5 QPs not yet",
-        )?;
-        skip_on_mlx5(
             cq_mode == CqMode::Collapsed,
             "collapsed CQs need DEVX (not yet)",
         )?;
@@ -923,10 +919,6 @@ pub fn recv(
     skip_on_mlx5(
         rings == RingPlacement::Gpu,
         "GPU-resident rings need DEVX (not yet)",
-    )?;
-    skip_on_mlx5(
-        mode == DoorbellMode::CpuProxy,
-        "the CPU proxy for mlx5 QPs not yet",
     )?;
     let gpu = gpu(ordinal)?;
     let (a, b) = contexts()?;
