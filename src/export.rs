@@ -126,6 +126,12 @@ descriptor! {
         rq_lock: u32,
         /// Device API state: receive CQ lock.
         rcq_lock: u32,
+        /// Device API state: 1 once a shared-mode publish gave up waiting for an earlier
+        /// reservation (its thread never published): the send queue has a hole, and every
+        /// later send-side call returns BROKEN. Reset the QP, connect it and export it again.
+        sq_broken: u32,
+        /// Padding to 8 bytes.
+        pad0: u32,
     }
 }
 

@@ -933,4 +933,14 @@ impl ExportedQp {
         self.mem.read(0, &mut b)?;
         Ok(bytemuck::pod_read_unaligned(&b))
     }
+    /// Whether kernels found the send queue broken (a reservation never published, see
+    /// `QpDesc::sq_broken`): the descriptor is done for; reset the QP
+    /// (`Qp::modify(Modify::Reset)`), connect it again and export it again.
+    pub fn is_broken(&self) -> Result<bool, CudaError> {
+        Ok(self.read()?.sq_broken != 0)
+    }
+    /// Overwrites the descriptor (tests: e.g. a lock word held, to see a call time out).
+    pub fn write(&self, desc: &QpDesc) -> Result<(), CudaError> {
+        self.mem.write(0, bytemuck::bytes_of(desc))
+    }
 }

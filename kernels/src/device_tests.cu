@@ -245,3 +245,110 @@ GPUVERBS_KERNEL void gv_test_recv(gpuverbs_qp* sq, gpuverbs_qp* rq, uint64_t src
     }
     device_tests::report(out_send, s, e);
 }
+
+// One status path of the device API, measured: out[0] = the status the call returned, out[1] =
+// how long that call took (ns, %globaltimer), out[2] = the status of a follow-up call (case 5),
+// out[3] = how many calls returned OK first (case 0, 4). One thread unless the case says so.
+//   0 reserve TIMEOUT: unsignaled puts never rung fill the SQ; the next put waits its budget.
+//   1 ring-lock TIMEOUT (the host set ring_lock): a put's ring waits its budget.
+//   2 receive-lock TIMEOUT (the host set rq_lock): post_recv waits its budget.
+//   3 recv_wait TIMEOUT: nothing arrives.
+//   4 wait_ticket TIMEOUT: a ticket past everything posted.
+//   5 shared publish TIMEOUT, then BROKEN: two threads; thread 0 reserves one block and never
+//     publishes it; thread 1's put times out in publish (its budget), and its next put is BROKEN.
+//   6 post_recv FULL: one more receive than the RQ holds.
+//   7 put_inline INVALID: more inline bytes than the QP takes.
+//   8 quiet TIMEOUT (the host set ring_lock): one budget for the NOP's reserve, publish, ring
+//     and the poll.
+GPUVERBS_KERNEL void gv_test_status(gpuverbs_qp* q, uint32_t which, uint64_t budget,
+                                    uint64_t laddr, uint32_t lk, uint64_t raddr, uint32_t rk,
+                                    uint64_t* out) {
+    using namespace gpuverbs;
+    status s = OK;
+    uint64_t t0 = 0, t1 = 0;
+    if (which == 5) {
+        __shared__ int step;
+        if (threadIdx.x == 0) {
+            uint64_t start;
+            step = (int)reserve<sharing::gpu>(q, 1, budget, &start);
+        }
+        __syncthreads();
+        if (threadIdx.x == 1) {
+            if (step != OK) {
+                out[0] = 100 + step;
+                return;
+            }
+            t0 = now_ns();
+            s = put(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, true, budget);
+            t1 = now_ns();
+            out[2] = (uint64_t)put(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, true, budget);
+            out[0] = (uint64_t)s;
+            out[1] = t1 - t0;
+        }
+        return;
+    }
+    if (threadIdx.x != 0) return;
+    uint64_t ok = 0;
+    switch (which) {
+        case 0:
+            for (;;) {
+                t0 = now_ns();
+                s = put(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, false, budget, false);
+                t1 = now_ns();
+                if (s != OK || ok > 1u << 20) break;
+                ++ok;
+            }
+            break;
+        case 1:
+            t0 = now_ns();
+            s = put(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, true, budget);
+            t1 = now_ns();
+            break;
+        case 2:
+            t0 = now_ns();
+            s = post_recv(q, laddr, lkey{lk}, 64, budget);
+            t1 = now_ns();
+            break;
+        case 3: {
+            recv_completion rc{};
+            t0 = now_ns();
+            s = recv_wait(q, &rc, budget);
+            t1 = now_ns();
+            break;
+        }
+        case 4:
+            t0 = now_ns();
+            s = wait_ticket(q, state_load<sharing::gpu>(&q->sq_ready) + 100, budget);
+            t1 = now_ns();
+            break;
+        case 6:
+            for (uint32_t i = 0; i <= q->rq_wqes; ++i) {
+                t0 = now_ns();
+                s = post_recv(q, laddr, lkey{lk}, 64, budget);
+                t1 = now_ns();
+                if (s != OK) break;
+                ++ok;
+            }
+            break;
+        case 7: {
+            uint8_t bytes[16] = {};
+            t0 = now_ns();
+            s = put_inline(q, bytes, q->max_inline + 1, raddr, rkey{rk}, true, budget);
+            t1 = now_ns();
+            break;
+        }
+        case 8:
+            // an unsignaled WQE written and published, not rung: quiet must post a NOP
+            s = put(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, false, budget, false);
+            if (s != OK) break;
+            t0 = now_ns();
+            s = quiet(q, budget);
+            t1 = now_ns();
+            break;
+        default:
+            s = INVALID;
+    }
+    out[0] = (uint64_t)s;
+    out[1] = t1 - t0;
+    out[3] = ok;
+}

@@ -5,7 +5,13 @@
 //! line `gpu-test: N passed, M failed`, then one line naming the GPU, driver and date. The exit status
 //! is non-zero when a case failed or no GPU is present.
 //!
-//! Usage: `gpu-test [--list] [--ordinal N] [NAME...]` (names select cases; default: all).
+//! Usage: `gpu-test [--list] [--ordinal N] [--backend soft|mlx5] [--in-process] [NAME...]` (names
+//! select cases; default: all).
+//!
+//! Each case runs in a child process of its own (the same binary with `--child`), watched: a
+//! case that has not reported after [`WATCHDOG`] (a kernel that outlived every budget, a hung
+//! driver call) is killed and fails, and the suite goes on. `--in-process` runs the cases in
+//! this process, one after the other, without the watchdog.
 
 use std::panic::{self, AssertUnwindSafe};
 use std::process::ExitCode;
@@ -164,6 +170,10 @@ fn wait_signal(ctx: &Ctx) -> Result<String> {
     dataplane::wait_signal(ctx.ordinal)
 }
 
+fn status_paths(ctx: &Ctx) -> Result<String> {
+    dataplane::status_paths(ctx.ordinal)
+}
+
 macro_rules! cases {
     ($($name:ident),* $(,)?) => { &[$(Case { name: stringify!($name), run: $name }),*] };
 }
@@ -197,6 +207,7 @@ const CASES: &[Case] = cases![
     bad_rkey,
     dropped_doorbell_timeout,
     wait_signal,
+    status_paths,
     // GPU memory: regions, rings, both
     cpu_initiator_gpumem,
     put_gpumem_thread_gpudb,
@@ -228,8 +239,13 @@ fn pipeline(ctx: &Ctx) -> Result<String> {
     Ok(report.to_string())
 }
 
+/// How long one case may run before the watchdog fails it.
+const WATCHDOG: std::time::Duration = std::time::Duration::from_secs(120);
+
 struct Args {
     list: bool,
+    child: bool,
+    in_process: bool,
     ordinal: usize,
     backend: dataplane::Backend,
     names: Vec<String>,
@@ -238,6 +254,8 @@ struct Args {
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         list: false,
+        child: false,
+        in_process: false,
         ordinal: 0,
         backend: dataplane::Backend::Soft,
         names: Vec::new(),
@@ -246,6 +264,8 @@ fn parse_args() -> Result<Args> {
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--list" => args.list = true,
+            "--child" => args.child = true,
+            "--in-process" => args.in_process = true,
             "--ordinal" => {
                 let v = it.next().context("--ordinal needs a value")?;
                 args.ordinal = v.parse().with_context(|| format!("bad --ordinal {v:?}"))?;
@@ -276,6 +296,88 @@ fn parse_args() -> Result<Args> {
         }
     }
     Ok(args)
+}
+
+/// Runs one case here and returns its PASS / SKIP / FAIL line.
+fn case_line(case: &Case, ctx: &Ctx) -> String {
+    let start = Instant::now();
+    match run_case(case, ctx) {
+        Ok(details) => format!("PASS {} ({details}; {:.1?})", case.name, start.elapsed()),
+        Err(e) if e.downcast_ref::<dataplane::Skip>().is_some() => {
+            format!("SKIP {} ({e})", case.name)
+        }
+        Err(e) => format!("FAIL {}: {e:#}", case.name),
+    }
+}
+
+/// Runs one case in a child process under the watchdog and returns its line.
+fn watched(case: &Case, args: &Args) -> String {
+    use std::io::Read as _;
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return format!("FAIL {}: cannot find this executable: {e}", case.name),
+    };
+    let backend = match args.backend {
+        dataplane::Backend::Soft => "soft",
+        dataplane::Backend::Mlx5 => "mlx5",
+    };
+    let child = std::process::Command::new(exe)
+        .args([
+            "--child",
+            "--ordinal",
+            &args.ordinal.to_string(),
+            "--backend",
+            backend,
+        ])
+        .arg(case.name)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => return format!("FAIL {}: cannot start the case's process: {e}", case.name),
+    };
+    let t0 = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                let mut out = String::new();
+                if let Some(mut o) = child.stdout.take() {
+                    let _ = o.read_to_string(&mut out);
+                }
+                return out
+                    .lines()
+                    .find(|l| {
+                        let w = l
+                            .split_whitespace()
+                            .nth(1)
+                            .unwrap_or("")
+                            .trim_end_matches(':');
+                        w == case.name
+                            && (l.starts_with("PASS")
+                                || l.starts_with("SKIP")
+                                || l.starts_with("FAIL"))
+                    })
+                    .map(str::to_string)
+                    .unwrap_or_else(|| {
+                        format!(
+                            "FAIL {}: the case's process ended ({status}) without a result",
+                            case.name
+                        )
+                    });
+            }
+            Ok(None) if t0.elapsed() > WATCHDOG => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return format!(
+                    "FAIL {}: watchdog: no result after {WATCHDOG:?} (a kernel outlived its budgets or a call hung); killed",
+                    case.name
+                );
+            }
+            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(5)),
+            Err(e) => return format!("FAIL {}: waiting for the case's process: {e}", case.name),
+        }
+    }
 }
 
 /// Runs one case, turning a panic into a failure.
@@ -318,20 +420,20 @@ fn main() -> ExitCode {
 
     let (mut passed, mut failed, mut skipped) = (0usize, 0usize, 0usize);
     for case in selected {
-        let start = Instant::now();
-        match run_case(case, &ctx) {
-            Ok(details) => {
-                passed += 1;
-                println!("PASS {} ({details}; {:.1?})", case.name, start.elapsed());
-            }
-            Err(e) if e.downcast_ref::<dataplane::Skip>().is_some() => {
-                skipped += 1;
-                println!("SKIP {} ({e})", case.name);
-            }
-            Err(e) => {
-                failed += 1;
-                println!("FAIL {}: {e:#}", case.name);
-            }
+        let line = if args.child || args.in_process {
+            case_line(case, &ctx)
+        } else {
+            watched(case, &args)
+        };
+        println!("{line}");
+        if args.child {
+            // the parent reads this one line; the summary below is its job
+            return ExitCode::SUCCESS;
+        }
+        match line.split_whitespace().next() {
+            Some("PASS") => passed += 1,
+            Some("SKIP") => skipped += 1,
+            _ => failed += 1,
         }
     }
 

@@ -50,9 +50,11 @@ typedef struct gpuverbs_qp {
     uint32_t checked_out; /* Device API state: 1 while one thread holds the QP's state in registers (`checkout`). */
     uint32_t rq_lock; /* Device API state: receive-posting lock. */
     uint32_t rcq_lock; /* Device API state: receive CQ lock. */
+    uint32_t sq_broken; /* Device API state: 1 once a shared-mode publish gave up waiting for an earlier reservation (its thread never published): the send queue has a hole, and every later send-side call returns BROKEN. Reset the QP, connect it and export it again. */
+    uint32_t pad0; /* Padding to 8 bytes. */
 } gpuverbs_qp;
 
-GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 240, "gpuverbs_qp size");
+GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 248, "gpuverbs_qp size");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ring) == 0, "sq_ring");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_ring) == 8, "rq_ring");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, dbrec) == 16, "dbrec");
@@ -92,6 +94,8 @@ GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_lock) == 224, "scq_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, checked_out) == 228, "checked_out");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_lock) == 232, "rq_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_lock) == 236, "rcq_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_broken) == 240, "sq_broken");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, pad0) == 244, "pad0");
 #define GPUVERBS_DB_GPU_DOORBELL 0u
 #define GPUVERBS_DB_BLUEFLAME 1u
 #define GPUVERBS_DB_CPU_PROXY 2u

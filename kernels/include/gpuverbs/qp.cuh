@@ -11,7 +11,9 @@
 //   receive side: post_recv, recv_wait.
 //
 // Every wait takes a budget in nanoseconds (%globaltimer) and returns a status; nothing spins
-// forever, and an error CQE is reported (with its syndrome) rather than waited past.
+// forever, and an error CQE is reported (with its syndrome) rather than waited past. A call's
+// budget is its total: one deadline covers every wait inside it (reserve, publish, the doorbell
+// lock, CQ polling), including retries of a lost CAS.
 //
 // Ordering: WQE bytes are released before the doorbell (or producer word) that announces them,
 // at system scope when the rings live in host memory (ring_loc 0), at GPU scope otherwise. See
@@ -37,6 +39,8 @@ enum status : int {
     INVALID = 3,     // bad argument (size, inline length, alignment)
     BUSY = 4,        // the QP is checked out by a thread (checkout): use its copy, or wait
     FULL = 5,        // the receive queue is full: take receive completions first
+    BROKEN = 6,      // the send queue has a hole: a reservation was never published (a shared
+                     // publish gave up waiting for it); reset the QP and export it again
 };
 
 // The first error CQE a QP saw, decoded.
@@ -56,10 +60,37 @@ enum class sharing { exclusive, cta, gpu };
 
 __device__ __forceinline__ uint32_t bswap32(uint32_t x) { return __byte_perm(x, 0, 0x0123); }
 
+__device__ __forceinline__ uint64_t now_ns();
+
+// A call's budget: one deadline for the whole call. Posting calls start it lazily, the first
+// time they have to wait (a call that never waits never reads the clock); waiting calls
+// (quiet, wait_ticket, recv_wait, wait_signal) start it on entry.
+struct call_clock {
+    uint64_t budget_ns;
+    uint64_t deadline;  // 0: not started
+    __device__ explicit call_clock(uint64_t b) : budget_ns(b), deadline(0) {}
+    __device__ void start();
+    // Starts the clock if it has not started; true once the deadline has passed.
+    __device__ bool expired();
+};
+
 __device__ __forceinline__ uint64_t now_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+}
+
+__device__ __forceinline__ void call_clock::start() {
+    if (deadline == 0) deadline = now_ns() + budget_ns + 1;
+}
+
+__device__ __forceinline__ bool call_clock::expired() {
+    const uint64_t t = now_ns();
+    if (deadline == 0) {
+        deadline = t + budget_ns + 1;
+        return false;
+    }
+    return t > deadline;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -154,16 +185,12 @@ __device__ __forceinline__ bool try_lock(uint32_t* l) {
     return got;
 }
 
-// A spin lock in GPU memory (descriptor fields), bounded by `budget_ns` (the clock is read only
-// when the first attempt fails).
+// A spin lock in GPU memory (descriptor fields), bounded by the call's clock.
 template <sharing S>
-__device__ __forceinline__ bool lock(uint32_t* l, uint64_t budget_ns) {
-    if (!try_lock<S>(l)) {
-        const uint64_t deadline = now_ns() + budget_ns;
-        while (!try_lock<S>(l)) {
-            if (now_ns() > deadline) return false;
-            __nanosleep(32);
-        }
+__device__ __forceinline__ bool lock(uint32_t* l, call_clock& c) {
+    while (!try_lock<S>(l)) {
+        if (c.expired()) return false;
+        __nanosleep(32);
     }
     return true;
 }
@@ -444,18 +471,23 @@ __device__ __forceinline__ error last_error(const gpuverbs_qp* q) {
     return error{(uint8_t)(info >> 24), (uint8_t)(info >> 16), (uint16_t)info};
 }
 
-// Polls the send CQ until nothing is left to take, under the CQ lock when shared.
+// Takes what the send CQ holds, under the CQ lock when shared. Never waits: when another
+// thread holds the lock it returns at once (that thread is polling), and it takes at most one
+// ring's worth of CQEs per call (a device that keeps completing cannot keep it here).
 template <sharing S>
-__device__ __forceinline__ status scq_progress(gpuverbs_qp* q, uint64_t deadline) {
+__device__ __forceinline__ status scq_progress(gpuverbs_qp* q) {
     if (q->checked_out) return BUSY;
     if constexpr (S != sharing::exclusive) {
         if (!try_lock<S>(&q->scq_lock)) return OK;  // someone else is polling
     }
-    while (scq_poll_one<S>(q)) {
+    for (uint32_t i = 0; i < q->scq_ncqe && scq_poll_one<S>(q); ++i) {
     }
     if constexpr (S != sharing::exclusive) unlock<S>(&q->scq_lock);
-    (void)deadline;
     return q->sq_error ? ERROR_CQE : OK;
+}
+
+__device__ __forceinline__ bool sq_broken(const gpuverbs_qp* q) {
+    return *reinterpret_cast<const volatile uint32_t*>(&q->sq_broken) != 0u;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -470,11 +502,11 @@ __device__ __forceinline__ status scq_progress(gpuverbs_qp* q, uint64_t deadline
 // completions retire space, so a WQE is signaled when no signaled WQE covers the last half
 // ring. (The check uses values loaded with the reservation, so it costs no extra round trip.)
 template <sharing S>
-__device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t budget_ns,
-                                          uint64_t* start, bool* force_signal = nullptr) {
+__device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, call_clock& c, uint64_t* start,
+                                          bool* force_signal = nullptr) {
     if (q->sq_error) return ERROR_CQE;  // the QP is in error: nothing new would execute
     if (q->checked_out) return BUSY;
-    uint64_t deadline = 0;
+    if (S != sharing::exclusive && sq_broken(q)) return BROKEN;
     for (;;) {
         uint64_t r = state_load<S>(&q->sq_reserved);
         uint64_t retired = state_load<S>(&q->sq_retired);
@@ -492,33 +524,57 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t b
                 *start = r;
                 return OK;
             }
+            // Lost the race: retry, but within the call's budget (lock-free, and bounded).
+            if (c.expired()) return TIMEOUT;
             continue;
         }
-        if (deadline == 0) deadline = now_ns() + budget_ns;
-        const status p = scq_progress<S>(q, deadline);
+        const status p = scq_progress<S>(q);
         if (p != OK) return p;
-        if (now_ns() > deadline) return TIMEOUT;
+        if (c.expired()) return TIMEOUT;
     }
+}
+
+template <sharing S>
+__device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t budget_ns,
+                                          uint64_t* start, bool* force_signal = nullptr) {
+    call_clock c(budget_ns);
+    return reserve<S>(q, n, c, start, force_signal);
 }
 
 // Publishes blocks [start, start+n) after every earlier reservation. The ready counter is
 // released at GPU scope; the system-scope release of the WQE bytes happens in `ring`, whose
 // fence is cumulative over every WQE published before it. `signaled` records that the last
 // WQE asks for a CQE.
+//
+// Shared modes: a publish that gives up waiting for an earlier reservation (its thread never
+// published it, or not within this call's budget) leaves a hole no later WQE can pass. It marks
+// the send queue broken (sq_broken) and returns TIMEOUT; every later send-side call, the late
+// publisher's included, returns BROKEN. The host resets the QP, connects it and exports it again.
 template <sharing S>
 __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32_t n,
-                                          uint64_t last_start, bool signaled,
-                                          uint64_t budget_ns) {
-    if (S != sharing::exclusive && state_load<S>(&q->sq_ready) != start) {
-        const uint64_t deadline = now_ns() + budget_ns;
+                                          uint64_t last_start, bool signaled, call_clock& c) {
+    if (S != sharing::exclusive) {
         while (state_load<S>(&q->sq_ready) != start) {
-            if (now_ns() > deadline) return TIMEOUT;
+            if (sq_broken(q)) return BROKEN;
+            if (c.expired()) {
+                atomicExch(&q->sq_broken, 1u);
+                __threadfence();
+                return TIMEOUT;
+            }
         }
     }
     q->sq_last_start = last_start;
     if (signaled) q->sq_signaled_end = start + n;
     state_store<S>(&q->sq_ready, start + n);
     return OK;
+}
+
+template <sharing S>
+__device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32_t n,
+                                          uint64_t last_start, bool signaled,
+                                          uint64_t budget_ns) {
+    call_clock c(budget_ns);
+    return publish<S>(q, start, n, last_start, signaled, c);
 }
 
 // Tells the device about every published WQE, in the QP's doorbell mode: one release fence
@@ -535,10 +591,10 @@ __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32
 // from there when it is the last published WQE, which its ctrl segment's index says;
 // otherwise the last WQE is read back from the ring.
 template <sharing S>
-__device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
-                                       const block* last = nullptr) {
+__device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const block* last = nullptr) {
     if (q->checked_out) return BUSY;
-    if (S != sharing::exclusive && !lock<S>(&q->ring_lock, budget_ns)) return TIMEOUT;
+    if (S != sharing::exclusive && sq_broken(q)) return BROKEN;
+    if (S != sharing::exclusive && !lock<S>(&q->ring_lock, c)) return TIMEOUT;
     uint64_t ready = state_load<S>(&q->sq_ready);
     if (ready != q->sq_rung) {
         // System scope also in BlueFlame mode, where it orders the previous ring's clear of
@@ -588,6 +644,13 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
     }
     if (S != sharing::exclusive) unlock<S>(&q->ring_lock);
     return OK;
+}
+
+template <sharing S>
+__device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
+                                       const block* last = nullptr) {
+    call_clock c(budget_ns);
+    return ring<S>(q, c, last);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -642,34 +705,35 @@ __device__ __forceinline__ void checkin(gpuverbs_qp* q, const gpuverbs_qp& mine)
 // last published WQE was unsignaled (unsignaled WQEs complete only behind a signaled one).
 template <sharing S = sharing::gpu>
 __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr) {
-    uint64_t deadline = now_ns() + budget_ns;
+    call_clock c(budget_ns);
+    c.start();
     uint64_t target = state_load<S>(&q->sq_ready);
     if (q->sq_signaled_end < target) {
         uint64_t idx;
-        status s = reserve<S>(q, 1, budget_ns, &idx);
+        status s = reserve<S>(q, 1, c, &idx);
         if (s == ERROR_CQE && err) *err = last_error(q);
         if (s != OK) return s;
         const block nop = build_nop(q, idx, CE_SIGNALED);
         store_block(q, idx, nop);
-        s = publish<S>(q, idx, 1, idx, true, budget_ns);
+        s = publish<S>(q, idx, 1, idx, true, c);
         if (s != OK) return s;
-        s = ring<S>(q, budget_ns, &nop);
+        s = ring<S>(q, c, &nop);
         if (s != OK) return s;
         target = idx + 1;
     }
     // WQEs posted without ringing are announced now; otherwise quiet would wait for work the
     // device was never told about.
-    status rs = ring<S>(q, budget_ns);
+    status rs = ring<S>(q, c);
     if (rs != OK) return rs;
     for (;;) {
-        status s = scq_progress<S>(q, deadline);
+        status s = scq_progress<S>(q);
         if (s == BUSY) return s;
         uint64_t retired = state_load<S>(&q->sq_retired);
         if (retired >= target) {
             if (s == ERROR_CQE && err) *err = last_error(q);
             return s;
         }
-        if (now_ns() > deadline) return TIMEOUT;
+        if (c.expired()) return TIMEOUT;
     }
 }
 
@@ -681,17 +745,17 @@ __device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr
 template <sharing S = sharing::gpu>
 __device__ status wait_ticket(gpuverbs_qp* q, uint64_t ticket, uint64_t budget_ns,
                               error* err = nullptr) {
-    uint64_t deadline = 0;
+    call_clock c(budget_ns);
+    c.start();
     for (;;) {
-        status s = scq_progress<S>(q, deadline);
+        status s = scq_progress<S>(q);
         if (s == BUSY) return s;
         uint64_t retired = state_load<S>(&q->sq_retired);
         if (retired >= ticket) {
             if (s == ERROR_CQE && err) *err = last_error(q);
             return s;
         }
-        if (deadline == 0) deadline = now_ns() + budget_ns;
-        if (now_ns() > deadline) return TIMEOUT;
+        if (c.expired()) return TIMEOUT;
     }
 }
 
@@ -702,13 +766,14 @@ __device__ __forceinline__ status post1(gpuverbs_qp* q, uint32_t blocks, bool si
                                         bool do_ring, uint64_t budget_ns, Prep prep) {
     uint64_t idx;
     bool force = false;
-    status s = reserve<S>(q, blocks, budget_ns, &idx, &force);
+    call_clock c(budget_ns);
+    status s = reserve<S>(q, blocks, c, &idx, &force);
     if (s != OK) return s;
     signaled = signaled || force;
     prep(idx, signaled ? CE_SIGNALED : 0);
-    s = publish<S>(q, idx, blocks, idx, signaled, budget_ns);
+    s = publish<S>(q, idx, blocks, idx, signaled, c);
     if (s != OK || !do_ring) return s;
-    return ring<S>(q, budget_ns);
+    return ring<S>(q, c);
 }
 
 // One one-block WQE built in registers (`build(idx, flags)` returns it): reserve, store,
@@ -718,14 +783,15 @@ __device__ __forceinline__ status post_block(gpuverbs_qp* q, bool signaled, bool
                                              uint64_t budget_ns, Build build) {
     uint64_t idx;
     bool force = false;
-    status s = reserve<S>(q, 1, budget_ns, &idx, &force);
+    call_clock c(budget_ns);
+    status s = reserve<S>(q, 1, c, &idx, &force);
     if (s != OK) return s;
     signaled = signaled || force;
     const block b = build(idx, signaled ? CE_SIGNALED : 0);
     store_block(q, idx, b);
-    s = publish<S>(q, idx, 1, idx, signaled, budget_ns);
+    s = publish<S>(q, idx, 1, idx, signaled, c);
     if (s != OK || !do_ring) return s;
-    return ring<S>(q, budget_ns, &b);
+    return ring<S>(q, c, &b);
 }
 
 // RDMA write of `len` bytes.
@@ -786,16 +852,17 @@ __device__ status put_signal(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t r
                              bool signaled, uint64_t budget_ns) {
     uint64_t idx;
     bool force = false;
-    status s = reserve<S>(q, 2, budget_ns, &idx, &force);
+    call_clock c(budget_ns);
+    status s = reserve<S>(q, 2, c, &idx, &force);
     if (s != OK) return s;
     signaled = signaled || force;
     prep_write(q, idx, laddr, lk, raddr, rk, len, 0);
     const block sig = build_atomic(q, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0,
                                    q->scratch, lkey{q->scratch_lkey}, signaled ? CE_SIGNALED : 0);
     store_block(q, idx + 1, sig);
-    s = publish<S>(q, idx, 2, idx + 1, signaled, budget_ns);
+    s = publish<S>(q, idx, 2, idx + 1, signaled, c);
     if (s != OK) return s;
-    return ring<S>(q, budget_ns, &sig);
+    return ring<S>(q, c, &sig);
 }
 
 // RDMA read of `len` bytes into local memory; complete once quiet() returns OK.
@@ -878,7 +945,8 @@ __device__ status post_recv(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint32_t le
                             uint64_t budget_ns) {
     if (q->checked_out) return BUSY;
     if (!can_receive(q)) return INVALID;
-    if (S != sharing::exclusive && !lock<S>(&q->rq_lock, budget_ns)) return TIMEOUT;
+    call_clock c(budget_ns);
+    if (S != sharing::exclusive && !lock<S>(&q->rq_lock, c)) return TIMEOUT;
     const uint64_t posted = state_load<S>(&q->rq_posted);
     status s = FULL;
     if (posted - state_load<S>(&q->rcq_ci) < q->rq_wqes) {
@@ -936,14 +1004,15 @@ __device__ status recv_wait(gpuverbs_qp* q, recv_completion* out, uint64_t budge
                             error* err = nullptr) {
     if (q->checked_out) return BUSY;
     if (!can_receive(q)) return INVALID;
-    const uint64_t deadline = now_ns() + budget_ns;
+    call_clock c(budget_ns);
+    c.start();
     for (;;) {
         if (S == sharing::exclusive || try_lock<S>(&q->rcq_lock)) {
             const int r = rcq_take<S>(q, out, err);
             if (S != sharing::exclusive) unlock<S>(&q->rcq_lock);
             if (r != 0) return r > 0 ? OK : ERROR_CQE;
         }
-        if (now_ns() > deadline) return TIMEOUT;
+        if (c.expired()) return TIMEOUT;
     }
 }
 
@@ -963,9 +1032,10 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     const uint32_t rank = __popc(mask & ((1u << lane) - 1u));
     uint64_t start = 0;
     status s = OK;
+    call_clock c(budget_ns);  // the leader's: one budget for its reserve, publish and ring
     if (lane == leader) {
         bool force = false;
-        s = reserve<S>(q, count, budget_ns, &start, &force);
+        s = reserve<S>(q, count, c, &start, &force);
         signaled = signaled || force;
     }
     start = __shfl_sync(mask, start, leader);
@@ -991,8 +1061,8 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     }
     __syncwarp(mask);
     if (lane == leader) {
-        s = publish<S>(q, start, count, start + count - 1, signaled, budget_ns);
-        if (s == OK) s = ring<S>(q, budget_ns, &lastb);
+        s = publish<S>(q, start, count, start + count - 1, signaled, c);
+        if (s == OK) s = ring<S>(q, c, &lastb);
     }
     // Orders the leader's descriptor stores before whichever lane leads the next call
     // (exclusive mode reads them with plain loads).
@@ -1016,9 +1086,10 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     __syncthreads();
     uint32_t rank = participate ? atomicAdd(&count, 1u) : 0;
     __syncthreads();
+    call_clock c(budget_ns);  // thread 0's: one budget for its reserve, publish and ring
     if (tid == 0) {
         bool force = false;
-        st = count ? reserve<S>(q, count, budget_ns, &start, &force) : OK;
+        st = count ? reserve<S>(q, count, c, &start, &force) : OK;
         sig = signaled || force;
     }
     __syncthreads();
@@ -1033,8 +1104,8 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     }
     __syncthreads();
     if (tid == 0 && s == OK && count) {
-        s = publish<S>(q, start, count, start + count - 1, signaled, budget_ns);
-        if (s == OK) s = ring<S>(q, budget_ns, &lastb);
+        s = publish<S>(q, start, count, start + count - 1, signaled, c);
+        if (s == OK) s = ring<S>(q, c, &lastb);
         st = s;
     }
     __syncthreads();
