@@ -5,6 +5,11 @@
 //! it writes a sysfs tree for them, preloads the uverbs emulation, runs the command, passes
 //! its exit status through and removes the tree. `--print-env` prints the variables instead,
 //! for scripts.
+//!
+//! `gpuverbs doctor [--json]` checks this machine (CUDA driver and GPUs, nvidia-peermem,
+//! rdma-core and its devices, PCIe distance, ACS, IOMMU, BAR1, memlock, trial registrations)
+//! and says what gpuverbs would choose; the exit status is the worst check's: 0 ok or not
+//! applicable, 1 warn, 3 fail (docs/doctor.md).
 
 use anyhow::{bail, Context as _};
 use clap::{Args, Parser, Subcommand};
@@ -29,6 +34,29 @@ struct Cli {
 enum Cmd {
     /// Run a program on emulated ConnectX devices (soft NICs under the real rdma-core).
     Emu(Emu),
+    /// Check this machine: what gpuverbs will do here, and why.
+    Doctor(Doctor),
+}
+
+#[derive(Args)]
+struct Doctor {
+    /// Print `{"checks": [{"name", "status", "detail"}, ...]}` instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn doctor(a: Doctor) -> anyhow::Result<ExitCode> {
+    use std::io::Write as _;
+    let report = gpuverbs_cli::doctor::run();
+    let text = if a.json {
+        report.to_json() + "\n"
+    } else {
+        report.to_text()
+    };
+    std::io::stdout()
+        .write_all(text.as_bytes())
+        .context("cannot write the report")?;
+    Ok(ExitCode::from(report.exit_code()))
 }
 
 #[derive(Args)]
@@ -163,6 +191,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Emu(a) => emu(a),
+        Cmd::Doctor(a) => doctor(a),
     };
     match r {
         Ok(c) => c,

@@ -1,0 +1,6 @@
+//! The library half of the `gpuverbs` command: what its subcommands compute, apart from
+//! argument parsing and printing (`src/main.rs`).
+//!
+//! - [`doctor`]: `gpuverbs doctor [--json]`, what gpuverbs will do on this machine and why.
+
+pub mod doctor;
