@@ -38,11 +38,11 @@ for r in $(seq "$rounds"); do
     pair "ib_${t}_bw" 18900 "$G" emu --ip 127.0.0.1 -- "ib_${t}_bw" -x 0 -a -F -n "$iters" -p 18900 -- \
       "$G" emu --ip 127.0.0.2 -- "ib_${t}_bw" -x 0 -a -F -n "$iters" -p 18900 127.0.0.1
   done
-  pair put_bw 18901 "$target/release/put_bw" --initiator cpu -n "$iters" -p 18901 -- \
+  pair put_bw 18901 "$target/release/put_bw" --initiator cpu -a -n "$iters" -p 18901 -- \
     "$target/release/put_bw" --initiator cpu -a -n "$iters" -p 18901 127.0.0.1
   pair ib_write_lat 18902 "$G" emu --ip 127.0.0.1 -- ib_write_lat -x 0 -a -F -n "$iters" -p 18902 -- \
     "$G" emu --ip 127.0.0.2 -- ib_write_lat -x 0 -a -F -n "$iters" -p 18902 127.0.0.1
-  pair write_lat 18903 "$target/release/write_lat" --initiator cpu -n "$iters" -p 18903 -- \
+  pair write_lat 18903 "$target/release/write_lat" --initiator cpu -a -n "$iters" -p 18903 -- \
     "$target/release/write_lat" --initiator cpu -a -n "$iters" -p 18903 127.0.0.1
 done
 
