@@ -43,9 +43,9 @@ use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Pd, Qp, RemoteMemory};
 use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
-    create_qp, doorbell_line, exit_with, merge, open_env, open_env_remote, pattern, remote_header,
-    remote_json, step, table_row, tx_depth_for, upload, CommonArgs, Exports, GpuStatus, Header,
-    Initiator, LatSide, LatStats, Payload, Peer, Placement, Progress, QpSpec,
+    create_qp, doorbell_line, error_text, exit_with, merge, open_env, open_env_remote, pattern,
+    remote_header, remote_json, step, table_row, tx_depth_for, upload, CommonArgs, Exports,
+    GpuStatus, Header, Initiator, LatSide, LatStats, Payload, Peer, Placement, Progress, QpSpec,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
 use prm::{Completion, Rkey};
@@ -308,7 +308,7 @@ fn run(args: &Args) -> Result<()> {
         &mut h,
         &env,
         a,
-        doorbell_line(&sides[0].qp, env.initiator, ring_mode),
+        doorbell_line(&sides[0].qp, env.initiator, ring_mode, a.db),
     );
     if let (Some(p), Some(ep)) = (&peer, &peer_ep) {
         remote_header(&mut h, a, p, &env.ctx, ep);
@@ -424,7 +424,7 @@ fn run(args: &Args) -> Result<()> {
         step(&mut peer, "ran", ran.map(|_| ()))?;
         let failure = validate(&sides, &ids, size, total, seed, args.signal, &mut scratch)
             .err()
-            .map(|e| format!("{e:#}"));
+            .map(|e| error_text(&e));
         let stats = mine.map(|rtt| {
             let mut half_us: Vec<f64> = rtt[warmup as usize..]
                 .iter()
