@@ -67,6 +67,11 @@ fn check_bw(v: &Value, bytes: u64, iters: u64) {
     assert_eq!(v["rings"], "host", "{v}");
     assert_eq!(v["mem"], "host", "{v}");
     assert!(v["doorbell"].is_string() && v["device"].is_string(), "{v}");
+    // Other processes' CPU during the timed run (null when it was too short to tell).
+    let o = v
+        .get("other_cpu_cores")
+        .unwrap_or_else(|| panic!("no other_cpu_cores in {v}"));
+    assert!(o.is_null() || o.as_f64().is_some_and(|x| x >= 0.0), "{v}");
 }
 
 #[test]
@@ -605,6 +610,59 @@ fn no_progress_lines_when_stderr_is_not_a_terminal() {
             row.split_whitespace().next() == Some(&(1u64 << e).to_string()),
             "row {k}: {row:?} in\n{stdout}"
         );
+    }
+}
+
+#[test]
+fn other_processes_cpu_is_reported_and_warned_about() {
+    // Busy threads of this (other) process during a run: the header, the JSON and a warning
+    // say so.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hogs: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut x = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            })
+        })
+        .collect();
+    let outs: Vec<Output> = [PUT_BW, WRITE_LAT]
+        .iter()
+        .map(|bin| {
+            run(
+                bin,
+                &[
+                    "--loopback",
+                    "--initiator",
+                    "cpu",
+                    "-s",
+                    "8",
+                    "-n",
+                    "20000",
+                    "--json",
+                ],
+            )
+        })
+        .collect();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for h in hogs {
+        h.join().expect("hog");
+    }
+    for out in outs {
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{stderr}");
+        let other = stderr
+            .lines()
+            .find(|l| l.trim_start().starts_with("Other CPU"))
+            .unwrap_or_else(|| panic!("no Other CPU line in {stderr}"));
+        assert!(other.contains("cores used by other processes"), "{other}");
+        assert!(stderr.contains("warning: other processes used"), "{stderr}");
+        let v: Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+        let o = &v["other_cpu_cores"];
+        assert!(o.is_null() || o.as_f64().is_some_and(|x| x >= 0.0), "{v}");
     }
 }
 

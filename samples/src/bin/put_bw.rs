@@ -59,8 +59,8 @@ use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
     create_qp, doorbell_line, exit_with, merge, open_env, open_env_remote, pattern, remote_header,
     remote_json, step, table_row, tx_depth_for, upload, wire_counters, wire_delta, BwJob,
-    CommonArgs, Exports, GpuStatus, Header, Initiator, Payload, Peak, Peer, Progress, QpSpec,
-    Units,
+    CommonArgs, CpuSample, Exports, GpuStatus, Header, Initiator, OtherCpu, Payload, Peak, Peer,
+    Progress, QpSpec, Units,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey};
@@ -613,6 +613,7 @@ fn run(args: &Args) -> Result<()> {
     };
     let receives_only = local.is_empty();
     let peer_role = peer.as_ref().map_or("peer", |p| p.peer_role);
+    let mut other_cpu = OtherCpu::sample_before_run();
     let mut h = Header::new("RDMA_Write BW Test (put_bw)");
     common_header(
         &mut h,
@@ -671,6 +672,7 @@ fn run(args: &Args) -> Result<()> {
                 "every byte of every destination slot, every size"
             },
         );
+    other_cpu.header(&mut h);
     h.print(a.json);
     if !a.json {
         let cols = [
@@ -756,6 +758,7 @@ fn run(args: &Args) -> Result<()> {
         }
         step(&mut peer, "poisoned", Ok(()))?;
         let wire_before = wire_counters(&env.ctx);
+        let cpu = CpuSample::now();
         let mine: Result<Option<Measured>> = match &mut engine {
             Some(e) => e
                 .run(
@@ -778,6 +781,7 @@ fn run(args: &Args) -> Result<()> {
         };
         let own = mine.as_ref().ok().copied().flatten();
         let theirs = step(&mut peer, "timed", mine)?.flatten();
+        let others = other_cpu.record(cpu.and_then(CpuSample::others_since));
         let wire = wire_delta(&wire_before, &wire_counters(&env.ctx));
         if args.inject == Some(Inject::Corrupt) {
             if let Some(b) = dst_buf(&sides, &jobs[0]) {
@@ -819,6 +823,7 @@ fn run(args: &Args) -> Result<()> {
                     "bytes": plan.size, "iterations": plan.iters, "warmup": plan.warmup,
                     "bw_peak": peak, "bw_average": avg, "msg_rate_mpps": mpps,
                     "time_s": secs, "validated": failure.is_none(),
+                    "other_cpu_cores": others,
                 }),
             );
             if peer.is_some() {
@@ -846,6 +851,10 @@ fn run(args: &Args) -> Result<()> {
     progress.clear();
     if !a.json {
         println!("{}", gpuverbs_samples::RULE);
+    }
+    if let Some(w) = other_cpu.warning(TEST) {
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        eprintln!("{w}");
     }
     Ok(())
 }

@@ -44,8 +44,9 @@ use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Pd, Qp, RemoteMemory};
 use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
     create_qp, doorbell_line, error_text, exit_with, merge, open_env, open_env_remote, pattern,
-    remote_header, remote_json, step, table_row, tx_depth_for, upload, CommonArgs, Exports,
-    GpuStatus, Header, Initiator, LatSide, LatStats, Payload, Peer, Placement, Progress, QpSpec,
+    remote_header, remote_json, step, table_row, tx_depth_for, upload, CommonArgs, CpuSample,
+    Exports, GpuStatus, Header, Initiator, LatSide, LatStats, OtherCpu, Payload, Peer, Placement,
+    Progress, QpSpec,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
 use prm::{Completion, Rkey};
@@ -303,6 +304,7 @@ fn run(args: &Args) -> Result<()> {
         None => vec![0, 1],
     };
 
+    let mut other_cpu = OtherCpu::sample_before_run();
     let mut h = Header::new("RDMA_Write Latency Test (write_lat)");
     common_header(
         &mut h,
@@ -361,6 +363,7 @@ fn run(args: &Args) -> Result<()> {
             "both receive buffers, every byte, every size"
         },
     );
+    other_cpu.header(&mut h);
     h.print(a.json);
     if !a.json {
         println!(
@@ -418,7 +421,9 @@ fn run(args: &Args) -> Result<()> {
         }
         // Across processes A sends only once B has cleared its buffers.
         step(&mut peer, "ready", Ok(()))?;
+        let cpu = CpuSample::now();
         let ran = engine.run(&sides, &ids, &targets, size, total, args.signal, a);
+        let others = other_cpu.record(cpu.and_then(CpuSample::others_since));
         // Side A's times (B has none).
         let mine: Option<Vec<u64>> = ran.as_ref().ok().cloned().flatten();
         step(&mut peer, "ran", ran.map(|_| ()))?;
@@ -458,6 +463,7 @@ fn run(args: &Args) -> Result<()> {
                     "t_min_us": st.min, "t_max_us": st.max, "t_typical_us": st.typical,
                     "t_avg_us": st.avg, "t_stdev_us": st.stdev, "p99_us": st.p99,
                     "p99_9_us": st.p999, "validated": failure.is_none(),
+                    "other_cpu_cores": others,
                 }),
             );
             println!("{v}");
@@ -486,6 +492,10 @@ fn run(args: &Args) -> Result<()> {
     progress.clear();
     if !a.json {
         println!("{}", gpuverbs_samples::RULE);
+    }
+    if let Some(w) = other_cpu.warning(TEST) {
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        eprintln!("{w}");
     }
     Ok(())
 }
