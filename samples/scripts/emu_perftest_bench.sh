@@ -9,18 +9,18 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 rounds=${1:-3}
 iters=${ITERS:-200}
-target=${CARGO_TARGET_DIR:-target}
+target=$(realpath -m "${CARGO_TARGET_DIR:-target}")
 cargo build -q --release -p gpuverbs-cli -p gpuverbs-uverbs-preload -p gpuverbs-samples \
   --bin gpuverbs --lib --bin put_bw --bin write_lat
 G="$target/release/gpuverbs"
-export GPUVERBS_PRELOAD="$PWD/$target/release/libgpuverbs_uverbs_preload.so"
+export GPUVERBS_PRELOAD="$target/release/libgpuverbs_uverbs_preload.so"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
-pair() { # name port server-cmd... -- client-cmd...
+pair() { # name port server-cmd... ::: client-cmd...
   local name=$1 port=$2; shift 2
   local server=() client=()
-  while [[ $1 != -- ]]; do server+=("$1"); shift; done; shift
+  while [[ $1 != ::: ]]; do server+=("$1"); shift; done; shift
   client=("$@")
   "${server[@]}" > "$out/$name.server" 2>&1 &
   local spid=$!
@@ -35,14 +35,14 @@ pair() { # name port server-cmd... -- client-cmd...
 for r in $(seq "$rounds"); do
   echo "round $r/$rounds" >&2
   for t in write send; do
-    pair "ib_${t}_bw" 18900 "$G" emu --ip 127.0.0.1 -- "ib_${t}_bw" -x 0 -a -F -n "$iters" -p 18900 -- \
+    pair "ib_${t}_bw" 18900 "$G" emu --ip 127.0.0.1 -- "ib_${t}_bw" -x 0 -a -F -n "$iters" -p 18900 ::: \
       "$G" emu --ip 127.0.0.2 -- "ib_${t}_bw" -x 0 -a -F -n "$iters" -p 18900 127.0.0.1
   done
-  pair put_bw 18901 "$target/release/put_bw" --initiator cpu -a -n "$iters" -p 18901 -- \
+  pair put_bw 18901 "$target/release/put_bw" --initiator cpu -a -n "$iters" -p 18901 ::: \
     "$target/release/put_bw" --initiator cpu -a -n "$iters" -p 18901 127.0.0.1
-  pair ib_write_lat 18902 "$G" emu --ip 127.0.0.1 -- ib_write_lat -x 0 -a -F -n "$iters" -p 18902 -- \
+  pair ib_write_lat 18902 "$G" emu --ip 127.0.0.1 -- ib_write_lat -x 0 -a -F -n "$iters" -p 18902 ::: \
     "$G" emu --ip 127.0.0.2 -- ib_write_lat -x 0 -a -F -n "$iters" -p 18902 127.0.0.1
-  pair write_lat 18903 "$target/release/write_lat" --initiator cpu -a -n "$iters" -p 18903 -- \
+  pair write_lat 18903 "$target/release/write_lat" --initiator cpu -a -n "$iters" -p 18903 ::: \
     "$target/release/write_lat" --initiator cpu -a -n "$iters" -p 18903 127.0.0.1
 done
 

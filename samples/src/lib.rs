@@ -18,7 +18,7 @@
 
 use anyhow::{bail, Context as _, Result};
 use clap::{Args, ValueEnum};
-use gpuverbs::bootstrap::Bootstrap;
+use gpuverbs::bootstrap::{Bootstrap, Listener};
 use gpuverbs::gpu::{DeviceMem, ExportedQp, Gpu};
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
 use gpuverbs::{
@@ -37,6 +37,10 @@ use std::time::{Duration, Instant};
 
 /// perftest's default TCP port.
 pub const DEFAULT_PORT: u16 = 18515;
+/// Seconds a wait may take when `--timeout` is not given.
+pub const DEFAULT_TIMEOUT_S: u64 = 10;
+/// What the server's "no limit" wait for a client is given (about a century).
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// Largest message size accepted by `-s`.
 pub const MAX_SIZE: u64 = 1 << 30;
 /// Sizes of `-a`: 2 B .. 8 MiB, powers of two (perftest's `-a`).
@@ -197,11 +201,13 @@ pub struct CommonArgs {
     #[arg(short = 't', long, default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(16..=MAX_TX_DEPTH as i64))]
     pub tx_depth: u32,
-    /// Seconds any single wait may take (completion, rendezvous) before the run fails; a
-    /// step of the server/client roles waits up to 30 times this for the peer's part of it.
-    #[arg(long, default_value_t = 10,
+    /// Seconds any single wait may take (completion, the client's connect) before the run
+    /// fails; a step of the server/client roles waits up to 30 times this for the peer's part
+    /// of it [default: 10]. The server waits for its client without a limit (as perftest's
+    /// does) unless --timeout is given.
+    #[arg(long, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(1..=3600))]
-    pub timeout: u64,
+    pub timeout: Option<u64>,
     /// Server/client roles: UDP port of this side's soft NIC (its wire port; 0: the system
     /// picks one). It binds the local IPv4 address that reaches the peer; the endpoints tell
     /// the peer where. GPUVERBS_SOFTNIC_ADDR=ip:port overrides the whole address.
@@ -237,9 +243,14 @@ impl CommonArgs {
         }
     }
 
-    /// The per-wait timeout.
+    /// The per-wait timeout (`--timeout`, else [`DEFAULT_TIMEOUT_S`]).
     pub fn wait(&self) -> Duration {
-        Duration::from_secs(self.timeout)
+        Duration::from_secs(self.timeout.unwrap_or(DEFAULT_TIMEOUT_S))
+    }
+
+    /// How long the server waits for a client: `--timeout` when given, else without a limit.
+    pub fn accept_wait(&self) -> Option<Duration> {
+        self.timeout.map(Duration::from_secs)
     }
 
     /// The role, for messages.
@@ -535,19 +546,39 @@ pub fn cpu_ring_mode(db: DbArg) -> Result<RingMode> {
     }
 }
 
-/// The doorbell line of the header: the QP's mode as resolved, why, and who rings.
-pub fn doorbell_line(qp: &Qp, initiator: Initiator, ring: Option<RingMode>) -> String {
+/// What the CPU initiator writes to ring a doorbell in `ring` mode (the header's and the
+/// JSON's doorbell reason of a CPU run: the QP's own reason is about the GPU mapping, which a
+/// CPU run does not use).
+pub fn cpu_doorbell_reason(db: DbArg, ring: RingMode) -> String {
+    let how = match ring {
+        RingMode::RdmaCore => {
+            "the doorbell record, then the first 8 bytes of the last WQE's ctrl segment to the \
+             doorbell register (rdma-core convention)"
+        }
+        RingMode::Doca => {
+            "the doorbell record, then {BE32(pi << 8), BE32(qpn << 8)} to the doorbell register \
+             (DOCA convention)"
+        }
+        RingMode::BlueFlame => {
+            "the doorbell record, then the whole WQE into the BlueFlame register"
+        }
+    };
+    let db = match db {
+        DbArg::Auto => "auto",
+        DbArg::Gpu => "gpu",
+        DbArg::Bf => "bf",
+        DbArg::Proxy => "proxy",
+    };
+    format!("--db {db}: the CPU initiator writes {how}")
+}
+
+/// The doorbell line of the header: the QP's mode as resolved, why, and who rings (a CPU run
+/// says what the CPU initiator writes, [`cpu_doorbell_reason`]).
+pub fn doorbell_line(qp: &Qp, initiator: Initiator, ring: Option<RingMode>, db: DbArg) -> String {
     let (mode, why) = qp.doorbell();
     let name = doorbell_name(mode);
     match (initiator, ring) {
-        (Initiator::Cpu, Some(r)) => {
-            let conv = match r {
-                RingMode::RdmaCore => "rdma-core convention",
-                RingMode::Doca => "DOCA convention",
-                RingMode::BlueFlame => "whole WQE into the BlueFlame register",
-            };
-            format!("{name} ({why}); rung by the CPU initiator ({conv})")
-        }
+        (Initiator::Cpu, Some(r)) => format!("{name} ({})", cpu_doorbell_reason(db, r)),
         (Initiator::Gpu, _) if mode == DoorbellMode::CpuProxy => {
             format!("{name} ({why}); a host proxy thread rings for the kernels")
         }
@@ -858,17 +889,29 @@ pub struct Peer {
 }
 
 impl Peer {
-    /// Meets the peer over TCP on `-p`: the server waits for a client, the client connects to
-    /// the server (retrying until `--timeout`).
+    /// Meets the peer over TCP on `-p`: the server listens (`-p 0`: on a port the system
+    /// picks, which it prints) and waits for a client, without a limit unless `--timeout` is
+    /// given; the client connects to the server (retrying until `--timeout`). Afterwards every
+    /// frame waits at most `--timeout`.
     pub fn rendezvous(a: &CommonArgs, test: &str) -> Result<Self> {
-        let bs = match &a.server {
+        let mut bs = match &a.server {
             None => {
                 let addr = format!("0.0.0.0:{}", a.port);
+                let listener = Listener::bind(addr.as_str()).context("rendezvous (server)")?;
+                let limit = match a.accept_wait() {
+                    Some(t) => format!("--timeout {0}: gives up after {0} s", t.as_secs()),
+                    None => "no time limit; --timeout S gives up after S seconds".to_string(),
+                };
                 eprintln!(
-                    "{test}: server: waiting for a client on port {} ({}s)",
-                    a.port, a.timeout
+                    "{test}: server: waiting for a client on port {} ({limit})",
+                    listener.local_addr().port()
                 );
-                Bootstrap::server(addr.as_str(), a.wait()).context("rendezvous (server)")?
+                listener
+                    .accept(a.accept_wait().unwrap_or(FOREVER))
+                    .context("rendezvous (server)")?
+            }
+            Some(_) if a.port == 0 => {
+                bail!("-p 0: the client needs the server's port (the one the server printed)")
             }
             Some(host) => {
                 let addr = if host.contains(':') && !host.starts_with('[') {
@@ -880,6 +923,7 @@ impl Peer {
                 Bootstrap::client(addr.as_str(), a.wait()).context("rendezvous (client)")?
             }
         };
+        bs.set_timeout(a.wait());
         let addr = bs
             .peer_addr(1 - bs.rank())
             .context("the bootstrap connection has no peer address")?;
@@ -974,7 +1018,7 @@ impl Peer {
     ) -> Result<T> {
         let out = StepOut {
             step: name,
-            outcome: mine.as_ref().map_err(|e| format!("{e:#}")),
+            outcome: mine.as_ref().map_err(error_text),
         };
         let bytes = serde_json::to_vec(&out).context("encode a step")?;
         let theirs = if self.bs.rank() == 0 {
@@ -1259,62 +1303,220 @@ impl LatStats {
     }
 }
 
-/// A progress line on stderr for sweeps that run longer than a couple of seconds.
+/// A progress line for sweeps that run longer than a couple of seconds: on stderr, and only when
+/// stderr is a terminal, as one line rewritten in place (`\r`) that [`Progress::clear`] erases
+/// before each table row and at the end (also when the run fails: on drop), so it never ends up
+/// inside the table. Not on a terminal (a pipe, a file, a log) nothing is written.
 pub struct Progress {
     test: &'static str,
     start: Instant,
     last: Instant,
     total: usize,
-    tty: bool,
+    /// Where the line goes (stderr on a terminal; `None`: nowhere).
+    out: Option<Box<dyn std::io::Write>>,
+    /// Quiet time before the first line.
+    delay: Duration,
     shown: bool,
 }
 
 impl Progress {
-    /// Progress of `total` sizes.
+    /// Progress of `total` sizes, on stderr when it is a terminal.
     pub fn new(test: &'static str, total: usize) -> Self {
+        let tty = std::io::stderr().is_terminal();
+        let out: Option<Box<dyn std::io::Write>> = if tty {
+            Some(Box::new(std::io::stderr()))
+        } else {
+            None
+        };
+        Self::to(test, total, out, Duration::from_secs(2))
+    }
+
+    /// Progress of `total` sizes written to `out` (a terminal), the first line after `delay`.
+    pub fn to(
+        test: &'static str,
+        total: usize,
+        out: Option<Box<dyn std::io::Write>>,
+        delay: Duration,
+    ) -> Self {
         let now = Instant::now();
         Self {
             test,
             start: now,
             last: now,
             total,
-            tty: std::io::stderr().is_terminal(),
+            out,
+            delay,
             shown: false,
         }
     }
 
     /// Says that `done` of the sizes are finished, the last one being `size` bytes.
     pub fn step(&mut self, done: usize, size: u64) {
+        let Some(out) = self.out.as_mut() else {
+            return;
+        };
         if self.total < 2 || done >= self.total {
             return;
         }
         let now = Instant::now();
         let elapsed = now.duration_since(self.start);
-        // Not before 2 s; then at most every second (every 2 s when not on a terminal).
-        let every = if self.tty { 1 } else { 2 };
-        if elapsed < Duration::from_secs(2) || now.duration_since(self.last).as_secs() < every {
+        // Not before the delay; then at most every second.
+        if elapsed < self.delay || (self.shown && now.duration_since(self.last).as_secs() < 1) {
             return;
         }
         self.last = now;
         self.shown = true;
-        let msg = format!(
-            "{}: {done}/{} sizes done (last {size} B), {:.1} s",
+        let _ = write!(
+            out,
+            "\r{}: {done}/{} sizes done (last {size} B), {:.1} s\x1b[K",
             self.test,
             self.total,
             elapsed.as_secs_f64()
         );
-        let mut e = std::io::stderr().lock();
-        let _ = if self.tty {
-            write!(e, "\r{msg}\x1b[K")
-        } else {
-            writeln!(e, "{msg}")
-        };
+        let _ = out.flush();
     }
 
-    /// Clears the line (on a terminal) before table output continues.
+    /// Erases the line, if one is shown, before table output (or anything else) continues.
     pub fn clear(&mut self) {
-        if self.tty && self.shown {
-            let _ = write!(std::io::stderr().lock(), "\r\x1b[K");
+        if let Some(out) = self.out.as_mut().filter(|_| self.shown) {
+            let _ = write!(out, "\r\x1b[K");
+            let _ = out.flush();
+            self.shown = false;
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Other processes' CPU
+// ---------------------------------------------------------------------------------------------
+
+/// CPU time of the whole machine and of this process at one moment (from `/proc/stat` and
+/// `/proc/self/stat`), to tell how much of the machine other processes took during a
+/// measurement: on a small machine the engine and the initiator each want a core.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuSample {
+    busy_ticks: u64,
+    own_ticks: u64,
+    at: Instant,
+}
+
+impl CpuSample {
+    /// Shortest window [`CpuSample::others_since`] reports on (the counters tick every 10 ms).
+    pub const MIN_WINDOW: Duration = Duration::from_millis(250);
+
+    /// Now; `None` where `/proc` does not say (not Linux, or a malformed file).
+    pub fn now() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|f| f.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal (guest time is inside user)
+        let busy_ticks = [0, 1, 2, 5, 6, 7].iter().filter_map(|&i| cpu.get(i)).sum();
+        let own = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let after = &own[own.rfind(')')? + 1..];
+        let f: Vec<&str> = after.split_whitespace().collect();
+        // fields 14 and 15 (utime, stime) are the 12th and 13th after the command name
+        let own_ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+        Some(Self {
+            busy_ticks,
+            own_ticks,
+            at: Instant::now(),
+        })
+    }
+
+    /// Cores used by other processes since `self` (USER_HZ is 100 on Linux); `None` for
+    /// windows shorter than [`CpuSample::MIN_WINDOW`], too short for 10 ms ticks to say
+    /// anything.
+    pub fn others_since(self) -> Option<f64> {
+        if self.at.elapsed() < Self::MIN_WINDOW {
+            return None;
+        }
+        let now = Self::now()?;
+        let other = now.busy_ticks.saturating_sub(self.busy_ticks) as f64
+            - now.own_ticks.saturating_sub(self.own_ticks) as f64;
+        Some((other / 100.0 / self.at.elapsed().as_secs_f64()).max(0.0))
+    }
+}
+
+/// Cores other processes may use during a run of `put_bw` or `write_lat` before it warns that
+/// its figures are low (the soft NIC's engine and the CPU initiator each want a core).
+pub const OTHER_CPU_HIGH: f64 = 0.25;
+
+/// How much CPU other processes use, around a run: a sample before the header, each timed
+/// run's, and a warning after the table when any was above [`OTHER_CPU_HIGH`].
+#[derive(Debug, Default)]
+pub struct OtherCpu {
+    /// Other processes' cores in the [`CpuSample::MIN_WINDOW`] before the run.
+    pub before: Option<f64>,
+    /// The most seen in a timed run.
+    pub busiest: Option<f64>,
+    /// Timed runs that were too short to measure.
+    pub unmeasured: usize,
+}
+
+impl OtherCpu {
+    /// Samples the machine for [`CpuSample::MIN_WINDOW`] (this process idle meanwhile).
+    pub fn sample_before_run() -> Self {
+        let s = CpuSample::now();
+        std::thread::sleep(CpuSample::MIN_WINDOW);
+        Self {
+            before: s.and_then(CpuSample::others_since),
+            ..Self::default()
+        }
+    }
+
+    /// The header's line.
+    pub fn header(&self, h: &mut Header) {
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        let v = match self.before {
+            None => "not measured (no /proc/stat)".to_string(),
+            Some(x) => format!(
+                "{x:.2} of {cores} cores used by other processes in the {} ms before the run{} \
+                 (each timed run's: other_cpu_cores in --json; a warning above {OTHER_CPU_HIGH})",
+                CpuSample::MIN_WINDOW.as_millis(),
+                if x > OTHER_CPU_HIGH {
+                    " (HIGH: the figures will be low and vary between runs)"
+                } else {
+                    ""
+                }
+            ),
+        };
+        h.line("Other CPU", v);
+    }
+
+    /// Notes a timed run's figure (`None`: too short to measure); returns it for the JSON.
+    pub fn record(&mut self, v: Option<f64>) -> Option<f64> {
+        match v {
+            Some(x) => self.busiest = Some(self.busiest.map_or(x, |b| b.max(x))),
+            None => self.unmeasured += 1,
+        }
+        v
+    }
+
+    /// The warning to print after the table, if other processes used much CPU.
+    pub fn warning(&self, test: &str) -> Option<String> {
+        let high = |x: &Option<f64>| x.filter(|&x| x > OTHER_CPU_HIGH);
+        match (high(&self.busiest), high(&self.before)) {
+            (Some(b), _) => Some(format!(
+                "{test}: warning: other processes used up to {b:.2} cores during a timed run \
+                 (above {OTHER_CPU_HIGH}): the figures are low and vary between runs"
+            )),
+            (None, Some(b)) if self.busiest.is_none() => Some(format!(
+                "{test}: warning: other processes used {b:.2} cores before the run (above \
+                 {OTHER_CPU_HIGH}; the timed runs were too short to measure): the figures may \
+                 be low"
+            )),
+            _ => None,
         }
     }
 }
@@ -1478,6 +1680,7 @@ impl Exports {
 
 /// Writes the header's common lines (device, GPU, initiator, doorbell, placements).
 pub fn common_header(h: &mut Header, env: &Env, a: &CommonArgs, doorbell: String) {
+    let gpu_posts = env.initiator == Initiator::Gpu;
     h.line("Device", env.ctx.selection())
         .line("GPU", &env.gpu_line)
         .line(
@@ -1488,7 +1691,10 @@ pub fn common_header(h: &mut Header, env: &Env, a: &CommonArgs, doorbell: String
         .line(
             "Rings",
             match a.rings {
-                Placement::Host => "host memory (mapped into the GPU when a kernel posts)",
+                Placement::Host if gpu_posts => {
+                    "host memory (mapped into the GPU when a kernel posts)"
+                }
+                Placement::Host => "host memory",
                 Placement::Gpu => {
                     "GPU memory (SQ/RQ and CQ rings from Context::create_cq_on / \
                      Pd::create_qp_on; doorbell records in host memory)"
@@ -1510,6 +1716,10 @@ pub fn common_header(h: &mut Header, env: &Env, a: &CommonArgs, doorbell: String
 /// The JSON fields every result line carries (the header's choices).
 pub fn common_json(env: &Env, a: &CommonArgs, qp: &Qp) -> Value {
     let (mode, why) = qp.doorbell();
+    let why = match (env.initiator, cpu_ring_mode(a.db)) {
+        (Initiator::Cpu, Ok(r)) => cpu_doorbell_reason(a.db, r),
+        _ => why.to_string(),
+    };
     json!({
         "device": env.ctx.selection().to_string(),
         "backend": match env.ctx.selection().kind {
@@ -1537,14 +1747,32 @@ pub fn merge(mut base: Value, extra: Value) -> Value {
 /// Exit code of a run that failed (runtime error, validation failure, error completion).
 pub const EXIT_FAILURE: u8 = 1;
 
-/// Runs `f`, printing an error as `test: error: ...` with its causes, and maps the outcome to
-/// the process exit code.
+/// An error with its causes, `outer: cause: ...`, each text once: a cause whose text an outer
+/// message already shows (an error that prints its source, which is also its `source()`) is
+/// left out.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut s = String::new();
+    for cause in e.chain() {
+        let m = cause.to_string();
+        if m.is_empty() || s.contains(&m) {
+            continue;
+        }
+        if !s.is_empty() {
+            s.push_str(": ");
+        }
+        s.push_str(&m);
+    }
+    s
+}
+
+/// Maps the outcome of a run to the process exit code, printing an error once, as
+/// `test: error: ...` with its causes ([`error_text`]).
 pub fn exit_with(test: &str, r: Result<()>) -> std::process::ExitCode {
     match r {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             let _ = std::io::stdout().flush();
-            eprintln!("{test}: error: {e:#}");
+            eprintln!("{test}: error: {}", error_text(&e));
             std::process::ExitCode::from(EXIT_FAILURE)
         }
     }
@@ -1618,6 +1846,70 @@ mod tests {
         assert_eq!(pattern::first_difference(&a, &b), None);
         b[17] ^= 1;
         assert_eq!(pattern::first_difference(&a, &b), Some(17));
+    }
+
+    /// A writer into a shared buffer.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn progress_is_one_line_rewritten_and_erased() {
+        let buf = Shared::default();
+        let mut p = Progress::to("t", 3, Some(Box::new(buf.clone())), Duration::ZERO);
+        p.step(1, 2);
+        let shown = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert!(
+            shown.starts_with("\rt: 1/3 sizes done (last 2 B)"),
+            "{shown:?}"
+        );
+        assert!(!shown.contains('\n'), "{shown:?}");
+        p.clear();
+        p.clear();
+        let after = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(after, format!("{shown}\r\x1b[K"), "erased once");
+        // Shown again, then erased on drop (a run that fails).
+        p.step(2, 4);
+        drop(p);
+        let end = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert!(end.ends_with("\r\x1b[K") && end.contains("2/3"), "{end:?}");
+        // Nowhere to write (not a terminal): nothing happens.
+        let mut q = Progress::to("t", 3, None, Duration::ZERO);
+        q.step(1, 2);
+        q.clear();
+    }
+
+    #[test]
+    fn error_text_names_each_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::AddrInUse, "Address already in use");
+        #[derive(Debug)]
+        struct Bind(std::io::Error);
+        impl std::fmt::Display for Bind {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "cannot listen on x: {}", self.0)
+            }
+        }
+        impl std::error::Error for Bind {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = anyhow::Error::new(Bind(io)).context("rendezvous (server)");
+        assert_eq!(
+            error_text(&e),
+            "rendezvous (server): cannot listen on x: Address already in use"
+        );
+        let e = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_text(&e), "outer: inner");
     }
 
     #[test]

@@ -1,10 +1,15 @@
 //! The perftest-style samples from the outside: `put_bw` and `write_lat` run in loopback with the
 //! CPU initiator (CI has no GPU), their JSON is checked, and bad arguments, unsupported
 //! placements, a missing server and failures on purpose give clear errors and non-zero exit
-//! codes, never a panic. The server/client roles (two processes) are in `remote_cli.rs`.
+//! codes, never a panic. The server/client roles (two processes) are in `remote_cli.rs`; what the
+//! server does before a client comes (waiting, `-p 0`, a port in use) is here. Every child is
+//! killed after a bound, on 127.0.0.1 only.
 
 use serde_json::Value;
-use std::process::{Command, Output};
+use std::io::{BufRead as _, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 const PUT_BW: &str = env!("CARGO_BIN_EXE_put_bw");
 const WRITE_LAT: &str = env!("CARGO_BIN_EXE_write_lat");
@@ -62,6 +67,11 @@ fn check_bw(v: &Value, bytes: u64, iters: u64) {
     assert_eq!(v["rings"], "host", "{v}");
     assert_eq!(v["mem"], "host", "{v}");
     assert!(v["doorbell"].is_string() && v["device"].is_string(), "{v}");
+    // Other processes' CPU during the timed run (null when it was too short to tell).
+    let o = v
+        .get("other_cpu_cores")
+        .unwrap_or_else(|| panic!("no other_cpu_cores in {v}"));
+    assert!(o.is_null() || o.as_f64().is_some_and(|x| x >= 0.0), "{v}");
 }
 
 #[test]
@@ -378,6 +388,284 @@ fn error_completion_is_decoded_and_fails_the_run() {
     );
 }
 
+/// A server started with `args` (stderr read line by line on a thread).
+struct Server {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Server {
+    fn start(bin: &str, args: &[&str]) -> Self {
+        let mut child = Command::new(bin)
+            .args(args)
+            .env_remove("GPUVERBS_DEVICE")
+            .env_remove("GPUVERBS_SOFTNIC_ADDR")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the server");
+        let err = child.stderr.take().expect("piped stderr");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The first stderr line containing `want` (within 60 s).
+    fn line(&mut self, want: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if l.contains(want) {
+                        return l;
+                    }
+                }
+                Err(_) => {
+                    let _ = self.child.kill();
+                    panic!("no stderr line with {want:?}; saw {:?}", self.seen);
+                }
+            }
+        }
+    }
+
+    /// The port the server says it listens on.
+    fn port(&mut self) -> String {
+        let l = self.line("waiting for a client on port ");
+        let rest = &l[l.find("on port ").expect("port") + 8..];
+        let port: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        assert!(port.parse::<u16>().is_ok_and(|p| p != 0), "{l}");
+        port
+    }
+
+    /// Waits up to `limit` for the exit (killing it after), and returns the status and the
+    /// stderr lines not yet read.
+    fn finish(mut self, limit: Duration) -> (std::process::ExitStatus, String) {
+        let start = Instant::now();
+        while self.child.try_wait().expect("poll").is_none() && start.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let status = self.child.wait().expect("wait");
+        let mut rest = self.seen.join("\n");
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
+            rest.push('\n');
+            rest.push_str(&l);
+        }
+        (status, rest)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn server_waits_for_a_client_without_a_limit_and_says_its_port() {
+    for bin in [PUT_BW, WRITE_LAT] {
+        // -p 0: the system picks the port, and the server prints it.
+        let mut server = Server::start(bin, &["-p", "0", "-s", "64", "-n", "20", "--json"]);
+        let port = server.port();
+        assert!(
+            server
+                .seen
+                .last()
+                .is_some_and(|l| l.contains("no time limit")),
+            "{:?}",
+            server.seen
+        );
+        // Past the old 10-s default the server still waits.
+        std::thread::sleep(Duration::from_secs(11));
+        assert!(
+            server.child.try_wait().expect("poll").is_none(),
+            "{bin}: the server gave up: {:?}",
+            server.seen
+        );
+        let client = run(
+            bin,
+            &["127.0.0.1", "-p", &port, "-s", "64", "-n", "20", "--json"],
+        );
+        assert!(
+            client.status.success(),
+            "{bin} client: {}",
+            text(&client.stderr)
+        );
+        let (status, err) = server.finish(Duration::from_secs(60));
+        assert!(status.success(), "{bin} server: {status}: {err}");
+    }
+}
+
+#[test]
+fn server_with_timeout_gives_up_and_client_needs_a_port() {
+    let mut server = Server::start(PUT_BW, &["-p", "0", "--timeout", "1"]);
+    let port = server.port();
+    assert!(
+        server
+            .seen
+            .last()
+            .is_some_and(|l| l.contains("--timeout 1")),
+        "{:?}",
+        server.seen
+    );
+    let (status, err) = server.finish(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("timed out") && err.contains(&port), "{err}");
+    let out = run(PUT_BW, &["127.0.0.1", "-p", "0", "--timeout", "1"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("-p 0"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn an_error_is_printed_once() {
+    // A port that is taken: the bind error names its cause once.
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").expect("bind a port");
+    let port = taken.local_addr().expect("addr").port().to_string();
+    for bin in [PUT_BW, WRITE_LAT] {
+        let out = run(bin, &["-p", &port, "--timeout", "1"]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert_eq!(stderr.matches("error:").count(), 1, "{stderr}");
+        assert_eq!(
+            stderr.matches("Address already in use").count(),
+            1,
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn cpu_header_does_not_talk_about_gpu_mapping() {
+    for (bin, extra) in [
+        (PUT_BW, &["--db", "auto"][..]),
+        (PUT_BW, &["--db", "bf"]),
+        (WRITE_LAT, &["--db", "gpu"]),
+    ] {
+        let mut args = vec!["--loopback", "--initiator", "cpu", "-s", "8", "-n", "20"];
+        args.extend_from_slice(extra);
+        let out = run(bin, &args);
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+        let field = |name: &str| -> String {
+            let l = stdout
+                .lines()
+                .find(|l| l.trim_start().starts_with(name))
+                .unwrap_or_else(|| panic!("no {name} line in:\n{stdout}"));
+            l[l.find(':').expect("a colon") + 1..].trim().to_string()
+        };
+        assert_eq!(field("Rings"), "host memory", "{stdout}");
+        let db = field("Doorbell");
+        assert!(db.contains("the CPU initiator writes"), "{db}");
+        for gpu_talk in ["GPU", "map", "kernel"] {
+            assert!(!db.contains(gpu_talk), "{gpu_talk:?} in {db:?}");
+        }
+        // The JSON says the same.
+        args.push("--json");
+        let v = &json_lines(bin, &args)[0];
+        let why = v["doorbell_reason"].as_str().expect("a reason");
+        assert!(
+            why.contains("the CPU initiator writes") && !why.contains("GPU"),
+            "{v}"
+        );
+    }
+}
+
+#[test]
+fn no_progress_lines_when_stderr_is_not_a_terminal() {
+    // A sweep of a few seconds (progress starts after 2 s on a terminal); here stderr is a pipe.
+    let out = run(
+        PUT_BW,
+        &["--loopback", "--initiator", "cpu", "-a", "-n", "50"],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(!stderr.contains("sizes done"), "{stderr}");
+    assert!(
+        !stdout.contains("sizes done") && !stdout.contains('\r'),
+        "{stdout}"
+    );
+    // The table: one row per size, one after the other.
+    let lines: Vec<&str> = stdout.lines().collect();
+    let head = lines
+        .iter()
+        .position(|l| l.contains("#bytes"))
+        .expect("table head");
+    for (k, e) in (1..=23).enumerate() {
+        let row = lines[head + 1 + k];
+        assert!(
+            row.split_whitespace().next() == Some(&(1u64 << e).to_string()),
+            "row {k}: {row:?} in\n{stdout}"
+        );
+    }
+}
+
+#[test]
+fn other_processes_cpu_is_reported_and_warned_about() {
+    // Busy threads of this (other) process during a run: the header, the JSON and a warning
+    // say so.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hogs: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut x = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            })
+        })
+        .collect();
+    let outs: Vec<Output> = [PUT_BW, WRITE_LAT]
+        .iter()
+        .map(|bin| {
+            run(
+                bin,
+                &[
+                    "--loopback",
+                    "--initiator",
+                    "cpu",
+                    "-s",
+                    "8",
+                    "-n",
+                    "20000",
+                    "--json",
+                ],
+            )
+        })
+        .collect();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for h in hogs {
+        h.join().expect("hog");
+    }
+    for out in outs {
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{stderr}");
+        let other = stderr
+            .lines()
+            .find(|l| l.trim_start().starts_with("Other CPU"))
+            .unwrap_or_else(|| panic!("no Other CPU line in {stderr}"));
+        assert!(other.contains("cores used by other processes"), "{other}");
+        assert!(stderr.contains("warning: other processes used"), "{stderr}");
+        let v: Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+        let o = &v["other_cpu_cores"];
+        assert!(o.is_null() || o.as_f64().is_some_and(|x| x >= 0.0), "{v}");
+    }
+}
+
 #[test]
 fn validation_failure_fails_the_run() {
     let out = run(
@@ -398,6 +686,12 @@ fn validation_failure_fails_the_run() {
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("validation failed"), "{stderr}");
+    // The write arrived (with one bit flipped): the message must not say it never did.
+    assert!(
+        stderr.contains("1 of 4096 bytes differ: the write arrived with wrong bytes")
+            && !stderr.contains("never arrived"),
+        "{stderr}"
+    );
     let v: Value = serde_json::from_str(text(&out.stdout).trim()).expect("one JSON line");
     assert_eq!(v["validated"], false, "{v}");
 }

@@ -16,7 +16,9 @@
 //! fills, poisons and checks by copying (`DeviceMem::write` / `read`). The CPU initiator
 //! refuses both.
 //!
-//! Server/client roles: the processes meet over TCP (`-p`), each opens a soft NIC with a wire
+//! Server/client roles: the processes meet over TCP (`-p`; the server waits for its client
+//! without a limit unless `--timeout` is given, and `-p 0` listens on a port the system picks
+//! and prints it), each opens a soft NIC with a wire
 //! port (RoCEv2 over UDP) on the local address that reaches the other (`--wire-port`, or
 //! `GPUVERBS_SOFTNIC_ADDR`), exchange endpoints, parameters and their destination buffer, and
 //! connect QP k to QP k. The client is side A (it writes; the server only receives, unless
@@ -57,8 +59,8 @@ use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
     create_qp, doorbell_line, exit_with, merge, mtu_line, open_env, open_env_remote, pattern,
     remote_header, remote_json, step, table_row, tx_depth_for, upload, wire_counters, wire_delta,
-    with_mtu, BwJob, CommonArgs, Exports, GpuStatus, Header, Initiator, Payload, Peak, Peer,
-    Progress, QpSpec, Units,
+    with_mtu, BwJob, CommonArgs, CpuSample, Exports, GpuStatus, Header, Initiator, OtherCpu,
+    Payload, Peak, Peer, Progress, QpSpec, Units,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey};
@@ -117,7 +119,7 @@ impl Scope {
 enum Inject {
     /// The timed writes use a wrong rkey: the device answers with REMOTE_ACCESS error CQEs.
     BadRkey,
-    /// A destination byte is changed after the run: validation must fail.
+    /// A bit of a destination byte is flipped after the run: validation must fail.
     Corrupt,
 }
 
@@ -612,6 +614,7 @@ fn run(args: &Args) -> Result<()> {
     };
     let receives_only = local.is_empty();
     let peer_role = peer.as_ref().map_or("peer", |p| p.peer_role);
+    let mut other_cpu = OtherCpu::sample_before_run();
     let mut h = Header::new("RDMA_Write BW Test (put_bw)");
     common_header(
         &mut h,
@@ -620,7 +623,7 @@ fn run(args: &Args) -> Result<()> {
         if receives_only {
             format!("none: this side only receives (the {peer_role} posts)")
         } else {
-            doorbell_line(first_qp, env.initiator, ring_mode)
+            doorbell_line(first_qp, env.initiator, ring_mode, a.db)
         },
     );
     if let (Some(p), Some(ep)) = (&peer, peer_eps.first()) {
@@ -673,6 +676,7 @@ fn run(args: &Args) -> Result<()> {
                 "every byte of every destination slot, every size"
             },
         );
+    other_cpu.header(&mut h);
     h.print(a.json);
     if !a.json {
         let cols = [
@@ -758,6 +762,7 @@ fn run(args: &Args) -> Result<()> {
         }
         step(&mut peer, "poisoned", Ok(()))?;
         let wire_before = wire_counters(&env.ctx);
+        let cpu = CpuSample::now();
         let mine: Result<Option<Measured>> = match &mut engine {
             Some(e) => e
                 .run(
@@ -780,13 +785,15 @@ fn run(args: &Args) -> Result<()> {
         };
         let own = mine.as_ref().ok().copied().flatten();
         let theirs = step(&mut peer, "timed", mine)?.flatten();
+        let others = other_cpu.record(cpu.and_then(CpuSample::others_since));
         let wire = wire_delta(&wire_before, &wire_counters(&env.ctx));
         if args.inject == Some(Inject::Corrupt) {
             if let Some(b) = dst_buf(&sides, &jobs[0]) {
                 let off = plan.dst_off[0] as usize + plan.size as usize / 2;
+                // One flipped bit: a write that arrived corrupted (not the poison).
                 let mut x = [0u8];
                 b.read(off, &mut x)?;
-                b.write(off, &[!x[0]])?;
+                b.write(off, &[x[0] ^ 0x01])?;
             }
         }
         // Every byte of the destinations this process holds.
@@ -820,6 +827,7 @@ fn run(args: &Args) -> Result<()> {
                     "bytes": plan.size, "iterations": plan.iters, "warmup": plan.warmup,
                     "bw_peak": peak, "bw_average": avg, "msg_rate_mpps": mpps,
                     "time_s": secs, "validated": failure.is_none(),
+                    "other_cpu_cores": others,
                 }),
             );
             if peer.is_some() {
@@ -850,6 +858,10 @@ fn run(args: &Args) -> Result<()> {
     }
     if let Some(p) = pcap {
         p.finish()?;
+    }
+    if let Some(w) = other_cpu.warning(TEST) {
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        eprintln!("{w}");
     }
     Ok(())
 }
@@ -959,14 +971,10 @@ fn validate(b: &Payload, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) -
                     let last = r as u64 + d * ((p.iters as u64 - 1 - r as u64) / d);
                     bail!(
                         "destination slot {r} (last written by iteration {last}, source slot \
-                         {s}): byte {o} is {:#04x}, expected {:#04x}{}",
+                         {s}): byte {o} is {:#04x}, expected {:#04x} ({})",
                         got[o],
                         scratch[o],
-                        if got[o] == !scratch[o] {
-                            " (the poison: the write never arrived)"
-                        } else {
-                            ""
-                        }
+                        mismatch(&got, scratch)
                     );
                 }
             }
@@ -978,6 +986,27 @@ fn validate(b: &Payload, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) -
         }
     }
     Ok(())
+}
+
+/// What a slot that differs from its pattern `want` holds: still the poison everywhere (the
+/// write never arrived), the poison where it differs (the write arrived in part), or other
+/// bytes (it arrived with wrong bytes).
+fn mismatch(got: &[u8], want: &[u8]) -> String {
+    let (mut wrong, mut poison) = (0usize, 0usize);
+    for (g, w) in got.iter().zip(want) {
+        if g != w {
+            wrong += 1;
+            poison += usize::from(*g == !*w);
+        }
+    }
+    let n = want.len();
+    if poison == n {
+        "the whole slot still holds the poison: the write never arrived".to_string()
+    } else if poison == wrong {
+        format!("{wrong} of {n} bytes still hold the poison: the write arrived in part")
+    } else {
+        format!("{wrong} of {n} bytes differ: the write arrived with wrong bytes")
+    }
 }
 
 /// What a timed run measured.

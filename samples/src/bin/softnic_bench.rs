@@ -26,6 +26,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
+use gpuverbs_samples::CpuSample;
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey, Syndrome};
 use serde_json::json;
@@ -875,52 +876,6 @@ fn bandwidth(
         r.writes += depth as u64;
     }
     Ok(r)
-}
-
-/// CPU time of the whole machine and of this process, to tell how much of the machine other
-/// processes took during a measurement (two cores are easily shared with a build).
-#[derive(Clone, Copy)]
-struct CpuSample {
-    busy_ticks: u64,
-    own_ticks: u64,
-    at: Instant,
-}
-
-impl CpuSample {
-    fn now() -> Option<Self> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let cpu: Vec<u64> = stat
-            .lines()
-            .next()?
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|f| f.parse().ok())
-            .collect();
-        // user nice system idle iowait irq softirq steal (guest time is inside user)
-        let busy_ticks = [0, 1, 2, 5, 6, 7].iter().filter_map(|&i| cpu.get(i)).sum();
-        let own = std::fs::read_to_string("/proc/self/stat").ok()?;
-        let after = &own[own.rfind(')')? + 1..];
-        let f: Vec<&str> = after.split_whitespace().collect();
-        // fields 14 and 15 (utime, stime) are the 12th and 13th after the command name
-        let own_ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
-        Some(Self {
-            busy_ticks,
-            own_ticks,
-            at: Instant::now(),
-        })
-    }
-
-    /// Cores used by other processes since `self` (USER_HZ is 100 on Linux); `None` for
-    /// windows too short for 10 ms ticks to say anything.
-    fn others_since(self) -> Option<f64> {
-        if self.at.elapsed() < Duration::from_millis(250) {
-            return None;
-        }
-        let now = Self::now()?;
-        let other = now.busy_ticks.saturating_sub(self.busy_ticks) as f64
-            - now.own_ticks.saturating_sub(self.own_ticks) as f64;
-        Some((other / 100.0 / self.at.elapsed().as_secs_f64()).max(0.0))
-    }
 }
 
 fn human_rate(r: f64) -> String {

@@ -43,10 +43,10 @@ use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Pd, Qp, RemoteMemory};
 use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
-    create_qp, doorbell_line, exit_with, merge, mtu_line, open_env, open_env_remote, pattern,
-    remote_header, remote_json, step, table_row, tx_depth_for, upload, with_mtu, CommonArgs,
-    Exports, GpuStatus, Header, Initiator, LatSide, LatStats, Payload, Peer, Placement, Progress,
-    QpSpec,
+    create_qp, doorbell_line, error_text, exit_with, merge, mtu_line, open_env, open_env_remote,
+    pattern, remote_header, remote_json, step, table_row, tx_depth_for, upload, with_mtu,
+    CommonArgs, CpuSample, Exports, GpuStatus, Header, Initiator, LatSide, LatStats, OtherCpu,
+    Payload, Peer, Placement, Progress, QpSpec,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
 use prm::{Completion, Rkey};
@@ -311,12 +311,13 @@ fn run(args: &Args) -> Result<()> {
         None => vec![0, 1],
     };
 
+    let mut other_cpu = OtherCpu::sample_before_run();
     let mut h = Header::new("RDMA_Write Latency Test (write_lat)");
     common_header(
         &mut h,
         &env,
         a,
-        doorbell_line(&sides[0].qp, env.initiator, ring_mode),
+        doorbell_line(&sides[0].qp, env.initiator, ring_mode, a.db),
     );
     if let (Some(p), Some(ep)) = (&peer, &peer_ep) {
         remote_header(&mut h, a, p, &env.ctx, ep);
@@ -372,6 +373,7 @@ fn run(args: &Args) -> Result<()> {
             "both receive buffers, every byte, every size"
         },
     );
+    other_cpu.header(&mut h);
     h.print(a.json);
     if !a.json {
         println!(
@@ -429,13 +431,15 @@ fn run(args: &Args) -> Result<()> {
         }
         // Across processes A sends only once B has cleared its buffers.
         step(&mut peer, "ready", Ok(()))?;
+        let cpu = CpuSample::now();
         let ran = engine.run(&sides, &ids, &targets, size, total, args.signal, a);
+        let others = other_cpu.record(cpu.and_then(CpuSample::others_since));
         // Side A's times (B has none).
         let mine: Option<Vec<u64>> = ran.as_ref().ok().cloned().flatten();
         step(&mut peer, "ran", ran.map(|_| ()))?;
         let failure = validate(&sides, &ids, size, total, seed, args.signal, &mut scratch)
             .err()
-            .map(|e| format!("{e:#}"));
+            .map(|e| error_text(&e));
         let stats = mine.map(|rtt| {
             let mut half_us: Vec<f64> = rtt[warmup as usize..]
                 .iter()
@@ -469,6 +473,7 @@ fn run(args: &Args) -> Result<()> {
                     "t_min_us": st.min, "t_max_us": st.max, "t_typical_us": st.typical,
                     "t_avg_us": st.avg, "t_stdev_us": st.stdev, "p99_us": st.p99,
                     "p99_9_us": st.p999, "validated": failure.is_none(),
+                    "other_cpu_cores": others,
                 }),
             );
             println!("{v}");
@@ -500,6 +505,10 @@ fn run(args: &Args) -> Result<()> {
     }
     if let Some(p) = pcap {
         p.finish()?;
+    }
+    if let Some(w) = other_cpu.warning(TEST) {
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        eprintln!("{w}");
     }
     Ok(())
 }
