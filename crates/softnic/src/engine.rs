@@ -519,19 +519,7 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
             rq.srq_wqe.take()
         };
         if let Some(idx) = held {
-            dev.counters.error(Syndrome::WrFlush);
-            let e = ErrorCqe {
-                responder: true,
-                syndrome: Syndrome::WrFlush as u8,
-                vendor_syndrome: 0,
-                wqe_opcode: 0,
-                qpn: qp.qpn,
-                wqe_counter: idx,
-            };
-            match qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
-                Ok(()) => Counters::add(&dev.counters.cqes, 1),
-                Err(e) => count_cq_error(&dev.counters, e),
-            }
+            flush_recv_cqe(dev, qp, idx);
         }
         if !qp.last_wqe_raised.swap(true, Ordering::AcqRel) {
             qp.events.raise(AsyncEvent::LastWqeReached);
@@ -549,20 +537,25 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
     }
     let head = rq_head(qp);
     while (rq.ci as u16) != head && head.wrapping_sub(rq.ci as u16) as u32 <= qp.rq_wqes {
-        dev.counters.error(Syndrome::WrFlush);
-        let e = ErrorCqe {
-            responder: true,
-            syndrome: Syndrome::WrFlush as u8,
-            vendor_syndrome: 0,
-            wqe_opcode: 0,
-            qpn: qp.qpn,
-            wqe_counter: rq.ci as u16,
-        };
-        match qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
-            Ok(()) => Counters::add(&dev.counters.cqes, 1),
-            Err(e) => count_cq_error(&dev.counters, e),
-        }
+        flush_recv_cqe(dev, qp, rq.ci as u16);
         rq.ci = rq.ci.wrapping_add(1);
+    }
+}
+
+/// The WR_FLUSH completion of receive WQE `idx` of an errored QP.
+fn flush_recv_cqe(dev: &Shared, qp: &Qp, idx: u16) {
+    dev.counters.error(Syndrome::WrFlush);
+    let e = ErrorCqe {
+        responder: true,
+        syndrome: Syndrome::WrFlush as u8,
+        vendor_syndrome: 0,
+        wqe_opcode: 0,
+        qpn: qp.qpn,
+        wqe_counter: idx,
+    };
+    match qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
+        Ok(()) => Counters::add(&dev.counters.cqes, 1),
+        Err(e) => count_cq_error(&dev.counters, e),
     }
 }
 

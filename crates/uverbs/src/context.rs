@@ -361,6 +361,14 @@ fn ib_access(flags: u32) -> Result<softnic::Access, Errno> {
     Ok(a)
 }
 
+/// `v` when it is at most `max` (a QP attribute in range), else EINVAL.
+fn at_most(v: u8, max: u8) -> Result<u8, Errno> {
+    if v > max {
+        return Err(Errno::EINVAL);
+    }
+    Ok(v)
+}
+
 fn mtu_bytes(m: u8) -> Option<u32> {
     (1..=5).contains(&m).then(|| 128u32 << m)
 }
@@ -1162,40 +1170,22 @@ impl Context {
             a.sq_psn = m.sq_psn & 0xff_ffff;
         }
         if given & MAX_DEST_RD_ATOMIC != 0 {
-            if m.max_dest_rd_atomic as u32 > MAX_RD_ATOM {
-                return Err(Errno::EINVAL);
-            }
-            a.max_dest_rd_atomic = m.max_dest_rd_atomic;
+            a.max_dest_rd_atomic = at_most(m.max_dest_rd_atomic, MAX_RD_ATOM as u8)?;
         }
         if given & MAX_QP_RD_ATOMIC != 0 {
-            if m.max_rd_atomic as u32 > MAX_RD_ATOM {
-                return Err(Errno::EINVAL);
-            }
-            a.max_rd_atomic = m.max_rd_atomic;
+            a.max_rd_atomic = at_most(m.max_rd_atomic, MAX_RD_ATOM as u8)?;
         }
         if given & MIN_RNR_TIMER != 0 {
-            if m.min_rnr_timer > 31 {
-                return Err(Errno::EINVAL);
-            }
-            a.min_rnr_timer = m.min_rnr_timer;
+            a.min_rnr_timer = at_most(m.min_rnr_timer, 31)?;
         }
         if given & TIMEOUT != 0 {
-            if m.timeout > 31 {
-                return Err(Errno::EINVAL);
-            }
-            a.timeout = m.timeout;
+            a.timeout = at_most(m.timeout, 31)?;
         }
         if given & RETRY_CNT != 0 {
-            if m.retry_cnt > 7 {
-                return Err(Errno::EINVAL);
-            }
-            a.retry_cnt = m.retry_cnt;
+            a.retry_cnt = at_most(m.retry_cnt, 7)?;
         }
         if given & RNR_RETRY != 0 {
-            if m.rnr_retry > 7 {
-                return Err(Errno::EINVAL);
-            }
-            a.rnr_retry = m.rnr_retry;
+            a.rnr_retry = at_most(m.rnr_retry, 7)?;
         }
         let rights = ib_access(
             a.access & (access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC),

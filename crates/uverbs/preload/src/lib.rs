@@ -85,28 +85,35 @@ fn open_device(p: &[u8], flags: c_int) -> Option<c_int> {
     })
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
-    // SAFETY: forwards the caller's arguments.
+/// The open family: an emulated device file, or libc's call (`forward`).
+unsafe fn open_any(path: *const c_char, flags: c_int, forward: impl FnOnce() -> c_int) -> c_int {
+    // SAFETY: `path` is the caller's NUL-terminated path (as open requires).
     if let Some(p) = unsafe { device_path(path) } {
         if let Some(fd) = open_device(p, flags) {
             return fd;
         }
     }
-    // SAFETY: libc's open with the caller's arguments.
-    unsafe { real!(c"open": fn(*const c_char, c_int, mode_t) -> c_int)(path, flags, mode) }
+    forward()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    // SAFETY: forwards the caller's arguments to the emulation or to libc's open.
+    unsafe {
+        open_any(path, flags, || {
+            real!(c"open": fn(*const c_char, c_int, mode_t) -> c_int)(path, flags, mode)
+        })
+    }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
-    // SAFETY: forwards the caller's arguments.
-    if let Some(p) = unsafe { device_path(path) } {
-        if let Some(fd) = open_device(p, flags) {
-            return fd;
-        }
+    // SAFETY: forwards the caller's arguments to the emulation or to libc's open64.
+    unsafe {
+        open_any(path, flags, || {
+            real!(c"open64": fn(*const c_char, c_int, mode_t) -> c_int)(path, flags, mode)
+        })
     }
-    // SAFETY: libc's open64 with the caller's arguments.
-    unsafe { real!(c"open64": fn(*const c_char, c_int, mode_t) -> c_int)(path, flags, mode) }
 }
 
 #[no_mangle]
@@ -117,14 +124,12 @@ pub unsafe extern "C" fn openat(
     mode: mode_t,
 ) -> c_int {
     // SAFETY: forwards the caller's arguments (device paths are absolute, so dirfd is moot).
-    if let Some(p) = unsafe { device_path(path) } {
-        if let Some(fd) = open_device(p, flags) {
-            return fd;
-        }
-    }
-    // SAFETY: libc's openat with the caller's arguments.
     unsafe {
-        real!(c"openat": fn(c_int, *const c_char, c_int, mode_t) -> c_int)(dirfd, path, flags, mode)
+        open_any(path, flags, || {
+            real!(c"openat": fn(c_int, *const c_char, c_int, mode_t) -> c_int)(
+                dirfd, path, flags, mode,
+            )
+        })
     }
 }
 
@@ -135,17 +140,13 @@ pub unsafe extern "C" fn openat64(
     flags: c_int,
     mode: mode_t,
 ) -> c_int {
-    // SAFETY: forwards the caller's arguments.
-    if let Some(p) = unsafe { device_path(path) } {
-        if let Some(fd) = open_device(p, flags) {
-            return fd;
-        }
-    }
-    // SAFETY: libc's openat64 with the caller's arguments.
+    // SAFETY: forwards the caller's arguments (device paths are absolute, so dirfd is moot).
     unsafe {
-        real!(c"openat64": fn(c_int, *const c_char, c_int, mode_t) -> c_int)(
-            dirfd, path, flags, mode,
-        )
+        open_any(path, flags, || {
+            real!(c"openat64": fn(c_int, *const c_char, c_int, mode_t) -> c_int)(
+                dirfd, path, flags, mode,
+            )
+        })
     }
 }
 
