@@ -1,22 +1,22 @@
-//! The device object: identity (name, GID), the object tables, the engine thread, the wire
-//! port and its I/O thread, and the process-wide registry through which soft devices find each
-//! other's QPs.
+//! The device object: identity (name, GID), the verbs that create and destroy its objects,
+//! and the threads it runs: the engine and, with a wire port, the transport's I/O thread.
+//! What those threads share with the handle lives in [`crate::shared`].
 
 use crate::counters::{CounterSnapshot, Counters};
 use crate::cq::{Cq, CqConfig};
 use crate::devmem::DeviceMemory;
-use crate::mem::{Access, MrInfo, MrTable, PdId};
+use crate::mem::{Access, MrInfo, PdId};
 use crate::qp::{Qp, QpConfig};
+use crate::shared::{self, Shared};
 use crate::srq::{Srq, SrqConfig};
 use crate::wire::socket::Port;
 use crate::wire::{Capture, WireConfig, WireError, WireFaults};
 use crate::{Error, Gid};
-use parking_lot::{Mutex, RwLock};
-use std::collections::HashMap;
+use parking_lot::RwLock;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
-use std::thread::{JoinHandle, Thread};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
 
 /// Parameters of a new soft device.
 #[derive(Clone, Debug, Default)]
@@ -35,72 +35,6 @@ pub struct DeviceConfig {
     pub wire: Option<WireConfig>,
 }
 
-/// State shared by the device handle, its engine and peers.
-pub(crate) struct Shared {
-    pub name: String,
-    pub completion_only: bool,
-    pub gid: Gid,
-    pub mrs: Arc<MrTable>,
-    pub counters: Arc<Counters>,
-    qps: RwLock<HashMap<u32, Arc<Qp>>>,
-    cqs: RwLock<HashMap<u32, Arc<Cq>>>,
-    /// Bumped whenever the QP or CQ set changes, so the engine refreshes its snapshot.
-    pub generation: AtomicU64,
-    next_qpn: AtomicU32,
-    next_cqn: AtomicU32,
-    next_srqn: AtomicU32,
-    next_pd: AtomicU32,
-    pub shutdown: AtomicBool,
-    pub engine: OnceLock<Thread>,
-    /// The wire port, if any.
-    pub port: Option<Arc<Port>>,
-    /// GID → UDP address of wire peers ([`Device::add_peer`]).
-    peers: RwLock<HashMap<Gid, SocketAddr>>,
-}
-
-impl Shared {
-    pub fn qp(&self, qpn: u32) -> Option<Arc<Qp>> {
-        self.qps.read().get(&qpn).cloned()
-    }
-    pub fn cq(&self, cqn: u32) -> Option<Arc<Cq>> {
-        self.cqs.read().get(&cqn).cloned()
-    }
-    pub fn snapshot(&self) -> (Vec<Arc<Qp>>, Vec<Arc<Cq>>) {
-        let mut qps: Vec<_> = self.qps.read().values().cloned().collect();
-        qps.sort_by_key(|q| q.qpn);
-        (qps, self.cqs.read().values().cloned().collect())
-    }
-    pub fn kick(&self) {
-        if let Some(t) = self.engine.get() {
-            t.unpark();
-        }
-    }
-    pub fn port(&self) -> Option<&Arc<Port>> {
-        self.port.as_ref()
-    }
-    pub fn peer_addr(&self, gid: &Gid) -> Option<SocketAddr> {
-        self.port.as_ref()?;
-        self.peers.read().get(gid).copied()
-    }
-}
-
-/// Live devices: GID, whether it has a wire port, the device.
-static REGISTRY: Mutex<Vec<(Gid, bool, Weak<Shared>)>> = Mutex::new(Vec::new());
-static NEXT_DEVICE: AtomicU32 = AtomicU32::new(1);
-
-/// Finds the live soft device with this GID, when exactly one has it (wire devices may share
-/// a GID: several ports on one host address; such a GID names no in-process peer).
-pub(crate) fn lookup(gid: &Gid) -> Option<Arc<Shared>> {
-    let reg = REGISTRY.lock();
-    let mut live = reg
-        .iter()
-        .filter(|(g, _, w)| g == gid && w.strong_count() > 0);
-    match (live.next(), live.next()) {
-        (Some((_, _, w)), None) => w.upgrade(),
-        _ => None,
-    }
-}
-
 /// A soft mlx5 device. Dropping it stops its engine; peers then see its QPs vanish (their
 /// requests time out with TRANSPORT_RETRY_EXC, as with a dead host).
 pub struct Device {
@@ -113,7 +47,7 @@ impl Device {
     /// Creates a device and starts its engine thread (and, with a wire port, binds its socket
     /// and starts its I/O thread).
     pub fn open(cfg: DeviceConfig) -> Result<Self, Error> {
-        let n = NEXT_DEVICE.fetch_add(1, Ordering::Relaxed);
+        let n = shared::NEXT_DEVICE.fetch_add(1, Ordering::Relaxed);
         let gid = match (cfg.gid, &cfg.wire) {
             (Some(g), _) => g,
             (None, Some(w)) => match w.bind.ip() {
@@ -158,16 +92,7 @@ impl Device {
             port,
             peers: RwLock::default(),
         });
-        {
-            let mut reg = REGISTRY.lock();
-            reg.retain(|(_, _, w)| w.strong_count() > 0);
-            // In-process peers are found by GID: it must name one device, unless every device
-            // holding it has a wire port (several UDP ports on one host address).
-            if reg.iter().any(|(g, w2, _)| *g == gid && !(wire && *w2)) {
-                return Err(Error::GidInUse(gid));
-            }
-            reg.push((gid, wire, Arc::downgrade(&shared)));
-        }
+        shared::register(&shared, wire)?;
         let s = shared.clone();
         let handle = std::thread::Builder::new()
             .name(format!("{}-engine", shared.name))
@@ -183,7 +108,7 @@ impl Device {
             dev.io = Some(
                 std::thread::Builder::new()
                     .name(format!("{}-wire", shared.name))
-                    .spawn(move || crate::wire::socket::run(s, port))?,
+                    .spawn(move || crate::wire::transport::run(s, port))?,
             );
         }
         tracing::debug!(name = %shared.name, gid = %gid, wire = ?dev.wire_addr(), "soft NIC opened");
@@ -456,10 +381,7 @@ impl Drop for Device {
         for qp in self.shared.qps.read().values() {
             qp.set_state(crate::qp::QpState::Reset);
         }
-        let mut reg = REGISTRY.lock();
-        reg.retain(|(_, _, w)| {
-            !std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.shared)) && w.strong_count() > 0
-        });
+        shared::unregister(&self.shared);
     }
 }
 

@@ -2,75 +2,32 @@
 //! BlueFlame register) as a ConnectX would, checks them, executes them against registered
 //! memory, and writes CQEs.
 //!
-//! Requester and responder sides are split so that a transport can sit between them: the
-//! requester checks a WQE locally (shared by every route), then either runs it on a peer QP of
-//! this process ([`respond`], a function call) or hands it to the wire transport
-//! ([`crate::wire`]), which completes it when the peer's ACK arrives. Both [`respond`] and the
-//! wire responder run requests through the same responder checks (`Resp`).
+//! This is the requester side. It checks a WQE locally (shared by every route), then either
+//! runs it on a peer QP of this process ([`crate::responder`], a function call) or hands it to
+//! the wire transport ([`crate::wire`]), which completes it when the peer's ACK arrives. The
+//! engine calls down into both and nothing calls back up into it: the layers are formats
+//! (`prm`) → objects (`mem`, `cq`, `srq`, `qp`, `shared`) → outcomes and completions →
+//! responder → wire transport → engine → [`crate::Device`].
 
+use crate::completion::{count_cq_error, flush_cqe, push_cqe_delayed};
 use crate::counters::Counters;
-use crate::cq::CqError;
-use crate::device::{lookup, Shared};
 use crate::event::AsyncEvent;
-use crate::mem::{copy_ranges, write_range, Access, AccessError, CopyError, MemRange, MrGuard};
-use crate::qp::{DoorbellKind, Qp, QpState, RqState, SqState, Stall};
+use crate::mem::{total, write_range, Access, MemRange, MrGuard};
+use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall, MAX_MSG};
+use crate::qp::{DoorbellKind, Qp, QpState, SqState};
+use crate::responder::{respond, Request, Response};
+use crate::shared::{lookup, Shared};
 use crate::wire::transport;
 use parking_lot::MutexGuard;
-use prm::cqe::{Cqe64, ErrorCqe, RespKind};
+use prm::cqe::{Cqe64, ErrorCqe};
 use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
 use prm::parse::{parse_wqe, sge_of, AtomicKind, ParsedLocal, ParsedOp};
 use prm::wqe::{blocks_for_ds, CtrlSeg, DataSeg};
 use prm::{Syndrome, DS_UNIT, MAX_WQE_BBS, WQEBB};
 use smallvec::SmallVec;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Vendor syndromes the soft NIC puts in byte 54 of its error CQEs, so a test (or a person)
-/// can tell apart causes that share a syndrome.
-pub mod vendor {
-    /// The WQE failed the format check (opcode, opmod, ds, inline or atomic length).
-    pub const MALFORMED_WQE: u8 = 0x81;
-    /// The WQE's control-segment index is not its ring position (stale or half-written WQE:
-    /// the initiator published out of order).
-    pub const STALE_WQE: u8 = 0x82;
-    /// The QPN in the WQE's control segment is not this QP's.
-    pub const WQE_QPN: u8 = 0x83;
-    /// The QPN in the doorbell value is not this QP's.
-    pub const DOORBELL_QPN: u8 = 0x84;
-    /// The doorbell producer index is behind the device's consumer index.
-    pub const DOORBELL_BEHIND: u8 = 0x85;
-    /// The doorbell producer index is more than a ring ahead of the consumer index.
-    pub const DOORBELL_AHEAD: u8 = 0x86;
-    /// The WQE extends past the producer index, or a BlueFlame WQE past its register.
-    pub const WQE_PAST_PRODUCER: u8 = 0x87;
-    /// Fault injection.
-    pub const INJECTED: u8 = 0x88;
-    /// Local key, PD, range or right.
-    pub const LOCAL_KEY: u8 = 0x89;
-    /// Remote key, PD, range or right (or QP access flags).
-    pub const REMOTE_KEY: u8 = 0x8a;
-    /// Receive buffer too small, or its key refused.
-    pub const RECV_BUFFER: u8 = 0x8b;
-    /// No peer answered (absent device or QP, or peer not ready).
-    pub const NO_PEER: u8 = 0x8c;
-    /// Receiver not ready (no receive WQE posted).
-    pub const RNR: u8 = 0x8d;
-    /// Misaligned atomic or a WAIT on an unknown CQ.
-    pub const INVALID_REQUEST: u8 = 0x8e;
-    /// Message longer than the device's maximum.
-    pub const TOO_LONG: u8 = 0x8f;
-    /// The CQ the completion went to overran.
-    pub const CQ_OVERRUN: u8 = 0x90;
-    /// A wire response that does not fit its request (opcode or length): BAD_RESP.
-    pub const BAD_RESPONSE: u8 = 0x91;
-    /// A device-memory (GPU memory) access failed: a payload copy, an atomic, a WQE read from
-    /// a GPU-resident ring (the driver's error is logged at warn level).
-    pub const DEVICE_MEMORY: u8 = 0x92;
-}
-
-/// Largest message (bytes), as ConnectX's `max_msg_sz`.
-pub const MAX_MSG: u64 = 1 << 30;
 
 /// Spins of an idle engine before it starts to sleep.
 const IDLE_SPINS: u32 = 4096;
@@ -430,36 +387,9 @@ fn fetch_wqe(
     Ok(())
 }
 
-/// Counts a CQE the CQ refused.
-pub(crate) fn count_cq_error(c: &Counters, e: CqError) {
-    match e {
-        CqError::Overrun(_) => Counters::add(&c.cq_overruns, 1),
-        CqError::DeviceMemory(_) => Counters::add(&c.devmem_errors, 1),
-        CqError::Failed(_) => {}
-    }
-}
-
 /// Writes a CQE to `cq` on behalf of `qp` (delayed when fault injection asks).
 fn push_cqe(dev: &Shared, qp: &Qp, sq: &SqState, cq: &crate::cq::Cq, cqe: Cqe64) {
     push_cqe_delayed(dev, qp, sq.delay, cq, cqe)
-}
-
-/// Writes a CQE to `cq` on behalf of `qp`, `delay` late when fault injection asks.
-pub(crate) fn push_cqe_delayed(
-    dev: &Shared,
-    qp: &Qp,
-    delay: Option<Duration>,
-    cq: &crate::cq::Cq,
-    cqe: Cqe64,
-) {
-    let due = delay.map(|d| Instant::now() + d);
-    match cq.push(qp.stamp(cqe), due) {
-        Ok(()) => Counters::add(&dev.counters.cqes, 1),
-        Err(e) => {
-            count_cq_error(&dev.counters, e);
-            qp.fatal(AsyncEvent::QpFatal);
-        }
-    }
 }
 
 /// Completes the WQE at the consumer index with an error CQE and moves the QP to ERR.
@@ -488,20 +418,6 @@ fn fail(dev: &Shared, qp: &Qp, sq: &mut SqState, opcode: u8, syndrome: Syndrome,
 
 fn flush_wqe(dev: &Shared, qp: &Qp, sq: &SqState, opcode: u8, idx: u16) {
     flush_cqe(dev, qp, sq.delay, opcode, idx)
-}
-
-/// Writes the WR_FLUSH CQE of the WQE at `idx`.
-pub(crate) fn flush_cqe(dev: &Shared, qp: &Qp, delay: Option<Duration>, opcode: u8, idx: u16) {
-    dev.counters.error(Syndrome::WrFlush);
-    let e = ErrorCqe {
-        responder: false,
-        syndrome: Syndrome::WrFlush as u8,
-        vendor_syndrome: 0,
-        wqe_opcode: opcode,
-        qpn: qp.qpn,
-        wqe_counter: idx,
-    };
-    push_cqe_delayed(dev, qp, delay, &qp.send_cq, Cqe64::error(&e, 0));
 }
 
 /// Completes every posted receive of a QP in ERR with WR_FLUSH. A QP on an SRQ flushes only
@@ -535,7 +451,7 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
     if qp.state() != QpState::Err {
         return;
     }
-    let head = rq_head(qp);
+    let head = qp.rq_head();
     while (rq.ci as u16) != head && head.wrapping_sub(rq.ci as u16) as u32 <= qp.rq_wqes {
         flush_recv_cqe(dev, qp, rq.ci as u16);
         rq.ci = rq.ci.wrapping_add(1);
@@ -559,44 +475,6 @@ fn flush_recv_cqe(dev: &Shared, qp: &Qp, idx: u16) {
     }
 }
 
-pub(crate) fn rq_head(qp: &Qp) -> u16 {
-    u32::from_be(qp.dbrec_word(0).load(Ordering::Acquire)) as u16
-}
-
-/// How a WQE ended when it did not fail.
-pub(crate) enum Done {
-    /// Completed; the byte count for the CQE.
-    Complete(u32),
-    /// Must run again later (RNR back-off, transport retry, WAIT).
-    Stalled(Stall),
-    /// Handed to the wire transport, which completes it when the peer answers.
-    Queued,
-}
-
-pub(crate) type Fail = (Syndrome, u8);
-
-pub(crate) fn local_err(_: AccessError) -> Fail {
-    (Syndrome::LocalProt, vendor::LOCAL_KEY)
-}
-
-/// A device-memory access of the requester's own buffers failed (gather source, READ
-/// destination, atomic result): LOCAL_PROT, as a ConnectX reports a local buffer it cannot
-/// access, with vendor syndrome [`vendor::DEVICE_MEMORY`].
-pub(crate) fn local_devmem_err(c: &Counters, e: &crate::DeviceMemoryError) -> Fail {
-    tracing::warn!(error = %e, "device memory failed (requester)");
-    Counters::add(&c.devmem_errors, 1);
-    (Syndrome::LocalProt, vendor::DEVICE_MEMORY)
-}
-
-/// The responder's answer when its own device memory failed (WRITE target, READ source, atomic
-/// target, receive buffer or receive WQE): NAK remote operational error (REMOTE_OP at the
-/// requester), fatal for the responder.
-pub(crate) fn remote_devmem_nak(c: &Counters, e: &crate::DeviceMemoryError) -> Response {
-    tracing::warn!(error = %e, "device memory failed (responder)");
-    Counters::add(&c.devmem_errors, 1);
-    Response::Nak(Syndrome::RemoteOp, vendor::DEVICE_MEMORY)
-}
-
 /// Checked local ranges of a gather/scatter list.
 fn local_ranges(
     g: &MrGuard<'_>,
@@ -611,10 +489,6 @@ fn local_ranges(
                 .map_err(local_err)
         })
         .collect()
-}
-
-pub(crate) fn total(r: &[MemRange]) -> u64 {
-    r.iter().map(|r| r.len).sum()
 }
 
 /// Where a QP's peer is.
@@ -690,500 +564,6 @@ fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
             }
         }
     }
-}
-
-/// The IBTA RNR NAK timer table (encoding → microseconds).
-pub(crate) fn rnr_delay(code: u8) -> Duration {
-    const US: [u32; 32] = [
-        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840,
-        5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
-        245_760, 327_680, 491_520,
-    ];
-    Duration::from_micros(US[code as usize & 31] as u64)
-}
-
-/// What a request asks of the responder.
-pub(crate) enum Request<'a> {
-    Write {
-        raddr: u64,
-        rkey: u32,
-        src: &'a [MemRange],
-        len: u64,
-        imm: Option<u32>,
-    },
-    Send {
-        src: &'a [MemRange],
-        len: u64,
-        imm: Option<u32>,
-    },
-    Read {
-        raddr: u64,
-        rkey: u32,
-        dst: &'a [MemRange],
-        len: u64,
-    },
-    Atomic {
-        raddr: u64,
-        rkey: u32,
-        kind: AtomicKind,
-    },
-}
-
-/// The responder's answer, as it would travel back in an ACK/NAK.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Response {
-    Ack,
-    /// The original value of an atomic.
-    AtomicAck(u64),
-    /// Receiver not ready, retry after this RNR timer code.
-    Rnr(u8),
-    /// NAK: the requester completes with this syndrome. (In-process only, also the
-    /// requester's own failure found during the transfer: LOCAL_PROT for a source or READ
-    /// destination in device memory that failed; the responder is not affected.)
-    Nak(Syndrome, u8),
-}
-
-/// The responder side of one QP, held for one request (in-process) or one packet (wire):
-/// its receive state and its device's memory table. Every check a responder makes is here, so
-/// the in-process path ([`respond`]) and the wire responder ([`crate::wire`]) make the same
-/// ones with the same outcomes.
-pub(crate) struct Resp<'a> {
-    pub qp: &'a Qp,
-    pub rq: MutexGuard<'a, RqState>,
-    pub g: MrGuard<'a>,
-    /// Whether a receive completion reported this request's failure.
-    reported: bool,
-}
-
-impl<'a> Resp<'a> {
-    /// Takes the QP's receive state and its memory table.
-    pub fn lock(qp: &'a Qp) -> Self {
-        let rq = qp.lock_rq();
-        let g = qp.mrs.read();
-        Self {
-            qp,
-            rq,
-            g,
-            reported: false,
-        }
-    }
-
-    /// A remote access: the QP's access flags, then key, PD, range and right of the region.
-    /// Not fatal by itself (see [`Resp::fatal`]).
-    pub fn remote(
-        &self,
-        need: Access,
-        raddr: u64,
-        rkey: u32,
-        len: u64,
-    ) -> Result<MemRange, Response> {
-        if !self.rq.access.contains(need) {
-            return Err(Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY));
-        }
-        self.g
-            .check(self.qp.pd, need, rkey, raddr, len)
-            .map_err(|_| Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY))
-    }
-
-    /// Error classes that put the responder in ERR (as an RC responder does on NAK-invalid
-    /// request, remote access and remote operational errors).
-    /// A failure no receive completion reported raises the affiliated event a ConnectX
-    /// responder raises: QP_REQ_ERR for an invalid request, QP_ACCESS_ERR for a remote access
-    /// violation, QP_FATAL otherwise.
-    pub fn fatal(&self, r: Response) -> Response {
-        if let Response::Nak(syndrome, _) = r {
-            if self.reported {
-                self.qp.set_state(QpState::Err);
-            } else {
-                self.qp.fatal(match syndrome {
-                    Syndrome::RemoteInvalReq => AsyncEvent::QpRequestError,
-                    Syndrome::RemoteAccess => AsyncEvent::QpAccessError,
-                    _ => AsyncEvent::QpFatal,
-                });
-            }
-        }
-        r
-    }
-
-    /// Whether a receive WQE is posted. A QP on an SRQ takes the SRQ's next WQE here and
-    /// holds it for the message (other QPs of the SRQ cannot take it meanwhile).
-    pub fn has_recv(&mut self) -> bool {
-        match &self.qp.srq {
-            Some(s) => {
-                if self.rq.srq_wqe.is_none() {
-                    self.rq.srq_wqe = s.take();
-                }
-                self.rq.srq_wqe.is_some()
-            }
-            None => self.qp.rq_wqes != 0 && self.rq.ci as u16 != rq_head(self.qp),
-        }
-    }
-
-    /// The `wqe_counter` of the receive at the head: the RQ's counter, or the index of the
-    /// SRQ WQE held.
-    fn recv_counter(&self) -> u16 {
-        match (&self.qp.srq, self.rq.srq_wqe) {
-            (Some(_), Some(i)) => i,
-            _ => self.rq.ci as u16,
-        }
-    }
-
-    /// Moves past the receive just completed.
-    fn recv_advance(&mut self) {
-        if self.qp.srq.is_some() {
-            self.rq.srq_wqe = None;
-        } else {
-            self.rq.ci = self.rq.ci.wrapping_add(1);
-        }
-    }
-
-    /// Receiver not ready, with this QP's RNR timer.
-    pub fn rnr(&self) -> Response {
-        Response::Rnr(self.rq.min_rnr_timer)
-    }
-
-    /// The checked scatter list of the receive WQE at the head (which must be posted). A bad
-    /// key completes the receive with LOCAL_PROT and NAKs remote operational error (fatal).
-    pub fn recv_ranges(&mut self) -> Result<SmallVec<[MemRange; 4]>, Response> {
-        let qp = self.qp;
-        let (ring, off, nsge, pd) = match &qp.srq {
-            Some(s) => {
-                if !self.has_recv() {
-                    return Err(self.rnr());
-                }
-                let idx = self.recv_counter();
-                (s.ring(), s.data_offset(idx), s.max_sge() as usize, s.pd())
-            }
-            None => {
-                if qp.rq_wqes == 0 {
-                    return Err(self.fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER)));
-                }
-                let off = (self.rq.ci & (qp.rq_wqes - 1)) as usize * qp.rq_stride as usize;
-                (&qp.rq_ring, off, qp.max_recv_sge as usize, qp.pd)
-            }
-        };
-        // The whole receive WQE at once (one round trip when the ring is device memory).
-        let mut wqe = [0u8; 16 * 32];
-        let n = nsge.min(32) * 16;
-        if let Err(e) = ring.try_read(off, &mut wqe[..n]) {
-            self.recv_error(Syndrome::LocalAccess, vendor::DEVICE_MEMORY);
-            let nak = remote_devmem_nak(&qp.counters, &e);
-            return Err(self.fatal(nak));
-        }
-        let mut segs: SmallVec<[DataSeg; 4]> = SmallVec::new();
-        for j in 0..n / 16 {
-            let d: DataSeg = bytemuck::pod_read_unaligned(&wqe[j * 16..(j + 1) * 16]);
-            if d.is_terminator() {
-                break;
-            }
-            segs.push(d);
-        }
-        let dst: Result<SmallVec<[MemRange; 4]>, _> = segs
-            .iter()
-            .map(|d| {
-                let s = sge_of(d);
-                self.g
-                    .check(pd, Access::LOCAL_WRITE, s.lkey.0, s.addr, s.len as u64)
-            })
-            .collect();
-        dst.map_err(|_| {
-            self.recv_error(Syndrome::LocalProt, vendor::RECV_BUFFER);
-            self.fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER))
-        })
-    }
-
-    /// A message longer than the receive buffer: the receive completes with LOCAL_LENGTH and
-    /// the requester gets NAK invalid request (fatal).
-    pub fn recv_too_small(&mut self) -> Response {
-        self.recv_error(Syndrome::LocalLength, vendor::RECV_BUFFER);
-        self.fatal(Response::Nak(Syndrome::RemoteInvalReq, vendor::RECV_BUFFER))
-    }
-
-    /// Scattering into the receive buffer (device memory) failed: the receive completes with
-    /// LOCAL_ACCESS (a responder's local access error) and the requester gets NAK remote
-    /// operational error (fatal).
-    pub fn recv_devmem_failed(&mut self, e: &crate::DeviceMemoryError) -> Response {
-        self.recv_error(Syndrome::LocalAccess, vendor::DEVICE_MEMORY);
-        let nak = remote_devmem_nak(&self.qp.counters, e);
-        self.fatal(nak)
-    }
-
-    /// Completes the receive WQE at the head successfully.
-    pub fn recv_done(&mut self, kind: RespKind, len: u64, imm: Option<u32>, from: u32) {
-        let qp = self.qp;
-        if qp.srq.is_some() && !self.has_recv() {
-            // only after has_recv said yes, which holds the WQE: not reached
-            return;
-        }
-        let counter = self.recv_counter();
-        let cqe = Cqe64::responder(kind, qp.qpn, from, counter, len as u32, imm, 0);
-        self.recv_advance();
-        match qp.recv_cq.push(qp.stamp(cqe), None) {
-            Ok(()) => Counters::add(&qp.counters.cqes, 1),
-            Err(e) => {
-                count_cq_error(&qp.counters, e);
-                qp.fatal(AsyncEvent::QpFatal);
-            }
-        }
-    }
-
-    fn recv_error(&mut self, syndrome: Syndrome, why: u8) {
-        let qp = self.qp;
-        qp.counters.error(syndrome);
-        let e = ErrorCqe {
-            responder: true,
-            syndrome: syndrome as u8,
-            vendor_syndrome: why,
-            wqe_opcode: 0,
-            qpn: qp.qpn,
-            wqe_counter: self.recv_counter(),
-        };
-        self.recv_advance();
-        self.reported = true;
-        if let Err(e) = qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
-            count_cq_error(&qp.counters, e);
-        }
-        Counters::add(&qp.counters.cqes, 1);
-    }
-
-    /// Runs an atomic: alignment, access, then the operation (skipped with `move_data`
-    /// false). Errors are fatal.
-    pub fn atomic(&self, raddr: u64, rkey: u32, kind: AtomicKind, move_data: bool) -> Response {
-        let size = kind.size() as u64;
-        if raddr % size != 0 {
-            return self.fatal(Response::Nak(
-                Syndrome::RemoteInvalReq,
-                vendor::INVALID_REQUEST,
-            ));
-        }
-        let target = match self.remote(Access::REMOTE_ATOMIC, raddr, rkey, size) {
-            Ok(t) => t,
-            Err(r) => return self.fatal(r),
-        };
-        if !move_data {
-            return Response::Ack;
-        }
-        match &target.dev {
-            // SAFETY: `target` is checked, live host memory (guard held), naturally aligned.
-            None => Response::AtomicAck(unsafe { atomic(target.addr, kind) }),
-            Some(m) => match device_atomic(m.as_ref(), target.addr, kind) {
-                Ok(old) => Response::AtomicAck(old),
-                Err(e) => {
-                    let nak = remote_devmem_nak(&self.qp.counters, &e);
-                    self.fatal(nak)
-                }
-            },
-        }
-    }
-}
-
-/// Executes a request at the responder `peer`, from requester QPN `from`. With `move_data`
-/// false (completion-only mode) every check and completion happens but no payload byte moves
-/// and atomics leave their target alone.
-pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -> Response {
-    let mut r = Resp::lock(peer);
-    let needs_recv = matches!(
-        req,
-        Request::Send { .. } | Request::Write { imm: Some(_), .. }
-    );
-    if needs_recv && !r.has_recv() {
-        return r.rnr();
-    }
-    match req {
-        Request::Write {
-            raddr,
-            rkey,
-            src,
-            len,
-            imm,
-        } => {
-            let dst = match r.remote(Access::REMOTE_WRITE, raddr, rkey, len) {
-                Ok(d) => d,
-                Err(e) => return r.fatal(e),
-            };
-            if move_data {
-                // SAFETY: `dst` was checked under `r.g` (still held); `src` was checked by the
-                // requester under its own guard, still held by the caller.
-                if let Err(e) = unsafe { copy_ranges(&[dst], src) } {
-                    return copy_failed(&r, e);
-                }
-            }
-            if let Some(imm) = imm {
-                r.recv_done(RespKind::WriteImm, len, Some(imm), from);
-            }
-            Response::Ack
-        }
-        Request::Send { src, len, imm } => {
-            let dst = match r.recv_ranges() {
-                Ok(d) => d,
-                Err(e) => return e,
-            };
-            if total(&dst) < len {
-                return r.recv_too_small();
-            }
-            if move_data {
-                // SAFETY: `dst` checked under `r.g` (held); `src` checked by the requester
-                // (held).
-                match unsafe { copy_ranges(&dst, src) } {
-                    Ok(_) => {}
-                    Err(CopyError::Dst(e)) => return r.recv_devmem_failed(&e),
-                    Err(e) => return copy_failed(&r, e),
-                }
-            }
-            let kind = if imm.is_some() {
-                RespKind::SendImm
-            } else {
-                RespKind::Send
-            };
-            r.recv_done(kind, len, imm, from);
-            Response::Ack
-        }
-        Request::Read {
-            raddr,
-            rkey,
-            dst,
-            len,
-        } => {
-            let src = match r.remote(Access::REMOTE_READ, raddr, rkey, len) {
-                Ok(s) => s,
-                Err(e) => return r.fatal(e),
-            };
-            if move_data {
-                // SAFETY: as for writes, with the directions swapped.
-                if let Err(e) = unsafe { copy_ranges(dst, &[src]) } {
-                    // the sides swap: the source is the responder's, the destination ours
-                    let e = match e {
-                        CopyError::Src(e) => CopyError::Dst(e),
-                        CopyError::Dst(e) => CopyError::Src(e),
-                    };
-                    return copy_failed(&r, e);
-                }
-            }
-            Response::Ack
-        }
-        Request::Atomic { raddr, rkey, kind } => r.atomic(raddr, rkey, kind, move_data),
-    }
-}
-
-/// A failed in-process transfer, seen from the requester: `Dst` is the responder's memory
-/// (REMOTE_OP, responder to ERR), `Src` the requester's own (LOCAL_PROT, responder unchanged).
-fn copy_failed(r: &Resp<'_>, e: CopyError) -> Response {
-    match e {
-        CopyError::Dst(e) => {
-            let nak = remote_devmem_nak(&r.qp.counters, &e);
-            r.fatal(nak)
-        }
-        CopyError::Src(e) => {
-            // counted by the requester (`execute`), whose memory it is
-            tracing::warn!(error = %e, "device memory failed (requester)");
-            Response::Nak(Syndrome::LocalProt, vendor::DEVICE_MEMORY)
-        }
-    }
-}
-
-/// What an atomic makes of the original value: the new value, or `None` to leave it.
-fn atomic_op(kind: AtomicKind) -> impl Fn(u64) -> Option<u64> {
-    move |old: u64| -> Option<u64> {
-        match kind {
-            AtomicKind::FetchAdd { add } => Some(old.wrapping_add(add)),
-            AtomicKind::CompareSwap { compare, swap } => (old == compare).then_some(swap),
-            AtomicKind::MaskedFetchAdd {
-                add,
-                field_boundary,
-                size,
-            } => Some(field_add(old, add, field_boundary, size.bytes() * 8)),
-            AtomicKind::MaskedCompareSwap {
-                compare,
-                compare_mask,
-                swap,
-                swap_mask,
-                ..
-            } => ((old & compare_mask) == (compare & compare_mask))
-                .then_some((old & !swap_mask) | (swap & swap_mask)),
-        }
-    }
-}
-
-/// Serialises the soft NIC's read-modify-writes on device memory (every device of the
-/// process): atomic with respect to each other, NOT with respect to GPU threads, which the
-/// host cannot lock out (a GPU atomic on the same word between the read and the write is lost
-/// or overwritten).
-static DEVICE_ATOMICS: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
-
-/// Performs an atomic on device memory as a read-modify-write through `mem` (original value
-/// returned, host-endian as in host memory). See [`DEVICE_ATOMICS`] for what is atomic.
-fn device_atomic(
-    mem: &dyn crate::DeviceMemory,
-    addr: u64,
-    kind: AtomicKind,
-) -> Result<u64, crate::DeviceMemoryError> {
-    let op = atomic_op(kind);
-    let _one_at_a_time = DEVICE_ATOMICS.lock();
-    if kind.size() == 8 {
-        let mut b = [0u8; 8];
-        mem.read(addr, &mut b)?;
-        let old = u64::from_ne_bytes(b);
-        if let Some(new) = op(old) {
-            mem.write(addr, &new.to_ne_bytes())?;
-        }
-        Ok(old)
-    } else {
-        let mut b = [0u8; 4];
-        mem.read(addr, &mut b)?;
-        let old = u32::from_ne_bytes(b) as u64;
-        if let Some(new) = op(old) {
-            mem.write(addr, &(new as u32).to_ne_bytes())?;
-        }
-        Ok(old)
-    }
-}
-
-/// Performs an atomic on host memory and returns the original value.
-///
-/// # Safety
-/// `addr` must be live host memory, aligned to the operand size.
-unsafe fn atomic(addr: u64, kind: AtomicKind) -> u64 {
-    let op = atomic_op(kind);
-    if kind.size() == 8 {
-        // SAFETY: aligned live memory per the contract; all device access is atomic.
-        let a = unsafe { AtomicU64::from_ptr(addr as *mut u64) };
-        let mut old = a.load(Ordering::Acquire);
-        loop {
-            let Some(new) = op(old) else { return old };
-            match a.compare_exchange_weak(old, new, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return old,
-                Err(cur) => old = cur,
-            }
-        }
-    } else {
-        // SAFETY: as above for a 4-byte operand.
-        let a = unsafe { AtomicU32::from_ptr(addr as *mut u32) };
-        let mut old = a.load(Ordering::Acquire);
-        loop {
-            let Some(new) = op(old as u64) else {
-                return old as u64;
-            };
-            match a.compare_exchange_weak(old, new as u32, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return old as u64,
-                Err(cur) => old = cur,
-            }
-        }
-    }
-}
-
-/// Adds `add` to `old` field by field: a set bit in `boundary` is the top bit of a field, and
-/// no carry crosses it.
-pub fn field_add(old: u64, add: u64, boundary: u64, bits: u32) -> u64 {
-    let mut out = 0u64;
-    let mut carry = 0u64;
-    for i in 0..bits {
-        let a = (old >> i) & 1;
-        let b = (add >> i) & 1;
-        let s = a + b + carry;
-        out |= (s & 1) << i;
-        carry = if (boundary >> i) & 1 == 1 { 0 } else { s >> 1 };
-    }
-    out
 }
 
 /// Checked local ranges of a WRITE/SEND source (SGEs, or the inline bytes in the WQE copy).

@@ -20,16 +20,23 @@
 pub mod buffer;
 pub mod counters;
 pub mod cq;
-mod device;
 pub mod devmem;
-pub mod engine;
 pub mod event;
-pub mod initiator;
 pub mod mem;
 pub mod pcap;
 pub mod qp;
+mod shared;
 pub mod srq;
+
+mod completion;
+mod device;
+pub mod engine;
+pub mod outcome;
+pub mod responder;
 pub mod wire;
+
+pub mod bench;
+pub mod initiator;
 
 pub use buffer::DmaBuf;
 pub use counters::{CounterSnapshot, WireCounters};

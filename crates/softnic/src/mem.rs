@@ -316,6 +316,11 @@ pub enum CopyError {
     Dst(DeviceMemoryError),
 }
 
+/// Total length of a list of ranges.
+pub(crate) fn total(r: &[MemRange]) -> u64 {
+    r.iter().map(|r| r.len).sum()
+}
+
 /// Copies bytes from `src` ranges to `dst` ranges (total lengths may differ; copies the
 /// shorter total). Host to host is a raw copy (memmove); anything involving device memory goes
 /// through the ranges' [`DeviceMemory`]. Returns bytes copied, or which side failed (bytes

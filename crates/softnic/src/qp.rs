@@ -6,7 +6,9 @@ use crate::counters::Counters;
 use crate::cq::Cq;
 use crate::event::{AsyncEvent, EventHandler, EventSlot};
 use crate::mem::{Access, MrTable, PdId};
+use crate::outcome::Stall;
 use crate::srq::Srq;
+use crate::wire::state::{ReqWire, RespWire};
 use crate::{Error, Gid};
 use parking_lot::{Mutex, MutexGuard};
 use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, UAR_PAGE_SIZE};
@@ -221,17 +223,7 @@ pub(crate) struct SqState {
     /// Path MTU (from RTR).
     pub mtu: u32,
     /// The requester transport, once the peer was found on the wire.
-    pub wire: Option<Box<crate::wire::transport::ReqWire>>,
-}
-
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Stall {
-    /// Retry the WQE at `ci` at this time.
-    Until(Instant),
-    /// WAIT on a CQ.
-    Wait { cqn: u32, max_index: u32 },
-    /// Until every WQE handed to the wire has completed (fence, PSN space).
-    Drain,
+    pub wire: Option<Box<ReqWire>>,
 }
 
 /// Responder-side state.
@@ -242,7 +234,7 @@ pub(crate) struct RqState {
     pub access: Access,
     pub min_rnr_timer: u8,
     /// The wire responder's state (expected PSN, MSN, message in progress).
-    pub wire: crate::wire::transport::RespWire,
+    pub wire: RespWire,
 }
 
 /// An RC queue pair.
@@ -510,6 +502,10 @@ impl Qp {
     pub(crate) fn dbrec_word(&self, i: usize) -> &AtomicU32 {
         self.dbrec_page().atomic_u32(self.dbrec_offset() + 4 * i)
     }
+    /// The RQ producer counter the application published in its doorbell record (low 16 bits).
+    pub(crate) fn rq_head(&self) -> u16 {
+        u32::from_be(self.dbrec_word(0).load(Ordering::Acquire)) as u16
+    }
     /// Offset of the 8-byte CPU-proxy producer word in [`Qp::ctrl_page`].
     pub fn proxy_offset(&self) -> usize {
         PROXY_OFF
@@ -583,7 +579,7 @@ impl Qp {
                 sq.mtu = a.mtu;
                 sq.wire = None;
                 rq.min_rnr_timer = a.min_rnr_timer;
-                rq.wire = crate::wire::transport::RespWire::new(a.rq_psn, a.mtu);
+                rq.wire = RespWire::new(a.rq_psn, a.mtu);
                 let remote = a.remote_gid.to_ipv4().map_or(0, |ip| {
                     1u64 << 56 | (u32::from(ip) as u64) << 24 | a.remote_qpn as u64
                 });
@@ -597,7 +593,7 @@ impl Qp {
                 }
                 sq.rts = a;
                 if let Some(w) = sq.wire.as_mut() {
-                    w.set_rts(&a);
+                    w.set_rts(a.timeout, a.retry_cnt, a.rnr_retry);
                 }
             }
             Modify::Reset => {

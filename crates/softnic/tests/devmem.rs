@@ -19,8 +19,8 @@ use prm::cqe::RespKind;
 use prm::wqe::{Local, Op, Opcode};
 use prm::{Completion, Syndrome};
 use softnic::devmem::{DeviceMemory, SimDeviceMemory};
-use softnic::engine::vendor;
 use softnic::initiator::{Initiator, RingMode};
+use softnic::outcome::vendor;
 use softnic::*;
 use std::sync::Arc;
 

@@ -13,7 +13,7 @@ use devmem_util::{reference, req_err, script, Kind, Region, ALL, REGION};
 use prm::wqe::{Local, Op, Opcode};
 use prm::{Completion, ErrorCqe, Syndrome};
 use softnic::devmem::SimDeviceMemory;
-use softnic::engine::vendor;
+use softnic::outcome::vendor;
 use softnic::{QpState, WireFaults};
 use std::sync::Arc;
 use wire_util::{faults, serial, wire_opts, wire_pair};

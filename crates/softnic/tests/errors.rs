@@ -9,7 +9,7 @@ use common::*;
 use prm::doorbell::DoorbellValue;
 use prm::wqe::{AtomicSize, Local, Op, RemoteAddr, Sge, INLINE_SEG};
 use prm::{Completion, Lkey, Rkey, Syndrome};
-use softnic::engine::vendor;
+use softnic::outcome::vendor;
 use softnic::{Access, Fault, QpState};
 use std::time::{Duration, Instant};
 

@@ -252,7 +252,7 @@ fn read_every_shape() {
     p.ea.ini.ring();
     p.ea.expect_err(
         prm::Syndrome::LocalQpOp,
-        softnic::engine::vendor::MALFORMED_WQE,
+        softnic::outcome::vendor::MALFORMED_WQE,
         0x10,
         idx,
     );
@@ -283,7 +283,7 @@ fn field_add_model_sanity() {
     ] {
         assert_eq!(
             model_field_add(o, a, b, bits),
-            softnic::engine::field_add(o, a, b, bits),
+            softnic::responder::field_add(o, a, b, bits),
             "{o:#x} {a:#x} {b:#x}"
         );
     }

@@ -5,7 +5,7 @@
 //! cargo test --release -p gpuverbs-softnic --test wire_bench -- --ignored --nocapture
 //! ```
 
-use softnic::wire::bench::{write_bw, WriteBw};
+use softnic::bench::{write_bw, WriteBw};
 
 #[test]
 #[ignore = "a measurement: run with --release -- --ignored --nocapture"]

@@ -10,7 +10,7 @@ mod wire_util;
 use common::*;
 use prm::wqe::{Local, Op, RemoteAddr};
 use prm::{Completion, Lkey, Rkey, Sge, Syndrome};
-use softnic::engine::vendor;
+use softnic::outcome::vendor;
 use softnic::{Access, QpState, RtsAttr, WireFaults};
 use std::time::{Duration, Instant};
 use wire_util::*;

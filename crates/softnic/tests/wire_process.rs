@@ -10,7 +10,7 @@ mod wire_util;
 use common::*;
 use prm::wqe::{Local, Op};
 use prm::{Completion, Syndrome};
-use softnic::engine::vendor;
+use softnic::outcome::vendor;
 use softnic::{Access, Device, Gid, WireFaults};
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;

@@ -7,15 +7,18 @@
 //! PSN range, is segmented to the path MTU and sent within a window; it completes (CQE in
 //! order, exactly as in-process) when its ACK, READ response or atomic ACK arrives. Incoming
 //! requests run through the same responder checks as in-process requests
-//! ([`crate::engine`]'s `Resp`). Formats and ICRC are in [`packet`], the socket and fault
-//! injection in `socket`, captures in [`crate::pcap`]. `docs/wire.md` is the full description.
+//! ([`crate::responder`]). Layers, each using only those before it: formats and ICRC
+//! ([`packet`]); the UDP port with fault injection, egress batching and ingress (`socket`);
+//! the per-QP RC state (`state`); the protocol and the I/O thread (`transport`), which the
+//! engine hands work to and which never calls the engine. Captures are in [`crate::pcap`].
+//! `docs/wire.md` is the full description.
 
-pub mod bench;
 pub mod packet;
 pub(crate) mod socket;
+pub(crate) mod state;
+pub(crate) mod transport;
 
 pub use socket::{roce_mtu, route_mtu, ROCE_OVERHEAD};
-pub(crate) mod transport;
 
 use crate::pcap::PcapWriter;
 use std::net::{Ipv4Addr, SocketAddr};

@@ -1,7 +1,7 @@
 //! The wire port of a device: its UDP sockets (the bound one, and the entropy-port ones that
 //! requesters send from), the egress path (fault injection, capture, batching with UDP
-//! segmentation offload) and the I/O thread that polls the sockets, receives datagrams (with
-//! UDP receive coalescing) and hands them to the transport one RoCEv2 packet at a time.
+//! segmentation offload) and the ingress path: waiting for readable sockets and receiving
+//! datagrams (with UDP receive coalescing), which the transport's I/O thread drives.
 //!
 //! Batching: consecutive packets of one sender to one destination that have the same size
 //! (the last may be shorter) leave in one `sendmsg` with `UDP_SEGMENT`: the kernel cuts them
@@ -9,10 +9,9 @@
 //! The receiving socket asks for `UDP_GRO` and splits what it gets back into the original
 //! datagrams. Kernels without either fall back to one system call per packet.
 
-use super::packet::{self, Flow, ICRC_LEN, MAX_DATAGRAM};
+use super::packet::{self, Flow};
 use super::{Capture, WireConfig, WireError, WireFaults};
 use crate::counters::Counters;
-use crate::device::Shared;
 use parking_lot::Mutex;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
@@ -35,7 +34,7 @@ const ENTROPY_SOCKETS: usize = 8;
 /// The RoCE entropy source-port range.
 pub(crate) const ENTROPY_PORTS: std::ops::RangeInclusive<u16> = 0xC000..=0xFFFF;
 /// Datagrams the I/O thread takes from one ready socket before it looks at the others.
-const RX_BURST: usize = 64;
+pub(super) const RX_BURST: usize = 64;
 
 struct FaultState {
     f: WireFaults,
@@ -520,7 +519,7 @@ impl Port {
 
     /// Receives one datagram, or a coalesced run of them, from socket `i` without waiting.
     /// Returns (bytes, source, segment size when coalesced, truncated).
-    fn recv(
+    pub(super) fn recv(
         &self,
         i: usize,
         buf: &mut [u8],
@@ -571,7 +570,7 @@ impl Port {
 
 /// Waits at most [`RECV_TIMEOUT`] for datagrams on any of the sockets `fds`; marks the ready ones
 /// in `ready`. Returns whether any is.
-fn wait_readable(fds: &mut [libc::pollfd], ready: &mut [bool]) -> bool {
+pub(super) fn wait_readable(fds: &mut [libc::pollfd], ready: &mut [bool]) -> bool {
     for p in fds.iter_mut() {
         p.revents = 0;
     }
@@ -592,75 +591,21 @@ fn wait_readable(fds: &mut [libc::pollfd], ready: &mut [bool]) -> bool {
     any
 }
 
-/// The I/O thread: receives datagrams until the device shuts down.
-pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
-    // Large enough for any UDP datagram and any coalesced run, so an oversized datagram is
-    // seen whole (and dropped as such) rather than silently truncated into one that parses.
-    let mut buf = vec![0u8; 1 << 17];
-    let mut scratch = Vec::with_capacity(MAX_DATAGRAM + ICRC_LEN);
-    let mut batch = TxBatch::default();
-    let mut fds: Vec<libc::pollfd> = port
-        .socks
-        .iter()
-        .map(|s| libc::pollfd {
-            fd: s.sock.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    let mut ready = vec![false; fds.len()];
-    while !dev.shutdown.load(Ordering::Acquire) {
-        if !wait_readable(&mut fds, &mut ready) {
-            port.flush_held();
-            continue;
-        }
-        for (i, _) in ready.iter().enumerate().filter(|(_, r)| **r) {
-            let dport = port.socks[i].port;
-            for _ in 0..RX_BURST {
-                match port.recv(i, &mut buf) {
-                    Ok((n, from, seg, truncated)) => {
-                        if dev.shutdown.load(Ordering::Acquire) {
-                            return;
-                        }
-                        if truncated {
-                            Counters::add(&dev.counters.wire.rx_packets, 1);
-                            Counters::add(&dev.counters.wire.rx_malformed, 1);
-                            continue;
-                        }
-                        let data = &buf[..n];
-                        match seg {
-                            Some(s) if s > 0 && n > s => {
-                                // a run's n-th datagram was most likely a segmented send's
-                                // n-th segment: its identification (the ICRC's hint)
-                                for (k, d) in data.chunks(s).enumerate() {
-                                    super::transport::receive(
-                                        &dev,
-                                        &port,
-                                        d,
-                                        (from, k as u16),
-                                        dport,
-                                        &mut scratch,
-                                        &mut batch,
-                                    );
-                                }
-                            }
-                            _ => super::transport::receive(
-                                &dev,
-                                &port,
-                                data,
-                                (from, 0),
-                                dport,
-                                &mut scratch,
-                                &mut batch,
-                            ),
-                        }
-                        port.flush(&mut batch);
-                    }
-                    // drained (WouldBlock), or an ICMP error reported on the socket and the
-                    // like: on to the next socket
-                    Err(_) => break,
-                }
-            }
-        }
+impl Port {
+    /// One `pollfd` per socket, in socket order (for [`wait_readable`]).
+    pub(super) fn pollfds(&self) -> Vec<libc::pollfd> {
+        self.socks
+            .iter()
+            .map(|s| libc::pollfd {
+                fd: s.sock.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect()
+    }
+
+    /// The local UDP port of socket `i`.
+    pub(super) fn sock_port(&self, i: usize) -> u16 {
+        self.socks[i].port
     }
 }

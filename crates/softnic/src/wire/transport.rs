@@ -10,17 +10,19 @@
 
 use super::packet::{
     self, aeth, opcode as op, Aeth, AtomicEth, Bth, Flow, MaskedAtomicEth, Packet, Reth, BTH_LEN,
-    DEFAULT_PKEY, ICRC_LEN, MASK24,
+    DEFAULT_PKEY, ICRC_LEN, MASK24, MAX_DATAGRAM,
 };
-use super::socket::{Port, TxBatch};
+use super::socket::{self, Port, TxBatch};
+use super::state::{
+    psn_add, psn_diff, Acked, HeldRead, InMsg, OutMsg, OutOp, ReqWire, Src, FAST_RTO_MAX,
+};
+use crate::completion::{flush_cqe, push_cqe_delayed};
 use crate::counters::Counters;
-use crate::device::Shared;
-use crate::engine::{
-    flush_cqe, local_devmem_err, local_err, push_cqe_delayed, remote_devmem_nak, rnr_delay, total,
-    vendor, Fail, Resp, Response,
-};
-use crate::mem::{read_range, write_range, Access, MemRange, MrGuard};
-use crate::qp::{Qp, QpState, RtsAttr, SqState};
+use crate::mem::{read_range, total, write_range, Access, MemRange, MrGuard};
+use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall};
+use crate::qp::{Qp, QpState, SqState};
+use crate::responder::{remote_devmem_nak, Resp, Response};
+use crate::shared::Shared;
 use crate::DeviceMemoryError;
 use crate::Gid;
 use prm::cqe::{Cqe64, ErrorCqe, RespKind};
@@ -28,327 +30,25 @@ use prm::parse::{sge_of, AtomicKind, ParsedLocal, ParsedOp, ParsedWqe};
 use prm::wqe::{AtomicSize, Fence, Sge};
 use prm::Syndrome;
 use smallvec::SmallVec;
-use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// `p + n` in 24-bit PSN space.
-pub(crate) fn psn_add(p: u32, n: u32) -> u32 {
-    p.wrapping_add(n) & MASK24
-}
-
-/// `a - b` in 24-bit PSN space, as a signed distance.
-pub(crate) fn psn_diff(a: u32, b: u32) -> i32 {
-    ((a.wrapping_sub(b) << 8) as i32) >> 8
-}
 
 /// The most PSNs a requester keeps outstanding (well inside the 2^23 half of PSN space in
 /// which ordering is defined).
 const MAX_OUTSTANDING_PSNS: i64 = 1 << 22;
+
 /// Atomic results a responder remembers for duplicate atomics.
 const ATOMIC_CACHE: usize = 64;
+
 /// READ requests a responder holds for duplicates at least (more when its port's window is
 /// larger: a requester has at most a window of READs outstanding).
 const READ_CACHE: usize = 1024;
+
 /// Packets one pump sends before it lets go of the QP (so that ACKs are taken between
 /// bursts); the engine and every ACK pump again.
 const BURST: u32 = 32;
-/// The smallest congestion window (packets).
-const MIN_CWND: u32 = 16;
-/// Bounds of the early retransmission timer (see [`ReqWire::fast_rto`]).
-const FAST_RTO_MIN: Duration = Duration::from_millis(2);
-const FAST_RTO_MAX: Duration = Duration::from_millis(20);
-
-// ---------------------------------------------------------------------------- requester
-
-/// Where the local bytes of a WRITE or SEND come from.
-pub(crate) enum Src {
-    /// A gather list, re-checked whenever a packet is built from it.
-    Sges(SmallVec<[Sge; 4]>),
-    /// Inline bytes, copied out of the WQE.
-    Inline(Vec<u8>),
-}
-
-/// What a message on the wire does.
-pub(crate) enum OutOp {
-    Write {
-        raddr: u64,
-        rkey: u32,
-        imm: Option<u32>,
-        src: Src,
-    },
-    Send {
-        imm: Option<u32>,
-        src: Src,
-    },
-    Read {
-        raddr: u64,
-        rkey: u32,
-        dst: SmallVec<[Sge; 4]>,
-    },
-    Atomic {
-        raddr: u64,
-        rkey: u32,
-        kind: AtomicKind,
-        result: Sge,
-    },
-    /// A WQE that needs no packet (NOP, WAIT) or failed locally, queued behind WQEs on the
-    /// wire to complete in order.
-    Local {
-        byte_cnt: u32,
-    },
-}
-
-/// One WQE on its way through the requester transport.
-pub(crate) struct OutMsg {
-    idx: u16,
-    opcode: u8,
-    signaled: bool,
-    solicited: bool,
-    op: OutOp,
-    len: u64,
-    /// First PSN.
-    psn: u32,
-    /// PSNs it consumes (packets, or READ response packets); 0 for `Local`.
-    npkts: u32,
-    /// Completes with this error when it reaches the front.
-    fail: Option<Fail>,
-}
-
-impl OutMsg {
-    fn end(&self) -> u32 {
-        psn_add(self.psn, self.npkts)
-    }
-}
-
-/// The requester side of a QP on the wire.
-pub(crate) struct ReqWire {
-    to: SocketAddr,
-    flow: Flow,
-    remote_qpn: u32,
-    mtu: u32,
-    window: u32,
-    timeout: Option<Duration>,
-    retry_cnt: u32,
-    rnr_retry: u8,
-    pub(crate) msgs: VecDeque<OutMsg>,
-    /// Next PSN to give a new message.
-    next_psn: u32,
-    /// Oldest PSN not yet acknowledged (or answered).
-    una: u32,
-    /// Next PSN to transmit (moved back by go-back-N).
-    send_psn: u32,
-    /// One past the highest PSN transmitted.
-    sent_hi: u32,
-    retries: u32,
-    rnr_retries: u32,
-    /// The IBTA local ACK timeout: its expirations count against `retry_cnt`.
-    deadline: Option<Instant>,
-    /// The early retransmission timer (RTT-based, never fails the QP).
-    fast_deadline: Option<Instant>,
-    rnr_until: Option<Instant>,
-    /// `una` and time of the last go-back (one per gap and round trip).
-    goback: Option<(u32, Instant)>,
-    /// Congestion window (packets) and its additive-increase accumulator.
-    cwnd: u32,
-    cwnd_acc: u32,
-    /// Smoothed round-trip time and its mean deviation, and the AckReq packet being timed.
-    srtt: Duration,
-    rttvar: Duration,
-    rtt_probe: Option<(u32, Instant)>,
-    /// The largest recent RTT sample (decaying): the scheduling pauses this machine has.
-    rtt_max: Duration,
-    /// The early timer's floor, doubled whenever it fired for nothing (decaying).
-    rto_floor: Duration,
-    /// The early timer fired and went back: (`una` then, one past the highest PSN sent).
-    timer_goback: Option<(u32, u32)>,
-    /// A WQE that failed locally is queued: run no more WQEs until it completes.
-    pub(crate) blocked: bool,
-    /// A queued message failed while being sent: send nothing more.
-    halted: bool,
-    scratch: Vec<u8>,
-    batch: TxBatch,
-}
-
-impl ReqWire {
-    pub(crate) fn set_rts(&mut self, a: &RtsAttr) {
-        self.timeout = (a.timeout != 0).then(|| Duration::from_nanos(4096u64 << a.timeout));
-        self.retry_cnt = a.retry_cnt as u32;
-        self.rnr_retry = a.rnr_retry;
-    }
-
-    fn restart_timer(&mut self, now: Instant) {
-        let busy = self.una != self.sent_hi;
-        self.deadline = if busy {
-            self.timeout.map(|t| now + t)
-        } else {
-            None
-        };
-        self.fast_deadline = busy.then(|| now + self.fast_rto());
-    }
-
-    /// When to retransmit a tail nobody NAKs (or a lost NAK): `srtt + 4 rttvar`, but at least
-    /// twice the largest recent RTT sample (which holds the scheduling pauses of a loaded
-    /// machine) and the floor that spurious expirations raised; well before the IBTA timeout.
-    fn fast_rto(&self) -> Duration {
-        let t = if self.srtt.is_zero() {
-            FAST_RTO_MAX // no sample yet
-        } else {
-            (self.srtt + self.rttvar * 4)
-                .max(self.rtt_max * 2)
-                .max(self.rto_floor)
-                .clamp(FAST_RTO_MIN, FAST_RTO_MAX)
-        };
-        match self.timeout {
-            Some(ib) => t.min(ib / 2),
-            None => t,
-        }
-    }
-
-    /// A loss was detected: halve the congestion window.
-    fn congestion(&mut self) {
-        self.cwnd = (self.cwnd / 2).max(MIN_CWND).min(self.window);
-        self.cwnd_acc = 0;
-    }
-
-    /// Index of the first message whose PSN range ends after `p`.
-    fn find(&self, p: u32) -> usize {
-        self.msgs.partition_point(|m| psn_diff(m.end(), p) <= 0)
-    }
-
-    /// Retransmits from `to` (go-back-N); the rest of the window follows.
-    fn go_back(&mut self, to: u32, now: Instant) {
-        self.send_psn = to;
-        self.goback = Some((to, now));
-        self.rtt_probe = None;
-        self.congestion();
-    }
-
-    /// Goes back to `una` for a sequence NAK. The responder NAKs a gap once, and again only
-    /// when the retransmission was lost too (a round trip later), so every NAK is acted on,
-    /// but for a copy of one just taken (duplicated on the way).
-    fn go_back_nak(&mut self, now: Instant) {
-        let una = self.una;
-        let copy = matches!(self.goback, Some((p, t)) if p == una && now.duration_since(t) < self.srtt / 4);
-        if !copy {
-            self.go_back(una, now);
-        }
-    }
-
-    /// Goes back to `una` for a missing response, once per gap and round trip (the
-    /// responses after one loss arrive together).
-    fn go_back_once(&mut self, now: Instant) {
-        let una = self.una;
-        let again = match self.goback {
-            Some((p, t)) => p != una || now.duration_since(t) > self.srtt * 2,
-            None => true,
-        };
-        if again {
-            self.go_back(una, now);
-        }
-    }
-
-    /// Fails the message holding PSN `p` (or the first unfinished one).
-    fn fail_at(&mut self, p: u32, f: Fail) {
-        let i = self.find(p).min(self.msgs.len().saturating_sub(1));
-        if let Some(m) = self.msgs.get_mut(i) {
-            m.fail.get_or_insert(f);
-        }
-        self.halted = true;
-    }
-
-    /// Acknowledges every PSN before `to`. Stops at a READ or atomic still missing its
-    /// responses: those PSNs are acknowledged only by the responses themselves.
-    fn ack_to(&mut self, to: u32, now: Instant) -> Acked {
-        if psn_diff(to, self.una) <= 0 {
-            return Acked::Ok;
-        }
-        if psn_diff(to, self.sent_hi) > 0 {
-            return Acked::Bogus;
-        }
-        let old = self.una;
-        let mut out = Acked::Ok;
-        for m in self.msgs.iter().skip(self.find(self.una)) {
-            if m.npkts == 0 {
-                continue;
-            }
-            if psn_diff(m.psn, to) >= 0 {
-                break;
-            }
-            match m.op {
-                OutOp::Write { .. } | OutOp::Send { .. } => {
-                    let end = m.end();
-                    self.una = if psn_diff(to, end) < 0 { to } else { end };
-                    if self.una != end {
-                        break;
-                    }
-                }
-                _ => {
-                    out = Acked::Implicit;
-                    break;
-                }
-            }
-        }
-        if self.una != old {
-            self.progress(old, now);
-        }
-        out
-    }
-
-    /// `una` moved forward from `old`.
-    fn progress(&mut self, old: u32, now: Instant) {
-        self.retries = 0;
-        self.rnr_retries = 0;
-        self.goback = None;
-        if let Some((from, hi)) = self.timer_goback {
-            if psn_diff(self.una, self.send_psn) > 0 && psn_diff(self.una, from) > 0 {
-                // Acknowledges packets not yet sent again since the early timer went back:
-                // the first transmission arrived, the timer fired for nothing. Wait longer.
-                self.rto_floor = (self.rto_floor * 2)
-                    .max(self.fast_rto() * 2)
-                    .min(FAST_RTO_MAX);
-                self.timer_goback = None;
-            } else if psn_diff(self.una, hi) >= 0 {
-                self.timer_goback = None;
-            }
-        }
-        if psn_diff(self.send_psn, self.una) < 0 {
-            self.send_psn = self.una;
-        }
-        if let Some((p, t)) = self.rtt_probe {
-            if psn_diff(self.una, p) > 0 {
-                let sample = now.saturating_duration_since(t);
-                self.rtt_max = sample.max(self.rtt_max - self.rtt_max / 32);
-                self.rto_floor -= self.rto_floor / 64;
-                if self.srtt.is_zero() {
-                    self.srtt = sample;
-                    self.rttvar = sample / 2;
-                } else {
-                    let dev = self.srtt.abs_diff(sample);
-                    self.rttvar = (self.rttvar * 3 + dev) / 4;
-                    self.srtt = (self.srtt * 7 + sample) / 8;
-                }
-                self.rtt_probe = None;
-            }
-        }
-        // additive increase: about four packets per round trip
-        self.cwnd_acc += psn_diff(self.una, old).max(0) as u32;
-        let step = (self.cwnd / 4).max(1);
-        while self.cwnd_acc >= step && self.cwnd < self.window {
-            self.cwnd_acc -= step;
-            self.cwnd += 1;
-        }
-        self.restart_timer(now);
-    }
-}
-
-enum Acked {
-    Ok,
-    /// A READ or atomic before the acknowledged PSN has no response: go back to it.
-    Implicit,
-    /// Acknowledges PSNs never sent: ignored.
-    Bogus,
-}
 
 /// Sets up the wire transport of a QP whose peer (`gid`, `qpn`) listens at `to`. False when
 /// the device has no port or the GID names no IPv4 address.
@@ -362,46 +62,16 @@ pub(crate) fn connect(dev: &Shared, sq: &mut SqState, gid: Gid, qpn: u32, to: So
     if mtu != sq.mtu {
         tracing::debug!(rtr = sq.mtu, mtu, "path MTU lowered to the route's");
     }
-    let mut w = ReqWire {
-        to,
-        flow: Flow {
-            src: port.ip,
-            dst: ip,
-            // an entropy port per flow (answers come back to it)
-            sport: port.source_port(qpn ^ u32::from(ip)),
-            dport: to4.port(),
-        },
-        remote_qpn: qpn,
-        mtu,
-        window: port.cfg.window.max(1),
-        timeout: None,
-        retry_cnt: 0,
-        rnr_retry: 0,
-        msgs: VecDeque::new(),
-        next_psn: psn,
-        una: psn,
-        send_psn: psn,
-        sent_hi: psn,
-        retries: 0,
-        rnr_retries: 0,
-        deadline: None,
-        fast_deadline: None,
-        rnr_until: None,
-        goback: None,
-        cwnd: port.cfg.window.max(1),
-        cwnd_acc: 0,
-        srtt: Duration::ZERO,
-        rttvar: Duration::ZERO,
-        rtt_probe: None,
-        rtt_max: Duration::ZERO,
-        rto_floor: Duration::ZERO,
-        timer_goback: None,
-        blocked: false,
-        halted: false,
-        scratch: Vec::with_capacity(packet::MAX_DATAGRAM),
-        batch: TxBatch::default(),
+    let window = port.cfg.window.max(1);
+    let flow = Flow {
+        src: port.ip,
+        dst: ip,
+        // an entropy port per flow (answers come back to it)
+        sport: port.source_port(qpn ^ u32::from(ip)),
+        dport: to4.port(),
     };
-    w.set_rts(&sq.rts);
+    let mut w = ReqWire::new(to, flow, qpn, mtu, window, psn);
+    w.set_rts(sq.rts.timeout, sq.rts.retry_cnt, sq.rts.rnr_retry);
     tracing::debug!(to = %to, remote_qpn = qpn, "QP on the wire");
     sq.wire = Some(Box::new(w));
     true
@@ -444,13 +114,12 @@ pub(crate) fn enqueue(
     qp: &Qp,
     sq: &mut SqState,
     wqe: &ParsedWqe<'_>,
-) -> Result<crate::engine::Done, Fail> {
-    use crate::engine::Done;
+) -> Result<Done, Fail> {
     let Some(w) = sq.wire.as_mut() else {
         return Err((Syndrome::TransportRetryExc, vendor::NO_PEER));
     };
     if wqe.flags.fence != Fence::None && !w.msgs.is_empty() {
-        return Ok(Done::Stalled(crate::qp::Stall::Drain));
+        return Ok(Done::Stalled(Stall::Drain));
     }
     let imm = wqe.imm();
     let (op, len) = match wqe.op {
@@ -505,7 +174,7 @@ pub(crate) fn enqueue(
     };
     let outstanding = psn_diff(w.next_psn, w.una) as i64;
     if !w.msgs.is_empty() && outstanding + npkts as i64 > MAX_OUTSTANDING_PSNS {
-        return Ok(Done::Stalled(crate::qp::Stall::Drain));
+        return Ok(Done::Stalled(Stall::Drain));
     }
     let psn = w.next_psn;
     w.next_psn = psn_add(psn, npkts);
@@ -1181,77 +850,6 @@ fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
 
 // ---------------------------------------------------------------------------- responder
 
-/// A multi-packet message in progress at the responder.
-#[derive(Clone, Copy, Debug)]
-enum InMsg {
-    Write {
-        va: u64,
-        rkey: u32,
-        len: u64,
-        off: u64,
-    },
-    Send {
-        off: u64,
-    },
-}
-
-/// The responder side of a QP on the wire.
-#[derive(Debug, Default)]
-pub(crate) struct RespWire {
-    epsn: u32,
-    msn: u32,
-    mtu: u32,
-    /// `mtu` has been lowered to the route's (at the first request).
-    route_checked: bool,
-    nak_sent: bool,
-    /// The highest PSN seen out of sequence since the last sequence NAK.
-    oos_hi: u32,
-    cur: Option<InMsg>,
-    atomics: VecDeque<(u32, u64)>,
-    /// READs answered and still held: a duplicate READ is served only inside one of them.
-    reads: VecDeque<HeldRead>,
-}
-
-/// A READ request a responder answered, held so that a duplicate of it (a retry from any of
-/// its response packets) can be served again.
-#[derive(Clone, Copy, Debug)]
-struct HeldRead {
-    psn: u32,
-    /// Response packets (PSNs) it consumed.
-    npkts: u32,
-    va: u64,
-    rkey: u32,
-    len: u64,
-}
-
-impl HeldRead {
-    /// Whether a duplicate READ (`psn`, `reth`) asks for a part of this one: its PSN inside
-    /// this READ's PSN window, the same rkey, its range inside this one's, and its responses
-    /// inside the window too.
-    fn covers(&self, psn: u32, reth: &Reth, mtu: u64) -> bool {
-        let k = psn_diff(psn, self.psn);
-        if k < 0 || k as u32 >= self.npkts || reth.rkey != self.rkey {
-            return false;
-        }
-        let len = reth.len as u64;
-        let count = len.div_ceil(mtu.max(1)).max(1);
-        let end = self.va.saturating_add(self.len);
-        reth.va >= self.va
-            && reth.va.checked_add(len).is_some_and(|e| e <= end)
-            && k as u64 + count <= self.npkts as u64
-    }
-}
-
-impl RespWire {
-    pub(crate) fn new(rq_psn: u32, mtu: u32) -> Self {
-        Self {
-            epsn: rq_psn & MASK24,
-            mtu,
-            ..Self::default()
-        }
-    }
-}
-
 /// Sends the responder's packets back to the requester.
 struct Reply<'a> {
     port: &'a Port,
@@ -1883,6 +1481,73 @@ pub(crate) fn receive(
         on_request(dev, &qp, &pkt, &mut reply);
     } else {
         on_response(dev, &qp, &pkt);
+    }
+}
+
+// ---------------------------------------------------------------------------- I/O thread
+
+/// The I/O thread: receives datagrams until the device shuts down.
+pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
+    // Large enough for any UDP datagram and any coalesced run, so an oversized datagram is
+    // seen whole (and dropped as such) rather than silently truncated into one that parses.
+    let mut buf = vec![0u8; 1 << 17];
+    let mut scratch = Vec::with_capacity(MAX_DATAGRAM + ICRC_LEN);
+    let mut batch = TxBatch::default();
+    let mut fds = port.pollfds();
+    let mut ready = vec![false; fds.len()];
+    while !dev.shutdown.load(Ordering::Acquire) {
+        if !socket::wait_readable(&mut fds, &mut ready) {
+            port.flush_held();
+            continue;
+        }
+        for (i, _) in ready.iter().enumerate().filter(|(_, r)| **r) {
+            let dport = port.sock_port(i);
+            for _ in 0..socket::RX_BURST {
+                match port.recv(i, &mut buf) {
+                    Ok((n, from, seg, truncated)) => {
+                        if dev.shutdown.load(Ordering::Acquire) {
+                            return;
+                        }
+                        if truncated {
+                            Counters::add(&dev.counters.wire.rx_packets, 1);
+                            Counters::add(&dev.counters.wire.rx_malformed, 1);
+                            continue;
+                        }
+                        let data = &buf[..n];
+                        match seg {
+                            Some(s) if s > 0 && n > s => {
+                                // a run's n-th datagram was most likely a segmented send's
+                                // n-th segment: its identification (the ICRC's hint)
+                                for (k, d) in data.chunks(s).enumerate() {
+                                    receive(
+                                        &dev,
+                                        &port,
+                                        d,
+                                        (from, k as u16),
+                                        dport,
+                                        &mut scratch,
+                                        &mut batch,
+                                    );
+                                }
+                            }
+                            _ => receive(
+                                &dev,
+                                &port,
+                                data,
+                                (from, 0),
+                                dport,
+                                &mut scratch,
+                                &mut batch,
+                            ),
+                        }
+                        port.flush(&mut batch);
+                    }
+                    // drained (WouldBlock), or an ICMP error reported on the socket and the
+                    // like: on to the next socket
+                    Err(_) => break,
+                }
+            }
+        }
     }
 }
 

@@ -3,10 +3,10 @@
 //! WQEs (a CPU initiator posts them, as `ib_write_bw` does), optionally with packet loss.
 //! Used by `tests/wire_bench.rs` and callable from samples.
 
-use super::{WireConfig, WireFaults};
 use crate::initiator::{Initiator, InitiatorError, RingMode};
 use crate::mem::Access;
 use crate::qp::{Modify, QpConfig, RtrAttr, RtsAttr};
+use crate::wire::{WireConfig, WireFaults};
 use crate::{CqConfig, Device, DeviceConfig, DmaBuf, Error, WireCounters};
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey};

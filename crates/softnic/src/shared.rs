@@ -1,0 +1,102 @@
+//! What a device's handle, its engine, its wire transport and its in-process peers share:
+//! the object tables (QPs, CQs, memory regions), counters, the wire port and its peer table,
+//! and the process-wide registry through which soft devices find each other by GID.
+
+use crate::counters::Counters;
+use crate::cq::Cq;
+use crate::mem::MrTable;
+use crate::qp::Qp;
+use crate::wire::socket::Port;
+use crate::{Error, Gid};
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+use std::sync::{Arc, OnceLock, Weak};
+use std::thread::Thread;
+
+/// State shared by the device handle, its engine and peers.
+pub(crate) struct Shared {
+    pub name: String,
+    pub completion_only: bool,
+    pub gid: Gid,
+    pub mrs: Arc<MrTable>,
+    pub counters: Arc<Counters>,
+    pub qps: RwLock<HashMap<u32, Arc<Qp>>>,
+    pub cqs: RwLock<HashMap<u32, Arc<Cq>>>,
+    /// Bumped whenever the QP or CQ set changes, so the engine refreshes its snapshot.
+    pub generation: AtomicU64,
+    pub next_qpn: AtomicU32,
+    pub next_cqn: AtomicU32,
+    pub next_srqn: AtomicU32,
+    pub next_pd: AtomicU32,
+    pub shutdown: AtomicBool,
+    pub engine: OnceLock<Thread>,
+    /// The wire port, if any.
+    pub port: Option<Arc<Port>>,
+    /// GID → UDP address of wire peers ([`Device::add_peer`]).
+    pub peers: RwLock<HashMap<Gid, SocketAddr>>,
+}
+
+impl Shared {
+    pub fn qp(&self, qpn: u32) -> Option<Arc<Qp>> {
+        self.qps.read().get(&qpn).cloned()
+    }
+    pub fn cq(&self, cqn: u32) -> Option<Arc<Cq>> {
+        self.cqs.read().get(&cqn).cloned()
+    }
+    pub fn snapshot(&self) -> (Vec<Arc<Qp>>, Vec<Arc<Cq>>) {
+        let mut qps: Vec<_> = self.qps.read().values().cloned().collect();
+        qps.sort_by_key(|q| q.qpn);
+        (qps, self.cqs.read().values().cloned().collect())
+    }
+    pub fn kick(&self) {
+        if let Some(t) = self.engine.get() {
+            t.unpark();
+        }
+    }
+    pub fn port(&self) -> Option<&Arc<Port>> {
+        self.port.as_ref()
+    }
+    pub fn peer_addr(&self, gid: &Gid) -> Option<SocketAddr> {
+        self.port.as_ref()?;
+        self.peers.read().get(gid).copied()
+    }
+}
+
+/// Live devices: GID, whether it has a wire port, the device.
+static REGISTRY: Mutex<Vec<(Gid, bool, Weak<Shared>)>> = Mutex::new(Vec::new());
+pub(crate) static NEXT_DEVICE: AtomicU32 = AtomicU32::new(1);
+
+/// Finds the live soft device with this GID, when exactly one has it (wire devices may share
+/// a GID: several ports on one host address; such a GID names no in-process peer).
+pub(crate) fn lookup(gid: &Gid) -> Option<Arc<Shared>> {
+    let reg = REGISTRY.lock();
+    let mut live = reg
+        .iter()
+        .filter(|(g, _, w)| g == gid && w.strong_count() > 0);
+    match (live.next(), live.next()) {
+        (Some((_, _, w)), None) => w.upgrade(),
+        _ => None,
+    }
+}
+
+/// Enters a new device in the registry. In-process peers are found by GID: it must name one
+/// device, unless every device holding it has a wire port (several UDP ports on one host
+/// address).
+pub(crate) fn register(shared: &Arc<Shared>, wire: bool) -> Result<(), Error> {
+    let gid = shared.gid;
+    let mut reg = REGISTRY.lock();
+    reg.retain(|(_, _, w)| w.strong_count() > 0);
+    if reg.iter().any(|(g, w2, _)| *g == gid && !(wire && *w2)) {
+        return Err(Error::GidInUse(gid));
+    }
+    reg.push((gid, wire, Arc::downgrade(shared)));
+    Ok(())
+}
+
+/// Removes a device from the registry (and any dead entries).
+pub(crate) fn unregister(shared: &Arc<Shared>) {
+    let mut reg = REGISTRY.lock();
+    reg.retain(|(_, _, w)| !std::ptr::eq(w.as_ptr(), Arc::as_ptr(shared)) && w.strong_count() > 0);
+}

@@ -1,0 +1,439 @@
+//! The RC transport state of one QP, held in its SQ and RQ state: the requester's messages,
+//! PSNs, window, timers and RTT estimate, and the responder's expected PSN, MSN, message in
+//! progress and answer caches. Plain state and the arithmetic on it; sending and receiving
+//! packets is [`super::transport`]'s.
+
+use super::packet::{Flow, Reth, MASK24};
+use super::socket::TxBatch;
+use crate::outcome::Fail;
+use prm::parse::AtomicKind;
+use prm::wqe::Sge;
+use smallvec::SmallVec;
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+/// `p + n` in 24-bit PSN space.
+pub(crate) fn psn_add(p: u32, n: u32) -> u32 {
+    p.wrapping_add(n) & MASK24
+}
+
+/// `a - b` in 24-bit PSN space, as a signed distance.
+pub(crate) fn psn_diff(a: u32, b: u32) -> i32 {
+    ((a.wrapping_sub(b) << 8) as i32) >> 8
+}
+
+/// The smallest congestion window (packets).
+const MIN_CWND: u32 = 16;
+/// Bounds of the early retransmission timer (see [`ReqWire::fast_rto`]).
+const FAST_RTO_MIN: Duration = Duration::from_millis(2);
+pub(super) const FAST_RTO_MAX: Duration = Duration::from_millis(20);
+
+// ---------------------------------------------------------------------------- requester
+
+/// Where the local bytes of a WRITE or SEND come from.
+pub(crate) enum Src {
+    /// A gather list, re-checked whenever a packet is built from it.
+    Sges(SmallVec<[Sge; 4]>),
+    /// Inline bytes, copied out of the WQE.
+    Inline(Vec<u8>),
+}
+
+/// What a message on the wire does.
+pub(crate) enum OutOp {
+    Write {
+        raddr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+        src: Src,
+    },
+    Send {
+        imm: Option<u32>,
+        src: Src,
+    },
+    Read {
+        raddr: u64,
+        rkey: u32,
+        dst: SmallVec<[Sge; 4]>,
+    },
+    Atomic {
+        raddr: u64,
+        rkey: u32,
+        kind: AtomicKind,
+        result: Sge,
+    },
+    /// A WQE that needs no packet (NOP, WAIT) or failed locally, queued behind WQEs on the
+    /// wire to complete in order.
+    Local {
+        byte_cnt: u32,
+    },
+}
+
+/// One WQE on its way through the requester transport.
+pub(crate) struct OutMsg {
+    pub(super) idx: u16,
+    pub(super) opcode: u8,
+    pub(super) signaled: bool,
+    pub(super) solicited: bool,
+    pub(super) op: OutOp,
+    pub(super) len: u64,
+    /// First PSN.
+    pub(super) psn: u32,
+    /// PSNs it consumes (packets, or READ response packets); 0 for `Local`.
+    pub(super) npkts: u32,
+    /// Completes with this error when it reaches the front.
+    pub(super) fail: Option<Fail>,
+}
+
+impl OutMsg {
+    pub(super) fn end(&self) -> u32 {
+        psn_add(self.psn, self.npkts)
+    }
+}
+
+/// The requester side of a QP on the wire.
+pub(crate) struct ReqWire {
+    pub(super) to: SocketAddr,
+    pub(super) flow: Flow,
+    pub(super) remote_qpn: u32,
+    pub(super) mtu: u32,
+    pub(super) window: u32,
+    pub(super) timeout: Option<Duration>,
+    pub(super) retry_cnt: u32,
+    pub(super) rnr_retry: u8,
+    pub(crate) msgs: VecDeque<OutMsg>,
+    /// Next PSN to give a new message.
+    pub(super) next_psn: u32,
+    /// Oldest PSN not yet acknowledged (or answered).
+    pub(super) una: u32,
+    /// Next PSN to transmit (moved back by go-back-N).
+    pub(super) send_psn: u32,
+    /// One past the highest PSN transmitted.
+    pub(super) sent_hi: u32,
+    pub(super) retries: u32,
+    pub(super) rnr_retries: u32,
+    /// The IBTA local ACK timeout: its expirations count against `retry_cnt`.
+    pub(super) deadline: Option<Instant>,
+    /// The early retransmission timer (RTT-based, never fails the QP).
+    pub(super) fast_deadline: Option<Instant>,
+    pub(super) rnr_until: Option<Instant>,
+    /// `una` and time of the last go-back (one per gap and round trip).
+    pub(super) goback: Option<(u32, Instant)>,
+    /// Congestion window (packets) and its additive-increase accumulator.
+    pub(super) cwnd: u32,
+    pub(super) cwnd_acc: u32,
+    /// Smoothed round-trip time and its mean deviation, and the AckReq packet being timed.
+    pub(super) srtt: Duration,
+    pub(super) rttvar: Duration,
+    pub(super) rtt_probe: Option<(u32, Instant)>,
+    /// The largest recent RTT sample (decaying): the scheduling pauses this machine has.
+    pub(super) rtt_max: Duration,
+    /// The early timer's floor, doubled whenever it fired for nothing (decaying).
+    pub(super) rto_floor: Duration,
+    /// The early timer fired and went back: (`una` then, one past the highest PSN sent).
+    pub(super) timer_goback: Option<(u32, u32)>,
+    /// A WQE that failed locally is queued: run no more WQEs until it completes.
+    pub(crate) blocked: bool,
+    /// A queued message failed while being sent: send nothing more.
+    pub(super) halted: bool,
+    pub(super) scratch: Vec<u8>,
+    pub(super) batch: TxBatch,
+}
+
+impl ReqWire {
+    /// A transport for the peer QP `remote_qpn` at `to` (`flow`), starting at PSN `psn`.
+    pub(super) fn new(
+        to: SocketAddr,
+        flow: Flow,
+        remote_qpn: u32,
+        mtu: u32,
+        window: u32,
+        psn: u32,
+    ) -> Self {
+        Self {
+            to,
+            flow,
+            remote_qpn,
+            mtu,
+            window,
+            timeout: None,
+            retry_cnt: 0,
+            rnr_retry: 0,
+            msgs: VecDeque::new(),
+            next_psn: psn,
+            una: psn,
+            send_psn: psn,
+            sent_hi: psn,
+            retries: 0,
+            rnr_retries: 0,
+            deadline: None,
+            fast_deadline: None,
+            rnr_until: None,
+            goback: None,
+            cwnd: window,
+            cwnd_acc: 0,
+            srtt: Duration::ZERO,
+            rttvar: Duration::ZERO,
+            rtt_probe: None,
+            rtt_max: Duration::ZERO,
+            rto_floor: Duration::ZERO,
+            timer_goback: None,
+            blocked: false,
+            halted: false,
+            scratch: Vec::with_capacity(super::packet::MAX_DATAGRAM),
+            batch: TxBatch::default(),
+        }
+    }
+
+    /// Takes RTS's local ACK timeout (IBTA encoding), retry count and RNR retry count.
+    pub(crate) fn set_rts(&mut self, timeout: u8, retry_cnt: u8, rnr_retry: u8) {
+        self.timeout = (timeout != 0).then(|| Duration::from_nanos(4096u64 << timeout));
+        self.retry_cnt = retry_cnt as u32;
+        self.rnr_retry = rnr_retry;
+    }
+
+    pub(super) fn restart_timer(&mut self, now: Instant) {
+        let busy = self.una != self.sent_hi;
+        self.deadline = if busy {
+            self.timeout.map(|t| now + t)
+        } else {
+            None
+        };
+        self.fast_deadline = busy.then(|| now + self.fast_rto());
+    }
+
+    /// When to retransmit a tail nobody NAKs (or a lost NAK): `srtt + 4 rttvar`, but at least
+    /// twice the largest recent RTT sample (which holds the scheduling pauses of a loaded
+    /// machine) and the floor that spurious expirations raised; well before the IBTA timeout.
+    pub(super) fn fast_rto(&self) -> Duration {
+        let t = if self.srtt.is_zero() {
+            FAST_RTO_MAX // no sample yet
+        } else {
+            (self.srtt + self.rttvar * 4)
+                .max(self.rtt_max * 2)
+                .max(self.rto_floor)
+                .clamp(FAST_RTO_MIN, FAST_RTO_MAX)
+        };
+        match self.timeout {
+            Some(ib) => t.min(ib / 2),
+            None => t,
+        }
+    }
+
+    /// A loss was detected: halve the congestion window.
+    pub(super) fn congestion(&mut self) {
+        self.cwnd = (self.cwnd / 2).max(MIN_CWND).min(self.window);
+        self.cwnd_acc = 0;
+    }
+
+    /// Index of the first message whose PSN range ends after `p`.
+    pub(super) fn find(&self, p: u32) -> usize {
+        self.msgs.partition_point(|m| psn_diff(m.end(), p) <= 0)
+    }
+
+    /// Retransmits from `to` (go-back-N); the rest of the window follows.
+    pub(super) fn go_back(&mut self, to: u32, now: Instant) {
+        self.send_psn = to;
+        self.goback = Some((to, now));
+        self.rtt_probe = None;
+        self.congestion();
+    }
+
+    /// Goes back to `una` for a sequence NAK. The responder NAKs a gap once, and again only
+    /// when the retransmission was lost too (a round trip later), so every NAK is acted on,
+    /// but for a copy of one just taken (duplicated on the way).
+    pub(super) fn go_back_nak(&mut self, now: Instant) {
+        let una = self.una;
+        let copy = matches!(self.goback, Some((p, t)) if p == una && now.duration_since(t) < self.srtt / 4);
+        if !copy {
+            self.go_back(una, now);
+        }
+    }
+
+    /// Goes back to `una` for a missing response, once per gap and round trip (the
+    /// responses after one loss arrive together).
+    pub(super) fn go_back_once(&mut self, now: Instant) {
+        let una = self.una;
+        let again = match self.goback {
+            Some((p, t)) => p != una || now.duration_since(t) > self.srtt * 2,
+            None => true,
+        };
+        if again {
+            self.go_back(una, now);
+        }
+    }
+
+    /// Fails the message holding PSN `p` (or the first unfinished one).
+    pub(super) fn fail_at(&mut self, p: u32, f: Fail) {
+        let i = self.find(p).min(self.msgs.len().saturating_sub(1));
+        if let Some(m) = self.msgs.get_mut(i) {
+            m.fail.get_or_insert(f);
+        }
+        self.halted = true;
+    }
+
+    /// Acknowledges every PSN before `to`. Stops at a READ or atomic still missing its
+    /// responses: those PSNs are acknowledged only by the responses themselves.
+    pub(super) fn ack_to(&mut self, to: u32, now: Instant) -> Acked {
+        if psn_diff(to, self.una) <= 0 {
+            return Acked::Ok;
+        }
+        if psn_diff(to, self.sent_hi) > 0 {
+            return Acked::Bogus;
+        }
+        let old = self.una;
+        let mut out = Acked::Ok;
+        for m in self.msgs.iter().skip(self.find(self.una)) {
+            if m.npkts == 0 {
+                continue;
+            }
+            if psn_diff(m.psn, to) >= 0 {
+                break;
+            }
+            match m.op {
+                OutOp::Write { .. } | OutOp::Send { .. } => {
+                    let end = m.end();
+                    self.una = if psn_diff(to, end) < 0 { to } else { end };
+                    if self.una != end {
+                        break;
+                    }
+                }
+                _ => {
+                    out = Acked::Implicit;
+                    break;
+                }
+            }
+        }
+        if self.una != old {
+            self.progress(old, now);
+        }
+        out
+    }
+
+    /// `una` moved forward from `old`.
+    pub(super) fn progress(&mut self, old: u32, now: Instant) {
+        self.retries = 0;
+        self.rnr_retries = 0;
+        self.goback = None;
+        if let Some((from, hi)) = self.timer_goback {
+            if psn_diff(self.una, self.send_psn) > 0 && psn_diff(self.una, from) > 0 {
+                // Acknowledges packets not yet sent again since the early timer went back:
+                // the first transmission arrived, the timer fired for nothing. Wait longer.
+                self.rto_floor = (self.rto_floor * 2)
+                    .max(self.fast_rto() * 2)
+                    .min(FAST_RTO_MAX);
+                self.timer_goback = None;
+            } else if psn_diff(self.una, hi) >= 0 {
+                self.timer_goback = None;
+            }
+        }
+        if psn_diff(self.send_psn, self.una) < 0 {
+            self.send_psn = self.una;
+        }
+        if let Some((p, t)) = self.rtt_probe {
+            if psn_diff(self.una, p) > 0 {
+                let sample = now.saturating_duration_since(t);
+                self.rtt_max = sample.max(self.rtt_max - self.rtt_max / 32);
+                self.rto_floor -= self.rto_floor / 64;
+                if self.srtt.is_zero() {
+                    self.srtt = sample;
+                    self.rttvar = sample / 2;
+                } else {
+                    let dev = self.srtt.abs_diff(sample);
+                    self.rttvar = (self.rttvar * 3 + dev) / 4;
+                    self.srtt = (self.srtt * 7 + sample) / 8;
+                }
+                self.rtt_probe = None;
+            }
+        }
+        // additive increase: about four packets per round trip
+        self.cwnd_acc += psn_diff(self.una, old).max(0) as u32;
+        let step = (self.cwnd / 4).max(1);
+        while self.cwnd_acc >= step && self.cwnd < self.window {
+            self.cwnd_acc -= step;
+            self.cwnd += 1;
+        }
+        self.restart_timer(now);
+    }
+}
+
+pub(super) enum Acked {
+    Ok,
+    /// A READ or atomic before the acknowledged PSN has no response: go back to it.
+    Implicit,
+    /// Acknowledges PSNs never sent: ignored.
+    Bogus,
+}
+
+// ---------------------------------------------------------------------------- responder
+
+/// A multi-packet message in progress at the responder.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum InMsg {
+    Write {
+        va: u64,
+        rkey: u32,
+        len: u64,
+        off: u64,
+    },
+    Send {
+        off: u64,
+    },
+}
+
+/// The responder side of a QP on the wire.
+#[derive(Debug, Default)]
+pub(crate) struct RespWire {
+    pub(super) epsn: u32,
+    pub(super) msn: u32,
+    pub(super) mtu: u32,
+    /// `mtu` has been lowered to the route's (at the first request).
+    pub(super) route_checked: bool,
+    pub(super) nak_sent: bool,
+    /// The highest PSN seen out of sequence since the last sequence NAK.
+    pub(super) oos_hi: u32,
+    pub(super) cur: Option<InMsg>,
+    pub(super) atomics: VecDeque<(u32, u64)>,
+    /// READs answered and still held: a duplicate READ is served only inside one of them.
+    pub(super) reads: VecDeque<HeldRead>,
+}
+
+/// A READ request a responder answered, held so that a duplicate of it (a retry from any of
+/// its response packets) can be served again.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct HeldRead {
+    pub(super) psn: u32,
+    /// Response packets (PSNs) it consumed.
+    pub(super) npkts: u32,
+    pub(super) va: u64,
+    pub(super) rkey: u32,
+    pub(super) len: u64,
+}
+
+impl HeldRead {
+    /// Whether a duplicate READ (`psn`, `reth`) asks for a part of this one: its PSN inside
+    /// this READ's PSN window, the same rkey, its range inside this one's, and its responses
+    /// inside the window too.
+    pub(super) fn covers(&self, psn: u32, reth: &Reth, mtu: u64) -> bool {
+        let k = psn_diff(psn, self.psn);
+        if k < 0 || k as u32 >= self.npkts || reth.rkey != self.rkey {
+            return false;
+        }
+        let len = reth.len as u64;
+        let count = len.div_ceil(mtu.max(1)).max(1);
+        let end = self.va.saturating_add(self.len);
+        reth.va >= self.va
+            && reth.va.checked_add(len).is_some_and(|e| e <= end)
+            && k as u64 + count <= self.npkts as u64
+    }
+}
+
+impl RespWire {
+    pub(crate) fn new(rq_psn: u32, mtu: u32) -> Self {
+        Self {
+            epsn: rq_psn & MASK24,
+            mtu,
+            ..Self::default()
+        }
+    }
+}
