@@ -392,7 +392,8 @@ fn perftest_send_bw_on_a_shared_receive_queue() {
 /// `verbs_traffic.py` through the real libibverbs: WRITE, READ, SEND/RECV, WRITE_IMM and
 /// atomics with every byte and old value checked; the error cases with a ConnectX's statuses;
 /// SRQs (two QPs sharing one, its limit and LAST_WQE_REACHED events); RESIZE_CQ with
-/// completions carried over; a CQ overrun's CQ_ERR and QP_FATAL events.
+/// completions carried over; a CQ overrun's CQ_ERR and QP_FATAL events; memory windows of
+/// both types bound by libmlx5's UMR WQEs, SEND_WITH_INV, and refused binds.
 #[test]
 fn verbs_traffic_script_checks_bytes_statuses_and_events() {
     need("/usr/bin/python3", "python3");
@@ -405,7 +406,7 @@ fn verbs_traffic_script_checks_bytes_statuses_and_events() {
         .arg("/usr/bin/python3")
         .arg(&script);
     let out = run(c, Duration::from_secs(180), "verbs_traffic.py");
-    for case in ["traffic", "errors", "srq", "resize", "async"] {
+    for case in ["traffic", "errors", "srq", "resize", "async", "windows"] {
         assert!(
             out.contains(&format!("PASS {case}\n")),
             "verbs_traffic.py {case}:\n{out}"

@@ -18,7 +18,7 @@ import pyverbs.enums as e
 from pyverbs.addr import AHAttr, GlobalRoute
 from pyverbs.cq import CQ
 from pyverbs.device import Context
-from pyverbs.mr import MR
+from pyverbs.mr import MR, MW, MWBind, MWBindInfo
 from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
@@ -433,12 +433,91 @@ def case_async():
     a.cq.close()
 
 
+def case_windows():
+    """Memory windows through libmlx5's own UMR WQEs: a type 1 window bound with ibv_bind_mw
+    and a type 2 window bound with IBV_WR_BIND_MW carry byte-checked WRITEs and READs at
+    their place in the region; SEND_WITH_INV of the type 2 key invalidates it (the receive
+    reports IBV_WC_WITH_INV and the key); refused binds complete with IBV_WC_MW_BIND_ERR; an
+    unknown SEND_WITH_INV key is IBV_WC_REM_INV_REQ_ERR."""
+    a, qa, b, qb = pair()
+    wmr = MR(b.pd, MR_SIZE, ACCESS | e.IBV_ACCESS_MW_BIND)
+    rw = e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+    # type 1: 4 KiB at 8 KiB into the region
+    mw1 = MW(b.pd, e.IBV_MW_TYPE_1)
+    qb.bind_mw(mw1, MWBind(MWBindInfo(wmr, wmr.buf + 8192, 4096, rw), e.IBV_SEND_SIGNALED))
+    wc = b.poll(1)[0]
+    ok(wc, 'type 1 bind', e.IBV_WC_BIND_MW)
+    data = rand_bytes(1000)
+    a.mr.write(data, len(data), 0)
+    wr = send_wr(e.IBV_WR_RDMA_WRITE, a, 0, len(data))
+    wr.set_wr_rdma(mw1.rkey, wmr.buf + 8192 + 500)
+    qa.post_send(wr)
+    ok(a.poll(1)[0], 'WRITE through a type 1 window')
+    check(wmr.read(len(data), 8192 + 500) == data, 'type 1 window: bytes')
+    # type 2, bound to qb: a READ through it
+    mw2 = MW(b.pd, e.IBV_MW_TYPE_2)
+    bind = SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
+    bind.set_bind_wr(mw2, MWBindInfo(wmr, wmr.buf, 4096, rw))
+    qb.post_send(bind)
+    ok(b.poll(1)[0], 'type 2 bind', e.IBV_WC_BIND_MW)
+    key2 = bind.rkey
+    data = rand_bytes(3000)
+    wmr.write(data, len(data), 64)
+    wr = send_wr(e.IBV_WR_RDMA_READ, a, 4096, len(data))
+    wr.set_wr_rdma(key2, wmr.buf + 64)
+    qa.post_send(wr)
+    ok(a.poll(1)[0], 'READ through a type 2 window')
+    check(a.mr.read(len(data), 4096) == data, 'type 2 window: bytes')
+    # SEND_WITH_INV of the type 2 key
+    qb.post_recv(recv_wr(b, 0, 64, wr_id=41))
+    wr = send_wr(e.IBV_WR_SEND_WITH_INV, a, 0, 16)
+    wr.imm_data = key2
+    qa.post_send(wr)
+    ok(a.poll(1)[0], 'SEND_WITH_INV')
+    wc = b.poll(1)[0]
+    ok(wc, 'SEND_WITH_INV receive', e.IBV_WC_RECV)
+    check(wc.wc_flags & e.IBV_WC_WITH_INV, f'receive flags {wc.wc_flags}')
+    # ibv_wc's invalidated_rkey shares imm_data's place (pyverbs names only the latter)
+    check(wc.imm_data == key2, f'invalidated rkey {wc.imm_data:#x}, expected {key2:#x}')
+    # the type 1 window still works, the type 2 key is dead (and the responder QP fails)
+    wr = send_wr(e.IBV_WR_RDMA_WRITE, a, 0, 8)
+    wr.set_wr_rdma(mw1.rkey, wmr.buf + 8192)
+    qa.post_send(wr)
+    ok(a.poll(1)[0], 'type 1 window after the invalidation')
+    wr = send_wr(e.IBV_WR_RDMA_WRITE, a, 0, 8)
+    wr.set_wr_rdma(key2, wmr.buf)
+    qa.post_send(wr)
+    wc = a.poll(1)[0]
+    check(wc.status == e.IBV_WC_REM_ACCESS_ERR, f'invalidated key: status {wc.status}')
+    # a bind over a region registered without MW_BIND: MW_BIND_ERR
+    a, qa, b, qb = pair()
+    mw = MW(b.pd, e.IBV_MW_TYPE_2)
+    bind = SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
+    bind.set_bind_wr(mw, MWBindInfo(b.mr, b.mr.buf, 4096, rw))
+    qb.post_send(bind)
+    wc = b.poll(1)[0]
+    check(wc.status == e.IBV_WC_MW_BIND_ERR, f'bind without MW_BIND: status {wc.status}')
+    # SEND_WITH_INV of a key that is no window of the responder's QP
+    a, qa, b, qb = pair()
+    qb.post_recv(recv_wr(b, 0, 64, wr_id=42))
+    wr = send_wr(e.IBV_WR_SEND_WITH_INV, a, 0, 16)
+    wr.imm_data = b.mr.rkey
+    qa.post_send(wr)
+    wc = a.poll(1)[0]
+    check(wc.status == e.IBV_WC_REM_INV_REQ_ERR, f'foreign SEND_WITH_INV: status {wc.status}')
+    wc = b.poll(1)[0]
+    check(wc.status == e.IBV_WC_LOC_PROT_ERR and wc.wr_id == 42, f'its receive: {wc.status}')
+    for m in (mw1, mw2, mw):
+        m.close()
+
+
 CASES = {
     'traffic': case_traffic,
     'errors': case_errors,
     'srq': case_srq,
     'resize': case_resize,
     'async': case_async,
+    'windows': case_windows,
 }
 
 if __name__ == '__main__':

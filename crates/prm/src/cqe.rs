@@ -16,6 +16,8 @@ pub enum CqeOpcode {
     RespSend = 2,
     /// Responder: send with immediate.
     RespSendImm = 3,
+    /// Responder: send with invalidate.
+    RespSendInv = 4,
     /// Requester error.
     ReqErr = 13,
     /// Responder error.
@@ -32,6 +34,7 @@ impl CqeOpcode {
             1 => Self::RespWrImm,
             2 => Self::RespSend,
             3 => Self::RespSendImm,
+            4 => Self::RespSendInv,
             13 => Self::ReqErr,
             14 => Self::RespErr,
             15 => Self::Invalid,
@@ -200,6 +203,9 @@ pub enum RespKind {
     SendImm,
     /// RDMA_WRITE_IMM consumed a receive WQE.
     WriteImm,
+    /// SEND_INVAL consumed a receive WQE and invalidated the rkey it carried (in the CQE's
+    /// `imm_inval_pkey`).
+    SendInv,
 }
 
 /// An error CQE, decoded.
@@ -326,6 +332,7 @@ impl Cqe64 {
             RespKind::Send => CqeOpcode::RespSend,
             RespKind::SendImm => CqeOpcode::RespSendImm,
             RespKind::WriteImm => CqeOpcode::RespWrImm,
+            RespKind::SendInv => CqeOpcode::RespSendInv,
         };
         Self {
             flags_rqpn: Be32::new(remote_qpn & 0xff_ffff),
@@ -382,6 +389,7 @@ impl Cqe64 {
             Some(CqeOpcode::RespSend) => resp(RespKind::Send, false),
             Some(CqeOpcode::RespSendImm) => resp(RespKind::SendImm, true),
             Some(CqeOpcode::RespWrImm) => resp(RespKind::WriteImm, true),
+            Some(CqeOpcode::RespSendInv) => resp(RespKind::SendInv, true),
             Some(op @ (CqeOpcode::ReqErr | CqeOpcode::RespErr)) => Completion::Error(ErrorCqe {
                 responder: op == CqeOpcode::RespErr,
                 syndrome: bytes[ERR_SYNDROME_OFFSET],

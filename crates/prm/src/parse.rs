@@ -6,9 +6,10 @@
 use crate::cqe::Syndrome;
 use crate::endian::Be32;
 use crate::wqe::{
-    AtomicSeg, AtomicSize, CtrlFlags, CtrlSeg, DataSeg, MaskedCs32Seg, MaskedCs64Seg,
-    MaskedFa32Seg, MaskedFa64Seg, Opcode, RaddrSeg, RemoteAddr, Sge, WaitSeg, INLINE_SEG,
-    OPMOD_MASKED_ATOMIC_4B, OPMOD_MASKED_ATOMIC_8B,
+    AtomicSeg, AtomicSize, CtrlFlags, CtrlSeg, DataSeg, KlmSeg, MaskedCs32Seg, MaskedCs64Seg,
+    MaskedFa32Seg, MaskedFa64Seg, MkeyContextSeg, Opcode, RaddrSeg, RemoteAddr, Sge, UmrCtrlSeg,
+    WaitSeg, INLINE_SEG, MKEY_FREE, OPMOD_MASKED_ATOMIC_4B, OPMOD_MASKED_ATOMIC_8B,
+    UMR_FLAG_CHECK_FREE, UMR_FLAG_CHECK_QPN, UMR_FLAG_INLINE, UMR_MASK_LEN,
 };
 use crate::DS_UNIT;
 use bytemuck::Pod;
@@ -144,6 +145,41 @@ pub enum ParsedOp<'a> {
         /// The range (byte count 0 read as 2 GiB).
         local: Sge,
     },
+    /// UMR on a memory window: bind it to a range of a region, or free it.
+    Window(MwOp),
+}
+
+/// A memory-window operation, as a UMR WQE carries it (what libmlx5 writes for
+/// `IBV_WR_BIND_MW`, `ibv_bind_mw` and `IBV_WR_LOCAL_INV`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MwOp {
+    /// The window's key as the poster knows it (the control segment's immediate).
+    pub key: u32,
+    /// The low byte the key has after a bind.
+    pub variant: u8,
+    /// The QPN the window is bound to; `0xff_ffff` for none (type 1 windows, frees).
+    pub qpn: u32,
+    /// The range bound, or `None` to free (unbind, invalidate) the window.
+    pub bind: Option<MwBind>,
+    /// Fail unless the window is free (binding a type 2 window).
+    pub check_free: bool,
+    /// Fail unless the window is bound to the posting QP (invalidating a type 2 window).
+    pub check_qpn: bool,
+}
+
+/// The range a window is bound to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MwBind {
+    /// The window's first address as peers name it (0 for a zero-based window).
+    pub start: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Rights, as `MKEY_ACCESS_*` bits.
+    pub access: u8,
+    /// The region's lkey (the KLM's mkey).
+    pub mr_key: u32,
+    /// The region address `start` maps to.
+    pub mr_addr: u64,
 }
 
 /// A WQE as the device sees it.
@@ -171,6 +207,11 @@ impl ParsedWqe<'_> {
     /// The immediate in host order, for RDMA_WRITE_IMM and SEND_IMM.
     pub fn imm(&self) -> Option<u32> {
         matches!(self.opcode, Opcode::RdmaWriteImm | Opcode::SendImm).then(|| self.imm.get())
+    }
+
+    /// The rkey the responder invalidates, for SEND_INVAL.
+    pub fn invalidate(&self) -> Option<u32> {
+        (self.opcode == Opcode::SendInval).then(|| self.imm.get())
     }
 }
 
@@ -291,6 +332,47 @@ fn local(bytes: &[u8], from: usize, ds: usize) -> Result<ParsedLocal<'_>, WqeErr
     Ok(ParsedLocal::Sges(bytemuck::cast_slice(body)))
 }
 
+/// Reads the memory-window operation of a UMR WQE of `n` units: UMR control segment at unit
+/// 1, mkey context at unit 4 and, for a bind, one inline KLM at unit 8 (padded to 64 bytes).
+/// `None` when the units do not hold that shape.
+fn window(bytes: &[u8], n: usize, key: u32) -> Option<MwOp> {
+    if n < 8 {
+        return None;
+    }
+    let umr: UmrCtrlSeg = seg(bytes, 1);
+    let mkey: MkeyContextSeg = seg(bytes, 4);
+    let free = mkey.free & MKEY_FREE != 0;
+    let mask = umr.mkey_mask.get();
+    let bind = if free {
+        None
+    } else {
+        if n < 12 || umr.flags & UMR_FLAG_INLINE == 0 || mask & UMR_MASK_LEN == 0 {
+            return None;
+        }
+        let klm: KlmSeg = seg(bytes, 8);
+        let len = mkey.len.get();
+        if klm.byte_count.get() as u64 != len {
+            return None;
+        }
+        Some(MwBind {
+            start: mkey.start_addr.get(),
+            len,
+            access: mkey.access_flags,
+            mr_key: klm.mkey.get(),
+            mr_addr: klm.address.get(),
+        })
+    };
+    let qpn_mkey = mkey.qpn_mkey.get();
+    Some(MwOp {
+        key,
+        variant: qpn_mkey as u8,
+        qpn: qpn_mkey >> 8,
+        bind,
+        check_free: umr.flags & UMR_FLAG_CHECK_FREE != 0,
+        check_qpn: umr.flags & UMR_FLAG_CHECK_QPN != 0,
+    })
+}
+
 /// Parses the WQE at the start of `bytes` (the WQE's blocks, already gathered in order).
 pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
     if bytes.len() < DS_UNIT {
@@ -338,7 +420,7 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
                 local: local(bytes, 2, n)?,
             }
         }
-        Opcode::Send | Opcode::SendImm => ParsedOp::Send {
+        Opcode::Send | Opcode::SendImm | Opcode::SendInval => ParsedOp::Send {
             local: local(bytes, 1, n)?,
         },
         Opcode::RdmaRead => {
@@ -460,6 +542,7 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
             }
             ParsedOp::Dump { local: sge_of(&d) }
         }
+        Opcode::Umr => ParsedOp::Window(window(bytes, n, ctrl.imm.get()).ok_or(shape)?),
     };
     Ok(ParsedWqe {
         opcode,
@@ -475,9 +558,11 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
 
 #[cfg(test)]
 mod tests {
+    extern crate std;
     use super::*;
     use crate::endian::{Lkey, Rkey};
     use crate::wqe::{Local, Op};
+    use std::vec::Vec;
 
     const R: RemoteAddr = RemoteAddr {
         addr: 0x7000_0000,
@@ -822,5 +907,187 @@ mod tests {
             panic!()
         };
         assert_eq!(local.len(), ZERO_BYTE_COUNT_LEN as u64);
+    }
+
+    /// A UMR WQE laid out as libmlx5's `set_bind_wr` writes it: control, UMR control, mkey
+    /// context and (for a bind) one inline KLM padded to 64 bytes.
+    fn umr_bytes(key: u32, qpn_mkey: u32, bind: Option<(u64, u64, u32)>, flags: u8) -> Vec<u8> {
+        use crate::wqe::{KlmSeg, MkeyContextSeg, UmrCtrlSeg, MKEY_ACCESS_REMOTE_WRITE};
+        let units = if bind.is_some() { 12u32 } else { 8 };
+        let ctrl = CtrlSeg {
+            opmod_idx_opcode: Be32::new(7 << 8 | Opcode::Umr as u32),
+            qpn_ds: Be32::new(0x1a2 << 8 | units),
+            imm: Be32::new(key),
+            ..CtrlSeg::default()
+        };
+        let mut umr = UmrCtrlSeg {
+            flags: flags | UMR_FLAG_INLINE,
+            ..UmrCtrlSeg::default()
+        };
+        let mut mkey = MkeyContextSeg {
+            qpn_mkey: Be32::new(qpn_mkey),
+            ..MkeyContextSeg::default()
+        };
+        let mut out = bytemuck::bytes_of(&ctrl).to_vec();
+        match bind {
+            Some((addr, len, lkey)) => {
+                umr.mkey_mask = crate::endian::Be64::new(UMR_MASK_LEN);
+                mkey.access_flags = MKEY_ACCESS_REMOTE_WRITE;
+                mkey.start_addr = crate::endian::Be64::new(addr);
+                mkey.len = crate::endian::Be64::new(len);
+                out.extend_from_slice(bytemuck::bytes_of(&umr));
+                out.extend_from_slice(bytemuck::bytes_of(&mkey));
+                let klm = KlmSeg {
+                    byte_count: Be32::new(len as u32),
+                    mkey: Be32::new(lkey),
+                    address: crate::endian::Be64::new(addr),
+                };
+                out.extend_from_slice(bytemuck::bytes_of(&klm));
+                out.resize(out.len() + 48, 0);
+            }
+            None => {
+                mkey.free = MKEY_FREE;
+                out.extend_from_slice(bytemuck::bytes_of(&umr));
+                out.extend_from_slice(bytemuck::bytes_of(&mkey));
+            }
+        }
+        assert_eq!(out.len(), units as usize * DS_UNIT);
+        out
+    }
+
+    #[test]
+    fn memory_window_binds_and_frees() {
+        let b = umr_bytes(
+            0x300,
+            0x1a2 << 8 | 0x05,
+            Some((0x9000, 256, 0x201)),
+            UMR_FLAG_CHECK_FREE,
+        );
+        let p = parse_wqe(&b).unwrap();
+        assert_eq!(p.opcode, Opcode::Umr);
+        assert_eq!(
+            p.op,
+            ParsedOp::Window(MwOp {
+                key: 0x300,
+                variant: 0x05,
+                qpn: 0x1a2,
+                bind: Some(MwBind {
+                    start: 0x9000,
+                    len: 256,
+                    access: crate::wqe::MKEY_ACCESS_REMOTE_WRITE,
+                    mr_key: 0x201,
+                    mr_addr: 0x9000,
+                }),
+                check_free: true,
+                check_qpn: false,
+            })
+        );
+        let inv = umr_bytes(0x305, 0xffff_ff00, None, UMR_FLAG_CHECK_QPN);
+        match parse_wqe(&inv).unwrap().op {
+            ParsedOp::Window(w) => {
+                assert_eq!(
+                    (w.key, w.qpn, w.bind, w.check_qpn),
+                    (0x305, 0xff_ffff, None, true)
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        // a bind whose units stop before the KLM, or whose KLM disagrees with the length
+        let mut short = b.clone();
+        short[7] = 8;
+        assert!(matches!(
+            parse_wqe(&short[..128]),
+            Err(WqeError::BadShape { .. })
+        ));
+        let mut odd = b.clone();
+        odd[8 * DS_UNIT + 3] ^= 1;
+        assert!(matches!(parse_wqe(&odd), Err(WqeError::BadShape { .. })));
+    }
+
+    #[test]
+    fn send_with_invalidate_carries_the_rkey() {
+        let mut w = Op::Send {
+            local: Local::Sges(&[sge(0x1000, 8)]),
+            imm: None,
+        }
+        .encode(3, 0x1a2, CtrlFlags::SIGNALED)
+        .unwrap()
+        .as_bytes()
+        .to_vec();
+        w[0..4].copy_from_slice(&(3u32 << 8 | Opcode::SendInval as u32).to_be_bytes());
+        w[12..16].copy_from_slice(&0x4242u32.to_be_bytes());
+        let p = parse_wqe(&w).unwrap();
+        assert_eq!((p.invalidate(), p.imm()), (Some(0x4242), None));
+        assert!(matches!(p.op, ParsedOp::Send { .. }));
+    }
+
+    #[test]
+    fn window_ops_encode_as_libmlx5_writes_them() {
+        use crate::wqe::{WindowBind, MKEY_ACCESS_REMOTE_READ};
+        let bind = WindowBind {
+            window: 0x300,
+            variant: 0x05,
+            qpn: Some(0x1a2),
+            region: sge(0x9000, 256),
+            start: 0x9000,
+            access: MKEY_ACCESS_REMOTE_READ,
+        };
+        let w = Op::BindWindow(bind)
+            .encode(7, 0x1a2, CtrlFlags::SIGNALED)
+            .unwrap();
+        // the same bytes as the hand-made layout, but for the rights and the lkey
+        let mine = umr_bytes(
+            0x300,
+            0x1a2 << 8 | 0x05,
+            Some((0x9000, 256, 9)),
+            UMR_FLAG_CHECK_FREE,
+        );
+        let p = parse_wqe(w.as_bytes()).unwrap();
+        let q = parse_wqe(&mine).unwrap();
+        match (p.op, q.op) {
+            (ParsedOp::Window(a), ParsedOp::Window(b)) => {
+                assert_eq!(a.bind.unwrap().access, MKEY_ACCESS_REMOTE_READ);
+                let same = MwOp {
+                    bind: a.bind.map(|x| MwBind {
+                        access: crate::wqe::MKEY_ACCESS_REMOTE_WRITE,
+                        ..x
+                    }),
+                    ..a
+                };
+                assert_eq!(same, b);
+            }
+            other => panic!("{other:?}"),
+        }
+        let inv = Op::LocalInvalidate { rkey: 0x305 }
+            .encode(9, 0x1a2, CtrlFlags::SIGNALED)
+            .unwrap();
+        match parse_wqe(inv.as_bytes()).unwrap().op {
+            ParsedOp::Window(m) => assert_eq!(
+                (m.key, m.bind, m.check_qpn, m.check_free),
+                (0x305, None, true, false)
+            ),
+            other => panic!("{other:?}"),
+        }
+        let unbind = Op::BindWindow(WindowBind {
+            qpn: None,
+            region: sge(0x9000, 0),
+            ..bind
+        })
+        .encode(9, 0x1a2, CtrlFlags::SIGNALED)
+        .unwrap();
+        match parse_wqe(unbind.as_bytes()).unwrap().op {
+            ParsedOp::Window(m) => assert_eq!(
+                (m.key, m.qpn, m.bind, m.check_qpn, m.check_free),
+                (0x300, 0xff_ffff, None, false, false)
+            ),
+            other => panic!("{other:?}"),
+        }
+        let s = Op::SendInvalidate {
+            local: Local::Sges(&[sge(0x1000, 8)]),
+            rkey: 0x4242,
+        }
+        .encode(1, 0x1a2, CtrlFlags::SIGNALED)
+        .unwrap();
+        assert_eq!(parse_wqe(s.as_bytes()).unwrap().invalidate(), Some(0x4242));
     }
 }

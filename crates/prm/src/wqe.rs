@@ -23,6 +23,9 @@ pub enum Opcode {
     Send = 0x0a,
     /// Send with immediate.
     SendImm = 0x0b,
+    /// Send with invalidate: the responder invalidates the rkey in the immediate field (a
+    /// type 2 memory window bound to its QP) when the message arrives.
+    SendInval = 0x01,
     /// Wait until a CQ reaches an index (cross-channel WAIT).
     Wait = 0x0f,
     /// RDMA read.
@@ -38,6 +41,9 @@ pub enum Opcode {
     /// Local read of one data segment (lkey-checked) that completes with a CQE; DOCA GPUNetIO
     /// posts it after a READ to flush GPUDirect writes on GPUs without write ordering.
     Dump = 0x23,
+    /// User-mode memory registration: here, binding or invalidating a memory window
+    /// (`ibv_bind_mw`, `IBV_WR_BIND_MW`, `IBV_WR_LOCAL_INV`).
+    Umr = 0x25,
 }
 
 impl Opcode {
@@ -49,6 +55,7 @@ impl Opcode {
             0x09 => Self::RdmaWriteImm,
             0x0a => Self::Send,
             0x0b => Self::SendImm,
+            0x01 => Self::SendInval,
             0x0f => Self::Wait,
             0x10 => Self::RdmaRead,
             0x11 => Self::AtomicCs,
@@ -56,6 +63,7 @@ impl Opcode {
             0x14 => Self::AtomicMaskedCs,
             0x15 => Self::AtomicMaskedFa,
             0x23 => Self::Dump,
+            0x25 => Self::Umr,
             _ => return None,
         })
     }
@@ -68,6 +76,7 @@ impl Opcode {
             Self::RdmaWriteImm => "RDMA_WRITE_IMM",
             Self::Send => "SEND",
             Self::SendImm => "SEND_IMM",
+            Self::SendInval => "SEND_INVAL",
             Self::Wait => "WAIT",
             Self::RdmaRead => "RDMA_READ",
             Self::AtomicCs => "ATOMIC_CS",
@@ -75,6 +84,7 @@ impl Opcode {
             Self::AtomicMaskedCs => "ATOMIC_MASKED_CS",
             Self::AtomicMaskedFa => "ATOMIC_MASKED_FA",
             Self::Dump => "DUMP",
+            Self::Umr => "UMR",
         }
     }
 }
@@ -280,6 +290,108 @@ pub struct WaitSeg {
     pub cqn: Be32,
 }
 
+/// UMR control segment (48 bytes), after the control segment of a UMR WQE.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct UmrCtrlSeg {
+    /// `UMR_FLAG_*`.
+    pub flags: u8,
+    /// Reserved.
+    pub rsvd0: [u8; 3],
+    /// Translation entries (KLMs) that follow, in 16-byte units.
+    pub klm_octowords: Be16,
+    /// Translation offset.
+    pub translation_offset: Be16,
+    /// Which mkey context fields the UMR changes (`UMR_MASK_*`).
+    pub mkey_mask: Be64,
+    /// Reserved.
+    pub rsvd1: [u8; 32],
+}
+
+/// UMR flag: the translation entries are inline in the WQE.
+pub const UMR_FLAG_INLINE: u8 = 1 << 7;
+/// UMR flag: fail unless the mkey is free (binding a type 2 window).
+pub const UMR_FLAG_CHECK_FREE: u8 = 1 << 5;
+/// UMR flag: a translation offset is given.
+pub const UMR_FLAG_TRANSLATION_OFFSET: u8 = 1 << 4;
+/// UMR flag: fail unless the mkey belongs to the posting QP (invalidating a type 2 window).
+pub const UMR_FLAG_CHECK_QPN: u8 = 1 << 3;
+/// mkey mask: length.
+pub const UMR_MASK_LEN: u64 = 1 << 0;
+/// mkey mask: start address.
+pub const UMR_MASK_START_ADDR: u64 = 1 << 6;
+/// mkey mask: the key's variant byte.
+pub const UMR_MASK_MKEY: u64 = 1 << 13;
+/// mkey mask: the QPN the mkey is bound to.
+pub const UMR_MASK_QPN: u64 = 1 << 14;
+/// mkey mask: the access rights (local write, remote read, remote write, atomic).
+pub const UMR_MASK_ACCESS: u64 = 0xf << 18;
+/// mkey mask: the free bit.
+pub const UMR_MASK_FREE: u64 = 1 << 29;
+
+/// Memory key context segment (64 bytes) of a UMR WQE.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct MkeyContextSeg {
+    /// [`MKEY_FREE`] when the UMR frees (unbinds, invalidates) the mkey.
+    pub free: u8,
+    /// Reserved.
+    pub reserved1: u8,
+    /// `MKEY_ACCESS_*`.
+    pub access_flags: u8,
+    /// Reserved.
+    pub sf: u8,
+    /// `qpn << 8 | variant`: the bound QP (0xffffff: none, type 1) and the key's new low byte.
+    pub qpn_mkey: Be32,
+    /// Reserved.
+    pub reserved2: Be32,
+    /// Flags and PD.
+    pub flags_pd: Be32,
+    /// First virtual address of the window (0 for a zero-based window).
+    pub start_addr: Be64,
+    /// Length.
+    pub len: Be64,
+    /// Reserved.
+    pub bsf_octword_size: Be32,
+    /// Reserved.
+    pub reserved3: [Be32; 4],
+    /// Translation size.
+    pub translations_octword_size: Be32,
+    /// Reserved.
+    pub reserved4: [u8; 3],
+    /// Page size (log 2).
+    pub log_page_size: u8,
+    /// Reserved.
+    pub reserved: Be32,
+}
+
+/// mkey context: the mkey is free.
+pub const MKEY_FREE: u8 = 1 << 6;
+/// mkey context access: atomics.
+pub const MKEY_ACCESS_ATOMIC: u8 = 1 << 6;
+/// mkey context access: remote write.
+pub const MKEY_ACCESS_REMOTE_WRITE: u8 = 1 << 5;
+/// mkey context access: remote read.
+pub const MKEY_ACCESS_REMOTE_READ: u8 = 1 << 4;
+/// mkey context access: local write.
+pub const MKEY_ACCESS_LOCAL_WRITE: u8 = 1 << 3;
+
+/// One KLM translation entry (16 bytes; inline entries are padded to 64 bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct KlmSeg {
+    /// Bytes (at most 2 GiB).
+    pub byte_count: Be32,
+    /// The memory region's lkey.
+    pub mkey: Be32,
+    /// Its address.
+    pub address: Be64,
+}
+
+const _: () = assert!(core::mem::size_of::<UmrCtrlSeg>() == 48);
+const _: () = assert!(core::mem::size_of::<MkeyContextSeg>() == 64);
+const _: () = assert!(core::mem::size_of::<KlmSeg>() == 16);
+
 /// A local buffer in host order.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sge {
@@ -425,6 +537,39 @@ pub enum Op<'a> {
         /// The local range read.
         local: Sge,
     },
+    /// SEND with invalidate: the responder invalidates `rkey` (a type 2 memory window bound to
+    /// its QP) when the message arrives.
+    SendInvalidate {
+        /// Source.
+        local: Local<'a>,
+        /// The rkey to invalidate.
+        rkey: u32,
+    },
+    /// Binds a memory window (a UMR WQE, as libmlx5 writes for `IBV_WR_BIND_MW` and
+    /// `ibv_bind_mw`); with `region.len` 0 it unbinds (frees) a type 1 window.
+    BindWindow(WindowBind),
+    /// LOCAL_INV: invalidates `rkey`, a type 2 window bound to the posting QP (UMR WQE).
+    LocalInvalidate {
+        /// The window's key.
+        rkey: u32,
+    },
+}
+
+/// What [`Op::BindWindow`] binds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowBind {
+    /// The window's key as allocated or last bound.
+    pub window: u32,
+    /// The low byte of its key after the bind (`ibv_inc_rkey`).
+    pub variant: u8,
+    /// Type 2: the QPN the window is bound to (the posting QP); type 1: `None`.
+    pub qpn: Option<u32>,
+    /// The region range it covers (lkey, address, length; at most 2 GiB).
+    pub region: Sge,
+    /// The window's first address as peers name it (`region.addr`, or 0 for zero-based).
+    pub start: u64,
+    /// Rights, `MKEY_ACCESS_*` bits.
+    pub access: u8,
 }
 
 /// Fence mode of a WQE.
@@ -607,6 +752,63 @@ impl Units {
     }
 }
 
+/// The UMR control segment, mkey context and (for a bind of a non-empty range) the inline KLM
+/// of a memory-window WQE, laid out as libmlx5's `set_bind_wr` does. `qpn` is `Some` for a
+/// type 2 window (for an invalidation the value is not used); `bind` `None` is LOCAL_INV.
+fn push_umr(
+    u: &mut Units,
+    variant: u8,
+    qpn: Option<u32>,
+    bind: Option<&WindowBind>,
+) -> Result<(), BuildError> {
+    let len = bind.map_or(0, |b| b.region.len);
+    let mut flags = UMR_FLAG_TRANSLATION_OFFSET | UMR_FLAG_INLINE;
+    let mut mask = UMR_MASK_FREE | UMR_MASK_MKEY;
+    if qpn.is_some() {
+        mask |= UMR_MASK_QPN;
+        flags |= if len != 0 {
+            UMR_FLAG_CHECK_FREE
+        } else {
+            UMR_FLAG_CHECK_QPN
+        };
+    }
+    if len != 0 {
+        mask |= UMR_MASK_LEN | UMR_MASK_START_ADDR | UMR_MASK_ACCESS;
+    }
+    u.push(&UmrCtrlSeg {
+        flags,
+        mkey_mask: Be64::new(mask),
+        ..UmrCtrlSeg::default()
+    })?;
+    let owner = match qpn {
+        Some(q) if len != 0 => q << 8,
+        _ => 0xffff_ff00,
+    };
+    let mut mkey = MkeyContextSeg {
+        qpn_mkey: Be32::new(owner | variant as u32),
+        ..MkeyContextSeg::default()
+    };
+    match bind {
+        Some(b) if len != 0 => {
+            mkey.access_flags = b.access;
+            mkey.start_addr = Be64::new(b.start);
+            mkey.len = Be64::new(len as u64);
+            u.push(&mkey)?;
+            u.push(&KlmSeg {
+                byte_count: Be32::new(len),
+                mkey: Be32::new(b.region.lkey.0),
+                address: Be64::new(b.region.addr),
+            })?;
+            // the inline KLM is padded to 64 bytes
+            u.push_bytes(&[0; 48])
+        }
+        _ => {
+            mkey.free = MKEY_FREE;
+            u.push(&mkey)
+        }
+    }
+}
+
 fn raddr(r: RemoteAddr) -> RaddrSeg {
     RaddrSeg {
         raddr: Be64::new(r.addr),
@@ -631,6 +833,8 @@ impl Op<'_> {
             Op::MaskedCompareSwap { size, .. } => (Opcode::AtomicMaskedCs, size.opmod()),
             Op::Wait { .. } => (Opcode::Wait, 0),
             Op::Dump { .. } => (Opcode::Dump, 0),
+            Op::SendInvalidate { .. } => (Opcode::SendInval, 0),
+            Op::BindWindow(_) | Op::LocalInvalidate { .. } => (Opcode::Umr, 0),
         }
     }
 
@@ -744,6 +948,18 @@ impl Op<'_> {
                 cqn: Be32::new(cqn),
             })?,
             Op::Dump { local } => u.push(&DataSeg::new(local))?,
+            Op::SendInvalidate { local, rkey } => {
+                imm = rkey;
+                u.push_local(&local)?;
+            }
+            Op::BindWindow(b) => {
+                imm = b.window;
+                push_umr(&mut u, b.variant, b.qpn, Some(&b))?;
+            }
+            Op::LocalInvalidate { rkey } => {
+                imm = rkey;
+                push_umr(&mut u, 0, Some(0), None)?;
+            }
         }
         let ds = (u.at / DS_UNIT) as u8;
         let (opcode, opmod) = self.opcode();

@@ -108,6 +108,8 @@ fn opcodes_match_mlx5dv() {
         (Opcode::AtomicFa, sys::MLX5_OPCODE_ATOMIC_FA),
         (Opcode::AtomicMaskedCs, sys::MLX5_OPCODE_ATOMIC_MASKED_CS),
         (Opcode::AtomicMaskedFa, sys::MLX5_OPCODE_ATOMIC_MASKED_FA),
+        (Opcode::SendInval, sys::MLX5_OPCODE_SEND_INVAL),
+        (Opcode::Umr, sys::MLX5_OPCODE_UMR),
     ];
     for (ours, theirs) in pairs {
         assert_eq!(ours as u32, theirs, "{ours:?}");
@@ -124,6 +126,7 @@ fn cqe_opcodes_and_syndromes_match_mlx5dv() {
         (CqeOpcode::RespWrImm, sys::MLX5_CQE_RESP_WR_IMM),
         (CqeOpcode::RespSend, sys::MLX5_CQE_RESP_SEND),
         (CqeOpcode::RespSendImm, sys::MLX5_CQE_RESP_SEND_IMM),
+        (CqeOpcode::RespSendInv, sys::MLX5_CQE_RESP_SEND_INV),
         (CqeOpcode::ReqErr, sys::MLX5_CQE_REQ_ERR),
         (CqeOpcode::RespErr, sys::MLX5_CQE_RESP_ERR),
         (CqeOpcode::Invalid, sys::MLX5_CQE_INVALID),
@@ -184,4 +187,89 @@ fn ctrl_flags_and_doorbells_match_mlx5dv() {
     );
     assert_eq!(doorbell::CQ_DOORBELL_OFFSET, sys::MLX5_CQ_DOORBELL as usize);
     assert_eq!(cqe::OP_OWN_INVALID >> 4, sys::MLX5_CQE_INVALID as u8);
+}
+
+#[test]
+fn umr_segments_match_mlx5dv() {
+    use wqe::{KlmSeg, MkeyContextSeg, UmrCtrlSeg};
+    same_layout!(
+        UmrCtrlSeg,
+        sys::mlx5_wqe_umr_ctrl_seg,
+        [
+            (flags, flags),
+            (klm_octowords, klm_octowords),
+            (mkey_mask, mkey_mask),
+            (rsvd1, rsvd1)
+        ]
+    );
+    same_layout!(
+        MkeyContextSeg,
+        sys::mlx5_wqe_mkey_context_seg,
+        [
+            (free, free),
+            (access_flags, access_flags),
+            (qpn_mkey, qpn_mkey),
+            (flags_pd, flags_pd),
+            (start_addr, start_addr),
+            (len, len),
+            (translations_octword_size, translations_octword_size),
+            (log_page_size, log_page_size)
+        ]
+    );
+    same_layout!(
+        KlmSeg,
+        sys::mlx5_wqe_umr_klm_seg,
+        [(byte_count, byte_count), (mkey, mkey), (address, address)]
+    );
+    let consts: [(u64, u32); 13] = [
+        (
+            wqe::UMR_FLAG_INLINE as u64,
+            sys::MLX5_WQE_UMR_CTRL_FLAG_INLINE,
+        ),
+        (
+            wqe::UMR_FLAG_CHECK_FREE as u64,
+            sys::MLX5_WQE_UMR_CTRL_FLAG_CHECK_FREE,
+        ),
+        (
+            wqe::UMR_FLAG_CHECK_QPN as u64,
+            sys::MLX5_WQE_UMR_CTRL_FLAG_CHECK_QPN,
+        ),
+        (
+            wqe::UMR_FLAG_TRANSLATION_OFFSET as u64,
+            sys::MLX5_WQE_UMR_CTRL_FLAG_TRNSLATION_OFFSET,
+        ),
+        (wqe::UMR_MASK_LEN, sys::MLX5_WQE_UMR_CTRL_MKEY_MASK_LEN),
+        (
+            wqe::UMR_MASK_START_ADDR,
+            sys::MLX5_WQE_UMR_CTRL_MKEY_MASK_START_ADDR,
+        ),
+        (wqe::UMR_MASK_MKEY, sys::MLX5_WQE_UMR_CTRL_MKEY_MASK_MKEY),
+        (wqe::UMR_MASK_QPN, sys::MLX5_WQE_UMR_CTRL_MKEY_MASK_QPN),
+        (wqe::UMR_MASK_FREE, sys::MLX5_WQE_UMR_CTRL_MKEY_MASK_FREE),
+        (wqe::MKEY_FREE as u64, sys::MLX5_WQE_MKEY_CONTEXT_FREE),
+        (
+            wqe::MKEY_ACCESS_ATOMIC as u64,
+            sys::MLX5_WQE_MKEY_CONTEXT_ACCESS_FLAGS_ATOMIC,
+        ),
+        (
+            wqe::MKEY_ACCESS_REMOTE_WRITE as u64,
+            sys::MLX5_WQE_MKEY_CONTEXT_ACCESS_FLAGS_REMOTE_WRITE,
+        ),
+        (
+            wqe::MKEY_ACCESS_REMOTE_READ as u64,
+            sys::MLX5_WQE_MKEY_CONTEXT_ACCESS_FLAGS_REMOTE_READ,
+        ),
+    ];
+    for (ours, theirs) in consts {
+        assert_eq!(ours, theirs as u64);
+    }
+    assert_eq!(
+        wqe::MKEY_ACCESS_LOCAL_WRITE as u32,
+        sys::MLX5_WQE_MKEY_CONTEXT_ACCESS_FLAGS_LOCAL_WRITE
+    );
+    let access = sys::MLX5_WQE_UMR_CTRL_MKEY_MASK_ACCESS_LOCAL_WRITE
+        | sys::MLX5_WQE_UMR_CTRL_MKEY_MASK_ACCESS_REMOTE_READ
+        | sys::MLX5_WQE_UMR_CTRL_MKEY_MASK_ACCESS_REMOTE_WRITE
+        | sys::MLX5_WQE_UMR_CTRL_MKEY_MASK_ACCESS_ATOMIC;
+    assert_eq!(wqe::UMR_MASK_ACCESS, access as u64);
 }

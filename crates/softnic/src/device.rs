@@ -5,7 +5,7 @@
 use crate::counters::{CounterSnapshot, Counters};
 use crate::cq::{Cq, CqConfig};
 use crate::devmem::DeviceMemory;
-use crate::mem::{Access, MrInfo, PdId};
+use crate::mem::{Access, MrInfo, MwInfo, MwType, PdId};
 use crate::qp::{Qp, QpConfig};
 use crate::shared::{self, Shared};
 use crate::srq::{Srq, SrqConfig};
@@ -242,6 +242,23 @@ impl Device {
     /// Looks up a region.
     pub fn mr(&self, key: u32) -> Option<MrInfo> {
         self.shared.mrs.get(key)
+    }
+
+    /// Allocates a memory window in `pd`, free until a bind WQE (UMR) binds it; returns its
+    /// key.
+    pub fn alloc_mw(&self, pd: PdId, kind: MwType) -> u32 {
+        self.shared.mrs.alloc_mw(pd, kind)
+    }
+
+    /// Frees the memory window allocated with `key` (whatever its key became through binds);
+    /// peers using it get remote access errors from then on.
+    pub fn dealloc_mw(&self, key: u32) -> Result<MwInfo, Error> {
+        self.shared.mrs.dealloc_mw(key).ok_or(Error::NoSuchMw(key))
+    }
+
+    /// Looks up the memory window allocated with `key`.
+    pub fn mw(&self, key: u32) -> Option<MwInfo> {
+        self.shared.mrs.mw(key)
     }
 
     /// Creates a completion queue.

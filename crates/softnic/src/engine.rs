@@ -12,7 +12,7 @@
 use crate::completion::{count_cq_error, flush_cqe, push_cqe_delayed};
 use crate::counters::Counters;
 use crate::event::AsyncEvent;
-use crate::mem::{total, write_range, Access, MemRange, MrGuard};
+use crate::mem::{total, write_range, Access, MemRange, MrGuard, MwBinding, MwRequest};
 use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall, MAX_MSG};
 use crate::qp::{DoorbellKind, Qp, QpState, SqState};
 use crate::responder::{respond, Request, Response};
@@ -21,8 +21,11 @@ use crate::wire::transport;
 use parking_lot::MutexGuard;
 use prm::cqe::{Cqe64, ErrorCqe};
 use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
-use prm::parse::{parse_wqe, sge_of, AtomicKind, ParsedLocal, ParsedOp};
-use prm::wqe::{blocks_for_ds, CtrlSeg, DataSeg};
+use prm::parse::{parse_wqe, sge_of, AtomicKind, MwOp, ParsedLocal, ParsedOp};
+use prm::wqe::{
+    blocks_for_ds, CtrlSeg, DataSeg, MKEY_ACCESS_ATOMIC, MKEY_ACCESS_REMOTE_READ,
+    MKEY_ACCESS_REMOTE_WRITE,
+};
 use prm::{Syndrome, DS_UNIT, MAX_WQE_BBS, WQEBB};
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
@@ -583,6 +586,32 @@ fn gather(g: &MrGuard<'_>, qp: &Qp, l: &ParsedLocal<'_>) -> Result<SmallVec<[Mem
     Ok(ranges)
 }
 
+/// The device's reading of a UMR WQE on a memory window.
+fn mw_request(op: &MwOp) -> MwRequest {
+    let bind = op.bind.map(|b| {
+        let right = |bit: u8, a: Access| if b.access & bit != 0 { a.0 } else { 0 };
+        MwBinding {
+            start: b.start,
+            len: b.len,
+            access: Access(
+                right(MKEY_ACCESS_REMOTE_WRITE, Access::REMOTE_WRITE)
+                    | right(MKEY_ACCESS_REMOTE_READ, Access::REMOTE_READ)
+                    | right(MKEY_ACCESS_ATOMIC, Access::REMOTE_ATOMIC),
+            ),
+            mr_key: b.mr_key,
+            mr_addr: b.mr_addr,
+            qpn: (op.qpn != 0xff_ffff).then_some(op.qpn),
+        }
+    });
+    MwRequest {
+        key: op.key,
+        variant: op.variant,
+        bind,
+        check_free: op.check_free,
+        check_qpn: op.check_qpn,
+    }
+}
+
 /// Runs a parsed WQE as the requester.
 fn execute(
     dev: &Shared,
@@ -614,6 +643,14 @@ fn execute(
         )
         .map_err(local_err)?;
         return Ok(Done::Complete(local.len));
+    }
+    if let ParsedOp::Window(op) = wqe.op {
+        // A UMR on a memory window: local, done when the window is changed.
+        g.bind_mw(qp.pd, qp.qpn, &mw_request(&op)).map_err(|e| {
+            tracing::debug!(qpn = qp.qpn, error = %e, "memory window operation failed");
+            (Syndrome::MwBind, vendor::MEMORY_WINDOW)
+        })?;
+        return Ok(Done::Complete(0));
     }
     let from = qp.qpn;
     let imm = wqe.imm();
@@ -651,7 +688,7 @@ fn execute(
                 .map_err(local_err)?;
             Prepared::Atomic(remote, kind, res)
         }
-        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } => {
+        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } | ParsedOp::Window(_) => {
             unreachable!("handled above")
         }
     };
@@ -679,10 +716,13 @@ fn execute(
         }
         Prepared::Send(src) => {
             let len = total(src);
-            (
-                respond(&peer, from, Request::Send { src, len, imm }, move_data),
+            let req = Request::Send {
+                src,
                 len,
-            )
+                imm,
+                invalidate: wqe.invalidate(),
+            };
+            (respond(&peer, from, req, move_data), len)
         }
         Prepared::Read(r, dst) => {
             let len = total(dst);

@@ -44,7 +44,7 @@ pub use cq::{Cq, CqConfig, CqInit, CqMode};
 pub use device::{Device, DeviceConfig};
 pub use devmem::{DeviceMemory, DeviceMemoryError, SimDeviceMemory};
 pub use event::{AsyncEvent, EventHandler};
-pub use mem::{Access, MemKind, MrInfo, PdId};
+pub use mem::{Access, MemKind, MrInfo, MwInfo, MwType, PdId};
 pub use qp::{DoorbellKind, Fault, Modify, Qp, QpConfig, QpState, RtrAttr, RtsAttr};
 pub use srq::{Srq, SrqConfig};
 pub use wire::{Capture, WireConfig, WireError, WireFaults};
@@ -97,6 +97,9 @@ pub enum Error {
     /// No memory region with that key.
     #[error("no memory region with key {0:#x}")]
     NoSuchMr(u32),
+    /// No memory window with that key.
+    #[error("no memory window with key {0:#x}")]
+    NoSuchMw(u32),
     /// The object is still in use.
     #[error("{0} is still in use")]
     Busy(&'static str),

@@ -5,12 +5,17 @@
 //! each time an index is reused, so a stale key from a deregistered region is a bad key, not a
 //! silent hit on whatever took its slot.
 //!
+//! A memory window (`ibv_alloc_mw`) takes a key from the same space. A bind WQE (UMR) gives
+//! it a range of a region, rights and a new low byte; peers then use the window's key, and
+//! every remote access through it is checked against the window first (bound, PD, for a
+//! type 2 window the QP it is bound to, range, rights), then against the region.
+//!
 //! A region is host memory (the engine copies with raw pointers) or device memory (every access
 //! goes through the region's [`DeviceMemory`]). A checked [`MemRange`] carries which; the
 //! copies here ([`copy_ranges`], [`read_range`], [`write_range`]) dispatch on it.
 
 use crate::devmem::{same_memory, DeviceMemory, DeviceMemoryError, BOUNCE};
-use parking_lot::{RwLock, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use std::sync::Arc;
 
 /// Access rights of a memory region (ibverbs bit values).
@@ -29,6 +34,10 @@ impl Access {
     pub const REMOTE_READ: Access = Access(4);
     /// Peers may run atomics on the region.
     pub const REMOTE_ATOMIC: Access = Access(8);
+    /// Memory windows may be bound to the region (`IBV_ACCESS_MW_BIND`).
+    pub const MW_BIND: Access = Access(16);
+    /// The rights a remote peer may use through a key (write, read, atomics).
+    pub const REMOTE: Access = Access(2 | 4 | 8);
 
     /// Whether every right in `other` is present.
     pub const fn contains(self, other: Access) -> bool {
@@ -116,6 +125,104 @@ struct Slot {
     tag: u8,
     mr: Option<MrInfo>,
     dev: Option<Arc<dyn DeviceMemory>>,
+    /// A memory window in this slot (then `mr` is `None`). Its binding changes under the
+    /// table's read hold, so a bind or an invalidation never waits for copies in flight.
+    mw: Option<Arc<Mutex<Window>>>,
+}
+
+impl Slot {
+    fn is_free(&self) -> bool {
+        self.mr.is_none() && self.mw.is_none()
+    }
+}
+
+/// The type of a memory window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MwType {
+    /// Type 1: bound with `ibv_bind_mw`, usable through any QP of its PD.
+    One,
+    /// Type 2 (2B): bound with a BIND_MW work request to one QP, usable only through that QP;
+    /// invalidated by LOCAL_INV or by a peer's SEND_WITH_INV.
+    Two,
+}
+
+/// What a bound window gives access to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MwBinding {
+    /// First address as peers name it (0 for a zero-based window).
+    pub start: u64,
+    /// Length.
+    pub len: u64,
+    /// Remote rights.
+    pub access: Access,
+    /// The region's key.
+    pub mr_key: u32,
+    /// The region address `start` maps to.
+    pub mr_addr: u64,
+    /// The QP a type 2 window is bound to.
+    pub qpn: Option<u32>,
+}
+
+/// A memory window as the device records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MwInfo {
+    /// Current key (its low byte changes with binds).
+    pub key: u32,
+    /// Owning PD.
+    pub pd: PdId,
+    /// Type.
+    pub kind: MwType,
+    /// The range it is bound to, `None` while free.
+    pub bound: Option<MwBinding>,
+}
+
+type Window = MwInfo;
+
+/// A bind or invalidation asked of a window (the device's reading of a UMR WQE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MwRequest {
+    /// The window's key as the poster knows it: its index selects the window.
+    pub key: u32,
+    /// The key's new low byte.
+    pub variant: u8,
+    /// The range to bind (with `access` the rights and `qpn` the QP for a type 2 window), or
+    /// `None` to free the window.
+    pub bind: Option<MwBinding>,
+    /// Fail unless the window is free.
+    pub check_free: bool,
+    /// Fail unless the window is bound to the posting QP (invalidation of a type 2 window).
+    pub check_qpn: bool,
+}
+
+/// Why a memory-window operation was refused (a ConnectX completes it with MW_BIND_ERR).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MwError {
+    /// No window has this key.
+    #[error("no memory window with key {0:#x}")]
+    NoWindow(u32),
+    /// The window, the region and the QP are not all in one PD.
+    #[error("memory window {0:#x}: window, region and QP are in different PDs")]
+    WrongPd(u32),
+    /// A type 2 bind of a window that is not free.
+    #[error("memory window {0:#x} is bound already")]
+    NotFree(u32),
+    /// An invalidation of a window that is not bound, not type 2, or bound to another QP.
+    #[error("memory window {0:#x} is not bound to this QP")]
+    NotBoundHere(u32),
+    /// The operation's window type (type 1 or type 2 addressing) is not the window's.
+    #[error("memory window {0:#x} is of the other type")]
+    WrongType(u32),
+    /// The region to bind is not live, not bindable (no MW_BIND right), too small for the
+    /// range, or lacks local write for remote write or atomic rights.
+    #[error("memory window {key:#x}: region {mr_key:#x} cannot be bound ({why})")]
+    BadRegion {
+        /// Window key.
+        key: u32,
+        /// Region key.
+        mr_key: u32,
+        /// What is wrong.
+        why: &'static str,
+    },
 }
 
 /// The device's table of memory regions.
@@ -182,13 +289,7 @@ impl MrTable {
         dev: Option<Arc<dyn DeviceMemory>>,
     ) -> MrInfo {
         let mut slots = self.slots.write();
-        let index = slots
-            .iter()
-            .position(|s| s.mr.is_none())
-            .unwrap_or_else(|| {
-                slots.push(Slot::default());
-                slots.len() - 1
-            });
+        let index = free_slot(&mut slots);
         let slot = &mut slots[index];
         slot.tag = slot.tag.wrapping_add(1);
         let info = MrInfo {
@@ -251,6 +352,43 @@ impl MrTable {
         }
     }
 
+    /// Allocates a memory window in `pd` (free, unbound) and returns its key.
+    pub fn alloc_mw(&self, pd: PdId, kind: MwType) -> u32 {
+        let mut slots = self.slots.write();
+        let index = free_slot(&mut slots);
+        let slot = &mut slots[index];
+        slot.tag = slot.tag.wrapping_add(1);
+        let key = (index as u32) << 8 | slot.tag as u32;
+        slot.mw = Some(Arc::new(Mutex::new(Window {
+            key,
+            pd,
+            kind,
+            bound: None,
+        })));
+        key
+    }
+
+    /// Frees the memory window whose key has `key`'s index (a bound window is unbound first;
+    /// peers using its key get remote access errors). `None` when there is no window there.
+    /// Copies through it hold an [`MrGuard`], so this waits for them.
+    pub fn dealloc_mw(&self, key: u32) -> Option<MwInfo> {
+        let mut slots = self.slots.write();
+        let s = slots.get_mut((key >> 8) as usize)?;
+        let w = s.mw.take()?;
+        let info = *w.lock();
+        // the next window or region in this slot gets a tag no window key had
+        s.tag = info.key as u8;
+        Some(info)
+    }
+
+    /// The memory window whose key has `key`'s index.
+    pub fn mw(&self, key: u32) -> Option<MwInfo> {
+        let g = self.read();
+        let w = g.0.get((key >> 8) as usize)?.mw.as_ref()?;
+        let info = *w.lock();
+        Some(info)
+    }
+
     /// Looks a region up by key.
     pub fn get(&self, key: u32) -> Option<MrInfo> {
         self.read().lookup(key)
@@ -261,6 +399,14 @@ impl MrTable {
     pub fn read(&self) -> MrGuard<'_> {
         MrGuard(self.slots.read_recursive())
     }
+}
+
+/// The index of a free slot, pushing one when none is.
+fn free_slot(slots: &mut Vec<Slot>) -> usize {
+    slots.iter().position(Slot::is_free).unwrap_or_else(|| {
+        slots.push(Slot::default());
+        slots.len() - 1
+    })
 }
 
 /// A read hold on an [`MrTable`].
@@ -302,6 +448,127 @@ impl MrGuard<'_> {
             len,
             dev: slot.dev.clone(),
         })
+    }
+
+    fn window(&self, key: u32) -> Option<&Arc<Mutex<Window>>> {
+        self.0.get((key >> 8) as usize)?.mw.as_ref()
+    }
+
+    /// Checks a remote access through `key` by the responder QP `qpn` of `pd`: a region's key
+    /// as [`MrGuard::check`] does; a window's key against the window (its current key, bound,
+    /// in `pd`, a type 2 window bound to `qpn`, the range inside it, the rights), then the
+    /// translated range against the region it is bound to.
+    pub fn check_remote(
+        &self,
+        pd: PdId,
+        qpn: u32,
+        need: Access,
+        key: u32,
+        addr: u64,
+        len: u64,
+    ) -> Result<MemRange, AccessError> {
+        let Some(w) = self.window(key) else {
+            return self.check(pd, need, key, addr, len);
+        };
+        let w = *w.lock();
+        let b = match w.bound {
+            Some(b) if w.key == key => b,
+            _ => return Err(AccessError::BadKey(key)),
+        };
+        if w.pd != pd || b.qpn.is_some_and(|q| q != qpn) {
+            return Err(AccessError::WrongPd(key));
+        }
+        let inside = addr >= b.start
+            && addr
+                .checked_add(len)
+                .is_some_and(|e| e <= b.start.saturating_add(b.len));
+        if !inside {
+            return Err(AccessError::OutOfRange { key, addr, len });
+        }
+        if !b.access.contains(need) {
+            return Err(AccessError::MissingRight { key, need });
+        }
+        let mr_addr = b.mr_addr + (addr - b.start);
+        // the region's own rights were checked at bind time; its range may have changed since
+        // (re-registration), so only the range and the PD are checked again
+        self.check(pd, Access::NONE, b.mr_key, mr_addr, len)
+    }
+
+    /// Binds or frees a memory window on behalf of QP `qpn` of `pd` (a UMR WQE), as a
+    /// ConnectX checks it: the window exists and is in `pd`; a type 2 window is addressed as
+    /// one (a QPN) and a type 1 window as one (no QPN); `check_free` wants it free and
+    /// `check_qpn` bound to `qpn`; a bind's region is live, in `pd`, bindable, covers the
+    /// range, and has local write when remote write or atomics are granted.
+    pub fn bind_mw(&self, pd: PdId, qpn: u32, req: &MwRequest) -> Result<MwInfo, MwError> {
+        let key = req.key;
+        let w = self.window(key).ok_or(MwError::NoWindow(key))?;
+        let mut w = w.lock();
+        if w.pd != pd {
+            return Err(MwError::WrongPd(key));
+        }
+        if req.check_qpn {
+            // invalidation: the exact key, a type 2 window bound to this QP
+            let here = w.key == key
+                && w.kind == MwType::Two
+                && w.bound.is_some_and(|b| b.qpn == Some(qpn));
+            if !here {
+                return Err(MwError::NotBoundHere(key));
+            }
+        }
+        if req.check_free && w.bound.is_some() {
+            return Err(MwError::NotFree(key));
+        }
+        let Some(mut b) = req.bind else {
+            w.bound = None;
+            if w.kind == MwType::One {
+                w.key = (w.key & !0xff) | req.variant as u32;
+            }
+            return Ok(*w);
+        };
+        match (w.kind, b.qpn) {
+            (MwType::One, None) => {}
+            (MwType::Two, Some(q)) if q == qpn => {}
+            _ => return Err(MwError::WrongType(key)),
+        }
+        let bad = |why| MwError::BadRegion {
+            key,
+            mr_key: b.mr_key,
+            why,
+        };
+        let mr = self.lookup(b.mr_key).ok_or(bad("no such region"))?;
+        if mr.pd != pd {
+            return Err(MwError::WrongPd(key));
+        }
+        if !mr.access.contains(Access::MW_BIND) {
+            return Err(bad("registered without MW_BIND"));
+        }
+        if !mr.covers(b.mr_addr, b.len) {
+            return Err(bad("range outside the region"));
+        }
+        let writes = Access(Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0);
+        if b.access.0 & writes.0 != 0 && !mr.access.contains(Access::LOCAL_WRITE) {
+            return Err(bad("remote write or atomics without local write"));
+        }
+        if b.start.checked_add(b.len).is_none() {
+            return Err(bad("window range overflows"));
+        }
+        b.access = Access(b.access.0 & Access::REMOTE.0);
+        w.key = (w.key & !0xff) | req.variant as u32;
+        w.bound = Some(b);
+        Ok(*w)
+    }
+
+    /// Invalidates the type 2 window `key` bound to QP `qpn` of `pd` (a peer's
+    /// SEND_WITH_INV, or LOCAL_INV).
+    pub fn invalidate(&self, pd: PdId, qpn: u32, key: u32) -> Result<MwInfo, MwError> {
+        let req = MwRequest {
+            key,
+            variant: key as u8,
+            bind: None,
+            check_free: false,
+            check_qpn: true,
+        };
+        self.bind_mw(pd, qpn, &req)
     }
 }
 

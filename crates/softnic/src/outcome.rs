@@ -48,6 +48,9 @@ pub mod vendor {
     /// A device-memory (GPU memory) access failed: a payload copy, an atomic, a WQE read from
     /// a GPU-resident ring (the driver's error is logged at warn level).
     pub const DEVICE_MEMORY: u8 = 0x92;
+    /// A memory-window bind or invalidation was refused (MW_BIND_ERR), or a SEND_WITH_INV
+    /// named a key the responder cannot invalidate.
+    pub const MEMORY_WINDOW: u8 = 0x93;
 }
 
 /// Largest message (bytes), as ConnectX's `max_msg_sz`.

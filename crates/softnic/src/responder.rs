@@ -32,6 +32,8 @@ pub(crate) enum Request<'a> {
         src: &'a [MemRange],
         len: u64,
         imm: Option<u32>,
+        /// SEND_WITH_INV: the rkey to invalidate.
+        invalidate: Option<u32>,
     },
     Read {
         raddr: u64,
@@ -98,7 +100,7 @@ impl<'a> Resp<'a> {
             return Err(Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY));
         }
         self.g
-            .check(self.qp.pd, need, rkey, raddr, len)
+            .check_remote(self.qp.pd, self.qp.qpn, need, rkey, raddr, len)
             .map_err(|_| Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY))
     }
 
@@ -151,6 +153,23 @@ impl<'a> Resp<'a> {
             self.rq.srq_wqe = None;
         } else {
             self.rq.ci = self.rq.ci.wrapping_add(1);
+        }
+    }
+
+    /// SEND_WITH_INV: invalidates `rkey`, a type 2 memory window bound to this QP. A key it
+    /// cannot invalidate completes the receive with LOCAL_PROT (vendor syndrome
+    /// [`vendor::MEMORY_WINDOW`]) and NAKs invalid request (fatal).
+    pub fn invalidate(&mut self, rkey: u32) -> Result<(), Response> {
+        match self.g.invalidate(self.qp.pd, self.qp.qpn, rkey) {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::debug!(qpn = self.qp.qpn, error = %e, "SEND_WITH_INV refused");
+                self.recv_error(Syndrome::LocalProt, vendor::MEMORY_WINDOW);
+                Err(self.fatal(Response::Nak(
+                    Syndrome::RemoteInvalReq,
+                    vendor::MEMORY_WINDOW,
+                )))
+            }
         }
     }
 
@@ -330,7 +349,12 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
             }
             Response::Ack
         }
-        Request::Send { src, len, imm } => {
+        Request::Send {
+            src,
+            len,
+            imm,
+            invalidate,
+        } => {
             let dst = match r.recv_ranges() {
                 Ok(d) => d,
                 Err(e) => return e,
@@ -346,6 +370,13 @@ pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -
                     Err(CopyError::Dst(e)) => return r.recv_devmem_failed(&e),
                     Err(e) => return copy_failed(&r, e),
                 }
+            }
+            if let Some(rkey) = invalidate {
+                if let Err(nak) = r.invalidate(rkey) {
+                    return nak;
+                }
+                r.recv_done(RespKind::SendInv, len, Some(rkey), from);
+                return Response::Ack;
             }
             let kind = if imm.is_some() {
                 RespKind::SendImm

@@ -944,6 +944,7 @@ fn key_of(c: Completion, req_qpn: u32, resp_qpn: u32, resp_from: u32, requester:
                 prm::cqe::RespKind::WriteImm => 1,
                 prm::cqe::RespKind::Send => 2,
                 prm::cqe::RespKind::SendImm => 3,
+                prm::cqe::RespKind::SendInv => 4,
             };
             K {
                 op,

@@ -99,7 +99,7 @@ fn bad_opcode_and_bad_opmod_and_bad_ds_are_local_qp_op() {
     type Patch = fn(&mut Vec<u8>);
     let cases: [(&str, Patch, u8); 6] = [
         ("unknown opcode 0x1b", |b| b[3] = 0x1b, 0x1b),
-        ("unknown opcode 0x01", |b| b[3] = 0x01, 0x01),
+        ("unknown opcode 0x02", |b| b[3] = 0x02, 0x02),
         ("opmod on a WRITE", |b| b[0] = 3, 0x08),
         ("ds 1 for a WRITE", |b| b[7] = (b[7] & !0x3f) | 1, 0x08),
         ("ds 0", |b| b[7] &= !0x3f, 0x08),

@@ -216,6 +216,18 @@ pod!(
     RegMrResp[12] { mr_handle: u32, lkey: u32, rkey: u32 }
 );
 pod!(
+    /// `struct ib_uverbs_alloc_mw`.
+    AllocMw[16] { response: u64, pd_handle: u32, mw_type: u8, reserved: [u8; 3] }
+);
+pod!(
+    /// `struct ib_uverbs_alloc_mw_resp`.
+    AllocMwResp[8] { mw_handle: u32, rkey: u32 }
+);
+pod!(
+    /// `struct mlx5_ib_alloc_mw` (driver data of ALLOC_MW).
+    Mlx5AllocMw[8] { comp_mask: u32, num_klms: u8, reserved1: u8, reserved2: u16 }
+);
+pod!(
     /// `struct ib_uverbs_rereg_mr`.
     ReregMr[48] {
         response: u64, mr_handle: u32, flags: u32, start: u64, length: u64, hca_va: u64,

@@ -194,6 +194,12 @@ struct MrObj {
     pd: u32,
 }
 
+struct MwObj {
+    /// The key the window was allocated with (binds change its low byte).
+    key: u32,
+    pd: u32,
+}
+
 /// What QUERY_QP reports back: the attributes last set.
 #[derive(Clone, Copy, Default)]
 struct QpAttrs {
@@ -245,6 +251,7 @@ struct Objects {
     next: u32,
     pds: HashMap<u32, PdObj>,
     mrs: HashMap<u32, MrObj>,
+    mws: HashMap<u32, MwObj>,
     cqs: HashMap<u32, Arc<CqObj>>,
     qps: HashMap<u32, QpObj>,
     ahs: HashMap<u32, AhObj>,
@@ -353,6 +360,7 @@ fn ib_access(flags: u32) -> Result<softnic::Access, Errno> {
         (access::REMOTE_WRITE, A::REMOTE_WRITE),
         (access::REMOTE_READ, A::REMOTE_READ),
         (access::REMOTE_ATOMIC, A::REMOTE_ATOMIC),
+        (access::MW_BIND, A::MW_BIND),
     ] {
         if flags & bit != 0 {
             a = a | right;
@@ -405,6 +413,8 @@ impl Context {
             c::REG_MR => self.reg_mr(io),
             c::REREG_MR => self.rereg_mr(io),
             c::DEREG_MR => self.dereg_mr(io),
+            c::ALLOC_MW => self.alloc_mw(io),
+            c::DEALLOC_MW => self.dealloc_mw(io),
             c::CREATE_COMP_CHANNEL => self.create_comp_channel(io),
             c::CREATE_CQ => {
                 let r: abi::CreateCq = io.core()?;
@@ -576,8 +586,10 @@ impl Context {
         if r.comp_mask != 0 || r.reserved != 0 {
             return Err(Errno::EINVAL);
         }
+        let base = self.dev.attr();
         let resp = abi::ExQueryDeviceResp {
-            base: self.dev.attr(),
+            base,
+            device_cap_flags_ex: base.device_cap_flags as u64,
             response_length: std::mem::size_of::<abi::ExQueryDeviceResp>().min(io.resp.1) as u32,
             max_dm_size: 0,
             ..Default::default()
@@ -623,6 +635,7 @@ impl Context {
             return Err(Errno::EINVAL);
         }
         let used = o.mrs.values().any(|m| m.pd == r.handle)
+            || o.mws.values().any(|m| m.pd == r.handle)
             || o.qps.values().any(|q| q.pd == r.handle)
             || o.ahs.values().any(|a| a.pd == r.handle)
             || o.srqs.values().any(|q| q.pd == r.handle);
@@ -739,6 +752,50 @@ impl Context {
         let mut o = self.objs.lock();
         let mr = o.mrs.remove(&r.handle).ok_or(Errno::EINVAL)?;
         soft.dereg(mr.key).map_err(|_| Errno::EINVAL)?;
+        Ok(Created::Nothing)
+    }
+
+    /// ALLOC_MW as mlx5_ib serves it: type 1 or 2 (else EINVAL), driver data with nothing
+    /// set but the KLM count (else EOPNOTSUPP).
+    fn alloc_mw(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::AllocMw = io.core()?;
+        let req: abi::Mlx5AllocMw = io.udata()?;
+        if req.comp_mask != 0 || req.reserved1 != 0 || req.reserved2 != 0 {
+            return Err(Errno::EOPNOTSUPP);
+        }
+        let kind = match r.mw_type {
+            1 => softnic::MwType::One,
+            2 => softnic::MwType::Two,
+            _ => return Err(Errno::EINVAL),
+        };
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
+        let key = soft.alloc_mw(pd, kind);
+        let h = o.handle();
+        if let Err(e) = io.reply(&abi::AllocMwResp {
+            mw_handle: h,
+            rkey: key,
+        }) {
+            let _ = soft.dealloc_mw(key);
+            return Err(e);
+        }
+        o.mws.insert(
+            h,
+            MwObj {
+                key,
+                pd: r.pd_handle,
+            },
+        );
+        Ok(Created::Nothing)
+    }
+
+    fn dealloc_mw(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::Handle = io.core()?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let mw = o.mws.remove(&r.handle).ok_or(Errno::EINVAL)?;
+        soft.dealloc_mw(mw.key).map_err(|_| Errno::EINVAL)?;
         Ok(Created::Nothing)
     }
 
@@ -1525,6 +1582,9 @@ impl Context {
         }
         for (_, s) in o.srqs.drain() {
             let _ = soft.destroy_srq(&s.soft);
+        }
+        for (_, m) in o.mws.drain() {
+            let _ = soft.dealloc_mw(m.key);
         }
         for (_, m) in o.mrs.drain() {
             let _ = soft.dereg(m.key);

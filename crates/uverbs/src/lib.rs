@@ -395,6 +395,7 @@ fn legacy_sizes(c: u32) -> (usize, usize) {
         ALLOC_PD => (8, s::<abi::AllocPdResp>()),
         DEALLOC_PD | DEREG_MR | DEALLOC_MW | DESTROY_AH => (4, 0),
         REG_MR => (s::<abi::RegMr>(), s::<abi::RegMrResp>()),
+        ALLOC_MW => (s::<abi::AllocMw>(), s::<abi::AllocMwResp>()),
         REREG_MR => (s::<abi::ReregMr>(), s::<abi::ReregMrResp>()),
         CREATE_COMP_CHANNEL => (8, s::<abi::CompChannelResp>()),
         CREATE_CQ => (s::<abi::CreateCq>(), s::<abi::CreateCqResp>()),

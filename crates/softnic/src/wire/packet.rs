@@ -37,6 +37,8 @@ pub const ATOMIC_ACK_ETH_LEN: usize = 8;
 pub const MASKED_ATOMIC_ETH_LEN: usize = 48;
 /// Bytes of the immediate-data header.
 pub const IMM_LEN: usize = 4;
+/// Bytes of the invalidate extended transport header (the rkey to invalidate).
+pub const IETH_LEN: usize = 4;
 /// Bytes of the invariant CRC.
 pub const ICRC_LEN: usize = 4;
 /// The largest path MTU (payload bytes per packet).
@@ -93,6 +95,10 @@ pub mod opcode {
     pub const CMP_SWAP: u8 = 0x13;
     /// Fetch and add (AtomicETH).
     pub const FETCH_ADD: u8 = 0x14;
+    /// SEND last with invalidate (IETH).
+    pub const SEND_LAST_INV: u8 = 0x16;
+    /// SEND only with invalidate (IETH).
+    pub const SEND_ONLY_INV: u8 = 0x17;
     /// Masked compare and swap: a soft NIC extension in the manufacturer-specific opcode
     /// range (0xC0..=0xFF), carrying a [`super::MaskedAtomicEth`]. ConnectX runs masked atomics
     /// on InfiniBand only; the soft NIC carries them on its wire so that every WQE the
@@ -125,6 +131,8 @@ pub mod opcode {
             ATOMIC_ACK => "ATOMIC Acknowledge",
             CMP_SWAP => "CmpSwap",
             FETCH_ADD => "FetchAdd",
+            SEND_LAST_INV => "SEND Last with Invalidate",
+            SEND_ONLY_INV => "SEND Only with Invalidate",
             MASKED_CMP_SWAP => "Masked CmpSwap (soft NIC)",
             MASKED_FETCH_ADD => "Masked FetchAdd (soft NIC)",
             _ => "unknown",
@@ -163,6 +171,8 @@ pub struct Layout {
     pub atomic_ack: bool,
     /// ImmDt.
     pub imm: bool,
+    /// IETH.
+    pub ieth: bool,
     /// Payload allowed.
     pub payload: bool,
 }
@@ -177,6 +187,7 @@ impl Layout {
             + f(self.aeth, AETH_LEN)
             + f(self.atomic_ack, ATOMIC_ACK_ETH_LEN)
             + f(self.imm, IMM_LEN)
+            + f(self.ieth, IETH_LEN)
     }
 }
 
@@ -191,6 +202,11 @@ pub fn layout(op: u8) -> Option<Layout> {
         }
         SEND_LAST_IMM | SEND_ONLY_IMM | WRITE_LAST_IMM => Layout {
             imm: true,
+            payload: true,
+            ..l
+        },
+        SEND_LAST_INV | SEND_ONLY_INV => Layout {
+            ieth: true,
             payload: true,
             ..l
         },
@@ -230,7 +246,12 @@ pub fn is_request(op: u8) -> bool {
     op <= READ_REQUEST
         || matches!(
             op,
-            CMP_SWAP | FETCH_ADD | MASKED_CMP_SWAP | MASKED_FETCH_ADD
+            CMP_SWAP
+                | FETCH_ADD
+                | SEND_LAST_INV
+                | SEND_ONLY_INV
+                | MASKED_CMP_SWAP
+                | MASKED_FETCH_ADD
         )
 }
 
@@ -365,6 +386,8 @@ pub struct Packet<'a> {
     pub atomic_ack: Option<u64>,
     /// Immediate data (as the WQE carried it, host order of the big-endian field).
     pub imm: Option<u32>,
+    /// IETH: the rkey the responder invalidates.
+    pub ieth: Option<u32>,
     /// Payload, without the pad.
     pub payload: &'a [u8],
 }
@@ -482,6 +505,10 @@ pub fn parse(d: &[u8]) -> Result<Packet<'_>, PacketError> {
         p.imm = Some(be32(&body[at..]));
         at += IMM_LEN;
     }
+    if l.ieth {
+        p.ieth = Some(be32(&body[at..]));
+        at += IETH_LEN;
+    }
     let rest = &body[at..];
     let pad = bth.pad as usize;
     if !l.payload && !rest.is_empty() {
@@ -518,7 +545,8 @@ pub fn encode_headers(
         || (l.masked && p.masked.is_none())
         || (l.aeth && p.aeth.is_none())
         || (l.atomic_ack && p.atomic_ack.is_none())
-        || (l.imm && p.imm.is_none());
+        || (l.imm && p.imm.is_none())
+        || (l.ieth && p.ieth.is_none());
     if missing {
         return Err(PacketError::MissingHeader(op));
     }
@@ -557,6 +585,9 @@ pub fn encode_headers(
     }
     if let (true, Some(i)) = (l.imm, p.imm) {
         out.extend_from_slice(&i.to_be_bytes());
+    }
+    if let (true, Some(k)) = (l.ieth, p.ieth) {
+        out.extend_from_slice(&k.to_be_bytes());
     }
     Ok(())
 }
@@ -946,6 +977,7 @@ mod tests {
                 }),
                 atomic_ack: l.atomic_ack.then_some(0xdead_beef),
                 imm: l.imm.then_some(0x0102_0304),
+                ieth: l.ieth.then_some(0x0a0b_0c0d),
                 payload: if l.payload { &payload } else { &[] },
             };
             encode(&p, &flow, &mut out).unwrap();

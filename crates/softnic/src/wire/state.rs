@@ -49,6 +49,8 @@ pub(crate) enum OutOp {
     },
     Send {
         imm: Option<u32>,
+        /// SEND_WITH_INV: the rkey the responder invalidates.
+        invalidate: Option<u32>,
         src: Src,
     },
     Read {
@@ -64,9 +66,7 @@ pub(crate) enum OutOp {
     },
     /// A WQE that needs no packet (NOP, WAIT) or failed locally, queued behind WQEs on the
     /// wire to complete in order.
-    Local {
-        byte_cnt: u32,
-    },
+    Local { byte_cnt: u32 },
 }
 
 /// One WQE on its way through the requester transport.

@@ -135,6 +135,7 @@ pub(crate) fn enqueue(
         ParsedOp::Send { local } => (
             OutOp::Send {
                 imm,
+                invalidate: wqe.invalidate(),
                 src: src_of(&local),
             },
             local.len(),
@@ -164,7 +165,7 @@ pub(crate) fn enqueue(
             },
             kind.size() as u64,
         ),
-        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } => {
+        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } | ParsedOp::Window(_) => {
             return Ok(Done::Complete(0))
         }
     };
@@ -377,17 +378,24 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
                         }
                         (o, src)
                     }
-                    OutOp::Send { imm, src } => {
-                        let o = match (first, last, imm.is_some()) {
-                            (true, true, false) => op::SEND_ONLY,
-                            (true, true, true) => op::SEND_ONLY_IMM,
-                            (true, false, _) => op::SEND_FIRST,
-                            (false, false, _) => op::SEND_MIDDLE,
-                            (false, true, false) => op::SEND_LAST,
-                            (false, true, true) => op::SEND_LAST_IMM,
+                    OutOp::Send {
+                        imm,
+                        invalidate,
+                        src,
+                    } => {
+                        let o = match (first, last, imm.is_some(), invalidate.is_some()) {
+                            (true, false, ..) => op::SEND_FIRST,
+                            (false, false, ..) => op::SEND_MIDDLE,
+                            (true, true, _, true) => op::SEND_ONLY_INV,
+                            (false, true, _, true) => op::SEND_LAST_INV,
+                            (true, true, false, _) => op::SEND_ONLY,
+                            (true, true, true, _) => op::SEND_ONLY_IMM,
+                            (false, true, false, _) => op::SEND_LAST,
+                            (false, true, true, _) => op::SEND_LAST_IMM,
                         };
                         if last {
                             pkt.imm = *imm;
+                            pkt.ieth = *invalidate;
                         }
                         (o, src)
                     }
@@ -989,6 +997,21 @@ fn invalid(r: &Resp<'_>) -> Outcome {
     )))
 }
 
+/// Completes the receive of a SEND whose last packet `pkt` arrived (`len` bytes in all): with
+/// its immediate, or after invalidating the rkey its IETH names.
+fn send_done(r: &mut Resp<'_>, pkt: &Packet<'_>, len: u64, from: u32) -> Result<(), Response> {
+    let (kind, imm) = match (pkt.ieth, pkt.imm) {
+        (Some(rkey), _) => {
+            r.invalidate(rkey)?;
+            (RespKind::SendInv, Some(rkey))
+        }
+        (None, Some(imm)) => (RespKind::SendImm, Some(imm)),
+        (None, None) => (RespKind::Send, None),
+    };
+    r.recv_done(kind, len, imm, from);
+    Ok(())
+}
+
 /// Runs a request packet with the expected PSN.
 fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<'_>) -> Outcome {
     let opc = pkt.bth.opcode;
@@ -996,7 +1019,7 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
     let n = pkt.payload.len() as u64;
     let cur = r.rq.wire.cur;
     match opc {
-        op::SEND_FIRST | op::SEND_ONLY | op::SEND_ONLY_IMM => {
+        op::SEND_FIRST | op::SEND_ONLY | op::SEND_ONLY_IMM | op::SEND_ONLY_INV => {
             if cur.is_some() {
                 return invalid(r);
             }
@@ -1019,17 +1042,14 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
             if opc == op::SEND_FIRST {
                 r.rq.wire.cur = Some(InMsg::Send { off: n });
             } else {
-                let kind = if pkt.imm.is_some() {
-                    RespKind::SendImm
-                } else {
-                    RespKind::Send
-                };
-                r.recv_done(kind, n, pkt.imm, from);
+                if let Err(nak) = send_done(r, pkt, n, from) {
+                    return Outcome::Nak(nak);
+                }
                 r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
             }
             Outcome::Accepted(1)
         }
-        op::SEND_MIDDLE | op::SEND_LAST | op::SEND_LAST_IMM => {
+        op::SEND_MIDDLE | op::SEND_LAST | op::SEND_LAST_IMM | op::SEND_LAST_INV => {
             let Some(InMsg::Send { off }) = cur else {
                 return invalid(r);
             };
@@ -1059,13 +1079,10 @@ fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<
             if opc == op::SEND_MIDDLE {
                 r.rq.wire.cur = Some(InMsg::Send { off: off + n });
             } else {
-                let kind = if pkt.imm.is_some() {
-                    RespKind::SendImm
-                } else {
-                    RespKind::Send
-                };
-                r.recv_done(kind, off + n, pkt.imm, from);
                 r.rq.wire.cur = None;
+                if let Err(nak) = send_done(r, pkt, off + n, from) {
+                    return Outcome::Nak(nak);
+                }
                 r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
             }
             Outcome::Accepted(1)
