@@ -14,8 +14,7 @@
 
 use std::ffi::{c_void, CString};
 use std::fmt;
-use std::panic::{self, AssertUnwindSafe};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext, DevicePtrMut};
@@ -152,15 +151,7 @@ pub fn parsed_fatbin() -> Result<Fatbin<'static>, CudaError> {
 // Driver
 // ---------------------------------------------------------------------------------------------
 
-/// Whether the CUDA driver library (`libcuda`) can be loaded. Probed once, then cached.
-pub fn driver_available() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| {
-        // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names of libcuda and closes
-        // what it opened; loading libcuda runs its initialisers, which is what using CUDA means.
-        panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false)
-    })
-}
+pub use cuda_mem::driver_available;
 
 /// Runs `f`, which uses the driver through cudarc, after checking the driver exists; a panic in
 /// cudarc (missing library or symbol) becomes [`CudaError::DriverPanicked`].
@@ -180,16 +171,9 @@ fn catch_driver_panic<T>(
     op: &'static str,
     f: impl FnOnce() -> Result<T, CudaError>,
 ) -> Result<T, CudaError> {
-    match panic::catch_unwind(AssertUnwindSafe(f)) {
+    match cuda_mem::catch_panic(f) {
         Ok(result) => result,
-        Err(payload) => {
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".to_string());
-            Err(CudaError::DriverPanicked { op, message })
-        }
+        Err(message) => Err(CudaError::DriverPanicked { op, message }),
     }
 }
 

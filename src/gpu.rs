@@ -8,13 +8,15 @@ use crate::export::{db_mode, QpDesc};
 use crate::memory::{Access, HostBuffer, Mr};
 use crate::queue::{CqDev, DoorbellMode, Poster, PosterClaim, Qp, QpDev, QueueState};
 use crate::Error;
+use cuda_mem::CudaMemory;
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext};
-use softnic::devmem::{same_memory, DeviceMemory, DeviceMemoryError};
+use softnic::devmem::{same_memory, DeviceMemory};
 use softnic::DmaBuf;
 use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -43,7 +45,7 @@ pub struct Gpu {
     info: DeviceInfo,
     mapped: Mutex<HashMap<u64, Mapping>>,
     /// The soft NIC's access to this GPU's memory.
-    memory: Arc<GpuMemory>,
+    memory: Arc<CudaMemory>,
 }
 
 /// Every `Gpu` opened in this process (for [`owner_of`]).
@@ -72,7 +74,10 @@ impl Gpu {
                 Ok(image) => Some(Module::load(&ctx, image)?),
                 Err(_) => None,
             };
-            let memory = Arc::new(GpuMemory::new(&ctx)?);
+            let memory = Arc::new(CudaMemory::new(&ctx).map_err(|e| CudaError::Driver {
+                op: e.op,
+                source: e.source,
+            })?);
             let gpu = Arc::new(Self {
                 ctx,
                 kernels,
@@ -96,44 +101,54 @@ impl Gpu {
         self.memory.clone()
     }
 
+    /// Exports the GPU pages holding `dptr..dptr+len` as a dma-buf
+    /// (`cuMemGetHandleForAddressRange`, host-page aligned) when the device says it can
+    /// (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`): the fd and the offset of `dptr` in it.
+    pub(crate) fn dmabuf(&self, dptr: u64, len: u64) -> Result<(OwnedFd, u64), CudaError> {
+        with_driver("dma-buf export", || {
+            self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+            let supported = self
+                .ctx
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+                .map_err(drv("cuDeviceGetAttribute(DMA_BUF_SUPPORTED)"))?;
+            if supported != 1 {
+                return Err(CudaError::Driver {
+                    op: "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0",
+                    source: DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED),
+                });
+            }
+            let page = host_page();
+            let start = dptr & !(page - 1);
+            let end = dptr
+                .checked_add(len)
+                .and_then(|e| e.checked_next_multiple_of(page))
+                .ok_or(CudaError::Driver {
+                    op: "dma-buf range",
+                    source: DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE),
+                })?;
+            let mut fd: std::ffi::c_int = -1;
+            // SAFETY: the driver writes one int (the fd) through a valid pointer; a range it
+            // does not hold is an error.
+            unsafe {
+                sys::cuMemGetHandleForAddressRange(
+                    (&mut fd as *mut std::ffi::c_int).cast(),
+                    start,
+                    (end - start) as usize,
+                    sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                    0,
+                )
+            }
+            .result()
+            .map_err(drv("cuMemGetHandleForAddressRange(DMA_BUF_FD)"))?;
+            // SAFETY: a new fd the driver handed over; owned (and closed) from here on.
+            Ok((unsafe { OwnedFd::from_raw_fd(fd) }, dptr - start))
+        })
+    }
+
     /// Whether `dptr..dptr+len` lies in one allocation of this GPU's device memory.
     fn holds(&self, dptr: u64, len: u64) -> bool {
-        let query = || -> Result<bool, CudaError> {
-            self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-            let mut kind: u32 = 0;
-            // SAFETY: the attribute is a 4-byte enum written through a valid pointer; any
-            // address may be queried (unknown ones are an error, not a fault).
-            let r = unsafe {
-                sys::cuPointerGetAttribute(
-                    (&mut kind as *mut u32).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                    dptr,
-                )
-            };
-            if r.result().is_err() || kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-                return Ok(false);
-            }
-            let mut ordinal: i32 = -1;
-            // SAFETY: as above, a 4-byte int.
-            let r = unsafe {
-                sys::cuPointerGetAttribute(
-                    (&mut ordinal as *mut i32).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                    dptr,
-                )
-            };
-            if r.result().is_err() || ordinal as usize != self.info.ordinal {
-                return Ok(false);
-            }
-            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-            // SAFETY: two out-parameters through valid pointers.
-            let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, dptr) };
-            Ok(r.result().is_ok()
-                && dptr
-                    .checked_add(len)
-                    .is_some_and(|end| end <= base + size as u64))
-        };
-        with_driver("device pointer query", query).unwrap_or(false)
+        cuda_mem::device_allocation(dptr)
+            .is_some_and(|a| a.ordinal == self.info.ordinal && a.covers(dptr, len))
     }
 
     /// Loads a user's fatbin (e.g. built with `gpuverbs-build`) into this GPU's context.
@@ -644,167 +659,14 @@ pub(crate) fn owner_of(dptr: u64, len: u64) -> Result<Arc<Gpu>, Error> {
         })
 }
 
-/// Bytes of pinned host memory a [`GpuMemory`] stages its copies through.
-const STAGING: usize = 1 << 20;
-
-/// The soft NIC's access to one GPU's memory ([`Gpu::device_memory`]): CUDA copies
-/// (`cuMemcpy{DtoH,HtoD,DtoD}Async`, UVA addresses, so host-registered memory with a device
-/// address works too), staged through pinned host memory, on a non-blocking stream (no
-/// implicit synchronisation with the default stream, where kernels that wait for the very
-/// copies may be running), each synchronised before it returns, as [`DeviceMemory`]
-/// requires. The context is bound to whichever thread calls (the soft NIC's engine or wire
-/// thread). One copy at a time per GPU (a mutex).
-struct GpuMemory {
-    ctx: Arc<CudaContext>,
-    io: Mutex<Io>,
-}
-
-struct Io {
-    stream: sys::CUstream,
-    staging: *mut u8,
-}
-
-// SAFETY: the stream and the pinned buffer are used only under the mutex, with the context
-// bound to the calling thread; CUDA handles may be used from any thread.
-unsafe impl Send for Io {}
-
-impl GpuMemory {
-    fn new(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
-        use cudarc::driver::result::stream;
-        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        let stream =
-            stream::create(stream::StreamKind::NonBlocking).map_err(drv("cuStreamCreate"))?;
-        // SAFETY: a plain pinned allocation, freed in `drop`.
-        let staging = match unsafe { cudarc::driver::result::malloc_host(STAGING, 0) } {
-            Ok(p) => p.cast::<u8>(),
-            Err(e) => {
-                // SAFETY: created above, destroyed once.
-                let _ = unsafe { stream::destroy(stream) };
-                return Err(drv("cuMemHostAlloc")(e));
-            }
-        };
-        Ok(Self {
-            ctx: ctx.clone(),
-            io: Mutex::new(Io { stream, staging }),
-        })
-    }
-
-    /// Runs `f` under the mutex with the context bound (driver panics caught); a failure
-    /// names the call and the range.
-    fn with_io(
-        &self,
-        what: &'static str,
-        addr: u64,
-        len: usize,
-        f: impl FnOnce(&Io) -> Result<(), DriverError>,
-    ) -> Result<(), DeviceMemoryError> {
-        let io = self.io.lock().unwrap_or_else(|e| e.into_inner());
-        with_driver(what, || {
-            self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-            f(&io).map_err(drv(what))
-        })
-        .map_err(|e| DeviceMemoryError(format!("{e} (GPU address {addr:#x}, {len} bytes)")))
-    }
-}
-
-/// Which way a copy goes. Every copy names its direction: an address the driver does not know
-/// (device memory freed under a region) is then an error, never taken for a host pointer, as
-/// the pointer-inferring `cuMemcpy` would (and copy from or to host memory).
-#[derive(Clone, Copy)]
-enum Dir {
-    /// Device to the staging buffer.
-    DtoH,
-    /// The staging buffer to device.
-    HtoD,
-    /// Device to device.
-    DtoD,
-}
-
-/// One asynchronous copy on the stream, then a synchronisation.
-fn copy_sync(io: &Io, dir: Dir, dst: u64, src: u64, n: usize) -> Result<(), DriverError> {
-    // SAFETY: the device side is an address the soft NIC checked against a region (a bad one
-    // is an error), the host side the staging buffer, which holds at least `n` bytes.
-    unsafe {
-        match dir {
-            Dir::DtoH => sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, n, io.stream),
-            Dir::HtoD => sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, n, io.stream),
-            Dir::DtoD => sys::cuMemcpyDtoDAsync_v2(dst, src, n, io.stream),
-        }
-    }
-    .result()?;
-    // SAFETY: the stream is live (destroyed only in drop).
-    unsafe { sys::cuStreamSynchronize(io.stream) }.result()
-}
-
-impl DeviceMemory for GpuMemory {
-    fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), DeviceMemoryError> {
-        // SAFETY: `dst` is a live, exclusively borrowed slice of `dst.len()` bytes.
-        unsafe { self.read_to_host(src, dst.as_mut_ptr(), dst.len()) }
-    }
-
-    fn write(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
-        // SAFETY: `src` is a live slice of `src.len()` bytes.
-        unsafe { self.write_from_host(dst, src.as_ptr(), src.len()) }
-    }
-
-    fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError> {
-        self.with_io("cuMemcpyAsync (device to device)", dst, len, |io| {
-            copy_sync(io, Dir::DtoD, dst, src, len)
-        })
-    }
-
-    unsafe fn read_to_host(
-        &self,
-        src: u64,
-        dst: *mut u8,
-        len: usize,
-    ) -> Result<(), DeviceMemoryError> {
-        self.with_io("cuMemcpyAsync (device to host)", src, len, |io| {
-            let mut done = 0;
-            while done < len {
-                let n = (len - done).min(STAGING);
-                copy_sync(io, Dir::DtoH, io.staging as u64, src + done as u64, n)?;
-                // SAFETY: the staging buffer holds `n` copied bytes; `dst + done .. + n` is
-                // inside the caller's writable range.
-                unsafe { std::ptr::copy_nonoverlapping(io.staging, dst.add(done), n) };
-                done += n;
-            }
-            Ok(())
-        })
-    }
-
-    unsafe fn write_from_host(
-        &self,
-        dst: u64,
-        src: *const u8,
-        len: usize,
-    ) -> Result<(), DeviceMemoryError> {
-        self.with_io("cuMemcpyAsync (host to device)", dst, len, |io| {
-            let mut done = 0;
-            while done < len {
-                let n = (len - done).min(STAGING);
-                // SAFETY: `src + done .. + n` is inside the caller's readable range; the
-                // staging buffer has STAGING bytes and is ours under the mutex.
-                unsafe { std::ptr::copy_nonoverlapping(src.add(done), io.staging, n) };
-                copy_sync(io, Dir::HtoD, dst + done as u64, io.staging as u64, n)?;
-                done += n;
-            }
-            Ok(())
-        })
-    }
-}
-
-impl Drop for GpuMemory {
-    fn drop(&mut self) {
-        let io = self.io.get_mut().unwrap_or_else(|e| e.into_inner());
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: created in `new`, each destroyed once, here; nothing uses them after.
-            unsafe {
-                let _ = cudarc::driver::result::stream::destroy(io.stream);
-                let _ = cudarc::driver::result::free_host(io.staging.cast());
-            }
-        }
-    }
+/// The host page size.
+fn host_page() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(p)
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
 }
 
 /// Device memory; freed when the last clone drops (a registered region holds one).

@@ -49,6 +49,7 @@ pub use device::{Context, DeviceRequest, Selection};
 pub use endpoint::{Endpoint, RemoteMemory};
 pub use error::Error;
 pub use memory::{Access, HostBuffer, Mr, Pd};
+pub use mlx5::GpuRegPath;
 pub use queue::{
     ConnectOptions, Cq, CqOptions, DoorbellMode, Modify, Qp, QpOptions, RingPlacement,
 };

@@ -7,7 +7,8 @@
 //!
 //! Regions may be host memory ([`Pd::register`]) or GPU memory ([`Pd::register_device_mem`],
 //! [`Pd::register_gpu`]); the soft NIC moves the bytes of GPU regions with CUDA copies
-//! ([`crate::gpu::Gpu::device_memory`]).
+//! ([`crate::gpu::Gpu::device_memory`]); an rdma-core device gets them through a dma-buf of
+//! the GPU pages, else through the GPU address (nvidia-peermem) ([`Mr::gpu_path`]).
 
 use crate::device::{Backend, Context};
 use crate::gpu::DeviceMem;
@@ -210,6 +211,8 @@ pub struct Mr {
     /// Range, rights and kind; `key` is the lkey.
     info: softnic::MrInfo,
     rkey: u32,
+    /// How GPU memory was registered on an rdma-core device.
+    gpu_path: Option<crate::mlx5::GpuRegPath>,
     /// The rdma-core registration (deregistered on drop), on the mlx5 backend.
     _mlx5: Option<MlxMr>,
     _keep: Keep,
@@ -252,6 +255,11 @@ impl Mr {
     /// Where its bytes live: host memory or GPU memory.
     pub fn kind(&self) -> MemKind {
         self.info.kind
+    }
+    /// For GPU memory on an rdma-core device: whether it was registered through a dma-buf or
+    /// through nvidia-peermem (`None` elsewhere).
+    pub fn gpu_path(&self) -> Option<crate::mlx5::GpuRegPath> {
+        self.gpu_path
     }
     /// An SGE over `off..off+len` of this region.
     pub fn sge(&self, off: u64, len: u32) -> prm::Sge {
@@ -318,6 +326,7 @@ impl Pd {
             pd: self.clone(),
             info,
             rkey,
+            gpu_path: None,
             _mlx5: mlx5,
             _keep: Keep::Nothing,
         })
@@ -336,17 +345,53 @@ impl Pd {
     /// write or atomic without local write).
     pub fn register_gpu(&self, dptr: u64, len: u64, access: Access) -> Result<Mr, Error> {
         let gpu = crate::gpu::owner_of(dptr, len)?;
-        self.register_device(gpu.device_memory(), dptr, len, access, Keep::Nothing)
+        self.register_on_gpu(&gpu, dptr, len, access, Keep::Nothing)
     }
 
     /// Registers all of `mem` (GPU memory); the region keeps it allocated.
     pub fn register_device_mem(&self, mem: &DeviceMem, access: Access) -> Result<Mr, Error> {
         let keep = Keep::Device(mem.clone());
-        let dm = mem.gpu().device_memory();
-        self.register_device(dm, mem.ptr(), mem.len() as u64, access, keep)
+        self.register_on_gpu(mem.gpu(), mem.ptr(), mem.len() as u64, access, keep)
     }
 
-    /// Registers device memory reached through `mem`.
+    /// Registers GPU memory of `gpu`: on the soft NIC through the GPU's copies; on an
+    /// rdma-core device through a dma-buf of its pages (`ibv_reg_dmabuf_mr`), else the GPU
+    /// address itself (`ibv_reg_mr`, nvidia-peermem).
+    fn register_on_gpu(
+        &self,
+        gpu: &crate::gpu::Gpu,
+        dptr: u64,
+        len: u64,
+        access: Access,
+        keep: Keep,
+    ) -> Result<Mr, Error> {
+        let PdDev::Mlx5(pd) = &self.dev else {
+            return self.register_device(gpu.device_memory(), dptr, len, access, keep);
+        };
+        if len == 0 {
+            return Err(Error::InvalidArgument("an empty memory region".into()));
+        }
+        let dmabuf = gpu.dmabuf(dptr, len).map_err(|e| e.to_string());
+        let (mr, path) = pd.reg_gpu(dptr, len, access, dmabuf)?;
+        let info = softnic::MrInfo {
+            key: mr.lkey,
+            pd: softnic::PdId(0),
+            addr: dptr,
+            len,
+            access,
+            kind: MemKind::Device,
+        };
+        Ok(Mr {
+            pd: self.clone(),
+            info,
+            rkey: mr.rkey,
+            gpu_path: Some(path),
+            _mlx5: Some(MlxMr(mr)),
+            _keep: keep,
+        })
+    }
+
+    /// Registers device memory reached through `mem` (the soft NIC only).
     pub(crate) fn register_device(
         &self,
         mem: Arc<dyn DeviceMemory>,
@@ -359,8 +404,8 @@ impl Pd {
             (Backend::Soft(d), PdDev::Soft(id)) => d.reg_device(*id, dptr, len, access, mem)?,
             _ => {
                 return Err(Error::Unsupported(
-                    "GPU-memory regions on the mlx5 backend (ibv_reg_dmabuf_mr or \
-                     nvidia-peermem) are not implemented yet"
+                    "a DeviceMemory region on an rdma-core device (register GPU memory with \
+                     Pd::register_gpu or Pd::register_device_mem)"
                         .into(),
                 ))
             }
@@ -369,6 +414,7 @@ impl Pd {
             pd: self.clone(),
             info,
             rkey: info.key,
+            gpu_path: None,
             _mlx5: None,
             _keep: keep,
         })

@@ -374,14 +374,76 @@ impl Pd {
                 format!("{addr:#x}+{len}, access {flags:#x} (check the memlock limit: ulimit -l)"),
             ));
         }
+        Ok(self.wrap(mr))
+    }
+
+    /// Registers GPU memory `dptr..dptr+len`: through a dma-buf (`dmabuf`: the fd of the GPU
+    /// pages around the range and the offset of `dptr` in it) with `ibv_reg_dmabuf_mr` when one
+    /// is given, else (or when that fails) with `ibv_reg_mr` on the GPU address, which a kernel
+    /// with nvidia-peermem resolves. Returns the region and the path that took it; when both
+    /// fail, an error naming both attempts and their errno.
+    pub(crate) fn reg_gpu(
+        self: &Arc<Self>,
+        dptr: u64,
+        len: u64,
+        access: softnic::Access,
+        dmabuf: Result<(std::os::fd::OwnedFd, u64), String>,
+    ) -> Result<(Mr, GpuRegPath), Error> {
+        use std::os::fd::AsRawFd;
+        let flags = ibv_access(access);
+        let verbs = self.dev.libs.verbs;
+        let first = match (&dmabuf, verbs.ibv_reg_dmabuf_mr) {
+            (Ok((fd, offset)), Some(reg)) => {
+                // SAFETY: live PD; the fd is a dma-buf of GPU pages covering the range (the
+                // kernel takes its own reference; ours closes when `dmabuf` drops).
+                let mr = unsafe {
+                    reg(
+                        self.pd,
+                        *offset,
+                        len as usize,
+                        dptr,
+                        fd.as_raw_fd(),
+                        flags as i32,
+                    )
+                };
+                if !mr.is_null() {
+                    return Ok((self.wrap(mr), GpuRegPath::DmaBuf));
+                }
+                format!(
+                    "ibv_reg_dmabuf_mr: {}",
+                    std::io::Error::from_raw_os_error(errno())
+                )
+            }
+            (Ok(_), None) => "ibv_reg_dmabuf_mr: not in this libibverbs".to_string(),
+            (Err(e), _) => format!("no dma-buf ({e})"),
+        };
+        // SAFETY: live PD; ibv_reg_mr on a GPU address is resolved by the kernel (peermem) or
+        // refused; user space never touches the range.
+        let mr = unsafe { verbs.reg_mr(self.pd, dptr as *mut _, len as usize, flags) };
+        if mr.is_null() {
+            return Err(verbs_err(
+                "ibv_reg_mr",
+                errno(),
+                format!(
+                    "GPU memory {dptr:#x}+{len}, access {flags:#x}: the GPU address (the \
+                     nvidia-peermem path) after {first}"
+                ),
+            ));
+        }
+        tracing::debug!(dptr, len, dmabuf = %first, "GPU memory registered through peermem");
+        Ok((self.wrap(mr), GpuRegPath::PeerMem))
+    }
+
+    /// Takes ownership of a region rdma-core returned.
+    fn wrap(self: &Arc<Self>, mr: *mut sys::ibv_mr) -> Mr {
         // SAFETY: a live MR returned just now.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
-        Ok(Mr {
+        Mr {
             pd: self.clone(),
             mr,
             lkey,
             rkey,
-        })
+        }
     }
 
     /// Creates an RC QP (RESET) with scatter-to-CQE disabled.
@@ -466,6 +528,15 @@ impl Pd {
 }
 
 /// A memory region.
+/// How GPU memory was registered on an rdma-core device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuRegPath {
+    /// `ibv_reg_dmabuf_mr` with a dma-buf of the GPU pages.
+    DmaBuf,
+    /// `ibv_reg_mr` on the GPU address (nvidia-peermem).
+    PeerMem,
+}
+
 pub(crate) struct Mr {
     pd: Arc<Pd>,
     mr: *mut sys::ibv_mr,

@@ -147,10 +147,6 @@ impl Pair {
             "GPU-resident rings need DEVX (not yet)",
         )?;
         skip_on_mlx5(
-            mem == Mem::Gpu,
-            "GPU-memory regions (dma-buf / peermem) not yet",
-        )?;
-        skip_on_mlx5(
             cq_mode == CqMode::Collapsed,
             "collapsed CQs need DEVX (not yet)",
         )?;

@@ -6,8 +6,7 @@ use crate::dataplane::{arg, gpu, Mem, Pair, PairSpec, Status, BUDGET_NS};
 use anyhow::{ensure, Result};
 use gpuverbs::memory::MemKind;
 use gpuverbs::{
-    Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, Error, HostBuffer,
-    QpOptions, RingPlacement,
+    Access, ConnectOptions, CqOptions, DoorbellMode, Error, HostBuffer, QpOptions, RingPlacement,
 };
 use prm::wqe::{CtrlFlags, Local, Op};
 use prm::Completion;
@@ -85,11 +84,12 @@ pub fn gpumem_roundtrip(
     let (src, dst) = (p.src.to_vec()?, p.dst.to_vec()?);
     ensure!(dst[..n] == want[..], "the peer's GPU memory differs");
     ensure!(src[n..] == want[..], "the bytes read back differ");
-    let c = p.a.soft_device().expect("soft").counters();
-    ensure!(
-        c.errors.is_empty() && c.device_memory_errors == 0,
-        "device: {c:?}"
-    );
+    if let Some(c) = crate::dataplane::counters(&p.a) {
+        ensure!(
+            c.errors.is_empty() && c.device_memory_errors == 0,
+            "device: {c:?}"
+        );
+    }
     Ok(format!(
         "{n} B written by the kernel, put and got back through GPU memory, checked on the GPU \
          and the host (rings {rings:?})"
@@ -101,10 +101,8 @@ pub fn gpumem_roundtrip(
 /// device-to-device copy), READ GPU → host, fetch-add on a GPU word with the result in GPU
 /// memory, 3 MiB through the staging buffer; registration refuses what is not device memory.
 pub fn cpu_initiator_gpumem(ordinal: usize) -> Result<String> {
-    crate::dataplane::skip_on_mlx5(true, "GPU-memory regions (dma-buf / peermem) not yet")?;
     let gpu = gpu(ordinal)?;
-    let a = Context::open(DeviceRequest::Soft)?;
-    let b = Context::open(DeviceRequest::Soft)?;
+    let (a, b) = crate::dataplane::contexts()?;
     let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
     let (ca, cb) = (
         a.create_cq(CqOptions::default())?,
@@ -195,14 +193,19 @@ pub fn cpu_initiator_gpumem(ordinal: usize) -> Result<String> {
         word(&gb, 64)?,
         word(&ga, 128)?
     );
-    let c = a.soft_device().expect("soft").counters();
-    ensure!(c.device_memory_errors == 0 && c.errors.is_empty(), "{c:?}");
+    if let Some(c) = crate::dataplane::counters(&a) {
+        ensure!(c.device_memory_errors == 0 && c.errors.is_empty(), "{c:?}");
+    }
+    let path = match mra.gpu_path() {
+        Some(p) => format!(" (rdma-core: {p:?})"),
+        None => String::new(),
+    };
     // the regions go before the memory under them
     drop((mra, mrb, mrh));
     drop((ga, gb));
     Ok(format!(
-        "register_gpu / register_device_mem; {} MiB host -> GPU, GPU -> GPU, GPU -> host, \
-         fetch-add on GPU memory verified",
+        "register_gpu / register_device_mem{path}; {} MiB host -> GPU, GPU -> GPU, GPU -> \
+         host, fetch-add on GPU memory verified",
         big >> 20
     ))
 }

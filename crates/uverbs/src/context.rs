@@ -7,6 +7,7 @@
 use crate::abi::{self, access, qp_attr};
 use crate::device::{EmuDevice, MAX_CQE, MAX_QP_WR, MAX_RD_ATOM, MAX_SGE, MAX_SRQ_SGE};
 use crate::events::EventQueue;
+use crate::peermem;
 use crate::uaccess::{check_mapped, copy_from_user, copy_to_user, Errno};
 use bytemuck::Pod;
 use parking_lot::Mutex;
@@ -670,20 +671,29 @@ impl Context {
         if hca_va != start {
             return Err(unsupported("REG_MR with an IOVA other than the address"));
         }
-        check_mapped(start, length)?;
         Ok(a)
     }
 
     fn reg_mr(&self, io: &Io<'_>) -> Result<Created, Errno> {
         let r: abi::RegMr = io.core()?;
         let a = Self::check_mr(r.start, r.length, r.hca_va, r.access_flags)?;
+        // host memory, else GPU memory resolved as nvidia-peermem would, else EFAULT
+        let gpu = match check_mapped(r.start, r.length) {
+            Ok(()) => None,
+            Err(e) => Some(peermem::resolve(r.start, r.length).ok_or(e)?),
+        };
         let soft = self.soft()?;
         let mut o = self.objs.lock();
         let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
-        // SAFETY: the range is mapped (checked); an application that unmaps registered memory
-        // before deregistering it breaks the verbs contract (the kernel would keep the pages
-        // pinned; here the device's accesses would fault in the application's own process).
-        let info = unsafe { soft.reg_host(pd, r.start, r.length, a) }.map_err(|_| Errno::EINVAL)?;
+        let info = match gpu {
+            Some(mem) => soft.reg_device(pd, r.start, r.length, a, mem),
+            // SAFETY: the range is mapped (checked); an application that unmaps registered
+            // memory before deregistering it breaks the verbs contract (the kernel would keep
+            // the pages pinned; here the device's accesses would fault in the application's
+            // own process).
+            None => unsafe { soft.reg_host(pd, r.start, r.length, a) },
+        }
+        .map_err(|_| Errno::EINVAL)?;
         let h = o.handle();
         if let Err(e) = io.reply(&abi::RegMrResp {
             mr_handle: h,
@@ -721,12 +731,16 @@ impl Context {
         let va = if r.flags & 1 != 0 { r.hca_va } else { start };
         let pd_handle = if r.flags & 2 != 0 { r.pd_handle } else { mr.pd };
         let pd = o.pds.get(&pd_handle).ok_or(Errno::EINVAL)?.id;
+        if old.kind != softnic::MemKind::Host {
+            return Err(unsupported("REREG_MR of GPU memory"));
+        }
         let a = if r.flags & 4 != 0 {
             Self::check_mr(start, len, va, r.access_flags)?
         } else {
             Self::check_mr(start, len, va, 0)?;
             old.access
         };
+        check_mapped(start, len)?;
         // The key stays (mlx5_ib modifies the mkey in place).
         // SAFETY: as in reg_mr, for the new range.
         let info =

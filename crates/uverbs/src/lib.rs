@@ -9,6 +9,7 @@
 //! - [`context`] answers the uverbs `write()` commands ([`abi`]) as the kernel's uverbs core and
 //!   mlx5_ib would, creating soft-NIC objects on the rings, doorbell records and UAR pages the
 //!   provider set up; [`events`] serves completion channels and the async event fd;
+//! - [`peermem`] resolves GPU addresses an application registers (nvidia-peermem's job);
 //! - [`device`] holds the soft NICs (one per `mlx5_N`, each with a RoCEv2 wire port on its
 //!   own address, [`config`]).
 //!
@@ -19,6 +20,7 @@ pub mod config;
 pub mod context;
 pub mod device;
 pub mod events;
+pub mod peermem;
 pub mod sysfs;
 pub mod uaccess;
 
