@@ -3,7 +3,8 @@
 //!
 //! The modules follow the control path:
 //! - [`device`]: pick and open a device ([`Context`]), soft NIC or ConnectX, with the reason.
-//! - [`memory`]: protection domains, host buffers, memory regions.
+//! - [`memory`]: protection domains, host buffers, memory regions, their generations and
+//!   deregistration once the work in flight is done.
 //! - [`queue`]: completion queues and RC queue pairs, doorbell modes, connection.
 //! - [`endpoint`], [`bootstrap`]: what peers exchange, and the TCP rendezvous that carries it.
 //! - [`export`]: the QP descriptor kernels drive (one layout shared with the CUDA headers).
@@ -48,7 +49,7 @@ pub mod soft {
 pub use device::{Context, DeviceRequest, Selection};
 pub use endpoint::{Endpoint, RemoteMemory};
 pub use error::Error;
-pub use memory::{Access, HostBuffer, Mr, Pd};
+pub use memory::{Access, DeregisterError, HostBuffer, InFlight, Mr, Pd, QpInFlight};
 pub use queue::{
     ConnectOptions, Cq, CqOptions, DoorbellMode, Modify, Qp, QpOptions, RingPlacement,
 };
