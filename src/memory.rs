@@ -28,6 +28,7 @@
 use crate::device::{Backend, Context};
 use crate::gpu::DeviceMem;
 use crate::queue::QpState;
+use crate::regcache::RegCache;
 use crate::Error;
 use softnic::devmem::DeviceMemory;
 use softnic::DmaBuf;
@@ -37,13 +38,15 @@ use std::time::{Duration, Instant};
 
 pub use softnic::{Access, MemKind};
 
-/// A protection domain.
+/// A protection domain. Clones share it (and its registration cache, [`Pd::reg_cache`]).
 #[derive(Clone)]
 pub struct Pd {
     pub(crate) ctx: Context,
     pub(crate) dev: PdDev,
     /// The QPs of this PD (what [`Mr::deregister`] waits for).
     pub(crate) qps: Arc<PdQps>,
+    /// The registration cache ([`Pd::register_cached`]).
+    pub(crate) cache: RegCache,
 }
 
 /// The QPs created in a PD, as the device holds them (weakly: a destroyed QP drops out).
@@ -76,7 +79,8 @@ impl PdQps {
     }
 }
 
-/// What a region holds of its PD: the device, the PD's device object and its QPs.
+/// What a region holds of its PD: the device, the PD's device object and its QPs (not the
+/// registration cache, which holds regions itself).
 #[derive(Clone)]
 pub(crate) struct RegionPd {
     pub(crate) ctx: Context,
@@ -124,6 +128,7 @@ impl Context {
             ctx: self.clone(),
             dev,
             qps: Arc::default(),
+            cache: RegCache::default(),
         })
     }
 }
@@ -206,10 +211,21 @@ impl HostBuffer {
         }
     }
 
+    /// A new buffer over the memory of `other` (same address, a new allocation identity),
+    /// which it keeps alive: what an allocator that hands freed memory out again does.
+    #[cfg(test)]
+    pub(crate) fn alias_of(other: &HostBuffer) -> Self {
+        let nn = std::ptr::NonNull::new(other.addr() as *mut u8).expect("a live buffer");
+        // SAFETY: `other`'s whole allocation (page-aligned, `other.buf.len()` bytes), kept
+        // alive by the owner; the new buffer gives the same raw access `other` gives.
+        let buf = unsafe { DmaBuf::from_external(nn, other.buf.len(), Box::new(other.clone())) };
+        Self::wrap(buf, other.len)
+    }
+
     /// The identity of the allocation behind this buffer: a serial number unique within the
     /// process and never reused, shared by the buffer's clones. A buffer allocated after
     /// another was freed has a new identity even when it gets the same address (the
-    /// registration cache keys on it).
+    /// registration cache keys on it, [`Pd::register_cached`]).
     pub fn allocation_id(&self) -> u64 {
         self.serial
     }
@@ -444,6 +460,11 @@ impl Mr {
             std::thread::sleep(pause.min(timeout - waited));
             pause = (pause * 2).min(Duration::from_millis(1));
         }
+    }
+
+    /// Marks the region as already waited for (its drop logs nothing).
+    pub(crate) fn set_quiet(&mut self) {
+        self.quiet = true;
     }
 }
 
