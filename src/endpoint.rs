@@ -1,27 +1,37 @@
 //! What two peers tell each other to connect an RC QP: a serializable, versioned, validated
 //! [`Endpoint`] (GID, QPN, initial PSN, path MTU, device name, and the UDP port of a soft NIC on
-//! the wire), and the separate [`RemoteMemory`] descriptor (address, length, rkey) that an
-//! application hands out on purpose.
+//! the wire), and the separate [`RemoteMemory`] descriptor (address, length, rkey, and the
+//! registration's generation) that an application hands out on purpose.
 //!
 //! # Capabilities
 //!
 //! An rkey grants remote access to memory, so it never travels by accident: an [`Endpoint`] has
 //! no key field at all, and a [`RemoteMemory`] is only made by the explicit
-//! [`RemoteMemory::export_rkey`] (or decoded from what a peer chose to send).
+//! [`RemoteMemory::export_mr`] / [`RemoteMemory::export_rkey`] (or decoded from what a peer
+//! chose to send).
 //!
 //! # Wire format
 //!
-//! Both types encode as a JSON object carrying `"v": 1` ([`WIRE_VERSION`]). Decoding reads the
-//! version first, so a peer of another version gets [`EndpointError::UnsupportedVersion`] rather
-//! than a confusing missing-field message; every value is then range-checked. Unknown extra
-//! fields are ignored (a version bump is needed only when a field changes meaning or becomes
-//! required).
+//! Both types encode as a JSON object carrying a version `"v"`: an endpoint `"v": 1`
+//! ([`WIRE_VERSION`]), a memory descriptor `"v": 2` ([`REMOTE_MEMORY_WIRE_VERSION`]). Decoding
+//! reads the version first, so a peer of another version gets
+//! [`EndpointError::UnsupportedVersion`] rather than a confusing missing-field message; every
+//! value is then range-checked. Unknown extra fields are ignored (a version bump is needed only
+//! when a field changes meaning or becomes required).
 //!
 //! ```json
 //! {"v":1,"gid":"::ffff:127.1.0.1","qpn":256,"psn":1193046,"mtu":1024,"device":"softnic:soft0"}
 //! {"v":1,"gid":"::ffff:10.0.0.1","qpn":4352,"psn":77,"mtu":4096,"device":"softnic2","udp_port":40123}
-//! {"v":1,"addr":140737488355328,"len":65536,"rkey":4660}
+//! {"v":2,"addr":140737488355328,"len":65536,"rkey":4660,"generation":7}
 //! ```
+//!
+//! `generation` (version 2 of the memory descriptor, required there): the registration's
+//! generation ([`crate::Mr::generation`]), which tells a descriptor of one registration from
+//! one of an earlier registration of the same memory (whose rkey is dead). It is a version
+//! bump, not an optional field, because a version-1 reader would drop it silently and treat
+//! descriptors of two registrations as the same; a version-1 reader refuses a version-2
+//! descriptor with a clear version error instead. This build still reads version 1
+//! descriptors, as generation 0 ("unknown": no registration has generation 0).
 //!
 //! `udp_port` (optional, added within version 1): the UDP port where the QP's soft NIC listens
 //! for RoCEv2 packets ([`Endpoint::udp_port`]); the address is the GID's IPv4 address. Absent
@@ -45,8 +55,12 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
-/// The wire version this build writes and the only one it reads.
+/// The wire version of an [`Endpoint`] this build writes and the only one it reads.
 pub const WIRE_VERSION: u32 = 1;
+
+/// The wire version of a [`RemoteMemory`] this build writes (it also reads version 1, as
+/// generation 0).
+pub const REMOTE_MEMORY_WIRE_VERSION: u32 = 2;
 
 /// Largest 24-bit value (QPN and PSN are 24-bit fields in the BTH).
 pub const MAX_24BIT: u32 = 0x00ff_ffff;
@@ -85,7 +99,7 @@ pub enum EndpointError {
         what: &'static str,
         /// The version in the message.
         found: u64,
-        /// [`WIRE_VERSION`].
+        /// The version this build writes: [`WIRE_VERSION`] or [`REMOTE_MEMORY_WIRE_VERSION`].
         supported: u32,
     },
     /// QPN is not a 24-bit number of an ordinary QP (0 and 1 are the special QPs).
@@ -418,7 +432,7 @@ impl Endpoint {
     }
 
     fn from_value(value: Value) -> Result<Self> {
-        check_version(&value, ENDPOINT)?;
+        check_version(&value, ENDPOINT, &[WIRE_VERSION], WIRE_VERSION)?;
         let w: EndpointV1 =
             serde_json::from_value(value).map_err(|source| EndpointError::Decode {
                 what: ENDPOINT,
@@ -473,36 +487,76 @@ impl<'de> Deserialize<'de> for Endpoint {
 // ---------------------------------------------------------------------------------------------
 
 /// A window of a peer's registered memory that this side may access with RDMA: start address
-/// (in the peer's address space), length and rkey.
+/// (in the peer's address space), length, rkey, and the generation of the registration it
+/// belongs to ([`crate::Mr::generation`]; 0 when unknown).
 ///
-/// It is a capability: there is deliberately no `Default`, no public fields and no conversion
-/// from a memory region. The only ways to get one are [`RemoteMemory::export_rkey`], which the
-/// owner of the memory calls when it decides to share it, and decoding what a peer sent.
+/// It is a capability: there is deliberately no `Default`, no public fields and no implicit
+/// conversion from a memory region. The only ways to get one are [`RemoteMemory::export_mr`]
+/// and [`RemoteMemory::export_rkey`], which the owner of the memory calls when it decides to
+/// share it, and decoding what a peer sent.
+///
+/// A descriptor outlives nothing: once its region is deregistered (and the memory perhaps
+/// registered again, with a new rkey and a new generation), a peer that still uses it gets a
+/// REMOTE_ACCESS error completion.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RemoteMemory {
     addr: u64,
     len: u64,
     rkey: u32,
+    generation: u32,
 }
 
-/// Version 1 wire form of a [`RemoteMemory`].
-#[derive(Serialize, Deserialize)]
+/// Version 1 wire form of a [`RemoteMemory`] (read only: generation 0).
+#[derive(Deserialize)]
 struct RemoteMemoryV1 {
+    addr: u64,
+    len: u64,
+    rkey: u32,
+}
+
+/// Version 2 wire form of a [`RemoteMemory`].
+#[derive(Serialize, Deserialize)]
+struct RemoteMemoryV2 {
     v: u32,
     addr: u64,
     len: u64,
     rkey: u32,
+    generation: u32,
 }
 
 impl RemoteMemory {
     /// Export `len` bytes at `addr` under `rkey` to a peer. Call this only for memory you mean to
     /// expose; the result grants the rights the key was registered with. Fails when
     /// `addr + len` overflows.
+    /// Its generation is 0 ("unknown"); [`RemoteMemory::export_mr`] carries the region's.
     pub fn export_rkey(addr: u64, len: u64, rkey: u32) -> Result<Self> {
+        Self::export_rkey_generation(addr, len, rkey, 0)
+    }
+
+    /// As [`RemoteMemory::export_rkey`], with the registration's generation.
+    pub fn export_rkey_generation(addr: u64, len: u64, rkey: u32, generation: u32) -> Result<Self> {
         if addr.checked_add(len).is_none() {
             return Err(EndpointError::RangeOverflow { addr, len });
         }
-        Ok(Self { addr, len, rkey })
+        Ok(Self {
+            addr,
+            len,
+            rkey,
+            generation,
+        })
+    }
+
+    /// Export the whole of region `mr` (address, length, rkey, generation) to a peer. Call this
+    /// only for memory you mean to expose; the result grants the rights the region was
+    /// registered with ([`RemoteMemory::slice`] narrows the window, not the rights).
+    pub fn export_mr(mr: &crate::Mr) -> Self {
+        // A registered range never overflows (every backend checks it).
+        Self {
+            addr: mr.addr(),
+            len: mr.len(),
+            rkey: mr.rkey().0,
+            generation: mr.generation(),
+        }
     }
 
     /// Start address (peer's address space).
@@ -521,14 +575,19 @@ impl RemoteMemory {
     pub fn rkey(&self) -> u32 {
         self.rkey
     }
+    /// The generation of the registration ([`crate::Mr::generation`]); 0 when unknown (made
+    /// by [`RemoteMemory::export_rkey`], or decoded from a version-1 descriptor).
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
 
-    /// The sub-window `[offset, offset + len)` (same key).
+    /// The sub-window `[offset, offset + len)` (same key and generation).
     pub fn slice(&self, offset: u64, len: u64) -> Result<Self> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(Self {
                 addr: self.addr + offset,
                 len,
-                rkey: self.rkey,
+                ..*self
             }),
             _ => Err(EndpointError::OutOfBounds {
                 offset,
@@ -538,12 +597,12 @@ impl RemoteMemory {
         }
     }
 
-    /// Encode (JSON, [`WIRE_VERSION`]).
+    /// Encode (JSON, [`REMOTE_MEMORY_WIRE_VERSION`]).
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_json::to_vec(&self.to_wire()).expect("serializing integers cannot fail")
     }
 
-    /// Decode and validate.
+    /// Decode and validate (version 2, or version 1 as generation 0).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let value: Value =
             serde_json::from_slice(bytes).map_err(|source| EndpointError::Decode {
@@ -554,21 +613,31 @@ impl RemoteMemory {
     }
 
     fn from_value(value: Value) -> Result<Self> {
-        check_version(&value, REMOTE_MEMORY)?;
-        let w: RemoteMemoryV1 =
-            serde_json::from_value(value).map_err(|source| EndpointError::Decode {
-                what: REMOTE_MEMORY,
-                source,
-            })?;
-        Self::export_rkey(w.addr, w.len, w.rkey)
+        let v = check_version(
+            &value,
+            REMOTE_MEMORY,
+            &[1, REMOTE_MEMORY_WIRE_VERSION],
+            REMOTE_MEMORY_WIRE_VERSION,
+        )?;
+        let decode = |source| EndpointError::Decode {
+            what: REMOTE_MEMORY,
+            source,
+        };
+        if v == 1 {
+            let w: RemoteMemoryV1 = serde_json::from_value(value).map_err(decode)?;
+            return Self::export_rkey(w.addr, w.len, w.rkey);
+        }
+        let w: RemoteMemoryV2 = serde_json::from_value(value).map_err(decode)?;
+        Self::export_rkey_generation(w.addr, w.len, w.rkey, w.generation)
     }
 
-    fn to_wire(self) -> RemoteMemoryV1 {
-        RemoteMemoryV1 {
-            v: WIRE_VERSION,
+    fn to_wire(self) -> RemoteMemoryV2 {
+        RemoteMemoryV2 {
+            v: REMOTE_MEMORY_WIRE_VERSION,
             addr: self.addr,
             len: self.len,
             rkey: self.rkey,
+            generation: self.generation,
         }
     }
 }
@@ -579,6 +648,7 @@ impl fmt::Debug for RemoteMemory {
             .field("addr", &format_args!("{:#x}", self.addr))
             .field("len", &self.len)
             .field("rkey", &format_args!("{:#x}", self.rkey))
+            .field("generation", &self.generation)
             .finish()
     }
 }
@@ -587,8 +657,8 @@ impl fmt::Display for RemoteMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "addr {:#x} len {} rkey {:#x}",
-            self.addr, self.len, self.rkey
+            "addr {:#x} len {} rkey {:#x} generation {}",
+            self.addr, self.len, self.rkey, self.generation
         )
     }
 }
@@ -605,20 +675,20 @@ impl<'de> Deserialize<'de> for RemoteMemory {
     }
 }
 
-/// Read `"v"` before anything else.
-fn check_version(value: &Value, what: &'static str) -> Result<()> {
+/// Read `"v"` before anything else: one of `readable`, else an error that names `current`.
+fn check_version(value: &Value, what: &'static str, readable: &[u32], current: u32) -> Result<u32> {
     let v = value
         .get("v")
         .and_then(Value::as_u64)
         .ok_or(EndpointError::MissingVersion { what })?;
-    if v != u64::from(WIRE_VERSION) {
-        return Err(EndpointError::UnsupportedVersion {
+    match readable.iter().find(|&&r| u64::from(r) == v) {
+        Some(&r) => Ok(r),
+        None => Err(EndpointError::UnsupportedVersion {
             what,
             found: v,
-            supported: WIRE_VERSION,
-        });
+            supported: current,
+        }),
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -684,6 +754,49 @@ mod tests {
             Err(EndpointError::Decode { .. })
         ));
         assert_eq!(gid.to_ipv4(), Some(Ipv4Addr::new(10, 0, 0, 1)));
+    }
+
+    #[test]
+    fn remote_memory_v2_carries_the_generation_and_v1_still_decodes() {
+        let m = RemoteMemory::export_rkey_generation(0x1000, 4096, 0x1234, 7).unwrap();
+        let bytes = m.to_bytes();
+        assert_eq!(
+            std::str::from_utf8(&bytes).unwrap(),
+            r#"{"v":2,"addr":4096,"len":4096,"rkey":4660,"generation":7}"#
+        );
+        let back = RemoteMemory::from_bytes(&bytes).unwrap();
+        assert_eq!((back, back.generation()), (m, 7));
+        assert_eq!(m.slice(16, 32).unwrap().generation(), 7);
+        // a version-1 descriptor (every earlier build's) is generation 0, "unknown"
+        let v1 = br#"{"v":1,"addr":4096,"len":4096,"rkey":4660}"#;
+        let old = RemoteMemory::from_bytes(v1).unwrap();
+        assert_eq!(
+            (old.addr(), old.len(), old.rkey(), old.generation()),
+            (4096, 4096, 0x1234, 0)
+        );
+        assert_ne!(old, m, "generations differ");
+        // version 2 requires the field
+        let missing = br#"{"v":2,"addr":4096,"len":4096,"rkey":4660}"#;
+        assert!(matches!(
+            RemoteMemory::from_bytes(missing),
+            Err(EndpointError::Decode { .. })
+        ));
+        // and the versions beyond are refused by number
+        let v3 = br#"{"v":3,"addr":4096,"len":4096,"rkey":4660,"generation":1}"#;
+        assert!(matches!(
+            RemoteMemory::from_bytes(v3),
+            Err(EndpointError::UnsupportedVersion {
+                found: 3,
+                supported: 2,
+                ..
+            })
+        ));
+        // an endpoint stays version 1 and does not read a memory descriptor
+        assert!(Endpoint::from_bytes(&bytes).is_err());
+        // through serde, the same
+        let via: RemoteMemory = serde_json::from_slice(v1).unwrap();
+        assert_eq!(via.generation(), 0);
+        assert!(m.to_string().contains("generation 7"), "{m}");
     }
 
     #[test]

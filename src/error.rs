@@ -39,6 +39,10 @@ pub enum Error {
         /// Why not.
         reason: &'static str,
     },
+    /// A bounded wait ended with WQEs still in flight ([`crate::Mr::deregister`]): which QPs,
+    /// how much.
+    #[error(transparent)]
+    InFlight(crate::memory::InFlight),
     /// The QP's send queue already has a poster (one at a time: a CPU initiator, a GPU export
     /// or the CPU proxy; a GPU export and its proxy together).
     #[error("the QP already has a poster ({held}), so {wanted} cannot post to it: drop it first")]

@@ -343,6 +343,7 @@ impl Gpu {
             gpu: self.clone(),
             dptr,
             len,
+            buffer_id: std::sync::OnceLock::new(),
         }));
         // SAFETY: dptr holds at least len bytes.
         unsafe { cudarc::driver::result::memset_d8_sync(dptr, 0, len.max(1)) }
@@ -673,10 +674,12 @@ fn host_page() -> u64 {
 #[derive(Clone)]
 pub struct DeviceMem(Arc<Alloc>);
 
-struct Alloc {
+pub(crate) struct Alloc {
     gpu: Arc<Gpu>,
     dptr: u64,
     len: usize,
+    /// CUDA's buffer ID of the allocation, once asked ([`DeviceMem::buffer_id`]).
+    buffer_id: std::sync::OnceLock<u64>,
 }
 
 impl DeviceMem {
@@ -695,6 +698,39 @@ impl DeviceMem {
     /// The GPU it belongs to.
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.0.gpu
+    }
+    /// CUDA's identity of the allocation (`CU_POINTER_ATTRIBUTE_BUFFER_ID`): unique within the
+    /// process for its whole life, so memory allocated again at a freed address has another
+    /// one (the registration cache keys on it, [`crate::Pd::register_cached`]).
+    pub fn buffer_id(&self) -> Result<u64, CudaError> {
+        if let Some(&id) = self.0.buffer_id.get() {
+            return Ok(id);
+        }
+        let id = with_driver("buffer ID query", || {
+            self.0
+                .gpu
+                .ctx
+                .bind_to_thread()
+                .map_err(drv("cuCtxSetCurrent"))?;
+            let mut id: u64 = 0;
+            // SAFETY: the attribute is an unsigned long long written through a valid pointer;
+            // the pointer is this live allocation's.
+            unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut id as *mut u64).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                    self.0.dptr,
+                )
+            }
+            .result()
+            .map_err(drv("cuPointerGetAttribute(BUFFER_ID)"))?;
+            Ok(id)
+        })?;
+        Ok(*self.0.buffer_id.get_or_init(|| id))
+    }
+    /// The allocation, weakly (whether anything but a region still holds it).
+    pub(crate) fn downgrade(&self) -> Weak<Alloc> {
+        Arc::downgrade(&self.0)
     }
     /// Copies host bytes in.
     pub fn write(&self, off: usize, src: &[u8]) -> Result<(), CudaError> {

@@ -3,7 +3,9 @@
 //!
 //! The modules follow the control path:
 //! - [`device`]: pick and open a device ([`Context`]), soft NIC or ConnectX, with the reason.
-//! - [`memory`]: protection domains, host buffers, memory regions.
+//! - [`memory`]: protection domains, host buffers, memory regions, their generations and
+//!   deregistration once the work in flight is done.
+//! - [`regcache`]: the registration cache of a PD.
 //! - [`queue`]: completion queues and RC queue pairs, doorbell modes, connection.
 //! - [`endpoint`], [`bootstrap`]: what peers exchange, and the TCP rendezvous that carries it.
 //! - [`export`]: the QP descriptor kernels drive (one layout shared with the CUDA headers).
@@ -23,6 +25,7 @@ pub mod memory;
 mod mlx5;
 pub mod proxy;
 pub mod queue;
+pub mod regcache;
 
 /// What CPU code posts and reads back: work requests in the mlx5 format (the same bytes a kernel
 /// writes), completions, keys, and the CPU initiator that drives a QP's rings
@@ -48,11 +51,12 @@ pub mod soft {
 pub use device::{Context, DeviceRequest, Selection};
 pub use endpoint::{Endpoint, RemoteMemory};
 pub use error::Error;
-pub use memory::{Access, HostBuffer, Mr, Pd};
+pub use memory::{Access, DeregisterError, HostBuffer, InFlight, Mr, Pd, QpInFlight};
 pub use mlx5::GpuRegPath;
 pub use queue::{
     ConnectOptions, Cq, CqOptions, DoorbellMode, Modify, Qp, QpOptions, RingPlacement,
 };
+pub use regcache::{CachedMr, RegCache, RegCacheConfig, RegCacheStats};
 
 /// The walk-through in `docs/host-api.md`, compiled and run as a doc test.
 #[cfg(doctest)]

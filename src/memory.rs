@@ -9,21 +9,85 @@
 //! [`Pd::register_gpu`]); the soft NIC moves the bytes of GPU regions with CUDA copies
 //! ([`crate::gpu::Gpu::device_memory`]); an rdma-core device gets them through a dma-buf of
 //! the GPU pages, else through the GPU address (nvidia-peermem) ([`Mr::gpu_path`]).
+//!
+//! # Lifetimes
+//!
+//! Every registration has a *generation* ([`Mr::generation`]), a process-wide serial number
+//! that a [`crate::RemoteMemory`] made with [`crate::RemoteMemory::export_mr`] carries to the
+//! peer: the same memory registered again has a new generation and a new rkey, and a peer that
+//! still uses the old descriptor gets a REMOTE_ACCESS error completion (the old key is a bad
+//! key), never the new region.
+//!
+//! A region cannot be freed under work in flight: it keeps its memory alive until it is
+//! deregistered, and the device checks the key on every access, so a WQE that names a region
+//! already gone completes with an error CQE instead of touching freed memory. To end a region
+//! only once the WQEs posted before are done, call [`Mr::deregister`]: it waits, at most its
+//! timeout, until every QP of the PD has executed the WQEs posted before the call, and otherwise
+//! gives the region back in a [`DeregisterError`] that names the QPs still busy. A plain drop
+//! deregisters at once (logging a warning when QPs of the PD still had WQEs in flight).
 
 use crate::device::{Backend, Context};
 use crate::gpu::DeviceMem;
+use crate::queue::QpState;
+use crate::regcache::RegCache;
 use crate::Error;
 use softnic::devmem::DeviceMemory;
 use softnic::DmaBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 pub use softnic::{Access, MemKind};
 
-/// A protection domain.
+/// A protection domain. Clones share it (and its registration cache, [`Pd::reg_cache`]).
 #[derive(Clone)]
 pub struct Pd {
     pub(crate) ctx: Context,
     pub(crate) dev: PdDev,
+    /// The QPs of this PD (what [`Mr::deregister`] waits for).
+    pub(crate) qps: Arc<PdQps>,
+    /// The registration cache ([`Pd::register_cached`]).
+    pub(crate) cache: RegCache,
+}
+
+/// The QPs created in a PD, as the device holds them (weakly: a destroyed QP drops out).
+#[derive(Default)]
+pub(crate) struct PdQps(Mutex<Vec<TrackedQp>>);
+
+/// One QP of a PD.
+#[derive(Clone)]
+pub(crate) enum TrackedQp {
+    Soft(Weak<softnic::Qp>),
+    Mlx5(Weak<crate::mlx5::Qp>),
+}
+
+impl PdQps {
+    /// Records a new QP of the PD (and forgets the ones gone).
+    pub(crate) fn add(&self, qp: TrackedQp) {
+        let mut v = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        v.retain(|q| match q {
+            TrackedQp::Soft(w) => w.strong_count() > 0,
+            TrackedQp::Mlx5(w) => w.strong_count() > 0,
+        });
+        v.push(qp);
+    }
+
+    fn list(&self) -> Vec<TrackedQp> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// What a region holds of its PD: the device, the PD's device object and its QPs (not the
+/// registration cache, which holds regions itself).
+#[derive(Clone)]
+pub(crate) struct RegionPd {
+    pub(crate) ctx: Context,
+    #[allow(dead_code)]
+    pub(crate) dev: PdDev,
+    pub(crate) qps: Arc<PdQps>,
 }
 
 /// The device's PD.
@@ -64,6 +128,8 @@ impl Context {
         Ok(Pd {
             ctx: self.clone(),
             dev,
+            qps: Arc::default(),
+            cache: RegCache::default(),
         })
     }
 }
@@ -76,7 +142,12 @@ impl Context {
 pub struct HostBuffer {
     pub(crate) buf: Arc<DmaBuf>,
     len: usize,
+    /// The allocation's serial number ([`HostBuffer::allocation_id`]).
+    serial: u64,
 }
+
+/// Serial numbers of host allocations (0 is never used).
+static NEXT_ALLOCATION: AtomicU64 = AtomicU64::new(1);
 
 /// A page-aligned, zeroed host allocation, freed when the buffer that wraps it is dropped.
 struct PageAlloc {
@@ -130,10 +201,34 @@ impl HostBuffer {
         // SAFETY: `ptr..ptr+bytes` is a fresh, page-aligned, zeroed allocation owned by
         // `owner`, which the buffer keeps until it is dropped; nothing else refers to it.
         let buf = unsafe { DmaBuf::from_external(nn, bytes, Box::new(owner)) };
-        Ok(Self {
+        Ok(Self::wrap(buf, len))
+    }
+
+    fn wrap(buf: DmaBuf, len: usize) -> Self {
+        Self {
             buf: Arc::new(buf),
             len,
-        })
+            serial: NEXT_ALLOCATION.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// A new buffer over the memory of `other` (same address, a new allocation identity),
+    /// which it keeps alive: what an allocator that hands freed memory out again does.
+    #[cfg(test)]
+    pub(crate) fn alias_of(other: &HostBuffer) -> Self {
+        let nn = std::ptr::NonNull::new(other.addr() as *mut u8).expect("a live buffer");
+        // SAFETY: `other`'s whole allocation (page-aligned, `other.buf.len()` bytes), kept
+        // alive by the owner; the new buffer gives the same raw access `other` gives.
+        let buf = unsafe { DmaBuf::from_external(nn, other.buf.len(), Box::new(other.clone())) };
+        Self::wrap(buf, other.len)
+    }
+
+    /// The identity of the allocation behind this buffer: a serial number unique within the
+    /// process and never reused, shared by the buffer's clones. A buffer allocated after
+    /// another was freed has a new identity even when it gets the same address (the
+    /// registration cache keys on it, [`Pd::register_cached`]).
+    pub fn allocation_id(&self) -> u64 {
+        self.serial
     }
 
     /// Host address of the first byte.
@@ -205,17 +300,47 @@ pub(crate) enum Keep {
 }
 
 /// A registered memory region.
-#[derive(Debug)]
+///
+/// Dropping it deregisters it at once ([`Mr::deregister`] waits for the WQEs posted before).
 pub struct Mr {
-    pd: Pd,
+    pd: RegionPd,
     /// Range, rights and kind; `key` is the lkey.
     info: softnic::MrInfo,
     rkey: u32,
     /// How GPU memory was registered on an rdma-core device.
     gpu_path: Option<crate::mlx5::GpuRegPath>,
+    /// This registration's serial number ([`Mr::generation`]).
+    generation: u32,
+    /// Set when the region's drop need not look for work in flight (already waited for).
+    quiet: bool,
     /// The rdma-core registration (deregistered on drop), on the mlx5 backend.
     _mlx5: Option<MlxMr>,
     _keep: Keep,
+}
+
+impl std::fmt::Debug for Mr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mr")
+            .field("ctx", &self.pd.ctx)
+            .field("info", &self.info)
+            .field("rkey", &format_args!("{:#x}", self.rkey))
+            .field("generation", &self.generation)
+            .field("keep", &self._keep)
+            .finish()
+    }
+}
+
+/// Registration serial numbers ([`Mr::generation`]; 0 is never used: it means "unknown" in a
+/// [`crate::RemoteMemory`]).
+static NEXT_GENERATION: AtomicU32 = AtomicU32::new(1);
+
+fn next_generation() -> u32 {
+    loop {
+        let g = NEXT_GENERATION.fetch_add(1, Ordering::Relaxed);
+        if g != 0 {
+            return g;
+        }
+    }
 }
 
 /// An rdma-core region owner (opaque in Debug output).
@@ -276,6 +401,285 @@ impl Mr {
             rkey: self.rkey(),
         }
     }
+    /// This registration's generation: a serial number, unique within the process (never 0),
+    /// that no other registration has, not even one of the same memory. A
+    /// [`crate::RemoteMemory`] made by [`crate::RemoteMemory::export_mr`] carries it, so a
+    /// peer can tell a descriptor of this registration from one of an earlier registration of
+    /// the same address (whose rkey is dead).
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+
+    /// Deregisters the region once the WQEs posted before this call are done: waits, at most
+    /// `timeout`, until every QP of the region's PD has executed (or flushed, or dropped by a
+    /// reset) the send WQEs rung before the call — by a CPU initiator, a kernel through an
+    /// exported descriptor, or the CPU proxy — then deregisters and returns `Ok`.
+    ///
+    /// When the wait ends with WQEs still in flight, nothing is deregistered: the region comes
+    /// back inside the [`DeregisterError`] ([`DeregisterError::into_mr`]), with the QPs still
+    /// busy ([`InFlight`]); drop it to deregister anyway (the WQEs that use it then complete
+    /// with error CQEs), or keep it and try again. Converting the error into [`Error`]
+    /// (`?`) drops the region.
+    ///
+    /// What it watches is the device's SQ consumer index against the producer index rung (or
+    /// published to the CPU proxy) at the call; WQEs posted after the call are not waited for.
+    /// A destroyed QP has nothing in flight, nor one moved to RESET (which drops its WQEs);
+    /// WQEs posted to a QP below RTS wait until it reaches RTS (so the wait runs out unless
+    /// something moves it there, or resets it). On the mlx5
+    /// backend the device's SQ progress cannot be observed: a QP of the PD that is not in
+    /// RESET is reported at once ([`QpInFlight::blocks`] is `None`) without waiting. Over the
+    /// soft NIC's wire (a peer in another process) a WQE counts as executed once the
+    /// transport has taken it; its packets (a READ's responses) may still be in flight, and
+    /// fail with an error CQE when the region is gone (the memory is never touched after
+    /// deregistration).
+    pub fn deregister(mut self, timeout: Duration) -> Result<(), DeregisterError> {
+        match self.wait_idle(timeout) {
+            Ok(()) => {
+                self.quiet = true;
+                Ok(())
+            }
+            Err(report) => Err(DeregisterError {
+                mr: Box::new(self),
+                report,
+            }),
+        }
+    }
+
+    /// Waits, at most `timeout`, until every QP of the region's PD has executed the send WQEs
+    /// rung before the call ([`Mr::deregister`] says what counts); returns at once what is in
+    /// flight when only unobservable (mlx5) QPs are left.
+    pub(crate) fn wait_idle(&self, timeout: Duration) -> Result<(), InFlight> {
+        let start = Instant::now();
+        let mut watch = SqWatch::new(&self.pd.ctx, &self.pd.qps, true);
+        let mut pause = Duration::from_micros(1);
+        loop {
+            watch.poll();
+            if watch.pending.is_empty() {
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if waited >= timeout || watch.pending.iter().all(|p| p.blocks.is_none()) {
+                return Err(InFlight {
+                    lkey: self.info.key,
+                    waited,
+                    qps: watch.report(),
+                });
+            }
+            std::thread::sleep(pause.min(timeout - waited));
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// Marks the region as already waited for (its drop logs nothing).
+    pub(crate) fn set_quiet(&mut self) {
+        self.quiet = true;
+    }
+}
+
+/// A QP that still had WQEs in flight when a bounded wait for them ended
+/// ([`Mr::deregister`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QpInFlight {
+    /// The QP number.
+    pub qpn: u32,
+    /// Its state when the wait ended.
+    pub state: QpState,
+    /// SQ blocks (64 bytes) of the WQEs posted before the wait that the device had not yet
+    /// executed; `None` where the device cannot say (the mlx5 backend).
+    pub blocks: Option<u32>,
+}
+
+impl std::fmt::Display for QpInFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QP {:#x} ({:?}): ", self.qpn, self.state)?;
+        match self.blocks {
+            Some(n) => write!(f, "{n} SQ block(s) not executed")?,
+            None => f.write_str("SQ progress not observable on the mlx5 backend")?,
+        }
+        if matches!(self.state, QpState::Init | QpState::Rtr) {
+            f.write_str(", waiting for RTS")?;
+        }
+        Ok(())
+    }
+}
+
+/// What was still in flight when a bounded wait ended.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "memory region with lkey {lkey:#x} still has WQEs in flight after {waited:?}: {}",
+    qps.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+)]
+pub struct InFlight {
+    /// The region's lkey.
+    pub lkey: u32,
+    /// How long the wait ran.
+    pub waited: Duration,
+    /// The QPs of the PD that still had WQEs posted before the wait in flight.
+    pub qps: Vec<QpInFlight>,
+}
+
+/// [`Mr::deregister`] ran out of time: the region, not deregistered, and what was in flight.
+#[derive(Debug, thiserror::Error)]
+#[error("{report}")]
+pub struct DeregisterError {
+    mr: Box<Mr>,
+    report: InFlight,
+}
+
+impl DeregisterError {
+    /// What was still in flight.
+    pub fn report(&self) -> &InFlight {
+        &self.report
+    }
+    /// The region, still registered (drop it to deregister anyway, or try again).
+    pub fn into_mr(self) -> Mr {
+        *self.mr
+    }
+    /// Both.
+    pub fn into_parts(self) -> (Mr, InFlight) {
+        (*self.mr, self.report)
+    }
+}
+
+impl From<DeregisterError> for Error {
+    /// The report; the region is dropped (deregistered at once).
+    fn from(e: DeregisterError) -> Self {
+        let (mut mr, report) = e.into_parts();
+        mr.quiet = true;
+        drop(mr);
+        Error::InFlight(report)
+    }
+}
+
+/// One QP whose WQEs posted before a wait are watched.
+struct Watched {
+    qp: TrackedQp,
+    qpn: u32,
+    state: QpState,
+    /// Blocks still to execute (`None`: not observable).
+    blocks: Option<u32>,
+    /// The consumer index last seen.
+    ci: u16,
+}
+
+/// The QPs of a PD with WQEs in flight, watched until the device has executed them.
+struct SqWatch {
+    dev: Option<Arc<softnic::Device>>,
+    pending: Vec<Watched>,
+}
+
+/// A live soft QP's consumer index and how many blocks rung (or published to the CPU proxy)
+/// it has not executed yet; `None` for a QP that is gone (destroyed: it runs nothing more).
+fn soft_progress(dev: &softnic::Device, q: &Arc<softnic::Qp>) -> Option<(u16, u32)> {
+    if !dev.qp(q.qpn()).is_some_and(|d| Arc::ptr_eq(&d, q)) {
+        return None;
+    }
+    // The consumer first: WQEs it passes meanwhile only make the wait longer.
+    let ci = q.sq_consumer();
+    let pi = crate::queue::sq_producer(q) as u16;
+    let ahead = u32::from(pi.wrapping_sub(ci));
+    // More than a ring ahead: not a producer the device will run (a record from before a
+    // reset, or garbage), so nothing in flight.
+    Some((ci, if ahead > q.sq_blocks() { 0 } else { ahead }))
+}
+
+impl SqWatch {
+    /// The QPs of `qps` with send WQEs rung (or published to the CPU proxy) and not yet
+    /// executed, now (in any state: WQEs posted in RESET, INIT or RTR run once the QP reaches
+    /// RTS); with `unobservable`, also every mlx5 QP not in RESET (whose progress the device
+    /// does not show).
+    fn new(ctx: &Context, qps: &PdQps, unobservable: bool) -> Self {
+        let dev = ctx.soft_device().cloned();
+        let mut pending = Vec::new();
+        for t in qps.list() {
+            match &t {
+                TrackedQp::Soft(w) => {
+                    let (Some(q), Some(d)) = (w.upgrade(), dev.as_ref()) else {
+                        continue;
+                    };
+                    let Some((ci, ahead)) = soft_progress(d, &q) else {
+                        continue;
+                    };
+                    if ahead > 0 {
+                        pending.push(Watched {
+                            qpn: q.qpn(),
+                            qp: t.clone(),
+                            state: q.state(),
+                            blocks: Some(ahead),
+                            ci,
+                        });
+                    }
+                }
+                TrackedQp::Mlx5(w) => {
+                    let Some(q) = w.upgrade().filter(|_| unobservable) else {
+                        continue;
+                    };
+                    let state = mlx5_state(&q);
+                    if state == QpState::Reset {
+                        continue;
+                    }
+                    pending.push(Watched {
+                        qpn: q.qpn,
+                        qp: t.clone(),
+                        state,
+                        blocks: None,
+                        ci: 0,
+                    });
+                }
+            }
+        }
+        Self { dev, pending }
+    }
+
+    /// Takes the device's progress into account; drops the QPs that are done: destroyed, or
+    /// whose consumer index has moved past the WQEs watched, or that have nothing rung left
+    /// to execute (everything before is executed, or was dropped by a reset).
+    fn poll(&mut self) {
+        let dev = self.dev.clone();
+        self.pending.retain_mut(|p| match &p.qp {
+            TrackedQp::Soft(w) => {
+                let (Some(q), Some(d)) = (w.upgrade(), dev.as_ref()) else {
+                    return false;
+                };
+                let Some((ci, ahead)) = soft_progress(d, &q) else {
+                    return false;
+                };
+                p.state = q.state();
+                let done = u32::from(ci.wrapping_sub(p.ci));
+                p.ci = ci;
+                let left = p.blocks.unwrap_or(0).saturating_sub(done).min(ahead);
+                p.blocks = Some(left);
+                left > 0
+            }
+            TrackedQp::Mlx5(w) => {
+                let Some(q) = w.upgrade() else { return false };
+                p.state = mlx5_state(&q);
+                p.state != QpState::Reset
+            }
+        });
+    }
+
+    fn report(&self) -> Vec<QpInFlight> {
+        self.pending
+            .iter()
+            .map(|p| QpInFlight {
+                qpn: p.qpn,
+                state: p.state,
+                blocks: p.blocks,
+            })
+            .collect()
+    }
+}
+
+/// An mlx5 QP's state (ERR when the query fails).
+fn mlx5_state(q: &crate::mlx5::Qp) -> QpState {
+    match q.state() {
+        Ok(0) => QpState::Reset,
+        Ok(1) => QpState::Init,
+        Ok(2) => QpState::Rtr,
+        Ok(3) => QpState::Rts,
+        _ => QpState::Err,
+    }
 }
 
 impl Pd {
@@ -286,9 +690,30 @@ impl Pd {
 
     /// Registers a host buffer with the given rights.
     pub fn register_with(&self, buf: &HostBuffer, access: Access) -> Result<Mr, Error> {
-        // SAFETY: the region keeps a clone of the buffer, so the memory outlives the
-        // registration (which ends in `Mr::drop`).
-        let mut mr = unsafe { self.register_raw(buf.addr(), buf.len() as u64, access)? };
+        self.register_host_range(buf, 0, buf.len() as u64, access)
+    }
+
+    /// Registers `off..off+len` of a host buffer (inside its allocation, which is whole
+    /// pages) with the given rights; the region keeps the buffer alive.
+    pub(crate) fn register_host_range(
+        &self,
+        buf: &HostBuffer,
+        off: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<Mr, Error> {
+        if off
+            .checked_add(len)
+            .is_none_or(|e| e > buf.buf.len() as u64)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "{off}+{len} is beyond the buffer's {} bytes",
+                buf.buf.len()
+            )));
+        }
+        // SAFETY: the range lies in the buffer's allocation, and the region keeps a clone of
+        // the buffer, so the memory outlives the registration (which ends in `Mr::drop`).
+        let mut mr = unsafe { self.register_raw(buf.addr() + off, len, access)? };
         mr._keep = Keep::Host(buf.clone());
         Ok(mr)
     }
@@ -322,14 +747,25 @@ impl Pd {
             }
             _ => unreachable!("a PD belongs to its context's backend"),
         };
-        Ok(Mr {
-            pd: self.clone(),
+        Ok(self.new_mr(info, rkey, mlx5, Keep::Nothing))
+    }
+
+    /// A region of this PD, with a new generation.
+    fn new_mr(&self, info: softnic::MrInfo, rkey: u32, mlx5: Option<MlxMr>, keep: Keep) -> Mr {
+        Mr {
+            pd: RegionPd {
+                ctx: self.ctx.clone(),
+                dev: self.dev.clone(),
+                qps: self.qps.clone(),
+            },
             info,
             rkey,
             gpu_path: None,
+            generation: next_generation(),
+            quiet: false,
             _mlx5: mlx5,
-            _keep: Keep::Nothing,
-        })
+            _keep: keep,
+        }
     }
 
     /// Registers GPU memory: `dptr..dptr+len` must lie in one device-memory allocation
@@ -357,7 +793,7 @@ impl Pd {
     /// Registers GPU memory of `gpu`: on the soft NIC through the GPU's copies; on an
     /// rdma-core device through a dma-buf of its pages (`ibv_reg_dmabuf_mr`), else the GPU
     /// address itself (`ibv_reg_mr`, nvidia-peermem).
-    fn register_on_gpu(
+    pub(crate) fn register_on_gpu(
         &self,
         gpu: &crate::gpu::Gpu,
         dptr: u64,
@@ -381,14 +817,10 @@ impl Pd {
             access,
             kind: MemKind::Device,
         };
-        Ok(Mr {
-            pd: self.clone(),
-            info,
-            rkey: mr.rkey,
-            gpu_path: Some(path),
-            _mlx5: Some(MlxMr(mr)),
-            _keep: keep,
-        })
+        let rkey = mr.rkey;
+        let mut region = self.new_mr(info, rkey, Some(MlxMr(mr)), keep);
+        region.gpu_path = Some(path);
+        Ok(region)
     }
 
     /// Registers device memory reached through `mem` (the soft NIC only).
@@ -410,14 +842,7 @@ impl Pd {
                 ))
             }
         };
-        Ok(Mr {
-            pd: self.clone(),
-            info,
-            rkey: info.key,
-            gpu_path: None,
-            _mlx5: None,
-            _keep: keep,
-        })
+        Ok(self.new_mr(info, info.key, None, keep))
     }
 
     /// The context.
@@ -428,6 +853,18 @@ impl Pd {
 
 impl Drop for Mr {
     fn drop(&mut self) {
+        if !self.quiet {
+            let busy = SqWatch::new(&self.pd.ctx, &self.pd.qps, false).report();
+            if !busy.is_empty() {
+                let qps: Vec<String> = busy.iter().map(ToString::to_string).collect();
+                tracing::warn!(
+                    lkey = self.info.key,
+                    in_flight = %qps.join("; "),
+                    "memory region dropped while QPs of its PD have WQEs in flight: those \
+                     that use it complete with error CQEs (Mr::deregister waits for them)"
+                );
+            }
+        }
         match &self.pd.ctx.inner.backend {
             Backend::Soft(d) => {
                 if let Err(e) = d.dereg(self.info.key) {
@@ -448,6 +885,235 @@ mod tests {
     use softnic::initiator::RingMode;
     use softnic::SimDeviceMemory;
     use std::time::Duration;
+
+    const T: Duration = Duration::from_secs(10);
+    const RIGHTS: Access = Access(Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0);
+
+    /// Two soft NICs of this process, a PD and a QP on each (in RESET: `connect` them).
+    struct Two {
+        a: Context,
+        pa: Pd,
+        pb: Pd,
+        qa: crate::Qp,
+        qb: crate::Qp,
+    }
+
+    fn two() -> Two {
+        let (a, b) = (
+            Context::open(DeviceRequest::Soft).unwrap(),
+            Context::open(DeviceRequest::Soft).unwrap(),
+        );
+        let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+        let (ca, cb) = (
+            a.create_cq(CqOptions::default()).unwrap(),
+            b.create_cq(CqOptions::default()).unwrap(),
+        );
+        let qa = pa.create_qp(QpOptions::new(&ca, &ca)).unwrap();
+        let qb = pb.create_qp(QpOptions::new(&cb, &cb)).unwrap();
+        Two { a, pa, pb, qa, qb }
+    }
+
+    impl Two {
+        fn connect(&self) {
+            let o = ConnectOptions {
+                access: Access::REMOTE_WRITE,
+                ..Default::default()
+            };
+            self.qa.connect(&self.qb.endpoint(), o).unwrap();
+            self.qb.connect(&self.qa.endpoint(), o).unwrap();
+        }
+        /// Whether key `k` is a live region of side A's device.
+        fn a_has(&self, k: prm::Lkey) -> bool {
+            self.a.soft_device().unwrap().mr(k.0).is_some()
+        }
+    }
+
+    /// A signaled WRITE of `len` bytes of `src` to `dst`, posted and rung.
+    fn write(ini: &mut softnic::initiator::Initiator, src: prm::Sge, dst: prm::RemoteAddr) {
+        let op = Op::Write {
+            remote: dst,
+            local: Local::Sges(&[src]),
+            imm: None,
+        };
+        ini.post_and_ring(&op, CtrlFlags::SIGNALED).unwrap();
+    }
+
+    fn syndrome(c: &prm::Completion) -> Option<prm::Syndrome> {
+        match c {
+            prm::Completion::Error(e) => e.syndrome(),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_region_registered_again_has_a_new_generation_and_rkey_and_the_old_descriptor_fails() {
+        let t = two();
+        t.connect();
+        let dst = HostBuffer::new(4096);
+        let old = t.pb.register_with(&dst, RIGHTS).unwrap();
+        // what the peer holds: the descriptor, through its wire form
+        let stale =
+            crate::RemoteMemory::from_bytes(&crate::RemoteMemory::export_mr(&old).to_bytes())
+                .unwrap();
+        assert_eq!(
+            (stale.addr(), stale.len(), stale.rkey(), stale.generation()),
+            (old.addr(), old.len(), old.rkey().0, old.generation())
+        );
+        assert_ne!(stale.generation(), 0);
+        old.deregister(T).unwrap();
+        let new = t.pb.register_with(&dst, RIGHTS).unwrap();
+        assert_eq!(
+            new.addr(),
+            stale.addr(),
+            "the same memory, at the same address"
+        );
+        assert_ne!(new.generation(), stale.generation());
+        assert_ne!(new.rkey().0, stale.rkey());
+        let fresh = crate::RemoteMemory::export_mr(&new);
+        assert_eq!(fresh.generation(), new.generation());
+
+        let src = HostBuffer::new(4096);
+        let smr = t.pa.register(&src).unwrap();
+        let mut ini = t.qa.cpu_initiator(RingMode::Doca);
+        src.write(0, b"fresh");
+        let to = |m: &crate::RemoteMemory| prm::RemoteAddr {
+            addr: m.addr(),
+            rkey: prm::Rkey(m.rkey()),
+        };
+        write(&mut ini, smr.sge(0, 5), to(&fresh));
+        let done = ini.wait_send(T).unwrap();
+        assert!(matches!(done, prm::Completion::Req { .. }), "{done:?}");
+        assert_eq!(&dst.to_vec()[..5], b"fresh");
+        // the old descriptor names a dead key: REMOTE_ACCESS, and the bytes stay
+        src.write(0, b"stale");
+        write(&mut ini, smr.sge(0, 5), to(&stale));
+        let failed = ini.wait_send(T).unwrap();
+        assert_eq!(
+            syndrome(&failed),
+            Some(prm::Syndrome::RemoteAccess),
+            "{failed:?}"
+        );
+        assert_eq!(&dst.to_vec()[..5], b"fresh");
+    }
+
+    #[test]
+    fn deregister_waits_for_the_wqes_posted_before_and_gives_the_region_back_on_timeout() {
+        let t = two();
+        let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
+        src.fill(0, 64, 0x5a);
+        let smr = t.pa.register(&src).unwrap();
+        let dmr = t.pb.register_with(&dst, RIGHTS).unwrap();
+        // Posted below RTS: accepted, and it waits for RTS.
+        let mut ini = t.qa.cpu_initiator(RingMode::RdmaCore);
+        write(&mut ini, smr.sge(0, 64), dmr.remote(0));
+        let lkey = smr.lkey();
+        let err = smr.deregister(Duration::ZERO).unwrap_err();
+        assert_eq!(
+            err.report().qps,
+            vec![QpInFlight {
+                qpn: t.qa.qpn(),
+                state: QpState::Reset,
+                blocks: Some(1),
+            }]
+        );
+        assert_eq!(err.report().lkey, lkey.0);
+        assert!(
+            err.to_string().contains("still has WQEs in flight"),
+            "{err}"
+        );
+        let smr = err.into_mr();
+        assert!(t.a_has(lkey), "a region that timed out stays registered");
+        // Nothing of B's PD is in flight: a region there goes at once.
+        let other = t.pb.register(&HostBuffer::new(64)).unwrap();
+        other.deregister(Duration::ZERO).unwrap();
+        let waiter = std::thread::spawn(move || smr.deregister(Duration::from_secs(60)));
+        t.connect();
+        // The WQE ran with the region still registered: the wait held it.
+        let c = ini.wait_send(T).unwrap();
+        assert!(matches!(c, prm::Completion::Req { .. }), "{c:?}");
+        waiter.join().unwrap().unwrap();
+        assert!(!t.a_has(lkey), "deregistered once the WQE was done");
+        assert_eq!(dst.to_vec()[..64], [0x5a; 64]);
+    }
+
+    #[test]
+    fn deregister_waits_for_every_wqe_posted_before() {
+        let t = two();
+        let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
+        src.fill(0, 64, 0x5a);
+        let smr = t.pa.register(&src).unwrap();
+        let dmr = t.pb.register_with(&dst, RIGHTS).unwrap();
+        let mut ini = t.qa.cpu_initiator(RingMode::Doca);
+        write(&mut ini, smr.sge(0, 64), dmr.remote(0));
+        write(&mut ini, smr.sge(0, 32), dmr.remote(64));
+        let lkey = smr.lkey();
+        let waiter = std::thread::spawn(move || smr.deregister(Duration::from_secs(60)));
+        t.connect();
+        // Both WQEs ran with the region still registered: the wait held it.
+        for _ in 0..2 {
+            let c = ini.wait_send(T).unwrap();
+            assert!(matches!(c, prm::Completion::Req { .. }), "{c:?}");
+        }
+        waiter.join().unwrap().unwrap();
+        assert!(!t.a_has(lkey));
+        assert_eq!(dst.to_vec()[..96], [0x5a; 96]);
+    }
+
+    #[test]
+    fn a_reset_or_destroyed_qp_has_nothing_in_flight() {
+        let t = two();
+        let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
+        let dmr = t.pb.register_with(&dst, RIGHTS).unwrap();
+        let smr = t.pa.register(&src).unwrap();
+        let mut ini = t.qa.cpu_initiator(RingMode::RdmaCore);
+        write(&mut ini, smr.sge(0, 8), dmr.remote(0));
+        let smr = smr.deregister(Duration::ZERO).unwrap_err().into_mr();
+        let waiter = std::thread::spawn(move || smr.deregister(Duration::from_secs(60)));
+        // RESET drops what was posted
+        t.qa.modify(softnic::Modify::Reset).unwrap();
+        waiter.join().unwrap().unwrap();
+
+        let smr = t.pa.register(&src).unwrap();
+        drop(ini);
+        let mut ini = t.qa.cpu_initiator(RingMode::RdmaCore);
+        write(&mut ini, smr.sge(0, 8), dmr.remote(0));
+        let smr = smr.deregister(Duration::ZERO).unwrap_err().into_mr();
+        // a destroyed QP runs nothing more (the initiator still holds the device QP)
+        let Two { qa, .. } = t;
+        drop(qa);
+        smr.deregister(Duration::ZERO).unwrap();
+        drop(ini);
+    }
+
+    #[test]
+    fn a_region_dropped_under_work_in_flight_fails_the_wqe_not_the_memory() {
+        let t = two();
+        let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
+        src.fill(0, 64, 1);
+        let smr = t.pa.register(&src).unwrap();
+        let dmr = t.pb.register_with(&dst, RIGHTS).unwrap();
+        let mut ini = t.qa.cpu_initiator(RingMode::RdmaCore);
+        write(&mut ini, smr.sge(0, 64), dmr.remote(0));
+        let lkey = smr.lkey();
+        drop(smr); // logs a warning: the QP has a WQE in flight
+        assert!(!t.a_has(lkey));
+        t.connect();
+        let c = ini.wait_send(T).unwrap();
+        assert_eq!(syndrome(&c), Some(prm::Syndrome::LocalProt), "{c:?}");
+        assert_eq!(dst.to_vec()[..64], [0; 64]);
+        // and into the crate's error, the report survives (the region is dropped)
+        let again = t.pa.register(&src).unwrap();
+        let mut ini2 = {
+            drop(ini);
+            t.qa.modify(softnic::Modify::Reset).unwrap();
+            t.qa.cpu_initiator(RingMode::RdmaCore)
+        };
+        write(&mut ini2, again.sge(0, 8), dmr.remote(0));
+        let lkey = again.lkey();
+        let e = Error::from(again.deregister(Duration::ZERO).unwrap_err());
+        assert!(matches!(&e, Error::InFlight(r) if r.lkey == lkey.0), "{e}");
+        assert!(!t.a_has(lkey));
+    }
 
     #[test]
     fn device_memory_regions_through_the_host_api() {

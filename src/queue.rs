@@ -446,13 +446,7 @@ impl QueueState {
         use std::sync::atomic::Ordering::Acquire;
         let rec = qp.ctrl_page();
         let word = |i: usize| u32::from_be(rec.atomic_u32(qp.dbrec_offset() + 4 * i).load(Acquire));
-        let sq16 = word(1) as u16;
-        let proxy = rec.atomic_u64(qp.proxy_offset()).load(Acquire);
-        // The proxy word, when a kernel wrote it ahead of the record (its WQEs not rung yet),
-        // else the record's 16 bits, as the 64-bit value at or below the word.
-        let sq_pi = proxy
-            .checked_sub(u64::from((proxy as u16).wrapping_sub(sq16)))
-            .unwrap_or(u64::from(sq16));
+        let sq_pi = sq_producer(qp);
         let in_flight = (sq_pi as u16).wrapping_sub(qp.sq_consumer());
         let cq_ci =
             |cq: &softnic::Cq| u32::from_be(cq.dbrec().atomic_u32(0).load(Acquire)) & 0xff_ffff;
@@ -476,6 +470,19 @@ impl QueueState {
             scq_slot0,
         }
     }
+}
+
+/// A soft QP's send producer index (64-bit): the CPU-proxy word when a kernel wrote it ahead
+/// of the doorbell record's 16 bits (its WQEs not rung yet, the proxy will), else those 16
+/// bits, as the 64-bit value at or below the word.
+pub(crate) fn sq_producer(qp: &softnic::Qp) -> u64 {
+    use std::sync::atomic::Ordering::Acquire;
+    let rec = qp.ctrl_page();
+    let sq16 = u32::from_be(rec.atomic_u32(qp.dbrec_offset() + 4).load(Acquire)) as u16;
+    let proxy = rec.atomic_u64(qp.proxy_offset()).load(Acquire);
+    proxy
+        .checked_sub(u64::from((proxy as u16).wrapping_sub(sq16)))
+        .unwrap_or(u64::from(sq16))
 }
 
 impl Pd {
@@ -586,6 +593,10 @@ impl Pd {
             }
         };
         tracing::debug!(qpn = dev_qpn(&dev), ?mode, %reason, "QP created");
+        self.qps.add(match &dev {
+            QpDev::Soft(q) => crate::memory::TrackedQp::Soft(Arc::downgrade(q)),
+            QpDev::Mlx5(q) => crate::memory::TrackedQp::Mlx5(Arc::downgrade(q)),
+        });
         let dev_kind = match &dev {
             QpDev::Soft(_) => DevKind::Soft,
             QpDev::Mlx5(_) => DevKind::Mlx5,

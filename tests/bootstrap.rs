@@ -168,10 +168,16 @@ fn endpoint_bad_values() {
         Endpoint::from_bytes(b"\x00\xffgarbage"),
         Err(EndpointError::Decode { .. })
     ));
-    // A memory descriptor is not an endpoint.
+    // A memory descriptor is not an endpoint: by its version (2) since descriptors carry a
+    // generation, and by its fields in version 1.
     let mr = RemoteMemory::export_rkey(0x1000, 16, 1).unwrap();
     assert!(matches!(
         Endpoint::from_bytes(&mr.to_bytes()),
+        Err(EndpointError::UnsupportedVersion { found: 2, .. })
+    ));
+    let v1 = json(serde_json::json!({"v": 1, "addr": 4096, "len": 16, "rkey": 1}));
+    assert!(matches!(
+        Endpoint::from_bytes(&v1),
         Err(EndpointError::Decode { .. })
     ));
 

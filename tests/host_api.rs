@@ -471,3 +471,50 @@ fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
         .unwrap();
     ok(waiter.wait_send(T).unwrap());
 }
+
+#[test]
+fn deregister_and_the_registration_cache_on_the_chosen_backend() {
+    // The soft NIC here; under `gpuverbs emu` the mlx5 backend, whose SQ progress the host
+    // cannot watch: `Mr::deregister` reports its live QPs at once instead of waiting.
+    let ctx = Context::open(DeviceRequest::Auto).unwrap();
+    let mlx5 = ctx.soft_device().is_none();
+    let pd = ctx.alloc_pd();
+    let buf = HostBuffer::new(4096);
+    let rights = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+    // No QP on the PD: nothing in flight, on either backend.
+    let mr = pd.register_with(&buf, rights).unwrap();
+    let generation = mr.generation();
+    mr.deregister(Duration::ZERO).unwrap();
+    // Host memory goes through the cache on both backends.
+    let cold = pd.register_cached(&buf, rights).unwrap();
+    let warm = pd.register_cached(&buf, rights).unwrap();
+    assert_eq!((cold.lkey(), cold.rkey()), (warm.lkey(), warm.rkey()));
+    assert_ne!(cold.generation(), generation);
+    let st = pd.reg_cache().stats();
+    assert_eq!((st.hits, st.misses, st.entries), (1, 1, 1));
+    drop((cold, warm));
+    // A QP connected (to itself) and idle.
+    let cq = ctx.create_cq(CqOptions::default()).unwrap();
+    let qp = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
+    let o = ConnectOptions {
+        access: Access::REMOTE_WRITE,
+        ..Default::default()
+    };
+    qp.connect(&qp.endpoint(), o).unwrap();
+    let mr = pd.register_with(&buf, rights).unwrap();
+    match mr.deregister(Duration::ZERO) {
+        Ok(()) => assert!(!mlx5, "mlx5 cannot tell an idle QP from a busy one"),
+        Err(e) => {
+            assert!(mlx5, "the soft NIC sees the QP idle: {e}");
+            let r = e.report();
+            assert_eq!(r.qps.len(), 1, "{e}");
+            assert_eq!((r.qps[0].qpn, r.qps[0].blocks), (qp.qpn(), None), "{e}");
+            assert_eq!(r.qps[0].state, QpState::Rts, "{e}");
+            assert!(e.to_string().contains("not observable"), "{e}");
+        }
+    }
+    // the cache's eviction on mlx5 does not wait for what it cannot see, nor count it forced
+    pd.reg_cache().clear();
+    let st = pd.reg_cache().stats();
+    assert_eq!((st.entries, st.evictions, st.forced_evictions), (0, 1, 0));
+}

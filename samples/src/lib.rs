@@ -466,6 +466,17 @@ impl Payload {
         })
     }
 
+    /// Registers it through the PD's registration cache (`Pd::register_cached`): the first
+    /// time a miss (a registration), then a hit on the same region.
+    pub fn register_cached(&self, pd: &Pd, access: Access) -> Result<gpuverbs::CachedMr> {
+        Ok(match self {
+            Payload::Host(b) => pd.register_cached(b, access)?,
+            Payload::Gpu(m) => pd
+                .register_cached(m, access)
+                .context("--mem gpu: register GPU memory")?,
+        })
+    }
+
     /// Copies bytes in at `off`.
     pub fn write(&self, off: usize, src: &[u8]) -> Result<()> {
         match self {

@@ -131,6 +131,77 @@ fn put_bw_cpu_sweep_multi_qp_bidir() {
 }
 
 #[test]
+fn put_bw_reg_cache_reports_cold_and_warm_registrations() {
+    let args = [
+        "--loopback",
+        "--initiator",
+        "cpu",
+        "--json",
+        "-s",
+        "4096",
+        "-n",
+        "100",
+    ];
+    // Without the flag: no report (and the rest as before).
+    let plain = json_lines(PUT_BW, &args);
+    assert_eq!(plain.len(), 1);
+    check_bw(&plain[0], 4096, 100);
+    assert!(plain[0].get("reg_cache").is_none(), "{}", plain[0]);
+    // With it, both directions: every buffer registered once cold (a miss), once warm (a hit).
+    let mut with = args.to_vec();
+    with.extend(["--reg-cache", "--bidir"]);
+    let lines = json_lines(PUT_BW, &with);
+    assert_eq!(lines.len(), 1);
+    check_bw(&lines[0], 4096, 100);
+    let r = &lines[0]["reg_cache"];
+    let buffers = r["buffers"].as_array().unwrap_or_else(|| panic!("{r}"));
+    assert_eq!(buffers.len(), 4, "src and dst on sides A and B: {r}");
+    assert_eq!(
+        (r["hits"].as_u64(), r["misses"].as_u64()),
+        (Some(4), Some(4)),
+        "{r}"
+    );
+    for b in buffers {
+        assert!(b["cold_ns"].as_u64().is_some_and(|n| n > 0), "{b}");
+        assert!(b["warm_ns"].as_u64().is_some(), "{b}");
+        assert!(b["bytes"].as_u64().is_some_and(|n| n >= 4096), "{b}");
+    }
+    assert!(
+        r["cold_ns"].as_u64().is_some() && r["warm_ns"].as_u64().is_some(),
+        "{r}"
+    );
+    // and the table's header says so
+    let out = run(
+        PUT_BW,
+        &[
+            "--loopback",
+            "--initiator",
+            "cpu",
+            "-s",
+            "64",
+            "-n",
+            "50",
+            "--reg-cache",
+        ],
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("Reg cache"))
+        .unwrap_or_else(|| panic!("no Reg cache line in:\n{stdout}"));
+    assert!(
+        line.contains("cold") && line.contains("hits 2, misses 2"),
+        "{line}"
+    );
+    let plain = run(
+        PUT_BW,
+        &["--loopback", "--initiator", "cpu", "-s", "64", "-n", "50"],
+    );
+    assert!(!text(&plain.stdout).contains("Reg cache"));
+}
+
+#[test]
 fn put_bw_table_says_what_it_resolved() {
     let out = run(
         PUT_BW,

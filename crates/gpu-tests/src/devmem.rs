@@ -209,3 +209,58 @@ pub fn cpu_initiator_gpumem(ordinal: usize) -> Result<String> {
         big >> 20
     ))
 }
+
+/// The registration cache on GPU memory: CUDA's buffer IDs key it (stable per allocation, new
+/// for memory allocated again, whatever its address); the second registration of a
+/// `DeviceMem` is a hit on the same region, on both backends (mlx5: through dma-buf or
+/// peermem).
+pub fn reg_cache_gpumem(ordinal: usize) -> Result<String> {
+    use crate::dataplane::contexts;
+    let gpu = gpu(ordinal)?;
+    let (ctx, _peer) = contexts()?;
+    let pd = ctx.alloc_pd();
+    let rights = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+    let mem = gpu.alloc(1 << 20)?;
+    let id = mem.buffer_id()?;
+    ensure!(
+        mem.clone().buffer_id()? == id,
+        "a clone has another buffer ID"
+    );
+    let other = gpu.alloc(1 << 20)?;
+    let other_id = other.buffer_id()?;
+    ensure!(other_id != id, "two allocations with one buffer ID {id}");
+    let cold = pd.register_cached(&mem, rights)?;
+    let warm = pd.register_cached(&mem, rights)?;
+    ensure!(
+        cold.lkey() == warm.lkey() && cold.kind() == MemKind::Device,
+        "no hit on the same allocation"
+    );
+    let o = pd.register_cached(&other, rights)?;
+    let (old_addr, old_key) = (other.ptr(), o.lkey());
+    ensure!(old_key != cold.lkey(), "two allocations, one region");
+    // freed (the dead entry goes at the trim) and allocated again, perhaps at the same address
+    drop((o, other));
+    pd.reg_cache().trim();
+    let again = gpu.alloc(1 << 20)?;
+    let again_id = again.buffer_id()?;
+    ensure!(
+        again_id != other_id,
+        "memory allocated again kept buffer ID {other_id}"
+    );
+    let misses = pd.reg_cache().stats().misses;
+    let h = pd.register_cached(&again, rights)?;
+    let st = pd.reg_cache().stats();
+    ensure!(
+        st.misses == misses + 1 && h.lkey() != old_key,
+        "memory allocated again hit the old entry: {st:?}"
+    );
+    Ok(format!(
+        "buffer IDs {id}, {other_id}, {again_id}; a hit on the same allocation; memory \
+         allocated again {} misses",
+        if again.ptr() == old_addr {
+            "at the freed address"
+        } else {
+            "elsewhere"
+        }
+    ))
+}

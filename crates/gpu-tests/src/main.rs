@@ -163,6 +163,9 @@ fn gpumem_roundtrip_gpurings_proxy(ctx: &Ctx) -> Result<String> {
 fn cpu_initiator_gpumem(ctx: &Ctx) -> Result<String> {
     devmem::cpu_initiator_gpumem(ctx.ordinal)
 }
+fn reg_cache_gpumem(ctx: &Ctx) -> Result<String> {
+    devmem::reg_cache_gpumem(ctx.ordinal)
+}
 fn dropped_doorbell_timeout(ctx: &Ctx) -> Result<String> {
     dataplane::dropped_doorbell_timeout(ctx.ordinal)
 }
@@ -210,6 +213,7 @@ const CASES: &[Case] = cases![
     status_paths,
     // GPU memory: regions, rings, both
     cpu_initiator_gpumem,
+    reg_cache_gpumem,
     put_gpumem_thread_gpudb,
     put_gpumem_warp_partial_proxy,
     put_gpumem_block_bf,

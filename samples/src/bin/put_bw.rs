@@ -10,6 +10,13 @@
 //! put_bw --loopback -a --initiator gpu --mem gpu --rings gpu   # buffers and rings on the GPU
 //! ```
 //!
+//! Registration cache: `--reg-cache` registers the payload buffers through the PD's
+//! registration cache (`Pd::register_cached`), each twice: the first registration is a miss
+//! (it registers; "cold"), the second a hit on the same region ("warm"). The header's
+//! `Reg cache` line and every JSON row's `"reg_cache"` object report both times (mean over the
+//! buffers, and per buffer) with the caches' hits and misses. Without it, buffers are
+//! registered with `Pd::register_with` / `Pd::register_device_mem` as before.
+//!
 //! Placement (GPU initiator only): `--rings gpu` puts the SQ/RQ and CQ rings in GPU memory
 //! (`Context::create_cq_on` / `Pd::create_qp_on`); `--mem gpu` puts the source and
 //! destination slots in GPU memory registered with `Pd::register_device_mem`, which the host
@@ -54,7 +61,7 @@
 use anyhow::{bail, Context as _, Result};
 use clap::{CommandFactory, Parser, ValueEnum};
 use gpuverbs::gpu::Gpu;
-use gpuverbs::{Access, Endpoint, Mr, Qp, RemoteMemory};
+use gpuverbs::{Access, CachedMr, Endpoint, Mr, Qp, RemoteMemory};
 use gpuverbs_samples::{
     arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
     create_qp, doorbell_line, exit_with, merge, mtu_line, open_env, open_env_remote, pattern,
@@ -64,7 +71,7 @@ use gpuverbs_samples::{
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey};
-use serde_json::json;
+use serde_json::{json, Value};
 use softnic::initiator::{InitiatorError, RingMode};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -165,6 +172,10 @@ struct Args {
     #[arg(long, default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     batch: u32,
+    /// Register the payload buffers through the PD's registration cache, and report the
+    /// cold (first: a miss) and warm (again: a hit) registration times.
+    #[arg(long)]
+    reg_cache: bool,
     /// Make the run fail on purpose (tests).
     #[arg(long, value_enum, hide = true)]
     inject: Option<Inject>,
@@ -313,8 +324,99 @@ impl Plan {
 /// One side: its QPs, its source and destination buffers.
 struct Side {
     qps: Vec<Qp>,
-    src: Option<(Payload, Mr)>,
-    dst: Option<(Payload, Mr)>,
+    src: Option<(Payload, Reg)>,
+    dst: Option<(Payload, Reg)>,
+}
+
+/// A buffer's region: registered directly, or held from the PD's registration cache.
+enum Reg {
+    Plain(Mr),
+    Cached(CachedMr),
+}
+
+impl std::ops::Deref for Reg {
+    type Target = Mr;
+    fn deref(&self) -> &Mr {
+        match self {
+            Reg::Plain(m) => m,
+            Reg::Cached(c) => c,
+        }
+    }
+}
+
+/// One buffer's cold and warm registration through the cache (`--reg-cache`).
+struct RegTiming {
+    side: &'static str,
+    buffer: &'static str,
+    bytes: usize,
+    cold_ns: u64,
+    warm_ns: u64,
+}
+
+/// Registers `b`: directly, or (with `timings`) twice through the cache, timing both.
+fn register(
+    b: &Payload,
+    pd: &gpuverbs::Pd,
+    access: Access,
+    timings: Option<(&mut Vec<RegTiming>, &'static str, &'static str, usize)>,
+) -> Result<Reg> {
+    let Some((timings, side, buffer, bytes)) = timings else {
+        return Ok(Reg::Plain(b.register(pd, access)?));
+    };
+    let ns = |t: Instant| u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    let t = Instant::now();
+    let first = b.register_cached(pd, access)?;
+    let cold_ns = ns(t);
+    let t = Instant::now();
+    let again = b.register_cached(pd, access)?;
+    let warm_ns = ns(t);
+    if again.lkey() != first.lkey() {
+        bail!("the registration cache gave another region for the same buffer");
+    }
+    timings.push(RegTiming {
+        side,
+        buffer,
+        bytes,
+        cold_ns,
+        warm_ns,
+    });
+    Ok(Reg::Cached(first))
+}
+
+/// Cold and warm times of the cached registrations and the caches' counters, as the header
+/// line and the JSON object `"reg_cache"`.
+fn reg_cache_report(timings: &[RegTiming], sides: &[Option<Side>; 2]) -> (String, Value) {
+    let mean = |f: fn(&RegTiming) -> u64| {
+        let n = timings.len().max(1) as u64;
+        timings.iter().map(f).sum::<u64>() / n
+    };
+    let (cold, warm) = (mean(|t| t.cold_ns), mean(|t| t.warm_ns));
+    let (mut hits, mut misses) = (0, 0);
+    for sd in sides.iter().flatten() {
+        let st = sd.qps[0].pd().reg_cache().stats();
+        hits += st.hits;
+        misses += st.misses;
+    }
+    let us = |ns: u64| ns as f64 / 1e3;
+    let line = format!(
+        "on: cold {:.1} us, warm {:.2} us (mean of {} buffer(s); hits {hits}, misses {misses})",
+        us(cold),
+        us(warm),
+        timings.len()
+    );
+    let buffers: Vec<Value> = timings
+        .iter()
+        .map(|t| {
+            json!({
+                "side": t.side, "buffer": t.buffer, "bytes": t.bytes,
+                "cold_ns": t.cold_ns, "warm_ns": t.warm_ns,
+            })
+        })
+        .collect();
+    let v = json!({
+        "cold_ns": cold, "warm_ns": warm, "hits": hits, "misses": misses, "buffers": buffers,
+    });
+    (line, v)
 }
 
 /// A CPU initiator driving one job.
@@ -554,20 +656,27 @@ fn run(args: &Args) -> Result<()> {
         .max()
         .unwrap_or(0);
     let dst_len = |d: usize| plans.iter().map(|p| p.dst_len[d]).max().unwrap_or(0);
+    let mut timings = Vec::new();
     for (s, slot) in sides.iter_mut().enumerate() {
         let Some(sd) = slot else { continue };
         let pd = sd.qps[0].pd().clone();
+        let name = ["A", "B"][s];
         if jobs.iter().any(|j| j.dir == s) {
-            let b = Payload::new(a.mem, env.gpu.as_ref(), src_len as usize)?;
-            let mr = b.register(&pd, Access::LOCAL_WRITE)?;
+            let len = src_len as usize;
+            let b = Payload::new(a.mem, env.gpu.as_ref(), len)?;
+            let t = args.reg_cache.then_some((&mut timings, name, "src", len));
+            let mr = register(&b, &pd, Access::LOCAL_WRITE, t)?;
             sd.src = Some((b, mr));
         }
         if jobs.iter().any(|j| j.dir == 1 - s) {
-            let b = Payload::new(a.mem, env.gpu.as_ref(), dst_len(s) as usize)?;
-            let mr = b.register(&pd, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+            let len = dst_len(s) as usize;
+            let b = Payload::new(a.mem, env.gpu.as_ref(), len)?;
+            let t = args.reg_cache.then_some((&mut timings, name, "dst", len));
+            let mr = register(&b, &pd, Access::LOCAL_WRITE | Access::REMOTE_WRITE, t)?;
             sd.dst = Some((b, mr));
         }
     }
+    let reg_cache = args.reg_cache.then(|| reg_cache_report(&timings, &sides));
     let side = |s: usize| sides[s].as_ref();
     // Across processes the receiver hands out its destination buffer.
     let peer_dst: Option<RemoteMemory> = match (&mut peer, me) {
@@ -650,6 +759,9 @@ fn run(args: &Args) -> Result<()> {
             format!("one host thread, {} WQEs per doorbell", args.batch),
         ),
     };
+    if let Some((line, _)) = &reg_cache {
+        h.line("Reg cache", line);
+    }
     h.line("CQ moderation", a.cq_mod)
         .line("TX depth", format!("{tx} blocks"))
         .line(
@@ -700,6 +812,9 @@ fn run(args: &Args) -> Result<()> {
     );
     if let (Some(p), Some(ep)) = (&peer, peer_eps.first()) {
         base_json = merge(base_json, remote_json(a, p, &env.ctx, ep));
+    }
+    if let Some((_, v)) = &reg_cache {
+        base_json = merge(base_json, json!({ "reg_cache": v }));
     }
 
     // The initiators of the jobs this process drives.

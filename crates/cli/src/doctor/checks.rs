@@ -777,7 +777,7 @@ fn choice(gpu: Option<usize>, dma_buf: bool, peer: &PeerMem) -> Vec<Check> {
     let path = match kind {
         BackendKind::Soft => "the soft NIC reaches GPU memory through CUDA copies (Pd::register_device_mem); neither dma-buf nor nvidia-peermem is needed".to_string(),
         BackendKind::Mlx5 => format!(
-            "GPU-memory regions are not implemented on the mlx5 backend yet (Error::Unsupported; payloads in host memory work); the platform offers {}",
+            "GPU-memory regions on the mlx5 backend: ibv_reg_dmabuf_mr with a dma-buf of the GPU pages, else ibv_reg_mr on the GPU address (nvidia-peermem); the platform offers {}",
             match (dma_buf, peer.loaded()) {
                 (true, true) => "dma-buf and nvidia-peermem",
                 (true, false) => "dma-buf",
@@ -792,16 +792,16 @@ fn choice(gpu: Option<usize>, dma_buf: bool, peer: &PeerMem) -> Vec<Check> {
                 Ok(mr) => (
                     Status::Ok,
                     format!(
-                        "; Pd::register_device_mem of 64 KiB on gpu0 worked (lkey {:#x})",
-                        mr.lkey().0
+                        "; Pd::register_device_mem of 64 KiB on gpu0 worked (lkey {:#x}{})",
+                        mr.lkey().0,
+                        match mr.gpu_path() {
+                            Some(p) => format!(", through {p:?}"),
+                            None => String::new(),
+                        }
                     ),
                 ),
                 Err(e) => (
-                    if kind == BackendKind::Mlx5 {
-                        Status::Warn
-                    } else {
-                        Status::Fail
-                    },
+                    Status::Fail,
                     format!("; Pd::register_device_mem on gpu0: {e}"),
                 ),
             },
