@@ -428,10 +428,8 @@ impl Mr {
     /// something moves it there, or resets it). On the mlx5
     /// backend the device's SQ progress cannot be observed: a QP of the PD that is not in
     /// RESET is reported at once ([`QpInFlight::blocks`] is `None`) without waiting. Over the
-    /// soft NIC's wire (a peer in another process) a WQE counts as executed once the
-    /// transport has taken it; its packets (a READ's responses) may still be in flight, and
-    /// fail with an error CQE when the region is gone (the memory is never touched after
-    /// deregistration).
+    /// soft NIC's wire (a peer in another process) a WQE counts once its answer (ACK, READ
+    /// response, atomic ACK) has arrived.
     pub fn deregister(mut self, timeout: Duration) -> Result<(), DeregisterError> {
         match self.wait_idle(timeout) {
             Ok(()) => {
@@ -574,8 +572,9 @@ fn soft_progress(dev: &softnic::Device, q: &Arc<softnic::Qp>) -> Option<(u16, u3
     if !dev.qp(q.qpn()).is_some_and(|d| Arc::ptr_eq(&d, q)) {
         return None;
     }
-    // The consumer first: WQEs it passes meanwhile only make the wait longer.
-    let ci = q.sq_consumer();
+    // The finished index first: WQEs it passes meanwhile only make the wait longer. (WQEs on
+    // the wire count until their answers arrive.)
+    let ci = q.sq_finished();
     let pi = crate::queue::sq_producer(q) as u16;
     let ahead = u32::from(pi.wrapping_sub(ci));
     // More than a ring ahead: not a producer the device will run (a record from before a

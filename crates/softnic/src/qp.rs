@@ -638,6 +638,14 @@ impl Qp {
         self.lock_sq().ci
     }
 
+    /// The index up to which the SQ's WQEs are finished: the consumer index, or, while WQEs
+    /// handed to the wire transport wait for their answers, the first of them. WQEs before it
+    /// will not touch memory any more.
+    pub fn sq_finished(&self) -> u16 {
+        let sq = self.lock_sq();
+        sq.wire.as_ref().and_then(|w| w.oldest()).unwrap_or(sq.ci)
+    }
+
     /// The device's consumer index on the RQ (receive WQEs consumed or flushed so far).
     pub fn rq_consumer(&self) -> u32 {
         self.lock_rq().ci

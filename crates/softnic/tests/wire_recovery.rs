@@ -6,7 +6,10 @@
 mod common;
 mod wire_util;
 
+use common::*;
+use prm::wqe::{Local, Op, Opcode};
 use softnic::{Access, WireCounters, WireFaults};
+use std::time::{Duration, Instant};
 use wire_util::*;
 
 const MIB: usize = 1 << 20;
@@ -68,4 +71,38 @@ fn a_clean_run_retransmits_nothing() {
         seen.push(a.retransmits);
     }
     panic!("every clean run retransmitted: {seen:?} packets");
+}
+
+/// A WQE handed to the wire is not finished until its answer arrives: `Qp::sq_finished` stays
+/// at it while the consumer index has moved on (what `Mr::deregister` waits for), and catches
+/// up when the peer's ACK gets through.
+#[test]
+fn a_wqe_on_the_wire_is_finished_only_when_answered() {
+    let _serial = serial();
+    let mut p = wire_pair(
+        wire_opts(),
+        wire_opts(),
+        1024,
+        WireFaults::default(),
+        WireFaults::loss(1.0, 7),
+    );
+    let dst = p.b.buf(4096, ALL_REMOTE);
+    let w = Op::Write {
+        remote: dst.remote(0),
+        local: Local::Inline(b"on the wire"),
+        imm: None,
+    };
+    let idx = p.ea.go(&w, SIG);
+    let t = Instant::now();
+    while p.ea.qp.sq_consumer() == idx {
+        assert!(t.elapsed() < T, "the engine never took the WQE");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // the requester retransmits into silence (B's answers are all lost)
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(p.ea.qp.sq_finished(), idx, "finished before the ACK came");
+    p.b.dev.set_wire_faults(WireFaults::default()).unwrap();
+    p.ea.expect_req(Opcode::RdmaWrite as u8, idx);
+    assert_eq!(p.ea.qp.sq_finished(), p.ea.qp.sq_consumer());
+    assert_eq!(dst.read(0, 11), b"on the wire");
 }

@@ -185,6 +185,11 @@ impl ReqWire {
         }
     }
 
+    /// The WQE index of the oldest message not yet completed.
+    pub(crate) fn oldest(&self) -> Option<u16> {
+        self.msgs.front().map(|m| m.idx)
+    }
+
     /// Takes RTS's local ACK timeout (IBTA encoding), retry count and RNR retry count.
     pub(crate) fn set_rts(&mut self, timeout: u8, retry_cnt: u8, rnr_retry: u8) {
         self.timeout = (timeout != 0).then(|| Duration::from_nanos(4096u64 << timeout));
