@@ -535,13 +535,6 @@ impl Gpu {
                 "a QP on CQs of another device".into(),
             ));
         };
-        if qp.cpu_used.load(Ordering::Acquire) {
-            return Err(Error::Unsupported(format!(
-                "QP {:#x}: exporting an mlx5 QP after a CPU initiator posted to it (handing the \
-                 queue's state over is soft-NIC only so far)",
-                q.qpn
-            )));
-        }
         let mode = qp.doorbell().0;
         if scq.ncqe < q.sq_blocks {
             // rdma-core CQs detect overrun, and the device API bounds the signaled WQEs in
@@ -606,8 +599,12 @@ impl Gpu {
             ..QpDesc::default()
         };
         let mut desc = desc;
-        // a fresh QP: every counter starts at 0
-        resume_desc(&mut desc, &QueueState::default())?;
+        let state = QueueState::of_mlx5(qp, q);
+        resume_desc(&mut desc, &state)?;
+        if let (DoorbellMode::CpuProxy, Some(word)) = (mode, &qp.proxy_word) {
+            // the kernel's 64-bit producer continues from the queue's
+            word.atomic_u64(0).store(state.sq_pi, Ordering::Release);
+        }
         let mem = self.alloc(core::mem::size_of::<QpDesc>())?;
         mem.write(0, bytemuck::bytes_of(&desc))?;
         Ok(ExportedQp {

@@ -223,23 +223,21 @@ impl ProxyTarget {
     }
 
     /// The target for a QP of the mlx5 backend: its proxy word (a host page of the QP), the
-    /// provider's doorbell record and BlueFlame register. A fresh QP's producer starts at 0
-    /// (handing a queue over from an earlier poster is soft-NIC only so far).
+    /// provider's doorbell record and BlueFlame register, starting at the queue's producer
+    /// index as for a soft QP (so it continues after an earlier poster).
     fn for_mlx5_qp(qp: &crate::Qp) -> Result<Self, crate::Error> {
         let crate::queue::QpDev::Mlx5(q) = &qp.dev else {
             return Err(crate::Error::InvalidArgument("not an mlx5 QP".into()));
         };
-        if qp.cpu_used.load(Ordering::Acquire) {
-            return Err(crate::Error::Unsupported(format!(
-                "QP {:#x}: a CPU-proxy target after a CPU initiator posted to it (handing the \
-                 queue's state over is soft-NIC only so far)",
-                q.qpn
-            )));
-        }
         let word = qp.proxy_word.clone().ok_or_else(|| {
             crate::Error::InvalidArgument("an mlx5 QP without a proxy word".into())
         })?;
         let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
+        let start = crate::queue::QueueState::of_mlx5(qp, q).sq_pi;
+        if !qp.posters.holds(crate::queue::Poster::GpuExport) {
+            // No kernel writes the word now: it starts where the queue is, not behind it.
+            word.atomic_u64(0).store(start, Ordering::Release);
+        }
         let producer: *const AtomicU64 = word.atomic_u64(0);
         let keep: Arc<dyn Any + Send + Sync> = Arc::new((q.clone(), word, claim));
         // SAFETY: the proxy word is 8 aligned bytes of the QP's host page, the doorbell record
@@ -249,7 +247,7 @@ impl ProxyTarget {
         // record's send word and the register (the documented CPU-proxy mode).
         let t = unsafe { Self::new(producer, q.dbrec, q.bf_reg, q.qpn, None, keep) }
             .map_err(|e| crate::Error::InvalidArgument(e.to_string()))?;
-        Ok(t.with_max_jump(q.sq_blocks))
+        Ok(t.with_max_jump(q.sq_blocks).with_start(start))
     }
 
     /// Sets the producer index the doorbell already covers (default 0): a word holding a

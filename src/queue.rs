@@ -315,8 +315,6 @@ pub struct Qp {
     pub(crate) doorbell_reason: String,
     pub(crate) psn: u32,
     pub(crate) posters: Arc<Posters>,
-    /// Whether a CPU initiator has posted to this mlx5 QP (it cannot hand over yet).
-    pub(crate) cpu_used: std::sync::atomic::AtomicBool,
     /// The CPU-proxy word of an mlx5 QP (a soft QP has one in its control page): the kernel
     /// stores its producer index there and the proxy turns it into doorbells.
     pub(crate) proxy_word: Option<crate::HostBuffer>,
@@ -472,6 +470,103 @@ impl QueueState {
     }
 }
 
+impl QueueState {
+    /// The queue state of an rdma-core QP, from the provider's memory alone (the device's
+    /// consumer indexes cannot be seen without DEVX): the producer as for a soft QP (doorbell
+    /// record and CPU-proxy word), the CQ consumer indexes from their doorbell records, and the
+    /// SQ blocks not yet retired counted from the last requester completion the send CQ holds
+    /// for this QP (RC completes in order: every WQE up to the end of that one is done; the
+    /// blocks after it stay taken until a later completion retires them). Receives: every
+    /// consumed receive's completion is taken (what [`crate::gpu`]'s export requires), so the
+    /// RQ's consumer index is the receive CQ's.
+    pub(crate) fn of_mlx5(qp: &Qp, q: &crate::mlx5::Qp) -> Self {
+        use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Acquire};
+        // SAFETY: the provider's doorbell record (two aligned 32-bit words) and the proxy word
+        // live as long as the QP; the device and pollers access them atomically.
+        let word = |i: usize| {
+            u32::from_be(unsafe { &*(q.dbrec.add(4 * i) as *const AtomicU32) }.load(Acquire))
+        };
+        let proxy = qp
+            .proxy_word
+            .as_ref()
+            // SAFETY: the proxy word is 8 aligned bytes of the QP's own host buffer.
+            .map_or(0, |w| {
+                unsafe { &*(w.addr() as *const AtomicU64) }.load(Acquire)
+            });
+        let sq_pi = producer_from(word(1) as u16, proxy);
+        let cq_ci = |cq: &Cq| match &cq.dev {
+            // SAFETY: the provider's CQ doorbell record, live with the CQ.
+            CqDev::Mlx5(c) => {
+                u32::from_be(unsafe { &*(c.dbrec as *const AtomicU32) }.load(Acquire)) & 0xff_ffff
+            }
+            CqDev::Soft(_) => 0,
+        };
+        let (scq_ci, rcq_ci) = (cq_ci(&qp.send_cq), cq_ci(&qp.recv_cq));
+        let done_to = match &qp.send_cq.dev {
+            CqDev::Mlx5(c) => last_req_end(c, q, scq_ci),
+            CqDev::Soft(_) => None,
+        };
+        let unretired = match done_to {
+            Some(end) => (sq_pi as u16).wrapping_sub(end),
+            // no completion seen: all of the SQ that was posted may be in flight
+            None => (sq_pi.min(u64::from(q.sq_blocks))) as u16,
+        };
+        Self {
+            sq_pi,
+            sq_in_flight: if u32::from(unretired) <= q.sq_blocks {
+                unretired
+            } else {
+                0
+            },
+            rq_head: word(0) as u16,
+            rq_consumer: rcq_ci,
+            scq_ci,
+            rcq_ci,
+            scq_slot0: None,
+        }
+    }
+}
+
+/// The SQ index just past the WQE of the newest requester completion of QP `q` among the
+/// CQEs taken from `cq` so far (its consumer index `ci`), looking back at most one ring.
+fn last_req_end(cq: &crate::mlx5::Cq, q: &crate::mlx5::Qp, ci: u32) -> Option<u16> {
+    let mask = cq.ncqe as usize - 1;
+    for k in 1..=cq.ncqe.min(ci) {
+        let n = ci - k;
+        let mut b = [0u8; prm::CQE_SIZE];
+        // SAFETY: slot `n & mask` is inside the provider's CQ ring; CQEs before the consumer
+        // index are no longer written by the device (until it wraps, which the owner check
+        // below tells).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                cq.ring.add((n as usize & mask) * prm::CQE_SIZE),
+                b.as_mut_ptr(),
+                prm::CQE_SIZE,
+            )
+        };
+        let cqe: prm::Cqe64 = bytemuck::cast(b);
+        if u32::from(cqe.op_own & 1) != (n / cq.ncqe) & 1 {
+            return None;
+        }
+        let counter = match cqe.decode() {
+            prm::Completion::Req {
+                qpn, wqe_counter, ..
+            } if qpn == q.qpn => wqe_counter,
+            prm::Completion::Error(e) if !e.responder && e.qpn == q.qpn => e.wqe_counter,
+            _ => continue,
+        };
+        let slot = counter as usize & (q.sq_blocks as usize - 1);
+        // SAFETY: the WQE's first block is inside the provider's SQ ring; its control
+        // segment's ds says how many blocks the WQE took.
+        let ctrl: prm::wqe::CtrlSeg = unsafe {
+            std::ptr::read_unaligned(q.sq_buf.add(slot * prm::WQEBB) as *const prm::wqe::CtrlSeg)
+        };
+        let blocks = prm::wqe::blocks_for_ds(ctrl.ds().max(1)) as u16;
+        return Some(counter.wrapping_add(blocks));
+    }
+    None
+}
+
 /// A soft QP's send producer index (64-bit): the CPU-proxy word when a kernel wrote it ahead
 /// of the doorbell record's 16 bits (its WQEs not rung yet, the proxy will), else those 16
 /// bits, as the 64-bit value at or below the word.
@@ -479,7 +574,11 @@ pub(crate) fn sq_producer(qp: &softnic::Qp) -> u64 {
     use std::sync::atomic::Ordering::Acquire;
     let rec = qp.ctrl_page();
     let sq16 = u32::from_be(rec.atomic_u32(qp.dbrec_offset() + 4).load(Acquire)) as u16;
-    let proxy = rec.atomic_u64(qp.proxy_offset()).load(Acquire);
+    producer_from(sq16, rec.atomic_u64(qp.proxy_offset()).load(Acquire))
+}
+
+/// The 64-bit producer from the doorbell record's 16 bits and the CPU-proxy word.
+fn producer_from(sq16: u16, proxy: u64) -> u64 {
     proxy
         .checked_sub(u64::from((proxy as u16).wrapping_sub(sq16)))
         .unwrap_or(u64::from(sq16))
@@ -613,7 +712,6 @@ impl Pd {
             doorbell_reason: reason,
             psn,
             posters: Arc::default(),
-            cpu_used: Default::default(),
             proxy_word: matches!(dev_kind, DevKind::Mlx5).then(|| crate::HostBuffer::new(64)),
         })
     }
@@ -778,14 +876,7 @@ impl Qp {
                     .with_guard(Box::new(claim)))
             }
             (Backend::Mlx5(_), QpDev::Mlx5(q)) => {
-                use std::sync::atomic::Ordering::AcqRel;
-                if self.cpu_used.swap(true, AcqRel) {
-                    return Err(Error::Unsupported(format!(
-                        "QP {:#x}: a second CPU initiator on an mlx5 QP (handing the queue's \
-                         state over from an earlier poster is soft-NIC only so far)",
-                        q.qpn
-                    )));
-                }
+                let st = QueueState::of_mlx5(self, q);
                 let sq = softnic::initiator::SqGeometry {
                     ring: q.sq_buf,
                     blocks: q.sq_blocks,
@@ -807,7 +898,7 @@ impl Qp {
                 // SAFETY: the geometry is the provider's (mlx5dv_init_obj) for this live QP
                 // and its CQs, kept alive by `keep`; the claim makes the initiator the QP's
                 // only poster and its CQs' only poller.
-                let ini = unsafe {
+                let mut ini = unsafe {
                     softnic::initiator::Initiator::from_geometry(
                         sq,
                         rq,
@@ -818,6 +909,12 @@ impl Qp {
                         None,
                     )
                 };
+                ini.resume_at(softnic::initiator::QueueStart {
+                    sq_pi: st.sq_pi as u16,
+                    sq_unfinished: st.sq_in_flight,
+                    rq_head: st.rq_head,
+                    rq_outstanding: st.rq_head.wrapping_sub(st.rq_consumer as u16),
+                });
                 Ok(ini.with_guard(Box::new(claim)))
             }
             _ => unreachable!("a QP belongs to its context's backend"),

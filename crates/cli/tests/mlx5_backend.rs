@@ -41,9 +41,16 @@ fn build(what: &[&str]) {
 struct Side {
     _ctx: Context,
     qp: gpuverbs::Qp,
-    ini: Initiator,
+    /// The QP's poster (`None` between two).
+    ini: Option<Initiator>,
     buf: HostBuffer,
     mr: gpuverbs::Mr,
+}
+
+impl Side {
+    fn ini(&mut self) -> &mut Initiator {
+        self.ini.as_mut().expect("a poster")
+    }
 }
 
 /// Two connected QPs, one per context, each driven by a CPU initiator.
@@ -71,14 +78,14 @@ fn pair(a: &Context, b: &Context, o: ConnectOptions) -> (Side, Side) {
         Side {
             _ctx: a.clone(),
             qp: qa,
-            ini: ia,
+            ini: Some(ia),
             buf: ba,
             mr: ma,
         },
         Side {
             _ctx: b.clone(),
             qp: qb,
-            ini: ib,
+            ini: Some(ib),
             buf: bb,
             mr: mb,
         },
@@ -113,11 +120,61 @@ fn outcome(c: &Completion) -> String {
 }
 
 fn send_wait(s: &mut Side, op: &Op<'_>) -> String {
-    s.ini.post_and_ring(op, CtrlFlags::SIGNALED).unwrap();
-    match s.ini.wait_send(T) {
+    s.ini().post_and_ring(op, CtrlFlags::SIGNALED).unwrap();
+    match s.ini().wait_send(T) {
         Ok(c) => outcome(&c),
         Err(e) => format!("wait: {e}"),
     }
+}
+
+/// Hands `x`'s QP from poster to poster: a new CPU initiator continues where the last one
+/// stopped (after one that left unsignaled WRITEs behind its last completion, and after ones
+/// that left nothing), its completions and bytes checked (the WRITEs land in `y`'s region at
+/// 10000).
+fn handover(x: &mut Side, y: &Side) -> Vec<String> {
+    let mut out = Vec::new();
+    for round in 0..3u8 {
+        // a new poster: the old initiator goes first (one poster at a time)
+        x.ini = None;
+        x.ini = Some(
+            x.qp.try_cpu_initiator(RingMode::RdmaCore)
+                .unwrap_or_else(|e| panic!("{e}")),
+        );
+        let data = [round + 1; 64];
+        x.buf.write(14000, &data);
+        let src = [x.mr.sge(14000, 64)];
+        let dst = |off: u64| y.mr.remote(10000 + off);
+        let w = |off: u64| Op::Write {
+            remote: dst(off),
+            local: Local::Sges(&src),
+            imm: None,
+        };
+        // two unsignaled WRITEs, then a signaled one: its completion retires all three
+        let unsig = CtrlFlags {
+            signaled: false,
+            ..CtrlFlags::SIGNALED
+        };
+        x.ini().post(&w(0), unsig).unwrap();
+        x.ini().post(&w(64), unsig).unwrap();
+        out.push(format!("handover {round}: {}", send_wait(x, &w(128))));
+        if round == 1 {
+            // and two more unsignaled ones left behind for the next poster
+            x.ini().post(&w(192), unsig).unwrap();
+            x.ini().post_and_ring(&w(256), unsig).unwrap();
+        }
+        // (the unsignaled ones after the completion land a little later: wait, bounded)
+        let n = if round == 1 { 5 } else { 3 };
+        let t = std::time::Instant::now();
+        let landed = || {
+            let got = y.buf.to_vec();
+            (0..n).all(|k| got[10000 + 64 * k..10064 + 64 * k] == data)
+        };
+        while !landed() && t.elapsed() < T {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        out.push(format!("handover {round} bytes: {}", landed()));
+    }
+    out
 }
 
 /// The scenario: every line is one observable outcome.
@@ -149,7 +206,8 @@ fn scenario(a: &Context, b: &Context) -> Vec<String> {
         "read bytes equal: {}",
         x.buf.to_vec()[8192..12288] == pattern[..]
     ));
-    y.ini.post_recv(&[y.mr.sge(4096, 256)]).unwrap();
+    let sge = y.mr.sge(4096, 256);
+    y.ini().post_recv(&[sge]).unwrap();
     x.buf.write(0, b"a send of some bytes");
     let s = Op::Send {
         local: Local::Sges(&[x.mr.sge(0, 20)]),
@@ -158,7 +216,7 @@ fn scenario(a: &Context, b: &Context) -> Vec<String> {
     out.push(format!("send: {}", send_wait(&mut x, &s)));
     out.push(format!(
         "send recv: {}",
-        y.ini
+        y.ini()
             .wait_recv(T)
             .map(|c| outcome(&c))
             .unwrap_or_else(|e| e.to_string())
@@ -167,7 +225,8 @@ fn scenario(a: &Context, b: &Context) -> Vec<String> {
         "send bytes: {}",
         String::from_utf8_lossy(&y.buf.to_vec()[4096..4116])
     ));
-    y.ini.post_recv(&[y.mr.sge(4096, 256)]).unwrap();
+    let sge = y.mr.sge(4096, 256);
+    y.ini().post_recv(&[sge]).unwrap();
     let wi = Op::Write {
         remote: y.mr.remote(6000),
         local: Local::Sges(&[x.mr.sge(0, 16)]),
@@ -176,11 +235,12 @@ fn scenario(a: &Context, b: &Context) -> Vec<String> {
     out.push(format!("write_imm: {}", send_wait(&mut x, &wi)));
     out.push(format!(
         "write_imm recv: {}",
-        y.ini
+        y.ini()
             .wait_recv(T)
             .map(|c| outcome(&c))
             .unwrap_or_else(|e| e.to_string())
     ));
+    out.extend(handover(&mut x, &y));
     y.buf.write(8192, &5u64.to_ne_bytes());
     let fa = Op::FetchAdd {
         remote: y.mr.remote(8192),
@@ -223,7 +283,8 @@ fn scenario(a: &Context, b: &Context) -> Vec<String> {
     out.push(format!("bad lkey: {}", send_wait(&mut x, &w)));
     // a send longer than the receive buffer: REMOTE_INVAL_REQ and LOCAL_LENGTH
     let (mut x, mut y) = pair(a, b, all);
-    y.ini.post_recv(&[y.mr.sge(0, 128)]).unwrap();
+    let sge = y.mr.sge(0, 128);
+    y.ini().post_recv(&[sge]).unwrap();
     let s = Op::Send {
         local: Local::Sges(&[x.mr.sge(0, 512)]),
         imm: None,
@@ -231,7 +292,7 @@ fn scenario(a: &Context, b: &Context) -> Vec<String> {
     out.push(format!("too long: {}", send_wait(&mut x, &s)));
     out.push(format!(
         "too long recv: {}",
-        y.ini
+        y.ini()
             .wait_recv(T)
             .map(|c| outcome(&c))
             .unwrap_or_else(|e| e.to_string())
@@ -332,6 +393,9 @@ fn the_mlx5_backend_gives_the_soft_nics_completions() {
         "too long: error requester syndrome 0x12",
         "too long recv: error responder syndrome 0x1",
         "rnr: error requester syndrome 0x16",
+        "handover 0: req op 0x8 bytes 64",
+        "handover 2: req op 0x8 bytes 64",
+        "handover 2 bytes: true",
         "peer gone: error requester syndrome 0x15",
     ] {
         assert!(

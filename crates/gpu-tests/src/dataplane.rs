@@ -3,6 +3,7 @@
 
 use anyhow::{bail, ensure, Context as _, Result};
 use gpuverbs::gpu::{DeviceMem, ExportedQp, Gpu};
+use gpuverbs::post::{Completion, CtrlFlags, Local, Op, RingMode};
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
 use gpuverbs::queue::CqMode;
 use gpuverbs::{
@@ -502,6 +503,102 @@ pub fn put_case(ordinal: usize, c: &PutCase) -> Result<String> {
     };
     ensure!(dev.errors.is_empty(), "device errors: {:?}", dev.errors);
     Ok(format!("{r}; {} doorbells", dev.doorbells_seen))
+}
+
+/// The QP passes from a kernel to the CPU initiator and back to a kernel: each poster continues
+/// where the last left the queue (producer, blocks not yet retired, CQ consumer index), with
+/// unsignaled WQEs left behind by the CPU; every byte and the final counters checked.
+pub fn poster_handover(ordinal: usize) -> Result<String> {
+    let a = PutArgs {
+        grid: 1,
+        block: 32,
+        scope: 0,
+        skip_mod: 0,
+        size: 64,
+        iters: 2,
+        signal_every: 1,
+        budget_ns: 2_000_000_000,
+    };
+    let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 64 * 64, 64)?;
+    run_put(&p, &a)?;
+    let first = p.export.read()?.sq_rung;
+    let Pair {
+        a: ctx,
+        qa,
+        qb,
+        src,
+        dst,
+        src_mr,
+        dst_mr,
+        src_d,
+        export,
+        gpu,
+        _b,
+        _proxy,
+    } = p;
+    drop(export);
+    // the CPU: two unsignaled WRITEs and a signaled one, then one unsignaled left behind
+    let zeros = vec![0u8; dst.len()];
+    dst.write(0, &zeros)?;
+    let mut ini = qa.try_cpu_initiator(RingMode::RdmaCore)?;
+    ensure!(
+        u64::from(ini.producer()) == first & 0xffff,
+        "the CPU initiator starts at {}, the kernel left the queue at {first}",
+        ini.producer()
+    );
+    let unsig = CtrlFlags {
+        signaled: false,
+        ..CtrlFlags::SIGNALED
+    };
+    let sges: Vec<_> = (0..4u64).map(|k| [src_mr.sge(k * 64, 64)]).collect();
+    let w = |k: usize| Op::Write {
+        remote: dst_mr.remote(k as u64 * 64),
+        local: Local::Sges(&sges[k]),
+        imm: None,
+    };
+    ini.post(&w(0), unsig)?;
+    ini.post(&w(1), unsig)?;
+    ini.post_and_ring(&w(2), CtrlFlags::SIGNALED)?;
+    let c = ini.wait_send(std::time::Duration::from_secs(10))?;
+    ensure!(matches!(c, Completion::Req { .. }), "{c:?}");
+    ini.post_and_ring(&w(3), unsig)?;
+    let left = ini.producer();
+    drop(ini);
+    let t = std::time::Instant::now();
+    let (srcv, mut dstv) = (src.to_vec()?, dst.to_vec()?);
+    while dstv[..256] != srcv[..256] && t.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        dstv = dst.to_vec()?;
+    }
+    ensure!(dstv[..256] == srcv[..256], "the CPU's WRITEs did not land");
+    // a kernel again, on a new export
+    dst.write(0, &zeros)?;
+    let export = gpu.export_qp(&qa)?;
+    let d = export.read()?;
+    ensure!(
+        d.sq_rung & 0xffff == u64::from(left),
+        "the new export starts at {}, the CPU left the queue at {left}",
+        d.sq_rung
+    );
+    let p = Pair {
+        a: ctx,
+        qa,
+        qb,
+        src,
+        dst,
+        src_mr,
+        dst_mr,
+        src_d,
+        export,
+        gpu,
+        _b,
+        _proxy,
+    };
+    let r = run_put(&p, &a)?;
+    Ok(format!(
+        "kernel (to block {first}) -> CPU initiator (3 WRITEs, 1 left unsignaled, to block \
+         {left}) -> kernel: {r}"
+    ))
 }
 
 /// One thread, exclusive sharing on a register copy of the descriptor (checkout / checkin),

@@ -112,6 +112,9 @@ fn collapsed_cq(ctx: &Ctx) -> Result<String> {
 fn exclusive_wrap(ctx: &Ctx) -> Result<String> {
     dataplane::exclusive_wrap(ctx.ordinal, GpuDoorbell, HostMapped)
 }
+fn poster_handover(ctx: &Ctx) -> Result<String> {
+    dataplane::poster_handover(ctx.ordinal)
+}
 fn exclusive_wrap_bf(ctx: &Ctx) -> Result<String> {
     dataplane::exclusive_wrap(ctx.ordinal, BlueFlame, HostMapped)
 }
@@ -204,6 +207,7 @@ const CASES: &[Case] = cases![
     recv_too_small_bf,
     exclusive_wrap,
     exclusive_wrap_bf,
+    poster_handover,
     ops_gpudb,
     ops_bf,
     ops_proxy,

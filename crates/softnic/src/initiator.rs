@@ -180,6 +180,20 @@ impl CqPoller {
     }
 }
 
+/// Where a new poster continues a queue an earlier poster left ([`Initiator::resume_at`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueueStart {
+    /// The producer index last rung (16-bit block counter).
+    pub sq_pi: u16,
+    /// Blocks before `sq_pi` not yet retired by a completion (still in flight, or finished
+    /// without a CQE yet).
+    pub sq_unfinished: u16,
+    /// The RQ head (receive WQEs posted, 16-bit counter).
+    pub rq_head: u16,
+    /// Receive WQEs posted and not yet consumed.
+    pub rq_outstanding: u16,
+}
+
 /// A CPU client of one QP.
 pub struct Initiator {
     sq: SqGeometry,
@@ -352,19 +366,30 @@ impl Initiator {
             )
         };
         let (rq_head, sq_pi) = (word(0) as u16, word(1) as u16);
-        self.pi = sq_pi;
-        // Blocks the device has not executed yet belong to WQEs still in flight; a record
-        // further ahead than one ring cannot be (then nothing is counted in flight).
-        let in_flight = sq_pi.wrapping_sub(qp.sq_consumer());
-        self.sq_ci = if u32::from(in_flight) <= self.sq.blocks {
-            qp.sq_consumer()
+        self.resume_at(QueueStart {
+            sq_pi,
+            // blocks the device has not executed yet belong to WQEs still in flight
+            sq_unfinished: sq_pi.wrapping_sub(qp.sq_consumer()),
+            rq_head,
+            rq_outstanding: rq_head.wrapping_sub(qp.rq_consumer() as u16),
+        });
+    }
+
+    /// Continues from an earlier poster's queue state: the producer index last rung, the SQ
+    /// blocks before it not yet retired, the RQ head and the receives posted but not yet
+    /// consumed; each CQ poller starts at the consumer index in its CQ doorbell record (owner
+    /// parity included). A count larger than its ring cannot be in flight and is taken as 0.
+    /// WQEs written but never rung by the earlier poster are overwritten.
+    pub fn resume_at(&mut self, s: QueueStart) {
+        self.pi = s.sq_pi;
+        self.sq_ci = if u32::from(s.sq_unfinished) <= self.sq.blocks {
+            s.sq_pi.wrapping_sub(s.sq_unfinished)
         } else {
-            sq_pi
+            s.sq_pi
         };
-        let rq_out = rq_head.wrapping_sub(qp.rq_consumer() as u16);
-        self.rq_pi = u32::from(rq_head);
-        self.rq_ci = if u32::from(rq_out) <= self.rq.wqes {
-            self.rq_pi.wrapping_sub(u32::from(rq_out))
+        self.rq_pi = u32::from(s.rq_head);
+        self.rq_ci = if u32::from(s.rq_outstanding) <= self.rq.wqes {
+            self.rq_pi.wrapping_sub(u32::from(s.rq_outstanding))
         } else {
             self.rq_pi
         };
