@@ -786,8 +786,8 @@ pub struct ExportedQp {
 /// its slot-0 word plus 1, the device API's convention, when a CQE was taken before). The
 /// device API counts receive WQEs against receive completions, so the RQ continues only when
 /// the receive CQ's consumer index is in step with the RQ (every consumed receive's CQE
-/// taken, the receive CQ not shared with the send CQ or another QP); otherwise
-/// `Error::InvalidArgument`.
+/// taken, the receive CQ not shared with the send CQ or another QP), or the RQ was never
+/// posted to (it starts fresh); otherwise `Error::InvalidArgument`.
 pub(crate) fn resume_desc(d: &mut QpDesc, st: &QueueState) -> Result<(), Error> {
     let pi = st.sq_pi;
     d.sq_reserved = pi;
@@ -804,14 +804,25 @@ pub(crate) fn resume_desc(d: &mut QpDesc, st: &QueueState) -> Result<(), Error> 
     } else {
         u64::from(st.scq_ci)
     };
-    let rq_out = st.rq_head.wrapping_sub(st.rq_consumer as u16);
-    if d.rq_wqes != 0 && st.rq_consumer as u16 != st.rcq_ci as u16 {
-        return Err(Error::InvalidArgument(format!(
-            "the receive CQ's consumer index ({}) is not in step with the RQ ({} receives \
-             consumed): take every receive completion before exporting the QP",
-            st.rcq_ci, st.rq_consumer
-        )));
-    }
+    // An RQ never posted to starts fresh whatever the receive CQ holds (a send CQ shared
+    // with it); otherwise its consumer index must be the receive CQ's.
+    let rq_out = match st.rq_consumer {
+        _ if d.rq_wqes == 0 => 0,
+        _ if st.rq_head == 0 && st.rq_consumer.is_none_or(|c| c == 0) => 0,
+        Some(c) if c as u16 == st.rcq_ci as u16 => st.rq_head.wrapping_sub(c as u16),
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "the receive CQ's consumer index ({}) is not in step with the RQ ({}): take \
+                 every receive completion before exporting the QP (and give the receives a CQ \
+                 of their own)",
+                st.rcq_ci,
+                match other {
+                    Some(c) => format!("{c} receives consumed"),
+                    None => "receives consumed unknown: the receive CQ is the send CQ".into(),
+                }
+            )))
+        }
+    };
     d.rcq_ci = u64::from(st.rcq_ci);
     d.rq_posted = d.rcq_ci + u64::from(rq_out);
     Ok(())

@@ -429,8 +429,9 @@ pub(crate) struct QueueState {
     pub sq_in_flight: u16,
     /// The RQ head (doorbell record, receive word).
     pub rq_head: u16,
-    /// The device's RQ consumer index.
-    pub rq_consumer: u32,
+    /// The RQ consumer index (receives consumed), `None` where it cannot be known (an
+    /// rdma-core QP whose receive CQ is its send CQ).
+    pub rq_consumer: Option<u32>,
     /// Send and receive CQ consumer indexes (their CQ doorbell records, 24 bits).
     pub scq_ci: u32,
     pub rcq_ci: u32,
@@ -462,7 +463,7 @@ impl QueueState {
                 0
             },
             rq_head: word(0) as u16,
-            rq_consumer: qp.rq_consumer(),
+            rq_consumer: Some(qp.rq_consumer()),
             scq_ci: cq_ci(scq),
             rcq_ci: cq_ci(qp.recv_cq()),
             scq_slot0,
@@ -519,7 +520,11 @@ impl QueueState {
                 0
             },
             rq_head: word(0) as u16,
-            rq_consumer: rcq_ci,
+            // the receive CQ's CQEs are the receives' only when it is not the send CQ too
+            rq_consumer: match (&qp.send_cq.dev, &qp.recv_cq.dev) {
+                (CqDev::Mlx5(s), CqDev::Mlx5(r)) if Arc::ptr_eq(s, r) => None,
+                _ => Some(rcq_ci),
+            },
             scq_ci,
             rcq_ci,
             scq_slot0: None,
@@ -877,6 +882,15 @@ impl Qp {
             }
             (Backend::Mlx5(_), QpDev::Mlx5(q)) => {
                 let st = QueueState::of_mlx5(self, q);
+                let rq_consumer = st.rq_consumer.ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "QP {:#x}: receives were posted and its receive CQ is its send CQ: a new \
+                         poster cannot tell which receives were consumed (use a CQ of its own \
+                         for the receives)",
+                        q.qpn
+                    ))
+                });
+                let rq_consumer = if st.rq_head == 0 { Ok(0) } else { rq_consumer }?;
                 let sq = softnic::initiator::SqGeometry {
                     ring: q.sq_buf,
                     blocks: q.sq_blocks,
@@ -913,7 +927,7 @@ impl Qp {
                     sq_pi: st.sq_pi as u16,
                     sq_unfinished: st.sq_in_flight,
                     rq_head: st.rq_head,
-                    rq_outstanding: st.rq_head.wrapping_sub(st.rq_consumer as u16),
+                    rq_outstanding: st.rq_head.wrapping_sub(rq_consumer as u16),
                 });
                 Ok(ini.with_guard(Box::new(claim)))
             }
@@ -1116,9 +1130,19 @@ mod tests {
             (3, 3, 3, 3, 3)
         );
         assert_eq!((d.scq_ci, d.rcq_ci, d.rq_posted), (3, 0, 1));
-        // A receive CQ that also takes send completions (here qa's) is not in step with the RQ.
+        // A receive CQ that also takes send completions (here qa's): an RQ never posted to
+        // starts fresh, one posted to is not in step with it.
+        let mut e = crate::export::QpDesc {
+            rq_wqes: 256,
+            ..Default::default()
+        };
+        resume_desc(&mut e, &QueueState::of(shared.soft().unwrap())).unwrap();
+        assert_eq!((e.scq_ci, e.rcq_ci, e.rq_posted), (3, 3, 3));
+        let mut ini = shared.cpu_initiator(RingMode::RdmaCore);
+        ini.post_recv(&[smr.sge(0, 8)]).unwrap();
+        drop(ini);
         assert!(matches!(
-            resume_desc(&mut d, &QueueState::of(shared.soft().unwrap())),
+            resume_desc(&mut e, &QueueState::of(shared.soft().unwrap())),
             Err(Error::InvalidArgument(_))
         ));
     }
