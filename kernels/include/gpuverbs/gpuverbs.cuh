@@ -1,9 +1,9 @@
 // gpuverbs: public CUDA device API (header-only).
 //
 // User kernels include this header (`#include <gpuverbs/gpuverbs.cuh>`, with gpuverbs'
-// `kernels/include` on the include path). For now it holds the version macros and the calling
-// conventions; the device data path (WQE reservation, in-order publish, doorbell, CQE poll) grows
-// here.
+// `kernels/include` on the include path): the version macros, the calling conventions, and the
+// whole device API (`qp.cuh`, which includes its layers: common, state, wqe, cq, sq, onesided,
+// recv, scope). A layer header may also be included alone.
 //
 // Conventions:
 // - Kernels the host launches by name are declared with `GPUVERBS_KERNEL` (`extern "C" __global__`):
@@ -45,5 +45,7 @@ GPUVERBS_DEVICE uint32_t gpuverbs_selftest_value(uint32_t seed, uint32_t i) {
 }
 
 #endif  // __CUDACC__
+
+#include "qp.cuh"
 
 #endif  // GPUVERBS_GPUVERBS_CUH

@@ -1,0 +1,91 @@
+// gpuverbs device API — cq.cuh (see qp.cuh for the layers).
+//
+// Completions: taking CQEs, retiring SQ space, reporting error CQEs with their syndrome.
+#ifndef GPUVERBS_CQ_CUH
+#define GPUVERBS_CQ_CUH
+
+#include "wqe.cuh"
+
+#if defined(__CUDACC__)
+
+namespace gpuverbs {
+
+// ------------------------------------------------------------------------------------------
+// Completions
+// ------------------------------------------------------------------------------------------
+
+// Blocks of the WQE whose first block is `idx` (read back from its ctrl segment).
+__device__ __forceinline__ uint32_t wqe_blocks_at(const gpuverbs_qp* q, uint64_t idx) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(wqe_slot(q, idx));
+    uint32_t ds = bswap32(w[1]) & 0x3f;
+    return ds == 0 ? 1 : (ds * 16 + 63) / 64;
+}
+
+// Takes one send-CQ entry if software owns it. Returns 1 if one was taken (and retires the SQ
+// space it covers), 0 if none. Records the first error CQE in the descriptor.
+// Caller holds the send-CQ lock (or owns the QP exclusively).
+template <sharing S>
+__device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
+    uint64_t ci = q->scq_ci;
+    uint32_t n = q->scq_ncqe;
+    uint32_t slot = q->scq_collapsed ? 0u : (uint32_t)(ci & (n - 1));
+    const uint8_t* cqe = reinterpret_cast<const uint8_t*>(q->scq_ring) + slot * 64;
+    uint32_t tail = ld_acquire_sys(reinterpret_cast<const uint32_t*>(cqe + 60));
+    uint32_t op_own = tail >> 24;
+    uint32_t opcode = op_own >> 4;
+    if (opcode == 15) return 0;
+    if (q->scq_collapsed) {
+        // Slot 0 holds the newest completion: take it when its last word changed (each WQE
+        // has its own counter); in this mode scq_ci holds that word plus 1.
+        if (ci == (uint64_t)tail + 1) return 0;
+    } else if ((op_own & 1u) != (uint32_t)((ci / n) & 1u)) {
+        return 0;
+    }
+    uint16_t counter = (uint16_t)(((tail & 0xffu) << 8) | ((tail >> 8) & 0xffu));
+    if (opcode == 13 || opcode == 14) {
+        uint32_t synd_word = *reinterpret_cast<const volatile uint32_t*>(cqe + 52);
+        uint8_t vendor = (uint8_t)(synd_word >> 16);
+        uint8_t syndrome = (uint8_t)(synd_word >> 24);
+        if (q->sq_error == 0) {
+            q->sq_error_info = (uint64_t)syndrome << 24 | (uint64_t)vendor << 16 | counter;
+            q->sq_error = ci + 1;
+        }
+    }
+    uint32_t blocks = wqe_blocks_at(q, counter);
+    uint64_t retired = q->sq_retired;
+    uint16_t delta = (uint16_t)(counter + blocks - (uint16_t)retired);
+    if (delta <= q->sq_blocks) state_store<S>(&q->sq_retired, retired + delta);
+    ci = q->scq_collapsed ? (uint64_t)tail + 1 : ci + 1;
+    q->scq_ci = ci;
+    st_relaxed_sys32(reinterpret_cast<uint32_t*>(q->scq_dbrec), bswap32((uint32_t)(ci & 0xffffff)));
+    return 1;
+}
+
+__device__ __forceinline__ error last_error(const gpuverbs_qp* q) {
+    uint64_t info = q->sq_error_info;
+    return error{(uint8_t)(info >> 24), (uint8_t)(info >> 16), (uint16_t)info};
+}
+
+// Takes what the send CQ holds, under the CQ lock when shared. Never waits: when another
+// thread holds the lock it returns at once (that thread is polling), and it takes at most one
+// ring's worth of CQEs per call (a device that keeps completing cannot keep it here).
+template <sharing S>
+__device__ __forceinline__ status scq_progress(gpuverbs_qp* q) {
+    if (q->checked_out) return BUSY;
+    if constexpr (S != sharing::exclusive) {
+        if (!try_lock<S>(&q->scq_lock)) return OK;  // someone else is polling
+    }
+    for (uint32_t i = 0; i < q->scq_ncqe && scq_poll_one<S>(q); ++i) {
+    }
+    if constexpr (S != sharing::exclusive) unlock<S>(&q->scq_lock);
+    return q->sq_error ? ERROR_CQE : OK;
+}
+
+__device__ __forceinline__ bool sq_broken(const gpuverbs_qp* q) {
+    return *reinterpret_cast<const volatile uint32_t*>(&q->sq_broken) != 0u;
+}
+
+}  // namespace gpuverbs
+
+#endif  // __CUDACC__
+#endif  // GPUVERBS_CQ_CUH

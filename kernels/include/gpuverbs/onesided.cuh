@@ -1,0 +1,232 @@
+// gpuverbs device API — onesided.cuh (see qp.cuh for the layers).
+//
+// High-level operations at thread scope: put, put_imm, put_inline, put_signal, signal, send,
+// get, atomics, wait_signal, quiet, fence.
+#ifndef GPUVERBS_ONESIDED_CUH
+#define GPUVERBS_ONESIDED_CUH
+
+#include "sq.cuh"
+
+#if defined(__CUDACC__)
+
+namespace gpuverbs {
+
+// ------------------------------------------------------------------------------------------
+// High level (thread scope)
+// ------------------------------------------------------------------------------------------
+
+// Waits until every WQE published so far has completed. Posts a signaled NOP first when the
+// last published WQE was unsignaled (unsignaled WQEs complete only behind a signaled one).
+template <sharing S = sharing::gpu>
+__device__ status quiet(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr) {
+    call_clock c(budget_ns);
+    c.start();
+    uint64_t target = state_load<S>(&q->sq_ready);
+    if (q->sq_signaled_end < target) {
+        uint64_t idx;
+        status s = reserve<S>(q, 1, c, &idx);
+        if (s == ERROR_CQE && err) *err = last_error(q);
+        if (s != OK) return s;
+        const block nop = build_nop(q, idx, CE_SIGNALED);
+        store_block(q, idx, nop);
+        s = publish<S>(q, idx, 1, idx, true, c);
+        if (s != OK) return s;
+        s = ring<S>(q, c, &nop);
+        if (s != OK) return s;
+        target = idx + 1;
+    }
+    // WQEs posted without ringing are announced now; otherwise quiet would wait for work the
+    // device was never told about.
+    status rs = ring<S>(q, c);
+    if (rs != OK) return rs;
+    for (;;) {
+        status s = scq_progress<S>(q);
+        if (s == BUSY) return s;
+        uint64_t retired = state_load<S>(&q->sq_retired);
+        if (retired >= target) {
+            if (s == ERROR_CQE && err) *err = last_error(q);
+            return s;
+        }
+        if (c.expired()) return TIMEOUT;
+    }
+}
+
+// Waits until everything up to block `ticket` has completed: a ticket is the end of a WQE (its
+// first block from `reserve` plus its blocks, or `sq_ready` read after publishing). Only
+// signaled completions retire space, so a signaled WQE must end at or after the ticket (`quiet`
+// is the variant that posts one when needed). Returns ERROR_CQE (with the first error) when an
+// error completion was seen, TIMEOUT when the budget ran out.
+template <sharing S = sharing::gpu>
+__device__ status wait_ticket(gpuverbs_qp* q, uint64_t ticket, uint64_t budget_ns,
+                              error* err = nullptr) {
+    call_clock c(budget_ns);
+    c.start();
+    for (;;) {
+        status s = scq_progress<S>(q);
+        if (s == BUSY) return s;
+        uint64_t retired = state_load<S>(&q->sq_retired);
+        if (retired >= ticket) {
+            if (s == ERROR_CQE && err) *err = last_error(q);
+            return s;
+        }
+        if (c.expired()) return TIMEOUT;
+    }
+}
+
+// One WQE of `blocks` blocks: reserve, prepare (the callable, given the final signaled flag),
+// publish, ring.
+template <sharing S, typename Prep>
+__device__ __forceinline__ status post1(gpuverbs_qp* q, uint32_t blocks, bool signaled,
+                                        bool do_ring, uint64_t budget_ns, Prep prep) {
+    uint64_t idx;
+    bool force = false;
+    call_clock c(budget_ns);
+    status s = reserve<S>(q, blocks, c, &idx, &force);
+    if (s != OK) return s;
+    signaled = signaled || force;
+    prep(idx, signaled ? CE_SIGNALED : 0);
+    s = publish<S>(q, idx, blocks, idx, signaled, c);
+    if (s != OK || !do_ring) return s;
+    return ring<S>(q, c);
+}
+
+// One one-block WQE built in registers (`build(idx, flags)` returns it): reserve, store,
+// publish, ring (a BlueFlame ring copies it from the registers).
+template <sharing S, typename Build>
+__device__ __forceinline__ status post_block(gpuverbs_qp* q, bool signaled, bool do_ring,
+                                             uint64_t budget_ns, Build build) {
+    uint64_t idx;
+    bool force = false;
+    call_clock c(budget_ns);
+    status s = reserve<S>(q, 1, c, &idx, &force);
+    if (s != OK) return s;
+    signaled = signaled || force;
+    const block b = build(idx, signaled ? CE_SIGNALED : 0);
+    store_block(q, idx, b);
+    s = publish<S>(q, idx, 1, idx, signaled, c);
+    if (s != OK || !do_ring) return s;
+    return ring<S>(q, c, &b);
+}
+
+// RDMA write of `len` bytes.
+template <sharing S = sharing::gpu>
+__device__ status put(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                      uint32_t len, bool signaled, uint64_t budget_ns, bool do_ring = true) {
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_write(q, idx, laddr, lk, raddr, rk, len, f);
+    });
+}
+
+// RDMA write of `len` bytes with a 32-bit immediate: the responder consumes a receive WQE and
+// reports `imm` in its receive completion (recv_wait).
+template <sharing S = sharing::gpu>
+__device__ status put_imm(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                          uint32_t len, uint32_t imm, bool signaled, uint64_t budget_ns,
+                          bool do_ring = true) {
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_write(q, idx, laddr, lk, raddr, rk, len, f, true, imm);
+    });
+}
+
+// SEND of `len` bytes into the responder's next receive buffer; with `with_imm`, SEND_IMM
+// carrying `imm`.
+template <sharing S = sharing::gpu>
+__device__ status send(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint32_t len, bool with_imm,
+                       uint32_t imm, bool signaled, uint64_t budget_ns, bool do_ring = true) {
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_send(q, idx, laddr, lk, len, f, with_imm, imm);
+    });
+}
+
+// RDMA write with the payload in the WQE (len <= max_inline).
+template <sharing S = sharing::gpu>
+__device__ status put_inline(gpuverbs_qp* q, const void* src, uint32_t len, uint64_t raddr,
+                             rkey rk, bool signaled, uint64_t budget_ns) {
+    if (len > q->max_inline) return INVALID;
+    return post1<S>(q, inline_write_blocks(len), signaled, true, budget_ns,
+                    [&](uint64_t idx, uint8_t f) {
+                        prep_write_inline(q, idx, src, len, raddr, rk, f);
+                    });
+}
+
+// Atomic add of `add` on a remote 8-byte signal word (old value discarded).
+template <sharing S = sharing::gpu>
+__device__ status signal(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key, uint64_t add,
+                         bool signaled, uint64_t budget_ns, bool do_ring = true) {
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_atomic(q, idx, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
+                            lkey{q->scratch_lkey}, f);
+    });
+}
+
+// Write then signal, ordered (the RC responder executes them in order), one doorbell.
+template <sharing S = sharing::gpu>
+__device__ status put_signal(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                             uint32_t len, uint64_t sig_addr, rkey sig_key, uint64_t add,
+                             bool signaled, uint64_t budget_ns) {
+    uint64_t idx;
+    bool force = false;
+    call_clock c(budget_ns);
+    status s = reserve<S>(q, 2, c, &idx, &force);
+    if (s != OK) return s;
+    signaled = signaled || force;
+    prep_write(q, idx, laddr, lk, raddr, rk, len, 0);
+    const block sig = build_atomic(q, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0,
+                                   q->scratch, lkey{q->scratch_lkey}, signaled ? CE_SIGNALED : 0);
+    store_block(q, idx + 1, sig);
+    s = publish<S>(q, idx, 2, idx + 1, signaled, c);
+    if (s != OK) return s;
+    return ring<S>(q, c, &sig);
+}
+
+// RDMA read of `len` bytes into local memory; complete once quiet() returns OK.
+template <sharing S = sharing::gpu>
+__device__ status get(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                      uint32_t len, bool signaled, uint64_t budget_ns) {
+    return post_block<S>(q, signaled, true, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_read(q, idx, laddr, lk, raddr, rk, len, f);
+    });
+}
+
+// Remote fetch-and-add; the old value lands at `result` (8 registered bytes) after quiet().
+template <sharing S = sharing::gpu>
+__device__ status atomic_fetch_add(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint64_t add,
+                                   uint64_t result, lkey result_key, uint64_t budget_ns) {
+    return post_block<S>(q, true, true, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_atomic(q, idx, OP_ATOMIC_FA, raddr, rk, add, 0, result, result_key, f);
+    });
+}
+
+// Remote compare-and-swap; the old value lands at `result` after quiet().
+template <sharing S = sharing::gpu>
+__device__ status atomic_compare_swap(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                      uint64_t compare, uint64_t swap, uint64_t result,
+                                      lkey result_key, uint64_t budget_ns) {
+    return post_block<S>(q, true, true, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_atomic(q, idx, OP_ATOMIC_CS, raddr, rk, swap, compare, result, result_key,
+                            f);
+    });
+}
+
+// Orders later WQEs after earlier ones: the next WQE carries a strong fence.
+template <sharing S = sharing::gpu>
+__device__ status fence(gpuverbs_qp* q, uint64_t budget_ns) {
+    return post_block<S>(q, false, false, budget_ns, [&](uint64_t idx, uint8_t f) {
+        return build_nop(q, idx, FENCE_STRONG | f);
+    });
+}
+
+// Waits (acquire, system scope) until the local 8-byte signal word reaches `value`.
+__device__ __forceinline__ status wait_signal(const uint64_t* sig, uint64_t value,
+                                              uint64_t budget_ns) {
+    uint64_t deadline = now_ns() + budget_ns;
+    while (ld_acquire_sys64(sig) < value) {
+        if (now_ns() > deadline) return TIMEOUT;
+    }
+    return OK;
+}
+
+}  // namespace gpuverbs
+
+#endif  // __CUDACC__
+#endif  // GPUVERBS_ONESIDED_CUH

@@ -1,0 +1,225 @@
+// gpuverbs device API — sq.cuh (see qp.cuh for the layers).
+//
+// The send queue: reserve WQE blocks (lock-free, back-pressure against the send CQ), publish
+// them in order, ring the doorbell (GPU doorbell, BlueFlame, CPU-proxy producer word); exclusive
+// ownership in registers (checkout / checkin).
+#ifndef GPUVERBS_SQ_CUH
+#define GPUVERBS_SQ_CUH
+
+#include "cq.cuh"
+
+#if defined(__CUDACC__)
+
+namespace gpuverbs {
+
+// ------------------------------------------------------------------------------------------
+// Reserve, publish, ring
+// ------------------------------------------------------------------------------------------
+
+// Reserves `n` blocks; waits (polling the CQ) while the SQ is full. Lock-free (CAS), so a
+// timeout leaves no hole in the ring. The clock is read only once it has to wait.
+//
+// `force_signal` (optional) is set when the reserved WQEs must ask for a CQE whatever the
+// caller wanted: selective signaling must never starve the ring, and only signaled
+// completions retire space, so a WQE is signaled when no signaled WQE covers the last half
+// ring. (The check uses values loaded with the reservation, so it costs no extra round trip.)
+template <sharing S>
+__device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, call_clock& c, uint64_t* start,
+                                          bool* force_signal = nullptr) {
+    if (q->sq_error) return ERROR_CQE;  // the QP is in error: nothing new would execute
+    if (q->checked_out) return BUSY;
+    if (S != sharing::exclusive && sq_broken(q)) return BROKEN;
+    for (;;) {
+        uint64_t r = state_load<S>(&q->sq_reserved);
+        uint64_t retired = state_load<S>(&q->sq_retired);
+        uint64_t covered = S == sharing::exclusive
+                               ? q->sq_signaled_end
+                               : *reinterpret_cast<volatile uint64_t*>(&q->sq_signaled_end);
+        if (r + n - retired <= q->sq_blocks) {
+            if (force_signal) *force_signal = r + n - covered >= (q->sq_blocks >> 1);
+            if (S == sharing::exclusive) {
+                q->sq_reserved = r + n;
+                *start = r;
+                return OK;
+            }
+            if (state_cas<S>(&q->sq_reserved, r, r + n) == r) {
+                *start = r;
+                return OK;
+            }
+            // Lost the race: retry, but within the call's budget (lock-free, and bounded).
+            if (c.expired()) return TIMEOUT;
+            continue;
+        }
+        const status p = scq_progress<S>(q);
+        if (p != OK) return p;
+        if (c.expired()) return TIMEOUT;
+    }
+}
+
+template <sharing S>
+__device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t budget_ns,
+                                          uint64_t* start, bool* force_signal = nullptr) {
+    call_clock c(budget_ns);
+    return reserve<S>(q, n, c, start, force_signal);
+}
+
+// Publishes blocks [start, start+n) after every earlier reservation. The ready counter is
+// released at GPU scope; the system-scope release of the WQE bytes happens in `ring`, whose
+// fence is cumulative over every WQE published before it. `signaled` records that the last
+// WQE asks for a CQE.
+//
+// Shared modes: a publish that gives up waiting for an earlier reservation (its thread never
+// published it, or not within this call's budget) leaves a hole no later WQE can pass. It marks
+// the send queue broken (sq_broken) and returns TIMEOUT; every later send-side call, the late
+// publisher's included, returns BROKEN. The host resets the QP, connects it and exports it again.
+template <sharing S>
+__device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32_t n,
+                                          uint64_t last_start, bool signaled, call_clock& c) {
+    if (S != sharing::exclusive) {
+        while (state_load<S>(&q->sq_ready) != start) {
+            if (sq_broken(q)) return BROKEN;
+            if (c.expired()) {
+                atomicExch(&q->sq_broken, 1u);
+                __threadfence();
+                return TIMEOUT;
+            }
+        }
+    }
+    q->sq_last_start = last_start;
+    if (signaled) q->sq_signaled_end = start + n;
+    state_store<S>(&q->sq_ready, start + n);
+    return OK;
+}
+
+template <sharing S>
+__device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32_t n,
+                                          uint64_t last_start, bool signaled,
+                                          uint64_t budget_ns) {
+    call_clock c(budget_ns);
+    return publish<S>(q, start, n, last_start, signaled, c);
+}
+
+// Tells the device about every published WQE, in the QP's doorbell mode: one release fence
+// (system scope for host-resident rings, GPU scope otherwise) orders every published WQE
+// before the doorbell record and the doorbell. The doorbell value carries the producer index
+// itself ({BE32(pi << 8), BE32(qpn << 8)}), so the device never depends on the order in which
+// the doorbell record and the doorbell land.
+//
+// BlueFlame: the last WQE (up to 4 blocks) goes into the register half as well, seqlock style:
+// the half was cleared by the previous ring (its first 8 bytes are 0, ordered before this
+// ring's bytes by the release fence, system scope in this mode), bytes 8.. are written, a
+// second fence, then the first 8 bytes; then the other half is cleared for the next ring.
+// `last` is the caller's newest WQE when it built it in registers (one block): it is copied
+// from there when it is the last published WQE, which its ctrl segment's index says;
+// otherwise the last WQE is read back from the ring.
+template <sharing S>
+__device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const block* last = nullptr) {
+    if (q->checked_out) return BUSY;
+    if (S != sharing::exclusive && sq_broken(q)) return BROKEN;
+    if (S != sharing::exclusive && !lock<S>(&q->ring_lock, c)) return TIMEOUT;
+    uint64_t ready = state_load<S>(&q->sq_ready);
+    if (ready != q->sq_rung) {
+        // System scope also in BlueFlame mode, where it orders the previous ring's clear of
+        // this half (host memory) before this ring's copy.
+        release_wqes(q, q->db_mode == GPUVERBS_DB_BLUEFLAME);
+        if (q->db_mode == GPUVERBS_DB_CPU_PROXY) {
+            st_relaxed_sys64(reinterpret_cast<uint64_t*>(q->proxy_word), ready);
+        } else {
+            uint32_t* dbrec = reinterpret_cast<uint32_t*>(q->dbrec);
+            st_relaxed_sys32(dbrec + 1, bswap32((uint32_t)(ready & 0xffff)));
+            uint8_t* const halves = reinterpret_cast<uint8_t*>(q->db_reg);
+            uint8_t* reg = halves + (q->bf_half & 1u) * 256;
+            // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.
+            uint64_t value = (uint64_t)bswap32(q->qpn << 8) << 32 |
+                             bswap32(((uint32_t)ready & 0xffffu) << 8);
+            if (q->db_mode == GPUVERBS_DB_BLUEFLAME) {
+                // `last` stands for the last published WQE only if its ctrl segment names the
+                // same index (in shared modes another thread may have published after it).
+                const uint64_t at = q->sq_last_start;
+                const bool held = last && ((bswap32(last->u[0].x) >> 8) & 0xffffu) ==
+                                              (uint32_t)(at & 0xffffu);
+                const uint32_t blocks = held ? 1u : wqe_blocks_at(q, at);
+                if (at + blocks == ready && blocks <= 4) {
+                    uint4 first;
+                    if (held) {
+                        first = last->u[0];
+                        for (int u = 1; u < 4; ++u) st16(reg + u * 16, last->u[u]);
+                    } else {
+                        first = *reinterpret_cast<const uint4*>(wqe_unit(q, at, 0));
+                        for (uint32_t u = 1; u < blocks * 4; ++u) {
+                            st16(reg + u * 16, *reinterpret_cast<const uint4*>(wqe_unit(q, at, u)));
+                        }
+                    }
+                    st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg + 8),
+                                     (uint64_t)first.w << 32 | first.z);
+                    value = (uint64_t)first.y << 32 | first.x;
+                    asm volatile("fence.release.sys;" ::: "memory");
+                }
+            }
+            st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), value);
+            if (q->db_mode == GPUVERBS_DB_BLUEFLAME) {
+                q->bf_half ^= 1u;
+                st_relaxed_sys64(reinterpret_cast<uint64_t*>(halves + (q->bf_half & 1u) * 256), 0);
+            }
+        }
+        q->sq_rung = ready;
+    }
+    if (S != sharing::exclusive) unlock<S>(&q->ring_lock);
+    return OK;
+}
+
+template <sharing S>
+__device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
+                                       const block* last = nullptr) {
+    call_clock c(budget_ns);
+    return ring<S>(q, c, last);
+}
+
+// ------------------------------------------------------------------------------------------
+// Exclusive ownership in registers
+// ------------------------------------------------------------------------------------------
+
+// A thread that alone drives a QP for a stretch of work (sharing::exclusive) can take its state
+// into registers, call the exclusive-mode functions on the copy, and hand the state back:
+//
+//     gpuverbs_qp mine;
+//     if (gpuverbs::checkout(q, &mine) != gpuverbs::OK) ...;   // BUSY: someone holds it
+//     ... put<sharing::exclusive>(&mine, ...); quiet<sharing::exclusive>(&mine, ...); ...
+//     gpuverbs::checkin(q, mine);
+//
+// Inside the stretch a WQE costs no descriptor loads or stores (through `q` every put reloads
+// the state it stored, from L2). While the QP is checked out, every call through `q` (reserve,
+// ring, CQ polling, and so every high-level call) returns BUSY and changes nothing, and a second
+// checkout returns BUSY. Everything posted through the copy is on the rings and announced to the
+// device; only `checkin` makes `q` usable again. checkout does not wait for calls already in
+// progress through `q`: take a QP nobody is using at that moment (BUSY guards later calls).
+__device__ __forceinline__ status checkout(gpuverbs_qp* q, gpuverbs_qp* mine) {
+    if (atomicCAS(&q->checked_out, 0u, 1u) != 0u) return BUSY;
+    // Acquire: the state the previous holder released (checkin or st.release.gpu) is visible.
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    *mine = *q;
+    mine->checked_out = 0;  // the copy itself is not checked out
+    return OK;
+}
+
+__device__ __forceinline__ void checkin(gpuverbs_qp* q, const gpuverbs_qp& mine) {
+    q->sq_reserved = mine.sq_reserved;
+    q->sq_ready = mine.sq_ready;
+    q->sq_rung = mine.sq_rung;
+    q->sq_retired = mine.sq_retired;
+    q->sq_signaled_end = mine.sq_signaled_end;
+    q->sq_last_start = mine.sq_last_start;
+    q->scq_ci = mine.scq_ci;
+    q->rcq_ci = mine.rcq_ci;
+    q->rq_posted = mine.rq_posted;
+    q->sq_error = mine.sq_error;
+    q->sq_error_info = mine.sq_error_info;
+    q->bf_half = mine.bf_half;
+    // Release: the state above before the QP is free again.
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(&q->checked_out), "r"(0u) : "memory");
+}
+
+}  // namespace gpuverbs
+
+#endif  // __CUDACC__
+#endif  // GPUVERBS_SQ_CUH

@@ -1,0 +1,218 @@
+// gpuverbs device API — wqe.cuh (see qp.cuh for the layers).
+//
+// WQE formats: segment writers (16 bytes each, one vector store) and one WQE of each kind
+// written into its reserved blocks.
+#ifndef GPUVERBS_WQE_CUH
+#define GPUVERBS_WQE_CUH
+
+#include "state.cuh"
+
+#if defined(__CUDACC__)
+
+namespace gpuverbs {
+
+// ------------------------------------------------------------------------------------------
+// WQE formats (see MLX5-FACTS): segment writers, 16 bytes each, one vector store
+// ------------------------------------------------------------------------------------------
+
+enum opcode : uint8_t {
+    OP_NOP = 0x00,
+    OP_RDMA_WRITE = 0x08,
+    OP_RDMA_WRITE_IMM = 0x09,
+    OP_SEND = 0x0a,
+    OP_SEND_IMM = 0x0b,
+    OP_RDMA_READ = 0x10,
+    OP_ATOMIC_CS = 0x11,
+    OP_ATOMIC_FA = 0x12,
+    OP_ATOMIC_MASKED_CS = 0x14,
+    OP_ATOMIC_MASKED_FA = 0x15,
+};
+
+// fm_ce_se bits
+constexpr uint8_t CE_SIGNALED = 0x08;
+constexpr uint8_t FENCE_SMALL = 0x20;
+constexpr uint8_t FENCE_STRONG = 0x80;
+
+__device__ __forceinline__ uint8_t* wqe_slot(const gpuverbs_qp* q, uint64_t block) {
+    return reinterpret_cast<uint8_t*>(q->sq_ring) + ((block & (q->sq_blocks - 1)) << 6);
+}
+
+__device__ __forceinline__ uint4 seg_ctrl(uint8_t op, uint8_t opmod, uint64_t idx, uint32_t qpn,
+                                          uint32_t ds, uint8_t fm_ce_se, uint32_t imm) {
+    return make_uint4(bswap32((uint32_t)opmod << 24 | ((uint32_t)idx & 0xffffu) << 8 | op),
+                      bswap32(qpn << 8 | ds), (uint32_t)fm_ce_se << 24, bswap32(imm));
+}
+
+__device__ __forceinline__ uint4 seg_raddr(uint64_t addr, rkey k) {
+    return make_uint4(bswap32((uint32_t)(addr >> 32)), bswap32((uint32_t)addr), bswap32(k.v), 0);
+}
+
+__device__ __forceinline__ uint4 seg_data(uint64_t addr, uint32_t len, lkey k) {
+    return make_uint4(bswap32(len), bswap32(k.v), bswap32((uint32_t)(addr >> 32)),
+                      bswap32((uint32_t)addr));
+}
+
+__device__ __forceinline__ uint4 seg_atomic(uint64_t swap_add, uint64_t compare) {
+    return make_uint4(bswap32((uint32_t)(swap_add >> 32)), bswap32((uint32_t)swap_add),
+                      bswap32((uint32_t)(compare >> 32)), bswap32((uint32_t)compare));
+}
+
+constexpr uint4 SEG_ZERO = {0, 0, 0, 0};
+
+// One 64-byte block of a WQE, built in registers: the one-block kinds are built whole and
+// stored with one call, and the BlueFlame copy is taken from the registers, not read back.
+struct block {
+    uint4 u[4];
+};
+
+__device__ __forceinline__ void store_block(const gpuverbs_qp* q, uint64_t idx, const block& b) {
+    uint8_t* p = wqe_slot(q, idx);
+    for (int i = 0; i < 4; ++i) st16(p + 16 * i, b.u[i]);
+}
+
+// Block `i` of a WQE whose first block is `idx` (multi-block WQEs wrap at the ring's end).
+__device__ __forceinline__ uint8_t* wqe_unit(const gpuverbs_qp* q, uint64_t idx, uint32_t unit) {
+    return wqe_slot(q, idx + unit / 4) + (unit % 4) * 16;
+}
+
+// Zero-fills units [from, 4*blocks) of a WQE so no stale bytes remain in its last block.
+__device__ __forceinline__ void zero_tail(const gpuverbs_qp* q, uint64_t idx, uint32_t from,
+                                          uint32_t blocks) {
+    for (uint32_t u = from; u < blocks * 4; ++u) st16(wqe_unit(q, idx, u), SEG_ZERO);
+}
+
+// --- prepare: one function per WQE kind; each writes whole blocks at idx ---------------------
+
+// RDMA_WRITE (or WRITE_IMM when imm is given): 1 block.
+__device__ __forceinline__ block build_write(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                             lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                             uint8_t flags, bool with_imm = false,
+                                             uint32_t imm = 0) {
+    return block{{seg_ctrl(with_imm ? OP_RDMA_WRITE_IMM : OP_RDMA_WRITE, 0, idx, q->qpn, 3,
+                           flags, imm),
+                  seg_raddr(raddr, rk), seg_data(laddr, len, lk), SEG_ZERO}};
+}
+__device__ __forceinline__ void prep_write(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                           lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                           uint8_t flags, bool with_imm = false,
+                                           uint32_t imm = 0) {
+    store_block(q, idx, build_write(q, idx, laddr, lk, raddr, rk, len, flags, with_imm, imm));
+}
+
+// Blocks an inline write of `len` bytes takes: ctrl + raddr + align(4 + len, 16).
+__device__ __forceinline__ uint32_t inline_write_blocks(uint32_t len) {
+    uint32_t ds = 2 + (4 + len + 15) / 16;
+    return (ds + 3) / 4;
+}
+
+// RDMA_WRITE with the payload carried in the WQE.
+__device__ __forceinline__ void prep_write_inline(const gpuverbs_qp* q, uint64_t idx,
+                                                  const void* src, uint32_t len, uint64_t raddr,
+                                                  rkey rk, uint8_t flags) {
+    uint32_t ds = 2 + (4 + len + 15) / 16;
+    uint32_t blocks = (ds + 3) / 4;
+    st16(wqe_unit(q, idx, 0), seg_ctrl(OP_RDMA_WRITE, 0, idx, q->qpn, ds, flags, 0));
+    st16(wqe_unit(q, idx, 1), seg_raddr(raddr, rk));
+    // Inline bytes: a 4-byte header then the payload, unit by unit (units may wrap blocks).
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    for (uint32_t u = 2; u < blocks * 4; ++u) {
+        uint32_t w[4];
+        for (int k = 0; k < 4; ++k) {
+            uint32_t v = 0;
+            for (int b = 0; b < 4; ++b) {
+                int off = (int)((u - 2) * 16 + k * 4 + b) - 4;  // payload offset
+                uint8_t byte = 0;
+                if (off < 0) {
+                    uint32_t hdr = bswap32(len | 0x80000000u);
+                    byte = (uint8_t)(hdr >> (8 * (off + 4)));
+                } else if ((uint32_t)off < len) {
+                    byte = s[off];
+                }
+                v |= (uint32_t)byte << (8 * b);
+            }
+            w[k] = v;
+        }
+        st16(wqe_unit(q, idx, u), make_uint4(w[0], w[1], w[2], w[3]));
+    }
+}
+
+// RDMA_READ into local memory: 1 block.
+__device__ __forceinline__ block build_read(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                            lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                            uint8_t flags) {
+    return block{{seg_ctrl(OP_RDMA_READ, 0, idx, q->qpn, 3, flags, 0), seg_raddr(raddr, rk),
+                  seg_data(laddr, len, lk), SEG_ZERO}};
+}
+__device__ __forceinline__ void prep_read(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                          lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                          uint8_t flags) {
+    store_block(q, idx, build_read(q, idx, laddr, lk, raddr, rk, len, flags));
+}
+
+// SEND (or SEND_IMM when imm is given) from local memory: 1 block.
+__device__ __forceinline__ block build_send(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                            lkey lk, uint32_t len, uint8_t flags,
+                                            bool with_imm = false, uint32_t imm = 0) {
+    return block{{seg_ctrl(with_imm ? OP_SEND_IMM : OP_SEND, 0, idx, q->qpn, 2, flags, imm),
+                  seg_data(laddr, len, lk), SEG_ZERO, SEG_ZERO}};
+}
+__device__ __forceinline__ void prep_send(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
+                                          lkey lk, uint32_t len, uint8_t flags,
+                                          bool with_imm = false, uint32_t imm = 0) {
+    store_block(q, idx, build_send(q, idx, laddr, lk, len, flags, with_imm, imm));
+}
+
+// ATOMIC_FA / ATOMIC_CS on an 8-byte remote word; the old value lands at `result`: 1 block.
+__device__ __forceinline__ block build_atomic(const gpuverbs_qp* q, uint64_t idx, uint8_t op,
+                                              uint64_t raddr, rkey rk, uint64_t swap_add,
+                                              uint64_t compare, uint64_t result,
+                                              lkey result_key, uint8_t flags) {
+    return block{{seg_ctrl(op, 0, idx, q->qpn, 4, flags, 0), seg_raddr(raddr, rk),
+                  seg_atomic(swap_add, compare), seg_data(result, 8, result_key)}};
+}
+__device__ __forceinline__ void prep_atomic(const gpuverbs_qp* q, uint64_t idx, uint8_t op,
+                                            uint64_t raddr, rkey rk, uint64_t swap_add,
+                                            uint64_t compare, uint64_t result, lkey result_key,
+                                            uint8_t flags) {
+    store_block(q, idx,
+                build_atomic(q, idx, op, raddr, rk, swap_add, compare, result, result_key, flags));
+}
+
+// Masked atomics on 8-byte operands (opmod 0x09). FA: 1 block; CS: 2 blocks.
+__device__ __forceinline__ uint32_t prep_masked_fa(const gpuverbs_qp* q, uint64_t idx,
+                                                   uint64_t raddr, rkey rk, uint64_t add,
+                                                   uint64_t boundary, uint64_t result,
+                                                   lkey result_key, uint8_t flags) {
+    store_block(q, idx,
+                block{{seg_ctrl(OP_ATOMIC_MASKED_FA, 0x09, idx, q->qpn, 4, flags, 0),
+                       seg_raddr(raddr, rk), seg_atomic(add, boundary),
+                       seg_data(result, 8, result_key)}});
+    return 1;
+}
+
+__device__ __forceinline__ uint32_t prep_masked_cs(const gpuverbs_qp* q, uint64_t idx,
+                                                   uint64_t raddr, rkey rk, uint64_t compare,
+                                                   uint64_t compare_mask, uint64_t swap,
+                                                   uint64_t swap_mask, uint64_t result,
+                                                   lkey result_key, uint8_t flags) {
+    st16(wqe_unit(q, idx, 0), seg_ctrl(OP_ATOMIC_MASKED_CS, 0x09, idx, q->qpn, 5, flags, 0));
+    st16(wqe_unit(q, idx, 1), seg_raddr(raddr, rk));
+    st16(wqe_unit(q, idx, 2), seg_atomic(swap, compare));
+    st16(wqe_unit(q, idx, 3), seg_atomic(swap_mask, compare_mask));
+    st16(wqe_unit(q, idx, 4), seg_data(result, 8, result_key));
+    zero_tail(q, idx, 5, 2);
+    return 2;
+}
+
+// NOP: 1 block.
+__device__ __forceinline__ block build_nop(const gpuverbs_qp* q, uint64_t idx, uint8_t flags) {
+    return block{{seg_ctrl(OP_NOP, 0, idx, q->qpn, 1, flags, 0), SEG_ZERO, SEG_ZERO, SEG_ZERO}};
+}
+__device__ __forceinline__ void prep_nop(const gpuverbs_qp* q, uint64_t idx, uint8_t flags) {
+    store_block(q, idx, build_nop(q, idx, flags));
+}
+
+}  // namespace gpuverbs
+
+#endif  // __CUDACC__
+#endif  // GPUVERBS_WQE_CUH
