@@ -129,8 +129,8 @@ pub fn gpuverbs_root() -> PathBuf {
 }
 
 /// gpuverbs' public CUDA include directory (`<gpuverbs tree>/kernels/include`), which holds
-/// `gpuverbs/gpuverbs.cuh`, `gpuverbs/qp.cuh` and `gpuverbs/desc.h`. It exists only when this
-/// crate comes with the gpuverbs source tree (path or git dependency).
+/// `gpuverbs/gpuverbs.cuh`, `gpuverbs/qp.cuh` (with its layer headers) and `gpuverbs/desc.h`. It
+/// exists only when this crate comes with the gpuverbs source tree (path or git dependency).
 pub fn gpuverbs_include_dir() -> PathBuf {
     gpuverbs_root().join("kernels").join("include")
 }
