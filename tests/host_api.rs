@@ -1,6 +1,8 @@
 //! The host API end to end with the CPU initiator, on the chosen backend (the soft NIC, or
 //! under `gpuverbs emu` the mlx5 backend on `mlx5_0`/`mlx5_1`: `common`): device selection,
-//! memory, queues, connection, every operation, and the errors of bad input.
+//! memory, queues, connection, every operation, the errors of bad input, and every error class
+//! of the completions (bad rkey, bad lkey, length, QP state, RNR, retry exhaustion), which
+//! must be the same completions on both backends.
 
 mod common;
 
@@ -584,4 +586,197 @@ fn deregister_and_the_registration_cache_on_the_chosen_backend() {
     pd.reg_cache().clear();
     let st = pd.reg_cache().stats();
     assert_eq!((st.entries, st.evictions, st.forced_evictions), (0, 1, 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Error completions: each class gives the same completion on both backends (a ConnectX's).
+// ---------------------------------------------------------------------------------------------
+
+/// What an error completion says: (responder, syndrome, opcode of the failed WQE, its counter).
+fn error_of(c: Completion) -> (bool, Option<Syndrome>, u8, u16) {
+    match c {
+        Completion::Error(e) => (e.responder, e.syndrome(), e.wqe_opcode, e.wqe_counter),
+        c => panic!("not an error completion: {c:?}"),
+    }
+}
+
+const RDMA_WRITE: u8 = 0x08;
+const SEND: u8 = 0x0a;
+const RDMA_READ: u8 = 0x10;
+
+#[test]
+fn a_bad_rkey_is_remote_access_and_the_qp_goes_to_err() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let mut bad = b.mr.remote(0);
+    bad.rkey = prm::Rkey(bad.rkey.0 ^ 0x80);
+    let w = Op::Write {
+        remote: bad,
+        local: Local::Sges(&[a.mr.sge(0, 64)]),
+        imm: None,
+    };
+    assert_eq!(ini.post_and_ring(&w, CtrlFlags::SIGNALED), Ok(0));
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::RemoteAccess), RDMA_WRITE, 0)
+    );
+    assert_eq!(a.qp.state(), QpState::Err);
+    assert_eq!(b.buf.to_vec()[..64], [0; 64], "nothing was written");
+    // the responder NAKed an access violation: it is in ERR too (a ConnectX's QP_ACCESS_ERR)
+    assert_eq!(b.qp.state(), QpState::Err);
+
+    // a READ past the end of a region with a good rkey: the same class
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let r = Op::Read {
+        remote: b.mr.remote(8192 - 8),
+        local: &[a.mr.sge(0, 16)],
+    };
+    ini.post_and_ring(&r, CtrlFlags::SIGNALED).unwrap();
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::RemoteAccess), RDMA_READ, 0)
+    );
+    assert_eq!(a.qp.state(), QpState::Err);
+}
+
+#[test]
+fn a_bad_lkey_is_local_prot() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    // one good WRITE first: the failing one is WQE 1
+    let good = Op::Write {
+        remote: b.mr.remote(0),
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    ini.post_and_ring(&good, CtrlFlags::SIGNALED).unwrap();
+    ok(ini.wait_send(T).unwrap());
+    let mut sge = a.mr.sge(0, 64);
+    sge.lkey = prm::Lkey(sge.lkey.0 ^ 0x80);
+    let w = Op::Write {
+        remote: b.mr.remote(64),
+        local: Local::Sges(&[sge]),
+        imm: None,
+    };
+    assert_eq!(ini.post_and_ring(&w, CtrlFlags::SIGNALED), Ok(1));
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::LocalProt), RDMA_WRITE, 1)
+    );
+    assert_eq!(a.qp.state(), QpState::Err);
+    assert_eq!(b.buf.to_vec()[64..128], [0; 64], "nothing was written");
+}
+
+#[test]
+fn a_send_longer_than_the_receive_is_remote_inval_req_and_local_length() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let mut resp = b.qp.cpu_initiator(RingMode::RdmaCore);
+    resp.post_recv(&[b.mr.sge(0, 128)]).unwrap();
+    let s = Op::Send {
+        local: Local::Sges(&[a.mr.sge(0, 512)]),
+        imm: None,
+    };
+    ini.post_and_ring(&s, CtrlFlags::SIGNALED).unwrap();
+    // the sender: the responder NAKed it as an invalid request
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::RemoteInvalReq), SEND, 0)
+    );
+    // the receiver: its receive WQE 0 completes with a local length error
+    let (responder, syndrome, _, counter) = error_of(resp.wait_recv(T).unwrap());
+    assert_eq!(
+        (responder, syndrome, counter),
+        (true, Some(Syndrome::LocalLength), 0)
+    );
+    assert_eq!((a.qp.state(), b.qp.state()), (QpState::Err, QpState::Err));
+}
+
+#[test]
+fn a_qp_in_err_flushes_what_it_holds_and_what_is_posted() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let mut resp = b.qp.cpu_initiator(RingMode::RdmaCore);
+    // a receive posted before the QP is moved to ERR is flushed by the move
+    resp.post_recv(&[b.mr.sge(0, 64)]).unwrap();
+    b.qp.modify(softnic::Modify::Err).unwrap();
+    assert_eq!(b.qp.state(), QpState::Err);
+    let (responder, syndrome, _, counter) = error_of(resp.wait_recv(T).unwrap());
+    assert_eq!(
+        (responder, syndrome, counter),
+        (true, Some(Syndrome::WrFlush), 0)
+    );
+    // and one posted after it, too
+    resp.post_recv(&[b.mr.sge(64, 64)]).unwrap();
+    let (responder, syndrome, _, counter) = error_of(resp.wait_recv(T).unwrap());
+    assert_eq!(
+        (responder, syndrome, counter),
+        (true, Some(Syndrome::WrFlush), 1)
+    );
+    // posting on a QP in ERR is accepted (the provider checks no state) and flushed
+    a.qp.modify(softnic::Modify::Err).unwrap();
+    let w = Op::Write {
+        remote: b.mr.remote(0),
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    for i in 0..2u16 {
+        assert_eq!(ini.post_and_ring(&w, CtrlFlags::SIGNALED), Ok(i));
+        let (responder, syndrome, _, counter) = error_of(ini.wait_send(T).unwrap());
+        assert_eq!(
+            (responder, syndrome, counter),
+            (false, Some(Syndrome::WrFlush), i)
+        );
+    }
+    assert_eq!(b.buf.to_vec()[..8], [0; 8], "nothing was written");
+}
+
+#[test]
+fn no_receive_without_rnr_retries_is_rnr_retry_exc() {
+    let (a, b) = connected_with(
+        DoorbellMode::Auto,
+        ConnectOptions {
+            rnr_retry: 0,
+            ..all_rights()
+        },
+    );
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let s = Op::Send {
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    ini.post_and_ring(&s, CtrlFlags::SIGNALED).unwrap();
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::RnrRetryExc), SEND, 0)
+    );
+    // only the requester fails: the responder that had no receive stays in RTS
+    assert_eq!((a.qp.state(), b.qp.state()), (QpState::Err, QpState::Rts));
+}
+
+#[test]
+fn a_vanished_peer_is_transport_retry_exc() {
+    let (a, b) = connected_with(
+        DoorbellMode::Auto,
+        ConnectOptions {
+            timeout: 8,
+            retry_cnt: 1,
+            ..all_rights()
+        },
+    );
+    let target = b.mr.remote(0);
+    drop(b); // its QP is destroyed: nothing answers
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let w = Op::Write {
+        remote: target,
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    ini.post_and_ring(&w, CtrlFlags::SIGNALED).unwrap();
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::TransportRetryExc), RDMA_WRITE, 0)
+    );
+    assert_eq!(a.qp.state(), QpState::Err);
 }
