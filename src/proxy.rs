@@ -229,6 +229,9 @@ impl ProxyTarget {
         let crate::queue::QpDev::Mlx5(q) = &qp.dev else {
             return Err(crate::Error::InvalidArgument("not an mlx5 QP".into()));
         };
+        // A poster that holds the QP now is PosterBusy, as on the soft NIC; one that held it
+        // before cannot hand over yet.
+        let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
         if qp.cpu_used.load(Ordering::Acquire) {
             return Err(crate::Error::Unsupported(format!(
                 "QP {:#x}: a CPU-proxy target after a CPU initiator posted to it (handing the \
@@ -239,7 +242,6 @@ impl ProxyTarget {
         let word = qp.proxy_word.clone().ok_or_else(|| {
             crate::Error::InvalidArgument("an mlx5 QP without a proxy word".into())
         })?;
-        let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
         let producer: *const AtomicU64 = word.atomic_u64(0);
         let keep: Arc<dyn Any + Send + Sync> = Arc::new((q.clone(), word, claim));
         // SAFETY: the proxy word is 8 aligned bytes of the QP's host page, the doorbell record
