@@ -1,7 +1,12 @@
-//! The host API end to end on soft NICs with the CPU initiator: device selection, memory,
-//! queues, connection, every operation, and the errors of bad input.
+//! The host API end to end with the CPU initiator, on the chosen backend (the soft NIC, or
+//! under `gpuverbs emu` the mlx5 backend on `mlx5_0`/`mlx5_1`: `common`): device selection,
+//! memory, queues, connection, every operation, the errors of bad input, and every error class
+//! of the completions (bad rkey, bad lkey, length, QP state, RNR, retry exhaustion), which
+//! must be the same completions on both backends.
 
-use gpuverbs::queue::QpState;
+mod common;
+
+use gpuverbs::queue::{CqMode, QpState};
 use gpuverbs::{
     Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, Error, HostBuffer,
     QpOptions, RingPlacement,
@@ -21,8 +26,7 @@ struct Side {
     mr: gpuverbs::Mr,
 }
 
-fn side(mode: DoorbellMode) -> Side {
-    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+fn side(ctx: Context, mode: DoorbellMode) -> Side {
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(CqOptions::default()).unwrap();
     let mut o = QpOptions::new(&cq, &cq);
@@ -47,13 +51,23 @@ fn side(mode: DoorbellMode) -> Side {
     }
 }
 
-fn connected(mode: DoorbellMode) -> (Side, Side) {
-    let (a, b) = (side(mode), side(DoorbellMode::Auto));
-    let all = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
-    let o = ConnectOptions {
-        access: all,
+fn all_rights() -> ConnectOptions {
+    ConnectOptions {
+        access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
         ..Default::default()
-    };
+    }
+}
+
+/// A QP on the chosen device connected to one on the peer device.
+fn connected(mode: DoorbellMode) -> (Side, Side) {
+    connected_with(mode, all_rights())
+}
+
+fn connected_with(mode: DoorbellMode, o: ConnectOptions) -> (Side, Side) {
+    let (a, b) = (
+        side(common::open(), mode),
+        side(common::open_peer(), DoorbellMode::Auto),
+    );
     a.qp.connect(&b.qp.endpoint(), o).unwrap();
     b.qp.connect(&a.qp.endpoint(), o).unwrap();
     (a, b)
@@ -67,8 +81,23 @@ fn ok(c: Completion) {
 fn selection_is_reported_and_env_overrides() {
     let ctx = Context::open(DeviceRequest::Auto).unwrap();
     let s = ctx.selection();
-    assert!(s.name.starts_with("softnic"));
     assert!(!s.reason.is_empty(), "a selection always says why");
+    if common::is_mlx5(&ctx) {
+        // an rdma-core device: its name, and the GID and MTU the backend picked
+        assert!(s.name.starts_with("mlx5"), "{s}");
+        assert!(
+            s.reason.contains("GID index") && s.reason.contains("MTU"),
+            "{s}"
+        );
+        let again = Context::open(DeviceRequest::Named(s.name.clone())).unwrap();
+        assert_eq!(again.selection().kind, s.kind);
+        assert!(
+            again.selection().reason.contains("requested in code"),
+            "{s}"
+        );
+    } else {
+        assert!(s.name.starts_with("softnic"), "{s}");
+    }
     let named = Context::open(DeviceRequest::Named("softnic-test-x".into())).unwrap();
     assert_eq!(named.selection().name, "softnic-test-x");
     match Context::open(DeviceRequest::Named("mlx5_9".into())) {
@@ -171,7 +200,8 @@ fn every_operation_through_the_public_api() {
 
 #[test]
 fn bad_inputs_are_errors() {
-    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+    let ctx = common::open();
+    let mlx5 = common::is_mlx5(&ctx);
     let pd = ctx.alloc_pd();
     assert!(matches!(
         ctx.create_cq(CqOptions {
@@ -190,17 +220,27 @@ fn bad_inputs_are_errors() {
     let cq = ctx.create_cq(CqOptions::default()).unwrap();
     let mut o = QpOptions::new(&cq, &cq);
     o.sq_blocks = 100;
-    assert!(matches!(pd.create_qp(o), Err(Error::Soft(_))));
+    match pd.create_qp(o) {
+        Err(Error::Soft(_)) if !mlx5 => {}
+        Err(Error::InvalidArgument(m)) if mlx5 => assert!(m.contains("powers of two"), "{m}"),
+        other => panic!("{other:?}"),
+    }
     assert!(matches!(
         pd.register_gpu(0x1000, 4096, Access::LOCAL_WRITE),
         Err(Error::Unsupported(_))
     ));
     // remote rights without local write are refused, as in verbs
     let buf = HostBuffer::new(64);
-    assert!(matches!(
-        pd.register_with(&buf, Access::REMOTE_WRITE),
-        Err(Error::Soft(_))
-    ));
+    match pd.register_with(&buf, Access::REMOTE_WRITE) {
+        Err(Error::Soft(_)) if !mlx5 => {}
+        // the kernel's check (ib_check_mr_access): EINVAL
+        Err(Error::Verbs {
+            call: "ibv_reg_mr",
+            errno,
+            ..
+        }) if mlx5 => assert_eq!(errno, 22),
+        other => panic!("{other:?}"),
+    }
     // access defaults to local only: a peer cannot write through it
     let mr = pd.register(&buf).unwrap();
     assert_eq!(mr.access(), Access::LOCAL_WRITE);
@@ -208,10 +248,13 @@ fn bad_inputs_are_errors() {
     let qp = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
     assert_eq!(qp.state(), QpState::Reset);
     let rts = softnic::Modify::Rts(softnic::RtsAttr::default());
-    assert!(matches!(
-        qp.modify(rts),
-        Err(Error::Soft(softnic::Error::IllegalTransition { .. }))
-    ));
+    match qp.modify(rts) {
+        Err(Error::Soft(softnic::Error::IllegalTransition { .. })) if !mlx5 => {}
+        // rdma-core transitions that take attributes go through Qp::connect
+        Err(Error::Unsupported(m)) if mlx5 => assert!(m.contains("Qp::connect"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(qp.state(), QpState::Reset);
     // export needs CUDA: without a driver it is an error, not a panic
     if !gpuverbs::cuda::driver_available() {
         assert!(gpuverbs::gpu::Gpu::open(0).is_err());
@@ -237,20 +280,16 @@ fn default_access_refuses_remote_writes() {
     drop(b.ctx);
 }
 
-/// 16 signaled WRITEs into a 4-entry CQ that nobody polls meanwhile.
-fn flood_small_cq(
-    mode: Option<gpuverbs::queue::CqMode>,
-) -> (Side, Side, softnic::initiator::Initiator) {
-    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+/// A QP whose CQ has 4 entries, connected to a peer, and its CPU initiator.
+fn small_cq_pair(mode: CqMode) -> Result<(Side, Side, softnic::initiator::Initiator), Error> {
+    let ctx = common::open();
     let pd = ctx.alloc_pd();
-    let mut co = CqOptions {
+    let cq = ctx.create_cq(CqOptions {
         depth: 4,
+        mode,
         ..Default::default()
-    };
-    if let Some(m) = mode {
-        co.mode = m;
-    }
-    let cq = ctx.create_cq(co).unwrap();
+    })?;
+    assert_eq!(cq.depth(), 4);
     let qp = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
     let buf = HostBuffer::new(4096);
     let mr = pd.register_with(&buf, Access::LOCAL_WRITE).unwrap();
@@ -261,14 +300,15 @@ fn flood_small_cq(
         buf,
         mr,
     };
-    let b = side(DoorbellMode::Auto);
-    let o = ConnectOptions {
-        access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
-        ..Default::default()
-    };
-    a.qp.connect(&b.qp.endpoint(), o).unwrap();
-    b.qp.connect(&a.qp.endpoint(), o).unwrap();
-    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let b = side(common::open_peer(), DoorbellMode::Auto);
+    a.qp.connect(&b.qp.endpoint(), all_rights()).unwrap();
+    b.qp.connect(&a.qp.endpoint(), all_rights()).unwrap();
+    let ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    Ok((a, b, ini))
+}
+
+/// 16 signaled WRITEs into the 4-entry CQ, which nobody polls meanwhile.
+fn flood(a: &Side, b: &Side, ini: &mut softnic::initiator::Initiator) {
     for i in 0..16u64 {
         let op = Op::Write {
             remote: b.mr.remote(i * 8),
@@ -278,12 +318,13 @@ fn flood_small_cq(
         ini.post(&op, CtrlFlags::SIGNALED).unwrap();
     }
     ini.ring();
-    (a, b, ini)
 }
 
 #[test]
 fn the_default_cq_reports_an_overrun_to_the_poller() {
-    let (a, _b, mut ini) = flood_small_cq(None);
+    let (a, b, mut ini) = small_cq_pair(CqMode::OverrunDetect).unwrap();
+    flood(&a, &b, &mut ini);
+    // On both backends the 5th CQE finds the CQ full: the CQ goes to error, the QP to ERR.
     let deadline = std::time::Instant::now() + T;
     while a.qp.state() != QpState::Err {
         assert!(std::time::Instant::now() < deadline, "no overrun detected");
@@ -294,14 +335,20 @@ fn the_default_cq_reports_an_overrun_to_the_poller() {
             matches!(ini.wait_send(T).unwrap(), Completion::Req { wqe_counter, .. } if wqe_counter == i)
         );
     }
-    let t0 = std::time::Instant::now();
+    // Nothing was written past them: the CQ in error takes no CQE, not even the flushes.
+    assert_eq!(ini.poll_send(), None);
+    if common::skipped_on_mlx5(
+        &a.ctx,
+        "the_default_cq_reports_an_overrun_to_the_poller",
+        "InitiatorError::CqOverrun and the overrun counters: the CPU initiator learns of an \
+         overrun from the soft CQ (an rdma-core CQ reports it as an async CQ_ERR event, which \
+         the backend does not read)",
+    ) {
+        return;
+    }
     assert_eq!(
         ini.wait_send(T),
         Err(softnic::initiator::InitiatorError::CqOverrun("send"))
-    );
-    assert!(
-        t0.elapsed() < Duration::from_secs(1),
-        "reported, not timed out"
     );
     assert!(ini.cq_overrun(false));
     assert!(a.qp.send_cq().soft().unwrap().is_overrun());
@@ -316,7 +363,20 @@ fn the_default_cq_reports_an_overrun_to_the_poller() {
 
 #[test]
 fn overrun_ignore_stays_available_on_request() {
-    let (a, b, mut ini) = flood_small_cq(Some(gpuverbs::queue::CqMode::OverrunIgnore));
+    let (a, b, mut ini) = match small_cq_pair(CqMode::OverrunIgnore) {
+        Ok(p) => p,
+        Err(Error::Unsupported(m)) if common::is_mlx5(&common::open()) => {
+            // rdma-core's mlx5 CQs always detect overrun; the other modes need DEVX
+            assert!(m.contains("OverrunIgnore") && m.contains("DEVX"), "{m}");
+            eprintln!(
+                "skipped on mlx5: overrun_ignore_stays_available_on_request: refused as \
+                 documented ({m})"
+            );
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    flood(&a, &b, &mut ini);
     let deadline = std::time::Instant::now() + T;
     while b.buf.to_vec()[120..128] != a.buf.to_vec()[120..128]
         || a.ctx.soft_device().unwrap().counters().wqes_executed < 16
@@ -349,7 +409,7 @@ fn host_buffer_len_is_what_was_asked() {
     b.write(8, &[7; 8]);
     assert_eq!(b.to_vec(), [[0u8; 8], [7; 8]].concat());
     // a region covers what was asked for
-    let ctx = Context::open(DeviceRequest::Soft).unwrap();
+    let ctx = common::open();
     let mr = ctx.alloc_pd().register(&b).unwrap();
     assert_eq!(mr.len(), 16);
 }
@@ -427,6 +487,14 @@ fn dump_reads_one_local_segment_and_completes() {
 fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
     // WAIT { cqn, max_index } waits for a count: the CQ's written CQEs reaching max_index.
     let (a, b) = connected(DoorbellMode::Auto);
+    if common::skipped_on_mlx5(
+        &a.ctx,
+        "wait_completes_when_the_cq_has_produced_max_index_cqes",
+        "WAIT is a cross-channel WQE on a ConnectX (the mlx5 backend creates no cross-channel \
+         QPs) and the test reads the soft CQ's count (Cq::soft().produced())",
+    ) {
+        return;
+    }
     let c2 = a.ctx.create_cq(CqOptions::default()).unwrap();
     let q2 = a.pd.create_qp(QpOptions::new(&c2, &c2)).unwrap();
     let cb = b.ctx.create_cq(CqOptions::default()).unwrap();
@@ -476,8 +544,9 @@ fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
 fn deregister_and_the_registration_cache_on_the_chosen_backend() {
     // The soft NIC here; under `gpuverbs emu` the mlx5 backend, whose SQ progress the host
     // cannot watch: `Mr::deregister` reports its live QPs at once instead of waiting.
-    let ctx = Context::open(DeviceRequest::Auto).unwrap();
-    let mlx5 = ctx.soft_device().is_none();
+    let ctx = common::open();
+    let mlx5 = common::is_mlx5(&ctx);
+    assert_eq!(mlx5, ctx.soft_device().is_none());
     let pd = ctx.alloc_pd();
     let buf = HostBuffer::new(4096);
     let rights = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
@@ -517,4 +586,197 @@ fn deregister_and_the_registration_cache_on_the_chosen_backend() {
     pd.reg_cache().clear();
     let st = pd.reg_cache().stats();
     assert_eq!((st.entries, st.evictions, st.forced_evictions), (0, 1, 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Error completions: each class gives the same completion on both backends (a ConnectX's).
+// ---------------------------------------------------------------------------------------------
+
+/// What an error completion says: (responder, syndrome, opcode of the failed WQE, its counter).
+fn error_of(c: Completion) -> (bool, Option<Syndrome>, u8, u16) {
+    match c {
+        Completion::Error(e) => (e.responder, e.syndrome(), e.wqe_opcode, e.wqe_counter),
+        c => panic!("not an error completion: {c:?}"),
+    }
+}
+
+const RDMA_WRITE: u8 = 0x08;
+const SEND: u8 = 0x0a;
+const RDMA_READ: u8 = 0x10;
+
+#[test]
+fn a_bad_rkey_is_remote_access_and_the_qp_goes_to_err() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let mut bad = b.mr.remote(0);
+    bad.rkey = prm::Rkey(bad.rkey.0 ^ 0x80);
+    let w = Op::Write {
+        remote: bad,
+        local: Local::Sges(&[a.mr.sge(0, 64)]),
+        imm: None,
+    };
+    assert_eq!(ini.post_and_ring(&w, CtrlFlags::SIGNALED), Ok(0));
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::RemoteAccess), RDMA_WRITE, 0)
+    );
+    assert_eq!(a.qp.state(), QpState::Err);
+    assert_eq!(b.buf.to_vec()[..64], [0; 64], "nothing was written");
+    // the responder NAKed an access violation: it is in ERR too (a ConnectX's QP_ACCESS_ERR)
+    assert_eq!(b.qp.state(), QpState::Err);
+
+    // a READ past the end of a region with a good rkey: the same class
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let r = Op::Read {
+        remote: b.mr.remote(8192 - 8),
+        local: &[a.mr.sge(0, 16)],
+    };
+    ini.post_and_ring(&r, CtrlFlags::SIGNALED).unwrap();
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::RemoteAccess), RDMA_READ, 0)
+    );
+    assert_eq!(a.qp.state(), QpState::Err);
+}
+
+#[test]
+fn a_bad_lkey_is_local_prot() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    // one good WRITE first: the failing one is WQE 1
+    let good = Op::Write {
+        remote: b.mr.remote(0),
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    ini.post_and_ring(&good, CtrlFlags::SIGNALED).unwrap();
+    ok(ini.wait_send(T).unwrap());
+    let mut sge = a.mr.sge(0, 64);
+    sge.lkey = prm::Lkey(sge.lkey.0 ^ 0x80);
+    let w = Op::Write {
+        remote: b.mr.remote(64),
+        local: Local::Sges(&[sge]),
+        imm: None,
+    };
+    assert_eq!(ini.post_and_ring(&w, CtrlFlags::SIGNALED), Ok(1));
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::LocalProt), RDMA_WRITE, 1)
+    );
+    assert_eq!(a.qp.state(), QpState::Err);
+    assert_eq!(b.buf.to_vec()[64..128], [0; 64], "nothing was written");
+}
+
+#[test]
+fn a_send_longer_than_the_receive_is_remote_inval_req_and_local_length() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let mut resp = b.qp.cpu_initiator(RingMode::RdmaCore);
+    resp.post_recv(&[b.mr.sge(0, 128)]).unwrap();
+    let s = Op::Send {
+        local: Local::Sges(&[a.mr.sge(0, 512)]),
+        imm: None,
+    };
+    ini.post_and_ring(&s, CtrlFlags::SIGNALED).unwrap();
+    // the sender: the responder NAKed it as an invalid request
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::RemoteInvalReq), SEND, 0)
+    );
+    // the receiver: its receive WQE 0 completes with a local length error
+    let (responder, syndrome, _, counter) = error_of(resp.wait_recv(T).unwrap());
+    assert_eq!(
+        (responder, syndrome, counter),
+        (true, Some(Syndrome::LocalLength), 0)
+    );
+    assert_eq!((a.qp.state(), b.qp.state()), (QpState::Err, QpState::Err));
+}
+
+#[test]
+fn a_qp_in_err_flushes_what_it_holds_and_what_is_posted() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let mut resp = b.qp.cpu_initiator(RingMode::RdmaCore);
+    // a receive posted before the QP is moved to ERR is flushed by the move
+    resp.post_recv(&[b.mr.sge(0, 64)]).unwrap();
+    b.qp.modify(softnic::Modify::Err).unwrap();
+    assert_eq!(b.qp.state(), QpState::Err);
+    let (responder, syndrome, _, counter) = error_of(resp.wait_recv(T).unwrap());
+    assert_eq!(
+        (responder, syndrome, counter),
+        (true, Some(Syndrome::WrFlush), 0)
+    );
+    // and one posted after it, too
+    resp.post_recv(&[b.mr.sge(64, 64)]).unwrap();
+    let (responder, syndrome, _, counter) = error_of(resp.wait_recv(T).unwrap());
+    assert_eq!(
+        (responder, syndrome, counter),
+        (true, Some(Syndrome::WrFlush), 1)
+    );
+    // posting on a QP in ERR is accepted (the provider checks no state) and flushed
+    a.qp.modify(softnic::Modify::Err).unwrap();
+    let w = Op::Write {
+        remote: b.mr.remote(0),
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    for i in 0..2u16 {
+        assert_eq!(ini.post_and_ring(&w, CtrlFlags::SIGNALED), Ok(i));
+        let (responder, syndrome, _, counter) = error_of(ini.wait_send(T).unwrap());
+        assert_eq!(
+            (responder, syndrome, counter),
+            (false, Some(Syndrome::WrFlush), i)
+        );
+    }
+    assert_eq!(b.buf.to_vec()[..8], [0; 8], "nothing was written");
+}
+
+#[test]
+fn no_receive_without_rnr_retries_is_rnr_retry_exc() {
+    let (a, b) = connected_with(
+        DoorbellMode::Auto,
+        ConnectOptions {
+            rnr_retry: 0,
+            ..all_rights()
+        },
+    );
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let s = Op::Send {
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    ini.post_and_ring(&s, CtrlFlags::SIGNALED).unwrap();
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::RnrRetryExc), SEND, 0)
+    );
+    // only the requester fails: the responder that had no receive stays in RTS
+    assert_eq!((a.qp.state(), b.qp.state()), (QpState::Err, QpState::Rts));
+}
+
+#[test]
+fn a_vanished_peer_is_transport_retry_exc() {
+    let (a, b) = connected_with(
+        DoorbellMode::Auto,
+        ConnectOptions {
+            timeout: 8,
+            retry_cnt: 1,
+            ..all_rights()
+        },
+    );
+    let target = b.mr.remote(0);
+    drop(b); // its QP is destroyed: nothing answers
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let w = Op::Write {
+        remote: target,
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    ini.post_and_ring(&w, CtrlFlags::SIGNALED).unwrap();
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::TransportRetryExc), RDMA_WRITE, 0)
+    );
+    assert_eq!(a.qp.state(), QpState::Err);
 }

@@ -2,6 +2,12 @@
 //! endpoints that carry the UDP port, and `Qp::connect` filling the device's peer table, so
 //! that QPs of soft NICs in different processes (here: contexts that share a GID, as devices
 //! of other processes on one host do) reach each other. CPU initiator, 127.0.0.x only.
+//!
+//! Wire ports are the soft NIC's: these tests open soft NICs explicitly, on either backend
+//! (`DeviceRequest::Auto` under `gpuverbs emu` opens mlx5_0 instead, and the one case that
+//! uses it says so).
+
+mod common;
 
 use gpuverbs::device::{parse_softnic_addr, SOFTNIC_ADDR_ENV};
 use gpuverbs::endpoint::{EndpointError, ROCE_UDP_PORT};
@@ -332,6 +338,16 @@ fn softnic_addr_env_gives_opened_devices_a_wire_port() {
     assert_eq!(ctx2.wire_addr().unwrap().ip(), Ipv4Addr::LOCALHOST);
     match bad {
         Err(Error::InvalidArgument(m)) => assert!(m.contains(SOFTNIC_ADDR_ENV), "{m}"),
+        // where rdma-core lists a device (under `gpuverbs emu`), Auto opens it: the variable is
+        // the soft NIC's and does not apply
+        Ok(ctx) if common::is_mlx5(&ctx) => {
+            assert_eq!(ctx.wire_addr(), None);
+            eprintln!(
+                "skipped on mlx5: softnic_addr_env_gives_opened_devices_a_wire_port: a bad \
+                 {SOFTNIC_ADDR_ENV} through DeviceRequest::Auto (Auto opened {})",
+                ctx.selection().name
+            );
+        }
         other => panic!("{other:?}"),
     }
     assert_eq!(plain.wire_addr(), None);
