@@ -7,8 +7,9 @@
 //!   there, else the CPU, and why), [`check_placement`] refuses what the device cannot do.
 //! - [`Header`]: the block above the table, with every choice as resolved.
 //! - [`Peer`]: the server/client roles: rendezvous over TCP with
-//!   [`gpuverbs::bootstrap::Bootstrap`], a soft NIC on the wire bound to the address that
-//!   reaches the peer ([`open_env_remote`]), the exchange of endpoints, parameters and memory
+//!   [`gpuverbs::bootstrap::Bootstrap`], the device ([`open_env_remote`]: a soft NIC on the
+//!   wire bound to the address that reaches the peer, or an rdma-core device such as `mlx5_0`
+//!   as it is), the exchange of endpoints, parameters and memory
 //!   ([`Peer::hello`], [`Peer::step`]), and the steps of each size, in which a failure on
 //!   either side ends both with its reason.
 //! - [`pattern`]: the payload pattern and its checks; [`LatStats`], [`Peak`], [`Units`]: the
@@ -208,24 +209,28 @@ pub struct CommonArgs {
     #[arg(long, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub timeout: Option<u64>,
-    /// Server/client roles: UDP port of this side's soft NIC (its wire port; 0: the system
-    /// picks one). It binds the local IPv4 address that reaches the peer; the endpoints tell
-    /// the peer where. GPUVERBS_SOFTNIC_ADDR=ip:port overrides the whole address.
-    #[arg(long, default_value_t = 0, conflicts_with = "loopback")]
-    pub wire_port: u16,
-    /// Server/client roles: drop this percentage of the datagrams this side's soft NIC sends
-    /// (fault injection: data from a sender, ACKs from a receiver); give it to both sides for
-    /// loss both ways. RC retransmission repairs it; every byte is still validated.
+    /// Server/client roles, soft NIC only: UDP port of this side's soft NIC (its wire port)
+    /// [default: 0, the system picks one]. It binds the local IPv4 address that reaches the
+    /// peer; the endpoints tell the peer where. GPUVERBS_SOFTNIC_ADDR=ip:port overrides the
+    /// whole address. An rdma-core device (mlx5_0) refuses it: it sends from its own port.
+    #[arg(long, value_name = "PORT", conflicts_with = "loopback")]
+    pub wire_port: Option<u16>,
+    /// Server/client roles, soft NIC only: drop this percentage of the datagrams this side's
+    /// soft NIC sends (fault injection: data from a sender, ACKs from a receiver); give it to
+    /// both sides for loss both ways. RC retransmission repairs it; every byte is still
+    /// validated. An rdma-core device refuses it.
     #[arg(long, value_name = "PCT", value_parser = parse_loss, conflicts_with = "loopback")]
     pub loss: Option<f64>,
     /// Path MTU (256, 512, 1024, 2048 or 4096), as perftest's -m: the QPs use the smallest
-    /// of this, the peer's and 4096 [default: 4096]. On the soft NIC's wire the route's link
-    /// MTU lowers it further where a 4096-byte packet would not fit (1500: 1024).
+    /// of this, the peer's and the device's (4096 on the soft NIC, the port's active MTU on
+    /// an rdma-core device) [default: no limit of its own]. On the soft NIC's wire the route's
+    /// link MTU lowers it further where a 4096-byte packet would not fit (1500: 1024).
     #[arg(short = 'm', long, value_parser = parse_mtu)]
     pub mtu: Option<u32>,
-    /// Server/client roles: the soft NIC captures every datagram this side sends and receives
-    /// to FILE (pcap, raw IPv4: the headers its ICRC covers), for tshark or Wireshark
-    /// (docs/wire.md shows how).
+    /// Server/client roles, soft NIC only: the soft NIC captures every datagram this side
+    /// sends and receives to FILE (pcap, raw IPv4: the headers its ICRC covers), for tshark or
+    /// Wireshark (docs/wire.md shows how). An rdma-core device refuses it (capture its
+    /// traffic with the host's tools).
     #[arg(long, value_name = "FILE", conflicts_with = "loopback")]
     pub pcap: Option<std::path::PathBuf>,
     /// One JSON object per size on stdout (the header goes to stderr).
@@ -299,29 +304,98 @@ pub fn open_env(a: &CommonArgs) -> Result<Env> {
     resolve_env(a, ctx, None)
 }
 
-/// The server/client roles' device: a soft NIC with a wire port on the local IPv4 address that
-/// reaches the peer (the route's source address) and `--wire-port` (GPUVERBS_SOFTNIC_ADDR
-/// overrides both), with `--loss` applied to what it sends; then the initiator as
-/// [`open_env`] resolves it. `no_gpu`: why this test cannot use the GPU initiator across
-/// processes (`--initiator gpu` is then an error, and the automatic choice the CPU).
-pub fn open_env_remote(a: &CommonArgs, peer: &Peer, no_gpu: Option<&str>) -> Result<Env> {
-    let ip = local_ip_towards(peer.addr.ip())?;
-    let bind = SocketAddr::from((ip, a.wire_port));
-    let ctx = Context::open_wire(device_request(a.device.as_deref()), bind)
-        .with_context(|| format!("open the RDMA device with a wire port on {bind}"))?;
-    let dev = ctx
-        .soft_device()
-        .context("the server/client roles need a soft NIC")?;
-    if ctx.wire_addr().is_none() {
-        bail!("the device {} has no wire port", ctx.selection());
+/// The server/client roles' device, as `-d` / GPUVERBS_DEVICE (or Auto) picks it, and the
+/// initiator as [`open_env`] resolves it. `no_gpu`: why this test cannot use the GPU initiator
+/// across processes (`--initiator gpu` is then an error, and the automatic choice the CPU).
+///
+/// - A soft NIC gets a wire port on the local IPv4 address that reaches the peer (the route's
+///   source address) and `--wire-port` (GPUVERBS_SOFTNIC_ADDR overrides both), with `--loss`
+///   applied to what it sends.
+/// - An rdma-core device (the mlx5 backend) is used as it is: its QPs' endpoints carry the
+///   RoCE v2 GID of its port, which the peer connects to. The soft NIC's options (`--wire-port`,
+///   `--loss`, `--pcap`, GPUVERBS_SOFTNIC_ADDR) are refused ([`soft_nic_options`]).
+///
+/// Both sides then take the step "open the device": a side that failed (a device that is not
+/// there, an option it cannot honour) ends both runs with its reason.
+pub fn open_env_remote(a: &CommonArgs, peer: &mut Peer, no_gpu: Option<&str>) -> Result<Env> {
+    let (env, mine) = match open_remote_device(a, peer).and_then(|c| resolve_env(a, c, no_gpu)) {
+        Ok(env) => (Some(env), Ok(())),
+        Err(e) => (None, Err(e)),
+    };
+    peer.step("open the device", mine)?;
+    env.context("the device step succeeded without a device")
+}
+
+/// The soft-NIC-only settings of the server/client roles that this run gives: what an
+/// rdma-core device cannot honour.
+pub fn soft_nic_options(a: &CommonArgs) -> Vec<&'static str> {
+    let mut v = Vec::new();
+    if a.wire_port.is_some() {
+        v.push("--wire-port");
     }
-    if let Some(pct) = a.loss.filter(|&p| p > 0.0) {
-        // One decision sequence per role, the same every run.
-        let seed = 0x5eed_0000 + u64::from(peer.bs.rank());
-        dev.set_wire_faults(softnic::WireFaults::loss(pct / 100.0, seed))
-            .context("--loss: set the fault injection")?;
+    if a.loss.is_some() {
+        v.push("--loss");
     }
-    resolve_env(a, ctx, no_gpu)
+    if a.pcap.is_some() {
+        v.push("--pcap");
+    }
+    if std::env::var(gpuverbs::device::SOFTNIC_ADDR_ENV).is_ok_and(|v| !v.trim().is_empty()) {
+        v.push(gpuverbs::device::SOFTNIC_ADDR_ENV);
+    }
+    v
+}
+
+/// Opens the device of the server/client roles ([`open_env_remote`]).
+fn open_remote_device(a: &CommonArgs, peer: &Peer) -> Result<Context> {
+    let req = device_request(a.device.as_deref());
+    // Where a soft NIC's wire port binds; an rdma-core device needs no address of ours.
+    let bind =
+        local_ip_towards(peer.addr.ip()).map(|ip| SocketAddr::from((ip, a.wire_port.unwrap_or(0))));
+    let ctx = match &bind {
+        Ok(b) => Context::open_wire(req, *b).with_context(|| {
+            format!("open the RDMA device (a soft NIC gets a wire port on {b})")
+        })?,
+        // A soft NIC can still be given its address by GPUVERBS_SOFTNIC_ADDR.
+        Err(_) => Context::open(req).context("open the RDMA device")?,
+    };
+    match ctx.selection().kind {
+        gpuverbs::device::BackendKind::Mlx5 => {
+            let soft = soft_nic_options(a);
+            if !soft.is_empty() {
+                bail!(
+                    "{} {} the soft NIC (its UDP wire port, fault injection, capture), and this \
+                     run uses the rdma-core device {} (mlx5 backend), which sends RoCE v2 from \
+                     its own port (GID {}): leave {} out, or run on the soft NIC (-d soft)",
+                    soft.join(", "),
+                    if soft.len() == 1 {
+                        "belongs to"
+                    } else {
+                        "belong to"
+                    },
+                    ctx.selection().name,
+                    gpuverbs::endpoint::Gid::from(ctx.gid()),
+                    if soft.len() == 1 { "it" } else { "them" },
+                );
+            }
+        }
+        gpuverbs::device::BackendKind::Soft => {
+            let dev = ctx
+                .soft_device()
+                .context("a soft NIC context without its device")?;
+            if ctx.wire_addr().is_none() {
+                // No wire port: the peer's address gave none, and GPUVERBS_SOFTNIC_ADDR is unset.
+                bind.with_context(|| format!("the device {} has no wire port", ctx.selection()))?;
+                bail!("the device {} has no wire port", ctx.selection());
+            }
+            if let Some(pct) = a.loss.filter(|&p| p > 0.0) {
+                // One decision sequence per role, the same every run.
+                let seed = 0x5eed_0000 + u64::from(peer.bs.rank());
+                dev.set_wire_faults(softnic::WireFaults::loss(pct / 100.0, seed))
+                    .context("--loss: set the fault injection")?;
+            }
+        }
+    }
+    Ok(ctx)
 }
 
 /// The source address the kernel picks for packets to `peer`: the local address the peer can
@@ -752,14 +826,21 @@ pub fn connect_pair(a: &Qp, b: &Qp, mtu: Option<u32>) -> Result<()> {
     Ok(())
 }
 
-/// The header's "Mtu": the path MTU the QPs were connected with (`-m`, the peer's, 4096),
-/// and, over the soft NIC's wire, what the route's link MTU leaves of it.
-pub fn mtu_line(mtu: Option<u32>, local: &Endpoint, peer: Option<&Endpoint>) -> String {
+/// The header's "Mtu": the path MTU the QPs were connected with (`-m`, the peer's, the
+/// device's), and, over the soft NIC's wire (a context with a wire port), what the route's
+/// link MTU leaves of it; an rdma-core device's port MTU already is its link's.
+pub fn mtu_line(
+    mtu: Option<u32>,
+    ctx: &Context,
+    local: &Endpoint,
+    peer: Option<&Endpoint>,
+) -> String {
     let mut m = with_mtu(local, mtu).mtu();
     if let Some(p) = peer {
         m = m.min(with_mtu(p, mtu).mtu());
     }
     let route = peer
+        .filter(|_| ctx.wire_addr().is_some())
         .and_then(|p| p.udp_addr())
         .zip(local.gid().to_ipv4())
         .and_then(|(to, from)| match to {
@@ -1002,17 +1083,20 @@ impl Peer {
             .iter()
             .map(|e| format!("{:#x}", e.qpn()))
             .collect();
+        let first = peer.endpoints.first();
         eprintln!(
-            "{test}: {}: exchanged endpoints with the {} at {} (device {}, QPN {}, UDP {})",
+            "{test}: {}: exchanged endpoints with the {} at {} (device {}, GID {}, QPN {}{})",
             self.role,
             self.peer_role,
             self.addr,
-            peer.endpoints.first().map_or("?", |e| e.device()),
+            first.map_or("?", |e| e.device()),
+            first.map_or("?".into(), |e| e.gid().to_string()),
             qpns.join(", "),
-            peer.endpoints
-                .first()
+            // A soft NIC's wire port; an rdma-core device's endpoint names none.
+            first
+                .filter(|e| e.udp_port().is_some())
                 .and_then(Endpoint::udp_addr)
-                .map_or("-".into(), |u| u.to_string()),
+                .map_or(String::new(), |u| format!(", UDP {u}")),
         );
         self.bs
             .set_timeout(a.wait().saturating_mul(STEP_WAIT_FACTOR));
@@ -1088,30 +1172,51 @@ pub fn remote_header(
             "{} (the {} is at {} over TCP)",
             peer.role, peer.peer_role, peer.addr
         ),
-    )
-    .line(
-        "Wire",
-        format!(
-            "RoCEv2 over UDP: {} -> {}",
-            ctx.wire_addr().map_or("-".into(), |w| w.to_string()),
-            remote.udp_addr().map_or("-".into(), |w| w.to_string())
-        ),
-    )
-    .line(
-        "Loss",
-        match a.loss {
-            Some(p) if p > 0.0 => {
-                format!("{p}% of the datagrams this side sends are dropped (fault injection)")
-            }
-            _ => "none injected on this side".to_string(),
-        },
     );
+    let gids = format!(
+        "GID {} -> {}",
+        gpuverbs::endpoint::Gid::from(ctx.gid()),
+        remote.gid()
+    );
+    match ctx.wire_addr() {
+        Some(w) => h
+            .line(
+                "Wire",
+                format!(
+                    "RoCEv2 over UDP: {w} -> {} ({gids})",
+                    remote.udp_addr().map_or("-".into(), |w| w.to_string())
+                ),
+            )
+            .line(
+                "Loss",
+                match a.loss {
+                    Some(p) if p > 0.0 => {
+                        format!(
+                            "{p}% of the datagrams this side sends are dropped (fault injection)"
+                        )
+                    }
+                    _ => "none injected on this side".to_string(),
+                },
+            ),
+        None => h
+            .line(
+                "Wire",
+                format!("RoCE v2 from port 1 of {} ({gids})", ctx.selection().name),
+            )
+            .line("Loss", "none injected (fault injection is the soft NIC's)"),
+    };
 }
 
 /// What this side's wire port did between two counter snapshots (the JSON's `"wire"`):
 /// datagrams each way, request packets sent again, timer expirations, sequence NAKs, datagrams
-/// dropped on purpose.
-pub fn wire_delta(before: &softnic::WireCounters, after: &softnic::WireCounters) -> Value {
+/// dropped on purpose; `null` without a soft NIC (an rdma-core device has no such counters).
+pub fn wire_delta(
+    before: &Option<softnic::WireCounters>,
+    after: &Option<softnic::WireCounters>,
+) -> Value {
+    let (Some(before), Some(after)) = (before, after) else {
+        return Value::Null;
+    };
     let d = |a: u64, b: u64| a.saturating_sub(b);
     json!({
         "tx_packets": d(after.tx_packets, before.tx_packets),
@@ -1124,20 +1229,22 @@ pub fn wire_delta(before: &softnic::WireCounters, after: &softnic::WireCounters)
     })
 }
 
-/// The wire counters of a context's soft NIC (zero without one).
-pub fn wire_counters(ctx: &Context) -> softnic::WireCounters {
-    ctx.soft_device()
-        .map(|d| d.counters().wire)
-        .unwrap_or_default()
+/// The wire counters of a context's soft NIC (`None` without one).
+pub fn wire_counters(ctx: &Context) -> Option<softnic::WireCounters> {
+    ctx.soft_device().map(|d| d.counters().wire)
 }
 
-/// The JSON fields of the server/client roles.
+/// The JSON fields of the server/client roles: the role, both GIDs, and the soft NIC's wire
+/// addresses and loss (`null` on an rdma-core device, which has neither).
 pub fn remote_json(a: &CommonArgs, peer: &Peer, ctx: &Context, remote: &Endpoint) -> Value {
+    let wire = ctx.wire_addr();
     json!({
         "role": peer.role,
-        "wire_addr": ctx.wire_addr().map(|w| w.to_string()),
-        "peer_wire_addr": remote.udp_addr().map(|w| w.to_string()),
-        "loss_pct": a.loss.unwrap_or(0.0),
+        "gid": gpuverbs::endpoint::Gid::from(ctx.gid()).to_string(),
+        "peer_gid": remote.gid().to_string(),
+        "wire_addr": wire.map(|w| w.to_string()),
+        "peer_wire_addr": wire.and(remote.udp_addr()).map(|w| w.to_string()),
+        "loss_pct": wire.map(|_| a.loss.unwrap_or(0.0)),
     })
 }
 

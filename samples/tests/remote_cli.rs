@@ -100,6 +100,9 @@ fn check_rows(test: &str, server: &[Value], client: &[Value], numbers: &[&str]) 
             assert_eq!(v["initiator"], "cpu", "{v}");
             let dev = v["device"].as_str().unwrap();
             assert!(dev.contains("soft NIC on UDP 127.0.0.1:"), "{dev}");
+            assert_eq!(v["backend"], "soft", "{v}");
+            assert_eq!(v["gid"], "::ffff:127.0.0.1", "{v}");
+            assert_eq!(v["peer_gid"], "::ffff:127.0.0.1", "{v}");
         }
         assert_eq!(
             (s["role"].as_str(), c["role"].as_str()),
@@ -273,6 +276,36 @@ fn an_error_completion_on_the_client_fails_both() {
     assert_eq!(server.status.code(), Some(1), "{se}");
     assert!(
         se.contains("the client failed") && se.contains("REMOTE_ACCESS"),
+        "{se}"
+    );
+}
+
+#[test]
+fn a_device_that_does_not_open_fails_both() {
+    // The client asks for a device nobody lists: it says so, and the server is told why.
+    let (server, client) = pair(
+        PUT_BW,
+        &["--initiator", "cpu", "-s", "64", "-n", "20"],
+        &[
+            "--initiator",
+            "cpu",
+            "-s",
+            "64",
+            "-n",
+            "20",
+            "-d",
+            "mlx5_77",
+        ],
+    );
+    let (se, ce) = (text(&server.stderr), text(&client.stderr));
+    assert_eq!(client.status.code(), Some(1), "{ce}");
+    assert!(
+        ce.contains("client (open the device)") && ce.contains("mlx5_77"),
+        "{ce}"
+    );
+    assert_eq!(server.status.code(), Some(1), "{se}");
+    assert!(
+        se.contains("the client failed (open the device)") && se.contains("mlx5_77"),
         "{se}"
     );
 }

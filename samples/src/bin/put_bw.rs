@@ -25,10 +25,12 @@
 //!
 //! Server/client roles: the processes meet over TCP (`-p`; the server waits for its client
 //! without a limit unless `--timeout` is given, and `-p 0` listens on a port the system picks
-//! and prints it), each opens a soft NIC with a wire
-//! port (RoCEv2 over UDP) on the local address that reaches the other (`--wire-port`, or
-//! `GPUVERBS_SOFTNIC_ADDR`), exchange endpoints, parameters and their destination buffer, and
-//! connect QP k to QP k. The client is side A (it writes; the server only receives, unless
+//! and prints it), each opens its device (`-d`, GPUVERBS_DEVICE, or the best available: a soft
+//! NIC gets a wire port, RoCEv2 over UDP, on the local address that reaches the other,
+//! `--wire-port` or `GPUVERBS_SOFTNIC_ADDR`; an rdma-core device such as `mlx5_0` is used as it
+//! is, its endpoints carrying its port's RoCE v2 GID, and refuses the soft NIC's `--wire-port`,
+//! `--loss` and `--pcap`), both confirm that the other opened one, then they exchange
+//! endpoints, parameters and their destination buffer, and connect QP k to QP k. The client is side A (it writes; the server only receives, unless
 //! `--bidir`). Each size runs in steps both sides take together over the TCP connection
 //! (warm-up, poison, timed run, validation), so that the receiver poisons after the warm-up
 //! writes and checks after the timed ones, and every failure, on either side, ends both runs
@@ -138,11 +140,13 @@ enum Inject {
     long_about = "RDMA WRITE bandwidth, posted by CUDA kernels (or the CPU), perftest style \
                   (ib_write_bw's table). Every byte that arrives is checked.\n\n\
                   Roles: `put_bw --loopback` runs both sides in this process; `put_bw` (server) \
-                  and `put_bw SERVER` (client) meet over TCP on -p, each opens a soft NIC with a \
-                  UDP wire port (RoCEv2) on the address that reaches the other, and the client \
+                  and `put_bw SERVER` (client) meet over TCP on -p, each opens its device (-d: \
+                  a soft NIC gets a UDP wire port, RoCEv2, on the address that reaches the \
+                  other; an rdma-core device such as mlx5_0 sends from its own port), and the \
+                  client \
                   writes into the server's memory (with --bidir both write); the receiver checks \
                   every byte after each size and reports to the sender, so both exit non-zero \
-                  on a failure. --loss PCT drops datagrams on purpose.\n\n\
+                  on a failure. --loss PCT (soft NIC) drops datagrams on purpose.\n\n\
                   Default iterations per size and QP: 5000, or 1 GiB worth when less (at least \
                   64); warm-up about a tenth (at most 500)."
 )]
@@ -470,14 +474,14 @@ fn run(args: &Args) -> Result<()> {
     let a = &args.common;
     let sizes = a.sizes(DEFAULT_SIZE);
     let dirs = if args.bidir { 2 } else { 1 };
-    // The server/client roles meet first: the soft NIC's wire port binds the local address
+    // The server/client roles meet first: a soft NIC's wire port binds the local address
     // that reaches the peer.
     let mut peer = if a.loopback {
         None
     } else {
         Some(Peer::rendezvous(a, TEST)?)
     };
-    let env = match &peer {
+    let env = match &mut peer {
         None => open_env(a)?,
         Some(p) => open_env_remote(a, p, None)?,
     };
@@ -766,7 +770,7 @@ fn run(args: &Args) -> Result<()> {
         .line("TX depth", format!("{tx} blocks"))
         .line(
             "Mtu",
-            mtu_line(a.mtu, &first_qp.endpoint(), peer_eps.first()),
+            mtu_line(a.mtu, &env.ctx, &first_qp.endpoint(), peer_eps.first()),
         )
         .line(
             "Iterations",

@@ -8,8 +8,10 @@
 //! write_lat -p 18515 --initiator cpu  /  write_lat 127.0.0.1 -p 18515 --initiator cpu
 //! ```
 //!
-//! Server/client roles: the client is side A, the server side B; each process opens a soft NIC
-//! with a wire port (RoCEv2 over UDP), its own thread drives its side with the CPU initiator,
+//! Server/client roles: the client is side A, the server side B; each process opens its device
+//! (`-d`: a soft NIC with a wire port, RoCEv2 over UDP, or an rdma-core device such as `mlx5_0`,
+//! which refuses the soft NIC's `--wire-port`, `--loss` and `--pcap`), its own thread drives
+//! its side with the CPU initiator,
 //! and each size runs in steps both take over the TCP connection (buffers cleared, ping-pong,
 //! each side's check of its receive buffer and side A's numbers exchanged), so both print the
 //! same row and both fail when either check fails. The GPU initiator needs `--loopback`: its
@@ -89,7 +91,8 @@ const LAT_COLUMNS: [(&str, usize); 9] = [
                   Both receive buffers are checked after every size.\n\n\
                   Roles: `write_lat --loopback` runs both sides in this process; `write_lat` \
                   (server, side B) and `write_lat SERVER` (client, side A) meet over TCP on -p, \
-                  each opens a soft NIC with a UDP wire port (RoCEv2) and the CPU posts (the GPU \
+                  each opens its device (-d: a soft NIC with a UDP wire port, RoCEv2, or an \
+                  rdma-core device such as mlx5_0) and the CPU posts (the GPU \
                   initiator needs --loopback); each side checks its receive buffer and reports \
                   to the other.\n\n\
                   Default iterations per size: 1000, or 256 MiB worth when less (at least 100); \
@@ -227,14 +230,14 @@ fn run(args: &Args) -> Result<()> {
     };
     let max = *sizes.iter().max().expect("one size at least");
     let len = (max.next_multiple_of(8) as usize).max(8);
-    // The server/client roles meet first: the soft NIC's wire port binds the local address
+    // The server/client roles meet first: a soft NIC's wire port binds the local address
     // that reaches the peer.
     let mut peer = if a.loopback {
         None
     } else {
         Some(Peer::rendezvous(a, TEST)?)
     };
-    let env = match &peer {
+    let env = match &mut peer {
         None => open_env(a)?,
         Some(p) => open_env_remote(a, p, Some(GPU_NEEDS_LOOPBACK))?,
     };
@@ -345,7 +348,7 @@ fn run(args: &Args) -> Result<()> {
     .line("TX depth", format!("{tx} blocks"))
     .line(
         "Mtu",
-        mtu_line(a.mtu, &sides[0].qp.endpoint(), peer_ep.as_ref()),
+        mtu_line(a.mtu, &env.ctx, &sides[0].qp.endpoint(), peer_ep.as_ref()),
     )
     .line(
         "Iterations",
