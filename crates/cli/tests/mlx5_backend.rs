@@ -464,3 +464,67 @@ fn put_bw_and_write_lat_run_on_the_mlx5_backend() {
         assert!(rec.contains("\"device\":\"mlx5 mlx5_0"), "{bin}: {rec}");
     }
 }
+
+/// Runs under `gpuverbs emu` (started by the test below): `ibv_reg_dmabuf_mr` reaches the
+/// emulation's one ioctl method through the real libibverbs + libmlx5 and is refused the way
+/// mlx5_ib refuses what is not a dma-buf of device memory.
+#[test]
+fn dmabuf_child() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    use rdma_core_sys as sys;
+    let v = sys::verbs().unwrap();
+    let reg = v
+        .ibv_reg_dmabuf_mr
+        .expect("libibverbs has ibv_reg_dmabuf_mr");
+    // SAFETY: the device list, context and PD are used while open and released at the end;
+    // every pointer comes from libibverbs.
+    unsafe {
+        let mut n = 0;
+        let list = (v.ibv_get_device_list)(&mut n);
+        assert!(n >= 1, "no emulated device");
+        let ctx = (v.ibv_open_device)(*list);
+        assert!(!ctx.is_null());
+        let pd = (v.ibv_alloc_pd)(ctx);
+        assert!(!pd.is_null());
+        let errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        // a memfd is no dma-buf: EINVAL (not ENOTTY: the method is served)
+        let fd = libc::memfd_create(c"not-a-dmabuf".as_ptr(), 0);
+        assert!(fd >= 0);
+        assert_eq!(libc::ftruncate(fd, 1 << 16), 0);
+        let mr = reg(pd, 0, 4096, 0x10000, fd, 1);
+        println!("DMABUF memfd {} {}", mr.is_null(), errno());
+        // no fd at all: EBADF
+        let mr = reg(pd, 0, 4096, 0x10000, 987_654, 1);
+        println!("DMABUF nofd {} {}", mr.is_null(), errno());
+        libc::close(fd);
+        (v.ibv_dealloc_pd)(pd);
+        (v.ibv_close_device)(ctx);
+        (v.ibv_free_device_list)(list);
+    }
+}
+
+#[test]
+fn dmabuf_registration_reaches_the_emulated_kernel() {
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(GPUVERBS)
+        .env("GPUVERBS_PRELOAD", preload())
+        .env(CHILD, "1")
+        .args(["emu", "--ip", "127.0.97.1", "--"])
+        .arg(&exe)
+        .args(["--exact", "dmabuf_child", "--nocapture", "--test-threads=1"])
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("DMABUF memfd true {}", libc::EINVAL)),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("DMABUF nofd true {}", libc::EBADF)),
+        "{text}"
+    );
+}

@@ -216,6 +216,43 @@ pod!(
     RegMrResp[12] { mr_handle: u32, lkey: u32, rkey: u32 }
 );
 pod!(
+    /// `struct ib_uverbs_ioctl_hdr` (the ioctl command path), then `num_attrs` attributes.
+    IoctlHdr[24] {
+        length: u16, object_id: u16, method_id: u16, num_attrs: u16, reserved1: u64,
+        driver_id: u32, reserved2: u32,
+    }
+);
+pod!(
+    /// `struct ib_uverbs_attr`: an attribute of an ioctl command (a value of at most 8 bytes
+    /// inline in `data`, else `data` points at it; an object handle; a file descriptor).
+    IoctlAttr[16] { attr_id: u16, len: u16, flags: u16, attr_data: u16, data: u64 }
+);
+
+/// The ioctl command path (`<rdma/rdma_user_ioctl_cmds.h>`, `<rdma/ib_user_ioctl_cmds.h>`).
+pub mod ioctl {
+    /// `RDMA_VERBS_IOCTL`: `_IOWR(0x1b, 1, struct ib_uverbs_ioctl_hdr)`.
+    pub const RDMA_VERBS_IOCTL: libc::c_ulong = 3 << 30 | 24 << 16 | 0x1b << 8 | 1;
+    /// `UVERBS_OBJECT_MR`.
+    pub const OBJECT_MR: u16 = 7;
+    /// `UVERBS_METHOD_REG_DMABUF_MR`.
+    pub const METHOD_REG_DMABUF_MR: u16 = 4;
+    /// `UVERBS_ATTR_F_VALID_OUTPUT`: set on an output attribute the kernel wrote.
+    pub const ATTR_F_VALID_OUTPUT: u16 = 1 << 1;
+    /// The attributes of REG_DMABUF_MR (`enum uverbs_attrs_reg_dmabuf_mr_cmd_attr_ids`).
+    pub mod reg_dmabuf_mr {
+        pub const HANDLE: u16 = 0;
+        pub const PD_HANDLE: u16 = 1;
+        pub const OFFSET: u16 = 2;
+        pub const LENGTH: u16 = 3;
+        pub const IOVA: u16 = 4;
+        pub const FD: u16 = 5;
+        pub const ACCESS_FLAGS: u16 = 6;
+        pub const RESP_LKEY: u16 = 7;
+        pub const RESP_RKEY: u16 = 8;
+    }
+}
+
+pod!(
     /// `struct ib_uverbs_alloc_mw`.
     AllocMw[16] { response: u64, pd_handle: u32, mw_type: u8, reserved: [u8; 3] }
 );

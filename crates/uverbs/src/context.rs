@@ -713,6 +713,90 @@ impl Context {
         Ok(Created::Nothing)
     }
 
+    /// REG_DMABUF_MR (the ioctl path; `attrs` are the command's attributes, at `uattrs` in the
+    /// caller's memory): a region over a dma-buf, as mlx5_ib's `reg_user_mr_dmabuf`. The
+    /// emulated kernel cannot map a dma-buf's pages; it checks that the fd is a dma-buf that
+    /// holds `offset + length` bytes, and that the range at the IOVA (the address peers and
+    /// WQEs name the region by) and the dma-buf's first byte (`iova - offset`) are device
+    /// memory of one GPU allocation, whose bytes the soft NIC then moves with CUDA copies
+    /// ([`peermem`]). Access flags as REG_MR; a bad PD or a missing attribute: EINVAL; not a
+    /// dma-buf: EINVAL; a range it cannot resolve: EFAULT.
+    pub fn reg_dmabuf_mr(&self, uattrs: u64, attrs: &[abi::IoctlAttr]) -> Result<(), Errno> {
+        use abi::ioctl::reg_dmabuf_mr as id;
+        let find = |want: u16| {
+            attrs
+                .iter()
+                .position(|a| a.attr_id == want)
+                .ok_or(Errno::EINVAL)
+        };
+        let inline = |want: u16| -> Result<u64, Errno> {
+            let a = attrs[find(want)?];
+            if a.len > 8 {
+                return Err(Errno::EINVAL);
+            }
+            Ok(a.data)
+        };
+        let (pd_h, offset, length, iova) = (
+            inline(id::PD_HANDLE)? as u32,
+            inline(id::OFFSET)?,
+            inline(id::LENGTH)?,
+            inline(id::IOVA)?,
+        );
+        let (fd, flags) = (inline(id::FD)? as i32, inline(id::ACCESS_FLAGS)? as u32);
+        let (h_at, lkey_at, rkey_at) = (
+            find(id::HANDLE)?,
+            find(id::RESP_LKEY)?,
+            find(id::RESP_RKEY)?,
+        );
+        let a = Self::check_mr(iova, length, iova, flags)?;
+        let end = offset.checked_add(length).ok_or(Errno::EINVAL)?;
+        if !is_dmabuf(fd)? {
+            return Err(Errno::EINVAL);
+        }
+        if dmabuf_size(fd).is_some_and(|size| end > size) {
+            return Err(Errno::EINVAL);
+        }
+        let first = iova.checked_sub(offset).ok_or(Errno::EINVAL)?;
+        let mem = peermem::resolve(first, end).ok_or(Errno::EFAULT)?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let pd = o.pds.get(&pd_h).ok_or(Errno::EINVAL)?.id;
+        let info = soft
+            .reg_device(pd, iova, length, a, mem)
+            .map_err(|_| Errno::EINVAL)?;
+        let h = o.handle();
+        let out = || -> Result<(), Errno> {
+            let at = |i: usize| uattrs + 16 * i as u64;
+            copy_to_user(
+                attrs[lkey_at].data,
+                &info.key.to_ne_bytes()[..attrs[lkey_at].len.min(4) as usize],
+            )?;
+            copy_to_user(
+                attrs[rkey_at].data,
+                &info.key.to_ne_bytes()[..attrs[rkey_at].len.min(4) as usize],
+            )?;
+            // the new object's handle goes back in the attribute's data
+            copy_to_user(at(h_at) + 8, &u64::from(h).to_ne_bytes())?;
+            for i in [h_at, lkey_at, rkey_at] {
+                let f = attrs[i].flags | abi::ioctl::ATTR_F_VALID_OUTPUT;
+                copy_to_user(at(i) + 4, &f.to_ne_bytes())?;
+            }
+            Ok(())
+        };
+        if let Err(e) = out() {
+            let _ = soft.dereg(info.key);
+            return Err(e);
+        }
+        o.mrs.insert(
+            h,
+            MrObj {
+                key: info.key,
+                pd: pd_h,
+            },
+        );
+        Ok(())
+    }
+
     fn rereg_mr(&self, io: &Io<'_>) -> Result<Created, Errno> {
         let r: abi::ReregMr = io.core()?;
         // IB_MR_REREG_TRANS 1, _PD 2, _ACCESS 4
@@ -1607,6 +1691,24 @@ impl Context {
         o.ahs.clear();
         o.channels.clear();
     }
+}
+
+/// Whether `fd` is a dma-buf (what `/proc/self/fd` names it: `/dmabuf:...` or
+/// `anon_inode:dmabuf`); EBADF when it is no open fd.
+fn is_dmabuf(fd: RawFd) -> Result<bool, Errno> {
+    let target = std::fs::read_link(format!("/proc/self/fd/{fd}")).map_err(|_| Errno::EBADF)?;
+    let t = target.to_string_lossy();
+    Ok(t.starts_with("/dmabuf:") || t.starts_with("anon_inode:dmabuf"))
+}
+
+/// A dma-buf's size (dma-bufs answer `lseek(fd, 0, SEEK_END)` with it), `None` when it does not
+/// say. The file position is left at 0, where it was.
+fn dmabuf_size(fd: RawFd) -> Option<u64> {
+    // SAFETY: lseek on an fd has no memory effects; a dma-buf's position carries no state.
+    let end = unsafe { libc::lseek(fd, 0, libc::SEEK_END) };
+    // SAFETY: as above.
+    unsafe { libc::lseek(fd, 0, libc::SEEK_SET) };
+    u64::try_from(end).ok()
 }
 
 /// The errno for a command or feature the emulation does not serve, with one line on stderr

@@ -13,7 +13,8 @@
 //! - [`device`] holds the soft NICs (one per `mlx5_N`, each with a RoCEv2 wire port on its
 //!   own address, [`config`]).
 //!
-//! Core ioctls answer ENOTTY, so libibverbs takes its `write()` command path throughout.
+//! Core ioctls answer ENOTTY, so libibverbs takes its `write()` command path throughout; the one
+//! ioctl method served is REG_DMABUF_MR, which has no `write()` form.
 
 pub mod abi;
 pub mod config;
@@ -198,6 +199,40 @@ impl Emulation {
             Some(FdKind::Device(c)) => Some(c.clone()),
             _ => None,
         }
+    }
+
+    /// `ioctl(fd, request, arg)` on a file of ours. The uverbs ioctl path serves one method,
+    /// REG_DMABUF_MR (which has no `write()` form); every other request is ENOTTY, so
+    /// libibverbs takes the `write()` command path for everything else.
+    pub fn ioctl(&self, fd: RawFd, request: libc::c_ulong, arg: u64) -> Result<i32, Errno> {
+        let ctx = match self.fds.lock().get(&fd) {
+            Some(FdKind::Device(c)) => c.clone(),
+            Some(_) => return Err(Errno::ENOTTY),
+            None => return Err(Errno::EBADF),
+        };
+        if request != abi::ioctl::RDMA_VERBS_IOCTL {
+            return Err(Errno::ENOTTY);
+        }
+        let mut h = [0u8; 24];
+        uaccess::copy_from_user(arg, &mut h)?;
+        let hdr: abi::IoctlHdr = bytemuck::pod_read_unaligned(&h);
+        if (hdr.object_id, hdr.method_id)
+            != (abi::ioctl::OBJECT_MR, abi::ioctl::METHOD_REG_DMABUF_MR)
+        {
+            return Err(Errno::ENOTTY);
+        }
+        let n = hdr.num_attrs as usize;
+        if hdr.length as usize != 24 + 16 * n || hdr.reserved1 != 0 || hdr.reserved2 != 0 {
+            return Err(Errno::EINVAL);
+        }
+        let mut raw = vec![0u8; 16 * n];
+        uaccess::copy_from_user(arg + 24, &mut raw)?;
+        let attrs: Vec<abi::IoctlAttr> = raw
+            .chunks_exact(16)
+            .map(bytemuck::pod_read_unaligned)
+            .collect();
+        ctx.reg_dmabuf_mr(arg + 24, &attrs)?;
+        Ok(0)
     }
 
     /// `write(fd, buf, len)` on a file of ours: one uverbs command.

@@ -1,5 +1,5 @@
-//! GPU memory an application registers with REG_MR: what nvidia-peermem lets the kernel
-//! resolve on a host with a ConnectX. The emulated kernel lives in the application's process,
+//! GPU memory an application registers, with REG_MR on a GPU address (what nvidia-peermem lets
+//! the kernel resolve on a host with a ConnectX) or with REG_DMABUF_MR on a dma-buf of it. The emulated kernel lives in the application's process,
 //! so it asks CUDA there whether the range is device memory of one allocation
 //! ([`cuda_mem::device_allocation`]) and moves its bytes with CUDA copies (one
 //! [`cuda_mem::CudaMemory`] per GPU, made on first use). Without a CUDA driver, or for an

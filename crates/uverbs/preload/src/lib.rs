@@ -190,9 +190,15 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
 #[no_mangle]
 pub unsafe extern "C" fn ioctl(fd: c_int, request: c_ulong, arg: *mut c_void) -> c_int {
     if is_ours(fd) {
-        // No ioctl interface: libibverbs then uses the write() commands for everything.
-        set_errno(Errno::ENOTTY);
-        return -1;
+        // The ioctl path serves REG_DMABUF_MR only (ENOTTY for the rest: libibverbs then uses
+        // the write() commands for everything else).
+        return match emulation() {
+            Some(emu) => guard(-1, || emu.ioctl(fd, request, arg as u64)),
+            None => {
+                set_errno(Errno::ENOTTY);
+                -1
+            }
+        };
     }
     // SAFETY: libc's ioctl with the caller's arguments.
     unsafe { real!(c"ioctl": fn(c_int, c_ulong, *mut c_void) -> c_int)(fd, request, arg) }
