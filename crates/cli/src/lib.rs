@@ -2,5 +2,7 @@
 //! argument parsing and printing (`src/main.rs`).
 //!
 //! - [`doctor`]: `gpuverbs doctor [--json]`, what gpuverbs will do on this machine and why.
+//! - [`plot`]: `gpuverbs plot`, the SVG plots of the samples' `--json` output.
 
 pub mod doctor;
+pub mod plot;

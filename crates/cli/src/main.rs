@@ -10,6 +10,10 @@
 //! rdma-core and its devices, PCIe distance, ACS, IOMMU, BAR1, memlock, trial registrations)
 //! and says what gpuverbs would choose; the exit status is the worst check's: 0 ok or not
 //! applicable, 1 warn, 3 fail (docs/doctor.md).
+//!
+//! `gpuverbs plot bw|lat FILE.json... -o OUT.svg [--label NAME]... [--title T] [--field F]`
+//! draws the samples' `--json` rows (put_bw: bandwidth, write_lat: latency) against message
+//! size, one series per file.
 
 use anyhow::{bail, Context as _};
 use clap::{Args, Parser, Subcommand};
@@ -36,6 +40,57 @@ enum Cmd {
     Emu(Emu),
     /// Check this machine: what gpuverbs will do here, and why.
     Doctor(Doctor),
+    /// Plot the samples' `--json` output (bandwidth or latency against message size) as SVG.
+    Plot(Plot),
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PlotKind {
+    /// put_bw rows: `bw_average` [MB/s], log scale.
+    Bw,
+    /// write_lat rows: `t_typical_us` [us].
+    Lat,
+}
+
+#[derive(Args)]
+struct Plot {
+    /// What the files hold.
+    kind: PlotKind,
+    /// The samples' `--json` output files, one series each.
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// The SVG to write.
+    #[arg(short, long)]
+    out: PathBuf,
+    /// Names of the series, in file order (default: the file names).
+    #[arg(long)]
+    label: Vec<String>,
+    /// Title (default: the kind).
+    #[arg(long)]
+    title: Option<String>,
+    /// Plot this field of the rows instead (e.g. `bw_peak`, `p99_us`).
+    #[arg(long)]
+    field: Option<String>,
+}
+
+fn plot(a: Plot) -> anyhow::Result<ExitCode> {
+    use gpuverbs_cli::plot::{plot_files, PlotSpec};
+    let mut spec = match a.kind {
+        PlotKind::Bw => PlotSpec::bandwidth(a.title.as_deref().unwrap_or("put_bw: bandwidth")),
+        PlotKind::Lat => PlotSpec::latency(a.title.as_deref().unwrap_or("write_lat: latency")),
+    };
+    if let Some(f) = a.field {
+        spec.y_label = f.clone();
+        spec.field = f;
+    }
+    let series = plot_files(&spec, &a.files, &a.label, &a.out)?;
+    eprintln!(
+        "gpuverbs plot: {} ({} series, {} points)",
+        a.out.display(),
+        series.len(),
+        series.iter().map(|s| s.points.len()).sum::<usize>()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Args)]
@@ -192,6 +247,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Emu(a) => emu(a),
         Cmd::Doctor(a) => doctor(a),
+        Cmd::Plot(a) => plot(a),
     };
     match r {
         Ok(c) => c,
