@@ -219,7 +219,17 @@ pub fn draw(spec: &PlotSpec, series: &[Series], out: &Path) -> Result<(), PlotEr
             .x_desc("message size [bytes]")
             .y_desc(&spec.y_label)
             .x_label_formatter(&size_label)
-            .y_label_formatter(&|v| format!("{}", 10f64.powf(*v)))
+            .y_labels((ly1 - ly0) as usize + 1)
+            .y_label_formatter(&|v| {
+                // decades only: 0.01, 0.1, 1, 10, ...
+                if (v - v.round()).abs() > 1e-6 {
+                    String::new()
+                } else if *v < 0.0 {
+                    format!("{}", 10f64.powi(v.round() as i32))
+                } else {
+                    format!("{:.0}", 10f64.powi(v.round() as i32))
+                }
+            })
             .draw()
             .map_err(|e| fail(&e))?;
         for (i, s) in series.iter().enumerate() {
