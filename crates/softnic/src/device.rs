@@ -33,13 +33,17 @@ pub struct DeviceConfig {
     /// device reaches peers of this process only. With a port and no explicit `gid`, the GID
     /// is the IPv4-mapped form of the bind address.
     pub wire: Option<WireConfig>,
+    /// Engine threads (0 means 1). The QPs are divided between them by QPN (QP `q` belongs to
+    /// thread `q % n`); each runs its QPs' doorbells and WQEs as a single engine does, so a
+    /// QP's WQEs still run in order on one thread, and QPs on different threads run at once.
+    pub engine_threads: u32,
 }
 
 /// A soft mlx5 device. Dropping it stops its engine; peers then see its QPs vanish (their
 /// requests time out with TRANSPORT_RETRY_EXC, as with a dead host).
 pub struct Device {
     shared: Arc<Shared>,
-    engine: Option<JoinHandle<()>>,
+    engines: Vec<JoinHandle<()>>,
     io: Option<JoinHandle<()>>,
 }
 
@@ -88,21 +92,34 @@ impl Device {
             next_srqn: AtomicU32::new(0x40),
             next_pd: AtomicU32::new(1),
             shutdown: AtomicBool::new(false),
-            engine: OnceLock::new(),
+            engines: OnceLock::new(),
             port,
             peers: RwLock::default(),
         });
         shared::register(&shared, wire)?;
-        let s = shared.clone();
-        let handle = std::thread::Builder::new()
-            .name(format!("{}-engine", shared.name))
-            .spawn(move || crate::engine::run(s))?;
-        let _ = shared.engine.set(handle.thread().clone());
+        // The handle first: should a thread fail to start, dropping it stops the others.
         let mut dev = Self {
             shared: shared.clone(),
-            engine: Some(handle),
+            engines: Vec::new(),
             io: None,
         };
+        let n = cfg.engine_threads.max(1);
+        for k in 0..n {
+            let s = shared.clone();
+            let name = if n == 1 {
+                format!("{}-engine", shared.name)
+            } else {
+                format!("{}-engine{k}", shared.name)
+            };
+            dev.engines.push(
+                std::thread::Builder::new()
+                    .name(name)
+                    .spawn(move || crate::engine::run(s, k, n))?,
+            );
+        }
+        let _ = shared
+            .engines
+            .set(dev.engines.iter().map(|h| h.thread().clone()).collect());
         if let Some(port) = shared.port.clone() {
             let s = shared.clone();
             dev.io = Some(
@@ -385,7 +402,7 @@ impl Drop for Device {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.kick();
-        if let Some(h) = self.engine.take() {
+        for h in self.engines.drain(..) {
             let _ = h.join();
         }
         if let Some(h) = self.io.take() {

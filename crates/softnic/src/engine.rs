@@ -40,15 +40,21 @@ const MAX_PARK: Duration = Duration::from_micros(500);
 /// WQEs one QP runs before the engine looks at the next.
 const BUDGET: u32 = 64;
 
-pub(crate) fn run(dev: Arc<Shared>) {
+/// Engine thread `k` of `n`: runs the QPs whose QPN is `k` modulo `n` (and, thread 0, the
+/// delayed CQEs of every CQ) until the device shuts down.
+pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
     let mut generation = u64::MAX;
-    let (mut qps, mut cqs) = (Vec::new(), Vec::new());
+    let (mut qps, mut cqs): (Vec<Arc<Qp>>, Vec<_>) = (Vec::new(), Vec::new());
     let mut idle = 0u32;
     let mut park = Duration::from_micros(10);
     while !dev.shutdown.load(Ordering::Acquire) {
         let g = dev.generation.load(Ordering::Acquire);
         if g != generation {
             (qps, cqs) = dev.snapshot();
+            qps.retain(|q| q.qpn % n == k);
+            if k != 0 {
+                cqs.clear();
+            }
             generation = g;
         }
         let mut work = false;

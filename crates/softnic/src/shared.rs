@@ -31,7 +31,8 @@ pub(crate) struct Shared {
     pub next_srqn: AtomicU32,
     pub next_pd: AtomicU32,
     pub shutdown: AtomicBool,
-    pub engine: OnceLock<Thread>,
+    /// The engine threads (QP `q` belongs to thread `q.qpn % len`).
+    pub engines: OnceLock<Vec<Thread>>,
     /// The wire port, if any.
     pub port: Option<Arc<Port>>,
     /// GID → UDP address of wire peers ([`Device::add_peer`]).
@@ -51,7 +52,7 @@ impl Shared {
         (qps, self.cqs.read().values().cloned().collect())
     }
     pub fn kick(&self) {
-        if let Some(t) = self.engine.get() {
+        for t in self.engines.get().into_iter().flatten() {
             t.unpark();
         }
     }

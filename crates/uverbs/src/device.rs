@@ -53,6 +53,7 @@ impl EmuDevice {
             gid: Some(softnic::Gid::from_ipv4(self.id.ip)),
             completion_only: false,
             wire: Some(wire),
+            engine_threads: 1,
         })
         .map_err(|e| {
             crate::complain(format_args!(
