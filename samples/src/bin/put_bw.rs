@@ -1011,8 +1011,8 @@ fn run(args: &Args) -> Result<()> {
         let mut cols = vec![
             ("#bytes".to_string(), 10),
             ("#iterations".to_string(), 14),
-            (format!("BW peak[{}]", units.label()), 20),
-            (format!("BW average[{}]", units.label()), 22),
+            (format!("BW peak[{}]", units.label()), 18),
+            (format!("BW average[{}]", units.label()), 20),
             ("MsgRate[Mpps]".to_string(), 0),
         ];
         if cpu_util {
@@ -1229,8 +1229,8 @@ fn run(args: &Args) -> Result<()> {
             let mut cells = vec![
                 (plan.size.to_string(), 10),
                 (reported.to_string(), 14),
-                (format!("{peak:.2}"), 20),
-                (format!("{avg:.2}"), 22),
+                (format!("{peak:.2}"), 18),
+                (format!("{avg:.2}"), 20),
                 (format!("{mpps:.6}"), 0),
             ];
             if cpu_util {

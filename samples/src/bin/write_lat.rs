@@ -67,13 +67,13 @@ const DEFAULT_ITERS: u32 = 1000;
 const BYTES_PER_SIZE: u64 = 256 << 20;
 /// Fewest default iterations of a size.
 const MIN_ITERS: u32 = 100;
-/// perftest's latency columns and their widths.
+/// perftest's latency columns and their widths (its RESULT_FMT_LAT's spacing).
 const LAT_COLUMNS: [(&str, usize); 9] = [
-    ("#bytes", 7),
-    ("#iterations", 12),
+    ("#bytes", 6),
+    ("#iterations", 14),
     ("t_min[usec]", 14),
-    ("t_max[usec]", 14),
-    ("t_typical[usec]", 16),
+    ("t_max[usec]", 12),
+    ("t_typical[usec]", 18),
     ("t_avg[usec]", 14),
     ("t_stdev[usec]", 15),
     ("99% percentile[usec]", 22),
