@@ -402,6 +402,15 @@ impl Context {
         }
     }
 
+    /// The index of [`Context::gid`] in the port's GID table: the RoCE v2 GID an rdma-core
+    /// device's QPs use (its `sgid_index`); 0 on the soft NIC, which has one GID.
+    pub fn gid_index(&self) -> u8 {
+        match &self.inner.backend {
+            Backend::Soft(_) => 0,
+            Backend::Mlx5(d) => d.gid.index,
+        }
+    }
+
     /// The path MTU the device offers (bytes): the port's active MTU on rdma-core devices,
     /// 4096 on the soft NIC.
     pub fn mtu(&self) -> u32 {

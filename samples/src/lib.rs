@@ -236,9 +236,141 @@ pub struct CommonArgs {
     /// One JSON object per size on stdout (the header goes to stderr).
     #[arg(long)]
     pub json: bool,
+    /// perftest's --output: print only this number of each size (perftest's `%lf`, one line
+    /// per size), no header and no table: put_bw takes bandwidth (BW average) or
+    /// message_rate (Mpps), write_lat latency (t_avg, microseconds).
+    #[arg(long, value_enum, value_name = "UNITS", conflicts_with = "json")]
+    pub output: Option<OutputArg>,
+    /// perftest's -F (no warning when the CPU frequency is not at its maximum): accepted and
+    /// ignored, as perftest's only concerns its cycle counter (gpuverbs times with the
+    /// monotonic clock or the GPU's timers).
+    #[arg(short = 'F', long = "CPU-freq")]
+    pub cpu_freq: bool,
+    /// perftest's -x: the GID index. gpuverbs uses the port's RoCE v2 GID (on the soft NIC
+    /// index 0, its only one); another index is refused with the one in use.
+    #[arg(short = 'x', long = "gid-index", value_name = "INDEX")]
+    pub gid_index: Option<u8>,
+    /// perftest's -i: the device port (perftest's default 1). gpuverbs drives port 1; another
+    /// port is refused.
+    #[arg(
+        short = 'i',
+        long = "ib-port",
+        value_name = "PORT",
+        default_value_t = 1
+    )]
+    pub ib_port: u8,
+    /// perftest's -R (connect the QPs with rdma_cm): refused; gpuverbs exchanges its
+    /// endpoints over its own TCP bootstrap.
+    #[arg(short = 'R', long = "rdma_cm")]
+    pub rdma_cm: bool,
+    /// perftest's --use_cuda=N: payload buffers in the memory of GPU N (= --mem gpu --gpu N).
+    #[arg(long = "use_cuda", value_name = "GPU", conflicts_with_all = ["gpu", "mem"])]
+    pub use_cuda: Option<usize>,
+    /// perftest's --use_cuda_dmabuf: register the GPU payload buffers through a dma-buf
+    /// (needs --use_cuda or --mem gpu). On an rdma-core device (mlx5 backend) a region that
+    /// came through another path (nvidia-peermem) fails the run; the soft NIC refuses it (its
+    /// registrations take no dma-buf).
+    #[arg(long = "use_cuda_dmabuf")]
+    pub use_cuda_dmabuf: bool,
+}
+
+/// perftest's `--output` units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OutputArg {
+    /// BW average (MB/sec, or Gb/sec with --report-gbits).
+    Bandwidth,
+    /// Message rate (Mpps).
+    #[value(name = "message_rate")]
+    MessageRate,
+    /// t_avg (microseconds).
+    Latency,
+}
+
+impl OutputArg {
+    /// perftest's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bandwidth => "bandwidth",
+            Self::MessageRate => "message_rate",
+            Self::Latency => "latency",
+        }
+    }
+}
+
+/// perftest's one-number line of `--output` (`printf("%lf\n")`).
+pub fn output_number(v: f64) -> String {
+    format!("{v:.6}")
 }
 
 impl CommonArgs {
+    /// Applies the perftest spellings that stand for other options (`--use_cuda=N`: `--mem
+    /// gpu --gpu N`), and refuses what cannot apply whatever the device (`-R`, `-i` other than
+    /// 1, `--use_cuda_dmabuf` without GPU memory), with a one-line reason.
+    pub fn resolve(&mut self) -> Result<()> {
+        if self.rdma_cm {
+            bail!(
+                "-R (rdma_cm): not supported: gpuverbs connects its QPs itself, exchanging the \
+                 endpoints over its TCP bootstrap (-p), as perftest does without -R"
+            );
+        }
+        if self.ib_port != 1 {
+            bail!(
+                "-i {}: gpuverbs drives port 1 of the device only",
+                self.ib_port
+            );
+        }
+        if let Some(g) = self.use_cuda {
+            self.mem = Placement::Gpu;
+            self.gpu = g;
+        }
+        if self.use_cuda_dmabuf && self.mem != Placement::Gpu {
+            bail!("--use_cuda_dmabuf: needs GPU payload buffers (--use_cuda=N or --mem gpu)");
+        }
+        Ok(())
+    }
+
+    /// Refuses `-x` and `--use_cuda_dmabuf` where the opened device cannot honour them.
+    pub fn check_device(&self, ctx: &Context) -> Result<()> {
+        if let Some(x) = self.gid_index {
+            if x != ctx.gid_index() {
+                bail!(
+                    "-x {x}: gpuverbs uses the RoCE v2 GID of port 1, GID index {} of {} ({}); \
+                     another index cannot be chosen",
+                    ctx.gid_index(),
+                    ctx.selection().name,
+                    gpuverbs::endpoint::Gid::from(ctx.gid())
+                );
+            }
+        }
+        if self.use_cuda_dmabuf && ctx.selection().kind == gpuverbs::device::BackendKind::Soft {
+            bail!(
+                "--use_cuda_dmabuf: does not apply to the soft NIC {} (it reaches GPU memory \
+                 without a dma-buf); use an rdma-core device such as mlx5_0",
+                ctx.selection().name
+            );
+        }
+        Ok(())
+    }
+
+    /// With `--use_cuda_dmabuf`, fails unless `mr` (a GPU payload region) was registered
+    /// through a dma-buf (`Mr::gpu_path`).
+    pub fn check_dmabuf(&self, mr: &gpuverbs::Mr, what: &str) -> Result<()> {
+        if !self.use_cuda_dmabuf {
+            return Ok(());
+        }
+        match mr.gpu_path() {
+            Some(gpuverbs::GpuRegPath::DmaBuf) => Ok(()),
+            other => bail!(
+                "--use_cuda_dmabuf: the {what} buffer was registered {} (no dma-buf: the kernel \
+                 or the GPU driver offers none for it)",
+                match other {
+                    Some(p) => format!("through {p:?}"),
+                    None => "without a GPU path".to_string(),
+                }
+            ),
+        }
+    }
+
     /// The sizes to run.
     pub fn sizes(&self, default: u64) -> Vec<u64> {
         if self.all {
@@ -864,7 +996,7 @@ pub fn tx_depth_for(min: u32, unsignaled_blocks: u64) -> Result<u32> {
     if need > MAX_TX_DEPTH as u64 {
         bail!(
             "the posters of one QP may leave {unsignaled_blocks} blocks without a CQE, which needs \
-             an SQ of {need} blocks (at most {MAX_TX_DEPTH}): lower --cq-mod or --batch, or use \
+             an SQ of {need} blocks (at most {MAX_TX_DEPTH}): lower --cq-mod or -l (--post_list), or use \
              fewer threads per QP"
         );
     }
@@ -921,6 +1053,26 @@ impl Header {
             println!("{s}");
         }
     }
+}
+
+/// perftest's address lines of one QP (`ctx_print_pingpong_data` of an RDMA WRITE test):
+/// ` local address: LID 0000 QPN 0x0011 PSN 0x3a2b1c RKey 0x000123 VAddr 0x007f0000001000`
+/// and ` GID: 00:00:...:255:255:127:00:00:01` (the GID's bytes in decimal, as perftest prints
+/// them). `side`: `local` or `remote`; `rkey`, `vaddr`: the buffer this QP's peer writes into
+/// (or, on a side that receives nothing, its source buffer), as perftest exchanges them. The
+/// LID is 0: RoCE has none.
+pub fn address_lines(side: &str, ep: &Endpoint, rkey: u32, vaddr: u64) -> String {
+    let gid: Vec<String> = ep.gid().0.iter().map(|b| format!("{b:02}")).collect();
+    format!(
+        " {side} address: LID {lid:#04x} QPN {qpn:#06x} PSN {psn:#06x} RKey {rkey:#08x} VAddr \
+         {vaddr:#016x}\n GID: {}",
+        gid.join(":"),
+        lid = 0u16,
+        qpn = ep.qpn(),
+        psn = ep.psn(),
+    )
+    // C's `%#04x` of 0 is `0000` (no 0x for zero); Rust's `{:#04x}` writes `0x00`.
+    .replacen("LID 0x00", "LID 0000", 1)
 }
 
 /// One line of a perftest-style table: each cell left-aligned in its width, one space between

@@ -65,11 +65,11 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, CachedMr, Endpoint, Mr, Qp, RemoteMemory};
 use gpuverbs_samples::{
-    arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
-    create_qp, doorbell_line, exit_with, merge, mtu_line, open_env, open_env_remote, pattern,
-    remote_header, remote_json, step, table_row, tx_depth_for, upload, wire_counters, wire_delta,
-    with_mtu, BwJob, CommonArgs, CpuSample, Exports, GpuStatus, Header, Initiator, OtherCpu,
-    Payload, Peak, Peer, Progress, QpSpec, Units,
+    address_lines, arg, check_placement, common_header, common_json, connect_options, connect_pair,
+    cpu_ring_mode, create_qp, doorbell_line, exit_with, merge, mtu_line, open_env, open_env_remote,
+    output_number, pattern, remote_header, remote_json, step, table_row, tx_depth_for, upload,
+    wire_counters, wire_delta, with_mtu, BwJob, CommonArgs, CpuSample, Exports, GpuStatus, Header,
+    Initiator, OtherCpu, OutputArg, Payload, Peak, Peer, Progress, QpSpec, Units,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey};
@@ -98,7 +98,7 @@ const UNTOUCHED: u8 = 0xa5;
 /// How GPU threads post.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Scope {
-    /// Each thread posts its own WQEs (`put`), `--batch` per doorbell.
+    /// Each thread posts its own WQEs (`put`), `-l` (`--post_list`) per doorbell.
     Thread,
     /// The lanes of a warp post together (`put_warp`): one reservation and doorbell per call.
     Warp,
@@ -172,10 +172,30 @@ struct Args {
     /// GPU: who posts together [default: thread].
     #[arg(long, value_enum)]
     scope: Option<Scope>,
-    /// WQEs per doorbell (thread scope and CPU; a warp or block call rings once for its WQEs).
-    #[arg(long, default_value_t = 16,
+    /// perftest's -l (--post_list): WQEs per doorbell, perftest's default 1 (thread scope and
+    /// CPU; a warp or block call rings once for its WQEs). --batch is the older spelling.
+    #[arg(short = 'l', long = "post_list", alias = "batch", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
-    batch: u32,
+    post_list: u32,
+    /// perftest's -I (--inline_size): messages of at most this many bytes travel inside their
+    /// WQEs (an inline data segment) instead of being gathered from the source buffer;
+    /// perftest's default for ib_write_bw, 0, posts none inline. The CPU initiator only (the
+    /// kernels post gather WQEs).
+    #[arg(short = 'I', long = "inline_size", value_name = "BYTES", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=MAX_INLINE as i64))]
+    inline_size: u32,
+    /// perftest's -D (--duration): run each size's timed part for this many seconds instead of
+    /// a number of iterations (the table reports the iterations done). The CPU initiator only;
+    /// not with -a or -n (as perftest).
+    #[arg(short = 'D', long = "duration", value_name = "SECONDS",
+          conflicts_with_all = ["iters", "all"],
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
+    duration: Option<u32>,
+    /// perftest's --cpu_util: a CPU_Util[%] column, the machine's user time over user + idle
+    /// time during the timed run (/proc/stat, as perftest computes it). Duration mode (-D)
+    /// only: without it perftest warns and reports none, and so does put_bw.
+    #[arg(long = "cpu_util")]
+    cpu_util: bool,
     /// Register the payload buffers through the PD's registration cache, and report the
     /// cold (first: a miss) and warm (again: a hit) registration times.
     #[arg(long)]
@@ -185,7 +205,25 @@ struct Args {
     inject: Option<Inject>,
 }
 
+/// Largest `-I` (the QPs' inline limit).
+const MAX_INLINE: u32 = 256;
+/// What `-D` gives a size as its iterations before the run: the layout of the destinations
+/// (as many slots as fit) and the most a flow may post.
+const DURATION_ITERS: u32 = u32::MAX - 1;
+
 impl Args {
+    /// The options the CPU initiator has and the kernels do not.
+    fn cpu_only_options(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.duration.is_some() {
+            v.push("-D");
+        }
+        if self.inline_size > 0 {
+            v.push("-I");
+        }
+        v
+    }
+
     fn gpu_only_options(&self) -> Vec<&'static str> {
         let mut v = Vec::new();
         if self.ctas.is_some() {
@@ -202,7 +240,34 @@ impl Args {
 }
 
 fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if let Err(e) = args.common.resolve() {
+        return exit_with(TEST, Err(e));
+    }
+    if args.common.output == Some(gpuverbs_samples::OutputArg::Latency) {
+        return exit_with(
+            TEST,
+            Err(anyhow::anyhow!(
+                "--output latency: put_bw's output can be bandwidth or message_rate (as \
+                 ib_write_bw's)"
+            )),
+        );
+    }
+    if args.common.initiator == Some(Initiator::Gpu) {
+        let cpu_only = args.cpu_only_options();
+        if !cpu_only.is_empty() {
+            Args::command()
+                .error(
+                    clap::error::ErrorKind::ArgumentConflict,
+                    format!(
+                        "{} {} --initiator cpu (the kernels post a fixed count of gather WQEs)",
+                        cpu_only.join(", "),
+                        needs(&cpu_only)
+                    ),
+                )
+                .exit();
+        }
+    }
     // Conflicts visible in the arguments alone are usage errors (exit code 2).
     if args.common.initiator == Some(Initiator::Cpu) {
         let gpu_only = args.gpu_only_options();
@@ -240,11 +305,15 @@ fn needs(options: &[&str]) -> &'static str {
 }
 
 /// Iterations and warm-up of a size.
-fn iterations(a: &CommonArgs, size: u64) -> (u32, u32) {
-    let iters = a.iters.unwrap_or_else(|| {
-        (BYTES_PER_SIZE / size).clamp(MIN_ITERS as u64, DEFAULT_ITERS as u64) as u32
-    });
+/// Iterations and warm-up of a size (with `-D`, [`DURATION_ITERS`] and the warm-up of the
+/// default count).
+fn iterations(a: &CommonArgs, size: u64, duration: bool) -> (u32, u32) {
+    let default = (BYTES_PER_SIZE / size).clamp(MIN_ITERS as u64, DEFAULT_ITERS as u64) as u32;
+    let iters = a.iters.unwrap_or(default);
     let warmup = a.warmup.unwrap_or((iters / 10).clamp(1, 500));
+    if duration {
+        return (DURATION_ITERS, warmup);
+    }
     (iters, warmup)
 }
 
@@ -436,6 +505,66 @@ struct Flow {
     since_sig: u32,
     /// Signaled WQEs in flight: the messages each completes.
     pending: VecDeque<u64>,
+    /// The source buffer, whose bytes inline WQEs carry (`-I`).
+    src_buf: Option<gpuverbs::HostBuffer>,
+    /// WQEs posted inline, in the last run.
+    inlined: u64,
+}
+
+/// How the CPU initiator posts.
+#[derive(Clone, Copy, Debug)]
+struct CpuOpts {
+    /// WQEs per doorbell (`-l`).
+    post_list: u32,
+    /// Messages of at most this many bytes go inline (`-I`).
+    inline_size: u32,
+    /// The timed runs' duration (`-D`).
+    duration: Option<Duration>,
+}
+
+/// The WQEs the CPU initiator posted inline in the last run (`null` for the GPU, or a side
+/// that only receives).
+fn own_inline(engine: &Option<Engine>) -> Option<u64> {
+    match engine {
+        Some(Engine::Cpu(flows, _)) => Some(flows.iter().map(|f| f.inlined).sum()),
+        _ => None,
+    }
+}
+
+/// The machine's user and idle ticks (the first and fourth numbers of `/proc/stat`'s `cpu`
+/// line), as perftest's `--cpu_util` reads them.
+#[derive(Clone, Copy, Debug)]
+struct UserIdle {
+    user: u64,
+    idle: u64,
+}
+
+impl UserIdle {
+    fn now() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let f: Vec<u64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        Some(Self {
+            user: *f.first()?,
+            idle: *f.get(3)?,
+        })
+    }
+
+    /// perftest's figure: user ticks over user + idle ticks since `self`, in percent.
+    fn util_to(self, end: Self) -> f64 {
+        let u = end.user.saturating_sub(self.user) as f64;
+        let i = end.idle.saturating_sub(self.idle) as f64;
+        if u + i > 0.0 {
+            100.0 * u / (u + i)
+        } else {
+            0.0
+        }
+    }
 }
 
 /// What one side measured of one size (its own jobs); the server/client roles send it to the
@@ -448,6 +577,8 @@ struct Measured {
     secs: f64,
     /// Peak message rate per second, when measured.
     peak_rate: Option<f64>,
+    /// Iterations each of this side's QPs ran (with -D: as many as the duration took).
+    iters: u32,
 }
 
 /// The numbers of a row: the sum over the sides that sent (peak, average, Mpps), and the
@@ -486,6 +617,19 @@ fn run(args: &Args) -> Result<()> {
         Some(p) => open_env_remote(a, p, None)?,
     };
     let pcap = gpuverbs_samples::start_pcap(a, &env.ctx)?;
+    a.check_device(&env.ctx)?;
+    if env.initiator == Initiator::Gpu {
+        let cpu_only = args.cpu_only_options();
+        if !cpu_only.is_empty() {
+            bail!(
+                "{} {} the CPU initiator (the kernels post a fixed count of gather WQEs), and \
+                 this run uses the GPU ({}): add --initiator cpu",
+                cpu_only.join(", "),
+                needs(&cpu_only),
+                env.initiator_why
+            );
+        }
+    }
     if env.initiator == Initiator::Cpu {
         let gpu_only = args.gpu_only_options();
         if !gpu_only.is_empty() {
@@ -541,15 +685,22 @@ fn run(args: &Args) -> Result<()> {
 
     // SQ size and signaling.
     let (unit, batch_eff) = match (env.initiator, scope) {
-        (Initiator::Cpu, _) => (1, args.batch),
-        (Initiator::Gpu, Scope::Thread) => (1, args.batch),
+        (Initiator::Cpu, _) => (1, args.post_list),
+        (Initiator::Gpu, Scope::Thread) => (1, args.post_list),
         (Initiator::Gpu, Scope::Warp) => (threads.min(32), 1),
         (Initiator::Gpu, Scope::Block) => (threads, 1),
     };
     let sig_calls = (a.cq_mod / unit).max(1);
     let wmax = local_workers.iter().copied().max().unwrap_or(1) as u64;
     // Blocks one QP's posters may leave without a CQE (unsignaled) or unrung.
-    let pending = wmax * (sig_calls as u64 + batch_eff as u64) + unit as u64;
+    // An inline WQE takes ctrl + raddr + the inline header and data, in 64-byte blocks.
+    let largest_inline = sizes
+        .iter()
+        .copied()
+        .filter(|&s| s <= args.inline_size as u64)
+        .max();
+    let wqe_blocks = largest_inline.map_or(1, |s| (36 + s).div_ceil(64));
+    let pending = wmax * (sig_calls as u64 + batch_eff as u64) * wqe_blocks + unit as u64;
     let tx = tx_depth_for(a.tx_depth, pending)?;
     let spec = QpSpec {
         tx_depth: tx,
@@ -650,7 +801,7 @@ fn run(args: &Args) -> Result<()> {
     let plans: Vec<Plan> = sizes
         .iter()
         .map(|&s| {
-            let (n, w) = iterations(a, s);
+            let (n, w) = iterations(a, s, args.duration.is_some());
             Plan::new(&jobs, s, n, w)
         })
         .collect();
@@ -670,6 +821,7 @@ fn run(args: &Args) -> Result<()> {
             let b = Payload::new(a.mem, env.gpu.as_ref(), len)?;
             let t = args.reg_cache.then_some((&mut timings, name, "src", len));
             let mr = register(&b, &pd, Access::LOCAL_WRITE, t)?;
+            a.check_dmabuf(&mr, "source")?;
             sd.src = Some((b, mr));
         }
         if jobs.iter().any(|j| j.dir == 1 - s) {
@@ -677,20 +829,32 @@ fn run(args: &Args) -> Result<()> {
             let b = Payload::new(a.mem, env.gpu.as_ref(), len)?;
             let t = args.reg_cache.then_some((&mut timings, name, "dst", len));
             let mr = register(&b, &pd, Access::LOCAL_WRITE | Access::REMOTE_WRITE, t)?;
+            a.check_dmabuf(&mr, "destination")?;
             sd.dst = Some((b, mr));
         }
     }
     let reg_cache = args.reg_cache.then(|| reg_cache_report(&timings, &sides));
     let side = |s: usize| sides[s].as_ref();
     // Across processes the receiver hands out its destination buffer.
+    // The buffer each side's address lines show (perftest's RKey / VAddr): the destination,
+    // or on a side that receives nothing its source.
+    let shown = |s: usize| -> (u32, u64) {
+        side(s)
+            .and_then(|sd| sd.dst.as_ref().or(sd.src.as_ref()))
+            .map_or((0, 0), |(_, mr)| (mr.rkey().0, mr.addr()))
+    };
+    let mut peer_shown = (0u32, 0u64);
     let peer_dst: Option<RemoteMemory> = match (&mut peer, me) {
         (Some(p), Some(m)) => {
             let mine = side(m)
                 .and_then(|s| s.dst.as_ref())
                 .map(|(_, mr)| RemoteMemory::export_rkey(mr.addr(), mr.len(), mr.rkey().0))
                 .transpose()
+                .map(|d| (d, shown(m)))
                 .map_err(anyhow::Error::from);
-            let theirs: Option<RemoteMemory> = p.step("memory", mine)?;
+            let (theirs, their_shown): (Option<RemoteMemory>, (u32, u64)) =
+                p.step("memory", mine)?;
+            peer_shown = their_shown;
             let need = dst_len(1 - m);
             match theirs {
                 Some(r) if r.len() < need => bail!(
@@ -752,7 +916,7 @@ fn run(args: &Args) -> Result<()> {
                 "{ctas} CTA(s) x {threads} thread(s), {} scope, {}",
                 scope.name(),
                 match scope {
-                    Scope::Thread => format!("{} WQEs per doorbell per thread", args.batch),
+                    Scope::Thread => format!("{} WQEs per doorbell per thread", args.post_list),
                     Scope::Warp => "one doorbell per warp call".into(),
                     Scope::Block => "one doorbell per block call".into(),
                 }
@@ -760,23 +924,30 @@ fn run(args: &Args) -> Result<()> {
         ),
         Initiator::Cpu => h.line(
             "Posting",
-            format!("one host thread, {} WQEs per doorbell", args.batch),
+            format!("one host thread, {} WQEs per doorbell", args.post_list),
         ),
     };
     if let Some((line, _)) = &reg_cache {
         h.line("Reg cache", line);
     }
-    h.line("CQ moderation", a.cq_mod)
+    h.line("Post List", args.post_list)
+        .line("CQ Moderation", a.cq_mod)
         .line("TX depth", format!("{tx} blocks"))
         .line(
             "Mtu",
             mtu_line(a.mtu, &env.ctx, &first_qp.endpoint(), peer_eps.first()),
         )
+        .line("GID index", env.ctx.gid_index())
+        .line("Max inline data", format!("{}[B]", args.inline_size))
         .line(
             "Iterations",
-            match a.iters {
-                Some(n) => format!("{n} per size and QP"),
-                None => format!(
+            match (args.duration, a.iters) {
+                (Some(d), _) => format!(
+                    "as many as {d} s take, per size (-D; the table reports them, all QPs \
+                     together)"
+                ),
+                (None, Some(n)) => format!("{n} per size and QP"),
+                (None, None) => format!(
                     "per size and QP: {DEFAULT_ITERS}, or {} MiB worth when less (at least \
                      {MIN_ITERS})",
                     BYTES_PER_SIZE >> 20
@@ -793,22 +964,69 @@ fn run(args: &Args) -> Result<()> {
             },
         );
     other_cpu.header(&mut h);
-    h.print(a.json);
-    if !a.json {
-        let cols = [
+    // perftest reports CPU utilisation in duration mode only (and warns otherwise).
+    let cpu_util = args.cpu_util && args.duration.is_some();
+    if args.cpu_util && !cpu_util {
+        eprintln!("{TEST}: --cpu_util: CPU Utilization works only with Duration mode (-D)");
+    }
+    let table = !a.json && a.output.is_none();
+    if a.output.is_none() {
+        h.print(a.json);
+        // perftest's address lines: this side's QPs, then the peer's.
+        let mut lines = Vec::new();
+        let (lside, rside) = match me {
+            Some(m) => (m, None),
+            None => (0, Some(1)),
+        };
+        let (lk, lv) = shown(lside);
+        for q in &side(lside).expect("this side").qps {
+            lines.push(address_lines(
+                "local",
+                &with_mtu(&q.endpoint(), a.mtu),
+                lk,
+                lv,
+            ));
+        }
+        match rside {
+            Some(r) => {
+                let (rk, rv) = shown(r);
+                for q in &side(r).expect("side B").qps {
+                    lines.push(address_lines("remote", &q.endpoint(), rk, rv));
+                }
+            }
+            None => {
+                for ep in &peer_eps {
+                    lines.push(address_lines("remote", ep, peer_shown.0, peer_shown.1));
+                }
+            }
+        }
+        lines.push(gpuverbs_samples::RULE.to_string());
+        if a.json {
+            eprintln!("{}", lines.join("\n"));
+        } else {
+            println!("{}", lines.join("\n"));
+        }
+    }
+    if table {
+        let mut cols = vec![
             ("#bytes".to_string(), 10),
             ("#iterations".to_string(), 14),
-            (format!("BW peak[{}]", units.label()), 20),
-            (format!("BW average[{}]", units.label()), 22),
+            (format!("BW peak[{}]", units.label()), 18),
+            (format!("BW average[{}]", units.label()), 20),
             ("MsgRate[Mpps]".to_string(), 0),
         ];
+        if cpu_util {
+            cols.last_mut().expect("columns").1 = 16;
+            cols.push(("CPU_Util[%]".to_string(), 0));
+        }
         println!("{}", table_row(&cols));
     }
     let mut base_json = merge(
         common_json(&env, a, first_qp),
         json!({
             "test": TEST, "qps": args.qps, "bidir": args.bidir, "cq_mod": a.cq_mod,
-            "tx_depth": tx, "batch": args.batch, "bw_unit": units.label(),
+            "tx_depth": tx, "post_list": args.post_list, "bw_unit": units.label(),
+            "inline_size": args.inline_size, "duration_s": args.duration,
             "scope": (env.initiator == Initiator::Gpu).then(|| scope.name()),
             "ctas": (env.initiator == Initiator::Gpu).then_some(ctas),
             "threads": (env.initiator == Initiator::Gpu).then_some(threads),
@@ -826,9 +1044,23 @@ fn run(args: &Args) -> Result<()> {
         _ if receives_only => None,
         Initiator::Cpu => {
             let mode = ring_mode.expect("CPU ring mode");
+            // The source buffer of each flow, for its inline WQEs.
+            let srcs = local.iter().map(|&j| {
+                side(jobs[j].dir)
+                    .and_then(|s| s.src.as_ref())
+                    .and_then(|(b, _)| b.host().cloned())
+            });
             Some(Engine::Cpu(
-                initiating.iter().map(|q| cpu_flow(q, mode)).collect(),
-                args.batch,
+                initiating
+                    .iter()
+                    .zip(srcs)
+                    .map(|(q, src)| cpu_flow(q, mode, src))
+                    .collect(),
+                CpuOpts {
+                    post_list: args.post_list,
+                    inline_size: args.inline_size,
+                    duration: args.duration.map(|d| Duration::from_secs(d.into())),
+                },
             ))
         }
         Initiator::Gpu => {
@@ -844,7 +1076,7 @@ fn run(args: &Args) -> Result<()> {
                 ctas,
                 threads,
                 scope,
-                batch: args.batch,
+                batch: args.post_list,
                 sig_calls,
             })))
         }
@@ -868,7 +1100,16 @@ fn run(args: &Args) -> Result<()> {
         // Warm-up, untimed (with the right keys: a failing warm-up would hide the injection).
         let warm = match &mut engine {
             Some(e) if plan.warmup > 0 => e
-                .run(plan, &jobs, &local, &keys(false), plan.warmup, a, &qpns)
+                .run(
+                    plan,
+                    &jobs,
+                    &local,
+                    &keys(false),
+                    plan.warmup,
+                    a,
+                    &qpns,
+                    false,
+                )
                 .map(|_| ()),
             _ => Ok(()),
         };
@@ -882,6 +1123,7 @@ fn run(args: &Args) -> Result<()> {
         step(&mut peer, "poisoned", Ok(()))?;
         let wire_before = wire_counters(&env.ctx);
         let cpu = CpuSample::now();
+        let util_before = cpu_util.then(UserIdle::now).flatten();
         let mine: Result<Option<Measured>> = match &mut engine {
             Some(e) => e
                 .run(
@@ -892,19 +1134,30 @@ fn run(args: &Args) -> Result<()> {
                     plan.iters,
                     a,
                     &qpns,
+                    true,
                 )
                 .map(|t| {
                     Some(Measured {
-                        msgs: plan.iters as f64 * local.len() as f64,
+                        msgs: t.iters as f64 * local.len() as f64,
                         secs: t.total.as_secs_f64(),
                         peak_rate: t.peak_rate,
+                        iters: t.iters,
                     })
                 }),
             None => Ok(None),
         };
+        let util = util_before.zip(UserIdle::now()).map(|(b, e)| b.util_to(e));
         let own = mine.as_ref().ok().copied().flatten();
         let theirs = step(&mut peer, "timed", mine)?.flatten();
         let others = other_cpu.record(cpu.and_then(CpuSample::others_since));
+        // The iterations each job ran (its sender's count: with -D, as the duration took).
+        let ran = |dir: usize| -> Result<u32> {
+            match me {
+                Some(m) if m != dir => theirs.map(|t| t.iters),
+                _ => own.map(|t| t.iters),
+            }
+            .with_context(|| format!("no iteration count for the QPs of side {dir}"))
+        };
         let wire = wire_delta(&wire_before, &wire_counters(&env.ctx));
         if args.inject == Some(Inject::Corrupt) {
             if let Some(b) = dst_buf(&sides, &jobs[0]) {
@@ -921,7 +1174,11 @@ fn run(args: &Args) -> Result<()> {
             let Some(b) = dst_buf(&sides, job) else {
                 continue;
             };
-            if let Err(e) = validate(b, plan, j, seed ^ job.dir as u64, &mut scratch) {
+            let done = Plan {
+                iters: ran(job.dir)?,
+                ..plan.clone()
+            };
+            if let Err(e) = validate(b, &done, plan.iters, j, seed ^ job.dir as u64, &mut scratch) {
                 failure = Some(format!("QP {:#x} (job {j}): {e}", sender_qpn[j]));
                 break;
             }
@@ -938,15 +1195,29 @@ fn run(args: &Args) -> Result<()> {
         };
         let measured: Vec<Measured> = own.into_iter().chain(theirs).collect();
         let (peak, avg, mpps, secs) = combine(&measured, plan.size, units);
+        // perftest's #iterations: one side's iterations times its QPs (with -b, one
+        // direction's, as ib_write_bw prints them).
+        let iters = measured.first().map_or(0, |m| m.iters);
+        let reported = u64::from(iters) * u64::from(args.qps);
         progress.clear();
-        if a.json {
+        if let Some(o) = a.output {
+            println!(
+                "{}",
+                output_number(match o {
+                    OutputArg::MessageRate => mpps,
+                    _ => avg,
+                })
+            );
+        } else if a.json {
             let mut v = merge(
                 base_json.clone(),
                 json!({
-                    "bytes": plan.size, "iterations": plan.iters, "warmup": plan.warmup,
+                    "bytes": plan.size, "iterations": iters, "warmup": plan.warmup,
+                    "iterations_reported": reported,
                     "bw_peak": peak, "bw_average": avg, "msg_rate_mpps": mpps,
                     "time_s": secs, "validated": failure.is_none(),
-                    "other_cpu_cores": others,
+                    "other_cpu_cores": others, "cpu_util_pct": util,
+                    "inline_wqes": own_inline(&engine),
                 }),
             );
             if peer.is_some() {
@@ -955,16 +1226,18 @@ fn run(args: &Args) -> Result<()> {
             }
             println!("{v}");
         } else {
-            println!(
-                "{}",
-                table_row(&[
-                    (plan.size.to_string(), 10),
-                    (plan.iters.to_string(), 14),
-                    (format!("{peak:.2}"), 20),
-                    (format!("{avg:.2}"), 22),
-                    (format!("{mpps:.6}"), 0),
-                ])
-            );
+            let mut cells = vec![
+                (plan.size.to_string(), 10),
+                (reported.to_string(), 14),
+                (format!("{peak:.2}"), 18),
+                (format!("{avg:.2}"), 20),
+                (format!("{mpps:.6}"), 0),
+            ];
+            if cpu_util {
+                cells.last_mut().expect("cells").1 = 16;
+                cells.push((format!("{:.2}", util.unwrap_or(0.0)), 0));
+            }
+            println!("{}", table_row(&cells));
         }
         if let Some(f) = failure {
             bail!("validation failed at {} B: {f}", plan.size);
@@ -972,7 +1245,7 @@ fn run(args: &Args) -> Result<()> {
         progress.step(n + 1, plan.size);
     }
     progress.clear();
-    if !a.json {
+    if table {
         println!("{}", gpuverbs_samples::RULE);
     }
     if let Some(p) = pcap {
@@ -1042,7 +1315,7 @@ impl Keys {
     }
 }
 
-fn cpu_flow(q: &Qp, mode: RingMode) -> Flow {
+fn cpu_flow(q: &Qp, mode: RingMode, src_buf: Option<gpuverbs::HostBuffer>) -> Flow {
     Flow {
         ini: q.cpu_initiator(mode),
         lkey: Lkey(0),
@@ -1054,6 +1327,8 @@ fn cpu_flow(q: &Qp, mode: RingMode) -> Flow {
         posted: 0,
         since_sig: 0,
         pending: VecDeque::new(),
+        src_buf,
+        inlined: 0,
     }
 }
 
@@ -1075,8 +1350,17 @@ fn poison(b: &Payload, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) -> 
     Ok(())
 }
 
-/// Checks every byte of job `j`'s destination slots.
-fn validate(b: &Payload, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) -> Result<()> {
+/// Checks every byte of job `j`'s destination slots after `p.iters` iterations; `poisoned`:
+/// the iterations the poison was made for (with -D more than ran: a slot no iteration wrote
+/// still holds the poison of the plan's layout).
+fn validate(
+    b: &Payload,
+    p: &Plan,
+    poisoned: u32,
+    j: usize,
+    seed: u64,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
     let size = p.size as usize;
     let mut got = vec![0u8; size];
     for r in 0..p.dst_slots[j] {
@@ -1098,7 +1382,15 @@ fn validate(b: &Payload, p: &Plan, j: usize, seed: u64, scratch: &mut Vec<u8>) -
                 }
             }
             None => {
-                if let Some(o) = got.iter().position(|&x| x != UNTOUCHED) {
+                let want_poison = p.expected(j, r, poisoned).map(|s| {
+                    pattern::fill(scratch, seed, s, size);
+                    scratch.iter_mut().for_each(|x| *x = !*x);
+                });
+                let changed = match want_poison {
+                    Some(()) => pattern::first_difference(&got, scratch),
+                    None => got.iter().position(|&x| x != UNTOUCHED),
+                };
+                if let Some(o) = changed {
                     bail!("destination slot {r} is written by no iteration, but byte {o} changed");
                 }
             }
@@ -1134,6 +1426,8 @@ struct Timing {
     total: Duration,
     /// Peak message rate per second, when measured.
     peak_rate: Option<f64>,
+    /// Iterations each job ran.
+    iters: u32,
 }
 
 struct GpuEngine {
@@ -1149,13 +1443,14 @@ struct GpuEngine {
 }
 
 enum Engine {
-    Cpu(Vec<Flow>, u32),
+    Cpu(Vec<Flow>, CpuOpts),
     Gpu(Box<GpuEngine>),
 }
 
 impl Engine {
     /// Runs `iters` iterations of the jobs `ids` (those this process drives; the flows,
-    /// exported QPs, keys and `qpns` are in that order).
+    /// exported QPs, keys and `qpns` are in that order); `timed`: the timed run (with -D it
+    /// lasts the duration).
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
@@ -1166,19 +1461,27 @@ impl Engine {
         iters: u32,
         a: &CommonArgs,
         qpns: &[u32],
+        timed: bool,
     ) -> Result<Timing> {
         match self {
-            Engine::Cpu(flows, batch) => run_cpu(flows, *batch, p, ids, keys, iters, a),
+            Engine::Cpu(flows, o) => {
+                let deadline = o.duration.filter(|_| timed);
+                run_cpu(flows, o, deadline, p, ids, keys, iters, a)
+            }
             Engine::Gpu(g) => g.run(p, jobs, ids, keys, iters, a, qpns),
         }
     }
 }
 
-/// The CPU initiator: one host thread, round robin over the jobs, `--batch` WQEs per doorbell,
-/// one CQE per `--cq-mod` WQEs (and for each job's last).
+/// The CPU initiator: one host thread, round robin over the jobs, `-l` WQEs per doorbell,
+/// one CQE per `--cq-mod` WQEs (and for each job's last), messages of at most `-I` bytes
+/// inline. With `duration` (-D) it posts until the duration has passed, then every job up to
+/// one more than the most any has posted (that last WQE signaled), and says how many.
+#[allow(clippy::too_many_arguments)]
 fn run_cpu(
     flows: &mut [Flow],
-    batch: u32,
+    o: &CpuOpts,
+    duration: Option<Duration>,
     p: &Plan,
     ids: &[usize],
     keys: &Keys,
@@ -1197,32 +1500,56 @@ fn run_cpu(
         f.posted = 0;
         f.since_sig = 0;
         f.pending.clear();
+        f.inlined = 0;
     }
-    let total = iters as u64 * flows.len() as u64;
+    let batch = o.post_list;
+    let inline = size <= o.inline_size as u64;
+    let mut inline_bytes = vec![0u8; if inline { size as usize } else { 0 }];
+    // Without -D every job posts `iters`; with it, the count is set when the duration ends.
+    let mut target = duration.is_none().then_some(iters);
+    let mut total = iters as u64 * flows.len() as u64;
     let mut peak = Peak::with_capacity((total / a.cq_mod as u64 + 8) as usize);
     let mut done = 0u64;
     let start = Instant::now();
     peak.record(start, 0);
     let mut last_progress = start;
     while done < total {
+        if target.is_none() && duration.is_some_and(|d| start.elapsed() >= d) {
+            // One more for every job, so that each ends with a signaled WQE.
+            let t = flows.iter().map(|f| f.posted).max().unwrap_or(0) + 1;
+            target = Some(t.min(iters));
+            total = t.min(iters) as u64 * flows.len() as u64;
+        }
+        let limit = target.unwrap_or(iters);
         let before = done;
         for f in flows.iter_mut() {
             let mut n = 0;
-            while n < batch && f.posted < iters {
+            while n < batch && f.posted < limit {
                 let i = f.posted as u64;
-                let last = f.posted + 1 == iters;
+                let last = target.is_some_and(|t| f.posted + 1 == t);
                 let sig = f.since_sig + 1 >= a.cq_mod || last;
+                let slot = ((i + f.shift) % p.src_slots as u64) * size;
                 let sge = Sge {
-                    addr: f.src + ((i + f.shift) % p.src_slots as u64) * size,
+                    addr: f.src + slot,
                     len: size as u32,
                     lkey: f.lkey,
+                };
+                let local = if inline {
+                    let b = f
+                        .src_buf
+                        .as_ref()
+                        .context("-I: inline WQEs need the source in host memory")?;
+                    b.read(slot as usize, &mut inline_bytes);
+                    Local::Inline(&inline_bytes)
+                } else {
+                    Local::Sges(std::slice::from_ref(&sge))
                 };
                 let op = Op::Write {
                     remote: RemoteAddr {
                         addr: f.dst + (i % f.slots) * size,
                         rkey: f.rkey,
                     },
-                    local: Local::Sges(std::slice::from_ref(&sge)),
+                    local,
                     imm: None,
                 };
                 let flags = if sig {
@@ -1237,6 +1564,7 @@ fn run_cpu(
                 }
                 f.posted += 1;
                 f.since_sig += 1;
+                f.inlined += u64::from(inline);
                 n += 1;
                 if sig {
                     f.pending.push_back(f.since_sig as u64);
@@ -1281,6 +1609,7 @@ fn run_cpu(
     Ok(Timing {
         total: total_t,
         peak_rate: peak.best_rate(window),
+        iters: target.unwrap_or(iters),
     })
 }
 
@@ -1364,6 +1693,7 @@ impl GpuEngine {
         Ok(Timing {
             total,
             peak_rate: (span > 0).then(|| msgs / (span as f64 / 1e9)),
+            iters,
         })
     }
 }

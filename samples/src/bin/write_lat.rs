@@ -44,11 +44,11 @@ use clap::{CommandFactory, Parser};
 use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Pd, Qp, RemoteMemory};
 use gpuverbs_samples::{
-    arg, check_placement, common_header, common_json, connect_options, connect_pair, cpu_ring_mode,
-    create_qp, doorbell_line, error_text, exit_with, merge, mtu_line, open_env, open_env_remote,
-    pattern, remote_header, remote_json, step, table_row, tx_depth_for, upload, with_mtu,
-    CommonArgs, CpuSample, Exports, GpuStatus, Header, Initiator, LatSide, LatStats, OtherCpu,
-    Payload, Peer, Placement, Progress, QpSpec,
+    address_lines, arg, check_placement, common_header, common_json, connect_options, connect_pair,
+    cpu_ring_mode, create_qp, doorbell_line, error_text, exit_with, merge, mtu_line, open_env,
+    open_env_remote, output_number, pattern, remote_header, remote_json, step, table_row,
+    tx_depth_for, upload, with_mtu, CommonArgs, CpuSample, Exports, GpuStatus, Header, Initiator,
+    LatSide, LatStats, OtherCpu, Payload, Peer, Placement, Progress, QpSpec,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
 use prm::{Completion, Rkey};
@@ -67,13 +67,13 @@ const DEFAULT_ITERS: u32 = 1000;
 const BYTES_PER_SIZE: u64 = 256 << 20;
 /// Fewest default iterations of a size.
 const MIN_ITERS: u32 = 100;
-/// perftest's latency columns and their widths.
+/// perftest's latency columns and their widths (its RESULT_FMT_LAT's spacing).
 const LAT_COLUMNS: [(&str, usize); 9] = [
-    ("#bytes", 7),
-    ("#iterations", 12),
+    ("#bytes", 6),
+    ("#iterations", 14),
     ("t_min[usec]", 14),
-    ("t_max[usec]", 14),
-    ("t_typical[usec]", 16),
+    ("t_max[usec]", 12),
+    ("t_typical[usec]", 18),
     ("t_avg[usec]", 14),
     ("t_stdev[usec]", 15),
     ("99% percentile[usec]", 22),
@@ -105,10 +105,62 @@ struct Args {
     /// polling the payload's last bytes.
     #[arg(long)]
     signal: bool,
+    /// perftest's -I (--inline_size): messages of at most this many bytes travel inside their
+    /// WQEs (an inline data segment) [default: perftest's 220 with the CPU initiator; the
+    /// kernels post gather WQEs, so 0 with the GPU, which refuses the option]. At most 256.
+    #[arg(short = 'I', long = "inline_size", value_name = "BYTES",
+          value_parser = clap::value_parser!(u32).range(0..=MAX_INLINE as i64))]
+    inline_size: Option<u32>,
+    /// perftest's -D (duration): refused, write_lat runs a number of iterations (-n).
+    #[arg(short = 'D', long = "duration", value_name = "SECONDS", hide = true)]
+    duration: Option<u32>,
+    /// perftest's --cpu_util: refused (perftest reports it in duration mode only, and
+    /// write_lat has none).
+    #[arg(long = "cpu_util", hide = true)]
+    cpu_util: bool,
 }
 
+/// perftest's -I default of its WRITE latency test (DEF_INLINE_WRITE).
+const PERFTEST_INLINE: u32 = 220;
+/// Largest `-I` (the QPs' inline limit).
+const MAX_INLINE: u32 = 256;
+
 fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if let Err(e) = args.common.resolve() {
+        return exit_with(TEST, Err(e));
+    }
+    let refuse = |why: String| exit_with(TEST, Err(anyhow::anyhow!(why)));
+    if args.duration.is_some() {
+        return refuse(
+            "-D: not supported by write_lat (it runs -n iterations per size; put_bw has -D)".into(),
+        );
+    }
+    if args.cpu_util {
+        return refuse(
+            "--cpu_util: perftest reports CPU utilisation in duration mode (-D) only, which \
+             write_lat does not have"
+                .into(),
+        );
+    }
+    if let Some(o) = args
+        .common
+        .output
+        .filter(|&o| o != gpuverbs_samples::OutputArg::Latency)
+    {
+        return refuse(format!(
+            "--output {}: write_lat's output can be latency (as ib_write_lat's)",
+            o.name()
+        ));
+    }
+    if args.common.initiator == Some(Initiator::Gpu) && args.inline_size.is_some_and(|i| i > 0) {
+        Args::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "-I needs --initiator cpu (the kernels post gather WQEs)",
+            )
+            .exit();
+    }
     let cpu = args.common.initiator == Some(Initiator::Cpu);
     if args.common.db == gpuverbs_samples::DbArg::Proxy && (cpu || !args.common.loopback) {
         Args::command()
@@ -221,8 +273,20 @@ const GPU_NEEDS_LOOPBACK: &str = "write_lat's kernel runs both sides of the ping
 fn run(args: &Args) -> Result<()> {
     let a = &args.common;
     let sizes = a.sizes(DEFAULT_SIZE);
-    // Two blocks per iteration with --signal (write + atomic), one CQE per --cq-mod iterations.
-    let tx = tx_depth_for(a.tx_depth, 2 * a.cq_mod as u64 + 2)?;
+    // The inline limit asked for (the CPU's default is perftest's; the GPU has none).
+    let inline_max = args.inline_size.unwrap_or(match a.initiator {
+        Some(Initiator::Gpu) => 0,
+        _ => PERFTEST_INLINE,
+    });
+    let largest_inline = sizes
+        .iter()
+        .copied()
+        .filter(|&s| s <= inline_max as u64)
+        .max();
+    // An inline WQE takes ctrl + raddr + the inline header and data, in 64-byte blocks.
+    let wqe_blocks = largest_inline.map_or(1, |s| (36 + s).div_ceil(64));
+    // Two WQEs per iteration with --signal (write + atomic), one CQE per --cq-mod iterations.
+    let tx = tx_depth_for(a.tx_depth, (2 * a.cq_mod as u64 + 2) * wqe_blocks)?;
     let spec = QpSpec {
         tx_depth: tx,
         rings: a.rings,
@@ -242,6 +306,16 @@ fn run(args: &Args) -> Result<()> {
         Some(p) => open_env_remote(a, p, Some(GPU_NEEDS_LOOPBACK))?,
     };
     let pcap = gpuverbs_samples::start_pcap(a, &env.ctx)?;
+    a.check_device(&env.ctx)?;
+    let inline_max = match env.initiator {
+        Initiator::Cpu => inline_max,
+        Initiator::Gpu if args.inline_size.is_some_and(|i| i > 0) => bail!(
+            "-I needs the CPU initiator (the kernels post gather WQEs), and this run uses the \
+             GPU ({}): add --initiator cpu",
+            env.initiator_why
+        ),
+        Initiator::Gpu => 0,
+    };
     let ring_mode = match env.initiator {
         Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
         Initiator::Gpu => None,
@@ -308,6 +382,11 @@ fn run(args: &Args) -> Result<()> {
             targets = (0..2).map(|i| Target::of(&sides[1 - i])).collect();
         }
     }
+    for s in &sides {
+        a.check_dmabuf(&s.src_mr, "source")?;
+        a.check_dmabuf(&s.recv_mr, "receive")?;
+        a.check_dmabuf(&s.sig_mr, "signal")?;
+    }
     // The side number (A = 0, B = 1) of each entry of `sides`.
     let ids: Vec<usize> = match me {
         Some(m) => vec![m],
@@ -344,12 +423,14 @@ fn run(args: &Args) -> Result<()> {
             "on the last bytes of its receive buffer"
         },
     )
-    .line("CQ moderation", a.cq_mod)
+    .line("CQ Moderation", a.cq_mod)
     .line("TX depth", format!("{tx} blocks"))
     .line(
         "Mtu",
         mtu_line(a.mtu, &env.ctx, &sides[0].qp.endpoint(), peer_ep.as_ref()),
     )
+    .line("GID index", env.ctx.gid_index())
+    .line("Max inline data", format!("{inline_max}[B]"))
     .line(
         "Iterations",
         match a.iters {
@@ -377,8 +458,36 @@ fn run(args: &Args) -> Result<()> {
         },
     );
     other_cpu.header(&mut h);
-    h.print(a.json);
-    if !a.json {
+    let table = !a.json && a.output.is_none();
+    if a.output.is_none() {
+        h.print(a.json);
+        // perftest's address lines: this side's QP, then the peer's (each with the receive
+        // buffer the other writes into).
+        let recv = |s: &Side| (s.recv_mr.rkey().0, s.recv_mr.addr());
+        let (lk, lv) = recv(&sides[0]);
+        let mut lines = vec![address_lines(
+            "local",
+            &with_mtu(&sides[0].qp.endpoint(), a.mtu),
+            lk,
+            lv,
+        )];
+        match (&peer_ep, targets.first()) {
+            (Some(ep), Some(t)) => {
+                lines.push(address_lines("remote", ep, t.recv.rkey.0, t.recv.addr));
+            }
+            _ => {
+                let (rk, rv) = recv(&sides[1]);
+                lines.push(address_lines("remote", &sides[1].qp.endpoint(), rk, rv));
+            }
+        }
+        lines.push(gpuverbs_samples::RULE.to_string());
+        if a.json {
+            eprintln!("{}", lines.join("\n"));
+        } else {
+            println!("{}", lines.join("\n"));
+        }
+    }
+    if table {
         println!(
             "{}",
             table_row(&LAT_COLUMNS.map(|(n, w)| (n.to_string(), w)))
@@ -386,7 +495,10 @@ fn run(args: &Args) -> Result<()> {
     }
     let mut base_json = merge(
         common_json(&env, a, &sides[0].qp),
-        json!({ "test": TEST, "signal": args.signal, "cq_mod": a.cq_mod, "tx_depth": tx }),
+        json!({
+            "test": TEST, "signal": args.signal, "cq_mod": a.cq_mod, "tx_depth": tx,
+            "inline_size": inline_max,
+        }),
     );
     if let (Some(p), Some(ep)) = (&peer, &peer_ep) {
         base_json = merge(base_json, remote_json(a, p, &env.ctx, ep));
@@ -435,7 +547,8 @@ fn run(args: &Args) -> Result<()> {
         // Across processes A sends only once B has cleared its buffers.
         step(&mut peer, "ready", Ok(()))?;
         let cpu = CpuSample::now();
-        let ran = engine.run(&sides, &ids, &targets, size, total, args.signal, a);
+        let inline = size <= inline_max as u64;
+        let ran = engine.run(&sides, &ids, &targets, size, total, args.signal, inline, a);
         let others = other_cpu.record(cpu.and_then(CpuSample::others_since));
         // Side A's times (B has none).
         let mine: Option<Vec<u64>> = ran.as_ref().ok().cloned().flatten();
@@ -468,14 +581,16 @@ fn run(args: &Args) -> Result<()> {
             }
         };
         progress.clear();
-        if a.json {
+        if a.output.is_some() {
+            println!("{}", output_number(st.avg));
+        } else if a.json {
             let v = merge(
                 base_json.clone(),
                 json!({
                     "bytes": size, "iterations": iters, "warmup": warmup,
                     "t_min_us": st.min, "t_max_us": st.max, "t_typical_us": st.typical,
                     "t_avg_us": st.avg, "t_stdev_us": st.stdev, "p99_us": st.p99,
-                    "p99_9_us": st.p999, "validated": failure.is_none(),
+                    "p99_9_us": st.p999, "validated": failure.is_none(), "inline": inline,
                     "other_cpu_cores": others,
                 }),
             );
@@ -503,7 +618,7 @@ fn run(args: &Args) -> Result<()> {
         progress.step(n + 1, size);
     }
     progress.clear();
-    if !a.json {
+    if table {
         println!("{}", gpuverbs_samples::RULE);
     }
     if let Some(p) = pcap {
@@ -588,6 +703,7 @@ impl Engine {
         size: u64,
         total: u32,
         signal: bool,
+        inline: bool,
         a: &CommonArgs,
     ) -> Result<Option<Vec<u64>>> {
         match self {
@@ -598,7 +714,7 @@ impl Engine {
                     .zip(targets)
                     .map(|((ini, side), to)| Poster::new(ini, side, to))
                     .collect::<Result<_>>()?;
-                run_cpu(&mut posters, ids, size, total, signal, a)
+                run_cpu(&mut posters, ids, size, total, signal, inline, a)
             }
             Engine::Gpu(g) => {
                 let sides: &[Side; 2] = sides.try_into().context("the GPU runs both sides")?;
@@ -667,14 +783,18 @@ fn reap(ini: &mut CpuInitiator) -> Result<()> {
 /// The CPU initiator: `posters` are the sides of this process (numbers `ids`: both in loopback,
 /// driven in turn by one thread; one across processes). Side A sends iteration k and waits for
 /// the answer; side B waits for it and answers. Returns side A's round trips, when it is here.
+/// `inline`: the payload travels inside the WQE (`-I`), copied from the source buffer.
+#[allow(clippy::too_many_arguments)]
 fn run_cpu(
     posters: &mut [Poster<'_>],
     ids: &[usize],
     size: u64,
     total: u32,
     signal: bool,
+    inline: bool,
     a: &CommonArgs,
 ) -> Result<Option<Vec<u64>>> {
+    let mut inline_bytes = vec![0u8; if inline { size as usize } else { 0 }];
     let (p, tl) = (pad(size), tail_len(size));
     let word_off = (p + size - 8) as usize;
     let wait = a.wait();
@@ -687,7 +807,7 @@ fn run_cpu(
     let (a_at, b_at) = (at(0), at(1));
 
     // Posts the payload of poster `i` for iteration number k1.
-    let send = |posters: &mut [Poster<'_>], i: usize, k1: u64| -> Result<()> {
+    let mut send = |posters: &mut [Poster<'_>], i: usize, k1: u64| -> Result<()> {
         let Poster {
             ini, side: s, to, ..
         } = &mut posters[i];
@@ -703,12 +823,18 @@ fn run_cpu(
             }
         };
         let sge = [s.src_mr.sge(p, size as u32)];
+        let local = if inline {
+            s.src.read(p as usize, &mut inline_bytes)?;
+            Local::Inline(&inline_bytes)
+        } else {
+            Local::Sges(&sge)
+        };
         let write = Op::Write {
             remote: RemoteAddr {
                 addr: to.recv.addr + p,
                 rkey: to.recv.rkey,
             },
-            local: Local::Sges(&sge),
+            local,
             imm: None,
         };
         let add = Op::FetchAdd {

@@ -1,0 +1,320 @@
+//! Debian's perftest and gpuverbs' samples side by side, each as a server and a client under
+//! its own `gpuverbs emu --ip 127.0.N.x` (`-d mlx5_0` for the samples, CPU initiator), with the
+//! same flags: the title, the header names they share, the column line (exactly, spacing
+//! included), the address lines (perftest's format, and each side's "remote" being the
+//! other's "local") and the #iterations of several QPs must be perftest's.
+//!
+//! Needs Debian's perftest (CI installs it). Addresses: 127.0.131.x .. 127.0.134.x.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
+const LIMIT: Duration = Duration::from_secs(240);
+
+fn serial() -> MutexGuard<'static, ()> {
+    static M: Mutex<()> = Mutex::new(());
+    M.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn build(what: &[&str]) {
+    let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
+    let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
+    c.args(["build", "-q"]).args(what);
+    if dir.file_name().is_some_and(|n| n == "release") {
+        c.arg("--release");
+    }
+    if let Some(target) = dir.parent() {
+        c.env("CARGO_TARGET_DIR", target);
+    }
+    assert!(c.status().unwrap().success(), "cargo build {what:?} failed");
+}
+
+/// The preload library and the samples' folder, built once.
+fn artifacts() -> &'static (PathBuf, PathBuf) {
+    static A: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    A.get_or_init(|| {
+        build(&["-p", "gpuverbs-uverbs-preload"]);
+        build(&[
+            "-p",
+            "gpuverbs-samples",
+            "--bin",
+            "put_bw",
+            "--bin",
+            "write_lat",
+        ]);
+        let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
+        (dir.join("libgpuverbs_uverbs_preload.so"), dir)
+    })
+}
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+fn emu(ip: &str, prog: &Path, args: &[&str]) -> Child {
+    let (lib, _) = artifacts();
+    Command::new(GPUVERBS)
+        .env("GPUVERBS_PRELOAD", lib)
+        .env_remove("GPUVERBS_DEVICE")
+        .env_remove("GPUVERBS_SOFTNIC_ADDR")
+        .args(["emu", "--ip", ip, "--"])
+        .arg(prog)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start under gpuverbs emu")
+}
+
+fn wait(mut child: Child) -> Output {
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > LIMIT {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Whether a TCP port is in LISTEN state (/proc/net/tcp: perftest's client does not retry).
+fn listening(port: u16) -> bool {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    tcp.lines().skip(1).any(|l| {
+        let f: Vec<_> = l.split_whitespace().collect();
+        f.len() > 3
+            && f[3] == "0A"
+            && f[1]
+                .rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok())
+                == Some(port)
+    })
+}
+
+/// Server and client stdout of `prog args` under `127.0.net.1` / `.2`.
+fn pair(prog: &Path, net: u8, args: &[&str]) -> (String, String) {
+    let (sip, cip) = (format!("127.0.{net}.1"), format!("127.0.{net}.2"));
+    let port = free_port();
+    let mut s = vec!["-p", port.as_str()];
+    s.extend_from_slice(args);
+    let server = emu(&sip, prog, &s);
+    let t = Instant::now();
+    while !listening(port.parse().unwrap()) {
+        assert!(t.elapsed() < Duration::from_secs(60), "{prog:?}: no server");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut c = s.clone();
+    c.push(&sip);
+    let client = wait(emu(&cip, prog, &c));
+    let server = wait(server);
+    let text = |o: &Output| {
+        assert!(
+            o.status.success(),
+            "{prog:?} failed:\n{}\n{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    (text(&server), text(&client))
+}
+
+fn tool(name: &str) -> PathBuf {
+    let p = std::env::var_os("PATH")
+        .and_then(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join(name))
+                .find(|f| f.is_file())
+        })
+        .unwrap_or_else(|| panic!("{name} not found: install the Debian package perftest"));
+    p
+}
+
+/// The names of a header's `name : value` lines (perftest puts two on some lines, tab apart).
+fn header_names(out: &str) -> Vec<String> {
+    out.lines()
+        .take_while(|l| !l.contains(" address: "))
+        .flat_map(|l| l.split('\t'))
+        .filter_map(|c| c.split_once(':').map(|(n, _)| n.trim().to_string()))
+        .filter(|n| !n.is_empty())
+        .collect()
+}
+
+/// The column line (the one that starts with ` #bytes`), without trailing blanks.
+fn columns(out: &str) -> String {
+    out.lines()
+        .find(|l| l.starts_with(" #bytes"))
+        .unwrap_or_else(|| panic!("no column line in:\n{out}"))
+        .trim_end()
+        .to_string()
+}
+
+/// The address lines as (side, [QPN, PSN, RKey, VAddr], GID), checked against perftest's
+/// format: ` local address: LID 0000 QPN 0x%04x PSN 0x%06x RKey 0x%06x VAddr 0x%014x` then
+/// ` GID: ` and 16 decimal bytes.
+fn addresses(out: &str) -> Vec<(String, Vec<String>, String)> {
+    let lines: Vec<&str> = out.lines().collect();
+    let mut v = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        if !l.contains(" address: ") {
+            continue;
+        }
+        let f: Vec<&str> = l.split_whitespace().collect();
+        assert_eq!(f.len(), 12, "{l}");
+        assert_eq!(
+            [f[1], f[2], f[3], f[4], f[6], f[8], f[10]],
+            ["address:", "LID", "0000", "QPN", "PSN", "RKey", "VAddr"],
+            "{l}"
+        );
+        for x in [f[5], f[7], f[9], f[11]] {
+            assert!(
+                x.starts_with("0x") && u64::from_str_radix(&x[2..], 16).is_ok(),
+                "{l}"
+            );
+        }
+        assert!(f[5].len() >= 6 && f[7].len() >= 6 && f[9].len() >= 8, "{l}");
+        assert_eq!(f[11].len(), 16, "{l}");
+        let gid = lines.get(i + 1).copied().unwrap_or_default();
+        let bytes: Vec<&str> = gid
+            .strip_prefix(" GID: ")
+            .unwrap_or_else(|| panic!("no GID line after {l}"))
+            .split(':')
+            .collect();
+        assert_eq!(bytes.len(), 16, "{gid}");
+        assert!(
+            bytes
+                .iter()
+                .all(|b| b.len() >= 2 && b.parse::<u8>().is_ok()),
+            "{gid}"
+        );
+        v.push((
+            f[0].to_string(),
+            vec![f[5].into(), f[7].into(), f[9].into(), f[11].into()],
+            gid.to_string(),
+        ));
+    }
+    v
+}
+
+/// The first numeric row's #iterations.
+fn iterations(out: &str) -> f64 {
+    out.lines()
+        .filter_map(|l| {
+            l.split_whitespace()
+                .map(|f| f.parse::<f64>())
+                .collect::<Result<Vec<_>, _>>()
+                .ok()
+        })
+        .find(|r| r.len() >= 4)
+        .unwrap_or_else(|| panic!("no row in:\n{out}"))[1]
+}
+
+/// The server's and client's outputs agree the way perftest's do: each one's local lines
+/// are the other's remote lines.
+fn check_sides(what: &str, server: &str, client: &str, qps: usize) {
+    let (s, c) = (addresses(server), addresses(client));
+    for (side, a) in [("server", &s), ("client", &c)] {
+        let sides: Vec<&str> = a.iter().map(|x| x.0.as_str()).collect();
+        let mut want = vec!["local"; qps];
+        want.extend(vec!["remote"; qps]);
+        assert_eq!(sides, want, "{what} {side}");
+    }
+    for k in 0..qps {
+        assert_eq!(s[k].1, c[qps + k].1, "{what}: server local = client remote");
+        assert_eq!(c[k].1, s[qps + k].1, "{what}: client local = server remote");
+        assert_eq!(s[k].2, c[qps + k].2, "{what}: GIDs");
+    }
+}
+
+#[test]
+fn put_bw_prints_ib_write_bw_layout() {
+    let _g = serial();
+    let (_, dir) = artifacts();
+    let common = ["-s", "4096", "-n", "200", "-q", "2"];
+    let mut perf = vec!["-x", "0"];
+    perf.extend_from_slice(&common);
+    let (ps, pc) = pair(&tool("ib_write_bw"), 131, &perf);
+    let mut ours = vec![
+        "-d",
+        "mlx5_0",
+        "--initiator",
+        "cpu",
+        "--timeout",
+        "60",
+        "-x",
+        "0",
+    ];
+    ours.extend_from_slice(&common);
+    let (gs, gc) = pair(&dir.join("put_bw"), 132, &ours);
+
+    let title = |o: &str| o.lines().nth(1).unwrap_or_default().trim().to_string();
+    assert!(
+        title(&gc).starts_with(&title(&pc)),
+        "{}\n{}",
+        title(&pc),
+        title(&gc)
+    );
+    let names = header_names(&gc);
+    for n in [
+        "Device",
+        "Number of qps",
+        "TX depth",
+        "CQ Moderation",
+        "Mtu",
+        "GID index",
+        "Max inline data",
+    ] {
+        assert!(
+            header_names(&pc).contains(&n.to_string()),
+            "perftest: {n}\n{pc}"
+        );
+        assert!(names.contains(&n.to_string()), "put_bw has no {n:?}:\n{gc}");
+    }
+    for (p, g) in [(&pc, &gc), (&ps, &gs)] {
+        assert_eq!(columns(g), columns(p), "the column line");
+    }
+    check_sides("ib_write_bw", &ps, &pc, 2);
+    check_sides("put_bw", &gs, &gc, 2);
+    // -q 2 -n 200: perftest reports 400, and so must put_bw.
+    assert_eq!(iterations(&pc), 400.0, "{pc}");
+    assert_eq!(iterations(&gc), iterations(&pc), "{gc}");
+    assert_eq!(iterations(&gs), iterations(&ps), "{gs}");
+}
+
+#[test]
+fn write_lat_prints_ib_write_lat_layout() {
+    let _g = serial();
+    let (_, dir) = artifacts();
+    let common = ["-s", "2", "-n", "200"];
+    let mut perf = vec!["-x", "0"];
+    perf.extend_from_slice(&common);
+    let (ps, pc) = pair(&tool("ib_write_lat"), 133, &perf);
+    let mut ours = vec!["-d", "mlx5_0", "--initiator", "cpu", "--timeout", "60"];
+    ours.extend_from_slice(&common);
+    let (gs, gc) = pair(&dir.join("write_lat"), 134, &ours);
+    for n in ["Device", "TX depth", "Mtu", "GID index", "Max inline data"] {
+        assert!(
+            header_names(&pc).contains(&n.to_string()),
+            "perftest: {n}\n{pc}"
+        );
+        assert!(
+            header_names(&gc).contains(&n.to_string()),
+            "write_lat: {n}\n{gc}"
+        );
+    }
+    assert_eq!(columns(&gc), columns(&pc), "the column line");
+    check_sides("ib_write_lat", &ps, &pc, 1);
+    check_sides("write_lat", &gs, &gc, 1);
+    assert_eq!(iterations(&gc), iterations(&pc), "{gc}");
+    let _ = (ps, gs);
+}
