@@ -14,7 +14,7 @@
 #   PUT_BW     the put_bw binary (default: target/release/put_bw)
 #   GPUVERBS   the gpuverbs binary for the plots (default: none, no plots)
 # Environment: CTAS (default "1 2 4 8 16 32 64"), DBS (default "gpu proxy"), SIZES (default
-# "8 64 512 4096 32768 262144 1048576"), ITERS (at most, default 2000).
+# "8 64 512 4096 32768 262144 1048576"), ITERS (at most, default 2000), POST_LIST (-l, 16).
 # Prints a table per doorbell mode: average MB/s, rows CTAs, columns sizes.
 set -euo pipefail
 out=${1:?usage: cta_scaling.sh OUTDIR [PUT_BW] [GPUVERBS]}
@@ -24,6 +24,7 @@ ctas=${CTAS:-1 2 4 8 16 32 64}
 sizes=${SIZES:-8 64 512 4096 32768 262144 1048576}
 dbs=${DBS:-gpu proxy}
 iters=${ITERS:-2000}
+post_list=${POST_LIST:-16}  # WQEs per doorbell (the figures in docs/benchmarks.md: 16)
 mkdir -p "$out"
 : > "$out/cta_scaling.json"
 for db in $dbs; do
@@ -34,7 +35,7 @@ for db in $dbs; do
       it=$(( (256 << 20) / (s * n) ))
       (( it > iters )) && it=$iters
       (( it < 20 )) && it=20
-      "$put_bw" --loopback --initiator gpu --db "$db" -q "$n" -s "$s" -n "$it" --json \
+      "$put_bw" --loopback --initiator gpu --db "$db" -q "$n" -s "$s" -n "$it" -l "$post_list" --json \
         2>/dev/null | grep '^{' >> "$f"
     done
     cat "$f" >> "$out/cta_scaling.json"

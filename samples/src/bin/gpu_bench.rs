@@ -30,6 +30,10 @@ struct Args {
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
+    /// Engine-thread counts for the engine-scaling series (post and complete, 64 blocks each
+    /// on its own QP, block scope): side A's soft NIC runs with each in turn; empty: skip it.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    engines: Vec<u32>,
 }
 
 const BUDGET: u64 = 5_000_000_000;
@@ -92,11 +96,14 @@ fn setup(
     nqps: u32,
     sq_blocks: u32,
     rings: RingPlacement,
+    engines: u32,
 ) -> Result<Setup> {
     // The initiating soft NIC runs in completion-only mode: it checks and completes every WQE
     // but moves no payload, so post-and-complete measures posting plus the engine's WQE cost.
+    // (Its engine threads also run the responder side: the peer is a device of this process.)
     let a = Context::open_soft(softnic::DeviceConfig {
         completion_only: true,
+        engine_threads: engines,
         ..Default::default()
     })?;
     let b = Context::open(DeviceRequest::Soft)?;
@@ -188,6 +195,8 @@ struct Shape {
     share: Share,
     /// Where side A's rings live.
     rings: RingPlacement,
+    /// Engine threads of side A's soft NIC.
+    engines: u32,
 }
 
 fn shape(
@@ -208,6 +217,7 @@ fn shape(
         private_qps,
         share,
         rings: RingPlacement::HostMapped,
+        engines: 1,
     }
 }
 
@@ -226,7 +236,7 @@ fn post_rate(gpu: &Arc<Gpu>, mode: DoorbellMode, complete: bool, sh: Shape) -> R
         sq_blocks <= SQ_BLOCKS,
         "post-only run of {per_qp} WQEs per QP does not fit the ring"
     );
-    let s = setup(gpu, mode, complete, nqps, sq_blocks, sh.rings)?;
+    let s = setup(gpu, mode, complete, nqps, sq_blocks, sh.rings, sh.engines)?;
     let st = Stamps::new(gpu)?;
     let (mut qps, mut n, mut laddr, mut lk, mut raddr, mut rk) = (
         s.ptrs.ptr(),
@@ -505,6 +515,40 @@ fn main() -> Result<()> {
                 unit: "M WQE/s",
             });
         }
+    }
+    // Engine scaling: the same post-and-complete load on 1, 2, 4, ... engine threads.
+    let mut one_engine = 0.0;
+    for &e in &args.engines {
+        let sh = Shape {
+            engines: e,
+            ..shape(64, 256, 2, 64, 1, true, Share::Gpu)
+        };
+        let mode = DoorbellMode::GpuDoorbell;
+        let r = post_rate(&gpu, mode, true, sh)
+            .with_context(|| format!("engine_scaling with {e} engine threads"))?;
+        if e == 1 {
+            one_engine = r;
+        }
+        let scaling = if one_engine > 0.0 {
+            format!(
+                " ({:.2}x one thread, {:.2} of linear)",
+                r / one_engine,
+                r / one_engine / e as f64
+            )
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "engine_scaling {e} engine threads: {:.3} M WQE/s{scaling}",
+            r / 1e6
+        );
+        lines.push(Line {
+            test: "engine_scaling",
+            config: format!("64 blocks, QP per block, block scope, {e} engine threads"),
+            db: db_name(mode),
+            value: r / 1e6,
+            unit: "M WQE/s",
+        });
     }
     if [thread_rate, warp_rate, shared_warp_rate, gpu_rings_rate].contains(&0.0) {
         bail!("missing reference rates");
