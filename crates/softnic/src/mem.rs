@@ -15,7 +15,7 @@
 //! copies here ([`copy_ranges`], [`read_range`], [`write_range`]) dispatch on it.
 
 use crate::devmem::{same_memory, DeviceMemory, DeviceMemoryError, BOUNCE};
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::sync::Arc;
 
 /// Access rights of a memory region (ibverbs bit values).
@@ -120,7 +120,7 @@ impl MrInfo {
     }
 }
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Slot {
     tag: u8,
     mr: Option<MrInfo>,
@@ -225,10 +225,55 @@ pub enum MwError {
     },
 }
 
-/// The device's table of memory regions.
+/// Copies of a [`MrTable`]: a reader locks only its thread's copy, so the readers of every
+/// WQE on several engine threads do not share one lock word.
+const COPIES: usize = 8;
+
+/// One copy of the table, on cache lines of its own.
 #[derive(Default)]
+#[repr(align(128))]
+struct Replica(RwLock<Vec<Slot>>);
+
+/// The device's table of memory regions, replicated: a reader ([`MrTable::read`]) locks its
+/// thread's copy; a writer locks every copy (waiting for every reader: copies in flight hold a
+/// read), changes the first and makes the others equal to it when done. Registration is rare,
+/// lookups happen at every WQE.
 pub struct MrTable {
-    slots: RwLock<Vec<Slot>>,
+    copies: Box<[Replica]>,
+}
+
+impl Default for MrTable {
+    fn default() -> Self {
+        Self {
+            copies: (0..COPIES).map(|_| Replica::default()).collect(),
+        }
+    }
+}
+
+/// Every copy of a table, write-locked; derefs to the first, which is copied into the others
+/// when dropped.
+struct TableWrite<'a>(Vec<RwLockWriteGuard<'a, Vec<Slot>>>);
+
+impl std::ops::Deref for TableWrite<'_> {
+    type Target = Vec<Slot>;
+    fn deref(&self) -> &Vec<Slot> {
+        &self.0[0]
+    }
+}
+
+impl std::ops::DerefMut for TableWrite<'_> {
+    fn deref_mut(&mut self) -> &mut Vec<Slot> {
+        &mut self.0[0]
+    }
+}
+
+impl Drop for TableWrite<'_> {
+    fn drop(&mut self) {
+        let (first, rest) = self.0.split_at_mut(1);
+        for g in rest {
+            g.clone_from(&first[0]);
+        }
+    }
 }
 
 /// A checked range `addr..addr+len` inside a live region: host memory (`dev` is `None`) or
@@ -288,7 +333,7 @@ impl MrTable {
         access: Access,
         dev: Option<Arc<dyn DeviceMemory>>,
     ) -> MrInfo {
-        let mut slots = self.slots.write();
+        let mut slots = self.write();
         let index = free_slot(&mut slots);
         let slot = &mut slots[index];
         slot.tag = slot.tag.wrapping_add(1);
@@ -313,7 +358,7 @@ impl MrTable {
     /// whole duration, so removal waits for copies in flight and memory is never freed under
     /// the device.
     pub fn remove(&self, key: u32) -> Option<MrInfo> {
-        let mut slots = self.slots.write();
+        let mut slots = self.write();
         match slots.get_mut((key >> 8) as usize) {
             Some(s) if s.mr.is_some_and(|m| m.key == key) => {
                 s.dev = None;
@@ -334,7 +379,7 @@ impl MrTable {
         len: u64,
         access: Access,
     ) -> Option<MrInfo> {
-        let mut slots = self.slots.write();
+        let mut slots = self.write();
         match slots.get_mut((key >> 8) as usize) {
             Some(s) if s.mr.is_some_and(|m| m.key == key) && s.dev.is_none() => {
                 let info = MrInfo {
@@ -354,7 +399,7 @@ impl MrTable {
 
     /// Allocates a memory window in `pd` (free, unbound) and returns its key.
     pub fn alloc_mw(&self, pd: PdId, kind: MwType) -> u32 {
-        let mut slots = self.slots.write();
+        let mut slots = self.write();
         let index = free_slot(&mut slots);
         let slot = &mut slots[index];
         slot.tag = slot.tag.wrapping_add(1);
@@ -372,7 +417,7 @@ impl MrTable {
     /// peers using its key get remote access errors). `None` when there is no window there.
     /// Copies through it hold an [`MrGuard`], so this waits for them.
     pub fn dealloc_mw(&self, key: u32) -> Option<MwInfo> {
-        let mut slots = self.slots.write();
+        let mut slots = self.write();
         let s = slots.get_mut((key >> 8) as usize)?;
         let w = s.mw.take()?;
         let info = *w.lock();
@@ -397,7 +442,13 @@ impl MrTable {
     /// Holds the table for checks and copies; regions cannot be removed meanwhile. Guards of
     /// several tables may be held at once in any order (recursive reads never wait for writers).
     pub fn read(&self) -> MrGuard<'_> {
-        MrGuard(self.slots.read_recursive())
+        let copy = &self.copies[crate::counters::shard() % self.copies.len()];
+        MrGuard(copy.0.read_recursive())
+    }
+
+    /// Every copy, write-locked in order (see [`TableWrite`]).
+    fn write(&self) -> TableWrite<'_> {
+        TableWrite(self.copies.iter().map(|c| c.0.write()).collect())
     }
 }
 
