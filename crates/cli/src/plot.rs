@@ -2,8 +2,8 @@
 //! from the samples' `--json` output (one JSON object per line: `put_bw` rows carry `bytes` and
 //! `bw_average` / `bw_peak`, `write_lat` rows `bytes` and `t_typical_us`, `t_avg_us`, `p99_us`,
 //! ...). Each input file is one series, named by `--label` (in order) or by the file name; the
-//! x axis is the message size on a log2 scale, the y axis the chosen field (log10 for
-//! bandwidth, which spans decades).
+//! x axis is the message size on a log2 scale, the y axis the chosen field on a log10 scale
+//! (bandwidth and latency both span decades over the sizes).
 
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
@@ -81,7 +81,7 @@ impl PlotSpec {
         Self {
             field: "t_typical_us".into(),
             y_label: "typical latency, half a round trip [us]".into(),
-            log_y: false,
+            log_y: true,
             title: title.into(),
         }
     }
@@ -204,75 +204,48 @@ pub fn draw(spec: &PlotSpec, series: &[Series], out: &Path) -> Result<(), PlotEr
         }
     };
     let colors = [&BLUE, &RED, &GREEN, &MAGENTA, &CYAN, &BLACK];
-    if spec.log_y {
-        let (ly0, ly1) = (
-            y0.max(1e-3).log10().floor(),
-            y1.max(1e-3)
-                .log10()
-                .ceil()
-                .max(y0.max(1e-3).log10().floor() + 1.0),
-        );
-        let mut c = b
-            .build_cartesian_2d(lx0..lx1, ly0..ly1)
-            .map_err(|e| fail(&e))?;
-        c.configure_mesh()
-            .x_desc("message size [bytes]")
-            .y_desc(&spec.y_label)
-            .x_label_formatter(&size_label)
-            .y_labels((ly1 - ly0) as usize + 1)
-            .y_label_formatter(&|v| {
-                // decades only: 0.01, 0.1, 1, 10, ...
-                if (v - v.round()).abs() > 1e-6 {
-                    String::new()
-                } else if *v < 0.0 {
-                    format!("{}", 10f64.powi(v.round() as i32))
-                } else {
-                    format!("{:.0}", 10f64.powi(v.round() as i32))
-                }
-            })
-            .draw()
-            .map_err(|e| fail(&e))?;
-        for (i, s) in series.iter().enumerate() {
-            let col = colors[i % colors.len()];
-            let pts = s
-                .points
-                .iter()
-                .map(|&(x, y)| (x.log2(), y.max(1e-3).log10()));
-            c.draw_series(LineSeries::new(pts, col.stroke_width(2)))
-                .map_err(|e| fail(&e))?
-                .label(&s.name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col));
-        }
-        c.configure_series_labels()
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
-            .draw()
-            .map_err(|e| fail(&e))?;
+    // y: log10 over the decades the values span (labels on decades only), or linear from 0
+    let (yr, ty, labels): (std::ops::Range<f64>, fn(f64) -> f64, usize) = if spec.log_y {
+        let lo = y0.max(1e-3).log10().floor();
+        let hi = y1.max(1e-3).log10().ceil().max(lo + 1.0);
+        (lo..hi, |y| y.max(1e-3).log10(), (hi - lo) as usize + 1)
     } else {
-        let top = if y1 > 0.0 { y1 * 1.1 } else { 1.0 };
-        let mut c = b
-            .build_cartesian_2d(lx0..lx1, 0f64..top)
-            .map_err(|e| fail(&e))?;
-        c.configure_mesh()
-            .x_desc("message size [bytes]")
-            .y_desc(&spec.y_label)
-            .x_label_formatter(&size_label)
-            .draw()
-            .map_err(|e| fail(&e))?;
-        for (i, s) in series.iter().enumerate() {
-            let col = colors[i % colors.len()];
-            let pts = s.points.iter().map(|&(x, y)| (x.log2(), y));
-            c.draw_series(LineSeries::new(pts, col.stroke_width(2)))
-                .map_err(|e| fail(&e))?
-                .label(&s.name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col));
+        (0.0..if y1 > 0.0 { y1 * 1.1 } else { 1.0 }, |y| y, 10)
+    };
+    let log_y = spec.log_y;
+    let y_label = move |v: &f64| {
+        if !log_y {
+            format!("{v}")
+        } else if (v - v.round()).abs() > 1e-6 {
+            String::new()
+        } else if *v < 0.0 {
+            format!("{}", 10f64.powi(v.round() as i32))
+        } else {
+            format!("{:.0}", 10f64.powi(v.round() as i32))
         }
-        c.configure_series_labels()
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
-            .draw()
-            .map_err(|e| fail(&e))?;
+    };
+    let mut c = b.build_cartesian_2d(lx0..lx1, yr).map_err(|e| fail(&e))?;
+    c.configure_mesh()
+        .x_desc("message size [bytes]")
+        .y_desc(&spec.y_label)
+        .x_label_formatter(&size_label)
+        .y_labels(labels)
+        .y_label_formatter(&y_label)
+        .draw()
+        .map_err(|e| fail(&e))?;
+    for (i, s) in series.iter().enumerate() {
+        let col = colors[i % colors.len()];
+        let pts = s.points.iter().map(|&(x, y)| (x.log2(), ty(y)));
+        c.draw_series(LineSeries::new(pts, col.stroke_width(2)))
+            .map_err(|e| fail(&e))?
+            .label(&s.name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col));
     }
+    c.configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(|e| fail(&e))?;
     root.present().map_err(|e| fail(&e))?;
     Ok(())
 }
