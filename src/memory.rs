@@ -24,7 +24,9 @@
 //! only once the WQEs posted before are done, call [`Mr::deregister`]: it waits, at most its
 //! timeout, until every QP of the PD has executed the WQEs posted before the call, and otherwise
 //! gives the region back in a [`DeregisterError`] that names the QPs still busy. A plain drop
-//! deregisters at once (logging a warning when QPs of the PD still had WQEs in flight).
+//! waits too, at most 100 ms, then deregisters all the same, logging a warning that names the
+//! QPs still busy (on the mlx5 backend, where the device's progress is not visible, it cannot
+//! wait and deregisters at once).
 
 use crate::device::{Backend, Context};
 use crate::gpu::DeviceMem;
@@ -301,7 +303,9 @@ pub(crate) enum Keep {
 
 /// A registered memory region.
 ///
-/// Dropping it deregisters it at once ([`Mr::deregister`] waits for the WQEs posted before).
+/// Dropping it waits (at most 100 ms, where the device shows its progress) for the WQEs posted
+/// before, then deregisters it, with a warning if some are still in flight; [`Mr::deregister`]
+/// waits as long as asked and gives the region back instead.
 pub struct Mr {
     pd: RegionPd,
     /// Range, rights and kind; `key` is the lkey.
@@ -447,8 +451,15 @@ impl Mr {
     /// rung before the call ([`Mr::deregister`] says what counts); returns at once what is in
     /// flight when only unobservable (mlx5) QPs are left.
     pub(crate) fn wait_idle(&self, timeout: Duration) -> Result<(), InFlight> {
+        self.wait_for(timeout, true)
+    }
+
+    /// Waits, at most `timeout`, until the QPs of the PD have executed the WQEs posted before
+    /// the call; `unobservable`: also report (at once) the QPs whose progress the device does
+    /// not show (mlx5).
+    fn wait_for(&self, timeout: Duration, unobservable: bool) -> Result<(), InFlight> {
         let start = Instant::now();
-        let mut watch = SqWatch::new(&self.pd.ctx, &self.pd.qps, true);
+        let mut watch = SqWatch::new(&self.pd.ctx, &self.pd.qps, unobservable);
         let mut pause = Duration::from_micros(1);
         loop {
             watch.poll();
@@ -850,17 +861,24 @@ impl Pd {
     }
 }
 
+/// How long dropping a region waits for the WQEs posted before it (on a device that shows its
+/// progress) before it deregisters all the same.
+const DROP_WAIT: Duration = Duration::from_millis(100);
+
 impl Drop for Mr {
     fn drop(&mut self) {
         if !self.quiet {
-            let busy = SqWatch::new(&self.pd.ctx, &self.pd.qps, false).report();
-            if !busy.is_empty() {
-                let qps: Vec<String> = busy.iter().map(ToString::to_string).collect();
+            // a bounded wait for the WQEs posted before (where the device shows its progress),
+            // then a report of what is still in flight
+            if let Err(busy) = self.wait_for(DROP_WAIT, false) {
+                let qps: Vec<String> = busy.qps.iter().map(ToString::to_string).collect();
                 tracing::warn!(
                     lkey = self.info.key,
+                    waited = ?busy.waited,
                     in_flight = %qps.join("; "),
-                    "memory region dropped while QPs of its PD have WQEs in flight: those \
-                     that use it complete with error CQEs (Mr::deregister waits for them)"
+                    "memory region dropped while QPs of its PD still have WQEs in flight: \
+                     those that use it complete with error CQEs (Mr::deregister waits longer \
+                     and gives the region back)"
                 );
             }
         }
