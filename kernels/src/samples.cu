@@ -188,3 +188,60 @@ GPUVERBS_KERNEL void gv_sample_write_lat(const samples::lat_side* sides, uint32_
     s = quiet<sharing::exclusive>(q, budget, &e);
     samples::report(out, s, e, me);
 }
+
+// echo: a persistent kernel (one thread, exclusive) that answers every message it receives
+// with the same bytes, without the CPU: `slots` receive buffers of `slot` bytes each (slot i at
+// `buf_nic + i * slot` for the NIC, `buf_dev + i * slot` for the kernel), one receive posted
+// per buffer; each receive completion (SEND, SEND_IMM or WRITE_IMM of the peer) is answered by
+// a SEND of the bytes the buffer holds (for a WRITE_IMM, `byte_count` bytes of the slot the
+// immediate names), whose completion is taken before the buffer is posted again. Runs until
+// `*stop` is non-zero; every wait is bounded by `budget` ns (a wait that runs out only makes
+// the loop look at `*stop` again). out[0]: messages echoed; out[1]: bytes echoed; out[2]: the
+// status that ended the loop (0 when stopped); out[3..5]: an error CQE's syndrome, vendor
+// syndrome and WQE counter.
+GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, uint32_t slot,
+                                    uint32_t slots, const volatile uint32_t* stop,
+                                    uint64_t budget, unsigned long long* out) {
+    using namespace gpuverbs;
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    status s = OK;
+    error e{};
+    for (uint32_t i = 0; i < slots && s == OK; ++i) {
+        s = post_recv<sharing::exclusive>(q, buf_nic + (uint64_t)i * slot, lkey{lk}, slot, budget);
+    }
+    unsigned long long n = 0, bytes = 0;
+    uint64_t posted = slots;  // receives posted so far; receive k used slot k % slots
+    uint64_t taken = 0;
+    while (s == OK && *stop == 0) {
+        recv_completion rc;
+        const status r = recv_wait<sharing::exclusive>(q, &rc, budget, &e);
+        if (r == TIMEOUT) continue;
+        if (r != OK) {
+            s = r;
+            break;
+        }
+        const uint32_t i = (uint32_t)(rc.opcode == CQE_RESP_WR_IMM ? rc.imm % slots : taken % slots);
+        taken += 1;
+        const uint32_t len = rc.byte_count < slot ? rc.byte_count : slot;
+        s = send<sharing::exclusive>(q, buf_nic + (uint64_t)i * slot, lkey{lk}, len, false, 0,
+                                     true, budget);
+        if (s == OK) s = quiet<sharing::exclusive>(q, budget, &e);
+        if (s == OK) {
+            s = post_recv<sharing::exclusive>(q, buf_nic + (uint64_t)(posted % slots) * slot,
+                                              lkey{lk}, slot, budget);
+            posted += 1;
+        }
+        if (s == OK) {
+            n += 1;
+            bytes += len;
+            reinterpret_cast<volatile unsigned long long*>(out)[0] = n;
+            reinterpret_cast<volatile unsigned long long*>(out)[1] = bytes;
+        }
+    }
+    if (s == ERROR_CQE) e = last_error(q);
+    out[2] = (unsigned long long)s;
+    out[3] = e.syndrome;
+    out[4] = e.vendor;
+    out[5] = e.wqe_counter;
+    __threadfence_system();
+}

@@ -766,3 +766,18 @@ fn validation_failure_fails_the_run() {
     let v: Value = serde_json::from_str(text(&out.stdout).trim()).expect("one JSON line");
     assert_eq!(v["validated"], false, "{v}");
 }
+
+#[test]
+fn echo_without_a_gpu_says_it_needs_one() {
+    // The echo server is a kernel: without a GPU (CI) the sample fails at once and says why;
+    // on a GPU machine it runs and checks every answer (docs/benchmarks.md).
+    let out = run(env!("CARGO_BIN_EXE_echo"), &["-n", "10", "-s", "64"]);
+    if !out.status.success() {
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("echo needs a GPU"), "{stderr}");
+    } else {
+        let stdout = text(&out.stdout);
+        assert!(stdout.contains("the kernel echoed 10 messages"), "{stdout}");
+    }
+}
