@@ -245,3 +245,70 @@ GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t l
     out[5] = e.wqe_counter;
     __threadfence_system();
 }
+
+// kv_transfer: block 0 (one thread, exclusive) sends a list of KV-cache blocks to the peer,
+// `batch` blocks at a time: block j of the list goes from source block src_idx[j]
+// (`src_nic + src_idx[j] * bsize`) to destination block dst_idx[j] (`dst_remote + dst_idx[j] *
+// bsize`, non-contiguous), unsignaled puts, then one signal per batch (a fetch-add of 1 on the
+// receiver's signal word; the RC responder runs it after the batch's writes). Block 1 (one
+// thread) is the receiver: for batch b it waits until the signal word reaches b + 1, then
+// checks every 8-byte word of the batch's destination blocks against the pattern the host
+// wrote into the sources (word w of source block s holds `kv_word(s, w)`). Every wait is bounded
+// by `budget` ns. out[0]: the sender's status, out[1]: the receiver's, out[2]: words that
+// differ, out[3]: the first batch that did, out[4], out[5]: the sender's start and end
+// (%globaltimer), out[6]: the receiver's end.
+GPUVERBS_DEVICE uint64_t kv_word(uint32_t block, uint32_t word) {
+    return ((uint64_t)block << 32 | word) * 0x9E3779B97F4A7C15ull;
+}
+
+GPUVERBS_KERNEL void gv_sample_kv_transfer(gpuverbs_qp* q, uint64_t src_nic, uint32_t lk,
+                                           uint64_t dst_remote, uint32_t rk, uint64_t sig_remote,
+                                           uint32_t sig_rk, const uint64_t* sig_dev,
+                                           const uint64_t* dst_dev, const uint32_t* src_idx,
+                                           const uint32_t* dst_idx, uint32_t nblocks,
+                                           uint32_t bsize, uint32_t batch, uint64_t budget,
+                                           unsigned long long* out) {
+    using namespace gpuverbs;
+    if (threadIdx.x != 0 || blockIdx.x > 1) return;
+    const uint32_t batches = (nblocks + batch - 1) / batch;
+    if (blockIdx.x == 0) {
+        status s = OK;
+        out[4] = now_ns();
+        for (uint32_t b = 0; b < batches && s == OK; ++b) {
+            const uint32_t end = (b + 1) * batch < nblocks ? (b + 1) * batch : nblocks;
+            for (uint32_t j = b * batch; j < end && s == OK; ++j) {
+                s = put<sharing::exclusive>(q, src_nic + (uint64_t)src_idx[j] * bsize, lkey{lk},
+                                            dst_remote + (uint64_t)dst_idx[j] * bsize,
+                                            rkey{rk}, bsize, false, budget);
+            }
+            if (s == OK) {
+                s = signal<sharing::exclusive>(q, sig_remote, rkey{sig_rk}, 1, true, budget);
+            }
+        }
+        if (s == OK) s = quiet<sharing::exclusive>(q, budget);
+        out[5] = now_ns();
+        out[0] = (unsigned long long)s;
+    } else {
+        status s = OK;
+        unsigned long long bad = 0, first_bad = ~0ull;
+        const uint32_t words = bsize / 8;
+        for (uint32_t b = 0; b < batches && s == OK; ++b) {
+            s = wait_signal(sig_dev, (uint64_t)b + 1, budget);
+            if (s != OK) break;
+            const uint32_t end = (b + 1) * batch < nblocks ? (b + 1) * batch : nblocks;
+            for (uint32_t j = b * batch; j < end; ++j) {
+                const volatile uint64_t* d = dst_dev + (uint64_t)dst_idx[j] * words;
+                for (uint32_t w = 0; w < words; ++w) {
+                    if (d[w] != kv_word(src_idx[j], w)) {
+                        bad += 1;
+                        if (first_bad == ~0ull) first_bad = b;
+                    }
+                }
+            }
+        }
+        out[6] = now_ns();
+        out[1] = (unsigned long long)s;
+        out[2] = bad;
+        out[3] = first_bad;
+    }
+}

@@ -781,3 +781,21 @@ fn echo_without_a_gpu_says_it_needs_one() {
         assert!(stdout.contains("the kernel echoed 10 messages"), "{stdout}");
     }
 }
+
+#[test]
+fn kv_transfer_without_a_gpu_says_it_needs_one() {
+    // Both sides are kernels: without a GPU (CI) the sample fails at once and says why; on a
+    // GPU machine it runs and checks every block (docs/benchmarks.md).
+    let out = run(
+        env!("CARGO_BIN_EXE_kv_transfer"),
+        &["--blocks", "8", "--batch", "4"],
+    );
+    if !out.status.success() {
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("kv_transfer needs a GPU"), "{stderr}");
+    } else {
+        let stdout = text(&out.stdout);
+        assert!(stdout.contains("every block checked"), "{stdout}");
+    }
+}
