@@ -1,0 +1,31 @@
+//! The soft NIC's wire counters ([`wire_counters`]) and what a run did to them ([`wire_delta`]).
+
+use gpuverbs::Context;
+use serde_json::{json, Value};
+
+/// What this side's wire port did between two counter snapshots (the JSON's `"wire"`):
+/// datagrams each way, request packets sent again, timer expirations, sequence NAKs, datagrams
+/// dropped on purpose; `null` without a soft NIC (an rdma-core device has no such counters).
+pub fn wire_delta(
+    before: &Option<softnic::WireCounters>,
+    after: &Option<softnic::WireCounters>,
+) -> Value {
+    let (Some(before), Some(after)) = (before, after) else {
+        return Value::Null;
+    };
+    let d = |a: u64, b: u64| a.saturating_sub(b);
+    json!({
+        "tx_packets": d(after.tx_packets, before.tx_packets),
+        "rx_packets": d(after.rx_packets, before.rx_packets),
+        "retransmits": d(after.retransmits, before.retransmits),
+        "timeouts": d(after.timeouts, before.timeouts),
+        "seq_naks_sent": d(after.seq_naks_sent, before.seq_naks_sent),
+        "seq_naks_received": d(after.seq_naks_received, before.seq_naks_received),
+        "injected_drops": d(after.injected_drops, before.injected_drops),
+    })
+}
+
+/// The wire counters of a context's soft NIC (`None` without one).
+pub fn wire_counters(ctx: &Context) -> Option<softnic::WireCounters> {
+    ctx.soft_device().map(|d| d.counters().wire)
+}
