@@ -199,11 +199,10 @@ GPUVERBS_KERNEL void gv_sample_write_lat(const samples::lat_side* sides, uint32_
 // the loop look at `*stop` again). out[0]: messages echoed; out[1]: bytes echoed; out[2]: the
 // status that ended the loop (0 when stopped); out[3..5]: an error CQE's syndrome, vendor
 // syndrome and WQE counter.
-GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, uint32_t slot,
-                                    uint32_t slots, const volatile uint32_t* stop,
-                                    uint64_t budget, unsigned long long* out) {
+GPUVERBS_DEVICE void echo_serve(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, uint32_t slot,
+                                uint32_t slots, const volatile uint32_t* stop, uint64_t budget,
+                                unsigned long long* out) {
     using namespace gpuverbs;
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
     status s = OK;
     error e{};
     for (uint32_t i = 0; i < slots && s == OK; ++i) {
@@ -243,6 +242,66 @@ GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t l
     out[3] = e.syndrome;
     out[4] = e.vendor;
     out[5] = e.wqe_counter;
+    __threadfence_system();
+}
+
+GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, uint32_t slot,
+                                    uint32_t slots, const volatile uint32_t* stop,
+                                    uint64_t budget, unsigned long long* out) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    echo_serve(q, buf_nic, lk, slot, slots, stop, budget, out);
+}
+
+// echo with a GPU client: block 0 serves as gv_sample_echo does; block 1 (one thread,
+// exclusive on the client QP) sends `iters` SENDs of `size` bytes from `src` (it writes each
+// message's pattern there first: byte i of message k is (i * 31 ^ k * 2654435761) | 1), each
+// into a receive it posted at `back` (zeroed first), waits for the answer, records the round
+// trip in rtt[k] (%globaltimer), takes its send's completion and checks every byte of the
+// answer; then it sets *stop. out[6]: the client's status, out[7]: bytes that differed,
+// out[8]: an error CQE's syndrome.
+GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint32_t slk,
+                                        uint32_t slot, uint32_t slots, gpuverbs_qp* qc,
+                                        uint64_t src_nic, uint8_t* src_dev, uint32_t src_lk,
+                                        uint64_t back_nic, const uint8_t* back_dev,
+                                        uint32_t back_lk, uint32_t size, uint32_t iters,
+                                        volatile uint32_t* stop, uint64_t budget,
+                                        unsigned long long* out, uint64_t* rtt) {
+    using namespace gpuverbs;
+    if (threadIdx.x != 0 || blockIdx.x > 1) return;
+    if (blockIdx.x == 0) {
+        echo_serve(qs, sbuf_nic, slk, slot, slots, stop, budget, out);
+        return;
+    }
+    status s = OK;
+    error e{};
+    unsigned long long bad = 0;
+    volatile uint8_t* back = const_cast<volatile uint8_t*>(back_dev);
+    for (uint32_t k = 0; k < iters && s == OK; ++k) {
+        for (uint32_t i = 0; i < size; ++i) {
+            src_dev[i] = (uint8_t)((i * 31u ^ k * 2654435761u) | 1u);
+            back[i] = 0;
+        }
+        s = post_recv<sharing::exclusive>(qc, back_nic, lkey{back_lk}, size, budget);
+        const uint64_t t0 = now_ns();
+        if (s == OK) {
+            s = send<sharing::exclusive>(qc, src_nic, lkey{src_lk}, size, false, 0, true, budget);
+        }
+        recv_completion rc;
+        if (s == OK) s = recv_wait<sharing::exclusive>(qc, &rc, budget, &e);
+        rtt[k] = now_ns() - t0;
+        if (s == OK) s = quiet<sharing::exclusive>(qc, budget, &e);
+        if (s == OK) {
+            for (uint32_t i = 0; i < size; ++i) {
+                if (back[i] != (uint8_t)((i * 31u ^ k * 2654435761u) | 1u)) bad += 1;
+            }
+        }
+    }
+    if (s == ERROR_CQE) e = last_error(qc);
+    out[6] = (unsigned long long)s;
+    out[7] = bad;
+    out[8] = e.syndrome;
+    __threadfence_system();
+    *stop = 1;
     __threadfence_system();
 }
 

@@ -9,8 +9,12 @@
 //! host memory the kernel polls), which reports how many messages it echoed and why it
 //! stopped (an error CQE with its syndrome).
 //!
+//! With `--initiator gpu` the client is a kernel too (one launch, two blocks: block 0 serves,
+//! block 1 sends SENDs, checks each answer on the GPU and times it with %globaltimer; then it
+//! stops the server itself).
+//!
 //! Loopback between two soft NICs of this process: `echo [--gpu N] [-s SIZE] [-n ITERS]
-//! [--slots N] [--op send|write-imm] [--json]`.
+//! [--slots N] [--op send|write-imm] [--initiator cpu|gpu] [--json]`.
 
 use anyhow::{bail, ensure, Context as _, Result};
 use clap::{Parser, ValueEnum};
@@ -49,9 +53,20 @@ struct Args {
     /// How the client sends.
     #[arg(long, value_enum, default_value_t = EchoOp::Send)]
     op: EchoOp,
+    /// Who the client is: a CPU initiator, or a GPU kernel (SEND only).
+    #[arg(long, value_enum, default_value_t = Client::Cpu)]
+    initiator: Client,
     /// One JSON object instead of the table.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Client {
+    /// A CPU initiator on the client QP.
+    Cpu,
+    /// A kernel block on the exported client QP.
+    Gpu,
 }
 
 /// The longest the client waits for one answer.
@@ -85,11 +100,72 @@ fn run(a: Args) -> Result<()> {
     let back_mr = cp.register(&back)?;
     let export = gpu.export_qp(&qs)?;
     // the stop word and the kernel's report, in host memory the kernel reaches
-    let ctl = HostBuffer::new(64);
+    let ctl = HostBuffer::new(256);
     let ctl_d = gpu.map_host(&ctl)?;
     // SAFETY: `ctl` lives until the end of `run`, after the kernel has returned; the kernel
     // only reads this word.
     let stop = unsafe { &*(ctl.addr() as *const AtomicU32) };
+    if a.initiator == Client::Gpu {
+        ensure!(
+            a.op == EchoOp::Send,
+            "--initiator gpu sends SENDs (--op send)"
+        );
+        let client_export = gpu.export_qp(&qc)?;
+        let (src_d, back_d) = (gpu.map_host(&src)?, gpu.map_host(&back)?);
+        let rtt_buf = HostBuffer::new(8 * a.iters as usize);
+        let rtt_d = gpu.map_host(&rtt_buf)?;
+        let (mut qsd, mut snic, mut slk, mut sz, mut n) =
+            (export.ptr(), smr.addr(), smr.lkey().0, a.size, a.slots);
+        let (mut qcd, mut cnic, mut cdev, mut clk) =
+            (client_export.ptr(), src_mr.addr(), src_d, src_mr.lkey().0);
+        let (mut bnic, mut bdev, mut blk, mut size, mut iters) =
+            (back_mr.addr(), back_d, back_mr.lkey().0, a.size, a.iters);
+        let (mut st, mut budget, mut out, mut rtt) = (ctl_d, KERNEL_WAIT_NS, ctl_d + 8, rtt_d);
+        let mut params = [
+            arg(&mut qsd),
+            arg(&mut snic),
+            arg(&mut slk),
+            arg(&mut sz),
+            arg(&mut n),
+            arg(&mut qcd),
+            arg(&mut cnic),
+            arg(&mut cdev),
+            arg(&mut clk),
+            arg(&mut bnic),
+            arg(&mut bdev),
+            arg(&mut blk),
+            arg(&mut size),
+            arg(&mut iters),
+            arg(&mut st),
+            arg(&mut budget),
+            arg(&mut out),
+            arg(&mut rtt),
+        ];
+        // SAFETY: the parameters match gv_sample_echo_gpu's signature; both descriptors, the
+        // mapped buffers (payloads, control page, round trips) and the registered regions live
+        // until the synchronous launch has returned.
+        unsafe { gpu.launch_sync("gv_sample_echo_gpu", (2, 1, 1), (1, 1, 1), 0, &mut params) }?;
+        let words = ctl.to_vec();
+        let word = |i: usize| {
+            let at = 8 + 8 * i;
+            u64::from_ne_bytes(words[at..at + 8].try_into().expect("8 bytes"))
+        };
+        let report: [u64; 6] = std::array::from_fn(word);
+        ensure!(report[2] == 0, "{}", kernel_failure(&report));
+        ensure!(
+            word(6) == 0 && word(7) == 0,
+            "the client kernel ended with status {} (error CQE syndrome {:#x}), {} bytes wrong",
+            word(6),
+            word(8),
+            word(7)
+        );
+        let r = rtt_buf.to_vec();
+        let mut rtts: Vec<f64> = r
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) as f64 / 1e3)
+            .collect();
+        return print(&a, &gpu, report, &mut rtts);
+    }
     let kernel = std::thread::scope(|sc| -> Result<(Vec<f64>, [u64; 6])> {
         let k = sc.spawn(|| -> Result<()> {
             let (mut q, mut nic, mut lk, mut sz, mut n, mut st, mut budget, mut out) = (
@@ -140,6 +216,11 @@ fn run(a: Args) -> Result<()> {
     });
     let (mut rtts, report) = kernel?;
     ensure!(report[2] == 0, "{}", kernel_failure(&report));
+    print(&a, &gpu, report, &mut rtts)
+}
+
+/// Checks the kernel's count and prints the round trips.
+fn print(a: &Args, gpu: &Gpu, report: [u64; 6], rtts: &mut [f64]) -> Result<()> {
     ensure!(
         report[0] == u64::from(a.iters) && report[1] == u64::from(a.iters) * u64::from(a.size),
         "the kernel echoed {} messages, {} bytes (expected {} of {} B)",
@@ -148,11 +229,13 @@ fn run(a: Args) -> Result<()> {
         a.iters,
         a.size
     );
-    let st = LatStats::of(&mut rtts);
+    let st = LatStats::of(rtts);
+    let client = format!("{:?}", a.initiator).to_lowercase();
     if a.json {
         println!(
             "{}",
             json!({"test": "echo", "op": format!("{:?}", a.op).to_lowercase(), "bytes": a.size,
+                   "initiator": client,
                    "iterations": a.iters, "slots": a.slots, "gpu": gpu.info().to_string(),
                    "echoed": report[0], "validated": true, "rtt_min_us": st.min,
                    "rtt_typical_us": st.typical, "rtt_avg_us": st.avg, "rtt_p99_us": st.p99,
