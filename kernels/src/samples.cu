@@ -257,7 +257,8 @@ GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t l
 // message's pattern there first: byte i of message k is (i * 31 ^ k * 2654435761) | 1), each
 // into a receive it posted at `back` (zeroed first), waits for the answer, records the round
 // trip in rtt[k] (%globaltimer), takes its send's completion and checks every byte of the
-// answer; then it sets *stop. out[6]: the client's status, out[7]: bytes that differed,
+// answer, each call within `client_budget` ns; then it sets *stop. out[6]: the client's
+// status, out[7]: bytes that differed,
 // out[8]: an error CQE's syndrome.
 GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint32_t slk,
                                         uint32_t slot, uint32_t slots, gpuverbs_qp* qc,
@@ -265,7 +266,8 @@ GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint
                                         uint64_t back_nic, const uint8_t* back_dev,
                                         uint32_t back_lk, uint32_t size, uint32_t iters,
                                         volatile uint32_t* stop, uint64_t budget,
-                                        unsigned long long* out, uint64_t* rtt) {
+                                        uint64_t client_budget, unsigned long long* out,
+                                        uint64_t* rtt) {
     using namespace gpuverbs;
     if (threadIdx.x != 0 || blockIdx.x > 1) return;
     if (blockIdx.x == 0) {
@@ -281,15 +283,16 @@ GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint
             src_dev[i] = (uint8_t)((i * 31u ^ k * 2654435761u) | 1u);
             back[i] = 0;
         }
-        s = post_recv<sharing::exclusive>(qc, back_nic, lkey{back_lk}, size, budget);
+        s = post_recv<sharing::exclusive>(qc, back_nic, lkey{back_lk}, size, client_budget);
         const uint64_t t0 = now_ns();
         if (s == OK) {
-            s = send<sharing::exclusive>(qc, src_nic, lkey{src_lk}, size, false, 0, true, budget);
+            s = send<sharing::exclusive>(qc, src_nic, lkey{src_lk}, size, false, 0, true,
+                                         client_budget);
         }
         recv_completion rc;
-        if (s == OK) s = recv_wait<sharing::exclusive>(qc, &rc, budget, &e);
+        if (s == OK) s = recv_wait<sharing::exclusive>(qc, &rc, client_budget, &e);
         rtt[k] = now_ns() - t0;
-        if (s == OK) s = quiet<sharing::exclusive>(qc, budget, &e);
+        if (s == OK) s = quiet<sharing::exclusive>(qc, client_budget, &e);
         if (s == OK) {
             for (uint32_t i = 0; i < size; ++i) {
                 if (back[i] != (uint8_t)((i * 31u ^ k * 2654435761u) | 1u)) bad += 1;

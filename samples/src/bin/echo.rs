@@ -35,7 +35,7 @@ enum EchoOp {
 }
 
 #[derive(Parser)]
-#[command(about = "A persistent GPU kernel echoes every message; the CPU client measures")]
+#[command(about = "A persistent GPU kernel echoes every message; the client (CPU or GPU) measures")]
 struct Args {
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
@@ -120,7 +120,13 @@ fn run(a: Args) -> Result<()> {
             (client_export.ptr(), src_mr.addr(), src_d, src_mr.lkey().0);
         let (mut bnic, mut bdev, mut blk, mut size, mut iters) =
             (back_mr.addr(), back_d, back_mr.lkey().0, a.size, a.iters);
-        let (mut st, mut budget, mut out, mut rtt) = (ctl_d, KERNEL_WAIT_NS, ctl_d + 8, rtt_d);
+        let (mut st, mut budget, mut cbudget, mut out, mut rtt) = (
+            ctl_d,
+            KERNEL_WAIT_NS,
+            ANSWER.as_nanos() as u64,
+            ctl_d + 8,
+            rtt_d,
+        );
         let mut params = [
             arg(&mut qsd),
             arg(&mut snic),
@@ -138,6 +144,7 @@ fn run(a: Args) -> Result<()> {
             arg(&mut iters),
             arg(&mut st),
             arg(&mut budget),
+            arg(&mut cbudget),
             arg(&mut out),
             arg(&mut rtt),
         ];
@@ -243,7 +250,7 @@ fn print(a: &Args, gpu: &Gpu, report: [u64; 6], rtts: &mut [f64]) -> Result<()> 
         );
     } else {
         println!(
-            "# echo: a persistent kernel on {} answers; CPU client",
+            "# echo: a persistent kernel on {} answers; {client} client",
             gpu.info()
         );
         println!(
