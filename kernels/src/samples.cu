@@ -191,22 +191,22 @@ GPUVERBS_KERNEL void gv_sample_write_lat(const samples::lat_side* sides, uint32_
 
 // echo: a persistent kernel (one thread, exclusive) that answers every message it receives
 // with the same bytes, without the CPU: `slots` receive buffers of `slot` bytes each (slot i at
-// `buf_nic + i * slot` for the NIC, `buf_dev + i * slot` for the kernel), one receive posted
-// per buffer; each receive completion (SEND, SEND_IMM or WRITE_IMM of the peer) is answered by
+// `buf_nic + i * slot`), one receive posted per buffer; each receive completion (SEND, SEND_IMM or WRITE_IMM of the peer) is answered by
 // a SEND of the bytes the buffer holds (for a WRITE_IMM, `byte_count` bytes of the slot the
 // immediate names), whose completion is taken before the buffer is posted again. Runs until
-// `*stop` is non-zero; every wait is bounded by `budget` ns (a wait that runs out only makes
-// the loop look at `*stop` again). out[0]: messages echoed; out[1]: bytes echoed; out[2]: the
+// `*stop` is non-zero; the wait for a message is bounded by `budget` ns (running out only
+// makes the loop look at `*stop` again), every other call by `op_budget` ns. out[0]: messages echoed; out[1]: bytes echoed; out[2]: the
 // status that ended the loop (0 when stopped); out[3..5]: an error CQE's syndrome, vendor
 // syndrome and WQE counter.
 GPUVERBS_DEVICE void echo_serve(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, uint32_t slot,
                                 uint32_t slots, const volatile uint32_t* stop, uint64_t budget,
-                                unsigned long long* out) {
+                                uint64_t op_budget, unsigned long long* out) {
     using namespace gpuverbs;
     status s = OK;
     error e{};
     for (uint32_t i = 0; i < slots && s == OK; ++i) {
-        s = post_recv<sharing::exclusive>(q, buf_nic + (uint64_t)i * slot, lkey{lk}, slot, budget);
+        s = post_recv<sharing::exclusive>(q, buf_nic + (uint64_t)i * slot, lkey{lk}, slot,
+                                          op_budget);
     }
     unsigned long long n = 0, bytes = 0;
     uint64_t posted = slots;  // receives posted so far; receive k used slot k % slots
@@ -223,11 +223,11 @@ GPUVERBS_DEVICE void echo_serve(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, u
         taken += 1;
         const uint32_t len = rc.byte_count < slot ? rc.byte_count : slot;
         s = send<sharing::exclusive>(q, buf_nic + (uint64_t)i * slot, lkey{lk}, len, false, 0,
-                                     true, budget);
-        if (s == OK) s = quiet<sharing::exclusive>(q, budget, &e);
+                                     true, op_budget);
+        if (s == OK) s = quiet<sharing::exclusive>(q, op_budget, &e);
         if (s == OK) {
             s = post_recv<sharing::exclusive>(q, buf_nic + (uint64_t)(posted % slots) * slot,
-                                              lkey{lk}, slot, budget);
+                                              lkey{lk}, slot, op_budget);
             posted += 1;
         }
         if (s == OK) {
@@ -247,9 +247,10 @@ GPUVERBS_DEVICE void echo_serve(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, u
 
 GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, uint32_t slot,
                                     uint32_t slots, const volatile uint32_t* stop,
-                                    uint64_t budget, unsigned long long* out) {
+                                    uint64_t budget, uint64_t op_budget,
+                                    unsigned long long* out) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    echo_serve(q, buf_nic, lk, slot, slots, stop, budget, out);
+    echo_serve(q, buf_nic, lk, slot, slots, stop, budget, op_budget, out);
 }
 
 // echo with a GPU client: block 0 serves as gv_sample_echo does; block 1 (one thread,
@@ -260,6 +261,11 @@ GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t l
 // answer, each call within `client_budget` ns; then it sets *stop. out[6]: the client's
 // status, out[7]: bytes that differed,
 // out[8]: an error CQE's syndrome.
+// Byte i of the GPU client's message k.
+GPUVERBS_DEVICE uint8_t echo_byte(uint32_t i, uint32_t k) {
+    return (uint8_t)((i * 31u ^ k * 2654435761u) | 1u);
+}
+
 GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint32_t slk,
                                         uint32_t slot, uint32_t slots, gpuverbs_qp* qc,
                                         uint64_t src_nic, uint8_t* src_dev, uint32_t src_lk,
@@ -271,7 +277,7 @@ GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint
     using namespace gpuverbs;
     if (threadIdx.x != 0 || blockIdx.x > 1) return;
     if (blockIdx.x == 0) {
-        echo_serve(qs, sbuf_nic, slk, slot, slots, stop, budget, out);
+        echo_serve(qs, sbuf_nic, slk, slot, slots, stop, budget, client_budget, out);
         return;
     }
     status s = OK;
@@ -279,9 +285,19 @@ GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint
     unsigned long long bad = 0;
     volatile uint8_t* back = const_cast<volatile uint8_t*>(back_dev);
     for (uint32_t k = 0; k < iters && s == OK; ++k) {
-        for (uint32_t i = 0; i < size; ++i) {
-            src_dev[i] = (uint8_t)((i * 31u ^ k * 2654435761u) | 1u);
-            back[i] = 0;
+        for (uint32_t i = 0; i < size; i += 8) {
+            if (i + 8 <= size) {
+                // eight pattern bytes in one store (the buffers are page aligned)
+                uint64_t v = 0;
+                for (uint32_t b = 0; b < 8; ++b) v |= (uint64_t)echo_byte(i + b, k) << (8 * b);
+                *reinterpret_cast<uint64_t*>(src_dev + i) = v;
+                *reinterpret_cast<volatile uint64_t*>(back + i) = 0;
+            } else {
+                for (uint32_t b = i; b < size; ++b) {
+                    src_dev[b] = echo_byte(b, k);
+                    back[b] = 0;
+                }
+            }
         }
         s = post_recv<sharing::exclusive>(qc, back_nic, lkey{back_lk}, size, client_budget);
         const uint64_t t0 = now_ns();
@@ -295,7 +311,7 @@ GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint
         if (s == OK) s = quiet<sharing::exclusive>(qc, client_budget, &e);
         if (s == OK) {
             for (uint32_t i = 0; i < size; ++i) {
-                if (back[i] != (uint8_t)((i * 31u ^ k * 2654435761u) | 1u)) bad += 1;
+                if (back[i] != echo_byte(i, k)) bad += 1;
             }
         }
     }

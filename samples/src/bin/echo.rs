@@ -71,7 +71,8 @@ enum Client {
 
 /// The longest the client waits for one answer.
 const ANSWER: Duration = Duration::from_secs(5);
-/// Each wait inside the kernel (a run-out wait only makes it look at the stop word again).
+/// The server's wait for the next message (a run-out wait only makes it look at the stop word
+/// again); its other calls (send, completion, receive) get [`ANSWER`].
 const KERNEL_WAIT_NS: u64 = 1_000_000;
 
 fn main() -> std::process::ExitCode {
@@ -175,16 +176,16 @@ fn run(a: Args) -> Result<()> {
     }
     let kernel = std::thread::scope(|sc| -> Result<(Vec<f64>, [u64; 6])> {
         let k = sc.spawn(|| -> Result<()> {
-            let (mut q, mut nic, mut lk, mut sz, mut n, mut st, mut budget, mut out) = (
+            let (mut q, mut nic, mut lk, mut sz, mut n, mut st) = (
                 export.ptr(),
                 smr.addr(),
                 smr.lkey().0,
                 a.size,
                 a.slots,
                 ctl_d,
-                KERNEL_WAIT_NS,
-                ctl_d + 8,
             );
+            let (mut budget, mut op_budget, mut out) =
+                (KERNEL_WAIT_NS, ANSWER.as_nanos() as u64, ctl_d + 8);
             let mut params = [
                 arg(&mut q),
                 arg(&mut nic),
@@ -193,6 +194,7 @@ fn run(a: Args) -> Result<()> {
                 arg(&mut n),
                 arg(&mut st),
                 arg(&mut budget),
+                arg(&mut op_budget),
                 arg(&mut out),
             ];
             // SAFETY: the parameters match gv_sample_echo's signature; the descriptor, the
