@@ -253,17 +253,26 @@ GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t l
     echo_serve(q, buf_nic, lk, slot, slots, stop, budget, op_budget, out);
 }
 
-// echo with a GPU client: block 0 serves as gv_sample_echo does; block 1 (one thread,
-// exclusive on the client QP) sends `iters` SENDs of `size` bytes from `src` (it writes each
-// message's pattern there first: byte i of message k is (i * 31 ^ k * 2654435761) | 1), each
-// into a receive it posted at `back` (zeroed first), waits for the answer, records the round
-// trip in rtt[k] (%globaltimer), takes its send's completion and checks every byte of the
-// answer, each call within `client_budget` ns; then it sets *stop. out[6]: the client's
-// status, out[7]: bytes that differed,
-// out[8]: an error CQE's syndrome.
+// echo with a GPU client: block 0 (thread 0) serves as gv_sample_echo does; block 1 is the
+// client, exclusive on the client QP: its threads write each message's pattern into `src`
+// (byte i of message k is (i * 31 ^ k * 2654435761) | 1) and zero `back`, eight bytes a store
+// and a warp's stores side by side, then thread 0 posts a receive at `back`, SENDs `size`
+// bytes from `src`, waits for the answer, records the round trip in rtt[k] (%globaltimer, from
+// the send's post to the receive completion) and takes its send's completion, each call within
+// `client_budget` ns; then every thread checks its part of the answer. After `iters` messages
+// (or the first failure) thread 0 sets *stop. out[6]: the client's status, out[7]: bytes that
+// differed, out[8]: an error CQE's syndrome. Launch with two blocks; the blocks may have any
+// number of threads (the buffers are page aligned).
 // Byte i of the GPU client's message k.
 GPUVERBS_DEVICE uint8_t echo_byte(uint32_t i, uint32_t k) {
     return (uint8_t)((i * 31u ^ k * 2654435761u) | 1u);
+}
+
+// Eight pattern bytes of message k from byte i on.
+GPUVERBS_DEVICE uint64_t echo_word(uint32_t i, uint32_t k) {
+    uint64_t v = 0;
+    for (uint32_t b = 0; b < 8; ++b) v |= (uint64_t)echo_byte(i + b, k) << (8 * b);
+    return v;
 }
 
 GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint32_t slk,
@@ -275,46 +284,72 @@ GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint
                                         uint64_t client_budget, unsigned long long* out,
                                         uint64_t* rtt) {
     using namespace gpuverbs;
-    if (threadIdx.x != 0 || blockIdx.x > 1) return;
+    if (blockIdx.x > 1) return;
     if (blockIdx.x == 0) {
-        echo_serve(qs, sbuf_nic, slk, slot, slots, stop, budget, client_budget, out);
+        if (threadIdx.x == 0) {
+            echo_serve(qs, sbuf_nic, slk, slot, slots, stop, budget, client_budget, out);
+        }
         return;
     }
-    status s = OK;
-    error e{};
-    unsigned long long bad = 0;
-    volatile uint8_t* back = const_cast<volatile uint8_t*>(back_dev);
-    for (uint32_t k = 0; k < iters && s == OK; ++k) {
-        for (uint32_t i = 0; i < size; i += 8) {
-            if (i + 8 <= size) {
-                // eight pattern bytes in one store (the buffers are page aligned)
-                uint64_t v = 0;
-                for (uint32_t b = 0; b < 8; ++b) v |= (uint64_t)echo_byte(i + b, k) << (8 * b);
-                *reinterpret_cast<uint64_t*>(src_dev + i) = v;
-                *reinterpret_cast<volatile uint64_t*>(back + i) = 0;
-            } else {
-                for (uint32_t b = i; b < size; ++b) {
-                    src_dev[b] = echo_byte(b, k);
-                    back[b] = 0;
-                }
-            }
-        }
-        s = post_recv<sharing::exclusive>(qc, back_nic, lkey{back_lk}, size, client_budget);
-        const uint64_t t0 = now_ns();
-        if (s == OK) {
-            s = send<sharing::exclusive>(qc, src_nic, lkey{src_lk}, size, false, 0, true,
-                                         client_budget);
-        }
-        recv_completion rc;
-        if (s == OK) s = recv_wait<sharing::exclusive>(qc, &rc, client_budget, &e);
-        rtt[k] = now_ns() - t0;
-        if (s == OK) s = quiet<sharing::exclusive>(qc, client_budget, &e);
-        if (s == OK) {
-            for (uint32_t i = 0; i < size; ++i) {
-                if (back[i] != echo_byte(i, k)) bad += 1;
-            }
-        }
+    __shared__ int shared_status;
+    __shared__ unsigned long long bad;
+    __shared__ error e;
+    const uint32_t t = threadIdx.x, n = blockDim.x;
+    if (t == 0) {
+        shared_status = OK;
+        bad = 0;
+        e = error{};
     }
+    __syncthreads();
+    volatile uint8_t* back = const_cast<volatile uint8_t*>(back_dev);
+    const uint32_t words = size / 8;
+    for (uint32_t k = 0; k < iters; ++k) {
+        if (shared_status != OK) break;
+        for (uint32_t w = t; w < words; w += n) {
+            reinterpret_cast<uint64_t*>(src_dev)[w] = echo_word(8 * w, k);
+            reinterpret_cast<volatile uint64_t*>(back)[w] = 0;
+        }
+        if (t == 0) {
+            for (uint32_t b = 8 * words; b < size; ++b) {
+                src_dev[b] = echo_byte(b, k);
+                back[b] = 0;
+            }
+        }
+        __syncthreads();
+        if (t == 0) {
+            status s = post_recv<sharing::exclusive>(qc, back_nic, lkey{back_lk}, size,
+                                                     client_budget);
+            const uint64_t t0 = now_ns();
+            if (s == OK) {
+                s = send<sharing::exclusive>(qc, src_nic, lkey{src_lk}, size, false, 0, true,
+                                             client_budget);
+            }
+            recv_completion rc;
+            if (s == OK) s = recv_wait<sharing::exclusive>(qc, &rc, client_budget, &e);
+            rtt[k] = now_ns() - t0;
+            if (s == OK) s = quiet<sharing::exclusive>(qc, client_budget, &e);
+            shared_status = s;
+        }
+        __syncthreads();
+        if (shared_status != OK) break;
+        unsigned long long mine = 0;
+        for (uint32_t w = t; w < words; w += n) {
+            const uint64_t got = reinterpret_cast<const volatile uint64_t*>(back)[w];
+            const uint64_t want = echo_word(8 * w, k);
+            for (uint32_t b = 0; b < 8; ++b) {
+                mine += ((got >> (8 * b)) & 0xff) != ((want >> (8 * b)) & 0xff);
+            }
+        }
+        if (t == 0) {
+            for (uint32_t b = 8 * words; b < size; ++b) mine += back[b] != echo_byte(b, k);
+        }
+        if (mine != 0) atomicAdd(&bad, mine);
+        // the next message's stores must not overtake this message's checks
+        __syncthreads();
+    }
+    __syncthreads();
+    if (t != 0) return;
+    status s = (status)shared_status;
     if (s == ERROR_CQE) e = last_error(qc);
     out[6] = (unsigned long long)s;
     out[7] = bad;

@@ -74,6 +74,9 @@ const ANSWER: Duration = Duration::from_secs(5);
 /// The server's wait for the next message (a run-out wait only makes it look at the stop word
 /// again); its other calls (send, completion, receive) get [`ANSWER`].
 const KERNEL_WAIT_NS: u64 = 1_000_000;
+/// Threads of the GPU client's block: they fill and check the message together, a warp's
+/// eight-byte stores side by side (one thread of the server's block serves).
+const CLIENT_THREADS: u32 = 256;
 
 fn main() -> std::process::ExitCode {
     gpuverbs_samples::exit_with("echo", run(Args::parse()))
@@ -152,7 +155,15 @@ fn run(a: Args) -> Result<()> {
         // SAFETY: the parameters match gv_sample_echo_gpu's signature; both descriptors, the
         // mapped buffers (payloads, control page, round trips) and the registered regions live
         // until the synchronous launch has returned.
-        unsafe { gpu.launch_sync("gv_sample_echo_gpu", (2, 1, 1), (1, 1, 1), 0, &mut params) }?;
+        unsafe {
+            gpu.launch_sync(
+                "gv_sample_echo_gpu",
+                (2, 1, 1),
+                (CLIENT_THREADS, 1, 1),
+                0,
+                &mut params,
+            )
+        }?;
         let words = ctl.to_vec();
         let word = |i: usize| {
             let at = 8 + 8 * i;
