@@ -10,56 +10,12 @@
 //!
 //! Addresses: 127.0.121.x .. 127.0.129.x (emu.rs, mlx5_backend.rs and doctor.rs use others).
 
+mod common;
+
+use common::{artifacts, free_port, serial, wait, GPUVERBS};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, Instant};
-
-const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
-/// How long one side may run before the test kills it (a hung side must not hang CI).
-const LIMIT: Duration = Duration::from_secs(240);
-
-/// One pair of processes at a time: the machine has two cores.
-fn serial() -> MutexGuard<'static, ()> {
-    static M: Mutex<()> = Mutex::new(());
-    M.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// `cargo build` of more artifacts into the target folder of this test's binaries.
-fn build(what: &[&str]) {
-    let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
-    let release = dir.file_name().is_some_and(|n| n == "release");
-    let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
-    c.args(["build", "-q"]).args(what);
-    if release {
-        c.arg("--release");
-    }
-    if let Some(target) = dir.parent() {
-        c.env("CARGO_TARGET_DIR", target);
-    }
-    assert!(c.status().unwrap().success(), "cargo build {what:?} failed");
-}
-
-/// The preload library and the samples, built once per test process; the samples' folder.
-fn artifacts() -> &'static (PathBuf, PathBuf) {
-    static A: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
-    A.get_or_init(|| {
-        build(&["-p", "gpuverbs-uverbs-preload"]);
-        build(&[
-            "-p",
-            "gpuverbs-samples",
-            "--bin",
-            "put_bw",
-            "--bin",
-            "write_lat",
-        ]);
-        let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
-        let lib = dir.join("libgpuverbs_uverbs_preload.so");
-        assert!(lib.is_file(), "{} missing after the build", lib.display());
-        (lib, dir)
-    })
-}
+use std::process::{Command, Output, Stdio};
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -70,15 +26,6 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 /// A TCP port nobody listens on now (the server binds it on all addresses).
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
-}
-
 /// `bin args` under `gpuverbs emu --ip ip`, its soft NICs' counters written to `counters`.
 fn emu(ip: &str, counters: &Path, env: &[(&str, &str)], bin: &str, args: &[&str]) -> Command {
     let (lib, dir) = artifacts();
@@ -97,18 +44,6 @@ fn emu(ip: &str, counters: &Path, env: &[(&str, &str)], bin: &str, args: &[&str]
 }
 
 /// Waits for a child, killing it after [`LIMIT`].
-fn wait(mut child: Child) -> Output {
-    let start = Instant::now();
-    while child.try_wait().expect("poll the child").is_none() {
-        if start.elapsed() > LIMIT {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("child output")
-}
-
 /// One side of a run.
 struct Side {
     out: Output,

@@ -6,58 +6,12 @@
 //!
 //! Needs Debian's perftest (CI installs it). Addresses: 127.0.131.x .. 127.0.134.x.
 
+mod common;
+
+use common::{artifacts, free_port, serial, wait, GPUVERBS};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
-
-const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
-const LIMIT: Duration = Duration::from_secs(240);
-
-fn serial() -> MutexGuard<'static, ()> {
-    static M: Mutex<()> = Mutex::new(());
-    M.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn build(what: &[&str]) {
-    let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
-    let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
-    c.args(["build", "-q"]).args(what);
-    if dir.file_name().is_some_and(|n| n == "release") {
-        c.arg("--release");
-    }
-    if let Some(target) = dir.parent() {
-        c.env("CARGO_TARGET_DIR", target);
-    }
-    assert!(c.status().unwrap().success(), "cargo build {what:?} failed");
-}
-
-/// The preload library and the samples' folder, built once.
-fn artifacts() -> &'static (PathBuf, PathBuf) {
-    static A: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
-    A.get_or_init(|| {
-        build(&["-p", "gpuverbs-uverbs-preload"]);
-        build(&[
-            "-p",
-            "gpuverbs-samples",
-            "--bin",
-            "put_bw",
-            "--bin",
-            "write_lat",
-        ]);
-        let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
-        (dir.join("libgpuverbs_uverbs_preload.so"), dir)
-    })
-}
-
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
-}
 
 fn emu(ip: &str, prog: &Path, args: &[&str]) -> Child {
     let (lib, _) = artifacts();
@@ -72,18 +26,6 @@ fn emu(ip: &str, prog: &Path, args: &[&str]) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start under gpuverbs emu")
-}
-
-fn wait(mut child: Child) -> Output {
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > LIMIT {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
 }
 
 /// Whether a TCP port is in LISTEN state (/proc/net/tcp: perftest's client does not retry).

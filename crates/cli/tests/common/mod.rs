@@ -1,0 +1,77 @@
+//! What the two-process tests under `gpuverbs emu` share: the `gpuverbs` binary, the preload
+//! library and the samples built beside it, one pair of processes at a time, a free TCP port,
+//! and a bounded wait for a child.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+pub const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
+
+/// How long one side may run before the test kills it (a hung side must not hang CI).
+pub const LIMIT: Duration = Duration::from_secs(240);
+
+/// One pair of processes at a time: the machine has two cores.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static M: Mutex<()> = Mutex::new(());
+    M.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `cargo build` of more artifacts into the target folder of this test's binaries.
+fn build(what: &[&str]) {
+    let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
+    let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
+    c.args(["build", "-q"]).args(what);
+    if dir.file_name().is_some_and(|n| n == "release") {
+        c.arg("--release");
+    }
+    if let Some(target) = dir.parent() {
+        c.env("CARGO_TARGET_DIR", target);
+    }
+    assert!(c.status().unwrap().success(), "cargo build {what:?} failed");
+}
+
+/// The preload library and the samples `put_bw` and `write_lat`, built once per test
+/// process; the samples' folder.
+pub fn artifacts() -> &'static (PathBuf, PathBuf) {
+    static A: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    A.get_or_init(|| {
+        build(&["-p", "gpuverbs-uverbs-preload"]);
+        build(&[
+            "-p",
+            "gpuverbs-samples",
+            "--bin",
+            "put_bw",
+            "--bin",
+            "write_lat",
+        ]);
+        let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
+        let lib = dir.join("libgpuverbs_uverbs_preload.so");
+        assert!(lib.is_file(), "{} missing after the build", lib.display());
+        (lib, dir)
+    })
+}
+
+/// A TCP port nobody listens on now.
+pub fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// The child's output, killing it first if it runs past [`LIMIT`].
+pub fn wait(mut child: Child) -> Output {
+    let start = Instant::now();
+    while child.try_wait().expect("poll the child").is_none() {
+        if start.elapsed() > LIMIT {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("child output")
+}
