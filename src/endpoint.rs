@@ -43,6 +43,11 @@
 //! port 4791), and builds before it had no wire path in the host API, so no earlier reader can
 //! misroute an endpoint that carries it.
 //!
+//! `selective_repeat` (optional, added within version 1, written only when true): the QP's soft
+//! NIC takes part in selective repeat ([`Endpoint::selective_repeat`]). A connection uses it
+//! only when both endpoints say so; a reader that does not know the field ignores it and never
+//! says it, so such a pair goes back N as before.
+//!
 //! Both types also implement serde's `Serialize`/`Deserialize` with the same format and checks,
 //! so they can be sent with [`crate::bootstrap::Bootstrap::exchange`] directly, alone or inside
 //! tuples and structs.
@@ -254,6 +259,7 @@ pub struct Endpoint {
     mtu: u32,
     device: String,
     udp_port: Option<u16>,
+    selective_repeat: bool,
 }
 
 /// Version 1 wire form of an [`Endpoint`] (`udp_port` optional: absent in endpoints of
@@ -268,6 +274,8 @@ struct EndpointV1 {
     device: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     udp_port: Option<u16>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    selective_repeat: bool,
 }
 
 const ENDPOINT: &str = "endpoint";
@@ -291,6 +299,7 @@ impl Endpoint {
             mtu,
             device: device.into(),
             udp_port: None,
+            selective_repeat: false,
         };
         ep.validate()?;
         Ok(ep)
@@ -303,6 +312,15 @@ impl Endpoint {
         self.udp_port = port;
         self.validate()?;
         Ok(self)
+    }
+
+    /// The same endpoint, saying whether its QP's responder holds packets that arrive behind a
+    /// gap and its requester resends only what a sequence NAK names (soft NICs on the wire say
+    /// so). Both ends must say it for a connection to use selective repeat
+    /// ([`softnic::RtrAttr::selective_repeat`]); an endpoint written without it says no.
+    pub fn with_selective_repeat(mut self, on: bool) -> Self {
+        self.selective_repeat = on;
+        self
     }
 
     /// Check every field. Always passes for a value in hand ([`Endpoint::new`] and decoding
@@ -374,6 +392,10 @@ impl Endpoint {
     pub fn udp_port(&self) -> Option<u16> {
         self.udp_port
     }
+    /// Whether the QP takes part in selective repeat ([`Endpoint::with_selective_repeat`]).
+    pub fn selective_repeat(&self) -> bool {
+        self.selective_repeat
+    }
     /// Where RoCEv2 packets for this QP go: the GID's IPv4 address and [`Endpoint::udp_port`]
     /// (4791 when absent). `None` for a GID that is not IPv4-mapped.
     pub fn udp_addr(&self) -> Option<SocketAddr> {
@@ -407,6 +429,7 @@ impl Endpoint {
             rq_psn: self.psn,
             mtu: self.mtu,
             min_rnr_timer,
+            selective_repeat: false,
         }
     }
 
@@ -438,7 +461,9 @@ impl Endpoint {
                 what: ENDPOINT,
                 source,
             })?;
-        Self::new(w.gid, w.qpn, w.psn, w.mtu, w.device)?.with_udp_port(w.udp_port)
+        Ok(Self::new(w.gid, w.qpn, w.psn, w.mtu, w.device)?
+            .with_udp_port(w.udp_port)?
+            .with_selective_repeat(w.selective_repeat))
     }
 
     fn to_wire(&self) -> EndpointV1 {
@@ -450,6 +475,7 @@ impl Endpoint {
             mtu: self.mtu,
             device: self.device.clone(),
             udp_port: self.udp_port,
+            selective_repeat: self.selective_repeat,
         }
     }
 }
@@ -715,6 +741,20 @@ mod tests {
         assert_eq!(a.rq_psn, 0x456);
         assert_eq!(a.mtu, 2048);
         assert_eq!(a.remote_gid.0, [1; 16]);
+    }
+
+    #[test]
+    fn selective_repeat_is_optional_in_v1() {
+        let v1 = br#"{"v":1,"gid":"::ffff:10.0.0.1","qpn":256,"psn":5,"mtu":1024,"device":"d"}"#;
+        let ep = Endpoint::from_bytes(v1).unwrap();
+        assert!(!ep.selective_repeat(), "absent: go-back-N");
+        let sr = ep.clone().with_selective_repeat(true);
+        let bytes = sr.to_bytes();
+        assert!(std::str::from_utf8(&bytes)
+            .unwrap()
+            .ends_with(r#","selective_repeat":true}"#));
+        assert_eq!(Endpoint::from_bytes(&bytes).unwrap(), sr);
+        assert_eq!(sr.with_selective_repeat(false).to_bytes(), v1.to_vec());
     }
 
     #[test]

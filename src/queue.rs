@@ -790,6 +790,8 @@ impl Qp {
         )
         .and_then(|e| e.with_udp_port(self.pd.ctx.udp_port()))
         .expect("a device's own QPN, PSN, MTU and UDP port are in range")
+        // a soft NIC on the wire holds packets behind a gap and resends selectively
+        .with_selective_repeat(self.pd.ctx.udp_port().is_some())
     }
 
     /// RESET → INIT → RTR → RTS towards `remote`, at the smaller of both MTUs.
@@ -802,6 +804,8 @@ impl Qp {
                 q.modify(Modify::Init { access: o.access })?;
                 let mut rtr = remote.rtr_attr(o.min_rnr_timer);
                 rtr.mtu = mtu;
+                rtr.selective_repeat =
+                    remote.selective_repeat() && self.endpoint().selective_repeat();
                 q.modify(Modify::Rtr(rtr))?;
                 q.modify(Modify::Rts(softnic::RtsAttr {
                     sq_psn: self.psn,

@@ -80,6 +80,7 @@ impl Net {
                 rq_psn: 0,
                 mtu: 4096,
                 min_rnr_timer: 1,
+                selective_repeat: false,
             }))
             .unwrap();
             q.modify(Modify::Rts(RtsAttr::default())).unwrap();

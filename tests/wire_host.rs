@@ -165,6 +165,55 @@ fn two_wire_contexts_write_through_serialized_endpoints() {
     assert!(acked >= 1, "B answered with ACKs over UDP");
 }
 
+/// 512 KiB from A to B with 2% of A's datagrams dropped; returns B's count of gaps filled
+/// from held packets (selective repeat) and A's retransmissions.
+fn lossy_transfer(a: &Side, b: &Side, mem: &RemoteMemory) -> (u64, u64) {
+    let dev = a.ctx.soft_device().unwrap();
+    dev.set_wire_faults(softnic::WireFaults::loss(0.02, 5))
+        .unwrap();
+    let mut ini = a.qp.cpu_initiator(RingMode::Doca);
+    for seed in 0..4 {
+        write(&mut ini, a, b, mem, 1 << 17, seed);
+    }
+    dev.set_wire_faults(softnic::WireFaults::default()).unwrap();
+    let filled = b.ctx.soft_device().unwrap().counters().wire.sr_gaps_filled;
+    (filled, dev.counters().wire.retransmits)
+}
+
+#[test]
+fn selective_repeat_only_when_both_endpoints_say_so() {
+    let _g = env_lock();
+    // Soft NICs on the wire say so in their endpoints ("selective_repeat": true, within v1)...
+    let (a, b) = (
+        side(wire_ctx(Ipv4Addr::LOCALHOST)),
+        side(wire_ctx(Ipv4Addr::LOCALHOST)),
+    );
+    let ep = a.qp.endpoint();
+    assert!(ep.selective_repeat());
+    let v: serde_json::Value = serde_json::from_slice(&ep.to_bytes()).unwrap();
+    assert_eq!(v["selective_repeat"], true);
+    // ... and a pair of them holds packets behind a gap and resends only what was lost.
+    let mem = connect(&a, &b);
+    let (filled, resent) = lossy_transfer(&a, &b, &mem);
+    assert!(filled > 0, "B held packets behind gaps ({resent} resent)");
+
+    // A peer whose endpoint does not say it (an earlier build, which also ignores the field
+    // in ours) gets go-back-N.
+    let (c, d) = (
+        side(wire_ctx(Ipv4Addr::LOCALHOST)),
+        side(wire_ctx(Ipv4Addr::LOCALHOST)),
+    );
+    let ep_d = d.qp.endpoint().with_selective_repeat(false);
+    assert!(!String::from_utf8_lossy(&ep_d.to_bytes()).contains("selective_repeat"));
+    c.qp.connect(&ep_d, opts()).unwrap();
+    let ep_c_as_read_by_d = c.qp.endpoint().with_selective_repeat(false);
+    d.qp.connect(&ep_c_as_read_by_d, opts()).unwrap();
+    let mem_d = RemoteMemory::export_rkey(d.mr.addr(), d.mr.len(), d.mr.rkey().0).unwrap();
+    let (filled, resent) = lossy_transfer(&c, &d, &mem_d);
+    assert_eq!(filled, 0, "go-back-N holds nothing");
+    assert!(resent > 0, "C went back after its losses");
+}
+
 #[test]
 fn endpoints_of_version_1_still_decode_and_connect() {
     // An endpoint as every earlier build writes it: no "udp_port".

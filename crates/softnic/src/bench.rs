@@ -27,10 +27,13 @@ pub struct WriteBw {
     pub loss: f64,
     /// Packets the requester may have in flight.
     pub window: u32,
+    /// Selective repeat on both QPs ([`crate::RtrAttr::selective_repeat`]).
+    pub selective_repeat: bool,
 }
 
 impl Default for WriteBw {
-    /// 256 MiB in 1 MiB WRITEs, 16 outstanding, 4096-byte MTU, no loss, default window.
+    /// 256 MiB in 1 MiB WRITEs, 16 outstanding, 4096-byte MTU, no loss, default window,
+    /// selective repeat (as two gpuverbs soft NICs agree on).
     fn default() -> Self {
         Self {
             msg: 1 << 20,
@@ -39,6 +42,7 @@ impl Default for WriteBw {
             mtu: 4096,
             loss: 0.0,
             window: WireConfig::loopback().window,
+            selective_repeat: true,
         }
     }
 }
@@ -149,6 +153,7 @@ pub fn write_bw(p: WriteBw) -> Result<WriteBwResult, BenchError> {
             rq_psn: 0,
             mtu: p.mtu,
             min_rnr_timer: 1,
+            selective_repeat: p.selective_repeat,
         }))?;
         q.modify(Modify::Rts(RtsAttr {
             timeout: 16,

@@ -193,10 +193,14 @@ wire_counters! {
     rx_packets,
     /// Datagram bytes received.
     rx_bytes,
-    /// Request packets sent again (go-back-N after a NAK, a timeout or a missing response).
+    /// Request packets sent again (go-back-N after a NAK, a timeout or a missing response;
+    /// with selective repeat, the one packet a NAK names).
     retransmits,
     /// Expirations of a requester's retransmission timer.
     timeouts,
+    /// Expirations of a requester's early (RTT-based) retransmission timer, which goes back
+    /// N without counting a retry.
+    early_timeouts,
     /// PSN sequence error NAKs sent (one per gap).
     seq_naks_sent,
     /// RNR NAKs sent.
@@ -210,8 +214,13 @@ wire_counters! {
     /// Duplicate requests received (re-acknowledged, reads re-executed, atomics answered
     /// from the responder's cache; never applied twice).
     duplicates,
-    /// Requests dropped for a PSN past the expected one (after the one NAK of the gap).
+    /// Requests that arrived with a PSN past the expected one: dropped (after the one NAK of
+    /// the gap), or held until the gap is filled when the connection has selective repeat.
     out_of_sequence,
+    /// Selective repeat: gaps filled while packets behind them were held.
+    sr_gaps_filled,
+    /// Selective repeat: held packets run once their gap was filled.
+    sr_held_run,
     /// Datagrams dropped as malformed: truncated, oversized, unsupported opcode or version,
     /// payload longer than the path MTU, pad errors.
     rx_malformed,

@@ -101,8 +101,10 @@ fn service(dev: &Shared, qp: &Arc<Qp>) -> (bool, bool) {
     if !matches!(state, QpState::Rts | QpState::Err) {
         return (false, false);
     }
+    let holding = state == QpState::Rts && transport::responder_tick(dev, qp, Instant::now());
     let mut sq = qp.lock_sq();
-    let r = service_locked(dev, qp, &mut sq);
+    let mut r = service_locked(dev, qp, &mut sq);
+    r.1 |= holding;
     if sq.wire.is_some() {
         // The I/O thread may be waiting to process ACKs: hand the lock over rather than
         // take it again on the next loop before it got a chance.

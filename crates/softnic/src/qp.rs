@@ -141,6 +141,12 @@ pub struct RtrAttr {
     pub mtu: u32,
     /// Minimal RNR NAK timer (IBTA encoding, 0..31).
     pub min_rnr_timer: u8,
+    /// Selective repeat on the wire, which both ends must have agreed on (gpuverbs endpoints
+    /// of soft NICs advertise it): the responder holds packets that arrive behind a gap and
+    /// the requester resends only the packet a sequence NAK names (as ConnectX's selective
+    /// retransmission), instead of going back N. Off (go-back-N, the IBTA default) for peers
+    /// that did not advertise it, and for every QP set up through the uverbs emulation.
+    pub selective_repeat: bool,
 }
 
 /// Attributes of RTR → RTS.
@@ -222,6 +228,8 @@ pub(crate) struct SqState {
     pub drop_doorbells: u32,
     /// Path MTU (from RTR).
     pub mtu: u32,
+    /// Selective repeat agreed at RTR ([`RtrAttr::selective_repeat`]).
+    pub selective_repeat: bool,
     /// The requester transport, once the peer was found on the wire.
     pub wire: Option<Box<ReqWire>>,
 }
@@ -272,6 +280,9 @@ pub struct Qp {
     pub(crate) srq: Option<Arc<Srq>>,
     /// Whether LAST_WQE_REACHED was raised since the QP last entered ERR.
     pub(crate) last_wqe_raised: AtomicBool,
+    /// Selective repeat: the responder holds packets behind a gap (the engine's timer names
+    /// the gap again while it stays).
+    pub(crate) holding: AtomicBool,
     pub(crate) events: EventSlot,
 }
 
@@ -384,10 +395,12 @@ impl Qp {
                 delay: None,
                 drop_doorbells: 0,
                 mtu: 4096,
+                selective_repeat: false,
                 wire: None,
             }),
             srq,
             last_wqe_raised: AtomicBool::new(false),
+            holding: AtomicBool::new(false),
             events: EventSlot::default(),
             rq: Mutex::new(RqState {
                 ci: 0,
@@ -577,9 +590,11 @@ impl Qp {
                 sq.remote = Some((a.remote_gid, a.remote_qpn));
                 sq.peer = None;
                 sq.mtu = a.mtu;
+                sq.selective_repeat = a.selective_repeat;
                 sq.wire = None;
                 rq.min_rnr_timer = a.min_rnr_timer;
-                rq.wire = RespWire::new(a.rq_psn, a.mtu);
+                rq.wire = RespWire::new(a.rq_psn, a.mtu, a.selective_repeat);
+                self.holding.store(false, Ordering::Release);
                 let remote = a.remote_gid.to_ipv4().map_or(0, |ip| {
                     1u64 << 56 | (u32::from(ip) as u64) << 24 | a.remote_qpn as u64
                 });

@@ -51,6 +51,7 @@ fn blueflame_copies_are_never_torn() {
             rq_psn: 0,
             mtu: 4096,
             min_rnr_timer: 1,
+            selective_repeat: false,
         };
         q.modify(Modify::Rtr(rtr)).unwrap();
         q.modify(Modify::Rts(RtsAttr::default())).unwrap();

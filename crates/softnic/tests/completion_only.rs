@@ -44,6 +44,7 @@ fn completes_without_moving_bytes_and_still_checks_keys() {
             rq_psn: 0,
             mtu: 4096,
             min_rnr_timer: 1,
+            selective_repeat: false,
         };
         q.modify(Modify::Rtr(rtr)).unwrap();
         q.modify(Modify::Rts(RtsAttr::default())).unwrap();

@@ -970,6 +970,7 @@ fn peer_not_ready_then_ready_within_the_timeout() {
             rq_psn: 0,
             mtu: 1024,
             min_rnr_timer: 1,
+            selective_repeat: false,
         }))
         .unwrap();
     ea.expect_req(0x08, idx);

@@ -48,6 +48,7 @@ fn write_between_two_devices() {
             rq_psn: 0,
             mtu: 4096,
             min_rnr_timer: 1,
+            selective_repeat: false,
         }))
         .unwrap();
         q.modify(Modify::Rts(RtsAttr::default())).unwrap();

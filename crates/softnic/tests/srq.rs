@@ -101,6 +101,7 @@ fn up(q: &softnic::Qp, peer: &Node, peer_qpn: u32, rnr_retry: u8) {
         rq_psn: 0,
         mtu: 1024,
         min_rnr_timer: 1,
+        selective_repeat: false,
     }))
     .unwrap();
     q.modify(Modify::Rts(RtsAttr {

@@ -10,24 +10,35 @@ use softnic::bench::{write_bw, WriteBw};
 #[test]
 #[ignore = "a measurement: run with --release -- --ignored --nocapture"]
 fn write_bw_1mib() {
-    for loss in [0.0, 0.01, 0.05] {
-        for _ in 0..3 {
-            let r = write_bw(WriteBw {
-                loss,
-                ..WriteBw::default()
-            })
-            .unwrap();
-            println!(
-                "1 MiB WRITEs, {:>3.0}% loss: {:>6.0} MB/s ({} MiB in {:?}; {} packets sent, {} \
-                 retransmitted, {} timeouts)",
-                loss * 100.0,
-                r.bytes_per_sec() / 1e6,
-                r.bytes >> 20,
-                r.elapsed,
-                r.requester.tx_packets,
-                r.requester.retransmits,
-                r.requester.timeouts,
-            );
+    for selective_repeat in [true, false] {
+        for loss in [0.0, 0.01, 0.05] {
+            for _ in 0..3 {
+                let r = write_bw(WriteBw {
+                    loss,
+                    selective_repeat,
+                    ..WriteBw::default()
+                })
+                .unwrap();
+                println!(
+                    "1 MiB WRITEs, {}, {:>3.0}% loss: {:>6.0} MB/s ({} MiB in {:?}; {} packets \
+                     sent, {} retransmitted, {} timeouts, {} early, {} NAKs; \
+                     )",
+                    if selective_repeat {
+                        "selective repeat"
+                    } else {
+                        "go-back-N"
+                    },
+                    loss * 100.0,
+                    r.bytes_per_sec() / 1e6,
+                    r.bytes >> 20,
+                    r.elapsed,
+                    r.requester.tx_packets,
+                    r.requester.retransmits,
+                    r.requester.timeouts,
+                    r.requester.early_timeouts,
+                    r.requester.seq_naks_received,
+                );
+            }
         }
     }
 }
@@ -52,4 +63,46 @@ fn write_bw_clean_counters() {
         let r = write_bw(WriteBw::default()).unwrap();
         println!("{:?}\n{:?}", r.requester, r.responder);
     }
+}
+
+#[test]
+#[ignore = "diagnostics"]
+fn write_bw_windows() {
+    for _ in 0..2 {
+        for window in [64u32, 128, 256] {
+            for loss in [0.0, 0.01, 0.05] {
+                let r = write_bw(WriteBw {
+                    loss,
+                    window,
+                    total: 128 << 20,
+                    ..WriteBw::default()
+                })
+                .unwrap();
+                println!(
+                "window {window}, {:>3.0}% loss: {:>6.0} MB/s; {} retransmitted, {} early; resp: {} filled {} run {} naks {} oos {} dup",
+                loss * 100.0,
+                r.bytes_per_sec() / 1e6,
+                r.requester.retransmits,
+                r.requester.early_timeouts,
+                r.responder.sr_gaps_filled,
+                r.responder.sr_held_run,
+                r.responder.seq_naks_sent,
+                r.responder.out_of_sequence,
+                r.responder.duplicates,
+            );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "diagnostics"]
+fn write_bw_dbg() {
+    let r = write_bw(WriteBw {
+        loss: 0.05,
+        total: 8 << 20,
+        ..WriteBw::default()
+    })
+    .unwrap();
+    println!("{:.0} MB/s", r.bytes_per_sec() / 1e6);
 }

@@ -1355,6 +1355,7 @@ impl Context {
                 rq_psn: a.rq_psn,
                 mtu: mtu_bytes(a.path_mtu).ok_or(Errno::EINVAL)?,
                 min_rnr_timer: a.min_rnr_timer,
+                selective_repeat: false,
             })),
             (_, 3) => Some(softnic::Modify::Rts(softnic::RtsAttr {
                 sq_psn: a.sq_psn,

@@ -231,6 +231,7 @@ impl Loopback {
                 rq_psn: 0,
                 mtu: 4096,
                 min_rnr_timer: 1,
+                selective_repeat: false,
             }))?;
             q.modify(Modify::Rts(RtsAttr::default()))?;
         }

@@ -9,7 +9,7 @@ use crate::outcome::Fail;
 use prm::parse::AtomicKind;
 use prm::wqe::Sge;
 use smallvec::SmallVec;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,10 @@ const MIN_CWND: u32 = 16;
 /// Bounds of the early retransmission timer (see [`ReqWire::fast_rto`]).
 const FAST_RTO_MIN: Duration = Duration::from_millis(2);
 pub(super) const FAST_RTO_MAX: Duration = Duration::from_millis(20);
+/// The early timer's floor with selective repeat, where it only covers a lost tail (a lost
+/// packet with packets behind it is NAKed, and NAKed again by the responder's timer).
+const FAST_RTO_MIN_SELECTIVE: Duration = Duration::from_millis(10);
+const FAST_RTO_MAX_SELECTIVE: Duration = Duration::from_millis(40);
 
 // ---------------------------------------------------------------------------- requester
 
@@ -132,6 +136,13 @@ pub(crate) struct ReqWire {
     pub(super) rto_floor: Duration,
     /// The early timer fired and went back: (`una` then, one past the highest PSN sent).
     pub(super) timer_goback: Option<(u32, u32)>,
+    /// Selective repeat agreed with the peer: a sequence NAK resends the packet it names
+    /// alone (the peer holds what followed it); timers still go back N.
+    pub(super) selective: bool,
+    /// The PSN a sequence NAK asked for, to send before anything else.
+    pub(super) resend: Option<u32>,
+    /// The last PSN resent for a NAK, and when.
+    pub(super) resent: Option<(u32, Instant)>,
     /// A WQE that failed locally is queued: run no more WQEs until it completes.
     pub(crate) blocked: bool,
     /// A queued message failed while being sent: send nothing more.
@@ -178,6 +189,9 @@ impl ReqWire {
             rtt_max: Duration::ZERO,
             rto_floor: Duration::ZERO,
             timer_goback: None,
+            selective: false,
+            resend: None,
+            resent: None,
             blocked: false,
             halted: false,
             scratch: Vec::with_capacity(super::packet::MAX_DATAGRAM),
@@ -213,6 +227,14 @@ impl ReqWire {
     pub(super) fn fast_rto(&self) -> Duration {
         let t = if self.srtt.is_zero() {
             FAST_RTO_MAX // no sample yet
+        } else if self.selective {
+            // behind the responder's renewed NAKs and the resends they draw (a few round
+            // trips): only a lost tail is left to this timer
+            (self.srtt * 8)
+                .max(self.srtt + self.rttvar * 4)
+                .max(self.rtt_max * 2)
+                .max(self.rto_floor)
+                .clamp(FAST_RTO_MIN_SELECTIVE, FAST_RTO_MAX_SELECTIVE)
         } else {
             (self.srtt + self.rttvar * 4)
                 .max(self.rtt_max * 2)
@@ -239,9 +261,14 @@ impl ReqWire {
     /// Retransmits from `to` (go-back-N); the rest of the window follows.
     pub(super) fn go_back(&mut self, to: u32, now: Instant) {
         self.send_psn = to;
+        self.resend = None;
         self.goback = Some((to, now));
         self.rtt_probe = None;
-        self.congestion();
+        if !self.selective {
+            // go-back-N resends the window: halve it. With selective repeat nothing says the
+            // path is congested (a lost packet, its resend lost too): keep it.
+            self.congestion();
+        }
     }
 
     /// Goes back to `una` for a sequence NAK. The responder NAKs a gap once, and again only
@@ -252,6 +279,22 @@ impl ReqWire {
         let copy = matches!(self.goback, Some((p, t)) if p == una && now.duration_since(t) < self.srtt / 4);
         if !copy {
             self.go_back(una, now);
+        }
+    }
+
+    /// Selective repeat: resends `una` alone for a sequence NAK, unless it was resent within
+    /// the last round trip (the responder names a gap again while more packets arrive behind
+    /// it; one NAK a round trip after the resend means the resend was lost too). No window
+    /// cut: a lost packet is not a congested path (ConnectX reacts to congestion
+    /// notifications, not to loss).
+    pub(super) fn resend_nak(&mut self, now: Instant) {
+        let una = self.una;
+        // a probe acknowledged after the gap is filled would time the gap, not the path
+        self.rtt_probe = None;
+        let rtt = self.srtt.max(Duration::from_micros(50));
+        let recent = matches!(self.resent, Some((p, t)) if p == una && now.duration_since(t) < rtt);
+        if !recent {
+            self.resend = Some(una);
         }
     }
 
@@ -401,7 +444,26 @@ pub(crate) struct RespWire {
     pub(super) atomics: VecDeque<(u32, u64)>,
     /// READs answered and still held: a duplicate READ is served only inside one of them.
     pub(super) reads: VecDeque<HeldRead>,
+    /// Selective repeat agreed with the requester: packets that arrive behind a gap are held
+    /// (by PSN, as received) and run in order once the gap is filled.
+    pub(super) selective: bool,
+    pub(super) held: HashMap<u32, Vec<u8>>,
+    /// When the gap's first sequence NAK, and its last one, were sent (selective repeat
+    /// names a gap again after [`RespWire::renak_wait`] without it being filled: the NAK, the
+    /// resend or the answer to it was lost).
+    pub(super) first_nak: Option<Instant>,
+    pub(super) last_nak: Option<Instant>,
+    /// The smoothed time from a gap's first NAK to its filling (one repair: a round trip and
+    /// the requester's turn).
+    pub(super) repair: Duration,
+    /// Where answers go: the requester's address, the reply flow and the requester's QPN, as
+    /// of the last request.
+    pub(super) reply_to: Option<(SocketAddr, Flow, u32)>,
 }
+
+/// The least time a gap with packets held behind it stays unfilled before the responder names
+/// it again. Nothing to a path that loses nothing: without a gap it never fires.
+const RENAK_MIN: Duration = Duration::from_micros(500);
 
 /// A READ request a responder answered, held so that a duplicate of it (a retry from any of
 /// its response packets) can be served again.
@@ -434,11 +496,44 @@ impl HeldRead {
 }
 
 impl RespWire {
-    pub(crate) fn new(rq_psn: u32, mtu: u32) -> Self {
+    pub(crate) fn new(rq_psn: u32, mtu: u32, selective: bool) -> Self {
         Self {
             epsn: rq_psn & MASK24,
             mtu,
+            selective,
             ..Self::default()
+        }
+    }
+
+    /// How long a gap may stay unfilled after its last NAK before it is named again: three
+    /// repairs as measured, at least [`RENAK_MIN`].
+    pub(super) fn renak_wait(&self) -> Duration {
+        (self.repair * 3).max(RENAK_MIN)
+    }
+
+    /// A sequence NAK for the current gap is being sent.
+    pub(super) fn naked(&mut self, now: Instant) {
+        self.first_nak.get_or_insert(now);
+        self.last_nak = Some(now);
+    }
+
+    /// The gap was filled: its repair time joins the estimate.
+    pub(super) fn filled(&mut self, now: Instant) {
+        if let Some(t) = self.first_nak.take() {
+            let sample = now.duration_since(t);
+            self.repair = if self.repair.is_zero() {
+                sample
+            } else {
+                (self.repair * 7 + sample) / 8
+            };
+        }
+    }
+
+    /// Holds packet `raw` (PSN `psn`, out of sequence) until its gap is filled, unless `cap`
+    /// packets are held already (it is then dropped, as without selective repeat).
+    pub(super) fn hold(&mut self, psn: u32, raw: &[u8], cap: usize) {
+        if self.held.len() < cap {
+            self.held.entry(psn).or_insert_with(|| raw.to_vec());
         }
     }
 }

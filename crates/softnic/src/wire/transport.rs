@@ -71,6 +71,7 @@ pub(crate) fn connect(dev: &Shared, sq: &mut SqState, gid: Gid, qpn: u32, to: So
         dport: to4.port(),
     };
     let mut w = ReqWire::new(to, flow, qpn, mtu, window, psn);
+    w.selective = sq.selective_repeat;
     w.set_rts(sq.rts.timeout, sq.rts.retry_cnt, sq.rts.rnr_retry);
     tracing::debug!(to = %to, remote_qpn = qpn, "QP on the wire");
     sq.wire = Some(Box::new(w));
@@ -302,8 +303,214 @@ fn scatter(
     Ok(())
 }
 
-/// Transmits what the window allows, at most [`BURST`] packets. Returns whether it sent
-/// anything.
+/// What [`build`] made of one PSN.
+enum Built {
+    /// A packet in the scratch buffer; the next PSN to send after it, and whether it asks
+    /// for an ACK.
+    Packet { next: u32, ack_req: bool },
+    /// The PSN belongs to no message that sends packets: sending stops here, at `next`.
+    Skip { next: u32 },
+    /// The message failed (or had failed): send nothing more.
+    Halt,
+}
+
+/// Builds the packet of PSN `p` into `buf`: its message's opcode for that position, headers,
+/// payload gathered from local memory, ICRC. A message that cannot be built fails (and the
+/// transport halts).
+fn build(
+    dev: &Shared,
+    g: &MrGuard<'_>,
+    pd: crate::PdId,
+    w: &mut ReqWire,
+    p: u32,
+    limit: i32,
+    buf: &mut Vec<u8>,
+) -> Built {
+    let ack_every = (limit as u32 / 4).max(1);
+    let i = w.find(p);
+    let next_psn = w.next_psn;
+    let window_edge = psn_diff(psn_add(p, 1), w.una) >= limit;
+    let (mtu, dest_qp) = (w.mtu as u64, w.remote_qpn);
+    let flow = w.flow;
+    let Some(m) = w.msgs.get_mut(i) else {
+        return Built::Skip { next: next_psn };
+    };
+    if m.fail.is_some() {
+        w.halted = true;
+        return Built::Halt;
+    }
+    let k = psn_diff(p, m.psn).max(0) as u32;
+    let mut bth = Bth {
+        opcode: 0,
+        mig_req: true,
+        pkey: DEFAULT_PKEY,
+        dest_qp,
+        psn: p,
+        ..Bth::default()
+    };
+    let mut pkt = Packet::default();
+    let mut next = psn_add(p, 1);
+    let built: Result<(), Fail> = match &m.op {
+        OutOp::Write { .. } | OutOp::Send { .. } => {
+            let off = k as u64 * mtu;
+            let n = mtu.min(m.len.saturating_sub(off));
+            let first = k == 0;
+            let last = k + 1 >= m.npkts;
+            let (opc, src) = match &m.op {
+                OutOp::Write {
+                    imm,
+                    src,
+                    raddr,
+                    rkey,
+                } => {
+                    if first {
+                        pkt.reth = Some(Reth {
+                            va: *raddr,
+                            rkey: *rkey,
+                            len: m.len as u32,
+                        });
+                    }
+                    let o = match (first, last, imm.is_some()) {
+                        (true, true, false) => op::WRITE_ONLY,
+                        (true, true, true) => op::WRITE_ONLY_IMM,
+                        (true, false, _) => op::WRITE_FIRST,
+                        (false, false, _) => op::WRITE_MIDDLE,
+                        (false, true, false) => op::WRITE_LAST,
+                        (false, true, true) => op::WRITE_LAST_IMM,
+                    };
+                    if last {
+                        pkt.imm = *imm;
+                    }
+                    (o, src)
+                }
+                OutOp::Send {
+                    imm,
+                    invalidate,
+                    src,
+                } => {
+                    let o = match (first, last, imm.is_some(), invalidate.is_some()) {
+                        (true, false, ..) => op::SEND_FIRST,
+                        (false, false, ..) => op::SEND_MIDDLE,
+                        (true, true, _, true) => op::SEND_ONLY_INV,
+                        (false, true, _, true) => op::SEND_LAST_INV,
+                        (true, true, false, _) => op::SEND_ONLY,
+                        (true, true, true, _) => op::SEND_ONLY_IMM,
+                        (false, true, false, _) => op::SEND_LAST,
+                        (false, true, true, _) => op::SEND_LAST_IMM,
+                    };
+                    if last {
+                        pkt.imm = *imm;
+                        pkt.ieth = *invalidate;
+                    }
+                    (o, src)
+                }
+                _ => unreachable!("matched above"),
+            };
+            bth.opcode = opc;
+            bth.solicited = last && m.solicited && (imm_of(&m.op) || is_send(&m.op));
+            // a resend always asks: its answer is what the requester waits for
+            bth.ack_req = last
+                || window_edge
+                || psn_add(p, 1) == next_psn
+                || p % ack_every == 0
+                || psn_diff(p, w.sent_hi) < 0;
+            pkt.bth = bth;
+            let _ = packet::encode_headers(&pkt, n as usize, buf);
+            gather(&dev.counters, g, pd, src, off, n, buf)
+                .map(|()| packet::finish(&flow, n as usize, buf))
+        }
+        OutOp::Read { raddr, rkey, .. } => {
+            let off = k as u64 * mtu;
+            bth.opcode = op::READ_REQUEST;
+            pkt.bth = bth;
+            pkt.reth = Some(Reth {
+                va: raddr.wrapping_add(off),
+                rkey: *rkey,
+                len: m.len.saturating_sub(off) as u32,
+            });
+            next = m.end();
+            packet::encode(&pkt, &flow, buf).map_err(|_| bad_wire())
+        }
+        OutOp::Atomic {
+            raddr, rkey, kind, ..
+        } => {
+            match *kind {
+                AtomicKind::FetchAdd { add } => {
+                    bth.opcode = op::FETCH_ADD;
+                    pkt.atomic = Some(AtomicEth {
+                        va: *raddr,
+                        rkey: *rkey,
+                        swap_add: add,
+                        compare: 0,
+                    });
+                }
+                AtomicKind::CompareSwap { compare, swap } => {
+                    bth.opcode = op::CMP_SWAP;
+                    pkt.atomic = Some(AtomicEth {
+                        va: *raddr,
+                        rkey: *rkey,
+                        swap_add: swap,
+                        compare,
+                    });
+                }
+                AtomicKind::MaskedFetchAdd {
+                    size,
+                    add,
+                    field_boundary,
+                } => {
+                    bth.opcode = op::MASKED_FETCH_ADD;
+                    pkt.masked = Some(MaskedAtomicEth {
+                        va: *raddr,
+                        rkey: *rkey,
+                        size: size.bytes() as u8,
+                        swap_add: add,
+                        compare_boundary: field_boundary,
+                        swap_mask: 0,
+                        compare_mask: 0,
+                    });
+                }
+                AtomicKind::MaskedCompareSwap {
+                    size,
+                    compare,
+                    compare_mask,
+                    swap,
+                    swap_mask,
+                } => {
+                    bth.opcode = op::MASKED_CMP_SWAP;
+                    pkt.masked = Some(MaskedAtomicEth {
+                        va: *raddr,
+                        rkey: *rkey,
+                        size: size.bytes() as u8,
+                        swap_add: swap,
+                        compare_boundary: compare,
+                        swap_mask,
+                        compare_mask,
+                    });
+                }
+            }
+            pkt.bth = bth;
+            packet::encode(&pkt, &flow, buf).map_err(|_| bad_wire())
+        }
+        OutOp::Local { .. } => {
+            // Holds no PSN: `find` never returns it for a PSN still to send.
+            return Built::Skip { next: next_psn };
+        }
+    };
+    match built {
+        Ok(()) => Built::Packet {
+            next,
+            ack_req: bth.ack_req,
+        },
+        Err(f) => {
+            m.fail = Some(f);
+            w.halted = true;
+            Built::Halt
+        }
+    }
+}
+
+/// Transmits what the window allows, at most [`BURST`] packets, after the packet a sequence
+/// NAK asked for again (selective repeat). Returns whether it sent anything.
 fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
     let Some(port) = dev.port() else {
         return false;
@@ -321,182 +528,37 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
     let g = qp.mrs.read();
     let mut buf = std::mem::take(&mut w.scratch);
     let limit = w.window.min(w.cwnd).max(1) as i32;
-    // ACKs requested about four times per window, so one lost ACK costs nothing
-    let ack_every = (limit as u32 / 4).max(1);
-    while w.send_psn != w.next_psn && psn_diff(w.send_psn, w.una) < limit && sent < BURST {
-        let p = w.send_psn;
-        let i = w.find(p);
-        let next_psn = w.next_psn;
-        let window_edge = psn_diff(psn_add(p, 1), w.una) >= limit;
-        let (mtu, dest_qp) = (w.mtu as u64, w.remote_qpn);
-        let Some(m) = w.msgs.get_mut(i) else { break };
-        if m.fail.is_some() {
-            w.halted = true;
-            break;
+    if let Some(p) = w.resend.take() {
+        // only a PSN sent and not yet acknowledged
+        if psn_diff(p, w.una) >= 0 && psn_diff(p, w.sent_hi) < 0 {
+            if let Built::Packet { .. } = build(dev, &g, qp.pd, w, p, limit, &mut buf) {
+                port.send(&buf, w.to, &w.flow, &mut w.batch);
+                Counters::add(&dev.counters.wire.retransmits, 1);
+                w.resent = Some((p, now));
+                // the early timer (go-back-N) waits behind the resend
+                w.fast_deadline = Some(now + w.fast_rto());
+                sent += 1;
+            }
         }
-        let k = psn_diff(p, m.psn).max(0) as u32;
-        let mut bth = Bth {
-            opcode: 0,
-            mig_req: true,
-            pkey: DEFAULT_PKEY,
-            dest_qp,
-            psn: p,
-            ..Bth::default()
-        };
-        let mut pkt = Packet::default();
-        let mut next = psn_add(p, 1);
-        let built: Result<(), Fail> = match &m.op {
-            OutOp::Write { .. } | OutOp::Send { .. } => {
-                let off = k as u64 * mtu;
-                let n = mtu.min(m.len.saturating_sub(off));
-                let first = k == 0;
-                let last = k + 1 >= m.npkts;
-                let (opc, src) = match &m.op {
-                    OutOp::Write {
-                        imm,
-                        src,
-                        raddr,
-                        rkey,
-                    } => {
-                        if first {
-                            pkt.reth = Some(Reth {
-                                va: *raddr,
-                                rkey: *rkey,
-                                len: m.len as u32,
-                            });
-                        }
-                        let o = match (first, last, imm.is_some()) {
-                            (true, true, false) => op::WRITE_ONLY,
-                            (true, true, true) => op::WRITE_ONLY_IMM,
-                            (true, false, _) => op::WRITE_FIRST,
-                            (false, false, _) => op::WRITE_MIDDLE,
-                            (false, true, false) => op::WRITE_LAST,
-                            (false, true, true) => op::WRITE_LAST_IMM,
-                        };
-                        if last {
-                            pkt.imm = *imm;
-                        }
-                        (o, src)
-                    }
-                    OutOp::Send {
-                        imm,
-                        invalidate,
-                        src,
-                    } => {
-                        let o = match (first, last, imm.is_some(), invalidate.is_some()) {
-                            (true, false, ..) => op::SEND_FIRST,
-                            (false, false, ..) => op::SEND_MIDDLE,
-                            (true, true, _, true) => op::SEND_ONLY_INV,
-                            (false, true, _, true) => op::SEND_LAST_INV,
-                            (true, true, false, _) => op::SEND_ONLY,
-                            (true, true, true, _) => op::SEND_ONLY_IMM,
-                            (false, true, false, _) => op::SEND_LAST,
-                            (false, true, true, _) => op::SEND_LAST_IMM,
-                        };
-                        if last {
-                            pkt.imm = *imm;
-                            pkt.ieth = *invalidate;
-                        }
-                        (o, src)
-                    }
-                    _ => unreachable!("matched above"),
-                };
-                bth.opcode = opc;
-                bth.solicited = last && m.solicited && (imm_of(&m.op) || is_send(&m.op));
-                bth.ack_req =
-                    last || window_edge || psn_add(p, 1) == next_psn || p % ack_every == 0;
-                pkt.bth = bth;
-                let _ = packet::encode_headers(&pkt, n as usize, &mut buf);
-                gather(&dev.counters, &g, qp.pd, src, off, n, &mut buf)
-                    .map(|()| packet::finish(&w.flow, n as usize, &mut buf))
-            }
-            OutOp::Read { raddr, rkey, .. } => {
-                let off = k as u64 * mtu;
-                bth.opcode = op::READ_REQUEST;
-                pkt.bth = bth;
-                pkt.reth = Some(Reth {
-                    va: raddr.wrapping_add(off),
-                    rkey: *rkey,
-                    len: m.len.saturating_sub(off) as u32,
-                });
-                next = m.end();
-                packet::encode(&pkt, &w.flow, &mut buf).map_err(|_| bad_wire())
-            }
-            OutOp::Atomic {
-                raddr, rkey, kind, ..
-            } => {
-                match *kind {
-                    AtomicKind::FetchAdd { add } => {
-                        bth.opcode = op::FETCH_ADD;
-                        pkt.atomic = Some(AtomicEth {
-                            va: *raddr,
-                            rkey: *rkey,
-                            swap_add: add,
-                            compare: 0,
-                        });
-                    }
-                    AtomicKind::CompareSwap { compare, swap } => {
-                        bth.opcode = op::CMP_SWAP;
-                        pkt.atomic = Some(AtomicEth {
-                            va: *raddr,
-                            rkey: *rkey,
-                            swap_add: swap,
-                            compare,
-                        });
-                    }
-                    AtomicKind::MaskedFetchAdd {
-                        size,
-                        add,
-                        field_boundary,
-                    } => {
-                        bth.opcode = op::MASKED_FETCH_ADD;
-                        pkt.masked = Some(MaskedAtomicEth {
-                            va: *raddr,
-                            rkey: *rkey,
-                            size: size.bytes() as u8,
-                            swap_add: add,
-                            compare_boundary: field_boundary,
-                            swap_mask: 0,
-                            compare_mask: 0,
-                        });
-                    }
-                    AtomicKind::MaskedCompareSwap {
-                        size,
-                        compare,
-                        compare_mask,
-                        swap,
-                        swap_mask,
-                    } => {
-                        bth.opcode = op::MASKED_CMP_SWAP;
-                        pkt.masked = Some(MaskedAtomicEth {
-                            va: *raddr,
-                            rkey: *rkey,
-                            size: size.bytes() as u8,
-                            swap_add: swap,
-                            compare_boundary: compare,
-                            swap_mask,
-                            compare_mask,
-                        });
-                    }
-                }
-                pkt.bth = bth;
-                packet::encode(&pkt, &w.flow, &mut buf).map_err(|_| bad_wire())
-            }
-            OutOp::Local { .. } => {
-                // Holds no PSN: `find` never returns it for a PSN still to send.
-                w.send_psn = next_psn;
+    }
+    while !w.halted
+        && w.send_psn != w.next_psn
+        && psn_diff(w.send_psn, w.una) < limit
+        && sent < BURST
+    {
+        let p = w.send_psn;
+        let (next, ack_req) = match build(dev, &g, qp.pd, w, p, limit, &mut buf) {
+            Built::Packet { next, ack_req } => (next, ack_req),
+            Built::Skip { next } => {
+                w.send_psn = next;
                 break;
             }
+            Built::Halt => break,
         };
-        if let Err(f) = built {
-            m.fail = Some(f);
-            w.halted = true;
-            break;
-        }
         port.send(&buf, w.to, &w.flow, &mut w.batch);
         if psn_diff(p, w.sent_hi) < 0 {
             Counters::add(&dev.counters.wire.retransmits, 1);
-        } else if w.rtt_probe.is_none() && (bth.ack_req || next != psn_add(p, 1)) {
+        } else if w.rtt_probe.is_none() && (ack_req || next != psn_add(p, 1)) {
             w.rtt_probe = Some((p, Instant::now()));
         }
         w.send_psn = next;
@@ -634,6 +696,7 @@ pub(crate) fn tick(dev: &Shared, qp: &Qp, sq: &mut SqState, now: Instant) -> (bo
     {
         let _ = d;
         // A lost tail (or a lost NAK): retransmit early, without counting a retry.
+        Counters::add(&dev.counters.wire.early_timeouts, 1);
         let una = w.una;
         w.timer_goback = Some((una, w.sent_hi));
         w.go_back(una, now);
@@ -698,7 +761,11 @@ fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
                     Acked::Ok => match s {
                         aeth::NAK_SEQ => {
                             Counters::add(&wc.seq_naks_received, 1);
-                            w.go_back_nak(now);
+                            if w.selective {
+                                w.resend_nak(now);
+                            } else {
+                                w.go_back_nak(now);
+                            }
                         }
                         aeth::NAK_INVALID => {
                             let i = w.find(p);
@@ -919,8 +986,9 @@ enum Outcome {
     Answered,
 }
 
-/// Handles a request packet for responder QP `qp`, from the requester at `to`.
-fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
+/// Handles a request packet for responder QP `qp` (`raw`: the datagram it was parsed from),
+/// from the requester at `to`.
+fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut Reply<'_>) {
     let wc = &dev.counters.wire;
     let mut r = Resp::lock(qp);
     let from = reply.dest_qp;
@@ -937,22 +1005,33 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
         Counters::add(&wc.rx_malformed, 1);
         return;
     }
+    r.rq.wire.reply_to = Some((reply.to, reply.flow, reply.dest_qp));
     if d > 0 {
         Counters::add(&wc.out_of_sequence, 1);
+        let cap = reply.port.cfg.window.max(64) as usize;
         let w = &mut r.rq.wire;
-        // One NAK per gap (IBTA, rxe). Once NAKed, a packet out of sequence but not past the
-        // highest one seen since is a retransmission: the requester went back and the
-        // expected packet is still missing (its retransmission was lost too): NAK again, once.
-        let again = w.nak_sent && psn_diff(psn, w.oos_hi) <= 0;
-        if !w.nak_sent || psn_diff(psn, w.oos_hi) > 0 {
-            w.oos_hi = psn;
-        }
-        if !w.nak_sent || again {
+        let repeat = if w.selective {
+            // held until the gap is filled (the engine's timer names the gap again while it
+            // stays, in case the resend was lost)
+            if (d as i64) < MAX_OUTSTANDING_PSNS {
+                w.hold(psn, raw, cap);
+                qp.holding.store(!w.held.is_empty(), Ordering::Release);
+            }
+            false
+        } else {
+            // One NAK per gap (IBTA, rxe). Once NAKed, a packet out of sequence but not past
+            // the highest one seen since is a retransmission: the requester went back and the
+            // expected packet is still missing (its retransmission was lost too): NAK again.
+            let again = w.nak_sent && psn_diff(psn, w.oos_hi) <= 0;
+            if !w.nak_sent || psn_diff(psn, w.oos_hi) > 0 {
+                w.oos_hi = psn;
+            }
+            again
+        };
+        if !w.nak_sent || repeat {
             w.nak_sent = true;
             w.oos_hi = psn;
-            Counters::add(&wc.seq_naks_sent, 1);
-            let (e, msn) = (r.rq.wire.epsn, r.rq.wire.msn);
-            reply.aeth(e, aeth::NAK_SEQ, msn);
+            seq_nak(wc, w, reply);
         }
         return;
     }
@@ -964,16 +1043,112 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
         }
         return;
     }
-    r.rq.wire.nak_sent = false;
-    let outcome = new_request(&mut r, pkt, from, reply);
-    match outcome {
+    if std::mem::take(&mut r.rq.wire.nak_sent) && r.rq.wire.selective {
+        r.rq.wire.filled(Instant::now());
+    }
+    let Some(ack) = in_sequence(wc, &mut r, pkt, from, reply) else {
+        return;
+    };
+    if r.rq.wire.held.is_empty() {
+        if ack {
+            let w = &r.rq.wire;
+            reply.aeth(psn_add(w.epsn, MASK24), aeth::ACK, w.msn);
+        }
+        return;
+    }
+    // Selective repeat: the gap is filled; run what was held behind it, in order.
+    Counters::add(&wc.sr_gaps_filled, 1);
+    loop {
+        let e = r.rq.wire.epsn;
+        let Some(held) = r.rq.wire.held.remove(&e) else {
+            break;
+        };
+        let Ok(p) = packet::parse(&held) else {
+            // parsed once already: cannot happen; dropped as malformed
+            Counters::add(&wc.rx_malformed, 1);
+            continue;
+        };
+        Counters::add(&wc.sr_held_run, 1);
+        if in_sequence(wc, &mut r, &p, from, reply).is_none() {
+            // answered with a NAK: the requester goes back to it, resending the rest
+            r.rq.wire.held.clear();
+            qp.holding.store(false, Ordering::Release);
+            return;
+        }
+    }
+    let w = &mut r.rq.wire;
+    let e = w.epsn;
+    w.held.retain(|&p, _| psn_diff(p, e) > 0);
+    // one ACK for what the held packets completed, then the next gap, if any, named at once
+    reply.aeth(psn_add(e, MASK24), aeth::ACK, w.msn);
+    qp.holding.store(!w.held.is_empty(), Ordering::Release);
+    if !w.held.is_empty() {
+        w.nak_sent = true;
+        seq_nak(wc, w, reply);
+    }
+}
+
+/// Sends a sequence NAK for the expected PSN.
+fn seq_nak(
+    wc: &crate::counters::WireCounters<std::sync::atomic::AtomicU64>,
+    w: &mut super::state::RespWire,
+    reply: &mut Reply<'_>,
+) {
+    w.naked(Instant::now());
+    Counters::add(&wc.seq_naks_sent, 1);
+    reply.aeth(w.epsn, aeth::NAK_SEQ, w.msn);
+}
+
+/// Selective repeat: names a gap again that stayed unfilled for a while
+/// ([`super::state::RespWire::renak_wait`]) with packets
+/// held behind it (its NAK, the resend or the answer to it was lost, and the requester may
+/// have nothing more to send that would make the responder NAK again). Returns whether packets
+/// are held (the engine then polls on time).
+pub(crate) fn responder_tick(dev: &Shared, qp: &Qp, now: Instant) -> bool {
+    if !qp.holding.load(Ordering::Acquire) {
+        return false;
+    }
+    let Some(port) = dev.port() else {
+        return false;
+    };
+    let mut rq = qp.lock_rq();
+    let w = &mut rq.wire;
+    if w.held.is_empty() {
+        return false;
+    }
+    let wait = w.renak_wait();
+    let due = w.last_nak.is_none_or(|t| now.duration_since(t) >= wait);
+    if let (true, Some((to, flow, dest_qp))) = (due, w.reply_to) {
+        let (mut buf, mut batch) = (Vec::new(), TxBatch::default());
+        let mut reply = Reply {
+            port,
+            to,
+            flow,
+            dest_qp,
+            buf: &mut buf,
+            batch: &mut batch,
+        };
+        seq_nak(&dev.counters.wire, w, &mut reply);
+        port.flush(&mut batch);
+    }
+    true
+}
+
+/// Runs a request packet with the expected PSN and moves the expected PSN on. Returns
+/// whether it asks for an ACK (not sent yet), or `None` when it was answered (NAK) or dropped.
+fn in_sequence(
+    wc: &crate::counters::WireCounters<std::sync::atomic::AtomicU64>,
+    r: &mut Resp<'_>,
+    pkt: &Packet<'_>,
+    from: u32,
+    reply: &mut Reply<'_>,
+) -> Option<bool> {
+    let psn = pkt.bth.psn;
+    match new_request(r, pkt, from, reply) {
         Outcome::Accepted(n) => {
             let w = &mut r.rq.wire;
             w.epsn = psn_add(w.epsn, n);
-            if pkt.bth.ack_req && packet::layout(pkt.bth.opcode).is_some_and(|l| l.payload) {
-                let (e, msn) = (psn_add(w.epsn, MASK24), w.msn);
-                reply.aeth(e, aeth::ACK, msn);
-            }
+            Some(pkt.bth.ack_req && packet::layout(pkt.bth.opcode).is_some_and(|l| l.payload))
         }
         Outcome::Nak(resp) => {
             let c = if matches!(resp, Response::Rnr(_)) {
@@ -984,9 +1159,16 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, reply: &mut Reply<'_>) {
             Counters::add(c, 1);
             let msn = r.rq.wire.msn;
             reply.aeth(psn, nak_syndrome(&resp), msn);
+            None
         }
-        Outcome::Dropped => Counters::add(&wc.rx_malformed, 1),
-        Outcome::Answered => Counters::add(&wc.error_naks_sent, 1),
+        Outcome::Dropped => {
+            Counters::add(&wc.rx_malformed, 1);
+            None
+        }
+        Outcome::Answered => {
+            Counters::add(&wc.error_naks_sent, 1);
+            None
+        }
     }
 }
 
@@ -1400,8 +1582,14 @@ fn duplicate(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) -> bool 
         }
         _ => {
             if pkt.bth.ack_req {
-                let e = psn_add(r.rq.wire.epsn, MASK24);
-                reply.aeth(e, aeth::ACK, msn);
+                let w = &r.rq.wire;
+                if w.selective && !w.held.is_empty() {
+                    // a gap is open with packets held behind it: name it (which acknowledges
+                    // everything before it, as the ACK would)
+                    reply.aeth(w.epsn, aeth::NAK_SEQ, msn);
+                } else {
+                    reply.aeth(psn_add(w.epsn, MASK24), aeth::ACK, msn);
+                }
             }
         }
     }
@@ -1495,7 +1683,7 @@ pub(crate) fn receive(
             buf: scratch,
             batch,
         };
-        on_request(dev, &qp, &pkt, &mut reply);
+        on_request(dev, &qp, &pkt, d, &mut reply);
     } else {
         on_response(dev, &qp, &pkt);
     }

@@ -176,6 +176,8 @@ pub struct Opts {
     pub access: Access,
     pub rts: RtsAttr,
     pub min_rnr_timer: u8,
+    /// RtrAttr::selective_repeat (on the wire: hold packets behind a gap, resend selectively).
+    pub selective_repeat: bool,
 }
 
 impl Default for Opts {
@@ -198,6 +200,7 @@ impl Default for Opts {
                 rnr_retry: 7,
             },
             min_rnr_timer: 1,
+            selective_repeat: false,
         }
     }
 }
@@ -240,6 +243,7 @@ fn bring_up(q: &Qp, o: &Opts, peer: &Node, peer_qpn: u32) {
         rq_psn: 0,
         mtu: 4096,
         min_rnr_timer: o.min_rnr_timer,
+        selective_repeat: o.selective_repeat,
     }))
     .unwrap();
     q.modify(Modify::Rts(o.rts)).unwrap();

@@ -350,6 +350,7 @@ pub fn bring_up(q: &Qp, peer: &Node, qpn: u32) {
         rq_psn: 0,
         mtu: 4096,
         min_rnr_timer: 1,
+        selective_repeat: false,
     }))
     .unwrap();
     q.modify(Modify::Rts(RtsAttr {

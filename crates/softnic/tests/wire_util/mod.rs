@@ -69,7 +69,18 @@ pub fn wire_opts() -> Opts {
             retry_cnt: 7,
             rnr_retry: 7,
         },
+        // what two gpuverbs soft NICs agree on; `go_back_n_opts` for the IBTA default
+        selective_repeat: true,
         ..Opts::default()
+    }
+}
+
+/// [`wire_opts`] without selective repeat: go-back-N, as with any peer that did not agree
+/// to it (every QP of the uverbs emulation).
+pub fn go_back_n_opts() -> Opts {
+    Opts {
+        selective_repeat: false,
+        ..wire_opts()
     }
 }
 
@@ -105,6 +116,7 @@ pub fn bring_up_to(q: &Qp, o: &Opts, gid: Gid, qpn: u32, peer_psn: u32, mtu: u32
         rq_psn: peer_psn,
         mtu,
         min_rnr_timer: o.min_rnr_timer,
+        selective_repeat: o.selective_repeat,
     }))
     .unwrap();
     q.modify(Modify::Rts(o.rts)).unwrap();
