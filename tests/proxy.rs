@@ -545,13 +545,18 @@ fn sanity_rule_on_plain_memory() {
     let (wake, woken) = counting_wake();
     let h = svc.add(fake.target(0xabcdef, Some(wake))).unwrap();
     let s = &svc;
-    let forwarded = |n: u64| move || s.counters().doorbells == n;
+    // The proxy counts a doorbell before it rings it: wait for the count and for the ring
+    // (the register holding the new index) too.
+    let forwarded = |n: u64, q: &Arc<FakeQp>, pi: u32| {
+        let q = q.clone();
+        move || s.counters().doorbells == n && q.reg().index() == pi as u16
+    };
 
     fake.producer.store(10, Ordering::Release);
-    wait_until("first doorbell", forwarded(1));
+    wait_until("first doorbell", forwarded(1, &fake, 10));
     assert_eq!(fake.snd(), 10);
     assert_eq!(fake.reg(), DoorbellValue::from_pi(10, 0xabcdef));
-    assert_eq!(woken.load(Ordering::Relaxed), 1);
+    wait_until("woken 1", || woken.load(Ordering::Relaxed) == 1);
 
     fake.producer.store(5, Ordering::Release);
     wait_until("backwards counted", || svc.counters().bad_producers == 1);
@@ -562,11 +567,11 @@ fn sanity_rule_on_plain_memory() {
 
     // Exactly MAX_JUMP ahead of the last forwarded value is sane.
     fake.producer.store(10 + MAX_JUMP, Ordering::Release);
-    wait_until("max jump forwarded", forwarded(2));
     let pi = 10 + MAX_JUMP;
+    wait_until("max jump forwarded", forwarded(2, &fake, pi as u32));
     assert_eq!(fake.snd(), pi as u16 as u32);
     assert_eq!(fake.reg(), DoorbellValue::from_pi(pi as u16, 0xabcdef));
-    assert_eq!(woken.load(Ordering::Relaxed), 2);
+    wait_until("woken 2", || woken.load(Ordering::Relaxed) == 2);
     assert_eq!(svc.remove(h).unwrap(), pi);
 
     // Across the 16-bit wrap, from a start the doorbell already covered.
@@ -579,7 +584,7 @@ fn sanity_rule_on_plain_memory() {
         svc.counters().bad_producers == 3
     });
     wrap.producer.store(65540, Ordering::Release);
-    wait_until("wrapped doorbell", forwarded(3));
+    wait_until("wrapped doorbell", forwarded(3, &wrap, 4));
     assert_eq!(wrap.snd(), 4);
     assert_eq!(wrap.reg(), DoorbellValue::from_pi(4, 7));
     assert_eq!(svc.remove(h).unwrap(), 65540);

@@ -13,7 +13,7 @@ use prm::CQE_SIZE;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// `op_own` of the CQE a resize writes into the old ring (opcode `MLX5_CQE_RESIZE_CQ`).
 pub const RESIZE_OP_OWN: u8 = 5 << 4;
@@ -91,6 +91,10 @@ pub struct Cq {
     dbrec: DmaBuf,
     state: Mutex<CqState>,
     produced: AtomicU32,
+    /// Threads blocked in [`Cq::wait_produced`], and what wakes them.
+    waiters: AtomicU32,
+    waiting: parking_lot::Mutex<()>,
+    written: parking_lot::Condvar,
     pub(crate) events: EventSlot,
 }
 
@@ -155,6 +159,9 @@ impl Cq {
                 delayed: VecDeque::new(),
             }),
             produced: AtomicU32::new(0),
+            waiters: AtomicU32::new(0),
+            waiting: parking_lot::Mutex::new(()),
+            written: parking_lot::Condvar::new(),
         })
     }
 
@@ -182,6 +189,24 @@ impl Cq {
     /// CQEs written so far.
     pub fn produced(&self) -> u32 {
         self.produced.load(Ordering::Acquire)
+    }
+
+    /// Blocks until the CQ holds a CQE its consumer has not taken — more than `consumed`
+    /// written (both counted modulo 2^24, as the doorbell record's consumer index) — or
+    /// `timeout` passes; returns whether it does. What a CQ's completion event is to a
+    /// ConnectX's consumer, without arming: a poller that would otherwise spin gives its core
+    /// to the device's threads (the soft NIC shares the CPU with it) and is woken by the write.
+    pub fn wait_beyond(&self, consumed: u32, timeout: Duration) -> bool {
+        let pending = || (self.produced.load(Ordering::SeqCst) ^ consumed) & 0xff_ffff != 0;
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        let mut g = self.waiting.lock();
+        // checked under the lock the writer takes to wake: no write slips in between
+        if !pending() {
+            let _ = self.written.wait_for(&mut g, timeout);
+        }
+        drop(g);
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
+        pending()
     }
     /// Whether the CQ is in error after an overrun.
     pub fn is_overrun(&self) -> bool {
@@ -312,7 +337,12 @@ impl Cq {
             return Err(CqError::DeviceMemory(self.cqn));
         }
         st.pi = st.pi.wrapping_add(1);
-        self.produced.store(st.pi, Ordering::Release);
+        // SeqCst: a waiter that registers after this sees the new count, or is seen here
+        self.produced.store(st.pi, Ordering::SeqCst);
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            let _g = self.waiting.lock();
+            self.written.notify_all();
+        }
         Ok(())
     }
 }
@@ -336,6 +366,39 @@ mod tests {
         let mut b = [0u8; 64];
         cq.ring().read(slot * 64, &mut b);
         bytemuck::cast(b)
+    }
+
+    #[test]
+    fn a_waiting_poller_is_woken_by_the_write_and_times_out_without_one() {
+        let cq = std::sync::Arc::new(
+            Cq::new(
+                1,
+                CqConfig {
+                    ncqe: 4,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        );
+        // nothing written: the wait runs out and says so
+        let t0 = Instant::now();
+        assert!(!cq.wait_beyond(0, Duration::from_millis(20)));
+        assert!(t0.elapsed() >= Duration::from_millis(20));
+        // a write while it sleeps ends the wait well before its timeout
+        let w = {
+            let cq = cq.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                cq.push(Cqe64::requester(8, 1, 0, 0, 0), None).unwrap();
+            })
+        };
+        let t0 = Instant::now();
+        assert!(cq.wait_beyond(0, Duration::from_secs(10)));
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        w.join().unwrap();
+        // a CQE not yet taken: no wait at all; taken (consumer 1): waits again
+        assert!(cq.wait_beyond(0, Duration::from_secs(10)));
+        assert!(!cq.wait_beyond(1, Duration::from_millis(1)));
     }
 
     #[test]

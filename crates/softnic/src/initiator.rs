@@ -214,6 +214,8 @@ pub struct Initiator {
     wake: Option<Arc<dyn Fn() + Send + Sync>>,
     /// Whether the send / receive CQ is in error (overrun), where the device can say.
     cq_error: Option<[Arc<dyn Fn() -> bool + Send + Sync>; 2]>,
+    /// The soft NIC's send and receive CQs, whose writes a waiting poller sleeps on.
+    soft_cqs: Option<[Arc<crate::Cq>; 2]>,
     _keep: Arc<dyn Any + Send + Sync>,
     /// Dropped with the initiator (e.g. a claim on the QP that lets one poster at a time in).
     _guard: Option<Box<dyn Any + Send>>,
@@ -253,6 +255,7 @@ impl Initiator {
             last: None,
             wake,
             cq_error: None,
+            soft_cqs: None,
             _keep: keep,
             _guard: None,
         }
@@ -353,6 +356,10 @@ impl Initiator {
             Arc::new(move || cq.is_overrun())
         };
         ini.cq_error = Some([probe(qp.send_cq()), probe(qp.recv_cq())]);
+        let sleepable = |cq: &Arc<crate::Cq>| cq.mode() != crate::CqMode::Collapsed;
+        if sleepable(qp.send_cq()) && sleepable(qp.recv_cq()) {
+            ini.soft_cqs = Some([qp.send_cq().clone(), qp.recv_cq().clone()]);
+        }
         ini
     }
 
@@ -588,23 +595,54 @@ impl Initiator {
     /// [`InitiatorError::CqOverrun`] when the send CQ overran and holds no more CQEs.
     pub fn wait_send(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
         let probe = self.cq_error.as_ref().map(|p| p[0].clone());
-        wait(timeout, "send", probe, || self.poll_send())
+        let sleep = self.sleeper(false);
+        wait(timeout, "send", probe, sleep, || self.poll_send())
     }
 
     /// Waits for the next receive completion, at most `timeout`;
     /// [`InitiatorError::CqOverrun`] when the receive CQ overran and holds no more CQEs.
     pub fn wait_recv(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
         let probe = self.cq_error.as_ref().map(|p| p[1].clone());
-        wait(timeout, "receive", probe, || self.poll_recv())
+        let sleep = self.sleeper(true);
+        wait(timeout, "receive", probe, sleep, || self.poll_recv())
+    }
+
+    /// Gives the core away until the send CQ (`recv` false) or the receive CQ may hold a
+    /// completion not yet polled, at most `timeout`, without taking it (poll it next). On a
+    /// soft NIC the thread sleeps until the device writes a CQE there, or finds one already
+    /// written; elsewhere it yields once. For a loop that polls several initiators and has
+    /// nothing to do until one of them completes something.
+    pub fn idle_until_completion(&self, recv: bool, timeout: Duration) {
+        match self.sleeper(recv) {
+            Some(s) => {
+                s(timeout);
+            }
+            None => std::thread::yield_now(),
+        }
+    }
+
+    /// A sleep on the send or receive CQ until it holds a CQE beyond what this initiator
+    /// took (soft NIC CQs that are not collapsed).
+    fn sleeper(&self, recv: bool) -> Option<impl Fn(Duration) -> bool + use<>> {
+        let cq = self.soft_cqs.as_ref()?[usize::from(recv)].clone();
+        let consumed = if recv { &self.recv } else { &self.send }.consumer_index();
+        Some(move |t| cq.wait_beyond(consumed, t))
     }
 }
 
+/// Polls with `f` until it yields a completion, the CQ overran, or `timeout` passed: spins
+/// a while, then sleeps on the CQ (`sleep`, when the device can wake it; else yields).
 fn wait(
     timeout: Duration,
     which: &'static str,
     overrun: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
+    sleep: Option<impl Fn(Duration) -> bool>,
     mut f: impl FnMut() -> Option<Completion>,
 ) -> Result<Completion, InitiatorError> {
+    /// Polls before the waiter gives the core away.
+    const SPINS: u32 = 1000;
+    /// The longest sleep between checks of the overrun probe and the deadline.
+    const NAP: Duration = Duration::from_millis(1);
     let start = Instant::now();
     let mut spins = 0u32;
     loop {
@@ -615,14 +653,17 @@ fn wait(
             // Nothing more will be written: take what the ring still holds first.
             return f().ok_or(InitiatorError::CqOverrun(which));
         }
-        if start.elapsed() >= timeout {
+        let elapsed = start.elapsed();
+        if elapsed >= timeout {
             return Err(InitiatorError::Timeout(timeout));
         }
         spins += 1;
-        if spins > 1000 {
-            std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
+        match &sleep {
+            _ if spins <= SPINS => std::hint::spin_loop(),
+            Some(s) => {
+                s((timeout - elapsed).min(NAP));
+            }
+            None => std::thread::yield_now(),
         }
     }
 }

@@ -94,15 +94,3 @@ fn write_bw_windows() {
         }
     }
 }
-
-#[test]
-#[ignore = "diagnostics"]
-fn write_bw_dbg() {
-    let r = write_bw(WriteBw {
-        loss: 0.05,
-        total: 8 << 20,
-        ..WriteBw::default()
-    })
-    .unwrap();
-    println!("{:.0} MB/s", r.bytes_per_sec() / 1e6);
-}

@@ -1478,6 +1478,11 @@ impl Engine {
 /// inline. With `duration` (-D) it posts until the duration has passed, then every job up to
 /// one more than the most any has posted (that last WQE signaled), and says how many.
 #[allow(clippy::too_many_arguments)]
+/// Polls without a completion after which the CPU initiator's loop sleeps on the CQ (in one
+/// process: spinning is fastest while the engine has a core of its own, sleeping once it
+/// does not).
+const IDLE_POLLS: u32 = 256;
+
 fn run_cpu(
     flows: &mut [Flow],
     o: &CpuOpts,
@@ -1513,6 +1518,8 @@ fn run_cpu(
     let start = Instant::now();
     peak.record(start, 0);
     let mut last_progress = start;
+    // loop turns without a completion (then the thread sleeps on the CQ)
+    let mut idle = 0u32;
     while done < total {
         if target.is_none() && duration.is_some_and(|d| start.elapsed() >= d) {
             // One more for every job, so that each ends with a signaled WQE.
@@ -1522,6 +1529,7 @@ fn run_cpu(
         }
         let limit = target.unwrap_or(iters);
         let before = done;
+        let mut posted = false;
         for f in flows.iter_mut() {
             let mut n = 0;
             while n < batch && f.posted < limit {
@@ -1573,6 +1581,7 @@ fn run_cpu(
             }
             if n > 0 {
                 f.ini.ring();
+                posted = true;
             }
             while let Some(c) = f.ini.poll_send() {
                 match c {
@@ -1591,10 +1600,21 @@ fn run_cpu(
         if done > before {
             last_progress = Instant::now();
             peak.record(last_progress, done);
-        } else if !a.loopback {
+            idle = 0;
+        } else if posted {
+            idle = 0;
+        } else {
+            idle += 1;
             // Across processes the completions come from this process's device threads (the
-            // wire's ACKs): give them the core rather than spin.
-            std::thread::yield_now();
+            // wire's ACKs); in one process from the engine, which may share a core with this
+            // thread when another process is busy. Either way, once a few polls found
+            // nothing, give the core away until a CQE is written.
+            if !a.loopback || idle > IDLE_POLLS {
+                match flows.iter().find(|f| !f.pending.is_empty()) {
+                    Some(f) => f.ini.idle_until_completion(false, Duration::from_millis(1)),
+                    None => std::thread::yield_now(),
+                }
+            }
         }
         if done == before && last_progress.elapsed() > a.wait() {
             bail!(
