@@ -1473,16 +1473,16 @@ impl Engine {
     }
 }
 
-/// The CPU initiator: one host thread, round robin over the jobs, `-l` WQEs per doorbell,
-/// one CQE per `--cq-mod` WQEs (and for each job's last), messages of at most `-I` bytes
-/// inline. With `duration` (-D) it posts until the duration has passed, then every job up to
-/// one more than the most any has posted (that last WQE signaled), and says how many.
-#[allow(clippy::too_many_arguments)]
 /// Polls without a completion after which the CPU initiator's loop sleeps on the CQ (in one
 /// process: spinning is fastest while the engine has a core of its own, sleeping once it
 /// does not).
 const IDLE_POLLS: u32 = 256;
 
+/// The CPU initiator: one host thread, round robin over the jobs, `-l` WQEs per doorbell,
+/// one CQE per `--cq-mod` WQEs (and for each job's last), messages of at most `-I` bytes
+/// inline. With `duration` (-D) it posts until the duration has passed, then every job up to
+/// one more than the most any has posted (that last WQE signaled), and says how many.
+#[allow(clippy::too_many_arguments)]
 fn run_cpu(
     flows: &mut [Flow],
     o: &CpuOpts,
