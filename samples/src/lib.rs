@@ -34,6 +34,7 @@
 //! - [`gpu`]: what the sample kernels are given, and their status.
 
 pub mod args;
+pub mod bw;
 pub mod cpu;
 pub mod env;
 pub mod gpu;
@@ -60,11 +61,11 @@ pub use pcap::{start_pcap, Pcap};
 pub use peer::{remote_header, remote_json, step, Hello, Peer, STEP_WAIT_FACTOR};
 pub use qp::{
     connect_mtu, connect_options, connect_pair, cpu_doorbell_reason, cpu_ring_mode, create_qp,
-    doorbell_line, doorbell_name, tx_depth_for, with_mtu, QpSpec,
+    create_qp_rq, doorbell_line, doorbell_name, tx_depth_for, with_mtu, QpSpec,
 };
 pub use report::{
-    address_lines, common_header, common_json, error_text, exit_with, merge, mtu_line,
-    output_number, table_row, Header, EXIT_FAILURE, RULE,
+    address_lines, address_lines_of, common_header, common_json, error_text, exit_with, merge,
+    mtu_line, output_number, table_row, AddrFormat, Header, EXIT_FAILURE, RULE,
 };
 pub use stats::{LatStats, Peak, Progress, Units};
 pub use wire::{wire_counters, wire_delta};
