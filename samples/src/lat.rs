@@ -1,12 +1,34 @@
-//! `write_lat`: RDMA WRITE ping-pong latency between two GPU kernels (or two CPU initiators), in
-//! the style of perftest's `ib_write_lat`.
+//! The latency harness of `write_lat`, `read_lat`, `send_lat` and `atomic_lat` (perftest's
+//! `ib_write_lat`, `ib_read_lat`, `ib_send_lat`, `ib_atomic_lat`): one parameterised run,
+//! [`main`], with the [`Verb`] of the test. Each binary is one call.
 //!
 //! ```text
 //! write_lat --loopback -a            # every size, both sides in this process
 //! write_lat --loopback --signal      # the receiver waits on a signal word, not the payload
 //! write_lat --loopback -a --initiator gpu --mem gpu   # buffers and signal words on the GPU
 //! write_lat -p 18515 --initiator cpu  /  write_lat 127.0.0.1 -p 18515 --initiator cpu
+//! read_lat --loopback -a             # side A reads B's buffer, one READ at a time
+//! send_lat --loopback -a             # SEND ping-pong into posted receives
+//! atomic_lat --loopback -A CMP_AND_SWAP
 //! ```
+//!
+//! The verbs:
+//! - **WRITE** (`write_lat`): side A writes `size` bytes into B's receive buffer; B waits until
+//!   the last bytes of its receive buffer show the iteration (or, with `--signal`, until its
+//!   signal word, raised by an atomic that follows the write, does) and answers the same way; A
+//!   waits for the answer. Half a round trip is reported.
+//! - **SEND** (`send_lat`): the same ping-pong with SENDs: each side keeps one receive posted
+//!   into its receive buffer, waits for the receive completion (its byte count checked), posts
+//!   the next receive and answers. Half a round trip is reported; `-I` defaults to perftest's
+//!   236.
+//! - **READ** (`read_lat`): side A reads `size` bytes of B's source buffer (poisoned, then
+//!   filled with the size's pattern, before the run) into its receive buffer (poisoned) and
+//!   waits for the READ's completion; B only answers (its NIC does). The whole READ is reported,
+//!   as perftest does (no halving).
+//! - **Atomics** (`atomic_lat`, `-A FETCH_AND_ADD` (default) or `CMP_AND_SWAP`): side A runs one
+//!   8-byte atomic on B's word at a time (adding 1, or swapping `base + k` for `base + k + 1`)
+//!   and waits for its completion; every fetched old value is checked (`base + k`) after its
+//!   round trip, and B's word at the end (`base + iterations`). The whole atomic is reported.
 //!
 //! Server/client roles: the client is side A, the server side B; each process opens its device
 //! (`-d`: a soft NIC with a wire port, RoCEv2 over UDP, or an rdma-core device such as `mlx5_0`,
@@ -17,39 +39,41 @@
 //! same row and both fail when either check fails. The GPU initiator needs `--loopback`: its
 //! kernel runs both sides in one launch.
 //!
-//! Side A writes `size` bytes into B's receive buffer; B waits until the last bytes of its
-//! receive buffer show the iteration (or, with `--signal`, until its signal word, raised by an
-//! atomic that follows the write, does) and answers the same way; A waits for the answer. The
-//! columns are perftest's, in microseconds of half a round trip: t_min, t_max, t_typical
-//! (median), t_avg, t_stdev, 99% and 99.9% percentiles.
+//! The columns are perftest's, in microseconds: t_min, t_max, t_typical (median), t_avg,
+//! t_stdev, 99% and 99.9% percentiles.
 //!
-//! The payload's last min(size, 8) bytes carry the iteration number (written by the sender
-//! before each post, as perftest does); the rest is a pattern of the run. Both receive buffers
-//! are checked byte by byte after the run (and the signal words with `--signal`).
+//! WRITE and SEND: the payload's last min(size, 8) bytes carry the iteration number (written by
+//! the sender before each post, as perftest does); the rest is a pattern of the run. Both
+//! receive buffers are checked byte by byte after the run (and the signal words with
+//! `--signal`).
 //!
-//! GPU initiator: one kernel of two blocks, block 0 drives side A and block 1 side B (one thread
-//! each, owning its QP); A times each round trip with %globaltimer. CPU initiator: one host
-//! thread drives both sides in turn and times with the monotonic clock. Warm-up iterations run
-//! first, in the same loop, and are left out of the numbers.
+//! GPU initiator: one kernel; for WRITE (`gv_sample_write_lat`) and SEND (`gv_sample_verb_lat`)
+//! block 0 drives side A and block 1 side B (one thread each, owning its QP; SEND's kernel
+//! posts its own receives with `post_recv` and takes them with `recv_wait`); for READ and the
+//! atomics block 0 drives side A alone (`gv_sample_verb_lat`, checking every fetched value
+//! itself). A times each round trip with %globaltimer. CPU initiator: one host thread drives
+//! both sides in turn and times with the monotonic clock. Warm-up iterations run first, in the
+//! same loop, and are left out of the numbers.
 //!
-//! Placement (GPU initiator only): `--mem gpu` puts each side's source buffer, receive buffer
-//! and signal word in GPU memory registered with `Pd::register_device_mem` (the kernel gets
-//! their device pointers; the atomics' discarded old values still land in host memory); the
-//! host fills, clears and checks them by copying (`DeviceMem::write` / `read`). `--rings gpu`
-//! puts the SQ/RQ and CQ rings in GPU memory. The CPU initiator refuses both: it reaches its
-//! buffers and rings through host pointers.
+//! Placement (GPU initiator only): `--mem gpu` puts each side's source buffer, receive buffer,
+//! signal word and atomic result word in GPU memory registered with `Pd::register_device_mem`
+//! (the kernel gets their device pointers; `--signal`'s discarded old values still land in host
+//! memory); the host fills, clears and checks them by copying (`DeviceMem::write` / `read`).
+//! `--rings gpu` puts the SQ/RQ and CQ rings in GPU memory. The CPU initiator refuses both: it
+//! reaches its buffers and rings through host pointers.
 
+use crate::bw::{atomic_base, atomic_value, AtomicOp, Verb};
+use crate::{
+    address_lines_of, arg, check_placement, common_header, common_json, connect_options,
+    connect_pair, cpu_ring_mode, create_qp, create_qp_rq, doorbell_line, error_text, exit_with,
+    merge, mtu_line, open_env, open_env_remote, output_number, pattern, remote_header, remote_json,
+    step, table_row, tx_depth_for, upload, with_mtu, CommonArgs, CpuSample, Exports, GpuStatus,
+    Header, Initiator, LatSide, LatStats, OtherCpu, Payload, Peer, Placement, Progress, QpSpec,
+};
 use anyhow::{bail, Context as _, Result};
-use clap::{CommandFactory, Parser};
+use clap::{CommandFactory, FromArgMatches, Parser};
 use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Pd, Qp, RemoteMemory};
-use gpuverbs_samples::{
-    address_lines, arg, check_placement, common_header, common_json, connect_options, connect_pair,
-    cpu_ring_mode, create_qp, doorbell_line, error_text, exit_with, merge, mtu_line, open_env,
-    open_env_remote, output_number, pattern, remote_header, remote_json, step, table_row,
-    tx_depth_for, upload, with_mtu, CommonArgs, CpuSample, Exports, GpuStatus, Header, Initiator,
-    LatSide, LatStats, OtherCpu, Payload, Peer, Placement, Progress, QpSpec,
-};
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
 use prm::{Completion, Rkey};
 use serde_json::json;
@@ -58,15 +82,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-const TEST: &str = "write_lat";
-/// Default size (perftest's).
-const DEFAULT_SIZE: u64 = 2;
-/// Default iterations of small sizes (perftest's).
-const DEFAULT_ITERS: u32 = 1000;
 /// Default bytes per size and direction: larger sizes get fewer iterations.
 const BYTES_PER_SIZE: u64 = 256 << 20;
 /// Fewest default iterations of a size.
 const MIN_ITERS: u32 = 100;
+/// Default iterations of small sizes (perftest's).
+const DEFAULT_ITERS: u32 = 1000;
 /// perftest's latency columns and their widths (its RESULT_FMT_LAT's spacing).
 const LAT_COLUMNS: [(&str, usize); 9] = [
     ("#bytes", 6),
@@ -79,6 +100,39 @@ const LAT_COLUMNS: [(&str, usize); 9] = [
     ("99% percentile[usec]", 22),
     ("99.9% percentile[usec]", 0),
 ];
+
+/// What a test is called and defaults to.
+#[derive(Clone, Copy, Debug)]
+struct Test {
+    verb: Verb,
+    name: &'static str,
+    /// Default size (perftest's: 2, atomics 8).
+    default_size: u64,
+    /// perftest's -I default (WRITE 220, SEND 236; READ and atomics have none).
+    inline: Option<u32>,
+}
+
+impl Test {
+    fn of(verb: Verb) -> Self {
+        let (name, default_size, inline) = match verb {
+            Verb::Write => ("write_lat", 2, Some(220)),
+            Verb::Read => ("read_lat", 2, None),
+            Verb::Send => ("send_lat", 2, Some(236)),
+            Verb::Atomic(_) => ("atomic_lat", 8, None),
+        };
+        Self {
+            verb,
+            name,
+            default_size,
+            inline,
+        }
+    }
+
+    /// Whether one side only initiates (READ, atomics: the other's NIC answers).
+    fn one_sided(&self) -> bool {
+        matches!(self.verb, Verb::Read | Verb::Atomic(_))
+    }
+}
 
 #[derive(Parser, Debug)]
 #[command(
@@ -101,85 +155,164 @@ const LAT_COLUMNS: [(&str, usize); 9] = [
 struct Args {
     #[command(flatten)]
     common: CommonArgs,
-    /// The receiver waits on a signal word raised by an atomic after the write, instead of
-    /// polling the payload's last bytes.
+    /// WRITE: the receiver waits on a signal word raised by an atomic after the write, instead
+    /// of polling the payload's last bytes.
     #[arg(long)]
     signal: bool,
-    /// perftest's -I (--inline_size): messages of at most this many bytes travel inside their
-    /// WQEs (an inline data segment) [default: perftest's 220 with the CPU initiator; the
-    /// kernels post gather WQEs, so 0 with the GPU, which refuses the option]. At most 256.
+    /// perftest's -I (--inline_size), WRITE and SEND: messages of at most this many bytes
+    /// travel inside their WQEs (an inline data segment) [default: perftest's, 220 for WRITE
+    /// and 236 for SEND, with the CPU initiator; the kernels post gather WQEs, so 0 with the
+    /// GPU, which refuses the option]. At most 256.
     #[arg(short = 'I', long = "inline_size", value_name = "BYTES",
           value_parser = clap::value_parser!(u32).range(0..=MAX_INLINE as i64))]
     inline_size: Option<u32>,
-    /// perftest's -D (duration): refused, write_lat runs a number of iterations (-n).
+    /// perftest's -o (--outs), READ and atomics: the QP's outstanding reads (perftest's default
+    /// 16). A latency test has one in flight at a time; the value is reported.
+    #[arg(short = 'o', long = "outs", value_name = "NUM",
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    outs: Option<u32>,
+    /// perftest's -A (--atomic_type), atomics: FETCH_AND_ADD (default) or CMP_AND_SWAP.
+    #[arg(short = 'A', long = "atomic_type", value_enum, value_name = "TYPE")]
+    atomic_type: Option<AtomicOp>,
+    /// perftest's -D (duration): refused, the latency tests run a number of iterations (-n).
     #[arg(short = 'D', long = "duration", value_name = "SECONDS", hide = true)]
     duration: Option<u32>,
-    /// perftest's --cpu_util: refused (perftest reports it in duration mode only, and
-    /// write_lat has none).
+    /// perftest's --cpu_util: refused (perftest reports it in duration mode only, and the
+    /// latency tests have none).
     #[arg(long = "cpu_util", hide = true)]
     cpu_util: bool,
 }
 
-/// perftest's -I default of its WRITE latency test (DEF_INLINE_WRITE).
-const PERFTEST_INLINE: u32 = 220;
 /// Largest `-I` (the QPs' inline limit).
 const MAX_INLINE: u32 = 256;
+/// perftest's `-o` default.
+const DEFAULT_OUTS: u32 = 16;
 
-fn main() -> std::process::ExitCode {
-    let mut args = Args::parse();
-    if let Err(e) = args.common.resolve() {
-        return exit_with(TEST, Err(e));
+/// The command line of `test`: its name, its about text, and the options of other verbs
+/// hidden.
+fn command(t: &Test) -> clap::Command {
+    let v = t.verb;
+    let mut c = Args::command().name(t.name).bin_name(t.name);
+    if v != Verb::Write {
+        let (what, perftest, how) = match v {
+            Verb::Read => ("RDMA READ", "ib_read_lat", "the whole READ"),
+            Verb::Send => ("SEND ping-pong", "ib_send_lat", "half round trip"),
+            _ => ("8-byte atomic", "ib_atomic_lat", "the whole atomic"),
+        };
+        let about = format!("{what} latency, posted by CUDA kernels (or the CPU), perftest style");
+        c = c.about(about.clone()).long_about(format!(
+            "{about} ({perftest}'s columns, {how} in microseconds). Every byte (every fetched \
+             value) is checked after every size.\n\n\
+             Roles: `{n} --loopback` runs both sides in this process; `{n}` (server, side B) and \
+             `{n} SERVER` (client, side A) meet over TCP on -p and the CPU posts (the GPU \
+             initiator needs --loopback).\n\n\
+             Default iterations per size: 1000, or 256 MiB worth when less (at least 100); \
+             warm-up about a tenth (at most 100).",
+            n = t.name
+        ));
+        c = c.mut_arg("signal", |a| a.hide(true));
     }
-    let refuse = |why: String| exit_with(TEST, Err(anyhow::anyhow!(why)));
+    if !v.has_outs() {
+        c = c.mut_arg("outs", |a| a.hide(true));
+    }
+    if !matches!(v, Verb::Atomic(_)) {
+        c = c.mut_arg("atomic_type", |a| a.hide(true));
+    }
+    if !v.has_inline() {
+        c = c.mut_arg("inline_size", |a| a.hide(true));
+    }
+    c
+}
+
+/// Runs the latency test of `verb` (for an atomic, `-A` may choose the other one) with the
+/// process's arguments; the binaries' `main`.
+pub fn main(verb: Verb) -> std::process::ExitCode {
+    let t0 = Test::of(verb);
+    let mut cmd = command(&t0);
+    let mut args = match Args::from_arg_matches(&cmd.get_matches_mut()) {
+        Ok(a) => a,
+        Err(e) => e.format(&mut cmd).exit(),
+    };
+    let verb = match (verb, args.atomic_type) {
+        (Verb::Atomic(_), Some(op)) => Verb::Atomic(op),
+        (v, _) => v,
+    };
+    let t = Test { verb, ..t0 };
+    let test = t.name;
+    let mut foreign = Vec::new();
+    if args.outs.is_some() && !verb.has_outs() {
+        foreign.push("-o (--outs): READ and atomics");
+    }
+    if args.atomic_type.is_some() && !matches!(verb, Verb::Atomic(_)) {
+        foreign.push("-A (--atomic_type): atomics");
+    }
+    if args.inline_size.is_some() && !verb.has_inline() {
+        foreign.push("-I (--inline_size): WRITE and SEND");
+    }
+    if args.signal && verb != Verb::Write {
+        foreign.push("--signal: WRITE");
+    }
+    if let Verb::Atomic(_) = verb {
+        if args.common.all || args.common.size.is_some_and(|s| s != 8) {
+            foreign.push("-a, -s other than 8: not atomics (8 bytes each, as perftest's)");
+        }
+    }
+    if !foreign.is_empty() {
+        cmd.error(
+            clap::error::ErrorKind::ArgumentConflict,
+            format!("{test} does not take: {}", foreign.join("; ")),
+        )
+        .exit();
+    }
+    if let Err(e) = args.common.resolve() {
+        return exit_with(test, Err(e));
+    }
+    let refuse = |why: String| exit_with(test, Err(anyhow::anyhow!(why)));
     if args.duration.is_some() {
-        return refuse(
-            "-D: not supported by write_lat (it runs -n iterations per size; put_bw has -D)".into(),
-        );
+        return refuse(format!(
+            "-D: not supported by {test} (it runs -n iterations per size; put_bw has -D)"
+        ));
     }
     if args.cpu_util {
-        return refuse(
+        return refuse(format!(
             "--cpu_util: perftest reports CPU utilisation in duration mode (-D) only, which \
-             write_lat does not have"
-                .into(),
-        );
+             {test} does not have"
+        ));
     }
     if let Some(o) = args
         .common
         .output
-        .filter(|&o| o != gpuverbs_samples::OutputArg::Latency)
+        .filter(|&o| o != crate::OutputArg::Latency)
     {
         return refuse(format!(
-            "--output {}: write_lat's output can be latency (as ib_write_lat's)",
+            "--output {}: {test}'s output can be latency (as perftest's latency tests')",
             o.name()
         ));
     }
     if args.common.initiator == Some(Initiator::Gpu) && args.inline_size.is_some_and(|i| i > 0) {
-        Args::command()
-            .error(
-                clap::error::ErrorKind::ArgumentConflict,
-                "-I needs --initiator cpu (the kernels post gather WQEs)",
-            )
-            .exit();
+        cmd.error(
+            clap::error::ErrorKind::ArgumentConflict,
+            "-I needs --initiator cpu (the kernels post gather WQEs)",
+        )
+        .exit();
     }
     let cpu = args.common.initiator == Some(Initiator::Cpu);
-    if args.common.db == gpuverbs_samples::DbArg::Proxy && (cpu || !args.common.loopback) {
-        Args::command()
-            .error(
-                clap::error::ErrorKind::ArgumentConflict,
-                "--db proxy needs --initiator gpu (the CPU initiator rings its own doorbells), \
-                 which needs --loopback",
-            )
-            .exit();
+    if args.common.db == crate::DbArg::Proxy && (cpu || !args.common.loopback) {
+        cmd.error(
+            clap::error::ErrorKind::ArgumentConflict,
+            "--db proxy needs --initiator gpu (the CPU initiator rings its own doorbells), \
+             which needs --loopback",
+        )
+        .exit();
     }
     if args.common.initiator == Some(Initiator::Gpu) && !args.common.loopback {
-        Args::command()
-            .error(
-                clap::error::ErrorKind::ArgumentConflict,
-                format!("--initiator gpu needs --loopback: {GPU_NEEDS_LOOPBACK}"),
-            )
-            .exit();
+        cmd.error(
+            clap::error::ErrorKind::ArgumentConflict,
+            format!("--initiator gpu needs --loopback: {GPU_NEEDS_LOOPBACK}"),
+        )
+        .exit();
     }
-    exit_with(TEST, run(&args))
+    exit_with(test, run(&args, &t))
 }
 
 /// Iterations and warm-up of a size.
@@ -221,8 +354,10 @@ fn tail_value(k1: u64, n: usize) -> u64 {
     }
 }
 
-/// One side: its QP, outgoing payload, receive buffer, signal word (each in host or GPU memory,
-/// as `--mem` says) and atomic result word (host memory: nobody reads it).
+/// One side: its QP, outgoing payload (READ: the buffer the peer reads), receive buffer (READ:
+/// where this side's reads land), signal word (atomics: the word the peer's atomics work on),
+/// atomic result word (each in host or GPU memory, as `--mem` says) and `--signal`'s result
+/// word (host memory: nobody reads it).
 struct Side {
     qp: Qp,
     src: Payload,
@@ -231,8 +366,11 @@ struct Side {
     recv_mr: Mr,
     sig: Payload,
     sig_mr: Mr,
-    /// Where the atomics' old values land (the region keeps its buffer alive).
+    /// Where `--signal`'s old values land (the region keeps its buffer alive).
     result_mr: Mr,
+    /// Where an atomic's fetched value lands (atomic_lat).
+    fetch: Payload,
+    fetch_mr: Mr,
 }
 
 impl Side {
@@ -242,16 +380,22 @@ impl Side {
         gpu: Option<&Arc<Gpu>>,
         mem: Placement,
         len: usize,
+        verb: Verb,
     ) -> Result<Self> {
-        let qp = create_qp(pd, spec, gpu)?;
+        let qp = match verb {
+            Verb::Send => create_qp_rq(pd, spec, gpu, 16)?,
+            _ => create_qp(pd, spec, gpu)?,
+        };
         let src = Payload::new(mem, gpu, len)?;
-        let src_mr = src.register(pd, Access::LOCAL_WRITE)?;
+        let src_mr = src.register(pd, Access::LOCAL_WRITE | Access::REMOTE_READ)?;
         let recv = Payload::new(mem, gpu, len)?;
         let recv_mr = recv.register(pd, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
         let sig = Payload::new(mem, gpu, 64)?;
         let sig_mr = sig.register(pd, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
         let result = HostBuffer::new(64);
         let result_mr = pd.register_with(&result, Access::LOCAL_WRITE)?;
+        let fetch = Payload::new(mem, gpu, 64)?;
+        let fetch_mr = fetch.register(pd, Access::LOCAL_WRITE)?;
         Ok(Self {
             qp,
             src,
@@ -261,22 +405,28 @@ impl Side {
             sig,
             sig_mr,
             result_mr,
+            fetch,
+            fetch_mr,
         })
     }
 }
 
 /// Why the GPU initiator needs `--loopback`.
-const GPU_NEEDS_LOOPBACK: &str = "write_lat's kernel runs both sides of the ping-pong in one \
-     launch (block 0 is side A, block 1 side B), so a process cannot run one side alone: the CPU \
-     posts across processes (use --loopback for the GPU initiator)";
+const GPU_NEEDS_LOOPBACK: &str = "the latency kernels run both sides in one launch (block 0 is \
+     side A, block 1 side B), so a process cannot run one side alone: the CPU posts across \
+     processes (use --loopback for the GPU initiator)";
 
-fn run(args: &Args) -> Result<()> {
+fn run(args: &Args, t: &Test) -> Result<()> {
     let a = &args.common;
-    let sizes = a.sizes(DEFAULT_SIZE);
+    let verb = t.verb;
+    #[allow(non_snake_case)]
+    let TEST = t.name;
+    let sizes = a.sizes(t.default_size);
+    let outs = args.outs.unwrap_or(DEFAULT_OUTS);
     // The inline limit asked for (the CPU's default is perftest's; the GPU has none).
     let inline_max = args.inline_size.unwrap_or(match a.initiator {
         Some(Initiator::Gpu) => 0,
-        _ => PERFTEST_INLINE,
+        _ => t.inline.unwrap_or(0),
     });
     let largest_inline = sizes
         .iter()
@@ -305,7 +455,7 @@ fn run(args: &Args) -> Result<()> {
         None => open_env(a)?,
         Some(p) => open_env_remote(a, p, Some(GPU_NEEDS_LOOPBACK))?,
     };
-    let pcap = gpuverbs_samples::start_pcap(a, &env.ctx)?;
+    let pcap = crate::start_pcap(a, &env.ctx)?;
     a.check_device(&env.ctx)?;
     let inline_max = match env.initiator {
         Initiator::Cpu => inline_max,
@@ -330,9 +480,11 @@ fn run(args: &Args) -> Result<()> {
     match (&mut peer, me) {
         (Some(p), Some(_)) => {
             let pd = env.ctx.alloc_pd();
-            let s = Side::new(&pd, spec, env.gpu.as_ref(), a.mem, len)?;
+            let s = Side::new(&pd, spec, env.gpu.as_ref(), a.mem, len, verb)?;
             let export = |mr: &Mr| RemoteMemory::export_rkey(mr.addr(), mr.len(), mr.rkey().0);
-            let facts = json!({ "recv": export(&s.recv_mr)?, "sig": export(&s.sig_mr)? });
+            let facts = json!({
+                "recv": export(&s.recv_mr)?, "sig": export(&s.sig_mr)?, "src": export(&s.src_mr)?,
+            });
             let params = json!({
                 "sizes": sizes, "iters": a.iters, "warmup": a.warmup, "signal": args.signal,
             });
@@ -347,8 +499,8 @@ fn run(args: &Args) -> Result<()> {
                 serde_json::from_value(hello.facts[k].clone())
                     .with_context(|| format!("the {}'s {k} buffer", p.peer_role))
             };
-            let (recv, sig) = (remote("recv")?, remote("sig")?);
-            if recv.len() < len as u64 || sig.len() < 8 {
+            let (recv, sig, src) = (remote("recv")?, remote("sig")?, remote("src")?);
+            if recv.len() < len as u64 || sig.len() < 8 || src.len() < len as u64 {
                 bail!(
                     "the {}'s buffers are too small ({} B to receive, {} B of signal word)",
                     p.peer_role,
@@ -368,6 +520,10 @@ fn run(args: &Args) -> Result<()> {
                     addr: sig.addr(),
                     rkey: Rkey(sig.rkey()),
                 },
+                src: RemoteAddr {
+                    addr: src.addr(),
+                    rkey: Rkey(src.rkey()),
+                },
             });
             sides.push(s);
             peer_ep = Some(ep);
@@ -375,8 +531,8 @@ fn run(args: &Args) -> Result<()> {
         _ => {
             let (pa, pb) = (env.ctx.alloc_pd(), env.ctx.alloc_pd());
             sides = vec![
-                Side::new(&pa, spec, env.gpu.as_ref(), a.mem, len)?,
-                Side::new(&pb, spec, env.gpu.as_ref(), a.mem, len)?,
+                Side::new(&pa, spec, env.gpu.as_ref(), a.mem, len, verb)?,
+                Side::new(&pb, spec, env.gpu.as_ref(), a.mem, len, verb)?,
             ];
             connect_pair(&sides[0].qp, &sides[1].qp, a.mtu)?;
             targets = (0..2).map(|i| Target::of(&sides[1 - i])).collect();
@@ -394,7 +550,7 @@ fn run(args: &Args) -> Result<()> {
     };
 
     let mut other_cpu = OtherCpu::sample_before_run();
-    let mut h = Header::new("RDMA_Write Latency Test (write_lat)");
+    let mut h = Header::new(format!("{} Latency Test ({TEST})", verb.title()));
     common_header(
         &mut h,
         &env,
@@ -406,32 +562,47 @@ fn run(args: &Args) -> Result<()> {
     }
     h.line(
         "Posting",
-        match (env.initiator, me) {
-            (Initiator::Gpu, _) => {
+        match (env.initiator, me, t.one_sided()) {
+            (Initiator::Gpu, _, true) => "one kernel: block 0 drives side A (one thread)",
+            (Initiator::Gpu, _, false) => {
                 "one kernel: block 0 drives side A, block 1 side B (one thread each)"
             }
-            (Initiator::Cpu, None) => "one host thread drives both sides in turn",
-            (Initiator::Cpu, Some(0)) => "one host thread drives side A (it sends first)",
-            (Initiator::Cpu, Some(_)) => "one host thread drives side B (it answers)",
+            (Initiator::Cpu, None, true) => "one host thread drives side A (side B's NIC answers)",
+            (Initiator::Cpu, None, false) => "one host thread drives both sides in turn",
+            (Initiator::Cpu, Some(0), _) => "one host thread drives side A (it sends first)",
+            (Initiator::Cpu, Some(_), true) => "none: side B's NIC answers",
+            (Initiator::Cpu, Some(_), false) => "one host thread drives side B (it answers)",
         },
-    )
-    .line(
-        "Receiver waits",
-        if args.signal {
-            "on a signal word (atomic add after the write)"
-        } else {
-            "on the last bytes of its receive buffer"
-        },
-    )
-    .line("CQ Moderation", a.cq_mod)
-    .line("TX depth", format!("{tx} blocks"))
-    .line(
-        "Mtu",
-        mtu_line(a.mtu, &env.ctx, &sides[0].qp.endpoint(), peer_ep.as_ref()),
-    )
-    .line("GID index", env.ctx.gid_index())
-    .line("Max inline data", format!("{inline_max}[B]"))
-    .line(
+    );
+    match verb {
+        Verb::Write => h.line(
+            "Receiver waits",
+            if args.signal {
+                "on a signal word (atomic add after the write)"
+            } else {
+                "on the last bytes of its receive buffer"
+            },
+        ),
+        Verb::Send => h.line(
+            "Receiver waits",
+            "on the receive completion (one receive posted ahead)",
+        ),
+        _ => h.line("Initiator waits", "on the completion of each one"),
+    };
+    h.line("CQ Moderation", a.cq_mod)
+        .line("TX depth", format!("{tx} blocks"))
+        .line(
+            "Mtu",
+            mtu_line(a.mtu, &env.ctx, &sides[0].qp.endpoint(), peer_ep.as_ref()),
+        )
+        .line("GID index", env.ctx.gid_index());
+    if verb.has_inline() {
+        h.line("Max inline data", format!("{inline_max}[B]"));
+    }
+    if verb.has_outs() {
+        h.line("Outstand reads", outs);
+    }
+    h.line(
         "Iterations",
         match a.iters {
             Some(n) => format!("{n} per size"),
@@ -443,29 +614,48 @@ fn run(args: &Args) -> Result<()> {
     )
     .line(
         "Times",
-        if peer.is_some() {
-            "half round trip, microseconds, measured by side A (the client)"
-        } else {
-            "half round trip, microseconds"
-        },
+        format!(
+            "{}, microseconds{}",
+            if t.one_sided() {
+                "the whole operation (perftest's: not halved)"
+            } else {
+                "half round trip"
+            },
+            if peer.is_some() {
+                ", measured by side A (the client)"
+            } else {
+                ""
+            }
+        ),
     )
     .line(
         "Validation",
-        if peer.is_some() {
-            "each side its receive buffer, every byte, every size (reported to the peer)"
-        } else {
-            "both receive buffers, every byte, every size"
+        match (verb, peer.is_some()) {
+            (Verb::Atomic(_), _) => {
+                "every fetched value (side A) and the target word's final value (side B), \
+                 every size"
+            }
+            (Verb::Read, _) => "side A's receive buffer (what it read), every byte, every size",
+            (_, true) => {
+                "each side its receive buffer, every byte, every size (reported to the peer)"
+            }
+            (_, false) => "both receive buffers, every byte, every size",
         },
     );
     other_cpu.header(&mut h);
     let table = !a.json && a.output.is_none();
     if a.output.is_none() {
         h.print(a.json);
-        // perftest's address lines: this side's QP, then the peer's (each with the receive
-        // buffer the other writes into).
-        let recv = |s: &Side| (s.recv_mr.rkey().0, s.recv_mr.addr());
-        let (lk, lv) = recv(&sides[0]);
-        let mut lines = vec![address_lines(
+        // perftest's address lines: this side's QP, then the peer's (each with the buffer
+        // the other reaches: WRITE's receive buffer, READ's source).
+        let fmt = verb.addr_format(outs);
+        let shown = |s: &Side| match verb {
+            Verb::Read => (s.src_mr.rkey().0, s.src_mr.addr()),
+            _ => (s.recv_mr.rkey().0, s.recv_mr.addr()),
+        };
+        let (lk, lv) = shown(&sides[0]);
+        let mut lines = vec![address_lines_of(
+            fmt,
             "local",
             &with_mtu(&sides[0].qp.endpoint(), a.mtu),
             lk,
@@ -473,14 +663,21 @@ fn run(args: &Args) -> Result<()> {
         )];
         match (&peer_ep, targets.first()) {
             (Some(ep), Some(t)) => {
-                lines.push(address_lines("remote", ep, t.recv.rkey.0, t.recv.addr));
+                let r = if verb == Verb::Read { t.src } else { t.recv };
+                lines.push(address_lines_of(fmt, "remote", ep, r.rkey.0, r.addr));
             }
             _ => {
-                let (rk, rv) = recv(&sides[1]);
-                lines.push(address_lines("remote", &sides[1].qp.endpoint(), rk, rv));
+                let (rk, rv) = shown(&sides[1]);
+                lines.push(address_lines_of(
+                    fmt,
+                    "remote",
+                    &sides[1].qp.endpoint(),
+                    rk,
+                    rv,
+                ));
             }
         }
-        lines.push(gpuverbs_samples::RULE.to_string());
+        lines.push(crate::RULE.to_string());
         if a.json {
             eprintln!("{}", lines.join("\n"));
         } else {
@@ -497,7 +694,8 @@ fn run(args: &Args) -> Result<()> {
         common_json(&env, a, &sides[0].qp),
         json!({
             "test": TEST, "signal": args.signal, "cq_mod": a.cq_mod, "tx_depth": tx,
-            "inline_size": inline_max,
+            "inline_size": inline_max, "verb": verb.title(),
+            "outs": verb.has_outs().then_some(outs),
         }),
     );
     if let (Some(p), Some(ep)) = (&peer, &peer_ep) {
@@ -518,6 +716,7 @@ fn run(args: &Args) -> Result<()> {
                     s.src.gpu_addr(&gpu)?,
                     s.recv.gpu_addr(&gpu)?,
                     s.sig.gpu_addr(&gpu)?,
+                    s.fetch.gpu_addr(&gpu)?,
                 ]);
             }
             let status = GpuStatus::new(&gpu)?;
@@ -526,6 +725,7 @@ fn run(args: &Args) -> Result<()> {
                 exports,
                 mapped,
                 status,
+                verb,
             }))
         }
     };
@@ -538,30 +738,72 @@ fn run(args: &Args) -> Result<()> {
         let seed = pattern::seed(2, size);
         let (p, tl) = (pad(size) as usize, tail_len(size));
         for (&i, s) in ids.iter().zip(&sides) {
-            pattern::fill(&mut scratch, seed ^ i as u64, 0, size as usize - tl);
-            s.src.write(p, &scratch)?;
-            s.src.fill(p + size as usize - tl, tl, 0)?;
-            s.recv.fill(0, s.recv.len(), 0)?;
-            s.sig.write(0, &0u64.to_ne_bytes())?;
+            match verb {
+                Verb::Write | Verb::Send => {
+                    pattern::fill(&mut scratch, seed ^ i as u64, 0, size as usize - tl);
+                    s.src.write(p, &scratch)?;
+                    s.src.fill(p + size as usize - tl, tl, 0)?;
+                    s.recv.fill(0, s.recv.len(), 0)?;
+                    s.sig.write(0, &0u64.to_ne_bytes())?;
+                }
+                Verb::Read => {
+                    // The source is poisoned, then filled; the receive buffer (where the
+                    // reads land) holds the complement of the peer's pattern.
+                    pattern::fill(&mut scratch, seed ^ i as u64, 0, size as usize);
+                    scratch.iter_mut().for_each(|x| *x = !*x);
+                    s.src.write(p, &scratch)?;
+                    scratch.iter_mut().for_each(|x| *x = !*x);
+                    s.src.write(p, &scratch)?;
+                    s.recv.fill(0, s.recv.len(), 0)?;
+                    pattern::fill(&mut scratch, seed ^ (1 - i) as u64, 0, size as usize);
+                    scratch.iter_mut().for_each(|x| *x = !*x);
+                    s.recv.write(p, &scratch)?;
+                }
+                Verb::Atomic(_) => {
+                    s.sig.write(0, &atomic_base(0).to_ne_bytes())?;
+                    s.fetch.write(0, &(!atomic_base(0)).to_ne_bytes())?;
+                }
+            }
         }
         // Across processes A sends only once B has cleared its buffers.
         step(&mut peer, "ready", Ok(()))?;
         let cpu = CpuSample::now();
         let inline = size <= inline_max as u64;
-        let ran = engine.run(&sides, &ids, &targets, size, total, args.signal, inline, a);
+        let ran = engine.run(
+            &sides,
+            &ids,
+            &targets,
+            verb,
+            size,
+            total,
+            args.signal,
+            inline,
+            a,
+        );
         let others = other_cpu.record(cpu.and_then(CpuSample::others_since));
         // Side A's times (B has none).
         let mine: Option<Vec<u64>> = ran.as_ref().ok().cloned().flatten();
         step(&mut peer, "ran", ran.map(|_| ()))?;
-        let failure = validate(&sides, &ids, size, total, seed, args.signal, &mut scratch)
-            .err()
-            .map(|e| error_text(&e));
+        let failure = validate(
+            &sides,
+            &ids,
+            verb,
+            size,
+            total,
+            seed,
+            args.signal,
+            &mut scratch,
+        )
+        .err()
+        .map(|e| error_text(&e));
+        // Half a round trip (WRITE, SEND), or the whole operation (READ, atomics: perftest's).
+        let per = if t.one_sided() { 1e3 } else { 2e3 };
         let stats = mine.map(|rtt| {
-            let mut half_us: Vec<f64> = rtt[warmup as usize..]
+            let mut us: Vec<f64> = rtt[warmup as usize..]
                 .iter()
-                .map(|&t| t as f64 / 2e3)
+                .map(|&t| t as f64 / per)
                 .collect();
-            LatStats::of(&mut half_us)
+            LatStats::of(&mut us)
         });
         // Across processes: the peer's check, and side A's numbers for side B.
         let (failure, st) = match &mut peer {
@@ -619,7 +861,7 @@ fn run(args: &Args) -> Result<()> {
     }
     progress.clear();
     if table {
-        println!("{}", gpuverbs_samples::RULE);
+        println!("{}", crate::RULE);
     }
     if let Some(p) = pcap {
         p.finish()?;
@@ -632,10 +874,13 @@ fn run(args: &Args) -> Result<()> {
 }
 
 /// Checks the receive buffers of `sides` (side numbers `ids`): the peer's pattern, then the
-/// last iteration's number; and the signal words with `--signal`.
+/// last iteration's number; and the signal words with `--signal`. READ: side A's receive
+/// buffer holds B's pattern; atomics: A's last fetched value and B's word's final value.
+#[allow(clippy::too_many_arguments)]
 fn validate(
     sides: &[Side],
     ids: &[usize],
+    verb: Verb,
     size: u64,
     total: u32,
     seed: u64,
@@ -643,24 +888,66 @@ fn validate(
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let (p, tl) = (pad(size) as usize, tail_len(size));
+    let side_name = |me: usize| ["A", "B"][me];
     for (&me, s) in ids.iter().zip(sides) {
         let peer = 1 - me;
-        pattern::fill(scratch, seed ^ peer as u64, 0, size as usize - tl);
-        scratch.extend_from_slice(&(total as u64).to_le_bytes()[..tl]);
+        if let Verb::Atomic(op) = verb {
+            let word = |b: &Payload| -> Result<u64> {
+                let mut w = [0u8; 8];
+                b.read(0, &mut w)?;
+                Ok(u64::from_ne_bytes(w))
+            };
+            let (got, want, what) = if me == 0 {
+                (
+                    word(&s.fetch)?,
+                    atomic_value(0, total as u64 - 1),
+                    "the last fetched value",
+                )
+            } else {
+                (
+                    word(&s.sig)?,
+                    atomic_value(0, total as u64),
+                    "the target word's final value",
+                )
+            };
+            if got != want {
+                bail!(
+                    "side {}: {what} after {total} {} is {got:#018x}, expected {want:#018x}",
+                    side_name(me),
+                    op.name()
+                );
+            }
+            continue;
+        }
+        if verb == Verb::Read {
+            if me == 1 {
+                // B's receive buffer is nobody's target.
+                continue;
+            }
+            pattern::fill(scratch, seed ^ peer as u64, 0, size as usize);
+        } else {
+            pattern::fill(scratch, seed ^ peer as u64, 0, size as usize - tl);
+            scratch.extend_from_slice(&(total as u64).to_le_bytes()[..tl]);
+        }
         let mut got = vec![0u8; size as usize];
         s.recv.read(p, &mut got)?;
         if let Some(o) = pattern::first_difference(&got, scratch) {
             bail!(
-                "side {}'s receive buffer: byte {o} of {size} is {:#04x}, expected {:#04x}",
-                ["A", "B"][me],
+                "side {}'s receive buffer: byte {o} of {size} is {:#04x}, expected {:#04x}{}",
+                side_name(me),
                 got[o],
-                scratch[o]
+                scratch[o],
+                if verb == Verb::Read && got[o] == !scratch[o] {
+                    " (the poison: the READ did not land)"
+                } else {
+                    ""
+                }
             );
         }
         let mut before = vec![0u8; p];
         s.recv.read(0, &mut before)?;
         if before.iter().any(|&x| x != 0) {
-            bail!("side {}: bytes before the payload changed", ["A", "B"][me]);
+            bail!("side {}: bytes before the payload changed", side_name(me));
         }
         if signal {
             // The run is over (every WQE completed): a plain copy reads the final value.
@@ -670,7 +957,7 @@ fn validate(
             if v != total as u64 {
                 bail!(
                     "side {}'s signal word is {v}, expected {total}",
-                    ["A", "B"][me]
+                    side_name(me)
                 );
             }
         }
@@ -681,9 +968,10 @@ fn validate(
 struct GpuLat {
     gpu: std::sync::Arc<gpuverbs::gpu::Gpu>,
     exports: Exports,
-    /// Per side: GPU addresses of src, recv, sig (mapped host memory, or GPU memory).
-    mapped: Vec<[u64; 3]>,
+    /// Per side: GPU addresses of src, recv, sig, fetch (mapped host memory, or GPU memory).
+    mapped: Vec<[u64; 4]>,
     status: GpuStatus,
+    verb: Verb,
 }
 
 enum Engine {
@@ -700,6 +988,7 @@ impl Engine {
         sides: &[Side],
         ids: &[usize],
         targets: &[Target],
+        verb: Verb,
         size: u64,
         total: u32,
         signal: bool,
@@ -714,7 +1003,7 @@ impl Engine {
                     .zip(targets)
                     .map(|((ini, side), to)| Poster::new(ini, side, to))
                     .collect::<Result<_>>()?;
-                run_cpu(&mut posters, ids, size, total, signal, inline, a)
+                run_cpu(&mut posters, ids, verb, size, total, signal, inline, a)
             }
             Engine::Gpu(g) => {
                 let sides: &[Side; 2] = sides.try_into().context("the GPU runs both sides")?;
@@ -724,19 +1013,22 @@ impl Engine {
     }
 }
 
-/// Where a side's messages go: the peer's receive buffer and signal word.
+/// Where a side's messages go: the peer's receive buffer and signal word (atomics: the word
+/// they work on), and the source buffer a READ reads.
 #[derive(Clone, Copy, Debug)]
 struct Target {
     recv: RemoteAddr,
     sig: RemoteAddr,
+    src: RemoteAddr,
 }
 
 impl Target {
-    /// The receive buffer and signal word of a side of this process.
+    /// The receive buffer, signal word and source of a side of this process.
     fn of(s: &Side) -> Self {
         Self {
             recv: s.recv_mr.remote(0),
             sig: s.sig_mr.remote(0),
+            src: s.src_mr.remote(0),
         }
     }
 }
@@ -788,6 +1080,7 @@ fn reap(ini: &mut CpuInitiator) -> Result<()> {
 fn run_cpu(
     posters: &mut [Poster<'_>],
     ids: &[usize],
+    verb: Verb,
     size: u64,
     total: u32,
     signal: bool,
@@ -806,15 +1099,20 @@ fn run_cpu(
     let yield_after = if a.loopback { u32::MAX } else { 64 };
     let (a_at, b_at) = (at(0), at(1));
 
-    // Posts the payload of poster `i` for iteration number k1.
+    let one_sided = matches!(verb, Verb::Read | Verb::Atomic(_));
+    // Posts the payload of poster `i` for iteration number k1 (READ, atomics: side A's READ
+    // or atomic of iteration k1 - 1).
     let mut send = |posters: &mut [Poster<'_>], i: usize, k1: u64| -> Result<()> {
         let Poster {
             ini, side: s, to, ..
         } = &mut posters[i];
-        s.src
-            .write((p + size) as usize - tl, &k1.to_le_bytes()[..tl])?;
-        // One CQE per --cq-mod iterations, and for the last (so that every WQE completes).
-        let sig = k1 % a.cq_mod as u64 == 0 || k1 == total as u64;
+        if !one_sided {
+            s.src
+                .write((p + size) as usize - tl, &k1.to_le_bytes()[..tl])?;
+        }
+        // One CQE per --cq-mod iterations, and for the last (so that every WQE completes);
+        // READ and atomics: every one (the initiator waits for it).
+        let sig = one_sided || k1 % a.cq_mod as u64 == 0 || k1 == total as u64;
         let flags = |on: bool| {
             if on {
                 CtrlFlags::SIGNALED
@@ -823,6 +1121,7 @@ fn run_cpu(
             }
         };
         let sge = [s.src_mr.sge(p, size as u32)];
+        let rsge = [s.recv_mr.sge(p, size as u32)];
         let local = if inline {
             s.src.read(p as usize, &mut inline_bytes)?;
             Local::Inline(&inline_bytes)
@@ -842,10 +1141,33 @@ fn run_cpu(
             add: 1,
             result: s.result_mr.sge(0, 8),
         };
-        let ops: &[(&Op<'_>, CtrlFlags)] = if signal {
-            &[(&write, flags(false)), (&add, flags(sig))]
-        } else {
-            &[(&write, flags(sig))]
+        let k = k1 - 1;
+        let other = match verb {
+            Verb::Send => Op::Send { local, imm: None },
+            Verb::Read => Op::Read {
+                remote: RemoteAddr {
+                    addr: to.src.addr + p,
+                    rkey: to.src.rkey,
+                },
+                local: &rsge,
+            },
+            Verb::Atomic(AtomicOp::FetchAdd) => Op::FetchAdd {
+                remote: to.sig,
+                add: 1,
+                result: s.fetch_mr.sge(0, 8),
+            },
+            Verb::Atomic(AtomicOp::CmpSwap) => Op::CompareSwap {
+                remote: to.sig,
+                compare: atomic_value(0, k),
+                swap: atomic_value(0, k + 1),
+                result: s.fetch_mr.sge(0, 8),
+            },
+            Verb::Write => Op::Nop,
+        };
+        let ops: &[(&Op<'_>, CtrlFlags)] = match verb {
+            Verb::Write if signal => &[(&write, flags(false)), (&add, flags(sig))],
+            Verb::Write => &[(&write, flags(sig))],
+            _ => &[(&other, flags(sig))],
         };
         let start = Instant::now();
         for (op, f) in ops {
@@ -858,7 +1180,7 @@ fn run_cpu(
                             bail!("the send queue stayed full for {wait:?}");
                         }
                     }
-                    Err(e) => return Err(e).context("post a WRITE"),
+                    Err(e) => return Err(e).with_context(|| format!("post a {}", verb.title())),
                 }
             }
         }
@@ -871,14 +1193,51 @@ fn run_cpu(
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
-            let s = &posters[i];
-            let done = if signal {
-                s.sig.atomic_u64(0).load(Ordering::Acquire) >= k1
-            } else {
-                let w = s.recv.atomic_u64(word_off).load(Ordering::Acquire);
-                tail_of_word(w, tl) == tail_value(k1, tl)
+            let s = &mut posters[i];
+            let done = match verb {
+                Verb::Write if signal => s.sig.atomic_u64(0).load(Ordering::Acquire) >= k1,
+                Verb::Write => {
+                    let w = s.recv.atomic_u64(word_off).load(Ordering::Acquire);
+                    tail_of_word(w, tl) == tail_value(k1, tl)
+                }
+                Verb::Send => match s.ini.poll_recv() {
+                    None => false,
+                    Some(Completion::Resp { byte_cnt, .. }) if byte_cnt as u64 == size => {
+                        // The next message's receive (none after the last).
+                        if k1 < total as u64 {
+                            s.ini
+                                .post_recv(&[s.side.recv_mr.sge(p, size as u32)])
+                                .context("post a receive")?;
+                        }
+                        true
+                    }
+                    Some(Completion::Resp { byte_cnt, .. }) => bail!(
+                        "side {}: receive {k1} took {byte_cnt} B, the message has {size}",
+                        ["A", "B"][me]
+                    ),
+                    Some(Completion::Error(e)) => {
+                        bail!("a receive completion carries an error: {e}")
+                    }
+                    Some(other) => bail!("unexpected completion on the receive CQ: {other:?}"),
+                },
+                // The READ's or atomic's completion (every one asks for a CQE).
+                Verb::Read | Verb::Atomic(_) => {
+                    reap(s.ini)?;
+                    s.ini.outstanding() == 0
+                }
             };
             if done {
+                if let (Verb::Atomic(op), Some(f)) = (verb, s.side.fetch.host()) {
+                    let got = f.atomic_u64(0).load(Ordering::Acquire);
+                    let want = atomic_value(0, k1 - 1);
+                    if got != want {
+                        bail!(
+                            "side A's {} {} fetched {got:#018x}, expected {want:#018x}",
+                            op.name(),
+                            k1 - 1
+                        );
+                    }
+                }
                 return Ok(());
             }
             spins = spins.wrapping_add(1);
@@ -901,13 +1260,21 @@ fn run_cpu(
         }
     };
 
+    // SEND: each side's first receive, before anything is sent.
+    if verb == Verb::Send {
+        for pst in posters.iter_mut() {
+            pst.ini
+                .post_recv(&[pst.side.recv_mr.sge(p, size as u32)])
+                .context("post a receive")?;
+        }
+    }
     for k in 0..total as u64 {
         let k1 = k + 1;
         let t0 = Instant::now();
         if let Some(ia) = a_at {
             send(posters, ia, k1)?;
         }
-        if let Some(ib) = b_at {
+        if let Some(ib) = b_at.filter(|_| !one_sided) {
             arrived(posters, ib, k1)?;
             send(posters, ib, k1)?;
         }
@@ -950,10 +1317,52 @@ impl GpuLat {
         a: &CommonArgs,
     ) -> Result<Vec<u64>> {
         let p = pad(size);
+        let verb = self.verb;
         let descs: Vec<LatSide> = (0..2)
             .map(|me| {
                 let (s, peer) = (&sides[me], &sides[1 - me]);
-                let [src_d, recv_d, sig_d] = self.mapped[me];
+                let [src_d, recv_d, sig_d, fetch_d] = self.mapped[me];
+                let base = LatSide {
+                    qp: self.exports.qps[me].ptr(),
+                    ..Default::default()
+                };
+                match verb {
+                    Verb::Write => {}
+                    // SEND: the own payload, and the own receive buffer in dst_remote / rkey
+                    // (its NIC address and lkey).
+                    Verb::Send => {
+                        return LatSide {
+                            src_nic: s.src_mr.addr() + p,
+                            src_dev: src_d + p,
+                            dst_remote: s.recv_mr.addr() + p,
+                            lkey: s.src_mr.lkey().0,
+                            rkey: s.recv_mr.lkey().0,
+                            ..base
+                        }
+                    }
+                    // READ: into the own receive buffer (src_nic / lkey) from the peer's source.
+                    Verb::Read => {
+                        return LatSide {
+                            src_nic: s.recv_mr.addr() + p,
+                            dst_remote: peer.src_mr.addr() + p,
+                            lkey: s.recv_mr.lkey().0,
+                            rkey: peer.src_mr.rkey().0,
+                            ..base
+                        }
+                    }
+                    // Atomics: on the peer's word, the old value into the own fetch word
+                    // (dst_remote / rkey: its NIC address and lkey; recv_dev: its GPU address).
+                    Verb::Atomic(_) => {
+                        return LatSide {
+                            dst_remote: s.fetch_mr.addr(),
+                            rkey: s.fetch_mr.lkey().0,
+                            recv_dev: fetch_d,
+                            sig_remote: peer.sig_mr.addr(),
+                            sig_rkey: peer.sig_mr.rkey().0,
+                            ..base
+                        }
+                    }
+                }
                 LatSide {
                     qp: self.exports.qps[me].ptr(),
                     src_nic: s.src_mr.addr() + p,
@@ -981,6 +1390,51 @@ impl GpuLat {
         let mut budget = a.wait().as_nanos() as u64;
         let mut out = self.status.ptr();
         let mut rtt_ptr = rtt.ptr();
+        let qpns = [sides[0].qp.qpn(), sides[1].qp.qpn()];
+        if verb != Verb::Write {
+            let mut code = verb.code();
+            let mut params = [
+                arg(&mut sides_ptr),
+                arg(&mut code),
+                arg(&mut size_),
+                arg(&mut tail),
+                arg(&mut iters),
+                arg(&mut cq_mod),
+                arg(&mut budget),
+                arg(&mut out),
+                arg(&mut rtt_ptr),
+            ];
+            // SAFETY: the parameters match gv_sample_verb_lat's signature; the side array, the
+            // status words and the times are live GPU memory for the whole launch; the NIC
+            // addresses in the sides are registered regions of `sides` (alive across the
+            // launch), the GPU address (the fetch word) mapped host memory or GPU memory of
+            // `sides`, and the descriptors are exported QPs kept alive by `self.exports`.
+            unsafe {
+                self.gpu
+                    .launch_sync("gv_sample_verb_lat", (2, 1, 1), (1, 1, 1), 0, &mut params)
+            }
+            .context("launch gv_sample_verb_lat")?;
+            self.status
+                .check("gv_sample_verb_lat", |i| qpns.get(i).copied().unwrap_or(0))?;
+            let w = self.status.words()?;
+            if w[5] != 0 {
+                bail!(
+                    "gv_sample_verb_lat: {} of {total} {} (first: iteration {})",
+                    w[5],
+                    match verb {
+                        Verb::Send => "receives had the wrong byte count",
+                        _ => "fetched values differ from what they must be",
+                    },
+                    w[6]
+                );
+            }
+            let mut raw = vec![0u8; 8 * total as usize];
+            rtt.read(0, &mut raw)?;
+            return Ok(raw
+                .chunks_exact(8)
+                .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
+                .collect());
+        }
         let mut params = [
             arg(&mut sides_ptr),
             arg(&mut size_),
@@ -1002,7 +1456,6 @@ impl GpuLat {
                 .launch_sync("gv_sample_write_lat", (2, 1, 1), (1, 1, 1), 0, &mut params)
         }
         .context("launch gv_sample_write_lat")?;
-        let qpns = [sides[0].qp.qpn(), sides[1].qp.qpn()];
         self.status
             .check("gv_sample_write_lat", |i| qpns.get(i).copied().unwrap_or(0))?;
         let mut raw = vec![0u8; 8 * total as usize];

@@ -38,6 +38,7 @@ pub mod bw;
 pub mod cpu;
 pub mod env;
 pub mod gpu;
+pub mod lat;
 pub mod pattern;
 pub mod payload;
 pub mod pcap;
