@@ -1,5 +1,6 @@
-//! Code shared by the perftest-style samples `put_bw` (RDMA WRITE bandwidth) and `write_lat`
-//! (RDMA WRITE ping-pong latency).
+//! Code shared by the perftest-style samples: `put_bw`, `read_bw`, `send_bw`, `atomic_bw`
+//! (bandwidth: [`bw`]) and `write_lat`, `read_lat`, `send_lat`, `atomic_lat` (latency:
+//! [`lat`]), each binary one call of its harness with its [`bw::Verb`].
 //!
 //! - [`CommonArgs`]: the options both samples take (roles, sizes, device, GPU, initiator,
 //!   doorbell mode, ring and buffer placement, output), perftest's names where perftest has them.
@@ -20,6 +21,8 @@
 //! One module per job; every public item is also re-exported at the crate root
 //! (`gpuverbs_samples::CommonArgs` and `gpuverbs_samples::args::CommonArgs` are the same item):
 //!
+//! - [`bw`]: the bandwidth harness (ib_write_bw, ib_read_bw, ib_send_bw, ib_atomic_bw).
+//! - [`lat`]: the latency harness (ib_write_lat, ib_read_lat, ib_send_lat, ib_atomic_lat).
 //! - [`args`]: the command-line options and their parsers.
 //! - [`env`](mod@env): the device, the GPU and the initiator of a run, and the checks on them.
 //! - [`payload`]: payload buffers in host or GPU memory.
