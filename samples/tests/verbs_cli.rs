@@ -135,6 +135,29 @@ fn bandwidth_tests_validate_in_loopback() {
     }
 }
 
+/// perftest's -D: READ and atomics run for the duration, and what ran is validated (the
+/// atomic words' final values included).
+#[test]
+fn duration_mode_validates_what_ran() {
+    for (bin, test, args) in [
+        (READ_BW, "read_bw", vec!["-D", "1", "-s", "4096"]),
+        (ATOMIC_BW, "atomic_bw", vec!["-D", "1"]),
+        (
+            ATOMIC_BW,
+            "atomic_bw",
+            vec!["-D", "1", "-A", "CMP_AND_SWAP", "-q", "2"],
+        ),
+    ] {
+        let rows = loopback(bin, &args);
+        let v = &rows[0];
+        assert_eq!(v["test"], test, "{v}");
+        assert_eq!(v["validated"], true, "{v}");
+        assert_eq!(v["duration_s"], 1, "{v}");
+        assert!(num(v, "iterations") >= 1.0, "{v}");
+        assert!(num(v, "time_s") >= 0.9, "{v}");
+    }
+}
+
 #[test]
 fn bandwidth_sweep_of_every_size() {
     for (bin, test) in [(READ_BW, "read_bw"), (SEND_BW, "send_bw")] {
