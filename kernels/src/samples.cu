@@ -1,4 +1,5 @@
-// Kernels of the perftest-style samples (samples/src/bin/put_bw.rs, write_lat.rs). Each drives
+// Kernels of the perftest-style samples (the harnesses samples/src/bw.rs and lat.rs: put_bw,
+// read_bw, send_bw, atomic_bw; write_lat, read_lat, send_lat, atomic_lat). Each drives
 // exported QPs through the public device API only and reports a status the host decodes; the
 // host validates every payload byte.
 #include <gpuverbs/gpuverbs.cuh>
