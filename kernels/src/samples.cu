@@ -265,8 +265,10 @@ GPUVERBS_KERNEL void gv_sample_write_lat(const samples::lat_side* sides, uint32_
     samples::report(out, s, e, me);
 }
 
-// read_lat, send_lat, atomic_lat: block 0 drives side A, block 1 side B (one thread each,
-// exclusive on its QP); `verb` as gv_sample_verb_bw's. The lat_side fields mean, per verb:
+// read_lat, send_lat, atomic_lat: block b drives side `first + b` (0: A, 1: B; one thread each,
+// exclusive on its QP) with sides[b]: in loopback SEND launches two blocks (first 0), across
+// processes one per process (first: its side), READ and atomics one block, side A's (side B's
+// NIC answers). `verb` as gv_sample_verb_bw's. The lat_side fields mean, per verb:
 // - 1 READ (side A only): READ `size` bytes from `dst_remote` (rkey) into `src_nic` (lkey);
 // - 2 SEND (both sides): SEND `size` bytes from `src_nic` (lkey; the kernel writes the tail
 //   k+1 into `src_dev` first, as write_lat), receives into `dst_remote` (its NIC address) with
@@ -280,15 +282,15 @@ GPUVERBS_KERNEL void gv_sample_write_lat(const samples::lat_side* sides, uint32_
 // completion (quiet), SEND from its send to the answer's receive completion. out[5]: receives
 // with a wrong byte count or fetched values that differ; out[6]: the first such iteration.
 // Every wait is bounded by `budget` ns.
-GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t verb,
-                                        uint32_t size, uint32_t tail_len, uint32_t iters,
-                                        uint32_t cq_mod, uint64_t budget, int* out,
-                                        uint64_t* rtt) {
+GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t first,
+                                        uint32_t verb, uint32_t size, uint32_t tail_len,
+                                        uint32_t iters, uint32_t cq_mod, uint64_t budget,
+                                        int* out, uint64_t* rtt) {
     using namespace gpuverbs;
-    if (threadIdx.x != 0 || blockIdx.x > 1) return;
-    const int me = (int)blockIdx.x;
+    const int me = (int)(blockIdx.x + first);
+    if (threadIdx.x != 0 || me > 1) return;
     if (verb != 2 && me != 0) return;
-    const samples::lat_side side = sides[me];
+    const samples::lat_side side = sides[blockIdx.x];
     gpuverbs_qp* q = side.qp;
     if (cq_mod == 0) cq_mod = 1;
     status s = OK;

@@ -36,8 +36,10 @@
 //! its side with the CPU initiator,
 //! and each size runs in steps both take over the TCP connection (buffers cleared, ping-pong,
 //! each side's check of its receive buffer and side A's numbers exchanged), so both print the
-//! same row and both fail when either check fails. The GPU initiator needs `--loopback`: its
-//! kernel runs both sides in one launch.
+//! same row and both fail when either check fails. With the GPU initiator, `write_lat` needs
+//! `--loopback` (its kernel runs both sides in one launch); `send_lat` launches a kernel for its
+//! own side in each process, and `read_lat` / `atomic_lat` one in side A's process (side B's NIC
+//! answers).
 //!
 //! The columns are perftest's, in microseconds: t_min, t_max, t_typical (median), t_avg,
 //! t_stdev, 99% and 99.9% percentiles.
@@ -47,11 +49,11 @@
 //! receive buffers are checked byte by byte after the run (and the signal words with
 //! `--signal`).
 //!
-//! GPU initiator: one kernel; for WRITE (`gv_sample_write_lat`) and SEND (`gv_sample_verb_lat`)
-//! block 0 drives side A and block 1 side B (one thread each, owning its QP; SEND's kernel
-//! posts its own receives with `post_recv` and takes them with `recv_wait`); for READ and the
-//! atomics block 0 drives side A alone (`gv_sample_verb_lat`, checking every fetched value
-//! itself). A times each round trip with %globaltimer. CPU initiator: one host thread drives
+//! GPU initiator: for WRITE one kernel (`gv_sample_write_lat`), block 0 driving side A and
+//! block 1 side B (one thread each, owning its QP); for SEND `gv_sample_verb_lat` with a block
+//! per side of this process (both in loopback, one across processes), each posting its own
+//! receives with `post_recv` and taking them with `recv_wait`; for READ and the atomics
+//! `gv_sample_verb_lat` with one block, side A's (checking every fetched value itself). A times each round trip with %globaltimer. CPU initiator: one host thread drives
 //! both sides in turn and times with the monotonic clock. Warm-up iterations run first, in the
 //! same loop, and are left out of the numbers.
 //!
@@ -297,15 +299,18 @@ pub fn main(verb: Verb) -> std::process::ExitCode {
         .exit();
     }
     let cpu = args.common.initiator == Some(Initiator::Cpu);
-    if args.common.db == crate::DbArg::Proxy && (cpu || !args.common.loopback) {
+    if args.common.db == crate::DbArg::Proxy
+        && (cpu || (!args.common.loopback && verb == Verb::Write))
+    {
         cmd.error(
             clap::error::ErrorKind::ArgumentConflict,
             "--db proxy needs --initiator gpu (the CPU initiator rings its own doorbells), \
-             which needs --loopback",
+             which write_lat runs with --loopback only",
         )
         .exit();
     }
-    if args.common.initiator == Some(Initiator::Gpu) && !args.common.loopback {
+    if args.common.initiator == Some(Initiator::Gpu) && !args.common.loopback && verb == Verb::Write
+    {
         cmd.error(
             clap::error::ErrorKind::ArgumentConflict,
             format!("--initiator gpu needs --loopback: {GPU_NEEDS_LOOPBACK}"),
@@ -412,9 +417,9 @@ impl Side {
 }
 
 /// Why the GPU initiator needs `--loopback`.
-const GPU_NEEDS_LOOPBACK: &str = "the latency kernels run both sides in one launch (block 0 is \
-     side A, block 1 side B), so a process cannot run one side alone: the CPU posts across \
-     processes (use --loopback for the GPU initiator)";
+const GPU_NEEDS_LOOPBACK: &str = "write_lat's kernel runs both sides of the ping-pong in one \
+     launch (block 0 is side A, block 1 side B), so a process cannot run one side alone: the CPU \
+     posts across processes (use --loopback for the GPU initiator)";
 
 fn run(args: &Args, t: &Test) -> Result<()> {
     let a = &args.common;
@@ -453,7 +458,7 @@ fn run(args: &Args, t: &Test) -> Result<()> {
     };
     let env = match &mut peer {
         None => open_env(a)?,
-        Some(p) => open_env_remote(a, p, Some(GPU_NEEDS_LOOPBACK))?,
+        Some(p) => open_env_remote(a, p, (verb == Verb::Write).then_some(GPU_NEEDS_LOOPBACK))?,
     };
     let pcap = crate::start_pcap(a, &env.ctx)?;
     a.check_device(&env.ctx)?;
@@ -563,8 +568,11 @@ fn run(args: &Args, t: &Test) -> Result<()> {
     h.line(
         "Posting",
         match (env.initiator, me, t.one_sided()) {
+            (Initiator::Gpu, Some(1), true) => "none: side B's NIC answers",
             (Initiator::Gpu, _, true) => "one kernel: block 0 drives side A (one thread)",
-            (Initiator::Gpu, _, false) => {
+            (Initiator::Gpu, Some(0), false) => "a kernel of one block (one thread) drives side A",
+            (Initiator::Gpu, Some(_), false) => "a kernel of one block (one thread) drives side B",
+            (Initiator::Gpu, None, false) => {
                 "one kernel: block 0 drives side A, block 1 side B (one thread each)"
             }
             (Initiator::Cpu, None, true) => "one host thread drives side A (side B's NIC answers)",
@@ -709,7 +717,8 @@ fn run(args: &Args, t: &Test) -> Result<()> {
         }
         Initiator::Gpu => {
             let gpu = env.gpu.clone().expect("GPU initiator has a GPU");
-            let exports = Exports::new(&gpu, &[&sides[0].qp, &sides[1].qp])?;
+            let qps: Vec<&Qp> = sides.iter().map(|s| &s.qp).collect();
+            let exports = Exports::new(&gpu, &qps)?;
             let mut mapped = Vec::new();
             for s in &sides {
                 mapped.push([
@@ -1004,6 +1013,9 @@ impl Engine {
                     .map(|((ini, side), to)| Poster::new(ini, side, to))
                     .collect::<Result<_>>()?;
                 run_cpu(&mut posters, ids, verb, size, total, signal, inline, a)
+            }
+            Engine::Gpu(g) if verb != Verb::Write => {
+                g.run_verb(sides, ids, targets, size, total, a)
             }
             Engine::Gpu(g) => {
                 let sides: &[Side; 2] = sides.try_into().context("the GPU runs both sides")?;
@@ -1308,6 +1320,142 @@ fn run_cpu(
 }
 
 impl GpuLat {
+    /// READ, SEND, atomics: `gv_sample_verb_lat` for the sides of this process that post (SEND:
+    /// each; READ and atomics: side A only), block b driving side `first + b`. `targets[i]`:
+    /// where local side `ids[i]`'s WQEs go (the peer's buffers, in this process or the other).
+    /// Returns side A's times when it is here.
+    #[allow(clippy::too_many_arguments)]
+    fn run_verb(
+        &mut self,
+        sides: &[Side],
+        ids: &[usize],
+        targets: &[Target],
+        size: u64,
+        total: u32,
+        a: &CommonArgs,
+    ) -> Result<Option<Vec<u64>>> {
+        let p = pad(size);
+        let verb = self.verb;
+        let acting: Vec<usize> = (0..sides.len())
+            .filter(|&i| verb == Verb::Send || ids[i] == 0)
+            .collect();
+        let Some(&first_i) = acting.first() else {
+            // Side B of a READ or atomic test: its NIC answers, nothing to launch.
+            return Ok(None);
+        };
+        let descs: Vec<LatSide> = acting
+            .iter()
+            .map(|&i| {
+                let (s, to) = (&sides[i], &targets[i]);
+                let [_, _, _, fetch_d] = self.mapped[i];
+                let src_d = self.mapped[i][0];
+                let base = LatSide {
+                    qp: self.exports.qps[i].ptr(),
+                    ..Default::default()
+                };
+                match verb {
+                    // SEND: the own payload, and the own receive buffer in dst_remote / rkey
+                    // (its NIC address and lkey).
+                    Verb::Send | Verb::Write => LatSide {
+                        src_nic: s.src_mr.addr() + p,
+                        src_dev: src_d + p,
+                        dst_remote: s.recv_mr.addr() + p,
+                        lkey: s.src_mr.lkey().0,
+                        rkey: s.recv_mr.lkey().0,
+                        ..base
+                    },
+                    // READ: into the own receive buffer (src_nic / lkey) from the peer's source.
+                    Verb::Read => LatSide {
+                        src_nic: s.recv_mr.addr() + p,
+                        dst_remote: to.src.addr + p,
+                        lkey: s.recv_mr.lkey().0,
+                        rkey: to.src.rkey.0,
+                        ..base
+                    },
+                    // Atomics: on the peer's word, the old value into the own fetch word
+                    // (dst_remote / rkey: its NIC address and lkey; recv_dev: its GPU address).
+                    Verb::Atomic(_) => LatSide {
+                        dst_remote: s.fetch_mr.addr(),
+                        rkey: s.fetch_mr.lkey().0,
+                        recv_dev: fetch_d,
+                        sig_remote: to.sig.addr,
+                        sig_rkey: to.sig.rkey.0,
+                        ..base
+                    },
+                }
+            })
+            .collect();
+        let dev_sides = upload(&self.gpu, &descs)?;
+        let rtt = self.gpu.alloc(8 * total as usize)?;
+        self.status.reset()?;
+        let mut sides_ptr = dev_sides.ptr();
+        let mut first = ids[first_i] as u32;
+        let mut code = verb.code();
+        let mut size_ = size as u32;
+        let mut tail = tail_len(size) as u32;
+        let mut iters = total;
+        let mut cq_mod = a.cq_mod;
+        let mut budget = a.wait().as_nanos() as u64;
+        let mut out = self.status.ptr();
+        let mut rtt_ptr = rtt.ptr();
+        let mut params = [
+            arg(&mut sides_ptr),
+            arg(&mut first),
+            arg(&mut code),
+            arg(&mut size_),
+            arg(&mut tail),
+            arg(&mut iters),
+            arg(&mut cq_mod),
+            arg(&mut budget),
+            arg(&mut out),
+            arg(&mut rtt_ptr),
+        ];
+        // SAFETY: the parameters match gv_sample_verb_lat's signature, one block per entry of
+        // the side array; the side array, the status words and the times are live GPU memory
+        // for the whole launch; the NIC addresses in the sides are registered regions of
+        // `sides` or the peer's (checked by the device), the GPU addresses (payload, fetch word)
+        // mapped host memory or GPU memory of `sides` (alive across the launch), and the
+        // descriptors are exported QPs kept alive by `self.exports`.
+        unsafe {
+            self.gpu.launch_sync(
+                "gv_sample_verb_lat",
+                (descs.len() as u32, 1, 1),
+                (1, 1, 1),
+                0,
+                &mut params,
+            )
+        }
+        .context("launch gv_sample_verb_lat")?;
+        let qpn = |side: usize| {
+            ids.iter()
+                .position(|&i| i == side)
+                .map_or(0, |k| sides[k].qp.qpn())
+        };
+        self.status.check("gv_sample_verb_lat", qpn)?;
+        let w = self.status.words()?;
+        if w[5] != 0 {
+            bail!(
+                "gv_sample_verb_lat: {} of {total} {} (first: iteration {})",
+                w[5],
+                match verb {
+                    Verb::Send => "receives had the wrong byte count",
+                    _ => "fetched values differ from what they must be",
+                },
+                w[6]
+            );
+        }
+        if !ids.contains(&0) {
+            return Ok(None);
+        }
+        let mut raw = vec![0u8; 8 * total as usize];
+        rtt.read(0, &mut raw)?;
+        Ok(Some(
+            raw.chunks_exact(8)
+                .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        ))
+    }
+
     fn run(
         &mut self,
         sides: &[Side; 2],
@@ -1317,52 +1465,10 @@ impl GpuLat {
         a: &CommonArgs,
     ) -> Result<Vec<u64>> {
         let p = pad(size);
-        let verb = self.verb;
         let descs: Vec<LatSide> = (0..2)
             .map(|me| {
                 let (s, peer) = (&sides[me], &sides[1 - me]);
-                let [src_d, recv_d, sig_d, fetch_d] = self.mapped[me];
-                let base = LatSide {
-                    qp: self.exports.qps[me].ptr(),
-                    ..Default::default()
-                };
-                match verb {
-                    Verb::Write => {}
-                    // SEND: the own payload, and the own receive buffer in dst_remote / rkey
-                    // (its NIC address and lkey).
-                    Verb::Send => {
-                        return LatSide {
-                            src_nic: s.src_mr.addr() + p,
-                            src_dev: src_d + p,
-                            dst_remote: s.recv_mr.addr() + p,
-                            lkey: s.src_mr.lkey().0,
-                            rkey: s.recv_mr.lkey().0,
-                            ..base
-                        }
-                    }
-                    // READ: into the own receive buffer (src_nic / lkey) from the peer's source.
-                    Verb::Read => {
-                        return LatSide {
-                            src_nic: s.recv_mr.addr() + p,
-                            dst_remote: peer.src_mr.addr() + p,
-                            lkey: s.recv_mr.lkey().0,
-                            rkey: peer.src_mr.rkey().0,
-                            ..base
-                        }
-                    }
-                    // Atomics: on the peer's word, the old value into the own fetch word
-                    // (dst_remote / rkey: its NIC address and lkey; recv_dev: its GPU address).
-                    Verb::Atomic(_) => {
-                        return LatSide {
-                            dst_remote: s.fetch_mr.addr(),
-                            rkey: s.fetch_mr.lkey().0,
-                            recv_dev: fetch_d,
-                            sig_remote: peer.sig_mr.addr(),
-                            sig_rkey: peer.sig_mr.rkey().0,
-                            ..base
-                        }
-                    }
-                }
+                let [src_d, recv_d, sig_d, _] = self.mapped[me];
                 LatSide {
                     qp: self.exports.qps[me].ptr(),
                     src_nic: s.src_mr.addr() + p,
@@ -1391,50 +1497,6 @@ impl GpuLat {
         let mut out = self.status.ptr();
         let mut rtt_ptr = rtt.ptr();
         let qpns = [sides[0].qp.qpn(), sides[1].qp.qpn()];
-        if verb != Verb::Write {
-            let mut code = verb.code();
-            let mut params = [
-                arg(&mut sides_ptr),
-                arg(&mut code),
-                arg(&mut size_),
-                arg(&mut tail),
-                arg(&mut iters),
-                arg(&mut cq_mod),
-                arg(&mut budget),
-                arg(&mut out),
-                arg(&mut rtt_ptr),
-            ];
-            // SAFETY: the parameters match gv_sample_verb_lat's signature; the side array, the
-            // status words and the times are live GPU memory for the whole launch; the NIC
-            // addresses in the sides are registered regions of `sides` (alive across the
-            // launch), the GPU address (the fetch word) mapped host memory or GPU memory of
-            // `sides`, and the descriptors are exported QPs kept alive by `self.exports`.
-            unsafe {
-                self.gpu
-                    .launch_sync("gv_sample_verb_lat", (2, 1, 1), (1, 1, 1), 0, &mut params)
-            }
-            .context("launch gv_sample_verb_lat")?;
-            self.status
-                .check("gv_sample_verb_lat", |i| qpns.get(i).copied().unwrap_or(0))?;
-            let w = self.status.words()?;
-            if w[5] != 0 {
-                bail!(
-                    "gv_sample_verb_lat: {} of {total} {} (first: iteration {})",
-                    w[5],
-                    match verb {
-                        Verb::Send => "receives had the wrong byte count",
-                        _ => "fetched values differ from what they must be",
-                    },
-                    w[6]
-                );
-            }
-            let mut raw = vec![0u8; 8 * total as usize];
-            rtt.read(0, &mut raw)?;
-            return Ok(raw
-                .chunks_exact(8)
-                .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
-                .collect());
-        }
         let mut params = [
             arg(&mut sides_ptr),
             arg(&mut size_),
