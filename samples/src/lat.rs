@@ -176,6 +176,11 @@ struct Args {
     /// perftest's -A (--atomic_type), atomics: FETCH_AND_ADD (default) or CMP_AND_SWAP.
     #[arg(short = 'A', long = "atomic_type", value_enum, value_name = "TYPE")]
     atomic_type: Option<AtomicOp>,
+    /// Make the run fail on purpose (tests): `corrupt` flips a bit of what side A received (its
+    /// receive buffer; atomics: its last fetched value) after the run, which validation must
+    /// catch.
+    #[arg(long, value_enum, hide = true)]
+    inject: Option<Inject>,
     /// perftest's -D (duration): refused, the latency tests run a number of iterations (-n).
     #[arg(short = 'D', long = "duration", value_name = "SECONDS", hide = true)]
     duration: Option<u32>,
@@ -183,6 +188,13 @@ struct Args {
     /// latency tests have none).
     #[arg(long = "cpu_util", hide = true)]
     cpu_util: bool,
+}
+
+/// Failures made on purpose (tests of the validation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Inject {
+    /// A bit of side A's received bytes is flipped after the run.
+    Corrupt,
 }
 
 /// Largest `-I` (the QPs' inline limit).
@@ -793,6 +805,15 @@ fn run(args: &Args, t: &Test) -> Result<()> {
         // Side A's times (B has none).
         let mine: Option<Vec<u64>> = ran.as_ref().ok().cloned().flatten();
         step(&mut peer, "ran", ran.map(|_| ()))?;
+        if let (Some(Inject::Corrupt), Some(k)) = (args.inject, ids.iter().position(|&i| i == 0)) {
+            let (b, off) = match verb {
+                Verb::Atomic(_) => (&sides[k].fetch, 3),
+                _ => (&sides[k].recv, p + size as usize / 2),
+            };
+            let mut x = [0u8];
+            b.read(off, &mut x)?;
+            b.write(off, &[x[0] ^ 0x01])?;
+        }
         let failure = validate(
             &sides,
             &ids,

@@ -391,6 +391,30 @@ fn validation_and_error_completions_fail_the_run() {
             "{bin}: {e}"
         );
     }
+    for (bin, what) in [
+        (READ_LAT, "side A's receive buffer"),
+        (SEND_LAT, "side A's receive buffer"),
+        (ATOMIC_LAT, "the last fetched value"),
+    ] {
+        let o = run(
+            bin,
+            &[
+                "--loopback",
+                "--initiator",
+                "cpu",
+                "-n",
+                "50",
+                "--inject",
+                "corrupt",
+            ],
+        );
+        assert_eq!(o.status.code(), Some(1), "{bin}: {}", text(&o.stderr));
+        let e = text(&o.stderr);
+        assert!(
+            e.contains("validation failed") && e.contains(what),
+            "{bin}: {e}"
+        );
+    }
     for bin in [READ_BW, ATOMIC_BW] {
         let o = run(
             bin,
