@@ -1,4 +1,5 @@
-// Kernels of the perftest-style samples (samples/src/bin/put_bw.rs, write_lat.rs). Each drives
+// Kernels of the perftest-style samples (the harnesses samples/src/bw.rs and lat.rs: put_bw,
+// read_bw, send_bw, atomic_bw; write_lat, read_lat, send_lat, atomic_lat). Each drives
 // exported QPs through the public device API only and reports a status the host decodes; the
 // host validates every payload byte.
 #include <gpuverbs/gpuverbs.cuh>
@@ -126,6 +127,81 @@ GPUVERBS_KERNEL void gv_sample_put_bw(const samples::bw_job* jobs, uint32_t njob
     }
 }
 
+namespace samples {
+// The word atomic job `j` starts from (`gpuverbs_samples::bw::atomic_base`).
+GPUVERBS_DEVICE uint64_t atomic_base(uint64_t j) {
+    return 0x0123456700000000ull ^ ((j + 1) << 40);
+}
+// Most `outs` gv_sample_verb_bw takes (the tickets of the WQEs in flight, one per slot).
+constexpr uint32_t MAX_OUTS = 256;
+}  // namespace samples
+
+// read_bw, send_bw, atomic_bw: one thread (CTA `j`, thread 0) per job `j`, exclusive on its QP.
+// `verb`: 1 READ (iteration i reads source slot (i + shift) % src_slots of the target, at
+// `rbase`, into destination slot i % dst_slots at `lbase`), 2 SEND (source slot (i + shift) %
+// src_slots at `lbase`; the receives are posted by the host), 3 FETCH_AND_ADD of 1 and 4
+// CMP_AND_SWAP of atomic_base(shift) + i for + i + 1 on the target's word at `rbase`, the old
+// value into result slot i % dst_slots (8 bytes each) at `lbase`. One WQE in `sig_calls` asks
+// for a CQE (atomics: every one, as the device API posts them), and the last. `outs` (READ and
+// atomics; 0: none): at most that many WQEs in flight; before WQE i the thread waits until WQE
+// i - outs has completed (its ticket: `sq_ready` after its publish; sig_calls <= outs, so a
+// signaled WQE at or after it is posted). `times[2j]`, `times[2j+1]`: %globaltimer at the start
+// and after the final quiet. Every wait is bounded by `budget` ns.
+GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njobs, uint32_t verb,
+                                       uint32_t size, uint32_t iters, uint32_t sig_calls,
+                                       uint32_t outs, uint64_t budget, int* out,
+                                       uint64_t* times) {
+    using namespace gpuverbs;
+    if (threadIdx.x != 0 || blockIdx.x >= njobs) return;
+    const uint32_t j = blockIdx.x;
+    const samples::bw_job job = jobs[j];
+    gpuverbs_qp* q = job.qp;
+    if (sig_calls == 0) sig_calls = 1;
+    if (outs > samples::MAX_OUTS) outs = samples::MAX_OUTS;
+    uint64_t tickets[samples::MAX_OUTS];
+    const uint64_t base = samples::atomic_base(job.src_shift);
+    times[2 * j] = now_ns();
+    status s = OK;
+    error e{};
+    for (uint32_t i = 0; i < iters && s == OK; ++i) {
+        if (outs != 0 && i >= outs) {
+            s = wait_ticket<sharing::exclusive>(q, tickets[i % outs], budget, &e);
+            if (s != OK) break;
+        }
+        const bool sig = (i + 1) % sig_calls == 0 || i + 1 == iters;
+        const uint64_t src = ((uint64_t)(i + job.src_shift) % job.src_slots) * size;
+        const uint64_t dst = ((uint64_t)i % job.dst_slots) * size;
+        switch (verb) {
+            case 1:
+                s = get<sharing::exclusive>(q, job.lbase + dst, lkey{job.lkey}, job.rbase + src,
+                                            rkey{job.rkey}, size, sig, budget);
+                break;
+            case 2:
+                s = send<sharing::exclusive>(q, job.lbase + src, lkey{job.lkey}, size, false, 0,
+                                             sig, budget);
+                break;
+            case 3:
+                s = atomic_fetch_add<sharing::exclusive>(q, job.rbase, rkey{job.rkey}, 1,
+                                                         job.lbase + (uint64_t)i % job.dst_slots * 8,
+                                                         lkey{job.lkey}, budget);
+                break;
+            case 4:
+                s = atomic_compare_swap<sharing::exclusive>(
+                    q, job.rbase, rkey{job.rkey}, base + i, base + i + 1,
+                    job.lbase + (uint64_t)i % job.dst_slots * 8, lkey{job.lkey}, budget);
+                break;
+            default:
+                s = INVALID;
+        }
+        if (outs != 0) tickets[i % outs] = state_load<sharing::exclusive>(&q->sq_ready);
+    }
+    if (s == ERROR_CQE) e = last_error(q);
+    samples::report(out, s, e, (int)j);
+    s = quiet<sharing::exclusive>(q, budget, &e);
+    samples::report(out, s, e, (int)j);
+    times[2 * j + 1] = now_ns();
+}
+
 // write_lat: block 0 drives side A, block 1 side B, one thread each (each owns its QP). For
 // k = 0 .. iters-1: A stamps %globaltimer, writes the tail k+1 into its payload and writes the
 // payload to B; B waits until the tail (or, with `use_signal`, its signal word) shows k+1 and
@@ -187,6 +263,117 @@ GPUVERBS_KERNEL void gv_sample_write_lat(const samples::lat_side* sides, uint32_
     samples::report(out, s, e, me);
     s = quiet<sharing::exclusive>(q, budget, &e);
     samples::report(out, s, e, me);
+}
+
+// read_lat, send_lat, atomic_lat: block b drives side `first + b` (0: A, 1: B; one thread each,
+// exclusive on its QP) with sides[b]: in loopback SEND launches two blocks (first 0), across
+// processes one per process (first: its side), READ and atomics one block, side A's (side B's
+// NIC answers). `verb` as gv_sample_verb_bw's. The lat_side fields mean, per verb:
+// - 1 READ (side A only): READ `size` bytes from `dst_remote` (rkey) into `src_nic` (lkey);
+// - 2 SEND (both sides): SEND `size` bytes from `src_nic` (lkey; the kernel writes the tail
+//   k+1 into `src_dev` first, as write_lat), receives into `dst_remote` (its NIC address) with
+//   `rkey` (its lkey); each side posts one receive ahead and, after taking a receive, the next
+//   (none after the last);
+// - 3 FETCH_AND_ADD of 1 / 4 CMP_AND_SWAP of atomic_base(0) + k for + k + 1 (side A only) on
+//   the peer's word `sig_remote` (sig_rkey); the old value lands in `dst_remote` (lkey `rkey`),
+//   which the kernel reads at `recv_dev` after the completion and compares with
+//   atomic_base(0) + k.
+// A times each iteration with %globaltimer into rtt[k]: READ and atomics from the post to the
+// completion (quiet), SEND from its send to the answer's receive completion. out[5]: receives
+// with a wrong byte count or fetched values that differ; out[6]: the first such iteration.
+// Every wait is bounded by `budget` ns.
+GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t first,
+                                        uint32_t verb, uint32_t size, uint32_t tail_len,
+                                        uint32_t iters, uint32_t cq_mod, uint64_t budget,
+                                        int* out, uint64_t* rtt) {
+    using namespace gpuverbs;
+    const int me = (int)(blockIdx.x + first);
+    if (threadIdx.x != 0 || me > 1) return;
+    if (verb != 2 && me != 0) return;
+    const samples::lat_side side = sides[blockIdx.x];
+    gpuverbs_qp* q = side.qp;
+    if (cq_mod == 0) cq_mod = 1;
+    status s = OK;
+    error e{};
+    int bad = 0;
+    int first_bad = -1;
+    auto mismatch = [&](uint32_t k) {
+        if (bad == 0) first_bad = (int)k;
+        bad += 1;
+    };
+    if (verb == 2) {
+        uint8_t* tail_dst = reinterpret_cast<uint8_t*>(side.src_dev) + size - tail_len;
+        auto take = [&](uint64_t k1) -> status {
+            recv_completion rc;
+            status r = recv_wait<sharing::exclusive>(q, &rc, budget, &e);
+            if (r != OK) return r;
+            if (rc.byte_count != size) mismatch((uint32_t)k1 - 1);
+            if (k1 < iters) {
+                r = post_recv<sharing::exclusive>(q, side.dst_remote, lkey{side.rkey}, size,
+                                                  budget);
+            }
+            return r;
+        };
+        auto answer = [&](uint64_t k1) -> status {
+            for (uint32_t b = 0; b < tail_len; ++b) tail_dst[b] = (uint8_t)(k1 >> (8 * b));
+            // The tail's stores before the NIC reads the payload.
+            __threadfence_system();
+            const bool sig = k1 % cq_mod == 0 || k1 == iters;
+            return send<sharing::exclusive>(q, side.src_nic, lkey{side.lkey}, size, false, 0, sig,
+                                            budget);
+        };
+        if (iters > 0) {
+            s = post_recv<sharing::exclusive>(q, side.dst_remote, lkey{side.rkey}, size, budget);
+        }
+        for (uint32_t k = 0; k < iters && s == OK; ++k) {
+            const uint64_t k1 = (uint64_t)k + 1;
+            if (me == 0) {
+                const uint64_t t0 = now_ns();
+                s = answer(k1);
+                if (s == OK) s = take(k1);
+                rtt[k] = now_ns() - t0;
+            } else {
+                s = take(k1);
+                if (s == OK) s = answer(k1);
+            }
+        }
+    } else {
+        const uint64_t base = samples::atomic_base(0);
+        const uint64_t* fetched = reinterpret_cast<const uint64_t*>(side.recv_dev);
+        for (uint32_t k = 0; k < iters && s == OK; ++k) {
+            const uint64_t t0 = now_ns();
+            switch (verb) {
+                case 1:
+                    s = get<sharing::exclusive>(q, side.src_nic, lkey{side.lkey}, side.dst_remote,
+                                                rkey{side.rkey}, size, true, budget);
+                    break;
+                case 3:
+                    s = atomic_fetch_add<sharing::exclusive>(q, side.sig_remote,
+                                                             rkey{side.sig_rkey}, 1,
+                                                             side.dst_remote, lkey{side.rkey},
+                                                             budget);
+                    break;
+                case 4:
+                    s = atomic_compare_swap<sharing::exclusive>(
+                        q, side.sig_remote, rkey{side.sig_rkey}, base + k, base + k + 1,
+                        side.dst_remote, lkey{side.rkey}, budget);
+                    break;
+                default:
+                    s = INVALID;
+            }
+            if (s == OK) s = quiet<sharing::exclusive>(q, budget, &e);
+            rtt[k] = now_ns() - t0;
+            if (s == OK && verb != 1 && ld_acquire_sys64(fetched) != base + k) mismatch(k);
+        }
+    }
+    if (s == ERROR_CQE) e = last_error(q);
+    samples::report(out, s, e, me);
+    s = quiet<sharing::exclusive>(q, budget, &e);
+    samples::report(out, s, e, me);
+    if (bad != 0) {
+        atomicAdd(&out[5], bad);
+        atomicCAS(&out[6], 0, first_bad);
+    }
 }
 
 // echo: a persistent kernel (one thread, exclusive) that answers every message it receives

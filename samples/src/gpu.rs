@@ -96,6 +96,13 @@ impl GpuStatus {
     pub fn reset(&self) -> Result<()> {
         Ok(self.mem.write(0, &[0u8; 32])?)
     }
+    /// The eight status words as the kernel left them (words 5..7 are a kernel's own counts,
+    /// e.g. `gv_sample_verb_lat`'s mismatches).
+    pub fn words(&self) -> Result<[i32; 8]> {
+        let mut b = [0u8; 32];
+        self.mem.read(0, &mut b)?;
+        Ok(bytemuck::cast(b))
+    }
     /// Fails with the decoded status unless every thread reported OK. `qpn(who)` names the QP
     /// of job/side `who`.
     pub fn check(&self, what: &str, qpn: impl Fn(usize) -> u32) -> Result<()> {

@@ -1,5 +1,6 @@
-//! Code shared by the perftest-style samples `put_bw` (RDMA WRITE bandwidth) and `write_lat`
-//! (RDMA WRITE ping-pong latency).
+//! Code shared by the perftest-style samples: `put_bw`, `read_bw`, `send_bw`, `atomic_bw`
+//! (bandwidth: [`bw`]) and `write_lat`, `read_lat`, `send_lat`, `atomic_lat` (latency:
+//! [`lat`]), each binary one call of its harness with its [`bw::Verb`].
 //!
 //! - [`CommonArgs`]: the options both samples take (roles, sizes, device, GPU, initiator,
 //!   doorbell mode, ring and buffer placement, output), perftest's names where perftest has them.
@@ -20,6 +21,8 @@
 //! One module per job; every public item is also re-exported at the crate root
 //! (`gpuverbs_samples::CommonArgs` and `gpuverbs_samples::args::CommonArgs` are the same item):
 //!
+//! - [`bw`]: the bandwidth harness (ib_write_bw, ib_read_bw, ib_send_bw, ib_atomic_bw).
+//! - [`lat`]: the latency harness (ib_write_lat, ib_read_lat, ib_send_lat, ib_atomic_lat).
 //! - [`args`]: the command-line options and their parsers.
 //! - [`env`](mod@env): the device, the GPU and the initiator of a run, and the checks on them.
 //! - [`payload`]: payload buffers in host or GPU memory.
@@ -34,9 +37,11 @@
 //! - [`gpu`]: what the sample kernels are given, and their status.
 
 pub mod args;
+pub mod bw;
 pub mod cpu;
 pub mod env;
 pub mod gpu;
+pub mod lat;
 pub mod pattern;
 pub mod payload;
 pub mod pcap;
@@ -60,11 +65,11 @@ pub use pcap::{start_pcap, Pcap};
 pub use peer::{remote_header, remote_json, step, Hello, Peer, STEP_WAIT_FACTOR};
 pub use qp::{
     connect_mtu, connect_options, connect_pair, cpu_doorbell_reason, cpu_ring_mode, create_qp,
-    doorbell_line, doorbell_name, tx_depth_for, with_mtu, QpSpec,
+    create_qp_rq, doorbell_line, doorbell_name, tx_depth_for, with_mtu, QpSpec,
 };
 pub use report::{
-    address_lines, common_header, common_json, error_text, exit_with, merge, mtu_line,
-    output_number, table_row, Header, EXIT_FAILURE, RULE,
+    address_lines, address_lines_of, common_header, common_json, error_text, exit_with, merge,
+    mtu_line, output_number, table_row, AddrFormat, Header, EXIT_FAILURE, RULE,
 };
 pub use stats::{LatStats, Peak, Progress, Units};
 pub use wire::{wire_counters, wire_delta};

@@ -88,6 +88,17 @@ pub struct QpSpec {
 /// An RC QP with a CQ of its own (send and receive), as `spec` says; rings in GPU memory
 /// (`--rings gpu`) are allocated on `gpu` (`Context::create_cq_on` / `Pd::create_qp_on`).
 pub fn create_qp(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>) -> Result<Qp> {
+    make_qp(pd, spec, gpu, None)
+}
+
+/// A QP like [`create_qp`]'s with a receive queue of `rq_wqes` receives (rounded up to a power
+/// of two) and a receive CQ of its own (the device API's `post_recv` / `recv_wait` and the CPU
+/// initiator's `poll_recv` take receive completions from it).
+pub fn create_qp_rq(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>, rq_wqes: u32) -> Result<Qp> {
+    make_qp(pd, spec, gpu, Some(rq_wqes.max(1).next_power_of_two()))
+}
+
+fn make_qp(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>, rq: Option<u32>) -> Result<Qp> {
     let placement = match spec.rings {
         Placement::Host => RingPlacement::HostMapped,
         Placement::Gpu => RingPlacement::Gpu,
@@ -106,7 +117,25 @@ pub fn create_qp(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>) -> Result<Qp> {
         ),
     }
     .with_context(|| format!("--rings {}: create a CQ", spec.rings.name()))?;
-    let mut o = QpOptions::new(&cq, &cq);
+    let rcq = match rq {
+        None => cq.clone(),
+        Some(n) => {
+            let co = CqOptions {
+                depth: n.max(64),
+                placement,
+                ..Default::default()
+            };
+            match (spec.rings, gpu) {
+                (Placement::Gpu, Some(g)) => ctx.create_cq_on(g, co),
+                _ => ctx.create_cq(co),
+            }
+            .with_context(|| format!("--rings {}: create a receive CQ", spec.rings.name()))?
+        }
+    };
+    let mut o = QpOptions::new(&cq, &rcq);
+    if let Some(n) = rq {
+        o.rq_wqes = n;
+    }
     o.sq_blocks = spec.tx_depth;
     o.placement = placement;
     o.doorbell = spec.db.mode();
@@ -136,10 +165,11 @@ pub fn connect_mtu(q: &Qp, remote: &Endpoint, mtu: Option<u32>) -> Result<()> {
     Ok(())
 }
 
-/// What the samples' QPs allow their peers: writes and the atomics of `--signal`.
+/// What the samples' QPs allow their peers: writes, reads and atomics (the regions say which
+/// of them each buffer takes).
 pub fn connect_options() -> ConnectOptions {
     ConnectOptions {
-        access: Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
+        access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
         ..Default::default()
     }
 }

@@ -64,10 +64,42 @@ impl Header {
 /// (or, on a side that receives nothing, its source buffer), as perftest exchanges them. The
 /// LID is 0: RoCE has none.
 pub fn address_lines(side: &str, ep: &Endpoint, rkey: u32, vaddr: u64) -> String {
+    address_lines_of(AddrFormat::Rdma, side, ep, rkey, vaddr)
+}
+
+/// What perftest's address line of a test carries after `QPN ... PSN ...`: the RKey and VAddr
+/// (RDMA WRITE), the outstanding reads and then those (`OUT 0x10`, RDMA READ), or nothing
+/// (SEND, atomics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddrFormat {
+    /// ` RKey ... VAddr ...` (WRITE).
+    Rdma,
+    /// ` OUT 0x.. RKey ... VAddr ...` (READ), with `-o`.
+    Read {
+        /// The outstanding reads.
+        outs: u32,
+    },
+    /// Nothing more (SEND, atomics).
+    Basic,
+}
+
+/// [`address_lines`] in the format of a test's verb ([`AddrFormat`]).
+pub fn address_lines_of(
+    fmt: AddrFormat,
+    side: &str,
+    ep: &Endpoint,
+    rkey: u32,
+    vaddr: u64,
+) -> String {
     let gid: Vec<String> = ep.gid().0.iter().map(|b| format!("{b:02}")).collect();
+    let rdma = format!(" RKey {rkey:#08x} VAddr {vaddr:#016x}");
+    let more = match fmt {
+        AddrFormat::Rdma => rdma,
+        AddrFormat::Read { outs } => format!(" OUT {outs:#04x}{rdma}"),
+        AddrFormat::Basic => String::new(),
+    };
     format!(
-        " {side} address: LID {lid:#04x} QPN {qpn:#06x} PSN {psn:#06x} RKey {rkey:#08x} VAddr \
-         {vaddr:#016x}\n GID: {}",
+        " {side} address: LID {lid:#04x} QPN {qpn:#06x} PSN {psn:#06x}{more}\n GID: {}",
         gid.join(":"),
         lid = 0u16,
         qpn = ep.qpn(),

@@ -1,10 +1,12 @@
 //! Debian's perftest and gpuverbs' samples side by side, each as a server and a client under
 //! its own `gpuverbs emu --ip 127.0.N.x` (`-d mlx5_0` for the samples, CPU initiator), with the
 //! same flags: the title, the header names they share, the column line (exactly, spacing
-//! included), the address lines (perftest's format, and each side's "remote" being the
-//! other's "local") and the #iterations of several QPs must be perftest's.
+//! included), the address lines (perftest's format of the verb, and each side's "remote" being
+//! the other's "local") and the #iterations of several QPs must be perftest's. All eight
+//! tests: WRITE, READ, SEND and atomics, bandwidth and latency.
 //!
-//! Needs Debian's perftest (CI installs it). Addresses: 127.0.131.x .. 127.0.134.x.
+//! Needs Debian's perftest (CI installs it). Addresses: 127.0.131.x .. 127.0.134.x and
+//! 127.0.135.x .. 127.0.148.x.
 
 mod common;
 
@@ -101,9 +103,10 @@ fn columns(out: &str) -> String {
         .to_string()
 }
 
-/// The address lines as (side, [QPN, PSN, RKey, VAddr], GID), checked against perftest's
-/// format: ` local address: LID 0000 QPN 0x%04x PSN 0x%06x RKey 0x%06x VAddr 0x%014x` then
-/// ` GID: ` and 16 decimal bytes.
+/// The address lines as (side, values, GID), checked against perftest's format: ` local
+/// address: LID 0000 QPN 0x%04x PSN 0x%06x` then, by verb, ` RKey 0x%06x VAddr 0x%014x`
+/// (WRITE), ` OUT 0x%02x RKey ... VAddr ...` (READ) or nothing (SEND, atomics), and then
+/// ` GID: ` and 16 decimal bytes. The values: QPN, PSN, and OUT, RKey, VAddr where there.
 fn addresses(out: &str) -> Vec<(String, Vec<String>, String)> {
     let lines: Vec<&str> = out.lines().collect();
     let mut v = Vec::new();
@@ -112,20 +115,35 @@ fn addresses(out: &str) -> Vec<(String, Vec<String>, String)> {
             continue;
         }
         let f: Vec<&str> = l.split_whitespace().collect();
-        assert_eq!(f.len(), 12, "{l}");
-        assert_eq!(
-            [f[1], f[2], f[3], f[4], f[6], f[8], f[10]],
-            ["address:", "LID", "0000", "QPN", "PSN", "RKey", "VAddr"],
-            "{l}"
-        );
-        for x in [f[5], f[7], f[9], f[11]] {
+        let names: &[&str] = match f.len() {
+            8 => &["address:", "LID", "0000", "QPN", "PSN"],
+            12 => &["address:", "LID", "0000", "QPN", "PSN", "RKey", "VAddr"],
+            14 => &[
+                "address:", "LID", "0000", "QPN", "PSN", "OUT", "RKey", "VAddr",
+            ],
+            n => panic!("{n} fields: {l}"),
+        };
+        let named: Vec<&str> = [f[1], f[2], f[3]]
+            .into_iter()
+            .chain(f[4..].iter().step_by(2).copied())
+            .collect();
+        assert_eq!(named, names, "{l}");
+        let values: Vec<&str> = f[5..].iter().step_by(2).copied().collect();
+        for x in &values {
             assert!(
                 x.starts_with("0x") && u64::from_str_radix(&x[2..], 16).is_ok(),
                 "{l}"
             );
         }
-        assert!(f[5].len() >= 6 && f[7].len() >= 6 && f[9].len() >= 8, "{l}");
-        assert_eq!(f[11].len(), 16, "{l}");
+        assert!(values[0].len() >= 6 && values[1].len() >= 3, "{l}");
+        if f.len() > 8 {
+            let (rkey, vaddr) = (values[values.len() - 2], values[values.len() - 1]);
+            assert!(rkey.len() >= 8, "{l}");
+            assert_eq!(vaddr.len(), 16, "{l}");
+        }
+        if f.len() == 14 {
+            assert!(values[2].len() >= 4, "{l}");
+        }
         let gid = lines.get(i + 1).copied().unwrap_or_default();
         let bytes: Vec<&str> = gid
             .strip_prefix(" GID: ")
@@ -141,7 +159,7 @@ fn addresses(out: &str) -> Vec<(String, Vec<String>, String)> {
         );
         v.push((
             f[0].to_string(),
-            vec![f[5].into(), f[7].into(), f[9].into(), f[11].into()],
+            values.iter().map(|x| x.to_string()).collect(),
             gid.to_string(),
         ));
     }
@@ -259,4 +277,220 @@ fn write_lat_prints_ib_write_lat_layout() {
     check_sides("write_lat", &gs, &gc, 1);
     assert_eq!(iterations(&gc), iterations(&pc), "{gc}");
     let _ = (ps, gs);
+}
+
+/// One of the READ, SEND and atomic tests beside its perftest: perftest's `tool` under
+/// 127.0.`net`.x and the sample `ours` under 127.0.`net + 1`.x, with `common` flags on both.
+/// `names`: header names both print (on the client; `server_names` on the server); `bw`:
+/// a bandwidth test (both sides print the column line; a latency test's server prints none
+/// in perftest's READ and atomic tests, so the clients are compared); `qps` of the address lines.
+#[allow(clippy::too_many_arguments)]
+fn compare(
+    tool_name: &str,
+    ours: &str,
+    net: u8,
+    common: &[&str],
+    names: &[&str],
+    server_names: &[&str],
+    bw: bool,
+    qps: usize,
+) {
+    let _g = serial();
+    let (_, dir) = artifacts();
+    let mut perf = vec!["-x", "0"];
+    perf.extend_from_slice(common);
+    let (ps, pc) = pair(&tool(tool_name), net, &perf);
+    let mut mine = vec![
+        "-d",
+        "mlx5_0",
+        "--initiator",
+        "cpu",
+        "--timeout",
+        "60",
+        "-x",
+        "0",
+    ];
+    mine.extend_from_slice(common);
+    let (gs, gc) = pair(&dir.join(ours), net + 1, &mine);
+
+    // perftest's title (the line after the first rule: perftest's server says first that it
+    // waits), then gpuverbs' test name in parentheses.
+    let title = |o: &str| {
+        o.lines()
+            .skip_while(|l| !l.starts_with("-----"))
+            .nth(1)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    for (p, g) in [(&pc, &gc), (&ps, &gs)] {
+        let (pt, gt) = (title(p), title(g));
+        assert_eq!(
+            gt,
+            format!("{pt} ({ours})"),
+            "{tool_name}:\n{p}\n{ours}:\n{g}"
+        );
+    }
+    for (p, g, want) in [(&pc, &gc, names), (&ps, &gs, server_names)] {
+        for n in want {
+            assert!(
+                header_names(p).contains(&n.to_string()),
+                "{tool_name} has no {n:?}:\n{p}"
+            );
+            assert!(
+                header_names(g).contains(&n.to_string()),
+                "{ours} has no {n:?}:\n{g}"
+            );
+        }
+    }
+    assert_eq!(columns(&gc), columns(&pc), "{ours}: the column line");
+    if bw {
+        assert_eq!(
+            columns(&gs),
+            columns(&ps),
+            "{ours}: the server's column line"
+        );
+    }
+    check_sides(tool_name, &ps, &pc, qps);
+    check_sides(ours, &gs, &gc, qps);
+    // The same address format: as many values per line (QPN, PSN, OUT, RKey, VAddr).
+    let shape = |o: &str| addresses(o).iter().map(|a| a.1.len()).collect::<Vec<_>>();
+    assert_eq!(shape(&gc), shape(&pc), "{ours}: the address lines' format");
+    assert_eq!(
+        shape(&gs),
+        shape(&ps),
+        "{ours}: the server's address lines' format"
+    );
+    assert_eq!(iterations(&gc), iterations(&pc), "{gc}");
+}
+
+#[test]
+fn read_bw_prints_ib_read_bw_layout() {
+    compare(
+        "ib_read_bw",
+        "read_bw",
+        135,
+        &["-s", "4096", "-n", "200", "-q", "2"],
+        &[
+            "Device",
+            "Number of qps",
+            "TX depth",
+            "CQ Moderation",
+            "Mtu",
+            "GID index",
+            "Outstand reads",
+        ],
+        &[
+            "Device",
+            "Number of qps",
+            "Mtu",
+            "GID index",
+            "Outstand reads",
+        ],
+        true,
+        2,
+    );
+}
+
+#[test]
+fn send_bw_prints_ib_send_bw_layout() {
+    compare(
+        "ib_send_bw",
+        "send_bw",
+        137,
+        &["-s", "4096", "-n", "200", "-q", "2"],
+        &[
+            "Device",
+            "Number of qps",
+            "TX depth",
+            "CQ Moderation",
+            "Mtu",
+            "GID index",
+            "Max inline data",
+        ],
+        &[
+            "Device",
+            "Number of qps",
+            "RX depth",
+            "Mtu",
+            "GID index",
+            "Max inline data",
+        ],
+        true,
+        2,
+    );
+}
+
+#[test]
+fn atomic_bw_prints_ib_atomic_bw_layout() {
+    compare(
+        "ib_atomic_bw",
+        "atomic_bw",
+        139,
+        &["-n", "200", "-q", "2"],
+        &[
+            "Device",
+            "Number of qps",
+            "TX depth",
+            "CQ Moderation",
+            "Mtu",
+            "GID index",
+            "Outstand reads",
+        ],
+        &["Device", "Number of qps", "Outstand reads"],
+        true,
+        2,
+    );
+    compare(
+        "ib_atomic_bw",
+        "atomic_bw",
+        141,
+        &["-n", "200", "-A", "CMP_AND_SWAP"],
+        &["Device", "Outstand reads"],
+        &["Device"],
+        true,
+        1,
+    );
+}
+
+#[test]
+fn read_lat_prints_ib_read_lat_layout() {
+    compare(
+        "ib_read_lat",
+        "read_lat",
+        143,
+        &["-s", "64", "-n", "200"],
+        &["Device", "TX depth", "Mtu", "GID index", "Outstand reads"],
+        &["Device", "Mtu", "Outstand reads"],
+        false,
+        1,
+    );
+}
+
+#[test]
+fn send_lat_prints_ib_send_lat_layout() {
+    compare(
+        "ib_send_lat",
+        "send_lat",
+        145,
+        &["-s", "2", "-n", "200"],
+        &["Device", "TX depth", "Mtu", "GID index", "Max inline data"],
+        &["Device", "Mtu", "Max inline data"],
+        false,
+        1,
+    );
+}
+
+#[test]
+fn atomic_lat_prints_ib_atomic_lat_layout() {
+    compare(
+        "ib_atomic_lat",
+        "atomic_lat",
+        147,
+        &["-n", "200"],
+        &["Device", "TX depth", "Mtu", "GID index", "Outstand reads"],
+        &["Device", "Mtu", "Outstand reads"],
+        false,
+        1,
+    );
 }

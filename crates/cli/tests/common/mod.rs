@@ -32,20 +32,29 @@ fn build(what: &[&str]) {
     assert!(c.status().unwrap().success(), "cargo build {what:?} failed");
 }
 
-/// The preload library and the samples `put_bw` and `write_lat`, built once per test
+/// The perftest-style samples the tests run.
+pub const SAMPLES: [&str; 8] = [
+    "put_bw",
+    "write_lat",
+    "read_bw",
+    "send_bw",
+    "atomic_bw",
+    "read_lat",
+    "send_lat",
+    "atomic_lat",
+];
+
+/// The preload library and the perftest-style samples ([`SAMPLES`]), built once per test
 /// process; the samples' folder.
 pub fn artifacts() -> &'static (PathBuf, PathBuf) {
     static A: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     A.get_or_init(|| {
         build(&["-p", "gpuverbs-uverbs-preload"]);
-        build(&[
-            "-p",
-            "gpuverbs-samples",
-            "--bin",
-            "put_bw",
-            "--bin",
-            "write_lat",
-        ]);
+        let mut samples = vec!["-p", "gpuverbs-samples"];
+        for b in SAMPLES {
+            samples.extend(["--bin", b]);
+        }
+        build(&samples);
         let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
         let lib = dir.join("libgpuverbs_uverbs_preload.so");
         assert!(lib.is_file(), "{} missing after the build", lib.display());
