@@ -92,6 +92,7 @@ impl Device {
             next_srqn: AtomicU32::new(0x40),
             next_pd: AtomicU32::new(1),
             shutdown: AtomicBool::new(false),
+            polled_doorbell: AtomicBool::new(false),
             engines: OnceLock::new(),
             port,
             peers: RwLock::default(),

@@ -37,11 +37,16 @@ const IDLE_SPINS: u32 = 4096;
 /// Longest sleep of an idle engine; a GPU doorbell (which cannot wake the thread) waits at
 /// most this long to be noticed.
 const MAX_PARK: Duration = Duration::from_micros(500);
-/// For this long after it last had work, an engine sleeps at most [`WARM_PARK`] at a time: a
-/// GPU's next doorbell (a ping-pong, a kernel's next batch) is noticed within that, and an
-/// engine idle for longer sleeps up to [`MAX_PARK`] (well under 5% of a core).
+/// For this long after it last saw a doorbell that nobody woke it for (a GPU's: a kernel
+/// cannot wake a thread), an engine sleeps at most [`WARM_PARK`] at a time, so that the
+/// next one (a ping-pong, a kernel's next batch) is noticed within that; otherwise, and once
+/// idle for longer, it sleeps up to [`MAX_PARK`] (well under 5% of a core). CPU initiators
+/// wake it themselves.
 const WARM: Duration = Duration::from_millis(10);
 const WARM_PARK: Duration = Duration::from_micros(20);
+/// The longest sleep while something waits on time (wire timers, delayed CQEs; their
+/// granularity is hundreds of microseconds).
+const TIMED_PARK: Duration = Duration::from_micros(50);
 /// WQEs one QP runs before the engine looks at the next.
 const BUDGET: u32 = 64;
 
@@ -56,7 +61,7 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
     let (mut qps, mut cqs): (Vec<Arc<Qp>>, Vec<_>) = (Vec::new(), Vec::new());
     let mut idle = 0u32;
     let mut park = Duration::from_micros(10);
-    let mut last_work = Instant::now();
+    let mut polled_at: Option<Instant> = None;
     while !dev.shutdown.load(Ordering::Acquire) {
         let g = dev.generation.load(Ordering::Acquire);
         if g != generation {
@@ -81,19 +86,22 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
                 false
             });
         }
+        if dev.polled_doorbell.swap(false, Ordering::Relaxed) {
+            polled_at = Some(now);
+        }
         if work {
             idle = 0;
             park = Duration::from_micros(10);
-            last_work = now;
         } else {
             idle = idle.saturating_add(1);
             if idle < IDLE_SPINS {
                 std::hint::spin_loop();
             } else {
-                let limit = if timed || now.duration_since(last_work) < WARM {
-                    WARM_PARK
-                } else {
-                    MAX_PARK
+                let warm = polled_at.is_some_and(|t| now.duration_since(t) < WARM);
+                let limit = match (warm, timed) {
+                    (true, _) => WARM_PARK,
+                    (false, true) => TIMED_PARK,
+                    (false, false) => MAX_PARK,
                 };
                 std::thread::park_timeout(park.min(limit));
                 park = (park * 2).min(MAX_PARK);
@@ -149,6 +157,9 @@ fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) 
         if v != sq.last_half[h] {
             sq.last_half[h] = v;
             work = true;
+            if !qp.kicking_poster.load(Ordering::Relaxed) {
+                dev.polled_doorbell.store(true, Ordering::Relaxed);
+            }
             doorbell(dev, qp, sq, h, v);
         }
     }

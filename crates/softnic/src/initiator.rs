@@ -194,6 +194,23 @@ pub struct QueueStart {
     pub rq_outstanding: u16,
 }
 
+/// Marks a soft QP as posted to by a CPU initiator that wakes its engine (so the engine need
+/// not poll for its doorbells), until dropped.
+struct KickingPoster(Arc<Qp>);
+
+impl KickingPoster {
+    fn new(qp: &Arc<Qp>) -> Self {
+        qp.kicking_poster.store(true, Ordering::Relaxed);
+        Self(qp.clone())
+    }
+}
+
+impl Drop for KickingPoster {
+    fn drop(&mut self) {
+        self.0.kicking_poster.store(false, Ordering::Relaxed);
+    }
+}
+
 /// A CPU client of one QP.
 pub struct Initiator {
     sq: SqGeometry,
@@ -216,6 +233,8 @@ pub struct Initiator {
     cq_error: Option<[Arc<dyn Fn() -> bool + Send + Sync>; 2]>,
     /// The soft NIC's send and receive CQs, whose writes a waiting poller sleeps on.
     soft_cqs: Option<[Arc<crate::Cq>; 2]>,
+    /// Says the soft QP's engine is woken by this poster, while it lives.
+    _kicking: Option<KickingPoster>,
     _keep: Arc<dyn Any + Send + Sync>,
     /// Dropped with the initiator (e.g. a claim on the QP that lets one poster at a time in).
     _guard: Option<Box<dyn Any + Send>>,
@@ -256,6 +275,7 @@ impl Initiator {
             wake,
             cq_error: None,
             soft_cqs: None,
+            _kicking: None,
             _keep: keep,
             _guard: None,
         }
@@ -356,6 +376,7 @@ impl Initiator {
             Arc::new(move || cq.is_overrun())
         };
         ini.cq_error = Some([probe(qp.send_cq()), probe(qp.recv_cq())]);
+        ini._kicking = Some(KickingPoster::new(qp));
         let sleepable = |cq: &Arc<crate::Cq>| cq.mode() != crate::CqMode::Collapsed;
         if sleepable(qp.send_cq()) && sleepable(qp.recv_cq()) {
             ini.soft_cqs = Some([qp.send_cq().clone(), qp.recv_cq().clone()]);

@@ -283,6 +283,9 @@ pub struct Qp {
     /// Selective repeat: the responder holds packets behind a gap (the engine's timer names
     /// the gap again while it stays).
     pub(crate) holding: AtomicBool,
+    /// A CPU initiator that wakes the engine after each doorbell posts to this QP (the
+    /// engine needs not poll for its doorbells).
+    pub(crate) kicking_poster: AtomicBool,
     pub(crate) events: EventSlot,
 }
 
@@ -401,6 +404,7 @@ impl Qp {
             srq,
             last_wqe_raised: AtomicBool::new(false),
             holding: AtomicBool::new(false),
+            kicking_poster: AtomicBool::new(false),
             events: EventSlot::default(),
             rq: Mutex::new(RqState {
                 ci: 0,

@@ -31,6 +31,9 @@ pub(crate) struct Shared {
     pub next_srqn: AtomicU32,
     pub next_pd: AtomicU32,
     pub shutdown: AtomicBool,
+    /// An engine saw a doorbell of a QP whose poster does not wake it (a GPU's, the uverbs
+    /// emulation's): the engines keep their sleeps short for a while ([`crate::engine`]).
+    pub polled_doorbell: AtomicBool,
     /// The engine threads (QP `q` belongs to thread `q.qpn % len`).
     pub engines: OnceLock<Vec<Thread>>,
     /// The wire port, if any.
