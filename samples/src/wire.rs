@@ -4,8 +4,8 @@ use gpuverbs::Context;
 use serde_json::{json, Value};
 
 /// What this side's wire port did between two counter snapshots (the JSON's `"wire"`):
-/// datagrams each way, request packets sent again, timer expirations, sequence NAKs, datagrams
-/// dropped on purpose; `null` without a soft NIC (an rdma-core device has no such counters).
+/// datagrams each way, request packets sent again, timer expirations (IBTA and early), sequence
+/// and RNR NAKs, datagrams dropped on purpose, requests out of sequence and duplicate; `null` without a soft NIC (an rdma-core device has no such counters).
 pub fn wire_delta(
     before: &Option<softnic::WireCounters>,
     after: &Option<softnic::WireCounters>,
@@ -22,6 +22,11 @@ pub fn wire_delta(
         "seq_naks_sent": d(after.seq_naks_sent, before.seq_naks_sent),
         "seq_naks_received": d(after.seq_naks_received, before.seq_naks_received),
         "injected_drops": d(after.injected_drops, before.injected_drops),
+        "early_timeouts": d(after.early_timeouts, before.early_timeouts),
+        "rnr_naks_sent": d(after.rnr_naks_sent, before.rnr_naks_sent),
+        "rnr_naks_received": d(after.rnr_naks_received, before.rnr_naks_received),
+        "out_of_sequence": d(after.out_of_sequence, before.out_of_sequence),
+        "duplicates": d(after.duplicates, before.duplicates),
     })
 }
 
