@@ -81,6 +81,14 @@ impl Placement {
     }
 }
 
+/// The process's arguments parsed into `A` by `cmd`; on a usage error clap's message and exit.
+pub fn parse_or_exit<A: clap::FromArgMatches>(cmd: &mut clap::Command) -> A {
+    match A::from_arg_matches(&cmd.get_matches_mut()) {
+        Ok(a) => a,
+        Err(e) => e.format(cmd).exit(),
+    }
+}
+
 /// Parses a loss percentage (`0` .. `100`, fractions allowed).
 pub fn parse_loss(s: &str) -> Result<f64, String> {
     let v: f64 = s

@@ -100,7 +100,7 @@ use crate::{
     Peak, Peer, Progress, QpSpec, Units,
 };
 use anyhow::{bail, Context as _, Result};
-use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
+use clap::{CommandFactory, Parser, ValueEnum};
 use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, CachedMr, Endpoint, Mr, Qp, RemoteMemory};
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
@@ -146,6 +146,14 @@ pub enum Verb {
 }
 
 impl Verb {
+    /// The verb a binary of `self` runs: an atomic's kind as `-A` chose it.
+    pub fn chosen(self, atomic: Option<AtomicOp>) -> Self {
+        match (self, atomic) {
+            (Self::Atomic(_), Some(op)) => Self::Atomic(op),
+            (v, _) => v,
+        }
+    }
+
     /// The kernels' code of the verb (`gv_sample_verb_bw`, `gv_sample_verb_lat`).
     pub fn code(self) -> u32 {
         match self {
@@ -464,14 +472,8 @@ fn command(t: &Test) -> clap::Command {
 pub fn main(verb: Verb) -> std::process::ExitCode {
     let t0 = Test::of(verb);
     let mut cmd = command(&t0);
-    let mut args = match Args::from_arg_matches(&cmd.get_matches_mut()) {
-        Ok(a) => a,
-        Err(e) => e.format(&mut cmd).exit(),
-    };
-    let verb = match (verb, args.atomic_type) {
-        (Verb::Atomic(_), Some(op)) => Verb::Atomic(op),
-        (v, _) => v,
-    };
+    let mut args: Args = crate::args::parse_or_exit(&mut cmd);
+    let verb = verb.chosen(args.atomic_type);
     let t = Test { verb, ..t0 };
     let usage = |cmd: &mut clap::Command, msg: String| -> ! {
         cmd.error(clap::error::ErrorKind::ArgumentConflict, msg)

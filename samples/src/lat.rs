@@ -74,7 +74,7 @@ use crate::{
     Placement, Progress, QpSpec,
 };
 use anyhow::{bail, Context as _, Result};
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::{CommandFactory, Parser};
 use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, Endpoint, HostBuffer, Mr, Pd, Qp, RemoteMemory};
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
@@ -244,14 +244,8 @@ fn command(t: &Test) -> clap::Command {
 pub fn main(verb: Verb) -> std::process::ExitCode {
     let t0 = Test::of(verb);
     let mut cmd = command(&t0);
-    let mut args = match Args::from_arg_matches(&cmd.get_matches_mut()) {
-        Ok(a) => a,
-        Err(e) => e.format(&mut cmd).exit(),
-    };
-    let verb = match (verb, args.atomic_type) {
-        (Verb::Atomic(_), Some(op)) => Verb::Atomic(op),
-        (v, _) => v,
-    };
+    let mut args: Args = crate::args::parse_or_exit(&mut cmd);
+    let verb = verb.chosen(args.atomic_type);
     let t = Test { verb, ..t0 };
     let test = t.name;
     let mut foreign = Vec::new();
