@@ -688,9 +688,7 @@ mod remote {
                 // SAFETY: the parameters match gv_sample_echo's signature; the descriptor, the
                 // mapped control page and the registered slots outlive the launch (the scope
                 // joins it before they drop).
-                unsafe {
-                    gpu.launch_sync("gv_sample_echo", (1, 1, 1), (1, 1, 1), 0, &mut params)
-                }?;
+                unsafe { gpu.launch_sync("gv_sample_echo", (1, 1, 1), (1, 1, 1), 0, &mut params) }?;
                 Ok(())
             });
             let t0 = Instant::now();
