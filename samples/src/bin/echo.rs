@@ -345,7 +345,11 @@ fn print(
         a.iters,
         a.size
     );
-    let client = format!("{:?}", a.initiator).to_lowercase();
+    // the client's initiator: this side's option, or (on the server) what the client said
+    let client = roles
+        .as_ref()
+        .and_then(|(_, v)| v["initiator"].as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{:?}", a.initiator).to_lowercase());
     if a.json {
         let mut v = json!({"test": "echo", "op": format!("{:?}", a.op).to_lowercase(),
                    "bytes": a.size, "initiator": client,
@@ -607,8 +611,13 @@ mod remote {
             .connect(&ep, connect_options())
             .with_context(|| format!("connect to the {} ({ep})", peer.peer_role));
         peer.step("connect", connected)?;
-        let mut extra = json!({
+        let client_initiator = match role {
+            Role::Server => hello.facts["initiator"].as_str().unwrap_or("?").to_string(),
+            _ => format!("{:?}", a.initiator).to_lowercase(),
+        };
+        let extra = json!({
             "role": peer.role,
+            "initiator": client_initiator,
             "wire_addr": side.ctx.wire_addr().map(|w| w.to_string()),
             "peer_wire_addr": ep.udp_addr().map(|w| w.to_string()),
         });
@@ -626,7 +635,6 @@ mod remote {
                     slots.len()
                 );
                 let server_gpu = hello.facts["gpu"].as_str().unwrap_or("?").to_string();
-                extra["initiator_side"] = json!("client");
                 let slots = RemoteAddr {
                     addr: slots.addr(),
                     rkey: gpuverbs::post::Rkey(slots.rkey()),
@@ -794,10 +802,18 @@ mod remote {
             },
         };
         let stats = out.stats;
-        peer.step("run", Ok(Some(out)))?;
         let report = peer
-            .step::<Option<[u64; 6]>>("report", Ok(None))?
-            .context("the server sent no report")?;
+            .step("run", Ok(Some(out)))
+            .and_then(|_| peer.step::<Option<[u64; 6]>>("report", Ok(None)));
+        let report = match (report, &rtts) {
+            (Ok(r), _) => r.context("the server sent no report")?,
+            // the server is gone (or failed): this side's own failure is said too
+            (Err(pe), Err(_)) => {
+                let e = rtts.expect_err("the client failed");
+                return Err(e.context(error_text(&pe)));
+            }
+            (Err(pe), Ok(_)) => return Err(pe),
+        };
         match rtts {
             Err(e) if report[2] != 0 => Err(e.context(kernel_failure(&report))),
             Err(e) => Err(e),
