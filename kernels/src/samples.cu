@@ -596,17 +596,16 @@ GPUVERBS_DEVICE uint64_t kv_word(uint32_t block, uint32_t word) {
     return ((uint64_t)block << 32 | word) * 0x9E3779B97F4A7C15ull;
 }
 
-GPUVERBS_KERNEL void gv_sample_kv_transfer(gpuverbs_qp* q, uint64_t src_nic, uint32_t lk,
-                                           uint64_t dst_remote, uint32_t rk, uint64_t sig_remote,
-                                           uint32_t sig_rk, const uint64_t* sig_dev,
-                                           const uint64_t* dst_dev, const uint32_t* src_idx,
-                                           const uint32_t* dst_idx, uint32_t nblocks,
-                                           uint32_t bsize, uint32_t batch, uint64_t budget,
-                                           unsigned long long* out) {
+// One side of kv_transfer: `role` 0 sends (block 0's part), 1 receives (block 1's part).
+GPUVERBS_DEVICE void kv_side(uint32_t role, gpuverbs_qp* q, uint64_t src_nic, uint32_t lk,
+                             uint64_t dst_remote, uint32_t rk, uint64_t sig_remote,
+                             uint32_t sig_rk, const uint64_t* sig_dev, const uint64_t* dst_dev,
+                             const uint32_t* src_idx, const uint32_t* dst_idx, uint32_t nblocks,
+                             uint32_t bsize, uint32_t batch, uint64_t budget,
+                             unsigned long long* out) {
     using namespace gpuverbs;
-    if (threadIdx.x != 0 || blockIdx.x > 1) return;
     const uint32_t batches = (nblocks + batch - 1) / batch;
-    if (blockIdx.x == 0) {
+    if (role == 0) {
         status s = OK;
         out[4] = now_ns();
         for (uint32_t b = 0; b < batches && s == OK; ++b) {
@@ -646,4 +645,32 @@ GPUVERBS_KERNEL void gv_sample_kv_transfer(gpuverbs_qp* q, uint64_t src_nic, uin
         out[2] = bad;
         out[3] = first_bad;
     }
+    __threadfence_system();
+}
+
+GPUVERBS_KERNEL void gv_sample_kv_transfer(gpuverbs_qp* q, uint64_t src_nic, uint32_t lk,
+                                           uint64_t dst_remote, uint32_t rk, uint64_t sig_remote,
+                                           uint32_t sig_rk, const uint64_t* sig_dev,
+                                           const uint64_t* dst_dev, const uint32_t* src_idx,
+                                           const uint32_t* dst_idx, uint32_t nblocks,
+                                           uint32_t bsize, uint32_t batch, uint64_t budget,
+                                           unsigned long long* out) {
+    if (threadIdx.x != 0 || blockIdx.x > 1) return;
+    kv_side(blockIdx.x, q, src_nic, lk, dst_remote, rk, sig_remote, sig_rk, sig_dev, dst_dev,
+            src_idx, dst_idx, nblocks, bsize, batch, budget, out);
+}
+
+// kv_transfer as two processes: one side per launch (one block, one thread), `role` 0 the
+// sender (q, src_nic, lk, dst_remote, rk, sig_remote, sig_rk used), 1 the receiver (sig_dev,
+// dst_dev used); the index lists and out[] as gv_sample_kv_transfer's.
+GPUVERBS_KERNEL void gv_sample_kv_one(gpuverbs_qp* q, uint64_t src_nic, uint32_t lk,
+                                      uint64_t dst_remote, uint32_t rk, uint64_t sig_remote,
+                                      uint32_t sig_rk, const uint64_t* sig_dev,
+                                      const uint64_t* dst_dev, const uint32_t* src_idx,
+                                      const uint32_t* dst_idx, uint32_t nblocks, uint32_t bsize,
+                                      uint32_t batch, uint64_t budget, unsigned long long* out,
+                                      uint32_t role) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    kv_side(role, q, src_nic, lk, dst_remote, rk, sig_remote, sig_rk, sig_dev, dst_dev, src_idx,
+            dst_idx, nblocks, bsize, batch, budget, out);
 }
