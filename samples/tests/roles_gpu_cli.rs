@@ -1,14 +1,16 @@
-//! `echo`'s server/client roles as two processes: what runs without a GPU. The server is a
-//! kernel, so on a machine without one it must refuse at once (before it listens), and the
-//! CPU client's own parts (rendezvous, the soft NIC's wire port, the endpoint exchange) are
-//! checked against another sample's server. The GPU paths (the echo itself) run on a GPU
-//! machine (the commands are in the binary's doc comment).
+//! The server/client roles of `echo` and `kv_transfer` as two processes: what runs without a
+//! GPU. Their kernels' sides (echo's server, both of kv_transfer's) must refuse at once on a
+//! machine without one (before they listen or connect), and echo's CPU client's own parts
+//! (rendezvous, the soft NIC's wire port, the endpoint exchange) are checked against another
+//! sample's server. The GPU paths run on a GPU machine (the commands are in the binaries' doc
+//! comments).
 
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const ECHO: &str = env!("CARGO_BIN_EXE_echo");
 const PUT_BW: &str = env!("CARGO_BIN_EXE_put_bw");
+const KV: &str = env!("CARGO_BIN_EXE_kv_transfer");
 
 fn free_port() -> String {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -148,6 +150,59 @@ fn role_arguments_are_checked() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
         stderr.contains("--initiator gpu sends SENDs (--op send)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn kv_transfer_sides_without_a_gpu_refuse_before_the_rendezvous() {
+    let port = free_port();
+    for (args, who) in [
+        (vec!["-p", &port, "--timeout", "3"], "the receiver (server)"),
+        (
+            vec!["127.0.0.1", "-p", &port, "--timeout", "3"],
+            "the sender (client)",
+        ),
+    ] {
+        let (out, took) = run(KV, &args);
+        let stderr = text(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        if stderr.contains("kv_transfer needs") {
+            // No GPU (CI): one line, at once, neither listening nor connecting.
+            assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+            assert!(
+                stderr.starts_with(&format!(
+                    "kv_transfer: error: kv_transfer needs a GPU: {who}"
+                )),
+                "{stderr}"
+            );
+            assert!(!stderr.contains("waiting for a client"), "{stderr}");
+            assert!(!stderr.contains("connecting to"), "{stderr}");
+            assert!(took < Duration::from_secs(3), "took {took:?}: {stderr}");
+        } else {
+            // A GPU: the side meets no peer and gives up after --timeout.
+            assert!(stderr.contains("rendezvous ("), "{stderr}");
+        }
+    }
+}
+
+#[test]
+fn kv_transfer_role_arguments_are_checked() {
+    let (out, _) = run(KV, &["127.0.0.1", "--loopback"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let (out, _) = run(KV, &["127.0.0.1", "-p", "0"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("-p 0: the client needs the server's port"),
+        "{stderr}"
+    );
+    let (out, _) = run(KV, &["-p", "0", "--block-size", "12"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--block-size must be a multiple of 8"),
         "{stderr}"
     );
 }
