@@ -384,16 +384,23 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
 // `*stop` is non-zero; the wait for a message is bounded by `budget` ns (running out only
 // makes the loop look at `*stop` again), every other call by `op_budget` ns. out[0]: messages echoed; out[1]: bytes echoed; out[2]: the
 // status that ended the loop (0 when stopped); out[3..5]: an error CQE's syndrome, vendor
-// syndrome and WQE counter.
+// syndrome and WQE counter. `ready` (may be null) is set to 1 once every receive is posted
+// (the two-process server tells its client to start only then).
 GPUVERBS_DEVICE void echo_serve(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, uint32_t slot,
                                 uint32_t slots, const volatile uint32_t* stop, uint64_t budget,
-                                uint64_t op_budget, unsigned long long* out) {
+                                uint64_t op_budget, unsigned long long* out,
+                                unsigned long long* ready) {
     using namespace gpuverbs;
     status s = OK;
     error e{};
     for (uint32_t i = 0; i < slots && s == OK; ++i) {
         s = post_recv<sharing::exclusive>(q, buf_nic + (uint64_t)i * slot, lkey{lk}, slot,
                                           op_budget);
+    }
+    if (s == OK && ready != nullptr) {
+        __threadfence_system();
+        *reinterpret_cast<volatile unsigned long long*>(ready) = 1;
+        __threadfence_system();
     }
     unsigned long long n = 0, bytes = 0;
     uint64_t posted = slots;  // receives posted so far; receive k used slot k % slots
@@ -435,9 +442,9 @@ GPUVERBS_DEVICE void echo_serve(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, u
 GPUVERBS_KERNEL void gv_sample_echo(gpuverbs_qp* q, uint64_t buf_nic, uint32_t lk, uint32_t slot,
                                     uint32_t slots, const volatile uint32_t* stop,
                                     uint64_t budget, uint64_t op_budget,
-                                    unsigned long long* out) {
+                                    unsigned long long* out, unsigned long long* ready) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    echo_serve(q, buf_nic, lk, slot, slots, stop, budget, op_budget, out);
+    echo_serve(q, buf_nic, lk, slot, slots, stop, budget, op_budget, out, ready);
 }
 
 // echo with a GPU client: block 0 (thread 0) serves as gv_sample_echo does; block 1 is the
@@ -462,22 +469,15 @@ GPUVERBS_DEVICE uint64_t echo_word(uint32_t i, uint32_t k) {
     return v;
 }
 
-GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint32_t slk,
-                                        uint32_t slot, uint32_t slots, gpuverbs_qp* qc,
-                                        uint64_t src_nic, uint8_t* src_dev, uint32_t src_lk,
-                                        uint64_t back_nic, const uint8_t* back_dev,
-                                        uint32_t back_lk, uint32_t size, uint32_t iters,
-                                        volatile uint32_t* stop, uint64_t budget,
-                                        uint64_t client_budget, unsigned long long* out,
-                                        uint64_t* rtt) {
+// The GPU client of echo (one block, exclusive on `qc`), as the comment above says: `iters`
+// messages, each answered and checked. cout[0]: its status, cout[1]: bytes that differed,
+// cout[2]: an error CQE's syndrome. Sets *stop afterwards when `stop` is not null.
+GPUVERBS_DEVICE void echo_client(gpuverbs_qp* qc, uint64_t src_nic, uint8_t* src_dev,
+                                 uint32_t src_lk, uint64_t back_nic, const uint8_t* back_dev,
+                                 uint32_t back_lk, uint32_t size, uint32_t iters,
+                                 volatile uint32_t* stop, uint64_t client_budget,
+                                 unsigned long long* cout, uint64_t* rtt) {
     using namespace gpuverbs;
-    if (blockIdx.x > 1) return;
-    if (blockIdx.x == 0) {
-        if (threadIdx.x == 0) {
-            echo_serve(qs, sbuf_nic, slk, slot, slots, stop, budget, client_budget, out);
-        }
-        return;
-    }
     __shared__ int shared_status;
     __shared__ unsigned long long bad;
     __shared__ error e;
@@ -538,12 +538,47 @@ GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint
     if (t != 0) return;
     status s = (status)shared_status;
     if (s == ERROR_CQE) e = last_error(qc);
-    out[6] = (unsigned long long)s;
-    out[7] = bad;
-    out[8] = e.syndrome;
+    cout[0] = (unsigned long long)s;
+    cout[1] = bad;
+    cout[2] = e.syndrome;
     __threadfence_system();
-    *stop = 1;
-    __threadfence_system();
+    if (stop != nullptr) {
+        *stop = 1;
+        __threadfence_system();
+    }
+}
+
+GPUVERBS_KERNEL void gv_sample_echo_gpu(gpuverbs_qp* qs, uint64_t sbuf_nic, uint32_t slk,
+                                        uint32_t slot, uint32_t slots, gpuverbs_qp* qc,
+                                        uint64_t src_nic, uint8_t* src_dev, uint32_t src_lk,
+                                        uint64_t back_nic, const uint8_t* back_dev,
+                                        uint32_t back_lk, uint32_t size, uint32_t iters,
+                                        volatile uint32_t* stop, uint64_t budget,
+                                        uint64_t client_budget, unsigned long long* out,
+                                        uint64_t* rtt) {
+    if (blockIdx.x > 1) return;
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) {
+            echo_serve(qs, sbuf_nic, slk, slot, slots, stop, budget, client_budget, out,
+                       nullptr);
+        }
+        return;
+    }
+    echo_client(qc, src_nic, src_dev, src_lk, back_nic, back_dev, back_lk, size, iters, stop,
+                client_budget, out + 6, rtt);
+}
+
+// echo's client alone (two processes: the server's kernel is in the other one): one block,
+// any number of threads; out[0..2] as echo_client's cout. The host tells the server to stop.
+GPUVERBS_KERNEL void gv_sample_echo_client(gpuverbs_qp* qc, uint64_t src_nic, uint8_t* src_dev,
+                                           uint32_t src_lk, uint64_t back_nic,
+                                           const uint8_t* back_dev, uint32_t back_lk,
+                                           uint32_t size, uint32_t iters,
+                                           uint64_t client_budget, unsigned long long* out,
+                                           uint64_t* rtt) {
+    if (blockIdx.x != 0) return;
+    echo_client(qc, src_nic, src_dev, src_lk, back_nic, back_dev, back_lk, size, iters, nullptr,
+                client_budget, out, rtt);
 }
 
 // kv_transfer: block 0 (one thread, exclusive) sends a list of KV-cache blocks to the peer,
@@ -561,17 +596,16 @@ GPUVERBS_DEVICE uint64_t kv_word(uint32_t block, uint32_t word) {
     return ((uint64_t)block << 32 | word) * 0x9E3779B97F4A7C15ull;
 }
 
-GPUVERBS_KERNEL void gv_sample_kv_transfer(gpuverbs_qp* q, uint64_t src_nic, uint32_t lk,
-                                           uint64_t dst_remote, uint32_t rk, uint64_t sig_remote,
-                                           uint32_t sig_rk, const uint64_t* sig_dev,
-                                           const uint64_t* dst_dev, const uint32_t* src_idx,
-                                           const uint32_t* dst_idx, uint32_t nblocks,
-                                           uint32_t bsize, uint32_t batch, uint64_t budget,
-                                           unsigned long long* out) {
+// One side of kv_transfer: `role` 0 sends (block 0's part), 1 receives (block 1's part).
+GPUVERBS_DEVICE void kv_side(uint32_t role, gpuverbs_qp* q, uint64_t src_nic, uint32_t lk,
+                             uint64_t dst_remote, uint32_t rk, uint64_t sig_remote,
+                             uint32_t sig_rk, const uint64_t* sig_dev, const uint64_t* dst_dev,
+                             const uint32_t* src_idx, const uint32_t* dst_idx, uint32_t nblocks,
+                             uint32_t bsize, uint32_t batch, uint64_t budget,
+                             unsigned long long* out) {
     using namespace gpuverbs;
-    if (threadIdx.x != 0 || blockIdx.x > 1) return;
     const uint32_t batches = (nblocks + batch - 1) / batch;
-    if (blockIdx.x == 0) {
+    if (role == 0) {
         status s = OK;
         out[4] = now_ns();
         for (uint32_t b = 0; b < batches && s == OK; ++b) {
@@ -611,4 +645,32 @@ GPUVERBS_KERNEL void gv_sample_kv_transfer(gpuverbs_qp* q, uint64_t src_nic, uin
         out[2] = bad;
         out[3] = first_bad;
     }
+    __threadfence_system();
+}
+
+GPUVERBS_KERNEL void gv_sample_kv_transfer(gpuverbs_qp* q, uint64_t src_nic, uint32_t lk,
+                                           uint64_t dst_remote, uint32_t rk, uint64_t sig_remote,
+                                           uint32_t sig_rk, const uint64_t* sig_dev,
+                                           const uint64_t* dst_dev, const uint32_t* src_idx,
+                                           const uint32_t* dst_idx, uint32_t nblocks,
+                                           uint32_t bsize, uint32_t batch, uint64_t budget,
+                                           unsigned long long* out) {
+    if (threadIdx.x != 0 || blockIdx.x > 1) return;
+    kv_side(blockIdx.x, q, src_nic, lk, dst_remote, rk, sig_remote, sig_rk, sig_dev, dst_dev,
+            src_idx, dst_idx, nblocks, bsize, batch, budget, out);
+}
+
+// kv_transfer as two processes: one side per launch (one block, one thread), `role` 0 the
+// sender (q, src_nic, lk, dst_remote, rk, sig_remote, sig_rk used), 1 the receiver (sig_dev,
+// dst_dev used); the index lists and out[] as gv_sample_kv_transfer's.
+GPUVERBS_KERNEL void gv_sample_kv_one(gpuverbs_qp* q, uint64_t src_nic, uint32_t lk,
+                                      uint64_t dst_remote, uint32_t rk, uint64_t sig_remote,
+                                      uint32_t sig_rk, const uint64_t* sig_dev,
+                                      const uint64_t* dst_dev, const uint32_t* src_idx,
+                                      const uint32_t* dst_idx, uint32_t nblocks, uint32_t bsize,
+                                      uint32_t batch, uint64_t budget, unsigned long long* out,
+                                      uint32_t role) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    kv_side(role, q, src_nic, lk, dst_remote, rk, sig_remote, sig_rk, sig_dev, dst_dev, src_idx,
+            dst_idx, nblocks, bsize, batch, budget, out);
 }
