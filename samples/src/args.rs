@@ -81,6 +81,35 @@ impl Placement {
     }
 }
 
+/// The [`CommonArgs`] of a sample whose own options hold only the roles (server host, `-p`,
+/// `--timeout`, `--wire-port`): parsed as put_bw would parse them, for [`crate::Peer`].
+pub fn roles_args(
+    test: &str,
+    server: Option<&str>,
+    port: Option<u16>,
+    timeout: Option<u64>,
+    wire_port: Option<u16>,
+) -> Result<CommonArgs> {
+    #[derive(clap::Parser)]
+    struct Roles {
+        #[command(flatten)]
+        c: CommonArgs,
+    }
+    let mut v = vec![test.to_string()];
+    v.extend(server.map(str::to_string));
+    v.extend(["-p".into(), port.unwrap_or(DEFAULT_PORT).to_string()]);
+    if let Some(t) = timeout {
+        v.extend(["--timeout".into(), t.to_string()]);
+    }
+    if let Some(w) = wire_port {
+        v.extend(["--wire-port".into(), w.to_string()]);
+    }
+    use anyhow::Context as _;
+    Ok(<Roles as clap::Parser>::try_parse_from(v)
+        .context("the rendezvous options")?
+        .c)
+}
+
 /// The process's arguments parsed into `A` by `cmd`; on a usage error clap's message and exit.
 pub fn parse_or_exit<A: clap::FromArgMatches>(cmd: &mut clap::Command) -> A {
     match A::from_arg_matches(&cmd.get_matches_mut()) {

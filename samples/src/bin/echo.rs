@@ -469,9 +469,7 @@ mod remote {
     use super::*;
     use gpuverbs::gpu::ExportedQp;
     use gpuverbs::{Cq, Mr, Qp, RemoteMemory};
-    use gpuverbs_samples::{
-        connect_options, error_text, local_ip_towards, CommonArgs, Peer, DEFAULT_PORT,
-    };
+    use gpuverbs_samples::{connect_options, error_text, local_ip_towards, CommonArgs, Peer};
     use serde::{Deserialize, Serialize};
     use std::net::SocketAddr;
     use std::sync::atomic::AtomicU64;
@@ -481,26 +479,14 @@ mod remote {
     /// Where in the control page the server's kernel says its receives are posted.
     const READY_AT: u64 = 128;
 
-    /// The rendezvous options, as put_bw's and write_lat's ([`CommonArgs`]).
-    #[derive(Parser)]
-    struct Roles {
-        #[command(flatten)]
-        c: CommonArgs,
-    }
-
     fn common(a: &Args) -> Result<CommonArgs> {
-        let mut v = vec![TEST.to_string()];
-        v.extend(a.server.iter().cloned());
-        v.extend(["-p".into(), a.port.unwrap_or(DEFAULT_PORT).to_string()]);
-        if let Some(t) = a.timeout {
-            v.extend(["--timeout".into(), t.to_string()]);
-        }
-        if let Some(w) = a.wire_port {
-            v.extend(["--wire-port".into(), w.to_string()]);
-        }
-        Ok(Roles::try_parse_from(v)
-            .context("the rendezvous options")?
-            .c)
+        gpuverbs_samples::args::roles_args(
+            TEST,
+            a.server.as_deref(),
+            a.port,
+            a.timeout,
+            a.wire_port,
+        )
     }
 
     /// What the client tells the server when it is done.

@@ -303,32 +303,20 @@ mod remote {
     use super::*;
     use gpuverbs::gpu::{DeviceMem, ExportedQp};
     use gpuverbs::{Cq, Mr, Qp, RemoteMemory};
-    use gpuverbs_samples::{local_ip_towards, CommonArgs, Peer, DEFAULT_PORT};
+    use gpuverbs_samples::{local_ip_towards, CommonArgs, Peer};
     use std::net::SocketAddr;
     use std::sync::Arc;
 
     const TEST: &str = "kv_transfer";
 
-    /// The rendezvous options, as put_bw's and write_lat's ([`CommonArgs`]).
-    #[derive(Parser)]
-    struct Roles {
-        #[command(flatten)]
-        c: CommonArgs,
-    }
-
     fn common(a: &Args) -> Result<CommonArgs> {
-        let mut v = vec![TEST.to_string()];
-        v.extend(a.server.iter().cloned());
-        v.extend(["-p".into(), a.port.unwrap_or(DEFAULT_PORT).to_string()]);
-        if let Some(t) = a.timeout {
-            v.extend(["--timeout".into(), t.to_string()]);
-        }
-        if let Some(w) = a.wire_port {
-            v.extend(["--wire-port".into(), w.to_string()]);
-        }
-        Ok(Roles::try_parse_from(v)
-            .context("the rendezvous options")?
-            .c)
+        gpuverbs_samples::args::roles_args(
+            TEST,
+            a.server.as_deref(),
+            a.port,
+            a.timeout,
+            a.wire_port,
+        )
     }
 
     /// This side's device, QP and GPU buffers.
