@@ -81,33 +81,70 @@ impl Placement {
     }
 }
 
-/// The [`CommonArgs`] of a sample whose own options hold only the roles (server host, `-p`,
-/// `--timeout`, `--wire-port`): parsed as put_bw would parse them, for [`crate::Peer`].
-pub fn roles_args(
-    test: &str,
-    server: Option<&str>,
-    port: Option<u16>,
-    timeout: Option<u64>,
-    wire_port: Option<u16>,
-) -> Result<CommonArgs> {
-    #[derive(clap::Parser)]
-    struct Roles {
-        #[command(flatten)]
-        c: CommonArgs,
+/// The roles of a sample that runs as one process or as a server/client pair and has no other
+/// [`CommonArgs`] (echo, kv_transfer): flattened into its options.
+#[derive(Args, Clone, Debug)]
+pub struct RoleArgs {
+    /// Server to connect to (client role). With -p and without it, this process is the server.
+    #[arg(value_name = "SERVER", conflicts_with = "loopback")]
+    pub server: Option<String>,
+    /// TCP port of the rendezvous (server listens, client connects) [client's default: 18515].
+    #[arg(short = 'p', long, conflicts_with = "loopback")]
+    pub port: Option<u16>,
+    /// Both sides in this process (the default when neither SERVER nor -p is given).
+    #[arg(long)]
+    pub loopback: bool,
+    /// Roles: seconds a wait for the peer may take (the client's connect, each frame); a step
+    /// waits up to 30 times this. The server waits for its client without a limit unless this
+    /// is given [default: 10].
+    #[arg(long, value_name = "SECONDS", conflicts_with = "loopback",
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub timeout: Option<u64>,
+    /// Roles: UDP port of this side's soft NIC (its wire port) [default: 0, the system picks].
+    #[arg(long, value_name = "PORT", conflicts_with = "loopback")]
+    pub wire_port: Option<u16>,
+}
+
+/// What a process of such a sample plays ([`RoleArgs::role`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Loopback,
+    Server,
+    Client,
+}
+
+impl RoleArgs {
+    /// A SERVER makes a client, -p alone a server, neither (or --loopback) one process.
+    pub fn role(&self) -> Role {
+        match (&self.server, self.port) {
+            (Some(_), _) => Role::Client,
+            (None, Some(_)) if !self.loopback => Role::Server,
+            _ => Role::Loopback,
+        }
     }
-    let mut v = vec![test.to_string()];
-    v.extend(server.map(str::to_string));
-    v.extend(["-p".into(), port.unwrap_or(DEFAULT_PORT).to_string()]);
-    if let Some(t) = timeout {
-        v.extend(["--timeout".into(), t.to_string()]);
+
+    /// The [`CommonArgs`] these roles mean, parsed as put_bw would parse them, for
+    /// [`crate::Peer`].
+    pub fn common(&self, test: &str) -> Result<CommonArgs> {
+        #[derive(clap::Parser)]
+        struct Roles {
+            #[command(flatten)]
+            c: CommonArgs,
+        }
+        let mut v = vec![test.to_string()];
+        v.extend(self.server.iter().cloned());
+        v.extend(["-p".into(), self.port.unwrap_or(DEFAULT_PORT).to_string()]);
+        if let Some(t) = self.timeout {
+            v.extend(["--timeout".into(), t.to_string()]);
+        }
+        if let Some(w) = self.wire_port {
+            v.extend(["--wire-port".into(), w.to_string()]);
+        }
+        use anyhow::Context as _;
+        Ok(<Roles as clap::Parser>::try_parse_from(v)
+            .context("the rendezvous options")?
+            .c)
     }
-    if let Some(w) = wire_port {
-        v.extend(["--wire-port".into(), w.to_string()]);
-    }
-    use anyhow::Context as _;
-    Ok(<Roles as clap::Parser>::try_parse_from(v)
-        .context("the rendezvous options")?
-        .c)
 }
 
 /// The process's arguments parsed into `A` by `cmd`; on a usage error clap's message and exit.

@@ -39,7 +39,7 @@ use clap::{Parser, ValueEnum};
 use gpuverbs::gpu::Gpu;
 use gpuverbs::post::{Completion, CtrlFlags, Local, Op, RemoteAddr, RingMode};
 use gpuverbs::{Access, Context, CqOptions, DeviceRequest, HostBuffer, QpOptions};
-use gpuverbs_samples::{arg, connect_pair, LatStats};
+use gpuverbs_samples::{arg, connect_pair, LatStats, Role, RoleArgs};
 use serde_json::json;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -61,24 +61,8 @@ enum EchoOp {
                   and the soft NICs' RoCEv2-over-UDP wire."
 )]
 struct Args {
-    /// Server to connect to (client role). With -p and without it, this process is the server.
-    #[arg(value_name = "SERVER", conflicts_with = "loopback")]
-    server: Option<String>,
-    /// TCP port of the rendezvous (server listens, client connects) [client's default: 18515].
-    #[arg(short = 'p', long, conflicts_with = "loopback")]
-    port: Option<u16>,
-    /// Both sides in this process (the default when neither SERVER nor -p is given).
-    #[arg(long)]
-    loopback: bool,
-    /// Roles: seconds a wait for the peer may take (the client's connect, each frame); a step
-    /// waits up to 30 times this. The server waits for its client without a limit unless this
-    /// is given [default: 10].
-    #[arg(long, value_name = "SECONDS", conflicts_with = "loopback",
-          value_parser = clap::value_parser!(u64).range(1..=3600))]
-    timeout: Option<u64>,
-    /// Roles: UDP port of this side's soft NIC (its wire port) [default: 0, the system picks].
-    #[arg(long, value_name = "PORT", conflicts_with = "loopback")]
-    wire_port: Option<u16>,
+    #[command(flatten)]
+    roles: RoleArgs,
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     gpu: usize,
@@ -124,24 +108,6 @@ fn main() -> std::process::ExitCode {
     gpuverbs_samples::exit_with("echo", run(Args::parse()))
 }
 
-/// What this process plays.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Role {
-    Loopback,
-    Server,
-    Client,
-}
-
-impl Args {
-    fn role(&self) -> Role {
-        match (&self.server, self.port) {
-            (Some(_), _) => Role::Client,
-            (None, Some(_)) if !self.loopback => Role::Server,
-            _ => Role::Loopback,
-        }
-    }
-}
-
 /// The GPU and its kernels (the server's and a GPU client's), or why not.
 fn open_gpu(a: &Args, who: &str) -> Result<std::sync::Arc<Gpu>> {
     let gpu = Gpu::open(a.gpu).with_context(|| format!("echo needs a GPU: {who}"))?;
@@ -158,7 +124,7 @@ fn run(a: Args) -> Result<()> {
             "--initiator gpu sends SENDs (--op send)"
         );
     }
-    match a.role() {
+    match a.roles.role() {
         Role::Loopback => run_loopback(a),
         Role::Server | Role::Client => remote::run(&a),
     }
@@ -469,7 +435,7 @@ mod remote {
     use super::*;
     use gpuverbs::gpu::ExportedQp;
     use gpuverbs::{Cq, Mr, Qp, RemoteMemory};
-    use gpuverbs_samples::{connect_options, error_text, local_ip_towards, CommonArgs, Peer};
+    use gpuverbs_samples::{connect_options, error_text, local_ip_towards, Peer};
     use serde::{Deserialize, Serialize};
     use std::net::SocketAddr;
     use std::sync::atomic::AtomicU64;
@@ -478,16 +444,6 @@ mod remote {
     const TEST: &str = "echo";
     /// Where in the control page the server's kernel says its receives are posted.
     const READY_AT: u64 = 128;
-
-    fn common(a: &Args) -> Result<CommonArgs> {
-        gpuverbs_samples::args::roles_args(
-            TEST,
-            a.server.as_deref(),
-            a.port,
-            a.timeout,
-            a.wire_port,
-        )
-    }
 
     /// What the client tells the server when it is done.
     #[derive(Serialize, Deserialize)]
@@ -521,7 +477,7 @@ mod remote {
     /// this side's QP and buffers.
     fn open(a: &Args, peer: &Peer, gpu: Option<&Arc<Gpu>>) -> Result<Side> {
         let ip = local_ip_towards(peer.addr.ip())?;
-        let bind = SocketAddr::from((ip, a.wire_port.unwrap_or(0)));
+        let bind = SocketAddr::from((ip, a.roles.wire_port.unwrap_or(0)));
         let ctx = Context::open_wire(DeviceRequest::Soft, bind)
             .with_context(|| format!("open the soft NIC (a wire port on {bind})"))?;
         let pd = ctx.alloc_pd();
@@ -530,7 +486,7 @@ mod remote {
             ctx.create_cq(CqOptions::default())?,
         );
         let qp = pd.create_qp(QpOptions::new(&scq, &rcq))?;
-        let server = a.role() == Role::Server;
+        let server = a.roles.role() == Role::Server;
         let len = a.size as usize * if server { a.slots as usize } else { 1 };
         let buf = HostBuffer::new(len);
         let mr = pd.register_with(&buf, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
@@ -566,17 +522,17 @@ mod remote {
     }
 
     pub fn run(a: &Args) -> Result<()> {
-        let role = a.role();
+        let role = a.roles.role();
         // Before the rendezvous: a server without a GPU says so at once instead of waiting.
         let gpu = match (role, a.initiator) {
             (Role::Server, _) => Some(open_gpu(a, "the server is a kernel")?),
             (_, Client::Gpu) => Some(open_gpu(a, "--initiator gpu: the client is a kernel")?),
             _ => None,
         };
-        if role == Role::Client && a.port == Some(0) {
+        if role == Role::Client && a.roles.port == Some(0) {
             bail!("-p 0: the client needs the server's port (the one the server printed)");
         }
-        let common = common(a)?;
+        let common = a.roles.common(TEST)?;
         let mut peer = Peer::rendezvous(&common, TEST)?;
         if gpu.is_some() && role == Role::Client && peer.addr.ip().is_loopback() {
             // Measured on the H200: 4.5 ms per round trip without MPS, 70 µs with a CPU client.

@@ -29,31 +29,14 @@ use anyhow::{bail, ensure, Context as _, Result};
 use clap::Parser;
 use gpuverbs::gpu::Gpu;
 use gpuverbs::{Access, ConnectOptions, Context, CqOptions, DeviceRequest, HostBuffer, QpOptions};
-use gpuverbs_samples::{arg, upload};
+use gpuverbs_samples::{arg, upload, Role, RoleArgs};
 use serde_json::json;
 
 #[derive(Parser)]
 #[command(about = "Non-contiguous GPU blocks to a peer, one signal per batch, checked on the GPU")]
 struct Args {
-    /// Server to connect to (client role: the sender). With -p and without it, this process is
-    /// the server (the receiver).
-    #[arg(value_name = "SERVER", conflicts_with = "loopback")]
-    server: Option<String>,
-    /// TCP port of the rendezvous (server listens, client connects) [client's default: 18515].
-    #[arg(short = 'p', long, conflicts_with = "loopback")]
-    port: Option<u16>,
-    /// Both sides in this process (the default when neither SERVER nor -p is given).
-    #[arg(long)]
-    loopback: bool,
-    /// Roles: seconds a wait for the peer may take (the client's connect, each frame); a step
-    /// waits up to 30 times this. The server waits for its client without a limit unless this
-    /// is given [default: 10].
-    #[arg(long, value_name = "SECONDS", conflicts_with = "loopback",
-          value_parser = clap::value_parser!(u64).range(1..=3600))]
-    timeout: Option<u64>,
-    /// Roles: UDP port of this side's soft NIC (its wire port) [default: 0, the system picks].
-    #[arg(long, value_name = "PORT", conflicts_with = "loopback")]
-    wire_port: Option<u16>,
+    #[command(flatten)]
+    roles: RoleArgs,
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     gpu: usize,
@@ -178,10 +161,10 @@ fn run(a: Args) -> Result<()> {
         a.block_size % 8 == 0,
         "--block-size must be a multiple of 8"
     );
-    match (&a.server, a.port) {
-        (Some(_), _) => remote::run(&a, false),
-        (None, Some(_)) if !a.loopback => remote::run(&a, true),
-        _ => run_loopback(a),
+    match a.roles.role() {
+        Role::Client => remote::run(&a, false),
+        Role::Server => remote::run(&a, true),
+        Role::Loopback => run_loopback(a),
     }
 }
 
@@ -303,21 +286,11 @@ mod remote {
     use super::*;
     use gpuverbs::gpu::{DeviceMem, ExportedQp};
     use gpuverbs::{Cq, Mr, Qp, RemoteMemory};
-    use gpuverbs_samples::{local_ip_towards, CommonArgs, Peer};
+    use gpuverbs_samples::{local_ip_towards, Peer};
     use std::net::SocketAddr;
     use std::sync::Arc;
 
     const TEST: &str = "kv_transfer";
-
-    fn common(a: &Args) -> Result<CommonArgs> {
-        gpuverbs_samples::args::roles_args(
-            TEST,
-            a.server.as_deref(),
-            a.port,
-            a.timeout,
-            a.wire_port,
-        )
-    }
 
     /// This side's device, QP and GPU buffers.
     struct Side {
@@ -340,7 +313,7 @@ mod remote {
 
     fn open(a: &Args, peer: &Peer, gpu: &Arc<Gpu>, receiver: bool) -> Result<Side> {
         let ip = local_ip_towards(peer.addr.ip())?;
-        let bind = SocketAddr::from((ip, a.wire_port.unwrap_or(0)));
+        let bind = SocketAddr::from((ip, a.roles.wire_port.unwrap_or(0)));
         let ctx = Context::open_wire(DeviceRequest::Soft, bind)
             .with_context(|| format!("open the soft NIC (a wire port on {bind})"))?;
         let pd = ctx.alloc_pd();
@@ -455,7 +428,7 @@ mod remote {
     }
 
     pub fn run(a: &Args, receiver: bool) -> Result<()> {
-        if !receiver && a.port == Some(0) {
+        if !receiver && a.roles.port == Some(0) {
             bail!("-p 0: the client needs the server's port (the one the server printed)");
         }
         // Before the rendezvous: without a GPU, say so at once instead of waiting.
@@ -465,7 +438,7 @@ mod remote {
             "kv_transfer needs a GPU: the sender (client) is a kernel"
         })?;
         gpuverbs::cuda::fatbin().context("kv_transfer needs the gpuverbs kernels")?;
-        let common = common(a)?;
+        let common = a.roles.common(TEST)?;
         let mut peer = Peer::rendezvous(&common, TEST)?;
         if peer.addr.ip().is_loopback() {
             // Measured on the H200: 18 s for 1024 blocks of 16 KiB without MPS.
