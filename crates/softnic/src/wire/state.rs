@@ -264,11 +264,10 @@ impl ReqWire {
         self.resend = None;
         self.goback = Some((to, now));
         self.rtt_probe = None;
-        if !self.selective {
-            // go-back-N resends the window: halve it. With selective repeat nothing says the
-            // path is congested (a lost packet, its resend lost too): keep it.
-            self.congestion();
-        }
+        // Halve the window: going back N resends it. With selective repeat only a timer goes
+        // back (NAKs resend one packet and cut nothing), and a timer that fires says the path
+        // lost more than single packets (a receiver's socket overflowing, say): cut too.
+        self.congestion();
     }
 
     /// Goes back to `una` for a sequence NAK. The responder NAKs a gap once, and again only
