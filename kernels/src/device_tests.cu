@@ -192,12 +192,13 @@ GPUVERBS_KERNEL void gv_test_put_private(const uint64_t* qps, const uint64_t* lb
 // `sq`: once *ready, it writes n_imm messages of `size` bytes from src + k * size to
 // dst + k * size with immediate 0x1000 + k, then sends n_send messages from
 // src + (n_imm + k) * size (SEND_IMM with 0x2000 + k for odd k), then quiets, reporting into
-// out_send.
+// out_send. With `src_dev` (the source as the GPU sees it; 0: none) the sends are send_inline
+// calls copying from src_dev + (n_imm + k) * size.
 GPUVERBS_KERNEL void gv_test_recv(gpuverbs_qp* sq, gpuverbs_qp* rq, uint64_t src, uint32_t slk,
-                                  uint64_t dst, uint32_t drk, uint32_t size, uint32_t n_imm,
-                                  uint32_t n_send, uint64_t rbuf, uint32_t rlk, uint32_t rsize,
-                                  uint32_t* ready, uint32_t* comps, uint64_t budget,
-                                  int* out_recv, int* out_send) {
+                                  const uint8_t* src_dev, uint64_t dst, uint32_t drk,
+                                  uint32_t size, uint32_t n_imm, uint32_t n_send, uint64_t rbuf,
+                                  uint32_t rlk, uint32_t rsize, uint32_t* ready, uint32_t* comps,
+                                  uint64_t budget, int* out_recv, int* out_send) {
     using namespace gpuverbs;
     if (threadIdx.x != 0) return;
     error e{};
@@ -235,8 +236,11 @@ GPUVERBS_KERNEL void gv_test_recv(gpuverbs_qp* sq, gpuverbs_qp* rq, uint64_t src
     }
     for (uint32_t k = 0; k < n_send && s == OK; ++k) {
         const uint64_t off = (uint64_t)(n_imm + k) * size;
-        s = send<sharing::exclusive>(sq, src + off, lkey{slk}, size, k % 2 == 1, 0x2000u + k,
-                                     false, budget);
+        s = src_dev != nullptr
+                ? send_inline<sharing::exclusive>(sq, src_dev + off, size, k % 2 == 1,
+                                                  0x2000u + k, false, budget)
+                : send<sharing::exclusive>(sq, src + off, lkey{slk}, size, k % 2 == 1,
+                                           0x2000u + k, false, budget);
     }
     if (s == OK) {
         s = quiet<sharing::exclusive>(sq, budget, &e);

@@ -991,22 +991,36 @@ pub fn collapsed_cq(ordinal: usize) -> Result<String> {
     Ok(format!("{r} (collapsed send CQ)"))
 }
 
+/// What [`recv`] varies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvCase {
+    /// The sends gather from B's source buffer.
+    Gather,
+    /// The sends are `send_inline` calls copying the source (mapped into the GPU) into their
+    /// WQEs.
+    InlineSends,
+    /// A's one receive buffer is half the message: A's receive completes with LOCAL_LENGTH and
+    /// B's send with REMOTE_INVAL_REQ, both seen by the kernel.
+    TooSmall,
+}
+
 /// Receive side on the GPU: one kernel thread on side B writes with immediate, sends and sends
 /// with immediate to side A, where another kernel thread has posted the receive buffers and
 /// takes the receive completions (A's rings, receive CQ included, in `rings`; B rings in
-/// `mode`). The host checks every completion field and every byte. With `too_small`, A's one
-/// receive buffer is half the message: A's receive completes with LOCAL_LENGTH and B's send
-/// with REMOTE_INVAL_REQ, both seen by the kernel.
+/// `mode`). The host checks every completion field and every byte. [`RecvCase`] says what
+/// varies.
 pub fn recv(
     ordinal: usize,
     mode: DoorbellMode,
     rings: RingPlacement,
-    too_small: bool,
+    case: RecvCase,
 ) -> Result<String> {
-    let (n_imm, n_send, size) = if too_small {
-        (0u32, 1u32, 256u32)
-    } else {
-        (24u32, 24u32, 256u32)
+    let too_small = case == RecvCase::TooSmall;
+    let (n_imm, n_send, size) = match case {
+        RecvCase::TooSmall => (0u32, 1u32, 256u32),
+        RecvCase::Gather => (24, 24, 256),
+        // Payloads that fill several WQE blocks, none a multiple of 16 bytes.
+        RecvCase::InlineSends => (4, 24, 180),
     };
     let rsize = if too_small { size / 2 } else { size };
     let n = (n_imm + n_send) as usize;
@@ -1067,6 +1081,10 @@ pub fn recv(
     let (st_recv, st_send) = (Status::new(&gpu)?, Status::new(&gpu)?);
     let (mut sq, mut rq) = (eb.ptr(), ea.ptr());
     let (mut src_a, mut slk) = (src_mr.addr(), src_mr.lkey().0);
+    let mut src_dev = match case {
+        RecvCase::InlineSends => gpu.map_host(&src)?,
+        _ => 0u64,
+    };
     let (mut dst_a, mut drk) = (dst_mr.addr(), dst_mr.rkey().0);
     let (mut size_, mut n_imm_, mut n_send_) = (size, n_imm, n_send);
     let (mut rbuf, mut rlk, mut rsize_) = (dst_mr.addr() + recv_off as u64, dst_mr.lkey().0, rsize);
@@ -1077,6 +1095,7 @@ pub fn recv(
         arg(&mut rq),
         arg(&mut src_a),
         arg(&mut slk),
+        arg(&mut src_dev),
         arg(&mut dst_a),
         arg(&mut drk),
         arg(&mut size_),
@@ -1159,8 +1178,12 @@ pub fn recv(
         da.rq_posted,
         da.rcq_ci
     );
+    let how = match case {
+        RecvCase::InlineSends => " (the sends inline)",
+        _ => "",
+    };
     Ok(format!(
-        "{n_imm} WRITE_IMM, {} SEND, {} SEND_IMM of {size} B: every receive completion \
+        "{n_imm} WRITE_IMM, {} SEND, {} SEND_IMM of {size} B{how}: every receive completion \
          (opcode, immediate, length, WQE) and every byte verified",
         n_send.div_ceil(2),
         n_send / 2

@@ -34,7 +34,7 @@ struct Case {
 mod dataplane;
 mod devmem;
 
-use dataplane::{Mem, PutArgs, PutCase};
+use dataplane::{Mem, PutArgs, PutCase, RecvCase};
 use gpuverbs::DoorbellMode::{BlueFlame, CpuProxy, GpuDoorbell};
 use gpuverbs::RingPlacement::{self, Gpu as GpuRings, HostMapped};
 
@@ -98,13 +98,16 @@ fn private_qps_bf(ctx: &Ctx) -> Result<String> {
     dataplane::private_qps(ctx.ordinal, BlueFlame)
 }
 fn recv_gpudb(ctx: &Ctx) -> Result<String> {
-    dataplane::recv(ctx.ordinal, GpuDoorbell, HostMapped, false)
+    dataplane::recv(ctx.ordinal, GpuDoorbell, HostMapped, RecvCase::Gather)
 }
 fn recv_proxy_gpurings(ctx: &Ctx) -> Result<String> {
-    dataplane::recv(ctx.ordinal, CpuProxy, GpuRings, false)
+    dataplane::recv(ctx.ordinal, CpuProxy, GpuRings, RecvCase::Gather)
 }
 fn recv_too_small_bf(ctx: &Ctx) -> Result<String> {
-    dataplane::recv(ctx.ordinal, BlueFlame, HostMapped, true)
+    dataplane::recv(ctx.ordinal, BlueFlame, HostMapped, RecvCase::TooSmall)
+}
+fn recv_inline_bf(ctx: &Ctx) -> Result<String> {
+    dataplane::recv(ctx.ordinal, BlueFlame, HostMapped, RecvCase::InlineSends)
 }
 fn collapsed_cq(ctx: &Ctx) -> Result<String> {
     dataplane::collapsed_cq(ctx.ordinal)
@@ -205,6 +208,7 @@ const CASES: &[Case] = cases![
     recv_gpudb,
     recv_proxy_gpurings,
     recv_too_small_bf,
+    recv_inline_bf,
     exclusive_wrap,
     exclusive_wrap_bf,
     poster_handover,

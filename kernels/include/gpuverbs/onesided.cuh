@@ -1,7 +1,7 @@
 // gpuverbs device API — onesided.cuh (see qp.cuh for the layers).
 //
 // High-level operations at thread scope: put, put_imm, put_inline, put_signal, signal, send,
-// get, atomics, wait_signal, quiet, fence.
+// send_inline, get, atomics, wait_signal, quiet, fence.
 #ifndef GPUVERBS_ONESIDED_CUH
 #define GPUVERBS_ONESIDED_CUH
 
@@ -138,14 +138,28 @@ __device__ status send(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint32_t len, bo
     });
 }
 
-// RDMA write with the payload in the WQE (len <= max_inline).
+// RDMA write with the payload in the WQE (len <= max_inline; `src` is the kernel's own
+// memory, reusable when the call returns).
 template <sharing S = sharing::gpu>
 __device__ status put_inline(gpuverbs_qp* q, const void* src, uint32_t len, uint64_t raddr,
-                             rkey rk, bool signaled, uint64_t budget_ns) {
+                             rkey rk, bool signaled, uint64_t budget_ns, bool do_ring = true) {
     if (len > q->max_inline) return INVALID;
-    return post1<S>(q, inline_write_blocks(len), signaled, true, budget_ns,
+    return post1<S>(q, inline_write_blocks(len), signaled, do_ring, budget_ns,
                     [&](uint64_t idx, uint8_t f) {
                         prep_write_inline(q, idx, src, len, raddr, rk, f);
+                    });
+}
+
+// SEND with the payload in the WQE (len <= max_inline; `src` as put_inline's); with
+// `with_imm`, SEND_IMM carrying `imm`.
+template <sharing S = sharing::gpu>
+__device__ status send_inline(gpuverbs_qp* q, const void* src, uint32_t len, bool with_imm,
+                              uint32_t imm, bool signaled, uint64_t budget_ns,
+                              bool do_ring = true) {
+    if (len > q->max_inline) return INVALID;
+    return post1<S>(q, inline_send_blocks(len), signaled, do_ring, budget_ns,
+                    [&](uint64_t idx, uint8_t f) {
+                        prep_send_inline(q, idx, src, len, f, with_imm, imm);
                     });
 }
 

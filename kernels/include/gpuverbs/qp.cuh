@@ -6,8 +6,9 @@
 //   publish  -> make WQEs visible in order
 //   ring     -> tell the device (GPU doorbell, BlueFlame, or CPU-proxy producer word)
 //   poll     -> take CQEs, retire SQ space, report errors
-//   high level: put, put_imm, put_inline, put_signal, signal, send, get, atomic_fetch_add,
-//               atomic_compare_swap, wait_signal, quiet, fence; warp- and block-scope put.
+//   high level: put, put_imm, put_inline, put_signal, signal, send, send_inline, get,
+//               atomic_fetch_add, atomic_compare_swap, wait_signal, quiet, fence; warp- and
+//               block-scope put.
 //   receive side: post_recv, recv_wait.
 //
 // Every wait takes a budget in nanoseconds (%globaltimer) and returns a status; nothing spins

@@ -105,41 +105,78 @@ __device__ __forceinline__ void prep_write(const gpuverbs_qp* q, uint64_t idx, u
     store_block(q, idx, build_write(q, idx, laddr, lk, raddr, rk, len, flags, with_imm, imm));
 }
 
-// Blocks an inline write of `len` bytes takes: ctrl + raddr + align(4 + len, 16).
+// Units (16 bytes) an inline data segment of `len` bytes takes: a 4-byte header (the byte
+// count with bit 31 set), then the payload, padded to a unit.
+__device__ __forceinline__ uint32_t inline_units(uint32_t len) { return (4 + len + 15) / 16; }
+
+// Blocks an inline write of `len` bytes takes: ctrl + raddr + the inline segment.
 __device__ __forceinline__ uint32_t inline_write_blocks(uint32_t len) {
-    uint32_t ds = 2 + (4 + len + 15) / 16;
-    return (ds + 3) / 4;
+    return (2 + inline_units(len) + 3) / 4;
+}
+
+// Blocks an inline send of `len` bytes takes: ctrl + the inline segment.
+__device__ __forceinline__ uint32_t inline_send_blocks(uint32_t len) {
+    return (1 + inline_units(len) + 3) / 4;
+}
+
+// Word `off / 4` of an inline segment's payload (`off` a multiple of 4, the payload's bytes
+// past `len` zero): one load when `src` is 4-byte aligned and the word whole, else bytes.
+__device__ __forceinline__ uint32_t inline_word(const uint8_t* src, bool aligned, uint64_t off,
+                                                uint32_t len) {
+    if (aligned && off + 4 <= len) return *reinterpret_cast<const uint32_t*>(src + off);
+    uint32_t v = 0;
+    for (uint32_t b = 0; b < 4; ++b) {
+        if (off + b < len) v |= (uint32_t)src[off + b] << (8 * b);
+    }
+    return v;
+}
+
+// The inline data segment of `len` bytes from `src`, from unit `first` of the WQE at `idx` to
+// the end of its `blocks` blocks (zeros past the payload; units may wrap at the ring's end).
+// Block by block, all of a block's source words are loaded before any is stored, so a block
+// costs one trip to the source (which may be host memory across PCIe), not one per word.
+__device__ __forceinline__ void store_inline(const gpuverbs_qp* q, uint64_t idx, uint32_t first,
+                                             uint32_t blocks, const void* src, uint32_t len) {
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    const bool aligned = (reinterpret_cast<uintptr_t>(src) & 3u) == 0;
+    const uint32_t hdr = bswap32(len | 0x80000000u);
+    for (uint32_t base = first & ~3u; base < blocks * 4; base += 4) {
+        uint32_t w[16];
+#pragma unroll
+        for (uint32_t j = 0; j < 16; ++j) {
+            const uint32_t u = base + j / 4;
+            // Offset in the segment: the header word, then the payload.
+            const uint32_t seg = (u - first) * 16 + (j % 4) * 4;
+            w[j] = u < first ? 0 : seg == 0 ? hdr : inline_word(s, aligned, seg - 4, len);
+        }
+        uint8_t* const p = wqe_slot(q, idx + base / 4);
+#pragma unroll
+        for (uint32_t j = 0; j < 4; ++j) {
+            if (base + j >= first) {
+                st16(p + 16 * j, make_uint4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]));
+            }
+        }
+    }
 }
 
 // RDMA_WRITE with the payload carried in the WQE.
 __device__ __forceinline__ void prep_write_inline(const gpuverbs_qp* q, uint64_t idx,
                                                   const void* src, uint32_t len, uint64_t raddr,
                                                   rkey rk, uint8_t flags) {
-    uint32_t ds = 2 + (4 + len + 15) / 16;
-    uint32_t blocks = (ds + 3) / 4;
+    const uint32_t ds = 2 + inline_units(len);
     st16(wqe_unit(q, idx, 0), seg_ctrl(OP_RDMA_WRITE, 0, idx, q->qpn, ds, flags, 0));
     st16(wqe_unit(q, idx, 1), seg_raddr(raddr, rk));
-    // Inline bytes: a 4-byte header then the payload, unit by unit (units may wrap blocks).
-    const uint8_t* s = static_cast<const uint8_t*>(src);
-    for (uint32_t u = 2; u < blocks * 4; ++u) {
-        uint32_t w[4];
-        for (int k = 0; k < 4; ++k) {
-            uint32_t v = 0;
-            for (int b = 0; b < 4; ++b) {
-                int off = (int)((u - 2) * 16 + k * 4 + b) - 4;  // payload offset
-                uint8_t byte = 0;
-                if (off < 0) {
-                    uint32_t hdr = bswap32(len | 0x80000000u);
-                    byte = (uint8_t)(hdr >> (8 * (off + 4)));
-                } else if ((uint32_t)off < len) {
-                    byte = s[off];
-                }
-                v |= (uint32_t)byte << (8 * b);
-            }
-            w[k] = v;
-        }
-        st16(wqe_unit(q, idx, u), make_uint4(w[0], w[1], w[2], w[3]));
-    }
+    store_inline(q, idx, 2, inline_write_blocks(len), src, len);
+}
+
+// SEND (or SEND_IMM when imm is given) with the payload carried in the WQE.
+__device__ __forceinline__ void prep_send_inline(const gpuverbs_qp* q, uint64_t idx,
+                                                 const void* src, uint32_t len, uint8_t flags,
+                                                 bool with_imm = false, uint32_t imm = 0) {
+    const uint32_t ds = 1 + inline_units(len);
+    st16(wqe_unit(q, idx, 0),
+         seg_ctrl(with_imm ? OP_SEND_IMM : OP_SEND, 0, idx, q->qpn, ds, flags, imm));
+    store_inline(q, idx, 1, inline_send_blocks(len), src, len);
 }
 
 // RDMA_READ into local memory: 1 block.
