@@ -7,7 +7,7 @@
 
 namespace samples {
 
-// One QP's share of a put_bw run. Mirrors `gpuverbs_samples::BwJob` (48 bytes, checked on both
+// One QP's share of a put_bw run. Mirrors `gpuverbs_samples::BwJob` (56 bytes, checked on both
 // sides).
 struct bw_job {
     gpuverbs_qp* qp;     // exported descriptor
@@ -19,8 +19,46 @@ struct bw_job {
     uint32_t dst_slots;  // destination slots of the job (a multiple of `workers`)
     uint32_t src_slots;  // source slots (not dividing dst_slots: consecutive writes of a slot differ)
     uint32_t src_shift;  // iteration i of the job reads source slot (i + src_shift) % src_slots
+    const uint8_t* src_dev;  // source slot 0 as the GPU sees it (inline WQEs copy from it)
 };
-static_assert(sizeof(bw_job) == 48, "bw_job layout");
+static_assert(sizeof(bw_job) == 56, "bw_job layout");
+
+// -D (a run of a duration, not a count): ctl[0] is the highest iteration index any thread has
+// started, with bit 63 set once the duration is over (from then on it no longer moves);
+// ctl[1] the run's start (%globaltimer, set by the first thread). Every thread asks before
+// each of its iterations; an iteration runs when the duration is not over or its index is at
+// most the frozen highest, so every job runs iterations 0 ..= the frozen highest, the same
+// count for all (the host reads it). With `ctl` null, every iteration below `iters` runs.
+struct duration_ctl {
+    unsigned long long* ctl;
+    uint64_t duration_ns;
+    uint64_t start;
+    uint32_t iters;
+
+    __device__ __forceinline__ duration_ctl(unsigned long long* c, uint64_t d, uint32_t n)
+        : ctl(c), duration_ns(d), start(0), iters(n) {
+        if (ctl != nullptr) {
+            const uint64_t t = gpuverbs::now_ns();
+            const unsigned long long was = atomicCAS(&ctl[1], 0ull, (unsigned long long)t);
+            start = was == 0 ? t : was;
+        }
+    }
+
+    // Whether iteration `i` runs.
+    __device__ __forceinline__ bool go(uint64_t i) const {
+        if (ctl == nullptr) return i < iters;
+        constexpr unsigned long long STOP = 1ull << 63;
+        if (i >= iters) {
+            // The count's limit: the run ends as if the duration were over.
+            atomicOr(&ctl[0], STOP);
+            return false;
+        }
+        const unsigned long long old = atomicMax(&ctl[0], (unsigned long long)i);
+        if (old & STOP) return i <= (old & ~STOP);
+        if (gpuverbs::now_ns() - start >= duration_ns) atomicOr(&ctl[0], STOP);
+        return true;
+    }
+};
 
 // One side of a write_lat ping-pong. Mirrors `gpuverbs_samples::LatSide` (72 bytes).
 struct lat_side {
@@ -56,32 +94,38 @@ GPUVERBS_DEVICE uint64_t tail_mask(uint32_t n) {
 
 template <gpuverbs::sharing S>
 GPUVERBS_DEVICE gpuverbs::status bw_loop(gpuverbs_qp* q, const bw_job& job, uint32_t w,
-                                         uint32_t size, uint32_t iters, uint32_t scope,
-                                         uint32_t batch, uint32_t sig_calls, uint64_t budget) {
+                                         uint32_t size, const duration_ctl& d, uint32_t scope,
+                                         uint32_t batch, uint32_t sig_calls, bool inl,
+                                         uint64_t budget) {
     using namespace gpuverbs;
     const uint32_t W = job.workers;
-    const uint32_t rounds = (iters + W - 1) / W;
     status s = OK;
-    for (uint32_t r = 0; r < rounds; ++r) {
-        const uint64_t i = (uint64_t)r * W + w;
-        const bool part = i < iters;
-        const uint64_t laddr = job.lbase + ((i + job.src_shift) % job.src_slots) * size;
+    for (uint64_t r = 0;; ++r) {
+        const uint64_t i = r * W + w;
+        const bool part = d.go(i);
+        const uint64_t src = ((i + job.src_shift) % job.src_slots) * size;
         const uint64_t raddr = job.rbase + (i % job.dst_slots) * size;
         const bool sig = (r + 1) % sig_calls == 0;
         if (scope == 2) {
-            // Collective: every thread of the block takes part in every round.
-            s = put_block<S>(q, part, laddr, lkey{job.lkey}, raddr, rkey{job.rkey}, size, sig,
-                             budget);
+            // Collective: every thread of the block takes part in every round some thread of
+            // it runs.
+            if (!__syncthreads_or(part)) break;
+            s = put_block<S>(q, part, job.lbase + src, lkey{job.lkey}, raddr, rkey{job.rkey},
+                             size, sig, budget);
         } else if (!part) {
             break;
         } else if (scope == 1) {
-            s = put_warp<S>(q, laddr, lkey{job.lkey}, raddr, rkey{job.rkey}, size, sig, budget);
+            s = put_warp<S>(q, job.lbase + src, lkey{job.lkey}, raddr, rkey{job.rkey}, size, sig,
+                            budget);
         } else {
-            // Thread scope: `batch` WQEs per doorbell; a thread's last WQE always rings.
-            const bool last = i + W >= iters;
+            // Thread scope: `batch` WQEs per doorbell; a thread's last WQE of a counted run
+            // always rings (after a run of a duration, the final quiet rings what is left).
+            const bool last = d.ctl == nullptr && i + W >= d.iters;
             const bool ring_now = last || (r + 1) % batch == 0;
-            s = put<S>(q, laddr, lkey{job.lkey}, raddr, rkey{job.rkey}, size, sig, budget,
-                       ring_now);
+            s = inl ? put_inline<S>(q, job.src_dev + src, size, raddr, rkey{job.rkey}, sig, budget,
+                                    ring_now)
+                    : put<S>(q, job.lbase + src, lkey{job.lkey}, raddr, rkey{job.rkey}, size, sig,
+                             budget, ring_now);
         }
         if (s != OK) break;
     }
@@ -95,12 +139,15 @@ GPUVERBS_DEVICE gpuverbs::status bw_loop(gpuverbs_qp* q, const bw_job& job, uint
 // RDMA WRITE of `size` bytes from source slot (i + shift) % src_slots to destination slot
 // i % dst_slots. Scope 0 (thread): put() with `batch` WQEs per doorbell; 1 (warp): put_warp, one
 // doorbell per warp call; 2 (block): put_block, one doorbell per block call. One WQE in about
-// `sig_calls` calls of each poster asks for a CQE. After the loop one thread per CTA calls
-// quiet. `times[2c]`, `times[2c+1]`: %globaltimer at the CTA's start and after its quiet.
+// `sig_calls` calls of each poster asks for a CQE. `inl` (thread scope): put_inline from the
+// source slot at `src_dev`. With `ctl` (-D, see duration_ctl) the run lasts `duration_ns`
+// instead of `iters` iterations. After the loop one thread per CTA calls quiet. `times[2c]`,
+// `times[2c+1]`: %globaltimer at the CTA's start and after its quiet.
 GPUVERBS_KERNEL void gv_sample_put_bw(const samples::bw_job* jobs, uint32_t njobs, uint32_t size,
                                       uint32_t iters, uint32_t scope, uint32_t batch,
-                                      uint32_t sig_calls, uint64_t budget, int* out,
-                                      uint64_t* times) {
+                                      uint32_t sig_calls, uint32_t inl,
+                                      unsigned long long* ctl, uint64_t duration_ns,
+                                      uint64_t budget, int* out, uint64_t* times) {
     using namespace gpuverbs;
     const uint32_t j = blockIdx.x % njobs;
     const samples::bw_job job = jobs[j];
@@ -112,10 +159,12 @@ GPUVERBS_KERNEL void gv_sample_put_bw(const samples::bw_job* jobs, uint32_t njob
     if (sig_calls == 0) sig_calls = 1;
     __syncthreads();
     if (threadIdx.x == 0) times[2 * blockIdx.x] = now_ns();
-    status s = exclusive ? samples::bw_loop<sharing::exclusive>(q, job, w, size, iters, scope,
-                                                                batch, sig_calls, budget)
-                         : samples::bw_loop<sharing::gpu>(q, job, w, size, iters, scope, batch,
-                                                          sig_calls, budget);
+    const samples::duration_ctl d(ctl, duration_ns, iters);
+    const bool in = inl != 0 && scope == 0;
+    status s = exclusive ? samples::bw_loop<sharing::exclusive>(q, job, w, size, d, scope, batch,
+                                                                sig_calls, in, budget)
+                         : samples::bw_loop<sharing::gpu>(q, job, w, size, d, scope, batch,
+                                                          sig_calls, in, budget);
     error e{};
     if (s != OK) e = last_error(q);
     samples::report(out, s, e, (int)j);
@@ -145,11 +194,13 @@ constexpr uint32_t MAX_OUTS = 256;
 // for a CQE (atomics: every one, as the device API posts them), and the last. `outs` (READ and
 // atomics; 0: none): at most that many WQEs in flight; before WQE i the thread waits until WQE
 // i - outs has completed (its ticket: `sq_ready` after its publish; sig_calls <= outs, so a
-// signaled WQE at or after it is posted). `times[2j]`, `times[2j+1]`: %globaltimer at the start
-// and after the final quiet. Every wait is bounded by `budget` ns.
+// signaled WQE at or after it is posted). `inl` (SEND): send_inline from the source slot at
+// `src_dev`. `ctl`, `duration_ns` as gv_sample_put_bw's. `times[2j]`, `times[2j+1]`:
+// %globaltimer at the start and after the final quiet. Every wait is bounded by `budget` ns.
 GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njobs, uint32_t verb,
                                        uint32_t size, uint32_t iters, uint32_t sig_calls,
-                                       uint32_t outs, uint64_t budget, int* out,
+                                       uint32_t outs, uint32_t inl, unsigned long long* ctl,
+                                       uint64_t duration_ns, uint64_t budget, int* out,
                                        uint64_t* times) {
     using namespace gpuverbs;
     if (threadIdx.x != 0 || blockIdx.x >= njobs) return;
@@ -161,9 +212,10 @@ GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njo
     uint64_t tickets[samples::MAX_OUTS];
     const uint64_t base = samples::atomic_base(job.src_shift);
     times[2 * j] = now_ns();
+    const samples::duration_ctl d(ctl, duration_ns, iters);
     status s = OK;
     error e{};
-    for (uint32_t i = 0; i < iters && s == OK; ++i) {
+    for (uint32_t i = 0; s == OK && d.go(i); ++i) {
         if (outs != 0 && i >= outs) {
             s = wait_ticket<sharing::exclusive>(q, tickets[i % outs], budget, &e);
             if (s != OK) break;
@@ -177,8 +229,10 @@ GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njo
                                             rkey{job.rkey}, size, sig, budget);
                 break;
             case 2:
-                s = send<sharing::exclusive>(q, job.lbase + src, lkey{job.lkey}, size, false, 0,
-                                             sig, budget);
+                s = inl ? send_inline<sharing::exclusive>(q, job.src_dev + src, size, false, 0,
+                                                          sig, budget)
+                        : send<sharing::exclusive>(q, job.lbase + src, lkey{job.lkey}, size,
+                                                   false, 0, sig, budget);
                 break;
             case 3:
                 s = atomic_fetch_add<sharing::exclusive>(q, job.rbase, rkey{job.rkey}, 1,
@@ -202,94 +256,41 @@ GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njo
     times[2 * j + 1] = now_ns();
 }
 
-// write_lat: block 0 drives side A, block 1 side B, one thread each (each owns its QP). For
-// k = 0 .. iters-1: A stamps %globaltimer, writes the tail k+1 into its payload and writes the
-// payload to B; B waits until the tail (or, with `use_signal`, its signal word) shows k+1 and
-// answers the same way; A waits for the answer and records the round trip in rtt[k]. One WQE in
-// `cq_mod` asks for a CQE. Every wait is bounded by `budget` ns.
-// `tail_len`: bytes of the tail (min(size, 8)); the tail ends on an 8-byte boundary.
-GPUVERBS_KERNEL void gv_sample_write_lat(const samples::lat_side* sides, uint32_t size,
-                                         uint32_t tail_len, uint32_t iters, uint32_t use_signal,
-                                         uint32_t cq_mod, uint64_t budget, int* out,
-                                         uint64_t* rtt) {
-    using namespace gpuverbs;
-    if (threadIdx.x != 0 || blockIdx.x > 1) return;
-    const int me = (int)blockIdx.x;
-    const samples::lat_side side = sides[me];
-    gpuverbs_qp* q = side.qp;
-    const uint64_t mask = samples::tail_mask(tail_len);
-    const uint32_t shift = 64 - 8 * tail_len;  // the tail is the top bytes of the word
-    if (cq_mod == 0) cq_mod = 1;
-    uint8_t* tail_dst = reinterpret_cast<uint8_t*>(side.src_dev) + size - tail_len;
-    const uint64_t* recv_word = reinterpret_cast<const uint64_t*>(side.recv_dev);
-    status s = OK;
-    error e{};
-
-    auto wait_for = [&](uint64_t k1) -> status {
-        if (use_signal) return wait_signal(reinterpret_cast<const uint64_t*>(side.sig_dev), k1, budget);
-        const uint64_t want = k1 & mask;
-        const uint64_t deadline = now_ns() + budget;
-        while (((ld_acquire_sys64(recv_word) >> shift) & mask) != want) {
-            if (now_ns() > deadline) return TIMEOUT;
-        }
-        return OK;
-    };
-    auto send = [&](uint64_t k1) -> status {
-        for (uint32_t b = 0; b < tail_len; ++b) tail_dst[b] = (uint8_t)(k1 >> (8 * b));
-        const bool sig = k1 % cq_mod == 0;
-        if (use_signal) {
-            return put_signal<sharing::exclusive>(q, side.src_nic, lkey{side.lkey},
-                                                  side.dst_remote, rkey{side.rkey}, size,
-                                                  side.sig_remote, rkey{side.sig_rkey}, 1, sig,
-                                                  budget);
-        }
-        return put<sharing::exclusive>(q, side.src_nic, lkey{side.lkey}, side.dst_remote,
-                                       rkey{side.rkey}, size, sig, budget);
-    };
-
-    for (uint32_t k = 0; k < iters && s == OK; ++k) {
-        const uint64_t k1 = (uint64_t)k + 1;
-        if (me == 0) {
-            const uint64_t t0 = now_ns();
-            s = send(k1);
-            if (s == OK) s = wait_for(k1);
-            rtt[k] = now_ns() - t0;
-        } else {
-            s = wait_for(k1);
-            if (s == OK) s = send(k1);
-        }
-    }
-    if (s == ERROR_CQE) e = last_error(q);
-    samples::report(out, s, e, me);
-    s = quiet<sharing::exclusive>(q, budget, &e);
-    samples::report(out, s, e, me);
-}
-
-// read_lat, send_lat, atomic_lat: block b drives side `first + b` (0: A, 1: B; one thread each,
-// exclusive on its QP) with sides[b]: in loopback SEND launches two blocks (first 0), across
-// processes one per process (first: its side), READ and atomics one block, side A's (side B's
-// NIC answers). `verb` as gv_sample_verb_bw's. The lat_side fields mean, per verb:
+// write_lat, read_lat, send_lat, atomic_lat: block b drives side `first + b` (0: A, 1: B; one
+// thread each, exclusive on its QP) with sides[b]: in loopback WRITE and SEND launch two blocks
+// (first 0), across processes one per process (first: its side), READ and atomics one block,
+// side A's (side B's NIC answers). `verb` as gv_sample_verb_bw's, 0 WRITE. The lat_side fields
+// mean, per verb:
+// - 0 WRITE (both sides): write `size` bytes from `src_nic` (lkey; the kernel writes the tail
+//   k+1 into the last `tail_len` bytes at `src_dev` first) to the peer's `dst_remote` (rkey);
+//   the peer waits until the word at its `recv_dev` (the aligned 8 bytes that end its receive
+//   buffer) shows the tail, or with `use_signal` until its signal word at `sig_dev` reaches
+//   k+1 (each write then followed by an add of 1 on the peer's `sig_remote`, sig_rkey), and
+//   answers the same way;
 // - 1 READ (side A only): READ `size` bytes from `dst_remote` (rkey) into `src_nic` (lkey);
-// - 2 SEND (both sides): SEND `size` bytes from `src_nic` (lkey; the kernel writes the tail
-//   k+1 into `src_dev` first, as write_lat), receives into `dst_remote` (its NIC address) with
-//   `rkey` (its lkey); each side posts one receive ahead and, after taking a receive, the next
-//   (none after the last);
+// - 2 SEND (both sides): SEND `size` bytes from `src_nic` (lkey; tail as WRITE's), receives
+//   into `dst_remote` (its NIC address) with `rkey` (its lkey); each side posts one receive
+//   ahead and, after taking a receive, the next (none after the last);
 // - 3 FETCH_AND_ADD of 1 / 4 CMP_AND_SWAP of atomic_base(0) + k for + k + 1 (side A only) on
 //   the peer's word `sig_remote` (sig_rkey); the old value lands in `dst_remote` (lkey `rkey`),
 //   which the kernel reads at `recv_dev` after the completion and compares with
 //   atomic_base(0) + k.
-// A times each iteration with %globaltimer into rtt[k]: READ and atomics from the post to the
-// completion (quiet), SEND from its send to the answer's receive completion. out[5]: receives
-// with a wrong byte count or fetched values that differ; out[6]: the first such iteration.
-// Every wait is bounded by `budget` ns.
+// With `use_inline` a WRITE or SEND carries its payload in the WQE (put_inline / send_inline
+// from `src_dev`). A times each iteration with %globaltimer into rtt[k]: WRITE and SEND from
+// its post to the answer (its bytes, signal or receive completion), READ and atomics from the
+// post to the completion (quiet). out[5]: receives with a wrong byte count or fetched values
+// that differ; out[6]: the first such iteration. One WRITE or SEND in `cq_mod` asks for a CQE
+// (and the last). Every wait is bounded by `budget` ns.
 GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t first,
                                         uint32_t verb, uint32_t size, uint32_t tail_len,
-                                        uint32_t iters, uint32_t cq_mod, uint64_t budget,
-                                        int* out, uint64_t* rtt) {
+                                        uint32_t iters, uint32_t cq_mod, uint32_t use_signal,
+                                        uint32_t use_inline, uint64_t budget, int* out,
+                                        uint64_t* rtt) {
     using namespace gpuverbs;
     const int me = (int)(blockIdx.x + first);
     if (threadIdx.x != 0 || me > 1) return;
-    if (verb != 2 && me != 0) return;
+    const bool both = verb == 0 || verb == 2;
+    if (!both && me != 0) return;
     const samples::lat_side side = sides[blockIdx.x];
     gpuverbs_qp* q = side.qp;
     if (cq_mod == 0) cq_mod = 1;
@@ -301,9 +302,25 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
         if (bad == 0) first_bad = (int)k;
         bad += 1;
     };
-    if (verb == 2) {
-        uint8_t* tail_dst = reinterpret_cast<uint8_t*>(side.src_dev) + size - tail_len;
+    if (both) {
+        uint8_t* src_dev = reinterpret_cast<uint8_t*>(side.src_dev);
+        uint8_t* tail_dst = src_dev + size - tail_len;
+        const uint64_t mask = samples::tail_mask(tail_len);
+        const uint32_t shift = 64 - 8 * tail_len;  // the tail is the top bytes of the word
+        const uint64_t* recv_word = reinterpret_cast<const uint64_t*>(side.recv_dev);
+        // Waits for the peer's message k+1.
         auto take = [&](uint64_t k1) -> status {
+            if (verb == 0 && use_signal) {
+                return wait_signal(reinterpret_cast<const uint64_t*>(side.sig_dev), k1, budget);
+            }
+            if (verb == 0) {
+                const uint64_t want = k1 & mask;
+                const uint64_t deadline = now_ns() + budget;
+                while (((ld_acquire_sys64(recv_word) >> shift) & mask) != want) {
+                    if (now_ns() > deadline) return TIMEOUT;
+                }
+                return OK;
+            }
             recv_completion rc;
             status r = recv_wait<sharing::exclusive>(q, &rc, budget, &e);
             if (r != OK) return r;
@@ -314,15 +331,38 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
             }
             return r;
         };
+        // Sends message k+1.
         auto answer = [&](uint64_t k1) -> status {
             for (uint32_t b = 0; b < tail_len; ++b) tail_dst[b] = (uint8_t)(k1 >> (8 * b));
-            // The tail's stores before the NIC reads the payload.
-            __threadfence_system();
+            // The tail's stores before the NIC reads a SEND's payload (a WRITE's are ordered
+            // by its doorbell's release, as write_lat has always run; inline ones the kernel
+            // copies itself).
+            if (verb == 2 && !use_inline) __threadfence_system();
             const bool sig = k1 % cq_mod == 0 || k1 == iters;
-            return send<sharing::exclusive>(q, side.src_nic, lkey{side.lkey}, size, false, 0, sig,
-                                            budget);
+            if (verb == 2) {
+                return use_inline ? send_inline<sharing::exclusive>(q, src_dev, size, false, 0,
+                                                                    sig, budget)
+                                  : send<sharing::exclusive>(q, side.src_nic, lkey{side.lkey},
+                                                             size, false, 0, sig, budget);
+            }
+            if (use_inline) {
+                status r = put_inline<sharing::exclusive>(q, src_dev, size, side.dst_remote,
+                                                          rkey{side.rkey}, sig && !use_signal,
+                                                          budget);
+                if (r != OK || !use_signal) return r;
+                return signal<sharing::exclusive>(q, side.sig_remote, rkey{side.sig_rkey}, 1,
+                                                  sig, budget);
+            }
+            if (use_signal) {
+                return put_signal<sharing::exclusive>(q, side.src_nic, lkey{side.lkey},
+                                                      side.dst_remote, rkey{side.rkey}, size,
+                                                      side.sig_remote, rkey{side.sig_rkey}, 1,
+                                                      sig, budget);
+            }
+            return put<sharing::exclusive>(q, side.src_nic, lkey{side.lkey}, side.dst_remote,
+                                           rkey{side.rkey}, size, sig, budget);
         };
-        if (iters > 0) {
+        if (verb == 2 && iters > 0) {
             s = post_recv<sharing::exclusive>(q, side.dst_remote, lkey{side.rkey}, size, budget);
         }
         for (uint32_t k = 0; k < iters && s == OK; ++k) {

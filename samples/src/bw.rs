@@ -337,14 +337,14 @@ struct Args {
     post_list: u32,
     /// perftest's -I (--inline_size): messages of at most this many bytes travel inside their
     /// WQEs (an inline data segment) instead of being gathered from the source buffer;
-    /// perftest's default for ib_write_bw and ib_send_bw, 0, posts none inline. The CPU
-    /// initiator only (the kernels post gather WQEs); WRITE and SEND only.
+    /// perftest's default for ib_write_bw and ib_send_bw, 0, posts none inline. WRITE and SEND
+    /// only; with the GPU initiator at thread scope (the kernels' put_inline / send_inline).
     #[arg(short = 'I', long = "inline_size", value_name = "BYTES", default_value_t = 0,
           value_parser = clap::value_parser!(u32).range(0..=MAX_INLINE as i64))]
     inline_size: u32,
     /// perftest's -D (--duration): run each size's timed part for this many seconds instead of
-    /// a number of iterations (the table reports the iterations done). The CPU initiator only;
-    /// not with -a or -n (as perftest).
+    /// a number of iterations (the table reports the iterations done); not with -a or -n (as
+    /// perftest).
     #[arg(short = 'D', long = "duration", value_name = "SECONDS",
           conflicts_with_all = ["iters", "all"],
           value_parser = clap::value_parser!(u32).range(1..=3600))]
@@ -383,17 +383,6 @@ const DURATION_ITERS: u32 = u32::MAX - 1;
 
 impl Args {
     /// The options the CPU initiator has and the kernels do not.
-    fn cpu_only_options(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        if self.duration.is_some() {
-            v.push("-D");
-        }
-        if self.inline_size > 0 {
-            v.push("-I");
-        }
-        v
-    }
-
     fn gpu_only_options(&self) -> Vec<&'static str> {
         let mut v = Vec::new();
         if self.ctas.is_some() {
@@ -530,18 +519,11 @@ pub fn main(verb: Verb) -> std::process::ExitCode {
             )),
         );
     }
-    if args.common.initiator == Some(Initiator::Gpu) {
-        let cpu_only = args.cpu_only_options();
-        if !cpu_only.is_empty() {
-            usage(
-                &mut cmd,
-                format!(
-                    "{} {} --initiator cpu (the kernels post a fixed count of gather WQEs)",
-                    cpu_only.join(", "),
-                    needs(&cpu_only)
-                ),
-            );
-        }
+    if args.inline_size > 0 && matches!(args.scope, Some(Scope::Warp | Scope::Block)) {
+        usage(
+            &mut cmd,
+            "-I needs --scope thread (put_warp and put_block post gather WQEs)".into(),
+        );
     }
     // Conflicts visible in the arguments alone are usage errors (exit code 2).
     if args.common.initiator == Some(Initiator::Cpu) {
@@ -865,12 +847,13 @@ struct CpuOpts {
     outs: u32,
 }
 
-/// The WQEs the CPU initiator posted inline in the last run (`null` for the GPU, or a side
-/// that only receives).
+/// The WQEs this side's initiator posted inline in the last run (`null` for a side that only
+/// receives).
 fn own_inline(engine: &Option<Engine>) -> Option<u64> {
     match engine {
         Some(Engine::Cpu(flows, _)) => Some(flows.iter().map(|f| f.inlined).sum()),
-        _ => None,
+        Some(Engine::Gpu(g)) => Some(g.inlined),
+        None => None,
     }
 }
 
@@ -962,22 +945,10 @@ fn run(args: &Args, t: &Test) -> Result<()> {
     };
     let env = match &mut peer {
         None => open_env(a)?,
-        Some(p) => open_env_remote(a, p, None)?,
+        Some(p) => open_env_remote(a, p)?,
     };
     let pcap = crate::start_pcap(a, &env.ctx)?;
     a.check_device(&env.ctx)?;
-    if env.initiator == Initiator::Gpu {
-        let cpu_only = args.cpu_only_options();
-        if !cpu_only.is_empty() {
-            bail!(
-                "{} {} the CPU initiator (the kernels post a fixed count of gather WQEs), and \
-                 this run uses the GPU ({}): add --initiator cpu",
-                cpu_only.join(", "),
-                needs(&cpu_only),
-                env.initiator_why
-            );
-        }
-    }
     if env.initiator == Initiator::Cpu {
         let gpu_only = args.gpu_only_options();
         if !gpu_only.is_empty() {
@@ -1498,7 +1469,18 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             let exports = Exports::new(&gpu, &initiating)?;
             let status = GpuStatus::new(&gpu)?;
             let times = gpu.alloc(16 * ctas as usize)?;
+            // Each flow's source slot 0 as the kernels see it (inline WQEs copy from it).
+            let mut src_dev = Vec::new();
+            for &j in &local {
+                src_dev.push(match side(jobs[j].dir).and_then(|s| s.src.as_ref()) {
+                    Some((b, _)) if verb.has_inline() && args.inline_size > 0 => {
+                        b.gpu_addr(&gpu)?
+                    }
+                    _ => 0,
+                });
+            }
             Some(Engine::Gpu(Box::new(GpuEngine {
+                ctl: gpu.alloc(16)?,
                 gpu,
                 exports,
                 status,
@@ -1510,6 +1492,10 @@ fn run(args: &Args, t: &Test) -> Result<()> {
                 sig_calls,
                 verb,
                 outs,
+                inline_size: args.inline_size,
+                src_dev,
+                duration: args.duration.map(|d| Duration::from_secs(d.into())),
+                inlined: 0,
             })))
         }
     };
@@ -2123,6 +2109,8 @@ struct GpuEngine {
     exports: Exports,
     status: GpuStatus,
     times: gpuverbs::gpu::DeviceMem,
+    /// The duration control words of a timed run with -D (`samples::duration_ctl`).
+    ctl: gpuverbs::gpu::DeviceMem,
     ctas: u32,
     threads: u32,
     scope: Scope,
@@ -2130,6 +2118,14 @@ struct GpuEngine {
     sig_calls: u32,
     verb: Verb,
     outs: u32,
+    /// Messages of at most this many bytes go inline (`-I`), copied from `src_dev`.
+    inline_size: u32,
+    /// Per flow: its source slot 0 as the GPU sees it (WRITE and SEND; 0 otherwise).
+    src_dev: Vec<u64>,
+    /// The timed runs' duration (`-D`).
+    duration: Option<Duration>,
+    /// WQEs posted inline, in the last run.
+    inlined: u64,
 }
 
 enum Engine {
@@ -2158,7 +2154,10 @@ impl Engine {
                 let deadline = o.duration.filter(|_| timed);
                 run_cpu(flows, o, deadline, p, ids, keys, iters, a)
             }
-            Engine::Gpu(g) => g.run(p, jobs, ids, keys, iters, a, qpns),
+            Engine::Gpu(g) => {
+                let duration = g.duration.filter(|_| timed);
+                g.run(p, jobs, ids, keys, iters, duration, a, qpns)
+            }
         }
     }
 }
@@ -2375,12 +2374,15 @@ fn run_cpu(
 
 impl GpuEngine {
     /// READ, SEND, atomics: `gv_sample_verb_bw`, one thread (one CTA) per job.
+    #[allow(clippy::too_many_arguments)]
     fn run_verb(
         &mut self,
         dev_jobs: &gpuverbs::gpu::DeviceMem,
         p: &Plan,
         njobs: usize,
         iters: u32,
+        inline: bool,
+        duration: Option<Duration>,
         a: &CommonArgs,
         qpns: &[u32],
     ) -> Result<Timing> {
@@ -2391,6 +2393,8 @@ impl GpuEngine {
         let mut iters_ = iters;
         let mut sig_calls = self.sig_calls;
         let mut outs = self.outs;
+        let mut inl = u32::from(inline);
+        let (mut ctl, mut duration_ns) = self.arm(duration)?;
         let mut budget = a.wait().as_nanos() as u64;
         let mut out = self.status.ptr();
         let mut times = self.times.ptr();
@@ -2402,15 +2406,19 @@ impl GpuEngine {
             arg(&mut iters_),
             arg(&mut sig_calls),
             arg(&mut outs),
+            arg(&mut inl),
+            arg(&mut ctl),
+            arg(&mut duration_ns),
             arg(&mut budget),
             arg(&mut out),
             arg(&mut times),
         ];
         // SAFETY: the parameters match gv_sample_verb_bw's signature; the job array, the
-        // status words and the times (16 bytes per CTA, one CTA per job) are live GPU memory
-        // for the whole launch; the descriptors are exported QPs kept alive by `self.exports`;
-        // the addresses in the jobs are only used as NIC addresses (checked by the device
-        // against the registered regions).
+        // status words, the duration words and the times (16 bytes per CTA, one CTA per job)
+        // are live GPU memory for the whole launch; the descriptors are exported QPs kept alive
+        // by `self.exports`; the NIC addresses in the jobs are checked by the device against
+        // the registered regions, and an inline SEND's source (`src_dev`) is the sender's
+        // source buffer (mapped host memory or GPU memory), which outlives the engine.
         let total = unsafe {
             self.gpu.launch_timed(
                 "gv_sample_verb_bw",
@@ -2423,12 +2431,40 @@ impl GpuEngine {
         .context("launch gv_sample_verb_bw")?;
         self.status
             .check("gv_sample_verb_bw", |j| qpns.get(j).copied().unwrap_or(0))?;
+        let iters = self.ran(duration, iters)?;
+        self.inlined = if inline {
+            u64::from(iters) * njobs as u64
+        } else {
+            0
+        };
         let peak = self.peak_rate(njobs as u32, iters as f64 * njobs as f64)?;
         Ok(Timing {
             total,
             peak_rate: peak,
             iters,
         })
+    }
+
+    /// The duration words' pointer (cleared) and the duration in ns, for a run of `duration`;
+    /// a null pointer for a counted run.
+    fn arm(&self, duration: Option<Duration>) -> Result<(u64, u64)> {
+        let Some(d) = duration else {
+            return Ok((0, 0));
+        };
+        self.ctl.write(0, &[0u8; 16])?;
+        Ok((self.ctl.ptr(), d.as_nanos() as u64))
+    }
+
+    /// The iterations every job ran: `iters`, or after a run of a duration one more than the
+    /// highest iteration index started (the low 63 bits of the first duration word).
+    fn ran(&self, duration: Option<Duration>, iters: u32) -> Result<u32> {
+        if duration.is_none() {
+            return Ok(iters);
+        }
+        let mut w = [0u8; 8];
+        self.ctl.read(0, &mut w)?;
+        let highest = u64::from_ne_bytes(w) & !(1 << 63);
+        u32::try_from(highest + 1).context("the duration's iteration count")
     }
 
     /// The message rate over the kernel's own span: first CTA start to last CTA end.
@@ -2445,6 +2481,7 @@ impl GpuEngine {
         Ok((span > 0).then(|| msgs / (span as f64 / 1e9)))
     }
 
+    /// Runs `iters` iterations of the jobs `ids` (or, with `duration`, as many as it takes).
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
@@ -2453,9 +2490,11 @@ impl GpuEngine {
         ids: &[usize],
         keys: &Keys,
         iters: u32,
+        duration: Option<Duration>,
         a: &CommonArgs,
         qpns: &[u32],
     ) -> Result<Timing> {
+        let inline = self.verb.has_inline() && p.size <= u64::from(self.inline_size);
         let descs: Vec<BwJob> = ids
             .iter()
             .enumerate()
@@ -2477,12 +2516,13 @@ impl GpuEngine {
                 dst_slots: p.dst_slots[j],
                 src_slots: p.src_slots,
                 src_shift: j as u32,
+                src_dev: self.src_dev[i],
             })
             .collect();
         let dev_jobs = upload(&self.gpu, &descs)?;
         self.status.reset()?;
         if self.verb != Verb::Write {
-            return self.run_verb(&dev_jobs, p, ids.len(), iters, a, qpns);
+            return self.run_verb(&dev_jobs, p, ids.len(), iters, inline, duration, a, qpns);
         }
         let mut jobs_ptr = dev_jobs.ptr();
         let mut njobs = ids.len() as u32;
@@ -2491,6 +2531,8 @@ impl GpuEngine {
         let mut scope = self.scope.code();
         let mut batch = self.batch;
         let mut sig_calls = self.sig_calls;
+        let mut inl = u32::from(inline);
+        let (mut ctl, mut duration_ns) = self.arm(duration)?;
         let mut budget = a.wait().as_nanos() as u64;
         let mut out = self.status.ptr();
         let mut times = self.times.ptr();
@@ -2502,14 +2544,19 @@ impl GpuEngine {
             arg(&mut scope),
             arg(&mut batch),
             arg(&mut sig_calls),
+            arg(&mut inl),
+            arg(&mut ctl),
+            arg(&mut duration_ns),
             arg(&mut budget),
             arg(&mut out),
             arg(&mut times),
         ];
         // SAFETY: the parameters match gv_sample_put_bw's signature; the job array, the status
-        // words and the times are live GPU memory for the whole launch; the descriptors are
-        // exported QPs kept alive by `self.exports`; the addresses in the jobs are only used
-        // as NIC addresses (checked by the device against the registered regions).
+        // words, the duration words and the times are live GPU memory for the whole launch;
+        // the descriptors are exported QPs kept alive by `self.exports`; the NIC addresses in
+        // the jobs are checked by the device against the registered regions, and an inline
+        // WRITE's source (`src_dev`) is the sender's source buffer (mapped host memory or GPU
+        // memory), which outlives the engine.
         let total = unsafe {
             self.gpu.launch_timed(
                 "gv_sample_put_bw",
@@ -2522,6 +2569,12 @@ impl GpuEngine {
         .context("launch gv_sample_put_bw")?;
         self.status
             .check("gv_sample_put_bw", |j| qpns.get(j).copied().unwrap_or(0))?;
+        let iters = self.ran(duration, iters)?;
+        self.inlined = if inline {
+            u64::from(iters) * ids.len() as u64
+        } else {
+            0
+        };
         let msgs = iters as f64 * ids.len() as f64;
         Ok(Timing {
             total,

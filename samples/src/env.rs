@@ -27,12 +27,11 @@ pub struct Env {
 /// without `--initiator`, the GPU is used when it opens, and otherwise the CPU, with the reason.
 pub fn open_env(a: &CommonArgs) -> Result<Env> {
     let ctx = Context::open(device_request(a.device.as_deref())).context("open the RDMA device")?;
-    resolve_env(a, ctx, None)
+    resolve_env(a, ctx)
 }
 
 /// The server/client roles' device, as `-d` / GPUVERBS_DEVICE (or Auto) picks it, and the
-/// initiator as [`open_env`] resolves it. `no_gpu`: why this test cannot use the GPU initiator
-/// across processes (`--initiator gpu` is then an error, and the automatic choice the CPU).
+/// initiator as [`open_env`] resolves it.
 ///
 /// - A soft NIC gets a wire port on the local IPv4 address that reaches the peer (the route's
 ///   source address) and `--wire-port` (GPUVERBS_SOFTNIC_ADDR overrides both), with `--loss`
@@ -43,8 +42,8 @@ pub fn open_env(a: &CommonArgs) -> Result<Env> {
 ///
 /// Both sides then take the step "open the device": a side that failed (a device that is not
 /// there, an option it cannot honour) ends both runs with its reason.
-pub fn open_env_remote(a: &CommonArgs, peer: &mut Peer, no_gpu: Option<&str>) -> Result<Env> {
-    let (env, mine) = match open_remote_device(a, peer).and_then(|c| resolve_env(a, c, no_gpu)) {
+pub fn open_env_remote(a: &CommonArgs, peer: &mut Peer) -> Result<Env> {
+    let (env, mine) = match open_remote_device(a, peer).and_then(|c| resolve_env(a, c)) {
         Ok(env) => (Some(env), Ok(())),
         Err(e) => (None, Err(e)),
     };
@@ -152,46 +151,37 @@ pub fn local_ip_towards(peer: IpAddr) -> Result<Ipv4Addr> {
 }
 
 /// Resolves the GPU and the initiator for an opened device.
-fn resolve_env(a: &CommonArgs, ctx: Context, no_gpu: Option<&str>) -> Result<Env> {
+fn resolve_env(a: &CommonArgs, ctx: Context) -> Result<Env> {
     // The GPU initiator needs a GPU and gpuverbs' kernels (a build without nvcc has none).
     let open_gpu = || -> Result<Arc<Gpu>, gpuverbs::cuda::CudaError> {
         gpuverbs::cuda::fatbin()?;
         Gpu::open(a.gpu)
     };
-    let (gpu, gpu_line, initiator, why) = match (a.initiator, no_gpu) {
-        (Some(Initiator::Gpu), Some(why)) => bail!("--initiator gpu: {why}"),
-        (None, Some(why)) => (
+    let (gpu, gpu_line, initiator, why) = match a.initiator {
+        Some(Initiator::Cpu) => (
             None,
-            "not used (the CPU posts across processes)".to_string(),
+            "not used (--initiator cpu)".to_string(),
             Initiator::Cpu,
-            format!("auto: {why}"),
+            "requested".to_string(),
         ),
-        (i, _) => match i {
-            Some(Initiator::Cpu) => (
-                None,
-                "not used (--initiator cpu)".to_string(),
-                Initiator::Cpu,
-                "requested".to_string(),
-            ),
-            Some(Initiator::Gpu) => {
-                let g = open_gpu()
-                    .with_context(|| format!("--initiator gpu: cannot use GPU {}", a.gpu))?;
+        Some(Initiator::Gpu) => {
+            let g =
+                open_gpu().with_context(|| format!("--initiator gpu: cannot use GPU {}", a.gpu))?;
+            let line = g.info().to_string();
+            (Some(g), line, Initiator::Gpu, "requested".to_string())
+        }
+        None => match open_gpu() {
+            Ok(g) => {
                 let line = g.info().to_string();
-                (Some(g), line, Initiator::Gpu, "requested".to_string())
+                let why = format!("auto: GPU {} and the gpuverbs kernels are available", a.gpu);
+                (Some(g), line, Initiator::Gpu, why)
             }
-            None => match open_gpu() {
-                Ok(g) => {
-                    let line = g.info().to_string();
-                    let why = format!("auto: GPU {} and the gpuverbs kernels are available", a.gpu);
-                    (Some(g), line, Initiator::Gpu, why)
-                }
-                Err(e) => (
-                    None,
-                    format!("none usable: {e}"),
-                    Initiator::Cpu,
-                    format!("auto: no usable GPU {} (see GPU), so the CPU posts", a.gpu),
-                ),
-            },
+            Err(e) => (
+                None,
+                format!("none usable: {e}"),
+                Initiator::Cpu,
+                format!("auto: no usable GPU {} (see GPU), so the CPU posts", a.gpu),
+            ),
         },
     };
     Ok(Env {

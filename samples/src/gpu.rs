@@ -31,10 +31,12 @@ pub struct BwJob {
     pub src_slots: u32,
     /// Iteration i reads source slot (i + src_shift) % src_slots.
     pub src_shift: u32,
+    /// Source slot 0 as the GPU sees it (inline WQEs copy from it; 0 when none go inline).
+    pub src_dev: u64,
 }
-const _: () = assert!(std::mem::size_of::<BwJob>() == 48);
+const _: () = assert!(std::mem::size_of::<BwJob>() == 56);
 
-/// One side of a `write_lat` ping-pong, as `gv_sample_write_lat` reads it (`samples::lat_side`).
+/// One side of a latency test's ping-pong, as `gv_sample_verb_lat` reads it (`samples::lat_side`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct LatSide {

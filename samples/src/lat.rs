@@ -32,14 +32,13 @@
 //!
 //! Server/client roles: the client is side A, the server side B; each process opens its device
 //! (`-d`: a soft NIC with a wire port, RoCEv2 over UDP, or an rdma-core device such as `mlx5_0`,
-//! which refuses the soft NIC's `--wire-port`, `--loss` and `--pcap`), its own thread drives
-//! its side with the CPU initiator,
-//! and each size runs in steps both take over the TCP connection (buffers cleared, ping-pong,
-//! each side's check of its receive buffer and side A's numbers exchanged), so both print the
-//! same row and both fail when either check fails. With the GPU initiator, `write_lat` needs
-//! `--loopback` (its kernel runs both sides in one launch); `send_lat` launches a kernel for its
-//! own side in each process, and `read_lat` / `atomic_lat` one in side A's process (side B's NIC
-//! answers).
+//! which refuses the soft NIC's `--wire-port`, `--loss` and `--pcap`), it drives its own side
+//! (a host thread with the CPU initiator, a one-block kernel with the GPU's), and each size
+//! runs in steps both take over the TCP connection (buffers cleared, ping-pong, each side's
+//! check of its receive buffer and side A's numbers exchanged), so both print the same row and
+//! both fail when either check fails. With the GPU initiator `write_lat` and `send_lat` launch
+//! a kernel for their own side in each process, `read_lat` / `atomic_lat` one in side A's
+//! process (side B's NIC answers).
 //!
 //! The columns are perftest's, in microseconds: t_min, t_max, t_typical (median), t_avg,
 //! t_stdev, 99% and 99.9% percentiles.
@@ -49,11 +48,13 @@
 //! receive buffers are checked byte by byte after the run (and the signal words with
 //! `--signal`).
 //!
-//! GPU initiator: for WRITE one kernel (`gv_sample_write_lat`), block 0 driving side A and
-//! block 1 side B (one thread each, owning its QP); for SEND `gv_sample_verb_lat` with a block
-//! per side of this process (both in loopback, one across processes), each posting its own
-//! receives with `post_recv` and taking them with `recv_wait`; for READ and the atomics
-//! `gv_sample_verb_lat` with one block, side A's (checking every fetched value itself). A times each round trip with %globaltimer. CPU initiator: one host thread drives
+//! GPU initiator: one kernel, `gv_sample_verb_lat`: for WRITE and SEND a block per side of this
+//! process (both in loopback, one across processes; one thread each, owning its QP), SEND's
+//! posting its own receives with `post_recv` and taking them with `recv_wait`, WRITE's polling
+//! its receive buffer's last word (or its signal word); messages of at most `-I` bytes go
+//! inline (`put_inline`, `send_inline`); for READ and the atomics one block, side A's
+//! (checking every fetched value itself). A times each round trip with %globaltimer. CPU
+//! initiator: one host thread drives
 //! both sides in turn and times with the monotonic clock. Warm-up iterations run first, in the
 //! same loop, and are left out of the numbers.
 //!
@@ -149,9 +150,8 @@ impl Test {
                   Roles: `write_lat --loopback` runs both sides in this process; `write_lat` \
                   (server, side B) and `write_lat SERVER` (client, side A) meet over TCP on -p, \
                   each opens its device (-d: a soft NIC with a UDP wire port, RoCEv2, or an \
-                  rdma-core device such as mlx5_0) and the CPU posts (the GPU \
-                  initiator needs --loopback); each side checks its receive buffer and reports \
-                  to the other.\n\n\
+                  rdma-core device such as mlx5_0) and drives its own side (a kernel, or a host \
+                  thread); each side checks its receive buffer and reports to the other.\n\n\
                   Default iterations per size: 1000, or 256 MiB worth when less (at least 100); \
                   warm-up about a tenth (at most 100)."
 )]
@@ -164,8 +164,7 @@ struct Args {
     signal: bool,
     /// perftest's -I (--inline_size), WRITE and SEND: messages of at most this many bytes
     /// travel inside their WQEs (an inline data segment) [default: perftest's, 220 for WRITE
-    /// and 236 for SEND, with the CPU initiator; the kernels post gather WQEs, so 0 with the
-    /// GPU, which refuses the option]. At most 256.
+    /// and 236 for SEND]. At most 256.
     #[arg(short = 'I', long = "inline_size", value_name = "BYTES",
           value_parser = clap::value_parser!(u32).range(0..=MAX_INLINE as i64))]
     inline_size: Option<u32>,
@@ -219,8 +218,8 @@ fn command(t: &Test) -> clap::Command {
             "{about} ({perftest}'s columns, {how} in microseconds). Every byte (every fetched \
              value) is checked after every size.\n\n\
              Roles: `{n} --loopback` runs both sides in this process; `{n}` (server, side B) and \
-             `{n} SERVER` (client, side A) meet over TCP on -p and the CPU posts (the GPU \
-             initiator needs --loopback).\n\n\
+             `{n} SERVER` (client, side A) meet over TCP on -p, each driving its own side (a \
+             kernel, or a host thread).\n\n\
              Default iterations per size: 1000, or 256 MiB worth when less (at least 100); \
              warm-up about a tenth (at most 100).",
             n = t.name
@@ -298,29 +297,10 @@ pub fn main(verb: Verb) -> std::process::ExitCode {
             o.name()
         ));
     }
-    if args.common.initiator == Some(Initiator::Gpu) && args.inline_size.is_some_and(|i| i > 0) {
+    if args.common.db == crate::DbArg::Proxy && args.common.initiator == Some(Initiator::Cpu) {
         cmd.error(
             clap::error::ErrorKind::ArgumentConflict,
-            "-I needs --initiator cpu (the kernels post gather WQEs)",
-        )
-        .exit();
-    }
-    let cpu = args.common.initiator == Some(Initiator::Cpu);
-    if args.common.db == crate::DbArg::Proxy
-        && (cpu || (!args.common.loopback && verb == Verb::Write))
-    {
-        cmd.error(
-            clap::error::ErrorKind::ArgumentConflict,
-            "--db proxy needs --initiator gpu (the CPU initiator rings its own doorbells), \
-             which write_lat runs with --loopback only",
-        )
-        .exit();
-    }
-    if args.common.initiator == Some(Initiator::Gpu) && !args.common.loopback && verb == Verb::Write
-    {
-        cmd.error(
-            clap::error::ErrorKind::ArgumentConflict,
-            format!("--initiator gpu needs --loopback: {GPU_NEEDS_LOOPBACK}"),
+            "--db proxy needs --initiator gpu (the CPU initiator rings its own doorbells)",
         )
         .exit();
     }
@@ -423,11 +403,6 @@ impl Side {
     }
 }
 
-/// Why the GPU initiator needs `--loopback`.
-const GPU_NEEDS_LOOPBACK: &str = "write_lat's kernel runs both sides of the ping-pong in one \
-     launch (block 0 is side A, block 1 side B), so a process cannot run one side alone: the CPU \
-     posts across processes (use --loopback for the GPU initiator)";
-
 fn run(args: &Args, t: &Test) -> Result<()> {
     let a = &args.common;
     let verb = t.verb;
@@ -435,11 +410,8 @@ fn run(args: &Args, t: &Test) -> Result<()> {
     let TEST = t.name;
     let sizes = a.sizes(t.default_size);
     let outs = args.outs.unwrap_or(DEFAULT_OUTS);
-    // The inline limit asked for (the CPU's default is perftest's; the GPU has none).
-    let inline_max = args.inline_size.unwrap_or(match a.initiator {
-        Some(Initiator::Gpu) => 0,
-        _ => t.inline.unwrap_or(0),
-    });
+    // The inline limit asked for (perftest's default).
+    let inline_max = args.inline_size.unwrap_or(t.inline.unwrap_or(0));
     let largest_inline = sizes
         .iter()
         .copied()
@@ -465,29 +437,23 @@ fn run(args: &Args, t: &Test) -> Result<()> {
     };
     let env = match &mut peer {
         None => open_env(a)?,
-        Some(p) => open_env_remote(a, p, (verb == Verb::Write).then_some(GPU_NEEDS_LOOPBACK))?,
+        Some(p) => open_env_remote(a, p)?,
     };
     let pcap = crate::start_pcap(a, &env.ctx)?;
     a.check_device(&env.ctx)?;
-    let inline_max = match env.initiator {
-        Initiator::Cpu => inline_max,
-        Initiator::Gpu if args.inline_size.is_some_and(|i| i > 0) => bail!(
-            "-I needs the CPU initiator (the kernels post gather WQEs), and this run uses the \
-             GPU ({}): add --initiator cpu",
-            env.initiator_why
-        ),
-        Initiator::Gpu => 0,
-    };
     let ring_mode = match env.initiator {
         Initiator::Cpu => Some(cpu_ring_mode(a.db)?),
         Initiator::Gpu => None,
     };
     check_placement(a, &env)?;
     if let Some(p) = peer.as_ref().filter(|p| p.addr.ip().is_loopback()) {
-        if env.initiator == Initiator::Gpu && verb == Verb::Send {
+        if env.initiator == Initiator::Gpu && matches!(verb, Verb::Send | Verb::Write) {
             // Measured on the H200: 2.2 ms per message without MPS, 16 µs with it.
             eprintln!(
-                "{TEST}: note: the {} is on this host, and both sides run a resident kernel:                  when they share a GPU without MPS (nvidia-cuda-mps-control -d), the GPU                  time-slices the two processes and each message waits for the other's slice                  (milliseconds); with MPS, or a GPU each, they run at once",
+                "{TEST}: note: the {} is on this host, and both sides run a resident kernel: \
+                 when they share a GPU without MPS (nvidia-cuda-mps-control -d), the GPU \
+                 time-slices the two processes and each message waits for the other's slice \
+                 (milliseconds); with MPS, or a GPU each, they run at once",
                 p.peer_role
             );
         }
@@ -1047,13 +1013,7 @@ impl Engine {
                     .collect::<Result<_>>()?;
                 run_cpu(&mut posters, ids, verb, size, total, signal, inline, a)
             }
-            Engine::Gpu(g) if verb != Verb::Write => {
-                g.run_verb(sides, ids, targets, size, total, a)
-            }
-            Engine::Gpu(g) => {
-                let sides: &[Side; 2] = sides.try_into().context("the GPU runs both sides")?;
-                g.run(sides, size, total, signal, a).map(Some)
-            }
+            Engine::Gpu(g) => g.run(sides, ids, targets, size, total, signal, inline, a),
         }
     }
 }
@@ -1353,24 +1313,27 @@ fn run_cpu(
 }
 
 impl GpuLat {
-    /// READ, SEND, atomics: `gv_sample_verb_lat` for the sides of this process that post (SEND:
-    /// each; READ and atomics: side A only), block b driving side `first + b`. `targets[i]`:
-    /// where local side `ids[i]`'s WQEs go (the peer's buffers, in this process or the other).
-    /// Returns side A's times when it is here.
+    /// `gv_sample_verb_lat` for the sides of this process that post (WRITE and SEND: each;
+    /// READ and atomics: side A only), block b driving side `first + b`. `targets[i]`: where
+    /// local side `ids[i]`'s WQEs go (the peer's buffers, in this process or the other).
+    /// `signal`: WRITE's receiver waits on its signal word; `inline`: WRITE and SEND carry the
+    /// payload in the WQE. Returns side A's times when it is here.
     #[allow(clippy::too_many_arguments)]
-    fn run_verb(
+    fn run(
         &mut self,
         sides: &[Side],
         ids: &[usize],
         targets: &[Target],
         size: u64,
         total: u32,
+        signal: bool,
+        inline: bool,
         a: &CommonArgs,
     ) -> Result<Option<Vec<u64>>> {
         let p = pad(size);
         let verb = self.verb;
         let acting: Vec<usize> = (0..sides.len())
-            .filter(|&i| verb == Verb::Send || ids[i] == 0)
+            .filter(|&i| matches!(verb, Verb::Write | Verb::Send) || ids[i] == 0)
             .collect();
         let Some(&first_i) = acting.first() else {
             // Side B of a READ or atomic test: its NIC answers, nothing to launch.
@@ -1380,16 +1343,29 @@ impl GpuLat {
             .iter()
             .map(|&i| {
                 let (s, to) = (&sides[i], &targets[i]);
-                let [_, _, _, fetch_d] = self.mapped[i];
-                let src_d = self.mapped[i][0];
+                let [src_d, recv_d, sig_d, fetch_d] = self.mapped[i];
                 let base = LatSide {
                     qp: self.exports.qps[i].ptr(),
                     ..Default::default()
                 };
                 match verb {
+                    // WRITE: the own payload into the peer's receive buffer (and signal word);
+                    // the own receive buffer's last word and signal word are polled.
+                    Verb::Write => LatSide {
+                        src_nic: s.src_mr.addr() + p,
+                        src_dev: src_d + p,
+                        dst_remote: to.recv.addr + p,
+                        recv_dev: recv_d + p + size - 8,
+                        sig_remote: to.sig.addr,
+                        sig_dev: sig_d,
+                        lkey: s.src_mr.lkey().0,
+                        rkey: to.recv.rkey.0,
+                        sig_rkey: to.sig.rkey.0,
+                        ..base
+                    },
                     // SEND: the own payload, and the own receive buffer in dst_remote / rkey
                     // (its NIC address and lkey).
-                    Verb::Send | Verb::Write => LatSide {
+                    Verb::Send => LatSide {
                         src_nic: s.src_mr.addr() + p,
                         src_dev: src_d + p,
                         dst_remote: s.recv_mr.addr() + p,
@@ -1428,6 +1404,8 @@ impl GpuLat {
         let mut tail = tail_len(size) as u32;
         let mut iters = total;
         let mut cq_mod = a.cq_mod;
+        let mut use_signal = u32::from(signal);
+        let mut use_inline = u32::from(inline);
         let mut budget = a.wait().as_nanos() as u64;
         let mut out = self.status.ptr();
         let mut rtt_ptr = rtt.ptr();
@@ -1439,6 +1417,8 @@ impl GpuLat {
             arg(&mut tail),
             arg(&mut iters),
             arg(&mut cq_mod),
+            arg(&mut use_signal),
+            arg(&mut use_inline),
             arg(&mut budget),
             arg(&mut out),
             arg(&mut rtt_ptr),
@@ -1446,9 +1426,10 @@ impl GpuLat {
         // SAFETY: the parameters match gv_sample_verb_lat's signature, one block per entry of
         // the side array; the side array, the status words and the times are live GPU memory
         // for the whole launch; the NIC addresses in the sides are registered regions of
-        // `sides` or the peer's (checked by the device), the GPU addresses (payload, fetch word)
-        // mapped host memory or GPU memory of `sides` (alive across the launch), and the
-        // descriptors are exported QPs kept alive by `self.exports`.
+        // `sides` or the peer's (checked by the device), the GPU addresses (payload, receive
+        // buffer, signal and fetch words) mapped host memory or GPU memory of `sides` (alive
+        // across the launch), and the descriptors are exported QPs kept alive by
+        // `self.exports`.
         unsafe {
             self.gpu.launch_sync(
                 "gv_sample_verb_lat",
@@ -1487,77 +1468,5 @@ impl GpuLat {
                 .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
                 .collect(),
         ))
-    }
-
-    fn run(
-        &mut self,
-        sides: &[Side; 2],
-        size: u64,
-        total: u32,
-        signal: bool,
-        a: &CommonArgs,
-    ) -> Result<Vec<u64>> {
-        let p = pad(size);
-        let descs: Vec<LatSide> = (0..2)
-            .map(|me| {
-                let (s, peer) = (&sides[me], &sides[1 - me]);
-                let [src_d, recv_d, sig_d, _] = self.mapped[me];
-                LatSide {
-                    qp: self.exports.qps[me].ptr(),
-                    src_nic: s.src_mr.addr() + p,
-                    src_dev: src_d + p,
-                    dst_remote: peer.recv_mr.addr() + p,
-                    recv_dev: recv_d + p + size - 8,
-                    sig_remote: peer.sig_mr.addr(),
-                    sig_dev: sig_d,
-                    lkey: s.src_mr.lkey().0,
-                    rkey: peer.recv_mr.rkey().0,
-                    sig_rkey: peer.sig_mr.rkey().0,
-                    pad: 0,
-                }
-            })
-            .collect();
-        let dev_sides = upload(&self.gpu, &descs)?;
-        let rtt = self.gpu.alloc(8 * total as usize)?;
-        self.status.reset()?;
-        let mut sides_ptr = dev_sides.ptr();
-        let mut size_ = size as u32;
-        let mut tail = tail_len(size) as u32;
-        let mut iters = total;
-        let mut use_signal = signal as u32;
-        let mut cq_mod = a.cq_mod;
-        let mut budget = a.wait().as_nanos() as u64;
-        let mut out = self.status.ptr();
-        let mut rtt_ptr = rtt.ptr();
-        let qpns = [sides[0].qp.qpn(), sides[1].qp.qpn()];
-        let mut params = [
-            arg(&mut sides_ptr),
-            arg(&mut size_),
-            arg(&mut tail),
-            arg(&mut iters),
-            arg(&mut use_signal),
-            arg(&mut cq_mod),
-            arg(&mut budget),
-            arg(&mut out),
-            arg(&mut rtt_ptr),
-        ];
-        // SAFETY: the parameters match gv_sample_write_lat's signature; the side array, the
-        // status words and the times are live GPU memory for the whole launch; the GPU
-        // addresses in the sides are mapped host buffers or GPU memory (`--mem gpu`) owned by
-        // `sides` (alive across the launch) and the descriptors are exported QPs kept alive by
-        // `self.exports`.
-        unsafe {
-            self.gpu
-                .launch_sync("gv_sample_write_lat", (2, 1, 1), (1, 1, 1), 0, &mut params)
-        }
-        .context("launch gv_sample_write_lat")?;
-        self.status
-            .check("gv_sample_write_lat", |i| qpns.get(i).copied().unwrap_or(0))?;
-        let mut raw = vec![0u8; 8 * total as usize];
-        rtt.read(0, &mut raw)?;
-        Ok(raw
-            .chunks_exact(8)
-            .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
-            .collect())
     }
 }

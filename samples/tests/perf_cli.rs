@@ -318,9 +318,6 @@ fn bad_arguments_are_usage_errors() {
         (PUT_BW, &["--loopback", "--wire-port", "5000"]),
         (PUT_BW, &["127.0.0.1", "--loss", "101"]),
         (PUT_BW, &["127.0.0.1", "--loss", "lots"]),
-        // write_lat's kernel runs both sides: the GPU initiator needs --loopback.
-        (WRITE_LAT, &["127.0.0.1", "--initiator", "gpu"]),
-        (WRITE_LAT, &["--initiator", "gpu"]),
     ];
     for (bin, args) in cases {
         let out = run(bin, args);

@@ -255,12 +255,13 @@ fn flags_that_cannot_apply_are_refused_with_a_reason() {
             text(&o.stderr)
         );
     }
-    // Usage errors (exit 2): -D with the GPU initiator, with -a or -n; -I with the GPU.
+    // Usage errors (exit 2): -D with -a or -n; -I with a warp or block scope (their calls
+    // gather).
     for args in [
-        &["--initiator", "gpu", "-D", "1"][..],
-        &["--initiator", "cpu", "-D", "1", "-a"],
+        &["--initiator", "cpu", "-D", "1", "-a"][..],
         &["--initiator", "cpu", "-D", "1", "-n", "5"],
-        &["--initiator", "gpu", "-I", "64"],
+        &["--initiator", "gpu", "-I", "64", "--scope", "warp"],
+        &["-I", "64", "--scope", "block"],
     ] {
         let mut a = vec!["--loopback"];
         a.extend_from_slice(args);
