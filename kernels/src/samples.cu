@@ -87,6 +87,51 @@ GPUVERBS_DEVICE void report(int* out, gpuverbs::status s, const gpuverbs::error&
     }
 }
 
+// -D in the latency tests: after `warmup` counted iterations a timed part runs until
+// `duration_ns` has passed on this side's clock, and the waits for the peer end there (the
+// peer stops on its own clock; the counts say who sent what). Without a duration: `warmup` is
+// the whole count.
+struct lat_clock {
+    uint64_t duration_ns;
+    uint64_t warmup;
+    uint64_t start = 0;
+    uint64_t deadline = ~0ull;
+    uint64_t last = 0;
+
+    __device__ __forceinline__ lat_clock(uint64_t d, uint64_t w) : duration_ns(d), warmup(w) {}
+
+    // Whether iteration k starts.
+    __device__ __forceinline__ bool go(uint64_t k) {
+        if (k < warmup) return true;
+        if (duration_ns == 0) return false;
+        if (k == warmup) {
+            start = gpuverbs::now_ns();
+            last = start;
+            deadline = start + duration_ns;
+        }
+        return gpuverbs::now_ns() < deadline;
+    }
+    // The budget of a wait for the peer.
+    __device__ __forceinline__ uint64_t wait(uint64_t budget) const {
+        if (deadline == ~0ull) return budget;
+        const uint64_t t = gpuverbs::now_ns();
+        const uint64_t left = t < deadline ? deadline - t : 0;
+        return left < budget ? left : budget;
+    }
+    // Whether a wait's status `s` is the duration's end (TIMEOUT once it has passed).
+    __device__ __forceinline__ bool ended(gpuverbs::status s) const {
+        return s == gpuverbs::TIMEOUT && deadline != ~0ull && gpuverbs::now_ns() >= deadline;
+    }
+    // Iteration k completed: counted when it was timed.
+    __device__ __forceinline__ void done(uint64_t k, uint64_t* timed) {
+        if (duration_ns != 0 && k >= warmup) {
+            *timed += 1;
+            last = gpuverbs::now_ns();
+        }
+    }
+    __device__ __forceinline__ uint64_t span() const { return last - start; }
+};
+
 // The tail of the payload of iteration k (k+1, little-endian, the last `n` <= 8 bytes).
 GPUVERBS_DEVICE uint64_t tail_mask(uint32_t n) {
     return n >= 8 ? ~0ull : ((1ull << (8 * n)) - 1);
@@ -281,10 +326,15 @@ GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njo
 // post to the completion (quiet). out[5]: receives with a wrong byte count or fetched values
 // that differ; out[6]: the first such iteration. One WRITE or SEND in `cq_mod` asks for a CQE
 // (and the last). Every wait is bounded by `budget` ns.
+// With `duration_ns` (-D) `iters` is the warm-up: after it a timed part runs until
+// `duration_ns` has passed on this side's clock (lat_clock), rtt[] is not written, and
+// counts[4b ..] get this block's messages sent (WRITEs or SENDs, one-sided operations), timed
+// round trips and their span in ns.
 GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t first,
                                         uint32_t verb, uint32_t size, uint32_t tail_len,
                                         uint32_t iters, uint32_t cq_mod, uint32_t use_signal,
-                                        uint32_t use_inline, uint64_t budget, int* out,
+                                        uint32_t use_inline, uint64_t duration_ns,
+                                        unsigned long long* counts, uint64_t budget, int* out,
                                         uint64_t* rtt) {
     using namespace gpuverbs;
     const int me = (int)(blockIdx.x + first);
@@ -294,6 +344,8 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
     const samples::lat_side side = sides[blockIdx.x];
     gpuverbs_qp* q = side.qp;
     if (cq_mod == 0) cq_mod = 1;
+    samples::lat_clock clk(duration_ns, iters);
+    uint64_t sent = 0, timed = 0;
     status s = OK;
     error e{};
     int bad = 0;
@@ -308,24 +360,25 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
         const uint64_t mask = samples::tail_mask(tail_len);
         const uint32_t shift = 64 - 8 * tail_len;  // the tail is the top bytes of the word
         const uint64_t* recv_word = reinterpret_cast<const uint64_t*>(side.recv_dev);
-        // Waits for the peer's message k+1.
+        // Waits for the peer's message k+1 (with -D at most until the duration ends).
         auto take = [&](uint64_t k1) -> status {
+            const uint64_t wb = clk.wait(budget);
             if (verb == 0 && use_signal) {
-                return wait_signal(reinterpret_cast<const uint64_t*>(side.sig_dev), k1, budget);
+                return wait_signal(reinterpret_cast<const uint64_t*>(side.sig_dev), k1, wb);
             }
             if (verb == 0) {
                 const uint64_t want = k1 & mask;
-                const uint64_t deadline = now_ns() + budget;
+                const uint64_t deadline = now_ns() + wb;
                 while (((ld_acquire_sys64(recv_word) >> shift) & mask) != want) {
                     if (now_ns() > deadline) return TIMEOUT;
                 }
                 return OK;
             }
             recv_completion rc;
-            status r = recv_wait<sharing::exclusive>(q, &rc, budget, &e);
+            status r = recv_wait<sharing::exclusive>(q, &rc, wb, &e);
             if (r != OK) return r;
             if (rc.byte_count != size) mismatch((uint32_t)k1 - 1);
-            if (k1 < iters) {
+            if (duration_ns != 0 || k1 < iters) {
                 r = post_recv<sharing::exclusive>(q, side.dst_remote, lkey{side.rkey}, size,
                                                   budget);
             }
@@ -365,22 +418,33 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
         if (verb == 2 && iters > 0) {
             s = post_recv<sharing::exclusive>(q, side.dst_remote, lkey{side.rkey}, size, budget);
         }
-        for (uint32_t k = 0; k < iters && s == OK; ++k) {
-            const uint64_t k1 = (uint64_t)k + 1;
+        for (uint64_t k = 0; s == OK && clk.go(k); ++k) {
+            const uint64_t k1 = k + 1;
             if (me == 0) {
                 const uint64_t t0 = now_ns();
                 s = answer(k1);
+                if (s == OK) sent += 1;
                 if (s == OK) s = take(k1);
-                rtt[k] = now_ns() - t0;
+                if (clk.ended(s)) {
+                    s = OK;  // the duration is over: this iteration is not counted
+                    break;
+                }
+                clk.done(k, &timed);
+                if (k < iters && duration_ns == 0) rtt[k] = now_ns() - t0;
             } else {
                 s = take(k1);
+                if (clk.ended(s)) {
+                    s = OK;  // the duration is over: this iteration is not counted
+                    break;
+                }
                 if (s == OK) s = answer(k1);
+                if (s == OK) sent += 1;
             }
         }
     } else {
         const uint64_t base = samples::atomic_base(0);
         const uint64_t* fetched = reinterpret_cast<const uint64_t*>(side.recv_dev);
-        for (uint32_t k = 0; k < iters && s == OK; ++k) {
+        for (uint64_t k = 0; s == OK && clk.go(k); ++k) {
             const uint64_t t0 = now_ns();
             switch (verb) {
                 case 1:
@@ -401,10 +465,19 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
                 default:
                     s = INVALID;
             }
+            if (s == OK) sent += 1;
             if (s == OK) s = quiet<sharing::exclusive>(q, budget, &e);
-            rtt[k] = now_ns() - t0;
-            if (s == OK && verb != 1 && ld_acquire_sys64(fetched) != base + k) mismatch(k);
+            if (s == OK) clk.done(k, &timed);
+            if (k < iters && duration_ns == 0) rtt[k] = now_ns() - t0;
+            if (s == OK && verb != 1 && ld_acquire_sys64(fetched) != base + k) {
+                mismatch((uint32_t)k);
+            }
         }
+    }
+    if (duration_ns != 0) {
+        counts[4 * blockIdx.x] = sent;
+        counts[4 * blockIdx.x + 1] = timed;
+        counts[4 * blockIdx.x + 2] = clk.span();
     }
     if (s == ERROR_CQE) e = last_error(q);
     samples::report(out, s, e, me);

@@ -79,7 +79,8 @@ pair() {
     fi
 }
 
-# Loopback: -I (inline WQEs from the kernels), -D (a run of a duration), every scope with -D.
+# Loopback: -I (inline WQEs from the kernels), -D (a run of a duration; the bandwidth tests with
+# every scope, the latency tests' duration rows).
 loop put_bw_inline put_bw -s 64 -n 2000 -I 64
 loop put_bw_inline_shared put_bw -s 200 -n 4096 -I 256 --threads 32
 loop put_bw_duration put_bw -s 4096 -D 1
@@ -97,6 +98,10 @@ loop send_lat_inline send_lat -s 64
 loop send_lat_gather send_lat -s 4096
 loop read_lat read_lat -s 64
 loop atomic_lat atomic_lat
+loop write_lat_duration write_lat -s 64 -D 1
+loop send_lat_duration send_lat -s 4096 -D 1 --cpu_util
+loop read_lat_duration read_lat -D 1
+loop atomic_lat_duration atomic_lat -D 1 -A CMP_AND_SWAP
 
 # Two processes: write_lat's kernel drives one side per process; -D and -I across the wire.
 mps_started=0
@@ -112,6 +117,9 @@ pair send_lat_2p send_lat -s 64
 pair put_bw_2p_duration put_bw -s 65536 -D 1
 pair send_bw_2p_inline send_bw -s 64 -n 2000 -I 64
 pair read_bw_2p_duration read_bw -s 4096 -D 1
+pair write_lat_2p_duration write_lat -s 64 -D 1
+pair send_lat_2p_duration send_lat -s 64 -D 1
+pair atomic_lat_2p_duration atomic_lat -D 1
 if [ "$mps_started" = 1 ]; then
     echo quit | nvidia-cuda-mps-control
 fi
@@ -137,6 +145,7 @@ if [ -n "$gpuverbs" ] && [ -n "$preload" ]; then
     emu mlx5_send_bw_inline send_bw -s 128 -n 1000 -I 128
     emu mlx5_write_lat_inline write_lat -s 64
     emu mlx5_send_lat_inline send_lat -s 64
+    emu mlx5_write_lat_duration write_lat -s 64 -D 1
 fi
 
 echo "gpu-samples: $passed passed, $failed failed"

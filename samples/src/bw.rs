@@ -97,7 +97,7 @@ use crate::{
     mtu_line, open_env, open_env_remote, output_number, pattern, remote_header, remote_json, step,
     table_row, tx_depth_for, upload, wire_counters, wire_delta, with_mtu, AddrFormat, BwJob,
     CommonArgs, CpuSample, Exports, GpuStatus, Header, Initiator, OtherCpu, OutputArg, Payload,
-    Peak, Peer, Progress, QpSpec, Units,
+    Peak, Peer, Progress, QpSpec, Units, UserIdle,
 };
 use anyhow::{bail, Context as _, Result};
 use clap::{CommandFactory, Parser, ValueEnum};
@@ -854,42 +854,6 @@ fn own_inline(engine: &Option<Engine>) -> Option<u64> {
         Some(Engine::Cpu(flows, _)) => Some(flows.iter().map(|f| f.inlined).sum()),
         Some(Engine::Gpu(g)) => Some(g.inlined),
         None => None,
-    }
-}
-
-/// The machine's user and idle ticks (the first and fourth numbers of `/proc/stat`'s `cpu`
-/// line), as perftest's `--cpu_util` reads them.
-#[derive(Clone, Copy, Debug)]
-struct UserIdle {
-    user: u64,
-    idle: u64,
-}
-
-impl UserIdle {
-    fn now() -> Option<Self> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let f: Vec<u64> = stat
-            .lines()
-            .next()?
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|x| x.parse().ok())
-            .collect();
-        Some(Self {
-            user: *f.first()?,
-            idle: *f.get(3)?,
-        })
-    }
-
-    /// perftest's figure: user ticks over user + idle ticks since `self`, in percent.
-    fn util_to(self, end: Self) -> f64 {
-        let u = end.user.saturating_sub(self.user) as f64;
-        let i = end.idle.saturating_sub(self.idle) as f64;
-        if u + i > 0.0 {
-            100.0 * u / (u + i)
-        } else {
-            0.0
-        }
     }
 }
 

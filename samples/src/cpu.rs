@@ -1,4 +1,5 @@
-//! Other processes' CPU around a run ([`CpuSample`], [`OtherCpu`]).
+//! Other processes' CPU around a run ([`CpuSample`], [`OtherCpu`]) and perftest's `--cpu_util`
+//! figure ([`UserIdle`]).
 
 use crate::report::Header;
 use std::time::{Duration, Instant};
@@ -124,6 +125,43 @@ impl OtherCpu {
                  be low"
             )),
             _ => None,
+        }
+    }
+}
+
+/// The machine's user and idle ticks (the first and fourth numbers of `/proc/stat`'s `cpu`
+/// line), as perftest's `--cpu_util` reads them.
+#[derive(Clone, Copy, Debug)]
+pub struct UserIdle {
+    user: u64,
+    idle: u64,
+}
+
+impl UserIdle {
+    /// The ticks now (`None` where `/proc/stat` cannot be read).
+    pub fn now() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let f: Vec<u64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        Some(Self {
+            user: *f.first()?,
+            idle: *f.get(3)?,
+        })
+    }
+
+    /// perftest's figure: user ticks over user + idle ticks since `self`, in percent.
+    pub fn util_to(self, end: Self) -> f64 {
+        let u = end.user.saturating_sub(self.user) as f64;
+        let i = end.idle.saturating_sub(self.idle) as f64;
+        if u + i > 0.0 {
+            100.0 * u / (u + i)
+        } else {
+            0.0
         }
     }
 }

@@ -72,7 +72,7 @@ use crate::{
     merge, mtu_line, open_env, open_env_remote, output_number, pattern, remote_header, remote_json,
     step, table_row, tx_depth_for, upload, wire_counters, wire_delta, with_mtu, CommonArgs,
     CpuSample, Exports, GpuStatus, Header, Initiator, LatSide, LatStats, OtherCpu, Payload, Peer,
-    Placement, Progress, QpSpec,
+    Placement, Progress, QpSpec, UserIdle,
 };
 use anyhow::{bail, Context as _, Result};
 use clap::{CommandFactory, Parser};
@@ -84,7 +84,7 @@ use serde_json::json;
 use softnic::initiator::{Initiator as CpuInitiator, InitiatorError};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Default bytes per size and direction: larger sizes get fewer iterations.
 const BYTES_PER_SIZE: u64 = 256 << 20;
@@ -103,6 +103,14 @@ const LAT_COLUMNS: [(&str, usize); 9] = [
     ("t_stdev[usec]", 15),
     ("99% percentile[usec]", 22),
     ("99.9% percentile[usec]", 0),
+];
+
+/// perftest's columns in duration mode (-D; `RESULT_FMT_LAT_DUR`).
+const LAT_DUR_COLUMNS: [(&str, usize); 4] = [
+    ("#bytes", 13),
+    ("#iterations", 17),
+    ("t_avg[usec]", 14),
+    ("tps average", 0),
 ];
 
 /// What a test is called and defaults to.
@@ -181,12 +189,19 @@ struct Args {
     /// catch.
     #[arg(long, value_enum, hide = true)]
     inject: Option<Inject>,
-    /// perftest's -D (duration): refused, the latency tests run a number of iterations (-n).
-    #[arg(short = 'D', long = "duration", value_name = "SECONDS", hide = true)]
+    /// perftest's -D (--duration): after the warm-up, each size's timed part runs this many
+    /// seconds instead of -n iterations, and the row is perftest's duration row: #iterations,
+    /// t_avg[usec] (the timed part's span over its round trips; halved for WRITE and SEND, as
+    /// perftest does) and tps average. Each side stops on its own clock; not with -a or -n (as
+    /// perftest).
+    #[arg(short = 'D', long = "duration", value_name = "SECONDS",
+          conflicts_with_all = ["iters", "all"],
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
     duration: Option<u32>,
-    /// perftest's --cpu_util: refused (perftest reports it in duration mode only, and the
-    /// latency tests have none).
-    #[arg(long = "cpu_util", hide = true)]
+    /// perftest's --cpu_util: a CPU_Util[%] column, the machine's user time over user + idle
+    /// time during the timed part (/proc/stat, as perftest). Duration mode (-D) only: without
+    /// it perftest warns and reports none, and so does this test.
+    #[arg(long = "cpu_util")]
     cpu_util: bool,
 }
 
@@ -276,17 +291,6 @@ pub fn main(verb: Verb) -> std::process::ExitCode {
         return exit_with(test, Err(e));
     }
     let refuse = |why: String| exit_with(test, Err(anyhow::anyhow!(why)));
-    if args.duration.is_some() {
-        return refuse(format!(
-            "-D: not supported by {test} (it runs -n iterations per size; put_bw has -D)"
-        ));
-    }
-    if args.cpu_util {
-        return refuse(format!(
-            "--cpu_util: perftest reports CPU utilisation in duration mode (-D) only, which \
-             {test} does not have"
-        ));
-    }
     if let Some(o) = args
         .common
         .output
@@ -410,6 +414,12 @@ fn run(args: &Args, t: &Test) -> Result<()> {
     let TEST = t.name;
     let sizes = a.sizes(t.default_size);
     let outs = args.outs.unwrap_or(DEFAULT_OUTS);
+    let duration = args.duration.map(|d| Duration::from_secs(d.into()));
+    // perftest reports CPU utilisation in duration mode only (and warns otherwise).
+    let cpu_util = args.cpu_util && duration.is_some();
+    if args.cpu_util && !cpu_util {
+        eprintln!("{TEST}: --cpu_util: CPU Utilization works only with Duration mode (-D)");
+    }
     // The inline limit asked for (perftest's default).
     let inline_max = args.inline_size.unwrap_or(t.inline.unwrap_or(0));
     let largest_inline = sizes
@@ -474,6 +484,7 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             });
             let params = json!({
                 "sizes": sizes, "iters": a.iters, "warmup": a.warmup, "signal": args.signal,
+                "duration_s": args.duration,
             });
             let hello = p.hello(
                 a,
@@ -594,9 +605,13 @@ fn run(args: &Args, t: &Test) -> Result<()> {
     }
     h.line(
         "Iterations",
-        match a.iters {
-            Some(n) => format!("{n} per size"),
-            None => format!(
+        match (args.duration, a.iters) {
+            (Some(d), _) => format!(
+                "as many as {d} s take, per size, after the warm-up (-D; each side stops on its \
+                 own clock)"
+            ),
+            (None, Some(n)) => format!("{n} per size"),
+            (None, None) => format!(
                 "per size: {DEFAULT_ITERS}, or {} MiB worth when less (at least {MIN_ITERS})",
                 BYTES_PER_SIZE >> 20
             ),
@@ -675,15 +690,21 @@ fn run(args: &Args, t: &Test) -> Result<()> {
         }
     }
     if table {
-        println!(
-            "{}",
-            table_row(&LAT_COLUMNS.map(|(n, w)| (n.to_string(), w)))
-        );
+        let mut cols: Vec<(String, usize)> = match duration {
+            Some(_) => LAT_DUR_COLUMNS.map(|(n, w)| (n.to_string(), w)).to_vec(),
+            None => LAT_COLUMNS.map(|(n, w)| (n.to_string(), w)).to_vec(),
+        };
+        if cpu_util {
+            cols.last_mut().expect("columns").1 = 14;
+            cols.push(("CPU_Util[%]".into(), 0));
+        }
+        println!("{}", table_row(&cols));
     }
     let mut base_json = merge(
         common_json(&env, a, &sides[0].qp),
         json!({
             "test": TEST, "signal": args.signal, "cq_mod": a.cq_mod, "tx_depth": tx,
+            "duration_s": args.duration,
             "inline_size": inline_max, "verb": verb.title(),
             "outs": verb.has_outs().then_some(outs),
         }),
@@ -725,7 +746,11 @@ fn run(args: &Args, t: &Test) -> Result<()> {
     let mut scratch = Vec::new();
     for (n, &size) in sizes.iter().enumerate() {
         let (iters, warmup) = iterations(a, size);
-        let total = iters + warmup;
+        // With -D the engines run the warm-up counted, then the duration.
+        let total = match duration {
+            Some(_) => warmup,
+            None => iters + warmup,
+        };
         let seed = pattern::seed(2, size);
         let (p, tl) = (pad(size) as usize, tail_len(size));
         for (&i, s) in ids.iter().zip(&sides) {
@@ -761,6 +786,7 @@ fn run(args: &Args, t: &Test) -> Result<()> {
         let cpu = CpuSample::now();
         let wire_before = wire_counters(&env.ctx);
         let inline = size <= inline_max as u64;
+        let util_before = cpu_util.then(UserIdle::now).flatten();
         let ran = engine.run(
             &sides,
             &ids,
@@ -768,15 +794,21 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             verb,
             size,
             total,
+            duration,
             args.signal,
             inline,
             a,
         );
+        let util = util_before.zip(UserIdle::now()).map(|(b, e)| b.util_to(e));
         let others = other_cpu.record(cpu.and_then(CpuSample::others_since));
         let wire = wire_delta(&wire_before, &wire_counters(&env.ctx));
-        // Side A's times (B has none).
-        let mine: Option<Vec<u64>> = ran.as_ref().ok().cloned().flatten();
-        step(&mut peer, "ran", ran.map(|_| ()))?;
+        // Side A's times (B has none), and what each side sent: the peer's counts, across
+        // processes, come with this step.
+        let mine = ran.as_ref().ok().cloned().unwrap_or_default();
+        let theirs = step(&mut peer, "ran", ran.map(|r| (r.sent, r.timed)))?;
+        let (their_sent, their_timed) = theirs.unwrap_or_default();
+        let sent = [0, 1].map(|i| mine.sent[i].or(their_sent[i]).unwrap_or(0));
+        let timed = mine.timed.or(their_timed);
         if let (Some(Inject::Corrupt), Some(k)) = (args.inject, ids.iter().position(|&i| i == 0)) {
             let (b, off) = match verb {
                 Verb::Atomic(_) => (&sides[k].fetch, 3),
@@ -791,7 +823,7 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             &ids,
             verb,
             size,
-            total,
+            sent,
             seed,
             args.signal,
             &mut scratch,
@@ -800,7 +832,7 @@ fn run(args: &Args, t: &Test) -> Result<()> {
         .map(|e| error_text(&e));
         // Half a round trip (WRITE, SEND), or the whole operation (READ, atomics: perftest's).
         let per = if t.one_sided() { 1e3 } else { 2e3 };
-        let stats = mine.map(|rtt| {
+        let stats = mine.rtt.map(|rtt| {
             let mut us: Vec<f64> = rtt[warmup as usize..]
                 .iter()
                 .map(|&t| t as f64 / per)
@@ -810,6 +842,14 @@ fn run(args: &Args, t: &Test) -> Result<()> {
         // Across processes: the peer's check, and side A's numbers for side B.
         let (failure, st) = match &mut peer {
             None => (failure, stats.unwrap_or_default()),
+            Some(pr) if duration.is_some() => {
+                let theirs: Option<String> = pr.step("validated", Ok(failure.clone()))?;
+                let by = |f: String, who: &str| format!("{f} (checked by the {who})");
+                let f = failure
+                    .map(|f| by(f, pr.role))
+                    .or_else(|| theirs.map(|f| by(f, pr.peer_role)));
+                (f, LatStats::default())
+            }
             Some(pr) => {
                 let (their_failure, their_stats): (Option<String>, Option<LatStats>) =
                     pr.step("validated", Ok((failure.clone(), stats)))?;
@@ -825,7 +865,48 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             }
         };
         progress.clear();
-        if a.output.is_some() {
+        if let Some(d) = duration {
+            // perftest's duration row: the timed part's round trips over its span.
+            let (n, span_ns) = timed.context("side A measured no timed part")?;
+            let secs = span_ns as f64 / 1e9;
+            let t_avg = if n > 0 {
+                span_ns as f64 / n as f64 / per
+            } else {
+                0.0
+            };
+            let tps = if secs > 0.0 { n as f64 / secs } else { 0.0 };
+            if a.output.is_some() {
+                println!("{}", output_number(t_avg));
+            } else if a.json {
+                let v = merge(
+                    base_json.clone(),
+                    json!({
+                        "bytes": size, "iterations": n, "warmup": warmup,
+                        "duration_s": d.as_secs(), "time_s": secs, "t_avg_us": t_avg,
+                        "tps_average": tps, "sent": sent, "validated": failure.is_none(),
+                        "inline": inline, "other_cpu_cores": others, "cpu_util_pct": util,
+                    }),
+                );
+                let v = if peer.is_some() {
+                    merge(v, json!({ "wire": wire }))
+                } else {
+                    v
+                };
+                println!("{v}");
+            } else {
+                let mut cells = vec![
+                    (size.to_string(), 13),
+                    (n.to_string(), 17),
+                    (format!("{t_avg:.2}"), 14),
+                    (format!("{tps:.2}"), 0),
+                ];
+                if cpu_util {
+                    cells.last_mut().expect("cells").1 = 14;
+                    cells.push((format!("{:.2}", util.unwrap_or(0.0)), 0));
+                }
+                println!("{}", table_row(&cells));
+            }
+        } else if a.output.is_some() {
             println!("{}", output_number(st.avg));
         } else if a.json {
             let v = merge(
@@ -882,15 +963,16 @@ fn run(args: &Args, t: &Test) -> Result<()> {
 }
 
 /// Checks the receive buffers of `sides` (side numbers `ids`): the peer's pattern, then the
-/// last iteration's number; and the signal words with `--signal`. READ: side A's receive
-/// buffer holds B's pattern; atomics: A's last fetched value and B's word's final value.
+/// number of the peer's last message (`sent[peer]`: the messages each side sent); and the
+/// signal words with `--signal`. READ: side A's receive buffer holds B's pattern; atomics: A's
+/// last fetched value and B's word's final value.
 #[allow(clippy::too_many_arguments)]
 fn validate(
     sides: &[Side],
     ids: &[usize],
     verb: Verb,
     size: u64,
-    total: u32,
+    sent: [u64; 2],
     seed: u64,
     signal: bool,
     scratch: &mut Vec<u8>,
@@ -905,22 +987,23 @@ fn validate(
                 b.read(0, &mut w)?;
                 Ok(u64::from_ne_bytes(w))
             };
+            let n = sent[0];
             let (got, want, what) = if me == 0 {
                 (
                     word(&s.fetch)?,
-                    atomic_value(0, total as u64 - 1),
+                    atomic_value(0, n.saturating_sub(1)),
                     "the last fetched value",
                 )
             } else {
                 (
                     word(&s.sig)?,
-                    atomic_value(0, total as u64),
+                    atomic_value(0, n),
                     "the target word's final value",
                 )
             };
             if got != want {
                 bail!(
-                    "side {}: {what} after {total} {} is {got:#018x}, expected {want:#018x}",
+                    "side {}: {what} after {n} {} is {got:#018x}, expected {want:#018x}",
                     side_name(me),
                     op.name()
                 );
@@ -935,7 +1018,7 @@ fn validate(
             pattern::fill(scratch, seed ^ peer as u64, 0, size as usize);
         } else {
             pattern::fill(scratch, seed ^ peer as u64, 0, size as usize - tl);
-            scratch.extend_from_slice(&(total as u64).to_le_bytes()[..tl]);
+            scratch.extend_from_slice(&sent[peer].to_le_bytes()[..tl]);
         }
         let mut got = vec![0u8; size as usize];
         s.recv.read(p, &mut got)?;
@@ -962,10 +1045,12 @@ fn validate(
             let mut word = [0u8; 8];
             s.sig.read(0, &mut word)?;
             let v = u64::from_ne_bytes(word);
-            if v != total as u64 {
+            if v != sent[peer] {
                 bail!(
-                    "side {}'s signal word is {v}, expected {total}",
-                    side_name(me)
+                    "side {}'s signal word is {v}, expected {} (the messages of side {})",
+                    side_name(me),
+                    sent[peer],
+                    side_name(peer)
                 );
             }
         }
@@ -988,8 +1073,20 @@ enum Engine {
     Gpu(Box<GpuLat>),
 }
 
+/// What a run of one size did on this process's sides.
+#[derive(Clone, Debug, Default)]
+struct Ran {
+    /// Side A's round trips in ns, every one, warm-up included (counted runs, side A here).
+    rtt: Option<Vec<u64>>,
+    /// Messages (WRITEs, SENDs, READs, atomics) each side of this process sent, by side.
+    sent: [Option<u64>; 2],
+    /// With -D: side A's timed round trips and their span in ns (side A here).
+    timed: Option<(u64, u64)>,
+}
+
 impl Engine {
-    /// Runs `total` round trips; returns each one's time in ns when this process runs side A.
+    /// Runs `total` round trips (with `duration`: `total` of warm-up, then as many as the
+    /// duration takes).
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
@@ -999,10 +1096,11 @@ impl Engine {
         verb: Verb,
         size: u64,
         total: u32,
+        duration: Option<Duration>,
         signal: bool,
         inline: bool,
         a: &CommonArgs,
-    ) -> Result<Option<Vec<u64>>> {
+    ) -> Result<Ran> {
         match self {
             Engine::Cpu(inis) => {
                 let mut posters: Vec<Poster<'_>> = inis
@@ -1011,9 +1109,21 @@ impl Engine {
                     .zip(targets)
                     .map(|((ini, side), to)| Poster::new(ini, side, to))
                     .collect::<Result<_>>()?;
-                run_cpu(&mut posters, ids, verb, size, total, signal, inline, a)
+                run_cpu(
+                    &mut posters,
+                    ids,
+                    verb,
+                    size,
+                    total,
+                    duration,
+                    signal,
+                    inline,
+                    a,
+                )
             }
-            Engine::Gpu(g) => g.run(sides, ids, targets, size, total, signal, inline, a),
+            Engine::Gpu(g) => g.run(
+                sides, ids, targets, size, total, duration, signal, inline, a,
+            ),
         }
     }
 }
@@ -1079,8 +1189,10 @@ fn reap(ini: &mut CpuInitiator) -> Result<()> {
 
 /// The CPU initiator: `posters` are the sides of this process (numbers `ids`: both in loopback,
 /// driven in turn by one thread; one across processes). Side A sends iteration k and waits for
-/// the answer; side B waits for it and answers. Returns side A's round trips, when it is here.
-/// `inline`: the payload travels inside the WQE (`-I`), copied from the source buffer.
+/// the answer; side B waits for it and answers. With `duration` (-D) the `total` iterations
+/// are the warm-up and a timed part follows until the duration has passed on this process's
+/// clock (the waits for the peer end there). `inline`: the payload travels inside the WQE
+/// (`-I`), copied from the source buffer.
 #[allow(clippy::too_many_arguments)]
 fn run_cpu(
     posters: &mut [Poster<'_>],
@@ -1088,10 +1200,11 @@ fn run_cpu(
     verb: Verb,
     size: u64,
     total: u32,
+    duration: Option<Duration>,
     signal: bool,
     inline: bool,
     a: &CommonArgs,
-) -> Result<Option<Vec<u64>>> {
+) -> Result<Ran> {
     let mut inline_bytes = vec![0u8; if inline { size as usize } else { 0 }];
     let (p, tl) = (pad(size), tail_len(size));
     let word_off = (p + size - 8) as usize;
@@ -1115,8 +1228,9 @@ fn run_cpu(
             s.src
                 .write((p + size) as usize - tl, &k1.to_le_bytes()[..tl])?;
         }
-        // One CQE per --cq-mod iterations, and for the last (so that every WQE completes);
-        // READ and atomics: every one (the initiator waits for it).
+        // One CQE per --cq-mod iterations, and for the last of a counted run (so that every
+        // WQE completes; after a duration a signaled NOP follows); READ and atomics: every one
+        // (the initiator waits for it).
         let sig = one_sided || k1 % a.cq_mod as u64 == 0 || k1 == total as u64;
         let flags = |on: bool| {
             if on {
@@ -1192,8 +1306,13 @@ fn run_cpu(
         ini.ring();
         Ok(())
     };
-    // Waits until poster `i`'s side has received iteration number k1.
-    let arrived = |posters: &mut [Poster<'_>], i: usize, k1: u64| -> Result<()> {
+    // Waits until poster `i`'s side has received iteration number k1: false when `deadline`
+    // (the duration's end) passed first.
+    let arrived = |posters: &mut [Poster<'_>],
+                   i: usize,
+                   k1: u64,
+                   deadline: Option<Instant>|
+     -> Result<bool> {
         let me = ids[i];
         let start = Instant::now();
         let mut spins = 0u32;
@@ -1208,8 +1327,8 @@ fn run_cpu(
                 Verb::Send => match s.ini.poll_recv() {
                     None => false,
                     Some(Completion::Resp { byte_cnt, .. }) if byte_cnt as u64 == size => {
-                        // The next message's receive (none after the last).
-                        if k1 < total as u64 {
+                        // The next message's receive (none after the last of a counted run).
+                        if duration.is_some() || k1 < total as u64 {
                             s.ini
                                 .post_recv(&[s.side.recv_mr.sge(p, size as u32)])
                                 .context("post a receive")?;
@@ -1243,12 +1362,15 @@ fn run_cpu(
                         );
                     }
                 }
-                return Ok(());
+                return Ok(true);
             }
             spins = spins.wrapping_add(1);
             if spins % 256 == 0 {
                 for p in posters.iter_mut() {
                     reap(p.ini)?;
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(false);
                 }
                 if start.elapsed() > wait {
                     bail!(
@@ -1273,24 +1395,59 @@ fn run_cpu(
                 .context("post a receive")?;
         }
     }
-    for k in 0..total as u64 {
+    let mut sent = [0u64; 2];
+    // With -D: when the timed part began and ends, its round trips, the last one's end.
+    let mut timed_from: Option<(Instant, Instant)> = None;
+    let (mut timed, mut last) = (0u64, Instant::now());
+    for k in 0.. {
+        if k == total as u64 {
+            let Some(d) = duration else { break };
+            let now = Instant::now();
+            timed_from = Some((now, now + d));
+            last = now;
+        }
+        let deadline = timed_from.map(|(_, end)| end);
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
         let k1 = k + 1;
         let t0 = Instant::now();
         if let Some(ia) = a_at {
             send(posters, ia, k1)?;
+            sent[0] += 1;
         }
         if let Some(ib) = b_at.filter(|_| !one_sided) {
-            arrived(posters, ib, k1)?;
+            if !arrived(posters, ib, k1, deadline)? {
+                break;
+            }
             send(posters, ib, k1)?;
+            sent[1] += 1;
         }
         if let Some(ia) = a_at {
-            arrived(posters, ia, k1)?;
-            rtt.push(t0.elapsed().as_nanos() as u64);
+            // A READ's or atomic's completion does not wait for the peer's program.
+            if !arrived(posters, ia, k1, deadline.filter(|_| !one_sided))? {
+                break;
+            }
+            if timed_from.is_some() {
+                timed += 1;
+                last = Instant::now();
+            } else {
+                rtt.push(t0.elapsed().as_nanos() as u64);
+            }
         }
         if k % 64 == 63 {
             for p in posters.iter_mut() {
                 reap(p.ini)?;
             }
+        }
+    }
+    // After a duration the last WQEs may be unsignaled: a signaled NOP retires them.
+    if duration.is_some() {
+        for p in posters.iter_mut().filter(|p| p.ini.outstanding() > 0) {
+            p.ini
+                .post(&Op::Nop, CtrlFlags::SIGNALED)
+                .context("post the closing NOP")?;
+            p.ini.ring();
         }
     }
     // Drain: every WQE done (and any error reported) before the buffers are checked; the
@@ -1309,7 +1466,17 @@ fn run_cpu(
             std::hint::spin_loop();
         }
     }
-    Ok(a_at.map(|_| rtt))
+    let mut by_side = [None; 2];
+    for &i in ids {
+        by_side[i] = Some(sent[i]);
+    }
+    Ok(Ran {
+        rtt: a_at.filter(|_| duration.is_none()).map(|_| rtt),
+        sent: by_side,
+        timed: timed_from
+            .filter(|_| a_at.is_some())
+            .map(|(from, _)| (timed, last.duration_since(from).as_nanos() as u64)),
+    })
 }
 
 impl GpuLat {
@@ -1317,7 +1484,7 @@ impl GpuLat {
     /// READ and atomics: side A only), block b driving side `first + b`. `targets[i]`: where
     /// local side `ids[i]`'s WQEs go (the peer's buffers, in this process or the other).
     /// `signal`: WRITE's receiver waits on its signal word; `inline`: WRITE and SEND carry the
-    /// payload in the WQE. Returns side A's times when it is here.
+    /// payload in the WQE; `duration` (-D): `total` is the warm-up, then a timed part.
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
@@ -1326,10 +1493,11 @@ impl GpuLat {
         targets: &[Target],
         size: u64,
         total: u32,
+        duration: Option<Duration>,
         signal: bool,
         inline: bool,
         a: &CommonArgs,
-    ) -> Result<Option<Vec<u64>>> {
+    ) -> Result<Ran> {
         let p = pad(size);
         let verb = self.verb;
         let acting: Vec<usize> = (0..sides.len())
@@ -1337,7 +1505,10 @@ impl GpuLat {
             .collect();
         let Some(&first_i) = acting.first() else {
             // Side B of a READ or atomic test: its NIC answers, nothing to launch.
-            return Ok(None);
+            return Ok(Ran {
+                sent: [None, Some(0)],
+                ..Ran::default()
+            });
         };
         let descs: Vec<LatSide> = acting
             .iter()
@@ -1395,7 +1566,10 @@ impl GpuLat {
             })
             .collect();
         let dev_sides = upload(&self.gpu, &descs)?;
-        let rtt = self.gpu.alloc(8 * total as usize)?;
+        let rtt = self.gpu.alloc(8 * total.max(1) as usize)?;
+        // Per block: messages sent, timed round trips, their span (ns); -D only.
+        let counts = self.gpu.alloc(32 * descs.len())?;
+        counts.write(0, &vec![0u8; 32 * descs.len()])?;
         self.status.reset()?;
         let mut sides_ptr = dev_sides.ptr();
         let mut first = ids[first_i] as u32;
@@ -1406,6 +1580,8 @@ impl GpuLat {
         let mut cq_mod = a.cq_mod;
         let mut use_signal = u32::from(signal);
         let mut use_inline = u32::from(inline);
+        let mut duration_ns = duration.map_or(0, |d| d.as_nanos() as u64);
+        let mut counts_ptr = counts.ptr();
         let mut budget = a.wait().as_nanos() as u64;
         let mut out = self.status.ptr();
         let mut rtt_ptr = rtt.ptr();
@@ -1419,13 +1595,16 @@ impl GpuLat {
             arg(&mut cq_mod),
             arg(&mut use_signal),
             arg(&mut use_inline),
+            arg(&mut duration_ns),
+            arg(&mut counts_ptr),
             arg(&mut budget),
             arg(&mut out),
             arg(&mut rtt_ptr),
         ];
         // SAFETY: the parameters match gv_sample_verb_lat's signature, one block per entry of
-        // the side array; the side array, the status words and the times are live GPU memory
-        // for the whole launch; the NIC addresses in the sides are registered regions of
+        // the side array; the side array, the status words, the counts (32 bytes per block)
+        // and the times (`total` entries, the most the kernel writes) are live GPU memory for
+        // the whole launch; the NIC addresses in the sides are registered regions of
         // `sides` or the peer's (checked by the device), the GPU addresses (payload, receive
         // buffer, signal and fetch words) mapped host memory or GPU memory of `sides` (alive
         // across the launch), and the descriptors are exported QPs kept alive by
@@ -1458,15 +1637,33 @@ impl GpuLat {
                 w[6]
             );
         }
-        if !ids.contains(&0) {
-            return Ok(None);
-        }
-        let mut raw = vec![0u8; 8 * total as usize];
-        rtt.read(0, &mut raw)?;
-        Ok(Some(
-            raw.chunks_exact(8)
+        let words = |m: &gpuverbs::gpu::DeviceMem, n: usize| -> Result<Vec<u64>> {
+            let mut raw = vec![0u8; 8 * n];
+            m.read(0, &mut raw)?;
+            Ok(raw
+                .chunks_exact(8)
                 .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
-                .collect(),
-        ))
+                .collect())
+        };
+        // Every side here sent what it acted for; READ and atomics: side A `total`.
+        let mut ran = Ran::default();
+        for &i in ids {
+            ran.sent[i] = Some(0);
+        }
+        let c = words(&counts, 4 * descs.len())?;
+        for (b, &i) in acting.iter().enumerate() {
+            let side = ids[i];
+            ran.sent[side] = Some(match duration {
+                Some(_) => c[4 * b],
+                None => u64::from(total),
+            });
+            if side == 0 && duration.is_some() {
+                ran.timed = Some((c[4 * b + 1], c[4 * b + 2]));
+            }
+        }
+        if ids.contains(&0) && duration.is_none() {
+            ran.rtt = Some(words(&rtt, total as usize)?);
+        }
+        Ok(ran)
     }
 }

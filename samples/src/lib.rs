@@ -55,7 +55,7 @@ pub use args::{
     device_request, parse_loss, parse_size, CommonArgs, DbArg, Initiator, OutputArg, Placement,
     Role, RoleArgs, ALL_SIZES, DEFAULT_PORT, DEFAULT_TIMEOUT_S, MAX_SIZE, MAX_TX_DEPTH,
 };
-pub use cpu::{CpuSample, OtherCpu, OTHER_CPU_HIGH};
+pub use cpu::{CpuSample, OtherCpu, UserIdle, OTHER_CPU_HIGH};
 pub use env::{
     check_placement, local_ip_towards, open_env, open_env_remote, soft_nic_options, Env,
 };

@@ -1,4 +1,4 @@
-//! perftest's flags on `put_bw` and `write_lat` (CPU initiator, loopback, soft NIC): -D, -l,
+//! perftest's flags on `put_bw` and the latency tests (CPU initiator, loopback, soft NIC): -D, -l,
 //! -I, --output, --cpu_util, -F, -x, -i, -R, --use_cuda(_dmabuf), the #iterations of several
 //! QPs and the address lines. No timed assertion: -D is checked by what it reports.
 
@@ -85,11 +85,64 @@ fn duration_runs_until_it_ends_and_reports_the_iterations() {
 }
 
 #[test]
+fn latency_duration_prints_perftests_duration_row() {
+    // WRITE: the timed round trips, their mean half round trip and rate; every byte checked
+    // against what each side sent (side A may have one more in flight when time ran out).
+    let v = json(WRITE_LAT, &with(&["-s", "64", "-D", "1"]));
+    assert_eq!(v.len(), 1, "{v:?}");
+    let v = &v[0];
+    assert_eq!(
+        (v["duration_s"].as_u64(), v["validated"].as_bool()),
+        (Some(1), Some(true)),
+        "{v}"
+    );
+    let n = v["iterations"].as_u64().unwrap();
+    let (t_avg, tps, secs) = (
+        v["t_avg_us"].as_f64().unwrap(),
+        v["tps_average"].as_f64().unwrap(),
+        v["time_s"].as_f64().unwrap(),
+    );
+    assert!(n > 0 && t_avg > 0.0 && tps > 0.0 && secs > 0.0, "{v}");
+    // perftest's arithmetic: t_avg is the span over the round trips, halved; tps their rate.
+    assert!(
+        (t_avg - secs * 1e6 / n as f64 / 2.0).abs() < 1e-6 * t_avg.max(1.0),
+        "{v}"
+    );
+    assert!((tps - n as f64 / secs).abs() < 1e-6 * tps, "{v}");
+    let sent: Vec<u64> = serde_json::from_value(v["sent"].clone()).unwrap();
+    let warmup = v["warmup"].as_u64().unwrap();
+    assert!(sent[0] >= warmup + n && sent[0] <= warmup + n + 1, "{v}");
+    assert!(sent[1] + 1 >= sent[0] && sent[1] <= sent[0], "{v}");
+    // The table: perftest's duration columns, CPU_Util with --cpu_util; SEND, READ, atomics.
+    for bin in [
+        WRITE_LAT,
+        env!("CARGO_BIN_EXE_send_lat"),
+        env!("CARGO_BIN_EXE_atomic_lat"),
+    ] {
+        let out = ok(bin, &with(&["-D", "1", "--cpu_util"]));
+        assert!(
+            out.lines().any(|l| l.trim_end()
+                == " #bytes        #iterations       t_avg[usec]    tps average    CPU_Util[%]"),
+            "{out}"
+        );
+        let r = rows(&out);
+        assert_eq!(r.len(), 1, "{out}");
+        assert!(r[0].len() == 5 && r[0][1] > 0.0 && r[0][2] > 0.0, "{out}");
+        assert!((0.0..=100.0).contains(&r[0][4]), "{out}");
+    }
+    let v = &json(env!("CARGO_BIN_EXE_read_lat"), &with(&["-D", "1"]))[0];
+    assert_eq!(v["validated"], true, "{v}");
+    assert!(v["iterations"].as_u64().unwrap() > 0, "{v}");
+}
+
+#[test]
 fn cpu_util_without_duration_warns_like_perftest() {
-    let o = run(PUT_BW, &with(&["-n", "50", "--cpu_util"]));
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(text(&o.stderr).contains("works only with Duration mode"));
-    assert!(!text(&o.stdout).contains("CPU_Util"));
+    for bin in [PUT_BW, WRITE_LAT] {
+        let o = run(bin, &with(&["-n", "50", "--cpu_util"]));
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        assert!(text(&o.stderr).contains("works only with Duration mode"));
+        assert!(!text(&o.stdout).contains("CPU_Util"));
+    }
 }
 
 #[test]
@@ -230,8 +283,6 @@ fn flags_that_cannot_apply_are_refused_with_a_reason() {
             "can be bandwidth or message_rate",
         ),
         (WRITE_LAT, &["--output", "bandwidth"], "can be latency"),
-        (WRITE_LAT, &["-D", "2"], "-D: not supported by write_lat"),
-        (WRITE_LAT, &["--cpu_util"], "--cpu_util: perftest reports"),
     ];
     for (bin, args, why) in cases {
         let mut a = vec!["--loopback"];
@@ -266,5 +317,10 @@ fn flags_that_cannot_apply_are_refused_with_a_reason() {
         let mut a = vec!["--loopback"];
         a.extend_from_slice(args);
         assert_eq!(run(PUT_BW, &a).status.code(), Some(2), "{a:?}");
+    }
+    for args in [&["-D", "1", "-a"][..], &["-D", "1", "-n", "5"]] {
+        let mut a = vec!["--loopback"];
+        a.extend_from_slice(args);
+        assert_eq!(run(WRITE_LAT, &a).status.code(), Some(2), "write_lat {a:?}");
     }
 }

@@ -228,6 +228,24 @@ fn write_lat_server_and_client() {
 }
 
 #[test]
+fn latency_duration_across_processes() {
+    // -D: each side stops on its own clock; both print side A's duration row and check their
+    // receive buffer against what the other sent (which both report).
+    for (bin, test) in [
+        (WRITE_LAT, "write_lat"),
+        (env!("CARGO_BIN_EXE_send_lat"), "send_lat"),
+        (env!("CARGO_BIN_EXE_atomic_lat"), "atomic_lat"),
+    ] {
+        let args = ["--initiator", "cpu", "--json", "-D", "1"];
+        let (s, c) = json_pair(bin, &args);
+        assert_eq!(s.len(), 1);
+        check_rows(test, &s, &c, &["t_avg_us", "tps_average", "time_s"]);
+        assert_eq!(s[0]["sent"], c[0]["sent"], "{}\n{}", s[0], c[0]);
+        assert!(num(&c[0], "iterations") > 0.0, "{}", c[0]);
+    }
+}
+
+#[test]
 fn a_validation_failure_on_the_server_fails_both() {
     let args = [
         "--initiator",

@@ -279,6 +279,27 @@ fn write_lat_prints_ib_write_lat_layout() {
     let _ = (ps, gs);
 }
 
+#[test]
+fn write_lat_duration_mode_prints_ib_write_lat_layout() {
+    let _g = serial();
+    let (_, dir) = artifacts();
+    // perftest's duration row (#bytes, #iterations, t_avg, tps average) with CPU_Util.
+    let common = ["-s", "2", "-D", "2", "--cpu_util"];
+    let mut perf = vec!["-x", "0"];
+    perf.extend_from_slice(&common);
+    let (ps, pc) = pair(&tool("ib_write_lat"), 149, &perf);
+    let mut ours = vec!["-d", "mlx5_0", "--initiator", "cpu", "--timeout", "60"];
+    ours.extend_from_slice(&common);
+    let (gs, gc) = pair(&dir.join("write_lat"), 150, &ours);
+    assert!(columns(&pc).contains("tps average"), "{pc}");
+    assert_eq!(columns(&gc), columns(&pc), "the column line");
+    check_sides("ib_write_lat", &ps, &pc, 1);
+    check_sides("write_lat", &gs, &gc, 1);
+    for (who, o) in [("ib_write_lat", &pc), ("write_lat", &gc)] {
+        assert!(iterations(o) > 0.0, "{who} ran no timed round trip:\n{o}");
+    }
+}
+
 /// One of the READ, SEND and atomic tests beside its perftest: perftest's `tool` under
 /// 127.0.`net`.x and the sample `ours` under 127.0.`net + 1`.x, with `common` flags on both.
 /// `names`: header names both print (on the client; `server_names` on the server); `bw`:
