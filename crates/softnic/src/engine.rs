@@ -34,6 +34,11 @@ use std::time::{Duration, Instant};
 
 /// Spins of an idle engine before it starts to sleep.
 const IDLE_SPINS: u32 = 4096;
+/// While it spins idle, an engine gives its core away once in this many rounds
+/// (`sched_yield`): alone on a core the call returns at once, but where a poster shares the
+/// core with it (a busy machine, `taskset`) the poster runs and posts a batch instead of
+/// waiting for the engine's spin to end, so the two alternate per batch, not per WQE.
+const YIELD_EVERY: u32 = 32;
 /// Longest sleep of an idle engine; a GPU doorbell (which cannot wake the thread) waits at
 /// most this long to be noticed.
 const MAX_PARK: Duration = Duration::from_micros(500);
@@ -95,7 +100,11 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
         } else {
             idle = idle.saturating_add(1);
             if idle < IDLE_SPINS {
-                std::hint::spin_loop();
+                if idle % YIELD_EVERY == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
             } else {
                 let warm = polled_at.is_some_and(|t| now.duration_since(t) < WARM);
                 let limit = match (warm, timed) {
