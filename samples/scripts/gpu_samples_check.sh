@@ -39,12 +39,16 @@ check() {
     return 0
 }
 
+# The command the loopback cases run under (the emulation, for the mlx5 cases).
+wrap=()
+
 # loop NAME BIN ARGS...: one process, both sides.
 loop() {
     local name=$1 b=$2
     shift 2
     local out="$log/$name.out"
-    if timeout 120 "$bin/$b" --loopback --initiator gpu --json "$@" >"$out" 2>"$log/$name.err" &&
+    if timeout 120 ${wrap[@]+"${wrap[@]}"} "$bin/$b" --loopback --initiator gpu --json "$@" >"$out" \
+        2>"$log/$name.err" &&
         check "$name" "$out"; then
         echo "ok   $name: $(grep -c '^{' "$out") rows"
         passed=$((passed + 1))
@@ -127,25 +131,12 @@ fi
 # The mlx5 backend on the real libmlx5, under the uverbs emulation.
 if [ -n "$gpuverbs" ] && [ -n "$preload" ]; then
     export GPUVERBS_PRELOAD=$preload
-    emu() {
-        local name=$1 b=$2
-        shift 2
-        local out="$log/$name.out"
-        if timeout 120 "$gpuverbs" emu --devices 1 -- "$bin/$b" -d mlx5_0 --loopback \
-            --initiator gpu --json "$@" >"$out" 2>"$log/$name.err" && check "$name" "$out"; then
-            echo "ok   $name: $(grep -c '^{' "$out") rows"
-            passed=$((passed + 1))
-        else
-            echo "FAIL $name (see $log/$name.err)"
-            tail -n 3 "$log/$name.err"
-            failed=$((failed + 1))
-        fi
-    }
-    emu mlx5_put_bw_inline_duration put_bw -s 64 -D 1 -I 64
-    emu mlx5_send_bw_inline send_bw -s 128 -n 1000 -I 128
-    emu mlx5_write_lat_inline write_lat -s 64
-    emu mlx5_send_lat_inline send_lat -s 64
-    emu mlx5_write_lat_duration write_lat -s 64 -D 1
+    wrap=("$gpuverbs" emu --devices 1 --)
+    loop mlx5_put_bw_inline_duration put_bw -d mlx5_0 -s 64 -D 1 -I 64
+    loop mlx5_send_bw_inline send_bw -d mlx5_0 -s 128 -n 1000 -I 128
+    loop mlx5_write_lat_inline write_lat -d mlx5_0 -s 64
+    loop mlx5_send_lat_inline send_lat -d mlx5_0 -s 64
+    loop mlx5_write_lat_duration write_lat -d mlx5_0 -s 64 -D 1
 fi
 
 echo "gpu-samples: $passed passed, $failed failed"

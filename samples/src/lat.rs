@@ -41,7 +41,12 @@
 //! process (side B's NIC answers).
 //!
 //! The columns are perftest's, in microseconds: t_min, t_max, t_typical (median), t_avg,
-//! t_stdev, 99% and 99.9% percentiles.
+//! t_stdev, 99% and 99.9% percentiles. With `-D` (perftest's duration mode) the warm-up runs
+//! counted, then each side runs until the duration has passed on its own clock (its waits for
+//! the peer end there, so the last message may still be in flight), and the row is perftest's
+//! duration row: #iterations (side A's timed round trips), t_avg (their span over their count,
+//! halved for WRITE and SEND) and tps average; each side reports how many messages it sent, and
+//! the buffers are checked against that.
 //!
 //! WRITE and SEND: the payload's last min(size, 8) bytes carry the iteration number (written by
 //! the sender before each post, as perftest does); the rest is a pattern of the run. Both
