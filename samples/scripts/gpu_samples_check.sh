@@ -92,6 +92,7 @@ loop put_bw_duration_shared put_bw -s 4096 -D 1 -q 2 --ctas 4 --threads 64
 loop put_bw_duration_warp put_bw -s 4096 -D 1 --threads 64 --scope warp
 loop put_bw_duration_block put_bw -s 4096 -D 1 --threads 128 --scope block
 loop send_bw_inline send_bw -s 128 -n 2000 -I 128
+loop send_bw_duration send_bw -s 4096 -D 1 -q 2
 loop read_bw_duration read_bw -s 4096 -D 1 -q 2
 loop atomic_bw_duration atomic_bw -D 1 -A CMP_AND_SWAP
 loop write_lat_inline write_lat -s 64
@@ -121,6 +122,7 @@ pair send_lat_2p send_lat -s 64
 pair put_bw_2p_duration put_bw -s 65536 -D 1
 pair send_bw_2p_inline send_bw -s 64 -n 2000 -I 64
 pair read_bw_2p_duration read_bw -s 4096 -D 1
+pair send_bw_2p_duration send_bw -s 4096 -D 1
 pair write_lat_2p_duration write_lat -s 64 -D 1
 pair send_lat_2p_duration send_lat -s 64 -D 1
 pair atomic_lat_2p_duration atomic_lat -D 1

@@ -25,8 +25,9 @@
 //!   posted per QP, receive `k` into slot `k % D`, and takes each completion (its byte count
 //!   checked); the initiator SENDs source slots; the target checks every byte of every slot.
 //!   The receives are always posted by a host thread of the target's process, also when the
-//!   initiator is the GPU (the kernels post only the SENDs). Not with `--bidir` (a QP has one
-//!   poster at a time).
+//!   initiator is the GPU (the kernels post only the SENDs). With `-D` the target reposts
+//!   until the sender's duration is over, then takes as many as the sender says it posted (the
+//!   step "sent"). Not with `--bidir` (a QP has one poster at a time).
 //! - **Atomics** (`atomic_bw`, `-A FETCH_AND_ADD` (default) or `CMP_AND_SWAP`, perftest's
 //!   8 bytes): each job has its own 8-byte word at the target, set to a base value of the job
 //!   before the warm-up and again before the timed run; iteration `i` adds 1 (FETCH_AND_ADD) or
@@ -108,6 +109,7 @@ use prm::{Completion, Lkey, Rkey};
 use serde_json::{json, Value};
 use softnic::initiator::{InitiatorError, RingMode};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -486,9 +488,6 @@ pub fn main(verb: Verb) -> std::process::ExitCode {
         foreign.push(
             "--ctas, --threads, --scope: WRITE (the other verbs post with one thread per QP)",
         );
-    }
-    if verb == Verb::Send && args.duration.is_some() {
-        foreign.push("-D: not SEND (the receiver posts a known count of receives)");
     }
     if verb == Verb::Send && args.bidir {
         foreign.push(
@@ -1514,6 +1513,7 @@ fn run(args: &Args, t: &Test) -> Result<()> {
                 a.wait(),
                 &mut peer,
                 verb == Verb::Send,
+                None,
                 || match &mut engine {
                     Some(e) => e
                         .run(
@@ -1553,6 +1553,9 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             a.wait(),
             &mut peer,
             verb == Verb::Send,
+            // SEND with -D: the receivers learn the count when the sender is done.
+            (verb == Verb::Send && args.duration.is_some())
+                .then_some((|m: &Option<Measured>| m.map(|m| m.iters)) as fn(&_) -> _),
             || match &mut engine {
                 Some(e) => e
                     .run(
@@ -1793,12 +1796,15 @@ impl Receiver {
 fn receive_all(
     rs: &mut [Receiver],
     p: &Plan,
-    n: u32,
+    target: &AtomicU64,
     wait: Duration,
     stop: &std::sync::atomic::AtomicBool,
 ) -> Result<()> {
     let mut last = Instant::now();
     loop {
+        // The messages per job: known before a counted run, set once a timed run of a
+        // duration ends (what its sender posted).
+        let n = target.load(Ordering::Acquire);
         let mut progress = false;
         let mut all = true;
         for r in rs.iter_mut() {
@@ -1815,7 +1821,7 @@ fn receive_all(
                         }
                         r.taken += 1;
                         progress = true;
-                        if r.posted < n as u64 {
+                        if r.posted < n {
                             r.post(p)?;
                         }
                     }
@@ -1823,7 +1829,7 @@ fn receive_all(
                     other => bail!("unexpected completion on the receive CQ: {other:?}"),
                 }
             }
-            all &= r.taken >= n as u64;
+            all &= r.taken >= n;
         }
         if all {
             return Ok(());
@@ -1831,7 +1837,7 @@ fn receive_all(
         if progress {
             last = Instant::now();
         } else {
-            if stop.load(std::sync::atomic::Ordering::Acquire) {
+            if stop.load(Ordering::Acquire) {
                 bail!("the receives stopped: the sender failed");
             }
             if last.elapsed() > wait {
@@ -1840,7 +1846,7 @@ fn receive_all(
             }
             // nothing arrived: sleep until a receive CQE is written (the sender may need
             // this core)
-            match rs.iter().find(|r| r.taken < n as u64) {
+            match rs.iter().find(|r| r.taken < n) {
                 Some(r) => r.ini.idle_until_completion(true, Duration::from_millis(1)),
                 None => std::thread::yield_now(),
             }
@@ -1851,7 +1857,10 @@ fn receive_all(
 /// Runs `run` (the posting of this process's jobs); with SEND, this process's receivers first
 /// post their receives (and both processes take the step "posted", so that no SEND starts
 /// before its receives are there), then take `n` messages each on a thread of their own while
-/// `run` posts.
+/// `run` posts. With `sent` (SEND, -D: `n` is not known before) the receivers repost until
+/// the run is over, then both processes take the step "sent", which gives the receivers the
+/// count the sender posted per job (`sent` of its run's outcome) to take.
+#[allow(clippy::too_many_arguments)]
 fn drive<T>(
     receivers: &mut [Receiver],
     p: &Plan,
@@ -1859,26 +1868,47 @@ fn drive<T>(
     wait: Duration,
     peer: &mut Option<Peer>,
     send: bool,
+    sent: Option<fn(&T) -> Option<u32>>,
     run: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
     if send {
         let posted = receivers.iter_mut().try_for_each(|r| r.start(p, n));
         step(peer, "posted", posted)?;
     }
+    // The sender's count, when the run was one of a duration (both sides take the step).
+    let count = |peer: &mut Option<Peer>, r: &Result<T>| -> Result<Option<u32>> {
+        let Some(sent) = sent else { return Ok(None) };
+        let mine = match r {
+            Ok(t) => Ok(sent(t)),
+            Err(e) => Err(anyhow::anyhow!("{}", crate::error_text(e))),
+        };
+        let own = mine.as_ref().ok().copied().flatten();
+        let theirs = step(peer, "sent", mine)?.flatten();
+        own.or(theirs)
+            .map(Some)
+            .context("neither side says how many messages it sent")
+    };
     if receivers.is_empty() {
-        return run();
+        let r = run();
+        count(peer, &r)?;
+        return r;
     }
+    let target = AtomicU64::new(n.into());
     let stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|sc| {
-        let h = sc.spawn(|| receive_all(receivers, p, n, wait, &stop));
+        let h = sc.spawn(|| receive_all(receivers, p, &target, wait, &stop));
         let r = run();
-        if r.is_err() {
-            stop.store(true, std::sync::atomic::Ordering::Release);
+        let counted = count(peer, &r);
+        match counted {
+            Ok(Some(c)) => target.store(c.into(), Ordering::Release),
+            Ok(None) => {}
+            Err(_) => stop.store(true, Ordering::Release),
         }
         let got = h
             .join()
             .unwrap_or_else(|_| Err(anyhow::anyhow!("the receiving thread panicked")));
         let out = r?;
+        counted?;
         got?;
         Ok(out)
     })

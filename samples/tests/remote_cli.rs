@@ -228,9 +228,9 @@ fn write_lat_server_and_client() {
 }
 
 #[test]
-fn latency_duration_across_processes() {
-    // -D: each side stops on its own clock; both print side A's duration row and check their
-    // receive buffer against what the other sent (which both report).
+fn duration_across_processes() {
+    // -D: each side of a latency test stops on its own clock; both print side A's duration
+    // row and check their receive buffer against what the other sent (which both report).
     for (bin, test) in [
         (WRITE_LAT, "write_lat"),
         (env!("CARGO_BIN_EXE_send_lat"), "send_lat"),
@@ -243,6 +243,11 @@ fn latency_duration_across_processes() {
         assert_eq!(s[0]["sent"], c[0]["sent"], "{}\n{}", s[0], c[0]);
         assert!(num(&c[0], "iterations") > 0.0, "{}", c[0]);
     }
+    // send_bw: the server's receivers take what the client's duration posted, told after it.
+    let args = ["--initiator", "cpu", "--json", "-D", "1", "-s", "4096"];
+    let (s, c) = json_pair(env!("CARGO_BIN_EXE_send_bw"), &args);
+    check_rows("send_bw", &s, &c, &["bw_average", "msg_rate_mpps"]);
+    assert!(num(&c[0], "iterations") > 0.0, "{}", c[0]);
 }
 
 #[test]

@@ -135,12 +135,14 @@ fn bandwidth_tests_validate_in_loopback() {
     }
 }
 
-/// perftest's -D: READ and atomics run for the duration, and what ran is validated (the
-/// atomic words' final values included).
+/// perftest's -D: READ, SEND and atomics run for the duration, and what ran is validated (the
+/// atomic words' final values included; SEND's receivers learn the count when it is over).
 #[test]
 fn duration_mode_validates_what_ran() {
     for (bin, test, args) in [
         (READ_BW, "read_bw", vec!["-D", "1", "-s", "4096"]),
+        (SEND_BW, "send_bw", vec!["-D", "1", "-s", "4096"]),
+        (SEND_BW, "send_bw", vec!["-D", "1", "-s", "64", "-q", "2"]),
         (ATOMIC_BW, "atomic_bw", vec!["-D", "1"]),
         (
             ATOMIC_BW,
@@ -443,7 +445,6 @@ fn options_of_other_verbs_are_usage_errors() {
         (READ_BW, vec!["-r", "64"], "-r (--rx-depth)"),
         (SEND_BW, vec!["-o", "4"], "-o (--outs)"),
         (SEND_BW, vec!["--bidir"], "--bidir"),
-        (SEND_BW, vec!["-D", "1"], "-D"),
         (READ_BW, vec!["-I", "64"], "-I (--inline_size)"),
         (READ_BW, vec!["-A", "CMP_AND_SWAP"], "-A (--atomic_type)"),
         (ATOMIC_BW, vec!["-s", "16"], "-s other than 8"),
