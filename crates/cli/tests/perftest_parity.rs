@@ -300,6 +300,30 @@ fn write_lat_duration_mode_prints_ib_write_lat_layout() {
     }
 }
 
+#[test]
+fn send_bw_duration_mode_prints_ib_send_bw_layout() {
+    let _g = serial();
+    let (_, dir) = artifacts();
+    let common = ["-s", "4096", "-D", "2"];
+    let mut perf = vec!["-x", "0"];
+    perf.extend_from_slice(&common);
+    let (ps, pc) = pair(&tool("ib_send_bw"), 151, &perf);
+    let mut ours = vec!["-d", "mlx5_0", "--initiator", "cpu", "--timeout", "60"];
+    ours.extend_from_slice(&common);
+    let (gs, gc) = pair(&dir.join("send_bw"), 152, &ours);
+    assert_eq!(columns(&gc), columns(&pc), "the column line");
+    assert_eq!(columns(&gs), columns(&ps), "the server's column line");
+    check_sides("ib_send_bw", &ps, &pc, 1);
+    check_sides("send_bw", &gs, &gc, 1);
+    for (who, o) in [
+        ("ib_send_bw", &pc),
+        ("send_bw", &gc),
+        ("send_bw server", &gs),
+    ] {
+        assert!(iterations(o) > 0.0, "{who} sent nothing:\n{o}");
+    }
+}
+
 /// One of the READ, SEND and atomic tests beside its perftest: perftest's `tool` under
 /// 127.0.`net`.x and the sample `ours` under 127.0.`net + 1`.x, with `common` flags on both.
 /// `names`: header names both print (on the client; `server_names` on the server); `bw`:
