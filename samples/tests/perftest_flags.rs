@@ -3,34 +3,12 @@
 //! QPs and the address lines. No timed assertion: -D is checked by what it reports.
 
 use serde_json::Value;
-use std::process::{Command, Output};
+
+mod common;
+use common::{ok, run, text};
 
 const PUT_BW: &str = env!("CARGO_BIN_EXE_put_bw");
 const WRITE_LAT: &str = env!("CARGO_BIN_EXE_write_lat");
-
-fn run(bin: &str, args: &[&str]) -> Output {
-    Command::new(bin)
-        .args(args)
-        .env_remove("GPUVERBS_DEVICE")
-        .env_remove("GPUVERBS_SOFTNIC_ADDR")
-        .output()
-        .expect("run the sample")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn ok(bin: &str, args: &[&str]) -> String {
-    let o = run(bin, args);
-    assert!(
-        o.status.success(),
-        "{bin} {args:?} failed:\n{}\n{}",
-        text(&o.stdout),
-        text(&o.stderr)
-    );
-    text(&o.stdout)
-}
 
 fn json(bin: &str, args: &[&str]) -> Vec<Value> {
     let mut a = args.to_vec();

@@ -4,47 +4,14 @@
 //! (CI has no GPU), ephemeral ports.
 
 use serde_json::Value;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Output;
+use std::time::Duration;
+
+mod common;
+use common::{command, free_port, text, wait};
 
 const PUT_BW: &str = env!("CARGO_BIN_EXE_put_bw");
 const WRITE_LAT: &str = env!("CARGO_BIN_EXE_write_lat");
-
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn command(bin: &str, args: &[&str]) -> Command {
-    let mut c = Command::new(bin);
-    c.args(args)
-        .env_remove("GPUVERBS_DEVICE")
-        .env_remove("GPUVERBS_SOFTNIC_ADDR")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    c
-}
-
-/// Waits for a child, killing it after `limit` (a hung side must not hang the test).
-fn wait(mut child: Child, limit: Duration) -> Output {
-    let start = Instant::now();
-    while child.try_wait().expect("poll the child").is_none() {
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("child output")
-}
 
 /// Runs `bin` as server and as client (with `args` on both, plus the server's address for the
 /// client) and returns (server, client).
@@ -57,8 +24,8 @@ fn pair(bin: &str, server_args: &[&str], client_args: &[&str]) -> (Output, Outpu
     c.extend_from_slice(client_args);
     let client = command(bin, &c).spawn().expect("start the client");
     let limit = Duration::from_secs(240);
-    let client = wait(client, limit);
-    let server = wait(server, limit);
+    let client = wait(client, limit).0;
+    let server = wait(server, limit).0;
     for (role, out) in [("server", &server), ("client", &client)] {
         let stderr = text(&out.stderr);
         assert!(!stderr.contains("panicked"), "{role} panicked:\n{stderr}");

@@ -5,49 +5,15 @@
 //! sample's server. The GPU paths run on a GPU machine (the commands are in the binaries' doc
 //! comments).
 
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Output;
+use std::time::Duration;
+
+mod common;
+use common::{command, free_port, text, wait};
 
 const ECHO: &str = env!("CARGO_BIN_EXE_echo");
 const PUT_BW: &str = env!("CARGO_BIN_EXE_put_bw");
 const KV: &str = env!("CARGO_BIN_EXE_kv_transfer");
-
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn command(bin: &str, args: &[&str]) -> Command {
-    let mut c = Command::new(bin);
-    c.args(args)
-        .env_remove("GPUVERBS_DEVICE")
-        .env_remove("GPUVERBS_SOFTNIC_ADDR")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    c
-}
-
-/// Waits for a child, killing it after `limit` (a hung side must not hang the test).
-fn wait(mut child: Child, limit: Duration) -> (Output, Duration) {
-    let start = Instant::now();
-    while child.try_wait().expect("poll the child").is_none() {
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let took = start.elapsed();
-    (child.wait_with_output().expect("child output"), took)
-}
 
 fn run(bin: &str, args: &[&str]) -> (Output, Duration) {
     wait(

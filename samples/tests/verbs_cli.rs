@@ -5,8 +5,11 @@
 //! must catch. CI has no GPU: the GPU initiator's paths run on the GPU machine.
 
 use serde_json::Value;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output};
 use std::time::{Duration, Instant};
+
+mod common;
+use common::{command, ok, run, text};
 
 const READ_BW: &str = env!("CARGO_BIN_EXE_read_bw");
 const SEND_BW: &str = env!("CARGO_BIN_EXE_send_bw");
@@ -14,35 +17,6 @@ const ATOMIC_BW: &str = env!("CARGO_BIN_EXE_atomic_bw");
 const READ_LAT: &str = env!("CARGO_BIN_EXE_read_lat");
 const SEND_LAT: &str = env!("CARGO_BIN_EXE_send_lat");
 const ATOMIC_LAT: &str = env!("CARGO_BIN_EXE_atomic_lat");
-
-fn command(bin: &str, args: &[&str]) -> Command {
-    let mut c = Command::new(bin);
-    c.args(args)
-        .env_remove("GPUVERBS_DEVICE")
-        .env_remove("GPUVERBS_SOFTNIC_ADDR")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    c
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn run(bin: &str, args: &[&str]) -> Output {
-    command(bin, args).output().expect("run the sample")
-}
-
-fn ok(bin: &str, args: &[&str]) -> String {
-    let o = run(bin, args);
-    assert!(
-        o.status.success(),
-        "{bin} {args:?} failed:\n{}\n{}",
-        text(&o.stdout),
-        text(&o.stderr)
-    );
-    text(&o.stdout)
-}
 
 fn json_lines(out: &str) -> Vec<Value> {
     out.lines()
