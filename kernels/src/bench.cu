@@ -30,13 +30,14 @@ GPUVERBS_DEVICE gpuverbs::status bench_step(gpuverbs_qp* q, uint32_t scope, uint
 }
 
 // The timed part of gv_bench_post in sharing mode S: `iters` steps, then (post and complete)
-// quiet by thread 0. Exclusive thread scope works on a register copy of the descriptor
-// (checkout / checkin); exclusive warp scope (one warp per QP) on the descriptor itself.
+// quiet by thread 0. With `checkout`, exclusive thread scope works on a register copy of the
+// descriptor (checkout / checkin); otherwise every call goes through the descriptor.
 template <gpuverbs::sharing S>
 GPUVERBS_DEVICE gpuverbs::status bench_run(gpuverbs_qp* q, uint64_t laddr, uint32_t lk,
                                            uint64_t raddr, uint32_t rk, uint32_t iters,
                                            uint32_t scope, uint32_t batch,
-                                           uint32_t signal_every, uint64_t budget) {
+                                           uint32_t signal_every, uint64_t budget,
+                                           bool use_checkout) {
     using namespace gpuverbs;
     // Each call site passes one fixed descriptor, so the register copy stays in registers.
     auto steps = [&](gpuverbs_qp* on) {
@@ -47,7 +48,7 @@ GPUVERBS_DEVICE gpuverbs::status bench_run(gpuverbs_qp* q, uint64_t laddr, uint3
         }
         return s;
     };
-    if (S == sharing::exclusive && scope == 0) {
+    if (S == sharing::exclusive && scope == 0 && use_checkout) {
         gpuverbs_qp mine;
         status s = checkout(q, &mine);
         if (s != OK) return s;
@@ -66,7 +67,8 @@ GPUVERBS_DEVICE gpuverbs::status bench_run(gpuverbs_qp* q, uint64_t laddr, uint3
 
 // Posts `iters` 8-byte writes per thread (scope 0 thread, 1 warp, 2 block). Block b drives
 // QP qps[b % nqps]. `share` is the sharing mode: 0 gpu, 1 exclusive (no atomics: one thread,
-// or with warp scope one warp, drives each QP), 2 cta (the QP's users are one block's threads).
+// or with warp scope one warp, drives each QP), 2 cta (the QP's users are one block's threads),
+// 3 exclusive on a checked-out copy (thread scope).
 // With `signal_every` 0 nothing is signaled and nothing is awaited: post-only, for QPs not in
 // RTS (the device executes nothing, so only the device-side cost of building and announcing
 // WQEs is timed; the ring must hold the whole run). Otherwise every `signal_every`-th WQE is
@@ -81,12 +83,13 @@ GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t 
     __syncthreads();
     bench::stamp_start(t);
     const status s =
-        share == 1   ? bench_run<sharing::exclusive>(q, laddr, lk, raddr, rk, iters, scope,
-                                                     batch, signal_every, budget)
+        share == 1 || share == 3
+            ? bench_run<sharing::exclusive>(q, laddr, lk, raddr, rk, iters, scope, batch,
+                                            signal_every, budget, share == 3)
         : share == 2 ? bench_run<sharing::cta>(q, laddr, lk, raddr, rk, iters, scope, batch,
-                                               signal_every, budget)
+                                               signal_every, budget, false)
                      : bench_run<sharing::gpu>(q, laddr, lk, raddr, rk, iters, scope, batch,
-                                               signal_every, budget);
+                                               signal_every, budget, false);
     bench::stamp_end(t);
     if (s != OK) atomicCAS(st_out, 0, (int)s);
 }

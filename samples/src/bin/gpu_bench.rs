@@ -7,8 +7,11 @@
 //!   1 thread, 1 warp, 1 block and many blocks, per doorbell mode and batch size.
 //! - `post_complete`: the same against a QP in RTS whose soft NIC executes and completes every
 //!   WQE (selective signaling, then quiet): the rate includes the soft NIC engine.
+//! - `engines`: post and complete on 1, 2, 4, ... engine threads of the initiating soft NIC.
+//! - `shapes`: issue 14's launch shapes (1 or N CTAs, a thread or a warp each, exclusive or
+//!   GPU sharing, host or GPU rings), post only, five interleaved rounds, medians.
 //!
-//! `gpu_bench [--gpu N] [--json]`. Times come from %globaltimer inside the kernels.
+//! `gpu_bench [--gpu N] [--json] [--series post_only,post_complete,engines,shapes]`. Times come from %globaltimer inside the kernels.
 
 use anyhow::{bail, ensure, Context as _, Result};
 use clap::Parser;
@@ -30,6 +33,14 @@ struct Args {
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
+    /// Which series to run (the ceiling and the floor always run): post_only, post_complete,
+    /// engines, shapes (the launch shapes of issue 14, five interleaved rounds, medians).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "post_only,post_complete,engines,shapes"
+    )]
+    series: Vec<String>,
     /// Engine-thread counts for the engine-scaling series (post and complete, 64 blocks each
     /// on its own QP, block scope): side A's soft NIC runs with each in turn; empty: skip it.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
@@ -175,10 +186,12 @@ fn setup(
 enum Share {
     /// Any thread on the GPU.
     Gpu = 0,
-    /// One thread (thread scope, on a checked-out copy) or one warp (warp scope) per QP.
+    /// One thread (thread scope) or one warp (warp scope) per QP, through the descriptor.
     Exclusive = 1,
     /// The threads of one block.
     Cta = 2,
+    /// One thread per QP on a register copy of the descriptor (`checkout` / `checkin`).
+    Checkout = 3,
 }
 
 /// One post-rate measurement.
@@ -303,6 +316,85 @@ fn post_rate(gpu: &Arc<Gpu>, mode: DoorbellMode, complete: bool, sh: Shape) -> R
     Ok(wqes as f64 / (elapsed * 1e-9))
 }
 
+/// The launch shapes of issue 14 (post only, 8-byte WRITEs, an SQ of 4,096 blocks, GPU
+/// doorbell, one QP per block), under the names of its table: five rounds, each running every
+/// shape once in turn, and the median of each. Returns the median of "1 CTA × 1 thread,
+/// exclusive" (WQE/s).
+fn gpunetio_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<f64> {
+    let thread = |grid, share| shape(grid, 1, 0, 4096, 1, true, share);
+    let warp = |grid, share| shape(grid, 32, 1, 128, 1, true, share);
+    let gpu_rings = |sh: Shape| Shape {
+        rings: RingPlacement::Gpu,
+        ..sh
+    };
+    let shapes = [
+        ("1 CTA × 1 thread, exclusive", thread(1, Share::Exclusive)),
+        ("1 CTA × 1 thread, GPU sharing", thread(1, Share::Gpu)),
+        ("1 CTA × 1 warp, exclusive", warp(1, Share::Exclusive)),
+        (
+            "N CTAs × 1 thread, exclusive",
+            thread(sms, Share::Exclusive),
+        ),
+        ("N CTAs × 1 thread, GPU sharing", thread(sms, Share::Gpu)),
+        ("N CTAs × 1 warp, exclusive", warp(sms, Share::Exclusive)),
+        ("N CTAs × 1 warp, GPU sharing", warp(sms, Share::Gpu)),
+        (
+            "N CTAs × 1 thread, exclusive; gpuverbs with `checkout`",
+            thread(sms, Share::Checkout),
+        ),
+        (
+            "GPU rings: 1 CTA × 1 thread, exclusive",
+            gpu_rings(thread(1, Share::Exclusive)),
+        ),
+        (
+            "GPU rings: 1 CTA × 1 thread, GPU sharing",
+            gpu_rings(thread(1, Share::Gpu)),
+        ),
+        (
+            "GPU rings: N CTAs × 1 thread, exclusive",
+            gpu_rings(thread(sms, Share::Exclusive)),
+        ),
+        (
+            "GPU rings: N CTAs × 1 warp, exclusive",
+            gpu_rings(warp(sms, Share::Exclusive)),
+        ),
+        (
+            "GPU rings: N CTAs × 1 warp, GPU sharing",
+            gpu_rings(warp(sms, Share::Gpu)),
+        ),
+    ];
+    let mut runs = vec![Vec::new(); shapes.len()];
+    for _ in 0..5 {
+        for (i, (name, sh)) in shapes.iter().enumerate() {
+            let r = post_rate(gpu, DoorbellMode::GpuDoorbell, false, *sh)
+                .with_context(|| format!("shape {name}"))?;
+            runs[i].push(r);
+        }
+    }
+    let mut first = 0.0;
+    for (i, (name, _)) in shapes.iter().enumerate() {
+        runs[i].sort_by(f64::total_cmp);
+        let median = runs[i][runs[i].len() / 2];
+        if i == 0 {
+            first = median;
+        }
+        let all: Vec<String> = runs[i].iter().map(|r| format!("{:.2}", r / 1e6)).collect();
+        eprintln!(
+            "shape {name}: {:.3} M WQE/s (runs {})",
+            median / 1e6,
+            all.join(" ")
+        );
+        lines.push(Line {
+            test: "gpunetio_shape",
+            config: (*name).into(),
+            db: "gpu",
+            value: median / 1e6,
+            unit: "M WQE/s",
+        });
+    }
+    Ok(first)
+}
+
 struct Line {
     test: &'static str,
     config: String,
@@ -321,6 +413,13 @@ fn db_name(m: DoorbellMode) -> &'static str {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    const SERIES: [&str; 4] = ["post_only", "post_complete", "engines", "shapes"];
+    for s in &args.series {
+        ensure!(
+            SERIES.contains(&s.as_str()),
+            "unknown series {s:?} (one of {SERIES:?})"
+        );
+    }
     let gpu = Gpu::open(args.gpu).context("gpu_bench needs a GPU and the embedded kernels")?;
     let mut lines = Vec::new();
 
@@ -381,14 +480,14 @@ fn main() -> Result<()> {
     ];
     let configs = [
         (
-            "1 thread, exclusive, batch 1",
-            shape(1, 1, 0, 8192, 1, false, Share::Exclusive),
+            "1 thread, checkout, batch 1",
+            shape(1, 1, 0, 8192, 1, false, Share::Checkout),
         ),
         (
-            "1 thread, exclusive, batch 1, GPU rings",
+            "1 thread, checkout, batch 1, GPU rings",
             Shape {
                 rings: RingPlacement::Gpu,
-                ..shape(1, 1, 0, 8192, 1, false, Share::Exclusive)
+                ..shape(1, 1, 0, 8192, 1, false, Share::Checkout)
             },
         ),
         (
@@ -396,8 +495,8 @@ fn main() -> Result<()> {
             shape(1, 1, 0, 8192, 1, false, Share::Gpu),
         ),
         (
-            "1 thread, exclusive, batch 32",
-            shape(1, 1, 0, 8192, 32, false, Share::Exclusive),
+            "1 thread, checkout, batch 32",
+            shape(1, 1, 0, 8192, 32, false, Share::Checkout),
         ),
         (
             "1 warp, warp scope",
@@ -436,17 +535,18 @@ fn main() -> Result<()> {
             shape(sms, 256, 2, 16, 1, true, Share::Cta),
         ),
     ];
+    let want = |series: &str| args.series.iter().any(|s| s == series);
     let mut thread_rate = 0.0;
     // Warp scope against one thread, both owning their QP (exclusive), and the shared warp.
     let mut warp_rate = 0.0;
     let mut shared_warp_rate = 0.0;
     let mut gpu_rings_rate = 0.0;
-    for mode in modes {
+    for mode in modes.into_iter().filter(|_| want("post_only")) {
         for (name, sh) in configs {
             let r = post_rate(&gpu, mode, false, sh)
                 .with_context(|| format!("post_only {name}, {}", db_name(mode)))?;
             eprintln!("post_only {name} {}: {:.3} M WQE/s", db_name(mode), r / 1e6);
-            if mode == DoorbellMode::GpuDoorbell && name == "1 thread, exclusive, batch 1" {
+            if mode == DoorbellMode::GpuDoorbell && name == "1 thread, checkout, batch 1" {
                 thread_rate = r;
                 let value = 1e9 / r;
                 lines.push(Line {
@@ -457,8 +557,7 @@ fn main() -> Result<()> {
                     unit: "ns",
                 });
             }
-            if mode == DoorbellMode::GpuDoorbell
-                && name == "1 thread, exclusive, batch 1, GPU rings"
+            if mode == DoorbellMode::GpuDoorbell && name == "1 thread, checkout, batch 1, GPU rings"
             {
                 gpu_rings_rate = r;
                 lines.push(Line {
@@ -486,8 +585,8 @@ fn main() -> Result<()> {
     }
     let complete_configs = [
         (
-            "1 thread, exclusive, batch 32",
-            shape(1, 1, 0, 32768, 32, false, Share::Exclusive),
+            "1 thread, checkout, batch 32",
+            shape(1, 1, 0, 32768, 32, false, Share::Checkout),
         ),
         (
             "1 warp, warp scope",
@@ -498,7 +597,7 @@ fn main() -> Result<()> {
             shape(8, 256, 2, 64, 1, true, Share::Gpu),
         ),
     ];
-    for mode in modes {
+    for mode in modes.into_iter().filter(|_| want("post_complete")) {
         for (name, sh) in complete_configs {
             let r = post_rate(&gpu, mode, true, sh)
                 .with_context(|| format!("post_complete {name}, {}", db_name(mode)))?;
@@ -518,7 +617,7 @@ fn main() -> Result<()> {
     }
     // Engine scaling: the same post-and-complete load on 1, 2, 4, ... engine threads.
     let mut one_engine = 0.0;
-    for &e in &args.engines {
+    for &e in args.engines.iter().filter(|_| want("engines")) {
         let sh = Shape {
             engines: e,
             ..shape(64, 256, 2, 64, 1, true, Share::Gpu)
@@ -550,8 +649,33 @@ fn main() -> Result<()> {
             unit: "M WQE/s",
         });
     }
-    if [thread_rate, warp_rate, shared_warp_rate, gpu_rings_rate].contains(&0.0) {
-        bail!("missing reference rates");
+    let shape_thread_rate = if want("shapes") {
+        gpunetio_shapes(&gpu, sms, &mut lines)?
+    } else {
+        0.0
+    };
+    let mut ratios = serde_json::Map::new();
+    if want("post_only") {
+        if [thread_rate, warp_rate, shared_warp_rate, gpu_rings_rate].contains(&0.0) {
+            bail!("missing reference rates");
+        }
+        for (k, v) in [
+            ("single_put_over_floor", (1e9 / thread_rate) / floor_ns),
+            (
+                "single_put_gpu_rings_over_floor",
+                (1e9 / gpu_rings_rate) / floor_ns,
+            ),
+            ("warp_over_thread", warp_rate / thread_rate),
+            ("shared_warp_over_thread", shared_warp_rate / thread_rate),
+        ] {
+            ratios.insert(k.into(), v.into());
+        }
+    }
+    if shape_thread_rate > 0.0 {
+        ratios.insert(
+            "shape_single_put_over_floor".into(),
+            ((1e9 / shape_thread_rate) / floor_ns).into(),
+        );
     }
     let info = gpu.info().to_string();
     if args.json {
@@ -561,10 +685,9 @@ fn main() -> Result<()> {
                 serde_json::json!({"test": l.test, "config": l.config, "db": l.db, "value": l.value, "unit": l.unit, "gpu": info})
             );
         }
-        println!(
-            "{}",
-            serde_json::json!({"test": "ratios", "single_put_over_floor": (1e9 / thread_rate) / floor_ns, "single_put_gpu_rings_over_floor": (1e9 / gpu_rings_rate) / floor_ns, "warp_over_thread": warp_rate / thread_rate, "shared_warp_over_thread": shared_warp_rate / thread_rate, "gpu": info})
-        );
+        ratios.insert("test".into(), "ratios".into());
+        ratios.insert("gpu".into(), info.into());
+        println!("{}", serde_json::Value::Object(ratios));
     } else {
         println!("# {info}");
         println!(
@@ -577,22 +700,9 @@ fn main() -> Result<()> {
                 l.test, l.config, l.db, l.value, l.unit
             );
         }
-        println!(
-            "single put / (fence + store) floor: {:.2}x",
-            (1e9 / thread_rate) / floor_ns
-        );
-        println!(
-            "single put with GPU-resident rings / floor: {:.2}x",
-            (1e9 / gpu_rings_rate) / floor_ns
-        );
-        println!(
-            "warp-scope rate / one-thread rate (both exclusive): {:.1}x",
-            warp_rate / thread_rate
-        );
-        println!(
-            "shared warp-scope rate / exclusive one-thread rate: {:.1}x",
-            shared_warp_rate / thread_rate
-        );
+        for (k, v) in &ratios {
+            println!("{k}: {:.2}", v.as_f64().unwrap_or(f64::NAN));
+        }
     }
     Ok(())
 }
