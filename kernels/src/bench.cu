@@ -94,6 +94,17 @@ GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t 
     if (s != OK) atomicCAS(st_out, 0, (int)s);
 }
 
+// Post-only QPs are never executed (they are not in RTS): marks every block posted so far
+// retired, so that the next round of gv_bench_post reuses the ring. One thread per QP, between
+// rounds (no kernel is posting).
+GPUVERBS_KERNEL void gv_bench_recycle(const uint64_t* qps, uint32_t nqps) {
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nqps) return;
+    gpuverbs_qp* q = reinterpret_cast<gpuverbs_qp*>(qps[i]);
+    q->sq_retired = q->sq_ready;
+    q->sq_signaled_end = q->sq_ready;
+}
+
 // The floor of one doorbell: a system-scope release fence and an 8-byte store to host memory,
 // `iters` times, one thread.
 GPUVERBS_KERNEL void gv_bench_fence_store(uint64_t* host_word, uint32_t iters,
