@@ -221,6 +221,11 @@ wire_counters! {
     sr_gaps_filled,
     /// Selective repeat: held packets run once their gap was filled.
     sr_held_run,
+    /// Selective repeat: gap reports sent (a responder names each gap behind the first one,
+    /// and the rest of a first gap longer than one packet, as it opens).
+    sr_gap_reports_sent,
+    /// Selective repeat: gap reports received and acted on (their packets resent).
+    sr_gap_reports_received,
     /// Datagrams dropped as malformed: truncated, oversized, unsupported opcode or version,
     /// payload longer than the path MTU, pad errors.
     rx_malformed,

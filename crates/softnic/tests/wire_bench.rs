@@ -69,7 +69,7 @@ fn write_bw_clean_counters() {
 #[ignore = "diagnostics"]
 fn write_bw_windows() {
     for _ in 0..2 {
-        for window in [64u32, 128, 256] {
+        for window in [128u32, 256, 512, 1024] {
             for loss in [0.0, 0.01, 0.05] {
                 let r = write_bw(WriteBw {
                     loss,

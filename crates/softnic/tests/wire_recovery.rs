@@ -98,6 +98,35 @@ fn selective_repeat_resends_only_what_was_lost() {
 }
 
 #[test]
+fn selective_repeat_reports_every_gap_as_it_opens() {
+    let _s = serial();
+    // Requests lost at 5%, answers never: about 13 losses per window, so most gaps open
+    // behind another. The responder reports each as it opens (a sequence NAK names only the
+    // first gap and acknowledges everything before it, which repaired one gap per round
+    // trip); every report reaches the requester and names PSNs in flight, which it resends
+    // without waiting for the gaps in front of them.
+    let (a, b) = bulk(16 * MIB, WireFaults::loss(0.05, 31), WireFaults::default());
+    eprintln!("A: {a:?}\nB: {b:?}");
+    assert!(a.injected_drops > 100, "{a:?}");
+    assert!(
+        b.sr_gap_reports_sent * 4 >= a.injected_drops,
+        "{} gap reports for {} lost packets",
+        b.sr_gap_reports_sent,
+        a.injected_drops
+    );
+    assert_eq!(a.sr_gap_reports_received, b.sr_gap_reports_sent, "{a:?}");
+    assert_eq!(a.rx_unexpected, 0, "{a:?}");
+    assert_eq!(a.timeouts, 0, "{a:?}");
+    assert!(
+        a.retransmits <= a.injected_drops * 2 + 16 + a.early_timeouts * 256,
+        "{} packets resent for {} lost ({} early timeouts)",
+        a.retransmits,
+        a.injected_drops,
+        a.early_timeouts
+    );
+}
+
+#[test]
 fn selective_repeat_recovers_lost_naks_and_resends() {
     let _s = serial();
     // 5% each way: NAKs, resends and the ACKs after them are lost too. The responder's

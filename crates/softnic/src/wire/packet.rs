@@ -154,6 +154,11 @@ pub mod aeth {
     pub const NAK_ACCESS: u8 = 0x62;
     /// NAK: remote operational error.
     pub const NAK_OPERATIONAL: u8 = 0x63;
+    /// The soft NIC's selective-repeat gap report: a NAK with a code IBTA reserves (0x1f),
+    /// sent only to a requester that agreed on selective repeat. Its PSN is the first PSN
+    /// missing behind packets the responder holds, its MSN field the number missing from
+    /// there; it acknowledges nothing.
+    pub const GAP_REPORT: u8 = 0x7f;
 }
 
 /// Which headers follow the BTH of an opcode, and whether it carries payload.

@@ -137,12 +137,13 @@ pub(crate) struct ReqWire {
     /// The early timer fired and went back: (`una` then, one past the highest PSN sent).
     pub(super) timer_goback: Option<(u32, u32)>,
     /// Selective repeat agreed with the peer: a sequence NAK resends the packet it names
-    /// alone (the peer holds what followed it); timers still go back N.
+    /// alone, a gap report the packets it names (the peer holds what followed them); timers
+    /// still go back N.
     pub(super) selective: bool,
-    /// The PSN a sequence NAK asked for, to send before anything else.
-    pub(super) resend: Option<u32>,
-    /// The last PSN resent for a NAK, and when.
-    pub(super) resent: Option<(u32, Instant)>,
+    /// PSNs a sequence NAK or a gap report asked for, to send before anything else.
+    pub(super) resend: VecDeque<u32>,
+    /// PSNs queued for such a resend, and when (pruned to those in flight).
+    pub(super) resent: HashMap<u32, Instant>,
     /// A WQE that failed locally is queued: run no more WQEs until it completes.
     pub(crate) blocked: bool,
     /// A queued message failed while being sent: send nothing more.
@@ -190,8 +191,8 @@ impl ReqWire {
             rto_floor: Duration::ZERO,
             timer_goback: None,
             selective: false,
-            resend: None,
-            resent: None,
+            resend: VecDeque::new(),
+            resent: HashMap::new(),
             blocked: false,
             halted: false,
             scratch: Vec::with_capacity(super::packet::MAX_DATAGRAM),
@@ -261,7 +262,7 @@ impl ReqWire {
     /// Retransmits from `to` (go-back-N); the rest of the window follows.
     pub(super) fn go_back(&mut self, to: u32, now: Instant) {
         self.send_psn = to;
-        self.resend = None;
+        self.resend.clear();
         self.goback = Some((to, now));
         self.rtt_probe = None;
         // Halve the window: going back N resends it. With selective repeat only a timer goes
@@ -287,14 +288,46 @@ impl ReqWire {
     /// cut: a lost packet is not a congested path (ConnectX reacts to congestion
     /// notifications, not to loss).
     pub(super) fn resend_nak(&mut self, now: Instant) {
-        let una = self.una;
         // a probe acknowledged after the gap is filled would time the gap, not the path
         self.rtt_probe = None;
-        let rtt = self.srtt.max(Duration::from_micros(50));
-        let recent = matches!(self.resent, Some((p, t)) if p == una && now.duration_since(t) < rtt);
-        if !recent {
-            self.resend = Some(una);
+        self.queue_resend(self.una, now);
+    }
+
+    /// Selective repeat: a gap report (the responder misses PSNs `[from, from + n)` and holds
+    /// packets behind them) resends each of them that is in flight, unless it was resent
+    /// within the last round trip. It acknowledges nothing and cuts no window. False when it
+    /// names no PSN in flight (stale, or never sent).
+    pub(super) fn resend_gap(&mut self, from: u32, n: u32, now: Instant) -> bool {
+        let in_flight = psn_diff(self.sent_hi, self.una).max(0) as u32;
+        let k = psn_diff(from, self.una);
+        if n == 0 || k < 0 || k as u32 >= in_flight {
+            return false;
         }
+        self.rtt_probe = None;
+        for i in 0..n.min(in_flight - k as u32) {
+            self.queue_resend(psn_add(from, i), now);
+        }
+        true
+    }
+
+    /// Queues PSN `p` for a resend unless it was queued within the last round trip (the
+    /// responder names a gap again while more packets arrive behind it; once more a round
+    /// trip after the resend means the resend was lost too).
+    fn queue_resend(&mut self, p: u32, now: Instant) {
+        let rtt = self.srtt.max(Duration::from_micros(50));
+        if self
+            .resent
+            .get(&p)
+            .is_some_and(|t| now.duration_since(*t) < rtt)
+        {
+            return;
+        }
+        if self.resent.len() >= 2 * self.window.max(64) as usize {
+            let una = self.una;
+            self.resent.retain(|&q, _| psn_diff(q, una) >= 0);
+        }
+        self.resent.insert(p, now);
+        self.resend.push_back(p);
     }
 
     /// Goes back to `una` for a missing response, once per gap and round trip (the
@@ -447,6 +480,8 @@ pub(crate) struct RespWire {
     /// (by PSN, as received) and run in order once the gap is filled.
     pub(super) selective: bool,
     pub(super) held: HashMap<u32, Vec<u8>>,
+    /// The highest PSN held (meaningful while `held` is not empty).
+    pub(super) held_hi: u32,
     /// When the gap's first sequence NAK, and its last one, were sent (selective repeat
     /// names a gap again after [`RespWire::renak_wait`] without it being filled: the NAK, the
     /// resend or the answer to it was lost).
@@ -529,10 +564,91 @@ impl RespWire {
     }
 
     /// Holds packet `raw` (PSN `psn`, out of sequence) until its gap is filled, unless `cap`
-    /// packets are held already (it is then dropped, as without selective repeat).
-    pub(super) fn hold(&mut self, psn: u32, raw: &[u8], cap: usize) {
-        if self.held.len() < cap {
-            self.held.entry(psn).or_insert_with(|| raw.to_vec());
+    /// packets are held already (it is then dropped, as without selective repeat). Returns
+    /// the PSNs missing in front of it that nothing named yet, `(first, count)`: behind the
+    /// expected PSN (which the sequence NAK names) when nothing was held, else behind the
+    /// highest packet held; none when it was not held or falls inside what is held.
+    pub(super) fn hold(&mut self, psn: u32, raw: &[u8], cap: usize) -> Option<(u32, u32)> {
+        if self.held.len() >= cap || self.held.contains_key(&psn) {
+            return None;
         }
+        let from = if self.held.is_empty() {
+            psn_add(self.epsn, 1)
+        } else if psn_diff(psn, self.held_hi) > 0 {
+            psn_add(self.held_hi, 1)
+        } else {
+            psn // inside what is held: nothing new is missing
+        };
+        if self.held.is_empty() || psn_diff(psn, self.held_hi) > 0 {
+            self.held_hi = psn;
+        }
+        self.held.insert(psn, raw.to_vec());
+        let missing = psn_diff(psn, from);
+        (missing > 0).then_some((from, missing as u32))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn held_packets_name_what_is_missing_in_front_of_them() {
+        let mut w = RespWire::new(10, 4096, true);
+        // The first gap: the sequence NAK names 10, the report the rest of it.
+        assert_eq!(w.hold(11, b"p11", 64), None);
+        let mut w2 = RespWire::new(10, 4096, true);
+        assert_eq!(w2.hold(13, b"p13", 64), Some((11, 2)));
+        // Behind what is held: a new gap each time a packet skips PSNs.
+        assert_eq!(w.hold(12, b"p12", 64), None);
+        assert_eq!(w.hold(16, b"p16", 64), Some((13, 3)));
+        assert_eq!(w.hold(17, b"p17", 64), None);
+        // Inside what is held (a resend, or reordered): nothing new is missing.
+        assert_eq!(w.hold(14, b"p14", 64), None);
+        assert_eq!(w.hold(16, b"dup", 64), None);
+        assert_eq!(w.held.len(), 5);
+        assert_eq!(w.held_hi, 17);
+        // Past the cap: dropped, and nothing reported for it.
+        assert_eq!(w.hold(30, b"p30", 5), None);
+        assert!(!w.held.contains_key(&30));
+        // PSNs wrap at 24 bits.
+        let mut w3 = RespWire::new(MASK24, 4096, true);
+        assert_eq!(w3.hold(2, b"p2", 64), Some((0, 2)));
+    }
+
+    #[test]
+    fn a_gap_report_resends_what_is_in_flight_once_a_round_trip() {
+        let flow = Flow {
+            src: Ipv4Addr::LOCALHOST,
+            dst: Ipv4Addr::LOCALHOST,
+            sport: 49152,
+            dport: 4791,
+        };
+        let mut w = ReqWire::new("127.0.0.1:4791".parse().unwrap(), flow, 7, 4096, 256, 100);
+        w.selective = true;
+        w.sent_hi = 200;
+        w.srtt = Duration::from_millis(10);
+        let now = Instant::now();
+        assert!(w.resend_gap(150, 3, now));
+        assert_eq!(Vec::from(w.resend.clone()), vec![150, 151, 152]);
+        // The same report again within a round trip (a copy, or the gap named again before
+        // the resends arrived): nothing more.
+        assert!(w.resend_gap(150, 3, now));
+        assert_eq!(w.resend.len(), 3);
+        // A round trip later the resends were lost too: again.
+        assert!(w.resend_gap(151, 1, now + Duration::from_millis(11)));
+        assert_eq!(w.resend.back(), Some(&151));
+        // Clipped to what is in flight; stale or never sent: nothing.
+        assert!(w.resend_gap(199, 10, now));
+        assert_eq!(w.resend.back(), Some(&199));
+        assert_eq!(w.resend.len(), 5);
+        assert!(!w.resend_gap(90, 5, now));
+        assert!(!w.resend_gap(200, 1, now));
+        assert!(!w.resend_gap(120, 0, now));
+        assert_eq!(w.resend.len(), 5);
+        // A go-back resends everything from una anyway.
+        w.go_back(100, now);
+        assert!(w.resend.is_empty());
     }
 }

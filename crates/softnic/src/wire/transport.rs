@@ -528,13 +528,15 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
     let g = qp.mrs.read();
     let mut buf = std::mem::take(&mut w.scratch);
     let limit = w.window.min(w.cwnd).max(1) as i32;
-    if let Some(p) = w.resend.take() {
+    while sent < BURST {
+        let Some(p) = w.resend.pop_front() else {
+            break;
+        };
         // only a PSN sent and not yet acknowledged
         if psn_diff(p, w.una) >= 0 && psn_diff(p, w.sent_hi) < 0 {
             if let Built::Packet { .. } = build(dev, &g, qp.pd, w, p, limit, &mut buf) {
                 port.send(&buf, w.to, &w.flow, &mut w.batch);
                 Counters::add(&dev.counters.wire.retransmits, 1);
-                w.resent = Some((p, now));
                 // the early timer (go-back-N) waits behind the resend
                 w.fast_deadline = Some(now + w.fast_rto());
                 sent += 1;
@@ -729,6 +731,19 @@ fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
     match pkt.bth.opcode {
         op::ACK => {
             let s = pkt.aeth.map_or(0, |a| a.syndrome);
+            if s == aeth::GAP_REPORT {
+                // Only a peer that agreed on selective repeat sends it; it acknowledges
+                // nothing (the NAK code is reserved by IBTA: a real NIC never sends it).
+                let n = pkt.aeth.map_or(0, |a| a.msn);
+                if w.selective && w.resend_gap(p, n, now) {
+                    Counters::add(&wc.sr_gap_reports_received, 1);
+                } else {
+                    Counters::add(&wc.rx_unexpected, 1);
+                }
+                drop(g);
+                pump(dev, qp, w, now);
+                return;
+            }
             match s >> 5 {
                 0 => match w.ack_to(psn_add(p, 1), now) {
                     Acked::Bogus => {
@@ -1010,11 +1025,12 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut R
         Counters::add(&wc.out_of_sequence, 1);
         let cap = reply.port.cfg.window.max(64) as usize;
         let w = &mut r.rq.wire;
+        let mut report = None;
         let repeat = if w.selective {
             // held until the gap is filled (the engine's timer names the gap again while it
-            // stays, in case the resend was lost)
+            // stays, in case the resend was lost); what it shows missing is reported at once
             if (d as i64) < MAX_OUTSTANDING_PSNS {
-                w.hold(psn, raw, cap);
+                report = w.hold(psn, raw, cap);
                 qp.holding.store(!w.held.is_empty(), Ordering::Release);
             }
             false
@@ -1032,6 +1048,12 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut R
             w.nak_sent = true;
             w.oos_hi = psn;
             seq_nak(wc, w, reply);
+        }
+        if let Some((first, n)) = report {
+            // Selective repeat: every gap is named as it opens, not one per round trip (a
+            // sequence NAK names one, and acknowledges everything before it).
+            Counters::add(&wc.sr_gap_reports_sent, 1);
+            reply.aeth(first, aeth::GAP_REPORT, n);
         }
         return;
     }
