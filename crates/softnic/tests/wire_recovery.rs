@@ -115,6 +115,8 @@ fn selective_repeat_reports_every_gap_as_it_opens() {
         a.injected_drops
     );
     assert_eq!(a.sr_gap_reports_received, b.sr_gap_reports_sent, "{a:?}");
+    // every sequence NAK counted where it is sent (those that answer a duplicate too)
+    assert_eq!(a.seq_naks_received, b.seq_naks_sent, "{a:?}\n{b:?}");
     assert_eq!(a.rx_unexpected, 0, "{a:?}");
     assert_eq!(a.timeouts, 0, "{a:?}");
     assert!(

@@ -1058,7 +1058,7 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut R
         return;
     }
     if d < 0 {
-        if duplicate(&mut r, pkt, reply) {
+        if duplicate(wc, &mut r, pkt, reply) {
             Counters::add(&wc.duplicates, 1);
         } else {
             Counters::add(&wc.rx_bad_duplicate_reads, 1);
@@ -1562,7 +1562,12 @@ fn read_responses(
 /// A request with a PSN the responder already passed: answered, never applied again.
 /// Returns false for a duplicate READ that matches no READ still held (dropped unanswered,
 /// nothing changed).
-fn duplicate(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) -> bool {
+fn duplicate(
+    wc: &crate::counters::WireCounters<std::sync::atomic::AtomicU64>,
+    r: &mut Resp<'_>,
+    pkt: &Packet<'_>,
+    reply: &mut Reply<'_>,
+) -> bool {
     let msn = r.rq.wire.msn;
     match pkt.bth.opcode {
         op::READ_REQUEST => {
@@ -1608,6 +1613,7 @@ fn duplicate(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) -> bool 
                 if w.selective && !w.held.is_empty() {
                     // a gap is open with packets held behind it: name it (which acknowledges
                     // everything before it, as the ACK would)
+                    Counters::add(&wc.seq_naks_sent, 1);
                     reply.aeth(w.epsn, aeth::NAK_SEQ, msn);
                 } else {
                     reply.aeth(psn_add(w.epsn, MASK24), aeth::ACK, msn);
