@@ -5,7 +5,8 @@ use serde_json::{json, Value};
 
 /// What this side's wire port did between two counter snapshots (the JSON's `"wire"`):
 /// datagrams each way, request packets sent again, timer expirations (IBTA and early), sequence
-/// and RNR NAKs, datagrams dropped on purpose, requests out of sequence and duplicate; `null` without a soft NIC (an rdma-core device has no such counters).
+/// and RNR NAKs, datagrams dropped on purpose, requests out of sequence and duplicate, selective
+/// repeat's gaps filled and gap reports each way; `null` without a soft NIC (an rdma-core device has no such counters).
 pub fn wire_delta(
     before: &Option<softnic::WireCounters>,
     after: &Option<softnic::WireCounters>,
@@ -27,6 +28,9 @@ pub fn wire_delta(
         "rnr_naks_received": d(after.rnr_naks_received, before.rnr_naks_received),
         "out_of_sequence": d(after.out_of_sequence, before.out_of_sequence),
         "duplicates": d(after.duplicates, before.duplicates),
+        "sr_gaps_filled": d(after.sr_gaps_filled, before.sr_gaps_filled),
+        "sr_gap_reports_sent": d(after.sr_gap_reports_sent, before.sr_gap_reports_sent),
+        "sr_gap_reports_received": d(after.sr_gap_reports_received, before.sr_gap_reports_received),
     })
 }
 

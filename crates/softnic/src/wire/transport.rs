@@ -1058,7 +1058,7 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut R
         return;
     }
     if d < 0 {
-        if duplicate(wc, &mut r, pkt, reply) {
+        if duplicate(&mut r, pkt, reply) {
             Counters::add(&wc.duplicates, 1);
         } else {
             Counters::add(&wc.rx_bad_duplicate_reads, 1);
@@ -1562,12 +1562,7 @@ fn read_responses(
 /// A request with a PSN the responder already passed: answered, never applied again.
 /// Returns false for a duplicate READ that matches no READ still held (dropped unanswered,
 /// nothing changed).
-fn duplicate(
-    wc: &crate::counters::WireCounters<std::sync::atomic::AtomicU64>,
-    r: &mut Resp<'_>,
-    pkt: &Packet<'_>,
-    reply: &mut Reply<'_>,
-) -> bool {
+fn duplicate(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) -> bool {
     let msn = r.rq.wire.msn;
     match pkt.bth.opcode {
         op::READ_REQUEST => {
@@ -1609,15 +1604,12 @@ fn duplicate(
         }
         _ => {
             if pkt.bth.ack_req {
+                // Also while a gap is open with packets held behind it: the gap was NAKed or
+                // reported when it opened, and the responder's timer names it again; a NAK
+                // here would make the requester resend it once more for every redundant
+                // resend that arrives, each drawing the next.
                 let w = &r.rq.wire;
-                if w.selective && !w.held.is_empty() {
-                    // a gap is open with packets held behind it: name it (which acknowledges
-                    // everything before it, as the ACK would)
-                    Counters::add(&wc.seq_naks_sent, 1);
-                    reply.aeth(w.epsn, aeth::NAK_SEQ, msn);
-                } else {
-                    reply.aeth(psn_add(w.epsn, MASK24), aeth::ACK, msn);
-                }
+                reply.aeth(psn_add(w.epsn, MASK24), aeth::ACK, msn);
             }
         }
     }
