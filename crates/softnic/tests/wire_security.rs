@@ -1,7 +1,8 @@
 //! Adversarial packets at a wire port, crafted by the test on a plain UDP socket: requests
 //! and responses from an address that is not the connected peer's (127.0.0.2 against peers on
 //! 127.0.0.1) are dropped and counted with no effect on the QP; duplicate READs are served
-//! only inside a READ the responder still holds; ACKs of PSNs never sent are counted.
+//! only inside a READ the responder still holds; ACKs of PSNs never sent, and gap reports
+//! naming nothing in flight, are counted.
 
 mod common;
 mod wire_util;
@@ -301,6 +302,57 @@ fn acks_of_psns_never_sent_are_counted() {
     assert_eq!(p.ea.qp.state(), QpState::Rts);
     let i = p.ea.go(&op, SIG);
     p.ea.expect_req(0x08, i);
+}
+
+#[test]
+fn gap_reports_that_name_nothing_in_flight_are_counted() {
+    let _s = serial();
+    // A gap report (selective repeat's reserved NAK code) from the peer's address that names
+    // PSNs never sent, or already acknowledged, and one to a QP without selective repeat:
+    // dropped and counted, nothing resent, the QP unchanged.
+    for opts in [wire_opts(), go_back_n_opts()] {
+        let mut p = wire_pair(
+            opts.clone(),
+            opts,
+            1024,
+            WireFaults::default(),
+            WireFaults::default(),
+        );
+        let dst = p.b.buf(64, ALL_REMOTE);
+        let src = p.a.buf(64, Access::NONE);
+        let op = Op::Write {
+            remote: dst.remote(0),
+            local: Local::Sges(&[src.sge(0, 64)]),
+            imm: None,
+        };
+        let i = p.ea.go(&op, SIG);
+        p.ea.expect_req(0x08, i);
+        std::thread::sleep(Duration::from_millis(20));
+        let raw = Raw::new(
+            Ipv4Addr::LOCALHOST,
+            Ipv4Addr::LOCALHOST,
+            p.a.dev.wire_addr().unwrap(),
+        );
+        let s = wire_opts().rts.sq_psn;
+        let before = p.a.dev.counters().wire;
+        for (first, n) in [(psn(s, 1000), 5), (s, 1), (psn(s, 1), 0)] {
+            raw.send(&Packet {
+                bth: bth(opcode::ACK, p.ea.qpn(), first),
+                aeth: Some(Aeth {
+                    syndrome: aeth::GAP_REPORT,
+                    msn: n,
+                }),
+                ..Packet::default()
+            });
+        }
+        let c = wait_rx(&p.a, &before, 3);
+        assert_eq!(c.rx_unexpected - before.rx_unexpected, 3, "{c:?}");
+        assert_eq!(c.sr_gap_reports_received, before.sr_gap_reports_received);
+        assert_eq!(c.retransmits, before.retransmits, "{c:?}");
+        assert_eq!(p.ea.qp.state(), QpState::Rts);
+        let i = p.ea.go(&op, SIG);
+        p.ea.expect_req(0x08, i);
+    }
 }
 
 #[test]
