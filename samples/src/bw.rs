@@ -2160,6 +2160,10 @@ impl Engine {
 /// process: spinning is fastest while the engine has a core of its own, sleeping once it
 /// does not).
 const IDLE_POLLS: u32 = 256;
+/// Polls after which the loop sleeps at once when the soft NIC engine of the QP it waits on
+/// has not moved meanwhile ([`Initiator::engine_turn`]): the engine is not running, perhaps
+/// waiting for this very core, and spinning on would only keep it waiting.
+const STALL_POLLS: u32 = 16;
 
 /// The CPU initiator: one host thread, round robin over the jobs, `-l` WQEs per doorbell,
 /// one CQE per `--cq-mod` WQEs (and for each job's last), messages of at most `-I` bytes
@@ -2215,8 +2219,10 @@ fn run_cpu(
     let start = Instant::now();
     peak.record(start, 0);
     let mut last_progress = start;
-    // loop turns without a completion (then the thread sleeps on the CQ)
+    // loop turns without a completion (then the thread sleeps on the CQ), and the engine
+    // turn of the QP waited on when they began
     let mut idle = 0u32;
+    let mut idle_turn = None;
     while done < total {
         if target.is_none() && duration.is_some_and(|d| start.elapsed() >= d) {
             // One more for every job, so that each ends with a signaled WQE.
@@ -2337,12 +2343,20 @@ fn run_cpu(
             idle = 0;
         } else {
             idle += 1;
+            let waited = flows.iter().find(|f| !f.pending.is_empty());
+            if idle == 1 {
+                idle_turn = waited.and_then(|f| f.ini.engine_turn());
+            }
+            let stalled = idle > STALL_POLLS
+                && idle_turn.is_some()
+                && waited.and_then(|f| f.ini.engine_turn()) == idle_turn;
             // Across processes the completions come from this process's device threads (the
             // wire's ACKs); in one process from the engine, which may share a core with this
             // thread when another process is busy. Either way, once a few polls found
-            // nothing, give the core away until a CQE is written.
-            if !a.loopback || idle > IDLE_POLLS {
-                match flows.iter().find(|f| !f.pending.is_empty()) {
+            // nothing (or the engine did not run meanwhile), give the core away until a CQE
+            // is written.
+            if !a.loopback || idle > IDLE_POLLS || stalled {
+                match waited {
                     Some(f) => f.ini.idle_until_completion(false, Duration::from_millis(1)),
                     None => std::thread::yield_now(),
                 }

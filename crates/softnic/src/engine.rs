@@ -67,7 +67,9 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
     let mut idle = 0u32;
     let mut park = Duration::from_micros(10);
     let mut polled_at: Option<Instant> = None;
+    let mut turn = 0u64;
     while !dev.shutdown.load(Ordering::Acquire) {
+        turn = turn.wrapping_add(1);
         let g = dev.generation.load(Ordering::Acquire);
         if g != generation {
             (qps, cqs) = dev.snapshot();
@@ -80,6 +82,9 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
         let mut work = false;
         let mut timed = false;
         for qp in &qps {
+            if qp.kicking_poster.load(Ordering::Relaxed) {
+                qp.engine_turn.store(turn, Ordering::Relaxed);
+            }
             let (w, t) = service(&dev, qp);
             work |= w;
             timed |= t;

@@ -617,7 +617,8 @@ impl Initiator {
     pub fn wait_send(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
         let probe = self.cq_error.as_ref().map(|p| p[0].clone());
         let sleep = self.sleeper(false);
-        wait(timeout, "send", probe, sleep, || self.poll_send())
+        let turn = self.turn_probe();
+        wait(timeout, "send", probe, sleep, turn, || self.poll_send())
     }
 
     /// Waits for the next receive completion, at most `timeout`;
@@ -625,7 +626,8 @@ impl Initiator {
     pub fn wait_recv(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
         let probe = self.cq_error.as_ref().map(|p| p[1].clone());
         let sleep = self.sleeper(true);
-        wait(timeout, "receive", probe, sleep, || self.poll_recv())
+        let turn = self.turn_probe();
+        wait(timeout, "receive", probe, sleep, turn, || self.poll_recv())
     }
 
     /// Gives the core away until the send CQ (`recv` false) or the receive CQ may hold a
@@ -642,6 +644,22 @@ impl Initiator {
         }
     }
 
+    /// A soft NIC's engine turn for this QP: a number that moves on while the engine that
+    /// runs the QP is running (it spins, or works), and stands still while it sleeps or waits
+    /// for a core. A poster that spins for a completion can stop spinning once it saw it
+    /// stand still for a while: the engine may be waiting for the poster's own core. `None`
+    /// for devices that cannot say.
+    pub fn engine_turn(&self) -> Option<u64> {
+        let k = self._kicking.as_ref()?;
+        Some(k.0.engine_turn.load(Ordering::Relaxed))
+    }
+
+    /// [`Self::engine_turn`] as a closure that owns what it reads.
+    fn turn_probe(&self) -> Option<impl Fn() -> u64 + use<>> {
+        let qp = self._kicking.as_ref()?.0.clone();
+        Some(move || qp.engine_turn.load(Ordering::Relaxed))
+    }
+
     /// A sleep on the send or receive CQ until it holds a CQE beyond what this initiator
     /// took (soft NIC CQs that are not collapsed).
     fn sleeper(&self, recv: bool) -> Option<impl Fn(Duration) -> bool + use<>> {
@@ -652,16 +670,22 @@ impl Initiator {
 }
 
 /// Polls with `f` until it yields a completion, the CQ overran, or `timeout` passed: spins
-/// a while, then sleeps on the CQ (`sleep`, when the device can wake it; else yields).
+/// a while, then sleeps on the CQ (`sleep`, when the device can wake it; else yields). It
+/// stops spinning early when the engine's `turn` stood still meanwhile (the engine is not
+/// running: it may be waiting for this core).
 fn wait(
     timeout: Duration,
     which: &'static str,
     overrun: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
     sleep: Option<impl Fn(Duration) -> bool>,
+    turn: Option<impl Fn() -> u64>,
     mut f: impl FnMut() -> Option<Completion>,
 ) -> Result<Completion, InitiatorError> {
     /// Polls before the waiter gives the core away.
     const SPINS: u32 = 1000;
+    /// Polls after which it gives the core away when the engine did not run meanwhile.
+    const STALL_SPINS: u32 = 16;
+    let turn0 = turn.as_ref().map(|t| t());
     /// The longest sleep between checks of the overrun probe and the deadline.
     const NAP: Duration = Duration::from_millis(1);
     let start = Instant::now();
@@ -679,8 +703,9 @@ fn wait(
             return Err(InitiatorError::Timeout(timeout));
         }
         spins += 1;
+        let stalled = spins > STALL_SPINS && turn.as_ref().map(|t| t()) == turn0 && turn0.is_some();
         match &sleep {
-            _ if spins <= SPINS => std::hint::spin_loop(),
+            _ if spins <= SPINS && !stalled => std::hint::spin_loop(),
             Some(s) => {
                 s((timeout - elapsed).min(NAP));
             }

@@ -286,6 +286,10 @@ pub struct Qp {
     /// A CPU initiator that wakes the engine after each doorbell posts to this QP (the
     /// engine needs not poll for its doorbells).
     pub(crate) kicking_poster: AtomicBool,
+    /// The turn of its engine's loop that last looked at this QP, while a kicking poster is
+    /// attached: a poster that sees it stand still knows the engine is not running (it waits
+    /// for a core, perhaps the poster's own) and stops spinning.
+    pub(crate) engine_turn: AtomicU64,
     pub(crate) events: EventSlot,
 }
 
@@ -405,6 +409,7 @@ impl Qp {
             last_wqe_raised: AtomicBool::new(false),
             holding: AtomicBool::new(false),
             kicking_poster: AtomicBool::new(false),
+            engine_turn: AtomicU64::new(0),
             events: EventSlot::default(),
             rq: Mutex::new(RqState {
                 ci: 0,
