@@ -2,7 +2,8 @@
 //! them by QPN and run at once. Eight QP pairs between two devices of four engine threads each,
 //! every pair driven by its own CPU thread: every WRITE's bytes and completion checked, every
 //! READ's, and fetch-adds from all pairs on one shared word (executed by different engine
-//! threads at once) add up exactly.
+//! threads at once) add up exactly. The engine turn a CPU initiator watches moves on each
+//! engine thread.
 
 mod common;
 
@@ -118,4 +119,28 @@ fn zero_engine_threads_means_one() {
     );
     ea.expect_req(Opcode::RdmaWrite as u8, idx);
     assert_eq!(dst.read(0, 10), b"one engine");
+}
+
+#[test]
+fn the_engine_turn_of_a_cpu_initiators_qp_moves_while_its_engine_runs() {
+    // A CPU initiator's waits stop spinning when the QP's engine turn stands still (the engine
+    // waits for a core): the turn must move while the engine runs, idle or not, on each of a
+    // device's engine threads.
+    let n = node(2);
+    let m = node(1);
+    for _ in 0..2 {
+        let (ea, _eb) = connect(&n, &Opts::default(), &m, &Opts::default());
+        let t0 = ea
+            .ini
+            .engine_turn()
+            .expect("a soft-NIC QP has an engine turn");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while ea.ini.engine_turn() == Some(t0) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the engine turn stood still for 5 s"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
 }
