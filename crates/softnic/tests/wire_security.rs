@@ -268,10 +268,11 @@ fn forged_responses_from_another_address_are_dropped() {
     assert_eq!(dst.read(8, 8), vec![0x17; 8]);
 }
 
-#[test]
-fn acks_of_psns_never_sent_are_counted() {
-    let _s = serial();
-    let mut p = pair();
+/// After one WRITE completed on `p`, sends `forged` ACK packets (PSN, AETH syndrome, MSN) to
+/// the requester from the peer's own address (the source port is not checked): each is
+/// dropped and counted as unexpected, nothing is resent, no gap report taken, the QP stays in
+/// RTS and the next WRITE completes.
+fn forged_answers_change_nothing(p: &mut Pair, forged: &[(u32, u8, u32)]) {
     let dst = p.b.buf(64, ALL_REMOTE);
     let src = p.a.buf(64, Access::NONE);
     let op = Op::Write {
@@ -282,34 +283,51 @@ fn acks_of_psns_never_sent_are_counted() {
     let i = p.ea.go(&op, SIG);
     p.ea.expect_req(0x08, i);
     std::thread::sleep(Duration::from_millis(20));
-    // from the peer's address (the source port is not checked)
     let raw = Raw::new(
         Ipv4Addr::LOCALHOST,
         Ipv4Addr::LOCALHOST,
         p.a.dev.wire_addr().unwrap(),
     );
-    let s = wire_opts().rts.sq_psn;
     let before = p.a.dev.counters().wire;
-    for syndrome in [aeth::ACK, aeth::NAK_SEQ] {
+    for &(first, syndrome, msn) in forged {
         raw.send(&Packet {
-            bth: bth(opcode::ACK, p.ea.qpn(), psn(s, 1000)),
-            aeth: Some(Aeth { syndrome, msn: 7 }),
+            bth: bth(opcode::ACK, p.ea.qpn(), first),
+            aeth: Some(Aeth { syndrome, msn }),
             ..Packet::default()
         });
     }
-    let c = wait_rx(&p.a, &before, 2);
-    assert_eq!(c.rx_unexpected - before.rx_unexpected, 2, "{c:?}");
+    let c = wait_rx(&p.a, &before, forged.len() as u64);
+    assert_eq!(
+        c.rx_unexpected - before.rx_unexpected,
+        forged.len() as u64,
+        "{c:?}"
+    );
+    assert_eq!(c.retransmits, before.retransmits, "{c:?}");
+    assert_eq!(c.sr_gap_reports_received, before.sr_gap_reports_received);
     assert_eq!(p.ea.qp.state(), QpState::Rts);
     let i = p.ea.go(&op, SIG);
     p.ea.expect_req(0x08, i);
 }
 
 #[test]
+fn acks_of_psns_never_sent_are_counted() {
+    let _s = serial();
+    let s = wire_opts().rts.sq_psn;
+    forged_answers_change_nothing(
+        &mut pair(),
+        &[
+            (psn(s, 1000), aeth::ACK, 7),
+            (psn(s, 1000), aeth::NAK_SEQ, 7),
+        ],
+    );
+}
+
+#[test]
 fn gap_reports_that_name_nothing_in_flight_are_counted() {
     let _s = serial();
-    // A gap report (selective repeat's reserved NAK code) from the peer's address that names
-    // PSNs never sent, or already acknowledged, and one to a QP without selective repeat:
-    // dropped and counted, nothing resent, the QP unchanged.
+    // Gap reports (selective repeat's reserved NAK code) that name PSNs never sent, already
+    // acknowledged, or none, and the same to a QP without selective repeat.
+    let s = wire_opts().rts.sq_psn;
     for opts in [wire_opts(), go_back_n_opts()] {
         let mut p = wire_pair(
             opts.clone(),
@@ -318,40 +336,14 @@ fn gap_reports_that_name_nothing_in_flight_are_counted() {
             WireFaults::default(),
             WireFaults::default(),
         );
-        let dst = p.b.buf(64, ALL_REMOTE);
-        let src = p.a.buf(64, Access::NONE);
-        let op = Op::Write {
-            remote: dst.remote(0),
-            local: Local::Sges(&[src.sge(0, 64)]),
-            imm: None,
-        };
-        let i = p.ea.go(&op, SIG);
-        p.ea.expect_req(0x08, i);
-        std::thread::sleep(Duration::from_millis(20));
-        let raw = Raw::new(
-            Ipv4Addr::LOCALHOST,
-            Ipv4Addr::LOCALHOST,
-            p.a.dev.wire_addr().unwrap(),
+        forged_answers_change_nothing(
+            &mut p,
+            &[
+                (psn(s, 1000), aeth::GAP_REPORT, 5),
+                (s, aeth::GAP_REPORT, 1),
+                (psn(s, 1), aeth::GAP_REPORT, 0),
+            ],
         );
-        let s = wire_opts().rts.sq_psn;
-        let before = p.a.dev.counters().wire;
-        for (first, n) in [(psn(s, 1000), 5), (s, 1), (psn(s, 1), 0)] {
-            raw.send(&Packet {
-                bth: bth(opcode::ACK, p.ea.qpn(), first),
-                aeth: Some(Aeth {
-                    syndrome: aeth::GAP_REPORT,
-                    msn: n,
-                }),
-                ..Packet::default()
-            });
-        }
-        let c = wait_rx(&p.a, &before, 3);
-        assert_eq!(c.rx_unexpected - before.rx_unexpected, 3, "{c:?}");
-        assert_eq!(c.sr_gap_reports_received, before.sr_gap_reports_received);
-        assert_eq!(c.retransmits, before.retransmits, "{c:?}");
-        assert_eq!(p.ea.qp.state(), QpState::Rts);
-        let i = p.ea.go(&op, SIG);
-        p.ea.expect_req(0x08, i);
     }
 }
 
