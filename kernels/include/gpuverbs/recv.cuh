@@ -52,7 +52,7 @@ __device__ status post_recv(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint32_t le
                      (posted & (q->rq_wqes - 1)) * (uint64_t)q->rq_stride;
         st16(p, seg_data(laddr, len, lk));
         if (q->rq_stride >= 32) st16(p + 16, seg_data(0, 0, lkey{0x100}));  // terminator
-        release_wqes(q);
+        release_wqes(q->ring_loc == 0);
         st_relaxed_sys32(reinterpret_cast<uint32_t*>(q->dbrec),
                          bswap32((uint32_t)((posted + 1) & 0xffff)));
         state_store<S>(&q->rq_posted, posted + 1);

@@ -27,24 +27,32 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     const uint32_t rank = __popc(mask & ((1u << lane) - 1u));
     uint64_t start = 0;
     status s = OK;
+    // Every lane takes the descriptor into registers when the call starts: its constants for
+    // the WQE each lane builds (through `q` they would be loaded again after the leader's
+    // reservation), and in exclusive mode the state the leader works on (stored back at the
+    // end, see on_copy).
+    gpuverbs_qp k = *q;
+    gpuverbs_qp* const st = S == sharing::exclusive ? &k : q;
     call_clock c(budget_ns);  // the leader's: one budget for its reserve, publish and ring
     if (lane == leader) {
         bool force = false;
-        s = reserve<S>(q, count, c, &start, &force);
+        s = reserve<S>(st, count, c, &start, &force);
         signaled = signaled || force;
+        // A failed reservation may still have taken CQEs (its wait polls the CQ).
+        if (S == sharing::exclusive && s != OK && !k.checked_out) store_state(q, k);
     }
     start = __shfl_sync(mask, start, leader);
     s = (status)__shfl_sync(mask, (int)s, leader);
     signaled = __shfl_sync(mask, signaled, leader);
     if (s != OK) return s;
     const bool last = rank == count - 1;
-    const block b = build_write(q, start + rank, laddr, lk, raddr, rk, len,
+    const block b = build_write(&k, start + rank, laddr, lk, raddr, rk, len,
                                 (signaled && last) ? CE_SIGNALED : 0);
-    store_block(q, start + rank, b);
+    store_block(&k, start + rank, b);
     // A BlueFlame ring copies the last WQE from the leader's registers: the lane that built
     // it hands it over (other modes do not read it).
     block lastb = b;
-    const bool bf = q->db_mode == GPUVERBS_DB_BLUEFLAME;
+    const bool bf = k.db_mode == GPUVERBS_DB_BLUEFLAME;
     if (bf) {
         const uint32_t owner = 31u - __clz(mask);
         for (int i = 0; i < 4; ++i) {
@@ -56,8 +64,9 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     }
     __syncwarp(mask);
     if (lane == leader) {
-        s = publish<S>(q, start, count, start + count - 1, signaled, c);
-        if (s == OK) s = ring<S>(q, c, &lastb);
+        s = publish<S>(st, start, count, start + count - 1, signaled, c);
+        if (s == OK) s = ring<S>(st, c, &lastb);
+        if (S == sharing::exclusive && !k.checked_out) store_state(q, k);
     }
     // Orders the leader's descriptor stores before whichever lane leads the next call
     // (exclusive mode reads them with plain loads).
@@ -78,13 +87,17 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     __shared__ block lastb;  // the last WQE, for a BlueFlame ring
     const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     if (tid == 0) count = 0;
+    // The descriptor in registers, as in put_warp: constants for every thread, and in
+    // exclusive mode the state thread 0 works on.
+    gpuverbs_qp k = *q;
+    gpuverbs_qp* const on = S == sharing::exclusive ? &k : q;
     __syncthreads();
     uint32_t rank = participate ? atomicAdd(&count, 1u) : 0;
     __syncthreads();
     call_clock c(budget_ns);  // thread 0's: one budget for its reserve, publish and ring
     if (tid == 0) {
         bool force = false;
-        st = count ? reserve<S>(q, count, c, &start, &force) : OK;
+        st = count ? reserve<S>(on, count, c, &start, &force) : OK;
         sig = signaled || force;
     }
     __syncthreads();
@@ -92,17 +105,18 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     signaled = sig;
     if (s == OK && participate) {
         const bool last = rank == count - 1;
-        const block b = build_write(q, start + rank, laddr, lk, raddr, rk, len,
+        const block b = build_write(&k, start + rank, laddr, lk, raddr, rk, len,
                                     (signaled && last) ? CE_SIGNALED : 0);
-        store_block(q, start + rank, b);
+        store_block(&k, start + rank, b);
         if (last) lastb = b;
     }
     __syncthreads();
     if (tid == 0 && s == OK && count) {
-        s = publish<S>(q, start, count, start + count - 1, signaled, c);
-        if (s == OK) s = ring<S>(q, c, &lastb);
+        s = publish<S>(on, start, count, start + count - 1, signaled, c);
+        if (s == OK) s = ring<S>(on, c, &lastb);
         st = s;
     }
+    if (S == sharing::exclusive && tid == 0 && !k.checked_out) store_state(q, k);
     __syncthreads();
     s = (status)st;
     __syncthreads();

@@ -23,18 +23,26 @@ namespace gpuverbs {
 // caller wanted: selective signaling must never starve the ring, and only signaled
 // completions retire space, so a WQE is signaled when no signaled WQE covers the last half
 // ring. (The check uses values loaded with the reservation, so it costs no extra round trip.)
+//
+// Every word it needs is loaded before it looks at any (the error, checkout and broken words,
+// the reservation, the signaled end, then the retired count with acquire), so a call costs one
+// trip to memory before its CAS. The reservation is a relaxed guess the CAS confirms; only
+// `sq_retired` needs acquire (the blocks it frees were read by the device before).
 template <sharing S>
 __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, call_clock& c, uint64_t* start,
                                           bool* force_signal = nullptr) {
-    if (q->sq_error) return ERROR_CQE;  // the QP is in error: nothing new would execute
-    if (q->checked_out) return BUSY;
-    if (S != sharing::exclusive && sq_broken(q)) return BROKEN;
     for (;;) {
-        uint64_t r = state_load<S>(&q->sq_reserved);
-        uint64_t retired = state_load<S>(&q->sq_retired);
+        const uint64_t error = q->sq_error;
+        const uint32_t held = q->checked_out;
+        const bool broken = S != sharing::exclusive && sq_broken(q);
+        uint64_t r = state_load_relaxed<S>(&q->sq_reserved);
         uint64_t covered = S == sharing::exclusive
                                ? q->sq_signaled_end
                                : *reinterpret_cast<volatile uint64_t*>(&q->sq_signaled_end);
+        uint64_t retired = state_load<S>(&q->sq_retired);
+        if (error) return ERROR_CQE;  // the QP is in error: nothing new would execute
+        if (held) return BUSY;
+        if (broken) return BROKEN;
         if (r + n - retired <= q->sq_blocks) {
             if (force_signal) *force_signal = r + n - covered >= (q->sq_blocks >> 1);
             if (S == sharing::exclusive) {
@@ -114,25 +122,34 @@ __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32
 // otherwise the last WQE is read back from the ring.
 template <sharing S>
 __device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const block* last = nullptr) {
-    if (q->checked_out) return BUSY;
-    if (S != sharing::exclusive && sq_broken(q)) return BROKEN;
+    // The descriptor's constants are loaded with the checks, before the lock and the fence
+    // (after the fence they would be loaded again: one more trip to memory).
+    const uint32_t held = q->checked_out;
+    const bool broken = S != sharing::exclusive && sq_broken(q);
+    const uint32_t mode = q->db_mode;
+    const uint32_t qpn = q->qpn;
+    uint32_t* const dbrec = reinterpret_cast<uint32_t*>(q->dbrec);
+    uint8_t* const halves = reinterpret_cast<uint8_t*>(q->db_reg);
+    uint64_t* const proxy = reinterpret_cast<uint64_t*>(q->proxy_word);
+    const bool host_rings = q->ring_loc == 0;
+    if (held) return BUSY;
+    if (broken) return BROKEN;
     if (S != sharing::exclusive && !lock<S>(&q->ring_lock, c)) return TIMEOUT;
-    uint64_t ready = state_load<S>(&q->sq_ready);
-    if (ready != q->sq_rung) {
+    const uint64_t rung = q->sq_rung;
+    const uint64_t ready = state_load<S>(&q->sq_ready);
+    if (ready != rung) {
         // System scope also in BlueFlame mode, where it orders the previous ring's clear of
         // this half (host memory) before this ring's copy.
-        release_wqes(q, q->db_mode == GPUVERBS_DB_BLUEFLAME);
-        if (q->db_mode == GPUVERBS_DB_CPU_PROXY) {
-            st_relaxed_sys64(reinterpret_cast<uint64_t*>(q->proxy_word), ready);
+        release_wqes(host_rings || mode == GPUVERBS_DB_BLUEFLAME);
+        if (mode == GPUVERBS_DB_CPU_PROXY) {
+            st_relaxed_sys64(proxy, ready);
         } else {
-            uint32_t* dbrec = reinterpret_cast<uint32_t*>(q->dbrec);
             st_relaxed_sys32(dbrec + 1, bswap32((uint32_t)(ready & 0xffff)));
-            uint8_t* const halves = reinterpret_cast<uint8_t*>(q->db_reg);
             uint8_t* reg = halves + (q->bf_half & 1u) * 256;
             // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.
-            uint64_t value = (uint64_t)bswap32(q->qpn << 8) << 32 |
+            uint64_t value = (uint64_t)bswap32(qpn << 8) << 32 |
                              bswap32(((uint32_t)ready & 0xffffu) << 8);
-            if (q->db_mode == GPUVERBS_DB_BLUEFLAME) {
+            if (mode == GPUVERBS_DB_BLUEFLAME) {
                 // `last` stands for the last published WQE only if its ctrl segment names the
                 // same index (in shared modes another thread may have published after it).
                 const uint64_t at = q->sq_last_start;
@@ -157,7 +174,7 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const bloc
                 }
             }
             st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), value);
-            if (q->db_mode == GPUVERBS_DB_BLUEFLAME) {
+            if (mode == GPUVERBS_DB_BLUEFLAME) {
                 q->bf_half ^= 1u;
                 st_relaxed_sys64(reinterpret_cast<uint64_t*>(halves + (q->bf_half & 1u) * 256), 0);
             }
@@ -202,7 +219,8 @@ __device__ __forceinline__ status checkout(gpuverbs_qp* q, gpuverbs_qp* mine) {
     return OK;
 }
 
-__device__ __forceinline__ void checkin(gpuverbs_qp* q, const gpuverbs_qp& mine) {
+// Stores the device-API state of a register copy back into the descriptor (plain stores).
+__device__ __forceinline__ void store_state(gpuverbs_qp* q, const gpuverbs_qp& mine) {
     q->sq_reserved = mine.sq_reserved;
     q->sq_ready = mine.sq_ready;
     q->sq_rung = mine.sq_rung;
@@ -215,8 +233,30 @@ __device__ __forceinline__ void checkin(gpuverbs_qp* q, const gpuverbs_qp& mine)
     q->sq_error = mine.sq_error;
     q->sq_error_info = mine.sq_error_info;
     q->bf_half = mine.bf_half;
+}
+
+__device__ __forceinline__ void checkin(gpuverbs_qp* q, const gpuverbs_qp& mine) {
+    store_state(q, mine);
     // Release: the state above before the QP is free again.
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(&q->checked_out), "r"(0u) : "memory");
+}
+
+// An exclusive-mode call through `q` runs on a register copy too, for the length of the call:
+// `on_copy<S>(q, f)` loads the descriptor once, runs `f` on the copy and stores the state back.
+// Through `q` itself every store into the ring (which the compiler cannot tell apart from the
+// descriptor) would make the state and the ring's addresses be loaded again, a trip to L2
+// each. Nothing is stored back when the QP is checked out (the call returned BUSY and changed
+// nothing). Shared modes run `f` on `q`: other threads change its state meanwhile.
+template <sharing S, typename F>
+__device__ __forceinline__ status on_copy(gpuverbs_qp* q, F&& f) {
+    if constexpr (S == sharing::exclusive) {
+        gpuverbs_qp mine = *q;
+        const status s = f(&mine);
+        if (!mine.checked_out) store_state(q, mine);
+        return s;
+    } else {
+        return f(q);
+    }
 }
 
 }  // namespace gpuverbs

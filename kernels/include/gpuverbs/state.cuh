@@ -32,6 +32,20 @@ __device__ __forceinline__ uint64_t state_load(const uint64_t* p) {
     return v;
 }
 
+// A relaxed (strong, unordered) load at the sharing mode's scope: for a value a CAS confirms.
+template <sharing S>
+__device__ __forceinline__ uint64_t state_load_relaxed(const uint64_t* p) {
+    uint64_t v;
+    if constexpr (S == sharing::exclusive) {
+        v = *p;
+    } else if constexpr (S == sharing::cta) {
+        asm volatile("ld.relaxed.cta.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    } else {
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    }
+    return v;
+}
+
 template <sharing S>
 __device__ __forceinline__ void state_store(uint64_t* p, uint64_t v) {
     if constexpr (S == sharing::exclusive) {
@@ -50,17 +64,19 @@ __device__ __forceinline__ uint64_t state_cas(uint64_t* p, uint64_t expect, uint
     return atomicCAS(u, expect, v);
 }
 
+// One attempt at a spin lock: a CAS with acquire semantics at the mode's scope (what the
+// previous holder released is visible once it succeeds; no separate fence).
 template <sharing S>
 __device__ __forceinline__ bool try_lock(uint32_t* l) {
-    const bool got = (S == sharing::cta ? atomicCAS_block(l, 0u, 1u) : atomicCAS(l, 0u, 1u)) == 0u;
-    if (got) {
-        if constexpr (S == sharing::cta) {
-            asm volatile("fence.acq_rel.cta;" ::: "memory");
-        } else {
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        }
+    uint32_t old;
+    if constexpr (S == sharing::cta) {
+        asm volatile("atom.acquire.cta.global.cas.b32 %0, [%1], %2, %3;"
+                     : "=r"(old) : "l"(l), "r"(0u), "r"(1u) : "memory");
+    } else {
+        asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], %2, %3;"
+                     : "=r"(old) : "l"(l), "r"(0u), "r"(1u) : "memory");
     }
-    return got;
+    return old == 0u;
 }
 
 // A spin lock in GPU memory (descriptor fields), bounded by the call's clock.
@@ -83,9 +99,9 @@ __device__ __forceinline__ void unlock(uint32_t* l) {
 }
 
 // Releases the ring writes before the doorbell record or register store that follows: system
-// scope for host-resident rings (ring_loc 0) or when `sys` asks for it, GPU scope otherwise.
-__device__ __forceinline__ void release_wqes(const gpuverbs_qp* q, bool sys = false) {
-    if (sys || q->ring_loc == 0) {
+// scope when `sys` (host-resident rings, ring_loc 0, or BlueFlame), GPU scope otherwise.
+__device__ __forceinline__ void release_wqes(bool sys) {
+    if (sys) {
         asm volatile("fence.release.sys;" ::: "memory");
     } else {
         asm volatile("fence.release.gpu;" ::: "memory");
