@@ -77,39 +77,42 @@ __device__ status wait_ticket(gpuverbs_qp* qp, uint64_t ticket, uint64_t budget_
     });
 }
 
-// One WQE of `blocks` blocks: reserve, prepare (`prep(q, idx, flags)`, given the final
-// signaled flag and the QP the call runs on), publish, ring.
+// One WQE of `blocks` blocks: reserve, prepare (`prep(k, idx, flags)`, given the final
+// signaled flag and the descriptor's constants, consts_of), publish, ring.
 template <sharing S, typename Prep>
 __device__ __forceinline__ status post1(gpuverbs_qp* qp, uint32_t blocks, bool signaled,
                                         bool do_ring, uint64_t budget_ns, Prep prep) {
     return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
+        const gpuverbs_qp k = consts_of(q);
         uint64_t idx;
         bool force = false;
         call_clock c(budget_ns);
         status s = reserve<S>(q, blocks, c, &idx, &force);
         if (s != OK) return s;
         const bool sig = signaled || force;
-        prep(q, idx, sig ? CE_SIGNALED : 0);
+        prep(&k, idx, sig ? CE_SIGNALED : 0);
         s = publish<S>(q, idx, blocks, idx, sig, c);
         if (s != OK || !do_ring) return s;
         return ring<S>(q, c);
     });
 }
 
-// One one-block WQE built in registers (`build(q, idx, flags)` returns it): reserve, store,
-// publish, ring (a BlueFlame ring copies it from the registers).
+// One one-block WQE built in registers (`build(k, idx, flags)` returns it, from the
+// descriptor's constants): reserve, store, publish, ring (a BlueFlame ring copies it from the
+// registers).
 template <sharing S, typename Build>
 __device__ __forceinline__ status post_block(gpuverbs_qp* qp, bool signaled, bool do_ring,
                                              uint64_t budget_ns, Build build) {
     return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
+        const gpuverbs_qp k = consts_of(q);
         uint64_t idx;
         bool force = false;
         call_clock c(budget_ns);
         status s = reserve<S>(q, 1, c, &idx, &force);
         if (s != OK) return s;
         const bool sig = signaled || force;
-        const block b = build(q, idx, sig ? CE_SIGNALED : 0);
-        store_block(q, idx, b);
+        const block b = build(&k, idx, sig ? CE_SIGNALED : 0);
+        store_block(&k, idx, b);
         s = publish<S>(q, idx, 1, idx, sig, c);
         if (s != OK || !do_ring) return s;
         return ring<S>(q, c, &b);
@@ -120,7 +123,7 @@ __device__ __forceinline__ status post_block(gpuverbs_qp* qp, bool signaled, boo
 template <sharing S = sharing::gpu>
 __device__ status put(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
                       uint32_t len, bool signaled, uint64_t budget_ns, bool do_ring = true) {
-    return post_block<S>(q, signaled, do_ring, budget_ns, [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         return build_write(q, idx, laddr, lk, raddr, rk, len, f);
     });
 }
@@ -131,7 +134,7 @@ template <sharing S = sharing::gpu>
 __device__ status put_imm(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
                           uint32_t len, uint32_t imm, bool signaled, uint64_t budget_ns,
                           bool do_ring = true) {
-    return post_block<S>(q, signaled, do_ring, budget_ns, [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         return build_write(q, idx, laddr, lk, raddr, rk, len, f, true, imm);
     });
 }
@@ -141,7 +144,7 @@ __device__ status put_imm(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t radd
 template <sharing S = sharing::gpu>
 __device__ status send(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint32_t len, bool with_imm,
                        uint32_t imm, bool signaled, uint64_t budget_ns, bool do_ring = true) {
-    return post_block<S>(q, signaled, do_ring, budget_ns, [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         return build_send(q, idx, laddr, lk, len, f, with_imm, imm);
     });
 }
@@ -153,7 +156,7 @@ __device__ status put_inline(gpuverbs_qp* q, const void* src, uint32_t len, uint
                              rkey rk, bool signaled, uint64_t budget_ns, bool do_ring = true) {
     if (len > q->max_inline) return INVALID;
     return post1<S>(q, inline_write_blocks(len), signaled, do_ring, budget_ns,
-                    [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+                    [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
                         prep_write_inline(q, idx, src, len, raddr, rk, f);
                     });
 }
@@ -166,7 +169,7 @@ __device__ status send_inline(gpuverbs_qp* q, const void* src, uint32_t len, boo
                               bool do_ring = true) {
     if (len > q->max_inline) return INVALID;
     return post1<S>(q, inline_send_blocks(len), signaled, do_ring, budget_ns,
-                    [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+                    [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
                         prep_send_inline(q, idx, src, len, f, with_imm, imm);
                     });
 }
@@ -175,7 +178,7 @@ __device__ status send_inline(gpuverbs_qp* q, const void* src, uint32_t len, boo
 template <sharing S = sharing::gpu>
 __device__ status signal(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key, uint64_t add,
                          bool signaled, uint64_t budget_ns, bool do_ring = true) {
-    return post_block<S>(q, signaled, do_ring, budget_ns, [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+    return post_block<S>(q, signaled, do_ring, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         return build_atomic(q, idx, OP_ATOMIC_FA, sig_addr, sig_key, add, 0, q->scratch,
                             lkey{q->scratch_lkey}, f);
     });
@@ -207,7 +210,7 @@ __device__ status put_signal(gpuverbs_qp* qp, uint64_t laddr, lkey lk, uint64_t 
 template <sharing S = sharing::gpu>
 __device__ status get(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
                       uint32_t len, bool signaled, uint64_t budget_ns) {
-    return post_block<S>(q, signaled, true, budget_ns, [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+    return post_block<S>(q, signaled, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         return build_read(q, idx, laddr, lk, raddr, rk, len, f);
     });
 }
@@ -216,7 +219,7 @@ __device__ status get(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, r
 template <sharing S = sharing::gpu>
 __device__ status atomic_fetch_add(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint64_t add,
                                    uint64_t result, lkey result_key, uint64_t budget_ns) {
-    return post_block<S>(q, true, true, budget_ns, [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+    return post_block<S>(q, true, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         return build_atomic(q, idx, OP_ATOMIC_FA, raddr, rk, add, 0, result, result_key, f);
     });
 }
@@ -226,7 +229,7 @@ template <sharing S = sharing::gpu>
 __device__ status atomic_compare_swap(gpuverbs_qp* q, uint64_t raddr, rkey rk,
                                       uint64_t compare, uint64_t swap, uint64_t result,
                                       lkey result_key, uint64_t budget_ns) {
-    return post_block<S>(q, true, true, budget_ns, [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+    return post_block<S>(q, true, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         return build_atomic(q, idx, OP_ATOMIC_CS, raddr, rk, swap, compare, result, result_key,
                             f);
     });
@@ -235,7 +238,7 @@ __device__ status atomic_compare_swap(gpuverbs_qp* q, uint64_t raddr, rkey rk,
 // Orders later WQEs after earlier ones: the next WQE carries a strong fence.
 template <sharing S = sharing::gpu>
 __device__ status fence(gpuverbs_qp* q, uint64_t budget_ns) {
-    return post_block<S>(q, false, false, budget_ns, [&](gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+    return post_block<S>(q, false, false, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         return build_nop(q, idx, FENCE_STRONG | f);
     });
 }

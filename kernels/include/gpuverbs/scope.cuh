@@ -31,7 +31,7 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     // the WQE each lane builds (through `q` they would be loaded again after the leader's
     // reservation), and in exclusive mode the state the leader works on (stored back at the
     // end, see on_copy).
-    gpuverbs_qp k = *q;
+    gpuverbs_qp k = S == sharing::exclusive ? *q : consts_of(q);
     gpuverbs_qp* const st = S == sharing::exclusive ? &k : q;
     call_clock c(budget_ns);  // the leader's: one budget for its reserve, publish and ring
     if (lane == leader) {
@@ -89,7 +89,7 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     if (tid == 0) count = 0;
     // The descriptor in registers, as in put_warp: constants for every thread, and in
     // exclusive mode the state thread 0 works on.
-    gpuverbs_qp k = *q;
+    gpuverbs_qp k = S == sharing::exclusive ? *q : consts_of(q);
     gpuverbs_qp* const on = S == sharing::exclusive ? &k : q;
     __syncthreads();
     uint32_t rank = participate ? atomicAdd(&count, 1u) : 0;

@@ -32,6 +32,37 @@ __device__ __forceinline__ uint64_t state_load(const uint64_t* p) {
     return v;
 }
 
+// The descriptor's constants (what the export writes once: ring addresses, sizes, QPN, doorbell
+// mode and placement), loaded together; the device-API state is left zero. A call that builds
+// WQEs from this copy loads them once, at its start, instead of after each store or atomic
+// that the compiler cannot tell apart from the descriptor.
+__device__ __forceinline__ gpuverbs_qp consts_of(const gpuverbs_qp* q) {
+    gpuverbs_qp k = {};
+    k.sq_ring = q->sq_ring;
+    k.rq_ring = q->rq_ring;
+    k.dbrec = q->dbrec;
+    k.db_reg = q->db_reg;
+    k.proxy_word = q->proxy_word;
+    k.scq_ring = q->scq_ring;
+    k.scq_dbrec = q->scq_dbrec;
+    k.rcq_ring = q->rcq_ring;
+    k.rcq_dbrec = q->rcq_dbrec;
+    k.scratch = q->scratch;
+    k.sq_blocks = q->sq_blocks;
+    k.rq_wqes = q->rq_wqes;
+    k.rq_stride = q->rq_stride;
+    k.qpn = q->qpn;
+    k.scq_ncqe = q->scq_ncqe;
+    k.rcq_ncqe = q->rcq_ncqe;
+    k.db_mode = q->db_mode;
+    k.ring_loc = q->ring_loc;
+    k.max_inline = q->max_inline;
+    k.scratch_lkey = q->scratch_lkey;
+    k.scq_collapsed = q->scq_collapsed;
+    k.rcq_collapsed = q->rcq_collapsed;
+    return k;
+}
+
 // A relaxed (strong, unordered) load at the sharing mode's scope: for a value a CAS confirms.
 template <sharing S>
 __device__ __forceinline__ uint64_t state_load_relaxed(const uint64_t* p) {
