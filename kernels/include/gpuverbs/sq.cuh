@@ -35,7 +35,7 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, call_clock
         const uint64_t error = q->sq_error;
         const uint32_t held = q->checked_out;
         const bool broken = S != sharing::exclusive && sq_broken(q);
-        uint64_t r = state_load_relaxed<S>(&q->sq_reserved);
+        uint64_t r = state_load<S, false>(&q->sq_reserved);
         uint64_t covered = S == sharing::exclusive
                                ? q->sq_signaled_end
                                : *reinterpret_cast<volatile uint64_t*>(&q->sq_signaled_end);

@@ -19,15 +19,21 @@ namespace gpuverbs {
 // cta: the threads of one block, acquire/release and atomics at CTA scope (the ordering stays in
 //      the SM); gpu: any thread on the GPU, at GPU scope.
 
-template <sharing S>
+// A load at the sharing mode's scope: with acquire, or (`acquire` false) relaxed — strong but
+// unordered, for a value a CAS confirms.
+template <sharing S, bool acquire = true>
 __device__ __forceinline__ uint64_t state_load(const uint64_t* p) {
     uint64_t v;
     if constexpr (S == sharing::exclusive) {
         v = *p;
-    } else if constexpr (S == sharing::cta) {
+    } else if constexpr (S == sharing::cta && acquire) {
         asm volatile("ld.acquire.cta.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    } else {
+    } else if constexpr (S == sharing::cta) {
+        asm volatile("ld.relaxed.cta.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    } else if constexpr (acquire) {
         v = ld_acquire_gpu64(p);
+    } else {
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     }
     return v;
 }
@@ -61,20 +67,6 @@ __device__ __forceinline__ gpuverbs_qp consts_of(const gpuverbs_qp* q) {
     k.scq_collapsed = q->scq_collapsed;
     k.rcq_collapsed = q->rcq_collapsed;
     return k;
-}
-
-// A relaxed (strong, unordered) load at the sharing mode's scope: for a value a CAS confirms.
-template <sharing S>
-__device__ __forceinline__ uint64_t state_load_relaxed(const uint64_t* p) {
-    uint64_t v;
-    if constexpr (S == sharing::exclusive) {
-        v = *p;
-    } else if constexpr (S == sharing::cta) {
-        asm volatile("ld.relaxed.cta.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    } else {
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    }
-    return v;
 }
 
 template <sharing S>
