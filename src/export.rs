@@ -96,7 +96,8 @@ descriptor! {
         sq_reserved: u64,
         /// Device API state: blocks published in order (written and visible).
         sq_ready: u64,
-        /// Device API state: producer index last told to the device.
+        /// Device API state: producer index last told to the device; `u64::MAX` while a
+        /// thread rings a shared QP (it is the doorbell's lock too).
         sq_rung: u64,
         /// Device API state: blocks completed (retired through CQEs).
         sq_retired: u64,
@@ -116,8 +117,6 @@ descriptor! {
         sq_error_info: u64,
         /// Device API state: next BlueFlame half.
         bf_half: u32,
-        /// Device API state: doorbell lock.
-        ring_lock: u32,
         /// Device API state: send CQ lock.
         scq_lock: u32,
         /// Device API state: 1 while one thread holds the QP's state in registers (`checkout`).
@@ -130,8 +129,6 @@ descriptor! {
         /// reservation (its thread never published): the send queue has a hole, and every
         /// later send-side call returns BROKEN. Reset the QP, connect it and export it again.
         sq_broken: u32,
-        /// Padding to 8 bytes.
-        pad0: u32,
     }
 }
 

@@ -254,7 +254,8 @@ GPUVERBS_KERNEL void gv_test_recv(gpuverbs_qp* sq, gpuverbs_qp* rq, uint64_t src
 // how long that call took (ns, %globaltimer), out[2] = the status of a follow-up call (case 5),
 // out[3] = how many calls returned OK first (case 0, 4). One thread unless the case says so.
 //   0 reserve TIMEOUT: unsignaled puts never rung fill the SQ; the next put waits its budget.
-//   1 ring-lock TIMEOUT (the host set ring_lock): a put's ring waits its budget.
+//   1 doorbell TIMEOUT (the host holds the doorbell: sq_rung = RUNG_HELD): a put's ring waits
+//     its budget.
 //   2 receive-lock TIMEOUT (the host set rq_lock): post_recv waits its budget.
 //   3 recv_wait TIMEOUT: nothing arrives.
 //   4 wait_ticket TIMEOUT: a ticket past everything posted.
@@ -262,7 +263,7 @@ GPUVERBS_KERNEL void gv_test_recv(gpuverbs_qp* sq, gpuverbs_qp* rq, uint64_t src
 //     publishes it; thread 1's put times out in publish (its budget), and its next put is BROKEN.
 //   6 post_recv FULL: one more receive than the RQ holds.
 //   7 put_inline INVALID: more inline bytes than the QP takes.
-//   8 quiet TIMEOUT (the host set ring_lock): one budget for the NOP's reserve, publish, ring
+//   8 quiet TIMEOUT (the host holds the doorbell): one budget for the NOP's reserve, publish, ring
 //     and the poll.
 GPUVERBS_KERNEL void gv_test_status(gpuverbs_qp* q, uint32_t which, uint64_t budget,
                                     uint64_t laddr, uint32_t lk, uint64_t raddr, uint32_t rk,

@@ -1301,7 +1301,7 @@ pub fn status_paths(ordinal: usize) -> Result<String> {
             let export = st.export.as_ref().context("no export")?;
             let mut d = export.read()?;
             match l {
-                "ring" => d.ring_lock = 1,
+                "ring" => d.sq_rung = u64::MAX,
                 _ => d.rq_lock = 1,
             }
             export.write(&d)?;

@@ -35,7 +35,7 @@ typedef struct gpuverbs_qp {
     uint32_t rcq_collapsed; /* Receive CQ is collapsed. */
     uint64_t sq_reserved; /* Device API state: blocks reserved so far. */
     uint64_t sq_ready; /* Device API state: blocks published in order (written and visible). */
-    uint64_t sq_rung; /* Device API state: producer index last told to the device. */
+    uint64_t sq_rung; /* Device API state: producer index last told to the device; `u64::MAX` while a thread rings a shared QP (it is the doorbell's lock too). */
     uint64_t sq_retired; /* Device API state: blocks completed (retired through CQEs). */
     uint64_t sq_signaled_end; /* Device API state: end of the last signaled WQE published. */
     uint64_t sq_last_start; /* Device API state: first block of the last WQE published. */
@@ -45,16 +45,14 @@ typedef struct gpuverbs_qp {
     uint64_t sq_error; /* Device API state: index of the first error CQE seen on the send CQ, plus 1 (0 none). */
     uint64_t sq_error_info; /* Device API state: the error CQE's syndrome << 24 | vendor << 16 | wqe_counter. */
     uint32_t bf_half; /* Device API state: next BlueFlame half. */
-    uint32_t ring_lock; /* Device API state: doorbell lock. */
     uint32_t scq_lock; /* Device API state: send CQ lock. */
     uint32_t checked_out; /* Device API state: 1 while one thread holds the QP's state in registers (`checkout`). */
     uint32_t rq_lock; /* Device API state: receive-posting lock. */
     uint32_t rcq_lock; /* Device API state: receive CQ lock. */
     uint32_t sq_broken; /* Device API state: 1 once a shared-mode publish gave up waiting for an earlier reservation (its thread never published): the send queue has a hole, and every later send-side call returns BROKEN. Reset the QP, connect it and export it again. */
-    uint32_t pad0; /* Padding to 8 bytes. */
 } gpuverbs_qp;
 
-GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 248, "gpuverbs_qp size");
+GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 240, "gpuverbs_qp size");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ring) == 0, "sq_ring");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_ring) == 8, "rq_ring");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, dbrec) == 16, "dbrec");
@@ -89,13 +87,11 @@ GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_posted) == 192, "rq_posted");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error) == 200, "sq_error");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error_info) == 208, "sq_error_info");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, bf_half) == 216, "bf_half");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, ring_lock) == 220, "ring_lock");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_lock) == 224, "scq_lock");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, checked_out) == 228, "checked_out");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_lock) == 232, "rq_lock");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_lock) == 236, "rcq_lock");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_broken) == 240, "sq_broken");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, pad0) == 244, "pad0");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_lock) == 220, "scq_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, checked_out) == 224, "checked_out");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_lock) == 228, "rq_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_lock) == 232, "rcq_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_broken) == 236, "sq_broken");
 #define GPUVERBS_DB_GPU_DOORBELL 0u
 #define GPUVERBS_DB_BLUEFLAME 1u
 #define GPUVERBS_DB_CPU_PROXY 2u

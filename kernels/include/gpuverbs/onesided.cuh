@@ -24,15 +24,14 @@ __device__ status quiet(gpuverbs_qp* qp, uint64_t budget_ns, error* err = nullpt
     c.start();
     uint64_t target = state_load<S>(&q->sq_ready);
     if (q->sq_signaled_end < target) {
-        uint64_t idx;
-        status s = reserve<S>(q, 1, c, &idx);
+        const gpuverbs_qp k = consts_of(q);
+        uint64_t idx, published;
+        status s = reserve<S>(q, 1, c, &idx, nullptr, &published);
         if (s == ERROR_CQE && err) *err = last_error(q);
         if (s != OK) return s;
-        const block nop = build_nop(q, idx, CE_SIGNALED);
-        store_block(q, idx, nop);
-        s = publish<S>(q, idx, 1, idx, true, c);
-        if (s != OK) return s;
-        s = ring<S>(q, c, &nop);
+        const block nop = build_nop(&k, idx, CE_SIGNALED);
+        store_block(&k, idx, nop);
+        s = publish_ring<S>(q, k, idx, 1, idx, true, published, true, c, &nop);
         if (s != OK) return s;
         target = idx + 1;
     }
@@ -84,16 +83,14 @@ __device__ __forceinline__ status post1(gpuverbs_qp* qp, uint32_t blocks, bool s
                                         bool do_ring, uint64_t budget_ns, Prep prep) {
     return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
         const gpuverbs_qp k = consts_of(q);
-        uint64_t idx;
+        uint64_t idx, published;
         bool force = false;
         call_clock c(budget_ns);
-        status s = reserve<S>(q, blocks, c, &idx, &force);
+        status s = reserve<S>(q, blocks, c, &idx, &force, &published);
         if (s != OK) return s;
         const bool sig = signaled || force;
         prep(&k, idx, sig ? CE_SIGNALED : 0);
-        s = publish<S>(q, idx, blocks, idx, sig, c);
-        if (s != OK || !do_ring) return s;
-        return ring<S>(q, c);
+        return publish_ring<S>(q, k, idx, blocks, idx, sig, published, do_ring, c, nullptr);
     });
 }
 
@@ -105,17 +102,15 @@ __device__ __forceinline__ status post_block(gpuverbs_qp* qp, bool signaled, boo
                                              uint64_t budget_ns, Build build) {
     return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
         const gpuverbs_qp k = consts_of(q);
-        uint64_t idx;
+        uint64_t idx, published;
         bool force = false;
         call_clock c(budget_ns);
-        status s = reserve<S>(q, 1, c, &idx, &force);
+        status s = reserve<S>(q, 1, c, &idx, &force, &published);
         if (s != OK) return s;
         const bool sig = signaled || force;
         const block b = build(&k, idx, sig ? CE_SIGNALED : 0);
         store_block(&k, idx, b);
-        s = publish<S>(q, idx, 1, idx, sig, c);
-        if (s != OK || !do_ring) return s;
-        return ring<S>(q, c, &b);
+        return publish_ring<S>(q, k, idx, 1, idx, sig, published, do_ring, c, &b);
     });
 }
 
@@ -190,19 +185,18 @@ __device__ status put_signal(gpuverbs_qp* qp, uint64_t laddr, lkey lk, uint64_t 
                              uint32_t len, uint64_t sig_addr, rkey sig_key, uint64_t add,
                              bool signaled, uint64_t budget_ns) {
     return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
-    uint64_t idx;
+    const gpuverbs_qp k = consts_of(q);
+    uint64_t idx, published;
     bool force = false;
     call_clock c(budget_ns);
-    status s = reserve<S>(q, 2, c, &idx, &force);
+    status s = reserve<S>(q, 2, c, &idx, &force, &published);
     if (s != OK) return s;
     signaled = signaled || force;
-    prep_write(q, idx, laddr, lk, raddr, rk, len, 0);
-    const block sig = build_atomic(q, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0,
-                                   q->scratch, lkey{q->scratch_lkey}, signaled ? CE_SIGNALED : 0);
-    store_block(q, idx + 1, sig);
-    s = publish<S>(q, idx, 2, idx + 1, signaled, c);
-    if (s != OK) return s;
-    return ring<S>(q, c, &sig);
+    prep_write(&k, idx, laddr, lk, raddr, rk, len, 0);
+    const block sig = build_atomic(&k, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0,
+                                   k.scratch, lkey{k.scratch_lkey}, signaled ? CE_SIGNALED : 0);
+    store_block(&k, idx + 1, sig);
+    return publish_ring<S>(q, k, idx, 2, idx + 1, signaled, published, true, c, &sig);
     });
 }
 

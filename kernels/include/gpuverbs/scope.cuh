@@ -25,7 +25,7 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     const uint32_t leader = __ffs(mask) - 1;
     const uint32_t count = __popc(mask);
     const uint32_t rank = __popc(mask & ((1u << lane) - 1u));
-    uint64_t start = 0;
+    uint64_t start = 0, published = 0;
     status s = OK;
     // Every lane takes the descriptor into registers when the call starts: its constants for
     // the WQE each lane builds (through `q` they would be loaded again after the leader's
@@ -36,7 +36,7 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     call_clock c(budget_ns);  // the leader's: one budget for its reserve, publish and ring
     if (lane == leader) {
         bool force = false;
-        s = reserve<S>(st, count, c, &start, &force);
+        s = reserve<S>(st, count, c, &start, &force, &published);
         signaled = signaled || force;
         // A failed reservation may still have taken CQEs (its wait polls the CQ).
         if (S == sharing::exclusive && s != OK && !k.checked_out) store_state(q, k);
@@ -64,8 +64,8 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     }
     __syncwarp(mask);
     if (lane == leader) {
-        s = publish<S>(st, start, count, start + count - 1, signaled, c);
-        if (s == OK) s = ring<S>(st, c, &lastb);
+        s = publish_ring<S>(st, k, start, count, start + count - 1, signaled, published, true,
+                            c, &lastb);
         if (S == sharing::exclusive && !k.checked_out) store_state(q, k);
     }
     // Orders the leader's descriptor stores before whichever lane leads the next call
@@ -95,9 +95,10 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     uint32_t rank = participate ? atomicAdd(&count, 1u) : 0;
     __syncthreads();
     call_clock c(budget_ns);  // thread 0's: one budget for its reserve, publish and ring
+    uint64_t published = 0;   // thread 0's
     if (tid == 0) {
         bool force = false;
-        st = count ? reserve<S>(on, count, c, &start, &force) : OK;
+        st = count ? reserve<S>(on, count, c, &start, &force, &published) : OK;
         sig = signaled || force;
     }
     __syncthreads();
@@ -112,8 +113,8 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     }
     __syncthreads();
     if (tid == 0 && s == OK && count) {
-        s = publish<S>(on, start, count, start + count - 1, signaled, c);
-        if (s == OK) s = ring<S>(on, c, &lastb);
+        s = publish_ring<S>(on, k, start, count, start + count - 1, signaled, published, true,
+                            c, &lastb);
         st = s;
     }
     if (S == sharing::exclusive && tid == 0 && !k.checked_out) store_state(q, k);

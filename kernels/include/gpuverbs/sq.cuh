@@ -24,13 +24,18 @@ namespace gpuverbs {
 // completions retire space, so a WQE is signaled when no signaled WQE covers the last half
 // ring. (The check uses values loaded with the reservation, so it costs no extra round trip.)
 //
+// `published` (optional) receives the in-order publish counter as it was before the CAS: when
+// it equals `*start`, every earlier reservation is published and `publish` need not wait for it.
+//
 // Every word it needs is loaded before it looks at any (the error, checkout and broken words,
-// the reservation, the signaled end, then the retired count with acquire), so a call costs one
-// trip to memory before its CAS. The reservation is a relaxed guess the CAS confirms; only
-// `sq_retired` needs acquire (the blocks it frees were read by the device before).
+// the reservation, the signaled end, the retired and published counts), relaxed, then one
+// acquire fence, so a call costs one trip to memory before its CAS. The reservation is a
+// relaxed guess the CAS confirms; `sq_retired` needs acquire (the blocks it frees were read by
+// the device before), `sq_ready` too (the WQEs before it are ordered before this caller's).
 template <sharing S>
 __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, call_clock& c, uint64_t* start,
-                                          bool* force_signal = nullptr) {
+                                          bool* force_signal = nullptr,
+                                          uint64_t* published = nullptr) {
     for (;;) {
         const uint64_t error = q->sq_error;
         const uint32_t held = q->checked_out;
@@ -39,12 +44,15 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, call_clock
         uint64_t covered = S == sharing::exclusive
                                ? q->sq_signaled_end
                                : *reinterpret_cast<volatile uint64_t*>(&q->sq_signaled_end);
-        uint64_t retired = state_load<S>(&q->sq_retired);
+        uint64_t retired = state_load<S, false>(&q->sq_retired);
+        uint64_t ready = published ? state_load<S, false>(&q->sq_ready) : 0;
+        state_acquire<S>();
         if (error) return ERROR_CQE;  // the QP is in error: nothing new would execute
         if (held) return BUSY;
         if (broken) return BROKEN;
         if (r + n - retired <= q->sq_blocks) {
             if (force_signal) *force_signal = r + n - covered >= (q->sq_blocks >> 1);
+            if (published) *published = ready;
             if (S == sharing::exclusive) {
                 q->sq_reserved = r + n;
                 *start = r;
@@ -71,27 +79,34 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, uint64_t b
     return reserve<S>(q, n, c, start, force_signal);
 }
 
+// Shared modes: waits until every reservation before `start` is published (the in-order
+// publish counter reaches it). A wait that gives up (an earlier reservation's thread never
+// published it, or not within this call's budget) leaves a hole no later WQE can pass: it marks
+// the send queue broken (sq_broken) and returns TIMEOUT; every later send-side call, the late
+// publisher's included, returns BROKEN. The host resets the QP, connects it and exports it again.
+template <sharing S>
+__device__ __forceinline__ status publish_turn(gpuverbs_qp* q, uint64_t start, call_clock& c) {
+    while (state_load<S>(&q->sq_ready) != start) {
+        if (sq_broken(q)) return BROKEN;
+        if (c.expired()) {
+            atomicExch(&q->sq_broken, 1u);
+            __threadfence();
+            return TIMEOUT;
+        }
+    }
+    return OK;
+}
+
 // Publishes blocks [start, start+n) after every earlier reservation. The ready counter is
 // released at GPU scope; the system-scope release of the WQE bytes happens in `ring`, whose
 // fence is cumulative over every WQE published before it. `signaled` records that the last
 // WQE asks for a CQE.
-//
-// Shared modes: a publish that gives up waiting for an earlier reservation (its thread never
-// published it, or not within this call's budget) leaves a hole no later WQE can pass. It marks
-// the send queue broken (sq_broken) and returns TIMEOUT; every later send-side call, the late
-// publisher's included, returns BROKEN. The host resets the QP, connects it and exports it again.
 template <sharing S>
 __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32_t n,
                                           uint64_t last_start, bool signaled, call_clock& c) {
     if (S != sharing::exclusive) {
-        while (state_load<S>(&q->sq_ready) != start) {
-            if (sq_broken(q)) return BROKEN;
-            if (c.expired()) {
-                atomicExch(&q->sq_broken, 1u);
-                __threadfence();
-                return TIMEOUT;
-            }
-        }
+        const status s = publish_turn<S>(q, start, c);
+        if (s != OK) return s;
     }
     q->sq_last_start = last_start;
     if (signaled) q->sq_signaled_end = start + n;
@@ -107,81 +122,113 @@ __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32
     return publish<S>(q, start, n, last_start, signaled, c);
 }
 
-// Tells the device about every published WQE, in the QP's doorbell mode: one release fence
-// (system scope for host-resident rings, GPU scope otherwise) orders every published WQE
-// before the doorbell record and the doorbell. The doorbell value carries the producer index
-// itself ({BE32(pi << 8), BE32(qpn << 8)}), so the device never depends on the order in which
-// the doorbell record and the doorbell land.
-//
-// BlueFlame: the last WQE (up to 4 blocks) goes into the register half as well, seqlock style:
-// the half was cleared by the previous ring (its first 8 bytes are 0, ordered before this
-// ring's bytes by the release fence, system scope in this mode), bytes 8.. are written, a
-// second fence, then the first 8 bytes; then the other half is cleared for the next ring.
-// `last` is the caller's newest WQE when it built it in registers (one block): it is copied
-// from there when it is the last published WQE, which its ctrl segment's index says;
-// otherwise the last WQE is read back from the ring.
+// `sq_rung` is the doorbell's lock as well as the producer index last rung: while a thread
+// rings a shared QP it holds RUNG_HELD there, so one exchange takes the doorbell and reads the
+// index, and the store that gives it back writes the new index (release: the next ringer's
+// doorbell stores come after this one's, so the doorbell record never goes back).
+constexpr uint64_t RUNG_HELD = ~0ull;
+
 template <sharing S>
-__device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const block* last = nullptr) {
-    // The descriptor's constants are loaded with the checks, before the lock and the fence
-    // (after the fence they would be loaded again: one more trip to memory).
-    const uint32_t held = q->checked_out;
-    const bool broken = S != sharing::exclusive && sq_broken(q);
-    const uint32_t mode = q->db_mode;
-    const uint32_t qpn = q->qpn;
-    uint32_t* const dbrec = reinterpret_cast<uint32_t*>(q->dbrec);
-    uint8_t* const halves = reinterpret_cast<uint8_t*>(q->db_reg);
-    uint64_t* const proxy = reinterpret_cast<uint64_t*>(q->proxy_word);
-    const bool host_rings = q->ring_loc == 0;
-    if (held) return BUSY;
-    if (broken) return BROKEN;
-    if (S != sharing::exclusive && !lock<S>(&q->ring_lock, c)) return TIMEOUT;
-    const uint64_t rung = q->sq_rung;
-    const uint64_t ready = state_load<S>(&q->sq_ready);
-    if (ready != rung) {
-        // System scope also in BlueFlame mode, where it orders the previous ring's clear of
-        // this half (host memory) before this ring's copy.
-        release_wqes(host_rings || mode == GPUVERBS_DB_BLUEFLAME);
-        if (mode == GPUVERBS_DB_CPU_PROXY) {
-            st_relaxed_sys64(proxy, ready);
-        } else {
-            st_relaxed_sys32(dbrec + 1, bswap32((uint32_t)(ready & 0xffff)));
-            uint8_t* reg = halves + (q->bf_half & 1u) * 256;
-            // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.
-            uint64_t value = (uint64_t)bswap32(qpn << 8) << 32 |
-                             bswap32(((uint32_t)ready & 0xffffu) << 8);
-            if (mode == GPUVERBS_DB_BLUEFLAME) {
-                // `last` stands for the last published WQE only if its ctrl segment names the
-                // same index (in shared modes another thread may have published after it).
-                const uint64_t at = q->sq_last_start;
-                const bool held = last && ((bswap32(last->u[0].x) >> 8) & 0xffffu) ==
-                                              (uint32_t)(at & 0xffffu);
-                const uint32_t blocks = held ? 1u : wqe_blocks_at(q, at);
-                if (at + blocks == ready && blocks <= 4) {
-                    uint4 first;
-                    if (held) {
-                        first = last->u[0];
-                        for (int u = 1; u < 4; ++u) st16(reg + u * 16, last->u[u]);
-                    } else {
-                        first = *reinterpret_cast<const uint4*>(wqe_unit(q, at, 0));
-                        for (uint32_t u = 1; u < blocks * 4; ++u) {
-                            st16(reg + u * 16, *reinterpret_cast<const uint4*>(wqe_unit(q, at, u)));
-                        }
-                    }
-                    st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg + 8),
-                                     (uint64_t)first.w << 32 | first.z);
-                    value = (uint64_t)first.y << 32 | first.x;
-                    asm volatile("fence.release.sys;" ::: "memory");
-                }
+__device__ __forceinline__ bool take_rung(gpuverbs_qp* q, call_clock& c, uint64_t* rung) {
+    if constexpr (S == sharing::exclusive) {
+        *rung = q->sq_rung;
+        return true;
+    } else {
+        for (;;) {
+            const uint64_t old = state_exchange<S>(&q->sq_rung, RUNG_HELD);
+            if (old != RUNG_HELD) {
+                *rung = old;
+                return true;
             }
-            st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), value);
-            if (mode == GPUVERBS_DB_BLUEFLAME) {
-                q->bf_half ^= 1u;
-                st_relaxed_sys64(reinterpret_cast<uint64_t*>(halves + (q->bf_half & 1u) * 256), 0);
+            if (c.expired()) return false;
+            __nanosleep(32);
+        }
+    }
+}
+
+template <sharing S>
+__device__ __forceinline__ void give_rung(gpuverbs_qp* q, uint64_t rung) {
+    state_store<S>(&q->sq_rung, rung);
+}
+
+// The doorbell stores for producer index `pi`, in the QP's doorbell mode (constants from `k`).
+// The caller holds the doorbell (take_rung) and has ordered every WQE before `pi` ahead of
+// these stores (release_wqes). The doorbell value carries the producer index itself
+// ({BE32(pi << 8), BE32(qpn << 8)}), so the device never depends on the order in which the
+// doorbell record and the doorbell land.
+//
+// BlueFlame: the last WQE (up to 4 blocks, first block `at`) goes into the register half as
+// well, seqlock style: the half was cleared by the previous ring (its first 8 bytes are 0,
+// ordered before this ring's bytes by the release fence, system scope in this mode), bytes 8..
+// are written, a second fence, then the first 8 bytes; then the other half is cleared for the
+// next ring. `last` is the caller's newest WQE when it built it in registers (one block): it
+// is copied from there when it is the WQE at `at`, which its ctrl segment's index says;
+// otherwise the WQE is read back from the ring.
+__device__ __forceinline__ void doorbell(gpuverbs_qp* q, const gpuverbs_qp& k, uint64_t pi,
+                                         uint64_t at, const block* last) {
+    if (k.db_mode == GPUVERBS_DB_CPU_PROXY) {
+        st_relaxed_sys64(reinterpret_cast<uint64_t*>(k.proxy_word), pi);
+        return;
+    }
+    st_relaxed_sys32(reinterpret_cast<uint32_t*>(k.dbrec) + 1, bswap32((uint32_t)(pi & 0xffff)));
+    uint8_t* const halves = reinterpret_cast<uint8_t*>(k.db_reg);
+    // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.
+    uint64_t value = (uint64_t)bswap32(k.qpn << 8) << 32 | bswap32(((uint32_t)pi & 0xffffu) << 8);
+    if (k.db_mode != GPUVERBS_DB_BLUEFLAME) {
+        st_relaxed_sys64(reinterpret_cast<uint64_t*>(halves), value);
+        return;
+    }
+    uint8_t* reg = halves + (q->bf_half & 1u) * 256;
+    const bool held = last && ((bswap32(last->u[0].x) >> 8) & 0xffffu) == (uint32_t)(at & 0xffffu);
+    const uint32_t blocks = held ? 1u : wqe_blocks_at(&k, at);
+    if (at + blocks == pi && blocks <= 4) {
+        uint4 first;
+        if (held) {
+            first = last->u[0];
+            for (int u = 1; u < 4; ++u) st16(reg + u * 16, last->u[u]);
+        } else {
+            first = *reinterpret_cast<const uint4*>(wqe_unit(&k, at, 0));
+            for (uint32_t u = 1; u < blocks * 4; ++u) {
+                st16(reg + u * 16, *reinterpret_cast<const uint4*>(wqe_unit(&k, at, u)));
             }
         }
-        q->sq_rung = ready;
+        st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg + 8), (uint64_t)first.w << 32 | first.z);
+        value = (uint64_t)first.y << 32 | first.x;
+        asm volatile("fence.release.sys;" ::: "memory");
     }
-    if (S != sharing::exclusive) unlock<S>(&q->ring_lock);
+    st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), value);
+    q->bf_half ^= 1u;
+    st_relaxed_sys64(reinterpret_cast<uint64_t*>(halves + (q->bf_half & 1u) * 256), 0);
+}
+
+// Whether the release before a doorbell must be at system scope: host-resident rings, and
+// BlueFlame, where it also orders the previous ring's clear of this half (host memory) before
+// this ring's copy.
+__device__ __forceinline__ bool sys_release(const gpuverbs_qp& k) {
+    return k.ring_loc == 0 || k.db_mode == GPUVERBS_DB_BLUEFLAME;
+}
+
+// Tells the device about every published WQE, in the QP's doorbell mode: one release fence
+// (system scope for host-resident rings, GPU scope otherwise) orders every published WQE
+// before the doorbell record and the doorbell (see `doorbell`). `last`: see `doorbell`.
+template <sharing S>
+__device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const block* last = nullptr) {
+    // The descriptor's constants are loaded with the checks, before the doorbell is taken and
+    // the fence (after the fence they would be loaded again: one more trip to memory).
+    const uint32_t held = q->checked_out;
+    const bool broken = S != sharing::exclusive && sq_broken(q);
+    const gpuverbs_qp k = consts_of(q);
+    if (held) return BUSY;
+    if (broken) return BROKEN;
+    uint64_t rung;
+    if (!take_rung<S>(q, c, &rung)) return TIMEOUT;
+    const uint64_t ready = state_load<S>(&q->sq_ready);
+    if (ready > rung) {
+        release_wqes(sys_release(k));
+        doorbell(q, k, ready, k.db_mode == GPUVERBS_DB_BLUEFLAME ? q->sq_last_start : 0, last);
+        rung = ready;
+    }
+    give_rung<S>(q, rung);
     return OK;
 }
 
@@ -190,6 +237,51 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
                                        const block* last = nullptr) {
     call_clock c(budget_ns);
     return ring<S>(q, c, last);
+}
+
+// Publishes blocks [start, start+n) the caller has just written (its last WQE at `last_start`,
+// `last` as in `doorbell`), then, with `do_ring`, rings the doorbell up to their end: what a
+// post does after `reserve` (`published` is what reserve returned, or RUNG_HELD to wait).
+// Exclusive: publish, then ring. Shared: once the turn to publish has come, one release fence
+// at the doorbell's scope orders the WQEs (this caller's, and cumulatively those published
+// before) ahead of the publish counter and the doorbell both; the doorbell is taken with one
+// exchange and rung to this caller's end unless a later ring already covered it (without
+// BlueFlame, whose ring fences after taking the doorbell, see `doorbell`).
+template <sharing S>
+__device__ __forceinline__ status publish_ring(gpuverbs_qp* q, const gpuverbs_qp& k,
+                                               uint64_t start, uint32_t n, uint64_t last_start,
+                                               bool signaled, uint64_t published, bool do_ring,
+                                               call_clock& c, const block* last) {
+    if constexpr (S == sharing::exclusive) {
+        const status s = publish<S>(q, start, n, last_start, signaled, c);
+        if (s != OK || !do_ring) return s;
+        return ring<S>(q, c, last);
+    } else {
+        if (published != start) {
+            const status s = publish_turn<S>(q, start, c);
+            if (s != OK) return s;
+        }
+        const uint64_t end = start + n;
+        q->sq_last_start = last_start;
+        if (signaled) q->sq_signaled_end = end;
+        const bool bf = k.db_mode == GPUVERBS_DB_BLUEFLAME;
+        if (!do_ring || bf) {
+            state_store<S>(&q->sq_ready, end);
+            if (!do_ring) return OK;
+        } else {
+            release_wqes(k.ring_loc == 0);
+            state_store_relaxed<S>(&q->sq_ready, end);
+        }
+        uint64_t rung;
+        if (!take_rung<S>(q, c, &rung)) return TIMEOUT;
+        if (end > rung) {
+            if (bf) release_wqes(true);
+            doorbell(q, k, end, last_start, last);
+            rung = end;
+        }
+        give_rung<S>(q, rung);
+        return OK;
+    }
 }
 
 // ------------------------------------------------------------------------------------------

@@ -69,6 +69,43 @@ __device__ __forceinline__ gpuverbs_qp consts_of(const gpuverbs_qp* q) {
     return k;
 }
 
+// Makes the relaxed state loads before it acquire loads (an acquire fence at the mode's scope:
+// one L1 invalidation after all of them, where an acquire load each would wait for each).
+template <sharing S>
+__device__ __forceinline__ void state_acquire() {
+    if constexpr (S == sharing::cta) {
+        asm volatile("fence.acquire.cta;" ::: "memory");
+    } else if constexpr (S == sharing::gpu) {
+        asm volatile("fence.acquire.gpu;" ::: "memory");
+    }
+}
+
+// A relaxed store at the mode's scope: for a value a release fence before it already orders.
+template <sharing S>
+__device__ __forceinline__ void state_store_relaxed(uint64_t* p, uint64_t v) {
+    if constexpr (S == sharing::exclusive) {
+        *p = v;
+    } else if constexpr (S == sharing::cta) {
+        asm volatile("st.relaxed.cta.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    } else {
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    }
+}
+
+// An exchange with acquire semantics at the mode's scope; returns the old value.
+template <sharing S>
+__device__ __forceinline__ uint64_t state_exchange(uint64_t* p, uint64_t v) {
+    uint64_t old;
+    if constexpr (S == sharing::cta) {
+        asm volatile("atom.acquire.cta.global.exch.b64 %0, [%1], %2;"
+                     : "=l"(old) : "l"(p), "l"(v) : "memory");
+    } else {
+        asm volatile("atom.acquire.gpu.global.exch.b64 %0, [%1], %2;"
+                     : "=l"(old) : "l"(p), "l"(v) : "memory");
+    }
+    return old;
+}
+
 template <sharing S>
 __device__ __forceinline__ void state_store(uint64_t* p, uint64_t v) {
     if constexpr (S == sharing::exclusive) {
