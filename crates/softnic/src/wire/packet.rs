@@ -529,15 +529,28 @@ pub fn parse(d: &[u8]) -> Result<Packet<'_>, PacketError> {
 /// Encodes `p` (its `bth.pad` is computed from the payload) into `out` (cleared first),
 /// with the ICRC for `flow`.
 pub fn encode(p: &Packet<'_>, flow: &Flow, out: &mut Vec<u8>) -> Result<(), PacketError> {
+    out.clear();
+    encode_at(p, flow, 0, out)
+}
+
+/// Appends `p`, encoded as [`encode`] does, to `out`, with the ICRC for `flow` and IPv4
+/// identification `ip_id`; on an error `out` keeps its length.
+pub fn encode_at(
+    p: &Packet<'_>,
+    flow: &Flow,
+    ip_id: u16,
+    out: &mut Vec<u8>,
+) -> Result<(), PacketError> {
+    let start = out.len();
     encode_headers(p, p.payload.len(), out)?;
     out.extend_from_slice(p.payload);
-    finish(flow, p.payload.len(), out);
+    finish_at(flow, ip_id, start, p.payload.len(), out);
     Ok(())
 }
 
-/// Writes the BTH (pad count for a payload of `payload_len` bytes) and the extension headers
-/// of `p` into `out` (cleared first); `p.payload` is ignored. Append the payload, then call
-/// [`finish`].
+/// Appends the BTH (pad count for a payload of `payload_len` bytes) and the extension headers
+/// of `p` to `out`; `p.payload` is ignored. Append the payload, then call [`finish`] (or
+/// [`finish_at`]); on an error nothing is appended.
 pub fn encode_headers(
     p: &Packet<'_>,
     payload_len: usize,
@@ -560,7 +573,6 @@ pub fn encode_headers(
     }
     let mut bth = p.bth;
     bth.pad = ((4 - payload_len % 4) % 4) as u8;
-    out.clear();
     out.extend_from_slice(&bth.to_bytes());
     if let (true, Some(r)) = (l.reth, p.reth) {
         out.extend_from_slice(&r.va.to_be_bytes());
@@ -598,11 +610,19 @@ pub fn encode_headers(
 }
 
 /// Appends the pad of a `payload_len`-byte payload and the ICRC for `flow` to `out`
-/// (headers and payload written by [`encode_headers`] and the caller).
+/// (headers and payload written by [`encode_headers`] and the caller, `out` holding only
+/// that packet).
 pub fn finish(flow: &Flow, payload_len: usize, out: &mut Vec<u8>) {
+    finish_at(flow, 0, 0, payload_len, out);
+}
+
+/// [`finish`] for a packet that starts at `out[start]` (earlier packets before it), sealed
+/// for IPv4 identification `ip_id`.
+pub fn finish_at(flow: &Flow, ip_id: u16, start: usize, payload_len: usize, out: &mut Vec<u8>) {
     let pad = (4 - payload_len % 4) % 4;
     out.extend_from_slice(&[0u8; 3][..pad]);
-    seal(flow, out);
+    let crc = icrc_for_id(flow, ip_id, &out[start..]);
+    out.extend_from_slice(&crc.to_le_bytes());
 }
 
 /// Appends the ICRC of `out` (BTH through pad) for `flow`.

@@ -19,9 +19,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How long the I/O thread blocks in one receive: the longest a reordered datagram is held
-/// back when nothing else is sent.
-const RECV_TIMEOUT: Duration = Duration::from_millis(1);
+/// How long the I/O thread blocks in one receive while fault injection holds a reordered
+/// datagram back: the longest it is held when nothing else is sent.
+const HELD_TIMEOUT: Duration = Duration::from_millis(1);
+/// How long it blocks otherwise (the device's drop wakes it; timers run in the engine).
+const IDLE_TIMEOUT: Duration = Duration::from_millis(100);
 /// The largest UDP payload of one IPv4 datagram, and so of one segmented send.
 const MAX_UDP: usize = 65507;
 /// Segments one segmented send may carry (the kernel's `UDP_MAX_SEGMENTS`).
@@ -66,6 +68,24 @@ pub(crate) struct TxBatch {
     to: Option<SocketAddr>,
     /// Index of the socket (in [`Port::socks`]) it leaves from.
     sock: usize,
+}
+
+impl TxBatch {
+    /// Where the next packet is built in place: its offset in the batch's buffer, and the
+    /// IPv4 identification it leaves with when it joins the batch (its place in it).
+    pub(crate) fn slot(&self) -> (usize, u16) {
+        (self.buf.len(), self.count as u16)
+    }
+
+    /// The buffer to build the next packet into (appended at [`TxBatch::slot`]'s offset).
+    pub(crate) fn buf(&mut self) -> &mut Vec<u8> {
+        &mut self.buf
+    }
+
+    /// Drops what was appended after offset `start` (a packet that could not be built).
+    pub(crate) fn cut(&mut self, start: usize) {
+        self.buf.truncate(start);
+    }
 }
 
 /// One UDP socket of a port.
@@ -363,23 +383,74 @@ impl Port {
         }
     }
 
+    /// Sends the packet built in place at `b.buf[start..]` (see [`TxBatch::slot`], sealed
+    /// for the identification it gave) to `to`; `flow` names its synthesized headers. It
+    /// joins the batch when it fits; otherwise the batch before it leaves first and it starts
+    /// the next one (moved to the front, resealed for identification 0). With fault
+    /// injection on, it takes the path of [`Port::send`].
+    pub fn send_built(&self, b: &mut TxBatch, start: usize, to: SocketAddr, flow: &Flow) {
+        let id = b.count as u16;
+        if self.faulty.load(Ordering::Acquire) {
+            let mut d = b.buf.split_off(start);
+            packet::reseal_ip_id(&mut d, id, 0);
+            self.send(&d, to, flow, b);
+            return;
+        }
+        let len = b.buf.len() - start;
+        let sock = self.sock_of(flow.sport);
+        let fits = b.count > 0
+            && b.to == Some(to)
+            && b.sock == sock
+            && !b.closed
+            && len <= b.seg
+            && b.count < MAX_SEGMENTS
+            && b.buf.len() <= MAX_UDP;
+        if !fits {
+            if b.count > 0 {
+                self.send_prefix(b, start);
+                packet::reseal_ip_id(&mut b.buf, id, 0);
+            }
+            b.seg = len;
+            b.to = Some(to);
+            b.sock = sock;
+        }
+        let (start, id) = (b.buf.len() - len, b.count as u16);
+        if self.capturing.load(Ordering::Acquire) {
+            if let Some(c) = self.capture.lock().as_ref() {
+                c.writer.write_udp_with_id(flow, id, &b.buf[start..]);
+            }
+        }
+        b.count += 1;
+        b.closed = len < b.seg;
+        if !self.socks[b.sock].gso.load(Ordering::Relaxed) {
+            self.flush(b);
+        }
+    }
+
     /// Sends what `b` holds: one datagram, or several in one segmented send.
     pub fn flush(&self, b: &mut TxBatch) {
+        let end = b.buf.len();
+        self.send_prefix(b, end);
+    }
+
+    /// Sends the batch's `b.count` datagrams, `b.buf[..end]`, and removes them (what follows
+    /// `end`, a packet built in place, moves to the front).
+    fn send_prefix(&self, b: &mut TxBatch, end: usize) {
         let Some(to) = b.to else { return };
         if b.count == 0 {
             return;
         }
         let s = &self.socks[b.sock.min(self.socks.len() - 1)];
         let ok = if b.count == 1 {
-            send_one(&s.sock, &b.buf, to)
+            send_one(&s.sock, &b.buf[..end], to)
         } else {
-            match send_segmented(&s.sock, &b.buf, b.seg, to) {
+            match send_segmented(&s.sock, &b.buf[..end], b.seg, to) {
                 Ok(()) => true,
                 Err(_) => {
                     // no segmentation offload here: one datagram at a time from now on
                     s.gso.store(false, Ordering::Relaxed);
                     let mut ok = true;
-                    for (i, d) in b.buf.chunks_mut(b.seg).enumerate() {
+                    for (i, d) in b.buf[..end].chunks_mut(b.seg).enumerate() {
                         // alone, each leaves with identification 0
                         packet::reseal_ip_id(d, i as u16, 0);
                         ok &= send_one(&s.sock, d, to);
@@ -391,11 +462,11 @@ impl Port {
         let w = &self.counters.wire;
         if ok {
             Counters::add(&w.tx_packets, b.count as u64);
-            Counters::add(&w.tx_bytes, b.buf.len() as u64);
+            Counters::add(&w.tx_bytes, end as u64);
         } else {
             Counters::add(&w.tx_errors, b.count as u64);
         }
-        b.buf.clear();
+        b.buf.drain(..end);
         b.count = 0;
         b.closed = false;
     }
@@ -495,6 +566,16 @@ impl Port {
         }
     }
 
+    /// How long the I/O thread may block in `poll`: briefly while a reordered datagram is
+    /// held back, which only a later send or [`Port::flush_held`] lets go.
+    pub(super) fn recv_timeout(&self) -> Duration {
+        if self.faulty.load(Ordering::Acquire) && self.faults.lock().held.is_some() {
+            HELD_TIMEOUT
+        } else {
+            IDLE_TIMEOUT
+        }
+    }
+
     /// Sends a datagram held back by reordering, if any.
     pub fn flush_held(&self) {
         if !self.faulty.load(Ordering::Acquire) {
@@ -568,27 +649,48 @@ impl Port {
     }
 }
 
-/// Waits at most [`RECV_TIMEOUT`] for datagrams on any of the sockets `fds`; marks the ready ones
-/// in `ready`. Returns whether any is.
-pub(super) fn wait_readable(fds: &mut [libc::pollfd], ready: &mut [bool]) -> bool {
+/// How long the I/O thread keeps looking (without sleeping) for the next datagram after one
+/// came, before it sleeps in `poll`: waking a sleeping thread costs more than this on a busy
+/// or virtual machine, and while data flows the next datagram is rarely further away.
+const SPIN: Duration = Duration::from_micros(50);
+
+fn poll_once(fds: &mut [libc::pollfd], ready: &mut [bool], timeout_ms: libc::c_int) -> bool {
     for p in fds.iter_mut() {
         p.revents = 0;
     }
     // SAFETY: `fds` is a live slice of pollfds of open sockets (owned by the port, which the
     // caller holds), its length passed along.
-    let n = unsafe {
-        libc::poll(
-            fds.as_mut_ptr(),
-            fds.len() as libc::nfds_t,
-            RECV_TIMEOUT.as_millis() as libc::c_int,
-        )
-    };
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
     let mut any = false;
     for (r, p) in ready.iter_mut().zip(fds.iter()) {
         *r = n > 0 && p.revents != 0;
         any |= *r;
     }
     any
+}
+
+/// Waits at most `timeout` for datagrams on any of the sockets `fds`; marks the ready ones in
+/// `ready`. Returns whether any is. `busy` (datagrams came in the last pass): it first looks
+/// for [`SPIN`] without sleeping, giving the core away between looks.
+pub(super) fn wait_readable(
+    fds: &mut [libc::pollfd],
+    ready: &mut [bool],
+    busy: bool,
+    timeout: Duration,
+) -> bool {
+    if busy {
+        let start = std::time::Instant::now();
+        loop {
+            if poll_once(fds, ready, 0) {
+                return true;
+            }
+            if start.elapsed() >= SPIN {
+                break;
+            }
+            std::thread::yield_now();
+        }
+    }
+    poll_once(fds, ready, timeout.as_millis() as libc::c_int)
 }
 
 impl Port {

@@ -148,7 +148,7 @@ pub(crate) struct ReqWire {
     pub(crate) blocked: bool,
     /// A queued message failed while being sent: send nothing more.
     pub(super) halted: bool,
-    pub(super) scratch: Vec<u8>,
+    /// Packets on their way out; the requester builds them in place (`Port::send_built`).
     pub(super) batch: TxBatch,
 }
 
@@ -195,7 +195,6 @@ impl ReqWire {
             resent: HashMap::new(),
             blocked: false,
             halted: false,
-            scratch: Vec::with_capacity(super::packet::MAX_DATAGRAM),
             batch: TxBatch::default(),
         }
     }

@@ -305,7 +305,7 @@ fn scatter(
 
 /// What [`build`] made of one PSN.
 enum Built {
-    /// A packet in the scratch buffer; the next PSN to send after it, and whether it asks
+    /// A packet at the end of the buffer; the next PSN to send after it, and whether it asks
     /// for an ACK.
     Packet { next: u32, ack_req: bool },
     /// The PSN belongs to no message that sends packets: sending stops here, at `next`.
@@ -314,9 +314,12 @@ enum Built {
     Halt,
 }
 
-/// Builds the packet of PSN `p` into `buf`: its message's opcode for that position, headers,
-/// payload gathered from local memory, ICRC. A message that cannot be built fails (and the
-/// transport halts).
+/// Builds the packet of PSN `p` at the end of `buf` (in place in a batch, see
+/// [`Port::send_built`]): its message's opcode for that position, headers, payload gathered
+/// from local memory, ICRC for IPv4 identification `ip_id`. A message that cannot be built
+/// fails (and the transport halts); unless a packet was built, `buf` may hold part of one
+/// past its old length (the caller cuts it off).
+#[allow(clippy::too_many_arguments)]
 fn build(
     dev: &Shared,
     g: &MrGuard<'_>,
@@ -325,7 +328,9 @@ fn build(
     p: u32,
     limit: i32,
     buf: &mut Vec<u8>,
+    ip_id: u16,
 ) -> Built {
+    let start = buf.len();
     let ack_every = (limit as u32 / 4).max(1);
     let i = w.find(p);
     let next_psn = w.next_psn;
@@ -417,7 +422,7 @@ fn build(
             pkt.bth = bth;
             let _ = packet::encode_headers(&pkt, n as usize, buf);
             gather(&dev.counters, g, pd, src, off, n, buf)
-                .map(|()| packet::finish(&flow, n as usize, buf))
+                .map(|()| packet::finish_at(&flow, ip_id, start, n as usize, buf))
         }
         OutOp::Read { raddr, rkey, .. } => {
             let off = k as u64 * mtu;
@@ -429,7 +434,7 @@ fn build(
                 len: m.len.saturating_sub(off) as u32,
             });
             next = m.end();
-            packet::encode(&pkt, &flow, buf).map_err(|_| bad_wire())
+            packet::encode_at(&pkt, &flow, ip_id, buf).map_err(|_| bad_wire())
         }
         OutOp::Atomic {
             raddr, rkey, kind, ..
@@ -489,7 +494,7 @@ fn build(
                 }
             }
             pkt.bth = bth;
-            packet::encode(&pkt, &flow, buf).map_err(|_| bad_wire())
+            packet::encode_at(&pkt, &flow, ip_id, buf).map_err(|_| bad_wire())
         }
         OutOp::Local { .. } => {
             // Holds no PSN: `find` never returns it for a PSN still to send.
@@ -526,7 +531,9 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
     }
     let mut sent = 0u32;
     let g = qp.mrs.read();
-    let mut buf = std::mem::take(&mut w.scratch);
+    // Packets are built in place at the end of the batch (no copy into it); `send_built`
+    // takes each from there.
+    let mut batch = std::mem::take(&mut w.batch);
     let limit = w.window.min(w.cwnd).max(1) as i32;
     while sent < BURST {
         let Some(p) = w.resend.pop_front() else {
@@ -534,12 +541,15 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
         };
         // only a PSN sent and not yet acknowledged
         if psn_diff(p, w.una) >= 0 && psn_diff(p, w.sent_hi) < 0 {
-            if let Built::Packet { .. } = build(dev, &g, qp.pd, w, p, limit, &mut buf) {
-                port.send(&buf, w.to, &w.flow, &mut w.batch);
+            let (start, id) = batch.slot();
+            if let Built::Packet { .. } = build(dev, &g, qp.pd, w, p, limit, batch.buf(), id) {
+                port.send_built(&mut batch, start, w.to, &w.flow);
                 Counters::add(&dev.counters.wire.retransmits, 1);
                 // the early timer (go-back-N) waits behind the resend
                 w.fast_deadline = Some(now + w.fast_rto());
                 sent += 1;
+            } else {
+                batch.cut(start);
             }
         }
     }
@@ -549,15 +559,20 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
         && sent < BURST
     {
         let p = w.send_psn;
-        let (next, ack_req) = match build(dev, &g, qp.pd, w, p, limit, &mut buf) {
+        let (start, id) = batch.slot();
+        let (next, ack_req) = match build(dev, &g, qp.pd, w, p, limit, batch.buf(), id) {
             Built::Packet { next, ack_req } => (next, ack_req),
             Built::Skip { next } => {
+                batch.cut(start);
                 w.send_psn = next;
                 break;
             }
-            Built::Halt => break,
+            Built::Halt => {
+                batch.cut(start);
+                break;
+            }
         };
-        port.send(&buf, w.to, &w.flow, &mut w.batch);
+        port.send_built(&mut batch, start, w.to, &w.flow);
         if psn_diff(p, w.sent_hi) < 0 {
             Counters::add(&dev.counters.wire.retransmits, 1);
         } else if w.rtt_probe.is_none() && (ack_req || next != psn_add(p, 1)) {
@@ -569,7 +584,7 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
         }
         sent += 1;
     }
-    w.scratch = buf;
+    w.batch = batch;
     port.flush(&mut w.batch);
     if sent > 0 {
         // from the end of the burst: a slow sender must not time itself out
@@ -1545,16 +1560,22 @@ fn read_responses(
             }),
             ..Packet::default()
         };
-        if packet::encode_headers(&p, n as usize, reply.buf).is_err() {
+        // built in place at the end of the batch (no copy into it)
+        let (start, id) = reply.batch.slot();
+        let buf = reply.batch.buf();
+        if packet::encode_headers(&p, n as usize, buf).is_err() {
             return Ok(());
         }
         // SAFETY: `src` was checked under the responder's guard, still held by the caller;
         // `off + n <= src.len`.
-        unsafe { append_range(reply.buf, src, off, n) }.map_err(|e| (k as u32, e))?;
-        packet::finish(&reply.flow, n as usize, reply.buf);
+        if let Err(e) = unsafe { append_range(buf, src, off, n) } {
+            reply.batch.cut(start);
+            return Err((k as u32, e));
+        }
+        packet::finish_at(&reply.flow, id, start, n as usize, buf);
         reply
             .port
-            .send(reply.buf, reply.to, &reply.flow, reply.batch);
+            .send_built(reply.batch, start, reply.to, &reply.flow);
     }
     Ok(())
 }
@@ -1720,11 +1741,14 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
     let mut batch = TxBatch::default();
     let mut fds = port.pollfds();
     let mut ready = vec![false; fds.len()];
+    let mut busy = false;
     while !dev.shutdown.load(Ordering::Acquire) {
-        if !socket::wait_readable(&mut fds, &mut ready) {
+        if !socket::wait_readable(&mut fds, &mut ready, busy, port.recv_timeout()) {
+            busy = false;
             port.flush_held();
             continue;
         }
+        busy = true;
         for (i, _) in ready.iter().enumerate().filter(|(_, r)| **r) {
             let dport = port.sock_port(i);
             for _ in 0..socket::RX_BURST {
