@@ -20,14 +20,7 @@ impl CpuSample {
 
     /// Now; `None` where `/proc` does not say (not Linux, or a malformed file).
     pub fn now() -> Option<Self> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let cpu: Vec<u64> = stat
-            .lines()
-            .next()?
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|f| f.parse().ok())
-            .collect();
+        let cpu = machine_ticks()?;
         // user nice system idle iowait irq softirq steal (guest time is inside user)
         let busy_ticks = [0, 1, 2, 5, 6, 7].iter().filter_map(|&i| cpu.get(i)).sum();
         let own = std::fs::read_to_string("/proc/self/stat").ok()?;
@@ -140,14 +133,7 @@ pub struct UserIdle {
 impl UserIdle {
     /// The ticks now (`None` where `/proc/stat` cannot be read).
     pub fn now() -> Option<Self> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let f: Vec<u64> = stat
-            .lines()
-            .next()?
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|x| x.parse().ok())
-            .collect();
+        let f = machine_ticks()?;
         Some(Self {
             user: *f.first()?,
             idle: *f.get(3)?,
@@ -163,5 +149,50 @@ impl UserIdle {
         } else {
             0.0
         }
+    }
+}
+
+/// The numbers of `/proc/stat`'s first (`cpu`) line: the whole machine's ticks per kind
+/// (user nice system idle iowait irq softirq steal ...); `None` where it cannot be read.
+fn machine_ticks() -> Option<Vec<u64>> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?;
+    Some(
+        line.split_whitespace()
+            .skip(1)
+            .filter_map(|f| f.parse().ok())
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_machine_line_is_read_once_for_both_samples() {
+        let t = machine_ticks().expect("/proc/stat on Linux");
+        assert!(
+            t.len() >= 8,
+            "user nice system idle iowait irq softirq steal: {t:?}"
+        );
+        let (a, c) = (UserIdle::now().unwrap(), CpuSample::now().unwrap());
+        // the counters only grow, and both were read after `t`
+        assert!(a.user >= t[0] && a.idle >= t[3]);
+        assert!(c.busy_ticks >= t[0]);
+    }
+
+    #[test]
+    fn cpu_util_is_user_over_user_and_idle() {
+        let a = UserIdle {
+            user: 100,
+            idle: 1000,
+        };
+        let b = UserIdle {
+            user: 130,
+            idle: 1090,
+        };
+        assert!((a.util_to(b) - 25.0).abs() < 1e-9);
+        assert_eq!(a.util_to(a), 0.0);
     }
 }
