@@ -44,13 +44,13 @@ pub struct WireConfig {
 }
 
 impl WireConfig {
-    /// A port bound to `bind`, with the defaults: peers at 4791, a 256-packet window, 8 MiB
+    /// A port bound to `bind`, with the defaults: peers at 4791, a 512-packet window, 8 MiB
     /// socket buffers, no faults.
     pub fn new(bind: SocketAddr) -> Self {
         Self {
             bind,
             default_port: packet::ROCE_PORT,
-            window: 256,
+            window: 512,
             socket_buffer: 8 << 20,
             faults: WireFaults::default(),
         }

@@ -23,6 +23,9 @@ pub(crate) fn psn_diff(a: u32, b: u32) -> i32 {
     ((a.wrapping_sub(b) << 8) as i32) >> 8
 }
 
+/// Packets timed at once (`ReqWire::rtt_probes`): a window asks for an ACK about every
+/// quarter window, plus one per message end.
+const MAX_PROBES: usize = 64;
 /// The smallest congestion window (packets).
 const MIN_CWND: u32 = 16;
 /// Bounds of the early retransmission timer (see [`ReqWire::fast_rto`]).
@@ -126,10 +129,14 @@ pub(crate) struct ReqWire {
     /// Congestion window (packets) and its additive-increase accumulator.
     pub(super) cwnd: u32,
     pub(super) cwnd_acc: u32,
-    /// Smoothed round-trip time and its mean deviation, and the AckReq packet being timed.
+    /// Smoothed round-trip time and its mean deviation, and the packets being timed: every
+    /// first transmission that asks for an answer (AckReq, a READ), oldest first, with its
+    /// send time. Each ACK that moves `una` past some of them gives a sample (the newest it
+    /// covers), so the estimate follows the queueing delay as a window fills (one probe at a
+    /// time, taken while the queue is still empty, left the early timer far too short).
     pub(super) srtt: Duration,
     pub(super) rttvar: Duration,
-    pub(super) rtt_probe: Option<(u32, Instant)>,
+    pub(super) rtt_probes: VecDeque<(u32, Instant)>,
     /// The largest recent RTT sample (decaying): the scheduling pauses this machine has.
     pub(super) rtt_max: Duration,
     /// The early timer's floor, doubled whenever it fired for nothing (decaying).
@@ -186,7 +193,7 @@ impl ReqWire {
             cwnd_acc: 0,
             srtt: Duration::ZERO,
             rttvar: Duration::ZERO,
-            rtt_probe: None,
+            rtt_probes: VecDeque::new(),
             rtt_max: Duration::ZERO,
             rto_floor: Duration::ZERO,
             timer_goback: None,
@@ -263,7 +270,7 @@ impl ReqWire {
         self.send_psn = to;
         self.resend.clear();
         self.goback = Some((to, now));
-        self.rtt_probe = None;
+        self.rtt_probes.clear();
         // Halve the window: going back N resends it. With selective repeat only a timer goes
         // back (NAKs resend one packet and cut nothing), and a timer that fires says the path
         // lost more than single packets (a receiver's socket overflowing, say): cut too.
@@ -288,7 +295,7 @@ impl ReqWire {
     /// notifications, not to loss).
     pub(super) fn resend_nak(&mut self, now: Instant) {
         // a probe acknowledged after the gap is filled would time the gap, not the path
-        self.rtt_probe = None;
+        self.rtt_probes.clear();
         self.queue_resend(self.una, now);
     }
 
@@ -302,7 +309,7 @@ impl ReqWire {
         if n == 0 || k < 0 || k as u32 >= in_flight {
             return false;
         }
-        self.rtt_probe = None;
+        self.rtt_probes.clear();
         for i in 0..n.min(in_flight - k as u32) {
             self.queue_resend(psn_add(from, i), now);
         }
@@ -389,6 +396,21 @@ impl ReqWire {
         out
     }
 
+    /// Times the first transmission of `p`, which asks for an answer (see `rtt_probes`).
+    pub(super) fn probe(&mut self, p: u32, now: Instant) {
+        if self
+            .rtt_probes
+            .back()
+            .is_some_and(|&(q, _)| psn_diff(p, q) <= 0)
+        {
+            return; // not after the newest probe: a resend, or sent again after going back
+        }
+        if self.rtt_probes.len() >= MAX_PROBES {
+            self.rtt_probes.pop_front();
+        }
+        self.rtt_probes.push_back((p, now));
+    }
+
     /// `una` moved forward from `old`.
     pub(super) fn progress(&mut self, old: u32, now: Instant) {
         self.retries = 0;
@@ -409,20 +431,25 @@ impl ReqWire {
         if psn_diff(self.send_psn, self.una) < 0 {
             self.send_psn = self.una;
         }
-        if let Some((p, t)) = self.rtt_probe {
-            if psn_diff(self.una, p) > 0 {
-                let sample = now.saturating_duration_since(t);
-                self.rtt_max = sample.max(self.rtt_max - self.rtt_max / 32);
-                self.rto_floor -= self.rto_floor / 64;
-                if self.srtt.is_zero() {
-                    self.srtt = sample;
-                    self.rttvar = sample / 2;
-                } else {
-                    let dev = self.srtt.abs_diff(sample);
-                    self.rttvar = (self.rttvar * 3 + dev) / 4;
-                    self.srtt = (self.srtt * 7 + sample) / 8;
-                }
-                self.rtt_probe = None;
+        let mut newest = None;
+        while let Some(&(p, t)) = self.rtt_probes.front() {
+            if psn_diff(self.una, p) <= 0 {
+                break;
+            }
+            newest = Some(t);
+            self.rtt_probes.pop_front();
+        }
+        if let Some(t) = newest {
+            let sample = now.saturating_duration_since(t);
+            self.rtt_max = sample.max(self.rtt_max - self.rtt_max / 32);
+            self.rto_floor -= self.rto_floor / 64;
+            if self.srtt.is_zero() {
+                self.srtt = sample;
+                self.rttvar = sample / 2;
+            } else {
+                let dev = self.srtt.abs_diff(sample);
+                self.rttvar = (self.rttvar * 3 + dev) / 4;
+                self.srtt = (self.srtt * 7 + sample) / 8;
             }
         }
         // additive increase: about four packets per round trip

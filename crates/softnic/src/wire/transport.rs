@@ -575,8 +575,8 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
         port.send_built(&mut batch, start, w.to, &w.flow);
         if psn_diff(p, w.sent_hi) < 0 {
             Counters::add(&dev.counters.wire.retransmits, 1);
-        } else if w.rtt_probe.is_none() && (ack_req || next != psn_add(p, 1)) {
-            w.rtt_probe = Some((p, Instant::now()));
+        } else if ack_req || next != psn_add(p, 1) {
+            w.probe(p, Instant::now());
         }
         w.send_psn = next;
         if psn_diff(next, w.sent_hi) > 0 {
