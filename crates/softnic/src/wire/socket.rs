@@ -68,23 +68,43 @@ pub(crate) struct TxBatch {
     to: Option<SocketAddr>,
     /// Index of the socket (in [`Port::socks`]) it leaves from.
     sock: usize,
+    /// Where a packet is built while fault injection is on (it decides per datagram, so the
+    /// packet is handed over on its own, as [`Port::send`] takes it), and whether the packet
+    /// being built is there.
+    spare: Vec<u8>,
+    in_spare: bool,
 }
 
 impl TxBatch {
-    /// Where the next packet is built in place: its offset in the batch's buffer, and the
-    /// IPv4 identification it leaves with when it joins the batch (its place in it).
-    pub(crate) fn slot(&self) -> (usize, u16) {
-        (self.buf.len(), self.count as u16)
+    /// Where the next packet is built: in place at the end of the batch's buffer (`in_place`,
+    /// the port without fault injection), else alone in the spare buffer. Returns its offset
+    /// and the IPv4 identification to seal it for (its place in the batch; 0 alone).
+    pub(crate) fn slot(&mut self, in_place: bool) -> (usize, u16) {
+        self.in_spare = !in_place;
+        if in_place {
+            (self.buf.len(), self.count as u16)
+        } else {
+            self.spare.clear();
+            (0, 0)
+        }
     }
 
     /// The buffer to build the next packet into (appended at [`TxBatch::slot`]'s offset).
     pub(crate) fn buf(&mut self) -> &mut Vec<u8> {
-        &mut self.buf
+        if self.in_spare {
+            &mut self.spare
+        } else {
+            &mut self.buf
+        }
     }
 
     /// Drops what was appended after offset `start` (a packet that could not be built).
     pub(crate) fn cut(&mut self, start: usize) {
-        self.buf.truncate(start);
+        if self.in_spare {
+            self.spare.clear();
+        } else {
+            self.buf.truncate(start);
+        }
     }
 }
 
@@ -383,19 +403,24 @@ impl Port {
         }
     }
 
-    /// Sends the packet built in place at `b.buf[start..]` (see [`TxBatch::slot`], sealed
-    /// for the identification it gave) to `to`; `flow` names its synthesized headers. It
-    /// joins the batch when it fits; otherwise the batch before it leaves first and it starts
-    /// the next one (moved to the front, resealed for identification 0). With fault
-    /// injection on, it takes the path of [`Port::send`].
+    /// Whether fault injection is on (packets are then built alone, see [`TxBatch::slot`]).
+    pub fn is_faulty(&self) -> bool {
+        self.faulty.load(Ordering::Acquire)
+    }
+
+    /// Sends the packet built at [`TxBatch::slot`]'s place (sealed for the identification it
+    /// gave) to `to`; `flow` names its synthesized headers. Built in place, it joins the batch
+    /// when it fits; otherwise the batch before it leaves first and it starts the next one
+    /// (moved to the front, resealed for identification 0). Built alone (fault injection on),
+    /// it takes the path of [`Port::send`].
     pub fn send_built(&self, b: &mut TxBatch, start: usize, to: SocketAddr, flow: &Flow) {
-        let id = b.count as u16;
-        if self.faulty.load(Ordering::Acquire) {
-            let mut d = b.buf.split_off(start);
-            packet::reseal_ip_id(&mut d, id, 0);
+        if b.in_spare {
+            let d = std::mem::take(&mut b.spare);
             self.send(&d, to, flow, b);
+            b.spare = d;
             return;
         }
+        let id = b.count as u16;
         let len = b.buf.len() - start;
         let sock = self.sock_of(flow.sport);
         let fits = b.count > 0

@@ -534,6 +534,7 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
     // Packets are built in place at the end of the batch (no copy into it); `send_built`
     // takes each from there.
     let mut batch = std::mem::take(&mut w.batch);
+    let in_place = !port.is_faulty();
     let limit = w.window.min(w.cwnd).max(1) as i32;
     while sent < BURST {
         let Some(p) = w.resend.pop_front() else {
@@ -541,7 +542,7 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
         };
         // only a PSN sent and not yet acknowledged
         if psn_diff(p, w.una) >= 0 && psn_diff(p, w.sent_hi) < 0 {
-            let (start, id) = batch.slot();
+            let (start, id) = batch.slot(in_place);
             if let Built::Packet { .. } = build(dev, &g, qp.pd, w, p, limit, batch.buf(), id) {
                 port.send_built(&mut batch, start, w.to, &w.flow);
                 Counters::add(&dev.counters.wire.retransmits, 1);
@@ -559,7 +560,7 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
         && sent < BURST
     {
         let p = w.send_psn;
-        let (start, id) = batch.slot();
+        let (start, id) = batch.slot(in_place);
         let (next, ack_req) = match build(dev, &g, qp.pd, w, p, limit, batch.buf(), id) {
             Built::Packet { next, ack_req } => (next, ack_req),
             Built::Skip { next } => {
@@ -1561,7 +1562,7 @@ fn read_responses(
             ..Packet::default()
         };
         // built in place at the end of the batch (no copy into it)
-        let (start, id) = reply.batch.slot();
+        let (start, id) = reply.batch.slot(!reply.port.is_faulty());
         let buf = reply.batch.buf();
         if packet::encode_headers(&p, n as usize, buf).is_err() {
             return Ok(());
