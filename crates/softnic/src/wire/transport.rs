@@ -531,8 +531,8 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
     }
     let mut sent = 0u32;
     let g = qp.mrs.read();
-    // Packets are built in place at the end of the batch (no copy into it); `send_built`
-    // takes each from there.
+    // Packets are built in place at the end of the batch (no copy into it; alone while fault
+    // injection is on, see `TxBatch::slot`); `send_built` takes each from there.
     let mut batch = std::mem::take(&mut w.batch);
     let in_place = !port.is_faulty();
     let limit = w.window.min(w.cwnd).max(1) as i32;
@@ -1561,7 +1561,7 @@ fn read_responses(
             }),
             ..Packet::default()
         };
-        // built in place at the end of the batch (no copy into it)
+        // built in place at the end of the batch (alone under fault injection: TxBatch::slot)
         let (start, id) = reply.batch.slot(!reply.port.is_faulty());
         let buf = reply.batch.buf();
         if packet::encode_headers(&p, n as usize, buf).is_err() {
