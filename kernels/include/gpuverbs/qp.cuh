@@ -2,7 +2,7 @@
 //
 // Layers, low to high:
 //   reserve  -> wqe slots (lock-free, back-pressure against the send CQ)
-//   prepare  -> write one WQE of each kind into its slots (its ds units, reserved bytes zero)
+//   prepare  -> write one WQE of each kind into its slots (whole blocks, unused bytes zero)
 //   publish  -> make WQEs visible in order
 //   ring     -> tell the device (GPU doorbell, BlueFlame, or CPU-proxy producer word)
 //   poll     -> take CQEs, retire SQ space, report errors

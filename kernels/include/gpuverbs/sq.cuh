@@ -36,6 +36,7 @@ template <sharing S>
 __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, call_clock& c, uint64_t* start,
                                           bool* force_signal = nullptr,
                                           uint64_t* published = nullptr) {
+    const uint32_t blocks = q->sq_blocks;  // a constant: loaded once, with the state below
     for (;;) {
         const uint64_t error = q->sq_error;
         const uint32_t held = q->checked_out;
@@ -50,8 +51,8 @@ __device__ __forceinline__ status reserve(gpuverbs_qp* q, uint32_t n, call_clock
         if (error) return ERROR_CQE;  // the QP is in error: nothing new would execute
         if (held) return BUSY;
         if (broken) return BROKEN;
-        if (r + n - retired <= q->sq_blocks) {
-            if (force_signal) *force_signal = r + n - covered >= (q->sq_blocks >> 1);
+        if (r + n - retired <= blocks) {
+            if (force_signal) *force_signal = r + n - covered >= (blocks >> 1);
             if (published) *published = ready;
             if (S == sharing::exclusive) {
                 q->sq_reserved = r + n;

@@ -65,15 +65,14 @@ struct block {
     uint4 u[4];
 };
 
-// Stores the units of a one-block WQE that its ctrl segment's ds names (a NIC reads ds units;
-// the units past them in the block are left as they are, as GPUNetIO does: one store fewer for
-// a WRITE or a SEND).
+// Stores a one-block WQE whole: all four units, also those past its ds (zero). A whole 64-byte
+// line reaches host memory as one full write; storing only the ds units (48 bytes for a WRITE,
+// as GPUNetIO does) left partial lines, and many warps posting into host rings then ran 20-30%
+// slower (docs/benchmarks.md, "Whole blocks").
 __device__ __forceinline__ void store_block(const gpuverbs_qp* q, uint64_t idx, const block& b) {
     uint8_t* p = wqe_slot(q, idx);
-    uint32_t ds = bswap32(b.u[0].y) & 0x3f;
-    for (uint32_t i = 0; i < 4; ++i) {
-        if (i < ds || i == 0) st16(p + 16 * i, b.u[i]);
-    }
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++i) st16(p + 16 * i, b.u[i]);
 }
 
 // Block `i` of a WQE whose first block is `idx` (multi-block WQEs wrap at the ring's end).
@@ -87,7 +86,7 @@ __device__ __forceinline__ void zero_tail(const gpuverbs_qp* q, uint64_t idx, ui
     for (uint32_t u = from; u < blocks * 4; ++u) st16(wqe_unit(q, idx, u), SEG_ZERO);
 }
 
-// --- prepare: one function per WQE kind; each writes its ds units at idx -------------------
+// --- prepare: one function per WQE kind; each writes its blocks at idx ---------------------
 
 // RDMA_WRITE (or WRITE_IMM when imm is given): 1 block.
 __device__ __forceinline__ block build_write(const gpuverbs_qp* q, uint64_t idx, uint64_t laddr,
