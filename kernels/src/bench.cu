@@ -117,6 +117,25 @@ GPUVERBS_KERNEL void gv_bench_fence_store(uint64_t* host_word, uint32_t iters,
     bench::stamp_end(t);
 }
 
+// What a put's doorbell costs beyond the floor: per iteration `units` 16-byte stores into a
+// 64-byte slot of mapped host memory (slots cycle over 64), fence.release.sys, a 4-byte store
+// (the doorbell record's place) and an 8-byte store (the doorbell's), one thread: a put on a
+// checked-out copy without the building and the state.
+GPUVERBS_KERNEL void gv_bench_fence_units(uint8_t* host, uint32_t units, uint32_t iters,
+                                          unsigned long long* t) {
+    bench::stamp_start(t);
+    for (uint32_t i = 0; i < iters; ++i) {
+        uint8_t* slot = host + 64 + (size_t)(i % 64) * 64;
+        for (uint32_t u = 0; u < units && u < 4; ++u) {
+            gpuverbs::st16(slot + 16 * u, make_uint4(i, u, 1, 2));
+        }
+        asm volatile("fence.release.sys;" ::: "memory");
+        gpuverbs::st_relaxed_sys32(reinterpret_cast<uint32_t*>(host + 4), i);
+        gpuverbs::st_relaxed_sys64(reinterpret_cast<uint64_t*>(host + 8), i);
+    }
+    bench::stamp_end(t);
+}
+
 // The ceiling of host-resident rings: every thread writes 64-byte blocks (four 16-byte
 // stores) into mapped host memory, `iters` blocks each, strided over `blocks_total` blocks.
 GPUVERBS_KERNEL void gv_bench_store64(uint8_t* host, uint32_t blocks_total, uint32_t iters,

@@ -513,6 +513,28 @@ fn main() -> Result<()> {
         value: floor_ns,
         unit: "ns",
     });
+    // The floor with a WQE's stores before the fence and the doorbell record's after it.
+    for units in 0..=4u32 {
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let st = Stamps::new(&gpu)?;
+            let (mut p, mut u, mut it, mut t) = (hd, units, 10_000u32, st.t());
+            let mut params = [arg(&mut p), arg(&mut u), arg(&mut it), arg(&mut t)];
+            // SAFETY: parameters match gv_bench_fence_units; `hd` is mapped host memory of
+            // at least 64 + 64 * 64 bytes.
+            unsafe {
+                gpu.launch_sync("gv_bench_fence_units", (1, 1, 1), (1, 1, 1), 0, &mut params)?
+            };
+            best = best.min(st.elapsed_ns()? / 10_000.0);
+        }
+        lines.push(Line {
+            test: "fence_units",
+            config: format!("{units} x 16 B, fence, 4 B + 8 B; lowest of 5"),
+            db: "-",
+            value: best,
+            unit: "ns",
+        });
+    }
 
     let modes = [
         DoorbellMode::GpuDoorbell,
