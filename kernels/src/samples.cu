@@ -342,11 +342,19 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
     const bool both = verb == 0 || verb == 2;
     if (!both && me != 0) return;
     const samples::lat_side side = sides[blockIdx.x];
-    gpuverbs_qp* q = side.qp;
+    // One thread drives this QP for the whole kernel: it works on a register copy of the
+    // descriptor (checkout), stored back when it ends (checkin), the fastest path for a loop
+    // that owns its QP.
+    gpuverbs_qp mine;
+    status s = checkout(side.qp, &mine);
+    if (s != OK) {
+        samples::report(out, s, error{}, me);
+        return;
+    }
+    gpuverbs_qp* const q = &mine;
     if (cq_mod == 0) cq_mod = 1;
     samples::lat_clock clk(duration_ns, iters);
     uint64_t sent = 0, timed = 0;
-    status s = OK;
     error e{};
     int bad = 0;
     int first_bad = -1;
@@ -482,6 +490,7 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
     if (s == ERROR_CQE) e = last_error(q);
     samples::report(out, s, e, me);
     s = quiet<sharing::exclusive>(q, budget, &e);
+    checkin(side.qp, mine);
     samples::report(out, s, e, me);
     if (bad != 0) {
         atomicAdd(&out[5], bad);
