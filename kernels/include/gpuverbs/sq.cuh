@@ -242,7 +242,8 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
 
 // Publishes blocks [start, start+n) the caller has just written (its last WQE at `last_start`,
 // `last` as in `doorbell`), then, with `do_ring`, rings the doorbell up to their end: what a
-// post does after `reserve` (`published` is what reserve returned, or RUNG_HELD to wait).
+// post does after `reserve` (`published` is what reserve returned: when it equals `start`,
+// every earlier reservation is published and the wait for the turn is skipped).
 // Exclusive: publish, then ring. Shared: once the turn to publish has come, one release fence
 // at the doorbell's scope orders the WQEs (this caller's, and cumulatively those published
 // before) ahead of the publish counter and the doorbell both; the doorbell is taken with one
