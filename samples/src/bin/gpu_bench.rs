@@ -7,7 +7,8 @@
 //!   1 thread, 1 warp, 1 block and many blocks, per doorbell mode and batch size.
 //! - `post_complete`: the same against a QP in RTS whose soft NIC executes and completes every
 //!   WQE (selective signaling, then quiet): the rate includes the soft NIC engine.
-//! - `engines`: post and complete on 1, 2, 4, ... engine threads of the initiating soft NIC.
+//! - `engines`: post and complete on 1, 2, 4, ... engine threads of the initiating soft NIC,
+//!   `--engine-rounds` interleaved rounds (3), medians.
 //! - `shapes`: issue 14's launch shapes (1 or N CTAs, a thread or a warp each, exclusive or
 //!   GPU sharing, host or GPU rings), post only, five interleaved rounds, medians.
 //!
@@ -45,11 +46,20 @@ struct Args {
     /// on its own QP, block scope): side A's soft NIC runs with each in turn; empty: skip it.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
     engines: Vec<u32>,
+    /// Interleaved rounds of the engine-scaling series (each count once per round; medians).
+    #[arg(long, default_value_t = 3)]
+    engine_rounds: u32,
 }
 
 const BUDGET: u64 = 5_000_000_000;
 /// The deepest SQ the soft NIC allows: a post-only run must fit in it.
 const SQ_BLOCKS: u32 = 32768;
+
+/// The median of `v` (sorted in place; the upper one of an even count).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
 
 fn arg<T>(v: &mut T) -> *mut c_void {
     (v as *mut T).cast()
@@ -414,22 +424,21 @@ fn gpunetio_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<f6
     }
     let mut first = 0.0;
     for (i, (name, _)) in shapes.iter().enumerate() {
-        runs[i].sort_by(f64::total_cmp);
-        let median = runs[i][runs[i].len() / 2];
+        let m = median(&mut runs[i]);
         if i == 0 {
-            first = median;
+            first = m;
         }
         let all: Vec<String> = runs[i].iter().map(|r| format!("{:.2}", r / 1e6)).collect();
         eprintln!(
             "shape {name}: median {:.3} M WQE/s (runs {})",
-            median / 1e6,
+            m / 1e6,
             all.join(" ")
         );
         lines.push(Line {
             test: "gpunetio_shape",
             config: (*name).into(),
             db: "gpu",
-            value: median / 1e6,
+            value: m / 1e6,
             unit: "M WQE/s",
         });
     }
@@ -678,39 +687,52 @@ fn main() -> Result<()> {
             });
         }
     }
-    // Engine scaling: the same post-and-complete load on 1, 2, 4, ... engine threads.
-    let mut one_engine = 0.0;
-    for &e in args.engines.iter().filter(|_| want("engines")) {
-        let sh = Shape {
-            engines: e,
-            ..shape(64, 256, 2, 64, 1, true, Share::Gpu)
-        };
-        let mode = DoorbellMode::GpuDoorbell;
-        let r = post_rate(&gpu, mode, true, sh)
-            .with_context(|| format!("engine_scaling with {e} engine threads"))?;
-        if e == 1 {
-            one_engine = r;
+    // Engine scaling: the same post-and-complete load on 1, 2, 4, ... engine threads, in
+    // interleaved rounds (every count once per round), each count's median against the
+    // median of the first count (one run is short, and the host's speed moves between runs).
+    if want("engines") && !args.engines.is_empty() {
+        let counts = &args.engines;
+        let mut runs = vec![Vec::new(); counts.len()];
+        for round in 0..args.engine_rounds.max(1) {
+            for (i, &e) in counts.iter().enumerate() {
+                let sh = Shape {
+                    engines: e,
+                    ..shape(64, 256, 2, 64, 1, true, Share::Gpu)
+                };
+                let r =
+                    post_rate(&gpu, DoorbellMode::GpuDoorbell, true, sh).with_context(|| {
+                        format!("engine_scaling with {e} engine threads, round {round}")
+                    })?;
+                eprintln!(
+                    "engine_scaling {e} engine threads, round {round}: {:.3} M WQE/s",
+                    r / 1e6
+                );
+                runs[i].push(r);
+            }
         }
-        let scaling = if one_engine > 0.0 {
-            format!(
-                " ({:.2}x one thread, {:.2} of linear)",
-                r / one_engine,
-                r / one_engine / e as f64
-            )
-        } else {
-            String::new()
-        };
-        eprintln!(
-            "engine_scaling {e} engine threads: {:.3} M WQE/s{scaling}",
-            r / 1e6
-        );
-        lines.push(Line {
-            test: "engine_scaling",
-            config: format!("64 blocks, QP per block, block scope, {e} engine threads"),
-            db: db_name(mode),
-            value: r / 1e6,
-            unit: "M WQE/s",
-        });
+        let medians: Vec<f64> = runs.iter_mut().map(|r| median(r)).collect();
+        let (base, base_n) = (medians[0], counts[0] as f64);
+        for (i, &e) in counts.iter().enumerate() {
+            let all: Vec<String> = runs[i].iter().map(|r| format!("{:.2}", r / 1e6)).collect();
+            eprintln!(
+                "engine_scaling {e} engine threads: median {:.3} M WQE/s ({:.2}x {} thread(s), {:.2} of linear; runs {})",
+                medians[i] / 1e6,
+                medians[i] / base,
+                counts[0],
+                medians[i] / base / (e as f64 / base_n),
+                all.join(" ")
+            );
+            lines.push(Line {
+                test: "engine_scaling",
+                config: format!(
+                    "64 blocks, QP per block, block scope, {e} engine threads, median of {}",
+                    runs[i].len()
+                ),
+                db: db_name(DoorbellMode::GpuDoorbell),
+                value: medians[i] / 1e6,
+                unit: "M WQE/s",
+            });
+        }
     }
     let shape_thread_rate = if want("shapes") {
         gpunetio_shapes(&gpu, sms, &mut lines)?
