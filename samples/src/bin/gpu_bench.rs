@@ -61,6 +61,21 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// Runs in M WQE/s with two decimals, space-separated (the runs behind a median).
+fn runs_list(runs: &[f64]) -> String {
+    let all: Vec<String> = runs.iter().map(|r| format!("{:.2}", r / 1e6)).collect();
+    all.join(" ")
+}
+
+/// The lowest of `n` measurements (the floor-style lines: one level per launch, lowest kept).
+fn lowest_of(n: u32, mut once: impl FnMut() -> Result<f64>) -> Result<f64> {
+    let mut best = f64::INFINITY;
+    for _ in 0..n {
+        best = best.min(once()?);
+    }
+    Ok(best)
+}
+
 fn arg<T>(v: &mut T) -> *mut c_void {
     (v as *mut T).cast()
 }
@@ -428,11 +443,10 @@ fn gpunetio_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<f6
         if i == 0 {
             first = m;
         }
-        let all: Vec<String> = runs[i].iter().map(|r| format!("{:.2}", r / 1e6)).collect();
         eprintln!(
             "shape {name}: median {:.3} M WQE/s (runs {})",
             m / 1e6,
-            all.join(" ")
+            runs_list(&runs[i])
         );
         lines.push(Line {
             test: "gpunetio_shape",
@@ -506,15 +520,14 @@ fn main() -> Result<()> {
     // Floor: fence.release.sys + 8-byte store, one thread. It moves between two levels from
     // launch to launch on the H200 (~525 and ~605 ns), so it is taken five times and the
     // lowest is the floor the put is compared with.
-    let mut floor_ns = f64::INFINITY;
-    for _ in 0..5 {
+    let floor_ns = lowest_of(5, || {
         let st = Stamps::new(&gpu)?;
         let (mut p, mut it, mut t) = (hd, 10_000u32, st.t());
         let mut params = [arg(&mut p), arg(&mut it), arg(&mut t)];
         // SAFETY: parameters match gv_bench_fence_store; `hd` is mapped host memory.
         unsafe { gpu.launch_sync("gv_bench_fence_store", (1, 1, 1), (1, 1, 1), 0, &mut params)? };
-        floor_ns = floor_ns.min(st.elapsed_ns()? / 10_000.0);
-    }
+        st.elapsed_ns().map(|ns| ns / 10_000.0)
+    })?;
     lines.push(Line {
         test: "fence_store_floor",
         config: "1 thread, lowest of 5".into(),
@@ -524,8 +537,7 @@ fn main() -> Result<()> {
     });
     // The floor with a WQE's stores before the fence and the doorbell record's after it.
     for units in 0..=4u32 {
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
+        let best = lowest_of(5, || {
             let st = Stamps::new(&gpu)?;
             let (mut p, mut u, mut it, mut t) = (hd, units, 10_000u32, st.t());
             let mut params = [arg(&mut p), arg(&mut u), arg(&mut it), arg(&mut t)];
@@ -534,8 +546,8 @@ fn main() -> Result<()> {
             unsafe {
                 gpu.launch_sync("gv_bench_fence_units", (1, 1, 1), (1, 1, 1), 0, &mut params)?
             };
-            best = best.min(st.elapsed_ns()? / 10_000.0);
-        }
+            st.elapsed_ns().map(|ns| ns / 10_000.0)
+        })?;
         lines.push(Line {
             test: "fence_units",
             config: format!("{units} x 16 B, fence, 4 B + 8 B; lowest of 5"),
@@ -713,14 +725,13 @@ fn main() -> Result<()> {
         let medians: Vec<f64> = runs.iter_mut().map(|r| median(r)).collect();
         let (base, base_n) = (medians[0], counts[0] as f64);
         for (i, &e) in counts.iter().enumerate() {
-            let all: Vec<String> = runs[i].iter().map(|r| format!("{:.2}", r / 1e6)).collect();
             eprintln!(
                 "engine_scaling {e} engine threads: median {:.3} M WQE/s ({:.2}x {} thread(s), {:.2} of linear; runs {})",
                 medians[i] / 1e6,
                 medians[i] / base,
                 counts[0],
                 medians[i] / base / (e as f64 / base_n),
-                all.join(" ")
+                runs_list(&runs[i])
             );
             lines.push(Line {
                 test: "engine_scaling",
