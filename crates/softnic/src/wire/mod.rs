@@ -65,7 +65,8 @@ impl WireConfig {
 /// Seeded packet fault injection on a device's egress (tests, benchmarks). Probabilities are
 /// per datagram, in `0.0..=1.0`, and decided in this order: drop, corrupt (one byte after
 /// the BTH flipped, so the receiver's ICRC check fails), duplicate (sent twice), reorder
-/// (held back and sent after the next datagram, or after at most ~1 ms of silence).
+/// (held back and sent after the next datagram, or after at most ~1 ms of silence). `stall`
+/// pauses the device's sending once, as a descheduled process would.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct WireFaults {
     /// Seed of the decision sequence.
@@ -78,6 +79,10 @@ pub struct WireFaults {
     pub duplicate: f64,
     /// Probability that a datagram is held back behind the next one.
     pub reorder: f64,
+    /// `(n, t)`: the thread sending datagram number `n` (counted from 0 since the faults were
+    /// set) sleeps for `t` before it sends it, holding the device's egress (every other
+    /// sender waits behind it): a scheduling pause.
+    pub stall: Option<(u64, std::time::Duration)>,
 }
 
 impl WireFaults {
@@ -91,7 +96,11 @@ impl WireFaults {
     }
 
     pub(crate) fn is_clean(&self) -> bool {
-        self.drop <= 0.0 && self.corrupt <= 0.0 && self.duplicate <= 0.0 && self.reorder <= 0.0
+        self.drop <= 0.0
+            && self.corrupt <= 0.0
+            && self.duplicate <= 0.0
+            && self.reorder <= 0.0
+            && self.stall.is_none()
     }
 }
 

@@ -42,6 +42,8 @@ struct FaultState {
     f: WireFaults,
     rng: u64,
     held: Option<(Vec<u8>, SocketAddr, Flow)>,
+    /// Datagrams through the faults since they were set (`WireFaults::stall` counts them).
+    sent: u64,
 }
 
 impl FaultState {
@@ -296,6 +298,7 @@ impl Port {
                 f: faults,
                 rng: faults.seed,
                 held: None,
+                sent: 0,
             }),
             capturing: AtomicBool::new(false),
             capture: Mutex::new(None),
@@ -342,6 +345,7 @@ impl Port {
             let mut s = self.faults.lock();
             s.f = f;
             s.rng = f.seed;
+            s.sent = 0;
             self.faulty.store(!f.is_clean(), Ordering::Release);
             s.held.take()
         };
@@ -556,6 +560,10 @@ impl Port {
         let w = &self.counters.wire;
         let mut s = self.faults.lock();
         let f = s.f;
+        s.sent += 1;
+        if let Some((_, t)) = f.stall.filter(|&(n, _)| s.sent == n + 1) {
+            std::thread::sleep(t);
+        }
         if s.roll() < f.drop {
             Counters::add(&w.injected_drops, 1);
             return;

@@ -141,8 +141,8 @@ pub(crate) struct ReqWire {
     pub(super) rtt_max: Duration,
     /// The early timer's floor, doubled whenever it fired for nothing (decaying).
     pub(super) rto_floor: Duration,
-    /// The early timer fired and went back: (`una` then, one past the highest PSN sent).
-    pub(super) timer_goback: Option<(u32, u32)>,
+    /// When the early timer last sent its probe, until `una` moves.
+    pub(super) probed_at: Option<Instant>,
     /// Selective repeat agreed with the peer: a sequence NAK resends the packet it names
     /// alone, a gap report the packets it names (the peer holds what followed them); timers
     /// still go back N.
@@ -196,7 +196,7 @@ impl ReqWire {
             rtt_probes: VecDeque::new(),
             rtt_max: Duration::ZERO,
             rto_floor: Duration::ZERO,
-            timer_goback: None,
+            probed_at: None,
             selective: false,
             resend: VecDeque::new(),
             resent: HashMap::new(),
@@ -275,6 +275,27 @@ impl ReqWire {
         // back (NAKs resend one packet and cut nothing), and a timer that fires says the path
         // lost more than single packets (a receiver's socket overflowing, say): cut too.
         self.congestion();
+    }
+
+    /// The early timer fired: resend the newest packet in flight, alone and asking for an ACK
+    /// (a tail loss probe, as TCP's). A responder that has it already answers the duplicate
+    /// with an ACK of all it holds, which is all a pause of either side costs (one packet, not
+    /// a window); one that misses packets before it answers with a sequence NAK or a gap
+    /// report, which resends them. Nothing goes back and no window is cut: a timer that fires
+    /// for a pause says nothing about the path, and a window resent after a pause arrives as
+    /// duplicates. Going back N is left to the IBTA timer.
+    pub(super) fn probe_tail(&mut self, now: Instant) {
+        self.fast_deadline = None;
+        if self.una == self.sent_hi {
+            return;
+        }
+        let newest = psn_add(self.sent_hi, (1 << 24) - 1);
+        // queued even when a NAK or gap report resent it within the last round trip
+        self.resent.insert(newest, now);
+        self.resend.retain(|&p| p != newest);
+        self.resend.push_front(newest);
+        self.rtt_probes.clear();
+        self.probed_at = Some(now);
     }
 
     /// Goes back to `una` for a sequence NAK. The responder NAKs a gap once, and again only
@@ -416,16 +437,14 @@ impl ReqWire {
         self.retries = 0;
         self.rnr_retries = 0;
         self.goback = None;
-        if let Some((from, hi)) = self.timer_goback {
-            if psn_diff(self.una, self.send_psn) > 0 && psn_diff(self.una, from) > 0 {
-                // Acknowledges packets not yet sent again since the early timer went back:
-                // the first transmission arrived, the timer fired for nothing. Wait longer.
+        if let Some(t) = self.probed_at.take() {
+            if now.duration_since(t) < self.srtt / 2 {
+                // Too soon to answer the probe: the first transmissions' ACK was late (this
+                // process was paused, the ACK waiting in its socket), the timer fired for
+                // nothing. Wait longer.
                 self.rto_floor = (self.rto_floor * 2)
                     .max(self.fast_rto() * 2)
                     .min(FAST_RTO_MAX);
-                self.timer_goback = None;
-            } else if psn_diff(self.una, hi) >= 0 {
-                self.timer_goback = None;
             }
         }
         if psn_diff(self.send_psn, self.una) < 0 {

@@ -713,12 +713,10 @@ pub(crate) fn tick(dev: &Shared, qp: &Qp, sq: &mut SqState, now: Instant) -> (bo
         .filter(|&d| now >= d && w.rnr_until.is_none())
     {
         let _ = d;
-        // A lost tail (or a lost NAK): retransmit early, without counting a retry.
+        // Nothing answered in time: a lost tail, a lost ACK or NAK, or a pause of the peer (or
+        // of this process, its ACKs still unread). Probe, without counting a retry.
         Counters::add(&dev.counters.wire.early_timeouts, 1);
-        let una = w.una;
-        w.timer_goback = Some((una, w.sent_hi));
-        w.go_back(una, now);
-        w.fast_deadline = None;
+        w.probe_tail(now);
         w.rttvar = (w.rttvar * 2)
             .max(Duration::from_micros(100))
             .min(FAST_RTO_MAX);

@@ -165,6 +165,7 @@ pub fn faults(seed: u64, drop: f64, duplicate: f64, reorder: f64, corrupt: f64) 
         duplicate,
         reorder,
         corrupt,
+        stall: None,
     }
 }
 
