@@ -76,6 +76,16 @@ struct lat_side {
 };
 static_assert(sizeof(lat_side) == 72, "lat_side layout");
 
+// One end of a WRITE or SEND ping-pong as the thread that drives it holds it.
+struct lat_end {
+    lat_side side;
+    gpuverbs_qp q;  // the register copy of side.qp (checkout)
+    int id;         // 0: side A, 1: side B
+    uint64_t sent = 0;
+
+    __device__ __forceinline__ lat_end(const lat_side& s, int i) : side(s), q{}, id(i) {}
+};
+
 // Status words: [status, syndrome, vendor, wqe_counter, job/side, 0, 0, 0]; the first non-OK
 // status of any thread wins.
 GPUVERBS_DEVICE void report(int* out, gpuverbs::status s, const gpuverbs::error& e, int who) {
@@ -301,11 +311,12 @@ GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njo
     times[2 * j + 1] = now_ns();
 }
 
-// write_lat, read_lat, send_lat, atomic_lat: block b drives side `first + b` (0: A, 1: B; one
-// thread each, exclusive on its QP) with sides[b]: in loopback WRITE and SEND launch two blocks
-// (first 0), across processes one per process (first: its side), READ and atomics one block,
-// side A's (side B's NIC answers). `verb` as gv_sample_verb_bw's, 0 WRITE. The lat_side fields
-// mean, per verb:
+// write_lat, read_lat, send_lat, atomic_lat. WRITE and SEND: in loopback (`in_turn`, one
+// block, first 0) one thread drives both sides in turn — A sends, B takes and answers, A takes —
+// as the CPU initiator's one thread does, so nothing else on this GPU polls while a side posts;
+// across processes one block per process drives its own side (first: its side). READ and
+// atomics: one block, side A's (side B's NIC answers). Each side's QP is exclusive to its
+// thread. `verb` as gv_sample_verb_bw's, 0 WRITE. The lat_side fields mean, per verb:
 // - 0 WRITE (both sides): write `size` bytes from `src_nic` (lkey; the kernel writes the tail
 //   k+1 into the last `tail_len` bytes at `src_dev` first) to the peer's `dst_remote` (rkey);
 //   the peer waits until the word at its `recv_dev` (the aligned 8 bytes that end its receive
@@ -328,53 +339,60 @@ GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njo
 // (and the last). Every wait is bounded by `budget` ns.
 // With `duration_ns` (-D) `iters` is the warm-up: after it a timed part runs until
 // `duration_ns` has passed on this side's clock (lat_clock), rtt[] is not written, and
-// counts[4b ..] get this block's messages sent (WRITEs or SENDs, one-sided operations), timed
-// round trips and their span in ns.
+// counts[4i ..] get side i's messages sent (WRITEs or SENDs, one-sided operations), timed
+// round trips and their span in ns (i: the side's index in `sides`).
 GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t first,
-                                        uint32_t verb, uint32_t size, uint32_t tail_len,
-                                        uint32_t iters, uint32_t cq_mod, uint32_t use_signal,
-                                        uint32_t use_inline, uint64_t duration_ns,
-                                        unsigned long long* counts, uint64_t budget, int* out,
-                                        uint64_t* rtt) {
+                                        uint32_t in_turn, uint32_t verb, uint32_t size,
+                                        uint32_t tail_len, uint32_t iters, uint32_t cq_mod,
+                                        uint32_t use_signal, uint32_t use_inline,
+                                        uint64_t duration_ns, unsigned long long* counts,
+                                        uint64_t budget, int* out, uint64_t* rtt) {
     using namespace gpuverbs;
     const int me = (int)(blockIdx.x + first);
     if (threadIdx.x != 0 || me > 1) return;
     const bool both = verb == 0 || verb == 2;
     if (!both && me != 0) return;
-    const samples::lat_side side = sides[blockIdx.x];
-    // One thread drives this QP for the whole kernel: it works on a register copy of the
-    // descriptor (checkout), stored back when it ends (checkin), the fastest path for a loop
-    // that owns its QP.
-    gpuverbs_qp mine;
-    status s = checkout(side.qp, &mine);
+    if (in_turn && !(both && me == 0 && gridDim.x == 1)) {
+        samples::report(out, INVALID, error{}, me);
+        return;
+    }
+    // The ends this thread drives: `a` (side `me`) and, in turn, `b` (side B). Each works on
+    // a register copy of its descriptor (checkout), stored back when the kernel ends
+    // (checkin), the fastest path for a loop that owns its QP.
+    samples::lat_end a(sides[blockIdx.x], me);
+    samples::lat_end b(sides[in_turn ? 1 : blockIdx.x], 1);
+    status s = checkout(a.side.qp, &a.q);
+    if (s == OK && in_turn) {
+        s = checkout(b.side.qp, &b.q);
+        if (s != OK) checkin(a.side.qp, a.q);
+    }
     if (s != OK) {
         samples::report(out, s, error{}, me);
         return;
     }
-    gpuverbs_qp* const q = &mine;
     if (cq_mod == 0) cq_mod = 1;
     samples::lat_clock clk(duration_ns, iters);
-    uint64_t sent = 0, timed = 0;
+    uint64_t timed = 0;
     error e{};
     int bad = 0;
     int first_bad = -1;
+    int who = me;  // the side whose call returned the status that ends the loop
     auto mismatch = [&](uint32_t k) {
         if (bad == 0) first_bad = (int)k;
         bad += 1;
     };
     if (both) {
-        uint8_t* src_dev = reinterpret_cast<uint8_t*>(side.src_dev);
-        uint8_t* tail_dst = src_dev + size - tail_len;
         const uint64_t mask = samples::tail_mask(tail_len);
         const uint32_t shift = 64 - 8 * tail_len;  // the tail is the top bytes of the word
-        const uint64_t* recv_word = reinterpret_cast<const uint64_t*>(side.recv_dev);
-        // Waits for the peer's message k+1 (with -D at most until the duration ends).
-        auto take = [&](uint64_t k1) -> status {
+        // End x waits for its peer's message k+1 (with -D at most until the duration ends).
+        auto take = [&](samples::lat_end& x, uint64_t k1) -> status {
+            who = x.id;
             const uint64_t wb = clk.wait(budget);
             if (verb == 0 && use_signal) {
-                return wait_signal(reinterpret_cast<const uint64_t*>(side.sig_dev), k1, wb);
+                return wait_signal(reinterpret_cast<const uint64_t*>(x.side.sig_dev), k1, wb);
             }
             if (verb == 0) {
+                const uint64_t* recv_word = reinterpret_cast<const uint64_t*>(x.side.recv_dev);
                 const uint64_t want = k1 & mask;
                 const uint64_t deadline = now_ns() + wb;
                 while (((ld_acquire_sys64(recv_word) >> shift) & mask) != want) {
@@ -383,56 +401,68 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
                 return OK;
             }
             recv_completion rc;
-            status r = recv_wait<sharing::exclusive>(q, &rc, wb, &e);
+            status r = recv_wait<sharing::exclusive>(&x.q, &rc, wb, &e);
             if (r != OK) return r;
             if (rc.byte_count != size) mismatch((uint32_t)k1 - 1);
             if (duration_ns != 0 || k1 < iters) {
-                r = post_recv<sharing::exclusive>(q, side.dst_remote, lkey{side.rkey}, size,
-                                                  budget);
+                r = post_recv<sharing::exclusive>(&x.q, x.side.dst_remote, lkey{x.side.rkey},
+                                                  size, budget);
             }
             return r;
         };
-        // Sends message k+1.
-        auto answer = [&](uint64_t k1) -> status {
-            for (uint32_t b = 0; b < tail_len; ++b) tail_dst[b] = (uint8_t)(k1 >> (8 * b));
+        // End x sends message k+1.
+        auto answer = [&](samples::lat_end& x, uint64_t k1) -> status {
+            who = x.id;
+            uint8_t* src_dev = reinterpret_cast<uint8_t*>(x.side.src_dev);
+            uint8_t* tail_dst = src_dev + size - tail_len;
+            for (uint32_t i = 0; i < tail_len; ++i) tail_dst[i] = (uint8_t)(k1 >> (8 * i));
             // The tail's stores before the NIC reads a SEND's payload (a WRITE's are ordered
             // by its doorbell's release, as write_lat has always run; inline ones the kernel
             // copies itself).
             if (verb == 2 && !use_inline) __threadfence_system();
             const bool sig = k1 % cq_mod == 0 || k1 == iters;
+            const samples::lat_side& d = x.side;
+            gpuverbs_qp* const q = &x.q;
+            status r;
             if (verb == 2) {
-                return use_inline ? send_inline<sharing::exclusive>(q, src_dev, size, false, 0,
-                                                                    sig, budget)
-                                  : send<sharing::exclusive>(q, side.src_nic, lkey{side.lkey},
-                                                             size, false, 0, sig, budget);
+                r = use_inline ? send_inline<sharing::exclusive>(q, src_dev, size, false, 0, sig,
+                                                                 budget)
+                               : send<sharing::exclusive>(q, d.src_nic, lkey{d.lkey}, size, false,
+                                                          0, sig, budget);
+            } else if (use_inline) {
+                r = put_inline<sharing::exclusive>(q, src_dev, size, d.dst_remote, rkey{d.rkey},
+                                                   sig && !use_signal, budget);
+                if (r == OK && use_signal) {
+                    r = signal<sharing::exclusive>(q, d.sig_remote, rkey{d.sig_rkey}, 1, sig,
+                                                   budget);
+                }
+            } else if (use_signal) {
+                r = put_signal<sharing::exclusive>(q, d.src_nic, lkey{d.lkey}, d.dst_remote,
+                                                   rkey{d.rkey}, size, d.sig_remote,
+                                                   rkey{d.sig_rkey}, 1, sig, budget);
+            } else {
+                r = put<sharing::exclusive>(q, d.src_nic, lkey{d.lkey}, d.dst_remote,
+                                            rkey{d.rkey}, size, sig, budget);
             }
-            if (use_inline) {
-                status r = put_inline<sharing::exclusive>(q, src_dev, size, side.dst_remote,
-                                                          rkey{side.rkey}, sig && !use_signal,
-                                                          budget);
-                if (r != OK || !use_signal) return r;
-                return signal<sharing::exclusive>(q, side.sig_remote, rkey{side.sig_rkey}, 1,
-                                                  sig, budget);
-            }
-            if (use_signal) {
-                return put_signal<sharing::exclusive>(q, side.src_nic, lkey{side.lkey},
-                                                      side.dst_remote, rkey{side.rkey}, size,
-                                                      side.sig_remote, rkey{side.sig_rkey}, 1,
-                                                      sig, budget);
-            }
-            return put<sharing::exclusive>(q, side.src_nic, lkey{side.lkey}, side.dst_remote,
-                                           rkey{side.rkey}, size, sig, budget);
+            if (r == OK) x.sent += 1;
+            return r;
         };
         if (verb == 2 && iters > 0) {
-            s = post_recv<sharing::exclusive>(q, side.dst_remote, lkey{side.rkey}, size, budget);
+            s = post_recv<sharing::exclusive>(&a.q, a.side.dst_remote, lkey{a.side.rkey}, size,
+                                              budget);
+            if (s == OK && in_turn) {
+                s = post_recv<sharing::exclusive>(&b.q, b.side.dst_remote, lkey{b.side.rkey},
+                                                  size, budget);
+            }
         }
         for (uint64_t k = 0; s == OK && clk.go(k); ++k) {
             const uint64_t k1 = k + 1;
             if (me == 0) {
                 const uint64_t t0 = now_ns();
-                s = answer(k1);
-                if (s == OK) sent += 1;
-                if (s == OK) s = take(k1);
+                s = answer(a, k1);
+                if (s == OK && in_turn) s = take(b, k1);
+                if (s == OK && in_turn) s = answer(b, k1);
+                if (s == OK) s = take(a, k1);
                 if (clk.ended(s)) {
                     s = OK;  // the duration is over: this iteration is not counted
                     break;
@@ -440,40 +470,39 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
                 clk.done(k, &timed);
                 if (k < iters && duration_ns == 0) rtt[k] = now_ns() - t0;
             } else {
-                s = take(k1);
+                s = take(a, k1);
                 if (clk.ended(s)) {
                     s = OK;  // the duration is over: this iteration is not counted
                     break;
                 }
-                if (s == OK) s = answer(k1);
-                if (s == OK) sent += 1;
+                if (s == OK) s = answer(a, k1);
             }
         }
     } else {
         const uint64_t base = samples::atomic_base(0);
-        const uint64_t* fetched = reinterpret_cast<const uint64_t*>(side.recv_dev);
+        const uint64_t* fetched = reinterpret_cast<const uint64_t*>(a.side.recv_dev);
+        gpuverbs_qp* const q = &a.q;
+        const samples::lat_side& d = a.side;
         for (uint64_t k = 0; s == OK && clk.go(k); ++k) {
             const uint64_t t0 = now_ns();
             switch (verb) {
                 case 1:
-                    s = get<sharing::exclusive>(q, side.src_nic, lkey{side.lkey}, side.dst_remote,
-                                                rkey{side.rkey}, size, true, budget);
+                    s = get<sharing::exclusive>(q, d.src_nic, lkey{d.lkey}, d.dst_remote,
+                                                rkey{d.rkey}, size, true, budget);
                     break;
                 case 3:
-                    s = atomic_fetch_add<sharing::exclusive>(q, side.sig_remote,
-                                                             rkey{side.sig_rkey}, 1,
-                                                             side.dst_remote, lkey{side.rkey},
-                                                             budget);
+                    s = atomic_fetch_add<sharing::exclusive>(q, d.sig_remote, rkey{d.sig_rkey}, 1,
+                                                             d.dst_remote, lkey{d.rkey}, budget);
                     break;
                 case 4:
                     s = atomic_compare_swap<sharing::exclusive>(
-                        q, side.sig_remote, rkey{side.sig_rkey}, base + k, base + k + 1,
-                        side.dst_remote, lkey{side.rkey}, budget);
+                        q, d.sig_remote, rkey{d.sig_rkey}, base + k, base + k + 1, d.dst_remote,
+                        lkey{d.rkey}, budget);
                     break;
                 default:
                     s = INVALID;
             }
-            if (s == OK) sent += 1;
+            if (s == OK) a.sent += 1;
             if (s == OK) s = quiet<sharing::exclusive>(q, budget, &e);
             if (s == OK) clk.done(k, &timed);
             if (k < iters && duration_ns == 0) rtt[k] = now_ns() - t0;
@@ -483,15 +512,23 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
         }
     }
     if (duration_ns != 0) {
-        counts[4 * blockIdx.x] = sent;
+        counts[4 * blockIdx.x] = a.sent;
         counts[4 * blockIdx.x + 1] = timed;
         counts[4 * blockIdx.x + 2] = clk.span();
+        if (in_turn) counts[4] = b.sent;
     }
-    if (s == ERROR_CQE) e = last_error(q);
+    // The status that ended the loop names the side whose call returned it; then each end
+    // waits for its WQEs and hands its QP back.
+    if (s == ERROR_CQE) e = last_error(who == a.id ? &a.q : &b.q);
+    samples::report(out, s, e, who);
+    s = quiet<sharing::exclusive>(&a.q, budget, &e);
+    checkin(a.side.qp, a.q);
     samples::report(out, s, e, me);
-    s = quiet<sharing::exclusive>(q, budget, &e);
-    checkin(side.qp, mine);
-    samples::report(out, s, e, me);
+    if (in_turn) {
+        s = quiet<sharing::exclusive>(&b.q, budget, &e);
+        checkin(b.side.qp, b.q);
+        samples::report(out, s, e, 1);
+    }
     if (bad != 0) {
         atomicAdd(&out[5], bad);
         atomicCAS(&out[6], 0, first_bad);

@@ -53,8 +53,10 @@
 //! receive buffers are checked byte by byte after the run (and the signal words with
 //! `--signal`).
 //!
-//! GPU initiator: one kernel, `gv_sample_verb_lat`: for WRITE and SEND a block per side of this
-//! process (both in loopback, one across processes; one thread each, owning its QP), SEND's
+//! GPU initiator: one kernel, `gv_sample_verb_lat`: for WRITE and SEND in loopback one thread
+//! driving both sides in turn (A sends, B takes and answers, A takes, as the CPU initiator's
+//! thread does, so nothing else on the GPU polls while a side posts), across processes one
+//! thread per process driving its side (each owning its QP), SEND's
 //! posting its own receives with `post_recv` and taking them with `recv_wait`, WRITE's polling
 //! its receive buffer's last word (or its signal word); messages of at most `-I` bytes go
 //! inline (`put_inline`, `send_inline`); for READ and the atomics one block, side A's
@@ -155,12 +157,13 @@ impl Test {
 #[command(
     name = "write_lat",
     version,
-    about = "RDMA WRITE ping-pong latency between two GPU kernels (or CPU initiators), perftest \
+    about = "RDMA WRITE ping-pong latency between GPU-driven QPs (or CPU-driven ones), perftest \
              style",
-    long_about = "RDMA WRITE ping-pong latency between two GPU kernels (or CPU initiators), \
+    long_about = "RDMA WRITE ping-pong latency between GPU-driven QPs (or CPU-driven ones), \
                   perftest style (ib_write_lat's columns, half round trip in microseconds). \
                   Both receive buffers are checked after every size.\n\n\
-                  Roles: `write_lat --loopback` runs both sides in this process; `write_lat` \
+                  Roles: `write_lat --loopback` runs both sides in this process (one GPU thread, \
+                  or one host thread, drives them in turn); `write_lat` \
                   (server, side B) and `write_lat SERVER` (client, side A) meet over TCP on -p, \
                   each opens its device (-d: a soft NIC with a UDP wire port, RoCEv2, or an \
                   rdma-core device such as mlx5_0) and drives its own side (a kernel, or a host \
@@ -570,9 +573,7 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             (Initiator::Gpu, _, true) => "one kernel: block 0 drives side A (one thread)",
             (Initiator::Gpu, Some(0), false) => "a kernel of one block (one thread) drives side A",
             (Initiator::Gpu, Some(_), false) => "a kernel of one block (one thread) drives side B",
-            (Initiator::Gpu, None, false) => {
-                "one kernel: block 0 drives side A, block 1 side B (one thread each)"
-            }
+            (Initiator::Gpu, None, false) => "one kernel: one thread drives both sides in turn",
             (Initiator::Cpu, None, true) => "one host thread drives side A (side B's NIC answers)",
             (Initiator::Cpu, None, false) => "one host thread drives both sides in turn",
             (Initiator::Cpu, Some(0), _) => "one host thread drives side A (it sends first)",
@@ -1578,6 +1579,8 @@ impl GpuLat {
         self.status.reset()?;
         let mut sides_ptr = dev_sides.ptr();
         let mut first = ids[first_i] as u32;
+        // Loopback WRITE and SEND: one thread drives both sides in turn (one block).
+        let mut in_turn = u32::from(descs.len() == 2);
         let mut code = verb.code();
         let mut size_ = size as u32;
         let mut tail = tail_len(size) as u32;
@@ -1593,6 +1596,7 @@ impl GpuLat {
         let mut params = [
             arg(&mut sides_ptr),
             arg(&mut first),
+            arg(&mut in_turn),
             arg(&mut code),
             arg(&mut size_),
             arg(&mut tail),
@@ -1607,7 +1611,7 @@ impl GpuLat {
             arg(&mut rtt_ptr),
         ];
         // SAFETY: the parameters match gv_sample_verb_lat's signature, one block per entry of
-        // the side array; the side array, the status words, the counts (32 bytes per block)
+        // the side array, or one block for both with `in_turn`; the side array, the status words, the counts (32 bytes per block)
         // and the times (`total` entries, the most the kernel writes) are live GPU memory for
         // the whole launch; the NIC addresses in the sides are registered regions of
         // `sides` or the peer's (checked by the device), the GPU addresses (payload, receive
@@ -1617,7 +1621,7 @@ impl GpuLat {
         unsafe {
             self.gpu.launch_sync(
                 "gv_sample_verb_lat",
-                (descs.len() as u32, 1, 1),
+                (if in_turn != 0 { 1 } else { descs.len() as u32 }, 1, 1),
                 (1, 1, 1),
                 0,
                 &mut params,
