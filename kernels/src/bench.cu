@@ -120,9 +120,28 @@ GPUVERBS_KERNEL void gv_bench_fence_store(uint64_t* host_word, uint32_t iters,
 // What a put's doorbell costs beyond the floor: per iteration `units` 16-byte stores into a
 // 64-byte slot of mapped host memory (slots cycle over 64), fence.release.sys, a 4-byte store
 // (the doorbell record's place) and an 8-byte store (the doorbell's), one thread: a put on a
-// checked-out copy without the building and the state.
+// checked-out copy without the building and the state. With `polled` (non-zero, two blocks)
+// block 1 meanwhile loads a word of host memory in a loop (ld.acquire.sys, as a kernel waiting
+// for a message does) — single-GPU loopback has such a poller while the other side posts. It
+// writes `polled` to the word after it (its start) and polls until the word itself holds
+// `polled` (block 0's stop, after its timed loop) or 1 s has passed; block 0 waits at most
+// 10 ms for the start. The words are the 16 bytes after the slots.
 GPUVERBS_KERNEL void gv_bench_fence_units(uint8_t* host, uint32_t units, uint32_t iters,
-                                          unsigned long long* t) {
+                                          uint64_t polled, unsigned long long* t) {
+    uint64_t* word = reinterpret_cast<uint64_t*>(host + 64 + 64 * 64);
+    if (threadIdx.x != 0) return;
+    if (blockIdx.x == 1) {
+        gpuverbs::st_relaxed_sys64(word + 1, polled);
+        const uint64_t give_up = gpuverbs::now_ns() + 1000000000;
+        while (gpuverbs::ld_acquire_sys64(word) != polled && gpuverbs::now_ns() < give_up) {
+        }
+        return;
+    }
+    if (polled != 0) {
+        const uint64_t give_up = gpuverbs::now_ns() + 10000000;
+        while (gpuverbs::ld_acquire_sys64(word + 1) != polled && gpuverbs::now_ns() < give_up) {
+        }
+    }
     bench::stamp_start(t);
     for (uint32_t i = 0; i < iters; ++i) {
         uint8_t* slot = host + 64 + (size_t)(i % 64) * 64;
@@ -134,6 +153,7 @@ GPUVERBS_KERNEL void gv_bench_fence_units(uint8_t* host, uint32_t units, uint32_
         gpuverbs::st_relaxed_sys64(reinterpret_cast<uint64_t*>(host + 8), i);
     }
     bench::stamp_end(t);
+    if (polled != 0) gpuverbs::st_relaxed_sys64(word, polled);
 }
 
 // The ceiling of host-resident rings: every thread writes 64-byte blocks (four 16-byte

@@ -535,22 +535,58 @@ fn main() -> Result<()> {
         value: floor_ns,
         unit: "ns",
     });
-    // The floor with a WQE's stores before the fence and the doorbell record's after it.
-    for units in 0..=4u32 {
+    // The floor with a WQE's stores before the fence and the doorbell record's after it;
+    // the full put's (4 units) also while another block polls host memory, as the waiting
+    // side of a single-GPU ping-pong does.
+    let mut token = 0u64;
+    for (units, polled) in [
+        (0, false),
+        (1, false),
+        (2, false),
+        (3, false),
+        (4, false),
+        (4, true),
+    ] {
         let best = lowest_of(5, || {
             let st = Stamps::new(&gpu)?;
+            token += 1;
             let (mut p, mut u, mut it, mut t) = (hd, units, 10_000u32, st.t());
-            let mut params = [arg(&mut p), arg(&mut u), arg(&mut it), arg(&mut t)];
+            let mut tok = if polled { token } else { 0 };
+            let mut params = [
+                arg(&mut p),
+                arg(&mut u),
+                arg(&mut it),
+                arg(&mut tok),
+                arg(&mut t),
+            ];
             // SAFETY: parameters match gv_bench_fence_units; `hd` is mapped host memory of
-            // at least 64 + 64 * 64 bytes.
+            // at least 64 + 64 * 64 + 16 bytes; with a token two blocks, whose poller ends
+            // when block 0 stores the token (block 0 does not wait for it unboundedly).
             unsafe {
-                gpu.launch_sync("gv_bench_fence_units", (1, 1, 1), (1, 1, 1), 0, &mut params)?
+                gpu.launch_sync(
+                    "gv_bench_fence_units",
+                    (if polled { 2 } else { 1 }, 1, 1),
+                    (1, 1, 1),
+                    0,
+                    &mut params,
+                )?
             };
             st.elapsed_ns().map(|ns| ns / 10_000.0)
         })?;
         lines.push(Line {
-            test: "fence_units",
-            config: format!("{units} x 16 B, fence, 4 B + 8 B; lowest of 5"),
+            test: if polled {
+                "fence_units_polled"
+            } else {
+                "fence_units"
+            },
+            config: format!(
+                "{units} x 16 B, fence, 4 B + 8 B{}; lowest of 5",
+                if polled {
+                    ", a block polling host memory"
+                } else {
+                    ""
+                }
+            ),
             db: "-",
             value: best,
             unit: "ns",
