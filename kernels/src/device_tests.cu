@@ -88,7 +88,8 @@ GPUVERBS_KERNEL void gv_test_put_exclusive(gpuverbs_qp* q, uint64_t lbase, uint3
 }
 
 // The other high-level operations, one thread:
-//  put_inline of 40 bytes to remote+0, put_signal of 64 bytes to remote+64 with +1 on sig,
+//  put_inline of 40 bytes to remote+0 (and of 37 bytes from an unaligned source, payload+1, to
+//  remote+600, and of 6 from payload+4 to remote+700: the words a payload's end cuts), put_signal of 64 bytes to remote+64 with +1 on sig,
 //  signal +5 on sig, get of 64 bytes from remote+256 into local+512, fetch-add +7 on
 //  remote word at remote+1024 with the old value to local+1024, compare-swap on remote+1032
 //  (compare 11, swap 22) with the old value to local+1032, then quiet.
@@ -100,6 +101,8 @@ GPUVERBS_KERNEL void gv_test_ops(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, ui
     for (int i = 0; i < 40; ++i) payload[i] = (uint8_t)(0xA0 + i);
     error e{};
     status s = put_inline(q, payload, 40, rbase, rkey{rk}, false, budget);
+    if (s == OK) s = put_inline(q, payload + 1, 37, rbase + 600, rkey{rk}, false, budget);
+    if (s == OK) s = put_inline(q, payload + 4, 6, rbase + 700, rkey{rk}, false, budget);
     if (s == OK) s = put_signal(q, lbase + 64, lkey{lk}, rbase + 64, rkey{rk}, 64, sig,
                                 rkey{sig_key}, 1, false, budget);
     if (s == OK) s = signal(q, sig, rkey{sig_key}, 5, false, budget);

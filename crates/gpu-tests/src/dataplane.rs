@@ -743,6 +743,16 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
     let (src, dst) = (p.src.to_vec()?, p.dst.to_vec()?);
     let inline: Vec<u8> = (0..40).map(|i| 0xA0 + i as u8).collect();
     ensure!(dst[..40] == inline[..], "put_inline bytes differ");
+    ensure!(
+        dst[600..637] == inline[1..38] && dst[637..640] == [0, 0, 0],
+        "put_inline from an unaligned source: {:02x?}",
+        &dst[600..640]
+    );
+    ensure!(
+        dst[700..706] == inline[4..10] && dst[706..708] == [0, 0],
+        "put_inline of a cut word: {:02x?}",
+        &dst[700..708]
+    );
     ensure!(dst[64..128] == src[64..128], "put_signal payload differs");
     let s = u64::from_ne_bytes(sig.to_vec()?[..8].try_into()?);
     ensure!(s == 6, "signal word {s}, expected 1 + 5");

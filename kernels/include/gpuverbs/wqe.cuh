@@ -118,35 +118,40 @@ __device__ __forceinline__ uint32_t inline_send_blocks(uint32_t len) {
     return (1 + inline_units(len) + 3) / 4;
 }
 
-// Word `off / 4` of an inline segment's payload (`off` a multiple of 4, the payload's bytes
-// past `len` zero): one load when `src` is 4-byte aligned and the word whole, else bytes.
-__device__ __forceinline__ uint32_t inline_word(const uint8_t* src, bool aligned, uint64_t off,
-                                                uint32_t len) {
-    if (aligned && off + 4 <= len) return *reinterpret_cast<const uint32_t*>(src + off);
+// The payload word that starts at byte `off` < `len` of `src` and is cut by its end (the bytes
+// past `len` zero), byte by byte: at most one per payload when `src` is 4-byte aligned.
+static __device__ __noinline__ uint32_t inline_tail_word(const uint8_t* src, uint32_t off, uint32_t len) {
     uint32_t v = 0;
-    for (uint32_t b = 0; b < 4; ++b) {
-        if (off + b < len) v |= (uint32_t)src[off + b] << (8 * b);
-    }
+    for (uint32_t b = 0; b < 4 && off + b < len; ++b) v |= (uint32_t)src[off + b] << (8 * b);
     return v;
 }
 
 // The inline data segment of `len` bytes from `src`, from unit `first` of the WQE at `idx` to
 // the end of its `blocks` blocks (zeros past the payload; units may wrap at the ring's end).
 // Block by block, all of a block's source words are loaded before any is stored, so a block
-// costs one trip to the source (which may be host memory across PCIe), not one per word.
+// costs one trip to the source (which may be host memory across PCIe), not one per word. Whole
+// words of a 4-byte aligned source are single loads; a word the payload's end cuts, and every
+// word of an unaligned source, is gathered byte by byte (kept out of line: a few instructions
+// per word here, not a branch per byte).
 __device__ __forceinline__ void store_inline(const gpuverbs_qp* q, uint64_t idx, uint32_t first,
                                              uint32_t blocks, const void* src, uint32_t len) {
     const uint8_t* s = static_cast<const uint8_t*>(src);
     const bool aligned = (reinterpret_cast<uintptr_t>(src) & 3u) == 0;
+    const uint32_t whole = aligned ? len / 4 : 0;  // payload words loaded as words
     const uint32_t hdr = bswap32(len | 0x80000000u);
     for (uint32_t base = first & ~3u; base < blocks * 4; base += 4) {
         uint32_t w[16];
 #pragma unroll
         for (uint32_t j = 0; j < 16; ++j) {
             const uint32_t u = base + j / 4;
-            // Offset in the segment: the header word, then the payload.
-            const uint32_t seg = (u - first) * 16 + (j % 4) * 4;
-            w[j] = u < first ? 0 : seg == 0 ? hdr : inline_word(s, aligned, seg - 4, len);
+            // Word of the segment: the header, then payload word k = word - 1.
+            const uint32_t word = (u - first) * 4 + j % 4;
+            const uint32_t k = word - 1;
+            w[j] = u < first        ? 0
+                   : word == 0      ? hdr
+                   : k < whole      ? *reinterpret_cast<const uint32_t*>(s + 4 * k)
+                   : 4 * k < len    ? inline_tail_word(s, 4 * k, len)
+                                    : 0;
         }
         uint8_t* const p = wqe_slot(q, idx + base / 4);
 #pragma unroll
