@@ -76,12 +76,16 @@ struct lat_side {
 };
 static_assert(sizeof(lat_side) == 72, "lat_side layout");
 
+// The largest inline message of the latency kernel (the samples' -I limit).
+constexpr uint32_t MAX_LAT_INLINE = 256;
+
 // One end of a WRITE or SEND ping-pong as the thread that drives it holds it.
 struct lat_end {
     lat_side side;
-    gpuverbs_qp q;  // the register copy of side.qp (checkout)
-    int id;         // 0: side A, 1: side B
+    gpuverbs_qp q;           // the register copy of side.qp (checkout)
+    int id;                  // 0: side A, 1: side B
     uint64_t sent = 0;
+    uint8_t* stage = nullptr;  // inline messages: the payload's copy in shared memory
 
     __device__ __forceinline__ lat_end(const lat_side& s, int i) : side(s), q{}, id(i) {}
 };
@@ -332,7 +336,8 @@ GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njo
 //   which the kernel reads at `recv_dev` after the completion and compares with
 //   atomic_base(0) + k.
 // With `use_inline` a WRITE or SEND carries its payload in the WQE (put_inline / send_inline
-// from `src_dev`). A times each iteration with %globaltimer into rtt[k]: WRITE and SEND from
+// from a copy of the `size` <= MAX_LAT_INLINE bytes at `src_dev` in shared memory, taken at the
+// start; the tails are written there). A times each iteration with %globaltimer into rtt[k]: WRITE and SEND from
 // its post to the answer (its bytes, signal or receive completion), READ and atomics from the
 // post to the completion (quiet). out[5]: receives with a wrong byte count or fetched values
 // that differ; out[6]: the first such iteration. One WRITE or SEND in `cq_mod` asks for a CQE
@@ -381,6 +386,19 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
         if (bad == 0) first_bad = (int)k;
         bad += 1;
     };
+    // Inline messages are built from a copy of the payload in shared memory, taken once: the
+    // kernel writes each message's tail there, and the WQE's bytes come from there, not back
+    // across PCIe from a host-memory source (which the NIC does not read for them).
+    __shared__ uint4 stage_words[2][samples::MAX_LAT_INLINE / 16];
+    if (both && use_inline) {
+        if (size > samples::MAX_LAT_INLINE) s = INVALID;
+        a.stage = reinterpret_cast<uint8_t*>(stage_words[0]);
+        b.stage = reinterpret_cast<uint8_t*>(stage_words[1]);
+        for (uint32_t i = 0; s == OK && i < size; ++i) {
+            a.stage[i] = reinterpret_cast<const uint8_t*>(a.side.src_dev)[i];
+            if (in_turn) b.stage[i] = reinterpret_cast<const uint8_t*>(b.side.src_dev)[i];
+        }
+    }
     if (both) {
         const uint64_t mask = samples::tail_mask(tail_len);
         const uint32_t shift = 64 - 8 * tail_len;  // the tail is the top bytes of the word
@@ -413,8 +431,9 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
         // End x sends message k+1.
         auto answer = [&](samples::lat_end& x, uint64_t k1) -> status {
             who = x.id;
-            uint8_t* src_dev = reinterpret_cast<uint8_t*>(x.side.src_dev);
-            uint8_t* tail_dst = src_dev + size - tail_len;
+            uint8_t* const payload =
+                use_inline ? x.stage : reinterpret_cast<uint8_t*>(x.side.src_dev);
+            uint8_t* tail_dst = payload + size - tail_len;
             for (uint32_t i = 0; i < tail_len; ++i) tail_dst[i] = (uint8_t)(k1 >> (8 * i));
             // The tail's stores before the NIC reads a SEND's payload (a WRITE's are ordered
             // by its doorbell's release, as write_lat has always run; inline ones the kernel
@@ -425,12 +444,12 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
             gpuverbs_qp* const q = &x.q;
             status r;
             if (verb == 2) {
-                r = use_inline ? send_inline<sharing::exclusive>(q, src_dev, size, false, 0, sig,
+                r = use_inline ? send_inline<sharing::exclusive>(q, payload, size, false, 0, sig,
                                                                  budget)
                                : send<sharing::exclusive>(q, d.src_nic, lkey{d.lkey}, size, false,
                                                           0, sig, budget);
             } else if (use_inline) {
-                r = put_inline<sharing::exclusive>(q, src_dev, size, d.dst_remote, rkey{d.rkey},
+                r = put_inline<sharing::exclusive>(q, payload, size, d.dst_remote, rkey{d.rkey},
                                                    sig && !use_signal, budget);
                 if (r == OK && use_signal) {
                     r = signal<sharing::exclusive>(q, d.sig_remote, rkey{d.sig_rkey}, 1, sig,
