@@ -1542,8 +1542,10 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             }
         }
         reset_words(&sides, &jobs)?;
-        step(&mut peer, "poisoned", Ok(()))?;
+        // Before the step that lets the peer start: once it returns the peer's packets may
+        // arrive (and be answered) before this thread runs again.
         let wire_before = wire_counters(&env.ctx);
+        step(&mut peer, "poisoned", Ok(()))?;
         let cpu = CpuSample::now();
         let util_before = cpu_util.then(UserIdle::now).flatten();
         let mine: Result<Option<Measured>> = drive(

@@ -787,10 +787,12 @@ fn run(args: &Args, t: &Test) -> Result<()> {
                 }
             }
         }
+        // Before the step that lets the peer start (its packets may arrive, and be answered,
+        // before this thread runs again after it).
+        let wire_before = wire_counters(&env.ctx);
         // Across processes A sends only once B has cleared its buffers.
         step(&mut peer, "ready", Ok(()))?;
         let cpu = CpuSample::now();
-        let wire_before = wire_counters(&env.ctx);
         let inline = size <= inline_max as u64;
         let util_before = cpu_util.then(UserIdle::now).flatten();
         let ran = engine.run(
