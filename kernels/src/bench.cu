@@ -15,8 +15,9 @@ GPUVERBS_DEVICE void stamp_end(unsigned long long* t) {
 
 }  // namespace bench
 
-// One benchmark step: a write of 8 bytes in the given scope. Thread scope rings once per
-// `batch` WQEs; warp and block scope ring once per call.
+// One benchmark step: a write of 8 bytes in the given scope (3: thread scope, put_inline of the
+// 8 bytes from registers). Thread scope rings once per `batch` WQEs; warp and block scope ring
+// once per call.
 template <gpuverbs::sharing S>
 GPUVERBS_DEVICE gpuverbs::status bench_step(gpuverbs_qp* q, uint32_t scope, uint32_t i,
                                             uint32_t iters, uint32_t batch, bool sig,
@@ -26,6 +27,10 @@ GPUVERBS_DEVICE gpuverbs::status bench_step(gpuverbs_qp* q, uint32_t scope, uint
     if (scope == 2) return put_block<S>(q, true, laddr, lkey{lk}, raddr, rkey{rk}, 8, sig, budget);
     if (scope == 1) return put_warp<S>(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, sig, budget);
     bool ring_now = batch <= 1 || (i + 1) % batch == 0 || i + 1 == iters;
+    if (scope == 3) {
+        const uint64_t payload = 0x1111111100000000ull | i;
+        return put_inline<S>(q, &payload, 8, raddr, rkey{rk}, sig, budget, ring_now);
+    }
     return put<S>(q, laddr, lkey{lk}, raddr, rkey{rk}, 8, sig, budget, ring_now);
 }
 
@@ -48,7 +53,7 @@ GPUVERBS_DEVICE gpuverbs::status bench_run(gpuverbs_qp* q, uint64_t laddr, uint3
         }
         return s;
     };
-    if (S == sharing::exclusive && scope == 0 && use_checkout) {
+    if (S == sharing::exclusive && (scope == 0 || scope == 3) && use_checkout) {
         gpuverbs_qp mine;
         status s = checkout(q, &mine);
         if (s != OK) return s;
@@ -65,7 +70,7 @@ GPUVERBS_DEVICE gpuverbs::status bench_run(gpuverbs_qp* q, uint64_t laddr, uint3
     return s;
 }
 
-// Posts `iters` 8-byte writes per thread (scope 0 thread, 1 warp, 2 block). Block b drives
+// Posts `iters` 8-byte writes per thread (scope 0 thread, 1 warp, 2 block, 3 thread inline). Block b drives
 // QP qps[b % nqps]. `share` is the sharing mode: 0 gpu, 1 exclusive (no atomics: one thread,
 // or with warp scope one warp, drives each QP), 2 cta (the QP's users are one block's threads),
 // 3 exclusive on a checked-out copy (thread scope).

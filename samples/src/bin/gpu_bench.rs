@@ -224,7 +224,7 @@ enum Share {
 struct Shape {
     grid: u32,
     block: u32,
-    /// 0 thread, 1 warp, 2 block.
+    /// 0 thread, 1 warp, 2 block, 3 thread with `put_inline` (8 bytes from registers).
     scope: u32,
     iters: u32,
     batch: u32,
@@ -611,6 +611,10 @@ fn main() -> Result<()> {
             },
         ),
         (
+            "1 thread, checkout, batch 1, put_inline",
+            shape(1, 1, 3, 8192, 1, false, Share::Checkout),
+        ),
+        (
             "1 thread, shared, batch 1",
             shape(1, 1, 0, 8192, 1, false, Share::Gpu),
         ),
@@ -674,6 +678,17 @@ fn main() -> Result<()> {
                     config: name.into(),
                     db: db_name(mode),
                     value,
+                    unit: "ns",
+                });
+            }
+            if mode == DoorbellMode::GpuDoorbell
+                && name == "1 thread, checkout, batch 1, put_inline"
+            {
+                lines.push(Line {
+                    test: "single_put_inline_cost",
+                    config: name.into(),
+                    db: db_name(mode),
+                    value: 1e9 / r,
                     unit: "ns",
                 });
             }
