@@ -144,8 +144,8 @@ pub(crate) struct ReqWire {
     /// When the early timer last sent its probe, until `una` moves.
     pub(super) probed_at: Option<Instant>,
     /// Selective repeat agreed with the peer: a sequence NAK resends the packet it names
-    /// alone, a gap report the packets it names (the peer holds what followed them); timers
-    /// still go back N.
+    /// alone, a gap report the packets it names (the peer holds what followed them); the
+    /// IBTA timer still goes back N.
     pub(super) selective: bool,
     /// PSNs a sequence NAK or a gap report asked for, to send before anything else.
     pub(super) resend: VecDeque<u32>,
@@ -271,9 +271,9 @@ impl ReqWire {
         self.resend.clear();
         self.goback = Some((to, now));
         self.rtt_probes.clear();
-        // Halve the window: going back N resends it. With selective repeat only a timer goes
-        // back (NAKs resend one packet and cut nothing), and a timer that fires says the path
-        // lost more than single packets (a receiver's socket overflowing, say): cut too.
+        // Halve the window: going back N resends it. With selective repeat only the IBTA timer
+        // goes back (NAKs resend one packet and cut nothing), and when it fires the path lost
+        // more than single packets (a receiver's socket overflowing, say): cut too.
         self.congestion();
     }
 

@@ -546,7 +546,7 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
             if let Built::Packet { .. } = build(dev, &g, qp.pd, w, p, limit, batch.buf(), id) {
                 port.send_built(&mut batch, start, w.to, &w.flow);
                 Counters::add(&dev.counters.wire.retransmits, 1);
-                // the early timer (go-back-N) waits behind the resend
+                // the early timer waits behind the resend
                 w.fast_deadline = Some(now + w.fast_rto());
                 sent += 1;
             } else {
