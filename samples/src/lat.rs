@@ -1575,7 +1575,7 @@ impl GpuLat {
             .collect();
         let dev_sides = upload(&self.gpu, &descs)?;
         let rtt = self.gpu.alloc(8 * total.max(1) as usize)?;
-        // Per block: messages sent, timed round trips, their span (ns); -D only.
+        // Per side: messages sent, timed round trips, their span (ns); -D only.
         let counts = self.gpu.alloc(32 * descs.len())?;
         counts.write(0, &vec![0u8; 32 * descs.len()])?;
         self.status.reset()?;
@@ -1613,13 +1613,13 @@ impl GpuLat {
             arg(&mut rtt_ptr),
         ];
         // SAFETY: the parameters match gv_sample_verb_lat's signature, one block per entry of
-        // the side array, or one block for both with `in_turn`; the side array, the status words, the counts (32 bytes per block)
-        // and the times (`total` entries, the most the kernel writes) are live GPU memory for
-        // the whole launch; the NIC addresses in the sides are registered regions of
-        // `sides` or the peer's (checked by the device), the GPU addresses (payload, receive
-        // buffer, signal and fetch words) mapped host memory or GPU memory of `sides` (alive
-        // across the launch), and the descriptors are exported QPs kept alive by
-        // `self.exports`.
+        // the side array, or one block for both with `in_turn`; the side array, the status
+        // words, the counts (32 bytes per side) and the times (`total` entries, the most the
+        // kernel writes) are live GPU memory for the whole launch; the NIC addresses in the
+        // sides are registered regions of `sides` or the peer's (checked by the device), the
+        // GPU addresses (payload, receive buffer, signal and fetch words) mapped host memory
+        // or GPU memory of `sides` (alive across the launch), and the descriptors are
+        // exported QPs kept alive by `self.exports`.
         unsafe {
             self.gpu.launch_sync(
                 "gv_sample_verb_lat",
