@@ -289,7 +289,8 @@ impl ReqWire {
         if self.una == self.sent_hi {
             return;
         }
-        let newest = psn_add(self.sent_hi, (1 << 24) - 1);
+        // sent_hi - 1: the newest PSN sent
+        let newest = psn_add(self.sent_hi, MASK24);
         // queued even when a NAK or gap report resent it within the last round trip
         self.resent.insert(newest, now);
         self.resend.retain(|&p| p != newest);
