@@ -55,7 +55,9 @@ GPUVERBS_KERNEL void gv_test_put(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, ui
 // Same as gv_test_put with thread scope and exclusive sharing (one thread in the grid), on the
 // QP's state checked out into registers and checked in at the end. While it is checked out, a
 // second checkout and calls through `q` must return BUSY (else the kernel reports INVALID with
-// out[4] = 1).
+// out[4] = 1). Some writes are released ahead (release_ahead) and rung with its token, with
+// nothing posted in between (a ring without a fence) and with one more write posted in between
+// (the token does not cover it: that ring fences).
 GPUVERBS_KERNEL void gv_test_put_exclusive(gpuverbs_qp* q, uint64_t lbase, uint32_t lk,
                                            uint64_t rbase, uint32_t rk, uint32_t size,
                                            uint32_t iters, uint32_t signal_every,
@@ -75,11 +77,24 @@ GPUVERBS_KERNEL void gv_test_put_exclusive(gpuverbs_qp* q, uint64_t lbase, uint3
         out[4] = 1;
         s = INVALID;
     }
+    released early;
+    if (s == OK && release_ahead<sharing::exclusive>(q, &early) != BUSY) {
+        out[4] = 1;
+        s = INVALID;
+    }
     for (uint32_t i = 0; i < iters && s == OK; ++i) {
         uint64_t off = (uint64_t)i * size;
         bool sig = signal_every && ((i + 1) % signal_every == 0);
+        // i % 4: 0 a put that rings; 1 posted, released ahead and rung with the token (the
+        // ring without a fence); 2 posted and released ahead; 3 posted, then one ring with the
+        // token of 2, which does not cover 3 (it fences). The last write rings in any case.
+        const uint32_t step = i + 1 == iters ? 0 : i % 4;
         s = put<sharing::exclusive>(&mine, lbase + off, lkey{lk}, rbase + off, rkey{rk}, size,
-                                    sig, budget);
+                                    sig, budget, step == 0);
+        if (s == OK && (step == 1 || step == 2)) {
+            s = release_ahead<sharing::exclusive>(&mine, &early);
+        }
+        if (s == OK && (step == 1 || step == 3)) s = ring<sharing::exclusive>(&mine, budget, early);
     }
     if (s == OK) s = quiet<sharing::exclusive>(&mine, budget, &e);
     else if (s == ERROR_CQE) e = last_error(&mine);

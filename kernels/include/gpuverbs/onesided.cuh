@@ -183,7 +183,7 @@ __device__ status signal(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key, uint64
 template <sharing S = sharing::gpu>
 __device__ status put_signal(gpuverbs_qp* qp, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
                              uint32_t len, uint64_t sig_addr, rkey sig_key, uint64_t add,
-                             bool signaled, uint64_t budget_ns) {
+                             bool signaled, uint64_t budget_ns, bool do_ring = true) {
     return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
     const gpuverbs_qp k = consts_of(q);
     uint64_t idx, published;
@@ -196,7 +196,7 @@ __device__ status put_signal(gpuverbs_qp* qp, uint64_t laddr, lkey lk, uint64_t 
     const block sig = build_atomic(&k, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, add, 0,
                                    k.scratch, lkey{k.scratch_lkey}, signaled ? CE_SIGNALED : 0);
     store_block(&k, idx + 1, sig);
-    return publish_ring<S>(q, k, idx, 2, idx + 1, signaled, published, true, c, &sig);
+    return publish_ring<S>(q, k, idx, 2, idx + 1, signaled, published, do_ring, c, &sig);
     });
 }
 

@@ -209,11 +209,21 @@ __device__ __forceinline__ bool sys_release(const gpuverbs_qp& k) {
     return k.ring_loc == 0 || k.db_mode == GPUVERBS_DB_BLUEFLAME;
 }
 
+// What one thread released to the device's scope ahead of its doorbell (`release_ahead`):
+// the producer index its fence covered. It holds for that thread only: a ring by another
+// thread would have no release of its own before its doorbell stores.
+struct released {
+    uint64_t upto = 0;
+};
+
 // Tells the device about every published WQE, in the QP's doorbell mode: one release fence
 // (system scope for host-resident rings, GPU scope otherwise) orders every published WQE
-// before the doorbell record and the doorbell (see `doorbell`). `last`: see `doorbell`.
+// before the doorbell record and the doorbell (see `doorbell`), unless this thread's
+// `release_ahead` already covered them all (`ahead.upto`, exclusive mode only). `last`: see
+// `doorbell`.
 template <sharing S>
-__device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const block* last = nullptr) {
+__device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const block* last = nullptr,
+                                       released ahead = {}) {
     // The descriptor's constants are loaded with the checks, before the doorbell is taken and
     // the fence (after the fence they would be loaded again: one more trip to memory).
     const uint32_t held = q->checked_out;
@@ -225,7 +235,7 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const bloc
     if (!take_rung<S>(q, c, &rung)) return TIMEOUT;
     const uint64_t ready = state_load<S>(&q->sq_ready);
     if (ready > rung) {
-        release_wqes(sys_release(k));
+        if (ready > ahead.upto) release_wqes(sys_release(k));
         doorbell(q, k, ready, k.db_mode == GPUVERBS_DB_BLUEFLAME ? q->sq_last_start : 0, last);
         rung = ready;
     }
@@ -238,6 +248,37 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
                                        const block* last = nullptr) {
     call_clock c(budget_ns);
     return ring<S>(q, c, last);
+}
+
+// Exclusive mode: releases every WQE published so far, and every store this thread made before
+// the call (a payload the WQEs read), to the device's scope now, with the fence that `ring`
+// would make, and returns in `*r` what it covered. A later `ring(q, budget, *r)` by the same
+// thread is then the doorbell stores alone as long as nothing was published after this call
+// (else it fences as usual). For a loop that knows its next message before it may send it (a
+// ping-pong's answer): post it with `do_ring = false`, `release_ahead`, wait for the peer, ring.
+// Stores made after the call are not covered: a payload changed later needs a ring that fences.
+template <sharing S>
+__device__ __forceinline__ status release_ahead(gpuverbs_qp* q, released* r) {
+    static_assert(S == sharing::exclusive,
+                  "release_ahead: only the thread that owns the QP may ring without a fence");
+    const uint32_t held = q->checked_out;
+    const uint64_t ready = q->sq_ready;
+    const bool sys = sys_release(consts_of(q));
+    if (held) return BUSY;
+    release_wqes(sys);
+    r->upto = ready;
+    return OK;
+}
+
+// The ring after `release_ahead` (exclusive mode): no fence when `ahead` covers every
+// published WQE. Returns what `ring` returns.
+template <sharing S>
+__device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns, released ahead,
+                                       const block* last = nullptr) {
+    static_assert(S == sharing::exclusive,
+                  "ring after release_ahead: only the thread that released may skip the fence");
+    call_clock c(budget_ns);
+    return ring<S>(q, c, last, ahead);
 }
 
 // Publishes blocks [start, start+n) the caller has just written (its last WQE at `last_start`,
