@@ -72,7 +72,7 @@ struct lat_side {
     uint32_t lkey;
     uint32_t rkey;
     uint32_t sig_rkey;
-    uint32_t pad_;
+    uint32_t src_stride; // WRITE, SEND: from the payload's first copy to its second
 };
 static_assert(sizeof(lat_side) == 72, "lat_side layout");
 
@@ -86,6 +86,7 @@ struct lat_end {
     int id;                  // 0: side A, 1: side B
     uint64_t sent = 0;
     uint8_t* stage = nullptr;  // inline messages: the payload's copy in shared memory
+    gpuverbs::released ahead;  // what the release of its prepared message covered
 
     __device__ __forceinline__ lat_end(const lat_side& s, int i) : side(s), q{}, id(i) {}
 };
@@ -337,9 +338,14 @@ GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njo
 //   atomic_base(0) + k.
 // With `use_inline` a WRITE or SEND carries its payload in the WQE (put_inline / send_inline
 // from a copy of the `size` <= MAX_LAT_INLINE bytes at `src_dev` in shared memory, taken at the
-// start; the tails are written there). A times each iteration with %globaltimer into rtt[k]: WRITE and SEND from
-// its post to the answer (its bytes, signal or receive completion), READ and atomics from the
-// post to the completion (quiet). out[5]: receives with a wrong byte count or fetched values
+// start; the tails are written there). WRITE and SEND with a count (no -D): each end
+// prepares its next message before it waits for the peer's — tail, WQEs posted without a ring,
+// `release_ahead` — and rings once the peer's message is in, so a round trip holds two
+// doorbells, two NIC passes and two waits, as a ping-pong whose messages are known in advance
+// can be run; with -D each message is prepared after the wait (see `ahead`). A times each
+// iteration with %globaltimer into rtt[k]: WRITE and SEND from its doorbell to the answer (its
+// bytes, signal or receive completion), READ and atomics from the post to the completion
+// (quiet). out[5]: receives with a wrong byte count or fetched values
 // that differ; out[6]: the first such iteration. One WRITE or SEND in `cq_mod` asks for a CQE
 // (and the last). Every wait is bounded by `budget` ns.
 // With `duration_ns` (-D) `iters` is the warm-up: after it a timed part runs until
@@ -428,43 +434,70 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
             }
             return r;
         };
-        // End x sends message k+1.
-        auto answer = [&](samples::lat_end& x, uint64_t k1) -> status {
+        // End x posts message k+1: writes its tail and posts it; with `now` it rings, else it
+        // releases it to the NIC's scope (release_ahead: the fence a ring would make), so that
+        // sending it later (`fire`) is the doorbell stores alone.
+        auto post_msg = [&](samples::lat_end& x, uint64_t k1, bool now) -> status {
             who = x.id;
+            // Message k+1 goes from copy (k+1) % 2 of the source: the NIC may still be reading
+            // message k's when its WQE is prepared (the peer's answer to k-1 says only that
+            // k-1's copy is free). Inline payloads go into the WQE at once.
+            const uint64_t copy = (k1 & 1) ? x.side.src_stride : 0;
             uint8_t* const payload =
-                use_inline ? x.stage : reinterpret_cast<uint8_t*>(x.side.src_dev);
+                use_inline ? x.stage : reinterpret_cast<uint8_t*>(x.side.src_dev + copy);
+            const uint64_t src_nic = x.side.src_nic + copy;
             uint8_t* tail_dst = payload + size - tail_len;
             for (uint32_t i = 0; i < tail_len; ++i) tail_dst[i] = (uint8_t)(k1 >> (8 * i));
-            // The tail's stores before the NIC reads a SEND's payload (a WRITE's are ordered
-            // by its doorbell's release, as write_lat has always run; inline ones the kernel
-            // copies itself).
-            if (verb == 2 && !use_inline) __threadfence_system();
+            // The ring's release (or release_ahead's) orders the tail for the NIC only when it
+            // is at system scope; with GPU-resident rings it is GPU-scope, and a source in host
+            // memory needs its own.
+            if (!use_inline && !sys_release(x.q)) __threadfence_system();
             const bool sig = k1 % cq_mod == 0 || k1 == iters;
             const samples::lat_side& d = x.side;
             gpuverbs_qp* const q = &x.q;
             status r;
             if (verb == 2) {
                 r = use_inline ? send_inline<sharing::exclusive>(q, payload, size, false, 0, sig,
-                                                                 budget)
-                               : send<sharing::exclusive>(q, d.src_nic, lkey{d.lkey}, size, false,
-                                                          0, sig, budget);
+                                                                 budget, now)
+                               : send<sharing::exclusive>(q, src_nic, lkey{d.lkey}, size, false, 0,
+                                                          sig, budget, now);
             } else if (use_inline) {
                 r = put_inline<sharing::exclusive>(q, payload, size, d.dst_remote, rkey{d.rkey},
-                                                   sig && !use_signal, budget);
+                                                   sig && !use_signal, budget, now);
                 if (r == OK && use_signal) {
                     r = signal<sharing::exclusive>(q, d.sig_remote, rkey{d.sig_rkey}, 1, sig,
-                                                   budget);
+                                                   budget, now);
                 }
             } else if (use_signal) {
-                r = put_signal<sharing::exclusive>(q, d.src_nic, lkey{d.lkey}, d.dst_remote,
+                r = put_signal<sharing::exclusive>(q, src_nic, lkey{d.lkey}, d.dst_remote,
                                                    rkey{d.rkey}, size, d.sig_remote,
-                                                   rkey{d.sig_rkey}, 1, sig, budget);
+                                                   rkey{d.sig_rkey}, 1, sig, budget, now);
             } else {
-                r = put<sharing::exclusive>(q, d.src_nic, lkey{d.lkey}, d.dst_remote,
-                                            rkey{d.rkey}, size, sig, budget);
+                r = put<sharing::exclusive>(q, src_nic, lkey{d.lkey}, d.dst_remote,
+                                            rkey{d.rkey}, size, sig, budget, now);
             }
+            if (r == OK && now) x.sent += 1;
+            // The tail's stores (a source in host or GPU memory the NIC reads) and the WQEs.
+            if (r == OK && !now) r = release_ahead<sharing::exclusive>(q, &x.ahead);
+            return r;
+        };
+        // End x sends its prepared message.
+        auto fire = [&](samples::lat_end& x) -> status {
+            who = x.id;
+            const status r = ring<sharing::exclusive>(&x.q, budget, x.ahead);
             if (r == OK) x.sent += 1;
             return r;
+        };
+        // With a count (no -D) every message is known to be sent, so each end prepares its
+        // next one before it waits for the peer's (off the round trip, which then holds the
+        // doorbell alone); with -D an end learns only after its wait whether it answers, so
+        // it prepares then (a prepared message would otherwise go out after the test).
+        // BlueFlame: the doorbell copies the WQE and fences itself, so releasing ahead saves
+        // nothing there, and a ring after it would read the WQE back from the ring.
+        const bool ahead = duration_ns == 0 && a.q.db_mode != GPUVERBS_DB_BLUEFLAME;
+        auto prepare = [&](samples::lat_end& x, uint64_t k1) { return post_msg(x, k1, false); };
+        auto answer = [&](samples::lat_end& x, uint64_t k1) {
+            return ahead ? fire(x) : post_msg(x, k1, true);
         };
         if (verb == 2 && iters > 0) {
             s = post_recv<sharing::exclusive>(&a.q, a.side.dst_remote, lkey{a.side.rkey}, size,
@@ -474,13 +507,16 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
                                                   size, budget);
             }
         }
+        if (s == OK && ahead && me == 0 && iters > 0) s = prepare(a, 1);
         for (uint64_t k = 0; s == OK && clk.go(k); ++k) {
             const uint64_t k1 = k + 1;
             if (me == 0) {
                 const uint64_t t0 = now_ns();
                 s = answer(a, k1);
+                if (s == OK && in_turn && ahead) s = prepare(b, k1);
                 if (s == OK && in_turn) s = take(b, k1);
                 if (s == OK && in_turn) s = answer(b, k1);
+                if (s == OK && ahead && k1 < iters) s = prepare(a, k1 + 1);
                 if (s == OK) s = take(a, k1);
                 if (clk.ended(s)) {
                     s = OK;  // the duration is over: this iteration is not counted
@@ -489,7 +525,8 @@ GPUVERBS_KERNEL void gv_sample_verb_lat(const samples::lat_side* sides, uint32_t
                 clk.done(k, &timed);
                 if (k < iters && duration_ns == 0) rtt[k] = now_ns() - t0;
             } else {
-                s = take(a, k1);
+                if (ahead) s = prepare(a, k1);
+                if (s == OK) s = take(a, k1);
                 if (clk.ended(s)) {
                     s = OK;  // the duration is over: this iteration is not counted
                     break;

@@ -60,8 +60,10 @@ pub struct LatSide {
     pub rkey: u32,
     /// rkey of the peer's signal word.
     pub sig_rkey: u32,
-    /// Zero.
-    pub pad: u32,
+    /// WRITE and SEND: bytes from the outgoing payload's first copy to its second (message
+    /// k+1 goes from copy (k+1) % 2, so the kernel may write the next message's tail while the
+    /// NIC may still read the last one).
+    pub src_stride: u32,
 }
 const _: () = assert!(std::mem::size_of::<LatSide>() == 72);
 

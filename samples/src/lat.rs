@@ -60,8 +60,14 @@
 //! posting its own receives with `post_recv` and taking them with `recv_wait`, WRITE's polling
 //! its receive buffer's last word (or its signal word); messages of at most `-I` bytes go
 //! inline (`put_inline`, `send_inline`); for READ and the atomics one block, side A's
-//! (checking every fetched value itself). A times each round trip with %globaltimer. CPU
-//! initiator: one host thread drives
+//! (checking every fetched value itself). A times each round trip with %globaltimer. With a
+//! count (not `-D`) and outside BlueFlame, WRITE and SEND prepare each message before the wait
+//! that lets it go: its tail is written, its WQEs posted without a ring and released to the
+//! NIC's scope (`release_ahead`), and once the peer's message is in only the doorbell is rung,
+//! so the system-scope fence (≈0.55 µs on the H200) is off the round trip; messages alternate
+//! between two copies of the source buffer, so a tail is never written while the NIC may still
+//! read the copy. With `-D` a side learns only after its wait whether it answers, and posts
+//! then (the fence in the round trip, as before). CPU initiator: one host thread drives
 //! both sides in turn and times with the monotonic clock. Warm-up iterations run first, in the
 //! same loop, and are left out of the numbers.
 //!
@@ -390,7 +396,13 @@ impl Side {
             Verb::Send => create_qp_rq(pd, spec, gpu, 16)?,
             _ => create_qp(pd, spec, gpu)?,
         };
-        let src = Payload::new(mem, gpu, len)?;
+        // WRITE and SEND: two copies of the outgoing payload (see `LatSide::src_stride`).
+        let copies = if matches!(verb, Verb::Write | Verb::Send) {
+            2
+        } else {
+            1
+        };
+        let src = Payload::new(mem, gpu, copies * len)?;
         let src_mr = src.register(pd, Access::LOCAL_WRITE | Access::REMOTE_READ)?;
         let recv = Payload::new(mem, gpu, len)?;
         let recv_mr = recv.register(pd, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
@@ -763,8 +775,10 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             match verb {
                 Verb::Write | Verb::Send => {
                     pattern::fill(&mut scratch, seed ^ i as u64, 0, size as usize - tl);
-                    s.src.write(p, &scratch)?;
-                    s.src.fill(p + size as usize - tl, tl, 0)?;
+                    for copy in [0, len] {
+                        s.src.write(copy + p, &scratch)?;
+                        s.src.fill(copy + p + size as usize - tl, tl, 0)?;
+                    }
                     s.recv.fill(0, s.recv.len(), 0)?;
                     s.sig.write(0, &0u64.to_ne_bytes())?;
                 }
@@ -1520,19 +1534,23 @@ impl GpuLat {
         };
         let descs: Vec<LatSide> = acting
             .iter()
-            .map(|&i| {
+            .map(|&i| -> Result<LatSide> {
                 let (s, to) = (&sides[i], &targets[i]);
                 let [src_d, recv_d, sig_d, fetch_d] = self.mapped[i];
+                // WRITE and SEND: the source holds two copies (Side::new).
+                let src_stride = u32::try_from(s.src.len() / 2)
+                    .context("the payload's two copies are more than 4 GiB apart")?;
                 let base = LatSide {
                     qp: self.exports.qps[i].ptr(),
                     ..Default::default()
                 };
-                match verb {
+                Ok(match verb {
                     // WRITE: the own payload into the peer's receive buffer (and signal word);
                     // the own receive buffer's last word and signal word are polled.
                     Verb::Write => LatSide {
                         src_nic: s.src_mr.addr() + p,
                         src_dev: src_d + p,
+                        src_stride,
                         dst_remote: to.recv.addr + p,
                         recv_dev: recv_d + p + size - 8,
                         sig_remote: to.sig.addr,
@@ -1547,6 +1565,7 @@ impl GpuLat {
                     Verb::Send => LatSide {
                         src_nic: s.src_mr.addr() + p,
                         src_dev: src_d + p,
+                        src_stride,
                         dst_remote: s.recv_mr.addr() + p,
                         lkey: s.src_mr.lkey().0,
                         rkey: s.recv_mr.lkey().0,
@@ -1570,9 +1589,9 @@ impl GpuLat {
                         sig_rkey: to.sig.rkey.0,
                         ..base
                     },
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let dev_sides = upload(&self.gpu, &descs)?;
         let rtt = self.gpu.alloc(8 * total.max(1) as usize)?;
         // Per side: messages sent, timed round trips, their span (ns); -D only.
