@@ -235,7 +235,9 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, call_clock& c, const bloc
     if (!take_rung<S>(q, c, &rung)) return TIMEOUT;
     const uint64_t ready = state_load<S>(&q->sq_ready);
     if (ready > rung) {
-        if (ready > ahead.upto) release_wqes(sys_release(k));
+        // Only an exclusive caller's own token may skip the fence (see `released`).
+        const uint64_t covered = S == sharing::exclusive ? ahead.upto : 0;
+        if (ready > covered) release_wqes(sys_release(k));
         doorbell(q, k, ready, k.db_mode == GPUVERBS_DB_BLUEFLAME ? q->sq_last_start : 0, last);
         rung = ready;
     }
