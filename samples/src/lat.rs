@@ -372,6 +372,9 @@ struct Side {
     qp: Qp,
     src: Payload,
     src_mr: Mr,
+    /// WRITE and SEND: bytes from the outgoing payload's first copy to its second (see
+    /// `LatSide::src_stride`); 0 for the verbs whose source is one copy.
+    src_stride: usize,
     recv: Payload,
     recv_mr: Mr,
     sig: Payload,
@@ -397,12 +400,12 @@ impl Side {
             _ => create_qp(pd, spec, gpu)?,
         };
         // WRITE and SEND: two copies of the outgoing payload (see `LatSide::src_stride`).
-        let copies = if matches!(verb, Verb::Write | Verb::Send) {
-            2
+        let src_stride = if matches!(verb, Verb::Write | Verb::Send) {
+            len
         } else {
-            1
+            0
         };
-        let src = Payload::new(mem, gpu, copies * len)?;
+        let src = Payload::new(mem, gpu, src_stride + len)?;
         let src_mr = src.register(pd, Access::LOCAL_WRITE | Access::REMOTE_READ)?;
         let recv = Payload::new(mem, gpu, len)?;
         let recv_mr = recv.register(pd, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
@@ -416,6 +419,7 @@ impl Side {
             qp,
             src,
             src_mr,
+            src_stride,
             recv,
             recv_mr,
             sig,
@@ -775,7 +779,7 @@ fn run(args: &Args, t: &Test) -> Result<()> {
             match verb {
                 Verb::Write | Verb::Send => {
                     pattern::fill(&mut scratch, seed ^ i as u64, 0, size as usize - tl);
-                    for copy in [0, len] {
+                    for copy in [0, s.src_stride] {
                         s.src.write(copy + p, &scratch)?;
                         s.src.fill(copy + p + size as usize - tl, tl, 0)?;
                     }
@@ -1537,8 +1541,7 @@ impl GpuLat {
             .map(|&i| -> Result<LatSide> {
                 let (s, to) = (&sides[i], &targets[i]);
                 let [src_d, recv_d, sig_d, fetch_d] = self.mapped[i];
-                // WRITE and SEND: the source holds two copies (Side::new).
-                let src_stride = u32::try_from(s.src.len() / 2)
+                let src_stride = u32::try_from(s.src_stride)
                     .context("the payload's two copies are more than 4 GiB apart")?;
                 let base = LatSide {
                     qp: self.exports.qps[i].ptr(),
