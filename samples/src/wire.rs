@@ -6,7 +6,8 @@ use serde_json::{json, Value};
 /// What this side's wire port did between two counter snapshots (the JSON's `"wire"`):
 /// datagrams each way, request packets sent again, timer expirations (IBTA and early), sequence
 /// and RNR NAKs, datagrams dropped on purpose, requests out of sequence and duplicate, selective
-/// repeat's gaps filled and gap reports each way; `null` without a soft NIC (an rdma-core device has no such counters).
+/// repeat's gaps filled, gap reports each way (acted on and ignored), held packets dropped,
+/// requests outside the hold window and conflicting duplicates; `null` without a soft NIC (an rdma-core device has no such counters).
 pub fn wire_delta(
     before: &Option<softnic::WireCounters>,
     after: &Option<softnic::WireCounters>,
@@ -31,6 +32,10 @@ pub fn wire_delta(
         "sr_gaps_filled": d(after.sr_gaps_filled, before.sr_gaps_filled),
         "sr_gap_reports_sent": d(after.sr_gap_reports_sent, before.sr_gap_reports_sent),
         "sr_gap_reports_received": d(after.sr_gap_reports_received, before.sr_gap_reports_received),
+        "sr_gap_reports_ignored": d(after.sr_gap_reports_ignored, before.sr_gap_reports_ignored),
+        "sr_held_dropped": d(after.sr_held_dropped, before.sr_held_dropped),
+        "out_of_window": d(after.out_of_window, before.out_of_window),
+        "rx_conflicting_duplicates": d(after.rx_conflicting_duplicates, before.rx_conflicting_duplicates),
     })
 }
 

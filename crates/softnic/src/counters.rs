@@ -226,6 +226,21 @@ wire_counters! {
     sr_gap_reports_sent,
     /// Selective repeat: gap reports received and acted on (their packets resent).
     sr_gap_reports_received,
+    /// Selective repeat: gap reports received that named PSNs in flight but were not acted
+    /// on: too early to be real (the packet behind the gap was sent less than half a round
+    /// trip before), or every PSN named was resent within the last round trip.
+    sr_gap_reports_ignored,
+    /// Selective repeat: held packets dropped unrun: one that did not fit the message in
+    /// progress when its turn came (asked for again), or all of them when the responder's
+    /// timer asked in vain for the gap in front of them.
+    sr_held_dropped,
+    /// Requests ahead of the expected PSN by the hold window or more (no requester has that
+    /// much in flight), or, with selective repeat, from another UDP port than the
+    /// requester's flow: not held; NAKed as go-back-N does (once per gap).
+    out_of_window,
+    /// Requests whose PSN was held with different bytes (forged or corrupted): neither copy
+    /// runs, the requester sends that PSN again.
+    rx_conflicting_duplicates,
     /// Datagrams dropped as malformed: truncated, oversized, unsupported opcode or version,
     /// payload longer than the path MTU, pad errors.
     rx_malformed,

@@ -274,6 +274,9 @@ pub struct Qp {
     state: AtomicU8,
     /// The connected peer for the wire: `1 << 56 | ipv4 << 24 | qpn`, 0 when none.
     remote: AtomicU64,
+    /// Where the responder's answers go on the wire: `1 << 48 | ipv4 << 16 | udp port`, 0
+    /// until the first request decides it ([`Qp::answer_addr`]).
+    answer_to: AtomicU64,
     pub(crate) sq: Mutex<SqState>,
     pub(crate) rq: Mutex<RqState>,
     /// The SRQ receives come from (instead of the RQ).
@@ -387,6 +390,7 @@ impl Qp {
             user_index: cfg.user_index.map(|u| u & 0xff_ffff),
             state: AtomicU8::new(QpState::Reset as u8),
             remote: AtomicU64::new(0),
+            answer_to: AtomicU64::new(0),
             sq: Mutex::new(SqState {
                 ci: 0,
                 target: 0,
@@ -458,6 +462,25 @@ impl Qp {
                 (v & 0xff_ffff) as u32,
             )
         })
+    }
+    /// Where the responder's answers go on the wire: the connected peer's address, decided
+    /// by `decide` at the first request after RTR (a lookup of the peer table) and kept, as
+    /// the requester keeps its route. Never the source of a request.
+    pub(crate) fn answer_addr(
+        &self,
+        decide: impl FnOnce() -> std::net::SocketAddrV4,
+    ) -> std::net::SocketAddrV4 {
+        let v = self.answer_to.load(Ordering::Acquire);
+        if v >> 48 == 1 {
+            return std::net::SocketAddrV4::new(
+                std::net::Ipv4Addr::from((v >> 16) as u32),
+                v as u16,
+            );
+        }
+        let a = decide();
+        let v = 1u64 << 48 | (u32::from(*a.ip()) as u64) << 16 | a.port() as u64;
+        self.answer_to.store(v, Ordering::Release);
+        a
     }
     /// Protection domain.
     pub fn pd(&self) -> PdId {
@@ -608,6 +631,7 @@ impl Qp {
                     1u64 << 56 | (u32::from(ip) as u64) << 24 | a.remote_qpn as u64
                 });
                 self.remote.store(remote, Ordering::Release);
+                self.answer_to.store(0, Ordering::Release);
             }
             Modify::Rts(a) => {
                 if a.retry_cnt > 7 || a.rnr_retry > 7 || a.timeout > 31 {
@@ -634,6 +658,7 @@ impl Qp {
                 rq.wire = Default::default();
                 self.last_wqe_raised.store(false, Ordering::Release);
                 self.remote.store(0, Ordering::Release);
+                self.answer_to.store(0, Ordering::Release);
                 if self.dbrec_ext.is_none() {
                     // The device's own record; an external one belongs to its writer.
                     self.ctrl.atomic_u64(DBREC_OFF).store(0, Ordering::Release);

@@ -104,15 +104,30 @@ fn unsignaled_and_nops_complete_in_order_behind_the_wire() {
 #[test]
 fn peers_found_by_gid_alone_at_the_default_port() {
     let _serial = serial();
-    // B listens on some port P; A has no peer table, only `default_port: P`. Both have the
-    // GID ::ffff:127.0.0.1, which therefore names no single in-process device: A's QP finds
-    // B at the GID's address and the default port, and B answers to where requests come from.
-    let b = wire_node(WireFaults::default());
+    // Neither device has a peer table: A's default port is B's port, B's is A's. Both have
+    // the GID ::ffff:127.0.0.1, which therefore names no single in-process device: A's QP
+    // finds B at the GID's address and its default port, and B answers there too (to the
+    // peer's address, not to the source port of the requests, which is an entropy port).
+    let a_port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dev = softnic::Device::open(softnic::DeviceConfig {
+        wire: Some(softnic::WireConfig {
+            default_port: a_port,
+            ..softnic::WireConfig::loopback()
+        }),
+        ..Default::default()
+    })
+    .unwrap();
+    let pd = dev.alloc_pd();
+    let b = Node { dev, pd };
     let port = b.dev.wire_addr().unwrap().port();
     let dev = softnic::Device::open(softnic::DeviceConfig {
         wire: Some(softnic::WireConfig {
             default_port: port,
-            ..softnic::WireConfig::loopback()
+            ..softnic::WireConfig::new(([127, 0, 0, 1], a_port).into())
         }),
         ..Default::default()
     })

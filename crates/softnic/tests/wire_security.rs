@@ -397,6 +397,7 @@ fn duplicate_reads_are_served_only_inside_a_held_read() {
         ..Packet::default()
     };
     let key = tgt.rkey().0;
+    let before_a = p.a.dev.counters().wire;
     let served = [
         // the 64-byte READ again
         read(psn(s, 1), tgt.addr(0), key, 64),
@@ -420,14 +421,22 @@ fn duplicate_reads_are_served_only_inside_a_held_read() {
         read(psn(s, packet::MASK24 - 1000), tgt.addr(0), key, 64),
     ];
     let before = p.b.dev.counters().wire;
-    for d in &dropped {
-        raw.send(d);
-    }
-    for d in &served {
-        raw.send(d);
-    }
-    let c = wait_rx(&p.b, &before, (dropped.len() + served.len()) as u64);
-    let got = raw.collect(Duration::from_millis(100));
+    let mut c = before.clone();
+    // the answers go to the connected peer, A, whatever the source of the requests
+    let frames = captured(&p.a.dev, || {
+        for d in &dropped {
+            raw.send(d);
+        }
+        for d in &served {
+            raw.send(d);
+        }
+        c = wait_rx(&p.b, &before, (dropped.len() + served.len()) as u64);
+        wait_for("the answers at A", Duration::from_secs(5), || {
+            p.a.dev.counters().wire.rx_packets >= before_a.rx_packets + 3
+        });
+    });
+    assert!(raw.collect(Duration::from_millis(50)).is_empty());
+    let got: Vec<Vec<u8>> = frames.into_iter().map(|(_, _, d)| d).collect();
     assert_eq!(
         c.rx_bad_duplicate_reads - before.rx_bad_duplicate_reads,
         dropped.len() as u64,

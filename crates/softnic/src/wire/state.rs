@@ -151,6 +151,9 @@ pub(crate) struct ReqWire {
     pub(super) resend: VecDeque<u32>,
     /// PSNs queued for such a resend, and when (pruned to those in flight).
     pub(super) resent: HashMap<u32, Instant>,
+    /// The first transmission of each packet in flight: its PSN and when it left (oldest
+    /// first), to tell a gap report that can be real from one that came too soon.
+    pub(super) sent_log: VecDeque<(u32, Instant)>,
     /// A WQE that failed locally is queued: run no more WQEs until it completes.
     pub(crate) blocked: bool,
     /// A queued message failed while being sent: send nothing more.
@@ -200,6 +203,7 @@ impl ReqWire {
             selective: false,
             resend: VecDeque::new(),
             resent: HashMap::new(),
+            sent_log: VecDeque::new(),
             blocked: false,
             halted: false,
             batch: TxBatch::default(),
@@ -321,34 +325,78 @@ impl ReqWire {
         self.queue_resend(self.una, now);
     }
 
+    /// Notes the first transmission of the packet at PSN `p` (sent in PSN order).
+    pub(super) fn log_sent(&mut self, p: u32, now: Instant) {
+        let una = self.una;
+        while self.sent_log.len() >= 2 && psn_diff(self.sent_log[1].0, una) <= 0 {
+            self.sent_log.pop_front();
+        }
+        self.sent_log.push_back((p, now));
+    }
+
+    /// When the packet holding PSN `p` first left, if it is in the log.
+    fn sent_at(&self, p: u32) -> Option<Instant> {
+        let una = self.una;
+        let i = self
+            .sent_log
+            .partition_point(|&(q, _)| psn_diff(q, una).max(-1) <= psn_diff(p, una));
+        i.checked_sub(1).map(|i| self.sent_log[i].1)
+    }
+
     /// Selective repeat: a gap report (the responder misses PSNs `[from, from + n)` and holds
-    /// packets behind them) resends each of them that is in flight, unless it was resent
-    /// within the last round trip. It acknowledges nothing and cuts no window. False when it
-    /// names no PSN in flight (stale, or never sent).
-    pub(super) fn resend_gap(&mut self, from: u32, n: u32, now: Instant) -> bool {
+    /// the packet at `from + n`) resends each of them that is in flight, unless it was resent
+    /// within the last round trip. It acknowledges nothing and cuts no window.
+    ///
+    /// A real report comes a round trip after the packet behind the gap left at the
+    /// earliest (the newest packet sent when the report names it: a responder asking for a
+    /// copy of a held packet nothing came after): one that names a packet behind the gap
+    /// that was never sent, or that left less than half a smoothed round trip before (room
+    /// for a round trip shorter than the average), is ignored, and so is one whose PSNs were
+    /// all resent within the last round trip (a gap is acted on once per round trip).
+    pub(super) fn resend_gap(&mut self, from: u32, n: u32, now: Instant) -> GapReport {
         let in_flight = psn_diff(self.sent_hi, self.una).max(0) as u32;
         let k = psn_diff(from, self.una);
         if n == 0 || k < 0 || k as u32 >= in_flight {
-            return false;
+            return GapReport::NotInFlight;
+        }
+        // the packet behind the gap, whose arrival drew the report; or, when the report
+        // names the newest packet sent (a responder asking for a copy of a held packet that
+        // nothing came after), that one
+        let behind = psn_add(from, n);
+        let drew = match psn_diff(behind, self.sent_hi) {
+            d if d > 0 => return GapReport::Ignored,
+            0 => psn_add(behind, MASK24),
+            _ => behind,
+        };
+        let early = self
+            .sent_at(drew)
+            .is_none_or(|t| now.saturating_duration_since(t) < self.srtt / 2);
+        if early {
+            return GapReport::Ignored;
         }
         self.rtt_probes.clear();
+        let mut queued = false;
         for i in 0..n.min(in_flight - k as u32) {
-            self.queue_resend(psn_add(from, i), now);
+            queued |= self.queue_resend(psn_add(from, i), now);
         }
-        true
+        if queued {
+            GapReport::Acted
+        } else {
+            GapReport::Ignored
+        }
     }
 
     /// Queues PSN `p` for a resend unless it was queued within the last round trip (the
     /// responder names a gap again while more packets arrive behind it; once more a round
     /// trip after the resend means the resend was lost too).
-    fn queue_resend(&mut self, p: u32, now: Instant) {
+    fn queue_resend(&mut self, p: u32, now: Instant) -> bool {
         let rtt = self.srtt.max(Duration::from_micros(50));
         if self
             .resent
             .get(&p)
             .is_some_and(|t| now.duration_since(*t) < rtt)
         {
-            return;
+            return false;
         }
         if self.resent.len() >= 2 * self.window.max(64) as usize {
             let una = self.una;
@@ -356,6 +404,7 @@ impl ReqWire {
         }
         self.resent.insert(p, now);
         self.resend.push_back(p);
+        true
     }
 
     /// Goes back to `una` for a missing response, once per gap and round trip (the
@@ -483,6 +532,18 @@ impl ReqWire {
     }
 }
 
+/// What a gap report led to ([`ReqWire::resend_gap`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum GapReport {
+    /// Its PSNs in flight were queued for a resend.
+    Acted,
+    /// It names PSNs in flight, but came too soon to be real or repeats one acted on within
+    /// the last round trip.
+    Ignored,
+    /// It names nothing in flight (stale, or never sent).
+    NotInFlight,
+}
+
 pub(super) enum Acked {
     Ok,
     /// A READ or atomic before the acknowledged PSN has no response: go back to it.
@@ -525,20 +586,64 @@ pub(crate) struct RespWire {
     /// Selective repeat agreed with the requester: packets that arrive behind a gap are held
     /// (by PSN, as received) and run in order once the gap is filled.
     pub(super) selective: bool,
-    pub(super) held: HashMap<u32, Vec<u8>>,
-    /// The highest PSN held (meaningful while `held` is not empty).
+    pub(super) held: HashMap<u32, Held>,
+    /// The highest PSN held and the PSN that follows it (past every PSN a held READ
+    /// consumes); meaningful while `held` is not empty.
     pub(super) held_hi: u32,
+    pub(super) held_next: u32,
+    /// The UDP source port of the requester's flow, as of its last request taken in
+    /// sequence: a soft NIC sends a QP's requests from one port, and only packets from it
+    /// are held.
+    pub(super) sport: Option<u16>,
     /// When the gap's first sequence NAK, and its last one, were sent (selective repeat
     /// names a gap again after [`RespWire::renak_wait`] without it being filled: the NAK, the
     /// resend or the answer to it was lost).
     pub(super) first_nak: Option<Instant>,
     pub(super) last_nak: Option<Instant>,
+    /// Gap NAKs sent again by the timer since the last progress (each doubles the wait).
+    pub(super) renaks: u32,
     /// The smoothed time from a gap's first NAK to its filling (one repair: a round trip and
     /// the requester's turn).
     pub(super) repair: Duration,
-    /// Where answers go: the requester's address, the reply flow and the requester's QPN, as
-    /// of the last request.
+    /// Where answers go: the connected peer's address (its peer-table entry, or its GID's
+    /// address at the default port, as for the requester), the reply flow and the
+    /// requester's QPN; decided at the first request.
     pub(super) reply_to: Option<(SocketAddr, Flow, u32)>,
+}
+
+/// A request held behind a gap (selective repeat).
+#[derive(Debug)]
+pub(super) struct Held {
+    /// The datagram as received.
+    pub(super) raw: Vec<u8>,
+    /// PSNs it consumes (a READ's response packets; 1 otherwise).
+    pub(super) npkts: u32,
+    /// Something vouches for it (see [`RespWire::hold`]); an untrusted packet does not run.
+    pub(super) trusted: bool,
+}
+
+/// Whether two request datagrams carry the same request: the same bytes but for the BTH's
+/// AckReq bit and FECN/BECN byte (a resend may ask for an ACK the first copy did not) and the
+/// ICRC (it covers the IPv4 identification, which differs between copies).
+pub(super) fn same_request(a: &[u8], b: &[u8]) -> bool {
+    const BTH_LEN: usize = super::packet::BTH_LEN;
+    const ICRC_LEN: usize = super::packet::ICRC_LEN;
+    if a.len() != b.len() || a.len() < BTH_LEN + ICRC_LEN {
+        return false;
+    }
+    let n = a.len() - ICRC_LEN;
+    a[..4] == b[..4] && a[5..8] == b[5..8] && a[8] & 0x7f == b[8] & 0x7f && a[9..n] == b[9..n]
+}
+
+/// What a request ahead of the expected PSN meets among the held packets.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Hold {
+    /// Held; the PSNs missing in front of it that nothing named yet, `(first, count)`.
+    New(Option<(u32, u32)>),
+    /// A copy of the packet held with that PSN (now trusted: the requester sent it again).
+    Copy,
+    /// A different packet held with the same PSN: forged or corrupted. Both are dropped.
+    Conflict,
 }
 
 /// The least time a gap with packets held behind it stays unfilled before the responder names
@@ -609,28 +714,100 @@ impl RespWire {
         }
     }
 
-    /// Holds packet `raw` (PSN `psn`, out of sequence) until its gap is filled, unless `cap`
-    /// packets are held already (it is then dropped, as without selective repeat). Returns
-    /// the PSNs missing in front of it that nothing named yet, `(first, count)`: behind the
-    /// expected PSN (which the sequence NAK names) when nothing was held, else behind the
-    /// highest packet held; none when it was not held or falls inside what is held.
-    pub(super) fn hold(&mut self, psn: u32, raw: &[u8], cap: usize) -> Option<(u32, u32)> {
-        if self.held.len() >= cap || self.held.contains_key(&psn) {
-            return None;
+    /// The first PSN from the expected one on that is not held: the end of the run of held
+    /// packets that starts at the expected PSN (the expected PSN itself while it is missing).
+    pub(super) fn frontier(&self) -> u32 {
+        let mut p = self.epsn;
+        while let Some(h) = self.held.get(&p) {
+            p = psn_add(p, h.npkts.max(1));
         }
-        let from = if self.held.is_empty() {
-            psn_add(self.epsn, 1)
-        } else if psn_diff(psn, self.held_hi) > 0 {
-            psn_add(self.held_hi, 1)
+        p
+    }
+
+    /// The first PSN of the newest packet of the run of held packets at the expected PSN.
+    pub(super) fn run_last(&self) -> u32 {
+        let (mut p, mut last) = (self.epsn, self.epsn);
+        while let Some(h) = self.held.get(&p) {
+            last = p;
+            p = psn_add(p, h.npkts.max(1));
+        }
+        last
+    }
+
+    /// Whether the packet held at the expected PSN waits to be vouched for: its gap is
+    /// filled, but nothing has vouched for it yet.
+    pub(super) fn unconfirmed(&self) -> bool {
+        self.held.get(&self.epsn).is_some_and(|h| !h.trusted)
+    }
+
+    /// Holds request `raw` (PSN `psn`, ahead of the expected one and inside the hold window;
+    /// it consumes `npkts` PSNs).
+    ///
+    /// Forgery is what this guards against: a packet held ahead runs later in place of the
+    /// real one, which then counts as a duplicate. So a held packet runs only when something
+    /// vouches for it:
+    /// - a copy of it (the requester sent it again: [`Hold::Copy`]); a different packet with
+    ///   the PSN of a held one is a forgery or a corruption, and both are dropped
+    ///   ([`Hold::Conflict`]; the requester resends that PSN);
+    /// - its arrival at the frontier ([`RespWire::frontier`]) while the expected packet is
+    ///   held: that exact PSN is as hard to guess as the expected one;
+    /// - a request that arrives at or past the frontier while the run of held packets at the
+    ///   expected PSN waits: the requester sent everything before it first, so a forged
+    ///   packet in that run would have met its real twin (a conflict) before.
+    ///
+    /// A packet that opens or sits behind a gap is held untrusted; once its gap is filled it
+    /// waits for one of the above. What this leaves to a blind forger is a packet in a hole
+    /// whose real packet was lost (or reordered) too.
+    pub(super) fn hold(&mut self, psn: u32, npkts: u32, raw: &[u8]) -> Hold {
+        // the run at the expected PSN that waits, if any, and its end
+        let end = self.unconfirmed().then(|| self.frontier());
+        let vouches = end.is_some_and(|e| psn_diff(psn, e) >= 0);
+        let out = if let Some(h) = self.held.get_mut(&psn) {
+            if !same_request(&h.raw, raw) {
+                self.held.remove(&psn);
+                return Hold::Conflict;
+            }
+            h.trusted = true;
+            // The requester sent it again, so the held copy is real, and it arrived after
+            // the real packets before it: any of them forged would have met its real twin.
+            for (_, h) in self.held.iter_mut().filter(|(&q, _)| psn_diff(q, psn) < 0) {
+                h.trusted = true;
+            }
+            Hold::Copy
         } else {
-            psn // inside what is held: nothing new is missing
+            let from = if self.held.is_empty() {
+                psn_add(self.epsn, 1)
+            } else if psn_diff(psn, self.held_hi) > 0 {
+                self.held_next
+            } else {
+                psn // inside what is held: nothing new is missing
+            };
+            if self.held.is_empty() || psn_diff(psn, self.held_hi) > 0 {
+                self.held_hi = psn;
+                self.held_next = psn_add(psn, npkts.max(1));
+            }
+            self.held.insert(
+                psn,
+                Held {
+                    raw: raw.to_vec(),
+                    npkts,
+                    trusted: end == Some(psn),
+                },
+            );
+            let missing = psn_diff(psn, from);
+            Hold::New((missing > 0).then_some((from, missing as u32)))
         };
-        if self.held.is_empty() || psn_diff(psn, self.held_hi) > 0 {
-            self.held_hi = psn;
+        if let (true, Some(end)) = (vouches, end) {
+            let mut p = self.epsn;
+            while p != end {
+                let Some(h) = self.held.get_mut(&p) else {
+                    break;
+                };
+                h.trusted = true;
+                p = psn_add(p, h.npkts.max(1));
+            }
         }
-        self.held.insert(psn, raw.to_vec());
-        let missing = psn_diff(psn, from);
-        (missing > 0).then_some((from, missing as u32))
+        out
     }
 }
 
@@ -639,28 +816,134 @@ mod tests {
     use super::*;
     use std::net::Ipv4Addr;
 
+    /// A request datagram of 20 bytes: PSN `psn`, payload byte `fill`.
+    fn req(psn: u32, fill: u8) -> Vec<u8> {
+        let mut v = vec![fill; 20];
+        v[8..12].copy_from_slice(&psn.to_be_bytes());
+        v
+    }
+
+    fn trusted(w: &RespWire, psn: u32) -> Option<bool> {
+        w.held.get(&psn).map(|h| h.trusted)
+    }
+
     #[test]
     fn held_packets_name_what_is_missing_in_front_of_them() {
         let mut w = RespWire::new(10, 4096, true);
         // The first gap: the sequence NAK names 10, the report the rest of it.
-        assert_eq!(w.hold(11, b"p11", 64), None);
+        assert_eq!(w.hold(11, 1, &req(11, 1)), Hold::New(None));
         let mut w2 = RespWire::new(10, 4096, true);
-        assert_eq!(w2.hold(13, b"p13", 64), Some((11, 2)));
+        assert_eq!(w2.hold(13, 1, &req(13, 1)), Hold::New(Some((11, 2))));
         // Behind what is held: a new gap each time a packet skips PSNs.
-        assert_eq!(w.hold(12, b"p12", 64), None);
-        assert_eq!(w.hold(16, b"p16", 64), Some((13, 3)));
-        assert_eq!(w.hold(17, b"p17", 64), None);
+        assert_eq!(w.hold(12, 1, &req(12, 1)), Hold::New(None));
+        assert_eq!(w.hold(16, 1, &req(16, 1)), Hold::New(Some((13, 3))));
+        assert_eq!(w.hold(17, 1, &req(17, 1)), Hold::New(None));
         // Inside what is held (a resend, or reordered): nothing new is missing.
-        assert_eq!(w.hold(14, b"p14", 64), None);
-        assert_eq!(w.hold(16, b"dup", 64), None);
+        assert_eq!(w.hold(14, 1, &req(14, 1)), Hold::New(None));
+        assert_eq!(w.hold(16, 1, &req(16, 1)), Hold::Copy);
         assert_eq!(w.held.len(), 5);
         assert_eq!(w.held_hi, 17);
-        // Past the cap: dropped, and nothing reported for it.
-        assert_eq!(w.hold(30, b"p30", 5), None);
-        assert!(!w.held.contains_key(&30));
+        // A held READ consumes its PSNs: the next request follows them.
+        assert_eq!(w.hold(18, 4, &req(18, 1)), Hold::New(None));
+        assert_eq!(w.hold(22, 1, &req(22, 1)), Hold::New(None));
+        assert_eq!(w.hold(24, 1, &req(24, 1)), Hold::New(Some((23, 1))));
         // PSNs wrap at 24 bits.
         let mut w3 = RespWire::new(MASK24, 4096, true);
-        assert_eq!(w3.hold(2, b"p2", 64), Some((0, 2)));
+        assert_eq!(w3.hold(2, 1, &req(2, 1)), Hold::New(Some((0, 2))));
+    }
+
+    #[test]
+    fn held_packets_run_only_when_vouched_for() {
+        // A loss at 10: 11..=14 arrive and are held, none trusted (each sits behind a gap).
+        let mut w = RespWire::new(10, 4096, true);
+        for p in 11..=14 {
+            w.hold(p, 1, &req(p, 1));
+        }
+        assert!((11..=14).all(|p| trusted(&w, p) == Some(false)));
+        assert_eq!(w.frontier(), 10);
+        // The resend of 10 ran: 11 waits, the run 11..=14 ends at 15.
+        w.epsn = 11;
+        assert!(w.unconfirmed());
+        assert_eq!(w.frontier(), 15);
+        // 15 arrives: at the frontier, so trusted itself, and it vouches for 11..=14.
+        assert_eq!(w.hold(15, 1, &req(15, 1)), Hold::New(None));
+        assert!((11..=15).all(|p| trusted(&w, p) == Some(true)));
+        assert!(!w.unconfirmed());
+
+        // A packet past the frontier vouches for the run too, but not for itself.
+        let mut w = RespWire::new(10, 4096, true);
+        for p in [11, 12, 20] {
+            w.hold(p, 1, &req(p, 1));
+        }
+        w.epsn = 11;
+        assert_eq!(w.hold(25, 1, &req(25, 1)), Hold::New(Some((21, 4))));
+        assert_eq!(trusted(&w, 11), Some(true));
+        assert_eq!(trusted(&w, 12), Some(true));
+        assert_eq!(trusted(&w, 20), Some(false));
+        assert_eq!(trusted(&w, 25), Some(false));
+
+        // A copy of a held packet makes it trusted, and every held packet before it (the
+        // requester sent them first): the requester's resend of its newest packet vouches for
+        // a whole run, holes and all.
+        let mut w = RespWire::new(10, 4096, true);
+        for p in [11, 13, 14, 16] {
+            w.hold(p, 1, &req(p, 1));
+        }
+        assert_eq!(w.hold(12, 1, &req(12, 1)), Hold::New(None));
+        w.epsn = 11;
+        assert_eq!(trusted(&w, 11), Some(false));
+        assert_eq!(w.hold(14, 1, &req(14, 1)), Hold::Copy);
+        assert!((11..=14).all(|p| trusted(&w, p) == Some(true)));
+        assert_eq!(trusted(&w, 16), Some(false));
+        let mut w = RespWire::new(10, 4096, true);
+        w.hold(11, 1, &req(11, 1));
+        w.epsn = 11;
+        assert_eq!(w.run_last(), 11);
+        // the copy may ask for an ACK and carries another ICRC: still the same request
+        let mut copy = req(11, 1);
+        copy[8] |= 0x80;
+        copy[19] ^= 0xff;
+        assert_eq!(w.hold(11, 1, &copy), Hold::Copy);
+        assert_eq!(trusted(&w, 11), Some(true));
+    }
+
+    #[test]
+    fn a_forged_run_never_vouches_for_itself() {
+        // A forger's run 40..=45 lands ahead of a stream with nothing lost.
+        let mut w = RespWire::new(10, 4096, true);
+        for p in 40..=45 {
+            w.hold(p, 1, &req(p, 0xee));
+        }
+        assert!((40..=45).all(|p| trusted(&w, p) == Some(false)));
+        // The real stream runs in sequence up to 39: 40 waits.
+        w.epsn = 40;
+        assert!(w.unconfirmed());
+        // The real 41 (40 is handled in sequence) meets its forged twin: both dropped.
+        assert_eq!(w.hold(41, 1, &req(41, 1)), Hold::Conflict);
+        assert!(!w.held.contains_key(&41));
+        // The forged 40 still waits: nothing real vouched for it (41 was a conflict).
+        assert_eq!(trusted(&w, 40), Some(false));
+        // A different packet with a held PSN is a conflict however it differs.
+        let mut other = req(43, 0xee);
+        other[15] = 0;
+        assert_eq!(w.hold(43, 1, &other), Hold::Conflict);
+    }
+
+    #[test]
+    fn copies_are_the_same_request_but_for_ackreq_ecn_and_icrc() {
+        let a = req(5, 3);
+        let mut b = a.clone();
+        b[4] = 0xc0; // FECN, BECN
+        b[8] |= 0x80; // AckReq
+        b[16..].copy_from_slice(&[1, 2, 3, 4]); // ICRC
+        assert!(same_request(&a, &b));
+        for i in [0, 5, 9, 12, 15] {
+            let mut c = a.clone();
+            c[i] ^= 1;
+            assert!(!same_request(&a, &c), "byte {i}");
+        }
+        assert!(!same_request(&a, &a[..19]));
+        assert!(!same_request(&a[..10], &a[..10]));
     }
 
     #[test]
@@ -673,26 +956,43 @@ mod tests {
         };
         let mut w = ReqWire::new("127.0.0.1:4791".parse().unwrap(), flow, 7, 4096, 256, 100);
         w.selective = true;
+        let t0 = Instant::now();
+        // 100..200 leave 10 µs apart
+        for p in 100..200 {
+            w.log_sent(p, t0 + Duration::from_micros(10 * (p - 100) as u64));
+        }
         w.sent_hi = 200;
         w.srtt = Duration::from_millis(10);
-        let now = Instant::now();
-        assert!(w.resend_gap(150, 3, now));
+        let now = t0 + Duration::from_millis(20);
+        use GapReport::*;
+        assert_eq!(w.resend_gap(150, 3, now), Acted);
         assert_eq!(Vec::from(w.resend.clone()), vec![150, 151, 152]);
         // The same report again within a round trip (a copy, or the gap named again before
         // the resends arrived): nothing more.
-        assert!(w.resend_gap(150, 3, now));
+        assert_eq!(w.resend_gap(150, 3, now), Ignored);
         assert_eq!(w.resend.len(), 3);
         // A round trip later the resends were lost too: again.
-        assert!(w.resend_gap(151, 1, now + Duration::from_millis(11)));
+        assert_eq!(w.resend_gap(151, 1, now + Duration::from_millis(11)), Acted);
         assert_eq!(w.resend.back(), Some(&151));
-        // Clipped to what is in flight; stale or never sent: nothing.
-        assert!(w.resend_gap(199, 10, now));
+        // Clipped to what is in flight; the packet behind the gap must have been sent.
+        assert_eq!(w.resend_gap(197, 2, now), Acted);
+        assert_eq!(w.resend.back(), Some(&198));
+        assert_eq!(w.resend.len(), 6);
+        // The newest packet sent may be named (a responder asking for a copy of it), but
+        // nothing past it.
+        assert_eq!(w.resend_gap(199, 1, now), Acted);
         assert_eq!(w.resend.back(), Some(&199));
-        assert_eq!(w.resend.len(), 5);
-        assert!(!w.resend_gap(90, 5, now));
-        assert!(!w.resend_gap(200, 1, now));
-        assert!(!w.resend_gap(120, 0, now));
-        assert_eq!(w.resend.len(), 5);
+        assert_eq!(w.resend_gap(197, 5, now), Ignored);
+        // Too soon to be real: the packet behind the gap left less than half a round trip ago.
+        let soon = t0 + Duration::from_micros(5400);
+        assert_eq!(w.resend_gap(140, 10, soon), Ignored);
+        assert_eq!(w.resend_gap(100, 10, soon), Acted);
+        assert_eq!(w.resend.len(), 17);
+        // Stale or never sent: nothing.
+        assert_eq!(w.resend_gap(90, 5, now), NotInFlight);
+        assert_eq!(w.resend_gap(200, 1, now), NotInFlight);
+        assert_eq!(w.resend_gap(120, 0, now), NotInFlight);
+        assert_eq!(w.resend.len(), 17);
         // A go-back resends everything from una anyway.
         w.go_back(100, now);
         assert!(w.resend.is_empty());

@@ -14,7 +14,8 @@ use super::packet::{
 };
 use super::socket::{self, Port, TxBatch};
 use super::state::{
-    psn_add, psn_diff, Acked, HeldRead, InMsg, OutMsg, OutOp, ReqWire, Src, FAST_RTO_MAX,
+    psn_add, psn_diff, same_request, Acked, GapReport, HeldRead, Hold, InMsg, OutMsg, OutOp,
+    ReqWire, Src, FAST_RTO_MAX,
 };
 use crate::completion::{flush_cqe, push_cqe_delayed};
 use crate::counters::Counters;
@@ -62,7 +63,7 @@ pub(crate) fn connect(dev: &Shared, sq: &mut SqState, gid: Gid, qpn: u32, to: So
     if mtu != sq.mtu {
         tracing::debug!(rtr = sq.mtu, mtu, "path MTU lowered to the route's");
     }
-    let window = port.cfg.window.max(1);
+    let window = port.cfg.window.clamp(1, MAX_WINDOW);
     let flow = Flow {
         src: port.ip,
         dst: ip,
@@ -576,8 +577,13 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
         port.send_built(&mut batch, start, w.to, &w.flow);
         if psn_diff(p, w.sent_hi) < 0 {
             Counters::add(&dev.counters.wire.retransmits, 1);
-        } else if ack_req || next != psn_add(p, 1) {
-            w.probe(p, Instant::now());
+        } else {
+            if w.selective {
+                w.log_sent(p, now);
+            }
+            if ack_req || next != psn_add(p, 1) {
+                w.probe(p, Instant::now());
+            }
         }
         w.send_psn = next;
         if psn_diff(next, w.sent_hi) > 0 {
@@ -749,11 +755,12 @@ fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
                 // Only a peer that agreed on selective repeat sends it; it acknowledges
                 // nothing (the NAK code is reserved by IBTA: a real NIC never sends it).
                 let n = pkt.aeth.map_or(0, |a| a.msn);
-                if w.selective && w.resend_gap(p, n, now) {
-                    Counters::add(&wc.sr_gap_reports_received, 1);
-                } else {
-                    Counters::add(&wc.rx_unexpected, 1);
-                }
+                let c = match w.selective.then(|| w.resend_gap(p, n, now)) {
+                    Some(GapReport::Acted) => &wc.sr_gap_reports_received,
+                    Some(GapReport::Ignored) => &wc.sr_gap_reports_ignored,
+                    Some(GapReport::NotInFlight) | None => &wc.rx_unexpected,
+                };
+                Counters::add(c, 1);
                 drop(g);
                 pump(dev, qp, w, now);
                 return;
@@ -1015,9 +1022,69 @@ enum Outcome {
     Answered,
 }
 
-/// Handles a request packet for responder QP `qp` (`raw`: the datagram it was parsed from),
-/// from the requester at `to`.
-fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut Reply<'_>) {
+/// The most PSNs a requester may have in flight ([`crate::WireConfig::window`] is capped
+/// there), and so the farthest ahead of the expected PSN a responder holds a request.
+pub(crate) const MAX_WINDOW: u32 = 4096;
+
+/// How far ahead of the expected PSN this device's responders hold requests (selective
+/// repeat): the window its requesters use, which two soft NICs share (the default unless both
+/// set another), within 64 ..= [`MAX_WINDOW`].
+fn hold_window(port: &Port) -> u32 {
+    port.cfg.window.clamp(64, MAX_WINDOW)
+}
+
+/// PSNs a request consumes: a READ one per response packet, anything else one.
+fn request_psns(pkt: &Packet<'_>, mtu: u32) -> u32 {
+    match (pkt.bth.opcode, pkt.reth) {
+        (op::READ_REQUEST, Some(reth)) => {
+            (reth.len as u64).div_ceil(mtu.max(1) as u64).max(1) as u32
+        }
+        _ => 1,
+    }
+}
+
+/// Whether a request fits the message in progress (`cur`) as a packet of it or a new message,
+/// by the structure [`new_request`] checks: a held packet that does not is dropped and asked
+/// for again rather than run (a forged one must not fail the QP; the requester's own error
+/// shows in sequence, with the NAK IBTA asks for).
+fn fits(cur: Option<InMsg>, pkt: &Packet<'_>, mtu: u32) -> bool {
+    let n = pkt.payload.len() as u64;
+    let mtu = mtu as u64;
+    match (pkt.bth.opcode, cur) {
+        (op::SEND_FIRST | op::WRITE_FIRST, None) => n == mtu,
+        (
+            op::SEND_ONLY
+            | op::SEND_ONLY_IMM
+            | op::SEND_ONLY_INV
+            | op::WRITE_ONLY
+            | op::WRITE_ONLY_IMM
+            | op::READ_REQUEST
+            | op::CMP_SWAP
+            | op::FETCH_ADD
+            | op::MASKED_CMP_SWAP
+            | op::MASKED_FETCH_ADD,
+            None,
+        ) => true,
+        (op::SEND_MIDDLE, Some(InMsg::Send { .. })) => n == mtu,
+        (op::SEND_LAST | op::SEND_LAST_IMM | op::SEND_LAST_INV, Some(InMsg::Send { .. })) => n >= 1,
+        (op::WRITE_MIDDLE, Some(InMsg::Write { len, off, .. })) => n == mtu && off + n < len,
+        (op::WRITE_LAST | op::WRITE_LAST_IMM, Some(InMsg::Write { len, off, .. })) => {
+            n >= 1 && off + n == len
+        }
+        _ => false,
+    }
+}
+
+/// Handles a request packet for responder QP `qp` (`raw`: the datagram it was parsed from,
+/// which came from UDP port `sport`).
+fn on_request(
+    dev: &Shared,
+    qp: &Qp,
+    pkt: &Packet<'_>,
+    raw: &[u8],
+    sport: u16,
+    reply: &mut Reply<'_>,
+) {
     let wc = &dev.counters.wire;
     let mut r = Resp::lock(qp);
     let from = reply.dest_qp;
@@ -1036,39 +1103,7 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut R
     }
     r.rq.wire.reply_to = Some((reply.to, reply.flow, reply.dest_qp));
     if d > 0 {
-        Counters::add(&wc.out_of_sequence, 1);
-        let cap = reply.port.cfg.window.max(64) as usize;
-        let w = &mut r.rq.wire;
-        let mut report = None;
-        let repeat = if w.selective {
-            // held until the gap is filled (the engine's timer names the gap again while it
-            // stays, in case the resend was lost); what it shows missing is reported at once
-            if (d as i64) < MAX_OUTSTANDING_PSNS {
-                report = w.hold(psn, raw, cap);
-                qp.holding.store(!w.held.is_empty(), Ordering::Release);
-            }
-            false
-        } else {
-            // One NAK per gap (IBTA, rxe). Once NAKed, a packet out of sequence but not past
-            // the highest one seen since is a retransmission: the requester went back and the
-            // expected packet is still missing (its retransmission was lost too): NAK again.
-            let again = w.nak_sent && psn_diff(psn, w.oos_hi) <= 0;
-            if !w.nak_sent || psn_diff(psn, w.oos_hi) > 0 {
-                w.oos_hi = psn;
-            }
-            again
-        };
-        if !w.nak_sent || repeat {
-            w.nak_sent = true;
-            w.oos_hi = psn;
-            seq_nak(wc, w, reply);
-        }
-        if let Some((first, n)) = report {
-            // Selective repeat: every gap is named as it opens, not one per round trip (a
-            // sequence NAK names one, and acknowledges everything before it).
-            Counters::add(&wc.sr_gap_reports_sent, 1);
-            reply.aeth(first, aeth::GAP_REPORT, n);
-        }
+        ahead(dev, qp, &mut r, pkt, raw, sport, reply);
         return;
     }
     if d < 0 {
@@ -1079,8 +1114,24 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut R
         }
         return;
     }
-    if std::mem::take(&mut r.rq.wire.nak_sent) && r.rq.wire.selective {
-        r.rq.wire.filled(Instant::now());
+    let w = &mut r.rq.wire;
+    if let Some(h) = w.held.remove(&psn) {
+        // It opened a gap and was held, and waits to be vouched for: this copy decides. A
+        // different packet means one of them is forged (or corrupted): neither runs, the
+        // requester sends it again.
+        if !same_request(&h.raw, raw) {
+            Counters::add(&wc.rx_conflicting_duplicates, 1);
+            w.nak_sent = true;
+            seq_nak(wc, w, reply);
+            qp.holding.store(!w.held.is_empty(), Ordering::Release);
+            return;
+        }
+    }
+    if std::mem::take(&mut w.nak_sent) && w.selective {
+        w.filled(Instant::now());
+    }
+    if w.selective {
+        w.sport = Some(sport);
     }
     let Some(ack) = in_sequence(wc, &mut r, pkt, from, reply) else {
         return;
@@ -1094,18 +1145,117 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut R
     }
     // Selective repeat: the gap is filled; run what was held behind it, in order.
     Counters::add(&wc.sr_gaps_filled, 1);
+    run_held(wc, qp, &mut r, from, reply);
+}
+
+/// A request ahead of the expected PSN. With selective repeat, from the requester's flow
+/// and inside the hold window: held ([`super::state::RespWire::hold`]), the gaps it shows
+/// named, and what is vouched for run. Otherwise go-back-N's answer: one sequence NAK per
+/// gap, the packet dropped.
+fn ahead(
+    dev: &Shared,
+    qp: &Qp,
+    r: &mut Resp<'_>,
+    pkt: &Packet<'_>,
+    raw: &[u8],
+    sport: u16,
+    reply: &mut Reply<'_>,
+) {
+    let wc = &dev.counters.wire;
+    Counters::add(&wc.out_of_sequence, 1);
+    let psn = pkt.bth.psn;
+    let window = hold_window(reply.port);
+    let w = &mut r.rq.wire;
+    let d = psn_diff(psn, w.epsn) as u32;
+    let in_window = d < window;
+    if !in_window {
+        // farther ahead than any requester sends: forged, stale or broken
+        Counters::add(&wc.out_of_window, 1);
+    }
+    if w.selective && in_window && w.sport.is_none_or(|s| s == sport) {
+        let npkts = request_psns(pkt, w.mtu);
+        let report = match w.hold(psn, npkts, raw) {
+            Hold::New(report) => report,
+            Hold::Copy => None,
+            Hold::Conflict => {
+                // neither copy runs; the requester resends it when asked
+                Counters::add(&wc.rx_conflicting_duplicates, 1);
+                Some((psn, 1))
+            }
+        };
+        if !w.nak_sent && !w.held.contains_key(&w.epsn) {
+            w.nak_sent = true;
+            w.oos_hi = psn;
+            seq_nak(wc, w, reply);
+        }
+        if let Some((first, n)) = report {
+            // Every gap is named as it opens, not one per round trip (a sequence NAK names
+            // one, and acknowledges everything before it).
+            Counters::add(&wc.sr_gap_reports_sent, 1);
+            reply.aeth(first, aeth::GAP_REPORT, n);
+        }
+        qp.holding.store(!w.held.is_empty(), Ordering::Release);
+        if w.held.get(&w.epsn).is_some_and(|h| h.trusted) {
+            run_held(wc, qp, r, reply.dest_qp, reply);
+        }
+        return;
+    }
+    if w.selective && in_window {
+        // from another UDP port than the requester's flow
+        Counters::add(&wc.out_of_window, 1);
+    }
+    // One NAK per gap (IBTA, rxe). Once NAKed, a packet out of sequence but not past the
+    // highest one seen since is a retransmission: the requester went back and the expected
+    // packet is still missing (its retransmission was lost too): NAK again. A packet outside
+    // the window neither repeats the NAK nor counts as the highest seen.
+    let again = in_window && !w.selective && w.nak_sent && psn_diff(psn, w.oos_hi) <= 0;
+    if in_window && !w.selective && (!w.nak_sent || psn_diff(psn, w.oos_hi) > 0) {
+        w.oos_hi = psn;
+    }
+    if !w.nak_sent || again {
+        w.nak_sent = true;
+        if !in_window || w.selective {
+            w.oos_hi = w.epsn;
+        } else {
+            w.oos_hi = psn;
+        }
+        seq_nak(wc, w, reply);
+    }
+}
+
+/// Selective repeat: runs the held packets from the expected PSN on, in order, while they are
+/// vouched for and fit the message in progress; then one ACK for what they completed, and
+/// the next gap named at once (or, when the packet at the expected PSN waits to be vouched
+/// for, left to the responder's timer).
+fn run_held(
+    wc: &crate::counters::WireCounters<std::sync::atomic::AtomicU64>,
+    qp: &Qp,
+    r: &mut Resp<'_>,
+    from: u32,
+    reply: &mut Reply<'_>,
+) {
+    let mut misfit = false;
     loop {
-        let e = r.rq.wire.epsn;
-        let Some(held) = r.rq.wire.held.remove(&e) else {
+        let w = &mut r.rq.wire;
+        let e = w.epsn;
+        if !w.held.get(&e).is_some_and(|h| h.trusted) {
+            break;
+        }
+        let Some(held) = w.held.remove(&e) else {
             break;
         };
-        let Ok(p) = packet::parse(&held) else {
+        let Ok(p) = packet::parse(&held.raw) else {
             // parsed once already: cannot happen; dropped as malformed
             Counters::add(&wc.rx_malformed, 1);
             continue;
         };
+        if !fits(w.cur, &p, w.mtu) {
+            Counters::add(&wc.sr_held_dropped, 1);
+            misfit = true;
+            break;
+        }
         Counters::add(&wc.sr_held_run, 1);
-        if in_sequence(wc, &mut r, &p, from, reply).is_none() {
+        if in_sequence(wc, r, &p, from, reply).is_none() {
             // answered with a NAK: the requester goes back to it, resending the rest
             r.rq.wire.held.clear();
             qp.holding.store(false, Ordering::Release);
@@ -1114,13 +1264,20 @@ fn on_request(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, raw: &[u8], reply: &mut R
     }
     let w = &mut r.rq.wire;
     let e = w.epsn;
-    w.held.retain(|&p, _| psn_diff(p, e) > 0);
+    w.held.retain(|&p, _| psn_diff(p, e) >= 0);
     // one ACK for what the held packets completed, then the next gap, if any, named at once
     reply.aeth(psn_add(e, MASK24), aeth::ACK, w.msn);
     qp.holding.store(!w.held.is_empty(), Ordering::Release);
-    if !w.held.is_empty() {
+    if w.held.contains_key(&e) {
+        // waits to be vouched for: the next request past it does, or the timer asks for it
+        w.nak_sent = true;
+        w.last_nak = Some(Instant::now());
+    } else if misfit || !w.held.is_empty() {
         w.nak_sent = true;
         seq_nak(wc, w, reply);
+    } else {
+        // no gap left
+        w.nak_sent = false;
     }
 }
 
@@ -1136,10 +1293,12 @@ fn seq_nak(
 }
 
 /// Selective repeat: names a gap again that stayed unfilled for a while
-/// ([`super::state::RespWire::renak_wait`]) with packets
-/// held behind it (its NAK, the resend or the answer to it was lost, and the requester may
-/// have nothing more to send that would make the responder NAK again). Returns whether packets
-/// are held (the engine then polls on time).
+/// ([`super::state::RespWire::renak_wait`], doubled at each try) with packets held behind it,
+/// or asks again for a held packet at the expected PSN that nothing vouched for (its NAK, the
+/// resend or the answer to it was lost, and the requester may have nothing more to send that
+/// would make the responder NAK again). After [`RENAK_TRIES`] tries without progress the
+/// held packets are dropped (the requester's timers resend them if they were real). Returns
+/// whether packets are held (the engine then polls on time).
 pub(crate) fn responder_tick(dev: &Shared, qp: &Qp, now: Instant) -> bool {
     if !qp.holding.load(Ordering::Acquire) {
         return false;
@@ -1152,9 +1311,21 @@ pub(crate) fn responder_tick(dev: &Shared, qp: &Qp, now: Instant) -> bool {
     if w.held.is_empty() {
         return false;
     }
-    let wait = w.renak_wait();
+    let wait = w.renak_wait() * (1 << w.renaks.min(RENAK_TRIES));
     let due = w.last_nak.is_none_or(|t| now.duration_since(t) >= wait);
-    if let (true, Some((to, flow, dest_qp))) = (due, w.reply_to) {
+    if !due {
+        return true;
+    }
+    if w.renaks >= RENAK_TRIES {
+        Counters::add(&dev.counters.wire.sr_held_dropped, w.held.len() as u64);
+        w.held.clear();
+        w.renaks = 0;
+        w.nak_sent = false;
+        w.last_nak = None;
+        qp.holding.store(false, Ordering::Release);
+        return false;
+    }
+    if let Some((to, flow, dest_qp)) = w.reply_to {
         let (mut buf, mut batch) = (Vec::new(), TxBatch::default());
         let mut reply = Reply {
             port,
@@ -1164,11 +1335,27 @@ pub(crate) fn responder_tick(dev: &Shared, qp: &Qp, now: Instant) -> bool {
             buf: &mut buf,
             batch: &mut batch,
         };
-        seq_nak(&dev.counters.wire, w, &mut reply);
+        w.renaks += 1;
+        let wc = &dev.counters.wire;
+        if let Some(last) = w.unconfirmed().then(|| w.run_last()) {
+            // The run at the expected PSN waits and nothing more came (the requester's tail):
+            // ask for a copy of its newest packet, which vouches for all before it, and say
+            // again how far the responder got.
+            w.last_nak = Some(now);
+            reply.aeth(psn_add(w.epsn, MASK24), aeth::ACK, w.msn);
+            Counters::add(&wc.sr_gap_reports_sent, 1);
+            reply.aeth(last, aeth::GAP_REPORT, 1);
+        } else {
+            seq_nak(wc, w, &mut reply);
+        }
         port.flush(&mut batch);
     }
     true
 }
+
+/// Times the responder's timer asks again for a gap (or a held packet nobody vouched for)
+/// before it drops what it holds.
+const RENAK_TRIES: u32 = 8;
 
 /// Runs a request packet with the expected PSN and moves the expected PSN on. Returns
 /// whether it asks for an ACK (not sent yet), or `None` when it was answered (NAK) or dropped.
@@ -1184,6 +1371,7 @@ fn in_sequence(
         Outcome::Accepted(n) => {
             let w = &mut r.rq.wire;
             w.epsn = psn_add(w.epsn, n);
+            w.renaks = 0;
             Some(pkt.bth.ack_req && packet::layout(pkt.bth.opcode).is_some_and(|l| l.payload))
         }
         Outcome::Nak(resp) => {
@@ -1709,21 +1897,27 @@ pub(crate) fn receive(
             Counters::add(&wc.rx_unknown_qp, 1);
             return;
         }
-        // Replies go back where the request came from: a soft NIC sends from its bound port.
+        // Answers go to the connected peer's address (its peer-table entry, else its GID's
+        // address at the default port, as the requester's route), from the bound port; never
+        // to the source of the request, which anyone may forge.
+        let to = qp.answer_addr(|| match dev.peer_addr(&Gid::from_ipv4(remote_ip)) {
+            Some(SocketAddr::V4(a)) => a,
+            _ => std::net::SocketAddrV4::new(remote_ip, port.cfg.default_port),
+        });
         let mut reply = Reply {
             port,
-            to: from,
+            to: SocketAddr::V4(to),
             flow: Flow {
                 src: port.ip,
                 dst: flow.src,
                 sport: port.local.port(),
-                dport: from.port(),
+                dport: to.port(),
             },
             dest_qp: remote_qpn,
             buf: scratch,
             batch,
         };
-        on_request(dev, &qp, &pkt, d, &mut reply);
+        on_request(dev, &qp, &pkt, d, from.port(), &mut reply);
     } else {
         on_response(dev, &qp, &pkt);
     }

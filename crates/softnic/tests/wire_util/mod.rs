@@ -497,3 +497,43 @@ pub fn bulk_write(p: &mut Pair, src: &Buf, dst: &Buf, msg: usize, depth: usize) 
     }
     t0.elapsed()
 }
+
+/// The frames of a capture file (`LINKTYPE_RAW`: IPv4 and UDP headers, then the datagram), as
+/// (UDP source port, UDP destination port, datagram).
+pub fn pcap_datagrams(path: &std::path::Path) -> Vec<(u16, u16, Vec<u8>)> {
+    let data = std::fs::read(path).unwrap();
+    assert_eq!(&data[..4], &0xa1b2_c3d4u32.to_le_bytes(), "pcap magic");
+    let mut at = 24;
+    let mut out = Vec::new();
+    while at + 16 <= data.len() {
+        let incl = u32::from_le_bytes(data[at + 8..at + 12].try_into().unwrap()) as usize;
+        let f = &data[at + 16..at + 16 + incl];
+        at += 16 + incl;
+        assert_eq!(f[0], 0x45, "IPv4 without options");
+        let port = |i: usize| u16::from_be_bytes([f[20 + i], f[21 + i]]);
+        out.push((port(0), port(2), f[28..].to_vec()));
+    }
+    out
+}
+
+/// Captures what `dev` receives (ingress and egress) while `f` runs, and returns the frames.
+pub fn captured(dev: &Device, f: impl FnOnce()) -> Vec<(u16, u16, Vec<u8>)> {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "gpuverbs-test-{}-{}.pcap",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let w = softnic::pcap::PcapWriter::create(&path).unwrap();
+    dev.set_capture(Some(Capture {
+        writer: w.clone(),
+        ingress: true,
+    }))
+    .unwrap();
+    f();
+    dev.set_capture(None).unwrap();
+    w.flush().unwrap();
+    let frames = pcap_datagrams(&path);
+    let _ = std::fs::remove_file(&path);
+    frames
+}
