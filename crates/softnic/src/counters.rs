@@ -246,6 +246,10 @@ wire_counters! {
     rx_malformed,
     /// Datagrams dropped for a wrong ICRC.
     rx_bad_icrc,
+    /// IPv4 datagrams dropped because they carried IP options or came in fragments (a RoCE
+    /// NIC takes neither; seen where the kernel reports them, `IP_RECVOPTS` and
+    /// `IP_RECVFRAGSIZE`).
+    rx_not_plain_ip,
     /// Datagrams dropped for naming no QP of this device, or a QP not ready to take them.
     rx_unknown_qp,
     /// Responses dropped because they match nothing outstanding (late, duplicate or stray),

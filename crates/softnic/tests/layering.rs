@@ -19,6 +19,7 @@ const LAYERS: &[&str] = &[
     "wire::packet",
     "pcap",
     "wire",
+    "wire::ip_ids",
     "wire::socket",
     // what a WQE's end looks like
     "outcome",

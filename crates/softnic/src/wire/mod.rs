@@ -13,6 +13,7 @@
 //! engine hands work to and which never calls the engine. Captures are in [`crate::pcap`].
 //! `docs/wire.md` is the full description.
 
+pub(crate) mod ip_ids;
 pub mod packet;
 pub(crate) mod socket;
 pub(crate) mod state;

@@ -759,6 +759,15 @@ pub fn icrc_ip_id(flow: &Flow, datagram: &[u8], hint: u16) -> Option<u16> {
     None
 }
 
+/// Whether the datagram's trailing ICRC is right for `flow` and IPv4 identification `id`.
+pub fn icrc_is_for_id(flow: &Flow, datagram: &[u8], id: u16) -> bool {
+    let Some(split) = datagram.len().checked_sub(ICRC_LEN) else {
+        return false;
+    };
+    let (body, tail) = datagram.split_at(split);
+    icrc_for_id(flow, id, body).to_le_bytes() == tail
+}
+
 /// Changes the ICRC at the end of `datagram` (BTH through ICRC, sealed for identification
 /// `a`) to the one for identification `b`.
 pub fn reseal_ip_id(datagram: &mut [u8], a: u16, b: u16) {

@@ -9,6 +9,7 @@
 //! The receiving socket asks for `UDP_GRO` and splits what it gets back into the original
 //! datagrams. Kernels without either fall back to one system call per packet.
 
+use super::ip_ids::IpIds;
 use super::packet::{self, Flow};
 use super::{Capture, WireConfig, WireError, WireFaults};
 use crate::counters::Counters;
@@ -117,8 +118,6 @@ pub(crate) struct Sock {
     pub port: u16,
     /// Segmented sends work on this socket (cleared at the first failure).
     gso: AtomicBool,
-    /// The socket coalesces received datagrams.
-    gro: bool,
 }
 
 /// A device's UDP endpoint: the bound socket (where peers send requests, and from which
@@ -138,6 +137,9 @@ pub(crate) struct Port {
     capture: Mutex<Option<Capture>>,
     /// RoCE path MTUs of the routes to peers found so far.
     path_mtus: Mutex<Vec<(Ipv4Addr, u32)>>,
+    /// The real IPv4 identifications of received datagrams, from a raw socket opened at the
+    /// first need ([`Port::real_ip_id`]); `Err` once refused.
+    ip_ids: Mutex<Option<Result<IpIds, ()>>>,
 }
 
 fn setsockopt_int(sock: &UdpSocket, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> bool {
@@ -239,13 +241,25 @@ fn setup(sock: UdpSocket, cfg: &WireConfig) -> Result<Sock, WireError> {
         libc::SO_SNDBUF,
         cfg.socket_buffer,
     );
-    let gro = setsockopt_int(&sock, libc::SOL_UDP, libc::UDP_GRO, 1);
+    // coalesced receives where the kernel has them (a control message gives the segment size)
+    setsockopt_int(&sock, libc::SOL_UDP, libc::UDP_GRO, 1);
+    // A RoCE NIC drops IPv4 packets with options or fragments; a UDP socket sees neither
+    // unless it asks: the options come as a control message, and so does the largest
+    // fragment's size of a datagram the kernel reassembled (Linux 4.10 on). Where refused,
+    // such datagrams are taken as any other (the ICRC, computed over a 20-byte header,
+    // fails for those with options).
+    let ip_checks = setsockopt_int(&sock, libc::IPPROTO_IP, libc::IP_RECVOPTS, 1)
+        & setsockopt_int(&sock, libc::IPPROTO_IP, libc::IP_RECVFRAGSIZE, 1);
+    if !ip_checks {
+        tracing::debug!(
+            "IP_RECVOPTS / IP_RECVFRAGSIZE refused: IPv4 options and fragments not seen"
+        );
+    }
     let port = sock.local_addr().map_err(WireError::Socket)?.port();
     Ok(Sock {
         sock,
         port,
         gso: AtomicBool::new(true),
-        gro,
     })
 }
 
@@ -303,6 +317,7 @@ impl Port {
             capturing: AtomicBool::new(false),
             capture: Mutex::new(None),
             path_mtus: Mutex::new(Vec::new()),
+            ip_ids: Mutex::new(None),
             cfg,
         })
     }
@@ -622,6 +637,26 @@ impl Port {
         }
     }
 
+    /// The IPv4 identification of the packet that carried the datagram (or began the
+    /// coalesced run) from `src:sport` to `dport` with BTH `bth`, where a raw socket shows it
+    /// (opened at the first call: datagrams before it are not seen). `None` where the
+    /// process may not open one, or the raw socket did not see it.
+    pub fn real_ip_id(&self, src: Ipv4Addr, sport: u16, dport: u16, bth: &[u8]) -> Option<u16> {
+        let mut g = self.ip_ids.lock();
+        let ids = g.get_or_insert_with(|| {
+            let ports: Vec<u16> = self.socks.iter().map(|s| s.port).collect();
+            let r = IpIds::open(self.ip, &ports).ok_or(());
+            match &r {
+                Ok(_) => tracing::debug!("raw socket open: IPv4 identifications seen"),
+                Err(()) => {
+                    tracing::debug!("no raw socket: only identifications 0..63 pass the ICRC check")
+                }
+            }
+            r
+        });
+        ids.as_mut().ok()?.lookup(src, sport, dport, bth)
+    }
+
     /// Wakes the I/O thread (an empty datagram to ourselves).
     pub fn wake(&self) {
         let mut to = self.local;
@@ -632,12 +667,7 @@ impl Port {
     }
 
     /// Receives one datagram, or a coalesced run of them, from socket `i` without waiting.
-    /// Returns (bytes, source, segment size when coalesced, truncated).
-    pub(super) fn recv(
-        &self,
-        i: usize,
-        buf: &mut [u8],
-    ) -> std::io::Result<(usize, SocketAddr, Option<usize>, bool)> {
+    pub(super) fn recv(&self, i: usize, buf: &mut [u8]) -> std::io::Result<Received> {
         let s = &self.socks[i];
         // SAFETY: zeroed sockaddr_in and msghdr are valid; every pointer put in the msghdr
         // points to a live local (or `buf`) with its length, for the duration of recvmsg.
@@ -648,28 +678,33 @@ impl Port {
                 iov_base: buf.as_mut_ptr() as *mut libc::c_void,
                 iov_len: buf.len(),
             };
-            let mut cbuf = [0u64; 8];
-            let gro = s.gro;
+            // room for UDP_GRO, IP_RECVFRAGSIZE and up to 40 bytes of IPv4 options
+            let mut cbuf = [0u64; 16];
             let mut msg: libc::msghdr = std::mem::zeroed();
             msg.msg_name = &mut addr as *mut libc::sockaddr_in as *mut libc::c_void;
             msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
             msg.msg_iov = &mut iov;
             msg.msg_iovlen = 1;
-            if gro {
-                msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-                msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
-            }
+            msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+            msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
             let n = libc::recvmsg(s.sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT);
             if n < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             let mut seg = None;
-            // (CMSG_FIRSTHDR is null without a control buffer)
+            let mut not_plain = false;
             let mut c = libc::CMSG_FIRSTHDR(&msg);
             while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_UDP && (*c).cmsg_type == libc::UDP_GRO {
-                    let v = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int);
-                    seg = (v > 0).then_some(v as usize);
+                match ((*c).cmsg_level, (*c).cmsg_type) {
+                    (libc::SOL_UDP, libc::UDP_GRO) => {
+                        let v = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int);
+                        seg = (v > 0).then_some(v as usize);
+                    }
+                    // sent only for a datagram with options, or reassembled from fragments
+                    (libc::IPPROTO_IP, libc::IP_RECVOPTS | libc::IP_RECVFRAGSIZE) => {
+                        not_plain = true;
+                    }
+                    _ => {}
                 }
                 c = libc::CMSG_NXTHDR(&msg, c);
             }
@@ -677,9 +712,29 @@ impl Port {
                 Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
                 u16::from_be(addr.sin_port),
             ));
-            Ok((n as usize, from, seg, msg.msg_flags & libc::MSG_TRUNC != 0))
+            Ok(Received {
+                len: n as usize,
+                from,
+                seg,
+                truncated: msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0,
+                not_plain,
+            })
         }
     }
+}
+
+/// What one `recvmsg` of a port's socket brought.
+pub(super) struct Received {
+    /// Bytes received.
+    pub len: usize,
+    /// The source address.
+    pub from: SocketAddr,
+    /// The segment size, when the kernel coalesced a run of datagrams (`UDP_GRO`).
+    pub seg: Option<usize>,
+    /// The datagram (or its control messages) did not fit.
+    pub truncated: bool,
+    /// The IPv4 packet had options or came in fragments: no RoCE packet does.
+    pub not_plain: bool,
 }
 
 /// How long the I/O thread keeps looking (without sleeping) for the next datagram after one

@@ -1832,7 +1832,7 @@ pub(crate) fn receive(
     dev: &Shared,
     port: &Port,
     d: &[u8],
-    (from, id_hint): (SocketAddr, u16),
+    (from, id_hint, run_bth): (SocketAddr, u16, &[u8]),
     dport: u16,
     scratch: &mut Vec<u8>,
     batch: &mut TxBatch,
@@ -1878,11 +1878,20 @@ pub(crate) fn receive(
         Counters::add(&wc.rx_wrong_source, 1);
         return;
     }
-    // The IPv4 identification is covered but not visible here: any a sender's segmented
-    // sends produce is accepted (see `packet::icrc_ip_id`).
+    // The IPv4 identification is covered but not visible here: any a soft NIC's segmented
+    // sends produce is accepted (see `packet::icrc_ip_id`); others where a raw socket shows
+    // the real one (`ip_ids`): the run's first packet's, or that plus the datagram's place in
+    // the run (a sender numbering its packets).
     if packet::icrc_ip_id(&flow, d, id_hint).is_none() {
-        Counters::add(&wc.rx_bad_icrc, 1);
-        return;
+        let real = port.real_ip_id(flow.src, flow.sport, flow.dport, run_bth);
+        let fits = real.is_some_and(|id| {
+            packet::icrc_is_for_id(&flow, d, id)
+                || packet::icrc_is_for_id(&flow, d, id.wrapping_add(id_hint))
+        });
+        if !fits {
+            Counters::add(&wc.rx_bad_icrc, 1);
+            return;
+        }
     }
     let pkt = match packet::parse(d) {
         Ok(p) if p.bth.pkey & 0x7fff == 0x7fff => p,
@@ -1946,13 +1955,24 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
             let dport = port.sock_port(i);
             for _ in 0..socket::RX_BURST {
                 match port.recv(i, &mut buf) {
-                    Ok((n, from, seg, truncated)) => {
+                    Ok(socket::Received {
+                        len: n,
+                        from,
+                        seg,
+                        truncated,
+                        not_plain,
+                    }) => {
                         if dev.shutdown.load(Ordering::Acquire) {
                             return;
                         }
-                        if truncated {
+                        if truncated || not_plain {
                             Counters::add(&dev.counters.wire.rx_packets, 1);
-                            Counters::add(&dev.counters.wire.rx_malformed, 1);
+                            let c = if truncated {
+                                &dev.counters.wire.rx_malformed
+                            } else {
+                                &dev.counters.wire.rx_not_plain_ip
+                            };
+                            Counters::add(c, 1);
                             continue;
                         }
                         let data = &buf[..n];
@@ -1960,12 +1980,13 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
                             Some(s) if s > 0 && n > s => {
                                 // a run's n-th datagram was most likely a segmented send's
                                 // n-th segment: its identification (the ICRC's hint)
+                                let run_bth = &data[..BTH_LEN.min(data.len())];
                                 for (k, d) in data.chunks(s).enumerate() {
                                     receive(
                                         &dev,
                                         &port,
                                         d,
-                                        (from, k as u16),
+                                        (from, k as u16, run_bth),
                                         dport,
                                         &mut scratch,
                                         &mut batch,
@@ -1976,7 +1997,7 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
                                 &dev,
                                 &port,
                                 data,
-                                (from, 0),
+                                (from, 0, &data[..BTH_LEN.min(data.len())]),
                                 dport,
                                 &mut scratch,
                                 &mut batch,
