@@ -227,8 +227,8 @@ wire_counters! {
     /// Selective repeat: gap reports received and acted on (their packets resent).
     sr_gap_reports_received,
     /// Selective repeat: gap reports received that named PSNs in flight but were not acted
-    /// on: too early to be real (the packet behind the gap was sent less than half a round
-    /// trip before), or every PSN named was resent within the last round trip.
+    /// on: the packet behind the gap was never sent, or every PSN named was resent within the
+    /// last round trip.
     sr_gap_reports_ignored,
     /// Selective repeat: held packets dropped unrun: one that did not fit the message in
     /// progress when its turn came (asked for again), or all of them when the responder's

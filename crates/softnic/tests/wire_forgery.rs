@@ -267,6 +267,7 @@ fn delta(after: &WireCounters, before: &WireCounters) -> WireCounters {
         ($($f:ident),*) => { $(d.$f = after.$f - before.$f;)* };
     }
     sub!(
+        early_timeouts,
         rx_not_plain_ip,
         rx_unknown_qp,
         retransmits,
@@ -465,9 +466,10 @@ fn a_packet_far_ahead_costs_a_nak_not_the_run() {
             assert_eq!(b.out_of_window, 1, "{mode}: {b:?}");
             assert!(b.seq_naks_sent <= 1, "{mode}: {b:?}");
             assert_eq!(b.sr_held_run, 0, "{mode}: {b:?}");
-            // selective repeat resends the NAKed packet; go-back-N what was in flight
+            // selective repeat resends the NAKed packet; go-back-N what was in flight (and an
+            // early timer's probe one packet, on a machine that stalls threads)
             let most = if o.selective_repeat { 2 } else { 2 * 512 };
-            assert!(a.retransmits <= most, "{mode}: {a:?}");
+            assert!(a.retransmits <= most + a.early_timeouts, "{mode}: {a:?}");
             ratios.push(t.as_secs_f64() / clean.as_secs_f64());
         }
         let best = ratios.iter().cloned().fold(f64::MAX, f64::min);
@@ -559,7 +561,7 @@ fn forged_gap_reports_draw_few_resends() {
     let _s = serial();
     // 500 forged gap reports naming PSNs of the transfer in flight, from the peer's address,
     // during a clean 4 MiB transfer with selective repeat. A report is acted on only when
-    // the packet behind the gap left at least half a round trip before, and each PSN is
+    // the packet behind the gap left at least half the smallest round trip before, and each PSN is
     // resent at most once a round trip; the rest are counted.
     let (mut p, e, _) = warm_pair(wire_opts());
     let f = Forger::plain(p.a.dev.wire_addr().unwrap());

@@ -151,9 +151,6 @@ pub(crate) struct ReqWire {
     pub(super) resend: VecDeque<u32>,
     /// PSNs queued for such a resend, and when (pruned to those in flight).
     pub(super) resent: HashMap<u32, Instant>,
-    /// The first transmission of each packet in flight: its PSN and when it left (oldest
-    /// first), to tell a gap report that can be real from one that came too soon.
-    pub(super) sent_log: VecDeque<(u32, Instant)>,
     /// A WQE that failed locally is queued: run no more WQEs until it completes.
     pub(crate) blocked: bool,
     /// A queued message failed while being sent: send nothing more.
@@ -203,7 +200,6 @@ impl ReqWire {
             selective: false,
             resend: VecDeque::new(),
             resent: HashMap::new(),
-            sent_log: VecDeque::new(),
             blocked: false,
             halted: false,
             batch: TxBatch::default(),
@@ -325,53 +321,30 @@ impl ReqWire {
         self.queue_resend(self.una, now);
     }
 
-    /// Notes the first transmission of the packet at PSN `p` (sent in PSN order).
-    pub(super) fn log_sent(&mut self, p: u32, now: Instant) {
-        let una = self.una;
-        while self.sent_log.len() >= 2 && psn_diff(self.sent_log[1].0, una) <= 0 {
-            self.sent_log.pop_front();
-        }
-        self.sent_log.push_back((p, now));
-    }
-
-    /// When the packet holding PSN `p` first left, if it is in the log.
-    fn sent_at(&self, p: u32) -> Option<Instant> {
-        let una = self.una;
-        let i = self
-            .sent_log
-            .partition_point(|&(q, _)| psn_diff(q, una).max(-1) <= psn_diff(p, una));
-        i.checked_sub(1).map(|i| self.sent_log[i].1)
-    }
-
     /// Selective repeat: a gap report (the responder misses PSNs `[from, from + n)` and holds
     /// the packet at `from + n`) resends each of them that is in flight, unless it was resent
     /// within the last round trip. It acknowledges nothing and cuts no window.
     ///
-    /// A real report comes a round trip after the packet behind the gap left at the
-    /// earliest (the newest packet sent when the report names it: a responder asking for a
-    /// copy of a held packet nothing came after): one that names a packet behind the gap
-    /// that was never sent, or that left less than half a smoothed round trip before (room
-    /// for a round trip shorter than the average), is ignored, and so is one whose PSNs were
-    /// all resent within the last round trip (a gap is acted on once per round trip).
+    /// A real report is drawn by the arrival of the packet behind the gap (or names the
+    /// newest packet sent: a responder asking for a copy of a held packet nothing came
+    /// after): one that names a packet behind the gap that was never sent is ignored, and so
+    /// is one whose PSNs were all resent within the last round trip (each PSN is resent at
+    /// most once a round trip, however many reports name it). Not done: ignoring a report
+    /// that comes sooner than a round trip after the packet behind the gap left. The RTT
+    /// samples time a packet to the ACK that covers it, which waits for a packet asking for
+    /// one: real reports came 0.25–2 ms after the packet, while the smallest sample was 1–2
+    /// ms, and such a rule ignored up to 187 real reports in 16 MiB at 5% loss and halved
+    /// the throughput.
     pub(super) fn resend_gap(&mut self, from: u32, n: u32, now: Instant) -> GapReport {
         let in_flight = psn_diff(self.sent_hi, self.una).max(0) as u32;
         let k = psn_diff(from, self.una);
         if n == 0 || k < 0 || k as u32 >= in_flight {
             return GapReport::NotInFlight;
         }
-        // the packet behind the gap, whose arrival drew the report; or, when the report
-        // names the newest packet sent (a responder asking for a copy of a held packet that
-        // nothing came after), that one
-        let behind = psn_add(from, n);
-        let drew = match psn_diff(behind, self.sent_hi) {
-            d if d > 0 => return GapReport::Ignored,
-            0 => psn_add(behind, MASK24),
-            _ => behind,
-        };
-        let early = self
-            .sent_at(drew)
-            .is_none_or(|t| now.saturating_duration_since(t) < self.srtt / 2);
-        if early {
+        // The packet behind the gap, whose arrival drew the report, was sent (or the report
+        // names the newest packet sent: a responder asking for a copy of a held packet that
+        // nothing came after).
+        if psn_diff(psn_add(from, n), self.sent_hi) > 0 {
             return GapReport::Ignored;
         }
         self.rtt_probes.clear();
@@ -650,6 +623,10 @@ pub(super) enum Hold {
 /// it again. Nothing to a path that loses nothing: without a gap it never fires.
 const RENAK_MIN: Duration = Duration::from_micros(500);
 
+/// The least time a run of held packets at the expected PSN waits to be vouched for before
+/// the responder asks for a copy ([`RespWire::copy_wait`]).
+const COPY_WAIT_MIN: Duration = Duration::from_micros(100);
+
 /// A READ request a responder answered, held so that a duplicate of it (a retry from any of
 /// its response packets) can be served again.
 #[derive(Clone, Copy, Debug)]
@@ -694,6 +671,14 @@ impl RespWire {
     /// repairs as measured, at least [`RENAK_MIN`].
     pub(super) fn renak_wait(&self) -> Duration {
         (self.repair * 3).max(RENAK_MIN)
+    }
+
+    /// How long a run of held packets at the expected PSN waits to be vouched for before the
+    /// responder asks for a copy of its newest packet: while packets flow the next one vouches
+    /// within microseconds; when none comes the requester has stopped (its window full, or
+    /// nothing more to send). Half a repair, at least [`COPY_WAIT_MIN`].
+    pub(super) fn copy_wait(&self) -> Duration {
+        (self.repair / 2).max(COPY_WAIT_MIN)
     }
 
     /// A sequence NAK for the current gap is being sent.
@@ -956,14 +941,9 @@ mod tests {
         };
         let mut w = ReqWire::new("127.0.0.1:4791".parse().unwrap(), flow, 7, 4096, 256, 100);
         w.selective = true;
-        let t0 = Instant::now();
-        // 100..200 leave 10 µs apart
-        for p in 100..200 {
-            w.log_sent(p, t0 + Duration::from_micros(10 * (p - 100) as u64));
-        }
         w.sent_hi = 200;
         w.srtt = Duration::from_millis(10);
-        let now = t0 + Duration::from_millis(20);
+        let now = Instant::now();
         use GapReport::*;
         assert_eq!(w.resend_gap(150, 3, now), Acted);
         assert_eq!(Vec::from(w.resend.clone()), vec![150, 151, 152]);
@@ -983,10 +963,7 @@ mod tests {
         assert_eq!(w.resend_gap(199, 1, now), Acted);
         assert_eq!(w.resend.back(), Some(&199));
         assert_eq!(w.resend_gap(197, 5, now), Ignored);
-        // Too soon to be real: the packet behind the gap left less than half a round trip ago.
-        let soon = t0 + Duration::from_micros(5400);
-        assert_eq!(w.resend_gap(140, 10, soon), Ignored);
-        assert_eq!(w.resend_gap(100, 10, soon), Acted);
+        assert_eq!(w.resend_gap(100, 10, now), Acted);
         assert_eq!(w.resend.len(), 17);
         // Stale or never sent: nothing.
         assert_eq!(w.resend_gap(90, 5, now), NotInFlight);

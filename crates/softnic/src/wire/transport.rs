@@ -577,13 +577,8 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
         port.send_built(&mut batch, start, w.to, &w.flow);
         if psn_diff(p, w.sent_hi) < 0 {
             Counters::add(&dev.counters.wire.retransmits, 1);
-        } else {
-            if w.selective {
-                w.log_sent(p, now);
-            }
-            if ack_req || next != psn_add(p, 1) {
-                w.probe(p, Instant::now());
-            }
+        } else if ack_req || next != psn_add(p, 1) {
+            w.probe(p, Instant::now());
         }
         w.send_psn = next;
         if psn_diff(next, w.sent_hi) > 0 {
@@ -1311,7 +1306,12 @@ pub(crate) fn responder_tick(dev: &Shared, qp: &Qp, now: Instant) -> bool {
     if w.held.is_empty() {
         return false;
     }
-    let wait = w.renak_wait() * (1 << w.renaks.min(RENAK_TRIES));
+    let first = if w.unconfirmed() {
+        w.copy_wait()
+    } else {
+        w.renak_wait()
+    };
+    let wait = first * (1 << w.renaks.min(RENAK_TRIES));
     let due = w.last_nak.is_none_or(|t| now.duration_since(t) >= wait);
     if !due {
         return true;
