@@ -18,7 +18,7 @@ use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail,
 use crate::qp::{DoorbellKind, Qp, QpState, SqState};
 use crate::responder::{respond, Request, Response};
 use crate::shared::{lookup, Shared};
-use crate::wire::transport;
+use crate::wire::{requester, responder};
 use parking_lot::MutexGuard;
 use prm::cqe::{Cqe64, ErrorCqe};
 use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
@@ -135,7 +135,7 @@ fn service(dev: &Shared, qp: &Arc<Qp>) -> (bool, bool) {
     if !matches!(state, QpState::Rts | QpState::Err) {
         return (false, false);
     }
-    let holding = state == QpState::Rts && transport::responder_tick(dev, qp, Instant::now());
+    let holding = state == QpState::Rts && responder::responder_tick(dev, qp, Instant::now());
     let mut sq = qp.lock_sq();
     let mut r = service_locked(dev, qp, &mut sq);
     r.1 |= holding;
@@ -186,9 +186,9 @@ fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) 
     if sq.wire.is_some() {
         if qp.state() == QpState::Err {
             // WQEs already handed to the wire complete (flush) before those still in the ring.
-            work |= transport::flush_all(dev, qp, sq);
+            work |= requester::flush_all(dev, qp, sq);
         } else {
-            let (sent, outstanding) = transport::tick(dev, qp, sq, Instant::now());
+            let (sent, outstanding) = requester::tick(dev, qp, sq, Instant::now());
             work |= sent;
             timed |= outstanding;
         }
@@ -368,7 +368,7 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
     let queued = sq.wire.as_ref().is_some_and(|w| !w.msgs.is_empty());
     match outcome {
         Ok((Done::Complete(byte_cnt), signaled)) if queued => {
-            transport::enqueue_local(sq, idx, opcode, signaled, byte_cnt, None);
+            requester::enqueue_local(sq, idx, opcode, signaled, byte_cnt, None);
             advance(sq);
         }
         Ok((Done::Complete(byte_cnt), signaled)) => {
@@ -395,7 +395,7 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
                 wqe = idx,
                 "WQE failed"
             );
-            transport::enqueue_local(sq, idx, opcode, true, 0, Some((syndrome, why)));
+            requester::enqueue_local(sq, idx, opcode, true, 0, Some((syndrome, why)));
             advance(sq);
         }
         Err((syndrome, why)) => {
@@ -447,7 +447,7 @@ fn push_cqe(dev: &Shared, qp: &Qp, sq: &SqState, cq: &crate::cq::Cq, cqe: Cqe64)
 /// Completes the WQE at the consumer index with an error CQE and moves the QP to ERR.
 /// WQEs still on the wire flush first, keeping completions in WQE order.
 fn fail(dev: &Shared, qp: &Qp, sq: &mut SqState, opcode: u8, syndrome: Syndrome, why: u8) {
-    transport::flush_all(dev, qp, sq);
+    requester::flush_all(dev, qp, sq);
     dev.counters.error(syndrome);
     tracing::debug!(
         qpn = qp.qpn,
@@ -602,7 +602,7 @@ fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
         (None, None) => None,
         (None, Some((gid, qpn))) => {
             if let Some(to) = dev.peer_addr(&gid) {
-                if transport::connect(dev, sq, gid, qpn, to) {
+                if requester::connect(dev, sq, gid, qpn, to) {
                     return Ok(Ok(Route::Wire));
                 }
             }
@@ -620,7 +620,7 @@ fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
                         Some(std::net::SocketAddr::from((ip, port.cfg.default_port)))
                     });
                     if let Some(to) = to {
-                        if transport::connect(dev, sq, gid, qpn, to) {
+                        if requester::connect(dev, sq, gid, qpn, to) {
                             return Ok(Ok(Route::Wire));
                         }
                     }
@@ -783,7 +783,7 @@ fn execute(
         Ok(Route::Wire) => {
             drop(prepared);
             drop(g);
-            return transport::enqueue(dev, qp, sq, wqe);
+            return requester::enqueue(dev, qp, sq, wqe);
         }
         Err(stall) => return Ok(Done::Stalled(stall)),
     };

@@ -3,18 +3,22 @@
 //! A device opened with [`crate::DeviceConfig::wire`] binds a UDP socket and runs an I/O
 //! thread next to its engine. A QP whose peer is reached over the wire (see
 //! [`crate::Device::add_peer`] for how a GID becomes a UDP address) hands each WQE, once the
-//! shared local checks passed, to its requester transport ([`transport`]): the message gets a
+//! shared local checks passed, to its requester transport ([`requester`]): the message gets a
 //! PSN range, is segmented to the path MTU and sent within a window; it completes (CQE in
 //! order, exactly as in-process) when its ACK, READ response or atomic ACK arrives. Incoming
 //! requests run through the same responder checks as in-process requests
 //! ([`crate::responder`]). Layers, each using only those before it: formats and ICRC
-//! ([`packet`]); the UDP port with fault injection, egress batching and ingress (`socket`);
-//! the per-QP RC state (`state`); the protocol and the I/O thread (`transport`), which the
-//! engine hands work to and which never calls the engine. Captures are in [`crate::pcap`].
+//! ([`packet`]); the real IPv4 identifications where a raw socket shows them (`ip_ids`); the
+//! UDP port with fault injection, egress batching and ingress (`socket`); the per-QP RC state
+//! (`state`); the protocol's requester side (`requester`), its responder side (`responder`)
+//! and the I/O thread (`transport`), which the engine hands work to and which never call the
+//! engine. Captures are in [`crate::pcap`].
 //! `docs/wire.md` is the full description.
 
 pub(crate) mod ip_ids;
 pub mod packet;
+pub(crate) mod requester;
+pub(crate) mod responder;
 pub(crate) mod socket;
 pub(crate) mod state;
 pub(crate) mod transport;

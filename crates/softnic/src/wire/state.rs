@@ -23,6 +23,14 @@ pub(crate) fn psn_diff(a: u32, b: u32) -> i32 {
     ((a.wrapping_sub(b) << 8) as i32) >> 8
 }
 
+/// The most PSNs a requester keeps outstanding (well inside the 2^23 half of PSN space in
+/// which ordering is defined).
+pub(crate) const MAX_OUTSTANDING_PSNS: i64 = 1 << 22;
+
+/// The most PSNs a requester may have in flight ([`crate::WireConfig::window`] is capped
+/// there), and so the farthest ahead of the expected PSN a responder holds a request.
+pub(crate) const MAX_WINDOW: u32 = 4096;
+
 /// Packets timed at once (`ReqWire::rtt_probes`): a window asks for an ACK about every
 /// quarter window, plus one per message end.
 const MAX_PROBES: usize = 64;
@@ -810,6 +818,19 @@ mod tests {
 
     fn trusted(w: &RespWire, psn: u32) -> Option<bool> {
         w.held.get(&psn).map(|h| h.trusted)
+    }
+
+    #[test]
+    fn psn_arithmetic_wraps_at_24_bits() {
+        assert_eq!(psn_add(0xff_ffff, 1), 0);
+        assert_eq!(psn_add(0xff_fff0, 0x20), 0x10);
+        assert_eq!(psn_diff(0x10, 0xff_fff0), 0x20);
+        assert_eq!(psn_diff(0xff_fff0, 0x10), -0x20);
+        assert_eq!(psn_diff(5, 5), 0);
+        // half the space ahead is "after", the other half "before"
+        assert_eq!(psn_diff(0x7f_ffff, 0), 0x7f_ffff);
+        assert_eq!(psn_diff(0x80_0000, 0), -0x80_0000);
+        assert_eq!(psn_add(MASK24, MASK24), MASK24 - 1);
     }
 
     #[test]
