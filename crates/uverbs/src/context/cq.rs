@@ -1,0 +1,236 @@
+//! Completion channels and CQs: CREATE_COMP_CHANNEL, CREATE_CQ, EX_CREATE_CQ, RESIZE_CQ and
+//! DESTROY_CQ, and the CQ object the emulation's arm-doorbell watcher reads.
+
+use super::{unsupported, user_buf, Context, Created, Io};
+use crate::abi;
+use crate::device::MAX_CQE;
+use crate::events::EventQueue;
+use crate::uaccess::Errno;
+use parking_lot::Mutex;
+use softnic::buffer::DmaBuf;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+/// Arming state of a CQ, as its doorbells left it.
+#[derive(Default)]
+pub struct Arm {
+    pub armed: bool,
+    pub ci: u32,
+    /// The last arm word seen in the CQ's doorbell record.
+    pub last_word: u32,
+}
+
+/// A CQ.
+pub struct CqObj {
+    pub soft: Arc<softnic::Cq>,
+    pub user_handle: u64,
+    pub channel: Option<Arc<EventQueue>>,
+    pub comp_reported: Arc<AtomicU32>,
+    /// Async events read for this CQ (DESTROY_CQ's `async_events_reported`).
+    pub async_reported: Arc<AtomicU32>,
+    /// The CQ doorbell record (consumer index, arm word), the application's.
+    pub dbrec: DmaBuf,
+    pub arm: Mutex<Arm>,
+    /// An identity for events (unique per process).
+    pub key: u64,
+}
+
+impl Context {
+    /// CREATE_CQ (the legacy command).
+    pub(super) fn legacy_create_cq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::CreateCq = io.core()?;
+        self.create_cq(
+            io,
+            r.user_handle,
+            r.cqe,
+            r.comp_vector,
+            r.comp_channel,
+            false,
+        )
+    }
+
+    /// EX_CREATE_CQ.
+    pub(super) fn ex_create_cq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::ExCreateCq = io.core()?;
+        if r.comp_mask != 0 || r.flags & !1 != 0 {
+            // only IB_UVERBS_CQ_FLAGS_TIMESTAMP_COMPLETION is known, and not served
+            return Err(Errno::EOPNOTSUPP);
+        }
+        if r.flags != 0 {
+            return Err(unsupported("EX_CREATE_CQ with completion timestamps"));
+        }
+        self.create_cq(
+            io,
+            r.user_handle,
+            r.cqe,
+            r.comp_vector,
+            r.comp_channel,
+            true,
+        )
+    }
+
+    pub(super) fn create_comp_channel(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let q = EventQueue::new(8)?;
+        io.reply(&abi::CompChannelResp { fd: q.fd() as u32 })?;
+        self.objs.lock().channels.insert(q.fd(), q.clone());
+        Ok(Created::Channel(q))
+    }
+
+    /// Forgets a completion channel the application closed.
+    pub fn close_channel(&self, fd: RawFd) {
+        self.objs.lock().channels.remove(&fd);
+    }
+
+    fn create_cq(
+        &self,
+        io: &Io<'_>,
+        user_handle: u64,
+        cqe: u32,
+        comp_vector: u32,
+        channel: i32,
+        ex: bool,
+    ) -> Result<Created, Errno> {
+        let u: abi::Mlx5CreateCq = io.udata()?;
+        if io.udata.len() < 24 {
+            return Err(Errno::EINVAL);
+        }
+        if cqe == 0 || cqe > MAX_CQE || comp_vector != 0 {
+            return Err(Errno::EINVAL);
+        }
+        if u.cqe_size != 64 {
+            return Err(if u.cqe_size == 128 {
+                unsupported("128-byte CQEs")
+            } else {
+                Errno::EINVAL
+            });
+        }
+        if u.cqe_comp_en != 0 || u.flags != 0 {
+            return Err(unsupported("CQE compression or CQ creation flags"));
+        }
+        let ncqe = (cqe + 1).next_power_of_two();
+        let ring = user_buf(u.buf_addr, ncqe as usize * 64)?;
+        let dbrec = user_buf(u.db_addr, 8)?;
+        let arm_view = user_buf(u.db_addr, 8)?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let channel = match channel {
+            -1 => None,
+            fd => Some(o.channels.get(&fd).cloned().ok_or(Errno::EINVAL)?),
+        };
+        let scq = soft
+            .create_cq(softnic::CqConfig {
+                ncqe,
+                mode: softnic::CqMode::OverrunDetect,
+                init: softnic::CqInit::Invalid,
+                ring: Some(ring),
+                dbrec: Some(dbrec),
+            })
+            .map_err(|_| Errno::EINVAL)?;
+        let h = o.handle();
+        let reply = if ex {
+            io.reply(&abi::ExCreateCqResp {
+                cq_handle: h,
+                cqe: ncqe - 1,
+                comp_mask: 0,
+                response_length: 16,
+            })
+        } else {
+            io.reply(&abi::CreateCqResp {
+                cq_handle: h,
+                cqe: ncqe - 1,
+            })
+        };
+        if let Err(e) = reply.and_then(|_| {
+            io.ureply(&abi::Mlx5CreateCqResp {
+                cqn: scq.cqn(),
+                reserved: 0,
+            })
+        }) {
+            let _ = soft.destroy_cq(&scq);
+            return Err(e);
+        }
+        let async_reported: Arc<AtomicU32> = Arc::default();
+        let key = crate::next_key();
+        scq.set_event_handler(Some(self.event_handler(
+            user_handle,
+            key,
+            async_reported.clone(),
+        )));
+        let obj = Arc::new(CqObj {
+            soft: scq,
+            user_handle,
+            channel,
+            comp_reported: Arc::default(),
+            async_reported,
+            dbrec: arm_view,
+            arm: Mutex::new(Arm::default()),
+            key,
+        });
+        o.cqs.insert(h, obj.clone());
+        Ok(Created::Cq(obj))
+    }
+
+    pub(super) fn destroy_cq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::Destroy = io.core()?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let cq = o.cqs.get(&r.handle).ok_or(Errno::EINVAL)?.clone();
+        if o.qps
+            .values()
+            .any(|q| q.send_cq == r.handle || q.recv_cq == r.handle)
+        {
+            return Err(Errno::EBUSY);
+        }
+        soft.destroy_cq(&cq.soft).map_err(|_| Errno::EBUSY)?;
+        o.cqs.remove(&r.handle);
+        cq.soft.set_event_handler(None);
+        if let Some(ch) = &cq.channel {
+            ch.purge(cq.key);
+        }
+        self.purge_async(cq.key);
+        io.reply(&abi::DestroyCqResp {
+            comp_events_reported: cq.comp_reported.load(Ordering::Acquire),
+            async_events_reported: cq.async_reported.load(Ordering::Acquire),
+        })?;
+        Ok(Created::Nothing)
+    }
+
+    pub(super) fn resize_cq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::ResizeCq = io.core()?;
+        let u: abi::Mlx5ResizeCq = io.udata()?;
+        if io.udata.len() < std::mem::size_of::<abi::Mlx5ResizeCq>() {
+            return Err(Errno::EINVAL);
+        }
+        if u.reserved0 != 0 || u.reserved1 != 0 {
+            return Err(Errno::EINVAL);
+        }
+        if u.cqe_size != 64 {
+            return Err(if u.cqe_size == 128 {
+                unsupported("128-byte CQEs")
+            } else {
+                Errno::EINVAL
+            });
+        }
+        if r.cqe < 1 || r.cqe > MAX_CQE {
+            return Err(Errno::EINVAL);
+        }
+        let cq = self
+            .objs
+            .lock()
+            .cqs
+            .get(&r.cq_handle)
+            .cloned()
+            .ok_or(Errno::EINVAL)?;
+        let ncqe = (r.cqe + 1).next_power_of_two();
+        if ncqe != cq.soft.ncqe() {
+            let ring = user_buf(u.buf_addr, ncqe as usize * 64)?;
+            cq.soft.resize(ncqe, ring).map_err(|_| Errno::EINVAL)?;
+        }
+        io.reply(&abi::ResizeCqResp {
+            cqe: cq.soft.ncqe() - 1,
+            reserved: 0,
+        })?;
+        Ok(Created::Nothing)
+    }
+}

@@ -1,0 +1,322 @@
+//! Protection domains, memory regions (host, GPU and dma-buf) and memory windows: ALLOC_PD,
+//! DEALLOC_PD, REG_MR, REG_DMABUF_MR, REREG_MR, DEREG_MR, ALLOC_MW and DEALLOC_MW.
+
+use super::{ib_access, unsupported, Context, Created, Io};
+use crate::abi::{self, access};
+use crate::peermem;
+use crate::uaccess::{check_mapped, copy_to_user, Errno};
+use std::os::fd::RawFd;
+
+pub(super) struct PdObj {
+    pub(super) id: softnic::PdId,
+}
+
+pub(super) struct MrObj {
+    pub(super) key: u32,
+    pd: u32,
+}
+
+pub(super) struct MwObj {
+    /// The key the window was allocated with (binds change its low byte).
+    pub(super) key: u32,
+    pd: u32,
+}
+
+impl Context {
+    pub(super) fn alloc_pd(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let id = soft.alloc_pd();
+        let h = o.handle();
+        io.reply(&abi::AllocPdResp { pd_handle: h })?;
+        io.ureply(&abi::Mlx5AllocPdResp { pdn: id.0 })?;
+        o.pds.insert(h, PdObj { id });
+        Ok(Created::Nothing)
+    }
+
+    pub(super) fn dealloc_pd(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::Handle = io.core()?;
+        let mut o = self.objs.lock();
+        if !o.pds.contains_key(&r.handle) {
+            return Err(Errno::EINVAL);
+        }
+        let used = o.mrs.values().any(|m| m.pd == r.handle)
+            || o.mws.values().any(|m| m.pd == r.handle)
+            || o.qps.values().any(|q| q.pd == r.handle)
+            || o.ahs.values().any(|a| a.pd == r.handle)
+            || o.srqs.values().any(|q| q.pd == r.handle);
+        if used {
+            return Err(Errno::EBUSY);
+        }
+        o.pds.remove(&r.handle);
+        Ok(Created::Nothing)
+    }
+
+    fn check_mr(
+        start: u64,
+        length: u64,
+        hca_va: u64,
+        flags: u32,
+    ) -> Result<softnic::Access, Errno> {
+        let a = ib_access(flags)?;
+        if (flags & (access::REMOTE_WRITE | access::REMOTE_ATOMIC)) != 0
+            && flags & access::LOCAL_WRITE == 0
+        {
+            return Err(Errno::EINVAL);
+        }
+        if flags & access::ON_DEMAND != 0 {
+            return Err(unsupported("REG_MR with IBV_ACCESS_ON_DEMAND (no ODP)"));
+        }
+        if flags & access::ZERO_BASED != 0 {
+            return Err(Errno::EINVAL);
+        }
+        if length == 0 || start.checked_add(length).is_none() {
+            return Err(Errno::EINVAL);
+        }
+        if hca_va != start {
+            return Err(unsupported("REG_MR with an IOVA other than the address"));
+        }
+        Ok(a)
+    }
+
+    pub(super) fn reg_mr(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::RegMr = io.core()?;
+        let a = Self::check_mr(r.start, r.length, r.hca_va, r.access_flags)?;
+        // host memory, else GPU memory resolved as nvidia-peermem would, else EFAULT
+        let gpu = match check_mapped(r.start, r.length) {
+            Ok(()) => None,
+            Err(e) => Some(peermem::resolve(r.start, r.length).ok_or(e)?),
+        };
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
+        let info = match gpu {
+            Some(mem) => soft.reg_device(pd, r.start, r.length, a, mem),
+            // SAFETY: the range is mapped (checked); an application that unmaps registered
+            // memory before deregistering it breaks the verbs contract (the kernel would keep
+            // the pages pinned; here the device's accesses would fault in the application's
+            // own process).
+            None => unsafe { soft.reg_host(pd, r.start, r.length, a) },
+        }
+        .map_err(|_| Errno::EINVAL)?;
+        let h = o.handle();
+        if let Err(e) = io.reply(&abi::RegMrResp {
+            mr_handle: h,
+            lkey: info.key,
+            rkey: info.key,
+        }) {
+            let _ = soft.dereg(info.key);
+            return Err(e);
+        }
+        o.mrs.insert(
+            h,
+            MrObj {
+                key: info.key,
+                pd: r.pd_handle,
+            },
+        );
+        Ok(Created::Nothing)
+    }
+
+    /// REG_DMABUF_MR (the ioctl path; `attrs` are the command's attributes, at `uattrs` in the
+    /// caller's memory): a region over a dma-buf, as mlx5_ib's `reg_user_mr_dmabuf`. The
+    /// emulated kernel cannot map a dma-buf's pages; it checks that the fd is a dma-buf that
+    /// holds `offset + length` bytes, and that the range at the IOVA (the address peers and
+    /// WQEs name the region by) and the dma-buf's first byte (`iova - offset`) are device
+    /// memory of one GPU allocation, whose bytes the soft NIC then moves with CUDA copies
+    /// ([`peermem`]). Access flags as REG_MR; a bad PD or a missing attribute: EINVAL; not a
+    /// dma-buf: EINVAL; a range it cannot resolve: EFAULT.
+    pub fn reg_dmabuf_mr(&self, uattrs: u64, attrs: &[abi::IoctlAttr]) -> Result<(), Errno> {
+        use abi::ioctl::reg_dmabuf_mr as id;
+        let find = |want: u16| {
+            attrs
+                .iter()
+                .position(|a| a.attr_id == want)
+                .ok_or(Errno::EINVAL)
+        };
+        let inline = |want: u16| -> Result<u64, Errno> {
+            let a = attrs[find(want)?];
+            if a.len > 8 {
+                return Err(Errno::EINVAL);
+            }
+            Ok(a.data)
+        };
+        let (pd_h, offset, length, iova) = (
+            inline(id::PD_HANDLE)? as u32,
+            inline(id::OFFSET)?,
+            inline(id::LENGTH)?,
+            inline(id::IOVA)?,
+        );
+        let (fd, flags) = (inline(id::FD)? as i32, inline(id::ACCESS_FLAGS)? as u32);
+        let (h_at, lkey_at, rkey_at) = (
+            find(id::HANDLE)?,
+            find(id::RESP_LKEY)?,
+            find(id::RESP_RKEY)?,
+        );
+        let a = Self::check_mr(iova, length, iova, flags)?;
+        let end = offset.checked_add(length).ok_or(Errno::EINVAL)?;
+        if !is_dmabuf(fd)? {
+            return Err(Errno::EINVAL);
+        }
+        if dmabuf_size(fd).is_some_and(|size| end > size) {
+            return Err(Errno::EINVAL);
+        }
+        let first = iova.checked_sub(offset).ok_or(Errno::EINVAL)?;
+        let mem = peermem::resolve(first, end).ok_or(Errno::EFAULT)?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let pd = o.pds.get(&pd_h).ok_or(Errno::EINVAL)?.id;
+        let info = soft
+            .reg_device(pd, iova, length, a, mem)
+            .map_err(|_| Errno::EINVAL)?;
+        let h = o.handle();
+        let out = || -> Result<(), Errno> {
+            let at = |i: usize| uattrs + 16 * i as u64;
+            copy_to_user(
+                attrs[lkey_at].data,
+                &info.key.to_ne_bytes()[..attrs[lkey_at].len.min(4) as usize],
+            )?;
+            copy_to_user(
+                attrs[rkey_at].data,
+                &info.key.to_ne_bytes()[..attrs[rkey_at].len.min(4) as usize],
+            )?;
+            // the new object's handle goes back in the attribute's data
+            copy_to_user(at(h_at) + 8, &u64::from(h).to_ne_bytes())?;
+            for i in [h_at, lkey_at, rkey_at] {
+                let f = attrs[i].flags | abi::ioctl::ATTR_F_VALID_OUTPUT;
+                copy_to_user(at(i) + 4, &f.to_ne_bytes())?;
+            }
+            Ok(())
+        };
+        if let Err(e) = out() {
+            let _ = soft.dereg(info.key);
+            return Err(e);
+        }
+        o.mrs.insert(
+            h,
+            MrObj {
+                key: info.key,
+                pd: pd_h,
+            },
+        );
+        Ok(())
+    }
+
+    pub(super) fn rereg_mr(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::ReregMr = io.core()?;
+        // IB_MR_REREG_TRANS 1, _PD 2, _ACCESS 4
+        if r.flags == 0 || r.flags & !7 != 0 {
+            return Err(Errno::EINVAL);
+        }
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let mr = o.mrs.get(&r.mr_handle).ok_or(Errno::EINVAL)?;
+        let old = soft.mr(mr.key).ok_or(Errno::EINVAL)?;
+        let (start, len) = if r.flags & 1 != 0 {
+            (r.start, r.length)
+        } else {
+            (old.addr, old.len)
+        };
+        let va = if r.flags & 1 != 0 { r.hca_va } else { start };
+        let pd_handle = if r.flags & 2 != 0 { r.pd_handle } else { mr.pd };
+        let pd = o.pds.get(&pd_handle).ok_or(Errno::EINVAL)?.id;
+        if old.kind != softnic::MemKind::Host {
+            return Err(unsupported("REREG_MR of GPU memory"));
+        }
+        let a = if r.flags & 4 != 0 {
+            Self::check_mr(start, len, va, r.access_flags)?
+        } else {
+            Self::check_mr(start, len, va, 0)?;
+            old.access
+        };
+        check_mapped(start, len)?;
+        // The key stays (mlx5_ib modifies the mkey in place).
+        // SAFETY: as in reg_mr, for the new range.
+        let info =
+            unsafe { soft.rereg_host(old.key, pd, start, len, a) }.map_err(|_| Errno::EINVAL)?;
+        let h = r.mr_handle;
+        io.reply(&abi::ReregMrResp {
+            lkey: info.key,
+            rkey: info.key,
+        })?;
+        o.mrs.insert(
+            h,
+            MrObj {
+                key: info.key,
+                pd: pd_handle,
+            },
+        );
+        Ok(Created::Nothing)
+    }
+
+    pub(super) fn dereg_mr(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::Handle = io.core()?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let mr = o.mrs.remove(&r.handle).ok_or(Errno::EINVAL)?;
+        soft.dereg(mr.key).map_err(|_| Errno::EINVAL)?;
+        Ok(Created::Nothing)
+    }
+
+    /// ALLOC_MW as mlx5_ib serves it: type 1 or 2 (else EINVAL), driver data with nothing
+    /// set but the KLM count (else EOPNOTSUPP).
+    pub(super) fn alloc_mw(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::AllocMw = io.core()?;
+        let req: abi::Mlx5AllocMw = io.udata()?;
+        if req.comp_mask != 0 || req.reserved1 != 0 || req.reserved2 != 0 {
+            return Err(Errno::EOPNOTSUPP);
+        }
+        let kind = match r.mw_type {
+            1 => softnic::MwType::One,
+            2 => softnic::MwType::Two,
+            _ => return Err(Errno::EINVAL),
+        };
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
+        let key = soft.alloc_mw(pd, kind);
+        let h = o.handle();
+        if let Err(e) = io.reply(&abi::AllocMwResp {
+            mw_handle: h,
+            rkey: key,
+        }) {
+            let _ = soft.dealloc_mw(key);
+            return Err(e);
+        }
+        o.mws.insert(
+            h,
+            MwObj {
+                key,
+                pd: r.pd_handle,
+            },
+        );
+        Ok(Created::Nothing)
+    }
+
+    pub(super) fn dealloc_mw(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::Handle = io.core()?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let mw = o.mws.remove(&r.handle).ok_or(Errno::EINVAL)?;
+        soft.dealloc_mw(mw.key).map_err(|_| Errno::EINVAL)?;
+        Ok(Created::Nothing)
+    }
+}
+
+/// Whether `fd` is a dma-buf (what `/proc/self/fd` names it: `/dmabuf:...` or
+/// `anon_inode:dmabuf`); EBADF when it is no open fd.
+fn is_dmabuf(fd: RawFd) -> Result<bool, Errno> {
+    let target = std::fs::read_link(format!("/proc/self/fd/{fd}")).map_err(|_| Errno::EBADF)?;
+    let t = target.to_string_lossy();
+    Ok(t.starts_with("/dmabuf:") || t.starts_with("anon_inode:dmabuf"))
+}
+
+/// A dma-buf's size (dma-bufs answer `lseek(fd, 0, SEEK_END)` with it), `None` when it does not
+/// say. The file position is left at 0, where it was.
+fn dmabuf_size(fd: RawFd) -> Option<u64> {
+    // SAFETY: lseek on an fd has no memory effects; a dma-buf's position carries no state.
+    let end = unsafe { libc::lseek(fd, 0, libc::SEEK_END) };
+    // SAFETY: as above.
+    unsafe { libc::lseek(fd, 0, libc::SEEK_SET) };
+    u64::try_from(end).ok()
+}

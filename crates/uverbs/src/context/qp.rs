@@ -1,0 +1,527 @@
+//! Queue pairs (RC only): CREATE_QP, EX_CREATE_QP, MODIFY_QP, EX_MODIFY_QP, QUERY_QP and
+//! DESTROY_QP, with the BlueFlame register each QP gets.
+
+use super::{
+    ib_access, unsupported, user_buf, Context, Created, Io, Objects, BFREGS_PER_UAR, BF_REG_SIZE,
+    GROSS_BFREGS_PER_UAR,
+};
+use crate::abi::{self, access, qp_attr};
+use crate::device::{MAX_QP_WR, MAX_RD_ATOM, MAX_SGE};
+use crate::uaccess::{check_mapped, Errno};
+use prm::doorbell::BF_OFFSET;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+/// What QUERY_QP reports back: the attributes last set.
+#[derive(Clone, Copy, Default)]
+struct QpAttrs {
+    state: u8,
+    access: u32,
+    pkey_index: u16,
+    port: u8,
+    dest: abi::QpDest,
+    path_mtu: u8,
+    dest_qpn: u32,
+    rq_psn: u32,
+    sq_psn: u32,
+    max_rd_atomic: u8,
+    max_dest_rd_atomic: u8,
+    min_rnr_timer: u8,
+    timeout: u8,
+    retry_cnt: u8,
+    rnr_retry: u8,
+}
+
+pub(super) struct QpObj {
+    pub(super) soft: Arc<softnic::Qp>,
+    pub(super) pd: u32,
+    pub(super) srq: Option<u32>,
+    key: u64,
+    async_reported: Arc<AtomicU32>,
+    pub(super) send_cq: u32,
+    pub(super) recv_cq: u32,
+    caps: abi::CreateQpResp,
+    sq_sig_all: u8,
+    attrs: QpAttrs,
+    bfreg: u32,
+}
+
+/// `v` when it is at most `max` (a QP attribute in range), else EINVAL.
+fn at_most(v: u8, max: u8) -> Result<u8, Errno> {
+    if v > max {
+        return Err(Errno::EINVAL);
+    }
+    Ok(v)
+}
+
+fn mtu_bytes(m: u8) -> Option<u32> {
+    (1..=5).contains(&m).then(|| 128u32 << m)
+}
+
+impl Context {
+    /// CREATE_QP (the legacy command).
+    pub(super) fn legacy_create_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::CreateQp = io.core()?;
+        let ex = abi::ExCreateQp {
+            user_handle: r.user_handle,
+            pd_handle: r.pd_handle,
+            send_cq_handle: r.send_cq_handle,
+            recv_cq_handle: r.recv_cq_handle,
+            srq_handle: r.srq_handle,
+            max_send_wr: r.max_send_wr,
+            max_recv_wr: r.max_recv_wr,
+            max_send_sge: r.max_send_sge,
+            max_recv_sge: r.max_recv_sge,
+            max_inline_data: r.max_inline_data,
+            sq_sig_all: r.sq_sig_all,
+            qp_type: r.qp_type,
+            is_srq: r.is_srq,
+            ..Default::default()
+        };
+        self.create_qp(io, &ex, false)
+    }
+
+    /// EX_CREATE_QP.
+    pub(super) fn ex_create_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::ExCreateQp = io.core()?;
+        if r.comp_mask != 0 || r.create_flags != 0 {
+            return Err(unsupported("EX_CREATE_QP with create flags or RSS"));
+        }
+        self.create_qp(io, &r, true)
+    }
+
+    /// MODIFY_QP (the legacy command).
+    pub(super) fn legacy_modify_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::ModifyQp = io.core()?;
+        self.modify_qp(&r).map(|_| Created::Nothing)
+    }
+
+    /// EX_MODIFY_QP.
+    pub(super) fn ex_modify_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::ExModifyQp = io.core()?;
+        if r.base.attr_mask & qp_attr::RATE_LIMIT != 0 {
+            return Err(unsupported("EX_MODIFY_QP rate limit"));
+        }
+        self.modify_qp(&r.base)?;
+        io.reply(&abi::ExModifyQpResp {
+            comp_mask: 0,
+            response_length: 8,
+        })
+        .or(Ok(()))
+        .map(|_: ()| Created::Nothing)
+    }
+
+    /// Picks a BlueFlame register for a new QP as mlx5_ib does: a dedicated low-latency one
+    /// while any is free, else the least used of the shared ones (never register 0, which
+    /// the provider uses without BlueFlame). Returns the index in the non-fast-path numbering.
+    fn alloc_bfreg(o: &mut Objects) -> u32 {
+        let total = o.bfreg_use.len() as u32;
+        let first_ll = total - o.low_latency;
+        if let Some(i) = (first_ll..total).find(|&i| o.bfreg_use[i as usize] == 0) {
+            o.bfreg_use[i as usize] += 1;
+            return i;
+        }
+        let i = (1..first_ll.max(2).min(total))
+            .min_by_key(|&i| o.bfreg_use[i as usize])
+            .unwrap_or(0);
+        o.bfreg_use[i as usize] += 1;
+        i
+    }
+
+    fn create_qp(&self, io: &Io<'_>, r: &abi::ExCreateQp, ex: bool) -> Result<Created, Errno> {
+        const IBV_QPT_RC: u8 = 2;
+        let u: abi::Mlx5CreateQp = io.udata()?;
+        if io.udata.len() < 32 {
+            return Err(Errno::EINVAL);
+        }
+        if r.qp_type != IBV_QPT_RC {
+            return Err(unsupported("QP types other than RC"));
+        }
+        let srq_handle = (r.is_srq != 0).then_some(r.srq_handle);
+        use abi::mlx5_qp_flag as f;
+        let known = f::SIGNATURE
+            | f::SCATTER_CQE
+            | f::BFREG_INDEX
+            | f::UAR_PAGE_INDEX
+            | f::ALLOW_SCATTER_CQE;
+        if u.flags & !known != 0 {
+            return Err(unsupported(
+                "mlx5 QP creation flags (DCT, DCI, tunnel offloads, ...)",
+            ));
+        }
+        if u.flags & (f::BFREG_INDEX | f::UAR_PAGE_INDEX) != 0 {
+            // dynamically allocated UARs come from an ioctl this kernel does not have
+            return Err(Errno::EINVAL);
+        }
+        if r.max_send_wr > MAX_QP_WR
+            || r.max_recv_wr > MAX_QP_WR
+            || r.max_send_sge > MAX_SGE
+            || r.max_recv_sge > MAX_SGE
+        {
+            return Err(Errno::EINVAL);
+        }
+        let pow2 = |n: u32| n == 0 || n.is_power_of_two();
+        // a QP on an SRQ has no RQ (the provider allocates none)
+        let rq_wqe_count = if srq_handle.is_some() {
+            0
+        } else {
+            u.rq_wqe_count
+        };
+        if !pow2(u.sq_wqe_count)
+            || u.sq_wqe_count == 0
+            || u.sq_wqe_count > MAX_QP_WR
+            || !pow2(rq_wqe_count)
+            || rq_wqe_count > MAX_QP_WR
+        {
+            return Err(Errno::EINVAL);
+        }
+        let rq_stride = 1u32
+            .checked_shl(u.rq_wqe_shift)
+            .filter(|&s| (16..=512).contains(&s));
+        let rq_stride = match (rq_wqe_count, rq_stride) {
+            (0, _) => 16,
+            (_, Some(s)) => s,
+            (_, None) => return Err(Errno::EINVAL),
+        };
+        let rq_bytes = rq_wqe_count as usize * rq_stride as usize;
+        let sq_bytes = u.sq_wqe_count as usize * prm::WQEBB;
+        check_mapped(u.buf_addr, (rq_bytes + sq_bytes) as u64)?;
+        let rq_ring = if rq_bytes > 0 {
+            Some(user_buf(u.buf_addr, rq_bytes)?)
+        } else {
+            None
+        };
+        let sq_ring = user_buf(u.buf_addr + rq_bytes as u64, sq_bytes)?;
+        let dbrec = user_buf(u.db_addr, 8)?;
+        let soft = self.soft()?;
+        let cqe_version = *self.cqe_version.lock();
+        let mut o = self.objs.lock();
+        let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
+        let scq = o
+            .cqs
+            .get(&r.send_cq_handle)
+            .ok_or(Errno::EINVAL)?
+            .soft
+            .clone();
+        let rcq = o
+            .cqs
+            .get(&r.recv_cq_handle)
+            .ok_or(Errno::EINVAL)?
+            .soft
+            .clone();
+        let srq = match srq_handle {
+            Some(h) => Some(o.srqs.get(&h).ok_or(Errno::EINVAL)?.soft.clone()),
+            None => None,
+        };
+        let uars = self.uars.lock();
+        let uars = uars.as_ref().ok_or(Errno::EINVAL)?;
+        let bfreg = Self::alloc_bfreg(&mut o);
+        let page = uars.pages[(bfreg / BFREGS_PER_UAR) as usize].buf.clone();
+        let offset = BF_OFFSET + (bfreg % BFREGS_PER_UAR) as usize * BF_REG_SIZE as usize;
+        let cfg = softnic::QpConfig {
+            pd,
+            send_cq: scq,
+            recv_cq: rcq,
+            sq_blocks: u.sq_wqe_count,
+            rq_wqes: rq_wqe_count,
+            max_recv_sge: (rq_stride / 16).min(32),
+            max_inline: prm::wqe::MAX_INLINE_SEND as u32,
+            doorbell: softnic::DoorbellKind::Register,
+            sq_ring: Some(sq_ring),
+            rq_ring,
+            rq_stride: Some(rq_stride),
+            dbrec: Some(dbrec),
+            uar: Some(softnic::qp::UarRegister { page, offset }),
+            user_index: (cqe_version == 1).then_some(u.uidx & 0xff_ffff),
+        };
+        let created = match &srq {
+            Some(s) => soft.create_qp_on_srq(cfg, s),
+            None => soft.create_qp(cfg),
+        };
+        let sqp = match created {
+            Ok(q) => q,
+            Err(_) => {
+                o.bfreg_use[bfreg as usize] -= 1;
+                return Err(Errno::EINVAL);
+            }
+        };
+        let h = o.handle();
+        let caps = abi::CreateQpResp {
+            qp_handle: h,
+            qpn: sqp.qpn(),
+            max_send_wr: r.max_send_wr,
+            max_recv_wr: r.max_recv_wr,
+            max_send_sge: r.max_send_sge,
+            max_recv_sge: r.max_recv_sge,
+            max_inline_data: r.max_inline_data,
+            reserved: 0,
+        };
+        let caps = if srq.is_some() {
+            // mlx5_ib: a QP without an RQ reports no receive capacity
+            abi::CreateQpResp {
+                max_recv_wr: 0,
+                max_recv_sge: 0,
+                ..caps
+            }
+        } else {
+            caps
+        };
+        let gross = bfreg / BFREGS_PER_UAR * GROSS_BFREGS_PER_UAR + bfreg % BFREGS_PER_UAR;
+        let reply = if ex {
+            io.reply(&abi::ExCreateQpResp {
+                base: caps,
+                comp_mask: 0,
+                response_length: 40,
+            })
+        } else {
+            io.reply(&caps)
+        };
+        if let Err(e) = reply.and_then(|_| {
+            io.ureply(&abi::Mlx5CreateQpResp {
+                bfreg_index: gross,
+                ..Default::default()
+            })
+        }) {
+            soft.destroy_qp(&sqp);
+            o.bfreg_use[bfreg as usize] -= 1;
+            return Err(e);
+        }
+        let key = crate::next_key();
+        let async_reported: Arc<AtomicU32> = Arc::default();
+        sqp.set_event_handler(Some(self.event_handler(
+            r.user_handle,
+            key,
+            async_reported.clone(),
+        )));
+        o.qps.insert(
+            h,
+            QpObj {
+                soft: sqp,
+                pd: r.pd_handle,
+                srq: srq_handle,
+                key,
+                async_reported,
+                send_cq: r.send_cq_handle,
+                recv_cq: r.recv_cq_handle,
+                caps,
+                sq_sig_all: r.sq_sig_all,
+                attrs: QpAttrs::default(),
+                bfreg,
+            },
+        );
+        Ok(Created::Nothing)
+    }
+
+    fn modify_qp(&self, m: &abi::ModifyQp) -> Result<(), Errno> {
+        use qp_attr::*;
+        use softnic::QpState as S;
+        let mut o = self.objs.lock();
+        let q = o.qps.get_mut(&m.qp_handle).ok_or(Errno::EINVAL)?;
+        let cur = match q.soft.state() {
+            S::Reset => 0u8,
+            S::Init => 1,
+            S::Rtr => 2,
+            S::Rts => 3,
+            S::Err => 6,
+        };
+        if m.attr_mask & CUR_STATE != 0 && m.cur_qp_state != cur {
+            return Err(Errno::EINVAL);
+        }
+        let new = if m.attr_mask & STATE != 0 {
+            m.qp_state
+        } else {
+            cur
+        };
+        // ib_modify_qp_is_ok for RC: (required, optional) attributes per transition
+        let (req, opt) = match (cur, new) {
+            (_, 0) | (_, 6) => (0, 0),
+            (0, 1) => (PKEY_INDEX | PORT | ACCESS_FLAGS, 0),
+            (1, 1) => (0, PKEY_INDEX | PORT | ACCESS_FLAGS),
+            (1, 2) => (
+                AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER,
+                ALT_PATH | ACCESS_FLAGS | PKEY_INDEX,
+            ),
+            (2, 3) => (
+                TIMEOUT | RETRY_CNT | RNR_RETRY | SQ_PSN | MAX_QP_RD_ATOMIC,
+                CUR_STATE | ALT_PATH | ACCESS_FLAGS | MIN_RNR_TIMER | PATH_MIG_STATE,
+            ),
+            (3, 3) => (
+                0,
+                CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE | MIN_RNR_TIMER,
+            ),
+            _ => return Err(Errno::EINVAL),
+        };
+        let given = m.attr_mask & !STATE;
+        if given & req != req || given & !(req | opt | CUR_STATE) != 0 {
+            return Err(Errno::EINVAL);
+        }
+        if given & ALT_PATH != 0 || given & PATH_MIG_STATE != 0 {
+            return Err(unsupported("alternate paths (APM)"));
+        }
+        let mut a = q.attrs;
+        if given & PORT != 0 {
+            if m.port_num != 1 {
+                return Err(Errno::EINVAL);
+            }
+            a.port = 1;
+        }
+        if given & PKEY_INDEX != 0 {
+            if m.pkey_index != 0 {
+                return Err(Errno::EINVAL);
+            }
+            a.pkey_index = 0;
+        }
+        if given & ACCESS_FLAGS != 0 {
+            if m.qp_access_flags
+                & !(access::LOCAL_WRITE
+                    | access::REMOTE_WRITE
+                    | access::REMOTE_READ
+                    | access::REMOTE_ATOMIC
+                    | access::MW_BIND)
+                != 0
+            {
+                return Err(Errno::EINVAL);
+            }
+            a.access = m.qp_access_flags;
+        }
+        if given & AV != 0 {
+            // RoCE needs a GRH; the destination GID must be an address the wire can reach
+            if m.dest.is_global == 0 || m.dest.sgid_index != 0 {
+                return Err(Errno::EINVAL);
+            }
+            if softnic::Gid(m.dest.dgid).to_ipv4().is_none() {
+                return Err(unsupported(
+                    "destination GIDs that are not IPv4-mapped (RoCE v2 over IPv4 only)",
+                ));
+            }
+            a.dest = m.dest;
+        }
+        if given & PATH_MTU != 0 {
+            mtu_bytes(m.path_mtu).ok_or(Errno::EINVAL)?;
+            a.path_mtu = m.path_mtu;
+        }
+        if given & DEST_QPN != 0 {
+            if m.dest_qp_num > 0xff_ffff {
+                return Err(Errno::EINVAL);
+            }
+            a.dest_qpn = m.dest_qp_num;
+        }
+        if given & RQ_PSN != 0 {
+            a.rq_psn = m.rq_psn & 0xff_ffff;
+        }
+        if given & SQ_PSN != 0 {
+            a.sq_psn = m.sq_psn & 0xff_ffff;
+        }
+        if given & MAX_DEST_RD_ATOMIC != 0 {
+            a.max_dest_rd_atomic = at_most(m.max_dest_rd_atomic, MAX_RD_ATOM as u8)?;
+        }
+        if given & MAX_QP_RD_ATOMIC != 0 {
+            a.max_rd_atomic = at_most(m.max_rd_atomic, MAX_RD_ATOM as u8)?;
+        }
+        if given & MIN_RNR_TIMER != 0 {
+            a.min_rnr_timer = at_most(m.min_rnr_timer, 31)?;
+        }
+        if given & TIMEOUT != 0 {
+            a.timeout = at_most(m.timeout, 31)?;
+        }
+        if given & RETRY_CNT != 0 {
+            a.retry_cnt = at_most(m.retry_cnt, 7)?;
+        }
+        if given & RNR_RETRY != 0 {
+            a.rnr_retry = at_most(m.rnr_retry, 7)?;
+        }
+        let rights = ib_access(
+            a.access & (access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC),
+        )?;
+        let step = match (cur, new) {
+            (_, 0) => Some(softnic::Modify::Reset),
+            (_, 6) => Some(softnic::Modify::Err),
+            (_, 1) => Some(softnic::Modify::Init { access: rights }),
+            (1, 2) => Some(softnic::Modify::Rtr(softnic::RtrAttr {
+                remote_gid: softnic::Gid(a.dest.dgid),
+                remote_qpn: a.dest_qpn,
+                rq_psn: a.rq_psn,
+                mtu: mtu_bytes(a.path_mtu).ok_or(Errno::EINVAL)?,
+                min_rnr_timer: a.min_rnr_timer,
+                selective_repeat: false,
+            })),
+            (_, 3) => Some(softnic::Modify::Rts(softnic::RtsAttr {
+                sq_psn: a.sq_psn,
+                timeout: a.timeout,
+                retry_cnt: a.retry_cnt,
+                rnr_retry: a.rnr_retry,
+            })),
+            _ => None,
+        };
+        if let Some(s) = step {
+            if matches!(s, softnic::Modify::Reset) {
+                // RESET returns only once the device is done with the QP (libmlx5 then
+                // removes the QP's CQEs from its CQs): the flush of an errored QP completes first
+                self.soft()?.drain_errored(&q.soft);
+            }
+            q.soft.modify(s).map_err(|_| Errno::EINVAL)?;
+        }
+        if new == 0 {
+            a = QpAttrs::default();
+        }
+        a.state = new;
+        q.attrs = a;
+        Ok(())
+    }
+
+    pub(super) fn query_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::QueryQp = io.core()?;
+        let o = self.objs.lock();
+        let q = o.qps.get(&r.qp_handle).ok_or(Errno::EINVAL)?;
+        let a = q.attrs;
+        let state = match q.soft.state() {
+            softnic::QpState::Reset => 0,
+            softnic::QpState::Init => 1,
+            softnic::QpState::Rtr => 2,
+            softnic::QpState::Rts => 3,
+            softnic::QpState::Err => 6,
+        };
+        io.reply(&abi::QueryQpResp {
+            dest: a.dest,
+            max_send_wr: q.caps.max_send_wr,
+            max_recv_wr: q.caps.max_recv_wr,
+            max_send_sge: q.caps.max_send_sge,
+            max_recv_sge: q.caps.max_recv_sge,
+            max_inline_data: q.caps.max_inline_data,
+            rq_psn: a.rq_psn,
+            sq_psn: a.sq_psn,
+            dest_qp_num: a.dest_qpn,
+            qp_access_flags: a.access,
+            pkey_index: a.pkey_index,
+            qp_state: state,
+            cur_qp_state: state,
+            path_mtu: a.path_mtu,
+            path_mig_state: 2, // IB_MIG_ARMED as mlx5 reports
+            max_rd_atomic: a.max_rd_atomic,
+            max_dest_rd_atomic: a.max_dest_rd_atomic,
+            min_rnr_timer: a.min_rnr_timer,
+            port_num: a.port,
+            timeout: a.timeout,
+            retry_cnt: a.retry_cnt,
+            rnr_retry: a.rnr_retry,
+            sq_sig_all: q.sq_sig_all,
+            ..Default::default()
+        })?;
+        Ok(Created::Nothing)
+    }
+
+    pub(super) fn destroy_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        let r: abi::Destroy = io.core()?;
+        let soft = self.soft()?;
+        let mut o = self.objs.lock();
+        let q = o.qps.remove(&r.handle).ok_or(Errno::EINVAL)?;
+        soft.destroy_qp(&q.soft);
+        q.soft.set_event_handler(None);
+        o.bfreg_use[q.bfreg as usize] -= 1;
+        self.purge_async(q.key);
+        io.reply(&abi::DestroyQpResp {
+            events_reported: q.async_reported.load(Ordering::Acquire),
+        })?;
+        Ok(Created::Nothing)
+    }
+}

@@ -1,0 +1,126 @@
+//! A context's UAR pages: the memfd-backed doorbell pages the application maps with `mmap`
+//! on the device fd and the soft NIC watches.
+
+use crate::uaccess::Errno;
+use prm::doorbell::UAR_PAGE_SIZE;
+use softnic::buffer::DmaBuf;
+use std::os::fd::RawFd;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// A UAR page shared by the application's mapping and the soft NIC's.
+pub(super) struct UarPage {
+    pub(super) buf: Arc<DmaBuf>,
+}
+
+/// The memory behind a context's UAR pages: one memfd, mapped once for the device; the
+/// application maps the same pages with `mmap` on the device fd.
+pub struct Uars {
+    memfd: RawFd,
+    pub(super) pages: Vec<UarPage>,
+}
+
+impl Uars {
+    pub(super) fn new(n: usize) -> Result<Self, Errno> {
+        let os = || {
+            Errno(
+                std::io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::ENOMEM),
+            )
+        };
+        // SAFETY: plain system call with a static NUL-terminated name; the result is checked.
+        let memfd = unsafe { libc::memfd_create(c"gpuverbs-uar".as_ptr(), libc::MFD_CLOEXEC) };
+        if memfd < 0 {
+            return Err(os());
+        }
+        let len = n * UAR_PAGE_SIZE;
+        // SAFETY: resizes the memfd we just created.
+        if unsafe { libc::ftruncate(memfd, len as libc::off_t) } != 0 {
+            let e = os();
+            // SAFETY: closes our own fd.
+            unsafe { libc::syscall(libc::SYS_close, memfd) };
+            return Err(e);
+        }
+        let mut pages = Vec::with_capacity(n);
+        for i in 0..n {
+            // SAFETY: maps page i of our memfd, shared, read-write; the result is checked.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    UAR_PAGE_SIZE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    memfd,
+                    (i * UAR_PAGE_SIZE) as libc::off_t,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                let e = os();
+                // SAFETY: closes our own fd (mappings made so far go with `pages`).
+                unsafe { libc::syscall(libc::SYS_close, memfd) };
+                return Err(e);
+            }
+            struct Unmap(usize);
+            impl Drop for Unmap {
+                fn drop(&mut self) {
+                    // SAFETY: unmaps the one page this owner mapped.
+                    unsafe { libc::munmap(self.0 as *mut libc::c_void, UAR_PAGE_SIZE) };
+                }
+            }
+            let ptr = NonNull::new(p.cast::<u8>()).ok_or(Errno::ENOMEM)?;
+            // SAFETY: a fresh page-aligned shared mapping of 4 KiB, alive until `Unmap` drops
+            // with the buffer; only raw-pointer and atomic access.
+            let buf =
+                unsafe { DmaBuf::from_external(ptr, UAR_PAGE_SIZE, Box::new(Unmap(p as usize))) };
+            pages.push(UarPage { buf: Arc::new(buf) });
+        }
+        Ok(Self { memfd, pages })
+    }
+
+    /// Maps UAR page `index` for the application (the device fd's `mmap`).
+    pub fn map(
+        &self,
+        addr: usize,
+        len: usize,
+        prot: i32,
+        flags: i32,
+        index: usize,
+    ) -> Result<*mut libc::c_void, Errno> {
+        if index >= self.pages.len() || len != UAR_PAGE_SIZE || flags & libc::MAP_SHARED == 0 {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: maps one page of our memfd where the application asked; the kernel checks
+        // `addr`/`flags` exactly as for any mmap.
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len,
+                prot,
+                flags,
+                self.memfd,
+                (index * UAR_PAGE_SIZE) as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Errno(
+                std::io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::ENOMEM),
+            ));
+        }
+        Ok(p)
+    }
+
+    /// The device's view of page 0 (the CQ arm doorbell lives there).
+    pub fn page0(&self) -> Option<Arc<DmaBuf>> {
+        self.pages.first().map(|p| p.buf.clone())
+    }
+}
+
+impl Drop for Uars {
+    fn drop(&mut self) {
+        // SAFETY: closes the memfd this context owns.
+        unsafe { libc::syscall(libc::SYS_close, self.memfd) };
+    }
+}
