@@ -1,5 +1,6 @@
 //! `cargo xtask`: project chores that are not part of any crate's build.
 //!
+//! - `setup`: install everything the tests need (Debian packages, then `setup-cuda`).
 //! - `setup-cuda`: install the pinned CUDA 13.0 compiler wheels into `.cuda/`.
 //! - `bindings [--check]`: regenerate (or check) the committed rdma-core bindings.
 //! - `gpu-test`: build the GPU test bundle and print the `device` command that runs it.
@@ -7,6 +8,7 @@
 mod bindings;
 mod cuda;
 mod gpu_test;
+mod setup;
 
 use clap::{Parser, Subcommand};
 
@@ -19,6 +21,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Install everything the README's test command needs: the Debian packages (apt-get, as
+    /// root, when missing), then the CUDA wheels.
+    Setup,
     /// Install the pinned CUDA 13.0 wheels (nvcc, nvvm, crt, runtime, cccl) into `.cuda/`.
     SetupCuda,
     /// Regenerate `crates/rdma-core-sys/src/bindings.rs` from the installed rdma-core headers.
@@ -33,6 +38,7 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
+        Cmd::Setup => setup::setup(),
         Cmd::SetupCuda => cuda::setup_cuda(),
         Cmd::Bindings { check } => bindings::run(check),
         Cmd::GpuTest => gpu_test::run(),
