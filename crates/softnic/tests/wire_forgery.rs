@@ -145,6 +145,23 @@ fn middle(qp: u32, p: u32, payload: &[u8]) -> Packet<'_> {
     }
 }
 
+/// A WRITE ONLY of `payload` to the start of `dst`, asking for an ACK: a real request.
+fn write_only<'a>(qp: u32, p: u32, dst: &Buf, payload: &'a [u8]) -> Packet<'a> {
+    Packet {
+        bth: Bth {
+            ack_req: true,
+            ..bth(opcode::WRITE_ONLY, qp, p)
+        },
+        reth: Some(Reth {
+            va: dst.addr(0),
+            rkey: dst.rkey().0,
+            len: payload.len() as u32,
+        }),
+        payload,
+        ..Packet::default()
+    }
+}
+
 /// splitmix64: the tests' reproducible randomness.
 struct Rand(u64);
 impl Rand {
@@ -659,19 +676,7 @@ fn ipv4_options_and_fragments_are_dropped() {
     let (p, e, sport) = warm_pair(wire_opts());
     let dst = p.b.buf(2048, ALL_REMOTE);
     let payload = vec![0x77u8; 1000];
-    let write = Packet {
-        bth: Bth {
-            ack_req: true,
-            ..bth(opcode::WRITE_ONLY, p.eb.qpn(), e)
-        },
-        reth: Some(Reth {
-            va: dst.addr(0),
-            rkey: dst.rkey().0,
-            len: 1000,
-        }),
-        payload: &payload,
-        ..Packet::default()
-    };
+    let write = write_only(p.eb.qpn(), e, &dst, &payload);
     let to = p.b.dev.wire_addr().unwrap();
     let before = p.b.dev.counters().wire;
     let f = Forger::plain(to);
@@ -741,19 +746,7 @@ fn a_peer_that_numbers_its_ip_identifications_is_understood() {
     };
     let dst = p.b.buf(1024, ALL_REMOTE);
     let payload = vec![0x3cu8; 512];
-    let write = |psn: u32| Packet {
-        bth: Bth {
-            ack_req: true,
-            ..bth(opcode::WRITE_ONLY, p.eb.qpn(), psn)
-        },
-        reth: Some(Reth {
-            va: dst.addr(0),
-            rkey: dst.rkey().0,
-            len: 512,
-        }),
-        payload: &payload,
-        ..Packet::default()
-    };
+    let write = |psn: u32| write_only(p.eb.qpn(), psn, &dst, &payload);
     let mut d = Vec::new();
     packet::encode(&write(e), &f.flow, &mut d).unwrap();
     let before = p.b.dev.counters().wire;
