@@ -1,0 +1,211 @@
+//! The other operations and their error paths: inline, signal, get, atomics, a bad rkey, a
+//! dropped doorbell, wait_signal.
+
+use anyhow::{ensure, Result};
+use gpuverbs::{Access, DoorbellMode, HostBuffer, RingPlacement};
+
+use super::put::PutArgs;
+use super::{
+    arg, counters, gpu, skip_on_mlx5, status_name, Buf, Mem, Pair, PairSpec, Status, BUDGET_NS,
+};
+
+/// put_inline, put_signal, signal, get, fetch-add, compare-swap from one thread; payload,
+/// atomic targets, results and the signal word in `mem`, side A's rings in `rings`.
+pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -> Result<String> {
+    let spec = PairSpec {
+        mode,
+        bytes: 4096,
+        sq_blocks: 64,
+        mem,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
+    // remote words for the atomics; remote bytes for the get
+    p.dst.write(1024, &100u64.to_ne_bytes())?;
+    p.dst.write(1032, &11u64.to_ne_bytes())?;
+    let pattern: Vec<u8> = (0..64).map(|i| 0x40 + i as u8).collect();
+    p.dst.write(256, &pattern)?;
+    let sig = Buf::new(&p.gpu, mem, 8)?;
+    let sig_mr = sig.register(p.qb.pd(), Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
+    let st = Status::new(&p.gpu)?;
+    let (mut q, mut lbase, mut lk, mut rbase, mut rk) = (
+        p.export.ptr(),
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0,
+    );
+    let (mut sig_addr, mut sig_key, mut budget, mut out) =
+        (sig_mr.addr(), sig_mr.rkey().0, BUDGET_NS, st.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut lbase),
+        arg(&mut lk),
+        arg(&mut rbase),
+        arg(&mut rk),
+        arg(&mut sig_addr),
+        arg(&mut sig_key),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    // SAFETY: parameters match gv_test_ops; pointers are live device-visible memory.
+    unsafe {
+        p.gpu
+            .launch_sync("gv_test_ops", (1, 1, 1), (1, 1, 1), 0, &mut params)?
+    };
+    st.expect_ok()?;
+    let (src, dst) = (p.src.to_vec()?, p.dst.to_vec()?);
+    let inline: Vec<u8> = (0..40).map(|i| 0xA0 + i as u8).collect();
+    ensure!(dst[..40] == inline[..], "put_inline bytes differ");
+    ensure!(
+        dst[600..637] == inline[1..38] && dst[637..640] == [0, 0, 0],
+        "put_inline from an unaligned source: {:02x?}",
+        &dst[600..640]
+    );
+    ensure!(
+        dst[700..706] == inline[4..10] && dst[706..708] == [0, 0],
+        "put_inline of a cut word: {:02x?}",
+        &dst[700..708]
+    );
+    ensure!(dst[64..128] == src[64..128], "put_signal payload differs");
+    let s = u64::from_ne_bytes(sig.to_vec()?[..8].try_into()?);
+    ensure!(s == 6, "signal word {s}, expected 1 + 5");
+    ensure!(src[512..576] == pattern[..], "get bytes differ");
+    let word = |b: &[u8], o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap());
+    ensure!(
+        word(&dst, 1024) == 107 && word(&src, 1024) == 100,
+        "fetch-add: target {} old {}",
+        word(&dst, 1024),
+        word(&src, 1024)
+    );
+    ensure!(
+        word(&dst, 1032) == 22 && word(&src, 1032) == 11,
+        "compare-swap: target {} old {}",
+        word(&dst, 1032),
+        word(&src, 1032)
+    );
+    if let Some(c) = counters(&p.a) {
+        ensure!(
+            c.errors.is_empty() && c.device_memory_errors == 0,
+            "device: {c:?}"
+        );
+    }
+    Ok(format!(
+        "inline, put_signal, signal, get, fetch-add, compare-swap verified (payload {mem:?}, \
+         rings {rings:?})"
+    ))
+}
+
+/// A bad rkey comes back to the kernel as an error CQE with REMOTE_ACCESS; the WQEs behind it
+/// are flushed (each with its own WR_FLUSH CQE) and retired, so quiet returns instead of
+/// spinning; the next operation on the QP (now in ERR) fails at once.
+pub fn bad_rkey(ordinal: usize, rings: RingPlacement) -> Result<String> {
+    let spec = PairSpec {
+        mode: DoorbellMode::GpuDoorbell,
+        bytes: 4096,
+        sq_blocks: 64,
+        mem: Mem::Host,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
+    let one = PutArgs::single(64, BUDGET_NS);
+    let eight = PutArgs { iters: 8, ..one };
+    let s = p.launch_put(&eight, p.dst_mr.rkey().0 ^ 0x5500)?.read()?;
+    ensure!(
+        s[0] == 1 && s[1] == 0x13,
+        "expected ERROR_CQE REMOTE_ACCESS, got {} syndrome {:#x}",
+        status_name(s[0]),
+        s[1]
+    );
+    let err = prm::ErrorCqe {
+        responder: false,
+        syndrome: s[1] as u8,
+        vendor_syndrome: s[2] as u8,
+        wqe_opcode: 0x08,
+        qpn: p.qa.qpn(),
+        wqe_counter: s[3] as u16,
+    };
+    ensure!(
+        p.dst.to_vec()?.iter().all(|&b| b == 0),
+        "bytes landed despite the bad key"
+    );
+    ensure!(
+        p.qa.state() == gpuverbs::queue::QpState::Err,
+        "QP not in ERR"
+    );
+    let d = p.export.read()?;
+    if let Some(c) = counters(&p.a) {
+        let flushed = c.errors_of(prm::Syndrome::WrFlush);
+        ensure!(
+            c.errors_of(prm::Syndrome::RemoteAccess) == 1 && flushed + 1 == d.sq_ready,
+            "{} blocks posted, errors {:?}",
+            d.sq_ready,
+            c.errors
+        );
+    }
+    ensure!(
+        d.sq_retired == d.sq_ready,
+        "not all flushed WQEs retired: {d:?}"
+    );
+    let s2 = p.launch_put(&one, p.dst_mr.rkey().0)?.read()?;
+    ensure!(
+        s2[0] == 1,
+        "a post on a QP in ERR returned {}",
+        status_name(s2[0])
+    );
+    // the device API retired every WQE posted after the failed one (flushes)
+    let flushed = d.sq_ready.saturating_sub(1);
+    Ok(format!(
+        "kernel saw: {err}; {flushed} later WQEs flushed and retired; next post on the ERR QP \
+         failed at once"
+    ))
+}
+
+/// A dropped doorbell makes the kernel's quiet return TIMEOUT within its budget, not hang.
+pub fn dropped_doorbell_timeout(ordinal: usize) -> Result<String> {
+    skip_on_mlx5(
+        true,
+        "needs the soft NIC's fault injection (dropped doorbells)",
+    )?;
+    let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
+    p.qa.soft()
+        .expect("a soft-NIC QP")
+        .inject(softnic::Fault::DropDoorbells(1));
+    let t = std::time::Instant::now();
+    let st = p.launch_put(&PutArgs::single(64, 50_000_000), p.dst_mr.rkey().0)?;
+    let s = st.read()?;
+    ensure!(s[0] == 2, "expected TIMEOUT, got {}", status_name(s[0]));
+    let c = p.a.soft_device().expect("soft").counters();
+    ensure!(c.doorbells_dropped == 1, "counters: {c:?}");
+    Ok(format!(
+        "TIMEOUT after {:.1?} with a 50 ms budget",
+        t.elapsed()
+    ))
+}
+
+/// wait_signal on a word nobody signals returns TIMEOUT; on a word already at the value, OK.
+pub fn wait_signal(ordinal: usize) -> Result<String> {
+    let gpu = gpu(ordinal)?;
+    let word = HostBuffer::new(8);
+    let d = gpu.map_host(&word)?;
+    let mut results = Vec::new();
+    for (value, preset, want) in [(1u64, 0u64, 2), (3, 3, 0)] {
+        word.write(0, &preset.to_ne_bytes());
+        let st = Status::new(&gpu)?;
+        let (mut sig, mut v, mut budget, mut out) = (d, value, 20_000_000u64, st.ptr());
+        let mut params = [arg(&mut sig), arg(&mut v), arg(&mut budget), arg(&mut out)];
+        // SAFETY: parameters match gv_test_wait_signal; `d` is the mapped word.
+        unsafe { gpu.launch_sync("gv_test_wait_signal", (1, 1, 1), (1, 1, 1), 0, &mut params)? };
+        let s = st.read()?;
+        ensure!(
+            s[0] == want,
+            "wait for {value} with {preset}: {}",
+            status_name(s[0])
+        );
+        results.push(status_name(s[0]));
+    }
+    Ok(format!(
+        "unsignaled: {}, already signaled: {}",
+        results[0], results[1]
+    ))
+}
