@@ -76,8 +76,7 @@ pub const MAX_DEVICE_NAME: usize = 256;
 /// Path MTUs an RC QP may use, in bytes (IBTA: 256, 512, 1024, 2048, 4096).
 pub const VALID_MTUS: [u32; 5] = [256, 512, 1024, 2048, 4096];
 
-/// RoCEv2's UDP port: where a peer whose [`Endpoint`] carries no `udp_port` listens.
-pub const ROCE_UDP_PORT: u16 = 4791;
+pub use crate::backend::soft::ROCE_UDP_PORT;
 
 /// Errors of building, encoding or decoding an [`Endpoint`] or a [`RemoteMemory`].
 #[derive(Debug, thiserror::Error)]

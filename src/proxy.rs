@@ -203,7 +203,7 @@ impl ProxyTarget {
     /// or another proxy target holds the QP; a GPU export may hold it too (the kernel writes
     /// the WQEs, the proxy rings for it).
     pub fn for_qp(qp: &crate::Qp) -> Result<Self, crate::Error> {
-        let (crate::device::Backend::Soft(dev), Some(sqp)) =
+        let (crate::backend::context::Backend::Soft(dev), Some(sqp)) =
             (&qp.pd().context().inner.backend, qp.soft())
         else {
             return Self::for_mlx5_qp(qp);

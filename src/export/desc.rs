@@ -1,4 +1,4 @@
-//! The descriptor of a QP that kernels drive, and its C twin.
+//! The layout of the descriptor of a QP that kernels drive, and its C twin.
 //!
 //! [`QpDesc`] is defined once, by the `descriptor!` macro below, which produces both the Rust
 //! `#[repr(C)]` struct and the C declaration in `kernels/include/gpuverbs/desc.h` (through

@@ -7,8 +7,8 @@
 //! the same region out again to the next request for the same memory:
 //!
 //! - **Key.** An entry is found by the *identity* of the allocation
-//!   ([`HostBuffer::allocation_id`], a serial number; for GPU memory CUDA's buffer ID,
-//!   [`DeviceMem::buffer_id`]), never by its address, so memory freed and allocated again at
+//!   ([`HostBuffer::allocation_id`](crate::HostBuffer::allocation_id), a serial number; for GPU memory CUDA's buffer ID,
+//!   [`DeviceMem::buffer_id`](crate::gpu::DeviceMem::buffer_id)), never by its address, so memory freed and allocated again at
 //!   the same address is a new allocation and never hits an entry of the old one; by the
 //!   *access rights*, exactly (a region with more rights is not handed out for fewer); and by
 //!   the *range*: a request is rounded out to whole 4 KiB pages (clipped to the allocation),
@@ -26,7 +26,7 @@
 //!   and registers anew), then waits, at most [`RegCacheConfig::drain_timeout`], for the WQEs
 //!   posted before on the PD's QPs ([`Mr::deregister`]'s wait; for WQEs posted with a handle
 //!   that was dropped too early), then deregisters. An entry whose memory nothing but the
-//!   cache holds any more (every [`HostBuffer`] or [`DeviceMem`] of the allocation dropped) can
+//!   cache holds any more (every [`HostBuffer`](crate::HostBuffer) or [`DeviceMem`](crate::gpu::DeviceMem) of the allocation dropped) can
 //!   never be asked for again: it is evicted first, at the next miss or trim, which also frees
 //!   its memory (a cached region keeps its memory alive, as every region does).
 //! - **Counters.** [`RegCache::stats`]: hits, misses, evictions (and those that found work
@@ -40,8 +40,19 @@
 //! cache's lock, so two threads that miss on the same memory at once may both register it (two
 //! entries, both valid).
 
-use crate::gpu::DeviceMem;
-use crate::memory::{Access, HostBuffer, Keep, Mr, Pd};
+mod config;
+mod source;
+
+pub use config::{
+    LatencyHistogram, RegCacheConfig, RegCacheStats, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ENTRIES,
+};
+pub use source::CacheableMemory;
+#[cfg(test)]
+use source::SimAlloc;
+use source::{register, resolve, AllocId, Source};
+
+use crate::memory::{Access, Mr, Pd};
 use crate::Error;
 use softnic::buffer::PAGE;
 use std::any::Any;
@@ -49,247 +60,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
-
-/// Default [`RegCacheConfig::max_entries`].
-pub const DEFAULT_MAX_ENTRIES: usize = 1024;
-/// Default [`RegCacheConfig::max_bytes`]: 16 GiB.
-pub const DEFAULT_MAX_BYTES: u64 = 16 << 30;
-/// Default [`RegCacheConfig::drain_timeout`].
-pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_millis(100);
-
-/// Limits of a registration cache ([`RegCache::set_config`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RegCacheConfig {
-    /// Most registered bytes (of whole entries) the cache keeps.
-    pub max_bytes: u64,
-    /// Most entries the cache keeps (0: none outlives its last handle for long).
-    pub max_entries: usize,
-    /// How long an eviction waits for WQEs posted before on the PD's QPs before it
-    /// deregisters anyway ([`Mr::deregister`]).
-    pub drain_timeout: Duration,
-}
-
-impl Default for RegCacheConfig {
-    fn default() -> Self {
-        Self {
-            max_bytes: DEFAULT_MAX_BYTES,
-            max_entries: DEFAULT_MAX_ENTRIES,
-            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
-        }
-    }
-}
-
-/// Registration latencies in power-of-two buckets of nanoseconds: `buckets[i]` counts the
-/// registrations that took `2^i ..< 2^(i+1)` ns (bucket 0 also counts 0 ns).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LatencyHistogram {
-    /// Counts per bucket.
-    pub buckets: [u64; 64],
-    /// Registrations counted.
-    pub count: u64,
-    /// Their total time, in ns (saturating).
-    pub sum_ns: u64,
-    /// The longest, in ns (0 when none).
-    pub max_ns: u64,
-}
-
-impl Default for LatencyHistogram {
-    fn default() -> Self {
-        Self {
-            buckets: [0; 64],
-            count: 0,
-            sum_ns: 0,
-            max_ns: 0,
-        }
-    }
-}
-
-impl LatencyHistogram {
-    /// The bucket of a latency.
-    pub fn bucket_of(ns: u64) -> usize {
-        63 - ns.max(1).leading_zeros() as usize
-    }
-    /// The range of bucket `i`, `[low, high)` in ns (`high` saturates at `u64::MAX`).
-    pub fn bounds(i: usize) -> (u64, u64) {
-        let i = i.min(63) as u32;
-        let low = if i == 0 { 0 } else { 1u64 << i };
-        (low, 1u64.checked_shl(i + 1).unwrap_or(u64::MAX))
-    }
-    /// Counts one latency.
-    pub fn record(&mut self, ns: u64) {
-        self.buckets[Self::bucket_of(ns)] += 1;
-        self.count += 1;
-        self.sum_ns = self.sum_ns.saturating_add(ns);
-        self.max_ns = self.max_ns.max(ns);
-    }
-    /// The mean, in ns (`None` when empty).
-    pub fn mean_ns(&self) -> Option<u64> {
-        self.sum_ns.checked_div(self.count)
-    }
-    /// The upper bound of the bucket that holds quantile `q` (0..=1), in ns (`None` when
-    /// empty).
-    pub fn quantile_upper_ns(&self, q: f64) -> Option<u64> {
-        if self.count == 0 {
-            return None;
-        }
-        let rank = ((q.clamp(0.0, 1.0) * self.count as f64).ceil() as u64).max(1);
-        let mut seen = 0;
-        for (i, &n) in self.buckets.iter().enumerate() {
-            seen += n;
-            if seen >= rank {
-                return Some(Self::bounds(i).1);
-            }
-        }
-        Some(self.max_ns)
-    }
-}
-
-/// A copy of a cache's counters ([`RegCache::stats`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RegCacheStats {
-    /// Requests served by an entry already registered.
-    pub hits: u64,
-    /// Requests that registered (successfully or not).
-    pub misses: u64,
-    /// Entries evicted (over a limit, dead, [`RegCache::clear`]).
-    pub evictions: u64,
-    /// Evictions whose wait for WQEs in flight ran out ([`RegCacheConfig::drain_timeout`]),
-    /// so the region was deregistered under them (they complete with error CQEs).
-    pub forced_evictions: u64,
-    /// Entries now.
-    pub entries: usize,
-    /// Registered bytes of those entries.
-    pub bytes: u64,
-    /// Entries held by at least one handle.
-    pub in_use: usize,
-    /// Latencies of the registrations the misses made.
-    pub registration: LatencyHistogram,
-}
-
-/// The identity of an allocation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum AllocId {
-    /// [`HostBuffer::allocation_id`].
-    Host(u64),
-    /// [`DeviceMem::buffer_id`].
-    Cuda(u64),
-    /// Test memory.
-    #[cfg(test)]
-    Sim(u64),
-}
-
-mod sealed {
-    use super::{DeviceMem, HostBuffer};
-
-    /// What a cacheable allocation is, for the cache.
-    pub enum Source<'a> {
-        Host(&'a HostBuffer),
-        Device(&'a DeviceMem),
-        #[cfg(test)]
-        Sim(&'a SimAlloc),
-    }
-
-    /// Device memory without a GPU (tests): reached through `mem`, identified by `id`.
-    #[cfg(test)]
-    pub struct SimAlloc {
-        pub mem: std::sync::Arc<dyn softnic::devmem::DeviceMemory>,
-        pub base: u64,
-        pub len: u64,
-        pub id: u64,
-    }
-
-    pub trait Sealed {
-        fn source(&self) -> Source<'_>;
-    }
-}
-
-#[cfg(test)]
-use sealed::SimAlloc;
-use sealed::Source;
-
-/// Memory the registration cache takes: [`HostBuffer`] and [`DeviceMem`] (sealed).
-pub trait CacheableMemory: sealed::Sealed {}
-
-impl sealed::Sealed for HostBuffer {
-    fn source(&self) -> Source<'_> {
-        Source::Host(self)
-    }
-}
-impl CacheableMemory for HostBuffer {}
-
-impl sealed::Sealed for DeviceMem {
-    fn source(&self) -> Source<'_> {
-        Source::Device(self)
-    }
-}
-impl CacheableMemory for DeviceMem {}
-
-#[cfg(test)]
-impl sealed::Sealed for SimAlloc {
-    fn source(&self) -> Source<'_> {
-        Source::Sim(self)
-    }
-}
-#[cfg(test)]
-impl CacheableMemory for SimAlloc {}
-
-/// What a source is: its identity, its bytes, and what tells whether anyone still holds it.
-struct Resolved {
-    id: AllocId,
-    base: u64,
-    len: u64,
-    owner: Option<Weak<dyn Any + Send + Sync>>,
-}
-
-fn resolve(src: &Source<'_>) -> Result<Resolved, Error> {
-    Ok(match src {
-        Source::Host(b) => {
-            let owner: Weak<dyn Any + Send + Sync> = Arc::downgrade(&b.buf) as _;
-            Resolved {
-                id: AllocId::Host(b.allocation_id()),
-                base: b.addr(),
-                len: b.len() as u64,
-                owner: Some(owner),
-            }
-        }
-        Source::Device(m) => {
-            let owner: Weak<dyn Any + Send + Sync> = m.downgrade() as _;
-            Resolved {
-                id: AllocId::Cuda(m.buffer_id()?),
-                base: m.ptr(),
-                len: m.len() as u64,
-                owner: Some(owner),
-            }
-        }
-        #[cfg(test)]
-        Source::Sim(s) => Resolved {
-            id: AllocId::Sim(s.id),
-            base: s.base,
-            len: s.len,
-            owner: None,
-        },
-    })
-}
-
-/// Registers `off..off+len` of `src` with the PD's ordinary calls.
-fn register(pd: &Pd, src: &Source<'_>, off: u64, len: u64, access: Access) -> Result<Mr, Error> {
-    match src {
-        Source::Host(b) if off == 0 && len == b.len() as u64 => pd.register_with(b, access),
-        Source::Host(b) => pd.register_host_range(b, off, len, access),
-        Source::Device(m) if off == 0 && len == m.len() as u64 => pd.register_device_mem(m, access),
-        Source::Device(m) => pd.register_on_gpu(
-            m.gpu(),
-            m.ptr() + off,
-            len,
-            access,
-            Keep::Device((*m).clone()),
-        ),
-        #[cfg(test)]
-        Source::Sim(s) => {
-            pd.register_device(s.mem.clone(), s.base + off, len, access, Keep::Nothing)
-        }
-    }
-}
 
 /// An entry: one registration, and how it is found.
 struct Entry {
@@ -662,7 +432,7 @@ impl std::fmt::Debug for CachedMr {
 }
 
 impl Pd {
-    /// A region of all of `mem` ([`HostBuffer`] or [`DeviceMem`]) with rights `access`, from
+    /// A region of all of `mem` ([`HostBuffer`](crate::HostBuffer) or [`DeviceMem`](crate::gpu::DeviceMem)) with rights `access`, from
     /// the PD's registration cache: the entry already registered for this allocation and
     /// these rights (a hit), or a new registration (a miss). See [`crate::regcache`].
     ///
@@ -681,7 +451,7 @@ impl Pd {
             #[cfg(test)]
             Source::Sim(s) => s.len,
         };
-        self.cache.get(self, &src, 0, len, access)
+        self.reg_cache().get(self, &src, 0, len, access)
     }
 
     /// A region that covers `off..off+len` of `mem`, from the registration cache: the range
@@ -697,18 +467,22 @@ impl Pd {
         len: u64,
         access: Access,
     ) -> Result<CachedMr, Error> {
-        self.cache.get(self, &mem.source(), off, len, access)
+        self.reg_cache().get(self, &mem.source(), off, len, access)
     }
 
     /// The PD's registration cache: limits, counters, trimming.
     pub fn reg_cache(&self) -> &RegCache {
-        &self.cache
+        self.cache
+            .get_or_init(|| Box::new(RegCache::default()))
+            .downcast_ref()
+            .expect("a PD's cache slot holds its RegCache")
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::HostBuffer;
     use crate::{ConnectOptions, Context, CqOptions, DeviceRequest, QpOptions};
     use prm::wqe::{CtrlFlags, Local, Op};
     use softnic::initiator::RingMode;

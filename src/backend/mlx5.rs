@@ -639,7 +639,7 @@ impl Qp {
         access: softnic::Access,
         r: &Remote,
         sq_psn: u32,
-        o: &crate::ConnectOptions,
+        o: &super::ConnectOptions,
     ) -> Result<(), Error> {
         let dev = &self.pd.dev;
         // SAFETY: zeroed attr is valid plain data.

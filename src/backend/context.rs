@@ -1,0 +1,265 @@
+//! An open device, [`Context`]: which device backs it (chosen automatically, by name or by
+//! [`DEVICE_ENV`], with the reason logged and queryable), opened in its room, and the
+//! [`Backend`] boundary that everything above (memory, queues, export, proxy) dispatches on.
+
+use super::soft::{self, parse_softnic_addr, Routes, SOFTNIC_ADDR_ENV};
+use super::{mlx5, BackendKind, DeviceRequest, Selection, DEVICE_ENV};
+use crate::Error;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+/// The device behind a context.
+pub(crate) enum Backend {
+    Soft(Arc<softnic::Device>),
+    Mlx5(Arc<mlx5::Device>),
+}
+
+/// An open device: the root of every other object (PDs, CQs, QPs keep it alive).
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<ContextInner>,
+}
+
+pub(crate) struct ContextInner {
+    pub backend: Backend,
+    pub selection: Selection,
+    /// Peer-table entries this context added for its QPs ([`Context::route_to`]).
+    routes: Routes,
+}
+
+/// Names rdma-core lists, or why it lists none.
+fn rdma_core_devices() -> Result<Vec<String>, String> {
+    mlx5::device_names().map_err(|e| e.to_string())
+}
+
+/// A non-empty environment variable.
+fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+impl Context {
+    /// Opens a device as `req` asks, after applying [`DEVICE_ENV`] when `req` is `Auto`. A soft
+    /// NIC gets a wire port when [`SOFTNIC_ADDR_ENV`] says where (otherwise it reaches peers of
+    /// this process only).
+    pub fn open(req: DeviceRequest) -> Result<Self, Error> {
+        Self::open_with(req, None)
+    }
+
+    /// Opens a device as `req` asks (as [`Context::open`] does); a soft NIC gets a wire port
+    /// bound to `bind` (port 0: the system picks one; [`Context::wire_addr`] says which), or
+    /// where [`SOFTNIC_ADDR_ENV`] says when it is set. Its GID is the IPv4-mapped bind
+    /// address, which must therefore be a specific IPv4 address of this host.
+    pub fn open_wire(req: DeviceRequest, bind: SocketAddr) -> Result<Self, Error> {
+        Self::open_with(req, Some(bind))
+    }
+
+    fn open_with(req: DeviceRequest, bind: Option<SocketAddr>) -> Result<Self, Error> {
+        let env = env_var(DEVICE_ENV);
+        let (req, origin) = match (req, env) {
+            (DeviceRequest::Auto, Some(v)) => {
+                (DeviceRequest::Named(v), format!("{DEVICE_ENV} asks for it"))
+            }
+            (r, _) => (r, "requested in code".to_string()),
+        };
+        let soft_reason = match &req {
+            DeviceRequest::Auto => match rdma_core_devices() {
+                Ok(names) if !names.is_empty() => {
+                    let pick = names
+                        .iter()
+                        .find(|n| n.starts_with("mlx5"))
+                        .unwrap_or(&names[0])
+                        .clone();
+                    let why = format!("auto: rdma-core lists {}", names.join(", "));
+                    return Self::mlx5(&pick, why);
+                }
+                Ok(_) => "rdma-core lists no RDMA device".to_string(),
+                Err(why) => format!("no rdma-core device: {why}"),
+            },
+            DeviceRequest::Soft => origin,
+            DeviceRequest::Named(n)
+                if n == "soft" || n == "softnic" || n.starts_with("softnic") =>
+            {
+                origin
+            }
+            DeviceRequest::Named(n) => {
+                let names = rdma_core_devices().unwrap_or_default();
+                if !names.contains(n) {
+                    return Err(Error::NoSuchDevice(n.clone()));
+                }
+                return Self::mlx5(n, origin);
+            }
+        };
+        let name = match &req {
+            DeviceRequest::Named(n) if n.starts_with("softnic") && n != "softnic" => n.clone(),
+            _ => String::new(),
+        };
+        let (wire, wire_origin) = match (env_var(SOFTNIC_ADDR_ENV), bind) {
+            (Some(v), _) => (
+                Some(parse_softnic_addr(&v)?),
+                format!("{SOFTNIC_ADDR_ENV} asks for it"),
+            ),
+            (None, Some(b)) => (Some(b), "requested in code".to_string()),
+            (None, None) => (None, String::new()),
+        };
+        Self::soft(
+            softnic::DeviceConfig {
+                name,
+                wire: wire.map(softnic::WireConfig::new),
+                ..Default::default()
+            },
+            soft_reason,
+            &wire_origin,
+        )
+    }
+
+    /// Opens a soft NIC with explicit settings (GID, name, completion-only mode, wire port).
+    /// [`DEVICE_ENV`] and [`SOFTNIC_ADDR_ENV`] do not apply.
+    pub fn open_soft(cfg: softnic::DeviceConfig) -> Result<Self, Error> {
+        Self::soft(
+            cfg,
+            "soft NIC with explicit settings, requested in code".into(),
+            "requested in code",
+        )
+    }
+
+    /// Opens rdma-core device `name` with the ConnectX backend.
+    fn mlx5(name: &str, reason: String) -> Result<Self, Error> {
+        let dev = mlx5::Device::open(name)?;
+        let selection = Selection {
+            kind: BackendKind::Mlx5,
+            name: dev.name.clone(),
+            reason: format!(
+                "{reason}; GID index {} ({}), MTU {}",
+                dev.gid.index,
+                std::net::Ipv6Addr::from(dev.gid.gid),
+                dev.mtu
+            ),
+        };
+        tracing::info!(device = %selection, "gpuverbs device selected");
+        Ok(Self {
+            inner: Arc::new(ContextInner {
+                backend: Backend::Mlx5(dev),
+                selection,
+                routes: Mutex::default(),
+            }),
+        })
+    }
+
+    /// Opens the soft device; `reason` says why a soft NIC, `wire_origin` why its wire port.
+    fn soft(cfg: softnic::DeviceConfig, reason: String, wire_origin: &str) -> Result<Self, Error> {
+        let dev = Arc::new(softnic::Device::open(cfg)?);
+        let reason = match dev.wire_addr() {
+            Some(a) => format!("{reason}; soft NIC on UDP {a} ({wire_origin})"),
+            None => reason,
+        };
+        let selection = Selection {
+            kind: BackendKind::Soft,
+            name: dev.name().to_string(),
+            reason,
+        };
+        tracing::info!(device = %selection, "gpuverbs device selected");
+        soft::register(&dev);
+        Ok(Self {
+            inner: Arc::new(ContextInner {
+                backend: Backend::Soft(dev),
+                selection,
+                routes: Mutex::default(),
+            }),
+        })
+    }
+
+    /// The bound UDP address of the device's wire port (with the port the system picked), or
+    /// `None` when the device reaches peers of this process only.
+    pub fn wire_addr(&self) -> Option<SocketAddr> {
+        match &self.inner.backend {
+            Backend::Soft(d) => d.wire_addr(),
+            Backend::Mlx5(_) => None,
+        }
+    }
+
+    /// The UDP port an endpoint of this context carries ([`Endpoint::udp_port`]).
+    pub(crate) fn udp_port(&self) -> Option<u16> {
+        self.wire_addr().map(|a| a.port())
+    }
+
+    /// Makes the route from `qp` (of this context, about to be connected) to `remote` work,
+    /// following the soft NIC's routing rules (`docs/wire.md`, "Addressing"):
+    ///
+    /// - `remote` carries no UDP port: nothing to do (a device of this process with that GID,
+    ///   else, on the wire, the GID's address at port 4791).
+    /// - `remote`'s UDP address is the wire port of the only device of this process with that
+    ///   GID: the in-process path (no peer-table entry for that GID).
+    /// - otherwise this device needs a wire port (else [`Error::Unsupported`]: it could not
+    ///   reach the peer), and its peer table gets `GID → UDP address` (several devices of one
+    ///   host share its GID; the port tells them apart).
+    ///
+    /// A device routes a GID to one place: connecting to a peer with the same GID at another
+    /// UDP address while a QP connected to the first is still alive (not destroyed, not in
+    /// ERR) is [`Error::Unsupported`] (open another context for it). Nothing changes on error.
+    ///
+    /// `to` is the UDP address `remote` names (its GID's address at its UDP port), `None` when
+    /// it carries no UDP port; `remote` and `remote_gid` are how it is shown in errors.
+    pub(crate) fn route_to(
+        &self,
+        qp: &Arc<softnic::Qp>,
+        gid: softnic::Gid,
+        to: Option<SocketAddr>,
+        remote: &dyn fmt::Display,
+        remote_gid: &dyn fmt::Display,
+    ) -> Result<(), Error> {
+        let Backend::Soft(dev) = &self.inner.backend else {
+            // a real NIC routes by GID (IP) itself
+            return Ok(());
+        };
+        let Some(to) = to else {
+            return Ok(());
+        };
+        soft::route(dev, &self.inner.routes, qp, gid, to, remote, remote_gid)
+    }
+
+    /// What was chosen and why.
+    pub fn selection(&self) -> &Selection {
+        &self.inner.selection
+    }
+
+    /// The port GID.
+    pub fn gid(&self) -> softnic::Gid {
+        match &self.inner.backend {
+            Backend::Soft(d) => d.gid(),
+            Backend::Mlx5(d) => softnic::Gid(d.gid.gid),
+        }
+    }
+
+    /// The index of [`Context::gid`] in the port's GID table: the RoCE v2 GID an rdma-core
+    /// device's QPs use (its `sgid_index`); 0 on the soft NIC, which has one GID.
+    pub fn gid_index(&self) -> u8 {
+        match &self.inner.backend {
+            Backend::Soft(_) => 0,
+            Backend::Mlx5(d) => d.gid.index,
+        }
+    }
+
+    /// The path MTU the device offers (bytes): the port's active MTU on rdma-core devices,
+    /// 4096 on the soft NIC.
+    pub fn mtu(&self) -> u32 {
+        match &self.inner.backend {
+            Backend::Soft(_) => 4096,
+            Backend::Mlx5(d) => d.mtu,
+        }
+    }
+
+    /// The soft device behind this context (counters, fault injection in tests).
+    pub fn soft_device(&self) -> Option<&Arc<softnic::Device>> {
+        match &self.inner.backend {
+            Backend::Soft(d) => Some(d),
+            Backend::Mlx5(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Context({})", self.inner.selection)
+    }
+}

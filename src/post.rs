@@ -1,0 +1,12 @@
+//! The WQE/CQE formats a user posts and polls with, re-exported from `prm`: what CPU code posts
+//! and reads back: work requests in the mlx5 format (the same bytes a kernel writes),
+//! completions, keys, the BlueFlame offset of a UAR page, and the CPU initiator that drives a
+//! QP's rings ([`Qp::cpu_initiator`](crate::Qp::cpu_initiator)). One set of types for both
+//! backends.
+
+pub use prm::cqe::RespKind;
+pub use prm::doorbell::BF_OFFSET;
+pub use prm::wqe::AtomicSize;
+pub use prm::{Completion, CtrlFlags, ErrorCqe, Fence, Lkey, Local, Op, RemoteAddr, Rkey, Sge};
+pub use prm::{Opcode, Syndrome};
+pub use softnic::initiator::{Initiator as CpuInitiator, InitiatorError, RingMode};

@@ -1,0 +1,62 @@
+//! Where a queue's rings live ([`RingPlacement`]) and how kernels ring its doorbell
+//! ([`DoorbellMode`]).
+
+use crate::Error;
+use softnic::DmaBuf;
+
+/// Where a queue's rings live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RingPlacement {
+    /// Host memory, mapped into the GPU when a kernel drives the queue.
+    #[default]
+    HostMapped,
+    /// GPU memory (cudaMalloc'ed), for a QP that only kernels drive: the SQ and RQ rings of a
+    /// QP, the CQE ring of a CQ. The doorbell record, the doorbell register (UAR) and the CQ
+    /// doorbell record stay in host memory, as on hardware (the UAR is NIC BAR space). Needs
+    /// the GPU: [`Context::create_cq_on`](crate::Context::create_cq_on), [`Pd::create_qp_on`](crate::Pd::create_qp_on). The CPU initiator cannot
+    /// drive such a queue ([`Qp::try_cpu_initiator`](crate::Qp::try_cpu_initiator)).
+    Gpu,
+}
+
+/// How kernels tell the device about new WQEs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DoorbellMode {
+    /// The best the platform allows (resolved at QP creation, with the reason recorded).
+    #[default]
+    Auto,
+    /// The kernel writes the doorbell record and an 8-byte doorbell to the mapped register.
+    GpuDoorbell,
+    /// The kernel copies the whole WQE into the BlueFlame register.
+    BlueFlame,
+    /// The kernel publishes its producer index in host memory; a host thread rings for it.
+    CpuProxy,
+}
+
+impl DoorbellMode {
+    /// The number the exported descriptor carries (`GPUVERBS_DB_*` in the device API).
+    pub fn code(self) -> u32 {
+        match self {
+            Self::Auto | Self::GpuDoorbell => 0,
+            Self::BlueFlame => 1,
+            Self::CpuProxy => 2,
+        }
+    }
+}
+
+pub(super) fn placement_of(ring: &DmaBuf) -> RingPlacement {
+    if ring.is_host() {
+        RingPlacement::HostMapped
+    } else {
+        RingPlacement::Gpu
+    }
+}
+
+/// `create_cq` / `create_qp` have no GPU to put rings in.
+pub(super) fn needs_gpu(p: RingPlacement, what: &str) -> Result<(), Error> {
+    match p {
+        RingPlacement::HostMapped => Ok(()),
+        RingPlacement::Gpu => Err(Error::Unsupported(format!(
+            "rings in GPU memory need the GPU: use {what}(&gpu, options)"
+        ))),
+    }
+}

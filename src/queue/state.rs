@@ -1,0 +1,258 @@
+//! A QP's queue state as memory and the device hold it, from which a new poster continues:
+//! the CPU initiator here ([`Qp::cpu_initiator`]); a GPU export and the CPU proxy above.
+
+use super::cq::{Cq, CqDev};
+use super::poster::Poster;
+use super::qp::{Qp, QpDev};
+use crate::backend::context::Backend;
+use crate::backend::soft::{producer_from, sq_producer};
+use crate::Error;
+use std::sync::Arc;
+
+/// A QP's queue state as memory and the device hold it, from which a new poster continues.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct QueueState {
+    /// The producer index (64-bit): the CPU-proxy word when it is at or ahead of the doorbell
+    /// record's 16 bits (a kernel's producer not yet rung, or rung), else those 16 bits.
+    pub sq_pi: u64,
+    /// Blocks before `sq_pi` that the device has not executed yet.
+    pub sq_in_flight: u16,
+    /// The RQ head (doorbell record, receive word).
+    pub rq_head: u16,
+    /// The RQ consumer index (receives consumed), `None` where it cannot be known (an
+    /// rdma-core QP whose receive CQ is its send CQ).
+    pub rq_consumer: Option<u32>,
+    /// Send and receive CQ consumer indexes (their CQ doorbell records, 24 bits).
+    pub scq_ci: u32,
+    pub rcq_ci: u32,
+    /// The last word (wqe_counter, signature, op_own) of the send CQ's slot 0 when it holds
+    /// a CQE (for a collapsed CQ).
+    pub scq_slot0: Option<u32>,
+}
+
+impl QueueState {
+    pub(crate) fn of(qp: &softnic::Qp) -> Self {
+        use std::sync::atomic::Ordering::Acquire;
+        let rec = qp.ctrl_page();
+        let word = |i: usize| u32::from_be(rec.atomic_u32(qp.dbrec_offset() + 4 * i).load(Acquire));
+        let sq_pi = sq_producer(qp);
+        let in_flight = (sq_pi as u16).wrapping_sub(qp.sq_consumer());
+        let cq_ci =
+            |cq: &softnic::Cq| u32::from_be(cq.dbrec().atomic_u32(0).load(Acquire)) & 0xff_ffff;
+        let scq = qp.send_cq();
+        let scq_slot0 = scq
+            .ring()
+            .load_u32_acquire(prm::cqe::CQE_TAIL_OFFSET)
+            .ok()
+            .filter(|t| t.to_ne_bytes()[3] >> 4 != prm::cqe::CqeOpcode::Invalid as u8);
+        Self {
+            sq_pi,
+            sq_in_flight: if u32::from(in_flight) <= qp.sq_blocks() {
+                in_flight
+            } else {
+                0
+            },
+            rq_head: word(0) as u16,
+            rq_consumer: Some(qp.rq_consumer()),
+            scq_ci: cq_ci(scq),
+            rcq_ci: cq_ci(qp.recv_cq()),
+            scq_slot0,
+        }
+    }
+}
+
+impl QueueState {
+    /// The queue state of an rdma-core QP, from the provider's memory alone (the device's
+    /// consumer indexes cannot be seen without DEVX): the producer as for a soft QP (doorbell
+    /// record and CPU-proxy word), the CQ consumer indexes from their doorbell records, and the
+    /// SQ blocks not yet retired counted from the last requester completion the send CQ holds
+    /// for this QP (RC completes in order: every WQE up to the end of that one is done; the
+    /// blocks after it stay taken until a later completion retires them). Receives: every
+    /// consumed receive's completion is taken (what [`crate::gpu`]'s export requires), so the
+    /// RQ's consumer index is the receive CQ's.
+    pub(crate) fn of_mlx5(qp: &Qp, q: &crate::backend::mlx5::Qp) -> Self {
+        use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Acquire};
+        // SAFETY: the provider's doorbell record (two aligned 32-bit words) and the proxy word
+        // live as long as the QP; the device and pollers access them atomically.
+        let word = |i: usize| {
+            u32::from_be(unsafe { &*(q.dbrec.add(4 * i) as *const AtomicU32) }.load(Acquire))
+        };
+        let proxy = qp
+            .proxy_word
+            .as_ref()
+            // SAFETY: the proxy word is 8 aligned bytes of the QP's own host buffer.
+            .map_or(0, |w| {
+                unsafe { &*(w.addr() as *const AtomicU64) }.load(Acquire)
+            });
+        let sq_pi = producer_from(word(1) as u16, proxy);
+        let cq_ci = |cq: &Cq| match &cq.dev {
+            // SAFETY: the provider's CQ doorbell record, live with the CQ.
+            CqDev::Mlx5(c) => {
+                u32::from_be(unsafe { &*(c.dbrec as *const AtomicU32) }.load(Acquire)) & 0xff_ffff
+            }
+            CqDev::Soft(_) => 0,
+        };
+        let (scq_ci, rcq_ci) = (cq_ci(&qp.send_cq), cq_ci(&qp.recv_cq));
+        let done_to = match &qp.send_cq.dev {
+            CqDev::Mlx5(c) => last_req_end(c, q, scq_ci),
+            CqDev::Soft(_) => None,
+        };
+        let unretired = match done_to {
+            Some(end) => (sq_pi as u16).wrapping_sub(end),
+            // no completion seen: all of the SQ that was posted may be in flight
+            None => (sq_pi.min(u64::from(q.sq_blocks))) as u16,
+        };
+        Self {
+            sq_pi,
+            sq_in_flight: if u32::from(unretired) <= q.sq_blocks {
+                unretired
+            } else {
+                0
+            },
+            rq_head: word(0) as u16,
+            // the receive CQ's CQEs are the receives' only when it is not the send CQ too
+            rq_consumer: match (&qp.send_cq.dev, &qp.recv_cq.dev) {
+                (CqDev::Mlx5(s), CqDev::Mlx5(r)) if Arc::ptr_eq(s, r) => None,
+                _ => Some(rcq_ci),
+            },
+            scq_ci,
+            rcq_ci,
+            scq_slot0: None,
+        }
+    }
+}
+
+/// The SQ index just past the WQE of the newest requester completion of QP `q` among the
+/// CQEs taken from `cq` so far (its consumer index `ci`), looking back at most one ring.
+fn last_req_end(
+    cq: &crate::backend::mlx5::Cq,
+    q: &crate::backend::mlx5::Qp,
+    ci: u32,
+) -> Option<u16> {
+    let mask = cq.ncqe as usize - 1;
+    for k in 1..=cq.ncqe.min(ci) {
+        let n = ci - k;
+        let mut b = [0u8; prm::CQE_SIZE];
+        // SAFETY: slot `n & mask` is inside the provider's CQ ring; CQEs before the consumer
+        // index are no longer written by the device (until it wraps, which the owner check
+        // below tells).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                cq.ring.add((n as usize & mask) * prm::CQE_SIZE),
+                b.as_mut_ptr(),
+                prm::CQE_SIZE,
+            )
+        };
+        let cqe: prm::Cqe64 = bytemuck::cast(b);
+        if u32::from(cqe.op_own & 1) != (n / cq.ncqe) & 1 {
+            return None;
+        }
+        let counter = match cqe.decode() {
+            prm::Completion::Req {
+                qpn, wqe_counter, ..
+            } if qpn == q.qpn => wqe_counter,
+            prm::Completion::Error(e) if !e.responder && e.qpn == q.qpn => e.wqe_counter,
+            _ => continue,
+        };
+        let slot = counter as usize & (q.sq_blocks as usize - 1);
+        // SAFETY: the WQE's first block is inside the provider's SQ ring; its control
+        // segment's ds says how many blocks the WQE took.
+        let ctrl: prm::wqe::CtrlSeg = unsafe {
+            std::ptr::read_unaligned(q.sq_buf.add(slot * prm::WQEBB) as *const prm::wqe::CtrlSeg)
+        };
+        let blocks = prm::wqe::blocks_for_ds(ctrl.ds().max(1)) as u16;
+        return Some(counter.wrapping_add(blocks));
+    }
+    None
+}
+
+impl Qp {
+    /// A CPU initiator on this QP (it takes the QP's CQs for itself). It is the QP's one
+    /// poster until it is dropped, and it continues from the queue's state ([`Poster`]).
+    ///
+    /// # Panics
+    /// When [`Qp::try_cpu_initiator`] fails: the QP or one of its CQs has its rings in GPU
+    /// memory, or the QP already has a poster.
+    pub fn cpu_initiator(
+        &self,
+        mode: softnic::initiator::RingMode,
+    ) -> softnic::initiator::Initiator {
+        match self.try_cpu_initiator(mode) {
+            Ok(i) => i,
+            Err(e) => panic!("Qp::cpu_initiator: {e}"),
+        }
+    }
+
+    /// A CPU initiator on this QP, or an error: [`Error::PosterBusy`] while another poster
+    /// (CPU initiator, GPU export, CPU proxy) holds the QP; `Error::Soft(InvalidArgument)`
+    /// when the QP or one of its CQs has its rings in GPU memory ([`RingPlacement::Gpu`](crate::RingPlacement::Gpu)):
+    /// the CPU writes WQEs and polls CQEs with host stores and loads, which GPU memory does
+    /// not take (drive such a QP from a kernel). The initiator holds the QP until it is
+    /// dropped; it starts where the queue is: the producer index last rung, the SQ space the
+    /// device has not executed yet, the CQ consumer indexes (and owner parity) in the CQ
+    /// doorbell records.
+    pub fn try_cpu_initiator(
+        &self,
+        mode: softnic::initiator::RingMode,
+    ) -> Result<softnic::initiator::Initiator, Error> {
+        let claim = self.posters.claim(Poster::CpuInitiator)?;
+        match (&self.pd.ctx.inner.backend, &self.dev) {
+            (Backend::Soft(d), QpDev::Soft(q)) => {
+                Ok(softnic::initiator::Initiator::try_for_soft_qp(d, q, mode)?
+                    .with_guard(Box::new(claim)))
+            }
+            (Backend::Mlx5(_), QpDev::Mlx5(q)) => {
+                let st = QueueState::of_mlx5(self, q);
+                let rq_consumer = st.rq_consumer.ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "QP {:#x}: receives were posted and its receive CQ is its send CQ: a new \
+                         poster cannot tell which receives were consumed (use a CQ of its own \
+                         for the receives)",
+                        q.qpn
+                    ))
+                });
+                let rq_consumer = if st.rq_head == 0 { Ok(0) } else { rq_consumer }?;
+                let sq = softnic::initiator::SqGeometry {
+                    ring: q.sq_buf,
+                    blocks: q.sq_blocks,
+                    dbrec: q.dbrec,
+                    bf_reg: q.bf_reg,
+                    qpn: q.qpn,
+                };
+                let rq = softnic::initiator::RqGeometry {
+                    ring: q.rq_buf,
+                    wqes: q.rq_wqes,
+                    stride: q.rq_stride,
+                    dbrec: q.dbrec,
+                };
+                let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new((
+                    q.clone(),
+                    self.send_cq.dev.clone(),
+                    self.recv_cq.dev.clone(),
+                ));
+                // SAFETY: the geometry is the provider's (mlx5dv_init_obj) for this live QP
+                // and its CQs, kept alive by `keep`; the claim makes the initiator the QP's
+                // only poster and its CQs' only poller.
+                let mut ini = unsafe {
+                    softnic::initiator::Initiator::from_geometry(
+                        sq,
+                        rq,
+                        self.send_cq.geometry(),
+                        self.recv_cq.geometry(),
+                        mode,
+                        keep,
+                        None,
+                    )
+                };
+                ini.resume_at(softnic::initiator::QueueStart {
+                    sq_pi: st.sq_pi as u16,
+                    sq_unfinished: st.sq_in_flight,
+                    rq_head: st.rq_head,
+                    rq_outstanding: st.rq_head.wrapping_sub(rq_consumer as u16),
+                });
+                Ok(ini.with_guard(Box::new(claim)))
+            }
+            _ => unreachable!("a QP belongs to its context's backend"),
+        }
+    }
+}
