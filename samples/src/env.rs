@@ -9,19 +9,7 @@ use gpuverbs::Context;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
 
-/// The device, the GPU and the initiator of a run, as resolved.
-pub struct Env {
-    /// The device (both sides of a loopback run share it).
-    pub ctx: Context,
-    /// The GPU, when one is used.
-    pub gpu: Option<Arc<Gpu>>,
-    /// What the header says about the GPU.
-    pub gpu_line: String,
-    /// Who posts.
-    pub initiator: Initiator,
-    /// Why that initiator.
-    pub initiator_why: String,
-}
+pub use crate::resolved::Env;
 
 /// Opens the device and resolves the initiator: `--initiator gpu` needs a GPU with the kernels;
 /// without `--initiator`, the GPU is used when it opens, and otherwise the CPU, with the reason.
@@ -115,7 +103,7 @@ fn open_remote_device(a: &CommonArgs, peer: &Peer) -> Result<Context> {
             if let Some(pct) = a.loss.filter(|&p| p > 0.0) {
                 // One decision sequence per role, the same every run.
                 let seed = 0x5eed_0000 + u64::from(peer.bs.rank());
-                dev.set_wire_faults(softnic::WireFaults::loss(pct / 100.0, seed))
+                dev.set_wire_faults(gpuverbs::soft::WireFaults::loss(pct / 100.0, seed))
                     .context("--loss: set the fault injection")?;
             }
         }

@@ -116,11 +116,11 @@ impl GpuStatus {
         match s[0] {
             0 => Ok(()),
             1 => {
-                let e = prm::ErrorCqe {
+                let e = gpuverbs::post::ErrorCqe {
                     responder: false,
                     syndrome: s[1] as u8,
                     vendor_syndrome: s[2] as u8,
-                    wqe_opcode: prm::Opcode::RdmaWrite as u8,
+                    wqe_opcode: gpuverbs::post::Opcode::RdmaWrite as u8,
                     qpn: qpn(s[4].max(0) as usize),
                     wqe_counter: s[3] as u16,
                 };

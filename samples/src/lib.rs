@@ -31,6 +31,8 @@
 //! - [`peer`]: the server/client roles (bootstrap, exchange, steps) and their header and JSON.
 //! - [`wire`]: the soft NIC's wire counters.
 //! - [`report`]: the header, table rows, JSON fields, error text and exit code.
+//! - [`resolved`]: what a run resolved to ([`Env`]: device, GPU, initiator), below `env` and
+//!   `report`.
 //! - [`stats`]: bandwidth units, peak rate, latency columns, the progress line.
 //! - [`pattern`]: the payload pattern and its checks.
 //! - [`cpu`]: other processes' CPU around a run.
@@ -48,6 +50,7 @@ pub mod pcap;
 pub mod peer;
 pub mod qp;
 pub mod report;
+pub mod resolved;
 pub mod stats;
 pub mod wire;
 

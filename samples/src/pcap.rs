@@ -8,8 +8,8 @@ use std::sync::Arc;
 /// A capture of this side's soft NIC (`--pcap`), detached and flushed by [`Pcap::finish`] or
 /// on drop (an early exit keeps what was captured).
 pub struct Pcap {
-    dev: Arc<softnic::Device>,
-    writer: Arc<softnic::pcap::PcapWriter>,
+    dev: Arc<gpuverbs::soft::Device>,
+    writer: Arc<gpuverbs::soft::PcapWriter>,
     path: std::path::PathBuf,
 }
 
@@ -24,9 +24,9 @@ pub fn start_pcap(a: &CommonArgs, ctx: &Context) -> Result<Option<Pcap>> {
             ctx.selection().name
         );
     };
-    let writer = softnic::pcap::PcapWriter::create(path)
+    let writer = gpuverbs::soft::PcapWriter::create(path)
         .with_context(|| format!("--pcap: create {}", path.display()))?;
-    dev.set_capture(Some(softnic::Capture {
+    dev.set_capture(Some(gpuverbs::soft::Capture {
         writer: writer.clone(),
         ingress: true,
     }))

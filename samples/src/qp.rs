@@ -5,10 +5,10 @@
 use crate::args::{DbArg, Initiator, Placement, MAX_TX_DEPTH};
 use anyhow::{bail, Context as _, Result};
 use gpuverbs::gpu::Gpu;
+use gpuverbs::post::RingMode;
 use gpuverbs::{
     Access, ConnectOptions, CqOptions, DoorbellMode, Endpoint, Pd, Qp, QpOptions, RingPlacement,
 };
-use softnic::initiator::RingMode;
 use std::sync::Arc;
 
 /// The doorbell convention a CPU initiator uses for a QP created with `db`, or why it cannot.

@@ -2,8 +2,8 @@
 //! lines and `--output` numbers, the JSON fields, and the error text and exit code.
 
 use crate::args::{CommonArgs, Initiator, Placement};
-use crate::env::Env;
 use crate::qp::{cpu_doorbell_reason, cpu_ring_mode, doorbell_name, with_mtu};
+use crate::resolved::Env;
 use anyhow::Result;
 use gpuverbs::{Context, Endpoint, Qp};
 use serde_json::{json, Value};
@@ -143,13 +143,13 @@ pub fn mtu_line(
         .and_then(|p| p.udp_addr())
         .zip(local.gid().to_ipv4())
         .and_then(|(to, from)| match to {
-            std::net::SocketAddr::V4(to) => softnic::wire::route_mtu(from, *to.ip()).ok(),
+            std::net::SocketAddr::V4(to) => gpuverbs::soft::route_mtu(from, *to.ip()).ok(),
             std::net::SocketAddr::V6(_) => None,
         });
     match route {
-        Some(link) if softnic::wire::roce_mtu(link) < m => format!(
+        Some(link) if gpuverbs::soft::roce_mtu(link) < m => format!(
             "{}[B] (asked {m}; the route's link MTU is {link})",
-            softnic::wire::roce_mtu(link)
+            gpuverbs::soft::roce_mtu(link)
         ),
         _ => format!("{m}[B]"),
     }

@@ -9,8 +9,8 @@ use serde_json::{json, Value};
 /// repeat's gaps filled, gap reports each way (acted on and ignored), held packets dropped,
 /// requests outside the hold window and conflicting duplicates; `null` without a soft NIC (an rdma-core device has no such counters).
 pub fn wire_delta(
-    before: &Option<softnic::WireCounters>,
-    after: &Option<softnic::WireCounters>,
+    before: &Option<gpuverbs::soft::WireCounters>,
+    after: &Option<gpuverbs::soft::WireCounters>,
 ) -> Value {
     let (Some(before), Some(after)) = (before, after) else {
         return Value::Null;
@@ -40,6 +40,6 @@ pub fn wire_delta(
 }
 
 /// The wire counters of a context's soft NIC (`None` without one).
-pub fn wire_counters(ctx: &Context) -> Option<softnic::WireCounters> {
+pub fn wire_counters(ctx: &Context) -> Option<gpuverbs::soft::WireCounters> {
     ctx.soft_device().map(|d| d.counters().wire)
 }

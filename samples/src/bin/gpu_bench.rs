@@ -44,11 +44,28 @@ struct Args {
     series: Vec<String>,
     /// Engine-thread counts for the engine-scaling series (post and complete, 64 blocks each
     /// on its own QP, block scope): side A's soft NIC runs with each in turn; empty: skip it.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
-    engines: Vec<u32>,
+    #[arg(long, default_value = "1,2,4,8")]
+    engines: Counts,
     /// Interleaved rounds of the engine-scaling series (each count once per round; medians).
     #[arg(long, default_value_t = 3)]
     engine_rounds: u32,
+}
+
+/// A comma-separated list of counts; the empty string is the empty list (clap's own list
+/// parsing refuses an empty value, which `--engines ""` means).
+#[derive(Clone, Debug, PartialEq)]
+struct Counts(Vec<u32>);
+
+impl std::str::FromStr for Counts {
+    type Err = std::num::ParseIntError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        s.split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .map(Counts)
+    }
 }
 
 const BUDGET: u64 = 5_000_000_000;
@@ -137,7 +154,7 @@ fn setup(
     // The initiating soft NIC runs in completion-only mode: it checks and completes every WQE
     // but moves no payload, so post-and-complete measures posting plus the engine's WQE cost.
     // (Its engine threads also run the responder side: the peer is a device of this process.)
-    let a = Context::open_soft(softnic::DeviceConfig {
+    let a = Context::open_soft(gpuverbs::soft::DeviceConfig {
         completion_only: true,
         engine_threads: engines,
         ..Default::default()
@@ -753,8 +770,8 @@ fn main() -> Result<()> {
     // Engine scaling: the same post-and-complete load on 1, 2, 4, ... engine threads, in
     // interleaved rounds (every count once per round), each count's median against the
     // median of the first count (one run is short, and the host's speed moves between runs).
-    if want("engines") && !args.engines.is_empty() {
-        let counts = &args.engines;
+    if want("engines") && !args.engines.0.is_empty() {
+        let counts = &args.engines.0;
         let mut runs = vec![Vec::new(); counts.len()];
         for round in 0..args.engine_rounds.max(1) {
             for (i, &e) in counts.iter().enumerate() {
@@ -852,4 +869,20 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_engine_list_skips_the_series() {
+        let a = Args::try_parse_from(["gpu_bench", "--engines", ""]).unwrap();
+        assert_eq!(a.engines, Counts(vec![]));
+        let a = Args::try_parse_from(["gpu_bench", "--engines", "1, 4"]).unwrap();
+        assert_eq!(a.engines, Counts(vec![1, 4]));
+        let a = Args::try_parse_from(["gpu_bench"]).unwrap();
+        assert_eq!(a.engines, Counts(vec![1, 2, 4, 8]));
+        assert!(Args::try_parse_from(["gpu_bench", "--engines", "two"]).is_err());
+    }
 }
