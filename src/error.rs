@@ -13,7 +13,11 @@ pub enum Error {
     #[error(transparent)]
     Cuda(#[from] crate::cuda::CudaError),
     /// An rdma-core call failed (the ConnectX backend).
-    #[error("{call} failed: {} ({detail})", std::io::Error::from_raw_os_error(*errno))]
+    #[error(
+        "{call} failed: {}{}",
+        std::io::Error::from_raw_os_error(*errno),
+        if detail.is_empty() { String::new() } else { format!(" ({detail})") }
+    )]
     Verbs {
         /// The call.
         call: &'static str,
@@ -52,4 +56,27 @@ pub enum Error {
         /// Who was refused.
         wanted: crate::queue::Poster,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verbs_error_names_its_detail_only_when_there_is_one() {
+        let e = Error::Verbs {
+            call: "ibv_get_device_list",
+            errno: 38,
+            detail: String::new(),
+        };
+        let s = e.to_string();
+        assert!(s.starts_with("ibv_get_device_list failed: "), "{s}");
+        assert!(!s.ends_with("()"), "{s}");
+        let e = Error::Verbs {
+            call: "ibv_reg_mr",
+            errno: 12,
+            detail: "4096 bytes".into(),
+        };
+        assert!(e.to_string().ends_with(" (4096 bytes)"), "{e}");
+    }
 }
