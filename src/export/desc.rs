@@ -148,7 +148,9 @@ pub const HEADER_PATH: &str = "kernels/include/gpuverbs/desc.h";
 /// The C declaration of [`QpDesc`], with offset checks.
 pub fn c_header() -> String {
     let mut s = String::new();
-    s.push_str("/* Generated from src/export.rs by gpuverbs (the single source of the layout).\n");
+    s.push_str(
+        "/* Generated from src/export/desc.rs by gpuverbs (the single source of the layout).\n",
+    );
     s.push_str(
         " * Do not edit: GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export rewrites it. */\n",
     );

@@ -1,4 +1,4 @@
-/* Generated from src/export.rs by gpuverbs (the single source of the layout).
+/* Generated from src/export/desc.rs by gpuverbs (the single source of the layout).
  * Do not edit: GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export rewrites it. */
 #pragma once
 #include <stdint.h>
