@@ -1,0 +1,534 @@
+//! Unit tests of the WQE/CQE parser.
+
+extern crate std;
+use super::*;
+use crate::endian::{Lkey, Rkey};
+use crate::wqe::{Local, Op};
+use std::vec::Vec;
+
+const R: RemoteAddr = RemoteAddr {
+    addr: 0x7000_0000,
+    rkey: Rkey(0xabc),
+};
+
+fn sge(addr: u64, len: u32) -> Sge {
+    Sge {
+        addr,
+        len,
+        lkey: Lkey(9),
+    }
+}
+
+fn round_trip(op: Op<'_>) {
+    let flags = CtrlFlags::SIGNALED;
+    let w = op.encode(0x1234, 0x1a2, flags).unwrap();
+    let p = parse_wqe(w.as_bytes()).unwrap();
+    assert_eq!((p.opcode, p.opmod), op.opcode());
+    assert_eq!(p.wqe_index, 0x1234);
+    assert_eq!(p.qpn, 0x1a2);
+    assert_eq!(p.flags, flags);
+    assert_eq!(p.ds, w.ds());
+    let same_local = |a: &Local<'_>, b: &ParsedLocal<'_>| match (a, b) {
+        (Local::Inline(x), ParsedLocal::Inline(y)) => x == y,
+        (Local::Sges(x), ParsedLocal::Sges(y)) => {
+            x.len() == y.len() && x.iter().zip(y.iter()).all(|(s, d)| *s == d.sge())
+        }
+        _ => false,
+    };
+    match (op, p.op) {
+        (Op::Nop, ParsedOp::Nop) => {}
+        (
+            Op::Write { remote, local, imm },
+            ParsedOp::Write {
+                remote: r2,
+                local: l2,
+            },
+        ) => {
+            assert_eq!(remote, r2);
+            assert!(same_local(&local, &l2));
+            assert_eq!(imm, p.imm());
+        }
+        (Op::Send { local, imm }, ParsedOp::Send { local: l2 }) => {
+            assert!(same_local(&local, &l2));
+            assert_eq!(imm, p.imm());
+        }
+        (
+            Op::Read { remote, local },
+            ParsedOp::Read {
+                remote: r2,
+                local: l2,
+            },
+        ) => {
+            assert_eq!(remote, r2);
+            assert!(same_local(&Local::Sges(local), &ParsedLocal::Sges(l2)));
+        }
+        (
+            Op::FetchAdd {
+                remote,
+                add,
+                result,
+            },
+            ParsedOp::Atomic {
+                remote: r2,
+                kind,
+                result: s2,
+            },
+        ) => {
+            assert_eq!((remote, result), (r2, s2));
+            assert_eq!(kind, AtomicKind::FetchAdd { add });
+        }
+        (
+            Op::CompareSwap {
+                remote,
+                compare,
+                swap,
+                result,
+            },
+            ParsedOp::Atomic {
+                remote: r2,
+                kind,
+                result: s2,
+            },
+        ) => {
+            assert_eq!((remote, result), (r2, s2));
+            assert_eq!(kind, AtomicKind::CompareSwap { compare, swap });
+        }
+        (
+            Op::MaskedFetchAdd {
+                size,
+                remote,
+                add,
+                field_boundary,
+                result,
+            },
+            ParsedOp::Atomic {
+                remote: r2,
+                kind,
+                result: s2,
+            },
+        ) => {
+            assert_eq!((remote, result), (r2, s2));
+            assert_eq!(
+                kind,
+                AtomicKind::MaskedFetchAdd {
+                    size,
+                    add,
+                    field_boundary
+                }
+            );
+        }
+        (
+            Op::MaskedCompareSwap {
+                size,
+                remote,
+                compare,
+                compare_mask,
+                swap,
+                swap_mask,
+                result,
+            },
+            ParsedOp::Atomic {
+                remote: r2,
+                kind,
+                result: s2,
+            },
+        ) => {
+            assert_eq!((remote, result), (r2, s2));
+            assert_eq!(
+                kind,
+                AtomicKind::MaskedCompareSwap {
+                    size,
+                    compare,
+                    compare_mask,
+                    swap,
+                    swap_mask
+                }
+            );
+        }
+        (
+            Op::Wait { cqn, max_index },
+            ParsedOp::Wait {
+                cqn: c2,
+                max_index: m2,
+            },
+        ) => {
+            assert_eq!((cqn, max_index), (c2, m2));
+        }
+        (Op::Dump { local }, ParsedOp::Dump { local: l2 }) => assert_eq!(local, l2),
+        (a, b) => panic!("{a:?} parsed as {b:?}"),
+    }
+}
+
+#[test]
+fn every_op_round_trips() {
+    let sges = [sge(0x10, 3), sge(0x20, 4), sge(0x30, 5), sge(0x40, 6)];
+    let payload = [7u8; 100];
+    for n in 0..=4 {
+        for imm in [None, Some(0xfeed)] {
+            round_trip(Op::Write {
+                remote: R,
+                local: Local::Sges(&sges[..n]),
+                imm,
+            });
+            round_trip(Op::Send {
+                local: Local::Sges(&sges[..n]),
+                imm,
+            });
+        }
+        round_trip(Op::Read {
+            remote: R,
+            local: &sges[..n],
+        });
+    }
+    for len in [0, 1, 12, 13, 60, 100] {
+        round_trip(Op::Write {
+            remote: R,
+            local: Local::Inline(&payload[..len]),
+            imm: None,
+        });
+        round_trip(Op::Send {
+            local: Local::Inline(&payload[..len]),
+            imm: Some(1),
+        });
+    }
+    round_trip(Op::Nop);
+    let r8 = sge(0x80, 8);
+    round_trip(Op::FetchAdd {
+        remote: R,
+        add: 5,
+        result: r8,
+    });
+    round_trip(Op::CompareSwap {
+        remote: R,
+        compare: 1,
+        swap: 2,
+        result: r8,
+    });
+    for (size, result) in [(AtomicSize::B4, sge(0x80, 4)), (AtomicSize::B8, r8)] {
+        round_trip(Op::MaskedFetchAdd {
+            size,
+            remote: R,
+            add: 0x0101,
+            field_boundary: 0x8080,
+            result,
+        });
+        round_trip(Op::MaskedCompareSwap {
+            size,
+            remote: R,
+            compare: 3,
+            compare_mask: 0xff,
+            swap: 4,
+            swap_mask: 0xf0,
+            result,
+        });
+    }
+    round_trip(Op::Wait {
+        cqn: 7,
+        max_index: 99,
+    });
+    round_trip(Op::Dump {
+        local: Sge {
+            addr: 0x1000,
+            len: 64,
+            lkey: Lkey(0x1234),
+        },
+    });
+}
+
+#[test]
+fn dump_is_ctrl_plus_one_data_segment() {
+    let local = Sge {
+        addr: 0x1122_3344_5566_7788,
+        len: 4096,
+        lkey: Lkey(0xabcd),
+    };
+    let w = Op::Dump { local }
+        .encode(5, 0x42, CtrlFlags::SIGNALED)
+        .unwrap();
+    let b = w.as_bytes();
+    assert_eq!(w.ds(), 2);
+    assert_eq!(&b[0..4], &(5u32 << 8 | 0x23).to_be_bytes());
+    assert_eq!(&b[4..8], &(0x42u32 << 8 | 2).to_be_bytes());
+    assert_eq!(&b[16..20], &4096u32.to_be_bytes());
+    assert_eq!(&b[20..24], &0xabcdu32.to_be_bytes());
+    assert_eq!(&b[24..32], &0x1122_3344_5566_7788u64.to_be_bytes());
+    // wrong sizes and inline data are malformed
+    let mut three = [0u8; 128];
+    three[..32].copy_from_slice(&b[..32]);
+    three[7] = 3;
+    assert!(matches!(
+        parse_wqe(&three),
+        Err(WqeError::BadShape {
+            opcode: 0x23,
+            ds: 3
+        })
+    ));
+    let mut inl = [0u8; 128];
+    inl[..32].copy_from_slice(&b[..32]);
+    inl[16..20].copy_from_slice(&(0x8000_0008u32).to_be_bytes());
+    assert!(matches!(
+        parse_wqe(&inl),
+        Err(WqeError::InlineNotAllowed { opcode: 0x23 })
+    ));
+}
+
+fn raw(opcode: u32, opmod: u32, ds: u32) -> [u8; 128] {
+    let mut b = [0u8; 128];
+    b[0..4].copy_from_slice(&(opmod << 24 | opcode).to_be_bytes());
+    b[4..8].copy_from_slice(&(0x55 << 8 | ds).to_be_bytes());
+    b
+}
+
+#[test]
+fn malformed_wqes_map_to_syndromes() {
+    let cases: [([u8; 128], WqeError); 6] = [
+        (raw(0x08, 0, 0), WqeError::ZeroDs),
+        (raw(0x1b, 0, 1), WqeError::UnknownOpcode(0x1b)),
+        (
+            raw(0x08, 3, 2),
+            WqeError::BadOpmod {
+                opcode: 8,
+                opmod: 3,
+            },
+        ),
+        (
+            raw(0x14, 0, 4),
+            WqeError::BadOpmod {
+                opcode: 0x14,
+                opmod: 0,
+            },
+        ),
+        (raw(0x08, 0, 1), WqeError::BadShape { opcode: 8, ds: 1 }),
+        (
+            raw(0x12, 0, 3),
+            WqeError::BadShape {
+                opcode: 0x12,
+                ds: 3,
+            },
+        ),
+    ];
+    for (bytes, err) in cases {
+        assert_eq!(parse_wqe(&bytes), Err(err));
+        assert_eq!(err.syndrome(), Syndrome::LocalQpOp);
+    }
+    // inline count that disagrees with ds
+    let mut b = raw(0x0a, 0, 2);
+    b[16..20].copy_from_slice(&(40u32 | INLINE_SEG).to_be_bytes());
+    let e = parse_wqe(&b).unwrap_err();
+    assert_eq!(e, WqeError::InlineLength { len: 40, units: 1 });
+    assert_eq!(e.syndrome(), Syndrome::LocalLength);
+    // atomic with a 4-byte result buffer
+    let w = Op::FetchAdd {
+        remote: R,
+        add: 1,
+        result: sge(0, 4),
+    }
+    .encode(0, 1, CtrlFlags::default())
+    .unwrap();
+    assert_eq!(
+        parse_wqe(w.as_bytes()).unwrap_err(),
+        WqeError::AtomicLength { len: 4, size: 8 }
+    );
+    // ds longer than the bytes given
+    assert!(matches!(
+        parse_wqe(&raw(0x08, 0, 9)),
+        Err(WqeError::Truncated { .. })
+    ));
+}
+
+#[test]
+fn zero_byte_count_means_two_gib() {
+    let w = Op::Send {
+        local: Local::Sges(&[sge(0, 0)]),
+        imm: None,
+    }
+    .encode(0, 1, CtrlFlags::default())
+    .unwrap();
+    let p = parse_wqe(w.as_bytes()).unwrap();
+    let ParsedOp::Send { local } = p.op else {
+        panic!()
+    };
+    assert_eq!(local.len(), ZERO_BYTE_COUNT_LEN as u64);
+}
+
+/// A UMR WQE laid out as libmlx5's `set_bind_wr` writes it: control, UMR control, mkey
+/// context and (for a bind) one inline KLM padded to 64 bytes.
+fn umr_bytes(key: u32, qpn_mkey: u32, bind: Option<(u64, u64, u32)>, flags: u8) -> Vec<u8> {
+    use crate::wqe::{KlmSeg, MkeyContextSeg, UmrCtrlSeg, MKEY_ACCESS_REMOTE_WRITE};
+    let units = if bind.is_some() { 12u32 } else { 8 };
+    let ctrl = CtrlSeg {
+        opmod_idx_opcode: Be32::new(7 << 8 | Opcode::Umr as u32),
+        qpn_ds: Be32::new(0x1a2 << 8 | units),
+        imm: Be32::new(key),
+        ..CtrlSeg::default()
+    };
+    let mut umr = UmrCtrlSeg {
+        flags: flags | UMR_FLAG_INLINE,
+        ..UmrCtrlSeg::default()
+    };
+    let mut mkey = MkeyContextSeg {
+        qpn_mkey: Be32::new(qpn_mkey),
+        ..MkeyContextSeg::default()
+    };
+    let mut out = bytemuck::bytes_of(&ctrl).to_vec();
+    match bind {
+        Some((addr, len, lkey)) => {
+            umr.mkey_mask = crate::endian::Be64::new(UMR_MASK_LEN);
+            mkey.access_flags = MKEY_ACCESS_REMOTE_WRITE;
+            mkey.start_addr = crate::endian::Be64::new(addr);
+            mkey.len = crate::endian::Be64::new(len);
+            out.extend_from_slice(bytemuck::bytes_of(&umr));
+            out.extend_from_slice(bytemuck::bytes_of(&mkey));
+            let klm = KlmSeg {
+                byte_count: Be32::new(len as u32),
+                mkey: Be32::new(lkey),
+                address: crate::endian::Be64::new(addr),
+            };
+            out.extend_from_slice(bytemuck::bytes_of(&klm));
+            out.resize(out.len() + 48, 0);
+        }
+        None => {
+            mkey.free = MKEY_FREE;
+            out.extend_from_slice(bytemuck::bytes_of(&umr));
+            out.extend_from_slice(bytemuck::bytes_of(&mkey));
+        }
+    }
+    assert_eq!(out.len(), units as usize * DS_UNIT);
+    out
+}
+
+#[test]
+fn memory_window_binds_and_frees() {
+    let b = umr_bytes(
+        0x300,
+        0x1a2 << 8 | 0x05,
+        Some((0x9000, 256, 0x201)),
+        UMR_FLAG_CHECK_FREE,
+    );
+    let p = parse_wqe(&b).unwrap();
+    assert_eq!(p.opcode, Opcode::Umr);
+    assert_eq!(
+        p.op,
+        ParsedOp::Window(MwOp {
+            key: 0x300,
+            variant: 0x05,
+            qpn: 0x1a2,
+            bind: Some(MwBind {
+                start: 0x9000,
+                len: 256,
+                access: crate::wqe::MKEY_ACCESS_REMOTE_WRITE,
+                mr_key: 0x201,
+                mr_addr: 0x9000,
+            }),
+            check_free: true,
+            check_qpn: false,
+        })
+    );
+    let inv = umr_bytes(0x305, 0xffff_ff00, None, UMR_FLAG_CHECK_QPN);
+    match parse_wqe(&inv).unwrap().op {
+        ParsedOp::Window(w) => {
+            assert_eq!(
+                (w.key, w.qpn, w.bind, w.check_qpn),
+                (0x305, 0xff_ffff, None, true)
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    // a bind whose units stop before the KLM, or whose KLM disagrees with the length
+    let mut short = b.clone();
+    short[7] = 8;
+    assert!(matches!(
+        parse_wqe(&short[..128]),
+        Err(WqeError::BadShape { .. })
+    ));
+    let mut odd = b.clone();
+    odd[8 * DS_UNIT + 3] ^= 1;
+    assert!(matches!(parse_wqe(&odd), Err(WqeError::BadShape { .. })));
+}
+
+#[test]
+fn send_with_invalidate_carries_the_rkey() {
+    let mut w = Op::Send {
+        local: Local::Sges(&[sge(0x1000, 8)]),
+        imm: None,
+    }
+    .encode(3, 0x1a2, CtrlFlags::SIGNALED)
+    .unwrap()
+    .as_bytes()
+    .to_vec();
+    w[0..4].copy_from_slice(&(3u32 << 8 | Opcode::SendInval as u32).to_be_bytes());
+    w[12..16].copy_from_slice(&0x4242u32.to_be_bytes());
+    let p = parse_wqe(&w).unwrap();
+    assert_eq!((p.invalidate(), p.imm()), (Some(0x4242), None));
+    assert!(matches!(p.op, ParsedOp::Send { .. }));
+}
+
+#[test]
+fn window_ops_encode_as_libmlx5_writes_them() {
+    use crate::wqe::{WindowBind, MKEY_ACCESS_REMOTE_READ};
+    let bind = WindowBind {
+        window: 0x300,
+        variant: 0x05,
+        qpn: Some(0x1a2),
+        region: sge(0x9000, 256),
+        start: 0x9000,
+        access: MKEY_ACCESS_REMOTE_READ,
+    };
+    let w = Op::BindWindow(bind)
+        .encode(7, 0x1a2, CtrlFlags::SIGNALED)
+        .unwrap();
+    // the same bytes as the hand-made layout, but for the rights and the lkey
+    let mine = umr_bytes(
+        0x300,
+        0x1a2 << 8 | 0x05,
+        Some((0x9000, 256, 9)),
+        UMR_FLAG_CHECK_FREE,
+    );
+    let p = parse_wqe(w.as_bytes()).unwrap();
+    let q = parse_wqe(&mine).unwrap();
+    match (p.op, q.op) {
+        (ParsedOp::Window(a), ParsedOp::Window(b)) => {
+            assert_eq!(a.bind.unwrap().access, MKEY_ACCESS_REMOTE_READ);
+            let same = MwOp {
+                bind: a.bind.map(|x| MwBind {
+                    access: crate::wqe::MKEY_ACCESS_REMOTE_WRITE,
+                    ..x
+                }),
+                ..a
+            };
+            assert_eq!(same, b);
+        }
+        other => panic!("{other:?}"),
+    }
+    let inv = Op::LocalInvalidate { rkey: 0x305 }
+        .encode(9, 0x1a2, CtrlFlags::SIGNALED)
+        .unwrap();
+    match parse_wqe(inv.as_bytes()).unwrap().op {
+        ParsedOp::Window(m) => assert_eq!(
+            (m.key, m.bind, m.check_qpn, m.check_free),
+            (0x305, None, true, false)
+        ),
+        other => panic!("{other:?}"),
+    }
+    let unbind = Op::BindWindow(WindowBind {
+        qpn: None,
+        region: sge(0x9000, 0),
+        ..bind
+    })
+    .encode(9, 0x1a2, CtrlFlags::SIGNALED)
+    .unwrap();
+    match parse_wqe(unbind.as_bytes()).unwrap().op {
+        ParsedOp::Window(m) => assert_eq!(
+            (m.key, m.qpn, m.bind, m.check_qpn, m.check_free),
+            (0x300, 0xff_ffff, None, false, false)
+        ),
+        other => panic!("{other:?}"),
+    }
+    let s = Op::SendInvalidate {
+        local: Local::Sges(&[sge(0x1000, 8)]),
+        rkey: 0x4242,
+    }
+    .encode(1, 0x1a2, CtrlFlags::SIGNALED)
+    .unwrap();
+    assert_eq!(parse_wqe(s.as_bytes()).unwrap().invalidate(), Some(0x4242));
+}
