@@ -6,6 +6,9 @@
 //! ConnectX.
 
 pub use softnic::pcap::PcapWriter;
+/// The RoCEv2 formats the soft NIC speaks on the wire (BTH and the extended headers, the
+/// ICRC): for reading back what `--pcap` or [`Capture`] wrote.
+pub use softnic::wire::packet;
 pub use softnic::wire::{roce_mtu, route_mtu};
 pub use softnic::{
     Capture, CounterSnapshot, Device, DeviceConfig, Error, Fault, Gid, WireConfig, WireCounters,

@@ -390,7 +390,7 @@ fn pcap_frames(path: &std::path::Path) -> Vec<([u8; 20], [u8; 8], Vec<u8>)> {
 
 #[test]
 fn put_bw_and_write_lat_write_a_pcap() {
-    use softnic::wire::packet;
+    use gpuverbs::soft::packet;
     let dir = std::env::temp_dir().join(format!("gpuverbs-pcap-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for bin in [PUT_BW, WRITE_LAT] {
