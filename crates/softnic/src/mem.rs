@@ -298,6 +298,13 @@ impl MemRange {
         }
     }
 
+    /// A range of no bytes: a zero-length RDMA request's, whose key and address a responder
+    /// does not check (IBTA C9-88). Its address is a non-null, aligned one, so a copy of
+    /// nothing from or to it is defined whatever address the request named.
+    pub fn empty() -> Self {
+        Self::host(std::ptr::NonNull::<u8>::dangling().as_ptr() as u64, 0)
+    }
+
     /// Whether the range is host memory.
     pub fn is_host(&self) -> bool {
         self.dev.is_none()

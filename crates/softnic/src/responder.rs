@@ -87,8 +87,8 @@ impl<'a> Resp<'a> {
         }
     }
 
-    /// A remote access: the QP's access flags, then key, PD, range and right of the region.
-    /// Not fatal by itself (see [`Resp::fatal`]).
+    /// A remote access: the QP's access flags, then key, PD, range and right of the region
+    /// (none of these for zero bytes). Not fatal by itself (see [`Resp::fatal`]).
     pub fn remote(
         &self,
         need: Access,
@@ -98,6 +98,12 @@ impl<'a> Resp<'a> {
     ) -> Result<MemRange, Response> {
         if !self.rq.access.contains(need) {
             return Err(Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY));
+        }
+        if len == 0 {
+            // IBTA C9-88: a zero-length RDMA READ or WRITE is not checked against its R_Key
+            // or address (rxe and ConnectX accept any; UCX sends rkey 0, VA 0). The QP's
+            // access flags still are.
+            return Ok(MemRange::empty());
         }
         self.g
             .check_remote(self.qp.pd, self.qp.qpn, need, rkey, raddr, len)

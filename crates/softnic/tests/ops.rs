@@ -7,9 +7,10 @@ mod common;
 
 use common::*;
 use prm::cqe::RespKind;
-use prm::wqe::{AtomicSize, CtrlFlags, Fence, Local, Op, Opcode, Sge};
-use prm::Completion;
-use softnic::Access;
+use prm::wqe::{AtomicSize, CtrlFlags, Fence, Local, Op, Opcode, RemoteAddr, Sge};
+use prm::{Completion, Rkey, Syndrome};
+use softnic::outcome::vendor;
+use softnic::{Access, QpState};
 use std::time::Duration;
 
 #[derive(Clone, Copy, Debug)]
@@ -590,4 +591,67 @@ fn wait_holds_the_queue_until_the_cq_index() {
         assert_eq!(rbuf.read(0, 2), b"go");
         p.ea.expect_quiet(Duration::from_millis(2));
     }
+}
+
+#[test]
+fn zero_length_rdma_ignores_key_and_address() {
+    // IBTA C9-88: a zero-length RDMA WRITE, WRITE_IMM or READ is not checked against its
+    // R_Key or address (rxe and ConnectX accept any; UCX sends rkey 0 and VA 0). The QP's
+    // access flags still are: without REMOTE_WRITE on the responder a zero-length WRITE is a
+    // remote access error.
+    let mut p = Pair::new();
+    let rbuf = p.b.buf(64, Access::LOCAL_WRITE);
+    for (addr, rkey) in [(0, 0), (0xdead_beef_0000, 0x00de_ad00)] {
+        let remote = RemoteAddr {
+            addr,
+            rkey: Rkey(rkey),
+        };
+        let w = Op::Write {
+            remote,
+            local: Local::Sges(&[]),
+            imm: None,
+        };
+        let (_, bytes) = run(&mut p.ea, &w, true);
+        assert_eq!(bytes, Some(0));
+        // (no SGE: in an mlx5 data segment a byte count of 0 means 2 GiB)
+        let r = Op::Read { remote, local: &[] };
+        let (_, bytes) = run(&mut p.ea, &r, true);
+        assert_eq!(bytes, Some(0));
+        let recv_idx = p.eb.ini.post_recv(&[rbuf.sge(0, 64)]).unwrap();
+        let wi = Op::Write {
+            remote,
+            local: Local::Sges(&[]),
+            imm: Some(7),
+        };
+        run(&mut p.ea, &wi, true);
+        expect_resp(
+            &mut p.eb,
+            RespKind::WriteImm,
+            recv_idx,
+            0,
+            Some(7),
+            p.ea.qpn(),
+        );
+    }
+    assert_eq!(p.ea.qp.state(), QpState::Rts);
+    assert_eq!(p.eb.qp.state(), QpState::Rts);
+    // the access flags are checked all the same
+    let mut p = Pair::with(
+        Opts::default(),
+        Opts {
+            access: Access::REMOTE_READ,
+            ..Opts::default()
+        },
+    );
+    let w = Op::Write {
+        remote: RemoteAddr {
+            addr: 0,
+            rkey: Rkey(0),
+        },
+        local: Local::Sges(&[]),
+        imm: None,
+    };
+    let idx = p.ea.post(&w, SIG);
+    p.ea.ini.ring();
+    p.ea.expect_err(Syndrome::RemoteAccess, vendor::REMOTE_KEY, 0x08, idx);
 }

@@ -155,3 +155,58 @@ fn peers_found_by_gid_alone_at_the_default_port() {
         b.dev.counters().wire.tx_packets >= 1
     });
 }
+
+#[test]
+fn zero_length_rdma_ignores_key_and_address_on_the_wire() {
+    let _serial = serial();
+    // IBTA C9-88 over the wire, both ways of recovering: a zero-length WRITE, WRITE_IMM and
+    // READ with rkey 0 / VA 0 (as UCX sends them) and with a made-up key complete.
+    for o in [wire_opts(), go_back_n_opts()] {
+        let mut p = wire_pair(
+            o.clone(),
+            o,
+            1024,
+            WireFaults::default(),
+            WireFaults::default(),
+        );
+        let rbuf = p.b.buf(64, softnic::Access::LOCAL_WRITE);
+        for (addr, rkey) in [(0, 0), (0xdead_beef_0000, 0x00de_ad00)] {
+            let remote = prm::wqe::RemoteAddr {
+                addr,
+                rkey: prm::Rkey(rkey),
+            };
+            let i = p.ea.go(
+                &Op::Write {
+                    remote,
+                    local: Local::Sges(&[]),
+                    imm: None,
+                },
+                SIG,
+            );
+            assert_eq!(p.ea.expect_req(0x08, i), 0);
+            let i = p.ea.go(&Op::Read { remote, local: &[] }, SIG);
+            assert_eq!(p.ea.expect_req(0x10, i), 0);
+            let r = p.eb.ini.post_recv(&[rbuf.sge(0, 64)]).unwrap();
+            let i = p.ea.go(
+                &Op::Write {
+                    remote,
+                    local: Local::Sges(&[]),
+                    imm: Some(9),
+                },
+                SIG,
+            );
+            assert_eq!(p.ea.expect_req(0x09, i), 0);
+            match p.eb.recv_cqe() {
+                prm::Completion::Resp {
+                    wqe_counter,
+                    byte_cnt,
+                    imm,
+                    ..
+                } => assert_eq!((wqe_counter, byte_cnt, imm), (r, 0, Some(9))),
+                c => panic!("expected the WRITE_IMM's receive completion, got {c:?}"),
+            }
+        }
+        assert_eq!(p.ea.qp.state(), softnic::QpState::Rts);
+        assert_eq!(p.eb.qp.state(), softnic::QpState::Rts);
+    }
+}

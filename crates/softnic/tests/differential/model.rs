@@ -101,6 +101,10 @@ impl Model {
         if self.b_access & need.0 != need.0 {
             return Err(Syndrome::RemoteAccess);
         }
+        if len == 0 {
+            // IBTA C9-88: no key or address check for zero bytes (nothing is touched)
+            return Ok((0, 0));
+        }
         Self::find(&self.b_mrs, self.b_pd, need.0, r.rkey.0, r.addr, len)
             .ok_or(Syndrome::RemoteAccess)
     }
