@@ -366,6 +366,28 @@ fn perftest_latency_tests_run_on_the_emulated_device() {
 }
 
 #[test]
+fn perftest_send_bw_with_completion_events() {
+    // `-e`: each side arms its send CQ and its receive CQ (one channel) and sleeps in
+    // ibv_get_cq_event. Only the CQ armed last got its event before 2026-12-03: both sides
+    // hung. Issue 30, defect 1.
+    need("ib_send_bw", "perftest");
+    let _g = serial();
+    for (i, size) in ["8", "4096"].into_iter().enumerate() {
+        let net = 111 + i as u8;
+        let args = ["-x", "0", "-s", size, "-n", "50", "-e"];
+        let (c, s) = pair("ib_send_bw", net, 18830 + i as u16, &args, &[]);
+        for out in [&c, &s] {
+            let r = rows(out);
+            assert!(
+                r.first()
+                    .is_some_and(|r| r[0] == size.parse::<f64>().unwrap() && r[1] == 50.0),
+                "-e -s {size}:\n{out}"
+            );
+        }
+    }
+}
+
+#[test]
 fn perftest_send_bw_on_a_shared_receive_queue() {
     need("ib_send_bw", "perftest");
     let _g = serial();

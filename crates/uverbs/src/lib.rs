@@ -406,7 +406,10 @@ impl Emulation {
         let last_db = page0
             .atomic_u64(context::CQ_DOORBELL)
             .load(Ordering::Acquire);
-        cq.arm.lock().last_word = cq.dbrec.atomic_u32(4).load(Ordering::Acquire);
+        // The provider's first arm may write the word the record already holds (sn 0, ci 0,
+        // "any completion" is 0): a mark no provider writes makes every arm a change.
+        cq.dbrec.atomic_u32(4).store(ARM_UNSEEN, Ordering::Release);
+        cq.arm.lock().last_word = ARM_UNSEEN;
         self.watched.lock().push(Watched {
             cq: Arc::downgrade(&cq),
             page0,
@@ -462,6 +465,11 @@ fn cdev_stat(id: &config::DeviceIdentity) -> libc::stat {
     st
 }
 
+/// What the emulation leaves in a watched CQ's arm doorbell record once it has taken the
+/// arm there: bit 31 of the big-endian word, which libmlx5 never sets (`sn << 28 | cmd | ci`,
+/// sn two bits).
+const ARM_UNSEEN: u32 = 0x8000_0000u32.to_be();
+
 /// Notices CQ arm doorbells (page 0 of a context's UARs, and the arm word of each CQ's
 /// doorbell record, which the provider writes first) and turns an armed CQ that has a
 /// completion at or past its arm index into one completion event on its channel.
@@ -491,9 +499,20 @@ fn watch_loop(emu: &'static Emulation) {
                     }
                 }
                 if word != arm.last_word {
-                    arm.last_word = word;
                     arm.armed = true;
                     arm.ci = u32::from_be(word) & 0xff_ffff;
+                    // Taken: mark the record again, so that the next arm is seen even when it
+                    // writes the same word (arming CQs that share a context's doorbell register
+                    // leaves only the last one's value there). Not over a newer arm.
+                    arm.last_word = match cq.dbrec.atomic_u32(4).compare_exchange(
+                        word,
+                        ARM_UNSEEN,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    ) {
+                        Ok(_) => ARM_UNSEEN,
+                        Err(_) => word,
+                    };
                 }
                 if arm.armed {
                     let produced = cq.soft.produced() & 0xff_ffff;
