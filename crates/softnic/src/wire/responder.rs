@@ -238,11 +238,13 @@ fn ahead(
     let w = &mut r.rq.wire;
     let d = psn_diff(psn, w.epsn) as u32;
     let in_window = d < window;
-    if !in_window {
-        // farther ahead than any requester sends: forged, stale or broken
+    let own_flow = w.sport.is_none_or(|s| s == sport);
+    if !in_window || (w.selective && !own_flow) {
+        // farther ahead than any requester sends, or (selective repeat) not from the
+        // requester's flow: forged, stale or broken
         Counters::add(&wc.out_of_window, 1);
     }
-    if w.selective && in_window && w.sport.is_none_or(|s| s == sport) {
+    if w.selective && in_window && own_flow {
         let npkts = request_psns(pkt, w.mtu);
         let report = match w.hold(psn, npkts, raw) {
             Hold::New(report) => report,
@@ -270,26 +272,19 @@ fn ahead(
         }
         return;
     }
-    if w.selective && in_window {
-        // from another UDP port than the requester's flow
-        Counters::add(&wc.out_of_window, 1);
-    }
-    // One NAK per gap (IBTA, rxe). Once NAKed, a packet out of sequence but not past the
-    // highest one seen since is a retransmission: the requester went back and the expected
-    // packet is still missing (its retransmission was lost too): NAK again. A packet outside
-    // the window neither repeats the NAK nor counts as the highest seen.
-    let again = in_window && !w.selective && w.nak_sent && psn_diff(psn, w.oos_hi) <= 0;
-    if in_window && !w.selective && (!w.nak_sent || psn_diff(psn, w.oos_hi) > 0) {
-        w.oos_hi = psn;
-    }
+    // One NAK per gap (IBTA, rxe). Once NAKed, a go-back-N packet out of sequence but not
+    // past the highest one seen since is a retransmission: the requester went back and the
+    // expected packet is still missing (its retransmission was lost too): NAK again. A packet
+    // that no requester of this QP could have sent (outside the window; with selective
+    // repeat, not held) neither repeats the NAK nor counts as the highest seen.
+    let tracked = in_window && !w.selective;
+    let again = tracked && w.nak_sent && psn_diff(psn, w.oos_hi) <= 0;
     if !w.nak_sent || again {
         w.nak_sent = true;
-        if !in_window || w.selective {
-            w.oos_hi = w.epsn;
-        } else {
-            w.oos_hi = psn;
-        }
+        w.oos_hi = if tracked { psn } else { w.epsn };
         seq_nak(wc, w, reply);
+    } else if tracked && psn_diff(psn, w.oos_hi) > 0 {
+        w.oos_hi = psn;
     }
 }
 
