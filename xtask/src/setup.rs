@@ -37,6 +37,10 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("python3-pyverbs", "pyverbs (emu.rs)"),
     ("rdma-core", "pyverbs' own tests, which emu.rs runs"),
     (
+        "python3-scapy",
+        "the PRM structures of pyverbs' DEVX tests and the layout check (emu.rs, devx.rs)",
+    ),
+    (
         "python3-venv",
         "the venv `setup-cuda` installs the CUDA wheels into",
     ),

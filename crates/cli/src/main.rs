@@ -194,6 +194,7 @@ fn emu(a: Emu) -> anyhow::Result<ExitCode> {
         ip: a.ip,
         port: a.port,
         devices: a.devices,
+        static_uars: uverbs::config::static_uars_from_env()?,
     };
     cfg.validate()?;
     let lib = preload_path()?;

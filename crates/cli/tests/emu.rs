@@ -7,8 +7,10 @@
 //! Needs Debian's ibverbs-utils, perftest, python3-pyverbs and rdma-core (CI installs them);
 //! a missing tool fails the test with the package to install.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -54,9 +56,16 @@ fn need(tool: &str, package: &str) {
     );
 }
 
+/// Whether the emulated processes a test starts offer static UAR pages only (the mode of older
+/// kernels) instead of dynamic UAR allocation; changed only under [`serial`].
+static STATIC_UARS: AtomicBool = AtomicBool::new(false);
+
 fn emu(ip: &str, counters: Option<&Path>, args: &[&str]) -> Command {
     let mut c = Command::new(GPUVERBS);
     c.env("GPUVERBS_PRELOAD", preload());
+    if STATIC_UARS.load(Ordering::Relaxed) {
+        c.env("GPUVERBS_EMU_UARS", "static");
+    }
     if let Some(f) = counters {
         c.env("GPUVERBS_EMU_COUNTERS", f);
     }
@@ -278,6 +287,51 @@ fn rc_pingpong_checks_every_byte_polled_and_with_events() {
     }
 }
 
+/// The legacy mode (`GPUVERBS_EMU_UARS=static`: BlueFlame registers on pages given at
+/// GET_CONTEXT, no UAR ioctl) still serves verbs programs: ibv_rc_pingpong polled and with
+/// events, and ib_write_bw.
+#[test]
+fn static_uar_mode_serves_pingpong_and_perftest() {
+    need("ibv_rc_pingpong", "ibverbs-utils");
+    need("ib_write_bw", "perftest");
+    let _g = serial();
+    struct Back;
+    impl Drop for Back {
+        fn drop(&mut self) {
+            STATIC_UARS.store(false, Ordering::Relaxed);
+        }
+    }
+    STATIC_UARS.store(true, Ordering::Relaxed);
+    let _back = Back;
+    for (i, events) in [false, true].into_iter().enumerate() {
+        let mut args = vec!["-g", "0", "-n", "50", "-s", "4096", "--chk"];
+        if events {
+            args.push("-e");
+        }
+        let (c, s) = pair(
+            "ibv_rc_pingpong",
+            27 + i as u8,
+            18517 + i as u16,
+            &args,
+            &[],
+        );
+        for out in [c, s] {
+            assert!(
+                out.contains("50 iters in"),
+                "static UARs, events {events}:\n{out}"
+            );
+        }
+    }
+    let args = ["-x", "0", "-s", "4096", "-n", "200"];
+    let (c, _) = pair("ib_write_bw", 29, 18519, &args, &[]);
+    assert!(
+        rows(&c)
+            .first()
+            .is_some_and(|r| r[1] == 200.0 && r[3] > 0.0),
+        "static UARs, ib_write_bw:\n{c}"
+    );
+}
+
 #[test]
 fn perftest_bandwidth_tests_run_on_the_emulated_device() {
     need("ib_write_bw", "perftest");
@@ -436,18 +490,15 @@ fn verbs_traffic_script_checks_bytes_statuses_and_events() {
     }
 }
 
-/// Every pyverbs test docs/emulation.md lists as passing must pass; none may fail or error.
-#[test]
-fn pyverbs_tests_pass_or_skip() {
+/// A copy of rdma-core's pyverbs test suite (Debian ships it gzipped), unpacked in a fresh
+/// folder; returns its `tests` package folder.
+fn unpacked_suite(name: &str) -> PathBuf {
     let suite = Path::new("/usr/share/doc/rdma-core/tests");
     assert!(
         suite.join("run_tests.py").is_file(),
         "install the Debian package rdma-core (pyverbs tests)"
     );
-    need("/usr/bin/python3", "python3");
-    let _g = serial();
-    // the suite ships gzipped in Debian: unpack a copy
-    let dir = tmp("pyverbs");
+    let dir = tmp(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let st = Command::new("cp")
@@ -465,6 +516,98 @@ fn pyverbs_tests_pass_or_skip() {
         .status()
         .unwrap();
     assert!(st.success());
+    tests
+}
+
+/// `devx_traffic.py` through the real libmlx5's DEVX calls: the device's answers to the queries
+/// (capabilities that say what the soft NIC implements, RoCE address, vport, EQ), refused
+/// commands with their errno or PRM status, umem and object lifetimes (EBUSY while used), bad
+/// CQ and QP contexts, the QP transitions in and out of order, and WRITE, READ, SEND_IMM,
+/// FETCH_ADD and CMP_SWP between DEVX QPs of two devices whose WQEs the script writes into umem
+/// rings and rings on an NC UAR page, every byte checked; a collapsed CQ.
+#[test]
+fn devx_script_checks_commands_objects_and_bytes() {
+    need("/usr/bin/python3", "python3");
+    need(
+        "/usr/lib/python3/dist-packages/scapy/__init__.py",
+        "python3-scapy",
+    );
+    let _g = serial();
+    let suite = unpacked_suite("devx");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/devx_traffic.py");
+    let cases = ["queries", "umems", "traffic", "collapsed", "transitions"];
+    let mut c = Command::new(GPUVERBS);
+    c.env("GPUVERBS_PRELOAD", preload())
+        .args(["emu", "--ip", "127.0.104.1", "--devices", "2", "--"])
+        .arg("/usr/bin/python3")
+        .arg(&script)
+        .arg(suite.parent().unwrap())
+        .args(cases);
+    let out = run(c, Duration::from_secs(180), "devx_traffic.py");
+    let _ = std::fs::remove_dir_all(suite.parent().unwrap());
+    for case in cases {
+        assert!(
+            out.contains(&format!("PASS {case}\n")),
+            "devx_traffic.py {case}:\n{out}"
+        );
+    }
+}
+
+/// gpuverbs' PRM field tables (`prm::cmd`, what the emulation parses DEVX mailboxes with and
+/// the mlx5 backend builds them with) agree bit for bit with rdma-core's description of the
+/// same structures (`tests/mlx5_prm_structs.py`), field by field.
+#[test]
+fn prm_field_tables_match_rdma_core() {
+    need("/usr/bin/python3", "python3");
+    need(
+        "/usr/lib/python3/dist-packages/scapy/__init__.py",
+        "python3-scapy",
+    );
+    let suite = unpacked_suite("prm-layout");
+    let tables: Vec<serde_json::Value> = prm::cmd::ALL
+        .iter()
+        .filter(|(name, _)| !name.is_empty())
+        .map(|(name, fields)| {
+            let f: Vec<_> = fields
+                .iter()
+                .map(|(n, f)| serde_json::json!([n, f.bit, f.width]))
+                .collect();
+            serde_json::json!({ "struct": name, "fields": f })
+        })
+        .collect();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/prm_layout.py");
+    let mut child = Command::new("/usr/bin/python3")
+        .arg(&script)
+        .arg(suite.join("mlx5_prm_structs.py"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let json = serde_json::to_vec(&tables).unwrap();
+    child.stdin.take().unwrap().write_all(&json).unwrap();
+    let o = wait(child, Duration::from_secs(60), "prm_layout.py");
+    let _ = std::fs::remove_dir_all(suite.parent().unwrap());
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && text.starts_with("OK "), "{text}");
+}
+
+/// Every pyverbs test docs/emulation.md lists as passing must pass; none may fail or error.
+#[test]
+fn pyverbs_tests_pass_or_skip() {
+    let suite = Path::new("/usr/share/doc/rdma-core/tests");
+    assert!(
+        suite.join("run_tests.py").is_file(),
+        "install the Debian package rdma-core (pyverbs tests)"
+    );
+    need("/usr/bin/python3", "python3");
+    // the DEVX tests describe PRM structures with scapy (they skip without it)
+    need(
+        "/usr/lib/python3/dist-packages/scapy/__init__.py",
+        "python3-scapy",
+    );
+    let _g = serial();
+    let tests = unpacked_suite("pyverbs");
     let modules = [
         "test_device",
         "test_pd",
@@ -475,6 +618,8 @@ fn pyverbs_tests_pass_or_skip() {
         "test_atomic",
         "test_cq_events",
         "test_parent_domain",
+        "test_mlx5_devx",
+        "test_mlx5_uar",
     ];
     let mut c = emu(
         "127.0.90.1",
@@ -499,7 +644,7 @@ fn pyverbs_tests_pass_or_skip() {
         .unwrap();
     let o = wait(child, Duration::from_secs(600), "pyverbs tests");
     let text = String::from_utf8_lossy(&o.stderr).to_string();
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(tests.parent().unwrap());
     let results = pyverbs_results(&text);
     let expected = include_str!("pyverbs-pass.txt");
     for name in expected

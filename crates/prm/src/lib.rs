@@ -16,6 +16,7 @@
 #[cfg(test)]
 extern crate std;
 
+pub mod cmd;
 pub mod cqe;
 pub mod doorbell;
 pub mod endian;

@@ -39,6 +39,9 @@ pub enum CqInit {
     Invalid,
     /// `0xF1`, as DOCA pre-fills.
     InvalidOwned,
+    /// Left as the consumer wrote it: a ConnectX writes a CQ ring only with CQEs, and a CQ
+    /// created with a PRM command (DEVX) lives in memory its owner prepared.
+    Untouched,
 }
 
 /// Parameters of a new CQ.
@@ -125,24 +128,12 @@ impl Cq {
             None => DmaBuf::alloc(bytes),
         };
         let fill = match cfg.init {
-            CqInit::Invalid => OP_OWN_INVALID,
-            CqInit::InvalidOwned => OP_OWN_INVALID_OWNED,
+            CqInit::Invalid => Some(OP_OWN_INVALID),
+            CqInit::InvalidOwned => Some(OP_OWN_INVALID_OWNED),
+            CqInit::Untouched => None,
         };
-        let entry = Cqe64::invalid(fill);
-        if ring.is_host() {
-            for i in 0..cfg.ncqe as usize {
-                ring.write(i * CQE_SIZE, bytemuck::bytes_of(&entry));
-            }
-        } else {
-            // device memory: as few writes as the bounce size allows (one for rings ≤ 1 MiB)
-            let chunk = bytes.min(crate::devmem::BOUNCE);
-            let mut fill = Vec::with_capacity(chunk);
-            while fill.len() < chunk {
-                fill.extend_from_slice(bytemuck::bytes_of(&entry));
-            }
-            for off in (0..bytes).step_by(chunk) {
-                ring.try_write(off, &fill[..chunk.min(bytes - off)])?;
-            }
+        if let Some(fill) = fill {
+            Self::prefill(&ring, cfg.ncqe as usize, fill)?;
         }
         Ok(Self {
             cqn,
@@ -163,6 +154,28 @@ impl Cq {
             waiting: parking_lot::Mutex::new(()),
             written: parking_lot::Condvar::new(),
         })
+    }
+
+    /// Writes an invalid CQE with `op_own` = `fill` into each of the ring's `ncqe` entries.
+    fn prefill(ring: &DmaBuf, ncqe: usize, fill: u8) -> Result<(), crate::Error> {
+        let bytes = ncqe * CQE_SIZE;
+        let entry = Cqe64::invalid(fill);
+        if ring.is_host() {
+            for i in 0..ncqe {
+                ring.write(i * CQE_SIZE, bytemuck::bytes_of(&entry));
+            }
+        } else {
+            // device memory: as few writes as the bounce size allows (one for rings ≤ 1 MiB)
+            let chunk = bytes.min(crate::devmem::BOUNCE);
+            let mut fill = Vec::with_capacity(chunk);
+            while fill.len() < chunk {
+                fill.extend_from_slice(bytemuck::bytes_of(&entry));
+            }
+            for off in (0..bytes).step_by(chunk) {
+                ring.try_write(off, &fill[..chunk.min(bytes - off)])?;
+            }
+        }
+        Ok(())
     }
 
     /// CQ number.

@@ -167,7 +167,7 @@ pub(crate) fn drain_err(dev: &Shared, qp: &Arc<Qp>) {
 
 fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) {
     let mut work = false;
-    for h in 0..2 {
+    for h in 0..qp.halves {
         let v = qp.half_word(h);
         if v != sq.last_half[h] {
             sq.last_half[h] = v;

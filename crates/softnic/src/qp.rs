@@ -103,7 +103,14 @@ pub struct UarRegister {
     pub page: Arc<DmaBuf>,
     /// Offset of the register (its first half) in the page: `0x800 + k · bf_reg_size`.
     pub offset: usize,
+    /// How many registers, from `offset` on, the QP's doorbells may arrive at (1 or 2): 2 where
+    /// the device cannot know which register of the page the library picked (a dynamically
+    /// allocated UAR page holds two, and the doorbell's QPN says whose it is, as on a ConnectX).
+    pub registers: usize,
 }
+
+/// Most BlueFlame registers one QP watches ([`UarRegister::registers`]).
+pub const MAX_REGISTERS: usize = 2;
 
 impl QpConfig {
     /// A config with the given PD and CQs, a 256-block SQ, a 256-entry RQ of 1 SGE, 256 bytes
@@ -215,7 +222,7 @@ pub(crate) const PROXY_OFF: usize = 64;
 pub(crate) struct SqState {
     pub ci: u16,
     pub target: u16,
-    pub last_half: [u64; 2],
+    pub last_half: [u64; 2 * MAX_REGISTERS],
     pub bf: Option<(u16, [u8; BF_HALF_SIZE])>,
     pub remote: Option<(Gid, u32)>,
     pub peer: Option<Weak<Qp>>,
@@ -269,6 +276,8 @@ pub struct Qp {
     pub(crate) bf_off: usize,
     /// Whether other QPs ring the same register (doorbells naming them are not errors).
     pub(crate) shared_uar: bool,
+    /// Register halves watched from `bf_off` on (2 per register).
+    pub(crate) halves: usize,
     /// [`QpConfig::user_index`].
     user_index: Option<u32>,
     state: AtomicU8,
@@ -345,19 +354,21 @@ impl Qp {
                 "doorbell record must be 8 bytes of host memory",
             ));
         }
-        let (uar, bf_off, shared_uar) = match cfg.uar {
-            None => (Arc::new(DmaBuf::alloc(UAR_PAGE_SIZE)), BF_OFFSET, false),
+        let (uar, bf_off, shared_uar, halves) = match cfg.uar {
+            None => (Arc::new(DmaBuf::alloc(UAR_PAGE_SIZE)), BF_OFFSET, false, 2),
             Some(r) => {
+                let halves = 2 * r.registers;
                 if !r.page.is_host()
+                    || !(1..=MAX_REGISTERS).contains(&r.registers)
                     || r.offset < BF_OFFSET
                     || r.offset % 8 != 0
-                    || r.offset + 2 * BF_HALF_SIZE > r.page.len()
+                    || r.offset + halves * BF_HALF_SIZE > r.page.len()
                 {
                     return Err(Error::InvalidArgument(
                         "doorbell register outside its UAR page",
                     ));
                 }
-                (r.page, r.offset, true)
+                (r.page, r.offset, true, halves)
             }
         };
         let sq_bytes = cfg.sq_blocks as usize * prm::WQEBB;
@@ -387,6 +398,7 @@ impl Qp {
             uar,
             bf_off,
             shared_uar,
+            halves,
             user_index: cfg.user_index.map(|u| u & 0xff_ffff),
             state: AtomicU8::new(QpState::Reset as u8),
             remote: AtomicU64::new(0),
@@ -394,7 +406,7 @@ impl Qp {
             sq: Mutex::new(SqState {
                 ci: 0,
                 target: 0,
-                last_half: [0; 2],
+                last_half: [0; 2 * MAX_REGISTERS],
                 bf: None,
                 remote: None,
                 peer: None,
@@ -647,7 +659,9 @@ impl Qp {
             Modify::Reset => {
                 sq.ci = 0;
                 sq.target = 0;
-                sq.last_half = [self.half_word(0), self.half_word(1)];
+                for h in 0..self.halves {
+                    sq.last_half[h] = self.half_word(h);
+                }
                 sq.bf = None;
                 sq.stall = None;
                 sq.remote = None;

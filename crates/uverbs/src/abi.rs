@@ -252,6 +252,71 @@ pub mod ioctl {
     }
 }
 
+/// The mlx5 driver's ioctl objects (`<rdma/mlx5_user_ioctl_cmds.h>`): DEVX, its objects and
+/// umems, and dynamically allocated UARs. Driver ids start at `1 << 12`.
+pub mod mlx5_ioctl {
+    /// `MLX5_IB_OBJECT_DEVX`: device-wide methods.
+    pub const OBJECT_DEVX: u16 = 0x1000;
+    /// `MLX5_IB_OBJECT_DEVX_OBJ`: firmware objects made with PRM commands.
+    pub const OBJECT_DEVX_OBJ: u16 = 0x1001;
+    /// `MLX5_IB_OBJECT_DEVX_UMEM`: memory registered for firmware objects.
+    pub const OBJECT_DEVX_UMEM: u16 = 0x1002;
+    /// `MLX5_IB_OBJECT_UAR`: UAR pages allocated on demand.
+    pub const OBJECT_UAR: u16 = 0x1008;
+
+    /// Methods of [`OBJECT_DEVX`].
+    pub mod devx {
+        pub const OTHER: u16 = 0x1000;
+        pub const QUERY_UAR: u16 = 0x1001;
+        pub const QUERY_EQN: u16 = 0x1002;
+        /// OTHER's attributes.
+        pub const CMD_IN: u16 = 0x1000;
+        pub const CMD_OUT: u16 = 0x1001;
+        /// QUERY_UAR's and QUERY_EQN's attributes (input, output).
+        pub const QUERY_IN: u16 = 0x1000;
+        pub const QUERY_OUT: u16 = 0x1001;
+    }
+
+    /// Methods and attributes of [`OBJECT_DEVX_OBJ`].
+    pub mod obj {
+        pub const CREATE: u16 = 0x1000;
+        pub const DESTROY: u16 = 0x1001;
+        pub const MODIFY: u16 = 0x1002;
+        pub const QUERY: u16 = 0x1003;
+        pub const HANDLE: u16 = 0x1000;
+        pub const CMD_IN: u16 = 0x1001;
+        pub const CMD_OUT: u16 = 0x1002;
+    }
+
+    /// Methods and attributes of [`OBJECT_DEVX_UMEM`].
+    pub mod umem {
+        pub const REG: u16 = 0x1000;
+        pub const DEREG: u16 = 0x1001;
+        pub const HANDLE: u16 = 0x1000;
+        pub const ADDR: u16 = 0x1001;
+        pub const LEN: u16 = 0x1002;
+        pub const ACCESS: u16 = 0x1003;
+        pub const OUT_ID: u16 = 0x1004;
+        pub const PGSZ_BITMAP: u16 = 0x1005;
+        pub const DMABUF_FD: u16 = 0x1006;
+    }
+
+    /// Methods and attributes of [`OBJECT_UAR`].
+    pub mod uar {
+        pub const ALLOC: u16 = 0x1000;
+        pub const DESTROY: u16 = 0x1001;
+        pub const HANDLE: u16 = 0x1000;
+        pub const TYPE: u16 = 0x1001;
+        pub const MMAP_OFFSET: u16 = 0x1002;
+        pub const MMAP_LENGTH: u16 = 0x1003;
+        pub const PAGE_ID: u16 = 0x1004;
+        /// `MLX5_IB_UAPI_UAR_ALLOC_TYPE_BF`: a page with BlueFlame registers.
+        pub const TYPE_BF: u64 = 0;
+        /// `MLX5_IB_UAPI_UAR_ALLOC_TYPE_NC`: a non-cached page (doorbells only).
+        pub const TYPE_NC: u64 = 1;
+    }
+}
+
 pod!(
     /// `struct ib_uverbs_alloc_mw`.
     AllocMw[16] { response: u64, pd_handle: u32, mw_type: u8, reserved: [u8; 3] }

@@ -10,6 +10,15 @@ pub const ENV_PORT: &str = "GPUVERBS_EMU_PORT";
 /// Number of emulated devices (`mlx5_0` …).
 pub const ENV_DEVICES: &str = "GPUVERBS_EMU_DEVICES";
 
+/// How the devices hand out UAR pages: `dynamic` (the default: as a kernel with dynamic UAR
+/// allocation answers a library that asks for it; UAR pages are allocated per QP and for DEVX
+/// with the UAR ioctl) or `static` (a fixed set of BlueFlame registers given at GET_CONTEXT, as
+/// older kernels do).
+pub const ENV_UARS: &str = "GPUVERBS_EMU_UARS";
+
+/// When set, the emulation reports every ioctl call (object, method, result) on stderr.
+pub const ENV_TRACE: &str = "GPUVERBS_EMU_TRACE";
+
 /// When set, the emulated process writes its soft NICs' counters to this file at exit (one
 /// line per started device: `mlx5_0 wqes=… bad_doorbells=… stale_wqes=… cq_overruns=…
 /// error_cqes=…`).
@@ -48,6 +57,8 @@ pub struct EmuConfig {
     pub port: u16,
     /// Number of devices.
     pub devices: u32,
+    /// Static UAR pages only (no dynamic UAR allocation), as older kernels.
+    pub static_uars: bool,
 }
 
 impl Default for EmuConfig {
@@ -56,6 +67,7 @@ impl Default for EmuConfig {
             ip: Ipv4Addr::LOCALHOST,
             port: ROCE_PORT,
             devices: 1,
+            static_uars: false,
         }
     }
 }
@@ -111,6 +123,7 @@ impl EmuConfig {
                 why: "not a number",
             })?;
         }
+        c.static_uars = static_uars_from_env()?;
         c.validate()?;
         Ok(c)
     }
@@ -121,6 +134,15 @@ impl EmuConfig {
             (ENV_IP, self.ip.to_string()),
             (ENV_PORT, self.port.to_string()),
             (ENV_DEVICES, self.devices.to_string()),
+            (
+                ENV_UARS,
+                if self.static_uars {
+                    "static"
+                } else {
+                    "dynamic"
+                }
+                .into(),
+            ),
         ]
     }
 
@@ -136,6 +158,19 @@ impl EmuConfig {
             // a locally administered EUI-64 made from the address, unique per device
             node_guid: u64::from_be_bytes([0x02, 0x9c, 0xa5, 0xff, o[0], o[1], o[2], o[3]]),
         }
+    }
+}
+
+/// Whether [`ENV_UARS`] asks for static UAR pages (unset: dynamic).
+pub fn static_uars_from_env() -> Result<bool, ConfigError> {
+    match std::env::var(ENV_UARS).as_deref() {
+        Err(_) | Ok("dynamic") => Ok(false),
+        Ok("static") => Ok(true),
+        Ok(v) => Err(ConfigError::Bad {
+            var: ENV_UARS,
+            value: v.to_string(),
+            why: "must be dynamic or static",
+        }),
     }
 }
 
@@ -179,6 +214,7 @@ mod tests {
             ip: Ipv4Addr::new(127, 0, 0, 5),
             port: 4791,
             devices: 2,
+            static_uars: false,
         };
         c.validate().unwrap();
         let (a, b) = (c.device(0), c.device(1));

@@ -27,15 +27,22 @@ pub const MTU_4096: u8 = 5;
 pub struct EmuDevice {
     /// What it shows.
     pub id: DeviceIdentity,
+    static_uars: bool,
     soft: Mutex<Option<Arc<softnic::Device>>>,
 }
 
 impl EmuDevice {
-    fn new(id: DeviceIdentity) -> Self {
+    fn new(id: DeviceIdentity, static_uars: bool) -> Self {
         Self {
             id,
+            static_uars,
             soft: Mutex::new(None),
         }
+    }
+
+    /// Whether the device offers static UAR pages only (no dynamic UAR allocation).
+    pub fn static_uars(&self) -> bool {
+        self.static_uars
     }
 
     /// The soft NIC behind the device, started (with its wire port) on first use.
@@ -143,7 +150,7 @@ impl Devices {
     /// The devices `cfg` describes (none started yet).
     pub fn new(cfg: EmuConfig) -> Self {
         let devs = (0..cfg.devices)
-            .map(|i| EmuDevice::new(cfg.device(i)))
+            .map(|i| EmuDevice::new(cfg.device(i), cfg.static_uars))
             .collect();
         Self { cfg, devs }
     }

@@ -13,14 +13,16 @@
 //! - [`device`] holds the soft NICs (one per `mlx5_N`, each with a RoCEv2 wire port on its
 //!   own address, [`config`]).
 //!
-//! Core ioctls answer ENOTTY, so libibverbs takes its `write()` command path throughout; the one
-//! ioctl method served is REG_DMABUF_MR, which has no `write()` form.
+//! Core ioctls answer ENOTTY, so libibverbs takes its `write()` command path throughout; the
+//! ioctl path ([`ioctl`]) serves REG_DMABUF_MR, which has no `write()` form, and the mlx5
+//! driver's own methods: DEVX, DEVX umems and objects, and UAR pages allocated on demand.
 
 pub mod abi;
 pub mod config;
 pub mod context;
 pub mod device;
 pub mod events;
+pub mod ioctl;
 pub mod peermem;
 pub mod sysfs;
 pub mod uaccess;
@@ -103,6 +105,8 @@ pub struct Emulation {
 }
 
 static EMU: OnceLock<Option<Emulation>> = OnceLock::new();
+/// Whether every ioctl call is reported on stderr ([`config::ENV_TRACE`]).
+static TRACE: OnceLock<bool> = OnceLock::new();
 
 /// The process's emulation, set up from the environment on first use; `None` (after one line
 /// on stderr) when the settings are bad.
@@ -201,9 +205,10 @@ impl Emulation {
         }
     }
 
-    /// `ioctl(fd, request, arg)` on a file of ours. The uverbs ioctl path serves one method,
-    /// REG_DMABUF_MR (which has no `write()` form); every other request is ENOTTY, so
-    /// libibverbs takes the `write()` command path for everything else.
+    /// `ioctl(fd, request, arg)` on a file of ours: the uverbs ioctl path serves the mlx5
+    /// driver's methods (DEVX, its umems and objects, UAR pages) and REG_DMABUF_MR (which has
+    /// no `write()` form); every other core method is ENOTTY, so libibverbs takes the
+    /// `write()` command path for the rest.
     pub fn ioctl(&self, fd: RawFd, request: libc::c_ulong, arg: u64) -> Result<i32, Errno> {
         let ctx = match self.fds.lock().get(&fd) {
             Some(FdKind::Device(c)) => c.clone(),
@@ -213,25 +218,19 @@ impl Emulation {
         if request != abi::ioctl::RDMA_VERBS_IOCTL {
             return Err(Errno::ENOTTY);
         }
-        let mut h = [0u8; 24];
-        uaccess::copy_from_user(arg, &mut h)?;
-        let hdr: abi::IoctlHdr = bytemuck::pod_read_unaligned(&h);
-        if (hdr.object_id, hdr.method_id)
-            != (abi::ioctl::OBJECT_MR, abi::ioctl::METHOD_REG_DMABUF_MR)
-        {
-            return Err(Errno::ENOTTY);
+        let call = ioctl::Call::read(arg)?;
+        let r = ctx.ioctl(&call);
+        if *TRACE.get_or_init(|| std::env::var_os(config::ENV_TRACE).is_some()) {
+            let result = match r {
+                Ok(()) => "ok".to_string(),
+                Err(e) => e.to_string(),
+            };
+            complain(format_args!(
+                "ioctl object {:#x} method {:#x}: {result}",
+                call.object, call.method
+            ));
         }
-        let n = hdr.num_attrs as usize;
-        if hdr.length as usize != 24 + 16 * n || hdr.reserved1 != 0 || hdr.reserved2 != 0 {
-            return Err(Errno::EINVAL);
-        }
-        let mut raw = vec![0u8; 16 * n];
-        uaccess::copy_from_user(arg + 24, &mut raw)?;
-        let attrs: Vec<abi::IoctlAttr> = raw
-            .chunks_exact(16)
-            .map(bytemuck::pod_read_unaligned)
-            .collect();
-        ctx.reg_dmabuf_mr(arg + 24, &attrs)?;
+        r?;
         Ok(0)
     }
 
@@ -305,7 +304,7 @@ impl Emulation {
                     .insert(q.fd(), FdKind::Channel(q.clone(), Arc::downgrade(&ctx)));
                 mark(q.fd(), true);
             }
-            Created::Cq(cq) => self.watch(&ctx, cq),
+            Created::Cq(cq) => self.watch(cq),
         }
         if command == abi::cmd::GET_CONTEXT {
             if let Some(q) = ctx.async_q.lock().clone() {
@@ -342,19 +341,7 @@ impl Emulation {
         if offset < 0 || offset % 4096 != 0 {
             return Err(Errno::EINVAL);
         }
-        let pg = (offset / 4096) as u64;
-        let (cmd, index) = (pg >> 8, pg & 0xff);
-        // MLX5_IB_MMAP_REGULAR_PAGE 0, WC_PAGE 2, NC_PAGE 3
-        if !matches!(cmd, 0 | 2 | 3) {
-            complain(format_args!(
-                "mmap command {cmd} of the device file is not served (EINVAL)"
-            ));
-            return Err(Errno::EINVAL);
-        }
-        let uars = ctx.uars.lock();
-        uars.as_ref()
-            .ok_or(Errno::EINVAL)?
-            .map(addr, len, prot, flags, index as usize)
+        ctx.map_uar((offset / 4096) as u64, addr, len, prot, flags)
     }
 
     /// `close(fd)` on a file of ours. Returns whether the caller must close the real fd too.
@@ -396,11 +383,11 @@ impl Emulation {
         self.devices.by_cdev(path).map(|d| cdev_stat(&d.id))
     }
 
-    fn watch(&self, ctx: &Arc<Context>, cq: Arc<CqObj>) {
+    fn watch(&self, cq: Arc<CqObj>) {
         if cq.channel.is_none() {
             return;
         }
-        let Some(page0) = ctx.uars.lock().as_ref().and_then(|u| u.page0()) else {
+        let Some(page0) = cq.arm_page.clone() else {
             return;
         };
         let last_db = page0

@@ -22,6 +22,7 @@ impl Errno {
     pub const ENOTTY: Self = Self(libc::ENOTTY);
     pub const EOPNOTSUPP: Self = Self(libc::EOPNOTSUPP);
     pub const EPROTONOSUPPORT: Self = Self(libc::EPROTONOSUPPORT);
+    pub const EREMOTEIO: Self = Self(libc::EREMOTEIO);
 }
 
 impl std::fmt::Display for Errno {

@@ -34,7 +34,15 @@ pub struct CqObj {
     pub arm: Mutex<Arm>,
     /// An identity for events (unique per process).
     pub key: u64,
+    /// The UAR page its arm doorbells go to (offset [`super::CQ_DOORBELL`]): static page 0,
+    /// or the page the library named (dynamic-UAR mode).
+    pub arm_page: Option<Arc<DmaBuf>>,
+    /// That page's id when it is a dynamically allocated one.
+    pub uar_page: Option<u32>,
 }
+
+/// `MLX5_IB_CREATE_CQ_FLAGS_UAR_PAGE_INDEX`: `uar_page_index` names the CQ's UAR page.
+const CQ_FLAG_UAR_PAGE_INDEX: u16 = 1 << 1;
 
 impl Context {
     /// CREATE_CQ (the legacy command).
@@ -105,7 +113,7 @@ impl Context {
                 Errno::EINVAL
             });
         }
-        if u.cqe_comp_en != 0 || u.flags != 0 {
+        if u.cqe_comp_en != 0 || u.flags & !CQ_FLAG_UAR_PAGE_INDEX != 0 {
             return Err(unsupported("CQE compression or CQ creation flags"));
         }
         let ncqe = (cqe + 1).next_power_of_two();
@@ -114,6 +122,18 @@ impl Context {
         let arm_view = user_buf(u.db_addr, 8)?;
         let soft = self.soft()?;
         let mut o = self.objs.lock();
+        // dynamic-UAR mode: the library names the page (mlx5_ib: EINVAL without it)
+        let (arm_page, uar_page) = match (o.dynamic_uars, u.flags & CQ_FLAG_UAR_PAGE_INDEX != 0) {
+            (true, false) => return Err(Errno::EINVAL),
+            (_, true) => {
+                let id = u32::from(u.uar_page_index);
+                (
+                    Some(self.uar_page(&o, id).ok_or(Errno::EINVAL)?.0),
+                    Some(id),
+                )
+            }
+            (false, false) => (self.uars.lock().as_ref().and_then(|u| u.page0()), None),
+        };
         let channel = match channel {
             -1 => None,
             fd => Some(o.channels.get(&fd).cloned().ok_or(Errno::EINVAL)?),
@@ -166,6 +186,8 @@ impl Context {
             dbrec: arm_view,
             arm: Mutex::new(Arm::default()),
             key,
+            arm_page,
+            uar_page: uar_page.filter(|_| o.dynamic_uars),
         });
         o.cqs.insert(h, obj.clone());
         Ok(Created::Cq(obj))
@@ -176,10 +198,7 @@ impl Context {
         let soft = self.soft()?;
         let mut o = self.objs.lock();
         let cq = o.cqs.get(&r.handle).ok_or(Errno::EINVAL)?.clone();
-        if o.qps
-            .values()
-            .any(|q| q.send_cq == r.handle || q.recv_cq == r.handle)
-        {
+        if o.cq_in_use(cq.soft.cqn()) {
             return Err(Errno::EBUSY);
         }
         soft.destroy_cq(&cq.soft).map_err(|_| Errno::EBUSY)?;

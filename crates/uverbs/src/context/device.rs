@@ -7,6 +7,9 @@ use crate::device::MAX_QP_WR;
 use crate::events::EventQueue;
 use crate::uaccess::{copy_to_user, Errno};
 
+/// `MLX5_LIB_CAP_DYN_UAR` in the GET_CONTEXT request's `lib_caps`.
+const LIB_CAP_DYN_UAR: u64 = 1 << 1;
+
 impl Context {
     /// QUERY_DEVICE.
     pub(super) fn query_device(&self, io: &Io<'_>) -> Result<Created, Errno> {
@@ -18,14 +21,13 @@ impl Context {
             return Err(Errno::EINVAL);
         }
         let req: abi::Mlx5AllocUcontextReq = io.udata()?;
-        if req.flags & !1 != 0 {
-            return Err(Errno::EINVAL);
-        }
-        if req.flags & 1 != 0 {
-            // MLX5_IB_ALLOC_UCTX_DEVX: DEVX is an ioctl-only interface this kernel lacks;
-            // the provider retries without it.
+        // MLX5_IB_ALLOC_UCTX_DEVX is the one flag
+        if req.flags & !1 != 0 || req.comp_mask != 0 {
             return Err(Errno::EOPNOTSUPP);
         }
+        let devx = req.flags & 1 != 0;
+        // MLX5_LIB_CAP_DYN_UAR: the library allocates its UAR pages itself
+        let dynamic = req.lib_caps & LIB_CAP_DYN_UAR != 0 && !self.dev.static_uars();
         let total = req
             .total_num_bfregs
             .max(BFREGS_PER_UAR)
@@ -34,7 +36,11 @@ impl Context {
             return Err(Errno::EINVAL);
         }
         let soft = self.dev.soft()?;
-        let uars = Uars::new((total / BFREGS_PER_UAR) as usize)?;
+        let uars = if dynamic {
+            None
+        } else {
+            Some(Uars::new((total / BFREGS_PER_UAR) as usize)?)
+        };
         let async_q = EventQueue::new(16)?;
         let cqe_version = req.max_cqe_version.min(1);
         let resp = abi::GetContextResp {
@@ -45,7 +51,8 @@ impl Context {
         io.ureply(&abi::Mlx5AllocUcontextResp {
             qp_tab_size: 1 << 18,
             bf_reg_size: BF_REG_SIZE,
-            tot_bfregs: total,
+            // dynamic-UAR mode: no static registers
+            tot_bfregs: if dynamic { 0 } else { total },
             cache_line_size: 64,
             max_sq_desc_sz: 512,
             max_rq_desc_sz: 512,
@@ -69,11 +76,15 @@ impl Context {
         })?;
         {
             let mut o = self.objs.lock();
-            o.bfreg_use = vec![0; total as usize];
-            o.low_latency = req.num_low_latency_bfregs;
+            if !dynamic {
+                o.bfreg_use = vec![0; total as usize];
+                o.low_latency = req.num_low_latency_bfregs;
+            }
+            o.devx = devx;
+            o.dynamic_uars = dynamic;
         }
         *self.cqe_version.lock() = cqe_version;
-        *self.uars.lock() = Some(uars);
+        *self.uars.lock() = uars;
         *self.async_q.lock() = Some(async_q);
         *self.soft.lock() = Some(soft);
         Ok(Created::Nothing)

@@ -14,13 +14,14 @@
 mod ah;
 mod cq;
 mod device;
+mod devx;
 mod pd_mr;
 mod qp;
 mod srq;
 mod uar;
 
 pub use cq::{Arm, CqObj};
-pub use uar::Uars;
+pub use uar::{DynUar, Uars};
 
 use ah::AhObj;
 use pd_mr::{MrObj, MwObj, PdObj};
@@ -79,9 +80,22 @@ struct Objects {
     srqs: HashMap<u32, SrqObj>,
     /// Completion channels created through this context, by fd.
     channels: HashMap<RawFd, Arc<EventQueue>>,
-    /// QPs per BlueFlame register (non-fast-path numbering).
+    /// QPs per BlueFlame register (non-fast-path numbering; static UARs).
     bfreg_use: Vec<u32>,
     low_latency: u32,
+    /// Whether the context was opened for DEVX (`MLX5_IB_ALLOC_UCTX_DEVX`).
+    devx: bool,
+    /// Dynamic-UAR mode: no static pages; UARs come from the UAR ioctl.
+    dynamic_uars: bool,
+    /// UAR pages allocated with the UAR ioctl, by handle.
+    dyn_uars: HashMap<u32, DynUar>,
+    /// The last page id and mmap entry handed out.
+    last_page_id: u32,
+    last_entry: u32,
+    /// DEVX umems and objects, by handle.
+    umems: HashMap<u32, devx::Umem>,
+    devx_objs: HashMap<u32, devx::DevxObj>,
+    last_umem_id: u32,
 }
 
 impl Objects {
@@ -207,6 +221,50 @@ impl Context {
         self.soft.lock().clone().ok_or(Errno::EINVAL)
     }
 
+    /// The device's view of UAR page `page_id` (a CQ's or QP's `uar_page`): a static page
+    /// (ids 1..=n) or one allocated with the UAR ioctl.
+    fn uar_page(&self, o: &Objects, page_id: u32) -> Option<(Arc<DmaBuf>, bool)> {
+        if let Some(u) = o.dyn_uars.values().find(|u| u.page_id == page_id) {
+            return Some((u.page(), u.bf));
+        }
+        let uars = self.uars.lock();
+        let i = page_id.checked_sub(1)? as usize;
+        uars.as_ref()?.pages.get(i).map(|p| (p.buf.clone(), true))
+    }
+
+    /// `mmap` of the device file at page offset `pgoff`: a static UAR page (legacy commands
+    /// 0, 2 and 3) or a page allocated with the UAR ioctl.
+    pub fn map_uar(
+        &self,
+        pgoff: u64,
+        addr: usize,
+        len: usize,
+        prot: i32,
+        flags: i32,
+    ) -> Result<*mut libc::c_void, Errno> {
+        let o = self.objs.lock();
+        if let Some(entry) = uar::dyn_mmap_entry(pgoff) {
+            let u = o
+                .dyn_uars
+                .values()
+                .find(|u| u.entry == entry)
+                .ok_or(Errno::EINVAL)?;
+            return u.map(addr, len, prot, flags);
+        }
+        let (cmd, index) = (pgoff >> 8, pgoff & 0xff);
+        // MLX5_IB_MMAP_REGULAR_PAGE 0, WC_PAGE 2, NC_PAGE 3; none in dynamic-UAR mode
+        if !matches!(cmd, 0 | 2 | 3) || o.dynamic_uars {
+            crate::complain(format_args!(
+                "mmap command {cmd} of the device file is not served (EINVAL)"
+            ));
+            return Err(Errno::EINVAL);
+        }
+        let uars = self.uars.lock();
+        uars.as_ref()
+            .ok_or(Errno::EINVAL)?
+            .map(addr, len, prot, flags, index as usize)
+    }
+
     /// Runs one legacy command.
     pub fn command(&self, cmd: u32, io: &Io<'_>) -> Result<Created, Errno> {
         use abi::cmd as c;
@@ -302,6 +360,9 @@ impl Context {
             return;
         };
         let mut o = self.objs.lock();
+        for (_, x) in o.devx_objs.drain() {
+            x.destroy(&soft);
+        }
         for (_, q) in o.qps.drain() {
             soft.destroy_qp(&q.soft);
         }
@@ -319,6 +380,8 @@ impl Context {
         }
         o.pds.clear();
         o.ahs.clear();
+        o.umems.clear();
+        o.dyn_uars.clear();
         o.channels.clear();
     }
 }

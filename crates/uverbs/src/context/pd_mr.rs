@@ -4,7 +4,7 @@
 use super::{ib_access, unsupported, Context, Created, Io};
 use crate::abi::{self, access};
 use crate::peermem;
-use crate::uaccess::{check_mapped, copy_to_user, Errno};
+use crate::uaccess::{check_mapped, Errno};
 use std::os::fd::RawFd;
 
 pub(super) struct PdObj {
@@ -44,7 +44,8 @@ impl Context {
             || o.mws.values().any(|m| m.pd == r.handle)
             || o.qps.values().any(|q| q.pd == r.handle)
             || o.ahs.values().any(|a| a.pd == r.handle)
-            || o.srqs.values().any(|q| q.pd == r.handle);
+            || o.srqs.values().any(|q| q.pd == r.handle)
+            || o.pd_in_use_by_devx(r.handle);
         if used {
             return Err(Errno::EBUSY);
         }
@@ -118,41 +119,30 @@ impl Context {
         Ok(Created::Nothing)
     }
 
-    /// REG_DMABUF_MR (the ioctl path; `attrs` are the command's attributes, at `uattrs` in the
-    /// caller's memory): a region over a dma-buf, as mlx5_ib's `reg_user_mr_dmabuf`. The
+    /// REG_DMABUF_MR (the ioctl path): a region over a dma-buf, as mlx5_ib's `reg_user_mr_dmabuf`. The
     /// emulated kernel cannot map a dma-buf's pages; it checks that the fd is a dma-buf that
     /// holds `offset + length` bytes, and that the range at the IOVA (the address peers and
     /// WQEs name the region by) and the dma-buf's first byte (`iova - offset`) are device
     /// memory of one GPU allocation, whose bytes the soft NIC then moves with CUDA copies
     /// ([`peermem`]). Access flags as REG_MR; a bad PD or a missing attribute: EINVAL; not a
     /// dma-buf: EINVAL; a range it cannot resolve: EFAULT.
-    pub fn reg_dmabuf_mr(&self, uattrs: u64, attrs: &[abi::IoctlAttr]) -> Result<(), Errno> {
+    pub(super) fn reg_dmabuf_mr(&self, call: &crate::ioctl::Call) -> Result<(), Errno> {
         use abi::ioctl::reg_dmabuf_mr as id;
-        let find = |want: u16| {
-            attrs
-                .iter()
-                .position(|a| a.attr_id == want)
-                .ok_or(Errno::EINVAL)
-        };
-        let inline = |want: u16| -> Result<u64, Errno> {
-            let a = attrs[find(want)?];
-            if a.len > 8 {
+        let (pd_h, offset, length, iova) = (
+            call.handle(id::PD_HANDLE)?,
+            call.need(id::OFFSET)?,
+            call.need(id::LENGTH)?,
+            call.need(id::IOVA)?,
+        );
+        let (fd, flags) = (
+            call.handle(id::FD)? as i32,
+            call.need(id::ACCESS_FLAGS)? as u32,
+        );
+        for out in [id::HANDLE, id::RESP_LKEY, id::RESP_RKEY] {
+            if !call.has(out) {
                 return Err(Errno::EINVAL);
             }
-            Ok(a.data)
-        };
-        let (pd_h, offset, length, iova) = (
-            inline(id::PD_HANDLE)? as u32,
-            inline(id::OFFSET)?,
-            inline(id::LENGTH)?,
-            inline(id::IOVA)?,
-        );
-        let (fd, flags) = (inline(id::FD)? as i32, inline(id::ACCESS_FLAGS)? as u32);
-        let (h_at, lkey_at, rkey_at) = (
-            find(id::HANDLE)?,
-            find(id::RESP_LKEY)?,
-            find(id::RESP_RKEY)?,
-        );
+        }
         let a = Self::check_mr(iova, length, iova, flags)?;
         let end = offset.checked_add(length).ok_or(Errno::EINVAL)?;
         if !is_dmabuf(fd)? {
@@ -171,22 +161,9 @@ impl Context {
             .map_err(|_| Errno::EINVAL)?;
         let h = o.handle();
         let out = || -> Result<(), Errno> {
-            let at = |i: usize| uattrs + 16 * i as u64;
-            copy_to_user(
-                attrs[lkey_at].data,
-                &info.key.to_ne_bytes()[..attrs[lkey_at].len.min(4) as usize],
-            )?;
-            copy_to_user(
-                attrs[rkey_at].data,
-                &info.key.to_ne_bytes()[..attrs[rkey_at].len.min(4) as usize],
-            )?;
-            // the new object's handle goes back in the attribute's data
-            copy_to_user(at(h_at) + 8, &u64::from(h).to_ne_bytes())?;
-            for i in [h_at, lkey_at, rkey_at] {
-                let f = attrs[i].flags | abi::ioctl::ATTR_F_VALID_OUTPUT;
-                copy_to_user(at(i) + 4, &f.to_ne_bytes())?;
-            }
-            Ok(())
+            call.output(id::RESP_LKEY, &info.key.to_ne_bytes())?;
+            call.output(id::RESP_RKEY, &info.key.to_ne_bytes())?;
+            call.new_handle(id::HANDLE, h)
         };
         if let Err(e) = out() {
             let _ = soft.dereg(info.key);

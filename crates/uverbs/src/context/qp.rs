@@ -43,7 +43,9 @@ pub(super) struct QpObj {
     caps: abi::CreateQpResp,
     sq_sig_all: u8,
     attrs: QpAttrs,
-    bfreg: u32,
+    /// Its static BlueFlame register, or the dynamically allocated UAR page it rings.
+    bfreg: Option<u32>,
+    pub(super) uar_page: Option<u32>,
 }
 
 /// `v` when it is at most `max` (a QP attribute in range), else EINVAL.
@@ -149,8 +151,11 @@ impl Context {
                 "mlx5 QP creation flags (DCT, DCI, tunnel offloads, ...)",
             ));
         }
-        if u.flags & (f::BFREG_INDEX | f::UAR_PAGE_INDEX) != 0 {
-            // dynamically allocated UARs come from an ioctl this kernel does not have
+        // BFREG_INDEX names a register of libmlx5's "dynamic" static pages, which this kernel
+        // does not offer (num_dyn_bfregs 0); UAR_PAGE_INDEX names a page from the UAR ioctl,
+        // which dynamic-UAR mode requires
+        let dyn_page = u.flags & f::UAR_PAGE_INDEX != 0;
+        if u.flags & f::BFREG_INDEX != 0 {
             return Err(Errno::EINVAL);
         }
         if r.max_send_wr > MAX_QP_WR
@@ -213,11 +218,36 @@ impl Context {
             Some(h) => Some(o.srqs.get(&h).ok_or(Errno::EINVAL)?.soft.clone()),
             None => None,
         };
-        let uars = self.uars.lock();
-        let uars = uars.as_ref().ok_or(Errno::EINVAL)?;
-        let bfreg = Self::alloc_bfreg(&mut o);
-        let page = uars.pages[(bfreg / BFREGS_PER_UAR) as usize].buf.clone();
-        let offset = BF_OFFSET + (bfreg % BFREGS_PER_UAR) as usize * BF_REG_SIZE as usize;
+        if o.dynamic_uars && !dyn_page {
+            return Err(Errno::EINVAL);
+        }
+        let (bfreg, uar) = if dyn_page {
+            let (page, _) = self.uar_page(&o, u.bfreg_index).ok_or(Errno::EINVAL)?;
+            // the page's two registers: the doorbell's QPN says whose it is
+            let reg = softnic::qp::UarRegister {
+                page,
+                offset: BF_OFFSET,
+                registers: softnic::qp::MAX_REGISTERS,
+            };
+            (None, reg)
+        } else {
+            let uars = self.uars.lock();
+            let uars = uars.as_ref().ok_or(Errno::EINVAL)?;
+            let bfreg = Self::alloc_bfreg(&mut o);
+            let page = uars.pages[(bfreg / BFREGS_PER_UAR) as usize].buf.clone();
+            let offset = BF_OFFSET + (bfreg % BFREGS_PER_UAR) as usize * BF_REG_SIZE as usize;
+            let reg = softnic::qp::UarRegister {
+                page,
+                offset,
+                registers: 1,
+            };
+            (Some(bfreg), reg)
+        };
+        let release = |o: &mut Objects| {
+            if let Some(b) = bfreg {
+                o.bfreg_use[b as usize] -= 1;
+            }
+        };
         let cfg = softnic::QpConfig {
             pd,
             send_cq: scq,
@@ -231,7 +261,7 @@ impl Context {
             rq_ring,
             rq_stride: Some(rq_stride),
             dbrec: Some(dbrec),
-            uar: Some(softnic::qp::UarRegister { page, offset }),
+            uar: Some(uar),
             user_index: (cqe_version == 1).then_some(u.uidx & 0xff_ffff),
         };
         let created = match &srq {
@@ -241,7 +271,7 @@ impl Context {
         let sqp = match created {
             Ok(q) => q,
             Err(_) => {
-                o.bfreg_use[bfreg as usize] -= 1;
+                release(&mut o);
                 return Err(Errno::EINVAL);
             }
         };
@@ -266,7 +296,11 @@ impl Context {
         } else {
             caps
         };
-        let gross = bfreg / BFREGS_PER_UAR * GROSS_BFREGS_PER_UAR + bfreg % BFREGS_PER_UAR;
+        let gross = match bfreg {
+            Some(b) => b / BFREGS_PER_UAR * GROSS_BFREGS_PER_UAR + b % BFREGS_PER_UAR,
+            // MLX5_IB_INVALID_BFREG: the library chose the page itself
+            None => 0x8000_0000,
+        };
         let reply = if ex {
             io.reply(&abi::ExCreateQpResp {
                 base: caps,
@@ -283,7 +317,7 @@ impl Context {
             })
         }) {
             soft.destroy_qp(&sqp);
-            o.bfreg_use[bfreg as usize] -= 1;
+            release(&mut o);
             return Err(e);
         }
         let key = crate::next_key();
@@ -307,6 +341,7 @@ impl Context {
                 sq_sig_all: r.sq_sig_all,
                 attrs: QpAttrs::default(),
                 bfreg,
+                uar_page: dyn_page.then_some(u.bfreg_index),
             },
         );
         Ok(Created::Nothing)
@@ -517,7 +552,9 @@ impl Context {
         let q = o.qps.remove(&r.handle).ok_or(Errno::EINVAL)?;
         soft.destroy_qp(&q.soft);
         q.soft.set_event_handler(None);
-        o.bfreg_use[q.bfreg as usize] -= 1;
+        if let Some(b) = q.bfreg {
+            o.bfreg_use[b as usize] -= 1;
+        }
         self.purge_async(q.key);
         io.reply(&abi::DestroyQpResp {
             events_reported: q.async_reported.load(Ordering::Acquire),

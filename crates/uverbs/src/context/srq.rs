@@ -121,10 +121,8 @@ impl Context {
         let r: abi::Destroy = io.core()?;
         let soft = self.soft()?;
         let mut o = self.objs.lock();
-        if !o.srqs.contains_key(&r.handle) {
-            return Err(Errno::EINVAL);
-        }
-        if o.qps.values().any(|q| q.srq == Some(r.handle)) {
+        let srqn = o.srqs.get(&r.handle).ok_or(Errno::EINVAL)?.soft.srqn();
+        if o.qps.values().any(|q| q.srq == Some(r.handle)) || o.srq_in_use_by_devx(srqn) {
             return Err(Errno::EBUSY);
         }
         let s = o.srqs.remove(&r.handle).ok_or(Errno::EINVAL)?;

@@ -1,5 +1,8 @@
 //! A context's UAR pages: the memfd-backed doorbell pages the application maps with `mmap`
-//! on the device fd and the soft NIC watches.
+//! on the device fd and the soft NIC watches. Static pages come with the context (older
+//! kernels, [`Uars`]); dynamic ones are allocated one at a time with the UAR ioctl
+//! ([`DynUar`]: ALLOC / DESTROY, for verbs QPs and CQs in dynamic mode and for DEVX), each with
+//! an mmap offset of its own and a page id that CQ and QP contexts name (`uar_page`).
 
 use crate::uaccess::Errno;
 use prm::doorbell::UAR_PAGE_SIZE;
@@ -115,6 +118,60 @@ impl Uars {
     /// The device's view of page 0 (the CQ arm doorbell lives there).
     pub fn page0(&self) -> Option<Arc<DmaBuf>> {
         self.pages.first().map(|p| p.buf.clone())
+    }
+}
+
+/// The mmap command of dynamically allocated UAR pages in the device file's offsets
+/// (`offset / 4096 = (entry >> 8) << 16 | DYN_MMAP_CMD << 8 | (entry & 0xff)`, as mlx5_ib numbers
+/// its mmap entries); commands 0..=8 are the legacy ones.
+pub const DYN_MMAP_CMD: u64 = 9;
+
+/// The mmap offset (in pages) of dynamic mmap entry `entry`.
+pub fn dyn_mmap_pgoff(entry: u32) -> u64 {
+    let e = u64::from(entry);
+    (e >> 8) << 16 | DYN_MMAP_CMD << 8 | (e & 0xff)
+}
+
+/// The dynamic mmap entry at page offset `pgoff`, if it is one.
+pub fn dyn_mmap_entry(pgoff: u64) -> Option<u32> {
+    ((pgoff >> 8) & 0xff >= DYN_MMAP_CMD).then_some(((pgoff >> 16) << 8 | (pgoff & 0xff)) as u32)
+}
+
+/// A UAR page allocated with the UAR ioctl.
+pub struct DynUar {
+    /// The page id CQ and QP contexts use (`uar_page`).
+    pub page_id: u32,
+    /// A BlueFlame page (else non-cached: doorbells only).
+    pub bf: bool,
+    /// Its mmap entry.
+    pub entry: u32,
+    pub(super) mem: Uars,
+}
+
+impl DynUar {
+    pub(super) fn new(page_id: u32, bf: bool, entry: u32) -> Result<Self, Errno> {
+        Ok(Self {
+            page_id,
+            bf,
+            entry,
+            mem: Uars::new(1)?,
+        })
+    }
+
+    /// The device's view of the page.
+    pub fn page(&self) -> Arc<DmaBuf> {
+        self.mem.pages[0].buf.clone()
+    }
+
+    /// Maps the page for the application.
+    pub fn map(
+        &self,
+        addr: usize,
+        len: usize,
+        prot: i32,
+        flags: i32,
+    ) -> Result<*mut libc::c_void, Errno> {
+        self.mem.map(addr, len, prot, flags, 0)
     }
 }
 
