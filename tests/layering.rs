@@ -18,6 +18,8 @@ const LAYERS: &[&str] = &[
     "gpu",
     // the device backends: what they share, one room per device kind, the boundary on top
     "backend",
+    "backend::mlx5::device",
+    "backend::mlx5::devx",
     "backend::mlx5",
     "backend::soft",
     "backend::context",

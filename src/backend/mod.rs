@@ -1,7 +1,7 @@
 //! The device backends behind one boundary. This file holds what every backend shares (how a
 //! device is asked for, what was chosen, how a QP connects); below the boundary, one room per
-//! device kind: [`soft`] (the soft NIC) and [`mlx5`] (a ConnectX through rdma-core, where the
-//! DEVX work goes next); on top, [`context`]: the open device and its [`context::Backend`],
+//! device kind: [`soft`] (the soft NIC) and [`mlx5`] (a ConnectX through rdma-core: the
+//! provider's objects and its DEVX ones); on top, [`context`]: the open device and its [`context::Backend`],
 //! the boundary that everything above (memory, queues, export, proxy) dispatches on.
 //!
 //! Backends: the soft NIC (always available) and a ConnectX through rdma-core's libibverbs and

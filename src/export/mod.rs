@@ -166,18 +166,17 @@ impl Gpu {
             (self.map_uar(q, &keep_qp)?, 0)
         };
         let desc = QpDesc {
-            sq_ring: map(q.sq_buf, q.sq_blocks as usize * prm::WQEBB, &keep_qp)?,
-            rq_ring: if q.rq_wqes == 0 {
-                0
-            } else {
-                map(q.rq_buf, (q.rq_wqes * q.rq_stride) as usize, &keep_qp)?
+            sq_ring: self.gpu_addr(&q.sq, keep_qp.clone())?,
+            rq_ring: match &q.rq {
+                None => 0,
+                Some(rq) => self.gpu_addr(rq, keep_qp.clone())?,
             },
             dbrec: map(q.dbrec, 8, &keep_qp)?,
             db_reg: uar,
             proxy_word,
-            scq_ring: map(scq.ring, scq.ncqe as usize * prm::CQE_SIZE, &keep_scq)?,
+            scq_ring: self.gpu_addr(&scq.ring, keep_scq.clone())?,
             scq_dbrec: map(scq.dbrec, 8, &keep_scq)?,
-            rcq_ring: map(rcq.ring, rcq.ncqe as usize * prm::CQE_SIZE, &keep_rcq)?,
+            rcq_ring: self.gpu_addr(&rcq.ring, keep_rcq.clone())?,
             rcq_dbrec: map(rcq.dbrec, 8, &keep_rcq)?,
             scratch: self.map_host(&scratch)?,
             sq_blocks: q.sq_blocks,
@@ -191,12 +190,13 @@ impl Gpu {
                 DoorbellMode::CpuProxy => db_mode::CPU_PROXY,
                 _ => db_mode::GPU_DOORBELL,
             },
-            // the provider's rings are host memory: system-scope release before the doorbell
-            ring_loc: 0,
+            // The WQE release before the doorbell: system scope for a host-memory SQ (the
+            // provider's rings), GPU scope for one in this GPU's memory (a DEVX QP on it).
+            ring_loc: u32::from(!q.sq.is_host()),
             max_inline: q.max_inline,
             scratch_lkey: scratch_mr.lkey().0,
-            scq_collapsed: 0,
-            rcq_collapsed: 0,
+            scq_collapsed: u32::from(scq.mode == softnic::CqMode::Collapsed),
+            rcq_collapsed: u32::from(rcq.mode == softnic::CqMode::Collapsed),
             ..QpDesc::default()
         };
         let mut desc = desc;

@@ -90,7 +90,7 @@ impl Cq {
     pub fn placement(&self) -> RingPlacement {
         match &self.dev {
             CqDev::Soft(c) => placement_of(c.ring()),
-            CqDev::Mlx5(_) => RingPlacement::HostMapped,
+            CqDev::Mlx5(c) => placement_of(&c.ring),
         }
     }
     /// Where the CQ lives, for a CPU poller.
@@ -103,10 +103,10 @@ impl Cq {
                 collapsed: c.mode() == CqMode::Collapsed,
             },
             CqDev::Mlx5(c) => softnic::initiator::CqGeometry {
-                ring: c.ring,
+                ring: c.ring.as_ptr(),
                 ncqe: c.ncqe,
                 dbrec: c.dbrec,
-                collapsed: false,
+                collapsed: c.mode == CqMode::Collapsed,
             },
         }
     }
@@ -117,11 +117,13 @@ impl Context {
     /// ([`RingPlacement::Gpu`] needs [`Context::create_cq_on`]).
     pub fn create_cq(&self, o: CqOptions) -> Result<Cq, Error> {
         needs_gpu(o.placement, "Context::create_cq_on")?;
-        self.create_cq_with(o, None)
+        self.create_cq_with(o, None, None)
     }
 
     /// Creates a completion queue whose ring is placed as `o.placement` says: in `gpu`'s
-    /// memory for [`RingPlacement::Gpu`] (its CQ doorbell record stays in host memory).
+    /// memory for [`RingPlacement::Gpu`] (its CQ doorbell record stays in host memory). On the
+    /// mlx5 backend such a CQ is made with DEVX, its ring registered as a umem (a dma-buf of
+    /// the GPU pages first, else the GPU address).
     pub fn create_cq_on(&self, gpu: &Arc<Gpu>, o: CqOptions) -> Result<Cq, Error> {
         let ring = match o.placement {
             RingPlacement::HostMapped => None,
@@ -130,10 +132,15 @@ impl Context {
                 Some(gpu.ring_buffer(bytes)?)
             }
         };
-        self.create_cq_with(o, ring)
+        self.create_cq_with(o, ring, Some(gpu))
     }
 
-    pub(super) fn create_cq_with(&self, o: CqOptions, ring: Option<DmaBuf>) -> Result<Cq, Error> {
+    pub(super) fn create_cq_with(
+        &self,
+        o: CqOptions,
+        ring: Option<DmaBuf>,
+        gpu: Option<&Arc<Gpu>>,
+    ) -> Result<Cq, Error> {
         if !o.depth.is_power_of_two() {
             return Err(Error::InvalidArgument(format!(
                 "CQ depth {} is not a power of two",
@@ -149,26 +156,34 @@ impl Context {
                 dbrec: None,
             })?),
             Backend::Mlx5(d) => {
-                if ring.is_some() {
-                    return Err(Error::Unsupported(
-                        "CQ rings in GPU memory on the mlx5 backend need DEVX (not yet)".into(),
-                    ));
+                // The provider's CQs detect overrun, start with op_own 0xF0 and live in host
+                // memory; anything else is made with DEVX (as is everything when
+                // GPUVERBS_MLX5_DEVX=1 asks for it).
+                let provider = ring.is_none()
+                    && o.mode == CqMode::OverrunDetect
+                    && o.init == CqInit::Invalid
+                    && !crate::backend::mlx5::devx_always();
+                if provider {
+                    let cq = d.create_cq(o.depth)?;
+                    if cq.ncqe != o.depth {
+                        return Err(Error::Unsupported(format!(
+                            "the provider made a CQ of {} entries for {}",
+                            cq.ncqe, o.depth
+                        )));
+                    }
+                    CqDev::Mlx5(cq)
+                } else {
+                    let bytes = (o.depth as usize).saturating_mul(prm::CQE_SIZE);
+                    let ring = ring.unwrap_or_else(|| DmaBuf::alloc(bytes));
+                    softnic::cq::prefill(&ring, o.depth as usize, o.init)?;
+                    let dmabuf = gpu.filter(|_| !ring.is_host()).map(|g| {
+                        g.dmabuf(ring.addr(), bytes as u64)
+                            .map_err(|e| e.to_string())
+                    });
+                    CqDev::Mlx5(crate::backend::mlx5::Cq::devx(
+                        d, o.depth, o.mode, ring, dmabuf,
+                    )?)
                 }
-                if o.mode != CqMode::OverrunDetect || o.init != CqInit::Invalid {
-                    return Err(Error::Unsupported(format!(
-                        "{:?} / {:?} CQs: rdma-core's mlx5 CQs always detect overrun and start \
-                         with op_own 0xF0 (the other modes need DEVX, not yet)",
-                        o.mode, o.init
-                    )));
-                }
-                let cq = d.create_cq(o.depth)?;
-                if cq.ncqe != o.depth {
-                    return Err(Error::Unsupported(format!(
-                        "the provider made a CQ of {} entries for {}",
-                        cq.ncqe, o.depth
-                    )));
-                }
-                CqDev::Mlx5(cq)
             }
         };
         Ok(Cq {

@@ -84,7 +84,9 @@ mod tests {
         let ring = |off: u64, len: usize| {
             DmaBuf::from_device(mem.base() + off, len, mem.clone(), Box::new(()))
         };
-        let cq = ctx.create_cq_with(gpu_o, Some(ring(0, 64 * 64))).unwrap();
+        let cq = ctx
+            .create_cq_with(gpu_o, Some(ring(0, 64 * 64)), None)
+            .unwrap();
         assert_eq!(cq.placement(), RingPlacement::Gpu);
         let host_cq = ctx.create_cq(CqOptions::default()).unwrap();
         assert_eq!(host_cq.placement(), RingPlacement::HostMapped);
@@ -95,7 +97,11 @@ mod tests {
             r => panic!("{r:?}"),
         }
         let qp = pd
-            .create_qp_with(o, Some((ring(0x10000, 256 * 64), ring(0x20000, 256 * 16))))
+            .create_qp_with(
+                o,
+                Some((ring(0x10000, 256 * 64), ring(0x20000, 256 * 16))),
+                None,
+            )
             .unwrap();
         assert_eq!(qp.placement(), RingPlacement::Gpu);
         assert!(matches!(

@@ -87,29 +87,32 @@ impl Pd {
     /// [`Pd::create_qp_on`]).
     pub fn create_qp(&self, o: QpOptions) -> Result<Qp, Error> {
         needs_gpu(o.placement, "Pd::create_qp_on")?;
-        self.create_qp_with(o, None)
+        self.create_qp_with(o, None, None)
     }
 
     /// Creates an RC QP in RESET whose SQ and RQ rings are placed as `o.placement` says: in
     /// `gpu`'s memory for [`RingPlacement::Gpu`] (the doorbell record, the CPU-proxy word and
     /// the doorbell register stay in host memory). Its CQs are placed by their own options.
     pub fn create_qp_on(&self, gpu: &Arc<Gpu>, o: QpOptions) -> Result<Qp, Error> {
-        let rings = match o.placement {
-            RingPlacement::HostMapped => None,
-            RingPlacement::Gpu => {
+        let rings = match (o.placement, &self.ctx.inner.backend) {
+            (RingPlacement::HostMapped, _) => None,
+            // a DEVX QP's WQ (RQ then SQ) is one buffer, made with the QP
+            (RingPlacement::Gpu, Backend::Mlx5(_)) => None,
+            (RingPlacement::Gpu, Backend::Soft(_)) => {
                 let sq = (o.sq_blocks as usize).saturating_mul(prm::WQEBB);
-                let stride = (o.max_recv_sge.clamp(1, 32) * 16).next_power_of_two() as usize;
-                let rq = (o.rq_wqes as usize).saturating_mul(stride);
+                let rq = (o.rq_wqes as usize).saturating_mul(rq_stride(o.max_recv_sge) as usize);
                 Some((gpu.ring_buffer(sq)?, gpu.ring_buffer(rq)?))
             }
         };
-        self.create_qp_with(o, rings)
+        let gpu = (o.placement == RingPlacement::Gpu).then_some(gpu);
+        self.create_qp_with(o, rings, gpu)
     }
 
     pub(super) fn create_qp_with(
         &self,
         o: QpOptions,
         rings: Option<(DmaBuf, DmaBuf)>,
+        gpu: Option<&Arc<Gpu>>,
     ) -> Result<Qp, Error> {
         let (sq_ring, rq_ring) = rings.unzip();
         let (mode, reason) = match o.doorbell {
@@ -158,11 +161,6 @@ impl Pd {
                 })?)
             }
             (Backend::Mlx5(_), PdDev::Mlx5(pd), CqDev::Mlx5(scq), CqDev::Mlx5(rcq)) => {
-                if sq_ring.is_some() {
-                    return Err(Error::Unsupported(
-                        "QP rings in GPU memory on the mlx5 backend need DEVX (not yet)".into(),
-                    ));
-                }
                 if !o.sq_blocks.is_power_of_two()
                     || (o.rq_wqes != 0 && !o.rq_wqes.is_power_of_two())
                 {
@@ -170,6 +168,35 @@ impl Pd {
                         "SQ of {} blocks, RQ of {} WQEs: powers of two",
                         o.sq_blocks, o.rq_wqes
                     )));
+                }
+                // rings in GPU memory, or CQs made with DEVX: the QP is made with DEVX too
+                if gpu.is_some()
+                    || scq.is_devx()
+                    || rcq.is_devx()
+                    || crate::backend::mlx5::devx_always()
+                {
+                    let stride = rq_stride(o.max_recv_sge);
+                    let len =
+                        o.rq_wqes as usize * stride as usize + o.sq_blocks as usize * prm::WQEBB;
+                    let (wq, dmabuf) = match gpu {
+                        Some(g) => {
+                            let wq = g.ring_buffer(len)?;
+                            let d = g.dmabuf(wq.addr(), len as u64).map_err(|e| e.to_string());
+                            (wq, Some(d))
+                        }
+                        None => (DmaBuf::alloc(len), None),
+                    };
+                    let q = pd.create_devx_qp(
+                        scq,
+                        rcq,
+                        o.sq_blocks,
+                        o.rq_wqes,
+                        stride,
+                        wq,
+                        dmabuf,
+                        mode == DoorbellMode::BlueFlame,
+                    )?;
+                    return self.finish_qp(o, QpDev::Mlx5(q), mode, reason);
                 }
                 // libmlx5 sizes the SQ as the power of two of max_send_wr times its largest
                 // WQE (ctrl + raddr + the inline data, in 64-byte blocks; versions differ in
@@ -193,6 +220,17 @@ impl Pd {
                 ))
             }
         };
+        self.finish_qp(o, dev, mode, reason)
+    }
+
+    /// Registers a new device QP with the PD and wraps it.
+    fn finish_qp(
+        &self,
+        o: QpOptions,
+        dev: QpDev,
+        mode: DoorbellMode,
+        reason: String,
+    ) -> Result<Qp, Error> {
         tracing::debug!(qpn = dev_qpn(&dev), ?mode, %reason, "QP created");
         self.qps.add(match &dev {
             QpDev::Soft(q) => crate::memory::TrackedQp::Soft(Arc::downgrade(q)),
@@ -217,6 +255,12 @@ impl Pd {
             proxy_word: matches!(dev_kind, DevKind::Mlx5).then(|| crate::HostBuffer::new(64)),
         })
     }
+}
+
+/// Bytes per receive WQE for `max_recv_sge` scatter entries (a power of two of 16-byte data
+/// segments, as the device reads them).
+fn rq_stride(max_recv_sge: u32) -> u32 {
+    (max_recv_sge.clamp(1, 32) * 16).next_power_of_two()
 }
 
 enum DevKind {

@@ -130,21 +130,18 @@ fn last_req_end(
     ci: u32,
 ) -> Option<u16> {
     let mask = cq.ncqe as usize - 1;
-    for k in 1..=cq.ncqe.min(ci) {
+    let collapsed = cq.mode == softnic::CqMode::Collapsed;
+    // a collapsed CQ holds its newest CQE in slot 0 only
+    let look_back = if collapsed { 1 } else { cq.ncqe.min(ci) };
+    for k in 1..=look_back {
         let n = ci - k;
         let mut b = [0u8; prm::CQE_SIZE];
-        // SAFETY: slot `n & mask` is inside the provider's CQ ring; CQEs before the consumer
-        // index are no longer written by the device (until it wraps, which the owner check
-        // below tells).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                cq.ring.add((n as usize & mask) * prm::CQE_SIZE),
-                b.as_mut_ptr(),
-                prm::CQE_SIZE,
-            )
-        };
+        let slot = if collapsed { 0 } else { n as usize & mask };
+        // CQEs before the consumer index are no longer written by the device (until it
+        // wraps, which the owner check below tells); a ring in GPU memory is read with a copy
+        cq.ring.try_read(slot * prm::CQE_SIZE, &mut b).ok()?;
         let cqe: prm::Cqe64 = bytemuck::cast(b);
-        if u32::from(cqe.op_own & 1) != (n / cq.ncqe) & 1 {
+        if !collapsed && u32::from(cqe.op_own & 1) != (n / cq.ncqe) & 1 {
             return None;
         }
         let counter = match cqe.decode() {
@@ -155,11 +152,10 @@ fn last_req_end(
             _ => continue,
         };
         let slot = counter as usize & (q.sq_blocks as usize - 1);
-        // SAFETY: the WQE's first block is inside the provider's SQ ring; its control
-        // segment's ds says how many blocks the WQE took.
-        let ctrl: prm::wqe::CtrlSeg = unsafe {
-            std::ptr::read_unaligned(q.sq_buf.add(slot * prm::WQEBB) as *const prm::wqe::CtrlSeg)
-        };
+        // the WQE's control segment says how many blocks it took
+        let mut c = [0u8; 16];
+        q.sq.try_read(slot * prm::WQEBB, &mut c).ok()?;
+        let ctrl: prm::wqe::CtrlSeg = bytemuck::pod_read_unaligned(&c);
         let blocks = prm::wqe::blocks_for_ds(ctrl.ds().max(1)) as u16;
         return Some(counter.wrapping_add(blocks));
     }
@@ -212,15 +208,30 @@ impl Qp {
                     ))
                 });
                 let rq_consumer = if st.rq_head == 0 { Ok(0) } else { rq_consumer }?;
+                let host = |b: &softnic::DmaBuf| b.is_host();
+                let cq_host = |c: &CqDev| match c {
+                    CqDev::Mlx5(c) => host(&c.ring),
+                    CqDev::Soft(c) => host(c.ring()),
+                };
+                if !host(&q.sq)
+                    || !q.rq.as_ref().is_none_or(host)
+                    || !cq_host(&self.send_cq.dev)
+                    || !cq_host(&self.recv_cq.dev)
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "QP {:#x} or one of its CQs has its rings in GPU memory: the CPU cannot                          post or poll there (drive it from a kernel)",
+                        q.qpn
+                    )));
+                }
                 let sq = softnic::initiator::SqGeometry {
-                    ring: q.sq_buf,
+                    ring: q.sq.as_ptr(),
                     blocks: q.sq_blocks,
                     dbrec: q.dbrec,
                     bf_reg: q.bf_reg,
                     qpn: q.qpn,
                 };
                 let rq = softnic::initiator::RqGeometry {
-                    ring: q.rq_buf,
+                    ring: q.rq.as_ref().map_or(std::ptr::null_mut(), |r| r.as_ptr()),
                     wqes: q.rq_wqes,
                     stride: q.rq_stride,
                     dbrec: q.dbrec,

@@ -348,16 +348,21 @@ fn mlx5_child() {
     }
 }
 
-#[test]
-fn the_mlx5_backend_gives_the_soft_nics_completions() {
-    let a = Context::open(DeviceRequest::Soft).unwrap();
-    let b = Context::open(DeviceRequest::Soft).unwrap();
-    let soft = scenario(&a, &b);
+/// The scenario's results in a child under `gpuverbs emu --devices 2`, with `env` set.
+fn mlx5_scenario(net: u8, env: &[(&str, &str)]) -> Vec<String> {
     let exe = std::env::current_exe().unwrap();
     let out = Command::new(GPUVERBS)
         .env("GPUVERBS_PRELOAD", preload())
         .env(CHILD, "1")
-        .args(["emu", "--devices", "2", "--ip", "127.0.95.1", "--"])
+        .envs(env.iter().copied())
+        .args([
+            "emu",
+            "--devices",
+            "2",
+            "--ip",
+            &format!("127.0.{net}.1"),
+            "--",
+        ])
         .arg(&exe)
         .args(["--exact", "mlx5_child", "--nocapture", "--test-threads=1"])
         .output()
@@ -366,20 +371,34 @@ fn the_mlx5_backend_gives_the_soft_nics_completions() {
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "the child under gpuverbs emu failed:\n{text}"
+        "the child under gpuverbs emu ({env:?}) failed:\n{text}"
     );
-    let mlx5: Vec<String> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("RESULT ").map(str::to_string))
-        .collect();
     assert!(text.contains("KIND Mlx5 Mlx5"), "{text}");
     assert!(
         text.contains("SELECTION mlx5 mlx5_0 (auto: rdma-core lists mlx5_0, mlx5_1"),
         "{text}"
     );
+    text.lines()
+        .filter_map(|l| l.strip_prefix("RESULT ").map(str::to_string))
+        .collect()
+}
+
+/// The scenario on the soft NIC, on the mlx5 backend's provider CQs and QPs, and on its DEVX
+/// CQs and QPs (host-memory umems, `GPUVERBS_MLX5_DEVX=1`): the same completions.
+#[test]
+fn the_mlx5_backend_gives_the_soft_nics_completions() {
+    let a = Context::open(DeviceRequest::Soft).unwrap();
+    let b = Context::open(DeviceRequest::Soft).unwrap();
+    let soft = scenario(&a, &b);
+    let mlx5 = mlx5_scenario(95, &[]);
     assert_eq!(
         mlx5, soft,
-        "soft NIC (right) and mlx5 backend (left) differ:\n{text}"
+        "soft NIC (right) and mlx5 backend (left) differ"
+    );
+    let devx = mlx5_scenario(98, &[("GPUVERBS_MLX5_DEVX", "1")]);
+    assert_eq!(
+        devx, soft,
+        "soft NIC (right) and the mlx5 backend's DEVX objects (left) differ"
     );
     // and the scenario is what a ConnectX gives
     for want in [

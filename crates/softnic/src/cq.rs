@@ -85,6 +85,39 @@ struct CqState {
     delayed: VecDeque<(Instant, Cqe64)>,
 }
 
+/// Prepares the first `ncqe` entries of a CQ ring as `init` says: an invalid CQE with the
+/// `op_own` it names in each (host or device memory), or nothing for [`CqInit::Untouched`].
+pub fn prefill(ring: &DmaBuf, ncqe: usize, init: CqInit) -> Result<(), crate::Error> {
+    let fill = match init {
+        CqInit::Invalid => OP_OWN_INVALID,
+        CqInit::InvalidOwned => OP_OWN_INVALID_OWNED,
+        CqInit::Untouched => return Ok(()),
+    };
+    let bytes = ncqe * CQE_SIZE;
+    if ring.len() < bytes {
+        return Err(crate::Error::InvalidArgument(
+            "CQ ring memory smaller than ncqe * 64",
+        ));
+    }
+    let entry = Cqe64::invalid(fill);
+    if ring.is_host() {
+        for i in 0..ncqe {
+            ring.write(i * CQE_SIZE, bytemuck::bytes_of(&entry));
+        }
+    } else {
+        // device memory: as few writes as the bounce size allows (one for rings ≤ 1 MiB)
+        let chunk = bytes.min(crate::devmem::BOUNCE);
+        let mut fill = Vec::with_capacity(chunk);
+        while fill.len() < chunk {
+            fill.extend_from_slice(bytemuck::bytes_of(&entry));
+        }
+        for off in (0..bytes).step_by(chunk) {
+            ring.try_write(off, &fill[..chunk.min(bytes - off)])?;
+        }
+    }
+    Ok(())
+}
+
 /// A completion queue.
 pub struct Cq {
     cqn: u32,
@@ -127,14 +160,7 @@ impl Cq {
             Some(r) => r,
             None => DmaBuf::alloc(bytes),
         };
-        let fill = match cfg.init {
-            CqInit::Invalid => Some(OP_OWN_INVALID),
-            CqInit::InvalidOwned => Some(OP_OWN_INVALID_OWNED),
-            CqInit::Untouched => None,
-        };
-        if let Some(fill) = fill {
-            Self::prefill(&ring, cfg.ncqe as usize, fill)?;
-        }
+        prefill(&ring, cfg.ncqe as usize, cfg.init)?;
         Ok(Self {
             cqn,
             ncqe: AtomicU32::new(cfg.ncqe),
@@ -154,28 +180,6 @@ impl Cq {
             waiting: parking_lot::Mutex::new(()),
             written: parking_lot::Condvar::new(),
         })
-    }
-
-    /// Writes an invalid CQE with `op_own` = `fill` into each of the ring's `ncqe` entries.
-    fn prefill(ring: &DmaBuf, ncqe: usize, fill: u8) -> Result<(), crate::Error> {
-        let bytes = ncqe * CQE_SIZE;
-        let entry = Cqe64::invalid(fill);
-        if ring.is_host() {
-            for i in 0..ncqe {
-                ring.write(i * CQE_SIZE, bytemuck::bytes_of(&entry));
-            }
-        } else {
-            // device memory: as few writes as the bounce size allows (one for rings ≤ 1 MiB)
-            let chunk = bytes.min(crate::devmem::BOUNCE);
-            let mut fill = Vec::with_capacity(chunk);
-            while fill.len() < chunk {
-                fill.extend_from_slice(bytemuck::bytes_of(&entry));
-            }
-            for off in (0..bytes).step_by(chunk) {
-                ring.try_write(off, &fill[..chunk.min(bytes - off)])?;
-            }
-        }
-        Ok(())
     }
 
     /// CQ number.

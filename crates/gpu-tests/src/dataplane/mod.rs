@@ -154,20 +154,8 @@ impl Pair {
             mem,
             rings,
         } = spec;
-        skip_on_mlx5(
-            rings == RingPlacement::Gpu,
-            "GPU-resident rings need DEVX (not yet)",
-        )?;
-        skip_on_mlx5(
-            cq_mode == CqMode::Collapsed,
-            "collapsed CQs need DEVX (not yet)",
-        )?;
-        // rdma-core's CQs always detect overrun; the device API keeps their consumer index
-        let cq_mode = if backend() == Backend::Mlx5 {
-            CqMode::OverrunDetect
-        } else {
-            cq_mode
-        };
+        // on the mlx5 backend GPU-resident rings and collapsed or overrun-ignore CQs are
+        // DEVX objects (the provider's CQs always detect overrun, in host memory)
         let gpu = gpu(ordinal)?;
         let (a, b) = contexts()?;
         let (pa, pb) = (a.alloc_pd(), b.alloc_pd());

@@ -4,7 +4,7 @@ use anyhow::{ensure, Context as _, Result};
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
 use gpuverbs::{Access, CqOptions, DoorbellMode, HostBuffer, QpOptions, RingPlacement};
 
-use super::{arg, connect_both, contexts, gpu, skip_on_mlx5, status_name, Status, BUDGET_NS};
+use super::{arg, connect_both, contexts, gpu, status_name, Status, BUDGET_NS};
 
 /// What [`recv`] varies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,10 +39,6 @@ pub fn recv(
     };
     let rsize = if too_small { size / 2 } else { size };
     let n = (n_imm + n_send) as usize;
-    skip_on_mlx5(
-        rings == RingPlacement::Gpu,
-        "GPU-resident rings need DEVX (not yet)",
-    )?;
     let gpu = gpu(ordinal)?;
     let (a, b) = contexts()?;
     let (pa, pb) = (a.alloc_pd(), b.alloc_pd());

@@ -7,248 +7,37 @@
 //! records and BlueFlame register that `mlx5dv_init_obj` reveals are handed to the shared code
 //! above as plain memory ranges (the CPU initiator, GPU export and proxy do not know which
 //! backend made them). CQs are 64-byte-CQE CQs; QPs are RC with scatter-to-CQE disabled (so a
-//! GPU poller never finds data inside a CQE). Rings are the provider's, in host memory.
+//! GPU poller never finds data inside a CQE). Rings are the provider's, in host memory, or
+//! ([`devx`]) rings the host API placed itself (GPU memory, or modes the provider cannot give:
+//! collapsed and overrun-ignore CQs), made with DEVX.
 //!
 //! Run here every day on the emulated device (`gpuverbs emu`: the real libibverbs and libmlx5
 //! over the soft NIC); not run on ConnectX hardware.
 
+mod device;
+pub(crate) mod devx;
+
 use crate::Error;
 use rdma_core_sys as sys;
-use std::ffi::CStr;
+use softnic::DmaBuf;
+use std::ptr::NonNull;
 use std::sync::Arc;
 
-fn errno() -> i32 {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+/// Setting this variable to `1` makes the mlx5 backend create every CQ and QP with DEVX (on
+/// host memory unless a GPU placement asks otherwise), not only those the provider cannot make:
+/// how the host-API suites run a third time on DEVX objects.
+pub const DEVX_ENV: &str = "GPUVERBS_MLX5_DEVX";
+
+/// Whether [`DEVX_ENV`] asks for DEVX objects everywhere (read once).
+pub(crate) fn devx_always() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(DEVX_ENV).is_ok_and(|v| v == "1"))
 }
 
-fn verbs_err(call: &'static str, errno: i32, detail: String) -> Error {
-    Error::Verbs {
-        call,
-        errno,
-        detail,
-    }
-}
-
-/// The loaded libraries.
-struct Libs {
-    verbs: &'static sys::IbVerbs,
-    dv: &'static sys::Mlx5Dv,
-}
-
-fn libs() -> Result<Libs, Error> {
-    let load = |e: sys::LoadError| Error::Unsupported(format!("rdma-core: {e}"));
-    Ok(Libs {
-        verbs: sys::verbs().map_err(load)?,
-        dv: sys::mlx5dv().map_err(load)?,
-    })
-}
-
-/// The RoCE v2 GID index of a port: the first RoCE v2 GID whose address is IPv4-mapped (what
-/// perftest's `-x` selects by hand), else the first RoCE v2 one. `None` on InfiniBand.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct GidChoice {
-    pub index: u8,
-    pub gid: [u8; 16],
-}
-
-/// Picks the GID: entries `(index, gid, is RoCE v2)`.
-pub(crate) fn choose_gid(entries: &[(u8, [u8; 16], bool)]) -> Option<GidChoice> {
-    let v4 = |g: &[u8; 16]| g[..10].iter().all(|&b| b == 0) && g[10] == 0xff && g[11] == 0xff;
-    let pick = |want_v4: bool| {
-        entries
-            .iter()
-            .find(|(_, g, v2)| *v2 && g.iter().any(|&b| b != 0) && (!want_v4 || v4(g)))
-            .map(|&(index, gid, _)| GidChoice { index, gid })
-    };
-    pick(true).or_else(|| pick(false))
-}
-
-/// An open rdma-core device (one port used: 1).
-pub(crate) struct Device {
-    libs: Libs,
-    ctx: *mut sys::ibv_context,
-    pub name: String,
-    pub port: u8,
-    pub gid: GidChoice,
-    /// Active MTU in bytes.
-    pub mtu: u32,
-    pub max_rd_atomic: u8,
-}
-
-// SAFETY: an ibv_context may be used from any thread (libibverbs locks what it shares); the
-// pointer is owned by this value and closed once, in drop.
-unsafe impl Send for Device {}
-// SAFETY: as above: every call through `&Device` is a thread-safe verbs call.
-unsafe impl Sync for Device {}
-
-/// The rdma-core devices listed, by name.
-pub(crate) fn device_names() -> Result<Vec<String>, Error> {
-    let l = libs()?;
-    let mut n = 0i32;
-    // SAFETY: writes the count through a valid pointer; returns a NULL-terminated array that
-    // is freed below.
-    let list = unsafe { (l.verbs.ibv_get_device_list)(&mut n) };
-    if list.is_null() {
-        return Err(verbs_err("ibv_get_device_list", errno(), String::new()));
-    }
-    let mut names = Vec::new();
-    for i in 0..n.max(0) as usize {
-        // SAFETY: i < n entries of the list; each is a live device.
-        let p = unsafe { (l.verbs.ibv_get_device_name)(*list.add(i)) };
-        if !p.is_null() {
-            // SAFETY: a NUL-terminated name owned by the device.
-            names.push(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned());
-        }
-    }
-    // SAFETY: the list from ibv_get_device_list, freed once.
-    unsafe { (l.verbs.ibv_free_device_list)(list) };
-    Ok(names)
-}
-
-fn mtu_bytes(m: sys::ibv_mtu) -> u32 {
-    match m {
-        1..=5 => 128 << m,
-        _ => 1024,
-    }
-}
-
-fn mtu_enum(bytes: u32) -> sys::ibv_mtu {
-    match bytes {
-        0..=256 => 1,
-        257..=512 => 2,
-        513..=1024 => 3,
-        1025..=2048 => 4,
-        _ => 5,
-    }
-}
+pub(crate) use device::{device_names, Device, Pd, Remote};
+use device::{errno, ibv_access, mtu_enum, verbs_err};
 
 impl Device {
-    /// Opens device `name`, port 1, and picks its RoCE v2 GID.
-    pub(crate) fn open(name: &str) -> Result<Arc<Self>, Error> {
-        let libs = libs()?;
-        let v = libs.verbs;
-        let mut n = 0i32;
-        // SAFETY: as in device_names.
-        let list = unsafe { (v.ibv_get_device_list)(&mut n) };
-        if list.is_null() {
-            return Err(verbs_err("ibv_get_device_list", errno(), String::new()));
-        }
-        let mut ctx = std::ptr::null_mut();
-        let mut open_errno = 0;
-        for i in 0..n.max(0) as usize {
-            // SAFETY: i < n live devices.
-            let dev = unsafe { *list.add(i) };
-            // SAFETY: a live device's NUL-terminated name.
-            let dn = unsafe { CStr::from_ptr((v.ibv_get_device_name)(dev)) };
-            if dn.to_bytes() == name.as_bytes() {
-                // SAFETY: opens a live device of the list (before the list is freed).
-                ctx = unsafe { (v.ibv_open_device)(dev) };
-                open_errno = errno();
-                break;
-            }
-        }
-        // SAFETY: freed once; the context stays valid after the list is freed.
-        unsafe { (v.ibv_free_device_list)(list) };
-        if ctx.is_null() {
-            return Err(if open_errno == 0 {
-                Error::NoSuchDevice(name.to_string())
-            } else {
-                verbs_err("ibv_open_device", open_errno, name.to_string())
-            });
-        }
-        let mut dev = Self {
-            libs,
-            ctx,
-            name: name.to_string(),
-            port: 1,
-            gid: GidChoice {
-                index: 0,
-                gid: [0; 16],
-            },
-            mtu: 1024,
-            max_rd_atomic: 1,
-        };
-        // SAFETY: `dv.mlx5dv_is_supported` takes the context's device; refuses non-mlx5.
-        if !unsafe { (dev.libs.dv.mlx5dv_is_supported)((*ctx).device) } {
-            return Err(Error::Unsupported(format!(
-                "{name} is not an mlx5 (ConnectX) device"
-            )));
-        }
-        // SAFETY: a zeroed port_attr is valid; query_port fills it.
-        let mut pa: sys::ibv_port_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: live context, writable attr.
-        let rc = unsafe { v.query_port(ctx, dev.port, &mut pa) };
-        if rc != 0 {
-            return Err(verbs_err("ibv_query_port", rc, format!("{name} port 1")));
-        }
-        if pa.state != sys::IBV_PORT_ACTIVE {
-            return Err(Error::Unsupported(format!(
-                "{name} port 1 is not ACTIVE (state {})",
-                pa.state
-            )));
-        }
-        if pa.link_layer as u32 != sys::IBV_LINK_LAYER_ETHERNET {
-            return Err(Error::Unsupported(format!(
-                "{name} port 1 is InfiniBand (LID addressing); this backend speaks RoCE"
-            )));
-        }
-        dev.mtu = mtu_bytes(pa.active_mtu);
-        let mut entries = Vec::new();
-        for i in 0..pa.gid_tbl_len.clamp(0, 256) as u32 {
-            // SAFETY: zeroed gid entry is valid plain data.
-            let mut e: sys::ibv_gid_entry = unsafe { std::mem::zeroed() };
-            let rc = match v._ibv_query_gid_ex {
-                // SAFETY: live context, writable entry of the size given.
-                Some(f) => unsafe {
-                    f(
-                        ctx,
-                        1,
-                        i,
-                        &mut e,
-                        0,
-                        std::mem::size_of::<sys::ibv_gid_entry>(),
-                    )
-                },
-                None => -1,
-            };
-            if rc == 0 {
-                // SAFETY: reading the raw bytes of the union is always valid.
-                let raw = unsafe { e.gid.raw };
-                entries.push((i as u8, raw, e.gid_type == sys::IBV_GID_TYPE_ROCE_V2));
-            }
-        }
-        dev.gid = choose_gid(&entries)
-            .ok_or_else(|| Error::Unsupported(format!("{name} port 1 has no RoCE v2 GID")))?;
-        // SAFETY: zeroed device attr is valid; query fills it.
-        let mut da: sys::ibv_device_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: live context, writable attr.
-        let rc = unsafe { (v.ibv_query_device)(ctx, &mut da) };
-        if rc != 0 {
-            return Err(verbs_err("ibv_query_device", rc, name.to_string()));
-        }
-        dev.max_rd_atomic = da.max_qp_rd_atom.clamp(1, 16) as u8;
-        tracing::debug!(
-            device = name,
-            gid_index = dev.gid.index,
-            mtu = dev.mtu,
-            "mlx5 device opened"
-        );
-        Ok(Arc::new(dev))
-    }
-
-    /// Allocates a PD.
-    pub(crate) fn alloc_pd(self: &Arc<Self>) -> Result<Arc<Pd>, Error> {
-        // SAFETY: live context.
-        let pd = unsafe { (self.libs.verbs.ibv_alloc_pd)(self.ctx) };
-        if pd.is_null() {
-            return Err(verbs_err("ibv_alloc_pd", errno(), self.name.clone()));
-        }
-        Ok(Arc::new(Pd {
-            dev: self.clone(),
-            pd,
-        }))
-    }
-
     /// Creates a CQ of at least `depth` 64-byte CQEs.
     pub(crate) fn create_cq(self: &Arc<Self>, depth: u32) -> Result<Arc<Cq>, Error> {
         // SAFETY: zeroed attrs are valid plain data.
@@ -292,60 +81,17 @@ impl Device {
         }
         Ok(Arc::new(Cq {
             dev: self.clone(),
-            cq,
-            ring: out.buf.cast(),
+            owner: CqOwner::Verbs(cq),
+            // SAFETY: the provider's ring of cqe_cnt 64-byte CQEs, live until the CQ is
+            // destroyed (which drops this buffer first: it is a field of the same value).
+            ring: unsafe { external(out.buf, out.cqe_cnt as usize * prm::CQE_SIZE)? },
             ncqe: out.cqe_cnt,
             dbrec: out.dbrec.cast(),
             cqn: out.cqn,
+            mode: softnic::CqMode::OverrunDetect,
+            _record: None,
         }))
     }
-}
-
-impl Drop for Device {
-    fn drop(&mut self) {
-        // SAFETY: every child object holds an Arc of the device, so none is alive; closed once.
-        unsafe { (self.libs.verbs.ibv_close_device)(self.ctx) };
-    }
-}
-
-/// A protection domain.
-pub(crate) struct Pd {
-    pub dev: Arc<Device>,
-    pd: *mut sys::ibv_pd,
-}
-
-// SAFETY: a PD pointer is used only in verbs calls, which are thread-safe.
-unsafe impl Send for Pd {}
-// SAFETY: as above.
-unsafe impl Sync for Pd {}
-
-impl Drop for Pd {
-    fn drop(&mut self) {
-        // SAFETY: children hold an Arc of the PD; deallocated once.
-        let rc = unsafe { (self.dev.libs.verbs.ibv_dealloc_pd)(self.pd) };
-        if rc != 0 {
-            tracing::warn!(errno = rc, "ibv_dealloc_pd failed");
-        }
-    }
-}
-
-/// The verbs access flags of a host-API access set.
-fn ibv_access(a: softnic::Access) -> u32 {
-    let mut f = 0;
-    for (bit, flag) in [
-        (softnic::Access::LOCAL_WRITE, sys::IBV_ACCESS_LOCAL_WRITE),
-        (softnic::Access::REMOTE_WRITE, sys::IBV_ACCESS_REMOTE_WRITE),
-        (softnic::Access::REMOTE_READ, sys::IBV_ACCESS_REMOTE_READ),
-        (
-            softnic::Access::REMOTE_ATOMIC,
-            sys::IBV_ACCESS_REMOTE_ATOMIC,
-        ),
-    ] {
-        if a.contains(bit) {
-            f |= flag;
-        }
-    }
-    f
 }
 
 impl Pd {
@@ -456,10 +202,15 @@ impl Pd {
         max_recv_sge: u32,
         max_inline: u32,
     ) -> Result<Arc<Qp>, Error> {
+        let (CqOwner::Verbs(send_cq), CqOwner::Verbs(recv_cq)) = (&scq.owner, &rcq.owner) else {
+            return Err(Error::InvalidArgument(
+                "a provider QP needs provider CQs (a QP on DEVX CQs is made with DEVX)".into(),
+            ));
+        };
         // SAFETY: zeroed attrs are valid plain data.
         let mut a: sys::ibv_qp_init_attr_ex = unsafe { std::mem::zeroed() };
-        a.send_cq = scq.cq;
-        a.recv_cq = rcq.cq;
+        a.send_cq = *send_cq;
+        a.recv_cq = *recv_cq;
         a.qp_type = sys::IBV_QPT_RC;
         a.cap.max_send_wr = max_send_wr.max(1);
         a.cap.max_recv_wr = max_recv_wr;
@@ -510,19 +261,95 @@ impl Pd {
         }
         // SAFETY: the live QP's number.
         let qpn = unsafe { (*qp).qp_num };
+        // SAFETY: the provider's rings, live until the QP is destroyed (in this value's drop,
+        // after which its fields, these buffers among them, go).
+        let rings = unsafe {
+            let sq = external(out.sq.buf, out.sq.wqe_cnt as usize * prm::WQEBB);
+            let rq = match out.rq.wqe_cnt {
+                0 => Ok(None),
+                n => external(out.rq.buf, (n * out.rq.stride) as usize).map(Some),
+            };
+            sq.and_then(|sq| rq.map(|rq| (sq, rq)))
+        };
+        let (sq, rq) = match rings {
+            Ok(r) => r,
+            Err(e) => {
+                // SAFETY: destroys the QP just created.
+                unsafe { (v.ibv_destroy_qp)(qp) };
+                return Err(e);
+            }
+        };
         Ok(Arc::new(Qp {
             pd: self.clone(),
             _cqs: (scq.clone(), rcq.clone()),
-            qp,
+            owner: QpOwner::Verbs(qp),
             qpn,
-            sq_buf: out.sq.buf.cast(),
+            sq,
             sq_blocks: out.sq.wqe_cnt,
-            rq_buf: out.rq.buf.cast(),
+            rq,
             rq_wqes: out.rq.wqe_cnt,
             rq_stride: out.rq.stride,
             dbrec: out.dbrec.cast(),
             bf_reg: out.bf.reg.cast(),
             max_inline: a.cap.max_inline_data,
+            _wq: None,
+            _record: None,
+        }))
+    }
+
+    /// An RC QP made with DEVX on `wq` (the RQ — `rq_wqes` WQEs of `rq_stride` bytes — then the
+    /// SQ of `sq_blocks` blocks; host or GPU memory), reporting to `scq` / `rcq` (provider or
+    /// DEVX CQs), its doorbell record in host memory of its own, doorbells on the device's
+    /// non-cached UAR page or (`bf`) a BlueFlame page of its own.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn create_devx_qp(
+        self: &Arc<Self>,
+        scq: &Arc<Cq>,
+        rcq: &Arc<Cq>,
+        sq_blocks: u32,
+        rq_wqes: u32,
+        rq_stride: u32,
+        wq: DmaBuf,
+        dmabuf: Option<Result<(std::os::fd::OwnedFd, u64), String>>,
+        bf: bool,
+    ) -> Result<Arc<Qp>, Error> {
+        let rec = DmaBuf::alloc(64);
+        let rq_bytes = (rq_wqes * rq_stride) as usize;
+        let sq_bytes = sq_blocks as usize * prm::WQEBB;
+        if wq.len() < rq_bytes + sq_bytes || sq_blocks == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a WQ buffer of {} bytes for an RQ of {rq_bytes} and an SQ of {sq_bytes}",
+                wq.len()
+            )));
+        }
+        let rings = devx::QpRings {
+            wq: &wq,
+            dmabuf,
+            sq_blocks,
+            rq_wqes,
+            rq_stride,
+            dbrec: &rec,
+        };
+        let (obj, qpn, reg) = self.devx_qp_object(scq.cqn, rcq.cqn, rings, bf)?;
+        // SAFETY (both views): parts of `wq`, which this QP keeps (its `_wq` field, dropped
+        // after the views).
+        let sq = unsafe { view(&wq, rq_bytes, sq_bytes) };
+        let rq = (rq_bytes > 0).then(|| unsafe { view(&wq, 0, rq_bytes) });
+        Ok(Arc::new(Qp {
+            pd: self.clone(),
+            _cqs: (scq.clone(), rcq.clone()),
+            owner: QpOwner::Devx(obj),
+            qpn,
+            sq,
+            sq_blocks,
+            rq,
+            rq_wqes,
+            rq_stride,
+            dbrec: rec.as_ptr(),
+            bf_reg: reg,
+            max_inline: prm::wqe::MAX_INLINE_SEND as u32,
+            _wq: Some(wq),
+            _record: Some(rec),
         }))
     }
 }
@@ -559,14 +386,69 @@ impl Drop for Mr {
     }
 }
 
+/// Host memory the provider owns, as a buffer.
+///
+/// # Safety
+/// `ptr..ptr+len` must stay mapped while the buffer lives.
+unsafe fn external(ptr: *mut std::ffi::c_void, len: usize) -> Result<DmaBuf, Error> {
+    let p = NonNull::new(ptr.cast::<u8>())
+        .ok_or_else(|| Error::Unsupported("the provider gave a ring at address 0".into()))?;
+    // SAFETY: the caller's promise; the buffer never frees it.
+    Ok(unsafe { DmaBuf::from_external(p, len, Box::new(())) })
+}
+
+/// Who made a CQ.
+enum CqOwner {
+    /// The provider (`mlx5dv_create_cq`).
+    Verbs(*mut sys::ibv_cq),
+    /// DEVX, on a ring of the host API's: the object (dropped before the ring and record).
+    Devx { _obj: devx::Obj },
+}
+
 /// A CQ and where its ring lives.
 pub(crate) struct Cq {
     dev: Arc<Device>,
-    cq: *mut sys::ibv_cq,
-    pub ring: *mut u8,
+    owner: CqOwner,
+    /// The CQE ring: the provider's (host memory), or the host API's (host or GPU memory).
+    pub ring: DmaBuf,
     pub ncqe: u32,
+    /// The CQ doorbell record (host memory).
     pub dbrec: *mut u8,
     pub cqn: u32,
+    pub mode: softnic::CqMode,
+    /// The memory of a DEVX CQ's doorbell record (after `owner`: freed after the object).
+    _record: Option<DmaBuf>,
+}
+
+impl Cq {
+    /// Whether it was made with DEVX.
+    pub(crate) fn is_devx(&self) -> bool {
+        matches!(self.owner, CqOwner::Devx { .. })
+    }
+
+    /// A CQ made with DEVX on `ring` (`ncqe` 64-byte CQEs, host or GPU memory, already filled
+    /// as the consumer wants it): collapsed, overrun-ignore or overrun-detect. Its doorbell
+    /// record is host memory of its own.
+    pub(crate) fn devx(
+        dev: &Arc<Device>,
+        ncqe: u32,
+        mode: softnic::CqMode,
+        ring: DmaBuf,
+        dmabuf: Option<Result<(std::os::fd::OwnedFd, u64), String>>,
+    ) -> Result<Arc<Self>, Error> {
+        let rec = DmaBuf::alloc(64);
+        let (obj, cqn) = dev.create_devx_cq(ncqe, mode, &ring, dmabuf, &rec)?;
+        Ok(Arc::new(Self {
+            dev: dev.clone(),
+            owner: CqOwner::Devx { _obj: obj },
+            ring,
+            ncqe,
+            dbrec: rec.as_ptr(),
+            cqn,
+            mode,
+            _record: Some(rec),
+        }))
+    }
 }
 
 // SAFETY: the pointers are the provider's CQ and its memory, owned by this value until drop.
@@ -576,28 +458,65 @@ unsafe impl Sync for Cq {}
 
 impl Drop for Cq {
     fn drop(&mut self) {
-        // SAFETY: QPs using it hold an Arc of it, so none is alive; destroyed once.
-        let rc = unsafe { (self.dev.libs.verbs.ibv_destroy_cq)(self.cq) };
-        if rc != 0 {
-            tracing::warn!(errno = rc, "ibv_destroy_cq failed");
+        if let CqOwner::Verbs(cq) = self.owner {
+            // SAFETY: QPs using it hold an Arc of it, so none is alive; destroyed once.
+            let rc = unsafe { (self.dev.libs.verbs.ibv_destroy_cq)(cq) };
+            if rc != 0 {
+                tracing::warn!(errno = rc, "ibv_destroy_cq failed");
+            }
         }
+        // a DEVX CQ's object goes with its owner field, before its ring and record
     }
+}
+
+/// `len` bytes at `off` of `buf`, without ownership.
+///
+/// # Safety
+/// The view must not outlive `buf`.
+unsafe fn view(buf: &DmaBuf, off: usize, len: usize) -> DmaBuf {
+    match buf.device_memory() {
+        Some(m) => DmaBuf::from_device(buf.addr() + off as u64, len, m.clone(), Box::new(())),
+        // SAFETY: inside `buf` (host memory), which the caller keeps alive longer.
+        None => unsafe {
+            DmaBuf::from_external(
+                NonNull::new(buf.as_ptr().add(off)).expect("inside a live buffer"),
+                len,
+                Box::new(()),
+            )
+        },
+    }
+}
+
+/// Who made a QP.
+enum QpOwner {
+    /// The provider (`mlx5dv_create_qp`).
+    Verbs(*mut sys::ibv_qp),
+    /// DEVX, on rings of the host API's.
+    Devx(devx::Obj),
 }
 
 /// An RC QP and where its rings, doorbell record and BlueFlame register live.
 pub(crate) struct Qp {
     pd: Arc<Pd>,
     _cqs: (Arc<Cq>, Arc<Cq>),
-    qp: *mut sys::ibv_qp,
+    owner: QpOwner,
     pub qpn: u32,
-    pub sq_buf: *mut u8,
+    /// The SQ ring (host memory, or GPU memory for a DEVX QP on it).
+    pub sq: DmaBuf,
     pub sq_blocks: u32,
-    pub rq_buf: *mut u8,
+    /// The RQ ring, when there is one.
+    pub rq: Option<DmaBuf>,
     pub rq_wqes: u32,
     pub rq_stride: u32,
+    /// The doorbell record (host memory).
     pub dbrec: *mut u8,
+    /// The doorbell (BlueFlame) register on the UAR page.
     pub bf_reg: *mut u8,
     pub max_inline: u32,
+    /// A DEVX QP's WQ buffer (RQ then SQ; `sq` and `rq` are views of it) and doorbell record,
+    /// freed after the object (`owner`) and the views.
+    _wq: Option<DmaBuf>,
+    _record: Option<DmaBuf>,
 }
 
 // SAFETY: the provider's QP and its memory, owned by this value until drop; modify calls are
@@ -606,23 +525,24 @@ unsafe impl Send for Qp {}
 // SAFETY: as above.
 unsafe impl Sync for Qp {}
 
-/// What RTR needs to know of the peer.
-pub(crate) struct Remote {
-    pub gid: [u8; 16],
-    pub qpn: u32,
-    pub psn: u32,
-    pub mtu: u32,
-}
-
 impl Qp {
+    fn verbs_qp(&self) -> *mut sys::ibv_qp {
+        match self.owner {
+            QpOwner::Verbs(q) => q,
+            QpOwner::Devx(_) => std::ptr::null_mut(),
+        }
+    }
+
     fn modify(
         &self,
         attr: &mut sys::ibv_qp_attr,
         mask: u32,
         what: &'static str,
     ) -> Result<(), Error> {
-        // SAFETY: live QP, attr filled by the caller for `mask`.
-        let rc = unsafe { (self.pd.dev.libs.verbs.ibv_modify_qp)(self.qp, attr, mask as i32) };
+        // SAFETY: live QP (a provider QP: the callers dispatch DEVX QPs before), attr filled
+        // by the caller for `mask`.
+        let rc =
+            unsafe { (self.pd.dev.libs.verbs.ibv_modify_qp)(self.verbs_qp(), attr, mask as i32) };
         if rc != 0 {
             return Err(verbs_err(
                 "ibv_modify_qp",
@@ -641,6 +561,9 @@ impl Qp {
         sq_psn: u32,
         o: &super::ConnectOptions,
     ) -> Result<(), Error> {
+        if let QpOwner::Devx(obj) = &self.owner {
+            return self.pd.connect_devx(obj, self.qpn, access, r, sq_psn, o);
+        }
         let dev = &self.pd.dev;
         // SAFETY: zeroed attr is valid plain data.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -702,6 +625,9 @@ impl Qp {
 
     /// Moves the QP to a state without attributes (RESET or ERR).
     pub(crate) fn to_state(&self, state: sys::ibv_qp_state) -> Result<(), Error> {
+        if let QpOwner::Devx(obj) = &self.owner {
+            return obj.qp_to(self.qpn, state == sys::IBV_QPS_RESET);
+        }
         // SAFETY: zeroed attr is valid plain data.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = state;
@@ -710,6 +636,10 @@ impl Qp {
 
     /// The QP's state as the device reports it (QUERY_QP).
     pub(crate) fn state(&self) -> Result<sys::ibv_qp_state, Error> {
+        if let QpOwner::Devx(obj) = &self.owner {
+            // the PRM's QP states number as verbs' (RST 0 .. ERR 6)
+            return Ok(sys::ibv_qp_state::from(obj.qp_state(self.qpn)?));
+        }
         // SAFETY: zeroed attrs are valid plain data.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
@@ -717,7 +647,7 @@ impl Qp {
         // SAFETY: live QP, writable attrs.
         let rc = unsafe {
             (self.pd.dev.libs.verbs.ibv_query_qp)(
-                self.qp,
+                self.verbs_qp(),
                 &mut a,
                 sys::IBV_QP_STATE as i32,
                 &mut ia,
@@ -732,36 +662,13 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        // SAFETY: created in create_qp, destroyed once; its CQs and PD outlive it (held).
-        let rc = unsafe { (self.pd.dev.libs.verbs.ibv_destroy_qp)(self.qp) };
-        if rc != 0 {
-            tracing::warn!(errno = rc, "ibv_destroy_qp failed");
+        if let QpOwner::Verbs(qp) = self.owner {
+            // SAFETY: created in create_qp, destroyed once; its CQs and PD outlive it (held).
+            let rc = unsafe { (self.pd.dev.libs.verbs.ibv_destroy_qp)(qp) };
+            if rc != 0 {
+                tracing::warn!(errno = rc, "ibv_destroy_qp failed");
+            }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gid_choice_prefers_ipv4_mapped_roce_v2() {
-        let mut v4 = [0u8; 16];
-        v4[10] = 0xff;
-        v4[11] = 0xff;
-        v4[12..].copy_from_slice(&[10, 0, 0, 1]);
-        let mut ll = [0u8; 16];
-        ll[0] = 0xfe;
-        ll[1] = 0x80;
-        ll[15] = 1;
-        let table = [(0, ll, false), (1, ll, true), (2, v4, false), (3, v4, true)];
-        assert_eq!(choose_gid(&table), Some(GidChoice { index: 3, gid: v4 }));
-        assert_eq!(
-            choose_gid(&[(0, ll, false), (1, ll, true)]),
-            Some(GidChoice { index: 1, gid: ll })
-        );
-        assert_eq!(choose_gid(&[(0, ll, false), (2, [0; 16], true)]), None);
-        assert_eq!(mtu_enum(4096), 5);
-        assert_eq!(mtu_bytes(3), 1024);
+        // a DEVX QP's object goes with its owner field, before its rings and record
     }
 }
