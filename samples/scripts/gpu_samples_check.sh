@@ -139,6 +139,11 @@ if [ -n "$gpuverbs" ] && [ -n "$preload" ]; then
     loop mlx5_write_lat_inline write_lat -d mlx5_0 -s 64
     loop mlx5_send_lat_inline send_lat -d mlx5_0 -s 64
     loop mlx5_write_lat_duration write_lat -d mlx5_0 -s 64 -D 1
+    # rings in GPU memory: DEVX CQs and QPs on GPU-memory umems
+    loop mlx5_put_bw_gpu_rings put_bw -d mlx5_0 -s 4096 -n 2000 --rings gpu
+    loop mlx5_send_bw_gpu_rings send_bw -d mlx5_0 -s 1024 -n 1000 --rings gpu
+    loop mlx5_write_lat_gpu_rings write_lat -d mlx5_0 -s 64 -n 1000 --rings gpu
+    loop mlx5_put_bw_gpu_rings_gpu_mem put_bw -d mlx5_0 -s 65536 -n 500 --rings gpu --mem gpu
 fi
 
 echo "gpu-samples: $passed passed, $failed failed"
