@@ -393,7 +393,7 @@ impl Qp {
     pub fn placement(&self) -> RingPlacement {
         match &self.dev {
             QpDev::Soft(q) => placement_of(q.sq_ring()),
-            QpDev::Mlx5(_) => RingPlacement::HostMapped,
+            QpDev::Mlx5(q) => placement_of(&q.sq),
         }
     }
 }
