@@ -143,9 +143,9 @@ impl Cq {
         }
         let bytes = cfg.ncqe as usize * CQE_SIZE;
         let dbrec = match cfg.dbrec {
-            Some(d) if d.len() < 8 || !d.is_host() => {
+            Some(d) if d.len() < 8 => {
                 return Err(crate::Error::InvalidArgument(
-                    "CQ doorbell record must be 8 bytes of host memory",
+                    "CQ doorbell record must be 8 bytes",
                 ))
             }
             Some(d) => d,
@@ -267,7 +267,11 @@ impl Cq {
             return Err(crate::Error::Busy("CQ in error"));
         }
         if self.mode == CqMode::OverrunDetect {
-            let ci = u32::from_be(self.dbrec.atomic_u32(0).load(Ordering::Acquire)) & 0xff_ffff;
+            let ci = self
+                .dbrec
+                .load_u32_acquire(0)
+                .map_err(|_| crate::Error::Busy("CQ doorbell record unreadable"))?;
+            let ci = u32::from_be(ci) & 0xff_ffff;
             let pending = st.pi.wrapping_sub(ci) & 0xff_ffff;
             if pending + 1 > ncqe || pending >= self.ncqe() {
                 return Err(crate::Error::InvalidArgument(
@@ -325,8 +329,15 @@ impl Cq {
             return Err(CqError::Failed(self.cqn));
         }
         if self.mode == CqMode::OverrunDetect {
-            let ci = self.dbrec.atomic_u32(0).load(Ordering::Acquire);
-            let ci = u32::from_be(ci) & 0xff_ffff;
+            // the consumer index, from a record in host memory or (a copy) in device memory
+            let ci = match self.dbrec.load_u32_acquire(0) {
+                Ok(w) => u32::from_be(w) & 0xff_ffff,
+                Err(_) => {
+                    st.failed = true;
+                    self.events.raise(AsyncEvent::CqError);
+                    return Err(CqError::DeviceMemory(self.cqn));
+                }
+            };
             if st.pi.wrapping_sub(ci) & 0xff_ffff >= self.ncqe() {
                 st.overrun = true;
                 tracing::debug!(cqn = self.cqn, "CQ overrun");

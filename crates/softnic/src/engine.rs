@@ -247,18 +247,22 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
         0 => dv.index(),
         ds => dv.index().wrapping_add(blocks_for_ds(ds & 0x3f) as u16),
     };
-    let rec = u32::from_be(qp.dbrec_word(1).load(Ordering::Acquire)) as u16;
+    // a record in device memory is not read: the producer comes from the doorbell, as on a
+    // ConnectX
+    let rec = qp.sq_dbrec();
     if !mine {
-        let ahead = rec.wrapping_sub(sq.ci);
-        if ahead as u32 <= qp.sq_blocks && ahead > sq.target.wrapping_sub(sq.ci) {
-            sq.target = rec;
+        if let Some(rec) = rec {
+            let ahead = rec.wrapping_sub(sq.ci);
+            if ahead as u32 <= qp.sq_blocks && ahead > sq.target.wrapping_sub(sq.ci) {
+                sq.target = rec;
+            }
         }
         return;
     }
     let ahead = |pi: u16| pi.wrapping_sub(sq.ci);
     let fits = |d: u16| d as u32 <= qp.sq_blocks;
-    let best = [from_value, rec]
-        .into_iter()
+    let best = std::iter::once(from_value)
+        .chain(rec)
         .filter(|&pi| fits(ahead(pi)))
         .max_by_key(|&pi| ahead(pi));
     let Some(pi) = best else {
@@ -503,7 +507,7 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
     if qp.state() != QpState::Err {
         return;
     }
-    let head = qp.rq_head();
+    let head = qp.rq_head(rq.ci as u16);
     while (rq.ci as u16) != head && head.wrapping_sub(rq.ci as u16) as u32 <= qp.rq_wqes {
         flush_recv_cqe(dev, qp, rq.ci as u16);
         rq.ci = rq.ci.wrapping_add(1);

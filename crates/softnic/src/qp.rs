@@ -13,7 +13,7 @@ use crate::{Error, Gid};
 use parking_lot::{Mutex, MutexGuard};
 use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, UAR_PAGE_SIZE};
 use prm::Syndrome;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -345,14 +345,8 @@ impl Qp {
                 ))
             }
         };
-        if cfg
-            .dbrec
-            .as_ref()
-            .is_some_and(|d| d.len() < 8 || !d.is_host())
-        {
-            return Err(Error::InvalidArgument(
-                "doorbell record must be 8 bytes of host memory",
-            ));
+        if cfg.dbrec.as_ref().is_some_and(|d| d.len() < 8) {
+            return Err(Error::InvalidArgument("doorbell record must be 8 bytes"));
         }
         let (uar, bf_off, shared_uar, halves) = match cfg.uar {
             None => (Arc::new(DmaBuf::alloc(UAR_PAGE_SIZE)), BF_OFFSET, false, 2),
@@ -555,13 +549,28 @@ impl Qp {
             DBREC_OFF
         }
     }
-    /// Word `i` of the doorbell record (0: RQ head, 1: SQ producer), big-endian as stored.
-    pub(crate) fn dbrec_word(&self, i: usize) -> &AtomicU32 {
-        self.dbrec_page().atomic_u32(self.dbrec_offset() + 4 * i)
+    /// Word `i` of the doorbell record (0: RQ head, 1: SQ producer), as a number: a load with
+    /// acquire in host memory, a copy in device memory (`None` when that read fails).
+    fn dbrec_load(&self, i: usize) -> Option<u32> {
+        let w = self
+            .dbrec_page()
+            .load_u32_acquire(self.dbrec_offset() + 4 * i)
+            .ok()?;
+        Some(u32::from_be(w))
     }
-    /// The RQ producer counter the application published in its doorbell record (low 16 bits).
-    pub(crate) fn rq_head(&self) -> u16 {
-        u32::from_be(self.dbrec_word(0).load(Ordering::Acquire)) as u16
+    /// The SQ producer counter published in a doorbell record in host memory (low 16 bits).
+    /// `None` for a record in device memory: a device takes the SQ producer from the doorbell
+    /// itself, and reading device memory at every doorbell would cost a copy.
+    pub(crate) fn sq_dbrec(&self) -> Option<u16> {
+        if !self.dbrec_page().is_host() {
+            return None;
+        }
+        self.dbrec_load(1).map(|w| w as u16)
+    }
+    /// The RQ producer counter the application published in its doorbell record (low 16 bits);
+    /// a record in device memory that cannot be read shows no new receive.
+    pub(crate) fn rq_head(&self, known: u16) -> u16 {
+        self.dbrec_load(0).map_or(known, |w| w as u16)
     }
     /// Offset of the 8-byte CPU-proxy producer word in [`Qp::ctrl_page`].
     pub fn proxy_offset(&self) -> usize {

@@ -140,7 +140,7 @@ impl<'a> Resp<'a> {
                 }
                 self.rq.srq_wqe.is_some()
             }
-            None => self.qp.rq_wqes != 0 && self.rq.ci as u16 != self.qp.rq_head(),
+            None => self.qp.rq_wqes != 0 && self.rq.ci as u16 != self.qp.rq_head(self.rq.ci as u16),
         }
     }
 

@@ -579,6 +579,97 @@ fn rings_in_device_memory_run_every_kind_of_work() {
     drop(b);
 }
 
+/// Rings and doorbell records all in device memory (what GPUNetIO and NVSHMEM IBGDA make with
+/// DEVX): the SQ producer comes from the doorbells (the record is not read), the RQ head and the
+/// CQ consumer indexes are read from device memory. The send CQ detects overrun: 24 signaled
+/// WRITEs through a 16-entry CQ go through only because the consumer index the poller stores
+/// in device memory is read; a 17th CQE without polling is an overrun.
+#[test]
+fn doorbell_records_in_device_memory_are_read_as_a_device_reads_them() {
+    let g = SimDeviceMemory::new(4 * MB);
+    let (a, b) = (Node::new(), Node::new());
+    let mut carver = Carver::new(g.clone(), g.clone(), 0x80_000);
+    let (qa, sa, ra) = qp_all_on(&a, &mut carver, 64, 16);
+    assert!(!qa.dbrec_page().is_host() && !sa.dbrec().is_host() && !ra.dbrec().is_host());
+    let ob = Opts::default();
+    let (qb, sb, rb) = qp_on(
+        &b,
+        &mut Carver::new(g.clone(), g.clone(), 0),
+        Placement {
+            sq: false,
+            rq: false,
+            scq: false,
+            rcq: false,
+        },
+        ob.sq_blocks,
+        ob.ncqe,
+    );
+    bring_up(&qa, &b, qb.qpn());
+    bring_up(&qb, &a, qa.qpn());
+    let mut ga = GpuSide::new(qa, sa, ra, g.clone());
+    let mut eb = Ep {
+        ini: Initiator::for_soft_qp(&b.dev, &qb, RingMode::Doca),
+        qp: qb,
+        scq: sb,
+        rcq: rb,
+    };
+    let src = Region::new(&a, &Kind::Host, 4096, ALL);
+    let dst = Region::new(&b, &Kind::Host, 4096, ALL);
+    src.write(0, &Rng(5).bytes(4096));
+    let write = |ga: &mut GpuSide, i: usize| {
+        let sge = [src.sge(i * 64, 64)];
+        let op = Op::Write {
+            remote: dst.remote(i * 64),
+            local: Local::Sges(&sge),
+            imm: None,
+        };
+        ga.go(&a.dev, &op, SIG);
+    };
+    for batch in [0..12usize, 12..24] {
+        for i in batch.clone() {
+            write(&mut ga, i);
+        }
+        for _ in batch {
+            assert!(matches!(
+                ga.wait_send(),
+                Completion::Req { byte_cnt: 64, .. }
+            ));
+        }
+    }
+    assert_eq!(dst.read(0, 24 * 64), src.read(0, 24 * 64));
+    // a receive announced in the device-memory record takes B's SEND
+    let rbuf = Region::new(&a, &Kind::Host, 4096, ALL);
+    ga.post_recv(&[rbuf.sge(0, 256)]);
+    let hsrc = Region::new(&b, &Kind::Host, 4096, ALL);
+    hsrc.write(0, &[0x3c; 100]);
+    eb.go(
+        &Op::Send {
+            local: Local::Sges(&[hsrc.sge(0, 100)]),
+            imm: None,
+        },
+        SIG,
+    );
+    assert!(matches!(eb.send_cqe(), Completion::Req { .. }));
+    assert!(matches!(
+        ga.wait_recv(),
+        Completion::Resp { byte_cnt: 100, .. }
+    ));
+    assert_eq!(rbuf.read(0, 100), vec![0x3c; 100]);
+    // 17 signaled WRITEs without polling: the 17th CQE would overwrite one not taken
+    for i in 0..17 {
+        write(&mut ga, i);
+    }
+    let t = std::time::Instant::now();
+    while a.dev.counters().cq_overruns == 0 {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "no CQ overrun"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(a.dev.counters().device_memory_errors, 0);
+}
+
 #[test]
 fn cqes_in_device_memory_are_written_head_then_tail() {
     let g = SimDeviceMemory::new(4 * MB);

@@ -338,6 +338,37 @@ pub fn qp_on(
     (n.dev.create_qp(cfg).unwrap(), scq, rcq)
 }
 
+/// A QP whose rings and doorbell records (its own and its CQs', the CQs detecting overrun)
+/// are all in device memory (`c`), as a GPU library that puts everything in GPU memory makes
+/// them with DEVX.
+pub fn qp_all_on(
+    n: &Node,
+    c: &mut Carver,
+    sq_blocks: u32,
+    ncqe: u32,
+) -> (Arc<Qp>, Arc<Cq>, Arc<Cq>) {
+    let mut cq = || {
+        n.dev
+            .create_cq(CqConfig {
+                ncqe,
+                mode: softnic::CqMode::OverrunDetect,
+                ring: Some(c.ring(ncqe as usize * 64)),
+                dbrec: Some(c.ring(8)),
+                ..Default::default()
+            })
+            .unwrap()
+    };
+    let (scq, rcq) = (cq(), cq());
+    let mut cfg = QpConfig::new(n.pd, scq.clone(), rcq.clone());
+    cfg.sq_blocks = sq_blocks;
+    cfg.rq_wqes = 64;
+    cfg.max_recv_sge = 4;
+    cfg.sq_ring = Some(c.ring(sq_blocks as usize * WQEBB));
+    cfg.rq_ring = Some(c.ring(64 * 64));
+    cfg.dbrec = Some(c.ring(8));
+    (n.dev.create_qp(cfg).unwrap(), scq, rcq)
+}
+
 /// RESET → RTS towards `peer`'s QP `qpn`, every remote right granted.
 pub fn bring_up(q: &Qp, peer: &Node, qpn: u32) {
     q.modify(Modify::Init {
@@ -422,11 +453,23 @@ impl GpuSide {
         idx
     }
 
+    /// A big-endian word of a doorbell record, in host memory (a store with release) or in
+    /// device memory (the GPU's own store).
+    fn store_word(&self, rec: &DmaBuf, off: usize, v: u32) {
+        if rec.is_host() {
+            rec.atomic_u32(off).store(v.to_be(), Ordering::Release);
+        } else {
+            self.mem.poke(rec.addr() + off as u64, &v.to_be_bytes());
+        }
+    }
+
     /// DBREC send word, then the register (host memory, as on hardware).
     pub fn ring(&self, dev: &Device) {
-        let ctrl = self.qp.ctrl_page();
-        ctrl.atomic_u32(self.qp.dbrec_offset() + 4)
-            .store((self.pi as u32).to_be(), Ordering::Release);
+        self.store_word(
+            self.qp.dbrec_page(),
+            self.qp.dbrec_offset() + 4,
+            self.pi as u32,
+        );
         self.qp.uar().atomic_u64(BF_OFFSET).store(
             DoorbellValue::from_pi(self.pi, self.qp.qpn()).to_u64(),
             Ordering::Release,
@@ -453,10 +496,11 @@ impl GpuSide {
         }
         self.store(self.qp.rq_ring(), base, &wqe);
         self.rq_pi = self.rq_pi.wrapping_add(1);
-        self.qp
-            .ctrl_page()
-            .atomic_u32(self.qp.dbrec_offset())
-            .store((self.rq_pi & 0xffff).to_be(), Ordering::Release);
+        self.store_word(
+            self.qp.dbrec_page(),
+            self.qp.dbrec_offset(),
+            self.rq_pi & 0xffff,
+        );
     }
 
     fn poll(&self, cq: &Cq, ci: &mut u32) -> Option<Completion> {
@@ -468,9 +512,7 @@ impl GpuSide {
             return None;
         }
         *ci = ci.wrapping_add(1);
-        cq.dbrec()
-            .atomic_u32(0)
-            .store((*ci & 0xff_ffff).to_be(), Ordering::Release);
+        self.store_word(cq.dbrec(), 0, *ci & 0xff_ffff);
         Some(cqe.decode())
     }
 

@@ -70,11 +70,8 @@ impl Context {
         let ring = o
             .umem(ring_umem)?
             .slice(cmd::get(input, ci::CQ_UMEM_OFFSET), ncqe as usize * 64)?;
-        let dbr = o.umem(dbr_umem)?;
-        if dbr.is_gpu() {
-            return lacks("a CQ doorbell record in GPU memory");
-        }
-        let dbrec = dbr.slice(f(cqc::DBR_ADDR), 8)?;
+        // the doorbell record may be GPU memory too (read with a copy when the mode needs it)
+        let dbrec = o.umem(dbr_umem)?.slice(f(cqc::DBR_ADDR), 8)?;
         let cq = soft
             .create_cq(softnic::CqConfig {
                 ncqe,

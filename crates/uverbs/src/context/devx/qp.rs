@@ -229,11 +229,9 @@ impl Context {
             0 => None,
             n => Some(wq.slice(wq_off + rq_bytes as u64, n)?),
         };
-        let dbr = o.umem(dbr_umem)?;
-        if dbr.is_gpu() {
-            return lacks("a QP doorbell record in GPU memory");
-        }
-        let dbrec = dbr.slice(f(qpc::DBR_ADDR), 8)?;
+        // a doorbell record in GPU memory: the SQ producer comes from the doorbells, the RQ
+        // head is read with a copy
+        let dbrec = o.umem(dbr_umem)?.slice(f(qpc::DBR_ADDR), 8)?;
         let cfg = softnic::QpConfig {
             pd,
             send_cq,

@@ -46,11 +46,6 @@ impl Umem {
             Some(mem) => Ok(DmaBuf::from_device(addr, len, mem.clone(), Box::new(()))),
         }
     }
-
-    /// Whether the umem is GPU memory.
-    pub fn is_gpu(&self) -> bool {
-        self.gpu.is_some()
-    }
 }
 
 impl Context {
