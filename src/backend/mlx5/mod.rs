@@ -626,7 +626,18 @@ impl Qp {
     /// Moves the QP to a state without attributes (RESET or ERR).
     pub(crate) fn to_state(&self, state: sys::ibv_qp_state) -> Result<(), Error> {
         if let QpOwner::Devx(obj) = &self.owner {
-            return obj.qp_to(self.qpn, state == sys::IBV_QPS_RESET);
+            let reset = state == sys::IBV_QPS_RESET;
+            obj.qp_to(self.qpn, reset)?;
+            if reset {
+                // The doorbell record is ours: cleared with the device's indices, as libmlx5
+                // clears a provider QP's at RESET (the next poster starts at 0).
+                // SAFETY: 8 aligned bytes of the record's host page, which this QP owns.
+                let words = unsafe { &*(self.dbrec as *const [std::sync::atomic::AtomicU32; 2]) };
+                for w in words {
+                    w.store(0, std::sync::atomic::Ordering::Release);
+                }
+            }
+            return Ok(());
         }
         // SAFETY: zeroed attr is valid plain data.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
