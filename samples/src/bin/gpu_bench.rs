@@ -11,6 +11,8 @@
 //!   `--engine-rounds` interleaved rounds (3), medians.
 //! - `shapes`: issue 14's launch shapes (1 or N CTAs, a thread or a warp each, exclusive or
 //!   GPU sharing, host or GPU rings), post only, five interleaved rounds, medians.
+//! - `mlx5_shapes`: the GPU-ring shapes on soft-NIC QPs and on DEVX QPs of `mlx5_0` (rings in
+//!   GPU memory through DEVX umems) in the same rounds; run under `gpuverbs emu --devices 2`.
 //!
 //! `gpu_bench [--gpu N] [--json] [--series post_only,post_complete,engines,shapes]`. Times come from %globaltimer inside the kernels.
 
@@ -35,7 +37,9 @@ struct Args {
     #[arg(long)]
     json: bool,
     /// Which series to run (the ceiling and the floor always run): post_only, post_complete,
-    /// engines, shapes (the launch shapes of issue 14, five interleaved rounds, medians).
+    /// engines, shapes (the launch shapes of issue 14, five interleaved rounds, medians),
+    /// mlx5_shapes (the GPU-ring shapes on soft-NIC QPs and on DEVX QPs of `mlx5_0`, in the
+    /// same rounds; not by default: it runs under `gpuverbs emu --devices 2`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -148,18 +152,29 @@ fn setup(
     connect: bool,
     nqps: u32,
     sq_blocks: u32,
-    rings: RingPlacement,
-    engines: u32,
+    sh: Shape,
 ) -> Result<Setup> {
-    // The initiating soft NIC runs in completion-only mode: it checks and completes every WQE
-    // but moves no payload, so post-and-complete measures posting plus the engine's WQE cost.
-    // (Its engine threads also run the responder side: the peer is a device of this process.)
-    let a = Context::open_soft(gpuverbs::soft::DeviceConfig {
-        completion_only: true,
-        engine_threads: engines,
-        ..Default::default()
-    })?;
-    let b = Context::open(DeviceRequest::Soft)?;
+    let rings = sh.rings;
+    let (a, b) = if sh.mlx5 {
+        (
+            Context::open(DeviceRequest::Named("mlx5_0".into()))
+                .context("the mlx5 shapes run under `gpuverbs emu --devices 2`")?,
+            Context::open(DeviceRequest::Named("mlx5_1".into()))?,
+        )
+    } else {
+        // The initiating soft NIC runs in completion-only mode: it checks and completes every
+        // WQE but moves no payload, so post-and-complete measures posting plus the engine's
+        // WQE cost. (Its engine threads also run the responder side: the peer is a device of
+        // this process.)
+        (
+            Context::open_soft(gpuverbs::soft::DeviceConfig {
+                completion_only: true,
+                engine_threads: sh.engines,
+                ..Default::default()
+            })?,
+            Context::open(DeviceRequest::Soft)?,
+        )
+    };
     let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
     let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
     let src_mr = pa.register(&src)?;
@@ -252,6 +267,9 @@ struct Shape {
     rings: RingPlacement,
     /// Engine threads of side A's soft NIC.
     engines: u32,
+    /// Side A is `mlx5_0` (DEVX objects for GPU rings; run under `gpuverbs emu --devices 2`),
+    /// side B `mlx5_1`; else two soft NICs.
+    mlx5: bool,
 }
 
 fn shape(
@@ -273,6 +291,7 @@ fn shape(
         share,
         rings: RingPlacement::HostMapped,
         engines: 1,
+        mlx5: false,
     }
 }
 
@@ -296,7 +315,7 @@ fn setup_shape(gpu: &Arc<Gpu>, mode: DoorbellMode, complete: bool, sh: Shape) ->
         sq_blocks <= SQ_BLOCKS,
         "post-only run of {per_qp} WQEs per QP does not fit the ring"
     );
-    setup(gpu, mode, complete, nqps, sq_blocks, sh.rings, sh.engines)
+    setup(gpu, mode, complete, nqps, sq_blocks, sh)
 }
 
 /// One run of `sh` on `s`: returns WQEs per second.
@@ -372,8 +391,10 @@ fn run_shape(gpu: &Arc<Gpu>, s: &Setup, complete: bool, sh: Shape) -> Result<f64
         "posted {} of {wqes} WQEs",
         posted - before
     );
-    let errors = s.a.soft_device().expect("soft").counters().errors;
-    ensure!(errors.is_empty(), "device errors: {errors:?}");
+    if let Some(d) = s.a.soft_device() {
+        let errors = d.counters().errors;
+        ensure!(errors.is_empty(), "device errors: {errors:?}");
+    }
     Ok(wqes as f64 / (elapsed * 1e-9))
 }
 
@@ -424,10 +445,26 @@ fn gpunetio_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<f6
             gpu_rings(warp(sms, Share::Gpu)),
         ),
     ];
-    // One set of QPs per shape for all rounds: between rounds gv_bench_recycle marks what a
-    // round posted retired (post-only QPs execute nothing), so the ring serves the next one.
+    let medians = shape_rounds(gpu, &shapes)?;
+    for ((name, _), m) in shapes.iter().zip(&medians) {
+        let m = *m;
+        lines.push(Line {
+            test: "gpunetio_shape",
+            config: (*name).into(),
+            db: "gpu",
+            value: m / 1e6,
+            unit: "M WQE/s",
+        });
+    }
+    Ok(medians[0])
+}
+
+/// Five interleaved rounds of post-only `shapes` (each on a set of QPs of its own made once;
+/// between rounds gv_bench_recycle marks what a round posted retired, so the ring serves the
+/// next one); the median WQE/s of each.
+fn shape_rounds(gpu: &Arc<Gpu>, shapes: &[(&str, Shape)]) -> Result<Vec<f64>> {
     let mut setups = Vec::new();
-    for (name, sh) in &shapes {
+    for (name, sh) in shapes {
         setups.push(
             setup_shape(gpu, DoorbellMode::GpuDoorbell, false, *sh)
                 .with_context(|| format!("shape {name}"))?,
@@ -454,26 +491,63 @@ fn gpunetio_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<f6
             };
         }
     }
-    let mut first = 0.0;
+    let mut medians = Vec::new();
     for (i, (name, _)) in shapes.iter().enumerate() {
         let m = median(&mut runs[i]);
-        if i == 0 {
-            first = m;
-        }
         eprintln!(
             "shape {name}: median {:.3} M WQE/s (runs {})",
             m / 1e6,
             runs_list(&runs[i])
         );
-        lines.push(Line {
-            test: "gpunetio_shape",
-            config: (*name).into(),
-            db: "gpu",
-            value: m / 1e6,
-            unit: "M WQE/s",
-        });
+        medians.push(m);
     }
-    Ok(first)
+    Ok(medians)
+}
+
+/// The GPU-ring launch shapes on the soft NIC's QPs and on DEVX QPs of `mlx5_0` (under
+/// `gpuverbs emu --devices 2`), interleaved in the same rounds: the device code cannot tell
+/// them apart, so the post path must cost the same. Lines: each median, and mlx5 / soft.
+fn mlx5_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<()> {
+    let gpu_rings = |sh: Shape, mlx5| Shape {
+        rings: RingPlacement::Gpu,
+        mlx5,
+        ..sh
+    };
+    let thread = |grid, share| shape(grid, 1, 0, 4096, 1, true, share);
+    let warp = |grid, share| shape(grid, 32, 1, 128, 1, true, share);
+    let base = [
+        ("1 CTA × 1 thread, exclusive", thread(1, Share::Exclusive)),
+        ("1 CTA × 1 thread, GPU sharing", thread(1, Share::Gpu)),
+        ("1 CTA × 1 warp, exclusive", warp(1, Share::Exclusive)),
+        (
+            "N CTAs × 1 thread, exclusive",
+            thread(sms, Share::Exclusive),
+        ),
+        ("N CTAs × 1 warp, exclusive", warp(sms, Share::Exclusive)),
+    ];
+    let mut shapes = Vec::new();
+    for (name, sh) in base {
+        shapes.push((name, gpu_rings(sh, false)));
+        shapes.push((name, gpu_rings(sh, true)));
+    }
+    let m = shape_rounds(gpu, &shapes)?;
+    for (k, (name, _)) in base.iter().enumerate() {
+        let (soft, mlx5) = (m[2 * k], m[2 * k + 1]);
+        for (what, v, unit) in [
+            ("soft NIC", soft / 1e6, "M WQE/s"),
+            ("mlx5_0 DEVX", mlx5 / 1e6, "M WQE/s"),
+            ("mlx5 / soft", mlx5 / soft, "ratio"),
+        ] {
+            lines.push(Line {
+                test: "gpu_rings_shape",
+                config: format!("{name}: {what}"),
+                db: "gpu",
+                value: v,
+                unit,
+            });
+        }
+    }
+    Ok(())
 }
 
 struct Line {
@@ -494,7 +568,13 @@ fn db_name(m: DoorbellMode) -> &'static str {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    const SERIES: [&str; 4] = ["post_only", "post_complete", "engines", "shapes"];
+    const SERIES: [&str; 5] = [
+        "post_only",
+        "post_complete",
+        "engines",
+        "shapes",
+        "mlx5_shapes",
+    ];
     for s in &args.series {
         ensure!(
             SERIES.contains(&s.as_str()),
@@ -818,6 +898,9 @@ fn main() -> Result<()> {
     } else {
         0.0
     };
+    if want("mlx5_shapes") {
+        mlx5_shapes(&gpu, sms, &mut lines)?;
+    }
     let mut ratios = serde_json::Map::new();
     if want("post_only") {
         if [thread_rate, warp_rate, shared_warp_rate, gpu_rings_rate].contains(&0.0) {

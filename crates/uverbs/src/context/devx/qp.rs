@@ -124,6 +124,11 @@ impl DevxQp {
         let mut o = out(cmd::QUERY_QP_OUT);
         o[QPC_AT as usize..QPC_AT as usize + QPC_LEN].copy_from_slice(&self.qpc);
         cmd::set(&mut o, qpc::STATE.at(QPC_AT), soft_state(&self.soft).into());
+        // a QP not yet given a path MTU reports the port's (4096), as a ConnectX reports a
+        // valid one for a fresh QP (GPUNetIO reads it right after CREATE_QP)
+        if cmd::get(&o, qpc::MTU.at(QPC_AT)) == 0 {
+            cmd::set(&mut o, qpc::MTU.at(QPC_AT), 5);
+        }
         Ok(o)
     }
 }

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# NVIDIA's own GPUNetIO (github.com/NVIDIA-DOCA/gpunetio, BSD-3; its source is an input of this
+# check, never part of this repository) on gpuverbs' emulated ConnectX: builds its host library
+# and its verbs examples against this machine's CUDA and rdma-core, then runs
+# `gpunetio_verbs_put_bw` and `gpunetio_verbs_write_lat` as server and client, each under its own
+# `gpuverbs emu` (addresses 127.0.0.1 and 127.0.0.2), with the CPU-proxy doorbell (`-p 1`: the
+# GPU cannot map the emulated UAR page as I/O memory, docs/emulation.md). put_bw's server checks
+# every byte it received (GPUNetIO's own check, on SIGINT); write_lat's ping-pong must finish.
+# With gpuverbs' samples given, gpuverbs' put_bw (two processes) and write_lat (loopback) run on
+# the same emulated devices in the same call, for the figures beside GPUNetIO's.
+#
+# usage: gpunetio_check.sh GPUNETIO_TARBALL_OR_DIR GPUVERBS PRELOAD [SAMPLES_DIR]
+# prints one line per case and `gpunetio: N passed, M failed`; the examples' tables and logs
+# are in $LOG (default /tmp/gpunetio-check).
+set -u
+src=$1 gpuverbs=$(realpath "$2") preload=$(realpath "$3") samples=${4:-}
+log=${LOG:-/tmp/gpunetio-check}
+mkdir -p "$log"
+passed=0 failed=0
+ok() { echo "ok   $1"; passed=$((passed + 1)); }
+bad() { echo "FAIL $1"; failed=$((failed + 1)); }
+
+work=$log/gpunetio
+if [ -d "$src" ]; then
+    rm -rf "$work" && cp -r "$src" "$work"
+else
+    rm -rf "$work" && mkdir -p "$work" && tar -C "$work" --strip-components=1 -xzf "$src"
+fi
+cd "$work" || exit 1
+echo "GPUNetIO: $(cat VERSION 2>/dev/null || echo '?') $(git rev-parse --short HEAD 2>/dev/null || true)"
+# serially: the examples link against the library (a parallel make races there)
+if make -j16 lib CUDA_HOME=/usr/local/cuda CUDA_ARCH=90 >"$log/build.log" 2>&1 &&
+    make examples CUDA_HOME=/usr/local/cuda CUDA_ARCH=90 >>"$log/build.log" 2>&1; then
+    ok "build (host library and examples)"
+else
+    bad "build (see $log/build.log)"
+    tail -n 20 "$log/build.log"
+    echo "gpunetio: $passed passed, $failed failed"
+    exit 1
+fi
+export LD_LIBRARY_PATH=$work/lib:${LD_LIBRARY_PATH:-} DOCA_GPUNETIO_LOG=6 GPUVERBS_PRELOAD=$preload
+gpu=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader | head -1)
+mps=0
+if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d 2>/dev/null; then
+    mps=1
+fi
+
+# run_pair NAME BIN EXTRA...: server under `gpuverbs emu --ip 127.0.0.1`, client under
+# `--ip 127.0.0.2` connecting to it (TCP port 2000, GPUNetIO's). Sets $sp (server pid).
+run_pair() {
+    local name=$1 bin=$2
+    shift 2
+    timeout 180 "$gpuverbs" emu --ip 127.0.0.1 -- "$bin" -g "$gpu" -d mlx5_0 -l 0 -p 1 "$@" \
+        >"$log/$name.server" 2>&1 &
+    sp=$!
+    for _ in $(seq 300); do
+        grep -q "Listening for incoming" "$log/$name.server" && break
+        kill -0 "$sp" 2>/dev/null || break
+        sleep 0.1
+    done
+    timeout 180 "$gpuverbs" emu --ip 127.0.0.2 -- "$bin" -g "$gpu" -d mlx5_0 -l 0 -p 1 "$@" \
+        -c 127.0.0.1 >"$log/$name.client" 2>&1
+}
+
+b=examples/gpunetio_verbs_put_bw/gpunetio_verbs_put_bw
+run_pair put_bw "$b" -i 512
+crc=$?
+sleep 1
+kill -INT "$sp" 2>/dev/null
+wait "$sp"
+if [ "$crc" = 0 ] && grep -q "Validation successfull" "$log/put_bw.server" &&
+    ! grep -q "Validation error" "$log/put_bw.server"; then
+    ok "gpunetio_verbs_put_bw (client rc 0; the server validated every byte)"
+else
+    bad "gpunetio_verbs_put_bw (client rc $crc; see $log/put_bw.*)"
+    tail -n 15 "$log/put_bw.client" "$log/put_bw.server"
+fi
+grep -A20 '#bytes' "$log/put_bw.client" | head -20
+
+l=examples/gpunetio_verbs_write_lat/gpunetio_verbs_write_lat
+run_pair write_lat "$l" -i 256
+crc=$?
+wait "$sp"
+src_rc=$?
+if [ "$crc" = 0 ] && [ "$src_rc" = 0 ]; then
+    ok "gpunetio_verbs_write_lat (both sides finished the ping-pong)"
+else
+    bad "gpunetio_verbs_write_lat (client rc $crc, server rc $src_rc; see $log/write_lat.*)"
+    tail -n 15 "$log/write_lat.client" "$log/write_lat.server"
+fi
+grep -A12 '#bytes' "$log/write_lat.client" | head -12
+
+if [ -n "$samples" ]; then
+    echo "gpuverbs on the same emulated devices:"
+    timeout 120 "$gpuverbs" emu --ip 127.0.0.1 -- "$samples/put_bw" -d mlx5_0 -p 18700 \
+        --initiator gpu --rings gpu --json -s 65536 -n 5000 >"$log/gv_put_bw.server" 2>&1 &
+    gsp=$!
+    sleep 2
+    timeout 120 "$gpuverbs" emu --ip 127.0.0.2 -- "$samples/put_bw" -d mlx5_0 -p 18700 \
+        --initiator gpu --rings gpu --json -s 65536 -n 5000 127.0.0.1 >"$log/gv_put_bw.client" 2>&1
+    wait "$gsp"
+    grep '^{' "$log/gv_put_bw.client" | head -2
+    timeout 120 "$gpuverbs" emu --devices 1 -- "$samples/write_lat" -d mlx5_0 --loopback \
+        --initiator gpu --json -s 8 -n 5000 >"$log/gv_write_lat.out" 2>&1
+    grep '^{' "$log/gv_write_lat.out" | head -2
+fi
+if [ "$mps" = 1 ]; then
+    echo quit | nvidia-cuda-mps-control
+fi
+echo "gpunetio: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
