@@ -488,6 +488,10 @@ def case_transitions():
     init.primary_address_path.vhca_port_num = 1
     qp.modify(DevxOps.MLX5_CMD_OP_RST2INIT_QP, init)
     check(qp.state() == 1, 'RST2INIT')
+    qp.modify(0x50e, SwQpc(rwe=1, rre=1), opt=0xe)  # INIT2INIT with the rights
+    check(qp.state() == 1, 'INIT2INIT')
+    expect_errno(EREMOTEIO, 'RTS2RTS from INIT',
+                 lambda: qp.modify(DevxOps.MLX5_CMD_OP_RTS2RTS_QP, SwQpc()))
     expect_errno(EREMOTEIO, 'RST2INIT from INIT',
                  lambda: qp.modify(DevxOps.MLX5_CMD_OP_RST2INIT_QP, init))
     bad_mtu = SwQpc(mtu=7, remote_qpn=1)
