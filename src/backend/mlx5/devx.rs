@@ -435,6 +435,44 @@ impl Pd {
     }
 }
 
+/// `mlx5dv_devx_obj_modify` and `_query` (the same shape).
+type ObjCmd = unsafe extern "C" fn(
+    *mut sys::mlx5dv_devx_obj,
+    *const std::ffi::c_void,
+    usize,
+    *mut std::ffi::c_void,
+    usize,
+) -> std::ffi::c_int;
+
+impl Obj {
+    /// Runs a command on the object through `f` (`call` names it); returns the out-mailbox of
+    /// `out_len` bytes, or an error with the PRM status and syndrome and `what`.
+    fn run(
+        &self,
+        f: ObjCmd,
+        call: &'static str,
+        input: &[u8],
+        out_len: usize,
+        what: impl FnOnce() -> String,
+    ) -> Result<Vec<u8>, Error> {
+        let mut out = vec![0u8; out_len];
+        // SAFETY: a live object; in and out are buffers of the lengths given.
+        let rc = unsafe {
+            f(
+                self.obj,
+                input.as_ptr().cast(),
+                input.len(),
+                out.as_mut_ptr().cast(),
+                out.len(),
+            )
+        };
+        if rc != 0 {
+            return Err(devx_err(call, rc, &out, what()));
+        }
+        Ok(out)
+    }
+}
+
 /// One QP transition: `opcode` with `fields` set.
 fn modify(
     qp: &Obj,
@@ -453,25 +491,9 @@ fn modify(
     for &(field, v) in fields {
         cmd::set(&mut m, field, v);
     }
-    let mut out = vec![0u8; 16];
-    // SAFETY: a live object; in and out are buffers of the lengths given.
-    let rc = unsafe {
-        f(
-            qp.obj,
-            m.as_ptr().cast(),
-            m.len(),
-            out.as_mut_ptr().cast(),
-            out.len(),
-        )
-    };
-    if rc != 0 {
-        return Err(devx_err(
-            "mlx5dv_devx_obj_modify",
-            rc,
-            &out,
-            format!("QP {qpn:#x} {name}"),
-        ));
-    }
+    qp.run(f, "mlx5dv_devx_obj_modify", &m, 16, || {
+        format!("QP {qpn:#x} {name}")
+    })?;
     Ok(())
 }
 
@@ -495,25 +517,9 @@ impl Obj {
         let mut m = vec![0u8; 16];
         cmd::set(&mut m, cmd::cmd_in::OPCODE, op::QUERY_QP.into());
         cmd::set(&mut m, modify_qp_in::QPN, qpn.into());
-        let mut out = vec![0u8; cmd::QUERY_QP_OUT];
-        // SAFETY: a live object; in and out are buffers of the lengths given.
-        let rc = unsafe {
-            f(
-                self.obj,
-                m.as_ptr().cast(),
-                m.len(),
-                out.as_mut_ptr().cast(),
-                out.len(),
-            )
-        };
-        if rc != 0 {
-            return Err(devx_err(
-                "mlx5dv_devx_obj_query",
-                rc,
-                &out,
-                format!("QUERY_QP {qpn:#x}"),
-            ));
-        }
+        let out = self.run(f, "mlx5dv_devx_obj_query", &m, cmd::QUERY_QP_OUT, || {
+            format!("QUERY_QP {qpn:#x}")
+        })?;
         Ok(cmd::get(&out, qpc::STATE.at(QPC_AT)) as u8)
     }
 }
