@@ -232,6 +232,15 @@ impl Context {
         let input = mailbox(call, a::CMD_IN)?;
         let room = out_room(call, a::CMD_OUT)?;
         let opcode = cmd::get(&input, cmd::cmd_in::OPCODE) as u16;
+        if opcode == cmd::op::MODIFY_CQ {
+            // mlx5_ib passes it on; the soft NIC has no moderation or CQ modification
+            return answer(
+                call,
+                a::CMD_OUT,
+                room,
+                lacks("MODIFY_CQ (CQ moderation and resizing through DEVX)"),
+            );
+        }
         if !qp::is_transition(opcode) {
             return Err(Errno::EINVAL);
         }
@@ -258,6 +267,7 @@ impl Context {
         let opcode = cmd::get(&input, cmd::cmd_in::OPCODE) as u16;
         let number = cmd::get(&input, cmd::obj::CQN) as u32;
         let o = self.objs.lock();
+        // (a verbs object's handle, as `mlx5dv_devx_qp_query` passes, is not served: EINVAL)
         let r = match (opcode, o.devx_objs.get(&h)) {
             (cmd::op::QUERY_QP, Some(DevxObj::Qp(q))) if number == q.soft.qpn() => q.query(),
             (cmd::op::QUERY_CQ, Some(DevxObj::Cq(c))) if number == c.soft.cqn() => c.query(),
@@ -267,14 +277,39 @@ impl Context {
     }
 }
 
-/// Whether `op` is a creation command mlx5_ib passes to the device through OBJ_CREATE.
+/// Whether `op` is a creation command mlx5_ib passes to the device through OBJ_CREATE
+/// (`devx_is_obj_create_cmd`; CREATE_CQ and CREATE_QP are served, the rest refused by the
+/// device).
 fn is_create(op: u16) -> bool {
     use cmd::op::*;
+    const OTHERS: [u16; 24] = [
+        0x600, // CREATE_PSV
+        0x705, // CREATE_XRC_SRQ
+        0x717, // CREATE_XRQ
+        0x771, // ALLOC_Q_COUNTER
+        0x782, // CREATE_SCHEDULING_ELEMENT
+        0x806, // ATTACH_TO_MCG
+        0x80e, // ALLOC_XRCD
+        0x816, // ALLOC_TRANSPORT_DOMAIN
+        0x827, // ADD_VXLAN_UDP_DPORT
+        0x829, // SET_L2_TABLE_ENTRY
+        0x900, // CREATE_TIR
+        0x904, // CREATE_SQ
+        0x908, // CREATE_RQ
+        0x912, // CREATE_TIS
+        0x916, // CREATE_RQT
+        0x930, // CREATE_FLOW_TABLE
+        0x933, // CREATE_FLOW_GROUP
+        0x936, // SET_FLOW_TABLE_ENTRY
+        0x939, // ALLOC_FLOW_COUNTER
+        0x93d, // ALLOC_PACKET_REFORMAT_CONTEXT
+        0x940, // ALLOC_MODIFY_HEADER_CONTEXT
+        CREATE_RMP, CREATE_SRQ, ALLOC_PD,
+    ];
     matches!(
         op,
-        CREATE_GENERAL_OBJECT | CREATE_MKEY | ALLOC_PD | CREATE_RMP | CREATE_SRQ
-    ) || (0x900..=0x93f).contains(&op)
-        || matches!(op, 0x700..=0x70f | 0x726 | 0x733 | 0x803 | 0x806 | 0x816)
+        CREATE_CQ | CREATE_QP | CREATE_DCT | CREATE_MKEY | CREATE_GENERAL_OBJECT
+    ) || OTHERS.contains(&op)
 }
 
 impl super::Objects {
