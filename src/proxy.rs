@@ -232,6 +232,13 @@ impl ProxyTarget {
         let word = qp.proxy_word.clone().ok_or_else(|| {
             crate::Error::InvalidArgument("an mlx5 QP without a proxy word".into())
         })?;
+        let dbrec = q.dbrec.host().ok_or_else(|| {
+            crate::Error::InvalidArgument(format!(
+                "QP {:#x} keeps its doorbell record in GPU memory, which the CPU proxy cannot \
+                 write (create it with DoorbellMode::CpuProxy: its record is then host memory)",
+                q.qpn
+            ))
+        })?;
         let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
         let start = crate::queue::QueueState::of_mlx5(qp, q).sq_pi;
         if !qp.posters.holds(crate::queue::Poster::GpuExport) {
@@ -245,7 +252,7 @@ impl ProxyTarget {
         // `keep` (the QP's Arc holds its CQs, PD and context); the GPU and this proxy access the
         // word atomically, and while the target is registered only the proxy writes the
         // record's send word and the register (the documented CPU-proxy mode).
-        let t = unsafe { Self::new(producer, q.dbrec, q.bf_reg, q.qpn, None, keep) }
+        let t = unsafe { Self::new(producer, dbrec, q.bf_reg, q.qpn, None, keep) }
             .map_err(|e| crate::Error::InvalidArgument(e.to_string()))?;
         Ok(t.with_max_jump(q.sq_blocks).with_start(start))
     }

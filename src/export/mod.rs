@@ -152,6 +152,13 @@ impl Gpu {
         let map = |addr: *mut u8, len: usize, keep: &Arc<dyn Any + Send + Sync>| {
             self.map_range(addr as u64, len, keep.clone(), false)
         };
+        // a doorbell record: mapped from host memory, or (beside GPU rings) already GPU memory
+        let rec_addr = |r: &mlx5::Rec, keep: &Arc<dyn Any + Send + Sync>| match (r.buf(), r.host())
+        {
+            (Some(b), _) => self.gpu_addr(b, keep.clone()),
+            (None, Some(p)) => Ok(map(p, 8, keep)?),
+            (None, None) => Err(Error::InvalidArgument("a doorbell record nowhere".into())),
+        };
         let keep_scq: Arc<dyn Any + Send + Sync> = scq.clone();
         let keep_rcq: Arc<dyn Any + Send + Sync> = rcq.clone();
         // the doorbell: the UAR page mapped into the GPU, or (CPU proxy) a host word the kernel
@@ -171,13 +178,13 @@ impl Gpu {
                 None => 0,
                 Some(rq) => self.gpu_addr(rq, keep_qp.clone())?,
             },
-            dbrec: map(q.dbrec, 8, &keep_qp)?,
+            dbrec: rec_addr(&q.dbrec, &keep_qp)?,
             db_reg: uar,
             proxy_word,
             scq_ring: self.gpu_addr(&scq.ring, keep_scq.clone())?,
-            scq_dbrec: map(scq.dbrec, 8, &keep_scq)?,
+            scq_dbrec: rec_addr(&scq.dbrec, &keep_scq)?,
             rcq_ring: self.gpu_addr(&rcq.ring, keep_rcq.clone())?,
-            rcq_dbrec: map(rcq.dbrec, 8, &keep_rcq)?,
+            rcq_dbrec: rec_addr(&rcq.dbrec, &keep_rcq)?,
             scratch: self.map_host(&scratch)?,
             sq_blocks: q.sq_blocks,
             rq_wqes: q.rq_wqes,

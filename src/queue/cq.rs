@@ -105,7 +105,7 @@ impl Cq {
             CqDev::Mlx5(c) => softnic::initiator::CqGeometry {
                 ring: c.ring.as_ptr(),
                 ncqe: c.ncqe,
-                dbrec: c.dbrec,
+                dbrec: c.dbrec.host().unwrap_or(std::ptr::null_mut()),
                 collapsed: c.mode == CqMode::Collapsed,
             },
         }
@@ -176,12 +176,19 @@ impl Context {
                     let bytes = (o.depth as usize).saturating_mul(prm::CQE_SIZE);
                     let ring = ring.unwrap_or_else(|| DmaBuf::alloc(bytes));
                     softnic::cq::prefill(&ring, o.depth as usize, o.init)?;
-                    let dmabuf = gpu.filter(|_| !ring.is_host()).map(|g| {
+                    let gpu = gpu.filter(|_| !ring.is_host());
+                    let dmabuf = gpu.map(|g| {
                         g.dmabuf(ring.addr(), bytes as u64)
                             .map_err(|e| e.to_string())
                     });
+                    // beside a ring in GPU memory, its doorbell record is GPU memory too (its
+                    // consumer, a kernel, writes it)
+                    let rec = match gpu {
+                        Some(g) => g.ring_buffer(8)?,
+                        None => DmaBuf::alloc(64),
+                    };
                     CqDev::Mlx5(crate::backend::mlx5::Cq::devx(
-                        d, o.depth, o.mode, ring, dmabuf,
+                        d, o.depth, o.mode, ring, dmabuf, rec,
                     )?)
                 }
             }

@@ -186,6 +186,12 @@ impl Pd {
                         }
                         None => (DmaBuf::alloc(len), None),
                     };
+                    // the doorbell record beside GPU rings is GPU memory too, unless the CPU
+                    // proxy writes it
+                    let rec = match gpu {
+                        Some(g) if mode != DoorbellMode::CpuProxy => g.ring_buffer(8)?,
+                        _ => DmaBuf::alloc(64),
+                    };
                     let q = pd.create_devx_qp(
                         scq,
                         rcq,
@@ -194,6 +200,7 @@ impl Pd {
                         stride,
                         wq,
                         dmabuf,
+                        rec,
                         mode == DoorbellMode::BlueFlame,
                     )?;
                     return self.finish_qp(o, QpDev::Mlx5(q), mode, reason);

@@ -71,12 +71,8 @@ impl QueueState {
     /// consumed receive's completion is taken (what [`crate::gpu`]'s export requires), so the
     /// RQ's consumer index is the receive CQ's.
     pub(crate) fn of_mlx5(qp: &Qp, q: &crate::backend::mlx5::Qp) -> Self {
-        use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Acquire};
-        // SAFETY: the provider's doorbell record (two aligned 32-bit words) and the proxy word
-        // live as long as the QP; the device and pollers access them atomically.
-        let word = |i: usize| {
-            u32::from_be(unsafe { &*(q.dbrec.add(4 * i) as *const AtomicU32) }.load(Acquire))
-        };
+        use std::sync::atomic::{AtomicU64, Ordering::Acquire};
+        let word = |i: usize| q.dbrec.word(i);
         let proxy = qp
             .proxy_word
             .as_ref()
@@ -86,10 +82,7 @@ impl QueueState {
             });
         let sq_pi = producer_from(word(1) as u16, proxy);
         let cq_ci = |cq: &Cq| match &cq.dev {
-            // SAFETY: the provider's CQ doorbell record, live with the CQ.
-            CqDev::Mlx5(c) => {
-                u32::from_be(unsafe { &*(c.dbrec as *const AtomicU32) }.load(Acquire)) & 0xff_ffff
-            }
+            CqDev::Mlx5(c) => c.dbrec.word(0) & 0xff_ffff,
             CqDev::Soft(_) => 0,
         };
         let (scq_ci, rcq_ci) = (cq_ci(&qp.send_cq), cq_ci(&qp.recv_cq));
@@ -213,7 +206,9 @@ impl Qp {
                     CqDev::Mlx5(c) => host(&c.ring),
                     CqDev::Soft(c) => host(c.ring()),
                 };
+                let sq_rec = q.dbrec.host().unwrap_or(std::ptr::null_mut());
                 if !host(&q.sq)
+                    || sq_rec.is_null()
                     || !q.rq.as_ref().is_none_or(host)
                     || !cq_host(&self.send_cq.dev)
                     || !cq_host(&self.recv_cq.dev)
@@ -226,7 +221,7 @@ impl Qp {
                 let sq = softnic::initiator::SqGeometry {
                     ring: q.sq.as_ptr(),
                     blocks: q.sq_blocks,
-                    dbrec: q.dbrec,
+                    dbrec: sq_rec,
                     bf_reg: q.bf_reg,
                     qpn: q.qpn,
                 };
@@ -234,7 +229,7 @@ impl Qp {
                     ring: q.rq.as_ref().map_or(std::ptr::null_mut(), |r| r.as_ptr()),
                     wqes: q.rq_wqes,
                     stride: q.rq_stride,
-                    dbrec: q.dbrec,
+                    dbrec: sq_rec,
                 };
                 let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new((
                     q.clone(),

@@ -86,10 +86,9 @@ impl Device {
             // destroyed (which drops this buffer first: it is a field of the same value).
             ring: unsafe { external(out.buf, out.cqe_cnt as usize * prm::CQE_SIZE)? },
             ncqe: out.cqe_cnt,
-            dbrec: out.dbrec.cast(),
+            dbrec: Rec::Host(out.dbrec.cast()),
             cqn: out.cqn,
             mode: softnic::CqMode::OverrunDetect,
-            _record: None,
         }))
     }
 }
@@ -289,18 +288,17 @@ impl Pd {
             rq,
             rq_wqes: out.rq.wqe_cnt,
             rq_stride: out.rq.stride,
-            dbrec: out.dbrec.cast(),
+            dbrec: Rec::Host(out.dbrec.cast()),
             bf_reg: out.bf.reg.cast(),
             max_inline: a.cap.max_inline_data,
             _wq: None,
-            _record: None,
         }))
     }
 
     /// An RC QP made with DEVX on `wq` (the RQ — `rq_wqes` WQEs of `rq_stride` bytes — then the
     /// SQ of `sq_blocks` blocks; host or GPU memory), reporting to `scq` / `rcq` (provider or
-    /// DEVX CQs), its doorbell record in host memory of its own, doorbells on the device's
-    /// non-cached UAR page or (`bf`) a BlueFlame page of its own.
+    /// DEVX CQs), its doorbell record in `rec` (8 bytes of host or GPU memory), doorbells on the
+    /// device's non-cached UAR page or (`bf`) a BlueFlame page of its own.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn create_devx_qp(
         self: &Arc<Self>,
@@ -311,9 +309,9 @@ impl Pd {
         rq_stride: u32,
         wq: DmaBuf,
         dmabuf: Option<Result<(std::os::fd::OwnedFd, u64), String>>,
+        rec: DmaBuf,
         bf: bool,
     ) -> Result<Arc<Qp>, Error> {
-        let rec = DmaBuf::alloc(64);
         let rq_bytes = (rq_wqes * rq_stride) as usize;
         let sq_bytes = sq_blocks as usize * prm::WQEBB;
         if wq.len() < rq_bytes + sq_bytes || sq_blocks == 0 {
@@ -345,11 +343,10 @@ impl Pd {
             rq,
             rq_wqes,
             rq_stride,
-            dbrec: rec.as_ptr(),
+            dbrec: Rec::Buf(rec),
             bf_reg: reg,
             max_inline: prm::wqe::MAX_INLINE_SEND as u32,
             _wq: Some(wq),
-            _record: Some(rec),
         }))
     }
 }
@@ -397,6 +394,64 @@ unsafe fn external(ptr: *mut std::ffi::c_void, len: usize) -> Result<DmaBuf, Err
     Ok(unsafe { DmaBuf::from_external(p, len, Box::new(())) })
 }
 
+/// A doorbell record: the provider's (host memory it allocated), or one of a DEVX object's own
+/// (host memory, or GPU memory when the rings are there and no CPU writes it).
+pub(crate) enum Rec {
+    Host(*mut u8),
+    Buf(DmaBuf),
+}
+
+impl Rec {
+    /// Big-endian word `i` (0 or 1) as a number: a load with acquire, or a copy from GPU
+    /// memory (0 when that read fails).
+    pub(crate) fn word(&self, i: usize) -> u32 {
+        let w = match self {
+            // SAFETY: a live, 4-byte aligned 8-byte record (the provider's, or a DEVX object's
+            // host page); the device and pollers access it atomically.
+            Self::Host(p) => unsafe { &*(p.add(4 * i) as *const std::sync::atomic::AtomicU32) }
+                .load(std::sync::atomic::Ordering::Acquire),
+            Self::Buf(b) => b.load_u32_acquire(4 * i).unwrap_or(0),
+        };
+        u32::from_be(w)
+    }
+
+    /// The record's host address, when it is host memory (the CPU initiator and the CPU
+    /// proxy write it with host stores).
+    pub(crate) fn host(&self) -> Option<*mut u8> {
+        match self {
+            Self::Host(p) => Some(*p),
+            Self::Buf(b) if b.is_host() => Some(b.as_ptr()),
+            Self::Buf(_) => None,
+        }
+    }
+
+    /// The record's buffer, for a DEVX object's own.
+    pub(crate) fn buf(&self) -> Option<&DmaBuf> {
+        match self {
+            Self::Buf(b) => Some(b),
+            Self::Host(_) => None,
+        }
+    }
+
+    /// Writes zeros into both words.
+    fn clear(&self) {
+        match self {
+            Self::Buf(b) if !b.is_host() => {
+                let _ = b.try_write(0, &[0; 8]);
+            }
+            _ => {
+                if let Some(p) = self.host() {
+                    // SAFETY: as in `word`.
+                    let w = unsafe { &*(p as *const [std::sync::atomic::AtomicU32; 2]) };
+                    for x in w {
+                        x.store(0, std::sync::atomic::Ordering::Release);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Who made a CQ.
 enum CqOwner {
     /// The provider (`mlx5dv_create_cq`).
@@ -412,12 +467,10 @@ pub(crate) struct Cq {
     /// The CQE ring: the provider's (host memory), or the host API's (host or GPU memory).
     pub ring: DmaBuf,
     pub ncqe: u32,
-    /// The CQ doorbell record (host memory).
-    pub dbrec: *mut u8,
+    /// The CQ doorbell record (freed after `owner`: after the object).
+    pub dbrec: Rec,
     pub cqn: u32,
     pub mode: softnic::CqMode,
-    /// The memory of a DEVX CQ's doorbell record (after `owner`: freed after the object).
-    _record: Option<DmaBuf>,
 }
 
 impl Cq {
@@ -427,26 +480,25 @@ impl Cq {
     }
 
     /// A CQ made with DEVX on `ring` (`ncqe` 64-byte CQEs, host or GPU memory, already filled
-    /// as the consumer wants it): collapsed, overrun-ignore or overrun-detect. Its doorbell
-    /// record is host memory of its own.
+    /// as the consumer wants it): collapsed, overrun-ignore or overrun-detect; its doorbell
+    /// record in `rec` (8 bytes of host memory, or of GPU memory beside a GPU ring).
     pub(crate) fn devx(
         dev: &Arc<Device>,
         ncqe: u32,
         mode: softnic::CqMode,
         ring: DmaBuf,
         dmabuf: Option<Result<(std::os::fd::OwnedFd, u64), String>>,
+        rec: DmaBuf,
     ) -> Result<Arc<Self>, Error> {
-        let rec = DmaBuf::alloc(64);
         let (obj, cqn) = dev.create_devx_cq(ncqe, mode, &ring, dmabuf, &rec)?;
         Ok(Arc::new(Self {
             dev: dev.clone(),
             owner: CqOwner::Devx { _obj: obj },
             ring,
             ncqe,
-            dbrec: rec.as_ptr(),
+            dbrec: Rec::Buf(rec),
             cqn,
             mode,
-            _record: Some(rec),
         }))
     }
 }
@@ -508,15 +560,14 @@ pub(crate) struct Qp {
     pub rq: Option<DmaBuf>,
     pub rq_wqes: u32,
     pub rq_stride: u32,
-    /// The doorbell record (host memory).
-    pub dbrec: *mut u8,
+    /// The doorbell record.
+    pub dbrec: Rec,
     /// The doorbell (BlueFlame) register on the UAR page.
     pub bf_reg: *mut u8,
     pub max_inline: u32,
-    /// A DEVX QP's WQ buffer (RQ then SQ; `sq` and `rq` are views of it) and doorbell record,
-    /// freed after the object (`owner`) and the views.
+    /// A DEVX QP's WQ buffer (RQ then SQ; `sq` and `rq` are views of it), freed after the
+    /// object (`owner`) and the views.
     _wq: Option<DmaBuf>,
-    _record: Option<DmaBuf>,
 }
 
 // SAFETY: the provider's QP and its memory, owned by this value until drop; modify calls are
@@ -631,11 +682,7 @@ impl Qp {
             if reset {
                 // The doorbell record is ours: cleared with the device's indices, as libmlx5
                 // clears a provider QP's at RESET (the next poster starts at 0).
-                // SAFETY: 8 aligned bytes of the record's host page, which this QP owns.
-                let words = unsafe { &*(self.dbrec as *const [std::sync::atomic::AtomicU32; 2]) };
-                for w in words {
-                    w.store(0, std::sync::atomic::Ordering::Release);
-                }
+                self.dbrec.clear();
             }
             return Ok(());
         }
