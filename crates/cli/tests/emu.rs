@@ -8,6 +8,7 @@
 //! a missing tool fails the test with the package to install.
 
 use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,6 +71,8 @@ fn emu(ip: &str, counters: Option<&Path>, args: &[&str]) -> Command {
         c.env("GPUVERBS_EMU_COUNTERS", f);
     }
     c.args(["emu", "--ip", ip, "--"]).args(args);
+    // a group of its own: a timeout kills the launcher and the tool it started together
+    c.process_group(0);
     c
 }
 
@@ -80,7 +83,12 @@ fn wait(mut child: Child, limit: Duration, what: &str) -> Output {
             return child.wait_with_output().unwrap();
         }
         if t.elapsed() > limit {
-            let _ = child.kill();
+            // The launcher's whole group (it and the tool it runs, which holds the pipes too);
+            // a child not started in a group of its own is killed alone.
+            // SAFETY: plain system call on a process group this test started.
+            if unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) } != 0 {
+                let _ = child.kill();
+            }
             let o = child.wait_with_output().unwrap();
             panic!(
                 "{what} did not finish in {limit:?}\nstdout:\n{}\nstderr:\n{}",
@@ -94,6 +102,7 @@ fn wait(mut child: Child, limit: Duration, what: &str) -> Output {
 
 fn run(mut c: Command, limit: Duration, what: &str) -> String {
     let child = c
+        .process_group(0)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
