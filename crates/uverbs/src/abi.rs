@@ -420,8 +420,12 @@ pod!(
     DestroyCqResp[8] { comp_events_reported: u32, async_events_reported: u32 }
 );
 pod!(
-    /// `struct ib_uverbs_destroy_qp_resp` (and `_srq`).
+    /// `struct ib_uverbs_destroy_qp_resp`.
     DestroyQpResp[4] { events_reported: u32 }
+);
+pod!(
+    /// `struct ib_uverbs_destroy_srq_resp`.
+    DestroySrqResp[4] { events_reported: u32 }
 );
 pod!(
     /// `struct ib_uverbs_create_qp`.

@@ -45,6 +45,9 @@ pub fn complain(args: std::fmt::Arguments<'_>) {
     unsafe { libc::syscall(libc::SYS_write, 2, line.as_ptr(), line.len()) };
 }
 
+/// The RDMA connection manager's device file (the ucma module's).
+pub const RDMA_CM_PATH: &[u8] = b"/dev/infiniband/rdma_cm";
+
 static KEYS: AtomicU64 = AtomicU64::new(1);
 /// A process-unique key for an object (event ownership).
 pub(crate) fn next_key() -> u64 {
@@ -174,8 +177,19 @@ impl Emulation {
         self.devices
     }
 
-    /// `open(path, flags)`: `None` when `path` is not an emulated device file.
+    /// `open(path, flags)`: `None` when `path` is not an emulated device file. The RDMA CM
+    /// device is not emulated: ENOENT, as on a kernel without the ucma module, with one line on
+    /// stderr saying so (once per process).
     pub fn open(&self, path: &[u8], flags: i32) -> Option<Result<RawFd, Errno>> {
+        if path == RDMA_CM_PATH {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                complain(format_args!(
+                    "rdma_cm is not emulated; exchange endpoints out of band (ENOENT)"
+                ))
+            });
+            return Some(Err(Errno::ENOENT));
+        }
         let dev = self.devices.by_cdev(path)?;
         if flags & libc::O_ACCMODE != libc::O_RDWR {
             return Some(Err(Errno::EPERM));
@@ -430,7 +444,7 @@ fn legacy_sizes(c: u32) -> (usize, usize) {
         CREATE_SRQ => (s::<abi::CreateSrq>(), s::<abi::CreateSrqResp>()),
         MODIFY_SRQ => (s::<abi::ModifySrq>(), 0),
         QUERY_SRQ => (s::<abi::QuerySrq>(), s::<abi::QuerySrqResp>()),
-        DESTROY_SRQ => (s::<abi::Destroy>(), s::<abi::DestroyQpResp>()),
+        DESTROY_SRQ => (s::<abi::Destroy>(), s::<abi::DestroySrqResp>()),
         DESTROY_CQ => (s::<abi::Destroy>(), s::<abi::DestroyCqResp>()),
         CREATE_QP => (s::<abi::CreateQp>(), s::<abi::CreateQpResp>()),
         QUERY_QP => (s::<abi::QueryQp>(), s::<abi::QueryQpResp>()),

@@ -69,7 +69,7 @@ unsafe fn device_path<'a>(path: *const c_char) -> Option<&'a [u8]> {
     }
     // SAFETY: the caller passed a NUL-terminated path (as open/stat require).
     let p = unsafe { CStr::from_ptr(path) }.to_bytes();
-    p.starts_with(b"/dev/infiniband/uverbs").then_some(p)
+    (p.starts_with(b"/dev/infiniband/uverbs") || p == uverbs::RDMA_CM_PATH).then_some(p)
 }
 
 fn open_device(p: &[u8], flags: c_int) -> Option<c_int> {

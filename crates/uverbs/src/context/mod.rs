@@ -149,6 +149,12 @@ impl Io<'_> {
         }
         copy_to_user(self.resp.0, b)
     }
+    /// Writes as much of the core response as the caller has room for (the extended commands'
+    /// rule: a shorter response is not an error).
+    fn reply_prefix<T: Pod>(&self, v: &T) -> Result<(), Errno> {
+        let b = bytemuck::bytes_of(v);
+        copy_to_user(self.resp.0, &b[..b.len().min(self.resp.1)])
+    }
     /// Writes as much of the driver response as the caller has room for (the rest of its
     /// room is zeroed), as `ib_copy_to_udata` with the kernel's `min()` does.
     fn ureply<T: Pod>(&self, v: &T) -> Result<(), Errno> {

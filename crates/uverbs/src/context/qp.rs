@@ -15,7 +15,6 @@ use std::sync::Arc;
 /// What QUERY_QP reports back: the attributes last set.
 #[derive(Clone, Copy, Default)]
 struct QpAttrs {
-    state: u8,
     access: u32,
     pkey_index: u16,
     port: u8,
@@ -105,12 +104,13 @@ impl Context {
             return Err(unsupported("EX_MODIFY_QP rate limit"));
         }
         self.modify_qp(&r.base)?;
-        io.reply(&abi::ExModifyQpResp {
+        // as the kernel's uverbs_response: as much of the answer as the caller has room for
+        // (none is fine), a bad pointer EFAULT
+        io.reply_prefix(&abi::ExModifyQpResp {
             comp_mask: 0,
             response_length: 8,
-        })
-        .or(Ok(()))
-        .map(|_: ()| Created::Nothing)
+        })?;
+        Ok(Created::Nothing)
     }
 
     /// Picks a BlueFlame register for a new QP as mlx5_ib does: a dedicated low-latency one
@@ -499,7 +499,6 @@ impl Context {
         if new == 0 {
             a = QpAttrs::default();
         }
-        a.state = new;
         q.attrs = a;
         Ok(())
     }

@@ -128,7 +128,7 @@ impl Context {
         let s = o.srqs.remove(&r.handle).ok_or(Errno::EINVAL)?;
         soft.destroy_srq(&s.soft).map_err(|_| Errno::EBUSY)?;
         self.purge_async(s.key);
-        io.reply(&abi::DestroyQpResp {
+        io.reply(&abi::DestroySrqResp {
             events_reported: s.async_reported.load(Ordering::Acquire),
         })?;
         Ok(Created::Nothing)
