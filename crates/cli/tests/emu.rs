@@ -353,8 +353,7 @@ fn rdma_cm_is_refused_with_a_clear_line() {
         .spawn()
         .unwrap();
     let o = wait(child, Duration::from_secs(30), "ib_write_bw -R");
-    let text =
-        String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{text}");
     let lines = text.matches("rdma_cm is not emulated").count();
     assert_eq!(lines, 1, "one line naming it expected:\n{text}");
