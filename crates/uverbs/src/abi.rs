@@ -236,6 +236,10 @@ pub mod ioctl {
     pub const OBJECT_MR: u16 = 7;
     /// `UVERBS_METHOD_REG_DMABUF_MR`.
     pub const METHOD_REG_DMABUF_MR: u16 = 4;
+    /// `UVERBS_OBJECT_DEVICE`.
+    pub const OBJECT_DEVICE: u16 = 0;
+    /// `UVERBS_METHOD_QUERY_CONTEXT` (what `ibv_import_device` asks of a shared fd).
+    pub const METHOD_QUERY_CONTEXT: u16 = 4;
     /// `UVERBS_ATTR_F_VALID_OUTPUT`: set on an output attribute the kernel wrote.
     pub const ATTR_F_VALID_OUTPUT: u16 = 1 << 1;
     /// The attributes of REG_DMABUF_MR (`enum uverbs_attrs_reg_dmabuf_mr_cmd_attr_ids`).
@@ -263,6 +267,20 @@ pub mod mlx5_ioctl {
     pub const OBJECT_DEVX_UMEM: u16 = 0x1002;
     /// `MLX5_IB_OBJECT_UAR`: UAR pages allocated on demand.
     pub const OBJECT_UAR: u16 = 0x1008;
+
+    /// mlx5_ib's method on the core device object (`UVERBS_OBJECT_DEVICE`):
+    /// `mlx5dv_query_port`.
+    pub mod device {
+        /// `MLX5_IB_METHOD_QUERY_PORT`.
+        pub const QUERY_PORT: u16 = 0x1000;
+        /// `MLX5_IB_ATTR_QUERY_PORT_PORT_NUM` (u32 in).
+        pub const PORT_NUM: u16 = 0x1000;
+        /// `MLX5_IB_ATTR_QUERY_PORT` (`struct mlx5_ib_uapi_query_port` out).
+        pub const PORT: u16 = 0x1001;
+        /// `sizeof(struct mlx5_ib_uapi_query_port)`: flags, vport, vport_vhca_id,
+        /// esw_owner_vhca_id, rsvd0, the two steering ICM addresses, reg_c0 value and mask.
+        pub const PORT_LEN: usize = 40;
+    }
 
     /// Methods of [`OBJECT_DEVX`].
     pub mod devx {

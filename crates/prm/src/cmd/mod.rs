@@ -145,6 +145,14 @@ pub mod cap {
     pub const ODP: u16 = 0x2;
     pub const ATOMIC: u16 = 0x3;
     pub const ROCE: u16 = 0x4;
+    /// NIC receive and transmit flow tables (`flow_table_nic_cap`).
+    pub const NIC_FLOW_TABLE: u16 = 0x7;
+    /// Quality of service (`qos_cap`).
+    pub const QOS: u16 = 0xc;
+    /// Device memory, MEMIC (`device_mem_cap`).
+    pub const DEVICE_MEMORY: u16 = 0xf;
+    /// Crypto engines (`crypto_cap`).
+    pub const CRYPTO: u16 = 0x1a;
     pub const GENERAL_2: u16 = 0x20;
     /// The low bit of `op_mod`: the current values (else the maximum ones).
     pub const CURRENT: u16 = 0x1;

@@ -54,7 +54,11 @@ impl Context {
             // dynamic-UAR mode: no static registers
             tot_bfregs: if dynamic { 0 } else { total },
             cache_line_size: 64,
-            max_sq_desc_sz: 512,
+            // mlx5_ib copies these from the device's `max_wqe_sz_sq` / `max_wqe_sz_rq` (DEVX
+            // QUERY_HCA_CAP answers the same): send WQEs of up to 16 basic blocks, as the soft
+            // NIC executes them (so a QP may ask for 512 bytes of inline data, as on a
+            // ConnectX)
+            max_sq_desc_sz: (prm::MAX_WQE_BBS * prm::WQEBB) as u16,
             max_rq_desc_sz: 512,
             max_send_wqebb: MAX_QP_WR,
             max_recv_wr: MAX_QP_WR,

@@ -134,6 +134,18 @@ impl Context {
     /// One `RDMA_VERBS_IOCTL` call on the device file.
     pub fn ioctl(&self, call: &Call) -> Result<(), Errno> {
         use abi::ioctl as core;
+        match (call.object, call.method) {
+            // mlx5_ib's driver method on the core device object
+            (core::OBJECT_DEVICE, m::device::QUERY_PORT) => return self.mlx5_query_port(call),
+            // ibv_import_device: a context shared through a second fd is not emulated
+            (core::OBJECT_DEVICE, core::METHOD_QUERY_CONTEXT) => {
+                crate::complain(format_args!(
+                    "importing a device context (ibv_import_device) is not emulated (EOPNOTSUPP)"
+                ));
+                return Err(Errno::EOPNOTSUPP);
+            }
+            _ => {}
+        }
         let core_method =
             (call.object, call.method) == (core::OBJECT_MR, core::METHOD_REG_DMABUF_MR);
         if call.object < 0x1000 && !core_method {
