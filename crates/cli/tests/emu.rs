@@ -620,7 +620,50 @@ fn prm_field_tables_match_rdma_core() {
     assert!(o.status.success() && text.starts_with("OK "), "{text}");
 }
 
-/// Every pyverbs test docs/emulation.md lists as passing must pass; none may fail or error.
+/// pyverbs tests of rdma-core 44 that end in ERROR under the emulation although it answers as
+/// mlx5_ib would for a device lacking the feature: the test does not turn that answer into a
+/// skip. Each names why (docs/emulation.md, "pyverbs results"). Any other ERROR or FAIL fails.
+const PYVERBS_KNOWN_ERRORS: &[(&str, &str)] = &[
+    (
+        "tests.test_mlx5_huge_page.ResourcesOnHugePageTest.test_prefer_obj_on_huge",
+        "creates a UD QP (EOPNOTSUPP: no UD in the soft NIC) without a skip",
+    ),
+    (
+        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_interleaved",
+        "DEVX CREATE_MKEY of a KLM mkey: firmware refusal (EREMOTEIO, libmlx5 EINVAL)",
+    ),
+    (
+        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_interleaved_new_api",
+        "DEVX CREATE_MKEY of a KLM mkey: firmware refusal (EREMOTEIO, libmlx5 EINVAL)",
+    ),
+    (
+        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_list",
+        "DEVX CREATE_MKEY of a KLM mkey: firmware refusal (EREMOTEIO, libmlx5 EINVAL)",
+    ),
+    (
+        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_list_bad_flow",
+        "DEVX CREATE_MKEY of a KLM mkey: firmware refusal (EREMOTEIO, libmlx5 EINVAL)",
+    ),
+    (
+        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_list_new_api",
+        "DEVX CREATE_MKEY of a KLM mkey: firmware refusal (EREMOTEIO, libmlx5 EINVAL)",
+    ),
+    (
+        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_remote_invalidate",
+        "DEVX CREATE_MKEY of a KLM mkey: firmware refusal (EREMOTEIO, libmlx5 EINVAL)",
+    ),
+    (
+        "tests.test_mlx5_timestamp.TimeStampTest.test_timestamp_free_running_rc_traffic",
+        "no device clock: clock_info_versions 0, mlx5dv_get_clock_info EINVAL (libmlx5)",
+    ),
+    (
+        "tests.test_shared_pd.SharedPDTestCase.test_imported_rc_ex_rdma_write",
+        "ibv_import_device on an os.dup() of the device fd: the preload does not follow dup",
+    ),
+];
+
+/// rdma-core's whole pyverbs suite: every test pyverbs-pass.txt lists must pass; no other test
+/// may fail or error but the known ones above (each skips by pyverbs' own check otherwise).
 #[test]
 fn pyverbs_tests_pass_or_skip() {
     let suite = Path::new("/usr/share/doc/rdma-core/tests");
@@ -636,19 +679,6 @@ fn pyverbs_tests_pass_or_skip() {
     );
     let _g = serial();
     let tests = unpacked_suite("pyverbs");
-    let modules = [
-        "test_device",
-        "test_pd",
-        "test_mr",
-        "test_cq",
-        "test_qp",
-        "test_qpex",
-        "test_atomic",
-        "test_cq_events",
-        "test_parent_domain",
-        "test_mlx5_devx",
-        "test_mlx5_uar",
-    ];
     let mut c = emu(
         "127.0.90.1",
         None,
@@ -664,7 +694,7 @@ fn pyverbs_tests_pass_or_skip() {
             "-v",
         ],
     );
-    c.args(modules).current_dir(&tests);
+    c.current_dir(&tests);
     let child = c
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -674,6 +704,7 @@ fn pyverbs_tests_pass_or_skip() {
     let text = String::from_utf8_lossy(&o.stderr).to_string();
     let _ = std::fs::remove_dir_all(tests.parent().unwrap());
     let results = pyverbs_results(&text);
+    assert!(results.len() > 250, "pyverbs suite did not run:\n{text}");
     let expected = include_str!("pyverbs-pass.txt");
     for name in expected
         .lines()
@@ -688,10 +719,14 @@ fn pyverbs_tests_pass_or_skip() {
     }
     let bad: Vec<_> = results
         .iter()
-        .filter(|(_, s)| s == "ERROR" || s == "FAIL")
+        .filter(|(n, s)| {
+            (s == "ERROR" || s == "FAIL")
+                && !PYVERBS_KNOWN_ERRORS
+                    .iter()
+                    .any(|(k, _)| n.ends_with(&format!("({k})")))
+        })
         .collect();
     assert!(bad.is_empty(), "pyverbs tests failed: {bad:?}\n{text}");
-    assert!(text.contains("\nOK"), "pyverbs suite not OK:\n{text}");
 }
 
 /// (test id, status) from unittest's verbose output: `name (module.Class.name) ... ok`, where
