@@ -23,6 +23,7 @@ pub mod context;
 pub mod device;
 pub mod events;
 pub mod ioctl;
+pub mod paths;
 pub mod peermem;
 pub mod sysfs;
 pub mod uaccess;
