@@ -2,7 +2,10 @@
 //! libmlx5 make on `/dev/infiniband/uverbsN` (open, close, read, write, ioctl, mmap, stat,
 //! fstat) and the RDMA netlink socket, and hands those on the emulation's files to
 //! [`uverbs::Emulation`]. Every other file descriptor and path goes to the real libc function
-//! untouched (one bitmap load for `read`, `write` and `close`).
+//! untouched (one bitmap load for `read`, `write` and `close`). [`paths`] shows the emulated
+//! devices under their absolute paths (`/sys/class/infiniband…`, `/dev/infiniband`: access, the
+//! stat family, realpath, fopen, opendir, readlink, ...) and serves `syscall(SYS_mmap, …)` of a
+//! device file.
 //!
 //! No Rust panic crosses into C: each hook catches unwinds and answers EIO.
 
@@ -62,6 +65,8 @@ fn guard<T>(fail: T, f: impl FnOnce() -> Result<T, Errno>) -> T {
     }
 }
 
+mod paths;
+
 /// The path bytes when `path` names an emulated device file (cheap prefix test first).
 unsafe fn device_path<'a>(path: *const c_char) -> Option<&'a [u8]> {
     if path.is_null() {
@@ -85,23 +90,29 @@ fn open_device(p: &[u8], flags: c_int) -> Option<c_int> {
     })
 }
 
-/// The open family: an emulated device file, or libc's call (`forward`).
-unsafe fn open_any(path: *const c_char, flags: c_int, forward: impl FnOnce() -> c_int) -> c_int {
+/// The open family: an emulated device file, or libc's call (`forward`) on the path, rewritten
+/// when it is one of the emulated tree's ([`paths`]).
+unsafe fn open_any(
+    path: *const c_char,
+    flags: c_int,
+    forward: impl FnOnce(*const c_char) -> c_int,
+) -> c_int {
     // SAFETY: `path` is the caller's NUL-terminated path (as open requires).
     if let Some(p) = unsafe { device_path(path) } {
         if let Some(fd) = open_device(p, flags) {
             return fd;
         }
     }
-    forward()
+    // SAFETY: as above.
+    unsafe { paths::with_path(path, -1, forward) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
     // SAFETY: forwards the caller's arguments to the emulation or to libc's open.
     unsafe {
-        open_any(path, flags, || {
-            real!(c"open": fn(*const c_char, c_int, mode_t) -> c_int)(path, flags, mode)
+        open_any(path, flags, |p| {
+            real!(c"open": fn(*const c_char, c_int, mode_t) -> c_int)(p, flags, mode)
         })
     }
 }
@@ -110,8 +121,8 @@ pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: mode_t) -
 pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
     // SAFETY: forwards the caller's arguments to the emulation or to libc's open64.
     unsafe {
-        open_any(path, flags, || {
-            real!(c"open64": fn(*const c_char, c_int, mode_t) -> c_int)(path, flags, mode)
+        open_any(path, flags, |p| {
+            real!(c"open64": fn(*const c_char, c_int, mode_t) -> c_int)(p, flags, mode)
         })
     }
 }
@@ -125,9 +136,9 @@ pub unsafe extern "C" fn openat(
 ) -> c_int {
     // SAFETY: forwards the caller's arguments (device paths are absolute, so dirfd is moot).
     unsafe {
-        open_any(path, flags, || {
+        open_any(path, flags, |p| {
             real!(c"openat": fn(c_int, *const c_char, c_int, mode_t) -> c_int)(
-                dirfd, path, flags, mode,
+                dirfd, p, flags, mode,
             )
         })
     }
@@ -142,9 +153,9 @@ pub unsafe extern "C" fn openat64(
 ) -> c_int {
     // SAFETY: forwards the caller's arguments (device paths are absolute, so dirfd is moot).
     unsafe {
-        open_any(path, flags, || {
+        open_any(path, flags, |p| {
             real!(c"openat64": fn(c_int, *const c_char, c_int, mode_t) -> c_int)(
-                dirfd, path, flags, mode,
+                dirfd, p, flags, mode,
             )
         })
     }
@@ -298,8 +309,13 @@ pub unsafe extern "C" fn stat(path: *const c_char, out: *mut libc::stat) -> c_in
     if let Some(r) = unsafe { fake_stat(path, out) } {
         return r;
     }
-    // SAFETY: libc's stat with the caller's arguments.
-    unsafe { real!(c"stat": fn(*const c_char, *mut libc::stat) -> c_int)(path, out) }
+    // SAFETY: libc's stat with the caller's arguments (the path rewritten when it is one of the
+    // emulated tree's).
+    unsafe {
+        paths::with_path(path, -1, |p| {
+            real!(c"stat": fn(*const c_char, *mut libc::stat) -> c_int)(p, out)
+        })
+    }
 }
 
 #[no_mangle]
@@ -308,8 +324,12 @@ pub unsafe extern "C" fn stat64(path: *const c_char, out: *mut libc::stat) -> c_
     if let Some(r) = unsafe { fake_stat(path, out) } {
         return r;
     }
-    // SAFETY: libc's stat64 with the caller's arguments.
-    unsafe { real!(c"stat64": fn(*const c_char, *mut libc::stat) -> c_int)(path, out) }
+    // SAFETY: libc's stat64 with the caller's arguments (the path rewritten as for stat).
+    unsafe {
+        paths::with_path(path, -1, |p| {
+            real!(c"stat64": fn(*const c_char, *mut libc::stat) -> c_int)(p, out)
+        })
+    }
 }
 
 #[no_mangle]
