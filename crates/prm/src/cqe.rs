@@ -194,6 +194,19 @@ pub const fn owner_bit(index: u32, ncqe: u32) -> u8 {
     ((index / ncqe) & 1) as u8
 }
 
+/// `flags_rqpn` bits 29:28 non-zero: a GRH precedes the payload in the receive buffer
+/// (libmlx5 sets `IBV_WC_GRH`).
+pub const FLAGS_RQPN_GRH: u32 = 1 << 28;
+/// `flags_rqpn` bits 25:24 of a RoCE receive: the packet was RoCEv2 over IPv4 (mlx5_ib reads
+/// it as the network header type; `MLX5_CQE_ROCE_L3_HEADER_TYPE_IPV4`).
+pub const ROCE_L3_IPV4: u32 = 2 << 24;
+/// `flags_rqpn` bits 25:24: RoCEv2 over IPv6.
+pub const ROCE_L3_IPV6: u32 = 1 << 24;
+/// `l4_hdr_type_etc` bits 3:2 = 2: an IPv4 L3 header (`MLX5_CQE_L3_HDR_TYPE_IPV4`).
+pub const L3_HDR_TYPE_IPV4: u8 = 2 << 2;
+/// `l4_hdr_type_etc` bits 3:2 = 1: an IPv6 L3 header.
+pub const L3_HDR_TYPE_IPV6: u8 = 1 << 2;
+
 /// The responder-side kind of a completion.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RespKind {
@@ -343,6 +356,32 @@ impl Cqe64 {
             op_own: (op as u8) << 4 | (owner & 1),
             ..Self::zeroed()
         }
+    }
+
+    /// A successful responder CQE of a UD QP: `byte_cnt` counts the 40 GRH bytes, and
+    /// `flags_rqpn` carries the source QPN, the GRH bit ([`FLAGS_RQPN_GRH`]) and the RoCE L3
+    /// header type (bits 25:24: [`ROCE_L3_IPV4`] or [`ROCE_L3_IPV6`]), which
+    /// `l4_hdr_type_etc` repeats in bits 3:2 ([`L3_HDR_TYPE_IPV4`], [`L3_HDR_TYPE_IPV6`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn responder_ud(
+        kind: RespKind,
+        qpn: u32,
+        src_qpn: u32,
+        wqe_counter: u16,
+        byte_cnt: u32,
+        imm: Option<u32>,
+        ipv4: bool,
+        owner: u8,
+    ) -> Self {
+        let mut c = Self::responder(kind, qpn, src_qpn, wqe_counter, byte_cnt, imm, owner);
+        let (roce, l3) = if ipv4 {
+            (ROCE_L3_IPV4, L3_HDR_TYPE_IPV4)
+        } else {
+            (ROCE_L3_IPV6, L3_HDR_TYPE_IPV6)
+        };
+        c.flags_rqpn = Be32::new(FLAGS_RQPN_GRH | roce | (src_qpn & 0xff_ffff));
+        c.l4_hdr_type_etc = l3;
+        c
     }
 
     /// An error CQE.

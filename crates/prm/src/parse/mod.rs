@@ -6,9 +6,9 @@
 use crate::cqe::Syndrome;
 use crate::endian::Be32;
 use crate::wqe::{
-    AtomicSeg, AtomicSize, CtrlFlags, CtrlSeg, DataSeg, KlmSeg, MaskedCs32Seg, MaskedCs64Seg,
+    AtomicSeg, AtomicSize, CtrlFlags, CtrlSeg, DataSeg, DatagramSeg, KlmSeg, MaskedCs32Seg, MaskedCs64Seg,
     MaskedFa32Seg, MaskedFa64Seg, MkeyContextSeg, Opcode, RaddrSeg, RemoteAddr, Sge, UmrCtrlSeg,
-    WaitSeg, INLINE_SEG, MKEY_FREE, OPMOD_MASKED_ATOMIC_4B, OPMOD_MASKED_ATOMIC_8B,
+    WaitSeg, DATAGRAM_UNITS, EXTENDED_UD_AV, INLINE_SEG, MKEY_FREE, OPMOD_MASKED_ATOMIC_4B, OPMOD_MASKED_ATOMIC_8B,
     UMR_FLAG_CHECK_FREE, UMR_FLAG_CHECK_QPN, UMR_FLAG_INLINE, UMR_MASK_LEN,
 };
 use crate::DS_UNIT;
@@ -255,6 +255,11 @@ pub enum WqeError {
         /// Units left for it.
         units: u8,
     },
+    /// An opcode a UD QP does not execute (RDMA, atomics, UMR, ...).
+    NotOnUd {
+        /// Opcode byte.
+        opcode: u8,
+    },
     /// The result buffer of an atomic is not the operand size.
     AtomicLength {
         /// Byte count stored.
@@ -299,6 +304,11 @@ impl core::fmt::Display for WqeError {
             Self::AtomicLength { len, size } => {
                 write!(f, "atomic result buffer of {len} bytes, operand is {size}")
             }
+            Self::NotOnUd { opcode } => write!(
+                f,
+                "{} on a UD QP (SEND and SEND_IMM only)",
+                crate::wqe::opcode_name(*opcode)
+            ),
         }
     }
 }
@@ -554,6 +564,101 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
         imm: ctrl.imm,
         op,
     })
+}
+
+/// The address vector of a UD send WQE, in host order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Datagram {
+    /// Q_Key as posted (the high bit set: the sending QP's own Q_Key is sent).
+    pub qkey: u32,
+    /// Destination QPN.
+    pub dest_qpn: u32,
+    /// The extended-AV bit (libmlx5 always sets it).
+    pub extended: bool,
+    /// Destination MAC (RoCE).
+    pub rmac: [u8; 6],
+    /// Traffic class.
+    pub tclass: u8,
+    /// Hop limit.
+    pub hop_limit: u8,
+    /// Source GID index.
+    pub sgid_index: u8,
+    /// Flow label.
+    pub flow_label: u32,
+    /// Destination GID.
+    pub rgid: [u8; 16],
+}
+
+impl From<DatagramSeg> for Datagram {
+    fn from(a: DatagramSeg) -> Self {
+        let dqp = a.dqp_dct.get();
+        let fl = a.grh_gid_fl.get();
+        Self {
+            qkey: a.qkey.get(),
+            dest_qpn: dqp & 0xff_ffff,
+            extended: dqp & EXTENDED_UD_AV != 0,
+            rmac: a.rmac,
+            tclass: a.tclass,
+            hop_limit: a.hop_limit,
+            sgid_index: (fl >> 20) as u8,
+            flow_label: fl & 0xf_ffff,
+            rgid: a.rgid,
+        }
+    }
+}
+
+/// Parses a WQE of a UD send queue: NOP, or SEND / SEND_IMM made of the control segment, the
+/// 48-byte datagram segment and then data segments or inline data (the layout libmlx5's
+/// `set_datagram_seg` writes). Any other opcode is [`WqeError::NotOnUd`] (LOCAL_QP_OP, as a
+/// ConnectX completes an RDMA or atomic WQE on a UD QP). The address vector is `None` for a NOP.
+pub fn parse_ud_wqe(bytes: &[u8]) -> Result<(ParsedWqe<'_>, Option<Datagram>), WqeError> {
+    if bytes.len() < DS_UNIT {
+        return Err(WqeError::Truncated {
+            have: bytes.len(),
+            need: DS_UNIT,
+        });
+    }
+    let ctrl: CtrlSeg = seg(bytes, 0);
+    let raw_op = ctrl.opcode();
+    let opcode = Opcode::from_u8(raw_op).ok_or(WqeError::UnknownOpcode(raw_op))?;
+    match opcode {
+        Opcode::Nop => return parse_wqe(bytes).map(|w| (w, None)),
+        Opcode::Send | Opcode::SendImm => {}
+        _ => return Err(WqeError::NotOnUd { opcode: raw_op }),
+    }
+    let ds = ctrl.ds();
+    let n = ds as usize;
+    if n == 0 {
+        return Err(WqeError::ZeroDs);
+    }
+    if bytes.len() < n * DS_UNIT {
+        return Err(WqeError::Truncated {
+            have: bytes.len(),
+            need: n * DS_UNIT,
+        });
+    }
+    if ctrl.opmod() != 0 {
+        return Err(WqeError::BadOpmod {
+            opcode: raw_op,
+            opmod: ctrl.opmod(),
+        });
+    }
+    if n < 1 + DATAGRAM_UNITS {
+        return Err(WqeError::BadShape { opcode: raw_op, ds });
+    }
+    let av: DatagramSeg = seg(bytes, 1);
+    let local = local(bytes, 1 + DATAGRAM_UNITS, n)?;
+    let wqe = ParsedWqe {
+        opcode,
+        opmod: 0,
+        wqe_index: ctrl.wqe_index(),
+        qpn: ctrl.qpn(),
+        ds,
+        flags: CtrlFlags::from_fm_ce_se(ctrl.fm_ce_se),
+        imm: ctrl.imm,
+        op: ParsedOp::Send { local },
+    };
+    Ok((wqe, Some(av.into())))
 }
 
 #[cfg(test)]

@@ -532,3 +532,128 @@ fn window_ops_encode_as_libmlx5_writes_them() {
     .unwrap();
     assert_eq!(parse_wqe(s.as_bytes()).unwrap().invalidate(), Some(0x4242));
 }
+
+fn av(dest_qpn: u32, qkey: u32) -> crate::wqe::DatagramSeg {
+    let mut rgid = [0u8; 16];
+    rgid[10] = 0xff;
+    rgid[11] = 0xff;
+    rgid[12..].copy_from_slice(&[127, 0, 140, 2]);
+    crate::wqe::DatagramSeg {
+        qkey: crate::Be32::new(qkey),
+        dqp_dct: crate::Be32::new(dest_qpn | crate::wqe::EXTENDED_UD_AV),
+        rmac: [2, 0, 127, 0, 140, 2],
+        tclass: 3,
+        hop_limit: 64,
+        grh_gid_fl: crate::Be32::new(0x0012_3456),
+        rgid,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn ud_send_parses_with_its_datagram_segment() {
+    let list = [sge(0x1000, 100), sge(0x2000, 28)];
+    let w = Op::Send {
+        local: Local::Sges(&list),
+        imm: Some(0xdead_beef),
+    }
+    .encode(5, 0x42, CtrlFlags::SIGNALED)
+    .unwrap()
+    .with_datagram(&av(0x1234, 0x1111_2222))
+    .unwrap();
+    assert_eq!(w.ds(), 1 + 3 + 2);
+    // the datagram segment's bytes are where libmlx5 puts mlx5_wqe_av
+    let b = w.as_bytes();
+    assert_eq!(&b[16..20], &0x1111_2222u32.to_be_bytes());
+    assert_eq!(&b[24..28], &(0x8000_1234u32).to_be_bytes());
+    assert_eq!(&b[36..42], &[2, 0, 127, 0, 140, 2]);
+    assert_eq!(&b[60..64], &[127, 0, 140, 2]);
+    let (p, d) = parse_ud_wqe(b).unwrap();
+    let d = d.unwrap();
+    assert_eq!(p.opcode, Opcode::SendImm);
+    assert_eq!(p.imm(), Some(0xdead_beef));
+    assert_eq!((p.wqe_index, p.qpn), (5, 0x42));
+    assert_eq!(
+        (d.qkey, d.dest_qpn, d.extended, d.tclass, d.hop_limit),
+        (0x1111_2222, 0x1234, true, 3, 64)
+    );
+    assert_eq!((d.sgid_index, d.flow_label), (1, 0x2_3456));
+    assert_eq!(&d.rgid[12..], &[127, 0, 140, 2]);
+    match p.op {
+        ParsedOp::Send {
+            local: ParsedLocal::Sges(s),
+        } => assert_eq!(s.len(), 2),
+        other => panic!("{other:?}"),
+    }
+    // inline data after the datagram segment
+    let w = Op::Send {
+        local: Local::Inline(b"hello ud"),
+        imm: None,
+    }
+    .encode(0, 0x42, CtrlFlags::SIGNALED)
+    .unwrap()
+    .with_datagram(&av(7, 0x8000_0000))
+    .unwrap();
+    let (p, d) = parse_ud_wqe(w.as_bytes()).unwrap();
+    assert_eq!(d.unwrap().qkey, 0x8000_0000);
+    assert_eq!(
+        p.op,
+        ParsedOp::Send {
+            local: ParsedLocal::Inline(b"hello ud")
+        }
+    );
+    // a NOP has no address vector
+    let nop = Op::Nop.encode(1, 0x42, CtrlFlags::SIGNALED).unwrap();
+    assert_eq!(parse_ud_wqe(nop.as_bytes()).unwrap().1, None);
+}
+
+#[test]
+fn ud_refuses_rdma_atomics_and_short_shapes() {
+    let list = [sge(0x1000, 8)];
+    for op in [
+        Op::Write {
+            remote: R,
+            local: Local::Sges(&list),
+            imm: None,
+        },
+        Op::Read {
+            remote: R,
+            local: &list,
+        },
+        Op::FetchAdd {
+            remote: R,
+            add: 1,
+            result: sge(0x1000, 8),
+        },
+    ] {
+        let w = op.encode(0, 1, CtrlFlags::SIGNALED).unwrap();
+        let e = parse_ud_wqe(w.as_bytes()).unwrap_err();
+        assert!(matches!(e, WqeError::NotOnUd { .. }), "{e:?}");
+        assert_eq!(e.syndrome(), Syndrome::LocalQpOp);
+    }
+    // a SEND without its datagram segment (ds 2: ctrl + one data segment) is malformed
+    let w = Op::Send {
+        local: Local::Sges(&list),
+        imm: None,
+    }
+    .encode(0, 1, CtrlFlags::SIGNALED)
+    .unwrap();
+    assert!(matches!(
+        parse_ud_wqe(w.as_bytes()),
+        Err(WqeError::BadShape { .. })
+    ));
+    // truncated input, any bytes: errors, never a panic
+    assert!(parse_ud_wqe(&[0u8; 8]).is_err());
+    let mut x = 0x1234_5678u32;
+    for _ in 0..20_000 {
+        let mut b = [0u8; 128];
+        for v in b.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            *v = x as u8;
+        }
+        b[3] = [0x0a, 0x0b, 0x00, 0x08][(x % 4) as usize];
+        let _ = parse_ud_wqe(&b[..(x as usize % 129)]);
+    }
+}

@@ -218,6 +218,42 @@ impl DataSeg {
     }
 }
 
+/// Datagram segment of a UD send WQE (`struct mlx5_wqe_datagram_seg`, the 48-byte
+/// `mlx5_wqe_av`), right after the control segment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct DatagramSeg {
+    /// Q_Key (the high bit set: use the QP's own Q_Key).
+    pub qkey: Be32,
+    /// Reserved (DC key's low half for DC).
+    pub reserved: [u8; 4],
+    /// Destination QPN (23:0) and the extended-AV bit (31).
+    pub dqp_dct: Be32,
+    /// Static rate (7:4) and SL.
+    pub stat_rate_sl: u8,
+    /// Flow label / MLID bits (InfiniBand).
+    pub fl_mlid: u8,
+    /// Remote LID (InfiniBand); RoCE: the UDP source port libmlx5 may set.
+    pub rlid: Be16,
+    /// Reserved.
+    pub reserved0: [u8; 4],
+    /// Destination MAC (RoCE).
+    pub rmac: [u8; 6],
+    /// Traffic class.
+    pub tclass: u8,
+    /// Hop limit.
+    pub hop_limit: u8,
+    /// GRH bit (30, InfiniBand), source GID index (27:20), flow label (19:0).
+    pub grh_gid_fl: Be32,
+    /// Destination GID.
+    pub rgid: [u8; 16],
+}
+
+/// Units (16 bytes) of a [`DatagramSeg`].
+pub const DATAGRAM_UNITS: usize = 3;
+/// The extended-AV bit of [`DatagramSeg::dqp_dct`].
+pub const EXTENDED_UD_AV: u32 = 0x8000_0000;
+
 /// Atomic segment of ATOMIC_CS / ATOMIC_FA.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
@@ -709,6 +745,29 @@ impl WqeBuf {
             ring[slot * WQEBB..(slot + 1) * WQEBB].copy_from_slice(self.block(i));
         }
         Ok(idx.wrapping_add(self.blocks() as u16))
+    }
+}
+
+impl WqeBuf {
+    /// This WQE (an encoded SEND or SEND_IMM, or any other for a test of what a UD QP
+    /// refuses) with the datagram segment `av` inserted after its control segment, as a UD
+    /// send queue takes it; `ds` grows by 3.
+    pub fn with_datagram(&self, av: &DatagramSeg) -> Result<WqeBuf, BuildError> {
+        let ds = self.ds as usize + DATAGRAM_UNITS;
+        if ds > MAX_DS as usize {
+            return Err(BuildError::TooLarge { ds });
+        }
+        let mut out = WqeBuf {
+            bytes: [0; MAX_WQE_BBS * WQEBB],
+            ds: ds as u8,
+        };
+        let n = self.ds as usize * DS_UNIT;
+        out.bytes[..DS_UNIT].copy_from_slice(&self.bytes[..DS_UNIT]);
+        out.bytes[DS_UNIT..4 * DS_UNIT].copy_from_slice(bytemuck::bytes_of(av));
+        out.bytes[4 * DS_UNIT..n + 3 * DS_UNIT].copy_from_slice(&self.bytes[DS_UNIT..n]);
+        // qpn_ds: bytes 4..8, ds in the low 6 bits of byte 7
+        out.bytes[7] = (out.bytes[7] & !0x3f) | ds as u8;
+        Ok(out)
     }
 }
 
