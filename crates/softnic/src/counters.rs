@@ -68,6 +68,12 @@ pub struct Counters {
     pub(crate) bf_torn: AtomicU64,
     pub(crate) bf_run: AtomicU64,
     pub(crate) devmem_errors: AtomicU64,
+    pub(crate) carried_turns: AtomicU64,
+    pub(crate) ud_qkey_drops: AtomicU64,
+    pub(crate) ud_no_recv_drops: AtomicU64,
+    pub(crate) ud_unready_drops: AtomicU64,
+    pub(crate) ud_sent: AtomicU64,
+    pub(crate) ud_received: AtomicU64,
     errors: [AtomicU64; 64],
     pub(crate) wire: WireCounters<AtomicU64>,
 }
@@ -86,6 +92,12 @@ impl Default for Counters {
             bf_torn: AtomicU64::new(0),
             bf_run: AtomicU64::new(0),
             devmem_errors: AtomicU64::new(0),
+            carried_turns: AtomicU64::new(0),
+            ud_qkey_drops: AtomicU64::new(0),
+            ud_no_recv_drops: AtomicU64::new(0),
+            ud_unready_drops: AtomicU64::new(0),
+            ud_sent: AtomicU64::new(0),
+            ud_received: AtomicU64::new(0),
             errors: std::array::from_fn(|_| AtomicU64::new(0)),
             wire: WireCounters::default(),
         }
@@ -122,6 +134,12 @@ impl Counters {
             bf_torn: self.bf_torn.load(Relaxed),
             bf_run: self.bf_run.load(Relaxed),
             device_memory_errors: self.devmem_errors.load(Relaxed),
+            carried_turns: self.carried_turns.load(Relaxed),
+            ud_qkey_drops: self.ud_qkey_drops.load(Relaxed),
+            ud_no_recv_drops: self.ud_no_recv_drops.load(Relaxed),
+            ud_unready_drops: self.ud_unready_drops.load(Relaxed),
+            ud_sent: self.ud_sent.load(Relaxed),
+            ud_received: self.ud_received.load(Relaxed),
             errors,
             wire: self.wire.load(),
         }
@@ -154,6 +172,20 @@ pub struct CounterSnapshot {
     pub bf_run: u64,
     /// Device-memory accesses (payload copies, ring reads, CQE writes) that failed.
     pub device_memory_errors: u64,
+    /// Turns of a program's thread ([`crate::Device::progress`]) that found work.
+    pub carried_turns: u64,
+    /// UD datagrams dropped at a receiving QP for a Q_Key that is not its own.
+    pub ud_qkey_drops: u64,
+    /// UD datagrams dropped because the receiving QP had no receive WQE posted (UD has no
+    /// RNR).
+    pub ud_no_recv_drops: u64,
+    /// UD datagrams dropped because the receiving QP was not in RTR or RTS, or no UD QP has
+    /// that number (in process; over the wire such datagrams count as `wire.rx_unknown_qp`).
+    pub ud_unready_drops: u64,
+    /// UD datagrams sent (in process or on the wire).
+    pub ud_sent: u64,
+    /// UD datagrams delivered into a receive WQE (error completions included).
+    pub ud_received: u64,
     /// Error CQEs by syndrome (WR_FLUSH included).
     pub errors: BTreeMap<Syndrome, u64>,
     /// What the wire port did (all zero without one).

@@ -327,16 +327,29 @@ impl Device {
 
     /// Creates an RC QP in RESET.
     pub fn create_qp(&self, cfg: QpConfig) -> Result<Arc<Qp>, Error> {
-        self.create_qp_inner(cfg, None)
+        self.create_qp_inner(cfg, false, None)
+    }
+
+    /// Creates a UD QP in RESET (receives from `srq` when given). Its send queue takes UD
+    /// WQEs (control segment, datagram segment, data: SEND and SEND_IMM); it sends datagrams
+    /// to any UD QP and takes them from any (see docs/softnic.md, "UD QPs"). States:
+    /// [`crate::Modify::InitUd`], [`crate::Modify::RtrUd`], then [`crate::Modify::Rts`].
+    pub fn create_ud_qp(&self, cfg: QpConfig, srq: Option<&Arc<Srq>>) -> Result<Arc<Qp>, Error> {
+        self.create_qp_inner(cfg, true, srq.cloned())
     }
 
     /// Creates an RC QP in RESET whose receives come from `srq` (its own RQ, if
     /// `cfg.rq_wqes` asks for one, is never used).
     pub fn create_qp_on_srq(&self, cfg: QpConfig, srq: &Arc<Srq>) -> Result<Arc<Qp>, Error> {
-        self.create_qp_inner(cfg, Some(srq.clone()))
+        self.create_qp_inner(cfg, false, Some(srq.clone()))
     }
 
-    fn create_qp_inner(&self, cfg: QpConfig, srq: Option<Arc<Srq>>) -> Result<Arc<Qp>, Error> {
+    fn create_qp_inner(
+        &self,
+        cfg: QpConfig,
+        ud: bool,
+        srq: Option<Arc<Srq>>,
+    ) -> Result<Arc<Qp>, Error> {
         let own = |cq: &Arc<Cq>| {
             self.shared
                 .cq(cq.cqn())
@@ -378,6 +391,7 @@ impl Device {
     /// Looks a QP up by number.
     pub fn qp(&self, qpn: u32) -> Option<Arc<Qp>> {
         self.shared.qp(qpn)
+            ud,
     }
 }
 

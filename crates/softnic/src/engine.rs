@@ -388,6 +388,9 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
         Ok((Done::Queued, _)) => {
             sq.rnr_attempts = 0;
             sq.retry_deadline = None;
+        if qp.ud {
+            return crate::ud::execute(dev, qp, sq, &buf[..blocks * WQEBB]);
+        }
             advance(sq);
         }
         Ok((Done::Stalled(stall), _)) => sq.stall = Some(stall),

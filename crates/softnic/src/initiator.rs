@@ -440,6 +440,25 @@ impl Initiator {
         let w = op
             .encode(self.pi, self.sq.qpn, flags)
             .map_err(InitiatorError::Build)?;
+        self.post_wqe(w)
+    }
+
+    /// Writes one WQE of a UD QP: `op` (SEND or SEND_IMM) with the datagram segment `av`
+    /// after its control segment (without ringing). Returns its index.
+    pub fn post_ud(
+        &mut self,
+        op: &Op<'_>,
+        flags: CtrlFlags,
+        av: &prm::wqe::DatagramSeg,
+    ) -> Result<u16, InitiatorError> {
+        let w = op
+            .encode(self.pi, self.sq.qpn, flags)
+            .and_then(|w| w.with_datagram(av))
+            .map_err(InitiatorError::Build)?;
+        self.post_wqe(w)
+    }
+
+    fn post_wqe(&mut self, w: prm::WqeBuf) -> Result<u16, InitiatorError> {
         let need = w.blocks() as u32;
         let free = self.sq.blocks - self.outstanding();
         if need > free {
@@ -594,6 +613,13 @@ impl Initiator {
                 };
             }
         }
+        Some(c)
+    }
+
+    /// Takes the next receive completion as the device wrote it.
+    pub fn poll_recv_raw(&mut self) -> Option<Cqe64> {
+        let c = self.recv.poll()?;
+        self.rq_ci = self.rq_ci.wrapping_add(1);
         Some(c)
     }
 

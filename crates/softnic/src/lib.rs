@@ -33,6 +33,7 @@ mod device;
 pub mod engine;
 pub mod outcome;
 pub mod responder;
+pub mod ud;
 pub mod wire;
 
 pub mod bench;

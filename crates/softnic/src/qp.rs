@@ -1,4 +1,4 @@
-//! RC queue pairs: the SQ and RQ rings, the doorbell record, the UAR page with its BlueFlame
+//! Queue pairs (RC, and UD: [`crate::Device::create_ud_qp`]): the SQ and RQ rings, the doorbell record, the UAR page with its BlueFlame
 //! halves, the CPU-proxy producer word, and the RESET → INIT → RTR → RTS → ERR state machine.
 
 use crate::buffer::DmaBuf;
@@ -13,7 +13,7 @@ use crate::{Error, Gid};
 use parking_lot::{Mutex, MutexGuard};
 use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, UAR_PAGE_SIZE};
 use prm::Syndrome;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -190,8 +190,16 @@ pub enum Modify {
     },
     /// INIT → RTR.
     Rtr(RtrAttr),
-    /// RTR → RTS (or RTS → RTS).
+    /// RTR → RTS (or RTS → RTS). A UD QP takes `sq_psn` (its first packet's PSN) and
+    /// ignores the rest.
     Rts(RtsAttr),
+    /// UD: RESET → INIT (or INIT → INIT), with the QP's Q_Key (P_Key index 0, port 1).
+    InitUd {
+        /// Q_Key: incoming datagrams must carry it; sent when a WQE's Q_Key has its high bit set.
+        qkey: u32,
+    },
+    /// UD: INIT → RTR (no peer, no path).
+    RtrUd,
     /// any → ERR.
     Err,
     /// any → RESET.
@@ -239,6 +247,8 @@ pub(crate) struct SqState {
     pub selective_repeat: bool,
     /// The requester transport, once the peer was found on the wire.
     pub wire: Option<Box<ReqWire>>,
+    /// UD: the PSN of the next datagram sent (from `sq_psn` at RTS).
+    pub ud_psn: u32,
 }
 
 /// Responder-side state.
@@ -280,6 +290,10 @@ pub struct Qp {
     pub(crate) halves: usize,
     /// [`QpConfig::user_index`].
     user_index: Option<u32>,
+    /// A UD QP (datagrams to and from any QP; [`crate::ud`]) rather than RC.
+    pub(crate) ud: bool,
+    /// UD: the Q_Key.
+    qkey: AtomicU32,
     state: AtomicU8,
     /// The connected peer for the wire: `1 << 56 | ipv4 << 24 | qpn`, 0 when none.
     remote: AtomicU64,
@@ -309,6 +323,7 @@ impl Qp {
     pub(crate) fn new(
         qpn: u32,
         cfg: QpConfig,
+        ud: bool,
         srq: Option<Arc<Srq>>,
         mrs: Arc<MrTable>,
         counters: Arc<Counters>,
@@ -394,6 +409,8 @@ impl Qp {
             shared_uar,
             halves,
             user_index: cfg.user_index.map(|u| u & 0xff_ffff),
+            ud,
+            qkey: AtomicU32::new(0),
             state: AtomicU8::new(QpState::Reset as u8),
             remote: AtomicU64::new(0),
             answer_to: AtomicU64::new(0),
@@ -414,6 +431,7 @@ impl Qp {
                 mtu: 4096,
                 selective_repeat: false,
                 wire: None,
+                ud_psn: 0,
             }),
             srq,
             last_wqe_raised: AtomicBool::new(false),
@@ -434,6 +452,22 @@ impl Qp {
     /// QP number.
     pub fn qpn(&self) -> u32 {
         self.qpn
+    }
+    /// Whether this is a UD QP.
+    pub fn is_ud(&self) -> bool {
+        self.ud
+    }
+    /// The Q_Key of a UD QP (0 for RC).
+    pub fn qkey(&self) -> u32 {
+        self.qkey.load(Ordering::Acquire)
+    }
+    /// Changes the Q_Key of a UD QP (an optional attribute of its later transitions).
+    pub fn set_qkey(&self, qkey: u32) -> Result<(), Error> {
+        if !self.ud {
+            return Err(Error::InvalidArgument("only a UD QP has a Q_Key"));
+        }
+        self.qkey.store(qkey, Ordering::Release);
+        Ok(())
     }
     /// Current state.
     pub fn state(&self) -> QpState {
@@ -612,8 +646,8 @@ impl Qp {
         use QpState::*;
         let from = self.state();
         let to = match m {
-            Modify::Init { .. } => Init,
-            Modify::Rtr(_) => Rtr,
+            Modify::Init { .. } | Modify::InitUd { .. } => Init,
+            Modify::Rtr(_) | Modify::RtrUd => Rtr,
             Modify::Rts(_) => Rts,
             Modify::Err => Err,
             Modify::Reset => Reset,
@@ -625,10 +659,22 @@ impl Qp {
         if !legal {
             return Result::Err(Error::IllegalTransition { from, to });
         }
+        let wrong_type = match m {
+            Modify::Init { .. } | Modify::Rtr(_) => self.ud,
+            Modify::InitUd { .. } | Modify::RtrUd => !self.ud,
+            _ => false,
+        };
+        if wrong_type {
+            return Result::Err(Error::InvalidArgument(
+                "RC attributes on a UD QP, or UD attributes on an RC QP",
+            ));
+        }
         let mut sq = self.lock_sq();
         let mut rq = self.lock_rq();
         match m {
             Modify::Init { access } => rq.access = access,
+            Modify::InitUd { qkey } => self.qkey.store(qkey, Ordering::Release),
+            Modify::RtrUd => {}
             Modify::Rtr(a) => {
                 if !matches!(a.mtu, 256 | 512 | 1024 | 2048 | 4096) {
                     return Result::Err(Error::InvalidArgument(
@@ -661,6 +707,9 @@ impl Qp {
                     ));
                 }
                 sq.rts = a;
+                if self.ud && from == Rtr {
+                    sq.ud_psn = a.sq_psn & 0xff_ffff;
+                }
                 if let Some(w) = sq.wire.as_mut() {
                     w.set_rts(a.timeout, a.retry_cnt, a.rnr_retry);
                 }

@@ -252,13 +252,22 @@ impl<'a> Resp<'a> {
 
     /// Completes the receive WQE at the head successfully.
     pub fn recv_done(&mut self, kind: RespKind, len: u64, imm: Option<u32>, from: u32) {
+        let qpn = self.qp.qpn;
+        self.recv_complete(|counter| {
+            Cqe64::responder(kind, qpn, from, counter, len as u32, imm, 0)
+        });
+    }
+
+    /// Completes the receive WQE at the head successfully with the CQE `cqe` makes of its
+    /// `wqe_counter`.
+    pub fn recv_complete(&mut self, cqe: impl FnOnce(u16) -> Cqe64) {
         let qp = self.qp;
         if qp.srq.is_some() && !self.has_recv() {
             // only after has_recv said yes, which holds the WQE: not reached
             return;
         }
         let counter = self.recv_counter();
-        let cqe = Cqe64::responder(kind, qp.qpn, from, counter, len as u32, imm, 0);
+        let cqe = cqe(counter);
         self.recv_advance();
         match qp.recv_cq.push(qp.stamp(cqe), None) {
             Ok(()) => Counters::add(&qp.counters.cqes, 1),

@@ -32,6 +32,7 @@ const LAYERS: &[&str] = &[
     "responder",
     "wire::requester",
     "wire::responder",
+    "ud",
     "wire::transport",
     "engine",
     "device",

@@ -56,6 +56,20 @@ pub(crate) fn receive(
         dport,
     };
     port.capture_rx(&flow, d, id_hint);
+    if let Some(q) = qp.as_ref().filter(|q| q.is_ud()) {
+        // UD: datagrams from any source (no connected peer), checked as RC packets are
+        if !icrc_ok(port, &flow, d, id_hint, run_bth) {
+            Counters::add(&wc.rx_bad_icrc, 1);
+            return;
+        }
+        match packet::parse(d) {
+            Ok(p) if p.bth.pkey & 0x7fff == 0x7fff && packet::is_ud(p.bth.opcode) => {
+                crate::ud::on_packet(dev, q, &p, &flow, d.len());
+            }
+            _ => Counters::add(&wc.rx_malformed, 1),
+        }
+        return;
+    }
     let (Some(qp), Some((remote_ip, remote_qpn))) = (qp, remote) else {
         Counters::add(&wc.rx_unknown_qp, 1);
         return;
@@ -70,19 +84,13 @@ pub(crate) fn receive(
     // sends produce is accepted (see `packet::icrc_ip_id`); others where a raw socket shows
     // the real one (`ip_ids`): the run's first packet's, or that plus the datagram's place in
     // the run (a sender numbering its packets).
-    if packet::icrc_ip_id(&flow, d, id_hint).is_none() {
-        let real = port.real_ip_id(flow.src, flow.sport, flow.dport, run_bth);
-        let fits = real.is_some_and(|id| {
-            packet::icrc_is_for_id(&flow, d, id)
-                || packet::icrc_is_for_id(&flow, d, id.wrapping_add(id_hint))
-        });
-        if !fits {
-            Counters::add(&wc.rx_bad_icrc, 1);
-            return;
-        }
+    if !icrc_ok(port, &flow, d, id_hint, run_bth) {
+        Counters::add(&wc.rx_bad_icrc, 1);
+        return;
     }
     let pkt = match packet::parse(d) {
-        Ok(p) if p.bth.pkey & 0x7fff == 0x7fff => p,
+        // a UD packet names no RC QP
+        Ok(p) if p.bth.pkey & 0x7fff == 0x7fff && p.deth.is_none() => p,
         _ => {
             Counters::add(&wc.rx_malformed, 1);
             return;
@@ -118,6 +126,19 @@ pub(crate) fn receive(
     } else {
         requester::on_response(dev, &qp, &pkt);
     }
+}
+
+/// Whether the datagram's ICRC is right for `flow` with an IPv4 identification a sender can
+/// have given it.
+fn icrc_ok(port: &Port, flow: &Flow, d: &[u8], id_hint: u16, run_bth: &[u8]) -> bool {
+    if packet::icrc_ip_id(flow, d, id_hint).is_some() {
+        return true;
+    }
+    let real = port.real_ip_id(flow.src, flow.sport, flow.dport, run_bth);
+    real.is_some_and(|id| {
+        packet::icrc_is_for_id(flow, d, id)
+            || packet::icrc_is_for_id(flow, d, id.wrapping_add(id_hint))
+    })
 }
 
 // ---------------------------------------------------------------------------- I/O thread

@@ -39,6 +39,8 @@ pub const MASKED_ATOMIC_ETH_LEN: usize = 48;
 pub const IMM_LEN: usize = 4;
 /// Bytes of the invalidate extended transport header (the rkey to invalidate).
 pub const IETH_LEN: usize = 4;
+/// Bytes of the datagram extended transport header (UD: Q_Key, source QP).
+pub const DETH_LEN: usize = 8;
 /// Bytes of the invariant CRC.
 pub const ICRC_LEN: usize = 4;
 /// The largest path MTU (payload bytes per packet).
@@ -106,6 +108,10 @@ pub mod opcode {
     pub const MASKED_CMP_SWAP: u8 = 0xd3;
     /// Masked fetch and add (soft NIC extension, see [`MASKED_CMP_SWAP`]).
     pub const MASKED_FETCH_ADD: u8 = 0xd4;
+    /// UD SEND only (transport class 0b011; DETH).
+    pub const UD_SEND_ONLY: u8 = 0x64;
+    /// UD SEND only with immediate (DETH, ImmDt).
+    pub const UD_SEND_ONLY_IMM: u8 = 0x65;
 
     /// The IBTA name of an opcode, as tools print it.
     pub fn name(op: u8) -> &'static str {
@@ -135,6 +141,8 @@ pub mod opcode {
             SEND_ONLY_INV => "SEND Only with Invalidate",
             MASKED_CMP_SWAP => "Masked CmpSwap (soft NIC)",
             MASKED_FETCH_ADD => "Masked FetchAdd (soft NIC)",
+            UD_SEND_ONLY => "UD Send Only",
+            UD_SEND_ONLY_IMM => "UD Send Only with Immediate",
             _ => "unknown",
         }
     }
@@ -178,6 +186,8 @@ pub struct Layout {
     pub imm: bool,
     /// IETH.
     pub ieth: bool,
+    /// DETH (UD).
+    pub deth: bool,
     /// Payload allowed.
     pub payload: bool,
 }
@@ -193,11 +203,12 @@ impl Layout {
             + f(self.atomic_ack, ATOMIC_ACK_ETH_LEN)
             + f(self.imm, IMM_LEN)
             + f(self.ieth, IETH_LEN)
+            + f(self.deth, DETH_LEN)
     }
 }
 
-/// The header layout of an opcode the soft NIC speaks; `None` for any other (UC, RD, UD,
-/// CNP, reserved).
+/// The header layout of an opcode the soft NIC speaks; `None` for any other (UC, RD, UD
+/// opcodes but SEND only, CNP, reserved).
 pub fn layout(op: u8) -> Option<Layout> {
     use opcode::*;
     let l = Layout::default();
@@ -241,11 +252,27 @@ pub fn layout(op: u8) -> Option<Layout> {
         },
         CMP_SWAP | FETCH_ADD => Layout { atomic: true, ..l },
         MASKED_CMP_SWAP | MASKED_FETCH_ADD => Layout { masked: true, ..l },
+        UD_SEND_ONLY => Layout {
+            deth: true,
+            payload: true,
+            ..l
+        },
+        UD_SEND_ONLY_IMM => Layout {
+            deth: true,
+            imm: true,
+            payload: true,
+            ..l
+        },
         _ => return None,
     })
 }
 
-/// Whether an opcode is a request (travels requester → responder).
+/// Whether an opcode is a UD one (carries a DETH).
+pub fn is_ud(op: u8) -> bool {
+    matches!(op, opcode::UD_SEND_ONLY | opcode::UD_SEND_ONLY_IMM)
+}
+
+/// Whether an opcode is an RC request (travels requester → responder).
 pub fn is_request(op: u8) -> bool {
     use opcode::*;
     op <= READ_REQUEST
@@ -332,6 +359,15 @@ pub struct Reth {
     pub len: u32,
 }
 
+/// Datagram extended transport header (UD).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Deth {
+    /// Q_Key.
+    pub qkey: u32,
+    /// Source QP (24 bits).
+    pub src_qp: u32,
+}
+
 /// ACK extended transport header.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Aeth {
@@ -393,6 +429,8 @@ pub struct Packet<'a> {
     pub imm: Option<u32>,
     /// IETH: the rkey the responder invalidates.
     pub ieth: Option<u32>,
+    /// DETH (UD): Q_Key and source QP.
+    pub deth: Option<Deth>,
     /// Payload, without the pad.
     pub payload: &'a [u8],
 }
@@ -462,6 +500,14 @@ pub fn parse(d: &[u8]) -> Result<Packet<'_>, PacketError> {
         bth,
         ..Packet::default()
     };
+    if l.deth {
+        let h = &body[at..at + DETH_LEN];
+        p.deth = Some(Deth {
+            qkey: be32(h),
+            src_qp: be32(&h[4..]) & MASK24,
+        });
+        at += DETH_LEN;
+    }
     if l.reth {
         let h = &body[at..at + RETH_LEN];
         p.reth = Some(Reth {
@@ -564,7 +610,8 @@ pub fn encode_headers(
         || (l.aeth && p.aeth.is_none())
         || (l.atomic_ack && p.atomic_ack.is_none())
         || (l.imm && p.imm.is_none())
-        || (l.ieth && p.ieth.is_none());
+        || (l.ieth && p.ieth.is_none())
+        || (l.deth && p.deth.is_none());
     if missing {
         return Err(PacketError::MissingHeader(op));
     }
@@ -574,6 +621,10 @@ pub fn encode_headers(
     let mut bth = p.bth;
     bth.pad = ((4 - payload_len % 4) % 4) as u8;
     out.extend_from_slice(&bth.to_bytes());
+    if let (true, Some(d)) = (l.deth, p.deth) {
+        out.extend_from_slice(&d.qkey.to_be_bytes());
+        out.extend_from_slice(&(d.src_qp & MASK24).to_be_bytes());
+    }
     if let (true, Some(r)) = (l.reth, p.reth) {
         out.extend_from_slice(&r.va.to_be_bytes());
         out.extend_from_slice(&r.rkey.to_be_bytes());

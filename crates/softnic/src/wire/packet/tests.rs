@@ -143,6 +143,10 @@ fn encode_parse_round_trip_every_opcode() {
             atomic_ack: l.atomic_ack.then_some(0xdead_beef),
             imm: l.imm.then_some(0x0102_0304),
             ieth: l.ieth.then_some(0x0a0b_0c0d),
+            deth: l.deth.then_some(Deth {
+                qkey: 0x8000_0011,
+                src_qp: 0x00_0203,
+            }),
             payload: if l.payload { &payload } else { &[] },
         };
         encode(&p, &flow, &mut out).unwrap();
@@ -167,8 +171,8 @@ fn encode_parse_round_trip_every_opcode() {
         }
     }
     let mut ud = [0u8; 40];
-    ud[0] = 0x64;
-    assert_eq!(parse(&ud), Err(PacketError::Opcode(0x64)));
+    ud[0] = 0x66; // UD, but not a SEND only
+    assert_eq!(parse(&ud), Err(PacketError::Opcode(0x66)));
     ud[0] = 0x04;
     ud[1] = 0x01;
     assert_eq!(parse(&ud), Err(PacketError::Version(1)));
@@ -176,4 +180,96 @@ fn encode_parse_round_trip_every_opcode() {
         parse(&vec![0u8; MAX_DATAGRAM + 1]),
         Err(PacketError::Oversized(_))
     ));
+}
+
+#[test]
+fn ud_send_carries_a_deth_before_the_immediate() {
+    let flow = Flow {
+        src: Ipv4Addr::new(127, 0, 140, 1),
+        dst: Ipv4Addr::new(127, 0, 140, 2),
+        sport: 0xc001,
+        dport: ROCE_PORT,
+    };
+    let payload = [7u8; 5];
+    let p = Packet {
+        bth: Bth {
+            opcode: opcode::UD_SEND_ONLY_IMM,
+            pkey: DEFAULT_PKEY,
+            dest_qp: 0x12_3456,
+            psn: 9,
+            ..Bth::default()
+        },
+        deth: Some(Deth {
+            qkey: 0x1111_2222,
+            src_qp: 0xab_cdef,
+        }),
+        imm: Some(0xdead_beef),
+        payload: &payload,
+        ..Packet::default()
+    };
+    let mut d = Vec::new();
+    encode(&p, &flow, &mut d).unwrap();
+    // BTH 12, DETH 8 (Q_Key, reserved byte, source QP), ImmDt 4, 5 bytes + 3 pad, ICRC 4
+    assert_eq!(d.len(), 12 + 8 + 4 + 8 + 4);
+    assert_eq!(d[0], 0x65);
+    assert_eq!(
+        &d[12..20],
+        &[0x11, 0x11, 0x22, 0x22, 0x00, 0xab, 0xcd, 0xef]
+    );
+    assert_eq!(&d[20..24], &[0xde, 0xad, 0xbe, 0xef]);
+    assert!(icrc_matches(&flow, &d));
+    let q = parse(&d).unwrap();
+    assert_eq!(q.deth, p.deth);
+    assert_eq!(q.imm, Some(0xdead_beef));
+    assert_eq!(q.payload, &payload);
+    assert!(is_ud(q.bth.opcode) && !is_request(q.bth.opcode));
+    // without the immediate
+    let p2 = Packet {
+        bth: Bth {
+            opcode: opcode::UD_SEND_ONLY,
+            ..p.bth
+        },
+        imm: None,
+        ..p
+    };
+    encode(&p2, &flow, &mut d).unwrap();
+    let q = parse(&d).unwrap();
+    assert_eq!((q.deth, q.imm, q.payload), (p.deth, None, &payload[..]));
+    // a DETH is required to encode; a truncated one does not parse
+    let bare = Packet { deth: None, ..p2 };
+    assert_eq!(
+        encode(&bare, &flow, &mut d),
+        Err(PacketError::MissingHeader(opcode::UD_SEND_ONLY))
+    );
+    let mut short = vec![0x64, 0, 0xff, 0xff, 0, 0, 0, 1, 0, 0, 0, 1];
+    short.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]);
+    assert!(matches!(parse(&short), Err(PacketError::Truncated { .. })));
+    // other UD opcodes (RDMA on UD does not exist; CNP etc.) are not spoken
+    let mut other = [0u8; 40];
+    other[0] = 0x66;
+    assert_eq!(parse(&other), Err(PacketError::Opcode(0x66)));
+}
+
+#[test]
+fn ud_parser_never_panics() {
+    let mut x = 0x9e37_79b9u32;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        x
+    };
+    for _ in 0..50_000 {
+        let len = (next() % 80) as usize;
+        let mut d: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+        if let Some(b) = d.first_mut() {
+            *b = 0x64 + (next() % 3) as u8;
+        }
+        if d.len() > 1 {
+            d[1] &= 0xf0;
+        }
+        if let Ok(p) = parse(&d) {
+            assert!(p.deth.is_some());
+        }
+    }
 }
