@@ -1,4 +1,4 @@
-//! Queue pairs (RC only): CREATE_QP, EX_CREATE_QP, MODIFY_QP, EX_MODIFY_QP, QUERY_QP and
+//! Queue pairs (RC and UD): CREATE_QP, EX_CREATE_QP, MODIFY_QP, EX_MODIFY_QP, QUERY_QP and
 //! DESTROY_QP, with the BlueFlame register each QP gets.
 
 use super::{
@@ -29,10 +29,13 @@ struct QpAttrs {
     timeout: u8,
     retry_cnt: u8,
     rnr_retry: u8,
+    qkey: u32,
 }
 
 pub(super) struct QpObj {
     pub(super) soft: Arc<softnic::Qp>,
+    /// A UD QP (else RC).
+    ud: bool,
     pub(super) pd: u32,
     pub(super) srq: Option<u32>,
     key: u64,
@@ -132,13 +135,15 @@ impl Context {
 
     fn create_qp(&self, io: &Io<'_>, r: &abi::ExCreateQp, ex: bool) -> Result<Created, Errno> {
         const IBV_QPT_RC: u8 = 2;
+        const IBV_QPT_UD: u8 = 4;
         let u: abi::Mlx5CreateQp = io.udata()?;
         if io.udata.len() < 32 {
             return Err(Errno::EINVAL);
         }
-        if r.qp_type != IBV_QPT_RC {
-            return Err(unsupported("QP types other than RC"));
+        if r.qp_type != IBV_QPT_RC && r.qp_type != IBV_QPT_UD {
+            return Err(unsupported("QP types other than RC and UD"));
         }
+        let ud = r.qp_type == IBV_QPT_UD;
         let srq_handle = (r.is_srq != 0).then_some(r.srq_handle);
         use abi::mlx5_qp_flag as f;
         let known = f::SIGNATURE
@@ -264,9 +269,10 @@ impl Context {
             uar: Some(uar),
             user_index: (cqe_version == 1).then_some(u.uidx & 0xff_ffff),
         };
-        let created = match &srq {
-            Some(s) => soft.create_qp_on_srq(cfg, s),
-            None => soft.create_qp(cfg),
+        let created = match (&srq, ud) {
+            (_, true) => soft.create_ud_qp(cfg, srq.as_ref()),
+            (Some(s), false) => soft.create_qp_on_srq(cfg, s),
+            (None, false) => soft.create_qp(cfg),
         };
         let sqp = match created {
             Ok(q) => q,
@@ -331,6 +337,7 @@ impl Context {
             h,
             QpObj {
                 soft: sqp,
+                ud,
                 pd: r.pd_handle,
                 srq: srq_handle,
                 key,
@@ -367,9 +374,17 @@ impl Context {
         } else {
             cur
         };
-        // ib_modify_qp_is_ok for RC: (required, optional) attributes per transition
+        // ib_modify_qp_is_ok for RC and UD: (required, optional) attributes per transition
         let (req, opt) = match (cur, new) {
             (_, 0) | (_, 6) => (0, 0),
+            _ if q.ud => match (cur, new) {
+                (0, 1) => (PKEY_INDEX | PORT | QKEY, 0),
+                (1, 1) => (0, PKEY_INDEX | PORT | QKEY),
+                (1, 2) => (0, PKEY_INDEX | QKEY),
+                (2, 3) => (SQ_PSN, CUR_STATE | QKEY),
+                (3, 3) => (0, CUR_STATE | QKEY),
+                _ => return Err(Errno::EINVAL),
+            },
             (0, 1) => (PKEY_INDEX | PORT | ACCESS_FLAGS, 0),
             (1, 1) => (0, PKEY_INDEX | PORT | ACCESS_FLAGS),
             (1, 2) => (
@@ -447,6 +462,9 @@ impl Context {
         if given & SQ_PSN != 0 {
             a.sq_psn = m.sq_psn & 0xff_ffff;
         }
+        if given & QKEY != 0 {
+            a.qkey = m.qkey;
+        }
         if given & MAX_DEST_RD_ATOMIC != 0 {
             a.max_dest_rd_atomic = at_most(m.max_dest_rd_atomic, MAX_RD_ATOM as u8)?;
         }
@@ -471,6 +489,8 @@ impl Context {
         let step = match (cur, new) {
             (_, 0) => Some(softnic::Modify::Reset),
             (_, 6) => Some(softnic::Modify::Err),
+            (_, 1) if q.ud => Some(softnic::Modify::InitUd { qkey: a.qkey }),
+            (1, 2) if q.ud => Some(softnic::Modify::RtrUd),
             (_, 1) => Some(softnic::Modify::Init { access: rights }),
             (1, 2) => Some(softnic::Modify::Rtr(softnic::RtrAttr {
                 remote_gid: softnic::Gid(a.dest.dgid),
@@ -495,6 +515,9 @@ impl Context {
                 self.soft()?.drain_errored(&q.soft);
             }
             q.soft.modify(s).map_err(|_| Errno::EINVAL)?;
+        }
+        if q.ud && given & QKEY != 0 && new != 0 {
+            q.soft.set_qkey(a.qkey).map_err(|_| Errno::EINVAL)?;
         }
         if new == 0 {
             a = QpAttrs::default();
@@ -524,6 +547,7 @@ impl Context {
             max_inline_data: q.caps.max_inline_data,
             rq_psn: a.rq_psn,
             sq_psn: a.sq_psn,
+            qkey: a.qkey,
             dest_qp_num: a.dest_qpn,
             qp_access_flags: a.access,
             pkey_index: a.pkey_index,
