@@ -237,7 +237,10 @@ fn ud_pingpong_between_two_processes() {
         for out in [c, s] {
             assert!(out.contains("200 iters in"), "size {size}:\n{out}");
             assert!(
-                out.contains(&format!("{} bytes in", 2 * 200 * size.parse::<usize>().unwrap())),
+                out.contains(&format!(
+                    "{} bytes in",
+                    2 * 200 * size.parse::<usize>().unwrap()
+                )),
                 "size {size}:\n{out}"
             );
         }

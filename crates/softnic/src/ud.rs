@@ -77,7 +77,10 @@ fn grh_ipv6(src: Gid, dst: Gid, tclass: u8, flow_label: u32, hop: u8, udp_len: u
 
 /// Bytes of a UD packet's UDP payload (BTH through ICRC) for `len` payload bytes.
 fn udp_payload_len(len: usize, imm: bool) -> usize {
-    packet::BTH_LEN + packet::DETH_LEN + if imm { packet::IMM_LEN } else { 0 } + len.div_ceil(4) * 4
+    packet::BTH_LEN
+        + packet::DETH_LEN
+        + if imm { packet::IMM_LEN } else { 0 }
+        + len.div_ceil(4) * 4
         + packet::ICRC_LEN
 }
 
@@ -101,10 +104,9 @@ fn dest(dev: &Shared, gid: &Gid) -> Dest {
         return Dest::Local(d);
     }
     match (dev.port(), gid.to_ipv4()) {
-        (Some(port), Some(ip)) => Dest::Wire(
-            "default port",
-            SocketAddrV4::new(ip, port.cfg.default_port),
-        ),
+        (Some(port), Some(ip)) => {
+            Dest::Wire("default port", SocketAddrV4::new(ip, port.cfg.default_port))
+        }
         _ => Dest::Nowhere,
     }
 }
@@ -214,7 +216,17 @@ pub(crate) fn execute(
             if let Some(port) = dev.port() {
                 tracing::trace!(qpn = qp.qpn, %to, why, "UD datagram on the wire");
                 let solicited = wqe.flags.solicited;
-                send_wire(port, qp, sq, to, av.dest_qpn, qkey, imm, solicited, &payload);
+                send_wire(
+                    port,
+                    qp,
+                    sq,
+                    to,
+                    av.dest_qpn,
+                    qkey,
+                    imm,
+                    solicited,
+                    &payload,
+                );
             }
         }
         Dest::Nowhere => {

@@ -52,8 +52,13 @@ fn ud(dev: Device, qkey: u32) -> Ud {
     let mut buf = vec![0u8; 1 << 16];
     // SAFETY: `buf` lives in the returned struct as long as the device.
     let mr = unsafe {
-        dev.reg_host(pd, buf.as_mut_ptr() as u64, buf.len() as u64, Access::LOCAL_WRITE)
-            .unwrap()
+        dev.reg_host(
+            pd,
+            buf.as_mut_ptr() as u64,
+            buf.len() as u64,
+            Access::LOCAL_WRITE,
+        )
+        .unwrap()
     };
     let ini = Initiator::for_soft_qp(&dev, &qp, RingMode::RdmaCore);
     Ud {
@@ -322,7 +327,10 @@ fn ud_to_itself_and_from_any_source() {
     let c = a.wait_recv_raw();
     assert_eq!(c.byte_cnt.get(), 40 + 64);
     assert_eq!(c.flags_rqpn.get() & 0xff_ffff, a.qp.qpn());
-    assert_eq!(&a.buf[16384 + 40..16384 + 40 + 64], &a.buf[..64].to_vec()[..]);
+    assert_eq!(
+        &a.buf[16384 + 40..16384 + 40 + 64],
+        &a.buf[..64].to_vec()[..]
+    );
     // a UD QP not yet in RTR drops what arrives
     let b = {
         let dev = Device::open(DeviceConfig::default()).unwrap();

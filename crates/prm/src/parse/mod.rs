@@ -6,10 +6,11 @@
 use crate::cqe::Syndrome;
 use crate::endian::Be32;
 use crate::wqe::{
-    AtomicSeg, AtomicSize, CtrlFlags, CtrlSeg, DataSeg, DatagramSeg, KlmSeg, MaskedCs32Seg, MaskedCs64Seg,
-    MaskedFa32Seg, MaskedFa64Seg, MkeyContextSeg, Opcode, RaddrSeg, RemoteAddr, Sge, UmrCtrlSeg,
-    WaitSeg, DATAGRAM_UNITS, EXTENDED_UD_AV, INLINE_SEG, MKEY_FREE, OPMOD_MASKED_ATOMIC_4B, OPMOD_MASKED_ATOMIC_8B,
-    UMR_FLAG_CHECK_FREE, UMR_FLAG_CHECK_QPN, UMR_FLAG_INLINE, UMR_MASK_LEN,
+    AtomicSeg, AtomicSize, CtrlFlags, CtrlSeg, DataSeg, DatagramSeg, KlmSeg, MaskedCs32Seg,
+    MaskedCs64Seg, MaskedFa32Seg, MaskedFa64Seg, MkeyContextSeg, Opcode, RaddrSeg, RemoteAddr, Sge,
+    UmrCtrlSeg, WaitSeg, DATAGRAM_UNITS, EXTENDED_UD_AV, INLINE_SEG, MKEY_FREE,
+    OPMOD_MASKED_ATOMIC_4B, OPMOD_MASKED_ATOMIC_8B, UMR_FLAG_CHECK_FREE, UMR_FLAG_CHECK_QPN,
+    UMR_FLAG_INLINE, UMR_MASK_LEN,
 };
 use crate::DS_UNIT;
 use bytemuck::Pod;

@@ -538,12 +538,18 @@ impl Context {
             softnic::QpState::Rts => 3,
             softnic::QpState::Err => 6,
         };
+        // mlx5_ib reports the receive queue as allocated: its WQE count and the data
+        // segments a WQE holds (libmlx5 fills in the send side itself); none on an SRQ
+        let (max_recv_wr, max_recv_sge) = match (q.srq, q.soft.rq_wqes()) {
+            (None, n) if n > 0 => (n, q.soft.max_recv_sge()),
+            _ => (q.caps.max_recv_wr, q.caps.max_recv_sge),
+        };
         io.reply(&abi::QueryQpResp {
             dest: a.dest,
             max_send_wr: q.caps.max_send_wr,
-            max_recv_wr: q.caps.max_recv_wr,
+            max_recv_wr,
             max_send_sge: q.caps.max_send_sge,
-            max_recv_sge: q.caps.max_recv_sge,
+            max_recv_sge,
             max_inline_data: q.caps.max_inline_data,
             rq_psn: a.rq_psn,
             sq_psn: a.sq_psn,
