@@ -17,6 +17,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 /// Parameters of a new soft device.
 #[derive(Clone, Debug, Default)]
@@ -96,6 +97,8 @@ impl Device {
             engines: OnceLock::new(),
             port,
             peers: RwLock::default(),
+            carried_at: AtomicU64::new(0),
+            epoch: Instant::now(),
         });
         shared::register(&shared, wire)?;
         // The handle first: should a thread fail to start, dropping it stops the others.
@@ -191,6 +194,32 @@ impl Device {
     /// after ringing, GPU writers are found by the engine's polling).
     pub fn kick(&self) {
         self.shared.kick();
+    }
+    /// Does the device's pending work on the caller's thread: its QPs' doorbells and WQEs,
+    /// due CQEs, and the datagrams waiting on its wire port (unless its I/O thread is taking
+    /// them). For a program that polls for completions on every core it has, which leaves the
+    /// device's own threads no time to run (a 2-core machine, two busy-polling processes):
+    /// an empty poll that calls this carries the device itself. Returns whether anything was
+    /// done; the device's threads keep running either way.
+    pub fn progress(&self) -> bool {
+        self.shared.carry();
+        let sent = crate::engine::turn(&self.shared);
+        let received = crate::wire::transport::poll_inline(&self.shared);
+        // what arrived may be answered (a READ response, an ACK that frees a blocked WQE)
+        let more = received && crate::engine::turn(&self.shared);
+        let work = sent || received || more;
+        if work {
+            Counters::add(&self.shared.counters.carried_turns, 1);
+        }
+        work
+    }
+    /// The program's threads stop carrying the device (one is about to sleep): its own
+    /// threads go back to looking for work at once.
+    pub fn carry_end(&self) {
+        if self.shared.carried() {
+            self.shared.carried_at.store(0, Ordering::Relaxed);
+            self.shared.kick();
+        }
     }
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.shared
@@ -362,6 +391,7 @@ impl Device {
         let qp = Arc::new(Qp::new(
             qpn,
             cfg,
+            ud,
             srq,
             self.shared.mrs.clone(),
             self.shared.counters.clone(),
@@ -391,7 +421,6 @@ impl Device {
     /// Looks a QP up by number.
     pub fn qp(&self, qpn: u32) -> Option<Arc<Qp>> {
         self.shared.qp(qpn)
-            ud,
     }
 }
 

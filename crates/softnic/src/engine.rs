@@ -53,6 +53,11 @@ const WARM_PARK: Duration = Duration::from_micros(20);
 /// The longest sleep while something waits on time (wire timers, delayed CQEs; their
 /// granularity is hundreds of microseconds).
 const TIMED_PARK: Duration = Duration::from_micros(50);
+/// The longest sleep while a thread of the program carries the device ([`Shared::carried`]):
+/// that thread runs doorbells and timers itself; the engine only catches a doorbell rung
+/// after the program's last poll (a program that goes to sleep on a completion channel ends
+/// the carrying and wakes the engine: [`crate::Device::carry_end`]).
+const CARRIED_PARK: Duration = MAX_PARK;
 /// WQEs one QP runs before the engine looks at the next.
 const BUDGET: u32 = 64;
 
@@ -105,7 +110,8 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
             park = Duration::from_micros(10);
         } else {
             idle = idle.saturating_add(1);
-            if idle < IDLE_SPINS {
+            let carried = dev.carried();
+            if idle < IDLE_SPINS && !carried {
                 if idle % YIELD_EVERY == 0 {
                     std::thread::yield_now();
                 } else {
@@ -114,6 +120,7 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
             } else {
                 let warm = polled_at.is_some_and(|t| now.duration_since(t) < WARM);
                 let limit = match (warm, timed) {
+                    _ if carried => CARRIED_PARK,
                     (true, _) => WARM_PARK,
                     (false, true) => TIMED_PARK,
                     (false, false) => MAX_PARK,
@@ -123,6 +130,24 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
             }
         }
     }
+}
+
+/// One pass of the engine's work on the caller's thread: every QP's doorbells and WQEs (up
+/// to [`BUDGET`] each) and the CQEs that fell due. The engine thread keeps running; the two
+/// take turns on a QP through its SQ lock. Returns whether anything was done.
+pub(crate) fn turn(dev: &Shared) -> bool {
+    let (qps, cqs) = dev.snapshot();
+    let mut work = false;
+    for qp in &qps {
+        work |= service(dev, qp).0;
+    }
+    let now = Instant::now();
+    for cq in &cqs {
+        if let Err(e) = cq.flush_due(now) {
+            count_cq_error(&dev.counters, e);
+        }
+    }
+    work
 }
 
 /// Runs one QP: doorbells, the wire transport's timers, then up to [`BUDGET`] WQEs. Returns
@@ -363,6 +388,9 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
         Ok(())
     };
     let outcome = check.and_then(|()| {
+        if qp.ud {
+            return crate::ud::execute(dev, qp, sq, &buf[..blocks * WQEBB]);
+        }
         let wqe =
             parse_wqe(&buf[..blocks * WQEBB]).map_err(|e| (e.syndrome(), vendor::MALFORMED_WQE))?;
         execute(dev, qp, sq, &wqe).map(|r| (r, wqe.flags.signaled))
@@ -388,9 +416,6 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
         Ok((Done::Queued, _)) => {
             sq.rnr_attempts = 0;
             sq.retry_deadline = None;
-        if qp.ud {
-            return crate::ud::execute(dev, qp, sq, &buf[..blocks * WQEBB]);
-        }
             advance(sq);
         }
         Ok((Done::Stalled(stall), _)) => sq.stall = Some(stall),

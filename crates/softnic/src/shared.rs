@@ -11,9 +11,10 @@ use crate::{Error, Gid};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::thread::Thread;
+use std::time::{Duration, Instant};
 
 /// State shared by the device handle, its engine and peers.
 pub(crate) struct Shared {
@@ -40,9 +41,29 @@ pub(crate) struct Shared {
     pub port: Option<Arc<Port>>,
     /// GID → UDP address of wire peers ([`Device::add_peer`]).
     pub peers: RwLock<HashMap<Gid, SocketAddr>>,
+    /// When a thread of the program last carried the device ([`crate::Device::progress`]),
+    /// in nanoseconds after `epoch` (0: never). See [`Shared::carried`].
+    pub carried_at: AtomicU64,
+    pub epoch: Instant,
 }
 
+/// How long after a program's thread last carried the device its own threads keep from
+/// spinning.
+const CARRIED_FOR: Duration = Duration::from_millis(1);
+
 impl Shared {
+    /// Notes that a thread of the program carries the device now.
+    pub fn carry(&self) {
+        let t = self.epoch.elapsed().as_nanos().max(1) as u64;
+        self.carried_at.store(t, Ordering::Relaxed);
+    }
+    /// A thread of the program carried the device within [`CARRIED_FOR`]: the device's own
+    /// threads (engine, wire I/O) then sleep instead of spinning when idle, which would only
+    /// take the core from that thread (a program polling on every core of a small machine).
+    pub fn carried(&self) -> bool {
+        let t = self.carried_at.load(Ordering::Relaxed);
+        t != 0 && self.epoch.elapsed().as_nanos() as u64 - t < CARRIED_FOR.as_nanos() as u64
+    }
     pub fn qp(&self, qpn: u32) -> Option<Arc<Qp>> {
         self.qps.read().get(&qpn).cloned()
     }

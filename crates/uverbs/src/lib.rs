@@ -143,13 +143,14 @@ pub fn counters_report(emu: &Emulation) -> String {
         if let Some(s) = d.started() {
             let c = s.counters();
             out += &format!(
-                "{} wqes={} bad_doorbells={} stale_wqes={} cq_overruns={} error_cqes={}\n",
+                "{} wqes={} bad_doorbells={} stale_wqes={} cq_overruns={} error_cqes={} carried_turns={}\n",
                 d.id.name,
                 c.wqes_executed,
                 c.bad_doorbells,
                 c.stale_wqes,
                 c.cq_overruns,
-                c.errors.values().sum::<u64>()
+                c.errors.values().sum::<u64>(),
+                c.carried_turns
             );
         }
     }
@@ -176,6 +177,19 @@ impl Emulation {
     /// The emulated devices.
     pub fn devices(&self) -> &'static device::Devices {
         self.devices
+    }
+
+    /// Gives every started device a turn on the caller's thread ([`softnic::Device::progress`]):
+    /// what a completion poll that found nothing calls, so that a program polling on every
+    /// core still moves its device. Returns whether anything was done.
+    pub fn progress(&self) -> bool {
+        let mut work = false;
+        for d in self.devices.iter() {
+            if let Some(s) = d.started() {
+                work |= s.progress();
+            }
+        }
+        work
     }
 
     /// `open(path, flags)`: `None` when `path` is not an emulated device file. The RDMA CM
@@ -339,6 +353,12 @@ impl Emulation {
             Some(FdKind::Device(_)) => return Err(Errno::EINVAL),
             None => return Err(Errno::EBADF),
         };
+        // The program may sleep here: its threads stop carrying the devices.
+        for d in self.devices.iter() {
+            if let Some(s) = d.started() {
+                s.carry_end();
+            }
+        }
         q.read(buf, len)
     }
 
@@ -518,9 +538,9 @@ fn watch_loop(emu: &'static Emulation) {
                 }
                 if arm.armed {
                     let produced = cq.soft.produced() & 0xff_ffff;
-                    let ahead = produced.wrapping_sub(arm.ci) & 0xff_ffff;
-                    if ahead != 0 && ahead < 1 << 23 {
+                    if arm.due(produced) {
                         arm.armed = false;
+                        arm.reported = produced;
                         if let Some(ch) = &cq.channel {
                             let ev = abi::CompEvent {
                                 cq_handle: cq.user_handle,

@@ -140,6 +140,31 @@ pub(crate) struct Port {
     /// The real IPv4 identifications of received datagrams, from a raw socket opened at the
     /// first need ([`Port::real_ip_id`]); `Err` once refused.
     ip_ids: Mutex<Option<Result<IpIds, ()>>>,
+    /// The receive buffers; whoever holds them receives (the I/O thread, or a thread that
+    /// polls the device inline: [`super::transport::poll_inline`]), so datagrams are
+    /// handled one at a time, in the order they arrived.
+    pub(super) rx: Mutex<RxBufs>,
+}
+
+/// What receiving needs: room for any datagram or coalesced run, a reply's scratch space and
+/// the batch replies leave in.
+pub(super) struct RxBufs {
+    pub buf: Vec<u8>,
+    pub scratch: Vec<u8>,
+    pub batch: TxBatch,
+}
+
+impl RxBufs {
+    fn new() -> Self {
+        Self {
+            // Large enough for any UDP datagram and any coalesced run, so an oversized
+            // datagram is seen whole (and dropped as such) rather than silently truncated
+            // into one that parses.
+            buf: vec![0u8; 1 << 17],
+            scratch: Vec::with_capacity(packet::MAX_DATAGRAM + packet::ICRC_LEN),
+            batch: TxBatch::default(),
+        }
+    }
 }
 
 fn setsockopt_int(sock: &UdpSocket, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> bool {
@@ -318,6 +343,7 @@ impl Port {
             capture: Mutex::new(None),
             path_mtus: Mutex::new(Vec::new()),
             ip_ids: Mutex::new(None),
+            rx: Mutex::new(RxBufs::new()),
             cfg,
         })
     }

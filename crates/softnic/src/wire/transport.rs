@@ -3,7 +3,7 @@
 //! ([`super::responder`]) and answers to the requester side ([`super::requester`]).
 //! Neither side calls the engine; the engine calls them.
 
-use super::packet::{self, Bth, Flow, BTH_LEN, ICRC_LEN, MAX_DATAGRAM};
+use super::packet::{self, Bth, Flow, BTH_LEN, ICRC_LEN};
 use super::socket::{self, Port, TxBatch};
 use super::{requester, responder};
 use crate::counters::Counters;
@@ -145,80 +145,116 @@ fn icrc_ok(port: &Port, flow: &Flow, d: &[u8], id_hint: u16, run_bth: &[u8]) -> 
 
 /// The I/O thread: receives datagrams until the device shuts down.
 pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
-    // Large enough for any UDP datagram and any coalesced run, so an oversized datagram is
-    // seen whole (and dropped as such) rather than silently truncated into one that parses.
-    let mut buf = vec![0u8; 1 << 17];
-    let mut scratch = Vec::with_capacity(MAX_DATAGRAM + ICRC_LEN);
-    let mut batch = TxBatch::default();
     let mut fds = port.pollfds();
     let mut ready = vec![false; fds.len()];
     let mut busy = false;
     while !dev.shutdown.load(Ordering::Acquire) {
-        if !socket::wait_readable(&mut fds, &mut ready, busy, port.recv_timeout()) {
+        // after traffic, look again before sleeping, unless the program's threads carry the
+        // device (they receive too; a spin here would only take their core)
+        let spin = busy && !dev.carried();
+        if !socket::wait_readable(&mut fds, &mut ready, spin, port.recv_timeout()) {
             busy = false;
             port.flush_held();
             continue;
         }
         busy = true;
+        let mut rx = port.rx.lock();
         for (i, _) in ready.iter().enumerate().filter(|(_, r)| **r) {
-            let dport = port.sock_port(i);
-            for _ in 0..socket::RX_BURST {
-                match port.recv(i, &mut buf) {
-                    Ok(socket::Received {
-                        len: n,
-                        from,
-                        seg,
-                        truncated,
-                        not_plain,
-                    }) => {
-                        if dev.shutdown.load(Ordering::Acquire) {
-                            return;
-                        }
-                        if truncated || not_plain {
-                            Counters::add(&dev.counters.wire.rx_packets, 1);
-                            let c = if truncated {
-                                &dev.counters.wire.rx_malformed
-                            } else {
-                                &dev.counters.wire.rx_not_plain_ip
-                            };
-                            Counters::add(c, 1);
-                            continue;
-                        }
-                        let data = &buf[..n];
-                        match seg {
-                            Some(s) if s > 0 && n > s => {
-                                // a run's n-th datagram was most likely a segmented send's
-                                // n-th segment: its identification (the ICRC's hint)
-                                let run_bth = &data[..BTH_LEN.min(data.len())];
-                                for (k, d) in data.chunks(s).enumerate() {
-                                    receive(
-                                        &dev,
-                                        &port,
-                                        d,
-                                        (from, k as u16, run_bth),
-                                        dport,
-                                        &mut scratch,
-                                        &mut batch,
-                                    );
-                                }
-                            }
-                            _ => receive(
-                                &dev,
-                                &port,
-                                data,
-                                (from, 0, &data[..BTH_LEN.min(data.len())]),
-                                dport,
-                                &mut scratch,
-                                &mut batch,
-                            ),
-                        }
-                        port.flush(&mut batch);
-                    }
-                    // drained (WouldBlock), or an ICMP error reported on the socket and the
-                    // like: on to the next socket
-                    Err(_) => break,
-                }
+            if drain(&dev, &port, i, &mut rx).is_none() {
+                return;
             }
         }
     }
+}
+
+/// Receives, on the caller's thread, what waits on the device's sockets, unless another
+/// thread (the I/O thread) is receiving right now. Returns whether a datagram was taken.
+///
+/// A program that polls its completion queue on every core it has leaves the I/O thread no
+/// time to run; this lets its polling carry the device instead.
+pub(crate) fn poll_inline(dev: &Shared) -> bool {
+    let Some(port) = dev.port() else {
+        return false;
+    };
+    let Some(mut rx) = port.rx.try_lock() else {
+        return false;
+    };
+    let mut got = false;
+    for i in 0..port.socks.len() {
+        match drain(dev, port, i, &mut rx) {
+            Some(n) => got |= n > 0,
+            None => break,
+        }
+    }
+    got
+}
+
+/// Receives up to one burst from socket `i` and hands each datagram to [`receive`]. Returns
+/// how many datagrams were taken, or `None` when the device is shutting down.
+fn drain(dev: &Shared, port: &Port, i: usize, rx: &mut socket::RxBufs) -> Option<usize> {
+    let dport = port.sock_port(i);
+    let socket::RxBufs {
+        buf,
+        scratch,
+        batch,
+    } = rx;
+    let mut taken = 0;
+    for _ in 0..socket::RX_BURST {
+        let socket::Received {
+            len: n,
+            from,
+            seg,
+            truncated,
+            not_plain,
+        } = match port.recv(i, buf) {
+            Ok(r) => r,
+            // drained (WouldBlock), or an ICMP error reported on the socket and the like: on
+            // to the next socket
+            Err(_) => break,
+        };
+        if dev.shutdown.load(Ordering::Acquire) {
+            return None;
+        }
+        taken += 1;
+        if truncated || not_plain {
+            Counters::add(&dev.counters.wire.rx_packets, 1);
+            let c = if truncated {
+                &dev.counters.wire.rx_malformed
+            } else {
+                &dev.counters.wire.rx_not_plain_ip
+            };
+            Counters::add(c, 1);
+            continue;
+        }
+        let data = &buf[..n];
+        match seg {
+            Some(s) if s > 0 && n > s => {
+                // a run's n-th datagram was most likely a segmented send's n-th segment: its
+                // identification (the ICRC's hint)
+                let run_bth = &data[..BTH_LEN.min(data.len())];
+                for (k, d) in data.chunks(s).enumerate() {
+                    receive(
+                        dev,
+                        port,
+                        d,
+                        (from, k as u16, run_bth),
+                        dport,
+                        scratch,
+                        batch,
+                    );
+                }
+            }
+            _ => receive(
+                dev,
+                port,
+                data,
+                (from, 0, &data[..BTH_LEN.min(data.len())]),
+                dport,
+                scratch,
+                batch,
+            ),
+        }
+        port.flush(batch);
+    }
+    Some(taken)
 }

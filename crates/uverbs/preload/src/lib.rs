@@ -11,6 +11,8 @@
 
 #![allow(clippy::missing_safety_doc)]
 
+mod progress;
+
 use libc::{c_char, c_int, c_ulong, c_void, mode_t, off_t, size_t, ssize_t};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
