@@ -19,6 +19,29 @@ pub struct Arm {
     pub ci: u32,
     /// The last arm word seen in the CQ's doorbell record.
     pub last_word: u32,
+    /// The producer index (24 bits) when the CQ's last event was generated: the CQEs before it
+    /// have had their event.
+    pub reported: u32,
+}
+
+impl Arm {
+    /// Whether an armed CQ whose producer index is `produced` (24 bits) has its event due: a
+    /// CQE past both the consumer index of the arm and the CQEs that already had an event.
+    /// So a program that polls until empty and then arms learns of a CQE that came between
+    /// the two, and one that arms before it polls (the verbs pattern: get the event, ack, arm,
+    /// poll) is not woken again for the CQE it is about to poll.
+    pub fn due(&self, produced: u32) -> bool {
+        const MASK: u32 = 0xff_ffff;
+        // a distance of 2^23 or more is behind, not ahead
+        let ahead = |d: u32| d & MASK < 1 << 23;
+        let start = if ahead(self.reported.wrapping_sub(self.ci)) {
+            self.reported
+        } else {
+            self.ci
+        };
+        let d = produced.wrapping_sub(start) & MASK;
+        d != 0 && ahead(d)
+    }
 }
 
 /// A CQ.
@@ -251,5 +274,38 @@ impl Context {
             reserved: 0,
         })?;
         Ok(Created::Nothing)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Arm;
+
+    fn arm(ci: u32, reported: u32) -> Arm {
+        Arm {
+            armed: true,
+            ci,
+            last_word: 0,
+            reported,
+        }
+    }
+
+    #[test]
+    fn an_arm_is_due_for_cqes_past_its_consumer_index_that_had_no_event() {
+        // fresh CQ: the first CQE
+        assert!(!arm(0, 0).due(0));
+        assert!(arm(0, 0).due(1));
+        // get event (CQE 0 reported), ack, arm before polling (ci 0): not again for CQE 0 ...
+        assert!(!arm(0, 1).due(1));
+        // ... but for the next one
+        assert!(arm(0, 1).due(2));
+        // polled until empty (ci 5), a CQE came before the arm: due at once
+        assert!(arm(5, 3).due(6));
+        assert!(!arm(5, 3).due(5));
+        // across the 24-bit wrap
+        assert!(arm(0xff_fffe, 0xff_ffff).due(0));
+        assert!(!arm(0xff_fffe, 0).due(0));
+        // an event long ago (reported far behind ci) does not hide a new CQE
+        assert!(arm(0x90_0000, 0x10_0000).due(0x90_0001));
     }
 }
