@@ -154,6 +154,7 @@ impl Context {
                 init: o.init,
                 ring,
                 dbrec: None,
+                cqe_size: Default::default(),
             })?),
             Backend::Mlx5(d) => {
                 // The provider's CQs detect overrun, start with op_own 0xF0 and live in host

@@ -1,5 +1,8 @@
-//! Completion queues: a ring of 64-byte CQEs with per-lap owner bits, written the way a ConnectX
-//! writes them (bytes 0..60, then the last 4 bytes released with one store).
+//! Completion queues: a ring of 64- or 128-byte entries with per-lap owner bits, each CQE
+//! written the way a ConnectX writes it (bytes 0..60, then the last 4 bytes released with one
+//! store). In a ring of 128-byte entries the 64-byte CQE is the second half of its entry (the
+//! first half is where a ConnectX scatters inline data, which the soft NIC does not do: it
+//! leaves the first half untouched and never sets the CQE's inline-scatter format bits).
 //!
 //! The ring may be host memory or device memory ([`DmaBuf::from_device`]); in device memory the
 //! two parts are two ordered writes through its [`crate::DeviceMemory`], and a write that fails
@@ -31,6 +34,38 @@ pub enum CqMode {
     Collapsed,
 }
 
+/// The size of a CQ's entries (the CQ context's `cqe_sz`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CqeSize {
+    /// 64-byte entries: the CQE is the entry (`cqe_sz` 0).
+    #[default]
+    B64,
+    /// 128-byte entries (`cqe_sz` 1): the 64-byte CQE is the entry's second half.
+    B128,
+}
+
+impl CqeSize {
+    /// The entry size in bytes (the ring's stride).
+    pub const fn bytes(self) -> usize {
+        match self {
+            Self::B64 => 64,
+            Self::B128 => 128,
+        }
+    }
+    /// Where the 64-byte CQE lies in its entry.
+    pub const fn cqe_offset(self) -> usize {
+        self.bytes() - CQE_SIZE
+    }
+    /// The size for an entry of `bytes` bytes (64 or 128).
+    pub const fn from_bytes(bytes: u32) -> Option<Self> {
+        match bytes {
+            64 => Some(Self::B64),
+            128 => Some(Self::B128),
+            _ => None,
+        }
+    }
+}
+
 /// The byte a fresh ring is filled with at `op_own`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CqInit {
@@ -53,9 +88,11 @@ pub struct CqConfig {
     pub mode: CqMode,
     /// Initial `op_own`.
     pub init: CqInit,
-    /// Ring memory (at least `ncqe * 64` bytes), host or device memory; allocated in host
-    /// memory when `None`.
+    /// Ring memory (at least `ncqe` entries of `cqe_size`), host or device memory; allocated
+    /// in host memory when `None`.
     pub ring: Option<DmaBuf>,
+    /// The size of the ring's entries.
+    pub cqe_size: CqeSize,
     /// The CQ doorbell record (8 bytes of host memory: consumer index, arm word), in memory
     /// the consumer allocated, as a verbs provider does; allocated by the device when `None`.
     pub dbrec: Option<DmaBuf>,
@@ -80,36 +117,52 @@ struct CqState {
     pi: u32,
     /// The ring the CQ writes into after [`Cq::resize`] (the creation ring when `None`).
     resized: Option<DmaBuf>,
+    /// The entry size of the ring it writes into.
+    cqe_size: CqeSize,
     overrun: bool,
     failed: bool,
     delayed: VecDeque<(Instant, Cqe64)>,
 }
 
-/// Prepares the first `ncqe` entries of a CQ ring as `init` says: an invalid CQE with the
-/// `op_own` it names in each (host or device memory), or nothing for [`CqInit::Untouched`].
+/// Prepares the first `ncqe` entries of a CQ ring of 64-byte CQEs as `init` says: an invalid
+/// CQE with the `op_own` it names in each (host or device memory), or nothing for
+/// [`CqInit::Untouched`].
 pub fn prefill(ring: &DmaBuf, ncqe: usize, init: CqInit) -> Result<(), crate::Error> {
+    prefill_sized(ring, ncqe, init, CqeSize::B64)
+}
+
+/// [`prefill`] for entries of `size`: with 128-byte entries the invalid CQE is written into
+/// each entry's second half (where the CQE lies) and the first half is zeroed.
+pub fn prefill_sized(
+    ring: &DmaBuf,
+    ncqe: usize,
+    init: CqInit,
+    size: CqeSize,
+) -> Result<(), crate::Error> {
     let fill = match init {
         CqInit::Invalid => OP_OWN_INVALID,
         CqInit::InvalidOwned => OP_OWN_INVALID_OWNED,
         CqInit::Untouched => return Ok(()),
     };
-    let bytes = ncqe * CQE_SIZE;
+    let stride = size.bytes();
+    let bytes = ncqe * stride;
     if ring.len() < bytes {
         return Err(crate::Error::InvalidArgument(
-            "CQ ring memory smaller than ncqe * 64",
+            "CQ ring memory smaller than ncqe entries",
         ));
     }
-    let entry = Cqe64::invalid(fill);
+    let mut entry = vec![0u8; stride];
+    entry[size.cqe_offset()..].copy_from_slice(bytemuck::bytes_of(&Cqe64::invalid(fill)));
     if ring.is_host() {
         for i in 0..ncqe {
-            ring.write(i * CQE_SIZE, bytemuck::bytes_of(&entry));
+            ring.write(i * stride, &entry);
         }
     } else {
         // device memory: as few writes as the bounce size allows (one for rings ≤ 1 MiB)
         let chunk = bytes.min(crate::devmem::BOUNCE);
         let mut fill = Vec::with_capacity(chunk);
         while fill.len() < chunk {
-            fill.extend_from_slice(bytemuck::bytes_of(&entry));
+            fill.extend_from_slice(&entry);
         }
         for off in (0..bytes).step_by(chunk) {
             ring.try_write(off, &fill[..chunk.min(bytes - off)])?;
@@ -141,7 +194,7 @@ impl Cq {
                 "CQ size must be a power of two ≤ 2^22",
             ));
         }
-        let bytes = cfg.ncqe as usize * CQE_SIZE;
+        let bytes = cfg.ncqe as usize * cfg.cqe_size.bytes();
         let dbrec = match cfg.dbrec {
             Some(d) if d.len() < 8 => {
                 return Err(crate::Error::InvalidArgument(
@@ -154,13 +207,13 @@ impl Cq {
         let ring = match cfg.ring {
             Some(r) if r.len() < bytes => {
                 return Err(crate::Error::InvalidArgument(
-                    "CQ ring memory smaller than ncqe * 64",
+                    "CQ ring memory smaller than ncqe entries",
                 ))
             }
             Some(r) => r,
             None => DmaBuf::alloc(bytes),
         };
-        prefill(&ring, cfg.ncqe as usize, cfg.init)?;
+        prefill_sized(&ring, cfg.ncqe as usize, cfg.init, cfg.cqe_size)?;
         Ok(Self {
             cqn,
             ncqe: AtomicU32::new(cfg.ncqe),
@@ -171,6 +224,7 @@ impl Cq {
             state: Mutex::new(CqState {
                 pi: 0,
                 resized: None,
+                cqe_size: cfg.cqe_size,
                 overrun: false,
                 failed: false,
                 delayed: VecDeque::new(),
@@ -193,6 +247,11 @@ impl Cq {
     /// Consumer-index mode.
     pub fn mode(&self) -> CqMode {
         self.mode
+    }
+    /// The size of the entries of the ring it writes into (the new size after
+    /// [`Cq::resize`]).
+    pub fn cqe_size(&self) -> CqeSize {
+        self.lock().cqe_size
     }
     /// The ring the CQ was created with (a resized CQ writes into the ring given to
     /// [`Cq::resize`]).
@@ -247,14 +306,21 @@ impl Cq {
     /// must hold the CQEs not yet consumed plus the next one (overrun-detect mode), and the
     /// old ring must have room for the RESIZE CQE.
     pub fn resize(&self, ncqe: u32, ring: DmaBuf) -> Result<(), crate::Error> {
+        let size = self.cqe_size();
+        self.resize_sized(ncqe, ring, size)
+    }
+
+    /// [`Cq::resize`] into a ring of `size` entries (MODIFY_CQ's resize may change the CQE
+    /// size; the RESIZE CQE goes into the old ring at the old size).
+    pub fn resize_sized(&self, ncqe: u32, ring: DmaBuf, size: CqeSize) -> Result<(), crate::Error> {
         if ncqe < 2 || !ncqe.is_power_of_two() || ncqe > 1 << 22 {
             return Err(crate::Error::InvalidArgument(
                 "CQ size must be a power of two in 2..=2^22",
             ));
         }
-        if ring.len() < ncqe as usize * CQE_SIZE {
+        if ring.len() < ncqe as usize * size.bytes() {
             return Err(crate::Error::InvalidArgument(
-                "CQ ring memory smaller than ncqe * 64",
+                "CQ ring memory smaller than ncqe entries",
             ));
         }
         if self.mode == CqMode::Collapsed {
@@ -283,6 +349,7 @@ impl Cq {
         self.write_locked(&mut st, Cqe64::invalid(RESIZE_OP_OWN))
             .map_err(|_| crate::Error::Busy("CQ in error"))?;
         st.resized = Some(ring);
+        st.cqe_size = size;
         self.ncqe.store(ncqe, Ordering::Release);
         Ok(())
     }
@@ -352,7 +419,7 @@ impl Cq {
         } as usize;
         cqe.op_own = (cqe.op_own & !1) | owner_bit(st.pi, ncqe);
         let (head, tail) = cqe.split_for_release();
-        let off = slot * CQE_SIZE;
+        let off = slot * st.cqe_size.bytes() + st.cqe_size.cqe_offset();
         // Two ordered writes: a consumer that sees the tail (acquire) sees the head.
         let ring = st.resized.as_ref().unwrap_or(&self.ring);
         let written = ring
@@ -488,6 +555,198 @@ mod tests {
             cq.push(Cqe64::requester(8, 1, 9, 0, 0), None),
             Err(CqError::Failed(5))
         );
+    }
+
+    /// A second view of `b` (the test keeps reading the ring it hands to a resize).
+    fn alias(b: &std::sync::Arc<DmaBuf>) -> DmaBuf {
+        let p = std::ptr::NonNull::new(b.as_ptr()).unwrap();
+        // SAFETY: host memory of `b`, kept alive by the Arc the view owns; only accessed
+        // through DmaBuf's own reads and writes.
+        unsafe { DmaBuf::from_external(p, b.len(), Box::new(b.clone())) }
+    }
+
+    /// The 128-byte entry at `slot`: (first half, the CQE in the second half).
+    fn read128(ring: &DmaBuf, slot: usize) -> ([u8; 64], Cqe64) {
+        let mut b = [0u8; 128];
+        ring.read(slot * 128, &mut b);
+        let mut first = [0u8; 64];
+        first.copy_from_slice(&b[..64]);
+        (first, bytemuck::pod_read_unaligned(&b[64..]))
+    }
+
+    fn cq128(ncqe: u32, mode: CqMode, init: CqInit) -> Cq {
+        Cq::new(
+            9,
+            CqConfig {
+                ncqe,
+                mode,
+                init,
+                cqe_size: CqeSize::B128,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn cqes_of_128_bytes_are_the_second_half_of_each_entry_owner_per_entry() {
+        for (init, byte) in [(CqInit::Invalid, 0xf0), (CqInit::InvalidOwned, 0xf1)] {
+            let cq = cq128(4, CqMode::OverrunIgnore, init);
+            assert_eq!(cq.cqe_size(), CqeSize::B128);
+            assert!(cq.ring().len() >= 4 * 128);
+            // prefill: the invalid op_own at byte 127 of every entry, first halves zero
+            for slot in 0..4 {
+                let (first, c) = read128(cq.ring(), slot);
+                assert_eq!(first, [0u8; 64], "slot {slot}");
+                assert_eq!(c.op_own, byte, "slot {slot}");
+                assert!(!sw_owns(c.op_own, slot as u32, 4));
+            }
+            // the first halves are the consumer's (inline scatter, not done): never written
+            for slot in 0..4 {
+                cq.ring().write(slot * 128, &[0xab; 64]);
+            }
+            for i in 0..11u32 {
+                cq.push(Cqe64::requester(8, 0x42, i as u16, 7, 0), None)
+                    .unwrap();
+                let slot = (i % 4) as usize;
+                let (first, c) = read128(cq.ring(), slot);
+                assert_eq!(first, [0xab; 64], "cqe {i}: first half touched");
+                assert!(sw_owns(c.op_own, i, 4), "cqe {i}");
+                assert_eq!(c.op_own & 1, ((i / 4) & 1) as u8, "cqe {i} owner bit");
+                // no inline-scatter format bits (bits 3:2 of op_own)
+                assert_eq!(c.op_own & 0x0c, 0, "cqe {i}");
+                assert_eq!(c.opcode(), 0);
+                assert_eq!(c.wqe_counter.get(), i as u16);
+                assert_eq!(c.byte_cnt.get(), 7);
+                // the next entry is not yet software's
+                let (_, next) = read128(cq.ring(), (slot + 1) % 4);
+                assert!(!sw_owns(next.op_own, i + 1, 4), "cqe {i}: next entry");
+            }
+        }
+        // a ring short of ncqe * 128 bytes is refused (enough for 64-byte entries)
+        let r = Cq::new(
+            1,
+            CqConfig {
+                ncqe: 64,
+                ring: Some(DmaBuf::alloc(64 * 64)),
+                cqe_size: CqeSize::B128,
+                ..Default::default()
+            },
+        );
+        assert!(r.is_err());
+        assert_eq!(CqeSize::from_bytes(128), Some(CqeSize::B128));
+        assert_eq!(CqeSize::from_bytes(64), Some(CqeSize::B64));
+        assert_eq!(CqeSize::from_bytes(32), None);
+    }
+
+    #[test]
+    fn untouched_128_byte_ring_and_device_memory() {
+        use crate::devmem::SimDeviceMemory;
+        let cq = cq128(2, CqMode::OverrunIgnore, CqInit::Untouched);
+        assert_eq!(read128(cq.ring(), 1).0, [0u8; 64]);
+        let m = SimDeviceMemory::new(1 << 20);
+        let ring = DmaBuf::from_device(m.base(), 8 * 128, m.clone(), Box::new(()));
+        let cq = Cq::new(
+            5,
+            CqConfig {
+                ncqe: 8,
+                ring: Some(ring),
+                init: CqInit::InvalidOwned,
+                cqe_size: CqeSize::B128,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let e = m.peek(m.base() + 7 * 128, 128);
+        assert_eq!(e[127], 0xf1);
+        assert_eq!(e[63], 0);
+        cq.push(Cqe64::requester(8, 1, 3, 0, 0), None).unwrap();
+        let c: Cqe64 = bytemuck::pod_read_unaligned(&m.peek(m.base() + 64, 64));
+        assert!(sw_owns(c.op_own, 0, 8));
+        assert_eq!(c.wqe_counter.get(), 3);
+        assert_eq!(m.peek(m.base(), 64), vec![0u8; 64]);
+    }
+
+    #[test]
+    fn overrun_detect_and_collapsed_with_128_byte_entries() {
+        let cq = cq128(2, CqMode::OverrunDetect, CqInit::Invalid);
+        cq.push(Cqe64::requester(8, 1, 0, 0, 0), None).unwrap();
+        cq.push(Cqe64::requester(8, 1, 1, 0, 0), None).unwrap();
+        assert_eq!(
+            cq.push(Cqe64::requester(8, 1, 2, 0, 0), None),
+            Err(CqError::Overrun(9))
+        );
+        assert!(cq.is_overrun());
+        // entries 0 and 1 hold CQEs 0 and 1; nothing was written past them
+        assert_eq!(read128(cq.ring(), 0).1.wqe_counter.get(), 0);
+        assert_eq!(read128(cq.ring(), 1).1.wqe_counter.get(), 1);
+
+        // a consumer that keeps up wraps the ring any number of times
+        let cq = cq128(2, CqMode::OverrunDetect, CqInit::Invalid);
+        for i in 0..7u32 {
+            cq.push(Cqe64::requester(8, 1, i as u16, 0, 0), None)
+                .unwrap();
+            let c = read128(cq.ring(), (i % 2) as usize).1;
+            assert!(sw_owns(c.op_own, i, 2), "cqe {i}");
+            cq.dbrec()
+                .atomic_u32(0)
+                .store((i + 1).to_be(), Ordering::Release);
+        }
+
+        let cq = cq128(1, CqMode::Collapsed, CqInit::Invalid);
+        cq.ring().write(0, &[0x5a; 64]);
+        for i in 0..5u16 {
+            cq.push(Cqe64::requester(8, 1, i, 0, 0), None).unwrap();
+            let (first, c) = read128(cq.ring(), 0);
+            assert_eq!(c.wqe_counter.get(), i);
+            assert_eq!(first, [0x5a; 64]);
+        }
+    }
+
+    #[test]
+    fn resize_between_cqe_sizes() {
+        // 64 -> 128: the RESIZE CQE in the old ring at 64-byte stride, later CQEs in the new
+        // ring's second halves, the index space continuing
+        let cq = Cq::new(
+            6,
+            CqConfig {
+                ncqe: 4,
+                mode: CqMode::OverrunDetect,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        cq.push(Cqe64::requester(8, 1, 0, 0, 0), None).unwrap();
+        let new = std::sync::Arc::new(DmaBuf::alloc(8 * 128));
+        assert!(cq
+            .resize_sized(64, DmaBuf::alloc(64 * 64), CqeSize::B128)
+            .is_err());
+        cq.resize_sized(8, alias(&new), CqeSize::B128).unwrap();
+        assert_eq!(read(&cq, 1).op_own & 0xfe, RESIZE_OP_OWN);
+        assert_eq!(cq.cqe_size(), CqeSize::B128);
+        cq.push(Cqe64::requester(8, 1, 2, 0, 0), None).unwrap();
+        let (first, c) = read128(&new, 2);
+        assert_eq!(first, [0u8; 64]);
+        assert_eq!(c.wqe_counter.get(), 2);
+        assert!(sw_owns(c.op_own, 2, 8));
+
+        // 128 -> 64 (and a plain resize keeps the size)
+        let cq = cq128(4, CqMode::OverrunIgnore, CqInit::Invalid);
+        cq.push(Cqe64::requester(8, 1, 0, 0, 0), None).unwrap();
+        let same = std::sync::Arc::new(DmaBuf::alloc(8 * 128));
+        cq.resize(8, alias(&same)).unwrap();
+        assert_eq!(read128(cq.ring(), 1).1.op_own & 0xfe, RESIZE_OP_OWN);
+        cq.push(Cqe64::requester(8, 1, 2, 0, 0), None).unwrap();
+        assert_eq!(read128(&same, 2).1.wqe_counter.get(), 2);
+        let small = std::sync::Arc::new(DmaBuf::alloc(16 * 64));
+        cq.resize_sized(16, alias(&small), CqeSize::B64).unwrap();
+        assert_eq!(read128(&same, 3).1.op_own & 0xfe, RESIZE_OP_OWN);
+        cq.push(Cqe64::requester(8, 1, 4, 0, 0), None).unwrap();
+        let mut b = [0u8; 64];
+        small.read(4 * 64, &mut b);
+        let c: Cqe64 = bytemuck::cast(b);
+        assert_eq!(c.wqe_counter.get(), 4);
+        assert!(sw_owns(c.op_own, 4, 16));
     }
 
     #[test]

@@ -297,7 +297,8 @@ impl Initiator {
     ///
     /// # Panics
     /// When a ring of the QP or of its CQs is in device memory (a CPU cannot store into GPU
-    /// memory); [`Initiator::try_for_soft_qp`] returns that as an error.
+    /// memory) or a CQ has 128-byte entries; [`Initiator::try_for_soft_qp`] returns that as an
+    /// error.
     pub fn for_soft_qp(dev: &crate::Device, qp: &Arc<Qp>, mode: RingMode) -> Self {
         match Self::try_for_soft_qp(dev, qp, mode) {
             Ok(i) => i,
@@ -308,7 +309,8 @@ impl Initiator {
     /// An initiator for a soft-NIC QP, or [`crate::Error::InvalidArgument`] when a ring of the
     /// QP or of its CQs is in device memory: the CPU initiator writes WQEs and polls CQEs with
     /// host loads and stores, which GPU-resident rings do not allow (drive such a QP from a
-    /// kernel).
+    /// kernel) or a CQ has 128-byte entries (its poller reads 64-byte
+    /// CQEs).
     pub fn try_for_soft_qp(
         dev: &crate::Device,
         qp: &Arc<Qp>,
@@ -322,6 +324,13 @@ impl Initiator {
             return Err(crate::Error::InvalidArgument(
                 "the CPU initiator cannot drive a QP whose rings (SQ, RQ or CQ) are in device \
                  memory: drive it from a GPU kernel",
+            ));
+        }
+        if qp.send_cq().cqe_size() != crate::CqeSize::B64
+            || qp.recv_cq().cqe_size() != crate::CqeSize::B64
+        {
+            return Err(crate::Error::InvalidArgument(
+                "the CPU initiator polls CQs of 64-byte CQEs only",
             ));
         }
         Ok(Self::for_host_rings(dev, qp, mode))

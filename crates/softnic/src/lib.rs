@@ -41,7 +41,7 @@ pub mod initiator;
 
 pub use buffer::DmaBuf;
 pub use counters::{CounterSnapshot, WireCounters};
-pub use cq::{Cq, CqConfig, CqInit, CqMode};
+pub use cq::{Cq, CqConfig, CqInit, CqMode, CqeSize};
 pub use device::{Device, DeviceConfig};
 pub use devmem::{DeviceMemory, DeviceMemoryError, SimDeviceMemory};
 pub use event::{AsyncEvent, EventHandler};

@@ -222,6 +222,7 @@ fn make_qp(n: &Node, o: &Opts) -> (Arc<Qp>, Arc<Cq>, Arc<Cq>) {
                 init: o.cq_init,
                 ring: None,
                 dbrec: None,
+                cqe_size: Default::default(),
             })
             .unwrap()
     };
