@@ -64,8 +64,20 @@ pub struct CqObj {
     pub uar_page: Option<u32>,
 }
 
+/// `MLX5_IB_CREATE_CQ_FLAGS_CQE_128B_PAD`: 128-byte CQEs padded (needs `cqe_128_always`).
+const CQ_FLAG_CQE_128B_PAD: u16 = 1 << 0;
 /// `MLX5_IB_CREATE_CQ_FLAGS_UAR_PAGE_INDEX`: `uar_page_index` names the CQ's UAR page.
 const CQ_FLAG_UAR_PAGE_INDEX: u16 = 1 << 1;
+
+/// The CQE size in the driver data of CREATE_CQ and RESIZE_CQ: 64 or 128 bytes (mlx5_ib:
+/// anything else is EINVAL). A CQ of 128-byte CQEs has its CQE in each entry's second half;
+/// the first half is where a ConnectX scatters small received data when the QP asked for
+/// scatter-to-CQE (`MLX5_QP_FLAG_SCATTER_CQE`), which the soft NIC does not do: it writes the
+/// data into the receive buffer and leaves the CQE's inline-scatter bits clear, which the
+/// provider (and UCX) read as "data in the buffer".
+fn cqe_size(bytes: u32) -> Result<softnic::CqeSize, Errno> {
+    softnic::CqeSize::from_bytes(bytes).ok_or(Errno::EINVAL)
+}
 
 impl Context {
     /// CREATE_CQ (the legacy command).
@@ -129,18 +141,24 @@ impl Context {
         if cqe == 0 || cqe > MAX_CQE || comp_vector != 0 {
             return Err(Errno::EINVAL);
         }
-        if u.cqe_size != 64 {
-            return Err(if u.cqe_size == 128 {
-                unsupported("128-byte CQEs")
-            } else {
-                Errno::EINVAL
-            });
+        // mlx5_ib's order: unknown flags, the CQE size and reserved fields (EINVAL), then
+        // compression and padding, which need device capabilities this one lacks
+        if u.flags & !(CQ_FLAG_UAR_PAGE_INDEX | CQ_FLAG_CQE_128B_PAD) != 0 {
+            return Err(Errno::EINVAL);
         }
-        if u.cqe_comp_en != 0 || u.flags & !CQ_FLAG_UAR_PAGE_INDEX != 0 {
-            return Err(unsupported("CQE compression or CQ creation flags"));
+        let size = cqe_size(u.cqe_size)?;
+        if u.reserved0 != 0 || u.reserved1 != 0 {
+            return Err(Errno::EINVAL);
+        }
+        if u.cqe_comp_en == 1 {
+            return Err(unsupported("CQE compression"));
+        }
+        if u.flags & CQ_FLAG_CQE_128B_PAD != 0 {
+            // cqe_128_always is 0: mlx5_ib refuses padding for any CQE size
+            return Err(unsupported("128-byte CQE padding"));
         }
         let ncqe = (cqe + 1).next_power_of_two();
-        let ring = user_buf(u.buf_addr, ncqe as usize * 64)?;
+        let ring = user_buf(u.buf_addr, ncqe as usize * size.bytes())?;
         let dbrec = user_buf(u.db_addr, 8)?;
         let arm_view = user_buf(u.db_addr, 8)?;
         let soft = self.soft()?;
@@ -168,6 +186,7 @@ impl Context {
                 init: softnic::CqInit::Invalid,
                 ring: Some(ring),
                 dbrec: Some(dbrec),
+                cqe_size: size,
             })
             .map_err(|_| Errno::EINVAL)?;
         let h = o.handle();
@@ -247,13 +266,7 @@ impl Context {
         if u.reserved0 != 0 || u.reserved1 != 0 {
             return Err(Errno::EINVAL);
         }
-        if u.cqe_size != 64 {
-            return Err(if u.cqe_size == 128 {
-                unsupported("128-byte CQEs")
-            } else {
-                Errno::EINVAL
-            });
-        }
+        let size = cqe_size(u.cqe_size.into())?;
         if r.cqe < 1 || r.cqe > MAX_CQE {
             return Err(Errno::EINVAL);
         }
@@ -266,8 +279,10 @@ impl Context {
             .ok_or(Errno::EINVAL)?;
         let ncqe = (r.cqe + 1).next_power_of_two();
         if ncqe != cq.soft.ncqe() {
-            let ring = user_buf(u.buf_addr, ncqe as usize * 64)?;
-            cq.soft.resize(ncqe, ring).map_err(|_| Errno::EINVAL)?;
+            let ring = user_buf(u.buf_addr, ncqe as usize * size.bytes())?;
+            cq.soft
+                .resize_sized(ncqe, ring, size)
+                .map_err(|_| Errno::EINVAL)?;
         }
         io.reply(&abi::ResizeCqResp {
             cqe: cq.soft.ncqe() - 1,

@@ -1,5 +1,6 @@
-//! DEVX CQs: CREATE_CQ with the ring and the doorbell record in umems (64-byte CQEs;
-//! collapsed `cc`, overrun-ignore `oi` or overrun-detect), QUERY_CQ, and destroy.
+//! DEVX CQs: CREATE_CQ with the ring and the doorbell record in umems (64- or 128-byte
+//! CQEs, `cqe_sz` 0 or 1; collapsed `cc`, overrun-ignore `oi` or overrun-detect), QUERY_CQ,
+//! and destroy.
 
 use super::{lacks, out, refuse, syndrome, Fw, Refused, EQN};
 use crate::context::Context;
@@ -36,9 +37,14 @@ impl Context {
         if input.len() < ci::CQ_UMEM_VALID.end() {
             return refuse(status::BAD_INP_LEN, syndrome::INPUT_LENGTH);
         }
-        if f(cqc::CQE_SZ) != 0 {
-            return lacks("128-byte CQEs (cqe_sz 1)");
-        }
+        // cqe_sz: 0 = 64 bytes, 1 = 128 bytes, 2 = 128 bytes padded (cqe_128_always, which
+        // this device does not report), others reserved
+        let size = match f(cqc::CQE_SZ) {
+            0 => softnic::CqeSize::B64,
+            1 => softnic::CqeSize::B128,
+            2 => return lacks("padded 128-byte CQEs (cqe_sz 2)"),
+            _ => return refuse(status::BAD_PARAM, syndrome::FEATURE),
+        };
         if f(cqc::CQE_COMPRESSION_EN) != 0 {
             return lacks("CQE compression");
         }
@@ -67,9 +73,10 @@ impl Context {
         // mlx5_ib makes every DEVX CQ umem-backed (cq_umem_valid, dbr_umem_valid = 1)
         let ring_umem = cmd::get(input, ci::CQ_UMEM_ID) as u32;
         let dbr_umem = f(cqc::DBR_UMEM_ID) as u32;
-        let ring = o
-            .umem(ring_umem)?
-            .slice(cmd::get(input, ci::CQ_UMEM_OFFSET), ncqe as usize * 64)?;
+        let ring = o.umem(ring_umem)?.slice(
+            cmd::get(input, ci::CQ_UMEM_OFFSET),
+            ncqe as usize * size.bytes(),
+        )?;
         // the doorbell record may be GPU memory too (read with a copy when the mode needs it)
         let dbrec = o.umem(dbr_umem)?.slice(f(cqc::DBR_ADDR), 8)?;
         let cq = soft
@@ -79,6 +86,7 @@ impl Context {
                 init: softnic::CqInit::Untouched,
                 ring: Some(ring),
                 dbrec: Some(dbrec),
+                cqe_size: size,
             })
             .map_err(|_| Refused {
                 status: status::BAD_PARAM,
