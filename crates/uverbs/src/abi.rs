@@ -613,7 +613,7 @@ pub mod mlx5_qp_flag {
     pub const TYPE_DCT: u32 = 1 << 4;
     pub const TYPE_DCI: u32 = 1 << 5;
     pub const UAR_PAGE_INDEX: u32 = 1 << 10;
-    pub const ALLOW_SCATTER_CQE: u32 = 1 << 12;
+    pub const ALLOW_SCATTER_CQE: u32 = 1 << 8;
 }
 
 /// `enum ib_qp_attr_mask` bits (`IBV_QP_*`).
@@ -671,4 +671,43 @@ pub mod event {
 pub mod srq_attr {
     pub const MAX_WR: u32 = 1 << 0;
     pub const LIMIT: u32 = 1 << 1;
+}
+
+#[cfg(test)]
+mod tests {
+    /// The `MLX5_QP_FLAG_*` values against `<rdma/mlx5-abi.h>` where it is installed (Debian:
+    /// libibverbs-dev, or rdma-core's kernel headers): a wrong bit makes a flag the provider
+    /// sends look unknown (UCX's rc_mlx5 QPs carry ALLOW_SCATTER_CQE, 1 << 8).
+    #[test]
+    fn mlx5_qp_flags_match_the_kernel_header() {
+        use super::mlx5_qp_flag as f;
+        let Ok(h) = std::fs::read_to_string("/usr/include/rdma/mlx5-abi.h") else {
+            eprintln!("no /usr/include/rdma/mlx5-abi.h: skipped");
+            return;
+        };
+        let value = |name: &str| -> u32 {
+            let line = h
+                .lines()
+                .find(|l| l.trim_start().starts_with(&format!("{name}\t")) || {
+                    let t = l.trim_start();
+                    t.starts_with(name) && t[name.len()..].trim_start().starts_with('=')
+                })
+                .unwrap_or_else(|| panic!("{name} not in the header"));
+            let shift = line.split("<<").nth(1).unwrap();
+            let shift: u32 = shift.trim().trim_end_matches(',').trim().parse().unwrap();
+            1 << shift
+        };
+        for (name, v) in [
+            ("MLX5_QP_FLAG_SIGNATURE", f::SIGNATURE),
+            ("MLX5_QP_FLAG_SCATTER_CQE", f::SCATTER_CQE),
+            ("MLX5_QP_FLAG_TUNNEL_OFFLOADS", f::TUNNEL_OFFLOADS),
+            ("MLX5_QP_FLAG_BFREG_INDEX", f::BFREG_INDEX),
+            ("MLX5_QP_FLAG_TYPE_DCT", f::TYPE_DCT),
+            ("MLX5_QP_FLAG_TYPE_DCI", f::TYPE_DCI),
+            ("MLX5_QP_FLAG_UAR_PAGE_INDEX", f::UAR_PAGE_INDEX),
+            ("MLX5_QP_FLAG_ALLOW_SCATTER_CQE", f::ALLOW_SCATTER_CQE),
+        ] {
+            assert_eq!(value(name), v, "{name}");
+        }
+    }
 }
