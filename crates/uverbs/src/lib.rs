@@ -33,7 +33,7 @@ use events::EventQueue;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 pub use uaccess::Errno;
@@ -62,6 +62,56 @@ enum FdKind {
     Channel(Arc<EventQueue>, Weak<Context>),
     /// A context's async event file.
     Async(Arc<EventQueue>, Weak<Context>),
+}
+
+/// One open file of the emulation: what `open` (or a command creating a channel or the async
+/// fd) made, shared by every fd `dup` makes of it, as the kernel's `struct file` is. It lives
+/// until its last fd is closed ([`Emulation::close`]).
+struct OpenFile {
+    kind: FdKind,
+    /// How many fds of the table refer to it (changed under the table's lock).
+    fds: AtomicUsize,
+}
+
+impl OpenFile {
+    fn new(kind: FdKind) -> Arc<Self> {
+        Arc::new(Self {
+            kind,
+            fds: AtomicUsize::new(1),
+        })
+    }
+
+    /// The file's last fd was closed: the kernel's release of the file.
+    fn release(&self) {
+        match &self.kind {
+            FdKind::Device(ctx) => ctx.teardown(),
+            FdKind::Channel(q, ctx) => {
+                if let Some(c) = ctx.upgrade() {
+                    c.close_channel(q.fd());
+                }
+            }
+            FdKind::Async(_, ctx) => {
+                if let Some(c) = ctx.upgrade() {
+                    c.async_q.lock().take();
+                }
+            }
+        }
+    }
+}
+
+/// One fd of the table.
+struct FdEntry {
+    file: Arc<OpenFile>,
+    /// The fd is an event queue's own eventfd, which the queue closes when it goes (a
+    /// channel's or the async file's first fd); every other fd (a device file's eventfd and
+    /// every duplicate) is closed by libc's `close`.
+    queue_owned: bool,
+}
+
+impl FdEntry {
+    fn kind(&self) -> &FdKind {
+        &self.file.kind
+    }
 }
 
 /// One watched CQ: its context's UAR page 0 (the CQ arm doorbell) and the last value seen there.
@@ -103,7 +153,7 @@ pub fn is_ours(fd: RawFd) -> bool {
 /// The emulation of this process.
 pub struct Emulation {
     devices: &'static device::Devices,
-    fds: Mutex<HashMap<RawFd, FdKind>>,
+    fds: Mutex<HashMap<RawFd, FdEntry>>,
     watched: Mutex<Vec<Watched>>,
     watcher: OnceLock<()>,
 }
@@ -220,15 +270,19 @@ impl Emulation {
         if fd < 0 {
             return Some(Err(os_errno()));
         }
-        self.fds
-            .lock()
-            .insert(fd, FdKind::Device(Arc::new(Context::new(dev))));
-        mark(fd, true);
+        self.register(fd, FdKind::Device(Arc::new(Context::new(dev))), false);
         Some(Ok(fd))
     }
 
+    /// Enters `fd`, a new open file of `kind`, in the table.
+    fn register(&self, fd: RawFd, kind: FdKind, queue_owned: bool) {
+        let file = OpenFile::new(kind);
+        self.fds.lock().insert(fd, FdEntry { file, queue_owned });
+        mark(fd, true);
+    }
+
     fn context(&self, fd: RawFd) -> Option<Arc<Context>> {
-        match self.fds.lock().get(&fd) {
+        match self.fds.lock().get(&fd).map(FdEntry::kind) {
             Some(FdKind::Device(c)) => Some(c.clone()),
             _ => None,
         }
@@ -239,7 +293,7 @@ impl Emulation {
     /// no `write()` form); every other core method is ENOTTY, so libibverbs takes the
     /// `write()` command path for the rest.
     pub fn ioctl(&self, fd: RawFd, request: libc::c_ulong, arg: u64) -> Result<i32, Errno> {
-        let ctx = match self.fds.lock().get(&fd) {
+        let ctx = match self.fds.lock().get(&fd).map(FdEntry::kind) {
             Some(FdKind::Device(c)) => c.clone(),
             Some(_) => return Err(Errno::ENOTTY),
             None => return Err(Errno::EBADF),
@@ -265,7 +319,7 @@ impl Emulation {
 
     /// `write(fd, buf, len)` on a file of ours: one uverbs command.
     pub fn write(&self, fd: RawFd, buf: u64, len: usize) -> Result<usize, Errno> {
-        let ctx = match self.fds.lock().get(&fd) {
+        let ctx = match self.fds.lock().get(&fd).map(FdEntry::kind) {
             Some(FdKind::Device(c)) => c.clone(),
             Some(_) => return Err(Errno::EINVAL),
             None => return Err(Errno::EBADF),
@@ -327,20 +381,16 @@ impl Emulation {
         };
         match created? {
             Created::Nothing => {}
-            Created::Channel(q) => {
-                self.fds
-                    .lock()
-                    .insert(q.fd(), FdKind::Channel(q.clone(), Arc::downgrade(&ctx)));
-                mark(q.fd(), true);
-            }
+            Created::Channel(q) => self.register(
+                q.fd(),
+                FdKind::Channel(q.clone(), Arc::downgrade(&ctx)),
+                true,
+            ),
             Created::Cq(cq) => self.watch(cq),
         }
         if command == abi::cmd::GET_CONTEXT {
             if let Some(q) = ctx.async_q.lock().clone() {
-                self.fds
-                    .lock()
-                    .insert(q.fd(), FdKind::Async(q.clone(), Arc::downgrade(&ctx)));
-                mark(q.fd(), true);
+                self.register(q.fd(), FdKind::Async(q.clone(), Arc::downgrade(&ctx)), true);
             }
         }
         Ok(len)
@@ -348,7 +398,7 @@ impl Emulation {
 
     /// `read(fd, buf, len)` on a file of ours.
     pub fn read(&self, fd: RawFd, buf: u64, len: usize) -> Result<usize, Errno> {
-        let q = match self.fds.lock().get(&fd) {
+        let q = match self.fds.lock().get(&fd).map(FdEntry::kind) {
             Some(FdKind::Channel(q, _)) | Some(FdKind::Async(q, _)) => q.clone(),
             Some(FdKind::Device(_)) => return Err(Errno::EINVAL),
             None => return Err(Errno::EBADF),
@@ -379,35 +429,76 @@ impl Emulation {
         ctx.map_uar((offset / 4096) as u64, addr, len, prot, flags)
     }
 
-    /// `close(fd)` on a file of ours. Returns whether the caller must close the real fd too.
+    /// `close(fd)` on a file of ours. Returns whether the caller must close the real fd too
+    /// (not for an event queue's own eventfd: that closes when the queue goes, i.e. for a
+    /// channel when the last CQ using it is gone). The open file is released (a context torn
+    /// down, a channel or the async file closed) when this was its last fd.
     pub fn close(&self, fd: RawFd) -> bool {
         mark(fd, false);
-        let kind = self.fds.lock().remove(&fd);
-        match kind {
-            Some(FdKind::Device(ctx)) => {
-                ctx.teardown();
-                true
-            }
-            Some(FdKind::Channel(q, ctx)) => {
-                if let Some(c) = ctx.upgrade() {
-                    c.close_channel(q.fd());
-                }
-                // the eventfd closes when the last CQ using the channel is gone
-                false
-            }
-            Some(FdKind::Async(_, ctx)) => {
-                if let Some(c) = ctx.upgrade() {
-                    c.async_q.lock().take();
-                }
-                false
-            }
-            None => true,
+        let Some((entry, last)) = self.forget(fd) else {
+            return true;
+        };
+        if last {
+            entry.file.release();
         }
+        !entry.queue_owned
+    }
+
+    /// Takes `fd` out of the table: its entry, and whether it was its file's last fd.
+    fn forget(&self, fd: RawFd) -> Option<(FdEntry, bool)> {
+        let mut fds = self.fds.lock();
+        let entry = fds.remove(&fd)?;
+        let last = entry.file.fds.fetch_sub(1, Ordering::AcqRel) == 1;
+        Some((entry, last))
+    }
+
+    /// Whether libc's `dup2`/`dup3` may make `new` a copy of another fd: not when `new` is an
+    /// event queue's own eventfd (the queue writes its events there), which answers EBUSY
+    /// (Linux's answer to a dup2 onto an fd it cannot take over yet).
+    pub fn may_replace(&self, new: RawFd) -> Result<(), Errno> {
+        match self.fds.lock().get(&new) {
+            Some(e) if e.queue_owned => {
+                complain(format_args!(
+                    "dup2 onto the emulation's event fd {new} is not emulated (EBUSY)"
+                ));
+                Err(Errno::EBUSY)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// libc's `dup`, `dup2`, `dup3` or `fcntl(F_DUPFD…)` made `new` a copy of `old`: `new` is
+    /// the same open file as `old` when that is one of ours (same context, same event queue),
+    /// as the kernel's dup gives; a file of ours that `new` named before (closed by dup2) loses
+    /// that fd, as a close would do (the caller checked [`Emulation::may_replace`]).
+    pub fn duplicated(&self, old: RawFd, new: RawFd) {
+        if old == new {
+            return;
+        }
+        if let Some((entry, last)) = self.forget(new) {
+            mark(new, false);
+            if last {
+                entry.file.release();
+            }
+        }
+        let mut fds = self.fds.lock();
+        let Some(file) = fds.get(&old).map(|e| e.file.clone()) else {
+            return;
+        };
+        file.fds.fetch_add(1, Ordering::AcqRel);
+        fds.insert(
+            new,
+            FdEntry {
+                file,
+                queue_owned: false,
+            },
+        );
+        mark(new, true);
     }
 
     /// `fstat` of a device file: the character device libibverbs checks.
     pub fn fstat(&self, fd: RawFd) -> Option<libc::stat> {
-        match self.fds.lock().get(&fd) {
+        match self.fds.lock().get(&fd).map(FdEntry::kind) {
             Some(FdKind::Device(c)) => Some(cdev_stat(&c.dev.id)),
             _ => None,
         }
@@ -562,5 +653,111 @@ fn watch_loop(emu: &'static Emulation) {
         } else {
             Duration::from_micros(200)
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn emulation() -> Emulation {
+        Emulation {
+            devices: Box::leak(Box::new(device::Devices::new(config::EmuConfig::default()))),
+            fds: Mutex::new(HashMap::new()),
+            watched: Mutex::new(Vec::new()),
+            watcher: OnceLock::new(),
+        }
+    }
+
+    /// libc's dup (this test binary is not preloaded) and the emulation told about it.
+    fn dup(emu: &Emulation, fd: RawFd) -> RawFd {
+        // SAFETY: plain system call on an fd the test owns.
+        let new = unsafe { libc::dup(fd) };
+        assert!(new >= 0);
+        emu.duplicated(fd, new);
+        new
+    }
+
+    fn close(emu: &Emulation, fd: RawFd, real_close: bool) {
+        assert_eq!(emu.close(fd), real_close);
+        if real_close {
+            // SAFETY: closes an fd the test owns.
+            unsafe { libc::close(fd) };
+        }
+    }
+
+    fn open_device(emu: &Emulation) -> RawFd {
+        let path = emu.devices.get(0).expect("device 0").id.cdev_path();
+        emu.open(path.as_bytes(), libc::O_RDWR)
+            .expect("a device path")
+            .expect("opened")
+    }
+
+    #[test]
+    fn a_dup_of_a_device_fd_is_the_same_context_until_the_last_fd_closes() {
+        let emu = emulation();
+        let fd = open_device(&emu);
+        let ctx = Arc::downgrade(&emu.context(fd).expect("a device fd"));
+        let copy = dup(&emu, fd);
+        let copy2 = dup(&emu, copy);
+        for f in [copy, copy2] {
+            assert!(is_ours(f));
+            let c = emu.context(f).expect("the copy is a device fd");
+            assert!(Arc::ptr_eq(&c, &ctx.upgrade().expect("alive")));
+            assert!(emu
+                .fstat(f)
+                .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFCHR));
+        }
+        // closing the first fd keeps the context for the copies
+        close(&emu, fd, true);
+        assert!(!is_ours(fd) && emu.fstat(fd).is_none());
+        close(&emu, copy, true);
+        assert!(ctx.upgrade().is_some());
+        assert!(emu.context(copy2).is_some());
+        // the last fd goes: the context with it
+        close(&emu, copy2, true);
+        assert!(ctx.upgrade().is_none());
+        assert!(emu.fds.lock().is_empty());
+    }
+
+    #[test]
+    fn a_dup_of_an_event_fd_shares_its_queue_and_a_dup2_onto_it_replaces_it() {
+        let emu = emulation();
+        let q = EventQueue::new(16).expect("eventfd");
+        let qfd = q.fd();
+        emu.register(qfd, FdKind::Channel(q.clone(), Weak::new()), true);
+        let copy = dup(&emu, qfd);
+        assert!(is_ours(copy));
+        assert!(matches!(
+            emu.fds.lock().get(&copy).map(FdEntry::kind),
+            Some(FdKind::Channel(c, _)) if Arc::ptr_eq(c, &q)
+        ));
+        // the queue's own eventfd cannot be replaced; a copy can
+        assert_eq!(emu.may_replace(qfd), Err(Errno::EBUSY));
+        assert_eq!(emu.may_replace(copy), Ok(()));
+        // dup2(device fd, copy): the copy becomes the device file, the channel keeps its fd
+        let dev = open_device(&emu);
+        // SAFETY: plain system call on fds the test owns.
+        assert_eq!(unsafe { libc::dup2(dev, copy) }, copy);
+        emu.duplicated(dev, copy);
+        assert!(emu.context(copy).is_some());
+        let channel_fds = |emu: &Emulation| {
+            emu.fds
+                .lock()
+                .values()
+                .filter(|e| matches!(e.kind(), FdKind::Channel(..)))
+                .count()
+        };
+        assert_eq!(channel_fds(&emu), 1);
+        // a second copy of the channel outlives the queue's own fd number in the table
+        let copy2 = dup(&emu, qfd);
+        close(&emu, qfd, false);
+        assert!(is_ours(copy2) && !is_ours(qfd));
+        assert_eq!(channel_fds(&emu), 1);
+        close(&emu, copy2, true);
+        assert_eq!(channel_fds(&emu), 0);
+        close(&emu, copy, true);
+        close(&emu, dev, true);
+        assert!(emu.fds.lock().is_empty());
     }
 }

@@ -5,7 +5,8 @@
 //! untouched (one bitmap load for `read`, `write` and `close`). [`paths`] shows the emulated
 //! devices under their absolute paths (`/sys/class/infiniband…`, `/dev/infiniband`: access, the
 //! stat family, realpath, fopen, opendir, readlink, ...) and serves `syscall(SYS_mmap, …)` of a
-//! device file.
+//! device file. [`dup`] follows `dup`, `dup2`, `dup3` and `fcntl(F_DUPFD…)` of the emulation's
+//! files.
 //!
 //! No Rust panic crosses into C: each hook catches unwinds and answers EIO.
 
@@ -67,6 +68,7 @@ fn guard<T>(fail: T, f: impl FnOnce() -> Result<T, Errno>) -> T {
     }
 }
 
+mod dup;
 mod paths;
 
 /// The path bytes when `path` names an emulated device file (cheap prefix test first).
