@@ -22,7 +22,7 @@ use crate::wire::{requester, responder};
 use parking_lot::MutexGuard;
 use prm::cqe::{Cqe64, ErrorCqe};
 use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
-use prm::parse::{parse_wqe, sge_of, AtomicKind, MwOp, ParsedLocal, ParsedOp};
+use prm::parse::{parse_wqe, sge_of, AtomicKind, LocalSeg, MwOp, ParsedLocal, ParsedOp};
 use prm::wqe::{
     blocks_for_ds, CtrlSeg, DataSeg, MKEY_ACCESS_ATOMIC, MKEY_ACCESS_REMOTE_READ,
     MKEY_ACCESS_REMOTE_WRITE,
@@ -568,6 +568,10 @@ fn prefetch_data(op: &ParsedOp<'_>, local_peer: bool) {
     let first = |l: &ParsedLocal<'_>| match l {
         ParsedLocal::Sges(list) => list.first().map(|d| sge_of(d).addr),
         ParsedLocal::Inline(_) => None,
+        ParsedLocal::Mixed(_) => l.segments().find_map(|s| match s {
+            LocalSeg::Sge(s) => Some(s.addr),
+            LocalSeg::Inline(_) => None,
+        }),
     };
     match op {
         ParsedOp::Write { remote, local } => {
@@ -686,7 +690,8 @@ fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
     }
 }
 
-/// Checked local ranges of a WRITE/SEND source (SGEs, or the inline bytes in the WQE copy).
+/// Checked local ranges of a WRITE/SEND source (SGEs, or the inline bytes in the WQE copy,
+/// or both in WQE order).
 fn gather(g: &MrGuard<'_>, qp: &Qp, l: &ParsedLocal<'_>) -> Result<SmallVec<[MemRange; 4]>, Fail> {
     let ranges = match l {
         ParsedLocal::Sges(list) => local_ranges(g, qp, Access::NONE, list)?,
@@ -695,6 +700,19 @@ fn gather(g: &MrGuard<'_>, qp: &Qp, l: &ParsedLocal<'_>) -> Result<SmallVec<[Mem
                 return Err((Syndrome::LocalLength, vendor::TOO_LONG));
             }
             smallvec::smallvec![MemRange::host(bytes.as_ptr() as u64, bytes.len() as u64)]
+        }
+        ParsedLocal::Mixed(_) => {
+            if l.inline_len() > qp.max_inline as u64 {
+                return Err((Syndrome::LocalLength, vendor::TOO_LONG));
+            }
+            l.segments()
+                .map(|s| match s {
+                    LocalSeg::Inline(b) => Ok(MemRange::host(b.as_ptr() as u64, b.len() as u64)),
+                    LocalSeg::Sge(s) => g
+                        .check(qp.pd, Access::NONE, s.lkey.0, s.addr, s.len as u64)
+                        .map_err(local_err),
+                })
+                .collect::<Result<_, _>>()?
         }
     };
     if total(&ranges) > MAX_MSG {

@@ -25,7 +25,7 @@ use crate::wire::packet::{self, opcode, Bth, Deth, Flow, Packet, DEFAULT_PKEY, M
 use crate::wire::socket::{Port, TxBatch};
 use crate::Gid;
 use prm::cqe::{Cqe64, RespKind};
-use prm::parse::{parse_ud_wqe, sge_of, ParsedLocal, ParsedOp};
+use prm::parse::{parse_ud_wqe, sge_of, LocalSeg, ParsedLocal, ParsedOp};
 use prm::Syndrome;
 use smallvec::SmallVec;
 use std::net::{SocketAddr, SocketAddrV4};
@@ -148,6 +148,22 @@ pub(crate) fn execute(
                     .map_err(local_err)
             })
             .collect::<Result<_, _>>()?,
+        // inline and pointer segments in WQE order: the inline bytes are ranges of the WQE
+        // copy in `bytes`
+        ParsedLocal::Mixed(_) => {
+            if local.inline_len() > qp.max_inline as u64 {
+                return Err((Syndrome::LocalLength, vendor::TOO_LONG));
+            }
+            local
+                .segments()
+                .map(|s| match s {
+                    LocalSeg::Inline(b) => Ok(MemRange::host(b.as_ptr() as u64, b.len() as u64)),
+                    LocalSeg::Sge(s) => g
+                        .check(qp.pd, Access::NONE, s.lkey.0, s.addr, s.len as u64)
+                        .map_err(local_err),
+                })
+                .collect::<Result<_, _>>()?
+        }
     };
     let len = local.len();
     if len > mtu as u64 {
@@ -156,11 +172,12 @@ pub(crate) fn execute(
     let mut payload = vec![0u8; len as usize];
     match local {
         ParsedLocal::Inline(b) => payload.copy_from_slice(b),
-        ParsedLocal::Sges(_) => {
+        ParsedLocal::Sges(_) | ParsedLocal::Mixed(_) => {
             let mut at = 0usize;
             for r in &ranges {
                 let n = r.len as usize;
-                // SAFETY: `r` was checked under `g`, still held; `at + n <= len`.
+                // SAFETY: `r` was checked under `g`, still held, or is inline bytes of the
+                // WQE copy `bytes`, borrowed for this call; `at + n <= len`.
                 unsafe { read_range(r, 0, &mut payload[at..at + n]) }
                     .map_err(|e| local_devmem_err(&dev.counters, &e))?;
                 at += n;

@@ -184,7 +184,7 @@ fn inline_longer_than_max_inline_is_local_length() {
 }
 
 #[test]
-fn inline_count_not_matching_ds_is_local_length() {
+fn inline_count_not_matching_ds_is_local_length_or_a_next_segment() {
     for (len, claimed) in [(20u32, 40u32), (40, 20), (12, 13)] {
         let mut fx = Fx::new();
         fx.warm_up();
@@ -206,6 +206,12 @@ fn inline_count_not_matching_ds_is_local_length() {
             // it needs a receive with room: the empty receive is too small
             fx.p.ea
                 .expect_err(Syndrome::RemoteInvalReq, vendor::RECV_BUFFER, 0x0a, idx);
+        } else if claimed < len {
+            // an inline segment that ends before ds: the units after it are the next data
+            // segment (segments are read in order, inline and pointer ones mixed); here the
+            // inline bytes read as a pointer segment with key 0x33333333: no such lkey
+            fx.p.ea
+                .expect_err(Syndrome::LocalProt, vendor::LOCAL_KEY, 0x0a, idx);
         } else {
             fx.p.ea
                 .expect_err(Syndrome::LocalLength, vendor::MALFORMED_WQE, 0x0a, idx);

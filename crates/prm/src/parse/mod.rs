@@ -25,14 +25,91 @@ pub enum ParsedLocal<'a> {
     Sges(&'a [DataSeg]),
     /// Inline payload.
     Inline(&'a [u8]),
+    /// Inline and pointer data segments mixed, in WQE order (the units as stored, already
+    /// checked to hold whole segments): a ConnectX gathers them in order. UCX posts an inline
+    /// header followed by pointer segments this way. [`ParsedLocal::segments`] walks them.
+    Mixed(&'a [u8]),
 }
 
-impl ParsedLocal<'_> {
+/// One data segment of a WRITE's or SEND's local side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LocalSeg<'a> {
+    /// Inline bytes.
+    Inline(&'a [u8]),
+    /// A pointer segment (host order, byte count 0 read as 2 GiB).
+    Sge(Sge),
+}
+
+/// The segments of a [`ParsedLocal`], in order.
+pub struct Segments<'a> {
+    local: ParsedLocal<'a>,
+    pos: usize,
+}
+
+impl<'a> Iterator for Segments<'a> {
+    type Item = LocalSeg<'a>;
+    fn next(&mut self) -> Option<LocalSeg<'a>> {
+        match self.local {
+            ParsedLocal::Sges(list) => {
+                let d = list.get(self.pos)?;
+                self.pos += 1;
+                Some(LocalSeg::Sge(sge_of(d)))
+            }
+            ParsedLocal::Inline(b) => {
+                if self.pos > 0 {
+                    return None;
+                }
+                self.pos = 1;
+                Some(LocalSeg::Inline(b))
+            }
+            ParsedLocal::Mixed(body) => {
+                let at = self.pos;
+                let hdr: [u8; 4] = body.get(at..at + 4)?.try_into().ok()?;
+                let bc = Be32::from_bytes(hdr).get();
+                if bc & INLINE_SEG != 0 {
+                    let len = (bc & !INLINE_SEG) as usize;
+                    let b = body.get(at + 4..at + 4 + len)?;
+                    self.pos = at + (4 + len).div_ceil(DS_UNIT) * DS_UNIT;
+                    Some(LocalSeg::Inline(b))
+                } else {
+                    let d: DataSeg = bytemuck::pod_read_unaligned(body.get(at..at + DS_UNIT)?);
+                    self.pos = at + DS_UNIT;
+                    Some(LocalSeg::Sge(sge_of(&d)))
+                }
+            }
+        }
+    }
+}
+
+impl<'a> ParsedLocal<'a> {
+    /// The data segments, in the order the device gathers them.
+    pub fn segments(&self) -> Segments<'a> {
+        Segments {
+            local: *self,
+            pos: 0,
+        }
+    }
+    /// Bytes of inline data.
+    pub fn inline_len(&self) -> u64 {
+        self.segments()
+            .map(|s| match s {
+                LocalSeg::Inline(b) => b.len() as u64,
+                LocalSeg::Sge(_) => 0,
+            })
+            .sum()
+    }
     /// Total bytes the local side describes (a zero byte count is 2 GiB).
     pub fn len(&self) -> u64 {
         match self {
             Self::Sges(s) => s.iter().map(|d| sge_of(d).len as u64).sum(),
             Self::Inline(b) => b.len() as u64,
+            Self::Mixed(_) => self
+                .segments()
+                .map(|s| match s {
+                    LocalSeg::Inline(b) => b.len() as u64,
+                    LocalSeg::Sge(g) => g.len as u64,
+                })
+                .sum(),
         }
     }
     /// Whether no bytes are described.
@@ -326,21 +403,41 @@ fn remote(r: RaddrSeg) -> RemoteAddr {
     }
 }
 
-/// Reads the local part of a WRITE/SEND from units `from..ds`.
+/// Reads the local part of a WRITE/SEND from units `from..ds`: data segments in order, each
+/// a 16-byte pointer segment or an inline segment (byte count with the inline bit, then the
+/// bytes, padded to whole units). An inline segment that runs past `ds` is
+/// [`WqeError::InlineLength`].
 fn local(bytes: &[u8], from: usize, ds: usize) -> Result<ParsedLocal<'_>, WqeError> {
     let body = &bytes[from * DS_UNIT..ds * DS_UNIT];
-    if let Some(hdr) = body.get(..4) {
-        let bc = Be32::from_bytes(hdr.try_into().expect("4 bytes")).get();
-        if bc & INLINE_SEG != 0 {
-            let len = bc & !INLINE_SEG;
-            let units = (ds - from) as u8;
-            if (4 + len as usize).div_ceil(DS_UNIT) != units as usize {
-                return Err(WqeError::InlineLength { len, units });
-            }
+    let mut at = 0;
+    let mut inline = false;
+    while at < body.len() {
+        let hdr: [u8; 4] = body[at..at + 4].try_into().expect("4 bytes");
+        let bc = Be32::from_bytes(hdr).get();
+        if bc & INLINE_SEG == 0 {
+            at += DS_UNIT;
+            continue;
+        }
+        let len = bc & !INLINE_SEG;
+        let left = (body.len() - at) / DS_UNIT;
+        let units = (4 + len as usize).div_ceil(DS_UNIT);
+        if units > left {
+            return Err(WqeError::InlineLength {
+                len,
+                units: left as u8,
+            });
+        }
+        if at == 0 && units == left {
             return Ok(ParsedLocal::Inline(&body[4..4 + len as usize]));
         }
+        inline = true;
+        at += units * DS_UNIT;
     }
-    Ok(ParsedLocal::Sges(bytemuck::cast_slice(body)))
+    if inline {
+        Ok(ParsedLocal::Mixed(body))
+    } else {
+        Ok(ParsedLocal::Sges(bytemuck::cast_slice(body)))
+    }
 }
 
 /// Reads the memory-window operation of a UMR WQE of `n` units: UMR control segment at unit
@@ -443,7 +540,7 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
                     remote: remote(seg(bytes, 1)),
                     local: list,
                 },
-                ParsedLocal::Inline(_) => {
+                ParsedLocal::Inline(_) | ParsedLocal::Mixed(_) => {
                     return Err(WqeError::InlineNotAllowed { opcode: raw_op })
                 }
             }

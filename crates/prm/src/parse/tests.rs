@@ -657,3 +657,80 @@ fn ud_refuses_rdma_atomics_and_short_shapes() {
         let _ = parse_ud_wqe(&b[..(x as usize % 129)]);
     }
 }
+
+/// A data segment's 16 bytes.
+fn dseg(bc: u32, lkey: u32, addr: u64) -> [u8; 16] {
+    let mut d = [0u8; 16];
+    d[0..4].copy_from_slice(&bc.to_be_bytes());
+    d[4..8].copy_from_slice(&lkey.to_be_bytes());
+    d[8..16].copy_from_slice(&addr.to_be_bytes());
+    d
+}
+
+#[test]
+fn inline_and_pointer_segments_mix_in_wqe_order() {
+    // SEND: ctrl, inline 8 bytes (1 unit), pointer, inline 20 bytes (2 units), pointer: ds 6
+    let mut b = raw(0x0a, 0, 6);
+    b[16..20].copy_from_slice(&(8 | INLINE_SEG).to_be_bytes());
+    b[20..28].copy_from_slice(b"UCX-hdr!");
+    b[32..48].copy_from_slice(&dseg(40, 9, 0x1000));
+    b[48..52].copy_from_slice(&(20 | INLINE_SEG).to_be_bytes());
+    b[52..72].copy_from_slice(&[0x5a; 20]);
+    b[80..96].copy_from_slice(&dseg(0, 7, 0x2000));
+    let p = parse_wqe(&b[..96]).unwrap();
+    let ParsedOp::Send { local } = p.op else {
+        panic!("{:?}", p.op)
+    };
+    assert!(matches!(local, ParsedLocal::Mixed(_)), "{local:?}");
+    let segs: Vec<LocalSeg<'_>> = local.segments().collect();
+    assert_eq!(
+        segs,
+        [
+            LocalSeg::Inline(b"UCX-hdr!"),
+            LocalSeg::Sge(sge(0x1000, 40)),
+            LocalSeg::Inline(&[0x5a; 20]),
+            LocalSeg::Sge(Sge {
+                addr: 0x2000,
+                len: ZERO_BYTE_COUNT_LEN,
+                lkey: Lkey(7),
+            }),
+        ]
+    );
+    assert_eq!(local.inline_len(), 28);
+    assert_eq!(local.len(), 8 + 40 + 20 + ZERO_BYTE_COUNT_LEN as u64);
+    // the same in a WRITE (after the remote segment)
+    let mut w = raw(0x08, 0, 4);
+    w[32..36].copy_from_slice(&(8 | INLINE_SEG).to_be_bytes());
+    w[48..64].copy_from_slice(&dseg(16, 9, 0x3000));
+    let p = parse_wqe(&w).unwrap();
+    let ParsedOp::Write { local, .. } = p.op else {
+        panic!("{:?}", p.op)
+    };
+    assert_eq!(local.segments().count(), 2);
+    assert_eq!(local.len(), 24);
+    // a pointer then an inline segment
+    let mut s = raw(0x0a, 0, 3);
+    s[16..32].copy_from_slice(&dseg(4, 9, 0x1000));
+    s[32..36].copy_from_slice(&(3 | INLINE_SEG).to_be_bytes());
+    let ParsedOp::Send { local } = parse_wqe(&s).unwrap().op else {
+        panic!()
+    };
+    assert_eq!(
+        local.segments().collect::<Vec<_>>(),
+        [LocalSeg::Sge(sge(0x1000, 4)), LocalSeg::Inline(&[0, 0, 0])]
+    );
+    // an inline segment after a pointer that runs past ds
+    s[32..36].copy_from_slice(&(13 | INLINE_SEG).to_be_bytes());
+    assert_eq!(
+        parse_wqe(&s),
+        Err(WqeError::InlineLength { len: 13, units: 1 })
+    );
+    // a READ's scatter list takes no inline segment, first or later
+    let mut r = raw(0x10, 0, 4);
+    r[32..48].copy_from_slice(&dseg(8, 9, 0x1000));
+    r[48..52].copy_from_slice(&(4 | INLINE_SEG).to_be_bytes());
+    assert_eq!(
+        parse_wqe(&r),
+        Err(WqeError::InlineNotAllowed { opcode: 0x10 })
+    );
+}

@@ -12,7 +12,7 @@ use super::packet::{
     MASK24,
 };
 use super::state::{
-    psn_add, psn_diff, Acked, GapReport, OutMsg, OutOp, ReqWire, Src, FAST_RTO_MAX,
+    psn_add, psn_diff, Acked, GapReport, OutMsg, OutOp, ReqWire, Src, SrcSeg, FAST_RTO_MAX,
     MAX_OUTSTANDING_PSNS, MAX_WINDOW,
 };
 use crate::completion::{flush_cqe, push_cqe_delayed};
@@ -24,7 +24,7 @@ use crate::shared::Shared;
 use crate::DeviceMemoryError;
 use crate::Gid;
 use prm::cqe::{Cqe64, ErrorCqe};
-use prm::parse::{sge_of, AtomicKind, ParsedLocal, ParsedOp, ParsedWqe};
+use prm::parse::{sge_of, AtomicKind, LocalSeg, ParsedLocal, ParsedOp, ParsedWqe};
 use prm::wqe::{Fence, Sge};
 use prm::Syndrome;
 use smallvec::SmallVec;
@@ -91,6 +91,14 @@ fn src_of(l: &ParsedLocal<'_>) -> Src {
     match l {
         ParsedLocal::Sges(list) => Src::Sges(list.iter().map(sge_of).collect()),
         ParsedLocal::Inline(b) => Src::Inline(b.to_vec()),
+        ParsedLocal::Mixed(_) => Src::Mixed(
+            l.segments()
+                .map(|s| match s {
+                    LocalSeg::Inline(b) => SrcSeg::Inline(b.to_vec()),
+                    LocalSeg::Sge(s) => SrcSeg::Sge(s),
+                })
+                .collect(),
+        ),
     }
 }
 
@@ -197,6 +205,35 @@ fn gather(
                 b.get(a..e)
                     .ok_or((Syndrome::LocalLength, vendor::TOO_LONG))?,
             );
+        }
+        Src::Mixed(segs) => {
+            let mut pos = 0u64;
+            for seg in segs {
+                let slen = match seg {
+                    SrcSeg::Inline(b) => b.len() as u64,
+                    SrcSeg::Sge(s) => s.len as u64,
+                };
+                let (a, e) = (off.max(pos), (off + n).min(pos + slen));
+                if a < e {
+                    match seg {
+                        SrcSeg::Inline(b) => {
+                            out.extend_from_slice(&b[(a - pos) as usize..(e - pos) as usize])
+                        }
+                        SrcSeg::Sge(s) => {
+                            let r = g
+                                .check(pd, Access::NONE, s.lkey.0, s.addr + (a - pos), e - a)
+                                .map_err(local_err)?;
+                            // SAFETY: `r` was checked under `g`, which the caller still holds.
+                            unsafe { append_range(out, &r, 0, r.len) }
+                                .map_err(|e| local_devmem_err(c, &e))?;
+                        }
+                    }
+                }
+                pos += slen;
+                if pos >= off + n {
+                    break;
+                }
+            }
         }
         Src::Sges(list) => {
             let mut pos = 0u64;

@@ -52,6 +52,16 @@ pub(crate) enum Src {
     Sges(SmallVec<[Sge; 4]>),
     /// Inline bytes, copied out of the WQE.
     Inline(Vec<u8>),
+    /// Inline and pointer segments in WQE order (the inline bytes copied out of the WQE).
+    Mixed(Vec<SrcSeg>),
+}
+
+/// One segment of a [`Src::Mixed`].
+pub(crate) enum SrcSeg {
+    /// Inline bytes.
+    Inline(Vec<u8>),
+    /// A pointer segment, re-checked whenever a packet is built from it.
+    Sge(Sge),
 }
 
 /// What a message on the wire does.
