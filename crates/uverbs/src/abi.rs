@@ -688,9 +688,11 @@ mod tests {
         let value = |name: &str| -> u32 {
             let line = h
                 .lines()
-                .find(|l| l.trim_start().starts_with(&format!("{name}\t")) || {
-                    let t = l.trim_start();
-                    t.starts_with(name) && t[name.len()..].trim_start().starts_with('=')
+                .find(|l| {
+                    l.trim_start().starts_with(&format!("{name}\t")) || {
+                        let t = l.trim_start();
+                        t.starts_with(name) && t[name.len()..].trim_start().starts_with('=')
+                    }
                 })
                 .unwrap_or_else(|| panic!("{name} not in the header"));
             let shift = line.split("<<").nth(1).unwrap();
