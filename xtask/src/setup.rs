@@ -33,6 +33,10 @@ pub const PACKAGES: &[(&str, &str)] = &[
         "perftest",
         "ib_write_bw, ib_write_lat, ib_send_bw, ... (emu.rs, perftest_parity.rs)",
     ),
+    (
+        "ucx-utils",
+        "ucx_info, ucx_perftest: UCX 1.13 on the emulated device (emu_ucx.rs)",
+    ),
     ("python3", "/usr/bin/python3, which runs pyverbs (emu.rs)"),
     ("python3-pyverbs", "pyverbs (emu.rs)"),
     ("rdma-core", "pyverbs' own tests, which emu.rs runs"),

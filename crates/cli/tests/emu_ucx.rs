@@ -1,0 +1,323 @@
+//! UCX (Debian 12's UCX 1.13.1, package ucx-utils) on the emulated device: `ucx_info -d`
+//! under `gpuverbs emu --devices 2` lists rc_verbs, rc_mlx5, ud_verbs and ud_mlx5 on both
+//! devices (dc_mlx5 absent: no DC), and `ucx_perftest` runs between two emulated processes,
+//! each with its own address (127.0.150.x .. 127.0.159.x, TCP ports 19500..19599, used by no
+//! other test) over rc_mlx5 (UCX's own WQEs, CQ polling and 128-byte CQEs, ud_mlx5 for
+//! wire-up) and over rc_verbs/ud_verbs: tag matching (eager and rendezvous) and active
+//! messages. Both sides must exit 0 with their final row, UCX must report the lane it was
+//! given, and the soft NICs' counters must show no sanitizer complaint. ucx_perftest 1.13.1
+//! has no data-validation option.
+//!
+//! Needs Debian's ucx-utils (CI installs it); a missing tool fails the test with the package
+//! to install.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
+
+/// One heavy test at a time: the machine has two cores.
+fn serial() -> MutexGuard<'static, ()> {
+    static M: Mutex<()> = Mutex::new(());
+    M.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Builds the preload library next to the gpuverbs binary (`cargo test` builds binaries but
+/// not cdylibs of other packages), once per test process.
+fn preload() -> PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
+        let release = dir.file_name().is_some_and(|n| n == "release");
+        let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
+        c.args(["build", "-q", "-p", "gpuverbs-uverbs-preload"]);
+        if release {
+            c.arg("--release");
+        }
+        if let Some(target) = dir.parent() {
+            c.env("CARGO_TARGET_DIR", target);
+        }
+        let st = c.status().expect("run cargo to build the preload library");
+        assert!(st.success(), "building gpuverbs-uverbs-preload failed");
+        let p = dir.join("libgpuverbs_uverbs_preload.so");
+        assert!(p.is_file(), "{} missing after the build", p.display());
+        p
+    })
+    .clone()
+}
+
+fn need(tool: &str, package: &str) {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+        || Path::new(tool).is_file();
+    assert!(
+        found,
+        "{tool} not found: install the Debian package {package}"
+    );
+}
+
+fn emu(ip: &str, counters: Option<&Path>, args: &[&str]) -> Command {
+    let mut c = Command::new(GPUVERBS);
+    c.env("GPUVERBS_PRELOAD", preload());
+    if let Some(f) = counters {
+        c.env("GPUVERBS_EMU_COUNTERS", f);
+    }
+    c.args(["emu", "--ip", ip, "--"]).args(args);
+    // a group of its own: a timeout kills the launcher and the tool it started together
+    c.process_group(0);
+    c
+}
+
+fn wait(mut child: Child, limit: Duration, what: &str) -> Output {
+    let t = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if t.elapsed() > limit {
+            // The launcher's whole group (it and the tool it runs, which holds the pipes too);
+            // a child not started in a group of its own is killed alone.
+            // SAFETY: plain system call on a process group this test started.
+            if unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) } != 0 {
+                let _ = child.kill();
+            }
+            let o = child.wait_with_output().unwrap();
+            panic!(
+                "{what} did not finish in {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn run(mut c: Command, limit: Duration, what: &str) -> String {
+    let child = c
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = wait(child, limit, what);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{what} failed ({}):\n{text}", o.status);
+    text
+}
+
+/// Whether a TCP port is in LISTEN state (from /proc/net/tcp, without connecting to it).
+fn listening(port: u16) -> bool {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    tcp.lines().skip(1).any(|l| {
+        let f: Vec<_> = l.split_whitespace().collect();
+        f.len() > 3
+            && f[3] == "0A"
+            && f[1]
+                .rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok())
+                == Some(port)
+    })
+}
+
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("gv-emu-ucx-{}-{name}", std::process::id()))
+}
+
+/// The counters file must show a clean run: no bad doorbell, stale WQE, CQ overrun or error
+/// completion, and (for an active side) WQEs executed; `polled`: the program's empty completion
+/// polls carried the device at least once (the emulation's poll wrappers are in place).
+fn check_counters(path: &Path, what: &str, active: bool, polled: bool) {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{what}: no counters ({e})"));
+    let line = text
+        .lines()
+        .next()
+        .unwrap_or_else(|| panic!("{what}: empty counters"));
+    let val = |k: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix(&format!("{k}=")).map(|v| v.parse().unwrap()))
+            .unwrap_or_else(|| panic!("{what}: no {k} in {line:?}"))
+    };
+    assert!(
+        !active || val("wqes") > 0,
+        "{what}: no WQE executed: {line}"
+    );
+    assert!(
+        !polled || val("carried_turns") > 0,
+        "{what}: its polls never carried the device: {line}"
+    );
+    for k in ["bad_doorbells", "stale_wqes", "cq_overruns", "error_cqes"] {
+        assert_eq!(val(k), 0, "{what}: sanitizer complaint: {line}");
+    }
+    let _ = std::fs::remove_file(path);
+}
+
+/// A ucx_perftest server and client, each under its own `gpuverbs emu` with its own address
+/// (`net`: 127.0.net.1 and .2), UCX limited to `tls` on mlx5_0 port 1 with GID index 0.
+/// Returns the client's and the server's output.
+fn perftest(tls: &str, net: u8, tcp_port: u16, args: &[&str]) -> (String, String) {
+    need("ucx_perftest", "ucx-utils");
+    assert!((150..160).contains(&net) && (19500..19600).contains(&tcp_port));
+    let (sip, cip) = (format!("127.0.{net}.1"), format!("127.0.{net}.2"));
+    let (sc, cc) = (tmp(&format!("{net}-s")), tmp(&format!("{net}-c")));
+    let port = tcp_port.to_string();
+    let ucx = |mut c: Command| {
+        c.env("UCX_NET_DEVICES", "mlx5_0:1")
+            .env("UCX_TLS", tls)
+            .env("UCX_IB_GID_INDEX", "0")
+            .env("UCX_LOG_LEVEL", "info");
+        c
+    };
+    let server = ucx(emu(&sip, Some(&sc), &["ucx_perftest", "-p", &port]))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !listening(tcp_port) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "ucx_perftest server never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // the out-of-band exchange goes to the server's address; each side's RoCE address is
+    // its own --ip
+    let mut cargs = vec!["ucx_perftest", &sip, "-p", &port];
+    cargs.extend_from_slice(args);
+    let client = run(
+        ucx(emu(&cip, Some(&cc), &cargs)),
+        Duration::from_secs(120),
+        "ucx_perftest client",
+    );
+    let so = wait(server, Duration::from_secs(30), "ucx_perftest server");
+    let stext =
+        String::from_utf8_lossy(&so.stdout).to_string() + &String::from_utf8_lossy(&so.stderr);
+    assert!(so.status.success(), "ucx_perftest server failed:\n{stext}");
+    check_counters(&cc, "ucx_perftest client", true, false);
+    check_counters(&sc, "ucx_perftest server", true, false);
+    (client, stext)
+}
+
+/// The client's `Final:` row: iterations, then the overhead and bandwidth columns.
+fn final_row(out: &str) -> Vec<f64> {
+    out.lines()
+        .find_map(|l| l.strip_prefix("Final:"))
+        .unwrap_or_else(|| panic!("no Final: row:\n{out}"))
+        .split_whitespace()
+        .map(|f| f.parse().unwrap())
+        .collect()
+}
+
+/// Both sides' endpoint used `lane` (as UCX's info log names it: `tag(rc_mlx5/mlx5_0:1)`).
+fn used(lane: &str, client: &str, server: &str) {
+    for (side, out) in [("client", client), ("server", server)] {
+        assert!(
+            out.lines()
+                .any(|l| l.contains("ep_cfg[") && l.contains(lane)),
+            "{side} did not use {lane}:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn ucx_info_lists_rc_and_ud_transports_on_both_devices() {
+    need("ucx_info", "ucx-utils");
+    let _g = serial();
+    let mut c = Command::new(GPUVERBS);
+    c.env("GPUVERBS_PRELOAD", preload())
+        .args(["emu", "--ip", "127.0.159.1", "--devices", "2", "--"])
+        .args(["ucx_info", "-d"]);
+    let out = run(c, Duration::from_secs(120), "ucx_info -d");
+    // the transports listed under each memory domain
+    let mut domains: Vec<(String, Vec<String>)> = Vec::new();
+    for l in out.lines() {
+        if let Some(md) = l.strip_prefix("# Memory domain:") {
+            domains.push((md.trim().to_string(), Vec::new()));
+        } else if let Some(tl) = l.trim_start_matches('#').trim().strip_prefix("Transport:") {
+            if let Some((_, tls)) = domains.last_mut() {
+                tls.push(tl.trim().to_string());
+            }
+        }
+    }
+    for dev in ["mlx5_0", "mlx5_1"] {
+        let tls = &domains
+            .iter()
+            .find(|(md, _)| md == dev)
+            .unwrap_or_else(|| panic!("no memory domain {dev}:\n{out}"))
+            .1;
+        for tl in ["rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5"] {
+            assert!(
+                tls.iter().any(|t| t == tl),
+                "{dev}: no {tl} in {tls:?}\n{out}"
+            );
+        }
+        assert!(
+            !tls.iter().any(|t| t == "dc_mlx5"),
+            "{dev}: dc_mlx5 without DC"
+        );
+        // every transport UCX opened on the device says which port it is
+        assert!(
+            out.contains(&format!("Device: {dev}:1")),
+            "{dev}: no port listed:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn ucx_perftest_tag_and_am_bandwidth_over_rc_mlx5() {
+    let _g = serial();
+    let tls = "rc_mlx5,ud_mlx5,self";
+    // eager tag messages (4 KiB)
+    let (c, s) = perftest(
+        tls,
+        150,
+        19500,
+        &["-t", "tag_bw", "-n", "1000", "-s", "4096"],
+    );
+    used("tag(rc_mlx5/mlx5_0:1)", &c, &s);
+    let r = final_row(&c);
+    assert!(r[0] == 1000.0 && r[4] > 0.0, "{c}");
+    // rendezvous (100 kB: the receiver READs the data)
+    let (c, s) = perftest(
+        tls,
+        151,
+        19501,
+        &["-t", "tag_bw", "-n", "100", "-s", "100000"],
+    );
+    used("tag(rc_mlx5/mlx5_0:1)", &c, &s);
+    let r = final_row(&c);
+    assert!(r[0] == 100.0 && r[4] > 0.0, "{c}");
+    // UCP active messages
+    let (c, s) = perftest(
+        tls,
+        152,
+        19502,
+        &["-t", "ucp_am_bw", "-n", "1000", "-s", "4096"],
+    );
+    used("am(rc_mlx5/mlx5_0:1)", &c, &s);
+    let r = final_row(&c);
+    assert!(r[0] == 1000.0 && r[4] > 0.0, "{c}");
+}
+
+#[test]
+fn ucx_perftest_tag_bandwidth_over_rc_verbs() {
+    let _g = serial();
+    let (c, s) = perftest(
+        "rc_verbs,ud_verbs,self",
+        153,
+        19503,
+        &["-t", "tag_bw", "-n", "1000", "-s", "4096"],
+    );
+    used("tag(rc_verbs/mlx5_0:1)", &c, &s);
+    let r = final_row(&c);
+    assert!(r[0] == 1000.0 && r[4] > 0.0, "{c}");
+}
