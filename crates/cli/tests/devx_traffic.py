@@ -146,27 +146,34 @@ class Dev:
 
 
 class Cq:
-    """A DEVX CQ of 64-byte CQEs in a umem: regular, overrun-ignore or collapsed."""
+    """A DEVX CQ in a umem: regular, overrun-ignore or collapsed; 64-byte entries (cqe_sz 0)
+    or 128-byte ones (cqe_sz 1: the 64-byte CQE is each entry's second half)."""
 
-    def __init__(self, dev, log_size=6, cc=0, oi=0):
+    def __init__(self, dev, log_size=6, cc=0, oi=0, cqe_sz=0):
         self.n = 1 << log_size
         self.cc = cc
-        self.ring = dev.umem(max(4096, self.n * 64))
+        self.stride = 64 << cqe_sz
+        self.ring = dev.umem(max(4096, self.n * self.stride))
         self.dbr = dev.umem(8, align=8)
         # the device writes a CQ ring only with CQEs: mark every entry invalid (opcode 0xF), as
         # libmlx5, DOCA and NVSHMEM do (a zeroed entry looks like a REQ CQE of the first lap)
-        poke(self.ring.umem_addr, (bytes(63) + b'\xf0') * self.n)
+        poke(self.ring.umem_addr, (bytes(self.stride - 1) + b'\xf0') * self.n)
         poke(self.dbr.umem_addr, bytes(8))
         cmd_in = CreateCqIn(cq_umem_valid=1, cq_umem_id=self.ring.umem_id,
                             sw_cqc=SwCqc(c_eqn=dev.eqn, uar_page=dev.uar.page_id,
-                                         log_cq_size=log_size, cc=cc, oi=oi,
+                                         log_cq_size=log_size, cc=cc, oi=oi, cqe_sz=cqe_sz,
                                          dbr_umem_valid=1, dbr_umem_id=self.dbr.umem_id))
         self.obj = dev.own(Mlx5DevxObj(dev.ctx, cmd_in, len(CreateCqOut())))
         self.cqn = CreateCqOut(self.obj.out_view).cqn
         self.ci = 0
 
     def entry(self, i):
-        return peek(self.ring.umem_addr + (i % self.n) * 64, 64)
+        return peek(self.ring.umem_addr + (i % self.n) * self.stride + self.stride - 64, 64)
+
+    def first_half(self, i):
+        """The first 64 bytes of a 128-byte entry (inline scatter, which the device does not
+        do: never written)."""
+        return peek(self.ring.umem_addr + (i % self.n) * self.stride, 64)
 
     def poll(self, limit=10.0):
         """The next CQE (bytes) of a regular CQ; the consumer index moves on."""
@@ -285,9 +292,9 @@ class Qp:
         self.dbr.close()
 
 
-def pair(log_cq=6, cc=0):
+def pair(log_cq=6, cc=0, cqe_sz=0):
     a, b = Dev('mlx5_0'), Dev('mlx5_1')
-    ca, cb = Cq(a, log_cq, cc=cc), Cq(b, log_cq)
+    ca, cb = Cq(a, log_cq, cc=cc, cqe_sz=cqe_sz), Cq(b, log_cq, cqe_sz=cqe_sz)
     qa, qb = Qp(a, ca, ca), Qp(b, cb, cb)
     qa.connect(qb)
     qb.connect(qa)
@@ -360,7 +367,8 @@ def case_umems():
                                   db_record_addr_31_3=1))
     expect_errno(EREMOTEIO, 'CQ doorbell record past its umem',
                  lambda: Mlx5DevxObj(d.ctx, off, len(CreateCqOut())))
-    for name, cqc in [('128-byte CQEs', dict(cqe_sz=1)), ('a bad EQ', dict(c_eqn=d.eqn + 1)),
+    for name, cqc in [('padded 128-byte CQEs', dict(cqe_sz=2)),
+                      ('a reserved CQE size', dict(cqe_sz=3)), ('a bad EQ', dict(c_eqn=d.eqn + 1)),
                       ('a bad UAR page', dict(uar_page=0xfff0))]:
         args = dict(c_eqn=d.eqn, uar_page=d.uar.page_id, log_cq_size=6, dbr_umem_valid=1,
                     dbr_umem_id=dbr.umem_id)
@@ -455,6 +463,34 @@ def case_traffic():
     c = ca.poll()
     check(opcode(c) == CQE_REQ_ERR and c[55] == 0x13, f'bad rkey CQE {c.hex()}')
     check(qa.state() == 6, 'QP not in ERR after an error CQE')
+    traffic_cqe128()
+
+
+def traffic_cqe128():
+    """CQs of 128-byte entries (cqe_sz 1): each CQE in its entry's second half, the first half
+    untouched, owner bits per lap of a 4-entry ring; a receive and an error CQE too."""
+    a, b, ca, cb, qa, qb = pair(log_cq=2, cqe_sz=1)
+    la, lb = a.mr.buf, b.mr.buf
+    for cq in (ca, cb):
+        for i in range(cq.n):
+            poke(cq.ring.umem_addr + i * 128, b'\xab' * 64)
+    for i in range(10):
+        idx = qa.post(OP_WRITE, local=(la + i * 8, 8, a.mr.lkey), remote=(lb + i * 8, b.mr.rkey))
+        c = ca.poll()
+        check(opcode(c) == CQE_REQ and wqe_counter(c) == idx, f'128-byte CQE {i}: {c.hex()}')
+        check(ca.first_half(i) == b'\xab' * 64, f'128-byte entry {i}: first half written')
+    check(b.mr.read(80, 0) == a.mr.read(80, 0), 'WRITE bytes differ (128-byte CQEs)')
+    qb.post_recv(lb + 32768, 1024, b.mr.lkey)
+    qa.post(OP_SEND_IMM, local=(la, 100, a.mr.lkey), imm=0x55667788)
+    ca.poll()
+    c = cb.poll()
+    check(opcode(c) == CQE_RESP_SEND_IMM and struct.unpack('>I', c[44:48])[0] == 100,
+          f'receive CQE (128-byte entry) {c.hex()}')
+    check(c[63] & 0x0c == 0, 'inline-scatter bits set though no data was scattered')
+    check(cb.first_half(0) == b'\xab' * 64, 'receive entry: first half written')
+    qa.post(OP_WRITE, local=(la, 64, a.mr.lkey), remote=(lb, b.mr.rkey ^ 0x5500))
+    c = ca.poll()
+    check(opcode(c) == CQE_REQ_ERR and c[55] == 0x13, f'bad rkey CQE (128-byte entry) {c.hex()}')
 
 
 def case_collapsed():
