@@ -159,8 +159,13 @@ pub struct Emulation {
 }
 
 static EMU: OnceLock<Option<Emulation>> = OnceLock::new();
-/// Whether every ioctl call is reported on stderr ([`config::ENV_TRACE`]).
+/// Whether every ioctl call, CQ arm and completion event is reported on stderr
+/// ([`config::ENV_TRACE`]).
 static TRACE: OnceLock<bool> = OnceLock::new();
+
+fn tracing() -> bool {
+    *TRACE.get_or_init(|| std::env::var_os(config::ENV_TRACE).is_some())
+}
 
 /// The process's emulation, set up from the environment on first use; `None` (after one line
 /// on stderr) when the settings are bad.
@@ -303,7 +308,7 @@ impl Emulation {
         }
         let call = ioctl::Call::read(arg)?;
         let r = ctx.ioctl(&call);
-        if *TRACE.get_or_init(|| std::env::var_os(config::ENV_TRACE).is_some()) {
+        if tracing() {
             let result = match r {
                 Ok(()) => "ok".to_string(),
                 Err(e) => e.to_string(),
@@ -607,11 +612,21 @@ fn watch_loop(emu: &'static Emulation) {
                     let w0 = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
                     let cqn = u32::from_be_bytes([b[4], b[5], b[6], b[7]]) & 0xff_ffff;
                     if cqn == cq.soft.cqn() {
+                        if tracing() {
+                            complain(format_args!("arm(db) cqn {cqn:#x} ci {}", w0 & 0xff_ffff));
+                        }
                         arm.armed = true;
                         arm.ci = w0 & 0xff_ffff;
                     }
                 }
                 if word != arm.last_word {
+                    if tracing() {
+                        complain(format_args!(
+                            "arm(rec) cqn {:#x} ci {}",
+                            cq.soft.cqn(),
+                            u32::from_be(word) & 0xff_ffff
+                        ));
+                    }
                     arm.armed = true;
                     arm.ci = u32::from_be(word) & 0xff_ffff;
                     // Taken: mark the record again, so that the next arm is seen even when it
@@ -630,6 +645,14 @@ fn watch_loop(emu: &'static Emulation) {
                 if arm.armed {
                     let produced = cq.soft.produced() & 0xff_ffff;
                     if arm.due(produced) {
+                        if tracing() {
+                            complain(format_args!(
+                                "event cqn {:#x} produced {produced} ci {} reported {}",
+                                cq.soft.cqn(),
+                                arm.ci,
+                                arm.reported
+                            ));
+                        }
                         arm.armed = false;
                         arm.reported = produced;
                         if let Some(ch) = &cq.channel {
