@@ -11,35 +11,10 @@ use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
-
-/// Builds the preload library next to the gpuverbs binary (`cargo test` builds binaries but
-/// not cdylibs of other packages), once per test process.
-fn preload() -> PathBuf {
-    static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| {
-        let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
-        let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
-        c.args(["build", "-q", "-p", "gpuverbs-uverbs-preload"]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            c.arg("--release");
-        }
-        if let Some(target) = dir.parent() {
-            c.env("CARGO_TARGET_DIR", target);
-        }
-        assert!(
-            c.status().expect("run cargo").success(),
-            "building gpuverbs-uverbs-preload failed"
-        );
-        let p = dir.join("libgpuverbs_uverbs_preload.so");
-        assert!(p.is_file(), "{} missing after the build", p.display());
-        p
-    })
-    .clone()
-}
+mod emu_util;
+use emu_util::*;
 
 /// Runs `script` with /usr/bin/python3 under `gpuverbs emu --devices 2` and the given extra
 /// environment; its output, after asserting success within a minute.

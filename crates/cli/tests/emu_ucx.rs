@@ -11,154 +11,11 @@
 //! Needs Debian's ucx-utils (CI installs it); a missing tool fails the test with the package
 //! to install.
 
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
-
-/// One heavy test at a time: the machine has two cores.
-fn serial() -> MutexGuard<'static, ()> {
-    static M: Mutex<()> = Mutex::new(());
-    M.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Builds the preload library next to the gpuverbs binary (`cargo test` builds binaries but
-/// not cdylibs of other packages), once per test process.
-fn preload() -> PathBuf {
-    static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| {
-        let dir = Path::new(GPUVERBS).parent().unwrap().to_path_buf();
-        let release = dir.file_name().is_some_and(|n| n == "release");
-        let mut c = Command::new(option_env!("CARGO").unwrap_or("cargo"));
-        c.args(["build", "-q", "-p", "gpuverbs-uverbs-preload"]);
-        if release {
-            c.arg("--release");
-        }
-        if let Some(target) = dir.parent() {
-            c.env("CARGO_TARGET_DIR", target);
-        }
-        let st = c.status().expect("run cargo to build the preload library");
-        assert!(st.success(), "building gpuverbs-uverbs-preload failed");
-        let p = dir.join("libgpuverbs_uverbs_preload.so");
-        assert!(p.is_file(), "{} missing after the build", p.display());
-        p
-    })
-    .clone()
-}
-
-fn need(tool: &str, package: &str) {
-    let found = std::env::var_os("PATH")
-        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
-        || Path::new(tool).is_file();
-    assert!(
-        found,
-        "{tool} not found: install the Debian package {package}"
-    );
-}
-
-fn emu(ip: &str, counters: Option<&Path>, args: &[&str]) -> Command {
-    let mut c = Command::new(GPUVERBS);
-    c.env("GPUVERBS_PRELOAD", preload());
-    if let Some(f) = counters {
-        c.env("GPUVERBS_EMU_COUNTERS", f);
-    }
-    c.args(["emu", "--ip", ip, "--"]).args(args);
-    // a group of its own: a timeout kills the launcher and the tool it started together
-    c.process_group(0);
-    c
-}
-
-fn wait(mut child: Child, limit: Duration, what: &str) -> Output {
-    let t = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if t.elapsed() > limit {
-            // The launcher's whole group (it and the tool it runs, which holds the pipes too);
-            // a child not started in a group of its own is killed alone.
-            // SAFETY: plain system call on a process group this test started.
-            if unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) } != 0 {
-                let _ = child.kill();
-            }
-            let o = child.wait_with_output().unwrap();
-            panic!(
-                "{what} did not finish in {limit:?}\nstdout:\n{}\nstderr:\n{}",
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn run(mut c: Command, limit: Duration, what: &str) -> String {
-    let child = c
-        .process_group(0)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let o = wait(child, limit, what);
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(o.status.success(), "{what} failed ({}):\n{text}", o.status);
-    text
-}
-
-/// Whether a TCP port is in LISTEN state (from /proc/net/tcp, without connecting to it).
-fn listening(port: u16) -> bool {
-    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-    tcp.lines().skip(1).any(|l| {
-        let f: Vec<_> = l.split_whitespace().collect();
-        f.len() > 3
-            && f[3] == "0A"
-            && f[1]
-                .rsplit(':')
-                .next()
-                .and_then(|p| u16::from_str_radix(p, 16).ok())
-                == Some(port)
-    })
-}
-
-fn tmp(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("gv-emu-ucx-{}-{name}", std::process::id()))
-}
-
-/// The counters file must show a clean run: no bad doorbell, stale WQE, CQ overrun or error
-/// completion, and (for an active side) WQEs executed; `polled`: the program's empty completion
-/// polls carried the device at least once (the emulation's poll wrappers are in place).
-fn check_counters(path: &Path, what: &str, active: bool, polled: bool) {
-    let text =
-        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{what}: no counters ({e})"));
-    let line = text
-        .lines()
-        .next()
-        .unwrap_or_else(|| panic!("{what}: empty counters"));
-    let val = |k: &str| -> u64 {
-        line.split_whitespace()
-            .find_map(|f| f.strip_prefix(&format!("{k}=")).map(|v| v.parse().unwrap()))
-            .unwrap_or_else(|| panic!("{what}: no {k} in {line:?}"))
-    };
-    assert!(
-        !active || val("wqes") > 0,
-        "{what}: no WQE executed: {line}"
-    );
-    assert!(
-        !polled || val("carried_turns") > 0,
-        "{what}: its polls never carried the device: {line}"
-    );
-    for k in ["bad_doorbells", "stale_wqes", "cq_overruns", "error_cqes"] {
-        assert_eq!(val(k), 0, "{what}: sanitizer complaint: {line}");
-    }
-    let _ = std::fs::remove_file(path);
-}
+mod emu_util;
+use emu_util::*;
 
 /// A ucx_perftest server and client, each under its own `gpuverbs emu` with its own address
 /// (`net`: 127.0.net.1 and .2), UCX limited to `tls` on mlx5_0 port 1 with GID index 0.
@@ -215,17 +72,6 @@ fn final_row(out: &str) -> Vec<f64> {
         .split_whitespace()
         .map(|f| f.parse().unwrap())
         .collect()
-}
-
-/// Both sides' endpoint used `lane` (as UCX's info log names it: `tag(rc_mlx5/mlx5_0:1)`).
-fn used(lane: &str, client: &str, server: &str) {
-    for (side, out) in [("client", client), ("server", server)] {
-        assert!(
-            out.lines()
-                .any(|l| l.contains("ep_cfg[") && l.contains(lane)),
-            "{side} did not use {lane}:\n{out}"
-        );
-    }
 }
 
 #[test]
