@@ -37,6 +37,14 @@ pub const PACKAGES: &[(&str, &str)] = &[
         "ucx-utils",
         "ucx_info, ucx_perftest: UCX 1.13 on the emulated device (emu_ucx.rs)",
     ),
+    (
+        "openmpi-bin",
+        "mpirun: Open MPI 4.1 over UCX on the emulated device (emu_mpi.rs)",
+    ),
+    (
+        "libopenmpi-dev",
+        "mpicc, which builds emu_mpi.rs's ping-pong",
+    ),
     ("python3", "/usr/bin/python3, which runs pyverbs (emu.rs)"),
     ("python3-pyverbs", "pyverbs (emu.rs)"),
     ("rdma-core", "pyverbs' own tests, which emu.rs runs"),
