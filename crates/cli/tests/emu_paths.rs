@@ -16,9 +16,11 @@ use std::time::{Duration, Instant};
 mod emu_util;
 use emu_util::*;
 
-/// Runs `script` with /usr/bin/python3 under `gpuverbs emu --devices 2` and the given extra
-/// environment; its output, after asserting success within a minute.
-fn run_script(script: &str, env: &[(&str, &str)]) -> String {
+/// Runs `script` with /usr/bin/python3 under `gpuverbs emu --devices 2 --ip IP` (each test an
+/// address of its own, 127.0.170.x..127.0.179.x, so that tests running at once do not share a
+/// wire port) and the given extra environment; its output, after asserting success within a
+/// minute.
+fn run_script(ip: &str, script: &str, env: &[(&str, &str)]) -> String {
     assert!(
         Path::new("/usr/bin/python3").is_file(),
         "/usr/bin/python3 not found: install the Debian package python3"
@@ -30,7 +32,15 @@ fn run_script(script: &str, env: &[(&str, &str)]) -> String {
     let mut c = Command::new(GPUVERBS);
     c.env("GPUVERBS_PRELOAD", preload())
         .envs(env.iter().copied())
-        .args(["emu", "--devices", "2", "--", "/usr/bin/python3"])
+        .args([
+            "emu",
+            "--devices",
+            "2",
+            "--ip",
+            ip,
+            "--",
+            "/usr/bin/python3",
+        ])
         .arg(&file)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -164,6 +174,7 @@ fn devices_under_absolute_paths() {
     // replace: the same answers on a CI host that has RDMA devices of its own
     let script = CHECKS.replace("sys.argv[1]", &format!("{:?}", host_net()));
     let out = run_script(
+        "127.0.170.1",
         &script,
         &[
             ("GPUVERBS_EMU_SYSFS", "replace"),
@@ -183,6 +194,6 @@ fn keep_leaves_the_host_paths() {
          sys.exit(0 if seen == {} else 1)\n",
         if host { "True" } else { "False" }
     );
-    let out = run_script(&script, &[("GPUVERBS_EMU_SYSFS", "keep")]);
+    let out = run_script("127.0.171.1", &script, &[("GPUVERBS_EMU_SYSFS", "keep")]);
     assert!(out.contains("seen"), "{out}");
 }
