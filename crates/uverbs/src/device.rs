@@ -94,8 +94,17 @@ impl EmuDevice {
             max_qp_wr: MAX_QP_WR,
             // RESIZE_MAX_WR | BAD_PKEY_CNTR | BAD_QKEY_CNTR | CHANGE_PHY_PORT
             // | PORT_ACTIVE_EVENT | SYS_IMAGE_GUID | RC_RNR_NAK_GEN | MEM_WINDOW
-            // | MEM_WINDOW_TYPE_2B
-            device_cap_flags: 0x1 | 0x2 | 0x4 | 0x20 | 0x400 | 0x800 | 0x1000 | 1 << 17 | 1 << 24,
+            // | BLOCK_MULTICAST_LOOPBACK (no multicast at all) | MEM_WINDOW_TYPE_2B
+            device_cap_flags: 0x1
+                | 0x2
+                | 0x4
+                | 0x20
+                | 0x400
+                | 0x800
+                | 0x1000
+                | 1 << 17
+                | 1 << 22
+                | 1 << 24,
             max_sge: MAX_SGE,
             max_sge_rd: MAX_SGE,
             max_cq: 1 << 24,

@@ -76,6 +76,7 @@ layout! {
         ATOMIC: 542, 1;
         CQ_OI: 544, 1;
         CQ_RESIZE: 545, 1;
+        BLOCK_LB_MC: 552, 1;
         CD: 556, 1;
         XRC: 572, 1;
         UD: 573, 1;

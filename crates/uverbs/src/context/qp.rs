@@ -88,7 +88,10 @@ impl Context {
     /// EX_CREATE_QP.
     pub(super) fn ex_create_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
         let r: abi::ExCreateQp = io.core()?;
-        if r.comp_mask != 0 || r.create_flags != 0 {
+        // IB_UVERBS_QP_CREATE_BLOCK_MULTICAST_LOOPBACK: honoured by a device without multicast
+        // (it reports the block_lb_mc capability, as mlx5_ib requires); any other flag is not
+        const BLOCK_MULTICAST_LOOPBACK: u32 = 1 << 1;
+        if r.comp_mask != 0 || r.create_flags & !BLOCK_MULTICAST_LOOPBACK != 0 {
             return Err(unsupported("EX_CREATE_QP with create flags or RSS"));
         }
         self.create_qp(io, &r, true)

@@ -107,6 +107,8 @@ fn query_hca_cap(input: &[u8]) -> Fw {
                 (g::ATOMIC, 1),
                 (g::CQ_OI, 1),
                 (g::CQ_RESIZE, 1),
+                // no multicast at all, so a QP's own multicast is never looped back to it
+                (g::BLOCK_LB_MC, 1),
                 (g::RC, 1),
                 (g::LOG_PG_SZ, 12),
                 (g::LOG_BF_REG_SIZE, 9), // 512-byte BlueFlame registers
