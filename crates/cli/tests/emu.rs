@@ -265,6 +265,28 @@ fn perftest_send_bw_with_completion_events() {
 }
 
 #[test]
+fn perftest_send_lat_with_completion_events() {
+    // `-e` with one poll per event, whose status perftest reads even when the poll found
+    // nothing: it needs a CQ's event exactly when that CQ has a new completion (not again for
+    // the one it is about to poll: the event rule of 2026-12-03), and the peer's ACK of a
+    // SEND ahead of the peer's reply (the wire responder's answer leaves before its receive
+    // completion is visible). Before, it stopped within a few hundred iterations.
+    need("ib_send_lat", "perftest");
+    let _g = serial();
+    for (i, size) in ["8", "4096", "65536"].into_iter().enumerate() {
+        let net = 115 + i as u8;
+        let args = ["-x", "0", "-s", size, "-n", "500", "-e"];
+        let (c, _) = pair("ib_send_lat", net, 18840 + i as u16, &args, &[]);
+        let r = rows(&c);
+        assert!(
+            r.first()
+                .is_some_and(|r| r[0] == size.parse::<f64>().unwrap() && r[1] == 500.0),
+            "ib_send_lat -e -s {size}:\n{c}"
+        );
+    }
+}
+
+#[test]
 fn perftest_send_bw_on_a_shared_receive_queue() {
     need("ib_send_bw", "perftest");
     let _g = serial();

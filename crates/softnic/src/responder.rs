@@ -72,6 +72,9 @@ pub(crate) struct Resp<'a> {
     pub g: MrGuard<'a>,
     /// Whether a receive completion reported this request's failure.
     reported: bool,
+    /// Receive CQEs held back until [`Resp::write_deferred`] (the wire responder: its answer
+    /// leaves first); `None`: written at once.
+    deferred: Option<Vec<(Cqe64, bool)>>,
 }
 
 impl<'a> Resp<'a> {
@@ -84,6 +87,46 @@ impl<'a> Resp<'a> {
             rq,
             g,
             reported: false,
+            deferred: None,
+        }
+    }
+
+    /// Holds this request's receive CQEs back until [`Resp::write_deferred`].
+    pub fn defer_recv_cqes(&mut self) {
+        self.deferred = Some(Vec::new());
+    }
+
+    /// Whether receive CQEs wait to be written.
+    pub fn has_deferred(&self) -> bool {
+        self.deferred.as_ref().is_some_and(|d| !d.is_empty())
+    }
+
+    /// Writes the receive CQEs held back, in order (the receive state is still locked, so no
+    /// other receive completion of the QP comes between).
+    pub fn write_deferred(&mut self) {
+        for (cqe, success) in self.deferred.take().unwrap_or_default() {
+            self.push_recv_cqe(cqe, success);
+        }
+    }
+
+    /// Writes (or holds back) a receive CQE. A CQ that refuses a successful completion makes
+    /// the QP fatal; an error completion (the QP is going to ERR anyway) is counted as written.
+    fn push_recv_cqe(&mut self, cqe: Cqe64, success: bool) {
+        if let Some(d) = &mut self.deferred {
+            d.push((cqe, success));
+            return;
+        }
+        let qp = self.qp;
+        match qp.recv_cq.push(cqe, None) {
+            Ok(()) => Counters::add(&qp.counters.cqes, 1),
+            Err(e) => {
+                count_cq_error(&qp.counters, e);
+                if success {
+                    qp.fatal(AsyncEvent::QpFatal);
+                } else {
+                    Counters::add(&qp.counters.cqes, 1);
+                }
+            }
         }
     }
 
@@ -269,13 +312,7 @@ impl<'a> Resp<'a> {
         let counter = self.recv_counter();
         let cqe = cqe(counter);
         self.recv_advance();
-        match qp.recv_cq.push(qp.stamp(cqe), None) {
-            Ok(()) => Counters::add(&qp.counters.cqes, 1),
-            Err(e) => {
-                count_cq_error(&qp.counters, e);
-                qp.fatal(AsyncEvent::QpFatal);
-            }
-        }
+        self.push_recv_cqe(qp.stamp(cqe), true);
     }
 
     fn recv_error(&mut self, syndrome: Syndrome, why: u8) {
@@ -291,10 +328,7 @@ impl<'a> Resp<'a> {
         };
         self.recv_advance();
         self.reported = true;
-        if let Err(e) = qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
-            count_cq_error(&qp.counters, e);
-        }
-        Counters::add(&qp.counters.cqes, 1);
+        self.push_recv_cqe(qp.stamp(Cqe64::error(&e, 0)), false);
     }
 
     /// Runs an atomic: alignment, access, then the operation (skipped with `move_data`

@@ -155,8 +155,29 @@ pub(super) fn on_request(
     sport: u16,
     reply: &mut Reply<'_>,
 ) {
-    let wc = &dev.counters.wire;
     let mut r = Resp::lock(qp);
+    // The answer (ACK or NAK) leaves before the receive completions the request made are
+    // visible, as a NIC's does within nanoseconds: here a thread can be descheduled between
+    // the two, and a program that answers its completion (a ping-pong) would otherwise send
+    // its own request ahead of this ACK, which no peer expects.
+    r.defer_recv_cqes();
+    request(dev, qp, &mut r, pkt, raw, sport, reply);
+    if r.has_deferred() {
+        reply.port.flush(reply.batch);
+        r.write_deferred();
+    }
+}
+
+fn request(
+    dev: &Shared,
+    qp: &Qp,
+    r: &mut Resp<'_>,
+    pkt: &Packet<'_>,
+    raw: &[u8],
+    sport: u16,
+    reply: &mut Reply<'_>,
+) {
+    let wc = &dev.counters.wire;
     let from = reply.dest_qp;
     let psn = pkt.bth.psn;
     let d = psn_diff(psn, r.rq.wire.epsn);
@@ -173,11 +194,11 @@ pub(super) fn on_request(
     }
     r.rq.wire.reply_to = Some((reply.to, reply.flow, reply.dest_qp));
     if d > 0 {
-        ahead(dev, qp, &mut r, pkt, raw, sport, reply);
+        ahead(dev, qp, r, pkt, raw, sport, reply);
         return;
     }
     if d < 0 {
-        if duplicate(&mut r, pkt, reply) {
+        if duplicate(r, pkt, reply) {
             Counters::add(&wc.duplicates, 1);
         } else {
             Counters::add(&wc.rx_bad_duplicate_reads, 1);
@@ -203,7 +224,7 @@ pub(super) fn on_request(
     if w.selective {
         w.sport = Some(sport);
     }
-    let Some(ack) = in_sequence(wc, &mut r, pkt, from, reply) else {
+    let Some(ack) = in_sequence(wc, r, pkt, from, reply) else {
         return;
     };
     if r.rq.wire.held.is_empty() {
@@ -215,7 +236,7 @@ pub(super) fn on_request(
     }
     // Selective repeat: the gap is filled; run what was held behind it, in order.
     Counters::add(&wc.sr_gaps_filled, 1);
-    run_held(wc, qp, &mut r, from, reply);
+    run_held(wc, qp, r, from, reply);
 }
 
 /// A request ahead of the expected PSN. With selective repeat, from the requester's flow
