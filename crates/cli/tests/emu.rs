@@ -441,40 +441,12 @@ fn prm_field_tables_match_rdma_core() {
 /// mlx5_ib would for a device lacking the feature: neither mlx5_ib nor libmlx5 44 has an
 /// answer the test turns into a skip. Each names why (docs/emulation.md, "pyverbs results").
 /// Any other ERROR or FAIL fails.
-const PYVERBS_KNOWN_ERRORS: &[(&str, &str)] = &[
-    (
-        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_interleaved",
-        MKEY_KLM,
-    ),
-    (
-        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_interleaved_new_api",
-        MKEY_KLM,
-    ),
-    ("tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_list", MKEY_KLM),
-    (
-        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_list_bad_flow",
-        MKEY_KLM,
-    ),
-    (
-        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_list_new_api",
-        MKEY_KLM,
-    ),
-    (
-        "tests.test_mlx5_mkey.Mlx5MkeyTest.test_mkey_remote_invalidate",
-        MKEY_KLM,
-    ),
-    (
-        "tests.test_mlx5_timestamp.TimeStampTest.test_timestamp_free_running_rc_traffic",
-        "no device clock: GET_CONTEXT's clock_info_versions 0 (mlx5_ib without a clock), so \
+const PYVERBS_KNOWN_ERRORS: &[(&str, &str)] = &[(
+    "tests.test_mlx5_timestamp.TimeStampTest.test_timestamp_free_running_rc_traffic",
+    "no device clock: GET_CONTEXT's clock_info_versions 0 (mlx5_ib without a clock), so \
          libmlx5's mlx5dv_get_clock_info answers EINVAL; libmlx5 creates the timestamp CQ \
          without asking the device, and the test skips only on EOPNOTSUPP",
-    ),
-];
-
-const MKEY_KLM: &str = "DEVX CREATE_MKEY of an indirect (KLM) mkey: the soft NIC has no \
-    UMR/KLM mkeys; firmware status BAD_PARAM (EREMOTEIO), which libmlx5 turns into EINVAL \
-    (libmlx5 44 checks no capability first); the test skips only on EOPNOTSUPP or \
-    EPROTONOSUPPORT, which mlx5_ib gives only without DEVX";
+)];
 
 /// rdma-core's whole pyverbs suite: every test pyverbs-pass.txt lists must pass; no other test
 /// may fail or error but the known ones above (each skips by pyverbs' own check otherwise).

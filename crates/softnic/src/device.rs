@@ -5,7 +5,7 @@
 use crate::counters::{CounterSnapshot, Counters};
 use crate::cq::{Cq, CqConfig};
 use crate::devmem::DeviceMemory;
-use crate::mem::{Access, MrInfo, MwInfo, MwType, PdId};
+use crate::mem::{Access, IndirectConfig, MrInfo, MwInfo, MwType, PdId};
 use crate::qp::{Qp, QpConfig};
 use crate::shared::{self, Shared};
 use crate::srq::{Srq, SrqConfig};
@@ -306,6 +306,20 @@ impl Device {
     /// Looks up the memory window allocated with `key`.
     pub fn mw(&self, key: u32) -> Option<MwInfo> {
         self.shared.mrs.mw(key)
+    }
+
+    /// Creates an indirect mkey, free until a UMR WQE gives it a layout; returns its key.
+    pub fn create_indirect(&self, cfg: IndirectConfig) -> u32 {
+        self.shared.mrs.create_indirect(cfg)
+    }
+
+    /// Destroys the indirect mkey `key`. Waits for any copy in flight that uses it.
+    pub fn destroy_indirect(&self, key: u32) -> Result<(), Error> {
+        if self.shared.mrs.destroy_indirect(key) {
+            Ok(())
+        } else {
+            Err(Error::NoSuchMr(key))
+        }
     }
 
     /// Creates a completion queue.

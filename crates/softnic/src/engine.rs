@@ -13,7 +13,8 @@ use crate::buffer::prefetch;
 use crate::completion::{count_cq_error, flush_cqe, push_cqe_delayed};
 use crate::counters::Counters;
 use crate::event::AsyncEvent;
-use crate::mem::{total, write_range, Access, MemRange, MrGuard, MwBinding, MwRequest};
+use crate::gather::{gather, local_ranges};
+use crate::mem::{total, write_range, Access, MemRange, MwBinding, MwRequest};
 use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall, MAX_MSG};
 use crate::qp::{DoorbellKind, Qp, QpState, SqState};
 use crate::responder::{respond, Request, Response};
@@ -24,8 +25,7 @@ use prm::cqe::{Cqe64, ErrorCqe};
 use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
 use prm::parse::{parse_wqe, sge_of, AtomicKind, LocalSeg, MwOp, ParsedLocal, ParsedOp};
 use prm::wqe::{
-    blocks_for_ds, CtrlSeg, DataSeg, MKEY_ACCESS_ATOMIC, MKEY_ACCESS_REMOTE_READ,
-    MKEY_ACCESS_REMOTE_WRITE,
+    blocks_for_ds, CtrlSeg, MKEY_ACCESS_ATOMIC, MKEY_ACCESS_REMOTE_READ, MKEY_ACCESS_REMOTE_WRITE,
 };
 use prm::{Syndrome, DS_UNIT, MAX_WQE_BBS, WQEBB};
 use smallvec::SmallVec;
@@ -599,22 +599,6 @@ fn prefetch_data(op: &ParsedOp<'_>, local_peer: bool) {
     }
 }
 
-/// Checked local ranges of a gather/scatter list.
-fn local_ranges(
-    g: &MrGuard<'_>,
-    qp: &Qp,
-    need: Access,
-    list: &[DataSeg],
-) -> Result<SmallVec<[MemRange; 4]>, Fail> {
-    list.iter()
-        .map(|d| {
-            let s = sge_of(d);
-            g.check(qp.pd, need, s.lkey.0, s.addr, s.len as u64)
-                .map_err(local_err)
-        })
-        .collect()
-}
-
 /// Where a QP's peer is.
 enum Route {
     /// A QP of a device in this process: requests are function calls ([`respond`]).
@@ -690,37 +674,6 @@ fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
     }
 }
 
-/// Checked local ranges of a WRITE/SEND source (SGEs, or the inline bytes in the WQE copy,
-/// or both in WQE order).
-fn gather(g: &MrGuard<'_>, qp: &Qp, l: &ParsedLocal<'_>) -> Result<SmallVec<[MemRange; 4]>, Fail> {
-    let ranges = match l {
-        ParsedLocal::Sges(list) => local_ranges(g, qp, Access::NONE, list)?,
-        ParsedLocal::Inline(bytes) => {
-            if bytes.len() as u32 > qp.max_inline {
-                return Err((Syndrome::LocalLength, vendor::TOO_LONG));
-            }
-            smallvec::smallvec![MemRange::host(bytes.as_ptr() as u64, bytes.len() as u64)]
-        }
-        ParsedLocal::Mixed(_) => {
-            if l.inline_len() > qp.max_inline as u64 {
-                return Err((Syndrome::LocalLength, vendor::TOO_LONG));
-            }
-            l.segments()
-                .map(|s| match s {
-                    LocalSeg::Inline(b) => Ok(MemRange::host(b.as_ptr() as u64, b.len() as u64)),
-                    LocalSeg::Sge(s) => g
-                        .check(qp.pd, Access::NONE, s.lkey.0, s.addr, s.len as u64)
-                        .map_err(local_err),
-                })
-                .collect::<Result<_, _>>()?
-        }
-    };
-    if total(&ranges) > MAX_MSG {
-        return Err((Syndrome::LocalLength, vendor::TOO_LONG));
-    }
-    Ok(ranges)
-}
-
 /// The device's reading of a UMR WQE on a memory window.
 fn mw_request(op: &MwOp) -> MwRequest {
     let bind = op.bind.map(|b| {
@@ -779,9 +732,20 @@ fn execute(
         .map_err(local_err)?;
         return Ok(Done::Complete(local.len));
     }
-    if let ParsedOp::Window(op) = wqe.op {
-        // A UMR on a memory window: local, done when the window is changed.
-        g.bind_mw(qp.pd, qp.qpn, &mw_request(&op)).map_err(|e| {
+    if let ParsedOp::Umr(op) = wqe.op {
+        // A UMR: local, done when the mkey is changed. The mkey it names decides how the
+        // WQE reads: an indirect mkey's layout, or a memory window's binding.
+        if g.is_indirect(op.key) {
+            g.umr_indirect(qp.pd, qp.qpn, &op).map_err(|e| {
+                tracing::debug!(qpn = qp.qpn, error = %e, "UMR on an indirect mkey failed");
+                (Syndrome::MwBind, vendor::UMR)
+            })?;
+            return Ok(Done::Complete(0));
+        }
+        let mw = op
+            .window()
+            .ok_or((Syndrome::LocalQpOp, vendor::MALFORMED_WQE))?;
+        g.bind_mw(qp.pd, qp.qpn, &mw_request(&mw)).map_err(|e| {
             tracing::debug!(qpn = qp.qpn, error = %e, "memory window operation failed");
             (Syndrome::MwBind, vendor::MEMORY_WINDOW)
         })?;
@@ -824,7 +788,7 @@ fn execute(
                 .map_err(local_err)?;
             Prepared::Atomic(remote, kind, res)
         }
-        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } | ParsedOp::Window(_) => {
+        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } | ParsedOp::Umr(_) => {
             unreachable!("handled above")
         }
     };

@@ -14,6 +14,10 @@
 //! goes through the region's [`DeviceMemory`]). A checked [`MemRange`] carries which; the
 //! copies here ([`copy_ranges`], [`read_range`], [`write_range`]) dispatch on it.
 
+mod indirect;
+
+pub use indirect::{IndirectConfig, UmrError, MAX_PIECES};
+
 use crate::devmem::{same_memory, DeviceMemory, DeviceMemoryError, BOUNCE};
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::sync::Arc;
@@ -83,6 +87,17 @@ pub enum AccessError {
         /// Rights required.
         need: Access,
     },
+    /// One contiguous range was needed (a remote READ or WRITE, an atomic) and the range
+    /// spans two entries of an indirect mkey.
+    #[error("range {addr:#x}+{len} spans entries of indirect mkey {key:#x}")]
+    Split {
+        /// Key.
+        key: u32,
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
 }
 
 /// Where a region's bytes live.
@@ -128,11 +143,13 @@ struct Slot {
     /// A memory window in this slot (then `mr` is `None`). Its binding changes under the
     /// table's read hold, so a bind or an invalidation never waits for copies in flight.
     mw: Option<Arc<Mutex<Window>>>,
+    /// An indirect mkey in this slot, with its key (then `mr` and `mw` are `None`).
+    ind: Option<(u32, Arc<Mutex<indirect::Indirect>>)>,
 }
 
 impl Slot {
     fn is_free(&self) -> bool {
-        self.mr.is_none() && self.mw.is_none()
+        self.mr.is_none() && self.mw.is_none() && self.ind.is_none()
     }
 }
 
@@ -343,7 +360,7 @@ impl MrTable {
         let mut slots = self.write();
         let index = free_slot(&mut slots);
         let slot = &mut slots[index];
-        slot.tag = slot.tag.wrapping_add(1);
+        slot.tag = next_tag(slot.tag);
         let info = MrInfo {
             key: (index as u32) << 8 | slot.tag as u32,
             pd,
@@ -409,7 +426,7 @@ impl MrTable {
         let mut slots = self.write();
         let index = free_slot(&mut slots);
         let slot = &mut slots[index];
-        slot.tag = slot.tag.wrapping_add(1);
+        slot.tag = next_tag(slot.tag);
         let key = (index as u32) << 8 | slot.tag as u32;
         slot.mw = Some(Arc::new(Mutex::new(Window {
             key,
@@ -459,6 +476,12 @@ impl MrTable {
     }
 }
 
+/// The tag after `t`, never 0: a region's or window's key then never equals the `op` word of a
+/// UMR's repeated-block header (0x400), where a KLM list has its first entry's key.
+fn next_tag(t: u8) -> u8 {
+    t.wrapping_add(1).max(1)
+}
+
 /// The index of a free slot, pushing one when none is.
 fn free_slot(slots: &mut Vec<Slot>) -> usize {
     slots.iter().position(Slot::is_free).unwrap_or_else(|| {
@@ -481,8 +504,25 @@ impl MrGuard<'_> {
             .filter(|s| s.mr.is_some_and(|m| m.key == key))
     }
 
-    /// Checks that `addr..addr+len` lies in the region of `key`, in `pd`, with rights `need`.
+    /// Checks that `addr..addr+len` lies in the region of `key`, in `pd`, with rights `need`:
+    /// one contiguous range (through an indirect mkey, the range must lie in one of its
+    /// entries; [`MrGuard::resolve`] gives the pieces of any range).
     pub fn check(
+        &self,
+        pd: PdId,
+        need: Access,
+        key: u32,
+        addr: u64,
+        len: u64,
+    ) -> Result<MemRange, AccessError> {
+        if self.is_indirect(key) {
+            return self.check_one(pd, need, key, addr, len);
+        }
+        self.check_region(pd, need, key, addr, len)
+    }
+
+    /// [`MrGuard::check`] of a region's key.
+    fn check_region(
         &self,
         pd: PdId,
         need: Access,

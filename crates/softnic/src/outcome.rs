@@ -51,6 +51,10 @@ pub mod vendor {
     /// A memory-window bind or invalidation was refused (MW_BIND_ERR), or a SEND_WITH_INV
     /// named a key the responder cannot invalidate.
     pub const MEMORY_WINDOW: u8 = 0x93;
+    /// A UMR on an indirect mkey was refused (MW_BIND_ERR: a bad layout, another PD or QP, a
+    /// key that is no such mkey), or a SEND_WITH_INV named one not created for remote
+    /// invalidation.
+    pub const UMR: u8 = 0x94;
 }
 
 /// Largest message (bytes), as ConnectX's `max_msg_sz`.

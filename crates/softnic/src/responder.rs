@@ -205,19 +205,28 @@ impl<'a> Resp<'a> {
         }
     }
 
-    /// SEND_WITH_INV: invalidates `rkey`, a type 2 memory window bound to this QP. A key it
-    /// cannot invalidate completes the receive with LOCAL_PROT (vendor syndrome
-    /// [`vendor::MEMORY_WINDOW`]) and NAKs invalid request (fatal).
+    /// SEND_WITH_INV: invalidates `rkey`, a type 2 memory window bound to this QP or an
+    /// indirect mkey created for remote invalidation. A key it cannot invalidate completes the
+    /// receive with LOCAL_PROT (vendor syndrome [`vendor::MEMORY_WINDOW`] or [`vendor::UMR`])
+    /// and NAKs invalid request (fatal).
     pub fn invalidate(&mut self, rkey: u32) -> Result<(), Response> {
-        match self.g.invalidate(self.qp.pd, self.qp.qpn, rkey) {
-            Ok(_) => Ok(()),
-            Err(e) => {
+        let (pd, qpn) = (self.qp.pd, self.qp.qpn);
+        let done = if self.g.is_indirect(rkey) {
+            self.g
+                .invalidate_indirect(pd, qpn, rkey)
+                .map_err(|e| (e.to_string(), vendor::UMR))
+        } else {
+            self.g
+                .invalidate(pd, qpn, rkey)
+                .map(|_| ())
+                .map_err(|e| (e.to_string(), vendor::MEMORY_WINDOW))
+        };
+        match done {
+            Ok(()) => Ok(()),
+            Err((e, why)) => {
                 tracing::debug!(qpn = self.qp.qpn, error = %e, "SEND_WITH_INV refused");
-                self.recv_error(Syndrome::LocalProt, vendor::MEMORY_WINDOW);
-                Err(self.fatal(Response::Nak(
-                    Syndrome::RemoteInvalReq,
-                    vendor::MEMORY_WINDOW,
-                )))
+                self.recv_error(Syndrome::LocalProt, why);
+                Err(self.fatal(Response::Nak(Syndrome::RemoteInvalReq, why)))
             }
         }
     }
@@ -263,15 +272,19 @@ impl<'a> Resp<'a> {
             }
             segs.push(d);
         }
-        let dst: Result<SmallVec<[MemRange; 4]>, _> = segs
-            .iter()
-            .map(|d| {
-                let s = sge_of(d);
-                self.g
-                    .check(pd, Access::LOCAL_WRITE, s.lkey.0, s.addr, s.len as u64)
-            })
-            .collect();
-        dst.map_err(|_| {
+        let mut dst: SmallVec<[MemRange; 4]> = SmallVec::new();
+        let checked = segs.iter().try_for_each(|d| {
+            let s = sge_of(d);
+            self.g.resolve(
+                pd,
+                Access::LOCAL_WRITE,
+                s.lkey.0,
+                s.addr,
+                s.len as u64,
+                &mut dst,
+            )
+        });
+        checked.map(|()| dst).map_err(|_| {
             self.recv_error(Syndrome::LocalProt, vendor::RECV_BUFFER);
             self.fatal(Response::Nak(Syndrome::RemoteOp, vendor::RECV_BUFFER))
         })

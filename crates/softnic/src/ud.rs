@@ -16,8 +16,8 @@
 //! too short completes the receive with LOCAL_LENGTH.
 
 use crate::counters::Counters;
-use crate::mem::{copy_ranges, read_range, total, Access, CopyError, MemRange};
-use crate::outcome::{local_devmem_err, local_err, vendor, Done, Fail};
+use crate::mem::{copy_ranges, read_range, total, CopyError, MemRange};
+use crate::outcome::{local_devmem_err, vendor, Done, Fail};
 use crate::qp::{Qp, QpState, SqState};
 use crate::responder::Resp;
 use crate::shared::{lookup, Shared};
@@ -25,7 +25,7 @@ use crate::wire::packet::{self, opcode, Bth, Deth, Flow, Packet, DEFAULT_PKEY, M
 use crate::wire::socket::{Port, TxBatch};
 use crate::Gid;
 use prm::cqe::{Cqe64, RespKind};
-use prm::parse::{parse_ud_wqe, sge_of, LocalSeg, ParsedLocal, ParsedOp};
+use prm::parse::{parse_ud_wqe, ParsedOp};
 use prm::Syndrome;
 use smallvec::SmallVec;
 use std::net::{SocketAddr, SocketAddrV4};
@@ -133,56 +133,20 @@ pub(crate) fn execute(
     };
     // Local checks first (keys, PD, ranges), then the length, then the gather.
     let g = qp.mrs.read();
-    let ranges: SmallVec<[MemRange; 4]> = match local {
-        ParsedLocal::Inline(b) => {
-            if b.len() as u32 > qp.max_inline {
-                return Err((Syndrome::LocalLength, vendor::TOO_LONG));
-            }
-            SmallVec::new()
-        }
-        ParsedLocal::Sges(list) => list
-            .iter()
-            .map(|d| {
-                let s = sge_of(d);
-                g.check(qp.pd, Access::NONE, s.lkey.0, s.addr, s.len as u64)
-                    .map_err(local_err)
-            })
-            .collect::<Result<_, _>>()?,
-        // inline and pointer segments in WQE order: the inline bytes are ranges of the WQE
-        // copy in `bytes`
-        ParsedLocal::Mixed(_) => {
-            if local.inline_len() > qp.max_inline as u64 {
-                return Err((Syndrome::LocalLength, vendor::TOO_LONG));
-            }
-            local
-                .segments()
-                .map(|s| match s {
-                    LocalSeg::Inline(b) => Ok(MemRange::host(b.as_ptr() as u64, b.len() as u64)),
-                    LocalSeg::Sge(s) => g
-                        .check(qp.pd, Access::NONE, s.lkey.0, s.addr, s.len as u64)
-                        .map_err(local_err),
-                })
-                .collect::<Result<_, _>>()?
-        }
-    };
+    let ranges = crate::gather::gather(&g, qp, &local)?;
     let len = local.len();
     if len > mtu as u64 {
         return Err((Syndrome::LocalLength, vendor::TOO_LONG));
     }
     let mut payload = vec![0u8; len as usize];
-    match local {
-        ParsedLocal::Inline(b) => payload.copy_from_slice(b),
-        ParsedLocal::Sges(_) | ParsedLocal::Mixed(_) => {
-            let mut at = 0usize;
-            for r in &ranges {
-                let n = r.len as usize;
-                // SAFETY: `r` was checked under `g`, still held, or is inline bytes of the
-                // WQE copy `bytes`, borrowed for this call; `at + n <= len`.
-                unsafe { read_range(r, 0, &mut payload[at..at + n]) }
-                    .map_err(|e| local_devmem_err(&dev.counters, &e))?;
-                at += n;
-            }
-        }
+    let mut at = 0usize;
+    for r in &ranges {
+        let n = r.len as usize;
+        // SAFETY: `r` was checked under `g`, still held, or is inline bytes of the WQE copy
+        // `bytes`, borrowed for this call; the ranges add up to `len`.
+        unsafe { read_range(r, 0, &mut payload[at..at + n]) }
+            .map_err(|e| local_devmem_err(&dev.counters, &e))?;
+        at += n;
     }
     drop(g);
     let qkey = if av.qkey & QKEY_FROM_QP != 0 {

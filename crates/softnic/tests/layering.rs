@@ -14,6 +14,7 @@ const LAYERS: &[&str] = &[
     "event",
     "buffer",
     "mem",
+    "mem::indirect",
     "cq",
     "srq",
     "wire::packet",
@@ -27,6 +28,7 @@ const LAYERS: &[&str] = &[
     // objects and the tables that hold them
     "qp",
     "shared",
+    "gather",
     // behaviour, lowest first
     "completion",
     "responder",

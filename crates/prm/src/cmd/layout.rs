@@ -364,6 +364,62 @@ layout! {
     }
 }
 
+/// Where the mkey context starts in CREATE_MKEY's in-mailbox.
+pub const MKC_AT: u32 = 16;
+
+layout! {
+    /// `mkc`: the memory key context.
+    mkc = "SwMkc" {
+        FREE: 1, 1;
+        ACCESS_MODE_4_2: 3, 3;
+        UMR_EN: 16, 1;
+        A: 17, 1;
+        RW: 18, 1;
+        RR: 19, 1;
+        LW: 20, 1;
+        LR: 21, 1;
+        ACCESS_MODE_1_0: 22, 2;
+        QPN: 32, 24;
+        MKEY_7_0: 56, 8;
+        LENGTH64: 96, 1;
+        BSF_EN: 97, 1;
+        EN_RINVAL: 103, 1;
+        PD: 104, 24;
+        START_ADDR: 128, 64;
+        LEN: 192, 64;
+        BSF_OCTWORD_SIZE: 256, 32;
+        TRANSLATIONS_OCTWORD_SIZE: 416, 32;
+    }
+}
+
+/// `mkc` access modes (`access_mode_1_0`, with `access_mode_4_2` 0).
+pub mod mkc_access_mode {
+    /// Physical addresses.
+    pub const PA: u64 = 0;
+    /// Memory translation table (a direct mkey on pages).
+    pub const MTT: u64 = 1;
+    /// KLM list (an indirect mkey).
+    pub const KLMS: u64 = 2;
+    /// KSM list (fixed-size entries).
+    pub const KSM: u64 = 3;
+}
+
+layout! {
+    /// CREATE_MKEY's in-mailbox (the mkey context at [`MKC_AT`]).
+    create_mkey_in = "CreateMkeyIn" {
+        INPUT_MKEY_INDEX: 72, 24;
+        PG_ACCESS: 96, 1;
+        MKEY_UMEM_VALID: 97, 1;
+    }
+}
+
+layout! {
+    /// CREATE_MKEY's out-mailbox.
+    create_mkey_out = "CreateMkeyOut" {
+        MKEY_INDEX: 72, 24;
+    }
+}
+
 /// Every structure's field table, for the layout check against rdma-core.
 pub const ALL: &[(&str, &[(&str, Field)])] = &[
     cmd_in::FIELDS,
@@ -384,4 +440,7 @@ pub const ALL: &[(&str, &[(&str, Field)])] = &[
     hca_vport_context::FIELDS,
     query_roce_address_in::FIELDS,
     roce_addr::FIELDS,
+    mkc::FIELDS,
+    create_mkey_in::FIELDS,
+    create_mkey_out::FIELDS,
 ];

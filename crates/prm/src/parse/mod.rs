@@ -7,10 +7,10 @@ use crate::cqe::Syndrome;
 use crate::endian::Be32;
 use crate::wqe::{
     AtomicSeg, AtomicSize, CtrlFlags, CtrlSeg, DataSeg, DatagramSeg, KlmSeg, MaskedCs32Seg,
-    MaskedCs64Seg, MaskedFa32Seg, MaskedFa64Seg, MkeyContextSeg, Opcode, RaddrSeg, RemoteAddr, Sge,
-    UmrCtrlSeg, WaitSeg, DATAGRAM_UNITS, EXTENDED_UD_AV, INLINE_SEG, MKEY_FREE,
-    OPMOD_MASKED_ATOMIC_4B, OPMOD_MASKED_ATOMIC_8B, UMR_FLAG_CHECK_FREE, UMR_FLAG_CHECK_QPN,
-    UMR_FLAG_INLINE, UMR_MASK_LEN,
+    MaskedCs64Seg, MaskedFa32Seg, MaskedFa64Seg, MkeyContextSeg, Opcode, RaddrSeg, RemoteAddr,
+    RepeatBlockSeg, RepeatEntSeg, Sge, UmrCtrlSeg, WaitSeg, DATAGRAM_UNITS, EXTENDED_UD_AV,
+    INLINE_SEG, MKEY_FREE, OPMOD_MASKED_ATOMIC_4B, OPMOD_MASKED_ATOMIC_8B, REPEAT_BLOCK_OP,
+    UMR_FLAG_CHECK_FREE, UMR_FLAG_CHECK_QPN, UMR_FLAG_INLINE, UMR_MASK_LEN,
 };
 use crate::DS_UNIT;
 use bytemuck::Pod;
@@ -223,8 +223,117 @@ pub enum ParsedOp<'a> {
         /// The range (byte count 0 read as 2 GiB).
         local: Sge,
     },
-    /// UMR on a memory window: bind it to a range of a region, or free it.
-    Window(MwOp),
+    /// UMR: changes an mkey (a memory window's binding, an indirect mkey's layout) or frees
+    /// it. Which of these it is depends on the mkey it names, which only the device knows.
+    Umr(UmrOp<'a>),
+}
+
+/// A UMR WQE as the device reads it: the control segment's mkey, the UMR control segment's
+/// flags and mask, the mkey context, and the inline translation entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UmrOp<'a> {
+    /// The mkey as the poster knows it (the control segment's immediate).
+    pub key: u32,
+    /// `UMR_FLAG_*`.
+    pub flags: u8,
+    /// Which mkey context fields change (`UMR_MASK_*`).
+    pub mask: u64,
+    /// The mkey context.
+    pub ctx: MkeyContextSeg,
+    /// The inline translation entries (`klm_octowords` × 16 bytes, padding included); empty
+    /// when there are none.
+    pub xlat: &'a [u8],
+}
+
+/// The translation of an indirect mkey, as a UMR carries it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout<'a> {
+    /// A list of (key, address, length) entries, in the mkey's address order (padding
+    /// entries included: the mkey's length says where the list ends).
+    List(&'a [KlmSeg]),
+    /// A block of strided entries, repeated.
+    Repeat {
+        /// How many times the block repeats.
+        count: u32,
+        /// Bytes of one block, as the header states it.
+        block_len: u32,
+        /// The block's entries.
+        entries: &'a [RepeatEntSeg],
+    },
+}
+
+impl<'a> UmrOp<'a> {
+    /// Whether the UMR frees the mkey (the context's free bit, with the free bit in the mask).
+    pub fn frees(&self) -> bool {
+        self.ctx.free & MKEY_FREE != 0
+    }
+
+    /// Whether the mkey must be free (`UMR_FLAG_CHECK_FREE`).
+    pub fn check_free(&self) -> bool {
+        self.flags & UMR_FLAG_CHECK_FREE != 0
+    }
+
+    /// Whether the mkey must belong to the posting QP (`UMR_FLAG_CHECK_QPN`).
+    pub fn check_qpn(&self) -> bool {
+        self.flags & UMR_FLAG_CHECK_QPN != 0
+    }
+
+    /// The UMR read as a memory-window operation (what libmlx5 writes for `IBV_WR_BIND_MW`,
+    /// `ibv_bind_mw` and `IBV_WR_LOCAL_INV`): a bind carries one inline KLM whose byte count
+    /// is the window's length. `None` when the WQE does not have that shape.
+    pub fn window(&self) -> Option<MwOp> {
+        let bind = if self.frees() {
+            None
+        } else {
+            if self.flags & UMR_FLAG_INLINE == 0
+                || self.mask & UMR_MASK_LEN == 0
+                || self.xlat.len() < 16
+            {
+                return None;
+            }
+            let klm: KlmSeg = bytemuck::pod_read_unaligned(&self.xlat[..16]);
+            let len = self.ctx.len.get();
+            if klm.byte_count.get() as u64 != len {
+                return None;
+            }
+            Some(MwBind {
+                start: self.ctx.start_addr.get(),
+                len,
+                access: self.ctx.access_flags,
+                mr_key: klm.mkey.get(),
+                mr_addr: klm.address.get(),
+            })
+        };
+        let qpn_mkey = self.ctx.qpn_mkey.get();
+        Some(MwOp {
+            key: self.key,
+            variant: qpn_mkey as u8,
+            qpn: qpn_mkey >> 8,
+            bind,
+            check_free: self.check_free(),
+            check_qpn: self.check_qpn(),
+        })
+    }
+
+    /// The translation the UMR gives an indirect mkey: a repeated block when the entries
+    /// start with a header whose `op` is [`REPEAT_BLOCK_OP`], else a KLM list. `None` when the
+    /// UMR carries no inline entries, or a header names more entries than follow.
+    pub fn layout(&self) -> Option<Layout<'a>> {
+        if self.flags & UMR_FLAG_INLINE == 0 || self.xlat.len() < 16 {
+            return None;
+        }
+        let head: RepeatBlockSeg = bytemuck::pod_read_unaligned(&self.xlat[..16]);
+        if head.op.get() != REPEAT_BLOCK_OP {
+            return Some(Layout::List(bytemuck::cast_slice(self.xlat)));
+        }
+        let n = head.num_ent.get() as usize;
+        let entries = self.xlat.get(16..16 + n * 16)?;
+        Some(Layout::Repeat {
+            count: head.repeat_count.get(),
+            block_len: head.byte_count.get(),
+            entries: bytemuck::cast_slice(entries),
+        })
+    }
 }
 
 /// A memory-window operation, as a UMR WQE carries it (what libmlx5 writes for
@@ -440,44 +549,24 @@ fn local(bytes: &[u8], from: usize, ds: usize) -> Result<ParsedLocal<'_>, WqeErr
     }
 }
 
-/// Reads the memory-window operation of a UMR WQE of `n` units: UMR control segment at unit
-/// 1, mkey context at unit 4 and, for a bind, one inline KLM at unit 8 (padded to 64 bytes).
-/// `None` when the units do not hold that shape.
-fn window(bytes: &[u8], n: usize, key: u32) -> Option<MwOp> {
+/// Reads a UMR WQE of `n` units: UMR control segment at unit 1, mkey context at unit 4, and
+/// `klm_octowords` units of inline translation entries from unit 8. `None` when the units do
+/// not hold them.
+fn umr(bytes: &[u8], n: usize, key: u32) -> Option<UmrOp<'_>> {
     if n < 8 {
         return None;
     }
-    let umr: UmrCtrlSeg = seg(bytes, 1);
-    let mkey: MkeyContextSeg = seg(bytes, 4);
-    let free = mkey.free & MKEY_FREE != 0;
-    let mask = umr.mkey_mask.get();
-    let bind = if free {
-        None
-    } else {
-        if n < 12 || umr.flags & UMR_FLAG_INLINE == 0 || mask & UMR_MASK_LEN == 0 {
-            return None;
-        }
-        let klm: KlmSeg = seg(bytes, 8);
-        let len = mkey.len.get();
-        if klm.byte_count.get() as u64 != len {
-            return None;
-        }
-        Some(MwBind {
-            start: mkey.start_addr.get(),
-            len,
-            access: mkey.access_flags,
-            mr_key: klm.mkey.get(),
-            mr_addr: klm.address.get(),
-        })
-    };
-    let qpn_mkey = mkey.qpn_mkey.get();
-    Some(MwOp {
+    let u: UmrCtrlSeg = seg(bytes, 1);
+    let octo = u.klm_octowords.get() as usize;
+    if octo > 0 && (u.flags & UMR_FLAG_INLINE == 0 || 8 + octo > n) {
+        return None;
+    }
+    Some(UmrOp {
         key,
-        variant: qpn_mkey as u8,
-        qpn: qpn_mkey >> 8,
-        bind,
-        check_free: umr.flags & UMR_FLAG_CHECK_FREE != 0,
-        check_qpn: umr.flags & UMR_FLAG_CHECK_QPN != 0,
+        flags: u.flags,
+        mask: u.mkey_mask.get(),
+        ctx: seg(bytes, 4),
+        xlat: &bytes[8 * DS_UNIT..(8 + octo) * DS_UNIT],
     })
 }
 
@@ -650,7 +739,7 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
             }
             ParsedOp::Dump { local: sge_of(&d) }
         }
-        Opcode::Umr => ParsedOp::Window(window(bytes, n, ctrl.imm.get()).ok_or(shape)?),
+        Opcode::Umr => ParsedOp::Umr(umr(bytes, n, ctrl.imm.get()).ok_or(shape)?),
     };
     Ok(ParsedWqe {
         opcode,

@@ -424,6 +424,43 @@ pub struct KlmSeg {
     pub address: Be64,
 }
 
+/// The header of a repeated-block translation (16 bytes; `mlx5dv_wr_mr_interleaved`): the
+/// entries that follow describe one block, repeated `repeat_count` times, each entry advancing
+/// by its stride at each repetition.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct RepeatBlockSeg {
+    /// Bytes of one block (the sum of the entries' byte counts).
+    pub byte_count: Be32,
+    /// [`REPEAT_BLOCK_OP`].
+    pub op: Be32,
+    /// How many times the block repeats.
+    pub repeat_count: Be32,
+    /// Reserved.
+    pub reserved: Be16,
+    /// Entries that follow.
+    pub num_ent: Be16,
+}
+
+/// The `op` of a repeated-block header (a KLM list has an mkey in that place).
+pub const REPEAT_BLOCK_OP: u32 = 0x400;
+
+/// One entry of a repeated block (16 bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct RepeatEntSeg {
+    /// Bytes between this entry's starts in consecutive blocks.
+    pub stride: Be16,
+    /// Bytes this entry gives each block.
+    pub byte_count: Be16,
+    /// The key of the memory it addresses.
+    pub memkey: Be32,
+    /// Its address in the first block.
+    pub va: Be64,
+}
+
+const _: () = assert!(core::mem::size_of::<RepeatBlockSeg>() == 16);
+const _: () = assert!(core::mem::size_of::<RepeatEntSeg>() == 16);
 const _: () = assert!(core::mem::size_of::<UmrCtrlSeg>() == 48);
 const _: () = assert!(core::mem::size_of::<MkeyContextSeg>() == 64);
 const _: () = assert!(core::mem::size_of::<KlmSeg>() == 16);
@@ -834,8 +871,11 @@ fn push_umr(
     if len != 0 {
         mask |= UMR_MASK_LEN | UMR_MASK_START_ADDR | UMR_MASK_ACCESS;
     }
+    // one KLM, padded to 64 bytes (libmlx5's `get_klm_octo(1)`), or none
+    let octowords = if len != 0 { 4 } else { 0 };
     u.push(&UmrCtrlSeg {
         flags,
+        klm_octowords: Be16::new(octowords),
         mkey_mask: Be64::new(mask),
         ..UmrCtrlSeg::default()
     })?;

@@ -159,7 +159,7 @@ pub(crate) fn enqueue(
             },
             kind.size() as u64,
         ),
-        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } | ParsedOp::Window(_) => {
+        ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } | ParsedOp::Umr(_) => {
             return Ok(Done::Complete(0))
         }
     };
@@ -220,12 +220,7 @@ fn gather(
                             out.extend_from_slice(&b[(a - pos) as usize..(e - pos) as usize])
                         }
                         SrcSeg::Sge(s) => {
-                            let r = g
-                                .check(pd, Access::NONE, s.lkey.0, s.addr + (a - pos), e - a)
-                                .map_err(local_err)?;
-                            // SAFETY: `r` was checked under `g`, which the caller still holds.
-                            unsafe { append_range(out, &r, 0, r.len) }
-                                .map_err(|e| local_devmem_err(c, &e))?;
+                            append_sge(c, g, pd, s, a - pos, e - a, out)?;
                         }
                     }
                 }
@@ -241,12 +236,7 @@ fn gather(
                 let slen = s.len as u64;
                 let (a, e) = (off.max(pos), (off + n).min(pos + slen));
                 if a < e {
-                    let r = g
-                        .check(pd, Access::NONE, s.lkey.0, s.addr + (a - pos), e - a)
-                        .map_err(local_err)?;
-                    // SAFETY: `r` was checked under `g`, which the caller still holds.
-                    unsafe { append_range(out, &r, 0, r.len) }
-                        .map_err(|e| local_devmem_err(c, &e))?;
+                    append_sge(c, g, pd, s, a - pos, e - a, out)?;
                 }
                 pos += slen;
                 if pos >= off + n {
@@ -310,12 +300,25 @@ fn scatter(
         let slen = s.len as u64;
         let (a, e) = (off.max(pos), (off + n).min(pos + slen));
         if a < e {
-            let r = g
-                .check(pd, Access::LOCAL_WRITE, s.lkey.0, s.addr + (a - pos), e - a)
-                .map_err(local_err)?;
-            // SAFETY: `r` checked under `g` (held by the caller), exactly `e - a` bytes.
-            unsafe { write_range(&r, 0, &bytes[(a - off) as usize..(e - off) as usize]) }
-                .map_err(|e| local_devmem_err(c, &e))?;
+            let mut ranges: SmallVec<[MemRange; 2]> = SmallVec::new();
+            g.resolve(
+                pd,
+                Access::LOCAL_WRITE,
+                s.lkey.0,
+                s.addr + (a - pos),
+                e - a,
+                &mut ranges,
+            )
+            .map_err(local_err)?;
+            let mut at = (a - off) as usize;
+            for r in &ranges {
+                let end = at + r.len as usize;
+                // SAFETY: `r` checked under `g` (held by the caller); the pieces add up to
+                // exactly `e - a` bytes.
+                unsafe { write_range(r, 0, &bytes[at..end]) }
+                    .map_err(|e| local_devmem_err(c, &e))?;
+                at = end;
+            }
         }
         pos += slen;
         if pos >= off + n {
@@ -973,4 +976,25 @@ pub(super) fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
     drop(g);
     complete_front(dev, qp, w, delay);
     pump(dev, qp, w, now);
+}
+
+/// Appends bytes `off..off + n` of the local segment `s` (checked under `g`: through an
+/// indirect mkey, piece by piece) to `out`.
+fn append_sge(
+    c: &Counters,
+    g: &MrGuard<'_>,
+    pd: crate::PdId,
+    s: &Sge,
+    off: u64,
+    n: u64,
+    out: &mut Vec<u8>,
+) -> Result<(), Fail> {
+    let mut ranges: SmallVec<[MemRange; 2]> = SmallVec::new();
+    g.resolve(pd, Access::NONE, s.lkey.0, s.addr + off, n, &mut ranges)
+        .map_err(local_err)?;
+    for r in &ranges {
+        // SAFETY: `r` was checked under `g`, which the caller still holds.
+        unsafe { append_range(out, r, 0, r.len) }.map_err(|e| local_devmem_err(c, &e))?;
+    }
+    Ok(())
 }

@@ -9,11 +9,13 @@
 
 mod cq;
 mod general;
+mod mkey;
 mod qp;
 mod uar;
 mod umem;
 
 pub(super) use cq::DevxCq;
+pub(super) use mkey::DevxMkey;
 pub(super) use qp::DevxQp;
 pub(super) use umem::Umem;
 
@@ -116,6 +118,7 @@ pub(super) fn answer(call: &Call, id: u16, room: usize, r: Fw) -> Result<(), Err
 pub(super) enum DevxObj {
     Cq(DevxCq),
     Qp(DevxQp),
+    Mkey(DevxMkey),
 }
 
 impl DevxObj {
@@ -126,6 +129,9 @@ impl DevxObj {
                 let _ = soft.destroy_cq(&c.soft);
             }
             Self::Qp(q) => soft.destroy_qp(&q.soft),
+            Self::Mkey(m) => {
+                let _ = soft.destroy_indirect(m.key);
+            }
         }
     }
 }
@@ -177,7 +183,7 @@ impl Context {
         }
     }
 
-    /// OBJ_CREATE: a CQ or an RC QP from its PRM command.
+    /// OBJ_CREATE: a CQ, an RC QP or an indirect mkey from its PRM command.
     fn devx_obj_create(&self, call: &Call) -> Result<(), Errno> {
         use m::obj as a;
         call.only(&[a::HANDLE, a::CMD_IN, a::CMD_OUT])?;
@@ -194,6 +200,9 @@ impl Context {
             cmd::op::CREATE_QP => self
                 .devx_create_qp(&input)
                 .map(|(q, o)| (DevxObj::Qp(q), o)),
+            cmd::op::CREATE_MKEY => self
+                .devx_create_mkey(&input)
+                .map(|(m, o)| (DevxObj::Mkey(m), o)),
             cmd::op::CREATE_DCT => lacks("DC transport (CREATE_DCT; the dct capability is 0)"),
             op if is_create(op) => lacks(&format!("PRM object creation {op:#x}")),
             _ => return Err(Errno::EINVAL),
@@ -334,15 +343,17 @@ impl super::Objects {
         verbs
             || self.devx_objs.values().any(|x| match x {
                 DevxObj::Qp(q) => q.send_cqn == cqn || q.recv_cqn == cqn,
-                DevxObj::Cq(_) => false,
+                DevxObj::Cq(_) | DevxObj::Mkey(_) => false,
             })
     }
 
-    /// Whether a DEVX QP is built on PD `pd_handle`.
+    /// Whether a DEVX QP or mkey is built on PD `pd_handle`.
     pub(super) fn pd_in_use_by_devx(&self, pd_handle: u32) -> bool {
-        self.devx_objs
-            .values()
-            .any(|x| matches!(x, DevxObj::Qp(q) if q.pd == pd_handle))
+        self.devx_objs.values().any(|x| match x {
+            DevxObj::Qp(q) => q.pd == pd_handle,
+            DevxObj::Mkey(m) => m.pd == pd_handle,
+            DevxObj::Cq(_) => false,
+        })
     }
 
     /// Whether a DEVX QP takes its receives from SRQ `srqn`.
@@ -357,6 +368,7 @@ impl super::Objects {
         let ids: &[u32] = match obj {
             DevxObj::Cq(c) => &c.umems,
             DevxObj::Qp(q) => &q.umems,
+            DevxObj::Mkey(_) => &[],
         };
         for id in ids {
             if let Some(u) = self.umems.values_mut().find(|u| u.id == *id) {
@@ -372,7 +384,7 @@ impl super::Objects {
             .map(|c| &c.soft)
             .chain(self.devx_objs.values().filter_map(|x| match x {
                 DevxObj::Cq(c) => Some(&c.soft),
-                DevxObj::Qp(_) => None,
+                DevxObj::Qp(_) | DevxObj::Mkey(_) => None,
             }))
             .find(|c| c.cqn() == cqn)
             .cloned()

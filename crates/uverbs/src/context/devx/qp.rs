@@ -405,6 +405,7 @@ impl crate::context::Objects {
             || self.devx_objs.values().any(|x| match x {
                 DevxObj::Qp(q) => q.uar_page == page_id,
                 DevxObj::Cq(c) => c.uar_page == page_id,
+                DevxObj::Mkey(_) => false,
             })
     }
 }
