@@ -437,19 +437,8 @@ fn prm_field_tables_match_rdma_core() {
     assert!(o.status.success() && text.starts_with("OK "), "{text}");
 }
 
-/// pyverbs tests of rdma-core 44 that end in ERROR under the emulation although it answers as
-/// mlx5_ib would for a device lacking the feature: neither mlx5_ib nor libmlx5 44 has an
-/// answer the test turns into a skip. Each names why (docs/emulation.md, "pyverbs results").
-/// Any other ERROR or FAIL fails.
-const PYVERBS_KNOWN_ERRORS: &[(&str, &str)] = &[(
-    "tests.test_mlx5_timestamp.TimeStampTest.test_timestamp_free_running_rc_traffic",
-    "no device clock: GET_CONTEXT's clock_info_versions 0 (mlx5_ib without a clock), so \
-         libmlx5's mlx5dv_get_clock_info answers EINVAL; libmlx5 creates the timestamp CQ \
-         without asking the device, and the test skips only on EOPNOTSUPP",
-)];
-
 /// rdma-core's whole pyverbs suite: every test pyverbs-pass.txt lists must pass; no other test
-/// may fail or error but the known ones above (each skips by pyverbs' own check otherwise).
+/// may fail or end in ERROR (each skips by pyverbs' own check otherwise).
 #[test]
 fn pyverbs_tests_pass_or_skip() {
     let suite = Path::new("/usr/share/doc/rdma-core/tests");
@@ -505,12 +494,7 @@ fn pyverbs_tests_pass_or_skip() {
     }
     let bad: Vec<_> = results
         .iter()
-        .filter(|(n, s)| {
-            (s == "ERROR" || s == "FAIL")
-                && !PYVERBS_KNOWN_ERRORS
-                    .iter()
-                    .any(|(k, _)| n.ends_with(&format!("({k})")))
-        })
+        .filter(|(_, s)| s == "ERROR" || s == "FAIL")
         .collect();
     assert!(bad.is_empty(), "pyverbs tests failed: {bad:?}\n{text}");
 }

@@ -11,7 +11,9 @@
 
 use crate::buffer::DmaBuf;
 use crate::event::{AsyncEvent, EventHandler, EventSlot};
-use prm::cqe::{owner_bit, Cqe64, CQE_TAIL_OFFSET, OP_OWN_INVALID, OP_OWN_INVALID_OWNED};
+use prm::cqe::{
+    owner_bit, Cqe64, CqeOpcode, CQE_TAIL_OFFSET, OP_OWN_INVALID, OP_OWN_INVALID_OWNED,
+};
 use prm::CQE_SIZE;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -417,6 +419,11 @@ impl Cq {
             CqMode::Collapsed => 0,
             _ => st.pi & (ncqe - 1),
         } as usize;
+        // an error CQE holds its syndromes where a completion's timestamp goes
+        let error = [CqeOpcode::ReqErr as u8, CqeOpcode::RespErr as u8].contains(&cqe.opcode());
+        if !error {
+            cqe.timestamp = prm::Be64::new(crate::clock::now());
+        }
         cqe.op_own = (cqe.op_own & !1) | owner_bit(st.pi, ncqe);
         let (head, tail) = cqe.split_for_release();
         let off = slot * st.cqe_size.bytes() + st.cqe_size.cqe_offset();
@@ -461,6 +468,36 @@ mod tests {
         let mut b = [0u8; 64];
         cq.ring().read(slot * 64, &mut b);
         bytemuck::cast(b)
+    }
+
+    #[test]
+    fn completions_carry_the_clock_and_errors_keep_their_syndromes() {
+        let cq = Cq::new(
+            1,
+            CqConfig {
+                ncqe: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let before = crate::clock::now();
+        cq.push(Cqe64::requester(8, 1, 0, 0, 0), None).unwrap();
+        let after = crate::clock::now();
+        let stamp = read(&cq, 0).timestamp.get();
+        assert!(
+            before <= stamp && stamp <= after,
+            "{before} {stamp} {after}"
+        );
+        let e = prm::cqe::ErrorCqe {
+            responder: false,
+            syndrome: prm::Syndrome::RemoteAccess as u8,
+            vendor_syndrome: 0x8a,
+            wqe_opcode: 8,
+            qpn: 1,
+            wqe_counter: 1,
+        };
+        cq.push(Cqe64::error(&e, 0), None).unwrap();
+        assert_eq!(read(&cq, 1).decode(), prm::Completion::Error(e));
     }
 
     #[test]

@@ -18,6 +18,7 @@
 //! CUDA.
 
 pub mod buffer;
+pub mod clock;
 pub mod counters;
 pub mod cq;
 pub mod devmem;

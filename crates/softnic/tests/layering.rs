@@ -9,6 +9,7 @@ use std::path::Path;
 /// Bottom first. A module may use any module listed before it.
 const LAYERS: &[&str] = &[
     // formats and plain resources
+    "clock",
     "counters",
     "devmem",
     "event",

@@ -42,6 +42,7 @@ impl Context {
             Some(Uars::new((total / BFREGS_PER_UAR) as usize)?)
         };
         let async_q = EventQueue::new(16)?;
+        let clock = super::clock::ClockPage::new()?;
         let cqe_version = req.max_cqe_version.min(1);
         let resp = abi::GetContextResp {
             async_fd: async_q.fd() as u32,
@@ -71,7 +72,7 @@ impl Context {
             // QUERY_DEVICE and CREATE_AH carry driver data
             cmds_supp_uhw: 0x3,
             eth_min_inline: 0,
-            clock_info_versions: 0,
+            clock_info_versions: 1 << super::clock::V1,
             hca_core_clock_offset: 0,
             log_uar_size: 12,
             num_uars_per_page: 1,
@@ -90,6 +91,7 @@ impl Context {
         *self.cqe_version.lock() = cqe_version;
         *self.uars.lock() = uars;
         *self.async_q.lock() = Some(async_q);
+        *self.clock.lock() = Some(clock);
         *self.soft.lock() = Some(soft);
         Ok(Created::Nothing)
     }
@@ -103,6 +105,9 @@ impl Context {
         let resp = abi::ExQueryDeviceResp {
             base,
             device_cap_flags_ex: base.device_cap_flags as u64,
+            // CQEs carry the soft NIC's free-running clock (a nanosecond tick)
+            timestamp_mask: softnic::clock::MASK,
+            hca_core_clock: softnic::clock::KHZ,
             response_length: std::mem::size_of::<abi::ExQueryDeviceResp>().min(io.resp.1) as u32,
             max_dm_size: 0,
             ..Default::default()

@@ -12,6 +12,7 @@
 //! commands gets a file of its own and its arms in that table.
 
 mod ah;
+mod clock;
 mod cq;
 mod device;
 mod devx;
@@ -120,6 +121,7 @@ pub struct Context {
     pub uars: Mutex<Option<Uars>>,
     pub async_q: Mutex<Option<Arc<EventQueue>>>,
     cqe_version: Mutex<u8>,
+    clock: Mutex<Option<clock::ClockPage>>,
 }
 
 /// Where a command's input and output live.
@@ -220,6 +222,7 @@ impl Context {
             uars: Mutex::new(None),
             async_q: Mutex::new(None),
             cqe_version: Mutex::new(0),
+            clock: Mutex::new(None),
         }
     }
 
@@ -239,7 +242,7 @@ impl Context {
     }
 
     /// `mmap` of the device file at page offset `pgoff`: a static UAR page (legacy commands
-    /// 0, 2 and 3) or a page allocated with the UAR ioctl.
+    /// 0, 2 and 3), a page allocated with the UAR ioctl, or the clock-info page (command 7).
     pub fn map_uar(
         &self,
         pgoff: u64,
@@ -258,6 +261,14 @@ impl Context {
             return u.map(addr, len, prot, flags);
         }
         let (cmd, index) = (pgoff >> 8, pgoff & 0xff);
+        if (cmd, index) == (clock::MMAP_CMD, clock::V1) {
+            return self
+                .clock
+                .lock()
+                .as_ref()
+                .ok_or(Errno::EINVAL)?
+                .map(addr, len, prot, flags);
+        }
         // MLX5_IB_MMAP_REGULAR_PAGE 0, WC_PAGE 2, NC_PAGE 3; none in dynamic-UAR mode
         if !matches!(cmd, 0 | 2 | 3) || o.dynamic_uars {
             crate::complain(format_args!(
