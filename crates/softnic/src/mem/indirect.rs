@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 /// Most pieces one access may be split into. A ConnectX walks any layout; the soft NIC keeps a
 /// list of the pieces, so a pathological layout (1-byte entries under a 2 GiB access) is
-/// refused as a length error rather than allocated.
+/// refused as an access out of range rather than allocated.
 pub const MAX_PIECES: usize = 1 << 16;
 
 /// How an indirect mkey is created (the mkey context of CREATE_MKEY).
