@@ -4,9 +4,11 @@
 //! - `setup-cuda`: install the pinned CUDA 13.0 compiler wheels into `.cuda/`.
 //! - `bindings [--check]`: regenerate (or check) the committed rdma-core bindings.
 //! - `gpu-test`: build the GPU test bundle and print the `device` command that runs it.
+//! - `fuzz [--seconds N] [--target T] [--seeds]`: run the fuzz targets (or rewrite their seeds).
 
 mod bindings;
 mod cuda;
+mod fuzz;
 mod gpu_test;
 mod setup;
 
@@ -34,6 +36,19 @@ enum Cmd {
     },
     /// Build the GPU test bundle into `.gpu-bundle/` and print the command for the GPU machine.
     GpuTest,
+    /// Run every fuzz target of `fuzz/` (cargo-fuzz on nightly) from its seed corpus; fails on
+    /// any finding.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        seconds: u32,
+        /// Only this target.
+        #[arg(long)]
+        target: Option<String>,
+        /// Rewrite the seed corpora from the fixtures' traffic instead of fuzzing.
+        #[arg(long)]
+        seeds: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -42,6 +57,11 @@ fn main() -> anyhow::Result<()> {
         Cmd::SetupCuda => cuda::setup_cuda(),
         Cmd::Bindings { check } => bindings::run(check),
         Cmd::GpuTest => gpu_test::run(),
+        Cmd::Fuzz {
+            seconds,
+            target,
+            seeds,
+        } => fuzz::run(seconds, target, seeds),
     }
 }
 
