@@ -24,6 +24,12 @@ pub const ENV_TRACE: &str = "GPUVERBS_EMU_TRACE";
 /// error_cqes=…`).
 pub const ENV_COUNTERS: &str = "GPUVERBS_EMU_COUNTERS";
 
+/// When set (a folder), the emulated process appends every uverbs command it is given — each
+/// `write()` command and each ioctl's header with its attributes — to `<folder>/<pid>.stream`,
+/// as records of a kind byte (0 write, 1 ioctl), a 2-byte big-endian length and the bytes: the
+/// seed format of the `uverbs` fuzz target.
+pub const ENV_RECORD: &str = "GPUVERBS_EMU_RECORD";
+
 /// The RoCEv2 UDP port.
 pub const ROCE_PORT: u16 = 4791;
 /// Most devices one process may emulate.

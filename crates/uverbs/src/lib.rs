@@ -167,6 +167,44 @@ fn tracing() -> bool {
     *TRACE.get_or_init(|| std::env::var_os(config::ENV_TRACE).is_some())
 }
 
+/// The stream commands are recorded to ([`config::ENV_RECORD`]), when one was asked for.
+fn recorder() -> Option<&'static Mutex<std::fs::File>> {
+    static REC: OnceLock<Option<Mutex<std::fs::File>>> = OnceLock::new();
+    REC.get_or_init(|| {
+        let dir = std::env::var_os(config::ENV_RECORD)?;
+        let path = std::path::Path::new(&dir).join(format!("{}.stream", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path);
+        match file {
+            Ok(f) => Some(Mutex::new(f)),
+            Err(e) => {
+                complain(format_args!(
+                    "cannot record commands to {}: {e}",
+                    path.display()
+                ));
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+/// Appends one command to the recorded stream (kind 0: a `write()` command, 1: an ioctl's
+/// header and attributes).
+fn record(kind: u8, bytes: &[u8]) {
+    let (Some(r), Ok(len)) = (recorder(), u16::try_from(bytes.len())) else {
+        return;
+    };
+    let mut rec = Vec::with_capacity(3 + bytes.len());
+    rec.push(kind);
+    rec.extend_from_slice(&len.to_be_bytes());
+    rec.extend_from_slice(bytes);
+    use std::io::Write as _;
+    let _ = r.lock().write_all(&rec);
+}
+
 /// The process's emulation, set up from the environment on first use; `None` (after one line
 /// on stderr) when the settings are bad.
 pub fn emulation() -> Option<&'static Emulation> {
@@ -306,6 +344,15 @@ impl Emulation {
         if request != abi::ioctl::RDMA_VERBS_IOCTL {
             return Err(Errno::ENOTTY);
         }
+        if recorder().is_some() {
+            // the header's first field is the length of header and attributes
+            if let Ok(h) = context::read_command(arg, 2) {
+                let n = u16::from_ne_bytes([h[0], h[1]]) as usize;
+                if let Ok(b) = context::read_command(arg, n) {
+                    record(1, &b);
+                }
+            }
+        }
         let call = ioctl::Call::read(arg)?;
         let r = ctx.ioctl(&call);
         if tracing() {
@@ -330,6 +377,7 @@ impl Emulation {
             None => return Err(Errno::EBADF),
         };
         let bytes = context::read_command(buf, len)?;
+        record(0, &bytes);
         if bytes.len() < 8 {
             return Err(Errno::EINVAL);
         }
