@@ -128,11 +128,17 @@ pub struct MrInfo {
 
 impl MrInfo {
     fn covers(&self, addr: u64, len: u64) -> bool {
-        addr >= self.addr
-            && addr
-                .checked_add(len)
-                .is_some_and(|e| e <= self.addr + self.len)
+        covers(self.addr, self.len, addr, len)
     }
+}
+
+/// Whether `start..start + size` (a key's range) holds all of `addr..addr + len`, with no
+/// overflow on either side.
+fn covers(start: u64, size: u64, addr: u64, len: u64) -> bool {
+    addr >= start
+        && addr
+            .checked_add(len)
+            .is_some_and(|e| e <= start.saturating_add(size))
 }
 
 #[derive(Clone, Default)]
@@ -576,11 +582,7 @@ impl MrGuard<'_> {
         if w.pd != pd || b.qpn.is_some_and(|q| q != qpn) {
             return Err(AccessError::WrongPd(key));
         }
-        let inside = addr >= b.start
-            && addr
-                .checked_add(len)
-                .is_some_and(|e| e <= b.start.saturating_add(b.len));
-        if !inside {
+        if !covers(b.start, b.len, addr, len) {
             return Err(AccessError::OutOfRange { key, addr, len });
         }
         if !b.access.contains(need) {

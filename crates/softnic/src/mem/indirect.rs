@@ -240,11 +240,7 @@ impl MrGuard<'_> {
         if ind.cfg.pd != pd {
             return Err(AccessError::WrongPd(key));
         }
-        let inside = addr >= ind.start
-            && addr
-                .checked_add(len)
-                .is_some_and(|e| e <= ind.start.saturating_add(ind.len));
-        if !inside {
+        if !super::covers(ind.start, ind.len, addr, len) {
             return Err(AccessError::OutOfRange { key, addr, len });
         }
         if !ind.grants(need) {
@@ -280,21 +276,36 @@ impl MrGuard<'_> {
         }
     }
 
-    /// Runs a UMR on the indirect mkey it names, posted by QP `qpn` of `pd`: frees it, or
-    /// gives it (with the fields the mask names) rights, a first address, a length and the
-    /// layout the WQE carries.
-    pub fn umr_indirect(&self, pd: PdId, qpn: u32, op: &UmrOp<'_>) -> Result<(), UmrError> {
-        let key = op.key;
+    /// The indirect mkey `key`, when it is in `pd` and, where `qpn` is given, not bound to
+    /// another QP.
+    fn indirect_here(
+        &self,
+        pd: PdId,
+        qpn: Option<u32>,
+        key: u32,
+    ) -> Result<&Arc<Mutex<Indirect>>, UmrError> {
         let ind = self
             .0
             .get((key >> 8) as usize)
             .and_then(|s| s.indirect(key))
             .ok_or(UmrError::NoMkey(key))?;
-        let mut ind = ind.lock();
-        let owner = ind.cfg.qpn;
-        if ind.cfg.pd != pd || (op.check_qpn() && owner != 0xff_ffff && owner != qpn) {
+        let (owner, in_pd) = {
+            let i = ind.lock();
+            (i.cfg.qpn, i.cfg.pd == pd)
+        };
+        if !in_pd || qpn.is_some_and(|q| owner != 0xff_ffff && owner != q) {
             return Err(UmrError::NotHere(key));
         }
+        Ok(ind)
+    }
+
+    /// Runs a UMR on the indirect mkey it names, posted by QP `qpn` of `pd`: frees it, or
+    /// gives it (with the fields the mask names) rights, a first address, a length and the
+    /// layout the WQE carries.
+    pub fn umr_indirect(&self, pd: PdId, qpn: u32, op: &UmrOp<'_>) -> Result<(), UmrError> {
+        let key = op.key;
+        let ind = self.indirect_here(pd, op.check_qpn().then_some(qpn), key)?;
+        let mut ind = ind.lock();
         if op.check_free() && ind.map.is_some() {
             return Err(UmrError::NotFree(key));
         }
@@ -402,16 +413,8 @@ impl MrGuard<'_> {
     /// A peer's SEND_WITH_INV of the indirect mkey `key` at the responder QP `qpn` of `pd`:
     /// frees it when it was created for remote invalidation.
     pub fn invalidate_indirect(&self, pd: PdId, qpn: u32, key: u32) -> Result<(), UmrError> {
-        let ind = self
-            .0
-            .get((key >> 8) as usize)
-            .and_then(|s| s.indirect(key))
-            .ok_or(UmrError::NoMkey(key))?;
+        let ind = self.indirect_here(pd, Some(qpn), key)?;
         let mut ind = ind.lock();
-        let owner = ind.cfg.qpn;
-        if ind.cfg.pd != pd || (owner != 0xff_ffff && owner != qpn) {
-            return Err(UmrError::NotHere(key));
-        }
         if !ind.cfg.remote_invalidate {
             return Err(UmrError::NoRemoteInvalidate(key));
         }

@@ -58,16 +58,7 @@ impl Context {
             syndrome: 0,
         })?;
         let o = self.objs.lock();
-        let pdn = f(mkc::PD) as u32;
-        let (pd_handle, pd) = o
-            .pds
-            .iter()
-            .find(|(_, p)| p.id.0 == pdn)
-            .map(|(h, p)| (*h, p.id))
-            .ok_or(Refused {
-                status: status::BAD_PARAM,
-                syndrome: syndrome::PD,
-            })?;
+        let (pd_handle, pd) = super::pd_by_number(&o, f(mkc::PD) as u32)?;
         let key = soft.create_indirect(softnic::IndirectConfig {
             pd,
             variant: f(mkc::MKEY_7_0) as u8,

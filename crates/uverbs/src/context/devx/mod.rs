@@ -73,6 +73,19 @@ pub(super) fn lacks<T>(what: &str) -> Result<T, Refused> {
     refuse(status::BAD_PARAM, syndrome::FEATURE)
 }
 
+/// The PD a mailbox names by number (`pdn`): its handle and the soft NIC's id; BAD_PARAM with
+/// the PD syndrome when the context has none of that number.
+pub(super) fn pd_by_number(o: &super::Objects, pdn: u32) -> Result<(u32, softnic::PdId), Refused> {
+    o.pds
+        .iter()
+        .find(|(_, p)| p.id.0 == pdn)
+        .map(|(h, p)| (*h, p.id))
+        .ok_or(Refused {
+            status: status::BAD_PARAM,
+            syndrome: syndrome::PD,
+        })
+}
+
 /// An out-mailbox of `len` bytes with status OK.
 pub(super) fn out(len: usize) -> Vec<u8> {
     vec![0u8; len.max(16)]

@@ -178,16 +178,7 @@ impl Context {
             syndrome: 0,
         })?;
         let mut o = self.objs.lock();
-        let pdn = f(qpc::PD) as u32;
-        let (pd_handle, pd) = o
-            .pds
-            .iter()
-            .find(|(_, p)| p.id.0 == pdn)
-            .map(|(h, p)| (*h, p.id))
-            .ok_or(Refused {
-                status: status::BAD_PARAM,
-                syndrome: syndrome::PD,
-            })?;
+        let (pd_handle, pd) = super::pd_by_number(&o, f(qpc::PD) as u32)?;
         let cq = |o: &crate::context::Objects, n: u32| {
             o.cq_by_number(n).ok_or(Refused {
                 status: status::BAD_PARAM,
