@@ -117,7 +117,7 @@ fn selective_repeat_reports_every_gap_as_it_opens() {
     // behind another. The responder reports each as it opens (a sequence NAK names only the
     // first gap and acknowledges everything before it, which repaired one gap per round
     // trip); every report reaches the requester and names PSNs in flight, which it resends
-    // without waiting for the gaps in front of them.
+    // without waiting for the gaps in front of them (at most once a round trip each).
     let (a, b) = bulk(16 * MIB, WireFaults::loss(0.05, 31), WireFaults::default());
     eprintln!("A: {a:?}\nB: {b:?}");
     assert!(a.injected_drops > 100, "{a:?}");
@@ -127,7 +127,14 @@ fn selective_repeat_reports_every_gap_as_it_opens() {
         b.sr_gap_reports_sent,
         a.injected_drops
     );
-    assert_eq!(a.sr_gap_reports_received, b.sr_gap_reports_sent, "{a:?}");
+    // every report arrives; one naming a PSN resent less than a round trip ago (the
+    // responder's timer may name a gap again before the resend reached it) is counted as
+    // ignored rather than acted on (seen once in CI: 203 acted on, 1 ignored, 204 sent)
+    assert_eq!(
+        a.sr_gap_reports_received + a.sr_gap_reports_ignored,
+        b.sr_gap_reports_sent,
+        "{a:?}"
+    );
     // every sequence NAK sent arrives, and is counted on both sides
     assert_eq!(a.seq_naks_received, b.seq_naks_sent, "{a:?}\n{b:?}");
     assert_eq!(a.rx_unexpected, 0, "{a:?}");
