@@ -47,6 +47,25 @@ pub enum Error {
     /// how much.
     #[error(transparent)]
     InFlight(crate::memory::InFlight),
+    /// [`crate::Qp::recover`] ran out of time (or the CQ overran) before the device had
+    /// completed every WQE of the QP; the QP stays in ERR.
+    #[error(
+        "QP {qpn:#x} not drained after {waited:?}: {send_blocks} send blocks and {receives} \
+         receives not completed{}",
+        if *overrun { " (a CQ overran: its completions are lost)" } else { "" }
+    )]
+    Drain {
+        /// The QP.
+        qpn: u32,
+        /// How long it waited.
+        waited: std::time::Duration,
+        /// Send-queue blocks the device had not completed.
+        send_blocks: u32,
+        /// Receive WQEs the device had not completed.
+        receives: u32,
+        /// Whether a CQ of the QP overran.
+        overrun: bool,
+    },
     /// The QP's send queue already has a poster (one at a time: a CPU initiator, a GPU export
     /// or the CPU proxy; a GPU export and its proxy together).
     #[error("the QP already has a poster ({held}), so {wanted} cannot post to it: drop it first")]

@@ -40,7 +40,7 @@ pub use endpoint::{Endpoint, RemoteMemory};
 pub use error::Error;
 pub use memory::{Access, DeregisterError, HostBuffer, InFlight, Mr, Pd, QpInFlight};
 pub use queue::{
-    ConnectOptions, Cq, CqOptions, DoorbellMode, Modify, Qp, QpOptions, RingPlacement,
+    ConnectOptions, Cq, CqOptions, DoorbellMode, Drained, Modify, Qp, QpOptions, RingPlacement,
 };
 pub use regcache::{CachedMr, RegCache, RegCacheConfig, RegCacheStats};
 

@@ -772,3 +772,212 @@ fn a_vanished_peer_is_transport_retry_exc() {
     );
     assert_eq!(a.qp.state(), QpState::Err);
 }
+
+/// Writes `len` bytes of `seed`'s pattern from A's buffer to B's at `off` and checks them.
+fn write_checked(
+    ini: &mut softnic::initiator::Initiator,
+    a: &Side,
+    b: &Side,
+    off: usize,
+    len: usize,
+    seed: u8,
+) {
+    let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect();
+    a.buf.write(off, &data);
+    let w = Op::Write {
+        remote: b.mr.remote(off as u64),
+        local: Local::Sges(&[a.mr.sge(off as u64, len as u32)]),
+        imm: None,
+    };
+    ini.post_and_ring(&w, CtrlFlags::SIGNALED).unwrap();
+    ok(ini.wait_send(T).unwrap());
+    assert_eq!(
+        b.buf.to_vec()[off..off + len],
+        data[..],
+        "the bytes arrived"
+    );
+}
+
+#[test]
+fn a_qp_in_err_recovers_drained_with_fresh_psns_and_traffic_resumes() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    let (psn_a, psn_b) = (a.qp.psn(), b.qp.psn());
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let mut resp = b.qp.cpu_initiator(RingMode::RdmaCore);
+    write_checked(&mut ini, &a, &b, 0, 64, 1);
+    // two receives wait on B; then a WRITE with a bad rkey and three behind it
+    resp.post_recv(&[b.mr.sge(4096, 64)]).unwrap();
+    resp.post_recv(&[b.mr.sge(4160, 64)]).unwrap();
+    let mut bad = b.mr.remote(64);
+    bad.rkey = prm::Rkey(bad.rkey.0 ^ 0x80);
+    let sge = [a.mr.sge(64, 64)];
+    let w = |remote| Op::Write {
+        remote,
+        local: Local::Sges(&sge),
+        imm: None,
+    };
+    ini.post(&w(bad), CtrlFlags::SIGNALED).unwrap();
+    for i in 0..3 {
+        ini.post(&w(b.mr.remote(128 + 64 * i)), CtrlFlags::SIGNALED)
+            .unwrap();
+    }
+    ini.ring();
+    let t0 = std::time::Instant::now();
+    while a.qp.state() != QpState::Err {
+        assert!(t0.elapsed() < T, "the bad rkey did not fail the QP");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // nobody polls: the poster goes away with its completions still in the CQ
+    drop((ini, resp));
+    // a poster holds the QP: no recovery under it
+    let holder = a.qp.cpu_initiator(RingMode::RdmaCore);
+    assert!(matches!(a.qp.recover(T), Err(Error::PosterBusy { .. })));
+    drop(holder);
+
+    let da = a.qp.recover(T).unwrap();
+    let errs: Vec<_> = da.send.iter().map(|&c| error_of(c)).collect();
+    assert_eq!(
+        errs,
+        [
+            (false, Some(Syndrome::RemoteAccess), RDMA_WRITE, 1),
+            (false, Some(Syndrome::WrFlush), RDMA_WRITE, 2),
+            (false, Some(Syndrome::WrFlush), RDMA_WRITE, 3),
+            (false, Some(Syndrome::WrFlush), RDMA_WRITE, 4),
+        ],
+        "{da:?}"
+    );
+    assert!(da.recv.is_empty(), "{da:?}");
+    // the responder NAKed the access violation and is in ERR: its receives are flushed
+    assert_eq!(b.qp.state(), QpState::Err);
+    let db = b.qp.recover(T).unwrap();
+    let flushed: Vec<_> = db.recv.iter().map(|&c| error_of(c)).collect();
+    assert_eq!(flushed.len(), 2, "{db:?}");
+    for (i, (responder, syndrome, _, counter)) in flushed.into_iter().enumerate() {
+        assert_eq!(
+            (responder, syndrome, counter),
+            (true, Some(Syndrome::WrFlush), i as u16)
+        );
+    }
+    assert_eq!(db.errors().count(), 2);
+    assert!(
+        b.buf.to_vec()[64..384].iter().all(|&x| x == 0),
+        "nothing written past the error"
+    );
+
+    // both in RESET with new PSNs; the endpoints carry them
+    assert_eq!(
+        (a.qp.state(), b.qp.state()),
+        (QpState::Reset, QpState::Reset)
+    );
+    assert_ne!((a.qp.psn(), b.qp.psn()), (psn_a, psn_b));
+    assert_eq!(a.qp.endpoint().psn(), a.qp.psn());
+    // recovering a QP in RESET drains nothing and draws another PSN
+    let again = a.qp.recover(T).unwrap();
+    assert!(again.send.is_empty() && again.recv.is_empty());
+
+    a.qp.connect(&b.qp.endpoint(), all_rights()).unwrap();
+    b.qp.connect(&a.qp.endpoint(), all_rights()).unwrap();
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    let mut resp = b.qp.cpu_initiator(RingMode::RdmaCore);
+    // the queues start afresh: WQE 0 again, every byte lands
+    for i in 0..40u8 {
+        write_checked(&mut ini, &a, &b, 64 * (i as usize % 32), 64, i);
+    }
+    resp.post_recv(&[b.mr.sge(4096, 256)]).unwrap();
+    let s = Op::Send {
+        local: Local::Sges(&[a.mr.sge(0, 100)]),
+        imm: None,
+    };
+    ini.post_and_ring(&s, CtrlFlags::SIGNALED).unwrap();
+    ok(ini.wait_send(T).unwrap());
+    match resp.wait_recv(T).unwrap() {
+        Completion::Resp {
+            wqe_counter,
+            byte_cnt,
+            ..
+        } => assert_eq!((wqe_counter, byte_cnt), (0, 100)),
+        c => panic!("{c:?}"),
+    }
+    assert_eq!(b.buf.to_vec()[4096..4196], a.buf.to_vec()[..100]);
+}
+
+#[test]
+fn a_qp_recovers_against_a_restarted_peer() {
+    let o = ConnectOptions {
+        timeout: 8,
+        retry_cnt: 1,
+        ..all_rights()
+    };
+    let (a, b) = connected_with(DoorbellMode::Auto, o);
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    write_checked(&mut ini, &a, &b, 0, 256, 3);
+    let target = b.mr.remote(0);
+    drop(b); // the peer goes away: nothing answers
+    let w = Op::Write {
+        remote: target,
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    ini.post_and_ring(&w, CtrlFlags::SIGNALED).unwrap();
+    // the survivor learns of it within its retry budget (2 tries of ~1 ms at timeout 8)
+    assert_eq!(
+        error_of(ini.wait_send(T).unwrap()),
+        (false, Some(Syndrome::TransportRetryExc), RDMA_WRITE, 1)
+    );
+    drop(ini);
+    let d = a.qp.recover(T).unwrap();
+    assert!(d.send.is_empty() && d.recv.is_empty(), "{d:?}");
+    // the peer starts again: a new QP, a new endpoint
+    let b = side(common::open_peer(), DoorbellMode::Auto);
+    a.qp.connect(&b.qp.endpoint(), o).unwrap();
+    b.qp.connect(&a.qp.endpoint(), o).unwrap();
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    for i in 0..8 {
+        write_checked(&mut ini, &a, &b, 512 * i, 512, i as u8);
+    }
+}
+
+#[test]
+fn a_recovery_that_cannot_drain_says_so_and_leaves_the_qp_in_err() {
+    let (a, b) = connected(DoorbellMode::Auto);
+    if common::skipped_on_mlx5(
+        &a.ctx,
+        "a_recovery_that_cannot_drain_says_so_and_leaves_the_qp_in_err",
+        "needs the soft NIC's fault injection (a dropped doorbell)",
+    ) {
+        return;
+    }
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    a.qp.soft()
+        .unwrap()
+        .inject(softnic::Fault::DropDoorbells(1));
+    let w = Op::Write {
+        remote: b.mr.remote(0),
+        local: Local::Sges(&[a.mr.sge(0, 8)]),
+        imm: None,
+    };
+    ini.post_and_ring(&w, CtrlFlags::SIGNALED).unwrap();
+    drop(ini);
+    let e = a.qp.recover(Duration::from_millis(100)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Drain {
+                send_blocks: 1,
+                receives: 0,
+                overrun: false,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("1 send blocks"), "{e}");
+    assert_eq!(a.qp.state(), QpState::Err);
+    // the application may give the WQE up: RESET by hand, then connect again
+    a.qp.modify(softnic::Modify::Reset).unwrap();
+    a.qp.connect(&b.qp.endpoint(), all_rights()).unwrap();
+    b.qp.modify(softnic::Modify::Reset).unwrap();
+    b.qp.connect(&a.qp.endpoint(), all_rights()).unwrap();
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    write_checked(&mut ini, &a, &b, 0, 64, 9);
+}

@@ -44,6 +44,7 @@ const LAYERS: &[&str] = &[
     "queue::poster",
     "queue::qp",
     "queue::state",
+    "queue::recover",
     "queue",
     // the descriptor a kernel drives (exporting a QP into a GPU), the CPU proxy
     "export",

@@ -402,3 +402,125 @@ fn softnic_addr_env_gives_opened_devices_a_wire_port() {
     assert_eq!(plain.wire_addr(), None);
     assert!(side(plain).qp.endpoint().udp_port().is_none());
 }
+
+/// Set in the peer processes of the test below: the survivor's bootstrap address.
+const RESTART_PEER: &str = "GPUVERBS_TEST_RESTART_PEER";
+
+/// The peer process of [`a_survivor_recovers_against_a_restarted_peer_process`]: a wire soft
+/// NIC on 127.0.0.1 that sends its endpoint and memory, connects, then checks each pattern the
+/// survivor says it wrote (`[len: u32 LE, seed]`) and answers `[1]` (the bytes are there) or
+/// `[0]`, until an empty message (or its death).
+fn restart_peer(addr: &str) {
+    let b = side(wire_ctx(Ipv4Addr::LOCALHOST));
+    let mut bs = gpuverbs::bootstrap::Bootstrap::client(addr, T).unwrap();
+    let (ep_a, _) = bs.exchange(&travel(&b)).unwrap();
+    b.qp.connect(&Endpoint::from_bytes(&ep_a).unwrap(), restart_opts())
+        .unwrap();
+    bs.barrier().unwrap();
+    loop {
+        let m = bs.recv().unwrap();
+        let [l0, l1, l2, l3, seed] = m[..] else {
+            return;
+        };
+        let len = u32::from_le_bytes([l0, l1, l2, l3]) as usize;
+        let good = b.buf.to_vec()[..len] == pattern(len, seed)[..];
+        bs.send(&[u8::from(good)]).unwrap();
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+/// A short retry budget (4 ms ACK timeout, 3 tries): a dead peer is seen within ~20 ms.
+fn restart_opts() -> ConnectOptions {
+    ConnectOptions {
+        timeout: 10,
+        retry_cnt: 2,
+        ..opts()
+    }
+}
+
+#[test]
+fn a_survivor_recovers_against_a_restarted_peer_process() {
+    if let Ok(addr) = std::env::var(RESTART_PEER) {
+        return restart_peer(&addr);
+    }
+    let a = side(wire_ctx(Ipv4Addr::LOCALHOST));
+    // starts a peer process and connects to it; returns it with its bootstrap and memory
+    let start_peer = || {
+        let l = gpuverbs::bootstrap::Listener::bind("127.0.0.1:0").unwrap();
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "a_survivor_recovers_against_a_restarted_peer_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(RESTART_PEER, l.local_addr().to_string())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut bs = l.accept(T).unwrap();
+        let (ep_b, mem_b): (Vec<u8>, Vec<u8>) = bs.exchange(&travel(&a)).unwrap();
+        a.qp.connect(&Endpoint::from_bytes(&ep_b).unwrap(), restart_opts())
+            .unwrap();
+        bs.barrier().unwrap();
+        (child, bs, RemoteMemory::from_bytes(&mem_b).unwrap())
+    };
+    // writes a pattern, and the peer process checks it
+    let write = |ini: &mut Initiator, mem: &RemoteMemory, len: usize, seed: u8| {
+        a.buf.write(0, &pattern(len, seed));
+        let op = Op::Write {
+            remote: RemoteAddr {
+                addr: mem.addr(),
+                rkey: Rkey(mem.rkey()),
+            },
+            local: Local::Sges(&[a.mr.sge(0, len as u32)]),
+            imm: None,
+        };
+        ini.post_and_ring(&op, CtrlFlags::SIGNALED).unwrap();
+        ini.wait_send(T).unwrap()
+    };
+    let check = |bs: &mut gpuverbs::bootstrap::Bootstrap, len: usize, seed: u8| {
+        let mut m = (len as u32).to_le_bytes().to_vec();
+        m.push(seed);
+        bs.send(&m).unwrap();
+        assert_eq!(bs.recv().unwrap(), [1], "the peer process has the bytes");
+    };
+
+    let (mut child, mut bs, mem) = start_peer();
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    for (len, seed) in [(4096, 1), (65536, 2)] {
+        let c = write(&mut ini, &mem, len, seed);
+        assert!(matches!(c, Completion::Req { .. }), "{c:?}");
+        check(&mut bs, len, seed);
+    }
+    // the peer process dies without a word
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let c = write(&mut ini, &mem, 4096, 3);
+    match c {
+        Completion::Error(e) => assert_eq!(
+            (e.responder, e.syndrome(), e.wqe_counter),
+            (false, Some(prm::Syndrome::TransportRetryExc), 2)
+        ),
+        c => panic!("a dead peer: {c:?}"),
+    }
+    drop(ini);
+    let drained = a.qp.recover(T).unwrap();
+    assert!(drained.send.is_empty(), "{drained:?}");
+
+    // a new peer process: new endpoints both ways, and traffic resumes
+    let (mut child, mut bs, mem) = start_peer();
+    let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
+    for (len, seed) in [(4096, 4), (100_000, 5), (8, 6)] {
+        let c = write(&mut ini, &mem, len, seed);
+        assert!(matches!(c, Completion::Req { .. }), "{c:?}");
+        check(&mut bs, len, seed);
+    }
+    bs.send(&[]).unwrap();
+    assert!(child.wait().unwrap().success());
+}

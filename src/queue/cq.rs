@@ -72,6 +72,14 @@ impl Cq {
             CqDev::Mlx5(c) => c.ncqe,
         }
     }
+    /// The consumer index its doorbell record holds (24 bits): the CQEs its poster took.
+    pub(crate) fn consumer_index(&self) -> u32 {
+        use std::sync::atomic::Ordering::Acquire;
+        match &self.dev {
+            CqDev::Mlx5(c) => c.dbrec.word(0) & 0xff_ffff,
+            CqDev::Soft(c) => u32::from_be(c.dbrec().atomic_u32(0).load(Acquire)) & 0xff_ffff,
+        }
+    }
     /// CQ number.
     pub fn cqn(&self) -> u32 {
         match &self.dev {

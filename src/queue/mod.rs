@@ -4,6 +4,7 @@
 mod cq;
 mod poster;
 mod qp;
+mod recover;
 mod ring;
 mod state;
 
@@ -14,6 +15,7 @@ pub use poster::Poster;
 pub(crate) use poster::PosterClaim;
 pub(crate) use qp::QpDev;
 pub use qp::{Qp, QpOptions};
+pub use recover::Drained;
 pub use ring::{DoorbellMode, RingPlacement};
 pub use softnic::{CqInit, CqMode, Modify, QpState};
 pub(crate) use state::QueueState;

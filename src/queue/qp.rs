@@ -11,6 +11,7 @@ use crate::gpu::Gpu;
 use crate::memory::{Pd, PdDev};
 use crate::Error;
 use softnic::{DmaBuf, QpState};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 /// Parameters of an RC QP.
@@ -60,7 +61,11 @@ pub struct Qp {
     pub(crate) recv_cq: Cq,
     pub(crate) doorbell: DoorbellMode,
     pub(crate) doorbell_reason: String,
-    pub(crate) psn: u32,
+    /// The send queue's first PSN (random; a new one at every [`Qp::recover`]).
+    pub(crate) psn: AtomicU32,
+    /// The send CQ's consumer index when the QP was created or last went to RESET: the CQEs
+    /// before it are not of the QP's current run, which a new poster must not count.
+    pub(crate) reset_at_scq_ci: AtomicU32,
     pub(crate) posters: Arc<Posters>,
     /// The CPU-proxy word of an mlx5 QP (a soft QP has one in its control page): the kernel
     /// stores its producer index there and the proxy turns it into doorbells.
@@ -250,6 +255,7 @@ impl Pd {
         // Random per QP (as perftest draws one), so that a QP restarted with the same QPN
         // does not take stale packets of its earlier incarnation, nor do guessed PSNs work.
         let psn = Endpoint::random_psn();
+        let created_at = o.send_cq.consumer_index();
         Ok(Qp {
             pd: self.clone(),
             dev,
@@ -257,7 +263,8 @@ impl Pd {
             recv_cq: o.recv_cq,
             doorbell: mode,
             doorbell_reason: reason,
-            psn,
+            psn: AtomicU32::new(psn),
+            reset_at_scq_ci: AtomicU32::new(created_at),
             posters: Arc::default(),
             proxy_word: matches!(dev_kind, DevKind::Mlx5).then(|| crate::HostBuffer::new(64)),
         })
@@ -332,7 +339,7 @@ impl Qp {
         Endpoint::new(
             self.pd.ctx.gid(),
             self.qpn(),
-            self.psn,
+            self.psn(),
             self.pd.ctx.mtu(),
             sel.name.clone(),
         )
@@ -362,7 +369,7 @@ impl Qp {
                     remote.selective_repeat() && self.endpoint().selective_repeat();
                 q.modify(Modify::Rtr(rtr))?;
                 q.modify(Modify::Rts(softnic::RtsAttr {
-                    sq_psn: self.psn,
+                    sq_psn: self.psn(),
                     timeout: o.timeout,
                     retry_cnt: o.retry_cnt,
                     rnr_retry: o.rnr_retry,
@@ -375,7 +382,7 @@ impl Qp {
                     psn: remote.psn(),
                     mtu,
                 };
-                q.connect(o.access, &r, self.psn, &o)?;
+                q.connect(o.access, &r, self.psn(), &o)?;
             }
         }
         Ok(())
@@ -383,17 +390,50 @@ impl Qp {
 
     /// A raw state transition (illegal ones are errors). On the mlx5 backend only RESET and
     /// ERR (the others take attributes: [`Qp::connect`]).
+    ///
+    /// RESET starts the queues afresh, as a device and libmlx5 do: producer and consumer
+    /// indexes 0, the doorbell record and the CPU-proxy word cleared; the CQs keep their
+    /// consumer indexes (a new poster continues there), and completions of the QP's earlier
+    /// run that nobody took stay in them ([`Qp::recover`] takes them first).
     pub fn modify(&self, m: softnic::Modify) -> Result<(), Error> {
+        let reset = matches!(m, softnic::Modify::Reset);
         match &self.dev {
-            QpDev::Soft(q) => Ok(q.modify(m)?),
+            QpDev::Soft(q) => q.modify(m)?,
             QpDev::Mlx5(q) => match m {
-                softnic::Modify::Reset => q.to_state(rdma_core_sys::IBV_QPS_RESET),
-                softnic::Modify::Err => q.to_state(rdma_core_sys::IBV_QPS_ERR),
-                other => Err(Error::Unsupported(format!(
-                    "{other:?} on an mlx5 QP: use Qp::connect"
-                ))),
+                softnic::Modify::Reset => q.to_state(rdma_core_sys::IBV_QPS_RESET)?,
+                softnic::Modify::Err => q.to_state(rdma_core_sys::IBV_QPS_ERR)?,
+                other => {
+                    return Err(Error::Unsupported(format!(
+                        "{other:?} on an mlx5 QP: use Qp::connect"
+                    )))
+                }
             },
         }
+        if reset {
+            self.after_reset();
+        }
+        Ok(())
+    }
+
+    /// The host's part of a reset: the CPU-proxy word back to 0 (a kernel's producer starts
+    /// there again) and the send CQ's consumer index noted (the CQEs before it are the earlier
+    /// run's).
+    fn after_reset(&self) {
+        let word = match (&self.dev, &self.proxy_word) {
+            (QpDev::Soft(q), _) => Some(q.ctrl_page().atomic_u64(q.proxy_offset())),
+            (QpDev::Mlx5(_), Some(w)) => Some(w.atomic_u64(0)),
+            (QpDev::Mlx5(_), None) => None,
+        };
+        if let Some(w) = word {
+            w.store(0, Ordering::Release);
+        }
+        let ci = self.send_cq.consumer_index();
+        self.reset_at_scq_ci.store(ci, Ordering::Release);
+    }
+
+    /// The first PSN of the send queue (the one [`Qp::endpoint`] carries).
+    pub fn psn(&self) -> u32 {
+        self.psn.load(Ordering::Acquire)
     }
 
     /// Where its SQ and RQ rings live.

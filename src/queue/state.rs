@@ -1,7 +1,7 @@
 //! A QP's queue state as memory and the device hold it, from which a new poster continues:
 //! the CPU initiator here ([`Qp::cpu_initiator`]); a GPU export and the CPU proxy above.
 
-use super::cq::{Cq, CqDev};
+use super::cq::CqDev;
 use super::poster::Poster;
 use super::qp::{Qp, QpDev};
 use crate::backend::context::Backend;
@@ -81,13 +81,11 @@ impl QueueState {
                 unsafe { &*(w.addr() as *const AtomicU64) }.load(Acquire)
             });
         let sq_pi = producer_from(word(1) as u16, proxy);
-        let cq_ci = |cq: &Cq| match &cq.dev {
-            CqDev::Mlx5(c) => c.dbrec.word(0) & 0xff_ffff,
-            CqDev::Soft(_) => 0,
-        };
-        let (scq_ci, rcq_ci) = (cq_ci(&qp.send_cq), cq_ci(&qp.recv_cq));
+        let (scq_ci, rcq_ci) = (qp.send_cq.consumer_index(), qp.recv_cq.consumer_index());
+        // the CQEs of the QP's run before its creation or last RESET do not count
+        let since = qp.reset_at_scq_ci.load(Acquire);
         let done_to = match &qp.send_cq.dev {
-            CqDev::Mlx5(c) => last_req_end(c, q, scq_ci),
+            CqDev::Mlx5(c) => last_req_end(c, q, scq_ci, since),
             CqDev::Soft(_) => None,
         };
         let unretired = match done_to {
@@ -103,9 +101,17 @@ impl QueueState {
                 0
             },
             rq_head: word(0) as u16,
-            // the receive CQ's CQEs are the receives' only when it is not the send CQ too
+            // the receive CQ's CQEs are the receives' when it is not the send CQ too; on a
+            // shared CQ the newest receive completion taken says how many were (RC consumes
+            // receives in order)
             rq_consumer: match (&qp.send_cq.dev, &qp.recv_cq.dev) {
-                (CqDev::Mlx5(s), CqDev::Mlx5(r)) if Arc::ptr_eq(s, r) => None,
+                (CqDev::Mlx5(s), CqDev::Mlx5(r)) if Arc::ptr_eq(s, r) => {
+                    match newest_of_qp(s, q.qpn, true, scq_ci, since) {
+                        Newest::Counter(c) => Some(u32::from(c.wrapping_add(1))),
+                        Newest::NoneSinceReset => Some(0),
+                        Newest::Unknown => None,
+                    }
+                }
                 _ => Some(rcq_ci),
             },
             scq_ci,
@@ -115,44 +121,92 @@ impl QueueState {
     }
 }
 
-/// The SQ index just past the WQE of the newest requester completion of QP `q` among the
-/// CQEs taken from `cq` so far (its consumer index `ci`), looking back at most one ring.
-fn last_req_end(
+/// What a look back over the CQEs taken from a CQ found for one QP.
+enum Newest {
+    /// The WQE counter of the newest completion of the kind asked for.
+    Counter(u16),
+    /// None among all the CQEs taken since the QP was created or last reset.
+    NoneSinceReset,
+    /// Cannot be told (the CQ has wrapped past them, or its ring could not be read).
+    Unknown,
+}
+
+/// The newest requester (`responder` false) or responder completion of QP `qpn` among the
+/// CQEs taken from `cq` so far (its consumer index `ci`), looking back at most one ring and
+/// not before `since` (the consumer index when the QP was created or last reset).
+fn newest_of_qp(
     cq: &crate::backend::mlx5::Cq,
-    q: &crate::backend::mlx5::Qp,
+    qpn: u32,
+    responder: bool,
     ci: u32,
-) -> Option<u16> {
+    since: u32,
+) -> Newest {
     let mask = cq.ncqe as usize - 1;
     let collapsed = cq.mode == softnic::CqMode::Collapsed;
+    let fresh = ci.wrapping_sub(since) & 0xff_ffff;
     // a collapsed CQ holds its newest CQE in slot 0 only
-    let look_back = if collapsed { 1 } else { cq.ncqe.min(ci) };
-    for k in 1..=look_back {
+    let window = if collapsed { 1 } else { cq.ncqe.min(ci) };
+    for k in 1..=window.min(fresh) {
         let n = ci - k;
         let mut b = [0u8; prm::CQE_SIZE];
         let slot = if collapsed { 0 } else { n as usize & mask };
         // CQEs before the consumer index are no longer written by the device (until it
         // wraps, which the owner check below tells); a ring in GPU memory is read with a copy
-        cq.ring.try_read(slot * prm::CQE_SIZE, &mut b).ok()?;
+        if cq.ring.try_read(slot * prm::CQE_SIZE, &mut b).is_err() {
+            return Newest::Unknown;
+        }
         let cqe: prm::Cqe64 = bytemuck::cast(b);
         if !collapsed && u32::from(cqe.op_own & 1) != (n / cq.ncqe) & 1 {
-            return None;
+            return Newest::Unknown;
         }
-        let counter = match cqe.decode() {
-            prm::Completion::Req {
-                qpn, wqe_counter, ..
-            } if qpn == q.qpn => wqe_counter,
-            prm::Completion::Error(e) if !e.responder && e.qpn == q.qpn => e.wqe_counter,
-            _ => continue,
-        };
-        let slot = counter as usize & (q.sq_blocks as usize - 1);
-        // the WQE's control segment says how many blocks it took
-        let mut c = [0u8; 16];
-        q.sq.try_read(slot * prm::WQEBB, &mut c).ok()?;
-        let ctrl: prm::wqe::CtrlSeg = bytemuck::pod_read_unaligned(&c);
-        let blocks = prm::wqe::blocks_for_ds(ctrl.ds().max(1)) as u16;
-        return Some(counter.wrapping_add(blocks));
+        match (cqe.decode(), responder) {
+            (
+                prm::Completion::Req {
+                    qpn: q,
+                    wqe_counter,
+                    ..
+                },
+                false,
+            )
+            | (
+                prm::Completion::Resp {
+                    qpn: q,
+                    wqe_counter,
+                    ..
+                },
+                true,
+            ) if q == qpn => return Newest::Counter(wqe_counter),
+            (prm::Completion::Error(e), r) if e.responder == r && e.qpn == qpn => {
+                return Newest::Counter(e.wqe_counter)
+            }
+            _ => {}
+        }
     }
-    None
+    if fresh <= window {
+        Newest::NoneSinceReset
+    } else {
+        Newest::Unknown
+    }
+}
+
+/// The SQ index just past the WQE of the newest requester completion of QP `q` taken from
+/// `cq` (see [`newest_of_qp`]).
+fn last_req_end(
+    cq: &crate::backend::mlx5::Cq,
+    q: &crate::backend::mlx5::Qp,
+    ci: u32,
+    since: u32,
+) -> Option<u16> {
+    let Newest::Counter(counter) = newest_of_qp(cq, q.qpn, false, ci, since) else {
+        return None;
+    };
+    let slot = counter as usize & (q.sq_blocks as usize - 1);
+    // the WQE's control segment says how many blocks it took
+    let mut c = [0u8; 16];
+    q.sq.try_read(slot * prm::WQEBB, &mut c).ok()?;
+    let ctrl: prm::wqe::CtrlSeg = bytemuck::pod_read_unaligned(&c);
+    let blocks = prm::wqe::blocks_for_ds(ctrl.ds().max(1)) as u16;
+    Some(counter.wrapping_add(blocks))
 }
 
 impl Qp {

@@ -150,6 +150,9 @@ fn bad_rkey(ctx: &Ctx) -> Result<String> {
 fn bad_rkey_gpurings(ctx: &Ctx) -> Result<String> {
     dataplane::bad_rkey(ctx.ordinal, GpuRings)
 }
+fn recover_after_error(ctx: &Ctx) -> Result<String> {
+    dataplane::recover_after_error(ctx.ordinal)
+}
 
 fn roundtrip(ctx: &Ctx, mode: gpuverbs::DoorbellMode, rings: RingPlacement) -> Result<String> {
     devmem::gpumem_roundtrip(ctx.ordinal, mode, rings)
@@ -216,6 +219,7 @@ const CASES: &[Case] = cases![
     ops_bf,
     ops_proxy,
     bad_rkey,
+    recover_after_error,
     dropped_doorbell_timeout,
     wait_signal,
     status_paths,

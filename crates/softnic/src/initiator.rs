@@ -444,6 +444,11 @@ impl Initiator {
         self.pi.wrapping_sub(self.sq_ci) as u32
     }
 
+    /// Receive WQEs posted and not yet completed (taken by [`Self::poll_recv`]).
+    pub fn recv_outstanding(&self) -> u32 {
+        self.rq_pi.wrapping_sub(self.rq_ci)
+    }
+
     /// Writes one WQE into the SQ (without ringing). Returns its index.
     pub fn post(&mut self, op: &Op<'_>, flags: CtrlFlags) -> Result<u16, InitiatorError> {
         let w = op

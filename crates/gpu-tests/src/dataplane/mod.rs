@@ -7,7 +7,7 @@ mod recv;
 mod sharing;
 mod status;
 
-pub use ops::{bad_rkey, dropped_doorbell_timeout, ops, wait_signal};
+pub use ops::{bad_rkey, dropped_doorbell_timeout, ops, recover_after_error, wait_signal};
 pub use put::{collapsed_cq, put_case, PutArgs, PutCase};
 pub use recv::{recv, RecvCase};
 pub use sharing::{exclusive_wrap, poster_handover, private_qps};

@@ -161,6 +161,77 @@ pub fn bad_rkey(ordinal: usize, rings: RingPlacement) -> Result<String> {
     ))
 }
 
+/// A kernel runs into an error (a bad rkey) and sees it as a status; while the QP is down a
+/// second kernel's put fails at once (never a hang); the host drains and recovers both QPs
+/// (`Qp::recover`: flushes taken, RESET, new PSNs), the peers connect again through their new
+/// endpoints, the QP is exported again, and a kernel's puts land, every byte checked.
+pub fn recover_after_error(ordinal: usize) -> Result<String> {
+    let spec = PairSpec {
+        mode: DoorbellMode::GpuDoorbell,
+        bytes: 16384,
+        sq_blocks: 64,
+        mem: Mem::Host,
+        rings: RingPlacement::HostMapped,
+    };
+    let mut p = Pair::with(ordinal, spec)?;
+    let one = PutArgs::single(64, BUDGET_NS);
+    let eight = PutArgs { iters: 8, ..one };
+    let s = p.launch_put(&eight, p.dst_mr.rkey().0 ^ 0x5500)?.read()?;
+    ensure!(
+        s[0] == 1 && s[1] == 0x13,
+        "expected ERROR_CQE REMOTE_ACCESS, got {} syndrome {:#x}",
+        status_name(s[0]),
+        s[1]
+    );
+    let t = std::time::Instant::now();
+    let down = p.launch_put(&one, p.dst_mr.rkey().0)?.read()?;
+    let down_took = t.elapsed();
+    // the descriptor keeps the first error: a later call returns it without posting
+    ensure!(
+        down[0] == 1 && down[1] == 0x13,
+        "a put on the QP in ERR: {} syndrome {:#x} (ERROR_CQE with the first error expected)",
+        status_name(down[0]),
+        down[1]
+    );
+    let psns = (p.qa.psn(), p.qb.psn());
+    // the export is the QP's poster: it goes first
+    drop(p.export);
+    let wait = std::time::Duration::from_secs(5);
+    let da = p.qa.recover(wait)?;
+    let db = p.qb.recover(wait)?;
+    ensure!(
+        p.qa.state() == gpuverbs::queue::QpState::Reset
+            && p.qb.state() == gpuverbs::queue::QpState::Reset,
+        "not in RESET after recovery"
+    );
+    ensure!((p.qa.psn(), p.qb.psn()) != psns, "the PSNs did not change");
+    let remote = gpuverbs::Access::REMOTE_WRITE
+        | gpuverbs::Access::REMOTE_READ
+        | gpuverbs::Access::REMOTE_ATOMIC;
+    super::connect_both(&p.qa, &p.qb, remote)?;
+    p.export = p.gpu.export_qp(&p.qa)?;
+    let d = p.export.read()?;
+    ensure!(d.sq_ready == 0, "the new export does not start at 0: {d:?}");
+    ensure!(
+        p.dst.to_vec()?.iter().all(|&b| b == 0),
+        "bytes landed before the recovery"
+    );
+    let many = PutArgs {
+        grid: 2,
+        block: 32,
+        iters: 4,
+        signal_every: 4,
+        ..one
+    };
+    let done = super::put::run_put(&p, &many)?;
+    Ok(format!(
+        "kernel saw REMOTE_ACCESS, a second kernel the same error in {down_took:.1?} while down; recovery took \
+         {} + {} leftover completions; after reconnect and re-export: {done}",
+        da.send.len() + da.recv.len(),
+        db.send.len() + db.recv.len()
+    ))
+}
+
 /// A dropped doorbell makes the kernel's quiet return TIMEOUT within its budget, not hang.
 pub fn dropped_doorbell_timeout(ordinal: usize) -> Result<String> {
     skip_on_mlx5(
