@@ -5,11 +5,13 @@
 //! - `bindings [--check]`: regenerate (or check) the committed rdma-core bindings.
 //! - `gpu-test`: build the GPU test bundle and print the `device` command that runs it.
 //! - `fuzz [--seconds N] [--target T] [--seeds]`: run the fuzz targets (or rewrite their seeds).
+//! - `sanitize [--full]`: tests under AddressSanitizer, the emulation under valgrind memcheck.
 
 mod bindings;
 mod cuda;
 mod fuzz;
 mod gpu_test;
+mod sanitize;
 mod setup;
 
 use clap::{Parser, Subcommand};
@@ -49,6 +51,14 @@ enum Cmd {
         #[arg(long)]
         seeds: bool,
     },
+    /// The tests of prm, the soft NIC, the host API and the emulation under AddressSanitizer
+    /// (nightly), and the emulation driven by libmlx5 under valgrind memcheck; fails on any
+    /// report.
+    Sanitize {
+        /// Every test of those crates, not CI's subset.
+        #[arg(long)]
+        full: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -62,6 +72,7 @@ fn main() -> anyhow::Result<()> {
             target,
             seeds,
         } => fuzz::run(seconds, target, seeds),
+        Cmd::Sanitize { full } => sanitize::run(full),
     }
 }
 

@@ -57,6 +57,10 @@ pub const PACKAGES: &[(&str, &str)] = &[
         "the venv `setup-cuda` installs the CUDA wheels into",
     ),
     (
+        "valgrind",
+        "memcheck on the emulation under libmlx5 (`cargo xtask sanitize`)",
+    ),
+    (
         "iproute2",
         "`ip`: network namespaces and veth pairs (softnic's wire_netns, wire_capture)",
     ),

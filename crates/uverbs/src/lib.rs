@@ -732,8 +732,13 @@ mod tests {
     use super::*;
 
     fn emulation() -> Emulation {
+        // one set of devices for every test, 'static as the process's emulation has it (and
+        // reachable from a static, so a leak checker sees it kept, not lost)
+        static DEVICES: OnceLock<&'static device::Devices> = OnceLock::new();
         Emulation {
-            devices: Box::leak(Box::new(device::Devices::new(config::EmuConfig::default()))),
+            devices: DEVICES.get_or_init(|| {
+                Box::leak(Box::new(device::Devices::new(config::EmuConfig::default())))
+            }),
             fds: Mutex::new(HashMap::new()),
             watched: Mutex::new(Vec::new()),
             watcher: OnceLock::new(),
