@@ -2,7 +2,9 @@
 # Records the uverbs fuzz target's seeds: the command streams of Debian's ibv_rc_pingpong and
 # perftest (server and client) and of rdma-core's pyverbs tests under `gpuverbs emu`
 # (GPUVERBS_EMU_RECORD), split at record boundaries into files of at most 16 KiB, into
-# fuzz/corpus/uverbs/. Needs a debug build of gpuverbs-cli and the preload library, and the
+# fuzz/corpus/uverbs/; and the distinct WQEs libmlx5 wrote into those programs' send queues
+# (left by the emulation as each QP is destroyed) into fuzz/corpus/wqe/ as libmlx5_*. Needs a
+# debug build of gpuverbs-cli and the preload library, and the
 # Debian packages the emulation tests use (ibverbs-utils, perftest, rdma-core, python3-pyverbs).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -41,6 +43,13 @@ done
 
 rm -rf "$out"
 mkdir -p "$out"
+wqes="$root/fuzz/corpus/wqe"
+rm -f "$wqes"/libmlx5_*
+find "$rec" -name 'wqe-*.bin' | sort | while read -r f; do
+  b="$(basename "$f" .bin)"
+  cp "$f" "$wqes/libmlx5_${b#wqe-}"
+done
+echo "$(ls "$wqes" | grep -c '^libmlx5_') libmlx5 WQEs in $wqes"
 python3 - "$rec" "$out" <<'PY'
 import glob, os, sys
 rec, out = sys.argv[1], sys.argv[2]

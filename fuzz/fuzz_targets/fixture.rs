@@ -65,6 +65,13 @@ pub fn guards_intact(i: usize) -> bool {
     s[..GUARD].iter().all(|&b| b == GUARD_BYTE) && s[GUARD + LEN..].iter().all(|&b| b == GUARD_BYTE)
 }
 
+/// Whether buffer `i`'s registered range still holds what [`register`] filled it with.
+pub fn untouched(i: usize) -> bool {
+    slot(i)[GUARD..GUARD + LEN]
+        .iter()
+        .all(|&b| b == 0x10 + i as u8)
+}
+
 /// Registers buffer `i` on `dev`.
 pub fn register(dev: &Device, pd: PdId, i: usize, access: Access) -> MrInfo {
     reset(i, 0x10 + i as u8);

@@ -1,8 +1,12 @@
 //! The RoCEv2 receive path: datagrams from the connected peer's address (any source port)
 //! into a soft NIC whose RC QP is in RTS (selective repeat or go-back-N), or into its peer (the
-//! requester side, which takes answers). The oracle: every datagram is taken (counted), the
-//! device never panics or hangs, and nothing is written outside the
-//! registered buffers (guard bytes; AddressSanitizer for the rest).
+//! requester side, which takes answers). The oracle: every datagram is taken (counted) and
+//! no more are counted as dropped than arrived; the device never panics or hangs; nothing is
+//! written outside the registered buffers (guard bytes; AddressSanitizer for the rest); and
+//! nothing executes out of window: the responder changes no memory and completes no receive
+//! unless some datagram carried the PSN it expects (a request ahead of it may be held, never
+//! run, until that PSN arrives), and the requester, which has nothing outstanding, takes no
+//! response into memory.
 //!
 //! Input: a control byte, then datagrams, each behind a 2-byte big-endian length (at most 8).
 //! Control bits: 0 selective repeat; 1 leave the ICRC as given (else the harness seals each
@@ -45,7 +49,7 @@ fuzz_target!(|d: &[u8]| {
     if grams.is_empty() {
         return;
     }
-    let f = Fixture::wire(ctl & 1 != 0);
+    let mut f = Fixture::wire(ctl & 1 != 0);
     let p = &f.p;
     let (target, qpn) = if ctl & 8 != 0 {
         (&p.a, p.ea.qpn())
@@ -64,6 +68,7 @@ fuzz_target!(|d: &[u8]| {
         dport: to4.port(),
     };
     let before = target.dev.counters().wire.rx_packets;
+    let mut sent = Vec::new();
     for mut g in grams.iter().cloned() {
         if g.len() >= BTH_LEN + ICRC_LEN {
             if ctl & 4 == 0 {
@@ -75,6 +80,7 @@ fuzz_target!(|d: &[u8]| {
             }
         }
         sock.send_to(&g, to).expect("loopback send");
+        sent.push(g);
     }
     let want = before + grams.len() as u64;
     let start = Instant::now();
@@ -88,6 +94,40 @@ fuzz_target!(|d: &[u8]| {
             "only {got} of {want} datagrams taken"
         );
         std::thread::sleep(Duration::from_micros(100));
+    }
+    let c = target.dev.counters().wire;
+    let dropped = c.rx_malformed
+        + c.rx_bad_icrc
+        + c.rx_not_plain_ip
+        + c.rx_unknown_qp
+        + c.rx_wrong_source
+        + c.rx_unexpected
+        + c.rx_bad_duplicate_reads;
+    assert!(
+        dropped <= c.rx_packets,
+        "{dropped} datagrams counted as dropped of {} received: {c:?}",
+        c.rx_packets
+    );
+    if ctl & 8 != 0 {
+        // the requester posted nothing: no answer may land in its memory
+        assert!(
+            fixture::untouched(0) && fixture::untouched(2),
+            "a response without a request was taken into memory"
+        );
+    } else {
+        // the responder runs a request only in PSN order from the one it expects
+        let epsn = wire_util::wire_opts().rts.sq_psn & 0xff_ffff;
+        let expected_seen = sent
+            .iter()
+            .any(|g| g.len() >= BTH_LEN && u32::from_be_bytes([0, g[9], g[10], g[11]]) == epsn);
+        if !expected_seen {
+            std::thread::sleep(Duration::from_millis(2));
+            let recv = f.p.eb.ini.poll_recv();
+            assert!(
+                fixture::untouched(1) && fixture::untouched(3) && recv.is_none(),
+                "a request ran without the expected PSN {epsn:#x} arriving ({recv:?})"
+            );
+        }
     }
     f.finish();
 });

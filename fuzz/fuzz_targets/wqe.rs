@@ -9,6 +9,14 @@
 //! and the QPN into the control segment (so the WQE is not refused as stale); set: the bytes
 //! stay as given. The control segment always asks for a CQE. The fixture is fresh for each
 //! input, so keys, QPNs and addresses are the same in every run (the seeds name them).
+//!
+//! Bit 1: the bytes are B's receive WQE instead (its scatter list, over the receive the
+//! fixture posted), and A sends a valid 64-byte SEND into it: both sides complete (the
+//! receive with success or an error CQE) within the bound, guards intact. Bit 2: the
+//! doorbells are forged: after the WQE is written, A's SQ producer (doorbell record and
+//! register) and B's RQ head are set from the last four input bytes instead of the right
+//! values, so the device meets producer jumps over stale or empty ring slots; the oracle is
+//! then no panic, no hang (the devices stop within the fixture's drop), guards intact.
 #![no_main]
 
 #[path = "../../crates/softnic/tests/common/mod.rs"]
@@ -32,6 +40,9 @@ fuzz_target!(|d: &[u8]| {
     let Some((&ctl, body)) = d.split_first() else {
         return;
     };
+    if ctl & 2 != 0 {
+        return receive(body);
+    }
     let blocks = body.len().div_ceil(64).clamp(1, MAX_BLOCKS);
     let mut w = vec![0u8; blocks * 64];
     let n = body.len().min(w.len());
@@ -47,6 +58,16 @@ fuzz_target!(|d: &[u8]| {
     w[11] |= 0x08;
     let opcode = w[3];
     p.ea.post_raw(&w);
+    if ctl & 4 != 0 {
+        let tail = |i: usize| body.len().checked_sub(i).map_or(0, |k| body[k]);
+        let sq_pi = u16::from_be_bytes([tail(4), tail(3)]);
+        let rq_head = u16::from_be_bytes([tail(2), tail(1)]);
+        forge_doorbells(&f, sq_pi, rq_head, &w);
+        // whatever the device makes of it, within a bound: completions or nothing
+        let _ = f.p.ea.ini.wait_send(WAIT_BOUND);
+        f.finish();
+        return;
+    }
     p.ea.ini.ring();
     // a WAIT's CQ count may never be reached: it completes at once or stalls
     let bound = if opcode == WAIT { WAIT_BOUND } else { BOUND };
@@ -55,3 +76,50 @@ fuzz_target!(|d: &[u8]| {
     }
     f.finish();
 });
+
+/// Writes `sq_pi` into A's doorbell record and rings A's doorbell register with it (the
+/// first 8 bytes of the WQE, its index replaced), and `rq_head` into B's doorbell record.
+fn forge_doorbells(f: &Fixture, sq_pi: u16, rq_head: u16, wqe: &[u8]) {
+    use std::sync::atomic::Ordering::Release;
+    let (a, b) = (&f.p.ea.qp, &f.p.eb.qp);
+    a.ctrl_page()
+        .atomic_u32(a.dbrec_offset() + 4)
+        .store(u32::from(sq_pi).to_be(), Release);
+    let mut db = [0u8; 8];
+    db.copy_from_slice(&wqe[..8]);
+    db[1..3].copy_from_slice(&sq_pi.to_be_bytes());
+    a.uar()
+        .atomic_u64(a.bf_offset())
+        .store(u64::from_ne_bytes(db), Release);
+    b.ctrl_page()
+        .atomic_u32(b.dbrec_offset())
+        .store(u32::from(rq_head).to_be(), Release);
+}
+
+/// `body` as B's receive WQE (over the one the fixture posted at slot 0), then a valid SEND
+/// of 64 bytes from A's buffer 0 into it.
+fn receive(body: &[u8]) {
+    let mut f = Fixture::local();
+    let stride = f.p.eb.qp.rq_stride() as usize;
+    let mut w = vec![0u8; stride];
+    let n = body.len().min(stride);
+    w[..n].copy_from_slice(&body[..n]);
+    f.p.eb.qp.rq_ring().write(0, &w);
+    let sge = prm::wqe::Sge {
+        addr: fixture::addr(0),
+        len: 64,
+        lkey: prm::Lkey(f.mrs[0].key),
+    };
+    let send = prm::wqe::Op::Send {
+        local: prm::wqe::Local::Sges(&[sge]),
+        imm: None,
+    };
+    f.p.ea.go(&send, common::SIG);
+    // the sender completes (success, or the error the receiver's NAK names) ...
+    let sent = f.p.ea.ini.wait_send(BOUND);
+    assert!(sent.is_ok(), "no send completion: {sent:?}");
+    // ... and so does the receive (its scatter succeeded or failed)
+    let got = f.p.eb.ini.wait_recv(BOUND);
+    assert!(got.is_ok(), "no receive completion: {got:?}");
+    f.finish();
+}

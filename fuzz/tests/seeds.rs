@@ -17,12 +17,19 @@ use prm::{Lkey, Rkey};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// The target's seed folder, emptied of what this generator wrote before (the `libmlx5_*`
+/// WQEs, recorded by `record_uverbs_seeds.sh`, stay).
 fn corpus(target: &str) -> PathBuf {
     let d = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("corpus")
         .join(target);
-    let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
+    for e in std::fs::read_dir(&d).unwrap() {
+        let e = e.unwrap();
+        if !e.file_name().to_string_lossy().starts_with("libmlx5_") {
+            std::fs::remove_file(e.path()).unwrap();
+        }
+    }
     d
 }
 
@@ -195,6 +202,7 @@ fn write_seed_corpora() {
     let ring = f.p.ea.read_ring(idx, 1);
     put(&dir, "wait", &[&[0u8][..], &ring[..]].concat());
     f.finish();
+    write_wqe_mode_seeds(&dir);
 
     // datagrams: each operation between two fresh wire fixtures, as B saw them
     let (wire, packets) = (corpus("wire_rx"), corpus("packet"));
@@ -248,4 +256,142 @@ fn write_seed_corpora() {
     put(&dir, "endpoint_udp", &ep.to_bytes());
     let m = gpuverbs::RemoteMemory::export_rkey(0x7f00_0000_0000, 1 << 20, 0x1234).unwrap();
     put(&dir, "remote_memory", &m.to_bytes());
+}
+
+/// The bytes each side of a real two-rank bootstrap sends, through a recording TCP relay:
+/// `f(rank 1, rank 0)` runs the calls on both sides; returns (what rank 1 sent, what rank 0
+/// sent).
+fn recorded(
+    f: impl FnOnce(&mut gpuverbs::bootstrap::Bootstrap, &mut gpuverbs::bootstrap::Bootstrap) + Send,
+) -> (Vec<u8>, Vec<u8>) {
+    use gpuverbs::bootstrap::{Bootstrap, Listener};
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    let pump = |mut from: TcpStream, mut to: TcpStream| {
+        std::thread::spawn(move || {
+            let (mut seen, mut buf) = (Vec::new(), [0u8; 4096]);
+            while let Ok(n @ 1..) = from.read(&mut buf) {
+                seen.extend_from_slice(&buf[..n]);
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            let _ = to.shutdown(std::net::Shutdown::Write);
+            seen
+        })
+    };
+    let root = Listener::bind("127.0.0.1:0").unwrap();
+    let root_addr = root.local_addr();
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_addr = relay.local_addr().unwrap();
+    let t = Duration::from_secs(5);
+    std::thread::scope(|s| {
+        let r0 = s.spawn(move || root.accept(t).unwrap());
+        let r1 = s.spawn(move || Bootstrap::client(relay_addr, t).unwrap());
+        let (down, _) = relay.accept().unwrap();
+        let up = TcpStream::connect(root_addr).unwrap();
+        let from_1 = pump(down.try_clone().unwrap(), up.try_clone().unwrap());
+        let from_0 = pump(up, down);
+        let (mut b0, mut b1) = (r0.join().unwrap(), r1.join().unwrap());
+        f(&mut b1, &mut b0);
+        drop((b0, b1));
+        (from_1.join().unwrap(), from_0.join().unwrap())
+    })
+}
+
+#[test]
+#[ignore = "rewrites fuzz/corpus/bootstrap; cargo xtask fuzz --seeds runs it"]
+fn write_bootstrap_seeds() {
+    let dir = corpus("bootstrap");
+    let ep = gpuverbs::Endpoint::new(
+        std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped(),
+        0x100,
+        0x1234,
+        4096,
+        "softnic",
+    )
+    .unwrap();
+    let mem = gpuverbs::RemoteMemory::export_rkey(0x1000, 4096, 7).unwrap();
+    // the call each control value runs (bootstrap.rs: 0 recv, 1 exchange, 2 barrier,
+    // 3 all_gather); bit 2: the fuzzed side is rank 0 (what rank 0 sent)
+    let calls: [(&str, u8); 4] = [
+        ("recv", 0),
+        ("exchange", 1),
+        ("barrier", 2),
+        ("all_gather", 3),
+    ];
+    for (name, ctl) in calls {
+        let (ep, mem) = (ep.clone(), mem.clone());
+        let (from_1, from_0) = recorded(move |b1, b0| {
+            std::thread::scope(|s| {
+                let one = s.spawn(|| match ctl {
+                    0 => b1.send(&ep.to_bytes()).unwrap(),
+                    1 => drop(b1.exchange(&ep).unwrap()),
+                    2 => b1.barrier().unwrap(),
+                    _ => drop(b1.all_gather(&mem).unwrap()),
+                });
+                match ctl {
+                    0 => drop(b0.recv().unwrap()),
+                    1 => drop(b0.exchange(&ep).unwrap()),
+                    2 => b0.barrier().unwrap(),
+                    _ => drop(b0.all_gather(&mem).unwrap()),
+                }
+                one.join().unwrap();
+            })
+        });
+        put(
+            &dir,
+            &format!("{name}_from_rank1"),
+            &[&[ctl][..], &from_1].concat(),
+        );
+        put(
+            &dir,
+            &format!("{name}_from_rank0"),
+            &[&[ctl | 4][..], &from_0].concat(),
+        );
+    }
+}
+
+/// Seeds of the `wqe` target's receive and forged-doorbell modes, into `dir`.
+fn write_wqe_mode_seeds(dir: &Path) {
+    let probe = Fixture::local();
+    let k = keys(&probe);
+    let stride = probe.p.eb.qp.rq_stride() as usize;
+    probe.finish();
+    // receive WQEs (control bit 1): one data segment on B's receive buffer, two, and a short
+    // one the 64-byte SEND overflows
+    let seg = |addr: u64, len: u32, lkey: u32| {
+        let mut s = Vec::with_capacity(16);
+        s.extend_from_slice(&len.to_be_bytes());
+        s.extend_from_slice(&lkey.to_be_bytes());
+        s.extend_from_slice(&addr.to_be_bytes());
+        s
+    };
+    let pad = |mut v: Vec<u8>| {
+        v.resize(stride.max(v.len()), 0);
+        v
+    };
+    let one = pad(seg(addr(3), LEN as u32, k[3]));
+    let two = pad([seg(addr(3), 32, k[3]), seg(addr(3) + 512, 64, k[3])].concat());
+    let short = pad(seg(addr(3), 16, k[3]));
+    for (name, w) in [
+        ("recv_one_sge", one),
+        ("recv_two_sges", two),
+        ("recv_short", short),
+    ] {
+        put(dir, name, &[&[2u8][..], &w].concat());
+    }
+    // forged doorbells (control bit 2): a NOP with producer jumps and RQ heads in the last
+    // four bytes
+    for (name, sq, rq) in [
+        ("forged_db_ahead", 5u16, 3u16),
+        ("forged_db_behind", 0xfff0, 0),
+        ("forged_db_lap", 0x0101, 0x8000),
+    ] {
+        let mut w = vec![0u8; 64];
+        w[7] = 1; // ds 1: a NOP's control segment
+        w[60..62].copy_from_slice(&sq.to_be_bytes());
+        w[62..64].copy_from_slice(&rq.to_be_bytes());
+        put(dir, name, &[&[4u8][..], &w].concat());
+    }
 }

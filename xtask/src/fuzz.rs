@@ -10,7 +10,14 @@ use std::path::Path;
 use std::process::Command;
 
 /// Every target, as `fuzz/Cargo.toml` lists them.
-pub const TARGETS: &[&str] = &["wire_rx", "wqe", "packet", "endpoint", "uverbs"];
+pub const TARGETS: &[&str] = &[
+    "wire_rx",
+    "wqe",
+    "packet",
+    "endpoint",
+    "uverbs",
+    "bootstrap",
+];
 
 /// Seconds an input may take before libFuzzer reports it as a hang.
 const HANG_S: u32 = 30;

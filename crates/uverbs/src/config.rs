@@ -27,7 +27,10 @@ pub const ENV_COUNTERS: &str = "GPUVERBS_EMU_COUNTERS";
 /// When set (a folder), the emulated process appends every uverbs command it is given — each
 /// `write()` command and each ioctl's header with its attributes — to `<folder>/<pid>.stream`,
 /// as records of a kind byte (0 write, 1 ioctl), a 2-byte big-endian length and the bytes: the
-/// seed format of the `uverbs` fuzz target.
+/// seed format of the `uverbs` fuzz target. Each QP destroyed also leaves the distinct WQEs
+/// its SQ ring holds then (as the program's library wrote them; WQE index cleared) in
+/// `<folder>/wqe-<hash>.bin`, a control byte 0 and the WQE: the seed format of the `wqe` fuzz
+/// target.
 pub const ENV_RECORD: &str = "GPUVERBS_EMU_RECORD";
 
 /// The RoCEv2 UDP port.

@@ -205,6 +205,41 @@ fn record(kind: u8, bytes: &[u8]) {
     let _ = r.lock().write_all(&rec);
 }
 
+/// With recording on ([`config::ENV_RECORD`]): every distinct WQE in `qp`'s SQ ring (a ring in
+/// host memory, as the program's library wrote it) to `<folder>/wqe-<hash>.bin`, behind the
+/// `wqe` fuzz target's control byte 0. Called as the QP is destroyed.
+pub(crate) fn record_wqes(qp: &softnic::Qp) {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let (Some(dir), ring) = (std::env::var_os(config::ENV_RECORD), qp.sq_ring()) else {
+        return;
+    };
+    if !ring.is_host() {
+        return;
+    }
+    let blocks = qp.sq_blocks() as usize;
+    let mut ring_bytes = vec![0u8; blocks * prm::WQEBB];
+    ring.read(0, &mut ring_bytes);
+    let mut slot = 0;
+    while slot < blocks {
+        let at = slot * prm::WQEBB;
+        let ctrl: prm::wqe::CtrlSeg =
+            bytemuck::pod_read_unaligned(&ring_bytes[at..at + prm::DS_UNIT]);
+        let n = prm::wqe::blocks_for_ds(ctrl.ds().max(1)).min(blocks - slot);
+        let mut wqe = ring_bytes[at..at + n * prm::WQEBB].to_vec();
+        slot += n;
+        if ctrl.ds() == 0 {
+            continue;
+        }
+        // the WQE index cleared: the fuzz target stamps its own, and WQEs that differ only
+        // there are one seed
+        wqe[1..3].fill(0);
+        let mut h = DefaultHasher::new();
+        wqe.hash(&mut h);
+        let path = std::path::Path::new(&dir).join(format!("wqe-{:016x}.bin", h.finish()));
+        let _ = std::fs::write(path, [&[0u8][..], &wqe].concat());
+    }
+}
+
 /// The process's emulation, set up from the environment on first use; `None` (after one line
 /// on stderr) when the settings are bad.
 pub fn emulation() -> Option<&'static Emulation> {

@@ -582,6 +582,7 @@ impl Context {
         let soft = self.soft()?;
         let mut o = self.objs.lock();
         let q = o.qps.remove(&r.handle).ok_or(Errno::EINVAL)?;
+        crate::record_wqes(&q.soft);
         soft.destroy_qp(&q.soft);
         q.soft.set_event_handler(None);
         if let Some(b) = q.bfreg {
