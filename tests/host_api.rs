@@ -981,3 +981,49 @@ fn a_recovery_that_cannot_drain_says_so_and_leaves_the_qp_in_err() {
     let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
     write_checked(&mut ini, &a, &b, 0, 64, 9);
 }
+
+#[test]
+fn a_recovery_counts_receives_flushed_before_it_took_over() {
+    // receives on a CQ of their own, flushed by the device before the recovery's poster takes
+    // over (their CQEs wait in the CQ, untaken): each is drained once, and the queue is usable
+    let ctx = common::open();
+    let pd = ctx.alloc_pd();
+    let (scq, rcq) = (
+        ctx.create_cq(CqOptions::default()).unwrap(),
+        ctx.create_cq(CqOptions::default()).unwrap(),
+    );
+    let qp = pd.create_qp(QpOptions::new(&scq, &rcq)).unwrap();
+    let buf = HostBuffer::new(4096);
+    let mr = pd.register_with(&buf, Access::LOCAL_WRITE).unwrap();
+    let peer = side(common::open_peer(), DoorbellMode::Auto);
+    qp.connect(&peer.qp.endpoint(), all_rights()).unwrap();
+    let mut ini = qp.cpu_initiator(RingMode::RdmaCore);
+    for i in 0..3 {
+        ini.post_recv(&[mr.sge(64 * i, 64)]).unwrap();
+    }
+    drop(ini);
+    qp.modify(softnic::Modify::Err).unwrap();
+    if let Some(q) = qp.soft() {
+        let t0 = std::time::Instant::now();
+        while q.rq_consumer() != 3 {
+            assert!(t0.elapsed() < T, "the receives were not flushed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    } else {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let d = qp.recover(T).unwrap();
+    let counters: Vec<_> = d.recv.iter().map(|&c| error_of(c)).collect();
+    assert_eq!(
+        counters,
+        (0..3)
+            .map(|i| (true, Some(Syndrome::WrFlush), 0, i))
+            .collect::<Vec<_>>()
+    );
+    qp.connect(&peer.qp.endpoint(), all_rights()).unwrap();
+    let mut ini = qp.cpu_initiator(RingMode::RdmaCore);
+    for i in 0..256 {
+        ini.post_recv(&[mr.sge(0, 64)])
+            .unwrap_or_else(|e| panic!("receive {i} of a fresh 256-entry RQ: {e}"));
+    }
+}

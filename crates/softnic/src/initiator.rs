@@ -633,14 +633,23 @@ impl Initiator {
     /// Takes the next receive completion as the device wrote it.
     pub fn poll_recv_raw(&mut self) -> Option<Cqe64> {
         let c = self.recv.poll()?;
-        self.rq_ci = self.rq_ci.wrapping_add(1);
+        self.retire_recv();
         Some(c)
+    }
+
+    /// Counts one receive as completed, never past the ones posted: a poster that took over
+    /// the queue counts the receives the device had consumed already as done, and their
+    /// completions, still in the CQ, retire nothing more.
+    fn retire_recv(&mut self) {
+        if self.rq_ci != self.rq_pi {
+            self.rq_ci = self.rq_ci.wrapping_add(1);
+        }
     }
 
     /// Takes the next receive completion.
     pub fn poll_recv(&mut self) -> Option<Completion> {
         let c = self.recv.poll()?.decode();
-        self.rq_ci = self.rq_ci.wrapping_add(1);
+        self.retire_recv();
         Some(c)
     }
 
