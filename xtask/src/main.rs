@@ -6,11 +6,13 @@
 //! - `gpu-test`: build the GPU test bundle and print the `device` command that runs it.
 //! - `fuzz [--seconds N] [--target T] [--seeds]`: run the fuzz targets (or rewrite their seeds).
 //! - `sanitize [--full]`: tests under AddressSanitizer, the emulation under valgrind memcheck.
+//! - `python`: build the Python package's wheel, run its tests, check its type stubs.
 
 mod bindings;
 mod cuda;
 mod fuzz;
 mod gpu_test;
+mod python;
 mod sanitize;
 mod setup;
 
@@ -59,6 +61,9 @@ enum Cmd {
         #[arg(long)]
         full: bool,
     },
+    /// Build the Python package (`python/`) into a wheel, install it into `target/py-venv`,
+    /// run its tests and check its type stubs.
+    Python,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -73,6 +78,7 @@ fn main() -> anyhow::Result<()> {
             seeds,
         } => fuzz::run(seconds, target, seeds),
         Cmd::Sanitize { full } => sanitize::run(full),
+        Cmd::Python => python::run_all(),
     }
 }
 

@@ -57,6 +57,18 @@ pub const PACKAGES: &[(&str, &str)] = &[
         "the venv `setup-cuda` installs the CUDA wheels into",
     ),
     (
+        "python3-numpy",
+        "NumPy arrays registered by the Python package's tests (`cargo xtask python`)",
+    ),
+    (
+        "python3-pytest",
+        "runs the Python package's tests (`cargo xtask python`)",
+    ),
+    (
+        "mypy",
+        "stubtest: the Python package's type stubs (`cargo xtask python`)",
+    ),
+    (
         "valgrind",
         "memcheck on the emulation under libmlx5 (`cargo xtask sanitize`)",
     ),

@@ -1,0 +1,339 @@
+//! The host API's objects as Python classes: `Context`, `Pd`, `Mr`, `Cq`, `Qp`,
+//! `RemoteMemory`. Endpoints and memory descriptors travel as `bytes` (the same encodings the
+//! Rust API and the bootstrap use).
+
+use crate::errors;
+use gpuverbs::{Access, ConnectOptions, CqOptions, DeviceRequest, Endpoint, QpOptions};
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::time::Duration;
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Context>()?;
+    m.add_class::<Pd>()?;
+    m.add_class::<Mr>()?;
+    m.add_class::<Cq>()?;
+    m.add_class::<Qp>()?;
+    m.add_class::<RemoteMemory>()?;
+    Ok(())
+}
+
+/// An open device: `Context("auto")` (a ConnectX when rdma-core lists one, else the soft
+/// NIC; `GPUVERBS_DEVICE` overrides, as in Rust), `"soft"`, or a device name. `wire`
+/// (`"127.0.0.1:0"`) gives a soft NIC a RoCEv2 port, so QPs of other processes reach it.
+#[pyclass(frozen, module = "gpuverbs")]
+pub struct Context(pub(crate) gpuverbs::Context);
+
+#[pymethods]
+impl Context {
+    #[new]
+    #[pyo3(signature = (device = "auto", wire = None))]
+    fn new(py: Python<'_>, device: &str, wire: Option<&str>) -> PyResult<Self> {
+        let req = match device {
+            "auto" => DeviceRequest::Auto,
+            "soft" => DeviceRequest::Soft,
+            name => DeviceRequest::Named(name.to_string()),
+        };
+        let wire = wire
+            .map(|w| {
+                w.parse::<std::net::SocketAddr>()
+                    .map_err(|e| errors::InvalidArgument::new_err(format!("wire {w:?}: {e}")))
+            })
+            .transpose()?;
+        let ctx = py.detach(|| match wire {
+            Some(addr) => gpuverbs::Context::open_wire(req, addr),
+            None => gpuverbs::Context::open(req),
+        });
+        ctx.map(Self).map_err(errors::host)
+    }
+    /// The device's name (`softnic0`, `mlx5_0`, ...).
+    #[getter]
+    fn name(&self) -> String {
+        self.0.selection().name.clone()
+    }
+    /// `"soft"` or `"mlx5"`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match self.0.selection().kind {
+            gpuverbs::device::BackendKind::Soft => "soft",
+            gpuverbs::device::BackendKind::Mlx5 => "mlx5",
+        }
+    }
+    /// Why this device was chosen.
+    #[getter]
+    fn reason(&self) -> String {
+        self.0.selection().reason.clone()
+    }
+    /// The soft NIC's RoCEv2 port, `"ip:port"`, when it has one.
+    #[getter]
+    fn wire_addr(&self) -> Option<String> {
+        self.0.wire_addr().map(|a| a.to_string())
+    }
+    /// A protection domain.
+    fn alloc_pd(&self) -> Pd {
+        Pd(self.0.alloc_pd())
+    }
+    /// A CQ of `depth` entries (a power of two), detecting overrun.
+    #[pyo3(signature = (depth = 256))]
+    fn create_cq(&self, depth: u32) -> PyResult<Cq> {
+        let o = CqOptions {
+            depth,
+            ..Default::default()
+        };
+        self.0.create_cq(o).map(Cq).map_err(errors::host)
+    }
+    fn __repr__(&self) -> String {
+        format!("Context({})", self.0.selection())
+    }
+}
+
+/// A protection domain.
+#[pyclass(frozen, module = "gpuverbs")]
+pub struct Pd(gpuverbs::Pd);
+
+#[pymethods]
+impl Pd {
+    /// Registers the memory of `obj` (anything with the buffer protocol: a NumPy array,
+    /// `bytearray`, `memoryview`; C-contiguous, writable when `access` asks for a write) with
+    /// the rights in `access` (`ACCESS_*` flags), without copying. The region keeps the buffer
+    /// exported (so its memory cannot move or be freed) until it is dropped.
+    #[pyo3(signature = (obj, access = gpuverbs::Access::LOCAL_WRITE.0))]
+    fn register(&self, obj: &Bound<'_, PyAny>, access: u32) -> PyResult<Mr> {
+        // its bytes, whatever the element type: memoryview(obj).cast("B")
+        let bytes = obj
+            .py()
+            .import("builtins")?
+            .getattr("memoryview")?
+            .call1((obj,))
+            .and_then(|v| v.call_method1("cast", ("B",)));
+        let buf = bytes.and_then(|v| PyBuffer::<u8>::get(&v)).map_err(|e| {
+            errors::InvalidArgument::new_err(format!(
+                "register needs a C-contiguous object with the buffer protocol: {e}"
+            ))
+        })?;
+        let writes = Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0;
+        if buf.readonly() && access & writes != 0 {
+            return Err(errors::InvalidArgument::new_err(
+                "a read-only buffer cannot be registered for writing (drop ACCESS_LOCAL_WRITE, \
+                 ACCESS_REMOTE_WRITE and ACCESS_REMOTE_ATOMIC, or pass a writable object)",
+            ));
+        }
+        let (addr, len) = (buf.buf_ptr() as u64, buf.len_bytes() as u64);
+        if len == 0 {
+            return Err(errors::InvalidArgument::new_err(
+                "register needs at least one byte",
+            ));
+        }
+        // SAFETY: the buffer is held (exported) by the returned region for as long as the
+        // registration lives, so its `len` bytes at `addr` stay mapped and do not move.
+        let mr = unsafe { self.0.register_raw(addr, len, Access(access)) }.map_err(errors::host)?;
+        Ok(Mr { mr, _buf: buf })
+    }
+    /// An RC QP in RESET on `send_cq` and `recv_cq`.
+    #[pyo3(signature = (send_cq, recv_cq, sq_blocks = 256, rq_wqes = 256, max_inline = 256))]
+    fn create_qp(
+        &self,
+        send_cq: &Cq,
+        recv_cq: &Cq,
+        sq_blocks: u32,
+        rq_wqes: u32,
+        max_inline: u32,
+    ) -> PyResult<Qp> {
+        let mut o = QpOptions::new(&send_cq.0, &recv_cq.0);
+        o.sq_blocks = sq_blocks;
+        o.rq_wqes = rq_wqes;
+        o.max_inline = max_inline;
+        self.0.create_qp(o).map(Qp).map_err(errors::host)
+    }
+}
+
+/// A registered region: `addr`, `length`, `lkey`, `rkey`; `remote_memory()` is what a peer
+/// needs to access it (the whole region).
+#[pyclass(frozen, module = "gpuverbs")]
+pub struct Mr {
+    pub(crate) mr: gpuverbs::Mr,
+    // declared after the region: the registration goes before the buffer is released
+    _buf: PyBuffer<u8>,
+}
+
+#[pymethods]
+impl Mr {
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.mr.addr()
+    }
+    #[getter]
+    fn length(&self) -> u64 {
+        self.mr.len()
+    }
+    #[getter]
+    fn lkey(&self) -> u32 {
+        self.mr.lkey().0
+    }
+    #[getter]
+    fn rkey(&self) -> u32 {
+        self.mr.rkey().0
+    }
+    /// The region's descriptor for a peer (address, length, rkey, generation) as bytes.
+    fn remote_memory<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &gpuverbs::RemoteMemory::export_mr(&self.mr).to_bytes())
+    }
+}
+
+impl Mr {
+    /// Checks that `off..off + len` lies in the region.
+    pub(crate) fn local(&self, off: u64, len: u64) -> PyResult<u64> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.mr.len() => Ok(self.mr.addr() + off),
+            _ => Err(errors::InvalidArgument::new_err(format!(
+                "{len} bytes at offset {off} do not fit a region of {} bytes",
+                self.mr.len()
+            ))),
+        }
+    }
+}
+
+/// A peer's memory, decoded from the bytes of its `Mr.remote_memory()`.
+#[pyclass(frozen, module = "gpuverbs")]
+pub struct RemoteMemory(pub(crate) gpuverbs::RemoteMemory);
+
+#[pymethods]
+impl RemoteMemory {
+    #[new]
+    fn new(data: &[u8]) -> PyResult<Self> {
+        gpuverbs::RemoteMemory::from_bytes(data)
+            .map(Self)
+            .map_err(|e| errors::InvalidArgument::new_err(e.to_string()))
+    }
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.0.addr()
+    }
+    #[getter]
+    fn length(&self) -> u64 {
+        self.0.len()
+    }
+    #[getter]
+    fn rkey(&self) -> u32 {
+        self.0.rkey()
+    }
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.0.to_bytes())
+    }
+}
+
+impl RemoteMemory {
+    /// The remote address of `off..off + len`, checked against the descriptor.
+    pub(crate) fn at(&self, off: u64, len: u64) -> PyResult<prm::RemoteAddr> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.0.len() => Ok(prm::RemoteAddr {
+                addr: self.0.addr() + off,
+                rkey: prm::Rkey(self.0.rkey()),
+            }),
+            _ => Err(errors::InvalidArgument::new_err(format!(
+                "{len} bytes at remote offset {off} do not fit remote memory of {} bytes",
+                self.0.len()
+            ))),
+        }
+    }
+}
+
+/// A completion queue.
+#[pyclass(frozen, module = "gpuverbs")]
+pub struct Cq(gpuverbs::Cq);
+
+#[pymethods]
+impl Cq {
+    #[getter]
+    fn cqn(&self) -> u32 {
+        self.0.cqn()
+    }
+    #[getter]
+    fn depth(&self) -> u32 {
+        self.0.depth()
+    }
+}
+
+/// An RC queue pair.
+#[pyclass(frozen, module = "gpuverbs")]
+pub struct Qp(pub(crate) gpuverbs::Qp);
+
+#[pymethods]
+impl Qp {
+    #[getter]
+    fn qpn(&self) -> u32 {
+        self.0.qpn()
+    }
+    #[getter]
+    fn psn(&self) -> u32 {
+        self.0.psn()
+    }
+    /// `"RESET"`, `"INIT"`, `"RTR"`, `"RTS"` or `"ERR"`.
+    #[getter]
+    fn state(&self) -> String {
+        format!("{:?}", self.0.state()).to_uppercase()
+    }
+    /// What the peer needs to connect to this QP, as bytes (never an rkey).
+    fn endpoint<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.0.endpoint().to_bytes())
+    }
+    /// RESET → INIT → RTR → RTS towards the peer's endpoint, granting the peer `access`.
+    #[pyo3(signature = (endpoint, access = 0, timeout = 14, retry_cnt = 7, rnr_retry = 7))]
+    fn connect(
+        &self,
+        py: Python<'_>,
+        endpoint: &[u8],
+        access: u32,
+        timeout: u8,
+        retry_cnt: u8,
+        rnr_retry: u8,
+    ) -> PyResult<()> {
+        let ep = Endpoint::from_bytes(endpoint)
+            .map_err(|e| errors::InvalidArgument::new_err(e.to_string()))?;
+        let o = ConnectOptions {
+            access: Access(access),
+            timeout,
+            retry_cnt,
+            rnr_retry,
+            ..Default::default()
+        };
+        py.detach(|| self.0.connect(&ep, o)).map_err(errors::host)
+    }
+    /// Moves the QP to ERR: what it holds and what is posted later completes with flushes.
+    fn to_error(&self) -> PyResult<()> {
+        self.0.modify(gpuverbs::Modify::Err).map_err(errors::host)
+    }
+    /// Drains the QP (its outstanding work's completions, flushes included, are returned as
+    /// `(send, recv)` lists), resets it and draws a new PSN: exchange endpoints again and
+    /// `connect`. No poster may hold it (drop its `Initiator` first).
+    #[pyo3(signature = (timeout = 5.0))]
+    fn recover(
+        &self,
+        py: Python<'_>,
+        timeout: f64,
+    ) -> PyResult<(
+        Vec<crate::initiator::Completion>,
+        Vec<crate::initiator::Completion>,
+    )> {
+        let t = secs(timeout)?;
+        let d = py.detach(|| self.0.recover(t)).map_err(errors::host)?;
+        let conv =
+            |v: &[prm::Completion]| v.iter().map(crate::initiator::Completion::from).collect();
+        Ok((conv(&d.send), conv(&d.recv)))
+    }
+    /// A CPU initiator: posts from the host and polls this QP's CQs. One poster at a time.
+    fn initiator(&self) -> PyResult<crate::initiator::Initiator> {
+        let ini = self
+            .0
+            .try_cpu_initiator(softnic::initiator::RingMode::RdmaCore)
+            .map_err(errors::host)?;
+        Ok(crate::initiator::Initiator::new(ini))
+    }
+}
+
+/// Seconds as a duration (finite, not negative).
+pub(crate) fn secs(s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|e| errors::InvalidArgument::new_err(format!("timeout {s}: {e}")))
+}
