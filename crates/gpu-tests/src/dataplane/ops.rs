@@ -100,23 +100,8 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
 /// are flushed (each with its own WR_FLUSH CQE) and retired, so quiet returns instead of
 /// spinning; the next operation on the QP (now in ERR) fails at once.
 pub fn bad_rkey(ordinal: usize, rings: RingPlacement) -> Result<String> {
-    let spec = PairSpec {
-        mode: DoorbellMode::GpuDoorbell,
-        bytes: 4096,
-        sq_blocks: 64,
-        mem: Mem::Host,
-        rings,
-    };
-    let p = Pair::with(ordinal, spec)?;
+    let (p, s) = failed_pair(ordinal, 4096, rings)?;
     let one = PutArgs::single(64, BUDGET_NS);
-    let eight = PutArgs { iters: 8, ..one };
-    let s = p.launch_put(&eight, p.dst_mr.rkey().0 ^ 0x5500)?.read()?;
-    ensure!(
-        s[0] == 1 && s[1] == 0x13,
-        "expected ERROR_CQE REMOTE_ACCESS, got {} syndrome {:#x}",
-        status_name(s[0]),
-        s[1]
-    );
     let err = prm::ErrorCqe {
         responder: false,
         syndrome: s[1] as u8,
@@ -161,21 +146,22 @@ pub fn bad_rkey(ordinal: usize, rings: RingPlacement) -> Result<String> {
     ))
 }
 
-/// A kernel runs into an error (a bad rkey) and sees it as a status; while the QP is down a
-/// second kernel's put fails at once (never a hang); the host drains and recovers both QPs
-/// (`Qp::recover`: flushes taken, RESET, new PSNs), the peers connect again through their new
-/// endpoints, the QP is exported again, and a kernel's puts land, every byte checked.
-pub fn recover_after_error(ordinal: usize) -> Result<String> {
+/// A GPU-doorbell pair (payload of `bytes` in host memory, side A's rings in `rings`) whose
+/// kernel has run 8 puts into a forged rkey and seen ERROR_CQE REMOTE_ACCESS; with the status
+/// words it reported.
+fn failed_pair(ordinal: usize, bytes: usize, rings: RingPlacement) -> Result<(Pair, [i32; 8])> {
     let spec = PairSpec {
         mode: DoorbellMode::GpuDoorbell,
-        bytes: 16384,
+        bytes,
         sq_blocks: 64,
         mem: Mem::Host,
-        rings: RingPlacement::HostMapped,
+        rings,
     };
-    let mut p = Pair::with(ordinal, spec)?;
-    let one = PutArgs::single(64, BUDGET_NS);
-    let eight = PutArgs { iters: 8, ..one };
+    let p = Pair::with(ordinal, spec)?;
+    let eight = PutArgs {
+        iters: 8,
+        ..PutArgs::single(64, BUDGET_NS)
+    };
     let s = p.launch_put(&eight, p.dst_mr.rkey().0 ^ 0x5500)?.read()?;
     ensure!(
         s[0] == 1 && s[1] == 0x13,
@@ -183,6 +169,16 @@ pub fn recover_after_error(ordinal: usize) -> Result<String> {
         status_name(s[0]),
         s[1]
     );
+    Ok((p, s))
+}
+
+/// A kernel runs into an error (a bad rkey) and sees it as a status; while the QP is down a
+/// second kernel's put fails at once (never a hang); the host drains and recovers both QPs
+/// (`Qp::recover`: flushes taken, RESET, new PSNs), the peers connect again through their new
+/// endpoints, the QP is exported again, and a kernel's puts land, every byte checked.
+pub fn recover_after_error(ordinal: usize) -> Result<String> {
+    let (mut p, _) = failed_pair(ordinal, 16384, RingPlacement::HostMapped)?;
+    let one = PutArgs::single(64, BUDGET_NS);
     let t = std::time::Instant::now();
     let down = p.launch_put(&one, p.dst_mr.rkey().0)?.read()?;
     let down_took = t.elapsed();
