@@ -16,7 +16,11 @@
 //! doorbells are forged: after the WQE is written, A's SQ producer (doorbell record and
 //! register) and B's RQ head are set from the last four input bytes instead of the right
 //! values, so the device meets producer jumps over stale or empty ring slots; the oracle is
-//! then no panic, no hang (the devices stop within the fixture's drop), guards intact.
+//! then no panic, no hang (the devices stop within the fixture's drop), guards intact. Bit 3:
+//! the bytes are the ring of an SRQ of 16 WQEs on B (next-WQE segments, scatter lists; its
+//! doorbell counter from the last four input bytes) that B's QP takes receives from, and a
+//! valid 64-byte SEND arrives: the sender completes (success, or the error the responder's
+//! NAK names: RNR with no retries when the SRQ looks empty) within the bound, guards intact.
 #![no_main]
 
 #[path = "../../crates/softnic/tests/common/mod.rs"]
@@ -40,6 +44,9 @@ fuzz_target!(|d: &[u8]| {
     let Some((&ctl, body)) = d.split_first() else {
         return;
     };
+    if ctl & 8 != 0 {
+        return srq_receive(body);
+    }
     if ctl & 2 != 0 {
         return receive(body);
     }
@@ -122,4 +129,87 @@ fn receive(body: &[u8]) {
     let got = f.p.eb.ini.wait_recv(BOUND);
     assert!(got.is_ok(), "no receive completion: {got:?}");
     f.finish();
+}
+
+/// `body` as the ring of an SRQ on B (and, from its last four bytes, its doorbell counter),
+/// B's QP on that SRQ, and a valid 64-byte SEND from A's buffer 0.
+fn srq_receive(body: &[u8]) {
+    use softnic::{Access, CqConfig, Modify, QpConfig, RtrAttr, RtsAttr, SrqConfig};
+    let (a, b) = (common::Node::new(), common::Node::new());
+    let m0 = fixture::register(&a.dev, a.pd, 0, Access::LOCAL_WRITE);
+    fixture::register(&b.dev, b.pd, 3, Access::LOCAL_WRITE);
+    let srq = b
+        .dev
+        .create_srq(SrqConfig::new(b.pd, 16, 2))
+        .expect("an SRQ");
+    let n = body.len().min(srq.ring().len());
+    srq.ring().write(0, &body[..n]);
+    let counter = match body.len() {
+        k if k >= 4 => u32::from_be_bytes(body[k - 4..].try_into().expect("4 bytes")),
+        _ => 1,
+    };
+    srq.dbrec()
+        .atomic_u32(0)
+        .store(counter.to_be(), std::sync::atomic::Ordering::Release);
+    let cq = |d: &softnic::Device| {
+        d.create_cq(CqConfig {
+            ncqe: 64,
+            ..Default::default()
+        })
+        .expect("a CQ")
+    };
+    let (ca, cb) = (cq(&a.dev), cq(&b.dev));
+    let qa = a
+        .dev
+        .create_qp(QpConfig::new(a.pd, ca.clone(), ca))
+        .expect("A's QP");
+    let mut cfg = QpConfig::new(b.pd, cb.clone(), cb);
+    cfg.rq_wqes = 0;
+    let qb = b.dev.create_qp_on_srq(cfg, &srq).expect("B's QP on the SRQ");
+    let up = |q: &softnic::Qp, peer: &common::Node, peer_qpn: u32| {
+        q.modify(Modify::Init {
+            access: Access::REMOTE_WRITE,
+        })
+        .expect("INIT");
+        q.modify(Modify::Rtr(RtrAttr {
+            remote_gid: peer.dev.gid(),
+            remote_qpn: peer_qpn,
+            rq_psn: 0,
+            mtu: 1024,
+            min_rnr_timer: 1,
+            selective_repeat: false,
+        }))
+        .expect("RTR");
+        q.modify(Modify::Rts(RtsAttr {
+            timeout: 1,
+            retry_cnt: 0,
+            rnr_retry: 0,
+            ..Default::default()
+        }))
+        .expect("RTS");
+    };
+    up(&qa, &b, qb.qpn());
+    up(&qb, &a, qa.qpn());
+    let mut ini = softnic::initiator::Initiator::for_soft_qp(
+        &a.dev,
+        &qa,
+        softnic::initiator::RingMode::RdmaCore,
+    );
+    let sge = prm::wqe::Sge {
+        addr: fixture::addr(0),
+        len: 64,
+        lkey: prm::Lkey(m0.key),
+    };
+    let send = prm::wqe::Op::Send {
+        local: prm::wqe::Local::Sges(&[sge]),
+        imm: None,
+    };
+    ini.post_and_ring(&send, common::SIG).expect("post");
+    let sent = ini.wait_send(BOUND);
+    assert!(sent.is_ok(), "no send completion: {sent:?}");
+    drop(ini);
+    drop((qa, qb, srq, a, b));
+    for i in [0, 3] {
+        assert!(fixture::guards_intact(i), "a write outside buffer {i}");
+    }
 }

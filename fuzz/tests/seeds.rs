@@ -381,6 +381,22 @@ fn write_wqe_mode_seeds(dir: &Path) {
     ] {
         put(dir, name, &[&[2u8][..], &w].concat());
     }
+    // SRQ rings (control bit 3): WQE 0 with one data segment on B's buffer 3 and its next
+    // pointer to 1, the rest of the free list linked, counter 1 — as libmlx5 posts one receive
+    let mut ring = vec![0u8; 16 * 64];
+    for i in 0..16usize {
+        ring[i * 64 + 2..i * 64 + 4].copy_from_slice(&((i as u16 + 1) % 16).to_be_bytes());
+        // an empty scatter list: the terminator
+        ring[i * 64 + 20..i * 64 + 24].copy_from_slice(&0x100u32.to_be_bytes());
+    }
+    ring[16..32].copy_from_slice(&seg(addr(3), LEN as u32, k[3]));
+    ring[32 + 4..32 + 8].copy_from_slice(&0x100u32.to_be_bytes());
+    let mut one = ring.clone();
+    one.extend_from_slice(&1u32.to_be_bytes());
+    put(dir, "srq_one", &[&[8u8][..], &one].concat());
+    let mut empty = ring;
+    empty.extend_from_slice(&0u32.to_be_bytes());
+    put(dir, "srq_empty", &[&[8u8][..], &empty].concat());
     // forged doorbells (control bit 2): a NOP with producer jumps and RQ heads in the last
     // four bytes
     for (name, sq, rq) in [
