@@ -8,6 +8,8 @@ mod errors;
 mod initiator;
 mod objects;
 
+include!(concat!(env!("OUT_DIR"), "/headers.rs"));
+
 use pyo3::prelude::*;
 
 /// The version of this package's layout of what it hands to Python.
@@ -20,8 +22,15 @@ fn _gpuverbs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ACCESS_REMOTE_WRITE", gpuverbs::Access::REMOTE_WRITE.0)?;
     m.add("ACCESS_REMOTE_READ", gpuverbs::Access::REMOTE_READ.0)?;
     m.add("ACCESS_REMOTE_ATOMIC", gpuverbs::Access::REMOTE_ATOMIC.0)?;
+    m.add_function(wrap_pyfunction!(_headers, m)?)?;
     errors::register(m)?;
     objects::register(m)?;
     initiator::register(m)?;
     Ok(())
+}
+
+/// The device API's headers as `(path, text)` pairs (`gpuverbs.include_dir()` writes them out).
+#[pyfunction]
+fn _headers() -> Vec<(&'static str, &'static str)> {
+    HEADERS.to_vec()
 }

@@ -281,3 +281,33 @@ def test_two_processes_write_read_and_atomics_over_the_wire():
         if p.is_alive():
             p.kill()
     assert p.exitcode == 0
+
+
+def test_include_dir_holds_the_device_api_headers():
+    import os
+    import pathlib
+    import shutil
+    import subprocess
+
+    inc = pathlib.Path(gv.include_dir())
+    assert inc == pathlib.Path(gv.include_dir())
+    repo = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "include" / "gpuverbs"
+    names = sorted(p.name for p in repo.iterdir() if p.suffix in (".cuh", ".h"))
+    assert sorted(p.name for p in (inc / "gpuverbs").iterdir()) == names
+    for n in names:
+        assert (inc / "gpuverbs" / n).read_text() == (repo / n).read_text(), n
+    # a kernel that includes them compiles, where nvcc is at hand (CI has the CUDA wheels)
+    # the pinned CUDA wheels of `cargo xtask setup-cuda` (.cuda), else nvcc on the PATH
+    wheels = sorted((repo.parents[2] / ".cuda").glob("lib/python3.*/site-packages/nvidia/cu13/bin/nvcc"))
+    nvcc = os.environ.get("GPUVERBS_NVCC") or (str(wheels[-1]) if wheels else shutil.which("nvcc"))
+    if nvcc is None:
+        assert os.environ.get("GPUVERBS_REQUIRE_NVCC") != "1", "GPUVERBS_REQUIRE_NVCC=1 and no nvcc"
+        pytest.skip("no nvcc to compile a kernel with")
+    # the user-kernel sample's kernel (puts, quiet, statuses), against these headers only
+    src = repo.parents[2] / "samples" / "user-kernel" / "kernels" / "user_put.cu"
+    out = subprocess.run(
+        [nvcc, "-std=c++17", "-arch=sm_90", "-I", str(inc), "-c", str(src), "-o", os.devnull],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,4 @@
+from ._gpuverbs import *
+from ._gpuverbs import __version__ as __version__
+
+def include_dir() -> str: ...
