@@ -48,56 +48,28 @@ const SUBSET: &[(&str, &[&str])] = &[
     ("gpuverbs-uverbs", &["--tests"]),
 ];
 
-/// The tools memcheck runs under the emulation (the client adds the server's address).
-/// valgrind runs a process's threads one at a time, many times slower: perftest's QPs get a
-/// 4 s ACK timeout (`-u 20`) so that a slowed peer is not taken for a lost one.
-const TOOLS: &[&[&str]] = &[
-    &["ibv_rc_pingpong", "-d", "mlx5_0", "-g", "0", "-n", "50"],
-    &[
-        "ib_write_bw",
-        "-d",
-        "mlx5_0",
-        "-x",
-        "0",
-        "-n",
-        "200",
-        "-u",
-        "20",
-    ],
-    &[
-        "ib_read_bw",
-        "-d",
-        "mlx5_0",
-        "-x",
-        "0",
-        "-n",
-        "200",
-        "-u",
-        "20",
-    ],
-    &[
-        "ib_atomic_bw",
-        "-d",
-        "mlx5_0",
-        "-x",
-        "0",
-        "-n",
-        "200",
-        "-u",
-        "20",
-    ],
-    &[
-        "ib_send_bw",
-        "-d",
-        "mlx5_0",
-        "-x",
-        "0",
-        "-n",
-        "200",
-        "-u",
-        "20",
-    ],
+/// The tools memcheck runs under the emulation (the client adds the server's address), each
+/// with its arguments ([`tool_args`]).
+const TOOLS: &[&str] = &[
+    "ibv_rc_pingpong",
+    "ib_write_bw",
+    "ib_read_bw",
+    "ib_atomic_bw",
+    "ib_send_bw",
 ];
+
+/// `tool`'s command line: a few iterations on the emulated `mlx5_0`, GID 0. valgrind runs a
+/// process's threads one at a time, many times slower: perftest's QPs get a 4 s ACK timeout
+/// (`-u 20`) so that a slowed peer is not taken for a lost one.
+fn tool_args(tool: &str) -> Vec<&str> {
+    let mut v = vec![tool, "-d", "mlx5_0"];
+    if tool == "ibv_rc_pingpong" {
+        v.extend(["-g", "0", "-n", "50"]);
+    } else {
+        v.extend(["-x", "0", "-n", "200", "-u", "20"]);
+    }
+    v
+}
 
 pub fn run(full: bool) -> Result<()> {
     let root = crate::workspace_root();
@@ -200,7 +172,8 @@ fn memcheck(root: &Path) -> Result<()> {
         .stderr(Stdio::piped());
         Ok(c.spawn()?)
     };
-    for tool in TOOLS {
+    for &name in TOOLS {
+        let tool = &tool_args(name)[..];
         let t = Instant::now();
         let server = under("127.0.95.1", tool, None)?;
         // the server listens on 18515 (both tools' default) before the client connects
@@ -247,4 +220,31 @@ fn listening(port: u16) -> bool {
                 .and_then(|p| u16::from_str_radix(p, 16).ok())
                 == Some(port)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tools_get_their_arguments() {
+        assert_eq!(
+            tool_args("ib_read_bw"),
+            [
+                "ib_read_bw",
+                "-d",
+                "mlx5_0",
+                "-x",
+                "0",
+                "-n",
+                "200",
+                "-u",
+                "20"
+            ]
+        );
+        assert_eq!(
+            tool_args("ibv_rc_pingpong"),
+            ["ibv_rc_pingpong", "-d", "mlx5_0", "-g", "0", "-n", "50"]
+        );
+    }
 }
