@@ -184,13 +184,8 @@ impl Mr {
 impl Mr {
     /// Checks that `off..off + len` lies in the region.
     pub(crate) fn local(&self, off: u64, len: u64) -> PyResult<u64> {
-        match off.checked_add(len) {
-            Some(end) if end <= self.mr.len() => Ok(self.mr.addr() + off),
-            _ => Err(errors::InvalidArgument::new_err(format!(
-                "{len} bytes at offset {off} do not fit a region of {} bytes",
-                self.mr.len()
-            ))),
-        }
+        within(off, len, self.mr.len(), "offset", "a region")?;
+        Ok(self.mr.addr() + off)
     }
 }
 
@@ -226,16 +221,21 @@ impl RemoteMemory {
 impl RemoteMemory {
     /// The remote address of `off..off + len`, checked against the descriptor.
     pub(crate) fn at(&self, off: u64, len: u64) -> PyResult<prm::RemoteAddr> {
-        match off.checked_add(len) {
-            Some(end) if end <= self.0.len() => Ok(prm::RemoteAddr {
-                addr: self.0.addr() + off,
-                rkey: prm::Rkey(self.0.rkey()),
-            }),
-            _ => Err(errors::InvalidArgument::new_err(format!(
-                "{len} bytes at remote offset {off} do not fit remote memory of {} bytes",
-                self.0.len()
-            ))),
-        }
+        within(off, len, self.0.len(), "remote offset", "remote memory")?;
+        Ok(prm::RemoteAddr {
+            addr: self.0.addr() + off,
+            rkey: prm::Rkey(self.0.rkey()),
+        })
+    }
+}
+
+/// Checks that `off..off + len` lies in `0..total` (`InvalidArgument` naming the range).
+fn within(off: u64, len: u64, total: u64, offset: &str, what: &str) -> PyResult<()> {
+    match off.checked_add(len) {
+        Some(end) if end <= total => Ok(()),
+        _ => Err(errors::InvalidArgument::new_err(format!(
+            "{len} bytes at {offset} {off} do not fit {what} of {total} bytes"
+        ))),
     }
 }
 

@@ -86,13 +86,14 @@ impl Qp {
             if ini.outstanding() == 0 && receives == 0 {
                 break;
             }
-            if start.elapsed() >= timeout || ini.cq_overrun(false) || ini.cq_overrun(true) {
+            let overrun = ini.cq_overrun(false) || ini.cq_overrun(true);
+            if start.elapsed() >= timeout || overrun {
                 return Err(Error::Drain {
                     qpn: self.qpn(),
                     waited: start.elapsed(),
                     send_blocks: ini.outstanding(),
                     receives,
-                    overrun: ini.cq_overrun(false) || ini.cq_overrun(true),
+                    overrun,
                 });
             }
             ini.idle_until_completion(!shared && ini.outstanding() == 0, Duration::from_millis(1));

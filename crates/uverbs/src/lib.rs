@@ -167,12 +167,18 @@ fn tracing() -> bool {
     *TRACE.get_or_init(|| std::env::var_os(config::ENV_TRACE).is_some())
 }
 
-/// The stream commands are recorded to ([`config::ENV_RECORD`]), when one was asked for.
+/// The folder things are recorded to ([`config::ENV_RECORD`]), when one was asked for.
+fn record_dir() -> Option<&'static std::path::Path> {
+    static DIR: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
+    DIR.get_or_init(|| std::env::var_os(config::ENV_RECORD).map(Into::into))
+        .as_deref()
+}
+
+/// The stream commands are recorded to, when recording was asked for.
 fn recorder() -> Option<&'static Mutex<std::fs::File>> {
     static REC: OnceLock<Option<Mutex<std::fs::File>>> = OnceLock::new();
     REC.get_or_init(|| {
-        let dir = std::env::var_os(config::ENV_RECORD)?;
-        let path = std::path::Path::new(&dir).join(format!("{}.stream", std::process::id()));
+        let path = record_dir()?.join(format!("{}.stream", std::process::id()));
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -210,7 +216,7 @@ fn record(kind: u8, bytes: &[u8]) {
 /// `wqe` fuzz target's control byte 0. Called as the QP is destroyed.
 pub(crate) fn record_wqes(qp: &softnic::Qp) {
     use std::hash::{DefaultHasher, Hash, Hasher};
-    let (Some(dir), ring) = (std::env::var_os(config::ENV_RECORD), qp.sq_ring()) else {
+    let (Some(dir), ring) = (record_dir(), qp.sq_ring()) else {
         return;
     };
     if !ring.is_host() {
@@ -235,7 +241,7 @@ pub(crate) fn record_wqes(qp: &softnic::Qp) {
         wqe[1..3].fill(0);
         let mut h = DefaultHasher::new();
         wqe.hash(&mut h);
-        let path = std::path::Path::new(&dir).join(format!("wqe-{:016x}.bin", h.finish()));
+        let path = dir.join(format!("wqe-{:016x}.bin", h.finish()));
         let _ = std::fs::write(path, [&[0u8][..], &wqe].concat());
     }
 }
