@@ -66,6 +66,19 @@ pub enum Error {
         /// Whether a CQ of the QP overran.
         overrun: bool,
     },
+    /// A kernel's device-API headers lay the descriptor out differently from this library
+    /// ([`crate::gpu::Gpu::export_qp_for`]).
+    #[error(
+        "the kernel's gpuverbs headers have descriptor version {header:#010x}, this library \
+         writes {library:#010x}: build the kernel against this library's headers \
+         (kernels/include, or gpuverbs.include_dir() in Python)"
+    )]
+    DescVersion {
+        /// `GPUVERBS_DESC_VERSION` of the kernel's headers.
+        header: u32,
+        /// [`crate::export::DESC_VERSION`].
+        library: u32,
+    },
     /// The QP's send queue already has a poster (one at a time: a CPU initiator, a GPU export
     /// or the CPU proxy; a GPU export and its proxy together).
     #[error("the QP already has a poster ({held}), so {wanted} cannot post to it: drop it first")]

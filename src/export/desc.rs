@@ -48,6 +48,10 @@ const fn c_type(rust: &str) -> &'static str {
 descriptor! {
     /// Everything a kernel needs to drive one RC QP and its CQs. Addresses are GPU-visible.
     struct QpDesc as "gpuverbs_qp" {
+        /// The layout's version (`GPUVERBS_DESC_VERSION`), written by the host at export.
+        version: u32,
+        /// `sizeof(gpuverbs_qp)`, written by the host at export.
+        size: u32,
         /// SQ ring (64-byte blocks).
         sq_ring: u64,
         /// RQ ring.
@@ -132,6 +136,48 @@ descriptor! {
     }
 }
 
+/// Bumped by hand when a field keeps its place but changes its meaning; any change of the
+/// layout changes [`DESC_VERSION`] by itself.
+const DESC_REVISION: u32 = 1;
+
+/// The descriptor's version: a hash (FNV-1a) of [`DESC_REVISION`] and every field's name, C
+/// type and offset, so headers and a library of different layouts never agree on it. The
+/// header carries it as `GPUVERBS_DESC_VERSION`; [`crate::gpu::Gpu::export_qp_for`] refuses a
+/// kernel's headers of another version, and every descriptor carries it in
+/// [`QpDesc::version`].
+pub const DESC_VERSION: u32 = {
+    const fn mix(mut h: u32, bytes: &[u8]) -> u32 {
+        let mut i = 0;
+        while i < bytes.len() {
+            h ^= bytes[i] as u32;
+            h = h.wrapping_mul(0x0100_0193);
+            i += 1;
+        }
+        h
+    }
+    let mut h = mix(0x811c_9dc5, &DESC_REVISION.to_le_bytes());
+    let mut i = 0;
+    while i < QpDesc::FIELDS.len() {
+        let (name, ty, off, _) = QpDesc::FIELDS[i];
+        h = mix(h, name.as_bytes());
+        h = mix(h, ty.as_bytes());
+        h = mix(h, &(off as u32).to_le_bytes());
+        i += 1;
+    }
+    h
+};
+
+impl QpDesc {
+    /// A descriptor with its version and size set and everything else zero.
+    pub fn new() -> Self {
+        Self {
+            version: DESC_VERSION,
+            size: core::mem::size_of::<Self>() as u32,
+            ..Self::default()
+        }
+    }
+}
+
 /// Doorbell-mode codes in [`QpDesc::db_mode`].
 pub mod db_mode {
     /// DBREC + 8-byte doorbell store.
@@ -172,6 +218,9 @@ pub fn c_header() -> String {
             QpDesc::C_NAME
         ));
     }
+    s.push_str(&format!(
+        "\n/* The layout's version; a descriptor carries it in `version`. */\n#define GPUVERBS_DESC_VERSION {DESC_VERSION:#010x}u\n"
+    ));
     for (n, v) in [
         ("GPU_DOORBELL", db_mode::GPU_DOORBELL),
         ("BLUEFLAME", db_mode::BLUEFLAME),
@@ -199,6 +248,20 @@ mod tests {
             "{HEADER_PATH} is stale: run GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export"
         );
     }
+
+    #[test]
+    fn the_version_follows_the_layout() {
+        assert_eq!(QpDesc::FIELDS[0].0, "version");
+        assert_eq!(QpDesc::FIELDS[1].0, "size");
+        // a pinned value: a change of any field's name, type or offset (or of the revision)
+        // must change it, so this fails until it is updated on purpose
+        assert_eq!(
+            DESC_VERSION, PINNED,
+            "the descriptor changed: update PINNED to {DESC_VERSION:#010x}"
+        );
+    }
+
+    const PINNED: u32 = 0x4618_3136;
 
     #[test]
     fn fields_are_naturally_aligned_and_in_order() {

@@ -5,7 +5,7 @@
 
 pub(crate) mod desc;
 
-pub use desc::{c_header, db_mode, QpDesc, HEADER_PATH};
+pub use desc::{c_header, db_mode, QpDesc, DESC_VERSION, HEADER_PATH};
 
 use crate::backend::mlx5;
 use crate::gpu::{ExportedQp, Gpu};
@@ -24,7 +24,28 @@ impl Gpu {
     /// export holds the QP this is [`Error::PosterBusy`]. The descriptor's counters start from
     /// the queue's state (`resume_desc`), so a kernel continues where an earlier poster
     /// stopped.
+    /// The descriptor is laid out for kernels built against this library's own headers (its
+    /// embedded kernels, `gpuverbs-build`'s `include_gpuverbs`); for others, see
+    /// [`Gpu::export_qp_for`].
     pub fn export_qp(self: &Arc<Self>, qp: &Qp) -> Result<ExportedQp, Error> {
+        self.export_qp_for(qp, DESC_VERSION)
+    }
+
+    /// [`Gpu::export_qp`] for kernels built against headers whose `GPUVERBS_DESC_VERSION` is
+    /// `header_version` (e.g. kernels compiled at run time, which report the value they saw):
+    /// [`Error::DescVersion`] when it is not this library's [`DESC_VERSION`], before anything
+    /// is claimed or mapped.
+    pub fn export_qp_for(
+        self: &Arc<Self>,
+        qp: &Qp,
+        header_version: u32,
+    ) -> Result<ExportedQp, Error> {
+        if header_version != DESC_VERSION {
+            return Err(Error::DescVersion {
+                header: header_version,
+                library: DESC_VERSION,
+            });
+        }
         let claim = qp.posters.claim(Poster::GpuExport)?;
         self.export_inner(qp, claim)
     }
@@ -79,7 +100,7 @@ impl Gpu {
             scratch_lkey: scratch_mr.lkey().0,
             scq_collapsed: (scq.mode() == softnic::CqMode::Collapsed) as u32,
             rcq_collapsed: (rcq.mode() == softnic::CqMode::Collapsed) as u32,
-            ..QpDesc::default()
+            ..QpDesc::new()
         };
         let mut desc = desc;
         let state = QueueState::of(s);
@@ -204,7 +225,7 @@ impl Gpu {
             scratch_lkey: scratch_mr.lkey().0,
             scq_collapsed: u32::from(scq.mode == softnic::CqMode::Collapsed),
             rcq_collapsed: u32::from(rcq.mode == softnic::CqMode::Collapsed),
-            ..QpDesc::default()
+            ..QpDesc::new()
         };
         let mut desc = desc;
         let state = QueueState::of_mlx5(qp, q);

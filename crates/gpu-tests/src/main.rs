@@ -182,6 +182,37 @@ fn wait_signal(ctx: &Ctx) -> Result<String> {
     dataplane::wait_signal(ctx.ordinal)
 }
 
+/// The descriptor carries the layout's version and size; an export for headers of another
+/// version is refused with `Error::DescVersion` (and claims nothing: the QP's export stands).
+fn export_header_version(ctx: &Ctx) -> Result<String> {
+    use gpuverbs::export::{QpDesc, DESC_VERSION};
+    let p = dataplane::Pair::new(ctx.ordinal, GpuDoorbell, 64, 16)?;
+    let d = p.export.read()?;
+    anyhow::ensure!(
+        d.version == DESC_VERSION,
+        "descriptor version {:#x}",
+        d.version
+    );
+    anyhow::ensure!(
+        d.size as usize == core::mem::size_of::<QpDesc>(),
+        "size {}",
+        d.size
+    );
+    match p.gpu.export_qp_for(&p.qb, DESC_VERSION ^ 0x10) {
+        Err(gpuverbs::Error::DescVersion { header, library }) => {
+            anyhow::ensure!(header == DESC_VERSION ^ 0x10 && library == DESC_VERSION);
+        }
+        Err(e) => anyhow::bail!("expected DescVersion, got {e}"),
+        Ok(_) => anyhow::bail!("an export for headers of another version was made"),
+    }
+    let again = p.gpu.export_qp_for(&p.qb, DESC_VERSION)?;
+    Ok(format!(
+        "version {DESC_VERSION:#010x} in the descriptor; {:#x} refused; export at {:#x}",
+        DESC_VERSION ^ 0x10,
+        again.ptr()
+    ))
+}
+
 fn status_paths(ctx: &Ctx) -> Result<String> {
     dataplane::status_paths(ctx.ordinal)
 }
@@ -223,6 +254,7 @@ const CASES: &[Case] = cases![
     dropped_doorbell_timeout,
     wait_signal,
     status_paths,
+    export_header_version,
     // GPU memory: regions, rings, both
     cpu_initiator_gpumem,
     reg_cache_gpumem,

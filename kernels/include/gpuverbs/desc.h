@@ -11,6 +11,8 @@
 #endif
 
 typedef struct gpuverbs_qp {
+    uint32_t version; /* The layout's version (`GPUVERBS_DESC_VERSION`), written by the host at export. */
+    uint32_t size; /* `sizeof(gpuverbs_qp)`, written by the host at export. */
     uint64_t sq_ring; /* SQ ring (64-byte blocks). */
     uint64_t rq_ring; /* RQ ring. */
     uint64_t dbrec; /* 8-byte doorbell record (word 0 receive, word 1 send; big-endian). */
@@ -52,46 +54,51 @@ typedef struct gpuverbs_qp {
     uint32_t sq_broken; /* Device API state: 1 once a shared-mode publish gave up waiting for an earlier reservation (its thread never published): the send queue has a hole, and every later send-side call returns BROKEN. Reset the QP, connect it and export it again. */
 } gpuverbs_qp;
 
-GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 240, "gpuverbs_qp size");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ring) == 0, "sq_ring");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_ring) == 8, "rq_ring");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, dbrec) == 16, "dbrec");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, db_reg) == 24, "db_reg");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, proxy_word) == 32, "proxy_word");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_ring) == 40, "scq_ring");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_dbrec) == 48, "scq_dbrec");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_ring) == 56, "rcq_ring");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_dbrec) == 64, "rcq_dbrec");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scratch) == 72, "scratch");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_blocks) == 80, "sq_blocks");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_wqes) == 84, "rq_wqes");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_stride) == 88, "rq_stride");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, qpn) == 92, "qpn");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_ncqe) == 96, "scq_ncqe");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_ncqe) == 100, "rcq_ncqe");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, db_mode) == 104, "db_mode");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, ring_loc) == 108, "ring_loc");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, max_inline) == 112, "max_inline");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scratch_lkey) == 116, "scratch_lkey");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_collapsed) == 120, "scq_collapsed");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_collapsed) == 124, "rcq_collapsed");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_reserved) == 128, "sq_reserved");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ready) == 136, "sq_ready");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_rung) == 144, "sq_rung");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_retired) == 152, "sq_retired");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_signaled_end) == 160, "sq_signaled_end");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_last_start) == 168, "sq_last_start");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_ci) == 176, "scq_ci");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_ci) == 184, "rcq_ci");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_posted) == 192, "rq_posted");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error) == 200, "sq_error");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error_info) == 208, "sq_error_info");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, bf_half) == 216, "bf_half");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_lock) == 220, "scq_lock");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, checked_out) == 224, "checked_out");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_lock) == 228, "rq_lock");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_lock) == 232, "rcq_lock");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_broken) == 236, "sq_broken");
+GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 248, "gpuverbs_qp size");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, version) == 0, "version");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, size) == 4, "size");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ring) == 8, "sq_ring");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_ring) == 16, "rq_ring");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, dbrec) == 24, "dbrec");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, db_reg) == 32, "db_reg");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, proxy_word) == 40, "proxy_word");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_ring) == 48, "scq_ring");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_dbrec) == 56, "scq_dbrec");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_ring) == 64, "rcq_ring");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_dbrec) == 72, "rcq_dbrec");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scratch) == 80, "scratch");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_blocks) == 88, "sq_blocks");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_wqes) == 92, "rq_wqes");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_stride) == 96, "rq_stride");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, qpn) == 100, "qpn");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_ncqe) == 104, "scq_ncqe");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_ncqe) == 108, "rcq_ncqe");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, db_mode) == 112, "db_mode");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, ring_loc) == 116, "ring_loc");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, max_inline) == 120, "max_inline");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scratch_lkey) == 124, "scratch_lkey");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_collapsed) == 128, "scq_collapsed");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_collapsed) == 132, "rcq_collapsed");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_reserved) == 136, "sq_reserved");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ready) == 144, "sq_ready");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_rung) == 152, "sq_rung");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_retired) == 160, "sq_retired");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_signaled_end) == 168, "sq_signaled_end");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_last_start) == 176, "sq_last_start");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_ci) == 184, "scq_ci");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_ci) == 192, "rcq_ci");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_posted) == 200, "rq_posted");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error) == 208, "sq_error");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error_info) == 216, "sq_error_info");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, bf_half) == 224, "bf_half");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_lock) == 228, "scq_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, checked_out) == 232, "checked_out");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_lock) == 236, "rq_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_lock) == 240, "rcq_lock");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_broken) == 244, "sq_broken");
+
+/* The layout's version; a descriptor carries it in `version`. */
+#define GPUVERBS_DESC_VERSION 0x46183136u
 #define GPUVERBS_DB_GPU_DOORBELL 0u
 #define GPUVERBS_DB_BLUEFLAME 1u
 #define GPUVERBS_DB_CPU_PROXY 2u
