@@ -37,6 +37,7 @@ const LAYERS: &[&str] = &[
     "bootstrap::error",
     "bootstrap::link",
     "bootstrap::job",
+    "bootstrap::exchange",
     "bootstrap",
     // CQs, QPs, state transitions, posters
     "queue::ring",

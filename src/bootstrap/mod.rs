@@ -29,6 +29,15 @@
 //! [`Bootstrap::all_gather`] and [`Bootstrap::barrier`] work over the star for any N; the
 //! pairwise calls ([`Bootstrap::exchange`], [`Bootstrap::send`], [`Bootstrap::recv`]) need N = 2.
 //!
+//! # The exchange interface
+//!
+//! [`Exchange`] is the rendezvous as a trait (rank, world size, an all-gather of byte frames,
+//! a barrier; [`ExchangeExt`] adds the typed `all_gather` and pairwise `exchange`), so code
+//! that connects QPs can take `&mut dyn Exchange` and not care who started the job.
+//! [`Bootstrap`] implements it over TCP; with the cargo feature `mpi`, `MpiExchange` implements
+//! it over the launcher's MPI (`MPI_Allgather` / `MPI_Allgatherv`, `MPI_Barrier`), for jobs
+//! started by `mpirun` or Slurm.
+//!
 //! # Wire protocol
 //!
 //! Everything is a frame: a big-endian `u32` payload length, then the payload. A frame longer
@@ -56,10 +65,13 @@
 //! [`BootstrapError::Broken`]; a read timeout before any byte arrived leaves it usable.
 
 mod error;
+mod exchange;
 mod job;
 mod link;
 
 pub use error::{BootstrapError, Direction, FramePart, Result};
+use exchange::{decode, pair_peer};
+pub use exchange::{Exchange, ExchangeExt};
 pub use job::{JobConfig, DEFAULT_MAX_FRAME, DEFAULT_TIMEOUT, TIMEOUT_ENV};
 pub use link::PROTOCOL_VERSION;
 use link::{during_handshake, handshake_error, hello, parse_hello, remaining, Link, HELLO_LEN};
@@ -394,13 +406,7 @@ impl Bootstrap {
     }
 
     fn pair_peer(&self, op: &'static str) -> Result<u32> {
-        if self.world_size != 2 {
-            return Err(BootstrapError::NotPairwise {
-                op,
-                world_size: self.world_size,
-            });
-        }
-        Ok(1 - self.rank)
+        pair_peer(self.rank, self.world_size, op)
     }
 
     /// Send one raw frame to the peer (two-rank groups).
@@ -421,15 +427,22 @@ impl Bootstrap {
     pub fn exchange<T: Serialize + DeserializeOwned>(&mut self, mine: &T) -> Result<T> {
         let peer = self.pair_peer("exchange")?;
         let bytes = serde_json::to_vec(mine).map_err(BootstrapError::Encode)?;
-        let theirs = if self.rank == 0 {
-            self.send_to(peer, &bytes)?;
-            self.recv_from(peer)?
+        let theirs = self.exchange_bytes(&bytes)?;
+        decode(peer, &theirs)
+    }
+
+    /// [`Bootstrap::exchange`] of raw frames: send `mine`, return the peer's frame (two-rank
+    /// groups; rank 0 sends first, rank 1 receives first).
+    pub fn exchange_bytes(&mut self, mine: &[u8]) -> Result<Vec<u8>> {
+        let peer = self.pair_peer("exchange")?;
+        if self.rank == 0 {
+            self.send_to(peer, mine)?;
+            self.recv_from(peer)
         } else {
             let theirs = self.recv_from(peer)?;
-            self.send_to(peer, &bytes)?;
-            theirs
-        };
-        decode(peer, &theirs)
+            self.send_to(peer, mine)?;
+            Ok(theirs)
+        }
     }
 
     /// Wait until every rank has called `barrier`.
@@ -468,18 +481,28 @@ impl Bootstrap {
     /// Every rank's encoded value must fit in one frame.
     pub fn all_gather<T: Serialize + DeserializeOwned>(&mut self, mine: &T) -> Result<Vec<T>> {
         let bytes = serde_json::to_vec(mine).map_err(BootstrapError::Encode)?;
+        self.all_gather_bytes(&bytes)?
+            .iter()
+            .enumerate()
+            .map(|(r, f)| decode(r as u32, f))
+            .collect()
+    }
+
+    /// [`Bootstrap::all_gather`] of raw frames: `result[r]` is rank r's frame (any length up to
+    /// [`Bootstrap::max_frame`], different on each rank).
+    pub fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let n = self.world_size;
-        let frames: Vec<Vec<u8>> = if self.rank == 0 {
-            if bytes.len() > self.max_frame {
+        if self.rank == 0 {
+            if mine.len() > self.max_frame {
                 return Err(BootstrapError::FrameTooLarge {
                     peer: 0,
                     dir: Direction::Write,
-                    len: bytes.len() as u64,
+                    len: mine.len() as u64,
                     limit: self.max_frame,
                 });
             }
             let mut frames = Vec::with_capacity(n as usize);
-            frames.push(bytes);
+            frames.push(mine.to_vec());
             for r in 1..n {
                 frames.push(self.recv_from(r)?);
             }
@@ -489,25 +512,38 @@ impl Bootstrap {
                     self.link(r).send(f, limit, timeout)?;
                 }
             }
-            frames
+            Ok(frames)
         } else {
-            self.send_to(0, &bytes)?;
-            (0..n).map(|_| self.recv_from(0)).collect::<Result<_>>()?
-        };
-        frames
-            .iter()
-            .enumerate()
-            .map(|(r, f)| decode(r as u32, f))
-            .collect()
+            self.send_to(0, mine)?;
+            (0..n).map(|_| self.recv_from(0)).collect()
+        }
     }
 }
 
-fn decode<T: DeserializeOwned>(rank: u32, bytes: &[u8]) -> Result<T> {
-    serde_json::from_slice(bytes).map_err(|source| BootstrapError::Decode {
-        rank,
-        len: bytes.len(),
-        source,
-    })
+/// The TCP bootstrap as an [`Exchange`]: its own [`Bootstrap::all_gather_bytes`],
+/// [`Bootstrap::barrier`] and [`Bootstrap::exchange_bytes`], with its timeout and frame limit;
+/// so [`ExchangeExt::exchange`] and [`Bootstrap::exchange`] move the same frames and one side
+/// may call either.
+impl Exchange for Bootstrap {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn world_size(&self) -> u32 {
+        self.world_size
+    }
+
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Bootstrap::all_gather_bytes(self, mine)
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        Bootstrap::barrier(self)
+    }
+
+    fn exchange_bytes(&mut self, mine: &[u8]) -> Result<Vec<u8>> {
+        Bootstrap::exchange_bytes(self, mine)
+    }
 }
 
 /// Connect to `addr`, retrying refused/unreachable attempts with backoff until `timeout`.
