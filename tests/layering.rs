@@ -38,6 +38,7 @@ const LAYERS: &[&str] = &[
     "bootstrap::link",
     "bootstrap::job",
     "bootstrap::exchange",
+    "bootstrap::mpi",
     "bootstrap",
     // CQs, QPs, state transitions, posters
     "queue::ring",

@@ -208,6 +208,12 @@ pub enum BootstrapError {
         /// The job's size.
         world_size: u32,
     },
+    /// The launcher's MPI could not serve the rendezvous (`MpiExchange`, feature `mpi`): MPI
+    /// initialised or finalised already, a rank or size it reports that is not a job, frames
+    /// too large for its counts. (MPI's own failures abort the job, as its default error
+    /// handler does.)
+    #[error("MPI: {0}")]
+    Mpi(String),
     /// The connection is out of step after an earlier error.
     #[error("the connection to rank {peer} is unusable after an earlier error")]
     Broken {

@@ -68,7 +68,15 @@ mod error;
 mod exchange;
 mod job;
 mod link;
+#[cfg(feature = "mpi")]
+mod mpi;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::MpiExchange;
+/// The rsmpi crate ([`mpi`](https://docs.rs/mpi) on crates.io) the MPI exchange is built on, for
+/// [`MpiExchange::with_universe`] and [`MpiExchange::from_communicator`] (feature `mpi`).
+#[cfg(feature = "mpi")]
+pub use ::mpi as rsmpi;
 pub use error::{BootstrapError, Direction, FramePart, Result};
 use exchange::{decode, pair_peer};
 pub use exchange::{Exchange, ExchangeExt};

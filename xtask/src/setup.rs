@@ -23,7 +23,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ),
     (
         "libclang-dev",
-        "bindgen, for `cargo xtask bindings --check`",
+        "bindgen, for `cargo xtask bindings --check` and rsmpi's mpi-sys (feature `mpi`)",
     ),
     (
         "ibverbs-utils",
@@ -39,11 +39,12 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ),
     (
         "openmpi-bin",
-        "mpirun: Open MPI 4.1 over UCX on the emulated device (emu_mpi.rs)",
+        "mpirun: Open MPI 4.1 over UCX on the emulated device (emu_mpi.rs), and the 2-rank \
+         job of the MPI bootstrap (tests/mpi_exchange.rs)",
     ),
     (
         "libopenmpi-dev",
-        "mpicc, which builds emu_mpi.rs's ping-pong",
+        "mpicc, which builds emu_mpi.rs's ping-pong and which rsmpi (feature `mpi`) builds with",
     ),
     ("python3", "/usr/bin/python3, which runs pyverbs (emu.rs)"),
     ("python3-pyverbs", "pyverbs (emu.rs)"),
