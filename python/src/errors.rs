@@ -140,6 +140,12 @@ create_exception!(
 );
 create_exception!(
     gpuverbs,
+    DescVersionError,
+    GpuverbsError,
+    "A kernel's device-API headers lay the QP descriptor out differently from this library."
+);
+create_exception!(
+    gpuverbs,
     RnrRetryError,
     CompletionError,
     "RNR_RETRY_EXC (0x16): no receive posted at the peer."
@@ -164,6 +170,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         QueueFullError,
         CompletionTimeout,
         CqOverrunError,
+        DescVersionError,
         CompletionError,
         LocalLengthError,
         LocalQpOperationError,
@@ -191,6 +198,7 @@ pub(crate) fn host(e: gpuverbs::Error) -> PyErr {
         E::Drain { .. } => DrainError::new_err(msg),
         E::Verbs { .. } => VerbsError::new_err(msg),
         E::Cuda(_) => CudaError::new_err(msg),
+        E::DescVersion { .. } => DescVersionError::new_err(msg),
         E::Soft(s) => soft(s),
     }
 }

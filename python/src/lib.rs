@@ -5,7 +5,9 @@
 //! The GIL is released around every call that waits.
 
 mod errors;
+mod gpu;
 mod initiator;
+mod memory;
 mod objects;
 
 include!(concat!(env!("OUT_DIR"), "/headers.rs"));
@@ -26,6 +28,7 @@ fn _gpuverbs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     objects::register(m)?;
     initiator::register(m)?;
+    gpu::register(m)?;
     Ok(())
 }
 

@@ -4,7 +4,6 @@
 
 use crate::errors;
 use gpuverbs::{Access, ConnectOptions, CqOptions, DeviceRequest, Endpoint, QpOptions};
-use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::time::Duration;
@@ -74,14 +73,21 @@ impl Context {
     fn alloc_pd(&self) -> Pd {
         Pd(self.0.alloc_pd())
     }
-    /// A CQ of `depth` entries (a power of two), detecting overrun.
-    #[pyo3(signature = (depth = 256))]
-    fn create_cq(&self, depth: u32) -> PyResult<Cq> {
+    /// A CQ of `depth` entries (a power of two), detecting overrun; its ring in host memory
+    /// or, with `rings="gpu"`, in GPU memory of `gpu`.
+    #[pyo3(signature = (depth = 256, rings = "host", gpu = None))]
+    fn create_cq(&self, depth: u32, rings: &str, gpu: Option<&crate::gpu::Gpu>) -> PyResult<Cq> {
         let o = CqOptions {
             depth,
+            placement: crate::gpu::parse_placement(rings)?,
             ..Default::default()
         };
-        self.0.create_cq(o).map(Cq).map_err(errors::host)
+        match gpu {
+            Some(g) => self.0.create_cq_on(&g.0, o),
+            None => self.0.create_cq(o),
+        }
+        .map(Cq)
+        .map_err(errors::host)
     }
     fn __repr__(&self) -> String {
         format!("Context({})", self.0.selection())
@@ -94,44 +100,51 @@ pub struct Pd(gpuverbs::Pd);
 
 #[pymethods]
 impl Pd {
-    /// Registers the memory of `obj` (anything with the buffer protocol: a NumPy array,
-    /// `bytearray`, `memoryview`; C-contiguous, writable when `access` asks for a write) with
-    /// the rights in `access` (`ACCESS_*` flags), without copying. The region keeps the buffer
-    /// exported (so its memory cannot move or be freed) until it is dropped.
+    /// Registers the memory of `obj` without copying, with the rights in `access`
+    /// (`ACCESS_*` flags): host memory through the buffer protocol (NumPy arrays,
+    /// `bytearray`, `memoryview`) or DLPack (torch CPU tensors, pinned ones too); GPU memory
+    /// through DLPack or `__cuda_array_interface__` (torch CUDA tensors, CuPy arrays), on the
+    /// GPU the memory is on (opened if it is not). The object must be C-contiguous, and
+    /// writable when `access` asks for a write. The region holds the object's memory (the
+    /// buffer export, the DLPack tensor, or the object) until it is dropped.
     #[pyo3(signature = (obj, access = gpuverbs::Access::LOCAL_WRITE.0))]
     fn register(&self, obj: &Bound<'_, PyAny>, access: u32) -> PyResult<Mr> {
-        // its bytes, whatever the element type: memoryview(obj).cast("B")
-        let bytes = obj
-            .py()
-            .import("builtins")?
-            .getattr("memoryview")?
-            .call1((obj,))
-            .and_then(|v| v.call_method1("cast", ("B",)));
-        let buf = bytes.and_then(|v| PyBuffer::<u8>::get(&v)).map_err(|e| {
-            errors::InvalidArgument::new_err(format!(
-                "register needs a C-contiguous object with the buffer protocol: {e}"
-            ))
-        })?;
+        let mem = crate::memory::import(obj)?;
         let writes = Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0;
-        if buf.readonly() && access & writes != 0 {
+        if mem.readonly && access & writes != 0 {
             return Err(errors::InvalidArgument::new_err(
                 "a read-only buffer cannot be registered for writing (drop ACCESS_LOCAL_WRITE, \
                  ACCESS_REMOTE_WRITE and ACCESS_REMOTE_ATOMIC, or pass a writable object)",
             ));
         }
-        let (addr, len) = (buf.buf_ptr() as u64, buf.len_bytes() as u64);
-        if len == 0 {
+        if mem.len == 0 {
             return Err(errors::InvalidArgument::new_err(
                 "register needs at least one byte",
             ));
         }
-        // SAFETY: the buffer is held (exported) by the returned region for as long as the
-        // registration lives, so its `len` bytes at `addr` stay mapped and do not move.
-        let mr = unsafe { self.0.register_raw(addr, len, Access(access)) }.map_err(errors::host)?;
-        Ok(Mr { mr, _buf: buf })
+        let mr = match mem.place {
+            crate::memory::Place::Host => {
+                // SAFETY: the memory is held by `mem`, which the returned region keeps for as
+                // long as the registration lives, so its `len` bytes at `addr` stay mapped
+                // and do not move.
+                unsafe { self.0.register_raw(mem.addr, mem.len, Access(access)) }
+            }
+            crate::memory::Place::Gpu(ordinal) => {
+                // the owner of the allocation must be open in this process
+                crate::gpu::gpu(obj.py(), ordinal)?;
+                self.0.register_gpu(mem.addr, mem.len, Access(access))
+            }
+        }
+        .map_err(errors::host)?;
+        Ok(Mr { mr, _mem: mem })
     }
-    /// An RC QP in RESET on `send_cq` and `recv_cq`.
-    #[pyo3(signature = (send_cq, recv_cq, sq_blocks = 256, rq_wqes = 256, max_inline = 256))]
+    /// An RC QP in RESET on `send_cq` and `recv_cq`. `doorbell`: how kernels ring it once
+    /// exported (`"auto"`, `"gpu_doorbell"`, `"blueflame"`, `"cpu_proxy"`; the choice and its
+    /// reason are reported by `doorbell_mode` / `doorbell_reason`); `rings`: `"host"` (mapped
+    /// into the GPU) or `"gpu"` (GPU memory of `gpu`, for a QP only kernels drive).
+    #[pyo3(signature = (send_cq, recv_cq, sq_blocks = 256, rq_wqes = 256, max_inline = 256,
+                        doorbell = "auto", rings = "host", gpu = None))]
+    #[allow(clippy::too_many_arguments)]
     fn create_qp(
         &self,
         send_cq: &Cq,
@@ -139,12 +152,22 @@ impl Pd {
         sq_blocks: u32,
         rq_wqes: u32,
         max_inline: u32,
+        doorbell: &str,
+        rings: &str,
+        gpu: Option<&crate::gpu::Gpu>,
     ) -> PyResult<Qp> {
         let mut o = QpOptions::new(&send_cq.0, &recv_cq.0);
         o.sq_blocks = sq_blocks;
         o.rq_wqes = rq_wqes;
         o.max_inline = max_inline;
-        self.0.create_qp(o).map(Qp).map_err(errors::host)
+        o.doorbell = crate::gpu::parse_mode(doorbell)?;
+        o.placement = crate::gpu::parse_placement(rings)?;
+        match gpu {
+            Some(g) => self.0.create_qp_on(&g.0, o),
+            None => self.0.create_qp(o),
+        }
+        .map(Qp)
+        .map_err(errors::host)
     }
 }
 
@@ -153,8 +176,8 @@ impl Pd {
 #[pyclass(frozen, module = "gpuverbs")]
 pub struct Mr {
     pub(crate) mr: gpuverbs::Mr,
-    // declared after the region: the registration goes before the buffer is released
-    _buf: PyBuffer<u8>,
+    // declared after the region: the registration goes before the memory is released
+    _mem: crate::memory::Imported,
 }
 
 #[pymethods]
@@ -174,6 +197,14 @@ impl Mr {
     #[getter]
     fn rkey(&self) -> u32 {
         self.mr.rkey().0
+    }
+    /// `"host"` or `"gpu"`: where the registered bytes are.
+    #[getter]
+    fn memory(&self) -> &'static str {
+        match self.mr.kind() {
+            gpuverbs::memory::MemKind::Device => "gpu",
+            _ => "host",
+        }
     }
     /// The region's descriptor for a peer (address, length, rkey, generation) as bytes.
     fn remote_memory<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
@@ -321,6 +352,43 @@ impl Qp {
         let conv =
             |v: &[prm::Completion]| v.iter().map(crate::initiator::Completion::from).collect();
         Ok((conv(&d.send), conv(&d.recv)))
+    }
+    /// How kernels ring this QP once exported: `"gpu_doorbell"`, `"blueflame"` or
+    /// `"cpu_proxy"` (`"auto"` resolved at creation).
+    #[getter]
+    fn doorbell_mode(&self) -> &'static str {
+        crate::gpu::mode_name(self.0.doorbell().0)
+    }
+    /// Why that doorbell mode.
+    #[getter]
+    fn doorbell_reason(&self) -> String {
+        self.0.doorbell().1.to_string()
+    }
+    /// `"host"` or `"gpu"`: where the rings live.
+    #[getter]
+    fn ring_placement(&self) -> &'static str {
+        crate::gpu::placement_name(self.0.placement())
+    }
+    /// Exports the QP to `gpu` (a `Gpu` or an ordinal) for kernels built against headers of
+    /// descriptor version `header_version` (`GPUVERBS_DESC_VERSION`; by default this
+    /// package's, the headers `include_dir()` gives): another version is a
+    /// `DescVersionError`, checked before anything else. The export is the QP's poster.
+    #[pyo3(signature = (gpu = None, header_version = gpuverbs::export::DESC_VERSION))]
+    fn export(
+        &self,
+        py: Python<'_>,
+        gpu: Option<&Bound<'_, PyAny>>,
+        header_version: u32,
+    ) -> PyResult<crate::gpu::ExportedQp> {
+        gpuverbs::export::check_header(header_version).map_err(errors::host)?;
+        let g = match gpu {
+            None => crate::gpu::Gpu(crate::gpu::gpu(py, 0)?),
+            Some(o) => match o.cast::<crate::gpu::Gpu>() {
+                Ok(g) => crate::gpu::Gpu(g.get().0.clone()),
+                Err(_) => crate::gpu::Gpu(crate::gpu::gpu(py, o.extract()?)?),
+            },
+        };
+        crate::gpu::ExportedQp::new(&self.0, &g, header_version)
     }
     /// A CPU initiator: posts from the host and polls this QP's CQs. One poster at a time.
     fn initiator(&self) -> PyResult<crate::initiator::Initiator> {

@@ -17,6 +17,20 @@ use std::any::Any;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+/// Whether kernels built against headers of descriptor version `header_version`
+/// (`GPUVERBS_DESC_VERSION`) can drive this library's descriptors: [`Error::DescVersion`] if
+/// not. [`Gpu::export_qp_for`] checks it first.
+pub fn check_header(header_version: u32) -> Result<(), Error> {
+    if header_version == DESC_VERSION {
+        Ok(())
+    } else {
+        Err(Error::DescVersion {
+            header: header_version,
+            library: DESC_VERSION,
+        })
+    }
+}
+
 impl Gpu {
     /// Exports `qp` for kernels: maps its rings, doorbell record, register page (or proxy word)
     /// and CQs into this GPU and writes a [`QpDesc`] into GPU memory. The export is the QP's
@@ -40,12 +54,7 @@ impl Gpu {
         qp: &Qp,
         header_version: u32,
     ) -> Result<ExportedQp, Error> {
-        if header_version != DESC_VERSION {
-            return Err(Error::DescVersion {
-                header: header_version,
-                library: DESC_VERSION,
-            });
-        }
+        check_header(header_version)?;
         let claim = qp.posters.claim(Poster::GpuExport)?;
         self.export_inner(qp, claim)
     }
@@ -289,4 +298,28 @@ pub(crate) fn resume_desc(d: &mut QpDesc, st: &QueueState) -> Result<(), Error> 
     d.rcq_ci = u64::from(st.rcq_ci);
     d.rq_posted = d.rcq_ci + u64::from(rq_out);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_of_another_descriptor_version_are_refused() {
+        assert!(check_header(DESC_VERSION).is_ok());
+        match check_header(DESC_VERSION.wrapping_add(1)) {
+            Err(Error::DescVersion { header, library }) => {
+                assert_eq!(
+                    (header, library),
+                    (DESC_VERSION.wrapping_add(1), DESC_VERSION)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let msg = check_header(7).unwrap_err().to_string();
+        assert!(
+            msg.contains("0x00000007") && msg.contains("include_dir"),
+            "{msg}"
+        );
+    }
 }

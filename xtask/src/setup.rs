@@ -62,6 +62,10 @@ pub const PACKAGES: &[(&str, &str)] = &[
         "NumPy arrays registered by the Python package's tests (`cargo xtask python`)",
     ),
     (
+        "python3-torch",
+        "torch CPU tensors (DLPack) and gloo process groups for the Python package's tests",
+    ),
+    (
         "python3-pytest",
         "runs the Python package's tests (`cargo xtask python`)",
     ),
