@@ -391,11 +391,15 @@ impl Qp {
         crate::gpu::ExportedQp::new(&self.0, &g, header_version)
     }
     /// A CPU initiator: posts from the host and polls this QP's CQs. One poster at a time.
+    /// It rings as the QP's doorbell mode says: whole WQEs into the register (seqlocked, as
+    /// the device API writes them) on a BlueFlame QP, rdma-core's 8-byte doorbell otherwise.
     fn initiator(&self) -> PyResult<crate::initiator::Initiator> {
-        let ini = self
-            .0
-            .try_cpu_initiator(softnic::initiator::RingMode::RdmaCore)
-            .map_err(errors::host)?;
+        use softnic::initiator::RingMode;
+        let mode = match self.0.doorbell().0 {
+            gpuverbs::DoorbellMode::BlueFlame => RingMode::BlueFlame,
+            _ => RingMode::RdmaCore,
+        };
+        let ini = self.0.try_cpu_initiator(mode).map_err(errors::host)?;
         Ok(crate::initiator::Initiator::new(ini))
     }
 }

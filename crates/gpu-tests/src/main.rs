@@ -205,11 +205,14 @@ fn export_header_version(ctx: &Ctx) -> Result<String> {
         Err(e) => anyhow::bail!("expected DescVersion, got {e}"),
         Ok(_) => anyhow::bail!("an export for headers of another version was made"),
     }
-    let again = p.gpu.export_qp_for(&p.qb, DESC_VERSION)?;
+    // the refusal claimed nothing: QP B's poster is still free
+    let ini =
+        p.qb.try_cpu_initiator(softnic::initiator::RingMode::RdmaCore)?;
+    drop(ini);
     Ok(format!(
-        "version {DESC_VERSION:#010x} in the descriptor; {:#x} refused; export at {:#x}",
-        DESC_VERSION ^ 0x10,
-        again.ptr()
+        "version {DESC_VERSION:#010x} and size {} in the descriptor; {:#010x} refused",
+        d.size,
+        DESC_VERSION ^ 0x10
     ))
 }
 
