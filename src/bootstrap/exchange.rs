@@ -85,49 +85,34 @@ pub trait ExchangeExt: Exchange {
 
 impl<E: Exchange + ?Sized> ExchangeExt for E {}
 
-impl<E: Exchange + ?Sized> Exchange for &mut E {
-    fn rank(&self) -> u32 {
-        (**self).rank()
-    }
+/// `&mut E` and `Box<E>` are exchanges too: every call goes to the `E` behind them.
+macro_rules! forward_exchange {
+    ($($ty:ty),*) => {$(
+        impl<E: Exchange + ?Sized> Exchange for $ty {
+            fn rank(&self) -> u32 {
+                (**self).rank()
+            }
 
-    fn world_size(&self) -> u32 {
-        (**self).world_size()
-    }
+            fn world_size(&self) -> u32 {
+                (**self).world_size()
+            }
 
-    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather_bytes(mine)
-    }
+            fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+                (**self).all_gather_bytes(mine)
+            }
 
-    fn barrier(&mut self) -> Result<()> {
-        (**self).barrier()
-    }
+            fn barrier(&mut self) -> Result<()> {
+                (**self).barrier()
+            }
 
-    fn exchange_bytes(&mut self, mine: &[u8]) -> Result<Vec<u8>> {
-        (**self).exchange_bytes(mine)
-    }
+            fn exchange_bytes(&mut self, mine: &[u8]) -> Result<Vec<u8>> {
+                (**self).exchange_bytes(mine)
+            }
+        }
+    )*};
 }
 
-impl<E: Exchange + ?Sized> Exchange for Box<E> {
-    fn rank(&self) -> u32 {
-        (**self).rank()
-    }
-
-    fn world_size(&self) -> u32 {
-        (**self).world_size()
-    }
-
-    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather_bytes(mine)
-    }
-
-    fn barrier(&mut self) -> Result<()> {
-        (**self).barrier()
-    }
-
-    fn exchange_bytes(&mut self, mine: &[u8]) -> Result<Vec<u8>> {
-        (**self).exchange_bytes(mine)
-    }
-}
+forward_exchange!(&mut E, Box<E>);
 
 /// The other rank of a two-rank job, or [`BootstrapError::NotPairwise`].
 pub(crate) fn pair_peer(rank: u32, world_size: u32, op: &'static str) -> Result<u32> {
