@@ -67,8 +67,13 @@ impl DmaBuf {
     /// Wraps memory allocated elsewhere (CUDA host-pinned memory, a mapped page).
     ///
     /// # Safety
-    /// `ptr..ptr+len` must be readable and writable host memory, 64-byte aligned, that stays
-    /// valid until `owner` is dropped, and nothing may hold a Rust reference into it.
+    /// `ptr..ptr+len` must be readable and writable host memory, 64-byte aligned, and nothing
+    /// may hold a Rust reference into it. It must stay valid until `owner` is dropped, or, for
+    /// a buffer given to a QP or CQ as a ring or doorbell record, until that object is
+    /// destroyed ([`crate::Device::destroy_qp`], [`crate::Device::destroy_cq`], or the device
+    /// dropped): those return only when no device thread touches the object's memory again,
+    /// which lets an owner that is not `owner` (a verbs provider's allocation) free it then,
+    /// even while handles to the object live on.
     pub unsafe fn from_external(
         ptr: std::ptr::NonNull<u8>,
         len: usize,

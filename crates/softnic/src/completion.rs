@@ -15,7 +15,7 @@ pub(crate) fn count_cq_error(c: &Counters, e: CqError) {
     match e {
         CqError::Overrun(_) => Counters::add(&c.cq_overruns, 1),
         CqError::DeviceMemory(_) => Counters::add(&c.devmem_errors, 1),
-        CqError::Failed(_) => {}
+        CqError::Failed(_) | CqError::Destroyed(_) => {}
     }
 }
 

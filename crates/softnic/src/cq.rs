@@ -112,6 +112,9 @@ pub enum CqError {
     /// The CQ is in error after a failed CQE write; nothing more is written.
     #[error("CQ {0:#x} is in error")]
     Failed(u32),
+    /// The CQ was destroyed (a QP still running on an engine's snapshot): nothing is written.
+    #[error("CQ {0:#x} was destroyed")]
+    Destroyed(u32),
 }
 
 struct CqState {
@@ -123,6 +126,8 @@ struct CqState {
     cqe_size: CqeSize,
     overrun: bool,
     failed: bool,
+    /// Set by [`Cq::retire`]: no CQE is written any more.
+    destroyed: bool,
     delayed: VecDeque<(Instant, Cqe64)>,
 }
 
@@ -229,6 +234,7 @@ impl Cq {
                 cqe_size: cfg.cqe_size,
                 overrun: false,
                 failed: false,
+                destroyed: false,
                 delayed: VecDeque::new(),
             }),
             produced: AtomicU32::new(0),
@@ -331,7 +337,7 @@ impl Cq {
             ));
         }
         let mut st = self.lock();
-        if st.overrun || st.failed {
+        if st.overrun || st.failed || st.destroyed {
             return Err(crate::Error::Busy("CQ in error"));
         }
         if self.mode == CqMode::OverrunDetect {
@@ -390,7 +396,19 @@ impl Cq {
         Ok(false)
     }
 
+    /// Destroys the CQ as the device sees it: delayed CQEs are dropped, and once this returns
+    /// no CQE is written into its ring (writers hold the CQ's lock and check the flag), so its
+    /// owner may free the ring and the doorbell record.
+    pub(crate) fn retire(&self) {
+        let mut st = self.lock();
+        st.destroyed = true;
+        st.delayed.clear();
+    }
+
     fn write_locked(&self, st: &mut CqState, mut cqe: Cqe64) -> Result<(), CqError> {
+        if st.destroyed {
+            return Err(CqError::Destroyed(self.cqn));
+        }
         if st.overrun {
             return Err(CqError::Overrun(self.cqn));
         }

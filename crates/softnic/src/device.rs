@@ -2,6 +2,7 @@
 //! and the threads it runs: the engine and, with a wire port, the transport's I/O thread.
 //! What those threads share with the handle lives in [`crate::shared`].
 
+use crate::buffer::DmaBuf;
 use crate::counters::{CounterSnapshot, Counters};
 use crate::cq::{Cq, CqConfig};
 use crate::devmem::DeviceMemory;
@@ -246,6 +247,34 @@ impl Device {
         Ok(self.shared.mrs.insert(pd, addr, len, access, None))
     }
 
+    /// Registers `len` bytes of host buffer `buf` from byte `offset` on. Safe: the region
+    /// holds a share of the buffer, which is freed no earlier than the region is deregistered
+    /// (or the device closes), so the device never reaches freed memory whatever the caller
+    /// drops.
+    pub fn reg_buf(
+        &self,
+        pd: PdId,
+        buf: &Arc<DmaBuf>,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<MrInfo, Error> {
+        if !buf.is_host() {
+            return Err(Error::InvalidArgument(
+                "reg_buf takes host memory (device memory: reg_device)",
+            ));
+        }
+        if offset.checked_add(len).is_none_or(|e| e > buf.len()) {
+            return Err(Error::InvalidArgument("range outside the buffer"));
+        }
+        let addr = buf.addr() + offset as u64;
+        check_region(addr, len as u64, access)?;
+        Ok(self
+            .shared
+            .mrs
+            .insert_owned(pd, addr, len as u64, access, buf.clone()))
+    }
+
     /// Registers device (GPU) memory at device address `addr`: every byte the device moves to
     /// or from the region goes through `mem` (kept with the region until it is deregistered).
     /// Safe: the engine never dereferences `addr` on the host; if the memory goes away under
@@ -344,6 +373,8 @@ impl Device {
         }
         self.shared.cqs.write().remove(&cq.cqn());
         self.shared.generation.fetch_add(1, Ordering::Release);
+        // An engine's snapshot may still hold it (delayed CQEs): fenced like a QP.
+        cq.retire();
         Ok(())
     }
 
@@ -415,13 +446,17 @@ impl Device {
         Ok(qp)
     }
 
-    /// Destroys a QP: the device forgets it; peers see it vanish.
+    /// Destroys a QP: the device forgets it; peers see it vanish. When this returns no thread
+    /// of any device (engines, wire I/O, a peer's in-process requester, a program thread
+    /// carrying the device) touches the QP's rings, doorbell record or CQ entries again, so
+    /// their owner may free them.
     pub fn destroy_qp(&self, qp: &Arc<Qp>) {
         self.shared.qps.write().remove(&qp.qpn());
-        // Handles may outlive the table entry (the caller's Arc, a peer's cached Weak): a
-        // destroyed QP answers nothing, so peers time out as with a vanished QP.
-        qp.set_state(crate::qp::QpState::Reset);
         self.shared.generation.fetch_add(1, Ordering::Release);
+        // Handles may outlive the table entry (an engine's snapshot, the caller's Arc, a
+        // peer's cached Weak): a retired QP answers nothing, so peers time out as with a
+        // vanished QP, and its memory is never reached again.
+        qp.retire();
     }
 
     /// Finishes the flush of a QP in ERR now: every receive WQE and every announced send WQE
@@ -469,9 +504,13 @@ impl Drop for Device {
             }
             let _ = h.join();
         }
-        // Peers may hold (cached) handles to our QPs: none of them answers any more.
+        // Peers may hold (cached) handles to our QPs: none of them answers any more, and
+        // no peer thread touches their memory once this returns.
         for qp in self.shared.qps.read().values() {
-            qp.set_state(crate::qp::QpState::Reset);
+            qp.retire();
+        }
+        for cq in self.shared.cqs.read().values() {
+            cq.retire();
         }
         shared::unregister(&self.shared);
     }

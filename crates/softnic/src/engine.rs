@@ -161,7 +161,10 @@ fn service(dev: &Shared, qp: &Arc<Qp>) -> (bool, bool) {
         return (false, false);
     }
     let holding = state == QpState::Rts && responder::responder_tick(dev, qp, Instant::now());
-    let mut sq = qp.lock_sq();
+    let Some(mut sq) = qp.lock_sq_live() else {
+        // destroyed since the snapshot was taken: its memory may be gone
+        return (false, false);
+    };
     let mut r = service_locked(dev, qp, &mut sq);
     r.1 |= holding;
     if sq.wire.is_some() {
@@ -182,7 +185,9 @@ pub(crate) fn drain_err(dev: &Shared, qp: &Arc<Qp>) {
     flush_rq(dev, qp);
     // each round executes (flushes) up to BUDGET WQEs; a ring holds at most 32K blocks
     for _ in 0..=(qp.sq_blocks / BUDGET + 1) {
-        let mut sq = qp.lock_sq();
+        let Some(mut sq) = qp.lock_sq_live() else {
+            return;
+        };
         service_locked(dev, qp, &mut sq);
         if sq.ci == sq.target {
             break;
@@ -512,7 +517,9 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
     // given new receives) since the engine saw ERR must not have them flushed.
     if qp.srq.is_some() {
         let held = {
-            let mut rq = qp.lock_rq();
+            let Some(mut rq) = qp.lock_rq_live() else {
+                return;
+            };
             if qp.state() != QpState::Err {
                 return;
             }
@@ -529,7 +536,9 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
     if qp.rq_wqes == 0 {
         return;
     }
-    let mut rq = qp.lock_rq();
+    let Some(mut rq) = qp.lock_rq_live() else {
+        return;
+    };
     // The state was read without the lock: a move out of ERR (RESET, then receives posted
     // again) may have happened since, and those receives must not be flushed.
     if qp.state() != QpState::Err {
@@ -651,26 +660,27 @@ fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
     };
     match found {
         Some(p) if matches!(p.state(), QpState::Rtr | QpState::Rts) => Ok(Ok(Route::Local(p))),
-        _ => {
-            // No answer: the transport timer runs retry_cnt + 1 times, then the QP fails.
-            let now = Instant::now();
-            let rts = sq.rts;
-            let deadline = *sq.retry_deadline.get_or_insert_with(|| {
-                if rts.timeout == 0 {
-                    now + Duration::from_secs(u64::MAX / 4)
-                } else {
-                    let one = Duration::from_nanos(4096u64 << rts.timeout.min(31));
-                    now + one * (rts.retry_cnt as u32 + 1)
-                }
-            });
-            if now >= deadline {
-                Err((Syndrome::TransportRetryExc, vendor::NO_PEER))
-            } else {
-                Ok(Err(Stall::Until(
-                    deadline.min(now + Duration::from_millis(1)),
-                )))
-            }
+        _ => no_answer(sq).map(Err),
+    }
+}
+
+/// No peer answers (none found, or it vanished under the request): the transport timer runs
+/// `retry_cnt + 1` times, then the QP fails with TRANSPORT_RETRY_EXC.
+fn no_answer(sq: &mut SqState) -> Result<Stall, Fail> {
+    let now = Instant::now();
+    let rts = sq.rts;
+    let deadline = *sq.retry_deadline.get_or_insert_with(|| {
+        if rts.timeout == 0 {
+            now + Duration::from_secs(u64::MAX / 4)
+        } else {
+            let one = Duration::from_nanos(4096u64 << rts.timeout.min(31));
+            now + one * (rts.retry_cnt as u32 + 1)
         }
+    });
+    if now >= deadline {
+        Err((Syndrome::TransportRetryExc, vendor::NO_PEER))
+    } else {
+        Ok(Stall::Until(deadline.min(now + Duration::from_millis(1))))
     }
 }
 
@@ -873,6 +883,10 @@ fn execute(
                     Instant::now() + rnr_delay(code),
                 )))
             }
+        }
+        Response::Vanished => {
+            sq.peer = None;
+            no_answer(sq).map(Done::Stalled)
         }
         Response::Nak(syndrome, why) => {
             if (syndrome, why) == (Syndrome::LocalProt, vendor::DEVICE_MEMORY) {

@@ -343,11 +343,11 @@ impl Initiator {
             dbrec: cq.dbrec().as_ptr(),
             collapsed: cq.mode() == crate::CqMode::Collapsed,
         };
-        let ctrl = qp.ctrl_page().as_ptr();
-        // SAFETY: offsets inside the QP's own pages.
+        // SAFETY: offsets inside the QP's own pages (its doorbell record's: the control page,
+        // or the external record it was given).
         let (dbrec, bf) = unsafe {
             (
-                ctrl.add(qp.dbrec_offset()),
+                qp.dbrec_page().as_ptr().add(qp.dbrec_offset()),
                 qp.uar().as_ptr().add(prm::doorbell::BF_OFFSET),
             )
         };

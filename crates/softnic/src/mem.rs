@@ -146,6 +146,9 @@ struct Slot {
     tag: u8,
     mr: Option<MrInfo>,
     dev: Option<Arc<dyn DeviceMemory>>,
+    /// Host memory the region owns a share of ([`MrTable::insert_owned`]): freed no earlier
+    /// than the region is removed, so a registered buffer cannot go away under the device.
+    keep: Option<Arc<crate::buffer::DmaBuf>>,
     /// A memory window in this slot (then `mr` is `None`). Its binding changes under the
     /// table's read hold, so a bind or an invalidation never waits for copies in flight.
     mw: Option<Arc<Mutex<Window>>>,
@@ -363,6 +366,18 @@ impl MrTable {
         access: Access,
         dev: Option<Arc<dyn DeviceMemory>>,
     ) -> MrInfo {
+        self.insert_slot(pd, addr, len, access, dev, None)
+    }
+
+    fn insert_slot(
+        &self,
+        pd: PdId,
+        addr: u64,
+        len: u64,
+        access: Access,
+        dev: Option<Arc<dyn DeviceMemory>>,
+        keep: Option<Arc<crate::buffer::DmaBuf>>,
+    ) -> MrInfo {
         let mut slots = self.write();
         let index = free_slot(&mut slots);
         let slot = &mut slots[index];
@@ -381,7 +396,21 @@ impl MrTable {
         };
         slot.mr = Some(info);
         slot.dev = dev;
+        slot.keep = keep;
         info
+    }
+
+    /// Records a region of host memory that keeps `keep` (the buffer holding
+    /// `addr..addr + len`) alive until it is removed.
+    pub fn insert_owned(
+        &self,
+        pd: PdId,
+        addr: u64,
+        len: u64,
+        access: Access,
+        keep: Arc<crate::buffer::DmaBuf>,
+    ) -> MrInfo {
+        self.insert_slot(pd, addr, len, access, None, Some(keep))
     }
 
     /// Removes a region; `None` when the key is not live. Copies hold a [`MrGuard`] for their
@@ -392,6 +421,7 @@ impl MrTable {
         match slots.get_mut((key >> 8) as usize) {
             Some(s) if s.mr.is_some_and(|m| m.key == key) => {
                 s.dev = None;
+                s.keep = None;
                 s.mr.take()
             }
             _ => None,
@@ -412,6 +442,8 @@ impl MrTable {
         let mut slots = self.write();
         match slots.get_mut((key >> 8) as usize) {
             Some(s) if s.mr.is_some_and(|m| m.key == key) && s.dev.is_none() => {
+                // the new range is the caller's (rereg_host's contract), not the buffer's
+                s.keep = None;
                 let info = MrInfo {
                     key,
                     pd,

@@ -295,6 +295,10 @@ pub struct Qp {
     /// UD: the Q_Key.
     qkey: AtomicU32,
     state: AtomicU8,
+    /// Set once by [`Qp::retire`] (the QP was destroyed, or its device closed): every thread
+    /// that reaches the QP's rings, doorbell record or CQs does so holding its SQ or RQ lock
+    /// and checks this first, so after `retire` returns nothing touches that memory again.
+    destroyed: AtomicBool,
     /// The connected peer for the wire: `1 << 56 | ipv4 << 24 | qpn`, 0 when none.
     remote: AtomicU64,
     /// Where the responder's answers go on the wire: `1 << 48 | ipv4 << 16 | udp port`, 0
@@ -412,6 +416,7 @@ impl Qp {
             ud,
             qkey: AtomicU32::new(0),
             state: AtomicU8::new(QpState::Reset as u8),
+            destroyed: AtomicBool::new(false),
             remote: AtomicU64::new(0),
             answer_to: AtomicU64::new(0),
             sq: Mutex::new(SqState {
@@ -633,6 +638,33 @@ impl Qp {
     pub(crate) fn lock_rq(&self) -> MutexGuard<'_, RqState> {
         self.rq.lock()
     }
+    /// The SQ state, locked, unless the QP was destroyed: what every thread that runs the
+    /// send queue (its ring, doorbell record, send CQ, the wire requester) takes.
+    pub(crate) fn lock_sq_live(&self) -> Option<MutexGuard<'_, SqState>> {
+        let sq = self.sq.lock();
+        (!self.is_destroyed()).then_some(sq)
+    }
+    /// The RQ state, locked, unless the QP was destroyed: what every thread that runs the
+    /// receive side (its ring, doorbell record, receive CQ, the wire responder) takes.
+    pub(crate) fn lock_rq_live(&self) -> Option<MutexGuard<'_, RqState>> {
+        let rq = self.rq.lock();
+        (!self.is_destroyed()).then_some(rq)
+    }
+    /// Whether the QP was destroyed (or its device closed).
+    pub fn is_destroyed(&self) -> bool {
+        self.destroyed.load(Ordering::Acquire)
+    }
+    /// Destroys the QP as the device sees it, and fences every thread that may be working on
+    /// it: it enters RESET for good, then the SQ and RQ locks are taken once each, so an
+    /// engine, wire or peer thread inside either has left it, and every later one sees the
+    /// flag and leaves the memory alone. After this returns the QP's rings, doorbell record and
+    /// CQ entries may be freed by their owner (a verbs provider does, right after DESTROY_QP).
+    pub(crate) fn retire(&self) {
+        self.destroyed.store(true, Ordering::Release);
+        self.set_state(QpState::Reset);
+        drop(self.sq.lock());
+        drop(self.rq.lock());
+    }
 
     /// Reads the current value of BF half `h` (its first 8 bytes).
     pub(crate) fn half_word(&self, h: usize) -> u64 {
@@ -671,6 +703,9 @@ impl Qp {
         }
         let mut sq = self.lock_sq();
         let mut rq = self.lock_rq();
+        if self.is_destroyed() {
+            return Result::Err(Error::InvalidArgument("the QP was destroyed"));
+        }
         match m {
             Modify::Init { access } => rq.access = access,
             Modify::InitUd { qkey } => self.qkey.store(qkey, Ordering::Release),

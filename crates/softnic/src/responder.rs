@@ -60,6 +60,9 @@ pub(crate) enum Response {
     /// requester's own failure found during the transfer: LOCAL_PROT for a source or READ
     /// destination in device memory that failed; the responder is not affected.)
     Nak(Syndrome, u8),
+    /// No answer: the peer QP was destroyed while the request was on its way (in-process
+    /// only); the requester's transport timer runs as for a peer that is not there.
+    Vanished,
 }
 
 /// The responder side of one QP, held for one request (in-process) or one packet (wire):
@@ -78,17 +81,18 @@ pub(crate) struct Resp<'a> {
 }
 
 impl<'a> Resp<'a> {
-    /// Takes the QP's receive state and its memory table.
-    pub fn lock(qp: &'a Qp) -> Self {
-        let rq = qp.lock_rq();
+    /// Takes the QP's receive state and its memory table; `None` when the QP was destroyed
+    /// (its rings and CQ may be gone).
+    pub fn lock(qp: &'a Qp) -> Option<Self> {
+        let rq = qp.lock_rq_live()?;
         let g = qp.mrs.read();
-        Self {
+        Some(Self {
             qp,
             rq,
             g,
             reported: false,
             deferred: None,
-        }
+        })
     }
 
     /// Holds this request's receive CQEs back until [`Resp::write_deferred`].
@@ -379,7 +383,9 @@ impl<'a> Resp<'a> {
 /// false (completion-only mode) every check and completion happens but no payload byte moves
 /// and atomics leave their target alone.
 pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -> Response {
-    let mut r = Resp::lock(peer);
+    let Some(mut r) = Resp::lock(peer) else {
+        return Response::Vanished;
+    };
     let needs_recv = matches!(
         req,
         Request::Send { .. } | Request::Write { imm: Some(_), .. }

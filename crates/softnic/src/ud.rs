@@ -300,7 +300,10 @@ pub(crate) fn deliver(qp: &Qp, d: &Datagram<'_>) {
         Counters::add(&c.ud_qkey_drops, 1);
         return;
     }
-    let mut r = Resp::lock(qp);
+    let Some(mut r) = Resp::lock(qp) else {
+        Counters::add(&c.ud_unready_drops, 1);
+        return;
+    };
     if !r.has_recv() {
         Counters::add(&c.ud_no_recv_drops, 1);
         return;

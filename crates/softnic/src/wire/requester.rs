@@ -754,7 +754,10 @@ pub(crate) fn tick(dev: &Shared, qp: &Qp, sq: &mut SqState, now: Instant) -> (bo
 /// Handles a response (ACK/NAK, READ response, atomic ACK) for requester QP `qp`.
 pub(super) fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
     let now = Instant::now();
-    let mut sq = qp.lock_sq();
+    let Some(mut sq) = qp.lock_sq_live() else {
+        Counters::add(&dev.counters.wire.rx_unknown_qp, 1);
+        return;
+    };
     let delay = sq.delay;
     let Some(w) = sq.wire.as_mut() else {
         Counters::add(&dev.counters.wire.rx_unexpected, 1);

@@ -155,7 +155,11 @@ pub(super) fn on_request(
     sport: u16,
     reply: &mut Reply<'_>,
 ) {
-    let mut r = Resp::lock(qp);
+    let Some(mut r) = Resp::lock(qp) else {
+        // destroyed since it was looked up: as a packet for no QP
+        Counters::add(&dev.counters.wire.rx_unknown_qp, 1);
+        return;
+    };
     // The answer (ACK or NAK) leaves before the receive completions the request made are
     // visible, as a NIC's does within nanoseconds: here a thread can be descheduled between
     // the two, and a program that answers its completion (a ping-pong) would otherwise send
@@ -392,7 +396,9 @@ pub(crate) fn responder_tick(dev: &Shared, qp: &Qp, now: Instant) -> bool {
     let Some(port) = dev.port() else {
         return false;
     };
-    let mut rq = qp.lock_rq();
+    let Some(mut rq) = qp.lock_rq_live() else {
+        return false;
+    };
     let w = &mut rq.wire;
     if w.held.is_empty() {
         return false;

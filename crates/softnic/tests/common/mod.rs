@@ -79,22 +79,22 @@ impl Default for Node {
 
 /// `len` registered bytes with `GUARD` unregistered guard bytes on each side.
 ///
-/// Buffers must not be used by WQEs in flight when they are dropped (every test drains its
-/// completions first).
+/// The region holds a share of the memory (`Device::reg_buf`): dropping a `Buf` while WQEs
+/// that name it are still in flight (a requester retransmitting to a peer that never answers)
+/// leaves the memory to the device until the region goes with it.
 pub struct Buf {
-    pub mem: DmaBuf,
+    pub mem: Arc<DmaBuf>,
     pub len: usize,
     pub mr: MrInfo,
 }
 
 impl Buf {
     pub fn new(dev: &Device, pd: PdId, len: usize, access: Access) -> Self {
-        let mem = DmaBuf::alloc(len + 2 * GUARD);
+        let mem = Arc::new(DmaBuf::alloc(len + 2 * GUARD));
         mem.fill(0, GUARD, GUARD_BYTE);
         mem.fill(GUARD + len, GUARD, GUARD_BYTE);
-        // SAFETY: `mem` is owned by the returned value; tests keep it alive while the device
-        // may touch it (no WQE naming it is in flight when it drops).
-        let mr = unsafe { dev.reg_host(pd, mem.addr() + GUARD as u64, len as u64, access) }
+        let mr = dev
+            .reg_buf(pd, &mem, GUARD, len, access)
             .expect("register test buffer");
         Self { mem, len, mr }
     }
