@@ -689,6 +689,10 @@ fn watch_loop(emu: &'static Emulation) {
             for x in w.iter_mut() {
                 let Some(cq) = x.cq.upgrade() else { continue };
                 let mut arm = cq.arm.lock();
+                if arm.destroyed {
+                    // its doorbell record may be freed memory now
+                    continue;
+                }
                 let db = x
                     .page0
                     .atomic_u64(context::CQ_DOORBELL)

@@ -22,6 +22,19 @@ pub struct Arm {
     /// The producer index (24 bits) when the CQ's last event was generated: the CQEs before it
     /// have had their event.
     pub reported: u32,
+    /// Set when the CQ is destroyed (or its context torn down), under this lock: the event
+    /// watcher, which reads and writes the application's doorbell record holding it, leaves
+    /// the CQ alone from then on, so the provider may free the record once DESTROY_CQ
+    /// returns.
+    pub destroyed: bool,
+}
+
+impl CqObj {
+    /// Stops the event watcher's use of the CQ's doorbell record (it holds the arm lock while
+    /// it reads or writes it): called once the CQ is destroyed.
+    pub fn retire(&self) {
+        self.arm.lock().destroyed = true;
+    }
 }
 
 impl Arm {
@@ -242,6 +255,7 @@ impl Context {
             return Err(Errno::EBUSY);
         }
         soft.destroy_cq(&cq.soft).map_err(|_| Errno::EBUSY)?;
+        cq.retire();
         o.cqs.remove(&r.handle);
         cq.soft.set_event_handler(None);
         if let Some(ch) = &cq.channel {
@@ -300,6 +314,7 @@ mod tests {
             ci,
             last_word: 0,
             reported,
+            destroyed: false,
         }
     }
 

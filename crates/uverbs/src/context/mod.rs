@@ -62,9 +62,11 @@ fn user_buf(addr: u64, len: usize) -> Result<DmaBuf, Errno> {
     check_mapped(addr, len as u64)?;
     let p = NonNull::new(addr as *mut u8).ok_or(Errno::EFAULT)?;
     // SAFETY: the range is mapped (checked above) and stays so while the object lives: the
-    // provider frees a ring or doorbell record only after the destroy command that drops this
-    // buffer, as it must on a real kernel, which pins the pages. Nothing here makes a Rust
-    // reference into it; every access goes through the DmaBuf's raw pointers and atomics.
+    // provider frees a ring or doorbell record only after the destroy command, as it must on a
+    // real kernel, which pins the pages; that command returns only after the soft NIC's
+    // destroy_qp / destroy_cq (which fence every device thread) and the event watcher's
+    // retirement of the CQ. Nothing here makes a Rust reference into it; every access goes
+    // through the DmaBuf's raw pointers and atomics.
     Ok(unsafe { DmaBuf::from_external(p, len, Box::new(())) })
 }
 
@@ -385,6 +387,7 @@ impl Context {
         }
         for (_, c) in o.cqs.drain() {
             let _ = soft.destroy_cq(&c.soft);
+            c.retire();
         }
         for (_, s) in o.srqs.drain() {
             let _ = soft.destroy_srq(&s.soft);
