@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{artifacts, free_port, serial, wait, GPUVERBS};
+use common::{artifacts, free_port, in_group, serial, wait, GPUVERBS};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -30,6 +30,7 @@ fn tmp(name: &str) -> PathBuf {
 fn emu(ip: &str, counters: &Path, env: &[(&str, &str)], bin: &str, args: &[&str]) -> Command {
     let (lib, dir) = artifacts();
     let mut c = Command::new(GPUVERBS);
+    in_group(&mut c);
     c.env("GPUVERBS_PRELOAD", lib)
         .env("GPUVERBS_EMU_COUNTERS", counters)
         .env_remove("GPUVERBS_DEVICE")

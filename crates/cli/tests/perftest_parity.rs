@@ -10,14 +10,14 @@
 
 mod common;
 
-use common::{artifacts, free_port, serial, wait, GPUVERBS};
+use common::{artifacts, free_port, in_group, serial, wait, GPUVERBS};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn emu(ip: &str, prog: &Path, args: &[&str]) -> Child {
     let (lib, _) = artifacts();
-    Command::new(GPUVERBS)
+    in_group(&mut Command::new(GPUVERBS))
         .env("GPUVERBS_PRELOAD", lib)
         .env_remove("GPUVERBS_DEVICE")
         .env_remove("GPUVERBS_SOFTNIC_ADDR")

@@ -72,15 +72,27 @@ pub fn free_port() -> String {
         .to_string()
 }
 
-/// The child's output, killing it first if it runs past [`LIMIT`].
+/// The child's output, killing it first if it runs past [`LIMIT`]: its whole process group
+/// (children are started in a group of their own, [`in_group`]: `gpuverbs emu` and the tool
+/// it runs, which holds the output pipes too), so a hung side fails the test instead of
+/// hanging it.
 pub fn wait(mut child: Child) -> Output {
     let start = Instant::now();
     while child.try_wait().expect("poll the child").is_none() {
         if start.elapsed() > LIMIT {
-            let _ = child.kill();
+            // SAFETY: plain system call on the process group this test started.
+            if unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) } != 0 {
+                let _ = child.kill();
+            }
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     child.wait_with_output().expect("child output")
+}
+
+/// Starts `c` in a process group of its own (what [`wait`] kills on a timeout).
+pub fn in_group(c: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    c.process_group(0)
 }
