@@ -7,11 +7,14 @@
 //! - `fuzz [--seconds N] [--target T] [--seeds]`: run the fuzz targets (or rewrite their seeds).
 //! - `sanitize [--full]`: tests under AddressSanitizer, the emulation under valgrind memcheck.
 //! - `python`: build the Python package's wheel, run its tests, check its type stubs.
+//! - `loaded`: the AddressSanitizer subset and the soft NIC's timed suites beside a busy loop
+//!   on every core.
 
 mod bindings;
 mod cuda;
 mod fuzz;
 mod gpu_test;
+mod loaded;
 mod python;
 mod sanitize;
 mod setup;
@@ -64,6 +67,7 @@ enum Cmd {
     /// Build the Python package (`python/`) into a wheel, install it into `target/py-venv`,
     /// run its tests and check its type stubs.
     Python,
+    Loaded,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -79,6 +83,7 @@ fn main() -> anyhow::Result<()> {
         } => fuzz::run(seconds, target, seeds),
         Cmd::Sanitize { full } => sanitize::run(full),
         Cmd::Python => python::run_all(),
+        Cmd::Loaded => loaded::run(),
     }
 }
 

@@ -39,6 +39,7 @@ const SUBSET: &[(&str, &[&str])] = &[
             "--test=wire_forgery",
             "--test=wire_malformed",
             "--test=wire_security",
+            "--test=teardown",
         ],
     ),
     (
@@ -78,22 +79,41 @@ pub fn run(full: bool) -> Result<()> {
     Ok(())
 }
 
-fn asan(root: &Path, full: bool) -> Result<()> {
+/// The ASan test command of `pkg` (its CI subset `tests`, or every test with `full`).
+fn asan_cmd(root: &Path, pkg: &str, tests: &[&str], full: bool) -> Result<Command> {
+    let mut c = Command::new("cargo");
+    c.args(["+nightly", "test", "--target", host_target()?.as_str()])
+        .args(["-p", pkg, "--lib"])
+        .current_dir(root)
+        .env("RUSTFLAGS", "-Zsanitizer=address")
+        .env("CARGO_TARGET_DIR", root.join("target/asan"))
+        // a test that asks for an impossible allocation expects the allocator's null,
+        // as glibc's malloc gives it, not ASan's abort
+        .env("ASAN_OPTIONS", "allocator_may_return_null=1:detect_leaks=1");
+    if full {
+        c.arg("--tests");
+    } else {
+        c.args(tests);
+    }
+    Ok(c)
+}
+
+/// Builds the ASan subset's test binaries without running them.
+pub(crate) fn asan_build(root: &Path) -> Result<()> {
     for (pkg, tests) in SUBSET {
-        let mut c = Command::new("cargo");
-        c.args(["+nightly", "test", "--target", host_target()?.as_str()])
-            .args(["-p", pkg, "--lib"])
-            .current_dir(root)
-            .env("RUSTFLAGS", "-Zsanitizer=address")
-            .env("CARGO_TARGET_DIR", root.join("target/asan"))
-            // a test that asks for an impossible allocation expects the allocator's null,
-            // as glibc's malloc gives it, not ASan's abort
-            .env("ASAN_OPTIONS", "allocator_may_return_null=1:detect_leaks=1");
-        if full {
-            c.arg("--tests");
-        } else {
-            c.args(*tests);
+        let st = asan_cmd(root, pkg, tests, false)?
+            .arg("--no-run")
+            .status()?;
+        if !st.success() {
+            bail!("building {pkg}'s tests under AddressSanitizer failed ({st})");
         }
+    }
+    Ok(())
+}
+
+pub(crate) fn asan(root: &Path, full: bool) -> Result<()> {
+    for (pkg, tests) in SUBSET {
+        let mut c = asan_cmd(root, pkg, tests, full)?;
         let t = Instant::now();
         let o = c
             .output()
