@@ -10,13 +10,13 @@ use crate::Error;
 use cuda_mem::CudaMemory;
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext};
-use softnic::devmem::{same_memory, DeviceMemory};
-use softnic::DmaBuf;
 use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
+use verbs::devmem::{same_memory, DeviceMemory};
+use verbs::DmaBuf;
 
 /// `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP`.
 const HOST_REGISTER_FLAGS: u32 = 0x01 | 0x02;

@@ -9,4 +9,4 @@ pub use prm::doorbell::BF_OFFSET;
 pub use prm::wqe::AtomicSize;
 pub use prm::{Completion, CtrlFlags, ErrorCqe, Fence, Lkey, Local, Op, RemoteAddr, Rkey, Sge};
 pub use prm::{Opcode, Syndrome};
-pub use softnic::initiator::{Initiator as CpuInitiator, InitiatorError, RingMode};
+pub use verbs::initiator::{Initiator as CpuInitiator, InitiatorError, RingMode};

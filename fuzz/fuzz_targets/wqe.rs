@@ -190,7 +190,7 @@ fn srq_receive(body: &[u8]) {
     };
     up(&qa, &b, qb.qpn());
     up(&qb, &a, qa.qpn());
-    let mut ini = softnic::initiator::Initiator::for_soft_qp(
+    let mut ini = <softnic::initiator::Initiator as softnic::SoftQpInitiator>::for_soft_qp(
         &a.dev,
         &qa,
         softnic::initiator::RingMode::RdmaCore,

@@ -204,18 +204,18 @@ pub(crate) fn host(e: gpuverbs::Error) -> PyErr {
 }
 
 /// A soft NIC error as its exception.
-pub(crate) fn soft(e: softnic::Error) -> PyErr {
+pub(crate) fn soft(e: gpuverbs::soft::Error) -> PyErr {
     let msg = e.to_string();
     match e {
-        softnic::Error::IllegalTransition { .. } => QpStateError::new_err(msg),
-        softnic::Error::InvalidArgument(_) => InvalidArgument::new_err(msg),
+        gpuverbs::soft::Error::IllegalTransition { .. } => QpStateError::new_err(msg),
+        gpuverbs::soft::Error::InvalidArgument(_) => InvalidArgument::new_err(msg),
         _ => GpuverbsError::new_err(msg),
     }
 }
 
 /// A CPU initiator's error as its exception.
-pub(crate) fn initiator(e: softnic::initiator::InitiatorError) -> PyErr {
-    use softnic::initiator::InitiatorError as E;
+pub(crate) fn initiator(e: verbs::initiator::InitiatorError) -> PyErr {
+    use verbs::initiator::InitiatorError as E;
     let msg = e.to_string();
     match e {
         E::SqFull { .. } | E::RqFull => QueueFullError::new_err(msg),

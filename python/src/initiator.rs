@@ -98,16 +98,16 @@ impl From<&prm::Completion> for Completion {
 /// A CPU initiator on one QP (`Qp.initiator()`): posts WQEs and rings, polls the QP's CQs.
 /// The QP has this one poster until the initiator is dropped (`close()` or garbage).
 #[pyclass(module = "gpuverbs")]
-pub struct Initiator(Mutex<Option<softnic::initiator::Initiator>>);
+pub struct Initiator(Mutex<Option<verbs::initiator::Initiator>>);
 
 impl Initiator {
-    pub(crate) fn new(i: softnic::initiator::Initiator) -> Self {
+    pub(crate) fn new(i: verbs::initiator::Initiator) -> Self {
         Self(Mutex::new(Some(i)))
     }
 
     fn with<T>(
         &self,
-        f: impl FnOnce(&mut softnic::initiator::Initiator) -> PyResult<T>,
+        f: impl FnOnce(&mut verbs::initiator::Initiator) -> PyResult<T>,
     ) -> PyResult<T> {
         let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
         match g.as_mut() {

@@ -394,7 +394,7 @@ impl Qp {
     /// It rings as the QP's doorbell mode says: whole WQEs into the register (seqlocked, as
     /// the device API writes them) on a BlueFlame QP, rdma-core's 8-byte doorbell otherwise.
     fn initiator(&self) -> PyResult<crate::initiator::Initiator> {
-        use softnic::initiator::RingMode;
+        use verbs::initiator::RingMode;
         let mode = match self.0.doorbell().0 {
             gpuverbs::DoorbellMode::BlueFlame => RingMode::BlueFlame,
             _ => RingMode::RdmaCore,

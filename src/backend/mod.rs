@@ -18,7 +18,7 @@ pub(crate) mod context;
 pub(crate) mod mlx5;
 pub(crate) mod soft;
 
-use softnic::Access;
+use verbs::Access;
 
 /// Environment variable that overrides device selection: `soft`/`softnic` (or a soft device
 /// name such as `softnic0`), or an rdma-core device name such as `mlx5_0`.

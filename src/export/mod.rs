@@ -12,10 +12,10 @@ use crate::gpu::{ExportedQp, Gpu};
 use crate::memory::{Access, HostBuffer};
 use crate::queue::{CqDev, DoorbellMode, Poster, PosterClaim, Qp, QpDev, QueueState};
 use crate::Error;
-use softnic::DmaBuf;
 use std::any::Any;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use verbs::DmaBuf;
 
 /// Whether kernels built against headers of descriptor version `header_version`
 /// (`GPUVERBS_DESC_VERSION`) can drive this library's descriptors: [`Error::DescVersion`] if
@@ -107,8 +107,8 @@ impl Gpu {
             ring_loc: u32::from(!s.sq_ring().is_host()),
             max_inline: s.max_inline(),
             scratch_lkey: scratch_mr.lkey().0,
-            scq_collapsed: (scq.mode() == softnic::CqMode::Collapsed) as u32,
-            rcq_collapsed: (rcq.mode() == softnic::CqMode::Collapsed) as u32,
+            scq_collapsed: (scq.mode() == verbs::CqMode::Collapsed) as u32,
+            rcq_collapsed: (rcq.mode() == verbs::CqMode::Collapsed) as u32,
             ..QpDesc::new()
         };
         let mut desc = desc;
@@ -232,8 +232,8 @@ impl Gpu {
             ring_loc: u32::from(!q.sq.is_host()),
             max_inline: q.max_inline,
             scratch_lkey: scratch_mr.lkey().0,
-            scq_collapsed: u32::from(scq.mode == softnic::CqMode::Collapsed),
-            rcq_collapsed: u32::from(rcq.mode == softnic::CqMode::Collapsed),
+            scq_collapsed: u32::from(scq.mode == verbs::CqMode::Collapsed),
+            rcq_collapsed: u32::from(rcq.mode == verbs::CqMode::Collapsed),
             ..QpDesc::new()
         };
         let mut desc = desc;

@@ -4,9 +4,9 @@
 use crate::cuda::CudaError;
 use crate::gpu::Gpu;
 use crate::Error;
-use softnic::DmaBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use verbs::DmaBuf;
 
 /// Page-aligned host memory that the device (and, once mapped, a GPU) can address.
 ///
@@ -58,7 +58,7 @@ impl HostBuffer {
     /// Allocates `len` zeroed bytes, or [`Error::HostAlloc`] when `len` rounded up to whole
     /// pages does not fit in the address space or the allocator has no memory for it.
     pub fn try_new(len: usize) -> Result<Self, Error> {
-        use softnic::buffer::PAGE;
+        use verbs::buffer::PAGE;
         let refuse = |reason| Error::HostAlloc { len, reason };
         let bytes = len
             .max(1)

@@ -3,9 +3,9 @@
 //! ([`Mr::deregister`](crate::Mr::deregister)(super::Mr::deregister) and a region's drop wait with it).
 
 use crate::backend::context::Context;
-use softnic::QpState;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
+use verbs::QpState;
 
 /// The QPs created in a PD, as the device holds them (weakly: a destroyed QP drops out).
 #[derive(Default)]

@@ -42,9 +42,9 @@ pub(crate) use region::{Keep, PdDev, RegionPd};
 use crate::backend::context::{Backend, Context};
 use crate::gpu::DeviceMem;
 use crate::Error;
-use softnic::devmem::DeviceMemory;
 use std::any::Any;
 use std::sync::{Arc, OnceLock};
+use verbs::devmem::DeviceMemory;
 
 pub use softnic::{Access, MemKind};
 
@@ -271,10 +271,10 @@ mod tests {
     use super::*;
     use crate::{ConnectOptions, CqOptions, DeviceRequest, QpOptions};
     use prm::wqe::{CtrlFlags, Local, Op};
-    use softnic::initiator::RingMode;
-    use softnic::QpState;
-    use softnic::SimDeviceMemory;
     use std::time::Duration;
+    use verbs::initiator::RingMode;
+    use verbs::QpState;
+    use verbs::SimDeviceMemory;
 
     const T: Duration = Duration::from_secs(10);
     const RIGHTS: Access = Access(Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0);
@@ -319,7 +319,7 @@ mod tests {
     }
 
     /// A signaled WRITE of `len` bytes of `src` to `dst`, posted and rung.
-    fn write(ini: &mut softnic::initiator::Initiator, src: prm::Sge, dst: prm::RemoteAddr) {
+    fn write(ini: &mut verbs::initiator::Initiator, src: prm::Sge, dst: prm::RemoteAddr) {
         let op = Op::Write {
             remote: dst,
             local: Local::Sges(&[src]),

@@ -102,15 +102,15 @@ impl Cq {
         }
     }
     /// Where the CQ lives, for a CPU poller.
-    pub(crate) fn geometry(&self) -> softnic::initiator::CqGeometry {
+    pub(crate) fn geometry(&self) -> verbs::initiator::CqGeometry {
         match &self.dev {
-            CqDev::Soft(c) => softnic::initiator::CqGeometry {
+            CqDev::Soft(c) => verbs::initiator::CqGeometry {
                 ring: c.ring().as_ptr(),
                 ncqe: c.ncqe(),
                 dbrec: c.dbrec().as_ptr(),
                 collapsed: c.mode() == CqMode::Collapsed,
             },
-            CqDev::Mlx5(c) => softnic::initiator::CqGeometry {
+            CqDev::Mlx5(c) => verbs::initiator::CqGeometry {
                 ring: c.ring.as_ptr(),
                 ncqe: c.ncqe,
                 dbrec: c.dbrec.host().unwrap_or(std::ptr::null_mut()),

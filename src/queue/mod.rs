@@ -24,8 +24,8 @@ pub(crate) use state::QueueState;
 mod tests {
     use super::*;
     use crate::{Context, DeviceRequest, Error};
-    use softnic::initiator::RingMode;
     use softnic::{DmaBuf, SimDeviceMemory};
+    use verbs::initiator::RingMode;
 
     /// Set in the child processes of the test below.
     const PSN_CHILD: &str = "GPUVERBS_TEST_PSN_CHILD";

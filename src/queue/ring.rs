@@ -2,7 +2,7 @@
 //! ([`DoorbellMode`]).
 
 use crate::Error;
-use softnic::DmaBuf;
+use verbs::DmaBuf;
 
 /// Where a queue's rings live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

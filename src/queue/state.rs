@@ -142,7 +142,7 @@ fn newest_of_qp(
     since: u32,
 ) -> Newest {
     let mask = cq.ncqe as usize - 1;
-    let collapsed = cq.mode == softnic::CqMode::Collapsed;
+    let collapsed = cq.mode == verbs::CqMode::Collapsed;
     let fresh = ci.wrapping_sub(since) & 0xff_ffff;
     // a collapsed CQ holds its newest CQE in slot 0 only
     let window = if collapsed { 1 } else { cq.ncqe.min(ci) };
@@ -216,10 +216,7 @@ impl Qp {
     /// # Panics
     /// When [`Qp::try_cpu_initiator`] fails: the QP or one of its CQs has its rings in GPU
     /// memory, or the QP already has a poster.
-    pub fn cpu_initiator(
-        &self,
-        mode: softnic::initiator::RingMode,
-    ) -> softnic::initiator::Initiator {
+    pub fn cpu_initiator(&self, mode: verbs::initiator::RingMode) -> verbs::initiator::Initiator {
         match self.try_cpu_initiator(mode) {
             Ok(i) => i,
             Err(e) => panic!("Qp::cpu_initiator: {e}"),
@@ -236,14 +233,16 @@ impl Qp {
     /// doorbell records.
     pub fn try_cpu_initiator(
         &self,
-        mode: softnic::initiator::RingMode,
-    ) -> Result<softnic::initiator::Initiator, Error> {
+        mode: verbs::initiator::RingMode,
+    ) -> Result<verbs::initiator::Initiator, Error> {
         let claim = self.posters.claim(Poster::CpuInitiator)?;
         match (&self.pd.ctx.inner.backend, &self.dev) {
-            (Backend::Soft(d), QpDev::Soft(q)) => {
-                Ok(softnic::initiator::Initiator::try_for_soft_qp(d, q, mode)?
-                    .with_guard(Box::new(claim)))
-            }
+            (Backend::Soft(d), QpDev::Soft(q)) => Ok(
+                <verbs::initiator::Initiator as softnic::SoftQpInitiator>::try_for_soft_qp(
+                    d, q, mode,
+                )?
+                .with_guard(Box::new(claim)),
+            ),
             (Backend::Mlx5(_), QpDev::Mlx5(q)) => {
                 let st = QueueState::of_mlx5(self, q);
                 let rq_consumer = st.rq_consumer.ok_or_else(|| {
@@ -255,7 +254,7 @@ impl Qp {
                     ))
                 });
                 let rq_consumer = if st.rq_head == 0 { Ok(0) } else { rq_consumer }?;
-                let host = |b: &softnic::DmaBuf| b.is_host();
+                let host = |b: &verbs::DmaBuf| b.is_host();
                 let cq_host = |c: &CqDev| match c {
                     CqDev::Mlx5(c) => host(&c.ring),
                     CqDev::Soft(c) => host(c.ring()),
@@ -272,14 +271,14 @@ impl Qp {
                         q.qpn
                     )));
                 }
-                let sq = softnic::initiator::SqGeometry {
+                let sq = verbs::initiator::SqGeometry {
                     ring: q.sq.as_ptr(),
                     blocks: q.sq_blocks,
                     dbrec: sq_rec,
                     bf_reg: q.bf_reg,
                     qpn: q.qpn,
                 };
-                let rq = softnic::initiator::RqGeometry {
+                let rq = verbs::initiator::RqGeometry {
                     ring: q.rq.as_ref().map_or(std::ptr::null_mut(), |r| r.as_ptr()),
                     wqes: q.rq_wqes,
                     stride: q.rq_stride,
@@ -294,7 +293,7 @@ impl Qp {
                 // and its CQs, kept alive by `keep`; the claim makes the initiator the QP's
                 // only poster and its CQs' only poller.
                 let mut ini = unsafe {
-                    softnic::initiator::Initiator::from_geometry(
+                    verbs::initiator::Initiator::from_geometry(
                         sq,
                         rq,
                         self.send_cq.geometry(),
@@ -304,7 +303,7 @@ impl Qp {
                         None,
                     )
                 };
-                ini.resume_at(softnic::initiator::QueueStart {
+                ini.resume_at(verbs::initiator::QueueStart {
                     sq_pi: st.sq_pi as u16,
                     sq_unfinished: st.sq_in_flight,
                     rq_head: st.rq_head,

@@ -54,12 +54,12 @@ use source::{register, resolve, AllocId, Source};
 
 use crate::memory::{Access, Mr, Pd};
 use crate::Error;
-use softnic::buffer::PAGE;
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
+use verbs::buffer::PAGE;
 
 /// An entry: one registration, and how it is found.
 struct Entry {
@@ -485,8 +485,8 @@ mod tests {
     use crate::memory::HostBuffer;
     use crate::{ConnectOptions, Context, CqOptions, DeviceRequest, QpOptions};
     use prm::wqe::{CtrlFlags, Local, Op};
-    use softnic::initiator::RingMode;
     use softnic::{MemKind, SimDeviceMemory};
+    use verbs::initiator::RingMode;
 
     const T: Duration = Duration::from_secs(10);
     const LW: Access = Access::LOCAL_WRITE;

@@ -34,7 +34,7 @@ mod sealed {
     /// Device memory without a GPU (tests): reached through `mem`, identified by `id`.
     #[cfg(test)]
     pub struct SimAlloc {
-        pub mem: std::sync::Arc<dyn softnic::devmem::DeviceMemory>,
+        pub mem: std::sync::Arc<dyn verbs::devmem::DeviceMemory>,
         pub base: u64,
         pub len: u64,
         pub id: u64,

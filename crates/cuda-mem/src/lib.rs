@@ -7,10 +7,10 @@
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext};
-use softnic::devmem::{DeviceMemory, DeviceMemoryError};
 use std::ffi::c_void;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
+use verbs::devmem::{DeviceMemory, DeviceMemoryError};
 
 /// A driver call that failed, with what was being done.
 #[derive(Debug, thiserror::Error)]

@@ -10,8 +10,8 @@ use gpuverbs::{
 };
 use prm::wqe::{CtrlFlags, Local, Op};
 use prm::Completion;
-use softnic::initiator::RingMode;
 use std::time::Duration;
+use verbs::initiator::RingMode;
 
 /// Bytes the round trip moves: more than the soft NIC's 1 MiB staging buffer.
 const ROUNDTRIP: usize = (1 << 20) + 4096;

@@ -207,7 +207,7 @@ fn export_header_version(ctx: &Ctx) -> Result<String> {
     }
     // the refusal claimed nothing: QP B's poster is still free
     let ini =
-        p.qb.try_cpu_initiator(softnic::initiator::RingMode::RdmaCore)?;
+        p.qb.try_cpu_initiator(verbs::initiator::RingMode::RdmaCore)?;
     drop(ini);
     Ok(format!(
         "version {DESC_VERSION:#010x} and size {} in the descriptor; {:#010x} refused",

@@ -3,7 +3,7 @@
 //! WQEs (a CPU initiator posts them, as `ib_write_bw` does), optionally with packet loss.
 //! Used by `tests/wire_bench.rs` and callable from samples.
 
-use crate::initiator::{Initiator, InitiatorError, RingMode};
+use crate::initiator::{Initiator, InitiatorError, RingMode, SoftQpInitiator};
 use crate::mem::Access;
 use crate::qp::{Modify, QpConfig, RtrAttr, RtsAttr};
 use crate::wire::{WireConfig, WireFaults};

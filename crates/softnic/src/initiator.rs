@@ -1,198 +1,13 @@
-//! A CPU initiator: posts WQEs into an SQ, rings the doorbell and polls the CQ through raw ring
-//! geometry, exactly as a GPU kernel does. It is a real client of the device, not a shortcut
-//! into the engine: it works on any mlx5-format QP whose geometry it is given.
+//! The CPU initiator (`verbs::initiator`) on a soft-NIC QP: its geometry read off the QP, the
+//! queue's state taken over from memory and the device, and what only this device offers a
+//! poster (CQ overrun probes, sleeping until the engine writes a CQE, the engine's turn, and
+//! waking the engine at each doorbell instead of having it poll).
+
+pub use verbs::initiator::*;
 
 use crate::qp::Qp;
-use prm::cqe::{sw_owns, Completion, Cqe64, CqeOpcode, CQE_TAIL_OFFSET};
-use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
-use prm::wqe::{blocks_for_ds, CtrlFlags, DataSeg, Op, Sge};
-use prm::{CQE_SIZE, WQEBB};
-use std::any::Any;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-/// Where a send queue lives.
-#[derive(Clone, Copy, Debug)]
-pub struct SqGeometry {
-    /// First byte of the ring (64-byte blocks).
-    pub ring: *mut u8,
-    /// Ring size in blocks (power of two).
-    pub blocks: u32,
-    /// The 8-byte doorbell record (word 1 is the send word).
-    pub dbrec: *mut u8,
-    /// The doorbell/BlueFlame register (two halves of [`BF_HALF_SIZE`] bytes).
-    pub bf_reg: *mut u8,
-    /// QP number.
-    pub qpn: u32,
-}
-
-/// Where a receive queue lives.
-#[derive(Clone, Copy, Debug)]
-pub struct RqGeometry {
-    /// First byte of the ring.
-    pub ring: *mut u8,
-    /// Number of WQEs (power of two; 0 = no RQ).
-    pub wqes: u32,
-    /// Bytes per WQE.
-    pub stride: u32,
-    /// The doorbell record (word 0 is the receive word).
-    pub dbrec: *mut u8,
-}
-
-/// Where a completion queue lives.
-#[derive(Clone, Copy, Debug)]
-pub struct CqGeometry {
-    /// First CQE.
-    pub ring: *mut u8,
-    /// Number of CQEs (power of two).
-    pub ncqe: u32,
-    /// The CQ doorbell record (word 0: consumer index).
-    pub dbrec: *mut u8,
-    /// Every CQE lands in slot 0.
-    pub collapsed: bool,
-}
-
-/// How [`Initiator::ring`] tells the device about new WQEs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RingMode {
-    /// DBREC, then the first 8 bytes of the last WQE's control segment to the register
-    /// (rdma-core), alternating halves.
-    RdmaCore,
-    /// DBREC, then `{BE32(pi << 8), BE32(qpn << 8)}` to the register (DOCA/UCX).
-    Doca,
-    /// DBREC, then the whole last WQE copied into the register, alternating halves.
-    BlueFlame,
-}
-
-/// Initiator errors.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum InitiatorError {
-    /// The WQE does not fit in the free part of the SQ; poll completions first.
-    #[error("send queue full: {need} blocks needed, {free} free")]
-    SqFull {
-        /// Blocks needed.
-        need: u32,
-        /// Blocks free.
-        free: u32,
-    },
-    /// The receive queue is full.
-    #[error("receive queue full")]
-    RqFull,
-    /// More SGEs than a receive WQE holds.
-    #[error("{0} SGEs do not fit a receive WQE")]
-    TooManySges(usize),
-    /// The operation cannot be encoded.
-    #[error("WQE cannot be built: {0}")]
-    Build(prm::BuildError),
-    /// No completion arrived in time.
-    #[error("no completion within {0:?}")]
-    Timeout(Duration),
-    /// The CQ is in error after an overrun (its consumer fell a whole ring behind, in
-    /// overrun-detect mode): completions were lost, and the QP that produced the refused CQE
-    /// is in ERR. Reported once the CQEs still in the ring have been taken.
-    #[error("the {0} CQ overran: completions were lost and the CQ is in error")]
-    CqOverrun(&'static str),
-}
-
-/// Polls one CQ.
-pub struct CqPoller {
-    g: CqGeometry,
-    ci: u32,
-    last_collapsed: Option<u32>,
-}
-
-// SAFETY: the poller only holds raw pointers into device-visible memory kept alive by the
-// initiator's keep-alive handle; all access is through atomics or raw copies.
-unsafe impl Send for CqPoller {}
-
-impl CqPoller {
-    /// # Safety
-    /// The geometry must describe live CQ memory that outlives the poller.
-    pub unsafe fn new(g: CqGeometry) -> Self {
-        Self {
-            g,
-            ci: 0,
-            last_collapsed: None,
-        }
-    }
-
-    /// Consumer index (CQEs taken so far).
-    pub fn consumer_index(&self) -> u32 {
-        self.ci
-    }
-
-    /// Continues from the consumer index in the CQ doorbell record (what the CQ's previous
-    /// poller last published, 24 bits): the next CQE taken is number `ci`, owned when its owner
-    /// bit is `(ci / ncqe) & 1` (ncqe divides 2^24, so the parity survives the truncation). In
-    /// collapsed mode the CQE now in slot 0, when there is one, counts as already taken.
-    fn resume_from_dbrec(&mut self) {
-        // SAFETY: the CQ DBREC's word 0 is live and 4-byte aligned per the geometry contract.
-        let word = unsafe { &*(self.g.dbrec as *const AtomicU32) }.load(Ordering::Acquire);
-        self.ci = u32::from_be(word) & 0xff_ffff;
-        if self.g.collapsed && self.ci != 0 {
-            // SAFETY: slot 0's tail word is inside the ring and 4-byte aligned.
-            let tail = unsafe { &*(self.g.ring.add(CQE_TAIL_OFFSET) as *const AtomicU32) }
-                .load(Ordering::Acquire);
-            if tail.to_ne_bytes()[3] >> 4 != CqeOpcode::Invalid as u8 {
-                self.last_collapsed = Some(tail);
-            }
-        }
-    }
-
-    /// Takes the next CQE if software owns it.
-    pub fn poll(&mut self) -> Option<Cqe64> {
-        let slot = if self.g.collapsed {
-            0
-        } else {
-            self.ci & (self.g.ncqe - 1)
-        } as usize;
-        // SAFETY: slot < ncqe, inside the ring per the geometry contract; the tail word is
-        // 4-byte aligned (CQEs are 64-byte aligned).
-        let tail_ptr =
-            unsafe { self.g.ring.add(slot * CQE_SIZE + CQE_TAIL_OFFSET) } as *const AtomicU32;
-        // SAFETY: aligned, live; the device releases this word last.
-        let tail = unsafe { &*tail_ptr }.load(Ordering::Acquire);
-        let op_own = tail.to_ne_bytes()[3];
-        if op_own >> 4 == CqeOpcode::Invalid as u8 {
-            return None;
-        }
-        if self.g.collapsed {
-            if self.last_collapsed == Some(tail) {
-                return None;
-            }
-            self.last_collapsed = Some(tail);
-        } else if !sw_owns(op_own, self.ci, self.g.ncqe) {
-            return None;
-        }
-        let mut bytes = [0u8; CQE_SIZE];
-        // SAFETY: the CQE is inside the ring; its bytes 0..60 were written before the tail
-        // release we acquired.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.g.ring.add(slot * CQE_SIZE), bytes.as_mut_ptr(), 60)
-        };
-        bytes[60..].copy_from_slice(&tail.to_ne_bytes());
-        self.ci = self.ci.wrapping_add(1);
-        // SAFETY: the CQ DBREC's word 0 is live and 4-byte aligned per the geometry contract.
-        unsafe { &*(self.g.dbrec as *const AtomicU32) }
-            .store((self.ci & 0xff_ffff).to_be(), Ordering::Release);
-        Some(bytemuck::cast(bytes))
-    }
-}
-
-/// Where a new poster continues a queue an earlier poster left ([`Initiator::resume_at`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct QueueStart {
-    /// The producer index last rung (16-bit block counter).
-    pub sq_pi: u16,
-    /// Blocks before `sq_pi` not yet retired by a completion (still in flight, or finished
-    /// without a CQE yet).
-    pub sq_unfinished: u16,
-    /// The RQ head (receive WQEs posted, 16-bit counter).
-    pub rq_head: u16,
-    /// Receive WQEs posted and not yet consumed.
-    pub rq_outstanding: u16,
-}
 
 /// Marks a soft QP as posted to by a CPU initiator that wakes its engine (so the engine need
 /// not poll for its doorbells), until dropped.
@@ -211,82 +26,8 @@ impl Drop for KickingPoster {
     }
 }
 
-/// A CPU client of one QP.
-pub struct Initiator {
-    sq: SqGeometry,
-    rq: RqGeometry,
-    send: CqPoller,
-    recv: CqPoller,
-    mode: RingMode,
-    pi: u16,
-    sq_ci: u16,
-    rq_pi: u32,
-    rq_ci: u32,
-    half: usize,
-    /// `half`'s first 8 bytes were cleared by this initiator's previous ring.
-    half_clear: bool,
-    /// Blocks of the WQE that starts at each ring slot (to retire on completion).
-    sizes: Vec<u8>,
-    last: Option<prm::WqeBuf>,
-    wake: Option<Arc<dyn Fn() + Send + Sync>>,
-    /// Whether the send / receive CQ is in error (overrun), where the device can say.
-    cq_error: Option<[Arc<dyn Fn() -> bool + Send + Sync>; 2]>,
-    /// The soft NIC's send and receive CQs, whose writes a waiting poller sleeps on.
-    soft_cqs: Option<[Arc<crate::Cq>; 2]>,
-    /// Says the soft QP's engine is woken by this poster, while it lives.
-    _kicking: Option<KickingPoster>,
-    _keep: Arc<dyn Any + Send + Sync>,
-    /// Dropped with the initiator (e.g. a claim on the QP that lets one poster at a time in).
-    _guard: Option<Box<dyn Any + Send>>,
-}
-
-// SAFETY: raw pointers into device-visible memory kept alive by `_keep`; see `CqPoller`.
-unsafe impl Send for Initiator {}
-
-impl Initiator {
-    /// # Safety
-    /// The geometries must describe live, correctly sized device memory of one QP and its CQs,
-    /// kept alive by `keep`, and no other client may post to this QP.
-    pub unsafe fn from_geometry(
-        sq: SqGeometry,
-        rq: RqGeometry,
-        send_cq: CqGeometry,
-        recv_cq: CqGeometry,
-        mode: RingMode,
-        keep: Arc<dyn Any + Send + Sync>,
-        wake: Option<Arc<dyn Fn() + Send + Sync>>,
-    ) -> Self {
-        Self {
-            sq,
-            rq,
-            // SAFETY: forwarded contract.
-            send: unsafe { CqPoller::new(send_cq) },
-            // SAFETY: forwarded contract.
-            recv: unsafe { CqPoller::new(recv_cq) },
-            mode,
-            pi: 0,
-            sq_ci: 0,
-            rq_pi: 0,
-            rq_ci: 0,
-            half: 0,
-            half_clear: false,
-            sizes: vec![0; sq.blocks as usize],
-            last: None,
-            wake,
-            cq_error: None,
-            soft_cqs: None,
-            _kicking: None,
-            _keep: keep,
-            _guard: None,
-        }
-    }
-
-    /// Hands the initiator something to drop when it is dropped (a claim on its QP).
-    pub fn with_guard(mut self, guard: Box<dyn Any + Send>) -> Self {
-        self._guard = Some(guard);
-        self
-    }
-
+/// The constructors of an [`Initiator`] on a soft-NIC QP.
+pub trait SoftQpInitiator: Sized {
     /// An initiator for a soft-NIC QP (its CQs must not be polled by anyone else). It
     /// continues from the queue's state as the memory and the device hold it, so it may follow
     /// an earlier poster (another initiator, a kernel, the CPU proxy) that has stopped: its
@@ -297,9 +38,9 @@ impl Initiator {
     ///
     /// # Panics
     /// When a ring of the QP or of its CQs is in device memory (a CPU cannot store into GPU
-    /// memory) or a CQ has 128-byte entries; [`Initiator::try_for_soft_qp`] returns that as an
-    /// error.
-    pub fn for_soft_qp(dev: &crate::Device, qp: &Arc<Qp>, mode: RingMode) -> Self {
+    /// memory) or a CQ has 128-byte entries; [`SoftQpInitiator::try_for_soft_qp`] returns
+    /// that as an error.
+    fn for_soft_qp(dev: &crate::Device, qp: &Arc<Qp>, mode: RingMode) -> Self {
         match Self::try_for_soft_qp(dev, qp, mode) {
             Ok(i) => i,
             Err(e) => panic!("{e}"),
@@ -309,9 +50,16 @@ impl Initiator {
     /// An initiator for a soft-NIC QP, or [`crate::Error::InvalidArgument`] when a ring of the
     /// QP or of its CQs is in device memory: the CPU initiator writes WQEs and polls CQEs with
     /// host loads and stores, which GPU-resident rings do not allow (drive such a QP from a
-    /// kernel) or a CQ has 128-byte entries (its poller reads 64-byte
-    /// CQEs).
-    pub fn try_for_soft_qp(
+    /// kernel), or a CQ has 128-byte entries (its poller reads 64-byte CQEs).
+    fn try_for_soft_qp(
+        dev: &crate::Device,
+        qp: &Arc<Qp>,
+        mode: RingMode,
+    ) -> Result<Self, crate::Error>;
+}
+
+impl SoftQpInitiator for Initiator {
+    fn try_for_soft_qp(
         dev: &crate::Device,
         qp: &Arc<Qp>,
         mode: RingMode,
@@ -333,437 +81,92 @@ impl Initiator {
                 "the CPU initiator polls CQs of 64-byte CQEs only",
             ));
         }
-        Ok(Self::for_host_rings(dev, qp, mode))
-    }
-
-    fn for_host_rings(dev: &crate::Device, qp: &Arc<Qp>, mode: RingMode) -> Self {
-        let cq_geom = |cq: &crate::Cq| CqGeometry {
-            ring: cq.ring().as_ptr(),
-            ncqe: cq.ncqe(),
-            dbrec: cq.dbrec().as_ptr(),
-            collapsed: cq.mode() == crate::CqMode::Collapsed,
-        };
-        // SAFETY: offsets inside the QP's own pages (its doorbell record's: the control page,
-        // or the external record it was given).
-        let (dbrec, bf) = unsafe {
-            (
-                qp.dbrec_page().as_ptr().add(qp.dbrec_offset()),
-                qp.uar().as_ptr().add(prm::doorbell::BF_OFFSET),
-            )
-        };
-        let sq = SqGeometry {
-            ring: qp.sq_ring().as_ptr(),
-            blocks: qp.sq_blocks(),
-            dbrec,
-            bf_reg: bf,
-            qpn: qp.qpn(),
-        };
-        let rq = RqGeometry {
-            ring: qp.rq_ring().as_ptr(),
-            wqes: qp.rq_wqes(),
-            stride: qp.rq_stride(),
-            dbrec,
-        };
-        let shared = dev.shared().clone();
-        let wake: Arc<dyn Fn() + Send + Sync> = Arc::new(move || shared.kick());
-        // SAFETY: all pointers come from buffers owned by `qp` (and its CQs), kept alive by the
-        // Arc handed over as keep-alive.
-        let mut ini = unsafe {
-            Self::from_geometry(
-                sq,
-                rq,
-                cq_geom(qp.send_cq()),
-                cq_geom(qp.recv_cq()),
-                mode,
-                qp.clone(),
-                Some(wake),
-            )
-        };
-        ini.resume(qp);
-        let probe = |cq: &Arc<crate::Cq>| -> Arc<dyn Fn() -> bool + Send + Sync> {
-            let cq = cq.clone();
-            Arc::new(move || cq.is_overrun())
-        };
-        ini.cq_error = Some([probe(qp.send_cq()), probe(qp.recv_cq())]);
-        ini._kicking = Some(KickingPoster::new(qp));
-        let sleepable = |cq: &Arc<crate::Cq>| cq.mode() != crate::CqMode::Collapsed;
-        if sleepable(qp.send_cq()) && sleepable(qp.recv_cq()) {
-            ini.soft_cqs = Some([qp.send_cq().clone(), qp.recv_cq().clone()]);
-        }
-        ini
-    }
-
-    /// Takes over the queue's state from memory and the device (see [`Self::for_soft_qp`]).
-    fn resume(&mut self, qp: &Qp) {
-        let rec = qp.ctrl_page();
-        let word = |i: usize| {
-            u32::from_be(
-                rec.atomic_u32(qp.dbrec_offset() + 4 * i)
-                    .load(Ordering::Acquire),
-            )
-        };
-        let (rq_head, sq_pi) = (word(0) as u16, word(1) as u16);
-        self.resume_at(QueueStart {
-            sq_pi,
-            // blocks the device has not executed yet belong to WQEs still in flight
-            sq_unfinished: sq_pi.wrapping_sub(qp.sq_consumer()),
-            rq_head,
-            rq_outstanding: rq_head.wrapping_sub(qp.rq_consumer() as u16),
-        });
-    }
-
-    /// Continues from an earlier poster's queue state: the producer index last rung, the SQ
-    /// blocks before it not yet retired, the RQ head and the receives posted but not yet
-    /// consumed; each CQ poller starts at the consumer index in its CQ doorbell record (owner
-    /// parity included). A count larger than its ring cannot be in flight and is taken as 0.
-    /// WQEs written but never rung by the earlier poster are overwritten.
-    pub fn resume_at(&mut self, s: QueueStart) {
-        self.pi = s.sq_pi;
-        self.sq_ci = if u32::from(s.sq_unfinished) <= self.sq.blocks {
-            s.sq_pi.wrapping_sub(s.sq_unfinished)
-        } else {
-            s.sq_pi
-        };
-        self.rq_pi = u32::from(s.rq_head);
-        self.rq_ci = if u32::from(s.rq_outstanding) <= self.rq.wqes {
-            self.rq_pi.wrapping_sub(u32::from(s.rq_outstanding))
-        } else {
-            self.rq_pi
-        };
-        self.send.resume_from_dbrec();
-        self.recv.resume_from_dbrec();
-    }
-
-    /// Producer index (16-bit block counter of the next WQE).
-    pub fn producer(&self) -> u16 {
-        self.pi
-    }
-
-    /// Blocks not yet retired by a completion.
-    pub fn outstanding(&self) -> u32 {
-        self.pi.wrapping_sub(self.sq_ci) as u32
-    }
-
-    /// Receive WQEs posted and not yet completed (taken by [`Self::poll_recv`]).
-    pub fn recv_outstanding(&self) -> u32 {
-        self.rq_pi.wrapping_sub(self.rq_ci)
-    }
-
-    /// Writes one WQE into the SQ (without ringing). Returns its index.
-    pub fn post(&mut self, op: &Op<'_>, flags: CtrlFlags) -> Result<u16, InitiatorError> {
-        let w = op
-            .encode(self.pi, self.sq.qpn, flags)
-            .map_err(InitiatorError::Build)?;
-        self.post_wqe(w)
-    }
-
-    /// Writes one WQE of a UD QP: `op` (SEND or SEND_IMM) with the datagram segment `av`
-    /// after its control segment (without ringing). Returns its index.
-    pub fn post_ud(
-        &mut self,
-        op: &Op<'_>,
-        flags: CtrlFlags,
-        av: &prm::wqe::DatagramSeg,
-    ) -> Result<u16, InitiatorError> {
-        let w = op
-            .encode(self.pi, self.sq.qpn, flags)
-            .and_then(|w| w.with_datagram(av))
-            .map_err(InitiatorError::Build)?;
-        self.post_wqe(w)
-    }
-
-    fn post_wqe(&mut self, w: prm::WqeBuf) -> Result<u16, InitiatorError> {
-        let need = w.blocks() as u32;
-        let free = self.sq.blocks - self.outstanding();
-        if need > free {
-            return Err(InitiatorError::SqFull { need, free });
-        }
-        let mask = self.sq.blocks as usize - 1;
-        for i in 0..w.blocks() {
-            let slot = (self.pi as usize + i) & mask;
-            // SAFETY: slot < blocks, inside the ring per the geometry contract; the device
-            // only reads slots past its consumer index, which this post owns until the ring.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    w.block(i).as_ptr(),
-                    self.sq.ring.add(slot * WQEBB),
-                    WQEBB,
-                )
-            };
-        }
-        let idx = self.pi;
-        self.sizes[idx as usize & mask] = w.blocks() as u8;
-        self.pi = self.pi.wrapping_add(need as u16);
-        self.last = Some(w);
-        Ok(idx)
-    }
-
-    /// Tells the device about every WQE posted so far.
-    pub fn ring(&mut self) {
-        let Some(last) = self.last.take() else { return };
-        // SAFETY (both blocks below): the DBREC send word and the register halves are live,
-        // aligned device memory per the geometry contract.
-        unsafe { &*(self.sq.dbrec.add(4) as *const AtomicU32) }
-            .store((self.pi as u32).to_be(), Ordering::Release);
-        let bf_fits = last.blocks() * WQEBB <= BF_HALF_SIZE;
-        let reg = |h: usize| unsafe { self.sq.bf_reg.add(h * BF_HALF_SIZE) };
-        // The device notices a doorbell as a change of a half's first 8 bytes: a value that
-        // half already holds (the same index, QPN and size again, e.g. after a RESET took the
-        // indices back to 0) goes to the other half, which cannot hold it too.
-        let want = match self.mode {
-            RingMode::Doca => DoorbellValue::from_pi(self.pi, self.sq.qpn),
-            RingMode::BlueFlame if !bf_fits => DoorbellValue::from_pi(self.pi, self.sq.qpn),
-            _ => DoorbellValue::from_ctrl(&last.ctrl()),
-        };
-        // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
-        if unsafe { &*(reg(self.half) as *const AtomicU64) }.load(Ordering::Relaxed)
-            == want.to_u64()
-        {
-            self.half ^= 1;
-            self.half_clear = false;
-        }
-        let value = match self.mode {
-            RingMode::RdmaCore => DoorbellValue::from_ctrl(&last.ctrl()),
-            RingMode::Doca => DoorbellValue::from_pi(self.pi, self.sq.qpn),
-            RingMode::BlueFlame if !bf_fits => DoorbellValue::from_pi(self.pi, self.sq.qpn),
-            RingMode::BlueFlame => {
-                let bytes = last.as_bytes();
-                // Seqlock order (the GPU device API's too): the half's first 8 bytes were
-                // cleared by the previous ring (below; the first ring clears them here), this
-                // fence orders that clear before bytes 8.., then (below) the first 8 bytes, so
-                // a device copying the half can tell it was rewritten.
-                if !self.half_clear {
-                    // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
-                    unsafe { &*(reg(self.half) as *const AtomicU64) }.store(0, Ordering::Relaxed);
-                }
-                fence(Ordering::Release);
-                // SAFETY: the WQE fits in one register half.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bytes[8..].as_ptr(),
-                        reg(self.half).add(8),
-                        bytes.len() - 8,
-                    )
-                };
-                fence(Ordering::Release);
-                DoorbellValue::from_ctrl(&last.ctrl())
-            }
-        };
-        // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
-        unsafe { &*(reg(self.half) as *const AtomicU64) }.store(value.to_u64(), Ordering::Release);
-        if self.mode != RingMode::Doca {
-            self.half ^= 1;
-        }
-        if self.mode == RingMode::BlueFlame {
-            // Clear the next ring's half ahead of it (see the seqlock order above).
-            // SAFETY: the register's first 8 bytes are 8-byte aligned device memory.
-            unsafe { &*(reg(self.half) as *const AtomicU64) }.store(0, Ordering::Relaxed);
-            self.half_clear = true;
-        }
-        if let Some(w) = &self.wake {
-            w();
-        }
-    }
-
-    /// Posts and rings one WQE.
-    pub fn post_and_ring(&mut self, op: &Op<'_>, flags: CtrlFlags) -> Result<u16, InitiatorError> {
-        let idx = self.post(op, flags)?;
-        self.ring();
-        Ok(idx)
-    }
-
-    /// Posts a receive WQE (with a terminator when shorter than the stride).
-    pub fn post_recv(&mut self, sges: &[Sge]) -> Result<u16, InitiatorError> {
-        if self.rq.wqes == 0 || self.rq_pi.wrapping_sub(self.rq_ci) >= self.rq.wqes {
-            return Err(InitiatorError::RqFull);
-        }
-        let slots = (self.rq.stride / 16) as usize;
-        if sges.len() > slots {
-            return Err(InitiatorError::TooManySges(sges.len()));
-        }
-        let base = (self.rq_pi & (self.rq.wqes - 1)) as usize * self.rq.stride as usize;
-        for i in 0..slots.min(sges.len() + 1) {
-            let seg = sges
-                .get(i)
-                .map_or_else(DataSeg::terminator, |s| DataSeg::new(*s));
-            // SAFETY: inside the RQ slot per the geometry contract.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    bytemuck::bytes_of(&seg).as_ptr(),
-                    self.rq.ring.add(base + i * 16),
-                    16,
-                )
-            };
-        }
-        let idx = self.rq_pi as u16;
-        self.rq_pi = self.rq_pi.wrapping_add(1);
-        // SAFETY: DBREC receive word, live and aligned.
-        unsafe { &*(self.rq.dbrec as *const AtomicU32) }
-            .store((self.rq_pi & 0xffff).to_be(), Ordering::Release);
-        Ok(idx)
-    }
-
-    /// Takes the next send completion, retiring the SQ space it covers.
-    pub fn poll_send(&mut self) -> Option<Completion> {
-        let c = self.send.poll()?.decode();
-        let counter = match c {
-            Completion::Req { wqe_counter, .. } => Some(wqe_counter),
-            Completion::Error(e) if !e.responder => Some(e.wqe_counter),
-            _ => None,
-        };
-        // Retire only within what is outstanding: an error CQE may name a counter that is
-        // not a posted WQE (a refused doorbell reports the device's consumer index, perhaps
-        // with nothing posted there) or repeat one already retired; retiring past the
-        // producer would make `outstanding` wrap and `post` underflow.
-        if let Some(w) = counter {
-            let outstanding = self.outstanding();
-            if (w.wrapping_sub(self.sq_ci) as u32) < outstanding {
-                let blocks = self.sizes[w as usize & (self.sq.blocks as usize - 1)].max(1);
-                let end = w.wrapping_add(blocks as u16);
-                self.sq_ci = if end.wrapping_sub(self.sq_ci) as u32 <= outstanding {
-                    end
-                } else {
-                    self.pi
-                };
-            }
-        }
-        Some(c)
-    }
-
-    /// Takes the next receive completion as the device wrote it.
-    pub fn poll_recv_raw(&mut self) -> Option<Cqe64> {
-        let c = self.recv.poll()?;
-        self.retire_recv();
-        Some(c)
-    }
-
-    /// Counts one receive as completed, never past the ones posted: a poster that took over
-    /// the queue counts the receives the device had consumed already as done, and their
-    /// completions, still in the CQ, retire nothing more.
-    fn retire_recv(&mut self) {
-        if self.rq_ci != self.rq_pi {
-            self.rq_ci = self.rq_ci.wrapping_add(1);
-        }
-    }
-
-    /// Takes the next receive completion.
-    pub fn poll_recv(&mut self) -> Option<Completion> {
-        let c = self.recv.poll()?.decode();
-        self.retire_recv();
-        Some(c)
-    }
-
-    /// Whether the send CQ (`recv` false) or the receive CQ is in error after an overrun
-    /// (known for soft-NIC QPs; false where the device cannot say).
-    pub fn cq_overrun(&self, recv: bool) -> bool {
-        self.cq_error
-            .as_ref()
-            .is_some_and(|p| p[usize::from(recv)]())
-    }
-
-    /// Waits for the next send completion, at most `timeout`;
-    /// [`InitiatorError::CqOverrun`] when the send CQ overran and holds no more CQEs.
-    pub fn wait_send(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
-        let probe = self.cq_error.as_ref().map(|p| p[0].clone());
-        let sleep = self.sleeper(false);
-        let turn = self.turn_probe();
-        wait(timeout, "send", probe, sleep, turn, || self.poll_send())
-    }
-
-    /// Waits for the next receive completion, at most `timeout`;
-    /// [`InitiatorError::CqOverrun`] when the receive CQ overran and holds no more CQEs.
-    pub fn wait_recv(&mut self, timeout: Duration) -> Result<Completion, InitiatorError> {
-        let probe = self.cq_error.as_ref().map(|p| p[1].clone());
-        let sleep = self.sleeper(true);
-        let turn = self.turn_probe();
-        wait(timeout, "receive", probe, sleep, turn, || self.poll_recv())
-    }
-
-    /// Gives the core away until the send CQ (`recv` false) or the receive CQ may hold a
-    /// completion not yet polled, at most `timeout`, without taking it (poll it next). On a
-    /// soft NIC the thread sleeps until the device writes a CQE there, or finds one already
-    /// written; elsewhere it yields once. For a loop that polls several initiators and has
-    /// nothing to do until one of them completes something.
-    pub fn idle_until_completion(&self, recv: bool, timeout: Duration) {
-        match self.sleeper(recv) {
-            Some(s) => {
-                s(timeout);
-            }
-            None => std::thread::yield_now(),
-        }
-    }
-
-    /// A soft NIC's engine turn for this QP: a number that moves on while the engine that
-    /// runs the QP is running (it spins, or works), and stands still while it sleeps or waits
-    /// for a core. A poster that spins for a completion can stop spinning once it saw it
-    /// stand still for a while: the engine may be waiting for the poster's own core. `None`
-    /// for devices that cannot say.
-    pub fn engine_turn(&self) -> Option<u64> {
-        let k = self._kicking.as_ref()?;
-        Some(k.0.engine_turn.load(Ordering::Relaxed))
-    }
-
-    /// [`Self::engine_turn`] as a closure that owns what it reads.
-    fn turn_probe(&self) -> Option<impl Fn() -> u64 + use<>> {
-        let qp = self._kicking.as_ref()?.0.clone();
-        Some(move || qp.engine_turn.load(Ordering::Relaxed))
-    }
-
-    /// A sleep on the send or receive CQ until it holds a CQE beyond what this initiator
-    /// took (soft NIC CQs that are not collapsed).
-    fn sleeper(&self, recv: bool) -> Option<impl Fn(Duration) -> bool + use<>> {
-        let cq = self.soft_cqs.as_ref()?[usize::from(recv)].clone();
-        let consumed = if recv { &self.recv } else { &self.send }.consumer_index();
-        Some(move |t| cq.wait_beyond(consumed, t))
+        Ok(for_host_rings(dev, qp, mode))
     }
 }
 
-/// Polls with `f` until it yields a completion, the CQ overran, or `timeout` passed: spins
-/// a while, then sleeps on the CQ (`sleep`, when the device can wake it; else yields). It
-/// stops spinning early when the engine's `turn` stood still meanwhile (the engine is not
-/// running: it may be waiting for this core).
-fn wait(
-    timeout: Duration,
-    which: &'static str,
-    overrun: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
-    sleep: Option<impl Fn(Duration) -> bool>,
-    turn: Option<impl Fn() -> u64>,
-    mut f: impl FnMut() -> Option<Completion>,
-) -> Result<Completion, InitiatorError> {
-    /// Polls before the waiter gives the core away.
-    const SPINS: u32 = 1000;
-    /// Polls after which it gives the core away when the engine did not run meanwhile.
-    const STALL_SPINS: u32 = 16;
-    let turn0 = turn.as_ref().map(|t| t());
-    /// The longest sleep between checks of the overrun probe and the deadline.
-    const NAP: Duration = Duration::from_millis(1);
-    let start = Instant::now();
-    let mut spins = 0u32;
-    loop {
-        if let Some(c) = f() {
-            return Ok(c);
-        }
-        if overrun.as_ref().is_some_and(|o| o()) {
-            // Nothing more will be written: take what the ring still holds first.
-            return f().ok_or(InitiatorError::CqOverrun(which));
-        }
-        let elapsed = start.elapsed();
-        if elapsed >= timeout {
-            return Err(InitiatorError::Timeout(timeout));
-        }
-        spins += 1;
-        let stalled = spins > STALL_SPINS && turn.as_ref().map(|t| t()) == turn0 && turn0.is_some();
-        match &sleep {
-            _ if spins <= SPINS && !stalled => std::hint::spin_loop(),
-            Some(s) => {
-                s((timeout - elapsed).min(NAP));
-            }
-            None => std::thread::yield_now(),
-        }
+/// The ring geometry of a soft QP whose rings are all host memory.
+fn geometry(qp: &Qp) -> (SqGeometry, RqGeometry, CqGeometry, CqGeometry) {
+    let cq_geom = |cq: &crate::Cq| CqGeometry {
+        ring: cq.ring().as_ptr(),
+        ncqe: cq.ncqe(),
+        dbrec: cq.dbrec().as_ptr(),
+        collapsed: cq.mode() == crate::CqMode::Collapsed,
+    };
+    // SAFETY: offsets inside the QP's own pages (its doorbell record's: the control page, or
+    // the external record it was given).
+    let (dbrec, bf) = unsafe {
+        (
+            qp.dbrec_page().as_ptr().add(qp.dbrec_offset()),
+            qp.uar().as_ptr().add(prm::doorbell::BF_OFFSET),
+        )
+    };
+    let sq = SqGeometry {
+        ring: qp.sq_ring().as_ptr(),
+        blocks: qp.sq_blocks(),
+        dbrec,
+        bf_reg: bf,
+        qpn: qp.qpn(),
+    };
+    let rq = RqGeometry {
+        ring: qp.rq_ring().as_ptr(),
+        wqes: qp.rq_wqes(),
+        stride: qp.rq_stride(),
+        dbrec,
+    };
+    (sq, rq, cq_geom(qp.send_cq()), cq_geom(qp.recv_cq()))
+}
+
+fn for_host_rings(dev: &crate::Device, qp: &Arc<Qp>, mode: RingMode) -> Initiator {
+    let (sq, rq, scq, rcq) = geometry(qp);
+    let shared = dev.shared().clone();
+    let wake: Arc<dyn Fn() + Send + Sync> = Arc::new(move || shared.kick());
+    // SAFETY: all pointers come from buffers of `qp` (and its CQs), kept alive by the Arc
+    // handed over as keep-alive (memory a QP was given from elsewhere stays valid while the
+    // QP is not destroyed, `DmaBuf::from_external`'s contract).
+    let ini = unsafe { Initiator::from_geometry(sq, rq, scq, rcq, mode, qp.clone(), Some(wake)) };
+    let mut ini = ini.with_device(hooks(qp));
+    ini.resume_at(queue_start(qp));
+    ini
+}
+
+/// What the soft NIC tells and does for a poster of `qp`.
+fn hooks(qp: &Arc<Qp>) -> DeviceHooks {
+    let probe = |cq: &Arc<crate::Cq>| -> Arc<dyn Fn() -> bool + Send + Sync> {
+        let cq = cq.clone();
+        Arc::new(move || cq.is_overrun())
+    };
+    let waiter = |cq: &Arc<crate::Cq>| -> CqWait {
+        let cq = cq.clone();
+        Arc::new(move |consumed, t| cq.wait_beyond(consumed, t))
+    };
+    let sleepable = |cq: &Arc<crate::Cq>| cq.mode() != crate::CqMode::Collapsed;
+    let turn = qp.clone();
+    DeviceHooks {
+        cq_error: Some([probe(qp.send_cq()), probe(qp.recv_cq())]),
+        wait_cq: (sleepable(qp.send_cq()) && sleepable(qp.recv_cq()))
+            .then(|| [waiter(qp.send_cq()), waiter(qp.recv_cq())]),
+        engine_turn: Some(Arc::new(move || turn.engine_turn.load(Ordering::Relaxed))),
+        guard: Some(Box::new(KickingPoster::new(qp))),
     }
 }
 
-/// Blocks of an encoded WQE of `ds` units (re-exported for callers sizing rings).
-pub fn wqe_blocks(ds: u8) -> usize {
-    blocks_for_ds(ds)
+/// The queue's state as the QP's memory and the device hold it (see
+/// [`SoftQpInitiator::for_soft_qp`]).
+fn queue_start(qp: &Qp) -> QueueStart {
+    let rec = qp.dbrec_page();
+    let word = |i: usize| {
+        u32::from_be(
+            rec.atomic_u32(qp.dbrec_offset() + 4 * i)
+                .load(Ordering::Acquire),
+        )
+    };
+    let (rq_head, sq_pi) = (word(0) as u16, word(1) as u16);
+    QueueStart {
+        sq_pi,
+        // blocks the device has not executed yet belong to WQEs still in flight
+        sq_unfinished: sq_pi.wrapping_sub(qp.sq_consumer()),
+        rq_head,
+        rq_outstanding: rq_head.wrapping_sub(qp.rq_consumer() as u16),
+    }
 }

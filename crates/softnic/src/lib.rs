@@ -17,11 +17,11 @@
 //! [`DeviceMemory`] trait object supplied at registration ([`devmem`]), so this crate needs no
 //! CUDA.
 
-pub mod buffer;
+pub use verbs::buffer;
 pub mod clock;
 pub mod counters;
 pub mod cq;
-pub mod devmem;
+pub use verbs::devmem;
 pub mod event;
 pub mod mem;
 pub mod pcap;
@@ -47,6 +47,7 @@ pub use cq::{Cq, CqConfig, CqInit, CqMode, CqeSize};
 pub use device::{Device, DeviceConfig};
 pub use devmem::{DeviceMemory, DeviceMemoryError, SimDeviceMemory};
 pub use event::{AsyncEvent, EventHandler};
+pub use initiator::SoftQpInitiator;
 pub use mem::{Access, IndirectConfig, MemKind, MrInfo, MwInfo, MwType, PdId};
 pub use qp::{DoorbellKind, Fault, Modify, Qp, QpConfig, QpState, RtrAttr, RtsAttr};
 pub use srq::{Srq, SrqConfig};

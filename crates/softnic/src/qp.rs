@@ -17,33 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-/// QP states.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum QpState {
-    /// Fresh or reset.
-    Reset = 0,
-    /// Initialised: receives may be posted.
-    Init = 1,
-    /// Ready to receive.
-    Rtr = 2,
-    /// Ready to send.
-    Rts = 3,
-    /// Error: every WQE completes with WR_FLUSH.
-    Err = 4,
-}
-
-impl QpState {
-    fn from_u8(v: u8) -> Self {
-        match v {
-            0 => Self::Reset,
-            1 => Self::Init,
-            2 => Self::Rtr,
-            3 => Self::Rts,
-            _ => Self::Err,
-        }
-    }
-}
+pub use verbs::QpState;
 
 /// How the device learns of new send WQEs. Real hardware tells an 8-byte doorbell from a
 /// BlueFlame copy by the size of the MMIO write; memory cannot show that, so the QP says which
@@ -684,11 +658,7 @@ impl Qp {
             Modify::Err => Err,
             Modify::Reset => Reset,
         };
-        let legal = matches!(
-            (from, to),
-            (_, Reset) | (_, Err) | (Reset | Init, Init) | (Init, Rtr) | (Rtr | Rts, Rts)
-        );
-        if !legal {
+        if !verbs::qp::can_move(from, to) {
             return Result::Err(Error::IllegalTransition { from, to });
         }
         let wrong_type = match m {

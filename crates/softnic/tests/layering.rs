@@ -6,14 +6,13 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-/// Bottom first. A module may use any module listed before it.
+/// Bottom first. A module may use any module listed before it. (`buffer` and `devmem` are the
+/// `verbs` crate's, re-exported; the crate sits below all of these.)
 const LAYERS: &[&str] = &[
     // formats and plain resources
     "clock",
     "counters",
-    "devmem",
     "event",
-    "buffer",
     "mem",
     "mem::indirect",
     "cq",

@@ -10,7 +10,7 @@ use common::*;
 use prm::cqe::{owner_bit, Cqe64, RespKind};
 use prm::wqe::{CtrlFlags, Local, Op};
 use prm::Completion;
-use softnic::initiator::{Initiator, RingMode};
+use softnic::initiator::{Initiator, RingMode, SoftQpInitiator};
 use softnic::{
     Access, AsyncEvent, CqConfig, CqMode, Modify, QpConfig, RtrAttr, RtsAttr, Srq, SrqConfig,
 };

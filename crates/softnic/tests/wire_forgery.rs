@@ -562,14 +562,16 @@ fn answers_go_to_the_connected_peer_not_to_the_source() {
         });
         assert_eq!(f.received(Duration::from_millis(300)), 0, "{mode}");
         let b = delta(&p.b.dev.counters().wire, &before);
+        assert!(b.seq_naks_sent >= 1, "{mode}: {b:?}");
+        // what B sent reaches A, perhaps a little later on a busy machine (A's I/O thread
+        // must run first); the forger got none of it (above)
+        let sent = b.tx_packets - before.tx_packets;
+        wait_for("A to receive what B sent", Duration::from_secs(5), || {
+            delta(&p.a.dev.counters().wire, &before_a).rx_packets >= sent
+        });
         let a = delta(&p.a.dev.counters().wire, &before_a);
         eprintln!("{mode}: A {a:?}\nB {b:?}");
-        assert!(b.seq_naks_sent >= 1, "{mode}: {b:?}");
-        assert_eq!(
-            a.rx_packets,
-            b.tx_packets - before.tx_packets,
-            "{mode}: {a:?}"
-        );
+        assert!(a.rx_packets >= sent, "{mode}: {a:?}");
     }
 }
 

@@ -277,16 +277,13 @@ impl Drop for Pd {
 }
 
 /// The verbs access flags of a host-API access set.
-pub(super) fn ibv_access(a: softnic::Access) -> u32 {
+pub(super) fn ibv_access(a: verbs::Access) -> u32 {
     let mut f = 0;
     for (bit, flag) in [
-        (softnic::Access::LOCAL_WRITE, sys::IBV_ACCESS_LOCAL_WRITE),
-        (softnic::Access::REMOTE_WRITE, sys::IBV_ACCESS_REMOTE_WRITE),
-        (softnic::Access::REMOTE_READ, sys::IBV_ACCESS_REMOTE_READ),
-        (
-            softnic::Access::REMOTE_ATOMIC,
-            sys::IBV_ACCESS_REMOTE_ATOMIC,
-        ),
+        (verbs::Access::LOCAL_WRITE, sys::IBV_ACCESS_LOCAL_WRITE),
+        (verbs::Access::REMOTE_WRITE, sys::IBV_ACCESS_REMOTE_WRITE),
+        (verbs::Access::REMOTE_READ, sys::IBV_ACCESS_REMOTE_READ),
+        (verbs::Access::REMOTE_ATOMIC, sys::IBV_ACCESS_REMOTE_ATOMIC),
     ] {
         if a.contains(bit) {
             f |= flag;

@@ -362,7 +362,7 @@ impl Pd {
         &self,
         qp: &Obj,
         qpn: u32,
-        access: softnic::Access,
+        access: verbs::Access,
         r: &Remote,
         sq_psn: u32,
         o: &crate::backend::ConnectOptions,
@@ -370,7 +370,7 @@ impl Pd {
         let dev = &self.dev;
         let rmac = self.rmac(r.gid)?;
         let port = u64::from(dev.port);
-        let rights = |a: softnic::Access| u64::from(access.contains(a));
+        let rights = |a: verbs::Access| u64::from(access.contains(a));
         let log_rd = u64::from(
             dev.max_rd_atomic
                 .max(1)
@@ -388,9 +388,9 @@ impl Pd {
         };
         let init: Vec<(Field, u64)> = vec![
             (q(qpc::PM_STATE), 3),
-            (q(qpc::RWE), rights(softnic::Access::REMOTE_WRITE)),
-            (q(qpc::RRE), rights(softnic::Access::REMOTE_READ)),
-            (q(qpc::RAE), rights(softnic::Access::REMOTE_ATOMIC)),
+            (q(qpc::RWE), rights(verbs::Access::REMOTE_WRITE)),
+            (q(qpc::RRE), rights(verbs::Access::REMOTE_READ)),
+            (q(qpc::RAE), rights(verbs::Access::REMOTE_ATOMIC)),
             // atomics of up to 8 bytes, IBTA semantics
             (q(qpc::ATOMIC_MODE), 3),
             (p(ads::VHCA_PORT_NUM), port),

@@ -19,9 +19,9 @@ pub(crate) mod devx;
 
 use crate::Error;
 use rdma_core_sys as sys;
-use softnic::DmaBuf;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use verbs::DmaBuf;
 
 /// Setting this variable to `1` makes the mlx5 backend create every CQ and QP with DEVX (on
 /// host memory unless a GPU placement asks otherwise), not only those the provider cannot make:
@@ -88,7 +88,7 @@ impl Device {
             ncqe: out.cqe_cnt,
             dbrec: Rec::Host(out.dbrec.cast()),
             cqn: out.cqn,
-            mode: softnic::CqMode::OverrunDetect,
+            mode: verbs::CqMode::OverrunDetect,
         }))
     }
 }
@@ -102,7 +102,7 @@ impl Pd {
         self: &Arc<Self>,
         addr: u64,
         len: u64,
-        access: softnic::Access,
+        access: verbs::Access,
     ) -> Result<Mr, Error> {
         let flags = ibv_access(access);
         // SAFETY: live PD; the caller keeps the range mapped.
@@ -131,7 +131,7 @@ impl Pd {
         self: &Arc<Self>,
         dptr: u64,
         len: u64,
-        access: softnic::Access,
+        access: verbs::Access,
         dmabuf: Result<(std::os::fd::OwnedFd, u64), String>,
     ) -> Result<(Mr, GpuRegPath), Error> {
         use std::os::fd::AsRawFd;
@@ -470,7 +470,7 @@ pub(crate) struct Cq {
     /// The CQ doorbell record (freed after `owner`: after the object).
     pub dbrec: Rec,
     pub cqn: u32,
-    pub mode: softnic::CqMode,
+    pub mode: verbs::CqMode,
 }
 
 impl Cq {
@@ -485,7 +485,7 @@ impl Cq {
     pub(crate) fn devx(
         dev: &Arc<Device>,
         ncqe: u32,
-        mode: softnic::CqMode,
+        mode: verbs::CqMode,
         ring: DmaBuf,
         dmabuf: Option<Result<(std::os::fd::OwnedFd, u64), String>>,
         rec: DmaBuf,
@@ -607,7 +607,7 @@ impl Qp {
     /// RESET → INIT → RTR → RTS towards `r`.
     pub(crate) fn connect(
         &self,
-        access: softnic::Access,
+        access: verbs::Access,
         r: &Remote,
         sq_psn: u32,
         o: &super::ConnectOptions,

@@ -281,7 +281,7 @@ pub fn contexts() -> Result<(Context, Context)> {
 
 /// The soft NIC's counters of `ctx`; `None` on an rdma-core device (which has no such
 /// counters: checks that need them are not made, and the case says so).
-pub fn counters(ctx: &Context) -> Option<softnic::CounterSnapshot> {
+pub fn counters(ctx: &Context) -> Option<gpuverbs::soft::CounterSnapshot> {
     ctx.soft_device().map(|d| d.counters())
 }
 

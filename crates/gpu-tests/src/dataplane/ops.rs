@@ -237,7 +237,7 @@ pub fn dropped_doorbell_timeout(ordinal: usize) -> Result<String> {
     let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
     p.qa.soft()
         .expect("a soft-NIC QP")
-        .inject(softnic::Fault::DropDoorbells(1));
+        .inject(gpuverbs::soft::Fault::DropDoorbells(1));
     let t = std::time::Instant::now();
     let st = p.launch_put(&PutArgs::single(64, 50_000_000), p.dst_mr.rkey().0)?;
     let s = st.read()?;

@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use gpuverbs::post::{Completion, CpuInitiator as Initiator, RingMode, Syndrome};
 use gpuverbs::soft::raw::{
     Access, Cq, CqConfig, CqGeometry, CqMode, DmaBuf, DoorbellKind, Modify, MrInfo, Qp, QpConfig,
-    RqGeometry, RtrAttr, RtsAttr, SqGeometry,
+    RqGeometry, RtrAttr, RtsAttr, SoftQpInitiator as _, SqGeometry,
 };
 use gpuverbs::soft::{CounterSnapshot, Device, DeviceConfig, Fault};
 use std::sync::Arc;

@@ -70,8 +70,8 @@ impl DmaBuf {
     /// `ptr..ptr+len` must be readable and writable host memory, 64-byte aligned, and nothing
     /// may hold a Rust reference into it. It must stay valid until `owner` is dropped, or, for
     /// a buffer given to a QP or CQ as a ring or doorbell record, until that object is
-    /// destroyed ([`crate::Device::destroy_qp`], [`crate::Device::destroy_cq`], or the device
-    /// dropped): those return only when no device thread touches the object's memory again,
+    /// destroyed (the soft NIC's `destroy_qp` / `destroy_cq`, or its device dropped): those
+    /// return only when no device thread touches the object's memory again,
     /// which lets an owner that is not `owner` (a verbs provider's allocation) free it then,
     /// even while handles to the object live on.
     pub unsafe fn from_external(
@@ -158,7 +158,7 @@ impl DmaBuf {
 
     /// Starts loading the cache line at offset `off` of a host buffer (nothing for device
     /// memory): see [`prefetch`].
-    pub(crate) fn prefetch(&self, off: usize) {
+    pub fn prefetch(&self, off: usize) {
         if self.is_host() && off < self.len {
             prefetch(self.addr + off as u64, false);
         }
@@ -324,7 +324,7 @@ impl std::fmt::Debug for DmaBuf {
 /// writes nothing the program can see, and any address, one not mapped or not host memory
 /// included, is allowed (the CPU drops what it cannot reach).
 #[inline(always)]
-pub(crate) fn prefetch(addr: u64, write: bool) {
+pub fn prefetch(addr: u64, write: bool) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: PREFETCHT0 and PREFETCHW raise no exception for any address and change no
     // memory or register (CPUs without PREFETCHW execute its encoding as a no-op).
