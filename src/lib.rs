@@ -48,3 +48,8 @@ pub use regcache::{CachedMr, RegCache, RegCacheConfig, RegCacheStats};
 #[cfg(doctest)]
 #[doc = include_str!("../docs/host-api.md")]
 struct HostApiWalkThrough;
+
+/// README.md's host program, compiled and run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExamples;

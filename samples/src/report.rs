@@ -156,7 +156,23 @@ pub fn mtu_line(
 }
 
 /// Writes the header's common lines (device, GPU, initiator, doorbell, placements).
+///
+/// With the CPU initiator the doorbell line names the register the CPU writes and says that the CPU
+/// rings it (the QP's GPU-doorbell mapping is not used); `doorbell` is kept for kernels and
+/// for a side that only answers.
 pub fn common_header(h: &mut Header, env: &Env, a: &CommonArgs, doorbell: String) {
+    use gpuverbs::post::RingMode;
+    let doorbell = match (env.initiator, cpu_ring_mode(a.db)) {
+        (Initiator::Cpu, Ok(ring)) if !doorbell.starts_with("none:") => format!(
+            "{}, rung by the CPU initiator ({})",
+            match ring {
+                RingMode::BlueFlame => "blueflame register",
+                RingMode::Doca | RingMode::RdmaCore => "doorbell register",
+            },
+            cpu_doorbell_reason(a.db, ring)
+        ),
+        _ => doorbell,
+    };
     let gpu_posts = env.initiator == Initiator::Gpu;
     h.line("Device", env.ctx.selection())
         .line("GPU", &env.gpu_line)

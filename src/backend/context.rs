@@ -29,8 +29,23 @@ pub(crate) struct ContextInner {
 }
 
 /// Names rdma-core lists, or why it lists none.
-fn rdma_core_devices() -> Result<Vec<String>, String> {
-    mlx5::device_names().map_err(|e| e.to_string())
+fn rdma_core_devices() -> Result<Vec<String>, Error> {
+    mlx5::device_names()
+}
+
+/// Why the soft NIC, when rdma-core cannot list devices: in words, not as an error (a machine
+/// without RDMA is the ordinary case here, not a failure).
+fn no_rdma_device(e: &Error) -> String {
+    match e {
+        Error::Verbs {
+            call: "ibv_get_device_list",
+            errno,
+            ..
+        } if *errno == libc::ENOSYS => {
+            "auto: no RDMA device (the kernel has no RDMA support)".to_string()
+        }
+        e => format!("auto: no RDMA device (rdma-core: {e})"),
+    }
 }
 
 /// A non-empty environment variable.
@@ -73,8 +88,8 @@ impl Context {
                     let why = format!("auto: rdma-core lists {}", names.join(", "));
                     return Self::mlx5(&pick, why);
                 }
-                Ok(_) => "rdma-core lists no RDMA device".to_string(),
-                Err(why) => format!("no rdma-core device: {why}"),
+                Ok(_) => "auto: rdma-core lists no RDMA device".to_string(),
+                Err(e) => no_rdma_device(&e),
             },
             DeviceRequest::Soft => origin,
             DeviceRequest::Named(n)

@@ -6,10 +6,11 @@
 //! its exit status through and removes the tree. `--print-env` prints the variables instead,
 //! for scripts.
 //!
-//! `gpuverbs doctor [--json]` checks this machine (CUDA driver and GPUs, nvidia-peermem,
+//! `gpuverbs doctor [--json] [--gpu]` checks this machine (CUDA driver and GPUs, nvidia-peermem,
 //! rdma-core and its devices, PCIe distance, ACS, IOMMU, BAR1, memlock, trial registrations)
-//! and says what gpuverbs would choose; the exit status is the worst check's: 0 ok or not
-//! applicable, 1 warn, 3 fail (docs/doctor.md).
+//! and says what gpuverbs would choose and what runs here; the exit status is the worst
+//! check's: 0 ok or not applicable, 1 warn, 3 fail (docs/doctor.md). A machine without a GPU
+//! is checked for its CPU paths; `--gpu` says a GPU is wanted, so its absence fails.
 //!
 //! `gpuverbs plot bw|lat FILE.json... -o OUT.svg [--label NAME]... [--title T] [--field F]`
 //! draws the samples' `--json` rows (put_bw: bandwidth, write_lat: latency) against message
@@ -95,14 +96,19 @@ fn plot(a: Plot) -> anyhow::Result<ExitCode> {
 
 #[derive(Args)]
 struct Doctor {
-    /// Print `{"checks": [{"name", "status", "detail"}, ...]}` instead of text.
+    /// Print `{"checks": [{"name", "status", "detail"}, ...], "runs_here": "..."}` instead of text.
     #[arg(long)]
     json: bool,
+    /// You mean to use a GPU (GPU-initiated networking): a missing CUDA driver or GPU is then a
+    /// failure. Without it, a machine with no GPU is checked for what runs there (the soft NIC
+    /// or an rdma-core device, with the CPU initiator).
+    #[arg(long)]
+    gpu: bool,
 }
 
 fn doctor(a: Doctor) -> anyhow::Result<ExitCode> {
     use std::io::Write as _;
-    let report = gpuverbs_cli::doctor::run();
+    let report = gpuverbs_cli::doctor::run(gpuverbs_cli::doctor::Options { gpu: a.gpu });
     let text = if a.json {
         report.to_json() + "\n"
     } else {

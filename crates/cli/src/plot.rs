@@ -96,6 +96,9 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
 }
 
+/// The first character of a line that holds a JSON row (a JSON object).
+const ROW_START: char = '{';
+
 /// The (bytes, `field`) points of one samples `--json` output; lines that are not JSON objects
 /// starting with `{` (a table printed alongside) are skipped, rows without the field too.
 pub fn read_series(path: &Path, field: &str, name: String) -> Result<Series, PlotError> {
@@ -106,7 +109,7 @@ pub fn read_series(path: &Path, field: &str, name: String) -> Result<Series, Plo
     let mut points = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
-        if !line.starts_with('{') {
+        if !line.starts_with(ROW_START) {
             continue;
         }
         let v: serde_json::Value =

@@ -1,7 +1,9 @@
 //! A user crate driving a gpuverbs QP from ITS OWN CUDA kernel.
 //!
-//! `build.rs` compiles `kernels/user_put.cu` (which includes `<gpuverbs/qp.cuh>`) with
-//! gpuverbs-build into `$OUT_DIR/user_kernels.fatbin`; this program embeds that fatbin, sets up
+//! `build.rs` compiles `kernels/*.cu` with gpuverbs-build into one
+//! `$OUT_DIR/user_kernels.fatbin`: `user_put.cu` (which includes `<gpuverbs/qp.cuh>`), the kernel
+//! this program launches, and `put_signal.cu`, the README's kernel (compiled only; the test
+//! `tests/readme_kernel.rs` keeps README.md's copy equal to it). This program embeds that fatbin, sets up
 //! two soft-NIC devices with one connected RC QP pair, exports side A's QP to the GPU, loads the
 //! fatbin as a module of the gpuverbs GPU's CUDA context, launches `user_put` with the
 //! descriptor pointer, and checks every byte that arrived at side B.

@@ -54,6 +54,8 @@ pub const ERR_NOT_PERMITTED: i32 = 800;
 pub const ERR_NOT_SUPPORTED: i32 = 801;
 /// `CUDA_ERROR_INVALID_VALUE`.
 pub const ERR_INVALID_VALUE: i32 = 1;
+/// `CUDA_ERROR_NO_DEVICE` (`cuInit` where the driver is installed but no GPU is there).
+pub const ERR_NO_DEVICE: i32 = 100;
 
 /// Runs `f` with the driver present, turning a panic of the bindings into an error.
 fn guarded<T>(

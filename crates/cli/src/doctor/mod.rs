@@ -4,6 +4,10 @@
 //! [`rdma`], NVML in [`nvml`], the host API's own device selection) and turns them into
 //! [`Check`]s in [`checks`]. Every probe that fails becomes a check that says so; nothing here
 //! panics or aborts the run. The exit status is the worst check's ([`Status::exit_code`]).
+//!
+//! A machine without a GPU is not broken: the soft NIC and the CPU initiator run there. So a
+//! missing CUDA driver or GPU is "not applicable" (no GPU anywhere) or a warning (a GPU the
+//! driver cannot use), unless [`Options::gpu`] says a GPU is wanted; then it is a failure.
 
 pub mod checks;
 pub mod cuda;
@@ -79,11 +83,23 @@ impl Check {
     }
 }
 
+/// What the user asked the doctor to hold the machine to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// `--gpu`: the user means to use a GPU, so a missing CUDA driver or GPU is a failure
+    /// (without it, a machine with no GPU is checked for what runs there: the soft NIC or an
+    /// rdma-core device, with the CPU initiator).
+    pub gpu: bool,
+}
+
 /// Every check of one run.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Report {
     /// In the order they ran.
     pub checks: Vec<Check>,
+    /// One sentence: what runs on this machine (the device gpuverbs picks, and who posts: GPU
+    /// kernels or only the CPU initiator). Empty when nothing could be opened.
+    pub runs_here: String,
 }
 
 impl Report {
@@ -101,7 +117,7 @@ impl Report {
         self.worst().exit_code()
     }
 
-    /// `{"checks": [{"name", "status", "detail"}, ...]}`.
+    /// `{"checks": [{"name", "status", "detail"}, ...], "runs_here": "..."}`.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| {
             // Serializing plain strings cannot fail; say so in the output's own shape if it did.
@@ -126,6 +142,9 @@ impl Report {
         }
         let worst = self.worst();
         let count = |st: Status| self.checks.iter().filter(|c| c.status == st).count();
+        if !self.runs_here.is_empty() {
+            s.push_str(&format!("\nWhat runs here: {}\n", self.runs_here));
+        }
         s.push_str(&format!(
             "\n{} checks: {} ok, {} warn, {} fail, {} not applicable; exit status {}\n",
             self.checks.len(),
@@ -140,8 +159,8 @@ impl Report {
 }
 
 /// Runs every check on this machine.
-pub fn run() -> Report {
-    checks::run(&sysfs::Sys::host())
+pub fn run(opts: Options) -> Report {
+    checks::run(&sysfs::Sys::host(), opts)
 }
 
 #[cfg(test)]

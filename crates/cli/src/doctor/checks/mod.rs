@@ -3,9 +3,9 @@
 
 use crate::doctor::cuda::{self, CudaProbeError, DriverInfo, GpuInfo};
 use crate::doctor::sysfs::{self, Bdf, Limit, PeerMapping, PeerMem, Sys};
-use crate::doctor::{nvml, rdma, Check, Report, Status};
+use crate::doctor::{nvml, rdma, Check, Options, Report, Status};
 use gpuverbs::device::BackendKind;
-use gpuverbs::{Access, Context, CqOptions, DeviceRequest, QpOptions};
+use gpuverbs::{Access, Context, CqOptions, DeviceRequest, QpOptions, Selection};
 
 mod pcie;
 
@@ -22,8 +22,8 @@ struct GpuRef {
     bdf: Option<Bdf>,
 }
 
-/// Runs every check against the machine `sys` describes.
-pub fn run(sys: &Sys) -> Report {
+/// Runs every check against the machine `sys` describes; `opts.gpu`: a GPU is wanted.
+pub fn run(sys: &Sys, opts: Options) -> Report {
     let mut r = Report::default();
     let pci_gpus = sysfs::nvidia_gpus(sys);
     let module = sysfs::nvidia_module(sys);
@@ -31,9 +31,12 @@ pub fn run(sys: &Sys) -> Report {
     let pmo = sysfs::peer_mapping_override(sys);
     let driver = cuda::probe();
 
-    r.checks.push(cuda_driver(&driver, &pci_gpus));
-    r.checks
-        .push(kernel_module(module.as_ref(), !pci_gpus.is_empty()));
+    r.checks.push(cuda_driver(&driver, &pci_gpus, opts.gpu));
+    r.checks.push(kernel_module(
+        module.as_ref(),
+        !pci_gpus.is_empty(),
+        opts.gpu,
+    ));
 
     let mut gpus: Vec<GpuRef> = Vec::new();
     let mut infos: Vec<GpuInfo> = Vec::new();
@@ -134,8 +137,30 @@ pub fn run(sys: &Sys) -> Report {
     }
 
     // what gpuverbs chooses
-    r.checks.extend(choice(first_gpu, dma_buf_any, &peer));
+    let (checks, selection) = choice(first_gpu, dma_buf_any, &peer);
+    r.checks.extend(checks);
+    r.runs_here = runs_here(selection.as_ref(), first_gpu);
     r
+}
+
+/// The report's closing sentence: the device gpuverbs opens here and who posts on it.
+pub fn runs_here(sel: Option<&Selection>, gpu: Option<usize>) -> String {
+    let Some(sel) = sel else {
+        return String::new();
+    };
+    let dev = match sel.kind {
+        BackendKind::Soft => format!("the soft NIC {} (in this process)", sel.name),
+        BackendKind::Mlx5 => format!("the mlx5 backend on {}", sel.name),
+    };
+    match gpu {
+        Some(g) => format!(
+            "{dev}, driven by CUDA kernels on gpu{g} (GPU-initiated) or by the CPU initiator"
+        ),
+        None => format!(
+            "{dev}, driven by the CPU initiator (host threads post and poll: Qp::cpu_initiator, \
+             the samples' --initiator cpu); no GPU, so no kernel posts"
+        ),
+    }
 }
 
 /// rdma-core lists nothing (or says ENOSYS: no kernel RDMA support).
@@ -168,7 +193,14 @@ fn attr_text(a: &Result<i32, CudaProbeError>) -> String {
     }
 }
 
-fn cuda_driver(d: &Result<DriverInfo, CudaProbeError>, pci: &[sysfs::PciDevice]) -> Check {
+/// The CUDA driver and its devices. Without a GPU anywhere (none on the PCI bus, and no driver or
+/// one that finds no device) it is not applicable; a GPU or driver that is there but unusable is
+/// a warning; with `want_gpu` (`doctor --gpu`) either is a failure.
+pub fn cuda_driver(
+    d: &Result<DriverInfo, CudaProbeError>,
+    pci: &[sysfs::PciDevice],
+    want_gpu: bool,
+) -> Check {
     let pci_text = if pci.is_empty() {
         "no NVIDIA GPU on the PCI bus".to_string()
     } else {
@@ -180,29 +212,51 @@ fn cuda_driver(d: &Result<DriverInfo, CudaProbeError>, pci: &[sysfs::PciDevice])
                 .join(", ")
         )
     };
+    let without = if want_gpu {
+        "--gpu: a GPU was asked for, and GPU-initiated networking needs one"
+    } else {
+        "what runs here without a GPU: the soft NIC (or an rdma-core device) with the CPU \
+         initiator; kernels need a GPU (`doctor --gpu` makes this a failure)"
+    };
+    let missing = |absent_everywhere: bool| match (want_gpu, absent_everywhere) {
+        (true, _) => Status::Fail,
+        (false, true) => NA,
+        (false, false) => Status::Warn,
+    };
     match d {
-        Ok(d) => {
-            let n = d.gpus.len();
-            let status = if n == 0 { Status::Fail } else { Status::Ok };
-            Check::new(
-                "cuda.driver",
-                status,
-                format!(
-                    "CUDA driver {} (cuDriverGetVersion {}), {n} device(s); {pci_text}",
-                    d.version_text(),
-                    d.version
-                ),
-            )
-        }
+        Ok(d) if !d.gpus.is_empty() => Check::new(
+            "cuda.driver",
+            Status::Ok,
+            format!(
+                "CUDA driver {} (cuDriverGetVersion {}), {} device(s); {pci_text}",
+                d.version_text(),
+                d.version,
+                d.gpus.len()
+            ),
+        ),
+        Ok(d) => Check::new(
+            "cuda.driver",
+            missing(pci.is_empty()),
+            format!(
+                "CUDA driver {} (cuDriverGetVersion {}) lists no device (CUDA_VISIBLE_DEVICES?); \
+                 {pci_text}; {without}",
+                d.version_text(),
+                d.version
+            ),
+        ),
         Err(e) => Check::new(
             "cuda.driver",
-            Status::Fail,
-            format!("{e}; {pci_text}; GPU-initiated networking needs a CUDA GPU (the CPU paths and the soft NIC still work)"),
+            missing(
+                pci.is_empty()
+                    && (matches!(e, CudaProbeError::NoDriver)
+                        || e.code() == Some(cuda::ERR_NO_DEVICE)),
+            ),
+            format!("{e}; {pci_text}; {without}"),
         ),
     }
 }
 
-fn kernel_module(m: Option<&sysfs::NvidiaModule>, gpu_on_bus: bool) -> Check {
+fn kernel_module(m: Option<&sysfs::NvidiaModule>, gpu_on_bus: bool, want_gpu: bool) -> Check {
     match m {
         Some(m) => Check::new(
             "nvidia.kernel_module",
@@ -216,7 +270,7 @@ fn kernel_module(m: Option<&sysfs::NvidiaModule>, gpu_on_bus: bool) -> Check {
         ),
         None if gpu_on_bus => Check::new(
             "nvidia.kernel_module",
-            Status::Fail,
+            if want_gpu { Status::Fail } else { Status::Warn },
             "/proc/driver/nvidia/version is absent although an NVIDIA GPU is on the PCI bus: the \
              nvidia kernel module is not loaded (or this container cannot see /proc/driver/nvidia)",
         ),
@@ -569,19 +623,22 @@ pub fn dma_buf_trial(g: &GpuInfo, r: Result<cuda::DmaBufTrial, CudaProbeError>) 
 }
 
 /// What gpuverbs itself picks: the host API's `Context::open(Auto)` and a QP's automatic
-/// doorbell mode, ring placement, and the GPU-memory registration path.
-fn choice(gpu: Option<usize>, dma_buf: bool, peer: &PeerMem) -> Vec<Check> {
+/// doorbell mode, ring placement, and the GPU-memory registration path; and the selection.
+fn choice(gpu: Option<usize>, dma_buf: bool, peer: &PeerMem) -> (Vec<Check>, Option<Selection>) {
     let ctx = match Context::open(DeviceRequest::Auto) {
         Ok(c) => c,
         Err(e) => {
-            return vec![Check::new(
-                "choice.device",
-                Status::Fail,
-                format!("Context::open(DeviceRequest::Auto) failed: {e}"),
-            )]
+            return (
+                vec![Check::new(
+                    "choice.device",
+                    Status::Fail,
+                    format!("Context::open(DeviceRequest::Auto) failed: {e}"),
+                )],
+                None,
+            )
         }
     };
-    let sel = ctx.selection();
+    let sel = ctx.selection().clone();
     let mut v = vec![Check::new(
         "choice.device",
         match sel.kind {
@@ -592,7 +649,7 @@ fn choice(gpu: Option<usize>, dma_buf: bool, peer: &PeerMem) -> Vec<Check> {
             "backend {sel}{}",
             match sel.kind {
                 BackendKind::Soft =>
-                    ": kernels drive a software NIC in this process (no RDMA hardware is used)",
+                    ": a software mlx5 device in this process (no RDMA hardware is used)",
                 BackendKind::Mlx5 => "",
             }
         ),
@@ -610,7 +667,7 @@ fn choice(gpu: Option<usize>, dma_buf: bool, peer: &PeerMem) -> Vec<Check> {
                 Status::Fail,
                 format!("creating a PD, CQ and QP failed: {e}"),
             ));
-            return v;
+            return (v, Some(sel));
         }
     };
     let (mode, reason) = qp.doorbell();
@@ -640,7 +697,7 @@ fn choice(gpu: Option<usize>, dma_buf: bool, peer: &PeerMem) -> Vec<Check> {
             qp.placement(),
             match kind {
                 BackendKind::Soft => "is available (Context::create_cq_on, Pd::create_qp_on)",
-                BackendKind::Mlx5 => "needs DEVX on the mlx5 backend (not implemented yet)",
+                BackendKind::Mlx5 => "is made with DEVX on the mlx5 backend (Context::create_cq_on, Pd::create_qp_on; docs/mlx5-backend.md)",
             }
         ),
     ));
@@ -688,7 +745,7 @@ fn choice(gpu: Option<usize>, dma_buf: bool, peer: &PeerMem) -> Vec<Check> {
         st,
         format!("{path}{tried}"),
     ));
-    v
+    (v, Some(sel))
 }
 
 #[cfg(test)]

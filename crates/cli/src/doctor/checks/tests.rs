@@ -228,3 +228,88 @@ fn rdma_device_statuses() {
         Status::Warn
     );
 }
+
+#[test]
+fn a_missing_gpu_fails_only_when_a_gpu_is_wanted() {
+    let on_bus = [sysfs::PciDevice {
+        bdf: Bdf::parse("0000:65:00.0").unwrap(),
+        vendor: 0x10de,
+        device: 0x2335,
+        class: 0x030200,
+        numa_node: None,
+        path: None,
+    }];
+    let no_driver: Result<DriverInfo, CudaProbeError> = Err(CudaProbeError::NoDriver);
+    let no_device_init: Result<DriverInfo, CudaProbeError> = Err(CudaProbeError::Call {
+        op: "cuInit",
+        code: 100,
+        name: "CUDA_ERROR_NO_DEVICE".into(),
+    });
+    let init_error: Result<DriverInfo, CudaProbeError> = Err(CudaProbeError::Call {
+        op: "cuInit",
+        code: 999,
+        name: "CUDA_ERROR_UNKNOWN".into(),
+    });
+    let no_device: Result<DriverInfo, CudaProbeError> = Ok(DriverInfo {
+        version: 13000,
+        gpus: vec![],
+    });
+    let one: Result<DriverInfo, CudaProbeError> = Ok(DriverInfo {
+        version: 13000,
+        gpus: vec![Ok(gpu(1, 200))],
+    });
+    // (driver, GPUs on the bus) -> (status without --gpu, with --gpu)
+    let cases: [(&_, &[sysfs::PciDevice], Status, Status); 9] = [
+        (&no_driver, &[], NA, Status::Fail),
+        (&no_driver, &on_bus, Status::Warn, Status::Fail),
+        (&no_device_init, &[], NA, Status::Fail),
+        (&no_device_init, &on_bus, Status::Warn, Status::Fail),
+        (&init_error, &[], Status::Warn, Status::Fail),
+        (&no_device, &[], NA, Status::Fail),
+        (&no_device, &on_bus, Status::Warn, Status::Fail),
+        (&one, &on_bus, Status::Ok, Status::Ok),
+        (&one, &[], Status::Ok, Status::Ok),
+    ];
+    for (i, (d, pci, plain, wanted)) in cases.into_iter().enumerate() {
+        let c = cuda_driver(d, pci, false);
+        assert_eq!(c.status, plain, "case {i}: {}", c.detail);
+        if plain != Status::Ok {
+            assert!(c.detail.contains("CPU initiator"), "case {i}: {}", c.detail);
+            assert!(c.detail.contains("doctor --gpu"), "case {i}: {}", c.detail);
+        }
+        let c = cuda_driver(d, pci, true);
+        assert_eq!(c.status, wanted, "case {i} with --gpu: {}", c.detail);
+        if wanted == Status::Fail {
+            assert!(
+                c.detail.contains("--gpu: a GPU was asked for"),
+                "{}",
+                c.detail
+            );
+        }
+    }
+    // the kernel module: absent with a GPU on the bus
+    assert_eq!(kernel_module(None, true, false).status, Status::Warn);
+    assert_eq!(kernel_module(None, true, true).status, Status::Fail);
+    assert_eq!(kernel_module(None, false, true).status, NA);
+}
+
+#[test]
+fn what_runs_here() {
+    let soft = Selection {
+        kind: BackendKind::Soft,
+        name: "softnic0".into(),
+        reason: "x".into(),
+    };
+    let s = runs_here(Some(&soft), None);
+    assert!(s.starts_with("the soft NIC softnic0"), "{s}");
+    assert!(s.contains("CPU initiator") && s.contains("no GPU"), "{s}");
+    let mlx5 = Selection {
+        kind: BackendKind::Mlx5,
+        name: "mlx5_0".into(),
+        reason: "x".into(),
+    };
+    let s = runs_here(Some(&mlx5), Some(0));
+    assert!(s.starts_with("the mlx5 backend on mlx5_0"), "{s}");
+    assert!(s.contains("CUDA kernels on gpu0"), "{s}");
+    assert_eq!(runs_here(None, None), "");
+}
