@@ -5,7 +5,7 @@
 //! `crate::export`'s job, mapping a host buffer ([`Gpu::map_host`]) `crate::memory`'s.
 
 use crate::cuda::{drv, open, with_driver, CudaError, DeviceInfo, Module};
-use crate::export::desc::QpDesc;
+use crate::desc::QpDesc;
 use crate::Error;
 use cuda_mem::CudaMemory;
 use cudarc::driver::result::DriverError;

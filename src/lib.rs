@@ -20,6 +20,7 @@
 mod backend;
 pub mod bootstrap;
 pub mod cuda;
+mod desc;
 pub mod device;
 pub mod endpoint;
 mod error;

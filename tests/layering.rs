@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&str] = &[
     // crate-wide vocabulary and formats
     "error",
-    "export::desc",
+    "desc",
     // the CUDA driver, the embedded kernels, a GPU context (mapping and device memory only)
     "fatbin",
     "cuda",

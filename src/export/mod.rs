@@ -1,11 +1,10 @@
 //! Exporting a QP into a GPU: its rings, doorbell record, doorbell register (or CPU-proxy word)
-//! and CQs mapped into the GPU, and its descriptor ([`QpDesc`], laid out in `export/desc.rs`) written
-//! into GPU memory for kernels to drive. This is the job of the module that knows both queues
-//! and GPUs; [`crate::gpu`] only maps memory and allocates it.
+//! and CQs mapped into the GPU, and its descriptor ([`QpDesc`], laid out in `desc.rs`) written
+//! into GPU memory for kernels to drive (its layout, the contract with the kernels, is
+//! [`crate::desc`], at the bottom). This is the job of the module that knows both queues and
+//! GPUs; [`crate::gpu`] only maps memory and allocates it.
 
-pub(crate) mod desc;
-
-pub use desc::{c_header, db_mode, QpDesc, DESC_VERSION, HEADER_PATH};
+pub use crate::desc::{c_header, db_mode, QpDesc, DESC_VERSION, HEADER_PATH};
 
 use crate::backend::mlx5;
 use crate::gpu::{ExportedQp, Gpu};
@@ -97,11 +96,7 @@ impl Gpu {
             qpn: s.qpn(),
             scq_ncqe: scq.ncqe(),
             rcq_ncqe: rcq.ncqe(),
-            db_mode: match mode {
-                DoorbellMode::Auto | DoorbellMode::GpuDoorbell => db_mode::GPU_DOORBELL,
-                DoorbellMode::BlueFlame => db_mode::BLUEFLAME,
-                DoorbellMode::CpuProxy => db_mode::CPU_PROXY,
-            },
+            db_mode: mode.code(),
             // The WQE release before the doorbell: system scope for a host-memory SQ, GPU
             // scope for one in this GPU's memory (read by the NIC only after the doorbell).
             ring_loc: u32::from(!s.sq_ring().is_host()),
@@ -222,11 +217,7 @@ impl Gpu {
             qpn: q.qpn,
             scq_ncqe: scq.ncqe,
             rcq_ncqe: rcq.ncqe,
-            db_mode: match mode {
-                DoorbellMode::BlueFlame => db_mode::BLUEFLAME,
-                DoorbellMode::CpuProxy => db_mode::CPU_PROXY,
-                _ => db_mode::GPU_DOORBELL,
-            },
+            db_mode: mode.code(),
             // The WQE release before the doorbell: system scope for a host-memory SQ (the
             // provider's rings), GPU scope for one in this GPU's memory (a DEVX QP on it).
             ring_loc: u32::from(!q.sq.is_host()),

@@ -4,8 +4,8 @@ use super::ring::{needs_gpu, placement_of, RingPlacement};
 use crate::backend::context::{Backend, Context};
 use crate::gpu::Gpu;
 use crate::Error;
-use softnic::{CqInit, CqMode, DmaBuf};
 use std::sync::Arc;
+use verbs::{CqInit, CqMode, DmaBuf};
 
 /// Parameters of a CQ.
 #[derive(Clone, Copy, Debug)]

@@ -17,15 +17,16 @@ pub(crate) use qp::QpDev;
 pub use qp::{Qp, QpOptions};
 pub use recover::Drained;
 pub use ring::{DoorbellMode, RingPlacement};
-pub use softnic::{CqInit, CqMode, Modify, QpState};
+pub use softnic::Modify;
 pub(crate) use state::QueueState;
+pub use verbs::{CqInit, CqMode, QpState};
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{Context, DeviceRequest, Error};
-    use softnic::{DmaBuf, SimDeviceMemory};
     use verbs::initiator::RingMode;
+    use verbs::{DmaBuf, SimDeviceMemory};
 
     /// Set in the child processes of the test below.
     const PSN_CHILD: &str = "GPUVERBS_TEST_PSN_CHILD";

@@ -10,9 +10,9 @@ use crate::endpoint::Endpoint;
 use crate::gpu::Gpu;
 use crate::memory::{Pd, PdDev};
 use crate::Error;
-use softnic::{DmaBuf, QpState};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use verbs::{DmaBuf, QpState};
 
 /// Parameters of an RC QP.
 #[derive(Clone, Debug)]

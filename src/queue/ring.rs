@@ -33,12 +33,14 @@ pub enum DoorbellMode {
 }
 
 impl DoorbellMode {
-    /// The number the exported descriptor carries (`GPUVERBS_DB_*` in the device API).
+    /// The number the exported descriptor carries ([`crate::desc::db_mode`],
+    /// `GPUVERBS_DB_*` in the device API); `Auto` is resolved to a GPU doorbell.
     pub fn code(self) -> u32 {
+        use crate::desc::db_mode;
         match self {
-            Self::Auto | Self::GpuDoorbell => 0,
-            Self::BlueFlame => 1,
-            Self::CpuProxy => 2,
+            Self::Auto | Self::GpuDoorbell => db_mode::GPU_DOORBELL,
+            Self::BlueFlame => db_mode::BLUEFLAME,
+            Self::CpuProxy => db_mode::CPU_PROXY,
         }
     }
 }

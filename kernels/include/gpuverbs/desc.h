@@ -1,5 +1,5 @@
-/* Generated from src/export/desc.rs by gpuverbs (the single source of the layout).
- * Do not edit: GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export rewrites it. */
+/* Generated from src/desc.rs by gpuverbs (the single source of the layout).
+ * Do not edit: GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs desc rewrites it. */
 #pragma once
 #include <stdint.h>
 #include <stddef.h>

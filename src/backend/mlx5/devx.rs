@@ -14,9 +14,9 @@ use crate::Error;
 use prm::cmd::{self, ads, cqc, create_cq_in, create_qp_in, modify_qp_in, qpc, Field};
 use prm::cmd::{op, ADS_AT, CQC_AT, QPC_AT};
 use rdma_core_sys as sys;
-use softnic::{CqMode, DmaBuf};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
+use verbs::{CqMode, DmaBuf};
 
 /// `IBV_ACCESS_LOCAL_WRITE`: what a ring's or doorbell record's umem needs (the device writes
 /// CQEs, reads WQEs).

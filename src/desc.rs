@@ -3,7 +3,7 @@
 //! [`QpDesc`] is defined once, by the `descriptor!` macro below, which produces both the Rust
 //! `#[repr(C)]` struct and the C declaration in `kernels/include/gpuverbs/desc.h` (through
 //! [`c_header`]; a test fails when the committed header differs, and
-//! `GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export` rewrites it). The C side also
+//! `GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs desc` rewrites it). The C side also
 //! static-asserts every offset, so nvcc checks the same layout.
 //!
 //! The descriptor has one owner: it lives in GPU memory and its mutable counters (reserved,
@@ -194,11 +194,9 @@ pub const HEADER_PATH: &str = "kernels/include/gpuverbs/desc.h";
 /// The C declaration of [`QpDesc`], with offset checks.
 pub fn c_header() -> String {
     let mut s = String::new();
+    s.push_str("/* Generated from src/desc.rs by gpuverbs (the single source of the layout).\n");
     s.push_str(
-        "/* Generated from src/export/desc.rs by gpuverbs (the single source of the layout).\n",
-    );
-    s.push_str(
-        " * Do not edit: GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export rewrites it. */\n",
+        " * Do not edit: GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs desc rewrites it. */\n",
     );
     s.push_str("#pragma once\n#include <stdint.h>\n#include <stddef.h>\n\n");
     s.push_str("#ifdef __cplusplus\n#define GPUVERBS_STATIC_ASSERT static_assert\n#else\n#define GPUVERBS_STATIC_ASSERT _Static_assert\n#endif\n\n");
@@ -245,7 +243,7 @@ mod tests {
         let have = std::fs::read_to_string(&path).unwrap_or_default();
         assert!(
             have == want,
-            "{HEADER_PATH} is stale: run GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs export"
+            "{HEADER_PATH} is stale: run GPUVERBS_WRITE_HEADER=1 cargo test -p gpuverbs desc"
         );
     }
 
