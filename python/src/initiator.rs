@@ -3,7 +3,7 @@
 //! bounds; completions as `Completion`, error completions raised as their exception class.
 
 use crate::errors;
-use crate::objects::{secs, Mr, RemoteMemory};
+use crate::region::{secs, Mr, RemoteMemory};
 use prm::wqe::{CtrlFlags, Local, Op};
 use pyo3::prelude::*;
 use std::sync::Mutex;

@@ -9,6 +9,7 @@ mod gpu;
 mod initiator;
 mod memory;
 mod objects;
+mod region;
 
 include!(concat!(env!("OUT_DIR"), "/headers.rs"));
 
@@ -26,6 +27,7 @@ fn _gpuverbs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ACCESS_REMOTE_ATOMIC", gpuverbs::Access::REMOTE_ATOMIC.0)?;
     m.add_function(wrap_pyfunction!(_headers, m)?)?;
     errors::register(m)?;
+    region::register(m)?;
     objects::register(m)?;
     initiator::register(m)?;
     gpu::register(m)?;
