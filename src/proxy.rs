@@ -195,66 +195,57 @@ impl ProxyTarget {
         }
     }
 
-    /// The target for a QP of the host API: [`ProxyTarget::for_soft_qp`], holding the QP as
-    /// its CPU-proxy poster ([`crate::queue::Poster`]) until the target is removed (or its
-    /// service dropped), and starting at the queue's producer index (the CPU-proxy word when
-    /// its low 16 bits agree with the doorbell record, else the record's 16 bits), so it
-    /// continues after an earlier poster. [`crate::Error::PosterBusy`] while a CPU initiator
-    /// or another proxy target holds the QP; a GPU export may hold it too (the kernel writes
-    /// the WQEs, the proxy rings for it).
+    /// The target for a QP of the host API, on any backend: its CPU-proxy word, doorbell
+    /// record and doorbell register from the QP's geometry, a wake for a software device, and
+    /// forwarded advances limited to the SQ's size. It holds the QP as its CPU-proxy poster
+    /// ([`crate::queue::Poster`]) until the target is removed (or its service dropped), and
+    /// starts at the queue's producer index (the CPU-proxy word when its low 16 bits agree
+    /// with the doorbell record, else the record's 16 bits), so it continues after an earlier
+    /// poster. [`crate::Error::PosterBusy`] while a CPU initiator or another proxy target
+    /// holds the QP; a GPU export may hold it too (the kernel writes the WQEs, the proxy rings
+    /// for it).
     pub fn for_qp(qp: &crate::Qp) -> Result<Self, crate::Error> {
-        let (crate::backend::context::Backend::Soft(dev), Some(sqp)) =
-            (&qp.pd().context().inner.backend, qp.soft())
-        else {
-            return Self::for_mlx5_qp(qp);
-        };
-        let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
-        let start = crate::queue::QueueState::of(sqp).sq_pi;
-        if !qp.posters.holds(crate::queue::Poster::GpuExport) {
-            // No kernel writes the word now: it starts where the queue is, not behind it.
-            sqp.ctrl_page()
-                .atomic_u64(sqp.proxy_offset())
-                .store(start, Ordering::Release);
-        }
-        let mut t = Self::for_soft_qp(dev, sqp).with_start(start);
-        let keep: Arc<dyn Any + Send + Sync> = Arc::new((t.keep.clone(), claim));
-        t.keep = keep;
-        Ok(t)
-    }
-
-    /// The target for a QP of the mlx5 backend: its proxy word (a host page of the QP), the
-    /// provider's doorbell record and BlueFlame register, starting at the queue's producer
-    /// index as for a soft QP (so it continues after an earlier poster).
-    fn for_mlx5_qp(qp: &crate::Qp) -> Result<Self, crate::Error> {
-        let crate::queue::QpDev::Mlx5(q) = &qp.dev else {
-            return Err(crate::Error::InvalidArgument("not an mlx5 QP".into()));
-        };
-        let word = qp.proxy_word.clone().ok_or_else(|| {
-            crate::Error::InvalidArgument("an mlx5 QP without a proxy word".into())
+        let g = qp.geometry();
+        let word = g.proxy_word.as_ref().ok_or_else(|| {
+            crate::Error::InvalidArgument(format!("QP {:#x} has no CPU-proxy word", g.qpn))
         })?;
-        let dbrec = q.dbrec.host().ok_or_else(|| {
+        let (Some(producer), Some(doorbell)) = (word.host(), g.db_reg.host()) else {
+            return Err(crate::Error::InvalidArgument(format!(
+                "QP {:#x}: its CPU-proxy word or doorbell register is not host memory",
+                g.qpn
+            )));
+        };
+        let dbrec = g.dbrec.host().ok_or_else(|| {
             crate::Error::InvalidArgument(format!(
                 "QP {:#x} keeps its doorbell record in GPU memory, which the CPU proxy cannot \
                  write (create it with DoorbellMode::CpuProxy: its record is then host memory)",
-                q.qpn
+                g.qpn
             ))
         })?;
         let claim = qp.posters.claim(crate::queue::Poster::Proxy)?;
-        let start = crate::queue::QueueState::of_mlx5(qp, q).sq_pi;
+        let start = qp.queue_state().sq_pi;
         if !qp.posters.holds(crate::queue::Poster::GpuExport) {
             // No kernel writes the word now: it starts where the queue is, not behind it.
-            word.atomic_u64(0).store(start, Ordering::Release);
+            word.store_u64(start);
         }
-        let producer: *const AtomicU64 = word.atomic_u64(0);
-        let keep: Arc<dyn Any + Send + Sync> = Arc::new((q.clone(), word, claim));
-        // SAFETY: the proxy word is 8 aligned bytes of the QP's host page, the doorbell record
-        // and the BlueFlame register are the provider's (mlx5dv_init_obj), all kept alive by
-        // `keep` (the QP's Arc holds its CQs, PD and context); the GPU and this proxy access the
-        // word atomically, and while the target is registered only the proxy writes the
-        // record's send word and the register (the documented CPU-proxy mode).
-        let t = unsafe { Self::new(producer, dbrec, q.bf_reg, q.qpn, None, keep) }
-            .map_err(|e| crate::Error::InvalidArgument(e.to_string()))?;
-        Ok(t.with_max_jump(q.sq_blocks).with_start(start))
+        let keep: Arc<dyn Any + Send + Sync> = Arc::new((g.keep.clone(), claim));
+        // SAFETY: the proxy word, the doorbell record and the register are the QP's (its
+        // control and UAR pages, or the provider's record and BlueFlame register and the host
+        // API's word), all host memory (checked above) kept alive by `keep`; the device, the
+        // GPU and this proxy access them atomically, and while the target is registered only
+        // the proxy writes the record's send word and the register (the CPU-proxy mode).
+        let t = unsafe {
+            Self::new(
+                producer as *const AtomicU64,
+                dbrec,
+                doorbell,
+                g.qpn,
+                g.kick.clone(),
+                keep,
+            )
+        }
+        .map_err(|e| crate::Error::InvalidArgument(e.to_string()))?;
+        Ok(t.with_max_jump(g.sq_blocks).with_start(start))
     }
 
     /// Sets the producer index the doorbell already covers (default 0): a word holding a

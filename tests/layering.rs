@@ -18,6 +18,7 @@ const LAYERS: &[&str] = &[
     "gpu",
     // the device backends: what they share, one room per device kind, the boundary on top
     "backend",
+    "backend::geometry",
     "backend::mlx5::device",
     "backend::mlx5::devx",
     "backend::mlx5",

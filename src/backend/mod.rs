@@ -15,6 +15,7 @@
 //! A room never names another room, nor anything above the backends.
 
 pub(crate) mod context;
+pub(crate) mod geometry;
 pub(crate) mod mlx5;
 pub(crate) mod soft;
 

@@ -168,3 +168,48 @@ pub(crate) fn producer_from(sq16: u16, proxy: u64) -> u64 {
         .checked_sub(u64::from((proxy as u16).wrapping_sub(sq16)))
         .unwrap_or(u64::from(sq16))
 }
+
+/// A soft QP's geometry: its rings, the doorbell record and CPU-proxy word of its control page
+/// (or the record it was given), its register on its UAR page, and a kick that wakes its
+/// device's engine (a no-op once the device is gone: the geometry does not keep it alive).
+pub(crate) fn qp_geometry<'a>(
+    dev: Option<&Arc<softnic::Device>>,
+    q: &'a Arc<softnic::Qp>,
+) -> super::geometry::QpGeometry<'a> {
+    use super::geometry::{Kick, Place, QpGeometry};
+    let kick = dev.map(|d| {
+        let dev = Arc::downgrade(d);
+        Arc::new(move || {
+            if let Some(d) = dev.upgrade() {
+                d.kick();
+            }
+        }) as Kick
+    });
+    QpGeometry {
+        qpn: q.qpn(),
+        sq: q.sq_ring(),
+        sq_blocks: q.sq_blocks(),
+        rq: Some(q.rq_ring()),
+        rq_wqes: q.rq_wqes(),
+        rq_stride: q.rq_stride(),
+        max_inline: q.max_inline(),
+        dbrec: Place::Buf(q.dbrec_page(), q.dbrec_offset()),
+        db_reg: Place::Buf(q.uar(), q.bf_offset()),
+        db_reg_io: false,
+        proxy_word: Some(Place::Buf(q.ctrl_page(), q.proxy_offset())),
+        kick,
+        keep: q.clone(),
+    }
+}
+
+/// A soft CQ's geometry (the soft NIC overwrites or fails a CQ it overruns, by its mode).
+pub(crate) fn cq_geometry(c: &Arc<softnic::Cq>) -> super::geometry::CqGeometry<'_> {
+    super::geometry::CqGeometry {
+        ring: c.ring(),
+        ncqe: c.ncqe(),
+        dbrec: super::geometry::Place::Buf(c.dbrec(), 0),
+        collapsed: c.mode() == verbs::CqMode::Collapsed,
+        never_overwrites: false,
+        keep: c.clone(),
+    }
+}

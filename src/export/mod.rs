@@ -6,15 +6,13 @@
 
 pub use crate::desc::{c_header, db_mode, QpDesc, DESC_VERSION, HEADER_PATH};
 
-use crate::backend::mlx5;
+use crate::backend::geometry::{Place, QpGeometry, DB_REG_LEN};
 use crate::gpu::{ExportedQp, Gpu};
 use crate::memory::{Access, HostBuffer};
-use crate::queue::{CqDev, DoorbellMode, Poster, PosterClaim, Qp, QpDev, QueueState};
+use crate::queue::{DoorbellMode, Poster, PosterClaim, Qp, QueueState};
 use crate::Error;
 use std::any::Any;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use verbs::DmaBuf;
 
 /// Whether kernels built against headers of descriptor version `header_version`
 /// (`GPUVERBS_DESC_VERSION`) can drive this library's descriptors: [`Error::DescVersion`] if
@@ -58,63 +56,74 @@ impl Gpu {
         self.export_inner(qp, claim)
     }
 
+    /// Maps the QP's queues into this GPU and writes its descriptor: one way for every
+    /// backend, over the queue geometry the backend made ([`crate::backend::geometry`]).
     fn export_inner(self: &Arc<Self>, qp: &Qp, claim: PosterClaim) -> Result<ExportedQp, Error> {
-        let (Some(s), Some(scq), Some(rcq)) = (qp.soft(), qp.send_cq().soft(), qp.recv_cq().soft())
-        else {
-            return self.export_mlx5(qp, claim);
-        };
+        let g = qp.geometry();
+        let (scq, rcq) = (qp.send_cq().geometry(), qp.recv_cq().geometry());
+        if scq.never_overwrites && scq.ncqe < g.sq_blocks {
+            // the device API bounds the signaled WQEs in flight by the SQ's size, not the CQ's
+            return Err(Error::InvalidArgument(format!(
+                "QP {:#x}: its send CQ has {} entries for an SQ of {} blocks; a kernel could \
+                 overrun it (make the CQ at least as deep as the SQ)",
+                g.qpn, scq.ncqe, g.sq_blocks
+            )));
+        }
+        let mode = qp.doorbell().0;
         let scratch = HostBuffer::new(64);
         let scratch_mr = qp.pd().register_with(&scratch, Access::LOCAL_WRITE)?;
-        let keep_qp: Arc<dyn Any + Send + Sync> = s.clone();
-        let map_qp = |b: &DmaBuf| self.gpu_addr(b, keep_qp.clone());
-        let ctrl = map_qp(s.ctrl_page())?;
-        let uar = map_qp(s.uar())?;
-        let map_cq = |cq: &Arc<softnic::Cq>, b: &DmaBuf| self.gpu_addr(b, cq.clone());
-        let mode = qp.doorbell().0;
         let desc = QpDesc {
-            sq_ring: map_qp(s.sq_ring())?,
-            rq_ring: map_qp(s.rq_ring())?,
-            dbrec: ctrl + s.dbrec_offset() as u64,
+            sq_ring: self.gpu_addr(g.sq, g.keep.clone())?,
+            rq_ring: match g.rq {
+                None => 0,
+                Some(rq) => self.gpu_addr(rq, g.keep.clone())?,
+            },
+            dbrec: self.place_addr(&g.dbrec, 8, &g.keep)?,
+            // the doorbell: the register mapped into the GPU, or (CPU proxy) a host word the
+            // kernel stores its producer into and a host thread rings for it
             db_reg: if mode == DoorbellMode::CpuProxy {
                 0
             } else {
-                uar + prm::doorbell::BF_OFFSET as u64
+                self.map_register(&g)?
             },
-            proxy_word: if mode == DoorbellMode::CpuProxy {
-                ctrl + s.proxy_offset() as u64
-            } else {
-                0
+            proxy_word: match (mode, &g.proxy_word) {
+                (DoorbellMode::CpuProxy, Some(w)) => self.place_addr(w, 8, &g.keep)?,
+                (DoorbellMode::CpuProxy, None) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "QP {:#x} has no CPU-proxy word",
+                        g.qpn
+                    )))
+                }
+                _ => 0,
             },
-            scq_ring: map_cq(scq, scq.ring())?,
-            scq_dbrec: map_cq(scq, scq.dbrec())?,
-            rcq_ring: map_cq(rcq, rcq.ring())?,
-            rcq_dbrec: map_cq(rcq, rcq.dbrec())?,
+            scq_ring: self.gpu_addr(scq.ring, scq.keep.clone())?,
+            scq_dbrec: self.place_addr(&scq.dbrec, 8, &scq.keep)?,
+            rcq_ring: self.gpu_addr(rcq.ring, rcq.keep.clone())?,
+            rcq_dbrec: self.place_addr(&rcq.dbrec, 8, &rcq.keep)?,
             scratch: self.map_host(&scratch)?,
-            sq_blocks: s.sq_blocks(),
-            rq_wqes: s.rq_wqes(),
-            rq_stride: s.rq_stride(),
-            qpn: s.qpn(),
-            scq_ncqe: scq.ncqe(),
-            rcq_ncqe: rcq.ncqe(),
+            sq_blocks: g.sq_blocks,
+            rq_wqes: g.rq_wqes,
+            rq_stride: g.rq_stride,
+            qpn: g.qpn,
+            scq_ncqe: scq.ncqe,
+            rcq_ncqe: rcq.ncqe,
             db_mode: mode.code(),
-            // The WQE release before the doorbell: system scope for a host-memory SQ, GPU
-            // scope for one in this GPU's memory (read by the NIC only after the doorbell).
-            ring_loc: u32::from(!s.sq_ring().is_host()),
-            max_inline: s.max_inline(),
+            // The WQE release before the doorbell: system scope for a host-memory SQ (read by
+            // a CPU engine, or by the NIC over PCIe), GPU scope for one in this GPU's memory.
+            ring_loc: u32::from(!g.sq.is_host()),
+            max_inline: g.max_inline,
             scratch_lkey: scratch_mr.lkey().0,
-            scq_collapsed: (scq.mode() == verbs::CqMode::Collapsed) as u32,
-            rcq_collapsed: (rcq.mode() == verbs::CqMode::Collapsed) as u32,
+            scq_collapsed: u32::from(scq.collapsed),
+            rcq_collapsed: u32::from(rcq.collapsed),
             ..QpDesc::new()
         };
         let mut desc = desc;
-        let state = QueueState::of(s);
+        let state = qp.queue_state();
         resume_desc(&mut desc, &state)?;
-        if mode == DoorbellMode::CpuProxy {
+        if let (DoorbellMode::CpuProxy, Some(w)) = (mode, &g.proxy_word) {
             // The kernel's 64-bit producer continues from the queue's (a proxy target made
             // now starts there too).
-            s.ctrl_page()
-                .atomic_u64(s.proxy_offset())
-                .store(state.sq_pi, Ordering::Release);
+            w.store_u64(state.sq_pi);
         }
         let mem = self.alloc(core::mem::size_of::<QpDesc>())?;
         mem.write(0, bytemuck::bytes_of(&desc))?;
@@ -123,123 +132,47 @@ impl Gpu {
             _keep: Box::new(((scratch, scratch_mr), claim)),
         })
     }
-}
 
-impl Gpu {
-    /// Maps an mlx5 QP's UAR page (its BlueFlame register) into the GPU: as I/O memory first
-    /// (real UARs are MMIO), else as plain memory, else an error that says why.
-    fn map_uar(&self, q: &mlx5::Qp, keep: &Arc<dyn Any + Send + Sync>) -> Result<u64, Error> {
-        let (addr, len) = (q.bf_reg as u64, 2 * prm::doorbell::BF_HALF_SIZE);
-        let io_err = match self.map_range(addr, len, keep.clone(), true) {
+    /// The GPU address of `len` bytes at `p`: a buffer's mapping (or its own address in this
+    /// GPU's memory), or host memory a provider mapped, registered into the GPU.
+    fn place_addr(
+        &self,
+        p: &Place<'_>,
+        len: usize,
+        keep: &Arc<dyn Any + Send + Sync>,
+    ) -> Result<u64, Error> {
+        match p {
+            Place::Buf(b, off) => Ok(self.gpu_addr(b, keep.clone())? + *off as u64),
+            Place::Host(h) => Ok(self.map_range(*h as u64, len, keep.clone(), false)?),
+        }
+    }
+
+    /// Maps a QP's doorbell register into the GPU: a real UAR as I/O memory first (it is
+    /// MMIO), else as plain memory, else an error that says why; a software device's register
+    /// as the memory it is.
+    fn map_register(&self, g: &QpGeometry<'_>) -> Result<u64, Error> {
+        let Place::Host(addr) = g.db_reg else {
+            return self.place_addr(&g.db_reg, DB_REG_LEN, &g.keep);
+        };
+        if !g.db_reg_io {
+            return self.place_addr(&g.db_reg, DB_REG_LEN, &g.keep);
+        }
+        let io_err = match self.map_range(addr as u64, DB_REG_LEN, g.keep.clone(), true) {
             Ok(a) => return Ok(a),
             Err(e) => e,
         };
-        match self.map_range(addr, len, keep.clone(), false) {
+        match self.map_range(addr as u64, DB_REG_LEN, g.keep.clone(), false) {
             Ok(a) => {
-                tracing::info!(qpn = q.qpn, error = %io_err, "UAR page mapped as plain memory");
+                tracing::info!(qpn = g.qpn, error = %io_err, "UAR page mapped as plain memory");
                 Ok(a)
             }
             Err(e) => Err(Error::Unsupported(format!(
                 "the GPU cannot map QP {:#x}'s doorbell page: {io_err}; as plain memory: {e} (on \
                  x86 hosts the NVIDIA driver needs NVreg_RegistryDwords=\"PeerMappingOverride=1;\"; \
                  or use the CPU-proxy doorbell mode)",
-                q.qpn
+                g.qpn
             ))),
         }
-    }
-
-    /// Exports a QP of the ConnectX backend: the provider's rings, doorbell record and CQs are
-    /// registered into the GPU (`cuMemHostRegister`, DEVICEMAP), the UAR page as I/O memory
-    /// (real UARs are MMIO) or, when the driver refuses that, as plain memory; when neither
-    /// works the export fails and says why. In the CPU-proxy mode the UAR is not mapped: the
-    /// kernel publishes its producer in the QP's proxy word ([`crate::proxy::ProxyTarget::for_qp`]).
-    fn export_mlx5(self: &Arc<Self>, qp: &Qp, claim: PosterClaim) -> Result<ExportedQp, Error> {
-        let (QpDev::Mlx5(q), CqDev::Mlx5(scq), CqDev::Mlx5(rcq)) =
-            (&qp.dev, &qp.send_cq().dev, &qp.recv_cq().dev)
-        else {
-            return Err(Error::InvalidArgument(
-                "a QP on CQs of another device".into(),
-            ));
-        };
-        let mode = qp.doorbell().0;
-        if scq.ncqe < q.sq_blocks {
-            // rdma-core CQs detect overrun, and the device API bounds the signaled WQEs in
-            // flight by the SQ's size, not the CQ's
-            return Err(Error::InvalidArgument(format!(
-                "QP {:#x}: its send CQ has {} entries for an SQ of {} blocks; a kernel could \
-                 overrun it (make the CQ at least as deep as the SQ)",
-                q.qpn, scq.ncqe, q.sq_blocks
-            )));
-        }
-        let scratch = HostBuffer::new(64);
-        let scratch_mr = qp.pd().register_with(&scratch, Access::LOCAL_WRITE)?;
-        let keep_qp: Arc<dyn Any + Send + Sync> = q.clone();
-        let map = |addr: *mut u8, len: usize, keep: &Arc<dyn Any + Send + Sync>| {
-            self.map_range(addr as u64, len, keep.clone(), false)
-        };
-        // a doorbell record: mapped from host memory, or (beside GPU rings) already GPU memory
-        let rec_addr = |r: &mlx5::Rec, keep: &Arc<dyn Any + Send + Sync>| match (r.buf(), r.host())
-        {
-            (Some(b), _) => self.gpu_addr(b, keep.clone()),
-            (None, Some(p)) => Ok(map(p, 8, keep)?),
-            (None, None) => Err(Error::InvalidArgument("a doorbell record nowhere".into())),
-        };
-        let keep_scq: Arc<dyn Any + Send + Sync> = scq.clone();
-        let keep_rcq: Arc<dyn Any + Send + Sync> = rcq.clone();
-        // the doorbell: the UAR page mapped into the GPU, or (CPU proxy) a host word the kernel
-        // stores its producer into and a host thread rings for it
-        let (uar, proxy_word) = if mode == DoorbellMode::CpuProxy {
-            let word = qp
-                .proxy_word
-                .as_ref()
-                .ok_or_else(|| Error::InvalidArgument("an mlx5 QP without a proxy word".into()))?;
-            (0, self.map_host(word)?)
-        } else {
-            (self.map_uar(q, &keep_qp)?, 0)
-        };
-        let desc = QpDesc {
-            sq_ring: self.gpu_addr(&q.sq, keep_qp.clone())?,
-            rq_ring: match &q.rq {
-                None => 0,
-                Some(rq) => self.gpu_addr(rq, keep_qp.clone())?,
-            },
-            dbrec: rec_addr(&q.dbrec, &keep_qp)?,
-            db_reg: uar,
-            proxy_word,
-            scq_ring: self.gpu_addr(&scq.ring, keep_scq.clone())?,
-            scq_dbrec: rec_addr(&scq.dbrec, &keep_scq)?,
-            rcq_ring: self.gpu_addr(&rcq.ring, keep_rcq.clone())?,
-            rcq_dbrec: rec_addr(&rcq.dbrec, &keep_rcq)?,
-            scratch: self.map_host(&scratch)?,
-            sq_blocks: q.sq_blocks,
-            rq_wqes: q.rq_wqes,
-            rq_stride: q.rq_stride,
-            qpn: q.qpn,
-            scq_ncqe: scq.ncqe,
-            rcq_ncqe: rcq.ncqe,
-            db_mode: mode.code(),
-            // The WQE release before the doorbell: system scope for a host-memory SQ (the
-            // provider's rings), GPU scope for one in this GPU's memory (a DEVX QP on it).
-            ring_loc: u32::from(!q.sq.is_host()),
-            max_inline: q.max_inline,
-            scratch_lkey: scratch_mr.lkey().0,
-            scq_collapsed: u32::from(scq.mode == verbs::CqMode::Collapsed),
-            rcq_collapsed: u32::from(rcq.mode == verbs::CqMode::Collapsed),
-            ..QpDesc::new()
-        };
-        let mut desc = desc;
-        let state = QueueState::of_mlx5(qp, q);
-        resume_desc(&mut desc, &state)?;
-        if let (DoorbellMode::CpuProxy, Some(word)) = (mode, &qp.proxy_word) {
-            // the kernel's 64-bit producer continues from the queue's
-            word.atomic_u64(0).store(state.sq_pi, Ordering::Release);
-        }
-        let mem = self.alloc(core::mem::size_of::<QpDesc>())?;
-        mem.write(0, bytemuck::bytes_of(&desc))?;
-        Ok(ExportedQp {
-            mem,
-            _keep: Box::new(((scratch, scratch_mr), claim)),
-        })
     }
 }
 

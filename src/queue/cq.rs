@@ -101,8 +101,15 @@ impl Cq {
             CqDev::Mlx5(c) => placement_of(&c.ring),
         }
     }
+    /// The CQ's geometry, as its backend made it.
+    pub(crate) fn geometry(&self) -> crate::backend::geometry::CqGeometry<'_> {
+        match &self.dev {
+            CqDev::Soft(c) => crate::backend::soft::cq_geometry(c),
+            CqDev::Mlx5(c) => c.geometry(),
+        }
+    }
     /// Where the CQ lives, for a CPU poller.
-    pub(crate) fn geometry(&self) -> verbs::initiator::CqGeometry {
+    pub(crate) fn cpu_geometry(&self) -> verbs::initiator::CqGeometry {
         match &self.dev {
             CqDev::Soft(c) => verbs::initiator::CqGeometry {
                 ring: c.ring().as_ptr(),

@@ -9,11 +9,9 @@ mod ring;
 mod state;
 
 pub use crate::backend::ConnectOptions;
-pub(crate) use cq::CqDev;
 pub use cq::{Cq, CqOptions};
 pub use poster::Poster;
 pub(crate) use poster::PosterClaim;
-pub(crate) use qp::QpDev;
 pub use qp::{Qp, QpOptions};
 pub use recover::Drained;
 pub use ring::{DoorbellMode, RingPlacement};

@@ -445,6 +445,24 @@ impl Qp {
     }
 }
 
+impl Qp {
+    /// The QP's geometry, as its backend made it (with the host API's CPU-proxy word of an
+    /// rdma-core QP).
+    pub(crate) fn geometry(&self) -> crate::backend::geometry::QpGeometry<'_> {
+        match &self.dev {
+            QpDev::Soft(q) => crate::backend::soft::qp_geometry(self.pd.ctx.soft_device(), q),
+            QpDev::Mlx5(q) => {
+                let mut g = q.geometry();
+                if let Some(w) = &self.proxy_word {
+                    g.proxy_word = Some(crate::backend::geometry::Place::Buf(&w.buf, 0));
+                    g.keep = Arc::new((g.keep, w.buf.clone()));
+                }
+                g
+            }
+        }
+    }
+}
+
 impl Drop for Qp {
     fn drop(&mut self) {
         // (an rdma-core QP is destroyed when the last holder, maybe an initiator, lets go)

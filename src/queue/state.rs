@@ -30,6 +30,16 @@ pub(crate) struct QueueState {
     pub scq_slot0: Option<u32>,
 }
 
+impl Qp {
+    /// The queue's state as memory and the device hold it (where a new poster continues).
+    pub(crate) fn queue_state(&self) -> QueueState {
+        match &self.dev {
+            QpDev::Soft(s) => QueueState::of(s),
+            QpDev::Mlx5(q) => QueueState::of_mlx5(self, q),
+        }
+    }
+}
+
 impl QueueState {
     pub(crate) fn of(qp: &softnic::Qp) -> Self {
         use std::sync::atomic::Ordering::Acquire;
@@ -296,8 +306,8 @@ impl Qp {
                     verbs::initiator::Initiator::from_geometry(
                         sq,
                         rq,
-                        self.send_cq.geometry(),
-                        self.recv_cq.geometry(),
+                        self.send_cq.cpu_geometry(),
+                        self.recv_cq.cpu_geometry(),
                         mode,
                         keep,
                         None,

@@ -425,11 +425,11 @@ impl Rec {
         }
     }
 
-    /// The record's buffer, for a DEVX object's own.
-    pub(crate) fn buf(&self) -> Option<&DmaBuf> {
+    /// Where the record lives.
+    pub(crate) fn place(&self) -> super::geometry::Place<'_> {
         match self {
-            Self::Buf(b) => Some(b),
-            Self::Host(_) => None,
+            Self::Host(p) => super::geometry::Place::Host(*p),
+            Self::Buf(b) => super::geometry::Place::Buf(b, 0),
         }
     }
 
@@ -474,6 +474,18 @@ pub(crate) struct Cq {
 }
 
 impl Cq {
+    /// Its geometry (an rdma-core CQ never writes over a CQE its consumer has not taken).
+    pub(crate) fn geometry(self: &Arc<Self>) -> super::geometry::CqGeometry<'_> {
+        super::geometry::CqGeometry {
+            ring: &self.ring,
+            ncqe: self.ncqe,
+            dbrec: self.dbrec.place(),
+            collapsed: self.mode == verbs::CqMode::Collapsed,
+            never_overwrites: true,
+            keep: self.clone(),
+        }
+    }
+
     /// Whether it was made with DEVX.
     pub(crate) fn is_devx(&self) -> bool {
         matches!(self.owner, CqOwner::Devx { .. })
@@ -577,6 +589,27 @@ unsafe impl Send for Qp {}
 unsafe impl Sync for Qp {}
 
 impl Qp {
+    /// Its geometry: the provider's (or a DEVX object's) rings and doorbell record, and the
+    /// BlueFlame register on its UAR page (real MMIO on a ConnectX). The CPU-proxy word is the
+    /// host API's, added above.
+    pub(crate) fn geometry(self: &Arc<Self>) -> super::geometry::QpGeometry<'_> {
+        super::geometry::QpGeometry {
+            qpn: self.qpn,
+            sq: &self.sq,
+            sq_blocks: self.sq_blocks,
+            rq: self.rq.as_ref(),
+            rq_wqes: self.rq_wqes,
+            rq_stride: self.rq_stride,
+            max_inline: self.max_inline,
+            dbrec: self.dbrec.place(),
+            db_reg: super::geometry::Place::Host(self.bf_reg),
+            db_reg_io: true,
+            proxy_word: None,
+            kick: None,
+            keep: self.clone(),
+        }
+    }
+
     fn verbs_qp(&self) -> *mut sys::ibv_qp {
         match self.owner {
             QpOwner::Verbs(q) => q,
