@@ -5,8 +5,8 @@
 
 use crate::initiator::{Initiator, InitiatorError, RingMode, SoftQpInitiator};
 use crate::mem::Access;
+use crate::net::{WireConfig, WireFaults};
 use crate::qp::{Modify, QpConfig, RtrAttr, RtsAttr};
-use crate::wire::{WireConfig, WireFaults};
 use crate::{CqConfig, Device, DeviceConfig, DmaBuf, Error, WireCounters};
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey};

@@ -14,7 +14,7 @@ use crate::completion::{count_cq_error, flush_cqe, push_cqe_delayed};
 use crate::counters::Counters;
 use crate::event::AsyncEvent;
 use crate::gather::{gather, local_ranges};
-use crate::mem::{total, write_range, Access, MemRange, MwBinding, MwRequest};
+use crate::mem::{total, write_range, Access, MemRange, MrGuard, MwBinding, MwRequest};
 use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall, MAX_MSG};
 use crate::qp::{DoorbellKind, Qp, QpState, SqState};
 use crate::responder::{respond, Request, Response};
@@ -23,9 +23,10 @@ use crate::wire::{requester, responder};
 use parking_lot::MutexGuard;
 use prm::cqe::{Cqe64, ErrorCqe};
 use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
-use prm::parse::{parse_wqe, sge_of, AtomicKind, LocalSeg, MwOp, ParsedLocal, ParsedOp};
+use prm::parse::{parse_wqe, sge_of, AtomicKind, LocalSeg, MwOp, ParsedLocal, ParsedOp, UmrOp};
 use prm::wqe::{
-    blocks_for_ds, CtrlSeg, MKEY_ACCESS_ATOMIC, MKEY_ACCESS_REMOTE_READ, MKEY_ACCESS_REMOTE_WRITE,
+    blocks_for_ds, CtrlSeg, Sge, MKEY_ACCESS_ATOMIC, MKEY_ACCESS_REMOTE_READ,
+    MKEY_ACCESS_REMOTE_WRITE,
 };
 use prm::{Syndrome, DS_UNIT, MAX_WQE_BBS, WQEBB};
 use smallvec::SmallVec;
@@ -710,7 +711,8 @@ fn mw_request(op: &MwOp) -> MwRequest {
     }
 }
 
-/// Runs a parsed WQE as the requester.
+/// Runs a parsed WQE as the requester: local WQEs here, the rest checked locally, then sent
+/// to the peer (over the wire: handed to the requester transport) and its answer taken.
 fn execute(
     dev: &Shared,
     qp: &Qp,
@@ -729,54 +731,82 @@ fn execute(
     }
     let g = qp.mrs.read();
     if let ParsedOp::Dump { local } = wqe.op {
-        // A local read of one segment: the lkey, PD and range are checked as for any gather.
-        // The device's own writes are complete before their CQEs, so there is nothing left
-        // to flush: the read moves no byte.
-        g.check(
-            qp.pd,
-            Access::NONE,
-            local.lkey.0,
-            local.addr,
-            local.len as u64,
-        )
-        .map_err(local_err)?;
-        return Ok(Done::Complete(local.len));
+        return dump(qp, &g, local);
     }
     if let ParsedOp::Umr(op) = wqe.op {
-        // A UMR: local, done when the mkey is changed. The mkey it names decides how the
-        // WQE reads: an indirect mkey's layout, or a memory window's binding.
-        if g.is_indirect(op.key) {
-            g.umr_indirect(qp.pd, qp.qpn, &op).map_err(|e| {
-                tracing::debug!(qpn = qp.qpn, error = %e, "UMR on an indirect mkey failed");
-                (Syndrome::MwBind, vendor::UMR)
-            })?;
-            return Ok(Done::Complete(0));
-        }
-        let mw = op
-            .window()
-            .ok_or((Syndrome::LocalQpOp, vendor::MALFORMED_WQE))?;
-        g.bind_mw(qp.pd, qp.qpn, &mw_request(&mw)).map_err(|e| {
-            tracing::debug!(qpn = qp.qpn, error = %e, "memory window operation failed");
-            (Syndrome::MwBind, vendor::MEMORY_WINDOW)
-        })?;
-        return Ok(Done::Complete(0));
+        return umr(qp, &g, &op);
     }
     prefetch_data(&wqe.op, sq.wire.is_none());
     let from = qp.qpn;
     let imm = wqe.imm();
     // Local checks come first: the requester gathers (or validates its scatter list) before
     // anything goes out.
-    enum Prepared {
-        Write(prm::RemoteAddr, SmallVec<[MemRange; 4]>),
-        Send(SmallVec<[MemRange; 4]>),
-        Read(prm::RemoteAddr, SmallVec<[MemRange; 4]>),
-        Atomic(prm::RemoteAddr, AtomicKind, MemRange),
+    let prepared = prepare(qp, &g, wqe)?;
+    let peer = match route(dev, sq)? {
+        Ok(Route::Local(p)) => p,
+        Ok(Route::Wire) => {
+            drop(prepared);
+            drop(g);
+            return requester::enqueue(dev, qp, sq, wqe);
+        }
+        Err(stall) => return Ok(Done::Stalled(stall)),
+    };
+    let move_data = !dev.completion_only;
+    let (response, len) = request(&peer, from, &prepared, wqe, imm, move_data);
+    answered(dev, sq, &prepared, response, len)
+}
+
+/// A DUMP, a local read of one segment: the lkey, PD and range are checked as for any gather.
+/// The device's own writes are complete before their CQEs, so there is nothing left to flush:
+/// the read moves no byte.
+fn dump(qp: &Qp, g: &MrGuard<'_>, local: Sge) -> Result<Done, Fail> {
+    g.check(
+        qp.pd,
+        Access::NONE,
+        local.lkey.0,
+        local.addr,
+        local.len as u64,
+    )
+    .map_err(local_err)?;
+    Ok(Done::Complete(local.len))
+}
+
+/// A UMR: local, done when the mkey is changed. The mkey it names decides how the WQE reads:
+/// an indirect mkey's layout, or a memory window's binding.
+fn umr(qp: &Qp, g: &MrGuard<'_>, op: &UmrOp<'_>) -> Result<Done, Fail> {
+    if g.is_indirect(op.key) {
+        g.umr_indirect(qp.pd, qp.qpn, op).map_err(|e| {
+            tracing::debug!(qpn = qp.qpn, error = %e, "UMR on an indirect mkey failed");
+            (Syndrome::MwBind, vendor::UMR)
+        })?;
+        return Ok(Done::Complete(0));
     }
-    let prepared = match wqe.op {
-        ParsedOp::Write { remote, local } => Prepared::Write(remote, gather(&g, qp, &local)?),
-        ParsedOp::Send { local } => Prepared::Send(gather(&g, qp, &local)?),
+    let mw = op
+        .window()
+        .ok_or((Syndrome::LocalQpOp, vendor::MALFORMED_WQE))?;
+    g.bind_mw(qp.pd, qp.qpn, &mw_request(&mw)).map_err(|e| {
+        tracing::debug!(qpn = qp.qpn, error = %e, "memory window operation failed");
+        (Syndrome::MwBind, vendor::MEMORY_WINDOW)
+    })?;
+    Ok(Done::Complete(0))
+}
+
+/// A WQE's local side, checked before anything goes out (see [`prepare`]).
+enum Prepared {
+    Write(prm::RemoteAddr, SmallVec<[MemRange; 4]>),
+    Send(SmallVec<[MemRange; 4]>),
+    Read(prm::RemoteAddr, SmallVec<[MemRange; 4]>),
+    Atomic(prm::RemoteAddr, AtomicKind, MemRange),
+}
+
+/// The local checks of a WRITE, SEND, READ or atomic: its gather list, its scatter list or its
+/// result segment resolved into checked ranges.
+fn prepare(qp: &Qp, g: &MrGuard<'_>, wqe: &prm::ParsedWqe<'_>) -> Result<Prepared, Fail> {
+    Ok(match wqe.op {
+        ParsedOp::Write { remote, local } => Prepared::Write(remote, gather(g, qp, &local)?),
+        ParsedOp::Send { local } => Prepared::Send(gather(g, qp, &local)?),
         ParsedOp::Read { remote, local } => {
-            let dst = local_ranges(&g, qp, Access::LOCAL_WRITE, local)?;
+            let dst = local_ranges(g, qp, Access::LOCAL_WRITE, local)?;
             if total(&dst) > MAX_MSG {
                 return Err((Syndrome::LocalLength, vendor::TOO_LONG));
             }
@@ -799,20 +829,21 @@ fn execute(
             Prepared::Atomic(remote, kind, res)
         }
         ParsedOp::Nop | ParsedOp::Wait { .. } | ParsedOp::Dump { .. } | ParsedOp::Umr(_) => {
-            unreachable!("handled above")
+            unreachable!("execute handles them before")
         }
-    };
-    let peer = match route(dev, sq)? {
-        Ok(Route::Local(p)) => p,
-        Ok(Route::Wire) => {
-            drop(prepared);
-            drop(g);
-            return requester::enqueue(dev, qp, sq, wqe);
-        }
-        Err(stall) => return Ok(Done::Stalled(stall)),
-    };
-    let move_data = !dev.completion_only;
-    let (response, len) = match &prepared {
+    })
+}
+
+/// Sends the request to the in-process peer; its response, and the message's length.
+fn request(
+    peer: &Qp,
+    from: u32,
+    prepared: &Prepared,
+    wqe: &prm::ParsedWqe<'_>,
+    imm: Option<u32>,
+    move_data: bool,
+) -> (Response, u64) {
+    match prepared {
         Prepared::Write(r, src) => {
             let len = total(src);
             let req = Request::Write {
@@ -822,7 +853,7 @@ fn execute(
                 len,
                 imm,
             };
-            (respond(&peer, from, req, move_data), len)
+            (respond(peer, from, req, move_data), len)
         }
         Prepared::Send(src) => {
             let len = total(src);
@@ -832,7 +863,7 @@ fn execute(
                 imm,
                 invalidate: wqe.invalidate(),
             };
-            (respond(&peer, from, req, move_data), len)
+            (respond(peer, from, req, move_data), len)
         }
         Prepared::Read(r, dst) => {
             let len = total(dst);
@@ -842,7 +873,7 @@ fn execute(
                 dst,
                 len,
             };
-            (respond(&peer, from, req, move_data), len)
+            (respond(peer, from, req, move_data), len)
         }
         Prepared::Atomic(r, kind, _) => {
             let req = Request::Atomic {
@@ -850,13 +881,24 @@ fn execute(
                 rkey: r.rkey.0,
                 kind: *kind,
             };
-            (respond(&peer, from, req, move_data), kind.size() as u64)
+            (respond(peer, from, req, move_data), kind.size() as u64)
         }
-    };
+    }
+}
+
+/// Takes the peer's response: the WQE completes (an atomic's original value written to its
+/// result segment), stalls (RNR, no peer) or fails.
+fn answered(
+    dev: &Shared,
+    sq: &mut SqState,
+    prepared: &Prepared,
+    response: Response,
+    len: u64,
+) -> Result<Done, Fail> {
     match response {
         Response::Ack | Response::AtomicAck(_) => {
             if let (Response::AtomicAck(old), Prepared::Atomic(_, kind, res)) =
-                (&response, &prepared)
+                (&response, prepared)
             {
                 let bytes = old.to_ne_bytes();
                 let n = kind.size() as usize;
@@ -866,7 +908,8 @@ fn execute(
                 } else {
                     &(*old as u32).to_ne_bytes()[..]
                 };
-                // SAFETY: `res` was checked (LOCAL_WRITE, exactly n bytes) under `g`, still held.
+                // SAFETY: `res` was checked (LOCAL_WRITE, exactly n bytes) under the caller's
+                // guard, still held.
                 if let Err(e) = unsafe { write_range(res, 0, src) } {
                     return Err(local_devmem_err(&dev.counters, &e));
                 }

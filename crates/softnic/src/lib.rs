@@ -11,7 +11,8 @@
 //! bad doorbell becomes the error CQE a ConnectX would write, and the QP goes to ERR.
 //!
 //! Across processes and hosts, devices opened with a [`WireConfig`] speak RoCEv2 over UDP with
-//! RC reliability ([`wire`]); [`pcap`] captures what they send.
+//! RC reliability ([`wire`], over the datagrams and the UDP port of [`net`]); [`pcap`] captures
+//! what they send.
 //!
 //! Memory regions and rings may live in device (GPU) memory: the engine reaches them through a
 //! [`DeviceMemory`] trait object supplied at registration ([`devmem`]), so this crate needs no
@@ -24,8 +25,10 @@ pub mod cq;
 pub use verbs::devmem;
 pub mod event;
 pub mod mem;
-pub mod pcap;
+pub mod net;
+pub use net::pcap;
 pub mod qp;
+mod rc_state;
 mod shared;
 pub mod srq;
 
@@ -49,9 +52,9 @@ pub use devmem::{DeviceMemory, DeviceMemoryError, SimDeviceMemory};
 pub use event::{AsyncEvent, EventHandler};
 pub use initiator::SoftQpInitiator;
 pub use mem::{Access, IndirectConfig, MemKind, MrInfo, MwInfo, MwType, PdId};
+pub use net::{Capture, WireConfig, WireError, WireFaults};
 pub use qp::{DoorbellKind, Fault, Modify, Qp, QpConfig, QpState, RtrAttr, RtsAttr};
 pub use srq::{Srq, SrqConfig};
-pub use wire::{Capture, WireConfig, WireError, WireFaults};
 
 /// A 16-byte port GID (IPv4-mapped for soft devices: `::ffff:a.b.c.d`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -5,8 +5,8 @@
 use crate::counters::Counters;
 use crate::cq::Cq;
 use crate::mem::MrTable;
+use crate::net::socket::Port;
 use crate::qp::Qp;
-use crate::wire::socket::Port;
 use crate::{Error, Gid};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;

@@ -17,12 +17,12 @@
 
 use crate::counters::Counters;
 use crate::mem::{copy_ranges, read_range, total, CopyError, MemRange};
+use crate::net::packet::{self, opcode, Bth, Deth, Flow, Packet, DEFAULT_PKEY, MASK24};
+use crate::net::socket::{Port, TxBatch};
 use crate::outcome::{local_devmem_err, vendor, Done, Fail};
 use crate::qp::{Qp, QpState, SqState};
 use crate::responder::Resp;
 use crate::shared::{lookup, Shared};
-use crate::wire::packet::{self, opcode, Bth, Deth, Flow, Packet, DEFAULT_PKEY, MASK24};
-use crate::wire::socket::{Port, TxBatch};
 use crate::Gid;
 use prm::cqe::{Cqe64, RespKind};
 use prm::parse::{parse_ud_wqe, ParsedOp};

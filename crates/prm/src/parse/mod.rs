@@ -590,6 +590,23 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
             need: n * DS_UNIT,
         });
     }
+    let (opcode, opmod) = opcode_of(&ctrl)?;
+    let op = parse_op(bytes, &ctrl, n, opcode, opmod)?;
+    Ok(ParsedWqe {
+        opcode,
+        opmod,
+        wqe_index: ctrl.wqe_index(),
+        qpn: ctrl.qpn(),
+        ds,
+        flags: CtrlFlags::from_fm_ce_se(ctrl.fm_ce_se),
+        imm: ctrl.imm,
+        op,
+    })
+}
+
+/// The opcode and opmod of a control segment, checked: a known opcode, and an opmod that fits
+/// it (a masked atomic's operand size, else 0).
+fn opcode_of(ctrl: &CtrlSeg) -> Result<(Opcode, u8), WqeError> {
     let raw_op = ctrl.opcode();
     let opmod = ctrl.opmod();
     let opcode = Opcode::from_u8(raw_op).ok_or(WqeError::UnknownOpcode(raw_op))?;
@@ -605,8 +622,24 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
             opmod,
         });
     }
-    let shape = WqeError::BadShape { opcode: raw_op, ds };
-    let op = match opcode {
+    Ok((opcode, opmod))
+}
+
+/// The operation of a WQE whose control segment checked out: its segments read for `opcode`
+/// (`n` data units in all), each kind's shape checked.
+fn parse_op<'a>(
+    bytes: &'a [u8],
+    ctrl: &CtrlSeg,
+    n: usize,
+    opcode: Opcode,
+    opmod: u8,
+) -> Result<ParsedOp<'a>, WqeError> {
+    let raw_op = ctrl.opcode();
+    let shape = WqeError::BadShape {
+        opcode: raw_op,
+        ds: ctrl.ds(),
+    };
+    Ok(match opcode {
         Opcode::Nop => ParsedOp::Nop,
         Opcode::RdmaWrite | Opcode::RdmaWriteImm => {
             if n < 2 {
@@ -635,89 +668,7 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
             }
         }
         Opcode::AtomicCs | Opcode::AtomicFa | Opcode::AtomicMaskedCs | Opcode::AtomicMaskedFa => {
-            let size = if opmod == OPMOD_MASKED_ATOMIC_4B {
-                AtomicSize::B4
-            } else {
-                AtomicSize::B8
-            };
-            let (kind, units) = match opcode {
-                Opcode::AtomicFa | Opcode::AtomicCs => {
-                    let a: AtomicSeg = seg(bytes, 2);
-                    let kind = if opcode == Opcode::AtomicFa {
-                        AtomicKind::FetchAdd {
-                            add: a.swap_add.get(),
-                        }
-                    } else {
-                        AtomicKind::CompareSwap {
-                            compare: a.compare.get(),
-                            swap: a.swap_add.get(),
-                        }
-                    };
-                    (kind, 1)
-                }
-                Opcode::AtomicMaskedFa if size == AtomicSize::B4 => {
-                    let a: MaskedFa32Seg = seg(bytes, 2);
-                    let kind = AtomicKind::MaskedFetchAdd {
-                        size,
-                        add: a.add.get() as u64,
-                        field_boundary: a.field_boundary.get() as u64,
-                    };
-                    (kind, 1)
-                }
-                Opcode::AtomicMaskedFa => {
-                    let a: MaskedFa64Seg = seg(bytes, 2);
-                    let kind = AtomicKind::MaskedFetchAdd {
-                        size,
-                        add: a.add.get(),
-                        field_boundary: a.field_boundary.get(),
-                    };
-                    (kind, 1)
-                }
-                _ if size == AtomicSize::B4 => {
-                    let a: MaskedCs32Seg = seg(bytes, 2);
-                    let kind = AtomicKind::MaskedCompareSwap {
-                        size,
-                        compare: a.compare.get() as u64,
-                        compare_mask: a.compare_mask.get() as u64,
-                        swap: a.swap.get() as u64,
-                        swap_mask: a.swap_mask.get() as u64,
-                    };
-                    (kind, 1)
-                }
-                _ => {
-                    if n < 5 {
-                        return Err(shape);
-                    }
-                    let a: MaskedCs64Seg = seg(bytes, 2);
-                    let kind = AtomicKind::MaskedCompareSwap {
-                        size,
-                        compare: a.compare.get(),
-                        compare_mask: a.compare_mask.get(),
-                        swap: a.swap.get(),
-                        swap_mask: a.swap_mask.get(),
-                    };
-                    (kind, 2)
-                }
-            };
-            if n != 2 + units + 1 {
-                return Err(shape);
-            }
-            let d: DataSeg = seg(bytes, 2 + units);
-            if d.byte_count.get() & INLINE_SEG != 0 {
-                return Err(WqeError::InlineNotAllowed { opcode: raw_op });
-            }
-            let result = sge_of(&d);
-            if result.len != kind.size() {
-                return Err(WqeError::AtomicLength {
-                    len: result.len,
-                    size: kind.size(),
-                });
-            }
-            ParsedOp::Atomic {
-                remote: remote(seg(bytes, 1)),
-                kind,
-                result,
-            }
+            atomic(bytes, n, opcode, opmod, shape)?
         }
         Opcode::Wait => {
             if n != 2 {
@@ -740,16 +691,113 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
             ParsedOp::Dump { local: sge_of(&d) }
         }
         Opcode::Umr => ParsedOp::Umr(umr(bytes, n, ctrl.imm.get()).ok_or(shape)?),
+    })
+}
+
+/// An atomic WQE (`n` data units): its remote address, the operation its AtomicSeg or masked
+/// segment names, and its result segment (a pointer of exactly the operand's size).
+fn atomic(
+    bytes: &[u8],
+    n: usize,
+    opcode: Opcode,
+    opmod: u8,
+    shape: WqeError,
+) -> Result<ParsedOp<'_>, WqeError> {
+    let raw_op = opcode as u8; // the byte it was read from
+    let size = if opmod == OPMOD_MASKED_ATOMIC_4B {
+        AtomicSize::B4
+    } else {
+        AtomicSize::B8
     };
-    Ok(ParsedWqe {
-        opcode,
-        opmod,
-        wqe_index: ctrl.wqe_index(),
-        qpn: ctrl.qpn(),
-        ds,
-        flags: CtrlFlags::from_fm_ce_se(ctrl.fm_ce_se),
-        imm: ctrl.imm,
-        op,
+    let (kind, units) = atomic_kind(bytes, n, opcode, size, shape)?;
+    if n != 2 + units + 1 {
+        return Err(shape);
+    }
+    let d: DataSeg = seg(bytes, 2 + units);
+    if d.byte_count.get() & INLINE_SEG != 0 {
+        return Err(WqeError::InlineNotAllowed { opcode: raw_op });
+    }
+    let result = sge_of(&d);
+    if result.len != kind.size() {
+        return Err(WqeError::AtomicLength {
+            len: result.len,
+            size: kind.size(),
+        });
+    }
+    Ok(ParsedOp::Atomic {
+        remote: remote(seg(bytes, 1)),
+        kind,
+        result,
+    })
+}
+
+/// The operation of an atomic of `size` (4 or 8 bytes) and the data units its segment takes
+/// (2 for a masked 8-byte compare-and-swap, which needs `n` of at least 5).
+fn atomic_kind(
+    bytes: &[u8],
+    n: usize,
+    opcode: Opcode,
+    size: AtomicSize,
+    shape: WqeError,
+) -> Result<(AtomicKind, usize), WqeError> {
+    Ok(match opcode {
+        Opcode::AtomicFa | Opcode::AtomicCs => {
+            let a: AtomicSeg = seg(bytes, 2);
+            let kind = if opcode == Opcode::AtomicFa {
+                AtomicKind::FetchAdd {
+                    add: a.swap_add.get(),
+                }
+            } else {
+                AtomicKind::CompareSwap {
+                    compare: a.compare.get(),
+                    swap: a.swap_add.get(),
+                }
+            };
+            (kind, 1)
+        }
+        Opcode::AtomicMaskedFa if size == AtomicSize::B4 => {
+            let a: MaskedFa32Seg = seg(bytes, 2);
+            let kind = AtomicKind::MaskedFetchAdd {
+                size,
+                add: a.add.get() as u64,
+                field_boundary: a.field_boundary.get() as u64,
+            };
+            (kind, 1)
+        }
+        Opcode::AtomicMaskedFa => {
+            let a: MaskedFa64Seg = seg(bytes, 2);
+            let kind = AtomicKind::MaskedFetchAdd {
+                size,
+                add: a.add.get(),
+                field_boundary: a.field_boundary.get(),
+            };
+            (kind, 1)
+        }
+        _ if size == AtomicSize::B4 => {
+            let a: MaskedCs32Seg = seg(bytes, 2);
+            let kind = AtomicKind::MaskedCompareSwap {
+                size,
+                compare: a.compare.get() as u64,
+                compare_mask: a.compare_mask.get() as u64,
+                swap: a.swap.get() as u64,
+                swap_mask: a.swap_mask.get() as u64,
+            };
+            (kind, 1)
+        }
+        _ => {
+            if n < 5 {
+                return Err(shape);
+            }
+            let a: MaskedCs64Seg = seg(bytes, 2);
+            let kind = AtomicKind::MaskedCompareSwap {
+                size,
+                compare: a.compare.get(),
+                compare_mask: a.compare_mask.get(),
+                swap: a.swap.get(),
+                swap_mask: a.swap_mask.get(),
+            };
+            (kind, 2)
+        }
     })
 }
 

@@ -7,19 +7,19 @@
 //! Locking: the requester state lives in the QP's SQ state ([`ReqWire`]), touched under the SQ
 //! lock (the engine holds it while it runs WQEs; the I/O thread takes it for responses).
 
-use super::packet::{
+use crate::completion::{flush_cqe, push_cqe_delayed};
+use crate::counters::{Counters, WireCounters};
+use crate::mem::{read_range, write_range, Access, MemRange, MrGuard};
+use crate::net::packet::{
     self, aeth, opcode as op, AtomicEth, Bth, Flow, MaskedAtomicEth, Packet, Reth, DEFAULT_PKEY,
     MASK24,
 };
-use super::state::{
+use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall};
+use crate::qp::{Qp, QpState, SqState};
+use crate::rc_state::{
     psn_add, psn_diff, Acked, GapReport, OutMsg, OutOp, ReqWire, Src, SrcSeg, FAST_RTO_MAX,
     MAX_OUTSTANDING_PSNS, MAX_WINDOW,
 };
-use crate::completion::{flush_cqe, push_cqe_delayed};
-use crate::counters::Counters;
-use crate::mem::{read_range, write_range, Access, MemRange, MrGuard};
-use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall};
-use crate::qp::{Qp, QpState, SqState};
 use crate::shared::Shared;
 use crate::DeviceMemoryError;
 use crate::Gid;
@@ -29,6 +29,7 @@ use prm::wqe::{Fence, Sge};
 use prm::Syndrome;
 use smallvec::SmallVec;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 /// Packets one pump sends before it lets go of the QP (so that ACKs are taken between
@@ -386,56 +387,7 @@ fn build(
             let n = mtu.min(m.len.saturating_sub(off));
             let first = k == 0;
             let last = k + 1 >= m.npkts;
-            let (opc, src) = match &m.op {
-                OutOp::Write {
-                    imm,
-                    src,
-                    raddr,
-                    rkey,
-                } => {
-                    if first {
-                        pkt.reth = Some(Reth {
-                            va: *raddr,
-                            rkey: *rkey,
-                            len: m.len as u32,
-                        });
-                    }
-                    let o = match (first, last, imm.is_some()) {
-                        (true, true, false) => op::WRITE_ONLY,
-                        (true, true, true) => op::WRITE_ONLY_IMM,
-                        (true, false, _) => op::WRITE_FIRST,
-                        (false, false, _) => op::WRITE_MIDDLE,
-                        (false, true, false) => op::WRITE_LAST,
-                        (false, true, true) => op::WRITE_LAST_IMM,
-                    };
-                    if last {
-                        pkt.imm = *imm;
-                    }
-                    (o, src)
-                }
-                OutOp::Send {
-                    imm,
-                    invalidate,
-                    src,
-                } => {
-                    let o = match (first, last, imm.is_some(), invalidate.is_some()) {
-                        (true, false, ..) => op::SEND_FIRST,
-                        (false, false, ..) => op::SEND_MIDDLE,
-                        (true, true, _, true) => op::SEND_ONLY_INV,
-                        (false, true, _, true) => op::SEND_LAST_INV,
-                        (true, true, false, _) => op::SEND_ONLY,
-                        (true, true, true, _) => op::SEND_ONLY_IMM,
-                        (false, true, false, _) => op::SEND_LAST,
-                        (false, true, true, _) => op::SEND_LAST_IMM,
-                    };
-                    if last {
-                        pkt.imm = *imm;
-                        pkt.ieth = *invalidate;
-                    }
-                    (o, src)
-                }
-                _ => unreachable!("matched above"),
-            };
+            let (opc, src) = data_opcode(m, first, last, &mut pkt);
             bth.opcode = opc;
             bth.solicited = last && m.solicited && (imm_of(&m.op) || is_send(&m.op));
             // a resend always asks: its answer is what the requester waits for
@@ -464,60 +416,7 @@ fn build(
         OutOp::Atomic {
             raddr, rkey, kind, ..
         } => {
-            match *kind {
-                AtomicKind::FetchAdd { add } => {
-                    bth.opcode = op::FETCH_ADD;
-                    pkt.atomic = Some(AtomicEth {
-                        va: *raddr,
-                        rkey: *rkey,
-                        swap_add: add,
-                        compare: 0,
-                    });
-                }
-                AtomicKind::CompareSwap { compare, swap } => {
-                    bth.opcode = op::CMP_SWAP;
-                    pkt.atomic = Some(AtomicEth {
-                        va: *raddr,
-                        rkey: *rkey,
-                        swap_add: swap,
-                        compare,
-                    });
-                }
-                AtomicKind::MaskedFetchAdd {
-                    size,
-                    add,
-                    field_boundary,
-                } => {
-                    bth.opcode = op::MASKED_FETCH_ADD;
-                    pkt.masked = Some(MaskedAtomicEth {
-                        va: *raddr,
-                        rkey: *rkey,
-                        size: size.bytes() as u8,
-                        swap_add: add,
-                        compare_boundary: field_boundary,
-                        swap_mask: 0,
-                        compare_mask: 0,
-                    });
-                }
-                AtomicKind::MaskedCompareSwap {
-                    size,
-                    compare,
-                    compare_mask,
-                    swap,
-                    swap_mask,
-                } => {
-                    bth.opcode = op::MASKED_CMP_SWAP;
-                    pkt.masked = Some(MaskedAtomicEth {
-                        va: *raddr,
-                        rkey: *rkey,
-                        size: size.bytes() as u8,
-                        swap_add: swap,
-                        compare_boundary: compare,
-                        swap_mask,
-                        compare_mask,
-                    });
-                }
-            }
+            bth.opcode = atomic_header(*kind, *raddr, *rkey, &mut pkt);
             pkt.bth = bth;
             packet::encode_at(&pkt, &flow, ip_id, buf).map_err(|_| bad_wire())
         }
@@ -535,6 +434,120 @@ fn build(
             m.fail = Some(f);
             w.halted = true;
             Built::Halt
+        }
+    }
+}
+
+/// The opcode of a WRITE's or SEND's packet at its `first` and `last` position, its RETH,
+/// immediate and IETH put in `pkt`, and where its payload comes from.
+fn data_opcode<'m>(m: &'m OutMsg, first: bool, last: bool, pkt: &mut Packet<'_>) -> (u8, &'m Src) {
+    match &m.op {
+        OutOp::Write {
+            imm,
+            src,
+            raddr,
+            rkey,
+        } => {
+            if first {
+                pkt.reth = Some(Reth {
+                    va: *raddr,
+                    rkey: *rkey,
+                    len: m.len as u32,
+                });
+            }
+            let o = match (first, last, imm.is_some()) {
+                (true, true, false) => op::WRITE_ONLY,
+                (true, true, true) => op::WRITE_ONLY_IMM,
+                (true, false, _) => op::WRITE_FIRST,
+                (false, false, _) => op::WRITE_MIDDLE,
+                (false, true, false) => op::WRITE_LAST,
+                (false, true, true) => op::WRITE_LAST_IMM,
+            };
+            if last {
+                pkt.imm = *imm;
+            }
+            (o, src)
+        }
+        OutOp::Send {
+            imm,
+            invalidate,
+            src,
+        } => {
+            let o = match (first, last, imm.is_some(), invalidate.is_some()) {
+                (true, false, ..) => op::SEND_FIRST,
+                (false, false, ..) => op::SEND_MIDDLE,
+                (true, true, _, true) => op::SEND_ONLY_INV,
+                (false, true, _, true) => op::SEND_LAST_INV,
+                (true, true, false, _) => op::SEND_ONLY,
+                (true, true, true, _) => op::SEND_ONLY_IMM,
+                (false, true, false, _) => op::SEND_LAST,
+                (false, true, true, _) => op::SEND_LAST_IMM,
+            };
+            if last {
+                pkt.imm = *imm;
+                pkt.ieth = *invalidate;
+            }
+            (o, src)
+        }
+        _ => unreachable!("build passes WRITEs and SENDs only"),
+    }
+}
+
+/// The header of an atomic request: its AtomicETH or masked AtomicETH put in `pkt`, and its
+/// opcode.
+fn atomic_header(kind: AtomicKind, raddr: u64, rkey: u32, pkt: &mut Packet<'_>) -> u8 {
+    match kind {
+        AtomicKind::FetchAdd { add } => {
+            pkt.atomic = Some(AtomicEth {
+                va: raddr,
+                rkey,
+                swap_add: add,
+                compare: 0,
+            });
+            op::FETCH_ADD
+        }
+        AtomicKind::CompareSwap { compare, swap } => {
+            pkt.atomic = Some(AtomicEth {
+                va: raddr,
+                rkey,
+                swap_add: swap,
+                compare,
+            });
+            op::CMP_SWAP
+        }
+        AtomicKind::MaskedFetchAdd {
+            size,
+            add,
+            field_boundary,
+        } => {
+            pkt.masked = Some(MaskedAtomicEth {
+                va: raddr,
+                rkey,
+                size: size.bytes() as u8,
+                swap_add: add,
+                compare_boundary: field_boundary,
+                swap_mask: 0,
+                compare_mask: 0,
+            });
+            op::MASKED_FETCH_ADD
+        }
+        AtomicKind::MaskedCompareSwap {
+            size,
+            compare,
+            compare_mask,
+            swap,
+            swap_mask,
+        } => {
+            pkt.masked = Some(MaskedAtomicEth {
+                va: raddr,
+                rkey,
+                size: size.bytes() as u8,
+                swap_add: swap,
+                compare_boundary: compare,
+                swap_mask,
+                compare_mask,
+            });
+            op::MASKED_CMP_SWAP
         }
     }
 }
@@ -767,218 +780,302 @@ pub(super) fn on_response(dev: &Shared, qp: &Qp, pkt: &Packet<'_>) {
         Counters::add(&dev.counters.wire.rx_unknown_qp, 1);
         return;
     }
-    let wc = &dev.counters.wire;
-    let p = pkt.bth.psn;
     let g = qp.mrs.read();
-    match pkt.bth.opcode {
-        op::ACK => {
-            let s = pkt.aeth.map_or(0, |a| a.syndrome);
-            if s == aeth::GAP_REPORT {
-                // Only a peer that agreed on selective repeat sends it; it acknowledges
-                // nothing (the NAK code is reserved by IBTA: a real NIC never sends it).
-                let n = pkt.aeth.map_or(0, |a| a.msn);
-                let c = match w.selective.then(|| w.resend_gap(p, n, now)) {
-                    Some(GapReport::Acted) => &wc.sr_gap_reports_received,
-                    Some(GapReport::Ignored) => &wc.sr_gap_reports_ignored,
-                    Some(GapReport::NotInFlight) | None => &wc.rx_unexpected,
-                };
-                Counters::add(c, 1);
-                drop(g);
-                pump(dev, qp, w, now);
-                return;
-            }
-            match s >> 5 {
-                0 => match w.ack_to(psn_add(p, 1), now) {
-                    Acked::Bogus => {
-                        // acknowledges PSNs never sent
-                        Counters::add(&wc.rx_unexpected, 1);
-                        return;
-                    }
-                    Acked::Implicit => w.go_back_once(now),
-                    Acked::Ok => {}
-                },
-                1 | 3 => match w.ack_to(p, now) {
-                    Acked::Bogus => {
-                        Counters::add(&wc.rx_unexpected, 1);
-                        return;
-                    }
-                    Acked::Implicit => w.go_back_once(now),
-                    Acked::Ok if w.una != p => Counters::add(&wc.rx_unexpected, 1),
-                    Acked::Ok if s >> 5 == 1 => {
-                        Counters::add(&wc.rnr_naks_received, 1);
-                        w.rnr_retries += 1;
-                        if w.rnr_retry != 7 && w.rnr_retries > w.rnr_retry as u32 {
-                            w.fail_at(p, (Syndrome::RnrRetryExc, vendor::RNR));
-                        } else {
-                            w.rnr_until = Some(now + rnr_delay(s & 0x1f));
-                            w.send_psn = p;
-                            w.deadline = None;
-                            w.fast_deadline = None;
-                        }
-                    }
-                    Acked::Ok => match s {
-                        aeth::NAK_SEQ => {
-                            Counters::add(&wc.seq_naks_received, 1);
-                            if w.selective {
-                                w.resend_nak(now);
-                            } else {
-                                w.go_back_nak(now);
-                            }
-                        }
-                        aeth::NAK_INVALID => {
-                            let i = w.find(p);
-                            let recv = w.msgs.get(i).is_some_and(|m| {
-                                matches!(
-                                    m.op,
-                                    OutOp::Send { .. } | OutOp::Write { imm: Some(_), .. }
-                                )
-                            });
-                            let why = if recv {
-                                vendor::RECV_BUFFER
-                            } else {
-                                vendor::INVALID_REQUEST
-                            };
-                            w.fail_at(p, (Syndrome::RemoteInvalReq, why));
-                        }
-                        aeth::NAK_ACCESS => {
-                            w.fail_at(p, (Syndrome::RemoteAccess, vendor::REMOTE_KEY))
-                        }
-                        aeth::NAK_OPERATIONAL => {
-                            // The NAK carries no cause: a SEND's is its receive buffer (key
-                            // or device memory), any other request's the responder's device
-                            // memory, the only operational error it can meet.
-                            let i = w.find(p);
-                            let send = w.msgs.get(i).is_some_and(|m| is_send(&m.op));
-                            let why = if send {
-                                vendor::RECV_BUFFER
-                            } else {
-                                vendor::DEVICE_MEMORY
-                            };
-                            w.fail_at(p, (Syndrome::RemoteOp, why))
-                        }
-                        _ => Counters::add(&wc.rx_unexpected, 1),
-                    },
-                },
-                _ => Counters::add(&wc.rx_unexpected, 1),
-            }
-        }
+    let after = match pkt.bth.opcode {
+        op::ACK => on_ack(&dev.counters.wire, w, pkt, now),
         op::READ_RESPONSE_FIRST
         | op::READ_RESPONSE_MIDDLE
         | op::READ_RESPONSE_LAST
         | op::READ_RESPONSE_ONLY => {
-            let i = w.find(p);
-            let (mpsn, is_read) = match w.msgs.get(i) {
-                Some(m) => (m.psn, matches!(m.op, OutOp::Read { .. })),
-                None => (p, false),
-            };
-            if !is_read || psn_diff(p, mpsn) < 0 {
-                Counters::add(&wc.rx_unexpected, 1);
-            } else {
-                match w.ack_to(mpsn, now) {
-                    Acked::Bogus => Counters::add(&wc.rx_unexpected, 1),
-                    Acked::Implicit => w.go_back_once(now),
-                    Acked::Ok if p != w.una => {
-                        if psn_diff(p, w.una) > 0 {
-                            w.go_back_once(now);
-                        } else {
-                            Counters::add(&wc.rx_unexpected, 1);
-                        }
-                    }
-                    Acked::Ok => {
-                        let mtu = w.mtu as u64;
-                        let m = &mut w.msgs[i];
-                        let k = psn_diff(p, m.psn) as u32;
-                        let off = k as u64 * mtu;
-                        let last = k + 1 == m.npkts;
-                        // A READ retried from packet k is a new request for the rest: its
-                        // responses start again with FIRST (or ONLY).
-                        let o = pkt.bth.opcode;
-                        let op_ok = match (k == 0, last) {
-                            (_, true) => o == op::READ_RESPONSE_LAST || o == op::READ_RESPONSE_ONLY,
-                            (true, false) => o == op::READ_RESPONSE_FIRST,
-                            (false, false) => {
-                                o == op::READ_RESPONSE_MIDDLE || o == op::READ_RESPONSE_FIRST
-                            }
-                        };
-                        let op_ok = op_ok && (o != op::READ_RESPONSE_LAST || k > 0);
-                        let want_len = if last { m.len.saturating_sub(off) } else { mtu };
-                        if !op_ok || pkt.payload.len() as u64 != want_len {
-                            m.fail = Some((Syndrome::BadResp, vendor::BAD_RESPONSE));
-                            w.halted = true;
-                        } else if let OutOp::Read { dst, .. } = &m.op {
-                            match scatter(&dev.counters, &g, qp.pd, dst, off, pkt.payload) {
-                                Ok(()) => {
-                                    w.una = psn_add(p, 1);
-                                    w.progress(p, now);
-                                }
-                                Err(f) => {
-                                    m.fail = Some(f);
-                                    w.halted = true;
-                                }
-                            }
-                        }
-                    }
-                }
-            }
+            on_read_response(dev, qp, &g, w, pkt, now);
+            After::Complete
         }
         op::ATOMIC_ACK => {
-            let i = w.find(p);
-            let ok = w
-                .msgs
-                .get(i)
-                .is_some_and(|m| m.psn == p && matches!(m.op, OutOp::Atomic { .. }));
-            if !ok {
+            on_atomic_ack(dev, qp, &g, w, pkt, now);
+            After::Complete
+        }
+        _ => {
+            Counters::add(&dev.counters.wire.rx_unexpected, 1);
+            After::Complete
+        }
+    };
+    drop(g);
+    match after {
+        After::Stop => {}
+        After::Pump => {
+            pump(dev, qp, w, now);
+        }
+        After::Complete => {
+            complete_front(dev, qp, w, delay);
+            pump(dev, qp, w, now);
+        }
+    }
+}
+
+/// What [`on_response`] does after a response was taken.
+enum After {
+    /// Nothing more (the response acknowledged nothing it could).
+    Stop,
+    /// Send what the window now allows.
+    Pump,
+    /// Complete what was acknowledged, then send what the window allows.
+    Complete,
+}
+
+/// An ACK, a NAK or a gap report: acknowledges what it covers and acts on the NAK; what the
+/// caller does next.
+fn on_ack(wc: &WireCounters<AtomicU64>, w: &mut ReqWire, pkt: &Packet<'_>, now: Instant) -> After {
+    let p = pkt.bth.psn;
+    let s = pkt.aeth.map_or(0, |a| a.syndrome);
+    if s == aeth::GAP_REPORT {
+        // Only a peer that agreed on selective repeat sends it; it acknowledges nothing (the
+        // NAK code is reserved by IBTA: a real NIC never sends it).
+        let n = pkt.aeth.map_or(0, |a| a.msn);
+        let c = match w.selective.then(|| w.resend_gap(p, n, now)) {
+            Some(GapReport::Acted) => &wc.sr_gap_reports_received,
+            Some(GapReport::Ignored) => &wc.sr_gap_reports_ignored,
+            Some(GapReport::NotInFlight) | None => &wc.rx_unexpected,
+        };
+        Counters::add(c, 1);
+        return After::Pump;
+    }
+    match s >> 5 {
+        0 => match w.ack_to(psn_add(p, 1), now) {
+            Acked::Bogus => {
+                // acknowledges PSNs never sent
                 Counters::add(&wc.rx_unexpected, 1);
-            } else {
-                match w.ack_to(p, now) {
-                    Acked::Bogus => Counters::add(&wc.rx_unexpected, 1),
-                    Acked::Implicit => w.go_back_once(now),
-                    Acked::Ok if p != w.una => Counters::add(&wc.rx_unexpected, 1),
-                    Acked::Ok => {
-                        let m = &mut w.msgs[i];
-                        if let OutOp::Atomic { kind, result, .. } = &m.op {
-                            let old = pkt.atomic_ack.unwrap_or(0);
-                            let n = kind.size() as usize;
-                            let bytes = old.to_ne_bytes();
-                            let small = (old as u32).to_ne_bytes();
-                            // The original value lands host-endian (mlx5 host-endian
-                            // atomic mode), as on the in-process path.
-                            let v: &[u8] = if n == 8 { &bytes } else { &small };
-                            match g.check(
-                                qp.pd,
-                                Access::LOCAL_WRITE,
-                                result.lkey.0,
-                                result.addr,
-                                n as u64,
-                            ) {
-                                Ok(r) => {
-                                    // SAFETY: `r` checked under `g` (held), exactly n bytes.
-                                    match unsafe { write_range(&r, 0, v) } {
-                                        Ok(()) => {
-                                            w.una = psn_add(p, 1);
-                                            w.progress(p, now);
-                                        }
-                                        Err(e) => {
-                                            m.fail = Some(local_devmem_err(&dev.counters, &e));
-                                            w.halted = true;
-                                        }
-                                    }
-                                }
-                                Err(e) => {
-                                    m.fail = Some(local_err(e));
-                                    w.halted = true;
-                                }
-                            }
-                        }
-                    }
-                }
+                return After::Stop;
             }
+            Acked::Implicit => w.go_back_once(now),
+            Acked::Ok => {}
+        },
+        1 | 3 => match w.ack_to(p, now) {
+            Acked::Bogus => {
+                Counters::add(&wc.rx_unexpected, 1);
+                return After::Stop;
+            }
+            Acked::Implicit => w.go_back_once(now),
+            Acked::Ok if w.una != p => Counters::add(&wc.rx_unexpected, 1),
+            Acked::Ok if s >> 5 == 1 => on_rnr_nak(wc, w, p, s, now),
+            Acked::Ok => on_nak(wc, w, p, s, now),
+        },
+        _ => Counters::add(&wc.rx_unexpected, 1),
+    }
+    After::Complete
+}
+
+/// An RNR NAK at the oldest PSN not acknowledged: waits the delay it names before resending
+/// from there, or fails the message once its RNR retries are spent.
+fn on_rnr_nak(wc: &WireCounters<AtomicU64>, w: &mut ReqWire, p: u32, s: u8, now: Instant) {
+    Counters::add(&wc.rnr_naks_received, 1);
+    w.rnr_retries += 1;
+    if w.rnr_retry != 7 && w.rnr_retries > w.rnr_retry as u32 {
+        w.fail_at(p, (Syndrome::RnrRetryExc, vendor::RNR));
+    } else {
+        w.rnr_until = Some(now + rnr_delay(s & 0x1f));
+        w.send_psn = p;
+        w.deadline = None;
+        w.fast_deadline = None;
+    }
+}
+
+/// A sequence NAK (resend) or an error NAK (the message at `p` fails with the syndrome it
+/// names) at the oldest PSN not acknowledged.
+fn on_nak(wc: &WireCounters<AtomicU64>, w: &mut ReqWire, p: u32, s: u8, now: Instant) {
+    match s {
+        aeth::NAK_SEQ => {
+            Counters::add(&wc.seq_naks_received, 1);
+            if w.selective {
+                w.resend_nak(now);
+            } else {
+                w.go_back_nak(now);
+            }
+        }
+        aeth::NAK_INVALID => {
+            let i = w.find(p);
+            let recv = w.msgs.get(i).is_some_and(|m| {
+                matches!(m.op, OutOp::Send { .. } | OutOp::Write { imm: Some(_), .. })
+            });
+            let why = if recv {
+                vendor::RECV_BUFFER
+            } else {
+                vendor::INVALID_REQUEST
+            };
+            w.fail_at(p, (Syndrome::RemoteInvalReq, why));
+        }
+        aeth::NAK_ACCESS => w.fail_at(p, (Syndrome::RemoteAccess, vendor::REMOTE_KEY)),
+        aeth::NAK_OPERATIONAL => {
+            // The NAK carries no cause: a SEND's is its receive buffer (key or device memory),
+            // any other request's the responder's device memory, the only operational error
+            // it can meet.
+            let i = w.find(p);
+            let send = w.msgs.get(i).is_some_and(|m| is_send(&m.op));
+            let why = if send {
+                vendor::RECV_BUFFER
+            } else {
+                vendor::DEVICE_MEMORY
+            };
+            w.fail_at(p, (Syndrome::RemoteOp, why))
         }
         _ => Counters::add(&wc.rx_unexpected, 1),
     }
-    drop(g);
-    complete_front(dev, qp, w, delay);
-    pump(dev, qp, w, now);
+}
+
+/// A READ response: checked against the READ in flight it answers, and taken if it is the next
+/// packet expected.
+fn on_read_response(
+    dev: &Shared,
+    qp: &Qp,
+    g: &MrGuard<'_>,
+    w: &mut ReqWire,
+    pkt: &Packet<'_>,
+    now: Instant,
+) {
+    let p = pkt.bth.psn;
+    let wc = &dev.counters.wire;
+    let i = w.find(p);
+    let (mpsn, is_read) = match w.msgs.get(i) {
+        Some(m) => (m.psn, matches!(m.op, OutOp::Read { .. })),
+        None => (p, false),
+    };
+    if !is_read || psn_diff(p, mpsn) < 0 {
+        Counters::add(&wc.rx_unexpected, 1);
+    } else {
+        match w.ack_to(mpsn, now) {
+            Acked::Bogus => Counters::add(&wc.rx_unexpected, 1),
+            Acked::Implicit => w.go_back_once(now),
+            Acked::Ok if p != w.una => {
+                if psn_diff(p, w.una) > 0 {
+                    w.go_back_once(now);
+                } else {
+                    Counters::add(&wc.rx_unexpected, 1);
+                }
+            }
+            Acked::Ok => take_read_response(dev, qp, g, w, i, pkt, now),
+        }
+    }
+}
+
+/// The expected READ response packet `p` of message `i`: its opcode and length checked for its
+/// place in the READ, its payload scattered to the READ's local segments.
+fn take_read_response(
+    dev: &Shared,
+    qp: &Qp,
+    g: &MrGuard<'_>,
+    w: &mut ReqWire,
+    i: usize,
+    pkt: &Packet<'_>,
+    now: Instant,
+) {
+    let p = pkt.bth.psn;
+    let mtu = w.mtu as u64;
+    let m = &mut w.msgs[i];
+    let k = psn_diff(p, m.psn) as u32;
+    let off = k as u64 * mtu;
+    let last = k + 1 == m.npkts;
+    // A READ retried from packet k is a new request for the rest: its responses start again
+    // with FIRST (or ONLY).
+    let o = pkt.bth.opcode;
+    let op_ok = match (k == 0, last) {
+        (_, true) => o == op::READ_RESPONSE_LAST || o == op::READ_RESPONSE_ONLY,
+        (true, false) => o == op::READ_RESPONSE_FIRST,
+        (false, false) => o == op::READ_RESPONSE_MIDDLE || o == op::READ_RESPONSE_FIRST,
+    };
+    let op_ok = op_ok && (o != op::READ_RESPONSE_LAST || k > 0);
+    let want_len = if last { m.len.saturating_sub(off) } else { mtu };
+    if !op_ok || pkt.payload.len() as u64 != want_len {
+        m.fail = Some((Syndrome::BadResp, vendor::BAD_RESPONSE));
+        w.halted = true;
+    } else if let OutOp::Read { dst, .. } = &m.op {
+        match scatter(&dev.counters, g, qp.pd, dst, off, pkt.payload) {
+            Ok(()) => {
+                w.una = psn_add(p, 1);
+                w.progress(p, now);
+            }
+            Err(f) => {
+                m.fail = Some(f);
+                w.halted = true;
+            }
+        }
+    }
+}
+
+/// An atomic ACK: checked against the atomic in flight it answers, and taken if it is the
+/// next one expected.
+fn on_atomic_ack(
+    dev: &Shared,
+    qp: &Qp,
+    g: &MrGuard<'_>,
+    w: &mut ReqWire,
+    pkt: &Packet<'_>,
+    now: Instant,
+) {
+    let p = pkt.bth.psn;
+    let wc = &dev.counters.wire;
+    let i = w.find(p);
+    let ok = w
+        .msgs
+        .get(i)
+        .is_some_and(|m| m.psn == p && matches!(m.op, OutOp::Atomic { .. }));
+    if !ok {
+        Counters::add(&wc.rx_unexpected, 1);
+    } else {
+        match w.ack_to(p, now) {
+            Acked::Bogus => Counters::add(&wc.rx_unexpected, 1),
+            Acked::Implicit => w.go_back_once(now),
+            Acked::Ok if p != w.una => Counters::add(&wc.rx_unexpected, 1),
+            Acked::Ok => take_atomic_result(dev, qp, g, w, i, pkt, now),
+        }
+    }
+}
+
+/// The expected atomic ACK of message `i`: the original value it carries written to the
+/// atomic's local result segment.
+fn take_atomic_result(
+    dev: &Shared,
+    qp: &Qp,
+    g: &MrGuard<'_>,
+    w: &mut ReqWire,
+    i: usize,
+    pkt: &Packet<'_>,
+    now: Instant,
+) {
+    let p = pkt.bth.psn;
+    let m = &mut w.msgs[i];
+    if let OutOp::Atomic { kind, result, .. } = &m.op {
+        let old = pkt.atomic_ack.unwrap_or(0);
+        let n = kind.size() as usize;
+        let bytes = old.to_ne_bytes();
+        let small = (old as u32).to_ne_bytes();
+        // The original value lands host-endian (mlx5 host-endian atomic mode), as on the
+        // in-process path.
+        let v: &[u8] = if n == 8 { &bytes } else { &small };
+        match g.check(
+            qp.pd,
+            Access::LOCAL_WRITE,
+            result.lkey.0,
+            result.addr,
+            n as u64,
+        ) {
+            Ok(r) => {
+                // SAFETY: `r` checked under `g` (held), exactly n bytes.
+                match unsafe { write_range(&r, 0, v) } {
+                    Ok(()) => {
+                        w.una = psn_add(p, 1);
+                        w.progress(p, now);
+                    }
+                    Err(e) => {
+                        m.fail = Some(local_devmem_err(&dev.counters, &e));
+                        w.halted = true;
+                    }
+                }
+            }
+            Err(e) => {
+                m.fail = Some(local_err(e));
+                w.halted = true;
+            }
+        }
+    }
 }
 
 /// Appends bytes `off..off + n` of the local segment `s` (checked under `g`: through an

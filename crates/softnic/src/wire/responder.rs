@@ -4,19 +4,19 @@
 //! vouched for (selective repeat), and the engine's [`responder_tick`] names a gap again.
 //! Answers go to the connected peer ([`Reply`]).
 //!
-//! Locking: the responder state lives in the QP's RQ state ([`super::state::RespWire`]),
+//! Locking: the responder state lives in the QP's RQ state ([`crate::rc_state::RespWire`]),
 //! touched under the RQ lock; the requester's is never taken here.
 
-use super::packet::{self, aeth, opcode as op, Aeth, Bth, Flow, Packet, DEFAULT_PKEY, MASK24};
 use super::requester::append_range;
-use super::socket::{Port, TxBatch};
-use super::state::{
-    psn_add, psn_diff, same_request, HeldRead, Hold, InMsg, MAX_OUTSTANDING_PSNS, MAX_WINDOW,
-};
 use crate::counters::Counters;
 use crate::mem::{total, write_range, Access, MemRange};
+use crate::net::packet::{self, aeth, opcode as op, Aeth, Bth, Flow, Packet, DEFAULT_PKEY, MASK24};
+use crate::net::socket::{Port, TxBatch};
 use crate::outcome::vendor;
 use crate::qp::Qp;
+use crate::rc_state::{
+    psn_add, psn_diff, same_request, HeldRead, Hold, InMsg, MAX_OUTSTANDING_PSNS, MAX_WINDOW,
+};
 use crate::responder::{remote_devmem_nak, Resp, Response};
 use crate::shared::Shared;
 use crate::DeviceMemoryError;
@@ -244,7 +244,7 @@ fn request(
 }
 
 /// A request ahead of the expected PSN. With selective repeat, from the requester's flow
-/// and inside the hold window: held ([`super::state::RespWire::hold`]), the gaps it shows
+/// and inside the hold window: held ([`crate::rc_state::RespWire::hold`]), the gaps it shows
 /// named, and what is vouched for run. Otherwise go-back-N's answer: one sequence NAK per
 /// gap, the packet dropped.
 fn ahead(
@@ -374,7 +374,7 @@ fn run_held(
 /// Sends a sequence NAK for the expected PSN.
 fn seq_nak(
     wc: &crate::counters::WireCounters<std::sync::atomic::AtomicU64>,
-    w: &mut super::state::RespWire,
+    w: &mut crate::rc_state::RespWire,
     reply: &mut Reply<'_>,
 ) {
     w.naked(Instant::now());
@@ -383,7 +383,7 @@ fn seq_nak(
 }
 
 /// Selective repeat: names a gap again that stayed unfilled for a while
-/// ([`super::state::RespWire::renak_wait`], doubled at each try) with packets held behind it,
+/// ([`crate::rc_state::RespWire::renak_wait`], doubled at each try) with packets held behind it,
 /// or asks again for a held packet at the expected PSN that nothing vouched for (its NAK, the
 /// resend or the answer to it was lost, and the requester may have nothing more to send that
 /// would make the responder NAK again). After [`RENAK_TRIES`] tries without progress the
@@ -515,237 +515,277 @@ fn send_done(r: &mut Resp<'_>, pkt: &Packet<'_>, len: u64, from: u32) -> Result<
     Ok(())
 }
 
-/// Runs a request packet with the expected PSN.
+/// Runs a request packet with the expected PSN, each kind of request by its own step.
 fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<'_>) -> Outcome {
+    match pkt.bth.opcode {
+        op::SEND_FIRST | op::SEND_ONLY | op::SEND_ONLY_IMM | op::SEND_ONLY_INV => {
+            send_first(r, pkt, from)
+        }
+        op::SEND_MIDDLE | op::SEND_LAST | op::SEND_LAST_IMM | op::SEND_LAST_INV => {
+            send_next(r, pkt, from)
+        }
+        op::WRITE_FIRST | op::WRITE_ONLY | op::WRITE_ONLY_IMM => write_first(r, pkt, from),
+        op::WRITE_MIDDLE | op::WRITE_LAST | op::WRITE_LAST_IMM => write_next(r, pkt, from),
+        op::READ_REQUEST => read_request(r, pkt, reply),
+        op::CMP_SWAP | op::FETCH_ADD | op::MASKED_CMP_SWAP | op::MASKED_FETCH_ADD => {
+            atomic_request(r, pkt, reply)
+        }
+        _ => Outcome::Dropped,
+    }
+}
+
+/// A SEND's first or only packet: scattered to the receive at the head of the RQ (an only
+/// packet completes it).
+fn send_first(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32) -> Outcome {
     let opc = pkt.bth.opcode;
     let mtu = r.rq.wire.mtu as u64;
     let n = pkt.payload.len() as u64;
     let cur = r.rq.wire.cur;
-    match opc {
-        op::SEND_FIRST | op::SEND_ONLY | op::SEND_ONLY_IMM | op::SEND_ONLY_INV => {
-            if cur.is_some() {
-                return invalid(r);
+    if cur.is_some() {
+        return invalid(r);
+    }
+    if !r.has_recv() {
+        return Outcome::Nak(r.rnr());
+    }
+    if opc == op::SEND_FIRST && n != mtu {
+        return invalid(r);
+    }
+    let dst = match r.recv_ranges() {
+        Ok(d) => d,
+        Err(e) => return Outcome::Nak(e),
+    };
+    if total(&dst) < n {
+        return Outcome::Nak(r.recv_too_small());
+    }
+    if let Err(e) = scatter_ranges(&dst, 0, pkt.payload) {
+        return Outcome::Nak(r.recv_devmem_failed(&e));
+    }
+    if opc == op::SEND_FIRST {
+        r.rq.wire.cur = Some(InMsg::Send { off: n });
+    } else {
+        if let Err(nak) = send_done(r, pkt, n, from) {
+            return Outcome::Nak(nak);
+        }
+        r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+    }
+    Outcome::Accepted(1)
+}
+
+/// A later packet of the SEND in progress: its payload scattered after what came before.
+fn send_next(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32) -> Outcome {
+    let opc = pkt.bth.opcode;
+    let mtu = r.rq.wire.mtu as u64;
+    let n = pkt.payload.len() as u64;
+    let cur = r.rq.wire.cur;
+    let Some(InMsg::Send { off }) = cur else {
+        return invalid(r);
+    };
+    let ok_len = if opc == op::SEND_MIDDLE {
+        n == mtu
+    } else {
+        n >= 1
+    };
+    if !ok_len {
+        return invalid(r);
+    }
+    let dst = match r.recv_ranges() {
+        Ok(d) => d,
+        Err(e) => {
+            r.rq.wire.cur = None;
+            return Outcome::Nak(e);
+        }
+    };
+    if total(&dst) < off + n {
+        r.rq.wire.cur = None;
+        return Outcome::Nak(r.recv_too_small());
+    }
+    if let Err(e) = scatter_ranges(&dst, off, pkt.payload) {
+        r.rq.wire.cur = None;
+        return Outcome::Nak(r.recv_devmem_failed(&e));
+    }
+    if opc == op::SEND_MIDDLE {
+        r.rq.wire.cur = Some(InMsg::Send { off: off + n });
+    } else {
+        r.rq.wire.cur = None;
+        if let Err(nak) = send_done(r, pkt, off + n, from) {
+            return Outcome::Nak(nak);
+        }
+        r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+    }
+    Outcome::Accepted(1)
+}
+
+/// A WRITE's first or only packet: the RETH's range checked, the payload written there.
+fn write_first(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32) -> Outcome {
+    let opc = pkt.bth.opcode;
+    let mtu = r.rq.wire.mtu as u64;
+    let n = pkt.payload.len() as u64;
+    let cur = r.rq.wire.cur;
+    let Some(reth) = pkt.reth else {
+        return Outcome::Dropped;
+    };
+    if cur.is_some() {
+        return invalid(r);
+    }
+    if opc == op::WRITE_ONLY_IMM && !r.has_recv() {
+        return Outcome::Nak(r.rnr());
+    }
+    let len = reth.len as u64;
+    let dst = match r.remote(Access::REMOTE_WRITE, reth.va, reth.rkey, len) {
+        Ok(d) => d,
+        Err(e) => return Outcome::Nak(r.fatal(e)),
+    };
+    let ok_len = if opc == op::WRITE_FIRST {
+        n == mtu && len > mtu
+    } else {
+        n == len
+    };
+    if !ok_len {
+        return invalid(r);
+    }
+    // SAFETY: `dst` checked under `r.g` (held) for `len >= n` bytes.
+    if let Err(e) = unsafe { write_range(&dst, 0, pkt.payload) } {
+        let nak = remote_devmem_nak(&r.qp.counters, &e);
+        return Outcome::Nak(r.fatal(nak));
+    }
+    if opc == op::WRITE_FIRST {
+        r.rq.wire.cur = Some(InMsg::Write {
+            va: reth.va,
+            rkey: reth.rkey,
+            len,
+            off: n,
+        });
+    } else {
+        if opc == op::WRITE_ONLY_IMM {
+            r.recv_done(RespKind::WriteImm, len, pkt.imm, from);
+        }
+        r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+    }
+    Outcome::Accepted(1)
+}
+
+/// A later packet of the WRITE in progress: written after what came before.
+fn write_next(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32) -> Outcome {
+    let opc = pkt.bth.opcode;
+    let mtu = r.rq.wire.mtu as u64;
+    let n = pkt.payload.len() as u64;
+    let cur = r.rq.wire.cur;
+    let Some(InMsg::Write { va, rkey, len, off }) = cur else {
+        return invalid(r);
+    };
+    if opc == op::WRITE_LAST_IMM && !r.has_recv() {
+        return Outcome::Nak(r.rnr());
+    }
+    let ok_len = if opc == op::WRITE_MIDDLE {
+        n == mtu && off + n < len
+    } else {
+        n >= 1 && off + n == len
+    };
+    if !ok_len {
+        r.rq.wire.cur = None;
+        return invalid(r);
+    }
+    let dst = match r.remote(Access::REMOTE_WRITE, va.wrapping_add(off), rkey, n) {
+        Ok(d) => d,
+        Err(e) => {
+            r.rq.wire.cur = None;
+            return Outcome::Nak(r.fatal(e));
+        }
+    };
+    // SAFETY: `dst` checked under `r.g` (held) for exactly `n` bytes.
+    if let Err(e) = unsafe { write_range(&dst, 0, pkt.payload) } {
+        r.rq.wire.cur = None;
+        let nak = remote_devmem_nak(&r.qp.counters, &e);
+        return Outcome::Nak(r.fatal(nak));
+    }
+    if opc == op::WRITE_MIDDLE {
+        r.rq.wire.cur = Some(InMsg::Write {
+            va,
+            rkey,
+            len,
+            off: off + n,
+        });
+    } else {
+        if opc == op::WRITE_LAST_IMM {
+            r.recv_done(RespKind::WriteImm, len, pkt.imm, from);
+        }
+        r.rq.wire.cur = None;
+        r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+    }
+    Outcome::Accepted(1)
+}
+
+/// A READ request: its responses sent, and the READ held for a duplicate to be served again.
+fn read_request(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) -> Outcome {
+    let mtu = r.rq.wire.mtu as u64;
+    let cur = r.rq.wire.cur;
+    let Some(reth) = pkt.reth else {
+        return Outcome::Dropped;
+    };
+    if cur.is_some() {
+        return invalid(r);
+    }
+    let len = reth.len as u64;
+    let src = match r.remote(Access::REMOTE_READ, reth.va, reth.rkey, len) {
+        Ok(s) => s,
+        Err(e) => return Outcome::Nak(r.fatal(e)),
+    };
+    let count = len.div_ceil(mtu).max(1) as u32;
+    r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+    let msn = r.rq.wire.msn;
+    match read_responses(&src, pkt.bth.psn, mtu, msn, reply) {
+        Ok(()) => {
+            let cap = READ_CACHE.max(reply.port.cfg.window as usize);
+            let w = &mut r.rq.wire;
+            while w.reads.len() >= cap {
+                w.reads.pop_front();
             }
-            if !r.has_recv() {
-                return Outcome::Nak(r.rnr());
-            }
-            if opc == op::SEND_FIRST && n != mtu {
-                return invalid(r);
-            }
-            let dst = match r.recv_ranges() {
-                Ok(d) => d,
-                Err(e) => return Outcome::Nak(e),
-            };
-            if total(&dst) < n {
-                return Outcome::Nak(r.recv_too_small());
-            }
-            if let Err(e) = scatter_ranges(&dst, 0, pkt.payload) {
-                return Outcome::Nak(r.recv_devmem_failed(&e));
-            }
-            if opc == op::SEND_FIRST {
-                r.rq.wire.cur = Some(InMsg::Send { off: n });
+            w.reads.push_back(HeldRead {
+                psn: pkt.bth.psn,
+                npkts: count,
+                va: reth.va,
+                rkey: reth.rkey,
+                len,
+            });
+            Outcome::Accepted(count)
+        }
+        Err((k, e)) => {
+            let nak = remote_devmem_nak(&r.qp.counters, &e);
+            let nak = r.fatal(nak);
+            if k == 0 {
+                Outcome::Nak(nak)
             } else {
-                if let Err(nak) = send_done(r, pkt, n, from) {
-                    return Outcome::Nak(nak);
-                }
-                r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
+                // responses before packet k went out: the NAK names packet k
+                reply.aeth(psn_add(pkt.bth.psn, k), nak_syndrome(&nak), msn);
+                Outcome::Answered
             }
+        }
+    }
+}
+
+/// An atomic request: executed, the value it read cached for a duplicate and sent back.
+fn atomic_request(r: &mut Resp<'_>, pkt: &Packet<'_>, reply: &mut Reply<'_>) -> Outcome {
+    let cur = r.rq.wire.cur;
+    if cur.is_some() {
+        return invalid(r);
+    }
+    let Some((va, rkey, kind)) = atomic_kind(pkt) else {
+        return invalid(r);
+    };
+    match r.atomic(va, rkey, kind, true) {
+        Response::AtomicAck(old) => {
+            let w = &mut r.rq.wire;
+            if w.atomics.len() >= ATOMIC_CACHE {
+                w.atomics.pop_front();
+            }
+            w.atomics.push_back((pkt.bth.psn, old));
+            w.msn = psn_add(w.msn, 1);
+            let msn = w.msn;
+            atomic_ack(reply, pkt.bth.psn, msn, old);
             Outcome::Accepted(1)
         }
-        op::SEND_MIDDLE | op::SEND_LAST | op::SEND_LAST_IMM | op::SEND_LAST_INV => {
-            let Some(InMsg::Send { off }) = cur else {
-                return invalid(r);
-            };
-            let ok_len = if opc == op::SEND_MIDDLE {
-                n == mtu
-            } else {
-                n >= 1
-            };
-            if !ok_len {
-                return invalid(r);
-            }
-            let dst = match r.recv_ranges() {
-                Ok(d) => d,
-                Err(e) => {
-                    r.rq.wire.cur = None;
-                    return Outcome::Nak(e);
-                }
-            };
-            if total(&dst) < off + n {
-                r.rq.wire.cur = None;
-                return Outcome::Nak(r.recv_too_small());
-            }
-            if let Err(e) = scatter_ranges(&dst, off, pkt.payload) {
-                r.rq.wire.cur = None;
-                return Outcome::Nak(r.recv_devmem_failed(&e));
-            }
-            if opc == op::SEND_MIDDLE {
-                r.rq.wire.cur = Some(InMsg::Send { off: off + n });
-            } else {
-                r.rq.wire.cur = None;
-                if let Err(nak) = send_done(r, pkt, off + n, from) {
-                    return Outcome::Nak(nak);
-                }
-                r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
-            }
-            Outcome::Accepted(1)
-        }
-        op::WRITE_FIRST | op::WRITE_ONLY | op::WRITE_ONLY_IMM => {
-            let Some(reth) = pkt.reth else {
-                return Outcome::Dropped;
-            };
-            if cur.is_some() {
-                return invalid(r);
-            }
-            if opc == op::WRITE_ONLY_IMM && !r.has_recv() {
-                return Outcome::Nak(r.rnr());
-            }
-            let len = reth.len as u64;
-            let dst = match r.remote(Access::REMOTE_WRITE, reth.va, reth.rkey, len) {
-                Ok(d) => d,
-                Err(e) => return Outcome::Nak(r.fatal(e)),
-            };
-            let ok_len = if opc == op::WRITE_FIRST {
-                n == mtu && len > mtu
-            } else {
-                n == len
-            };
-            if !ok_len {
-                return invalid(r);
-            }
-            // SAFETY: `dst` checked under `r.g` (held) for `len >= n` bytes.
-            if let Err(e) = unsafe { write_range(&dst, 0, pkt.payload) } {
-                let nak = remote_devmem_nak(&r.qp.counters, &e);
-                return Outcome::Nak(r.fatal(nak));
-            }
-            if opc == op::WRITE_FIRST {
-                r.rq.wire.cur = Some(InMsg::Write {
-                    va: reth.va,
-                    rkey: reth.rkey,
-                    len,
-                    off: n,
-                });
-            } else {
-                if opc == op::WRITE_ONLY_IMM {
-                    r.recv_done(RespKind::WriteImm, len, pkt.imm, from);
-                }
-                r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
-            }
-            Outcome::Accepted(1)
-        }
-        op::WRITE_MIDDLE | op::WRITE_LAST | op::WRITE_LAST_IMM => {
-            let Some(InMsg::Write { va, rkey, len, off }) = cur else {
-                return invalid(r);
-            };
-            if opc == op::WRITE_LAST_IMM && !r.has_recv() {
-                return Outcome::Nak(r.rnr());
-            }
-            let ok_len = if opc == op::WRITE_MIDDLE {
-                n == mtu && off + n < len
-            } else {
-                n >= 1 && off + n == len
-            };
-            if !ok_len {
-                r.rq.wire.cur = None;
-                return invalid(r);
-            }
-            let dst = match r.remote(Access::REMOTE_WRITE, va.wrapping_add(off), rkey, n) {
-                Ok(d) => d,
-                Err(e) => {
-                    r.rq.wire.cur = None;
-                    return Outcome::Nak(r.fatal(e));
-                }
-            };
-            // SAFETY: `dst` checked under `r.g` (held) for exactly `n` bytes.
-            if let Err(e) = unsafe { write_range(&dst, 0, pkt.payload) } {
-                r.rq.wire.cur = None;
-                let nak = remote_devmem_nak(&r.qp.counters, &e);
-                return Outcome::Nak(r.fatal(nak));
-            }
-            if opc == op::WRITE_MIDDLE {
-                r.rq.wire.cur = Some(InMsg::Write {
-                    va,
-                    rkey,
-                    len,
-                    off: off + n,
-                });
-            } else {
-                if opc == op::WRITE_LAST_IMM {
-                    r.recv_done(RespKind::WriteImm, len, pkt.imm, from);
-                }
-                r.rq.wire.cur = None;
-                r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
-            }
-            Outcome::Accepted(1)
-        }
-        op::READ_REQUEST => {
-            let Some(reth) = pkt.reth else {
-                return Outcome::Dropped;
-            };
-            if cur.is_some() {
-                return invalid(r);
-            }
-            let len = reth.len as u64;
-            let src = match r.remote(Access::REMOTE_READ, reth.va, reth.rkey, len) {
-                Ok(s) => s,
-                Err(e) => return Outcome::Nak(r.fatal(e)),
-            };
-            let count = len.div_ceil(mtu).max(1) as u32;
-            r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
-            let msn = r.rq.wire.msn;
-            match read_responses(&src, pkt.bth.psn, mtu, msn, reply) {
-                Ok(()) => {
-                    let cap = READ_CACHE.max(reply.port.cfg.window as usize);
-                    let w = &mut r.rq.wire;
-                    while w.reads.len() >= cap {
-                        w.reads.pop_front();
-                    }
-                    w.reads.push_back(HeldRead {
-                        psn: pkt.bth.psn,
-                        npkts: count,
-                        va: reth.va,
-                        rkey: reth.rkey,
-                        len,
-                    });
-                    Outcome::Accepted(count)
-                }
-                Err((k, e)) => {
-                    let nak = remote_devmem_nak(&r.qp.counters, &e);
-                    let nak = r.fatal(nak);
-                    if k == 0 {
-                        Outcome::Nak(nak)
-                    } else {
-                        // responses before packet k went out: the NAK names packet k
-                        reply.aeth(psn_add(pkt.bth.psn, k), nak_syndrome(&nak), msn);
-                        Outcome::Answered
-                    }
-                }
-            }
-        }
-        op::CMP_SWAP | op::FETCH_ADD | op::MASKED_CMP_SWAP | op::MASKED_FETCH_ADD => {
-            if cur.is_some() {
-                return invalid(r);
-            }
-            let Some((va, rkey, kind)) = atomic_kind(pkt) else {
-                return invalid(r);
-            };
-            match r.atomic(va, rkey, kind, true) {
-                Response::AtomicAck(old) => {
-                    let w = &mut r.rq.wire;
-                    if w.atomics.len() >= ATOMIC_CACHE {
-                        w.atomics.pop_front();
-                    }
-                    w.atomics.push_back((pkt.bth.psn, old));
-                    w.msn = psn_add(w.msn, 1);
-                    let msn = w.msn;
-                    atomic_ack(reply, pkt.bth.psn, msn, old);
-                    Outcome::Accepted(1)
-                }
-                Response::Ack => Outcome::Accepted(1),
-                e => Outcome::Nak(e),
-            }
-        }
-        _ => Outcome::Dropped,
+        Response::Ack => Outcome::Accepted(1),
+        e => Outcome::Nak(e),
     }
 }
 

@@ -3,10 +3,10 @@
 //! ([`super::responder`]) and answers to the requester side ([`super::requester`]).
 //! Neither side calls the engine; the engine calls them.
 
-use super::packet::{self, Bth, Flow, BTH_LEN, ICRC_LEN};
-use super::socket::{self, Port, TxBatch};
 use super::{requester, responder};
 use crate::counters::Counters;
+use crate::net::packet::{self, Bth, Flow, BTH_LEN, ICRC_LEN};
+use crate::net::socket::{self, Port, TxBatch};
 use crate::qp::QpState;
 use crate::shared::Shared;
 use crate::Gid;

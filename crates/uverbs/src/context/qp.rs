@@ -9,6 +9,7 @@ use crate::abi::{self, access, qp_attr};
 use crate::device::{MAX_QP_WR, MAX_RD_ATOM, MAX_SGE};
 use crate::uaccess::{check_mapped, Errno};
 use prm::doorbell::BF_OFFSET;
+use softnic::buffer::DmaBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
@@ -136,121 +137,25 @@ impl Context {
         i
     }
 
+    /// CREATE_QP and EX_CREATE_QP: the provider's request checked, the soft QP created on the
+    /// provider's rings and a doorbell register, the answer written, the QP recorded.
     fn create_qp(&self, io: &Io<'_>, r: &abi::ExCreateQp, ex: bool) -> Result<Created, Errno> {
-        const IBV_QPT_RC: u8 = 2;
-        const IBV_QPT_UD: u8 = 4;
         let u: abi::Mlx5CreateQp = io.udata()?;
-        if io.udata.len() < 32 {
-            return Err(Errno::EINVAL);
-        }
-        if r.qp_type != IBV_QPT_RC && r.qp_type != IBV_QPT_UD {
-            return Err(unsupported("QP types other than RC and UD"));
-        }
-        let ud = r.qp_type == IBV_QPT_UD;
-        let srq_handle = (r.is_srq != 0).then_some(r.srq_handle);
-        use abi::mlx5_qp_flag as f;
-        let known = f::SIGNATURE
-            | f::SCATTER_CQE
-            | f::BFREG_INDEX
-            | f::UAR_PAGE_INDEX
-            | f::ALLOW_SCATTER_CQE;
-        if u.flags & !known != 0 {
-            return Err(unsupported(
-                "mlx5 QP creation flags (DCT, DCI, tunnel offloads, ...)",
-            ));
-        }
-        // BFREG_INDEX names a register of libmlx5's "dynamic" static pages, which this kernel
-        // does not offer (num_dyn_bfregs 0); UAR_PAGE_INDEX names a page from the UAR ioctl,
-        // which dynamic-UAR mode requires
-        let dyn_page = u.flags & f::UAR_PAGE_INDEX != 0;
-        if u.flags & f::BFREG_INDEX != 0 {
-            return Err(Errno::EINVAL);
-        }
-        if r.max_send_wr > MAX_QP_WR
-            || r.max_recv_wr > MAX_QP_WR
-            || r.max_send_sge > MAX_SGE
-            || r.max_recv_sge > MAX_SGE
-        {
-            return Err(Errno::EINVAL);
-        }
-        let pow2 = |n: u32| n == 0 || n.is_power_of_two();
-        // a QP on an SRQ has no RQ (the provider allocates none)
-        let rq_wqe_count = if srq_handle.is_some() {
-            0
-        } else {
-            u.rq_wqe_count
-        };
-        if !pow2(u.sq_wqe_count)
-            || u.sq_wqe_count == 0
-            || u.sq_wqe_count > MAX_QP_WR
-            || !pow2(rq_wqe_count)
-            || rq_wqe_count > MAX_QP_WR
-        {
-            return Err(Errno::EINVAL);
-        }
-        let rq_stride = 1u32
-            .checked_shl(u.rq_wqe_shift)
-            .filter(|&s| (16..=512).contains(&s));
-        let rq_stride = match (rq_wqe_count, rq_stride) {
-            (0, _) => 16,
-            (_, Some(s)) => s,
-            (_, None) => return Err(Errno::EINVAL),
-        };
-        let rq_bytes = rq_wqe_count as usize * rq_stride as usize;
-        let sq_bytes = u.sq_wqe_count as usize * prm::WQEBB;
-        check_mapped(u.buf_addr, (rq_bytes + sq_bytes) as u64)?;
-        let rq_ring = if rq_bytes > 0 {
-            Some(user_buf(u.buf_addr, rq_bytes)?)
-        } else {
-            None
-        };
-        let sq_ring = user_buf(u.buf_addr + rq_bytes as u64, sq_bytes)?;
-        let dbrec = user_buf(u.db_addr, 8)?;
+        let shape = QpShape::check(io, r, &u)?;
+        let (rq_ring, sq_ring, dbrec) = shape.rings(&u)?;
         let soft = self.soft()?;
         let cqe_version = *self.cqe_version.lock();
         let mut o = self.objs.lock();
-        let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
-        let scq = o
-            .cqs
-            .get(&r.send_cq_handle)
-            .ok_or(Errno::EINVAL)?
-            .soft
-            .clone();
-        let rcq = o
-            .cqs
-            .get(&r.recv_cq_handle)
-            .ok_or(Errno::EINVAL)?
-            .soft
-            .clone();
-        let srq = match srq_handle {
-            Some(h) => Some(o.srqs.get(&h).ok_or(Errno::EINVAL)?.soft.clone()),
-            None => None,
-        };
-        if o.dynamic_uars && !dyn_page {
+        let QpParents {
+            pd,
+            send_cq,
+            recv_cq,
+            srq,
+        } = QpParents::find(&o, r, shape.srq_handle)?;
+        if o.dynamic_uars && !shape.dyn_page {
             return Err(Errno::EINVAL);
         }
-        let (bfreg, uar) = if dyn_page {
-            let (page, _) = self.uar_page(&o, u.bfreg_index).ok_or(Errno::EINVAL)?;
-            // the page's two registers: the doorbell's QPN says whose it is
-            let reg = softnic::qp::UarRegister {
-                page,
-                offset: BF_OFFSET,
-                registers: softnic::qp::MAX_REGISTERS,
-            };
-            (None, reg)
-        } else {
-            let uars = self.uars.lock();
-            let uars = uars.as_ref().ok_or(Errno::EINVAL)?;
-            let bfreg = Self::alloc_bfreg(&mut o);
-            let page = uars.pages[(bfreg / BFREGS_PER_UAR) as usize].buf.clone();
-            let offset = BF_OFFSET + (bfreg % BFREGS_PER_UAR) as usize * BF_REG_SIZE as usize;
-            let reg = softnic::qp::UarRegister {
-                page,
-                offset,
-                registers: 1,
-            };
-            (Some(bfreg), reg)
-        };
+        let (bfreg, uar) = self.qp_register(&mut o, shape.dyn_page, u.bfreg_index)?;
         let release = |o: &mut Objects| {
             if let Some(b) = bfreg {
                 o.bfreg_use[b as usize] -= 1;
@@ -258,21 +163,21 @@ impl Context {
         };
         let cfg = softnic::QpConfig {
             pd,
-            send_cq: scq,
-            recv_cq: rcq,
+            send_cq,
+            recv_cq,
             sq_blocks: u.sq_wqe_count,
-            rq_wqes: rq_wqe_count,
-            max_recv_sge: (rq_stride / 16).min(32),
+            rq_wqes: shape.rq_wqe_count,
+            max_recv_sge: (shape.rq_stride / 16).min(32),
             max_inline: prm::wqe::MAX_INLINE_SEND as u32,
             doorbell: softnic::DoorbellKind::Register,
             sq_ring: Some(sq_ring),
             rq_ring,
-            rq_stride: Some(rq_stride),
+            rq_stride: Some(shape.rq_stride),
             dbrec: Some(dbrec),
             uar: Some(uar),
             user_index: (cqe_version == 1).then_some(u.uidx & 0xff_ffff),
         };
-        let created = match (&srq, ud) {
+        let created = match (&srq, shape.ud) {
             (_, true) => soft.create_ud_qp(cfg, srq.as_ref()),
             (Some(s), false) => soft.create_qp_on_srq(cfg, s),
             (None, false) => soft.create_qp(cfg),
@@ -285,46 +190,8 @@ impl Context {
             }
         };
         let h = o.handle();
-        let caps = abi::CreateQpResp {
-            qp_handle: h,
-            qpn: sqp.qpn(),
-            max_send_wr: r.max_send_wr,
-            max_recv_wr: r.max_recv_wr,
-            max_send_sge: r.max_send_sge,
-            max_recv_sge: r.max_recv_sge,
-            max_inline_data: r.max_inline_data,
-            reserved: 0,
-        };
-        let caps = if srq.is_some() {
-            // mlx5_ib: a QP without an RQ reports no receive capacity
-            abi::CreateQpResp {
-                max_recv_wr: 0,
-                max_recv_sge: 0,
-                ..caps
-            }
-        } else {
-            caps
-        };
-        let gross = match bfreg {
-            Some(b) => b / BFREGS_PER_UAR * GROSS_BFREGS_PER_UAR + b % BFREGS_PER_UAR,
-            // MLX5_IB_INVALID_BFREG: the library chose the page itself
-            None => 0x8000_0000,
-        };
-        let reply = if ex {
-            io.reply(&abi::ExCreateQpResp {
-                base: caps,
-                comp_mask: 0,
-                response_length: 40,
-            })
-        } else {
-            io.reply(&caps)
-        };
-        if let Err(e) = reply.and_then(|_| {
-            io.ureply(&abi::Mlx5CreateQpResp {
-                bfreg_index: gross,
-                ..Default::default()
-            })
-        }) {
+        let caps = create_qp_caps(r, h, sqp.qpn(), srq.is_some());
+        if let Err(e) = reply_create_qp(io, caps, ex, bfreg) {
             soft.destroy_qp(&sqp);
             release(&mut o);
             return Err(e);
@@ -340,9 +207,9 @@ impl Context {
             h,
             QpObj {
                 soft: sqp,
-                ud,
+                ud: shape.ud,
                 pd: r.pd_handle,
-                srq: srq_handle,
+                srq: shape.srq_handle,
                 key,
                 async_reported,
                 send_cq: r.send_cq_handle,
@@ -351,12 +218,47 @@ impl Context {
                 sq_sig_all: r.sq_sig_all,
                 attrs: QpAttrs::default(),
                 bfreg,
-                uar_page: dyn_page.then_some(u.bfreg_index),
+                uar_page: shape.dyn_page.then_some(u.bfreg_index),
             },
         );
         Ok(Created::Nothing)
     }
 
+    /// The doorbell register of a new QP: both registers of the UAR page the provider names
+    /// (dynamic UARs: the doorbell's QPN says whose it is), or a BlueFlame register of the
+    /// context's static pages; with the register's index in the latter case.
+    fn qp_register(
+        &self,
+        o: &mut Objects,
+        dyn_page: bool,
+        bfreg_index: u32,
+    ) -> Result<(Option<u32>, softnic::qp::UarRegister), Errno> {
+        Ok(if dyn_page {
+            let (page, _) = self.uar_page(o, bfreg_index).ok_or(Errno::EINVAL)?;
+            // the page's two registers: the doorbell's QPN says whose it is
+            let reg = softnic::qp::UarRegister {
+                page,
+                offset: BF_OFFSET,
+                registers: softnic::qp::MAX_REGISTERS,
+            };
+            (None, reg)
+        } else {
+            let uars = self.uars.lock();
+            let uars = uars.as_ref().ok_or(Errno::EINVAL)?;
+            let bfreg = Self::alloc_bfreg(o);
+            let page = uars.pages[(bfreg / BFREGS_PER_UAR) as usize].buf.clone();
+            let offset = BF_OFFSET + (bfreg % BFREGS_PER_UAR) as usize * BF_REG_SIZE as usize;
+            let reg = softnic::qp::UarRegister {
+                page,
+                offset,
+                registers: 1,
+            };
+            (Some(bfreg), reg)
+        })
+    }
+
+    /// MODIFY_QP and EX_MODIFY_QP: the transition and its attributes checked as the kernel
+    /// checks them, the soft QP moved, and the attributes kept for QUERY_QP.
     fn modify_qp(&self, m: &abi::ModifyQp) -> Result<(), Errno> {
         use qp_attr::*;
         use softnic::QpState as S;
@@ -377,33 +279,7 @@ impl Context {
         } else {
             cur
         };
-        // ib_modify_qp_is_ok for RC and UD: (required, optional) attributes per transition
-        let (req, opt) = match (cur, new) {
-            (_, 0) | (_, 6) => (0, 0),
-            _ if q.ud => match (cur, new) {
-                (0, 1) => (PKEY_INDEX | PORT | QKEY, 0),
-                (1, 1) => (0, PKEY_INDEX | PORT | QKEY),
-                (1, 2) => (0, PKEY_INDEX | QKEY),
-                (2, 3) => (SQ_PSN, CUR_STATE | QKEY),
-                (3, 3) => (0, CUR_STATE | QKEY),
-                _ => return Err(Errno::EINVAL),
-            },
-            (0, 1) => (PKEY_INDEX | PORT | ACCESS_FLAGS, 0),
-            (1, 1) => (0, PKEY_INDEX | PORT | ACCESS_FLAGS),
-            (1, 2) => (
-                AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER,
-                ALT_PATH | ACCESS_FLAGS | PKEY_INDEX,
-            ),
-            (2, 3) => (
-                TIMEOUT | RETRY_CNT | RNR_RETRY | SQ_PSN | MAX_QP_RD_ATOMIC,
-                CUR_STATE | ALT_PATH | ACCESS_FLAGS | MIN_RNR_TIMER | PATH_MIG_STATE,
-            ),
-            (3, 3) => (
-                0,
-                CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE | MIN_RNR_TIMER,
-            ),
-            _ => return Err(Errno::EINVAL),
-        };
+        let (req, opt) = transition_attrs(q.ud, cur, new)?;
         let given = m.attr_mask & !STATE;
         if given & req != req || given & !(req | opt | CUR_STATE) != 0 {
             return Err(Errno::EINVAL);
@@ -411,106 +287,9 @@ impl Context {
         if given & ALT_PATH != 0 || given & PATH_MIG_STATE != 0 {
             return Err(unsupported("alternate paths (APM)"));
         }
-        let mut a = q.attrs;
-        if given & PORT != 0 {
-            if m.port_num != 1 {
-                return Err(Errno::EINVAL);
-            }
-            a.port = 1;
-        }
-        if given & PKEY_INDEX != 0 {
-            if m.pkey_index != 0 {
-                return Err(Errno::EINVAL);
-            }
-            a.pkey_index = 0;
-        }
-        if given & ACCESS_FLAGS != 0 {
-            if m.qp_access_flags
-                & !(access::LOCAL_WRITE
-                    | access::REMOTE_WRITE
-                    | access::REMOTE_READ
-                    | access::REMOTE_ATOMIC
-                    | access::MW_BIND)
-                != 0
-            {
-                return Err(Errno::EINVAL);
-            }
-            a.access = m.qp_access_flags;
-        }
-        if given & AV != 0 {
-            // RoCE needs a GRH; the destination GID must be an address the wire can reach
-            if m.dest.is_global == 0 || m.dest.sgid_index != 0 {
-                return Err(Errno::EINVAL);
-            }
-            if softnic::Gid(m.dest.dgid).to_ipv4().is_none() {
-                return Err(unsupported(
-                    "destination GIDs that are not IPv4-mapped (RoCE v2 over IPv4 only)",
-                ));
-            }
-            a.dest = m.dest;
-        }
-        if given & PATH_MTU != 0 {
-            mtu_bytes(m.path_mtu).ok_or(Errno::EINVAL)?;
-            a.path_mtu = m.path_mtu;
-        }
-        if given & DEST_QPN != 0 {
-            if m.dest_qp_num > 0xff_ffff {
-                return Err(Errno::EINVAL);
-            }
-            a.dest_qpn = m.dest_qp_num;
-        }
-        if given & RQ_PSN != 0 {
-            a.rq_psn = m.rq_psn & 0xff_ffff;
-        }
-        if given & SQ_PSN != 0 {
-            a.sq_psn = m.sq_psn & 0xff_ffff;
-        }
-        if given & QKEY != 0 {
-            a.qkey = m.qkey;
-        }
-        if given & MAX_DEST_RD_ATOMIC != 0 {
-            a.max_dest_rd_atomic = at_most(m.max_dest_rd_atomic, MAX_RD_ATOM as u8)?;
-        }
-        if given & MAX_QP_RD_ATOMIC != 0 {
-            a.max_rd_atomic = at_most(m.max_rd_atomic, MAX_RD_ATOM as u8)?;
-        }
-        if given & MIN_RNR_TIMER != 0 {
-            a.min_rnr_timer = at_most(m.min_rnr_timer, 31)?;
-        }
-        if given & TIMEOUT != 0 {
-            a.timeout = at_most(m.timeout, 31)?;
-        }
-        if given & RETRY_CNT != 0 {
-            a.retry_cnt = at_most(m.retry_cnt, 7)?;
-        }
-        if given & RNR_RETRY != 0 {
-            a.rnr_retry = at_most(m.rnr_retry, 7)?;
-        }
-        let rights = ib_access(
-            a.access & (access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC),
-        )?;
-        let step = match (cur, new) {
-            (_, 0) => Some(softnic::Modify::Reset),
-            (_, 6) => Some(softnic::Modify::Err),
-            (_, 1) if q.ud => Some(softnic::Modify::InitUd { qkey: a.qkey }),
-            (1, 2) if q.ud => Some(softnic::Modify::RtrUd),
-            (_, 1) => Some(softnic::Modify::Init { access: rights }),
-            (1, 2) => Some(softnic::Modify::Rtr(softnic::RtrAttr {
-                remote_gid: softnic::Gid(a.dest.dgid),
-                remote_qpn: a.dest_qpn,
-                rq_psn: a.rq_psn,
-                mtu: mtu_bytes(a.path_mtu).ok_or(Errno::EINVAL)?,
-                min_rnr_timer: a.min_rnr_timer,
-                selective_repeat: false,
-            })),
-            (_, 3) => Some(softnic::Modify::Rts(softnic::RtsAttr {
-                sq_psn: a.sq_psn,
-                timeout: a.timeout,
-                retry_cnt: a.retry_cnt,
-                rnr_retry: a.rnr_retry,
-            })),
-            _ => None,
-        };
+        let a = take_path_attrs(m, given, q.attrs)?;
+        let mut a = take_transport_attrs(m, given, a)?;
+        let step = soft_transition(q.ud, cur, new, &a)?;
         if let Some(s) = step {
             if matches!(s, softnic::Modify::Reset) {
                 // RESET returns only once the device is done with the QP (libmlx5 then
@@ -594,4 +373,349 @@ impl Context {
         })?;
         Ok(Created::Nothing)
     }
+}
+
+/// What a CREATE_QP asks for, checked as mlx5_ib checks it: the QP's type, its SRQ, how its
+/// doorbell register is named, and its rings' geometry.
+struct QpShape {
+    /// A UD QP (else RC).
+    ud: bool,
+    srq_handle: Option<u32>,
+    /// The provider names a UAR page of its own (dynamic UARs).
+    dyn_page: bool,
+    /// Receive WQEs (0 on an SRQ).
+    rq_wqe_count: u32,
+    rq_stride: u32,
+}
+
+impl QpShape {
+    /// Checks the core command `r` and the provider's part `u` (`io`'s udata).
+    fn check(io: &Io<'_>, r: &abi::ExCreateQp, u: &abi::Mlx5CreateQp) -> Result<Self, Errno> {
+        const IBV_QPT_RC: u8 = 2;
+        const IBV_QPT_UD: u8 = 4;
+        if io.udata.len() < 32 {
+            return Err(Errno::EINVAL);
+        }
+        if r.qp_type != IBV_QPT_RC && r.qp_type != IBV_QPT_UD {
+            return Err(unsupported("QP types other than RC and UD"));
+        }
+        let ud = r.qp_type == IBV_QPT_UD;
+        let srq_handle = (r.is_srq != 0).then_some(r.srq_handle);
+        use abi::mlx5_qp_flag as f;
+        let known = f::SIGNATURE
+            | f::SCATTER_CQE
+            | f::BFREG_INDEX
+            | f::UAR_PAGE_INDEX
+            | f::ALLOW_SCATTER_CQE;
+        if u.flags & !known != 0 {
+            return Err(unsupported(
+                "mlx5 QP creation flags (DCT, DCI, tunnel offloads, ...)",
+            ));
+        }
+        // BFREG_INDEX names a register of libmlx5's "dynamic" static pages, which this kernel
+        // does not offer (num_dyn_bfregs 0); UAR_PAGE_INDEX names a page from the UAR ioctl,
+        // which dynamic-UAR mode requires
+        let dyn_page = u.flags & f::UAR_PAGE_INDEX != 0;
+        if u.flags & f::BFREG_INDEX != 0 {
+            return Err(Errno::EINVAL);
+        }
+        if r.max_send_wr > MAX_QP_WR
+            || r.max_recv_wr > MAX_QP_WR
+            || r.max_send_sge > MAX_SGE
+            || r.max_recv_sge > MAX_SGE
+        {
+            return Err(Errno::EINVAL);
+        }
+        let pow2 = |n: u32| n == 0 || n.is_power_of_two();
+        // a QP on an SRQ has no RQ (the provider allocates none)
+        let rq_wqe_count = if srq_handle.is_some() {
+            0
+        } else {
+            u.rq_wqe_count
+        };
+        if !pow2(u.sq_wqe_count)
+            || u.sq_wqe_count == 0
+            || u.sq_wqe_count > MAX_QP_WR
+            || !pow2(rq_wqe_count)
+            || rq_wqe_count > MAX_QP_WR
+        {
+            return Err(Errno::EINVAL);
+        }
+        let rq_stride = 1u32
+            .checked_shl(u.rq_wqe_shift)
+            .filter(|&s| (16..=512).contains(&s));
+        let rq_stride = match (rq_wqe_count, rq_stride) {
+            (0, _) => 16,
+            (_, Some(s)) => s,
+            (_, None) => return Err(Errno::EINVAL),
+        };
+        Ok(Self {
+            ud,
+            srq_handle,
+            dyn_page,
+            rq_wqe_count,
+            rq_stride,
+        })
+    }
+
+    /// The provider's rings (the RQ first, then the SQ, in one buffer) and doorbell record.
+    fn rings(&self, u: &abi::Mlx5CreateQp) -> Result<(Option<DmaBuf>, DmaBuf, DmaBuf), Errno> {
+        let rq_bytes = self.rq_wqe_count as usize * self.rq_stride as usize;
+        let sq_bytes = u.sq_wqe_count as usize * prm::WQEBB;
+        check_mapped(u.buf_addr, (rq_bytes + sq_bytes) as u64)?;
+        let rq_ring = if rq_bytes > 0 {
+            Some(user_buf(u.buf_addr, rq_bytes)?)
+        } else {
+            None
+        };
+        let sq_ring = user_buf(u.buf_addr + rq_bytes as u64, sq_bytes)?;
+        let dbrec = user_buf(u.db_addr, 8)?;
+        Ok((rq_ring, sq_ring, dbrec))
+    }
+}
+
+/// The objects a new QP hangs off, found by the handles of its CREATE_QP.
+struct QpParents {
+    pd: softnic::PdId,
+    send_cq: Arc<softnic::Cq>,
+    recv_cq: Arc<softnic::Cq>,
+    srq: Option<Arc<softnic::Srq>>,
+}
+
+impl QpParents {
+    /// Looks the PD, the CQs and the SRQ up; EINVAL for a handle that names none.
+    fn find(o: &Objects, r: &abi::ExCreateQp, srq_handle: Option<u32>) -> Result<Self, Errno> {
+        let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
+        let scq = o
+            .cqs
+            .get(&r.send_cq_handle)
+            .ok_or(Errno::EINVAL)?
+            .soft
+            .clone();
+        let rcq = o
+            .cqs
+            .get(&r.recv_cq_handle)
+            .ok_or(Errno::EINVAL)?
+            .soft
+            .clone();
+        let srq = match srq_handle {
+            Some(h) => Some(o.srqs.get(&h).ok_or(Errno::EINVAL)?.soft.clone()),
+            None => None,
+        };
+        Ok(Self {
+            pd,
+            send_cq: scq,
+            recv_cq: rcq,
+            srq,
+        })
+    }
+}
+
+/// The capacities CREATE_QP reports for QP handle `h`: those asked for (mlx5_ib: a QP without
+/// an RQ reports no receive capacity).
+fn create_qp_caps(r: &abi::ExCreateQp, h: u32, qpn: u32, on_srq: bool) -> abi::CreateQpResp {
+    let caps = abi::CreateQpResp {
+        qp_handle: h,
+        qpn,
+        max_send_wr: r.max_send_wr,
+        max_recv_wr: r.max_recv_wr,
+        max_send_sge: r.max_send_sge,
+        max_recv_sge: r.max_recv_sge,
+        max_inline_data: r.max_inline_data,
+        reserved: 0,
+    };
+    if on_srq {
+        // mlx5_ib: a QP without an RQ reports no receive capacity
+        abi::CreateQpResp {
+            max_recv_wr: 0,
+            max_recv_sge: 0,
+            ..caps
+        }
+    } else {
+        caps
+    }
+}
+
+/// Writes CREATE_QP's answer (EX_CREATE_QP's when `ex`) and the provider's, which names the
+/// QP's BlueFlame register in the gross numbering (or none: the library chose the page).
+fn reply_create_qp(
+    io: &Io<'_>,
+    caps: abi::CreateQpResp,
+    ex: bool,
+    bfreg: Option<u32>,
+) -> Result<(), Errno> {
+    let gross = match bfreg {
+        Some(b) => b / BFREGS_PER_UAR * GROSS_BFREGS_PER_UAR + b % BFREGS_PER_UAR,
+        // MLX5_IB_INVALID_BFREG: the library chose the page itself
+        None => 0x8000_0000,
+    };
+    let reply = if ex {
+        io.reply(&abi::ExCreateQpResp {
+            base: caps,
+            comp_mask: 0,
+            response_length: 40,
+        })
+    } else {
+        io.reply(&caps)
+    };
+    reply.and_then(|_| {
+        io.ureply(&abi::Mlx5CreateQpResp {
+            bfreg_index: gross,
+            ..Default::default()
+        })
+    })
+}
+
+/// ib_modify_qp_is_ok for RC and UD: the attributes the move from state `cur` to `new`
+/// requires and those it allows (IB state numbers); EINVAL for a move that is not one.
+fn transition_attrs(ud: bool, cur: u8, new: u8) -> Result<(u32, u32), Errno> {
+    use qp_attr::*;
+    Ok(match (cur, new) {
+        (_, 0) | (_, 6) => (0, 0),
+        _ if ud => match (cur, new) {
+            (0, 1) => (PKEY_INDEX | PORT | QKEY, 0),
+            (1, 1) => (0, PKEY_INDEX | PORT | QKEY),
+            (1, 2) => (0, PKEY_INDEX | QKEY),
+            (2, 3) => (SQ_PSN, CUR_STATE | QKEY),
+            (3, 3) => (0, CUR_STATE | QKEY),
+            _ => return Err(Errno::EINVAL),
+        },
+        (0, 1) => (PKEY_INDEX | PORT | ACCESS_FLAGS, 0),
+        (1, 1) => (0, PKEY_INDEX | PORT | ACCESS_FLAGS),
+        (1, 2) => (
+            AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER,
+            ALT_PATH | ACCESS_FLAGS | PKEY_INDEX,
+        ),
+        (2, 3) => (
+            TIMEOUT | RETRY_CNT | RNR_RETRY | SQ_PSN | MAX_QP_RD_ATOMIC,
+            CUR_STATE | ALT_PATH | ACCESS_FLAGS | MIN_RNR_TIMER | PATH_MIG_STATE,
+        ),
+        (3, 3) => (
+            0,
+            CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE | MIN_RNR_TIMER,
+        ),
+        _ => return Err(Errno::EINVAL),
+    })
+}
+
+/// The port, P_Key index, access flags, address vector, path MTU and destination QPN that
+/// `given` names, checked and taken into `a`.
+fn take_path_attrs(m: &abi::ModifyQp, given: u32, mut a: QpAttrs) -> Result<QpAttrs, Errno> {
+    use qp_attr::*;
+    if given & PORT != 0 {
+        if m.port_num != 1 {
+            return Err(Errno::EINVAL);
+        }
+        a.port = 1;
+    }
+    if given & PKEY_INDEX != 0 {
+        if m.pkey_index != 0 {
+            return Err(Errno::EINVAL);
+        }
+        a.pkey_index = 0;
+    }
+    if given & ACCESS_FLAGS != 0 {
+        if m.qp_access_flags
+            & !(access::LOCAL_WRITE
+                | access::REMOTE_WRITE
+                | access::REMOTE_READ
+                | access::REMOTE_ATOMIC
+                | access::MW_BIND)
+            != 0
+        {
+            return Err(Errno::EINVAL);
+        }
+        a.access = m.qp_access_flags;
+    }
+    if given & AV != 0 {
+        // RoCE needs a GRH; the destination GID must be an address the wire can reach
+        if m.dest.is_global == 0 || m.dest.sgid_index != 0 {
+            return Err(Errno::EINVAL);
+        }
+        if softnic::Gid(m.dest.dgid).to_ipv4().is_none() {
+            return Err(unsupported(
+                "destination GIDs that are not IPv4-mapped (RoCE v2 over IPv4 only)",
+            ));
+        }
+        a.dest = m.dest;
+    }
+    if given & PATH_MTU != 0 {
+        mtu_bytes(m.path_mtu).ok_or(Errno::EINVAL)?;
+        a.path_mtu = m.path_mtu;
+    }
+    if given & DEST_QPN != 0 {
+        if m.dest_qp_num > 0xff_ffff {
+            return Err(Errno::EINVAL);
+        }
+        a.dest_qpn = m.dest_qp_num;
+    }
+    Ok(a)
+}
+
+/// The PSNs, Q_Key, RDMA READ and atomic depths, timers and retry counts that `given` names,
+/// checked and taken into `a`.
+fn take_transport_attrs(m: &abi::ModifyQp, given: u32, mut a: QpAttrs) -> Result<QpAttrs, Errno> {
+    use qp_attr::*;
+    if given & RQ_PSN != 0 {
+        a.rq_psn = m.rq_psn & 0xff_ffff;
+    }
+    if given & SQ_PSN != 0 {
+        a.sq_psn = m.sq_psn & 0xff_ffff;
+    }
+    if given & QKEY != 0 {
+        a.qkey = m.qkey;
+    }
+    if given & MAX_DEST_RD_ATOMIC != 0 {
+        a.max_dest_rd_atomic = at_most(m.max_dest_rd_atomic, MAX_RD_ATOM as u8)?;
+    }
+    if given & MAX_QP_RD_ATOMIC != 0 {
+        a.max_rd_atomic = at_most(m.max_rd_atomic, MAX_RD_ATOM as u8)?;
+    }
+    if given & MIN_RNR_TIMER != 0 {
+        a.min_rnr_timer = at_most(m.min_rnr_timer, 31)?;
+    }
+    if given & TIMEOUT != 0 {
+        a.timeout = at_most(m.timeout, 31)?;
+    }
+    if given & RETRY_CNT != 0 {
+        a.retry_cnt = at_most(m.retry_cnt, 7)?;
+    }
+    if given & RNR_RETRY != 0 {
+        a.rnr_retry = at_most(m.rnr_retry, 7)?;
+    }
+    Ok(a)
+}
+
+/// The soft QP's move from state `cur` to `new` with attributes `a` (none for a move within
+/// a state that changes attributes only).
+fn soft_transition(
+    ud: bool,
+    cur: u8,
+    new: u8,
+    a: &QpAttrs,
+) -> Result<Option<softnic::Modify>, Errno> {
+    let rights =
+        ib_access(a.access & (access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC))?;
+    Ok(match (cur, new) {
+        (_, 0) => Some(softnic::Modify::Reset),
+        (_, 6) => Some(softnic::Modify::Err),
+        (_, 1) if ud => Some(softnic::Modify::InitUd { qkey: a.qkey }),
+        (1, 2) if ud => Some(softnic::Modify::RtrUd),
+        (_, 1) => Some(softnic::Modify::Init { access: rights }),
+        (1, 2) => Some(softnic::Modify::Rtr(softnic::RtrAttr {
+            remote_gid: softnic::Gid(a.dest.dgid),
+            remote_qpn: a.dest_qpn,
+            rq_psn: a.rq_psn,
+            mtu: mtu_bytes(a.path_mtu).ok_or(Errno::EINVAL)?,
+            min_rnr_timer: a.min_rnr_timer,
+            selective_repeat: false,
+        })),
+        (_, 3) => Some(softnic::Modify::Rts(softnic::RtsAttr {
+            sq_psn: a.sq_psn,
+            timeout: a.timeout,
+            retry_cnt: a.retry_cnt,
+            rnr_retry: a.rnr_retry,
+        })),
+        _ => None,
+    })
 }

@@ -1,11 +1,12 @@
 //! A pcap writer for the soft NIC's wire: every captured datagram is written as a raw IPv4
 //! frame (link type 101, `LINKTYPE_RAW`) with the IPv4 and UDP headers synthesized around the
 //! RoCEv2 packet exactly as its ICRC was computed
-//! ([`crate::wire::packet::ipv4_udp_headers_with_id`]: DF, the identification it leaves with),
+//! ([`crate::net::packet::ipv4_udp_headers_with_id`]: DF, the identification it leaves with),
 //! so Wireshark and tshark dissect it as RoCEv2 (on port 4791 without options; on another
-//! port with `-d udp.port==PORT,infiniband`).
+//! port with `-d udp.port==PORT,infiniband`). Part of [`crate::net`] (also published as
+//! `softnic::pcap`): the port's egress and ingress hand it what they send and receive.
 
-use crate::wire::packet::{ipv4_udp_headers_with_id, Flow};
+use crate::net::packet::{ipv4_udp_headers_with_id, Flow};
 use parking_lot::Mutex;
 use std::fs::File;
 use std::io::{BufWriter, Write};

@@ -8,6 +8,9 @@
 //! into ordinary datagrams, one RoCEv2 packet each, exactly as if each had been sent alone.
 //! The receiving socket asks for `UDP_GRO` and splits what it gets back into the original
 //! datagrams. Kernels without either fall back to one system call per packet.
+//!
+//! Part of [`crate::net`], below the QP: it moves datagrams and holds no QP state; the RC
+//! transport ([`crate::wire`]) and UD ([`crate::ud`]) send through it.
 
 use super::ip_ids::IpIds;
 use super::packet::{self, Flow};
@@ -37,7 +40,7 @@ const ENTROPY_SOCKETS: usize = 8;
 /// The RoCE entropy source-port range.
 pub(crate) const ENTROPY_PORTS: std::ops::RangeInclusive<u16> = 0xC000..=0xFFFF;
 /// Datagrams the I/O thread takes from one ready socket before it looks at the others.
-pub(super) const RX_BURST: usize = 64;
+pub(crate) const RX_BURST: usize = 64;
 
 struct FaultState {
     f: WireFaults,
@@ -141,14 +144,14 @@ pub(crate) struct Port {
     /// first need ([`Port::real_ip_id`]); `Err` once refused.
     ip_ids: Mutex<Option<Result<IpIds, ()>>>,
     /// The receive buffers; whoever holds them receives (the I/O thread, or a thread that
-    /// polls the device inline: [`super::transport::poll_inline`]), so datagrams are
+    /// polls the device inline: [`crate::wire::transport::poll_inline`]), so datagrams are
     /// handled one at a time, in the order they arrived.
-    pub(super) rx: Mutex<RxBufs>,
+    pub(crate) rx: Mutex<RxBufs>,
 }
 
 /// What receiving needs: room for any datagram or coalesced run, a reply's scratch space and
 /// the batch replies leave in.
-pub(super) struct RxBufs {
+pub(crate) struct RxBufs {
     pub buf: Vec<u8>,
     pub scratch: Vec<u8>,
     pub batch: TxBatch,
@@ -642,7 +645,7 @@ impl Port {
 
     /// How long the I/O thread may block in `poll`: briefly while a reordered datagram is
     /// held back, which only a later send or [`Port::flush_held`] lets go.
-    pub(super) fn recv_timeout(&self) -> Duration {
+    pub(crate) fn recv_timeout(&self) -> Duration {
         if self.faulty.load(Ordering::Acquire) && self.faults.lock().held.is_some() {
             HELD_TIMEOUT
         } else {
@@ -693,7 +696,7 @@ impl Port {
     }
 
     /// Receives one datagram, or a coalesced run of them, from socket `i` without waiting.
-    pub(super) fn recv(&self, i: usize, buf: &mut [u8]) -> std::io::Result<Received> {
+    pub(crate) fn recv(&self, i: usize, buf: &mut [u8]) -> std::io::Result<Received> {
         let s = &self.socks[i];
         // SAFETY: zeroed sockaddr_in and msghdr are valid; every pointer put in the msghdr
         // points to a live local (or `buf`) with its length, for the duration of recvmsg.
@@ -750,7 +753,7 @@ impl Port {
 }
 
 /// What one `recvmsg` of a port's socket brought.
-pub(super) struct Received {
+pub(crate) struct Received {
     /// Bytes received.
     pub len: usize,
     /// The source address.
@@ -786,7 +789,7 @@ fn poll_once(fds: &mut [libc::pollfd], ready: &mut [bool], timeout_ms: libc::c_i
 /// Waits at most `timeout` for datagrams on any of the sockets `fds`; marks the ready ones in
 /// `ready`. Returns whether any is. `busy` (datagrams came in the last pass): it first looks
 /// for [`SPIN`] without sleeping, giving the core away between looks.
-pub(super) fn wait_readable(
+pub(crate) fn wait_readable(
     fds: &mut [libc::pollfd],
     ready: &mut [bool],
     busy: bool,
@@ -809,7 +812,7 @@ pub(super) fn wait_readable(
 
 impl Port {
     /// One `pollfd` per socket, in socket order (for [`wait_readable`]).
-    pub(super) fn pollfds(&self) -> Vec<libc::pollfd> {
+    pub(crate) fn pollfds(&self) -> Vec<libc::pollfd> {
         self.socks
             .iter()
             .map(|s| libc::pollfd {
@@ -821,7 +824,7 @@ impl Port {
     }
 
     /// The local UDP port of socket `i`.
-    pub(super) fn sock_port(&self, i: usize) -> u16 {
+    pub(crate) fn sock_port(&self, i: usize) -> u16 {
         self.socks[i].port
     }
 }

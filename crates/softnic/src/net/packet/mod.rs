@@ -16,8 +16,8 @@
 //! n); UDP with the real source and destination ports. TOS, TTL and both checksums are masked
 //! out of the ICRC. A receiver, which cannot see the identification either, accepts any
 //! identification a segmented send produces ([`icrc_ip_id`]). The capture writer
-//! ([`crate::pcap`]) writes the same headers, so a captured frame's ICRC is the one an
-//! IBTA-conformant receiver computes.
+//! ([`super::pcap`]) writes the same headers, so a captured frame's ICRC is the one an
+//! IBTA-conformant receiver computes. The bottom of [`crate::net`]: it names no other module.
 
 use std::net::Ipv4Addr;
 

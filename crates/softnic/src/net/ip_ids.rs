@@ -6,7 +6,8 @@
 //! IPv4 header: the identification is taken from there. The raw socket is opened at the
 //! first datagram whose ICRC fits no identification 0..63 (a soft NIC peer never costs the
 //! copies), so the datagrams before it are dropped as corrupted and resent by the peer.
-//! Where it may not, only 0..63 are accepted (`docs/wire.md`).
+//! Where it may not, only 0..63 are accepted (`docs/wire.md`). Part of [`crate::net`], used
+//! by the port's ingress (`socket`).
 
 use std::collections::{HashMap, VecDeque};
 use std::net::Ipv4Addr;

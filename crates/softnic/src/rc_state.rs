@@ -1,10 +1,12 @@
 //! The RC transport state of one QP, held in its SQ and RQ state: the requester's messages,
 //! PSNs, window, timers and RTT estimate, and the responder's expected PSN, MSN, message in
 //! progress and answer caches. Plain state and the arithmetic on it; sending and receiving
-//! packets is [`super::transport`]'s.
+//! packets is the RC transport's ([`crate::wire`]). It stands below the QP, which embeds it
+//! (`SqState::wire`, `RqState::wire`), and above the datagrams of [`crate::net`]; the
+//! behaviour on it stands above the QP, in `wire`.
 
-use super::packet::{Flow, Reth, MASK24};
-use super::socket::TxBatch;
+use crate::net::packet::{Flow, Reth, MASK24};
+use crate::net::socket::TxBatch;
 use crate::outcome::Fail;
 use prm::parse::AtomicKind;
 use prm::wqe::Sge;
@@ -38,7 +40,7 @@ const MAX_PROBES: usize = 64;
 const MIN_CWND: u32 = 16;
 /// Bounds of the early retransmission timer (see [`ReqWire::fast_rto`]).
 const FAST_RTO_MIN: Duration = Duration::from_millis(2);
-pub(super) const FAST_RTO_MAX: Duration = Duration::from_millis(20);
+pub(crate) const FAST_RTO_MAX: Duration = Duration::from_millis(20);
 /// The early timer's floor with selective repeat, where it only covers a lost tail (a lost
 /// packet with packets behind it is NAKed, and NAKed again by the responder's timer).
 const FAST_RTO_MIN_SELECTIVE: Duration = Duration::from_millis(10);
@@ -96,90 +98,90 @@ pub(crate) enum OutOp {
 
 /// One WQE on its way through the requester transport.
 pub(crate) struct OutMsg {
-    pub(super) idx: u16,
-    pub(super) opcode: u8,
-    pub(super) signaled: bool,
-    pub(super) solicited: bool,
-    pub(super) op: OutOp,
-    pub(super) len: u64,
+    pub(crate) idx: u16,
+    pub(crate) opcode: u8,
+    pub(crate) signaled: bool,
+    pub(crate) solicited: bool,
+    pub(crate) op: OutOp,
+    pub(crate) len: u64,
     /// First PSN.
-    pub(super) psn: u32,
+    pub(crate) psn: u32,
     /// PSNs it consumes (packets, or READ response packets); 0 for `Local`.
-    pub(super) npkts: u32,
+    pub(crate) npkts: u32,
     /// Completes with this error when it reaches the front.
-    pub(super) fail: Option<Fail>,
+    pub(crate) fail: Option<Fail>,
 }
 
 impl OutMsg {
-    pub(super) fn end(&self) -> u32 {
+    pub(crate) fn end(&self) -> u32 {
         psn_add(self.psn, self.npkts)
     }
 }
 
 /// The requester side of a QP on the wire.
 pub(crate) struct ReqWire {
-    pub(super) to: SocketAddr,
-    pub(super) flow: Flow,
-    pub(super) remote_qpn: u32,
-    pub(super) mtu: u32,
-    pub(super) window: u32,
-    pub(super) timeout: Option<Duration>,
-    pub(super) retry_cnt: u32,
-    pub(super) rnr_retry: u8,
+    pub(crate) to: SocketAddr,
+    pub(crate) flow: Flow,
+    pub(crate) remote_qpn: u32,
+    pub(crate) mtu: u32,
+    pub(crate) window: u32,
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) retry_cnt: u32,
+    pub(crate) rnr_retry: u8,
     pub(crate) msgs: VecDeque<OutMsg>,
     /// Next PSN to give a new message.
-    pub(super) next_psn: u32,
+    pub(crate) next_psn: u32,
     /// Oldest PSN not yet acknowledged (or answered).
-    pub(super) una: u32,
+    pub(crate) una: u32,
     /// Next PSN to transmit (moved back by go-back-N).
-    pub(super) send_psn: u32,
+    pub(crate) send_psn: u32,
     /// One past the highest PSN transmitted.
-    pub(super) sent_hi: u32,
-    pub(super) retries: u32,
-    pub(super) rnr_retries: u32,
+    pub(crate) sent_hi: u32,
+    pub(crate) retries: u32,
+    pub(crate) rnr_retries: u32,
     /// The IBTA local ACK timeout: its expirations count against `retry_cnt`.
-    pub(super) deadline: Option<Instant>,
+    pub(crate) deadline: Option<Instant>,
     /// The early retransmission timer (RTT-based, never fails the QP).
-    pub(super) fast_deadline: Option<Instant>,
-    pub(super) rnr_until: Option<Instant>,
+    pub(crate) fast_deadline: Option<Instant>,
+    pub(crate) rnr_until: Option<Instant>,
     /// `una` and time of the last go-back (one per gap and round trip).
-    pub(super) goback: Option<(u32, Instant)>,
+    pub(crate) goback: Option<(u32, Instant)>,
     /// Congestion window (packets) and its additive-increase accumulator.
-    pub(super) cwnd: u32,
-    pub(super) cwnd_acc: u32,
+    pub(crate) cwnd: u32,
+    pub(crate) cwnd_acc: u32,
     /// Smoothed round-trip time and its mean deviation, and the packets being timed: every
     /// first transmission that asks for an answer (AckReq, a READ), oldest first, with its
     /// send time. Each ACK that moves `una` past some of them gives a sample (the newest it
     /// covers), so the estimate follows the queueing delay as a window fills (one probe at a
     /// time, taken while the queue is still empty, left the early timer far too short).
-    pub(super) srtt: Duration,
-    pub(super) rttvar: Duration,
-    pub(super) rtt_probes: VecDeque<(u32, Instant)>,
+    pub(crate) srtt: Duration,
+    pub(crate) rttvar: Duration,
+    pub(crate) rtt_probes: VecDeque<(u32, Instant)>,
     /// The largest recent RTT sample (decaying): the scheduling pauses this machine has.
-    pub(super) rtt_max: Duration,
+    pub(crate) rtt_max: Duration,
     /// The early timer's floor, doubled whenever it fired for nothing (decaying).
-    pub(super) rto_floor: Duration,
+    pub(crate) rto_floor: Duration,
     /// When the early timer last sent its probe, until `una` moves.
-    pub(super) probed_at: Option<Instant>,
+    pub(crate) probed_at: Option<Instant>,
     /// Selective repeat agreed with the peer: a sequence NAK resends the packet it names
     /// alone, a gap report the packets it names (the peer holds what followed them); the
     /// IBTA timer still goes back N.
-    pub(super) selective: bool,
+    pub(crate) selective: bool,
     /// PSNs a sequence NAK or a gap report asked for, to send before anything else.
-    pub(super) resend: VecDeque<u32>,
+    pub(crate) resend: VecDeque<u32>,
     /// PSNs queued for such a resend, and when (pruned to those in flight).
-    pub(super) resent: HashMap<u32, Instant>,
+    pub(crate) resent: HashMap<u32, Instant>,
     /// A WQE that failed locally is queued: run no more WQEs until it completes.
     pub(crate) blocked: bool,
     /// A queued message failed while being sent: send nothing more.
-    pub(super) halted: bool,
+    pub(crate) halted: bool,
     /// Packets on their way out; the requester builds them in place (`Port::send_built`).
-    pub(super) batch: TxBatch,
+    pub(crate) batch: TxBatch,
 }
 
 impl ReqWire {
     /// A transport for the peer QP `remote_qpn` at `to` (`flow`), starting at PSN `psn`.
-    pub(super) fn new(
+    pub(crate) fn new(
         to: SocketAddr,
         flow: Flow,
         remote_qpn: u32,
@@ -236,7 +238,7 @@ impl ReqWire {
         self.rnr_retry = rnr_retry;
     }
 
-    pub(super) fn restart_timer(&mut self, now: Instant) {
+    pub(crate) fn restart_timer(&mut self, now: Instant) {
         let busy = self.una != self.sent_hi;
         self.deadline = if busy {
             self.timeout.map(|t| now + t)
@@ -249,7 +251,7 @@ impl ReqWire {
     /// When to retransmit a tail nobody NAKs (or a lost NAK): `srtt + 4 rttvar`, but at least
     /// twice the largest recent RTT sample (which holds the scheduling pauses of a loaded
     /// machine) and the floor that spurious expirations raised; well before the IBTA timeout.
-    pub(super) fn fast_rto(&self) -> Duration {
+    pub(crate) fn fast_rto(&self) -> Duration {
         let t = if self.srtt.is_zero() {
             FAST_RTO_MAX // no sample yet
         } else if self.selective {
@@ -273,18 +275,18 @@ impl ReqWire {
     }
 
     /// A loss was detected: halve the congestion window.
-    pub(super) fn congestion(&mut self) {
+    pub(crate) fn congestion(&mut self) {
         self.cwnd = (self.cwnd / 2).max(MIN_CWND).min(self.window);
         self.cwnd_acc = 0;
     }
 
     /// Index of the first message whose PSN range ends after `p`.
-    pub(super) fn find(&self, p: u32) -> usize {
+    pub(crate) fn find(&self, p: u32) -> usize {
         self.msgs.partition_point(|m| psn_diff(m.end(), p) <= 0)
     }
 
     /// Retransmits from `to` (go-back-N); the rest of the window follows.
-    pub(super) fn go_back(&mut self, to: u32, now: Instant) {
+    pub(crate) fn go_back(&mut self, to: u32, now: Instant) {
         self.send_psn = to;
         self.resend.clear();
         self.goback = Some((to, now));
@@ -302,7 +304,7 @@ impl ReqWire {
     /// report, which resends them. Nothing goes back and no window is cut: a timer that fires
     /// for a pause says nothing about the path, and a window resent after a pause arrives as
     /// duplicates. Going back N is left to the IBTA timer.
-    pub(super) fn probe_tail(&mut self, now: Instant) {
+    pub(crate) fn probe_tail(&mut self, now: Instant) {
         self.fast_deadline = None;
         if self.una == self.sent_hi {
             return;
@@ -320,7 +322,7 @@ impl ReqWire {
     /// Goes back to `una` for a sequence NAK. The responder NAKs a gap once, and again only
     /// when the retransmission was lost too (a round trip later), so every NAK is acted on,
     /// but for a copy of one just taken (duplicated on the way).
-    pub(super) fn go_back_nak(&mut self, now: Instant) {
+    pub(crate) fn go_back_nak(&mut self, now: Instant) {
         let una = self.una;
         let copy = matches!(self.goback, Some((p, t)) if p == una && now.duration_since(t) < self.srtt / 4);
         if !copy {
@@ -333,7 +335,7 @@ impl ReqWire {
     /// it; one NAK a round trip after the resend means the resend was lost too). No window
     /// cut: a lost packet is not a congested path (ConnectX reacts to congestion
     /// notifications, not to loss).
-    pub(super) fn resend_nak(&mut self, now: Instant) {
+    pub(crate) fn resend_nak(&mut self, now: Instant) {
         // a probe acknowledged after the gap is filled would time the gap, not the path
         self.rtt_probes.clear();
         self.queue_resend(self.una, now);
@@ -353,7 +355,7 @@ impl ReqWire {
     /// one: real reports came 0.25–2 ms after the packet, while the smallest sample was 1–2
     /// ms, and such a rule ignored up to 187 real reports in 16 MiB at 5% loss and halved
     /// the throughput.
-    pub(super) fn resend_gap(&mut self, from: u32, n: u32, now: Instant) -> GapReport {
+    pub(crate) fn resend_gap(&mut self, from: u32, n: u32, now: Instant) -> GapReport {
         let in_flight = psn_diff(self.sent_hi, self.una).max(0) as u32;
         let k = psn_diff(from, self.una);
         if n == 0 || k < 0 || k as u32 >= in_flight {
@@ -400,7 +402,7 @@ impl ReqWire {
 
     /// Goes back to `una` for a missing response, once per gap and round trip (the
     /// responses after one loss arrive together).
-    pub(super) fn go_back_once(&mut self, now: Instant) {
+    pub(crate) fn go_back_once(&mut self, now: Instant) {
         let una = self.una;
         let again = match self.goback {
             Some((p, t)) => p != una || now.duration_since(t) > self.srtt * 2,
@@ -412,7 +414,7 @@ impl ReqWire {
     }
 
     /// Fails the message holding PSN `p` (or the first unfinished one).
-    pub(super) fn fail_at(&mut self, p: u32, f: Fail) {
+    pub(crate) fn fail_at(&mut self, p: u32, f: Fail) {
         let i = self.find(p).min(self.msgs.len().saturating_sub(1));
         if let Some(m) = self.msgs.get_mut(i) {
             m.fail.get_or_insert(f);
@@ -422,7 +424,7 @@ impl ReqWire {
 
     /// Acknowledges every PSN before `to`. Stops at a READ or atomic still missing its
     /// responses: those PSNs are acknowledged only by the responses themselves.
-    pub(super) fn ack_to(&mut self, to: u32, now: Instant) -> Acked {
+    pub(crate) fn ack_to(&mut self, to: u32, now: Instant) -> Acked {
         if psn_diff(to, self.una) <= 0 {
             return Acked::Ok;
         }
@@ -459,7 +461,7 @@ impl ReqWire {
     }
 
     /// Times the first transmission of `p`, which asks for an answer (see `rtt_probes`).
-    pub(super) fn probe(&mut self, p: u32, now: Instant) {
+    pub(crate) fn probe(&mut self, p: u32, now: Instant) {
         if self
             .rtt_probes
             .back()
@@ -474,7 +476,7 @@ impl ReqWire {
     }
 
     /// `una` moved forward from `old`.
-    pub(super) fn progress(&mut self, old: u32, now: Instant) {
+    pub(crate) fn progress(&mut self, old: u32, now: Instant) {
         self.retries = 0;
         self.rnr_retries = 0;
         self.goback = None;
@@ -525,7 +527,7 @@ impl ReqWire {
 
 /// What a gap report led to ([`ReqWire::resend_gap`]).
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum GapReport {
+pub(crate) enum GapReport {
     /// Its PSNs in flight were queued for a resend.
     Acted,
     /// It names PSNs in flight, but came too soon to be real or repeats one acted on within
@@ -535,7 +537,7 @@ pub(super) enum GapReport {
     NotInFlight,
 }
 
-pub(super) enum Acked {
+pub(crate) enum Acked {
     Ok,
     /// A READ or atomic before the acknowledged PSN has no response: go back to it.
     Implicit,
@@ -547,7 +549,7 @@ pub(super) enum Acked {
 
 /// A multi-packet message in progress at the responder.
 #[derive(Clone, Copy, Debug)]
-pub(super) enum InMsg {
+pub(crate) enum InMsg {
     Write {
         va: u64,
         rkey: u32,
@@ -562,63 +564,63 @@ pub(super) enum InMsg {
 /// The responder side of a QP on the wire.
 #[derive(Debug, Default)]
 pub(crate) struct RespWire {
-    pub(super) epsn: u32,
-    pub(super) msn: u32,
-    pub(super) mtu: u32,
+    pub(crate) epsn: u32,
+    pub(crate) msn: u32,
+    pub(crate) mtu: u32,
     /// `mtu` has been lowered to the route's (at the first request).
-    pub(super) route_checked: bool,
-    pub(super) nak_sent: bool,
+    pub(crate) route_checked: bool,
+    pub(crate) nak_sent: bool,
     /// The highest PSN seen out of sequence since the last sequence NAK.
-    pub(super) oos_hi: u32,
-    pub(super) cur: Option<InMsg>,
-    pub(super) atomics: VecDeque<(u32, u64)>,
+    pub(crate) oos_hi: u32,
+    pub(crate) cur: Option<InMsg>,
+    pub(crate) atomics: VecDeque<(u32, u64)>,
     /// READs answered and still held: a duplicate READ is served only inside one of them.
-    pub(super) reads: VecDeque<HeldRead>,
+    pub(crate) reads: VecDeque<HeldRead>,
     /// Selective repeat agreed with the requester: packets that arrive behind a gap are held
     /// (by PSN, as received) and run in order once the gap is filled.
-    pub(super) selective: bool,
-    pub(super) held: HashMap<u32, Held>,
+    pub(crate) selective: bool,
+    pub(crate) held: HashMap<u32, Held>,
     /// The highest PSN held and the PSN that follows it (past every PSN a held READ
     /// consumes); meaningful while `held` is not empty.
-    pub(super) held_hi: u32,
-    pub(super) held_next: u32,
+    pub(crate) held_hi: u32,
+    pub(crate) held_next: u32,
     /// The UDP source port of the requester's flow, as of its last request taken in
     /// sequence: a soft NIC sends a QP's requests from one port, and only packets from it
     /// are held.
-    pub(super) sport: Option<u16>,
+    pub(crate) sport: Option<u16>,
     /// When the gap's first sequence NAK, and its last one, were sent (selective repeat
     /// names a gap again after [`RespWire::renak_wait`] without it being filled: the NAK, the
     /// resend or the answer to it was lost).
-    pub(super) first_nak: Option<Instant>,
-    pub(super) last_nak: Option<Instant>,
+    pub(crate) first_nak: Option<Instant>,
+    pub(crate) last_nak: Option<Instant>,
     /// Gap NAKs sent again by the timer since the last progress (each doubles the wait).
-    pub(super) renaks: u32,
+    pub(crate) renaks: u32,
     /// The smoothed time from a gap's first NAK to its filling (one repair: a round trip and
     /// the requester's turn).
-    pub(super) repair: Duration,
+    pub(crate) repair: Duration,
     /// Where answers go: the connected peer's address (its peer-table entry, or its GID's
     /// address at the default port, as for the requester), the reply flow and the
     /// requester's QPN; decided at the first request.
-    pub(super) reply_to: Option<(SocketAddr, Flow, u32)>,
+    pub(crate) reply_to: Option<(SocketAddr, Flow, u32)>,
 }
 
 /// A request held behind a gap (selective repeat).
 #[derive(Debug)]
-pub(super) struct Held {
+pub(crate) struct Held {
     /// The datagram as received.
-    pub(super) raw: Vec<u8>,
+    pub(crate) raw: Vec<u8>,
     /// PSNs it consumes (a READ's response packets; 1 otherwise).
-    pub(super) npkts: u32,
+    pub(crate) npkts: u32,
     /// Something vouches for it (see [`RespWire::hold`]); an untrusted packet does not run.
-    pub(super) trusted: bool,
+    pub(crate) trusted: bool,
 }
 
 /// Whether two request datagrams carry the same request: the same bytes but for the BTH's
 /// AckReq bit and FECN/BECN byte (a resend may ask for an ACK the first copy did not) and the
 /// ICRC (it covers the IPv4 identification, which differs between copies).
-pub(super) fn same_request(a: &[u8], b: &[u8]) -> bool {
-    const BTH_LEN: usize = super::packet::BTH_LEN;
-    const ICRC_LEN: usize = super::packet::ICRC_LEN;
+pub(crate) fn same_request(a: &[u8], b: &[u8]) -> bool {
+    const BTH_LEN: usize = crate::net::packet::BTH_LEN;
+    const ICRC_LEN: usize = crate::net::packet::ICRC_LEN;
     if a.len() != b.len() || a.len() < BTH_LEN + ICRC_LEN {
         return false;
     }
@@ -628,7 +630,7 @@ pub(super) fn same_request(a: &[u8], b: &[u8]) -> bool {
 
 /// What a request ahead of the expected PSN meets among the held packets.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Hold {
+pub(crate) enum Hold {
     /// Held; the PSNs missing in front of it that nothing named yet, `(first, count)`.
     New(Option<(u32, u32)>),
     /// A copy of the packet held with that PSN (now trusted: the requester sent it again).
@@ -648,20 +650,20 @@ const COPY_WAIT_MIN: Duration = Duration::from_micros(100);
 /// A READ request a responder answered, held so that a duplicate of it (a retry from any of
 /// its response packets) can be served again.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct HeldRead {
-    pub(super) psn: u32,
+pub(crate) struct HeldRead {
+    pub(crate) psn: u32,
     /// Response packets (PSNs) it consumed.
-    pub(super) npkts: u32,
-    pub(super) va: u64,
-    pub(super) rkey: u32,
-    pub(super) len: u64,
+    pub(crate) npkts: u32,
+    pub(crate) va: u64,
+    pub(crate) rkey: u32,
+    pub(crate) len: u64,
 }
 
 impl HeldRead {
     /// Whether a duplicate READ (`psn`, `reth`) asks for a part of this one: its PSN inside
     /// this READ's PSN window, the same rkey, its range inside this one's, and its responses
     /// inside the window too.
-    pub(super) fn covers(&self, psn: u32, reth: &Reth, mtu: u64) -> bool {
+    pub(crate) fn covers(&self, psn: u32, reth: &Reth, mtu: u64) -> bool {
         let k = psn_diff(psn, self.psn);
         if k < 0 || k as u32 >= self.npkts || reth.rkey != self.rkey {
             return false;
@@ -687,7 +689,7 @@ impl RespWire {
 
     /// How long a gap may stay unfilled after its last NAK before it is named again: three
     /// repairs as measured, at least [`RENAK_MIN`].
-    pub(super) fn renak_wait(&self) -> Duration {
+    pub(crate) fn renak_wait(&self) -> Duration {
         (self.repair * 3).max(RENAK_MIN)
     }
 
@@ -695,18 +697,18 @@ impl RespWire {
     /// responder asks for a copy of its newest packet: while packets flow the next one vouches
     /// within microseconds; when none comes the requester has stopped (its window full, or
     /// nothing more to send). Half a repair, at least [`COPY_WAIT_MIN`].
-    pub(super) fn copy_wait(&self) -> Duration {
+    pub(crate) fn copy_wait(&self) -> Duration {
         (self.repair / 2).max(COPY_WAIT_MIN)
     }
 
     /// A sequence NAK for the current gap is being sent.
-    pub(super) fn naked(&mut self, now: Instant) {
+    pub(crate) fn naked(&mut self, now: Instant) {
         self.first_nak.get_or_insert(now);
         self.last_nak = Some(now);
     }
 
     /// The gap was filled: its repair time joins the estimate.
-    pub(super) fn filled(&mut self, now: Instant) {
+    pub(crate) fn filled(&mut self, now: Instant) {
         if let Some(t) = self.first_nak.take() {
             let sample = now.duration_since(t);
             self.repair = if self.repair.is_zero() {
@@ -719,7 +721,7 @@ impl RespWire {
 
     /// The first PSN from the expected one on that is not held: the end of the run of held
     /// packets that starts at the expected PSN (the expected PSN itself while it is missing).
-    pub(super) fn frontier(&self) -> u32 {
+    pub(crate) fn frontier(&self) -> u32 {
         let mut p = self.epsn;
         while let Some(h) = self.held.get(&p) {
             p = psn_add(p, h.npkts.max(1));
@@ -728,7 +730,7 @@ impl RespWire {
     }
 
     /// The first PSN of the newest packet of the run of held packets at the expected PSN.
-    pub(super) fn run_last(&self) -> u32 {
+    pub(crate) fn run_last(&self) -> u32 {
         let (mut p, mut last) = (self.epsn, self.epsn);
         while let Some(h) = self.held.get(&p) {
             last = p;
@@ -739,7 +741,7 @@ impl RespWire {
 
     /// Whether the packet held at the expected PSN waits to be vouched for: its gap is
     /// filled, but nothing has vouched for it yet.
-    pub(super) fn unconfirmed(&self) -> bool {
+    pub(crate) fn unconfirmed(&self) -> bool {
         self.held.get(&self.epsn).is_some_and(|h| !h.trusted)
     }
 
@@ -761,7 +763,7 @@ impl RespWire {
     /// A packet that opens or sits behind a gap is held untrusted; once its gap is filled it
     /// waits for one of the above. What this leaves to a blind forger is a packet in a hole
     /// whose real packet was lost (or reordered) too.
-    pub(super) fn hold(&mut self, psn: u32, npkts: u32, raw: &[u8]) -> Hold {
+    pub(crate) fn hold(&mut self, psn: u32, npkts: u32, raw: &[u8]) -> Hold {
         // the run at the expected PSN that waits, if any, and its end
         let end = self.unconfirmed().then(|| self.frontier());
         let vouches = end.is_some_and(|e| psn_diff(psn, e) >= 0);
