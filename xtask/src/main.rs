@@ -7,6 +7,7 @@
 //! - `fuzz [--seconds N] [--target T] [--seeds]`: run the fuzz targets (or rewrite their seeds).
 //! - `sanitize [--full]`: tests under AddressSanitizer, the emulation under valgrind memcheck.
 //! - `python`: build the Python package's wheel, run its tests, check its type stubs.
+//! - `layers`: module circles in every crate, at folder and file level (none allowed).
 //! - `loaded`: the AddressSanitizer subset and the soft NIC's timed suites beside a busy loop
 //!   on every core.
 
@@ -14,6 +15,7 @@ mod bindings;
 mod cuda;
 mod fuzz;
 mod gpu_test;
+mod layers;
 mod loaded;
 mod python;
 mod sanitize;
@@ -68,6 +70,7 @@ enum Cmd {
     /// run its tests and check its type stubs.
     Python,
     Loaded,
+    Layers,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -84,6 +87,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Sanitize { full } => sanitize::run(full),
         Cmd::Python => python::run_all(),
         Cmd::Loaded => loaded::run(),
+        Cmd::Layers => layers::run(),
     }
 }
 
