@@ -130,6 +130,8 @@ fn run(a: Args) -> Result<()> {
     }
 }
 
+/// Loopback: the server's QP (exported to its kernel) and slots, and the client's QP and
+/// buffers, on two soft NICs of this process; then the GPU client or the CPU client.
 fn run_loopback(a: Args) -> Result<()> {
     let gpu = open_gpu(&a, "the server is a kernel")?;
     let (sc, cc) = (
@@ -157,84 +159,152 @@ fn run_loopback(a: Args) -> Result<()> {
     // SAFETY: `ctl` lives until the end of `run`, after the kernel has returned; the kernel
     // only reads this word.
     let stop = unsafe { &*(ctl.addr() as *const AtomicU32) };
+    let pair = Pair {
+        gpu: &gpu,
+        export: &export,
+        smr: &smr,
+        qc: &qc,
+        src: &src,
+        src_mr: &src_mr,
+        back: &back,
+        back_mr: &back_mr,
+        ctl: &ctl,
+        ctl_d,
+        stop,
+    };
     if a.initiator == Client::Gpu {
-        let client_export = gpu.export_qp(&qc)?;
-        let (src_d, back_d) = (gpu.map_host(&src)?, gpu.map_host(&back)?);
-        let rtt_buf = HostBuffer::new(8 * a.iters as usize);
-        let rtt_d = gpu.map_host(&rtt_buf)?;
-        let (mut qsd, mut snic, mut slk, mut sz, mut n) =
-            (export.ptr(), smr.addr(), smr.lkey().0, a.size, a.slots);
-        let (mut qcd, mut cnic, mut cdev, mut clk) =
-            (client_export.ptr(), src_mr.addr(), src_d, src_mr.lkey().0);
-        let (mut bnic, mut bdev, mut blk, mut size, mut iters) =
-            (back_mr.addr(), back_d, back_mr.lkey().0, a.size, a.iters);
-        let (mut st, mut budget, mut cbudget, mut out, mut rtt) = (
-            ctl_d,
-            KERNEL_WAIT_NS,
-            ANSWER.as_nanos() as u64,
-            ctl_d + 8,
-            rtt_d,
-        );
-        let mut params = [
-            arg(&mut qsd),
-            arg(&mut snic),
-            arg(&mut slk),
-            arg(&mut sz),
-            arg(&mut n),
-            arg(&mut qcd),
-            arg(&mut cnic),
-            arg(&mut cdev),
-            arg(&mut clk),
-            arg(&mut bnic),
-            arg(&mut bdev),
-            arg(&mut blk),
-            arg(&mut size),
-            arg(&mut iters),
-            arg(&mut st),
-            arg(&mut budget),
-            arg(&mut cbudget),
-            arg(&mut out),
-            arg(&mut rtt),
-        ];
-        // SAFETY: the parameters match gv_sample_echo_gpu's signature; both descriptors, the
-        // mapped buffers (payloads, control page, round trips) and the registered regions live
-        // until the synchronous launch has returned.
-        unsafe {
-            gpu.launch_sync(
-                "gv_sample_echo_gpu",
-                (2, 1, 1),
-                (CLIENT_THREADS, 1, 1),
-                0,
-                &mut params,
-            )
-        }?;
-        let words = ctl.to_vec();
-        let word = |i: usize| {
-            let at = 8 + 8 * i;
-            u64::from_ne_bytes(words[at..at + 8].try_into().expect("8 bytes"))
-        };
-        let report: [u64; 6] = std::array::from_fn(word);
-        ensure!(report[2] == 0, "{}", kernel_failure(&report));
-        ensure!(
-            word(6) == 0 && word(7) == 0,
-            "the client kernel ended with status {} (error CQE syndrome {:#x}), {} bytes wrong",
-            word(6),
-            word(8),
-            word(7)
-        );
-        let r = rtt_buf.to_vec();
-        let mut rtts: Vec<f64> = r
-            .chunks_exact(8)
-            .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) as f64 / 1e3)
-            .collect();
-        return print(
-            &a,
-            &gpu.info().to_string(),
-            None,
-            report,
-            LatStats::of(&mut rtts),
-        );
+        return gpu_client(&a, &pair);
     }
+    cpu_client(&a, &pair)
+}
+
+/// The loopback's pieces: the server's exported QP and slots, the client's QP and buffers,
+/// and the control page (the stop word, then the kernel's report) with its GPU address.
+struct Pair<'a> {
+    gpu: &'a std::sync::Arc<Gpu>,
+    export: &'a gpuverbs::gpu::ExportedQp,
+    smr: &'a gpuverbs::Mr,
+    qc: &'a gpuverbs::Qp,
+    src: &'a HostBuffer,
+    src_mr: &'a gpuverbs::Mr,
+    back: &'a HostBuffer,
+    back_mr: &'a gpuverbs::Mr,
+    ctl: &'a HostBuffer,
+    ctl_d: u64,
+    stop: &'a AtomicU32,
+}
+
+/// Loopback with the GPU client: one launch of two blocks (block 0 serves, block 1 is the
+/// client, which stops the server itself); the kernel's report, the client's status and its
+/// round trips.
+fn gpu_client(a: &Args, p: &Pair) -> Result<()> {
+    let Pair {
+        gpu,
+        export,
+        smr,
+        qc,
+        src,
+        src_mr,
+        back,
+        back_mr,
+        ctl,
+        ctl_d,
+        ..
+    } = *p;
+    let client_export = gpu.export_qp(qc)?;
+    let (src_d, back_d) = (gpu.map_host(src)?, gpu.map_host(back)?);
+    let rtt_buf = HostBuffer::new(8 * a.iters as usize);
+    let rtt_d = gpu.map_host(&rtt_buf)?;
+    let (mut qsd, mut snic, mut slk, mut sz, mut n) =
+        (export.ptr(), smr.addr(), smr.lkey().0, a.size, a.slots);
+    let (mut qcd, mut cnic, mut cdev, mut clk) =
+        (client_export.ptr(), src_mr.addr(), src_d, src_mr.lkey().0);
+    let (mut bnic, mut bdev, mut blk, mut size, mut iters) =
+        (back_mr.addr(), back_d, back_mr.lkey().0, a.size, a.iters);
+    let (mut st, mut budget, mut cbudget, mut out, mut rtt) = (
+        ctl_d,
+        KERNEL_WAIT_NS,
+        ANSWER.as_nanos() as u64,
+        ctl_d + 8,
+        rtt_d,
+    );
+    let mut params = [
+        arg(&mut qsd),
+        arg(&mut snic),
+        arg(&mut slk),
+        arg(&mut sz),
+        arg(&mut n),
+        arg(&mut qcd),
+        arg(&mut cnic),
+        arg(&mut cdev),
+        arg(&mut clk),
+        arg(&mut bnic),
+        arg(&mut bdev),
+        arg(&mut blk),
+        arg(&mut size),
+        arg(&mut iters),
+        arg(&mut st),
+        arg(&mut budget),
+        arg(&mut cbudget),
+        arg(&mut out),
+        arg(&mut rtt),
+    ];
+    // SAFETY: the parameters match gv_sample_echo_gpu's signature; both descriptors, the
+    // mapped buffers (payloads, control page, round trips) and the registered regions live
+    // until the synchronous launch has returned.
+    unsafe {
+        gpu.launch_sync(
+            "gv_sample_echo_gpu",
+            (2, 1, 1),
+            (CLIENT_THREADS, 1, 1),
+            0,
+            &mut params,
+        )
+    }?;
+    let words = ctl.to_vec();
+    let word = |i: usize| {
+        let at = 8 + 8 * i;
+        u64::from_ne_bytes(words[at..at + 8].try_into().expect("8 bytes"))
+    };
+    let report: [u64; 6] = std::array::from_fn(word);
+    ensure!(report[2] == 0, "{}", kernel_failure(&report));
+    ensure!(
+        word(6) == 0 && word(7) == 0,
+        "the client kernel ended with status {} (error CQE syndrome {:#x}), {} bytes wrong",
+        word(6),
+        word(8),
+        word(7)
+    );
+    let r = rtt_buf.to_vec();
+    let mut rtts: Vec<f64> = r
+        .chunks_exact(8)
+        .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) as f64 / 1e3)
+        .collect();
+    print(
+        a,
+        &gpu.info().to_string(),
+        None,
+        report,
+        LatStats::of(&mut rtts),
+    )
+}
+
+/// Loopback with the CPU client: the server kernel on a thread of its own while the client
+/// sends, then the stop word (whatever the client's outcome) and the kernel's report.
+fn cpu_client(a: &Args, p: &Pair) -> Result<()> {
+    let Pair {
+        gpu,
+        export,
+        smr,
+        qc,
+        src,
+        src_mr,
+        back,
+        back_mr,
+        ctl,
+        ctl_d,
+        stop,
+    } = *p;
     let kernel = std::thread::scope(|sc| -> Result<(Vec<f64>, [u64; 6])> {
         let k = sc.spawn(|| -> Result<()> {
             let (mut q, mut nic, mut lk, mut sz, mut n, mut st) = (
@@ -266,7 +336,7 @@ fn run_loopback(a: Args) -> Result<()> {
             unsafe { gpu.launch_sync("gv_sample_echo", (1, 1, 1), (1, 1, 1), 0, &mut params) }?;
             Ok(())
         });
-        let client = client(&a, &qc, &src, &src_mr, &back, &back_mr, smr.remote(0));
+        let client = client(a, qc, src, src_mr, back, back_mr, smr.remote(0));
         // whatever the client's outcome, the kernel is asked to stop
         stop.store(1, Ordering::Release);
         let launched = k
@@ -289,7 +359,7 @@ fn run_loopback(a: Args) -> Result<()> {
     let (mut rtts, report) = kernel?;
     ensure!(report[2] == 0, "{}", kernel_failure(&report));
     print(
-        &a,
+        a,
         &gpu.info().to_string(),
         None,
         report,

@@ -566,6 +566,13 @@ fn db_name(m: DoorbellMode) -> &'static str {
     }
 }
 
+/// The doorbell modes of the post-rate series.
+const MODES: [DoorbellMode; 3] = [
+    DoorbellMode::GpuDoorbell,
+    DoorbellMode::BlueFlame,
+    DoorbellMode::CpuProxy,
+];
+
 fn main() -> Result<()> {
     let args = Args::parse();
     const SERIES: [&str; 5] = [
@@ -590,8 +597,39 @@ fn main() -> Result<()> {
     let sms = gpu.context().attribute(
         cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     )? as u32;
+    store64_ceiling(&gpu, hd, sms, &mut lines)?;
+    let floor_ns = fence_floor(&gpu, hd, &mut lines)?;
+    fence_units(&gpu, hd, &mut lines)?;
+
+    let want = |series: &str| args.series.iter().any(|s| s == series);
+    let rates = if want("post_only") {
+        post_only(&gpu, sms, &mut lines)?
+    } else {
+        RefRates::default()
+    };
+    if want("post_complete") {
+        post_complete(&gpu, &mut lines)?;
+    }
+    if want("engines") && !args.engines.0.is_empty() {
+        engine_scaling(&gpu, &args, &mut lines)?;
+    }
+    let shape_thread_rate = if want("shapes") {
+        gpunetio_shapes(&gpu, sms, &mut lines)?
+    } else {
+        0.0
+    };
+    if want("mlx5_shapes") {
+        mlx5_shapes(&gpu, sms, &mut lines)?;
+    }
+    let ratios = ratios(want("post_only"), &rates, floor_ns, shape_thread_rate)?;
+    print_lines(&args, &gpu.info().to_string(), &lines, ratios);
+    Ok(())
+}
+
+/// Ceiling: 64-byte stores into mapped host memory (`hd`, 64 MiB), many blocks.
+fn store64_ceiling(gpu: &Arc<Gpu>, hd: u64, sms: u32, lines: &mut Vec<Line>) -> Result<()> {
     let (grid, block, iters) = (sms * 4, 256u32, 64u32);
-    let st = Stamps::new(&gpu)?;
+    let st = Stamps::new(gpu)?;
     let (mut p, mut nb, mut it, mut t) = (hd, (64u32 << 20) / 64, iters, st.t());
     let mut params = [arg(&mut p), arg(&mut nb), arg(&mut it), arg(&mut t)];
     // SAFETY: parameters match gv_bench_store64; `hd` maps 64 MiB, the kernel stays inside it.
@@ -613,12 +651,15 @@ fn main() -> Result<()> {
         value: store_rate / 1e6,
         unit: "M 64B-stores/s",
     });
+    Ok(())
+}
 
-    // Floor: fence.release.sys + 8-byte store, one thread. It moves between two levels from
-    // launch to launch on the H200 (~525 and ~605 ns), so it is taken five times and the
-    // lowest is the floor the put is compared with.
+/// Floor: fence.release.sys + 8-byte store, one thread. It moves between two levels from
+/// launch to launch on the H200 (~525 and ~605 ns), so it is taken five times and the
+/// lowest is the floor the put is compared with.
+fn fence_floor(gpu: &Arc<Gpu>, hd: u64, lines: &mut Vec<Line>) -> Result<f64> {
     let floor_ns = lowest_of(5, || {
-        let st = Stamps::new(&gpu)?;
+        let st = Stamps::new(gpu)?;
         let (mut p, mut it, mut t) = (hd, 10_000u32, st.t());
         let mut params = [arg(&mut p), arg(&mut it), arg(&mut t)];
         // SAFETY: parameters match gv_bench_fence_store; `hd` is mapped host memory.
@@ -632,9 +673,13 @@ fn main() -> Result<()> {
         value: floor_ns,
         unit: "ns",
     });
-    // The floor with a WQE's stores before the fence and the doorbell record's after it;
-    // the full put's (4 units) also while another block polls host memory, as the waiting
-    // side of a single-GPU ping-pong does.
+    Ok(floor_ns)
+}
+
+/// The floor with a WQE's stores before the fence and the doorbell record's after it;
+/// the full put's (4 units) also while another block polls host memory, as the waiting
+/// side of a single-GPU ping-pong does.
+fn fence_units(gpu: &Arc<Gpu>, hd: u64, lines: &mut Vec<Line>) -> Result<()> {
     let mut token = 0u64;
     for (units, polled) in [
         (0, false),
@@ -645,7 +690,7 @@ fn main() -> Result<()> {
         (4, true),
     ] {
         let best = lowest_of(5, || {
-            let st = Stamps::new(&gpu)?;
+            let st = Stamps::new(gpu)?;
             token += 1;
             let (mut p, mut u, mut it, mut t) = (hd, units, 10_000u32, st.t());
             let mut tok = if polled { token } else { 0 };
@@ -689,13 +734,12 @@ fn main() -> Result<()> {
             unit: "ns",
         });
     }
+    Ok(())
+}
 
-    let modes = [
-        DoorbellMode::GpuDoorbell,
-        DoorbellMode::BlueFlame,
-        DoorbellMode::CpuProxy,
-    ];
-    let configs = [
+/// The configurations of the post-only series (`sms`: the GPU's multiprocessors).
+fn post_only_configs(sms: u32) -> [(&'static str, Shape); 14] {
+    [
         (
             "1 thread, checkout, batch 1",
             shape(1, 1, 0, 8192, 1, false, Share::Checkout),
@@ -755,56 +799,29 @@ fn main() -> Result<()> {
             "many blocks, QP per block, block scope, CTA sharing",
             shape(sms, 256, 2, 16, 1, true, Share::Cta),
         ),
-    ];
-    let want = |series: &str| args.series.iter().any(|s| s == series);
-    let mut thread_rate = 0.0;
-    // Warp scope against one thread, both owning their QP (exclusive), and the shared warp.
-    let mut warp_rate = 0.0;
-    let mut shared_warp_rate = 0.0;
-    let mut gpu_rings_rate = 0.0;
-    for mode in modes.into_iter().filter(|_| want("post_only")) {
-        for (name, sh) in configs {
-            let r = post_rate(&gpu, mode, false, sh)
+    ]
+}
+
+/// The post-only rates the ratios compare (GPU doorbell): one thread (host and GPU rings),
+/// warp scope against one thread, both owning their QP (exclusive), and the shared warp.
+#[derive(Default)]
+struct RefRates {
+    thread: f64,
+    warp: f64,
+    shared_warp: f64,
+    gpu_rings: f64,
+}
+
+/// The post-only series: every configuration in every doorbell mode; the reference rates.
+fn post_only(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<RefRates> {
+    let mut rates = RefRates::default();
+    for mode in MODES {
+        for (name, sh) in post_only_configs(sms) {
+            let r = post_rate(gpu, mode, false, sh)
                 .with_context(|| format!("post_only {name}, {}", db_name(mode)))?;
             eprintln!("post_only {name} {}: {:.3} M WQE/s", db_name(mode), r / 1e6);
-            if mode == DoorbellMode::GpuDoorbell && name == "1 thread, checkout, batch 1" {
-                thread_rate = r;
-                let value = 1e9 / r;
-                lines.push(Line {
-                    test: "single_put_cost",
-                    config: name.into(),
-                    db: db_name(mode),
-                    value,
-                    unit: "ns",
-                });
-            }
-            if mode == DoorbellMode::GpuDoorbell
-                && name == "1 thread, checkout, batch 1, put_inline"
-            {
-                lines.push(Line {
-                    test: "single_put_inline_cost",
-                    config: name.into(),
-                    db: db_name(mode),
-                    value: 1e9 / r,
-                    unit: "ns",
-                });
-            }
-            if mode == DoorbellMode::GpuDoorbell && name == "1 thread, checkout, batch 1, GPU rings"
-            {
-                gpu_rings_rate = r;
-                lines.push(Line {
-                    test: "single_put_cost",
-                    config: name.into(),
-                    db: db_name(mode),
-                    value: 1e9 / r,
-                    unit: "ns",
-                });
-            }
-            if mode == DoorbellMode::GpuDoorbell && name == "1 warp, exclusive, warp scope" {
-                warp_rate = r;
-            }
-            if mode == DoorbellMode::GpuDoorbell && name == "1 warp, warp scope" {
-                shared_warp_rate = r;
+            if mode == DoorbellMode::GpuDoorbell {
+                reference_rate(name, r, &mut rates, lines);
             }
             lines.push(Line {
                 test: "post_only",
@@ -815,6 +832,53 @@ fn main() -> Result<()> {
             });
         }
     }
+    Ok(rates)
+}
+
+/// Notes a GPU-doorbell post-only rate `r` of configuration `name` that the ratios compare
+/// (and the single-put costs in ns).
+fn reference_rate(name: &str, r: f64, rates: &mut RefRates, lines: &mut Vec<Line>) {
+    let mode = DoorbellMode::GpuDoorbell;
+    if name == "1 thread, checkout, batch 1" {
+        rates.thread = r;
+        let value = 1e9 / r;
+        lines.push(Line {
+            test: "single_put_cost",
+            config: name.into(),
+            db: db_name(mode),
+            value,
+            unit: "ns",
+        });
+    }
+    if name == "1 thread, checkout, batch 1, put_inline" {
+        lines.push(Line {
+            test: "single_put_inline_cost",
+            config: name.into(),
+            db: db_name(mode),
+            value: 1e9 / r,
+            unit: "ns",
+        });
+    }
+    if name == "1 thread, checkout, batch 1, GPU rings" {
+        rates.gpu_rings = r;
+        lines.push(Line {
+            test: "single_put_cost",
+            config: name.into(),
+            db: db_name(mode),
+            value: 1e9 / r,
+            unit: "ns",
+        });
+    }
+    if name == "1 warp, exclusive, warp scope" {
+        rates.warp = r;
+    }
+    if name == "1 warp, warp scope" {
+        rates.shared_warp = r;
+    }
+}
+
+/// The post-and-complete series: a few configurations in every doorbell mode.
+fn post_complete(gpu: &Arc<Gpu>, lines: &mut Vec<Line>) -> Result<()> {
     let complete_configs = [
         (
             "1 thread, checkout, batch 32",
@@ -829,9 +893,9 @@ fn main() -> Result<()> {
             shape(8, 256, 2, 64, 1, true, Share::Gpu),
         ),
     ];
-    for mode in modes.into_iter().filter(|_| want("post_complete")) {
+    for mode in MODES {
         for (name, sh) in complete_configs {
-            let r = post_rate(&gpu, mode, true, sh)
+            let r = post_rate(gpu, mode, true, sh)
                 .with_context(|| format!("post_complete {name}, {}", db_name(mode)))?;
             eprintln!(
                 "post_complete {name} {}: {:.3} M WQE/s",
@@ -847,62 +911,68 @@ fn main() -> Result<()> {
             });
         }
     }
-    // Engine scaling: the same post-and-complete load on 1, 2, 4, ... engine threads, in
-    // interleaved rounds (every count once per round), each count's median against the
-    // median of the first count (one run is short, and the host's speed moves between runs).
-    if want("engines") && !args.engines.0.is_empty() {
-        let counts = &args.engines.0;
-        let mut runs = vec![Vec::new(); counts.len()];
-        for round in 0..args.engine_rounds.max(1) {
-            for (i, &e) in counts.iter().enumerate() {
-                let sh = Shape {
-                    engines: e,
-                    ..shape(64, 256, 2, 64, 1, true, Share::Gpu)
-                };
-                let r =
-                    post_rate(&gpu, DoorbellMode::GpuDoorbell, true, sh).with_context(|| {
-                        format!("engine_scaling with {e} engine threads, round {round}")
-                    })?;
-                eprintln!(
-                    "engine_scaling {e} engine threads, round {round}: {:.3} M WQE/s",
-                    r / 1e6
-                );
-                runs[i].push(r);
-            }
-        }
-        let medians: Vec<f64> = runs.iter_mut().map(|r| median(r)).collect();
-        let (base, base_n) = (medians[0], counts[0] as f64);
+    Ok(())
+}
+
+/// Engine scaling: the same post-and-complete load on 1, 2, 4, ... engine threads, in
+/// interleaved rounds (every count once per round), each count's median against the
+/// median of the first count (one run is short, and the host's speed moves between runs).
+fn engine_scaling(gpu: &Arc<Gpu>, args: &Args, lines: &mut Vec<Line>) -> Result<()> {
+    let counts = &args.engines.0;
+    let mut runs = vec![Vec::new(); counts.len()];
+    for round in 0..args.engine_rounds.max(1) {
         for (i, &e) in counts.iter().enumerate() {
+            let sh = Shape {
+                engines: e,
+                ..shape(64, 256, 2, 64, 1, true, Share::Gpu)
+            };
+            let r = post_rate(gpu, DoorbellMode::GpuDoorbell, true, sh).with_context(|| {
+                format!("engine_scaling with {e} engine threads, round {round}")
+            })?;
             eprintln!(
-                "engine_scaling {e} engine threads: median {:.3} M WQE/s ({:.2}x {} thread(s), {:.2} of linear; runs {})",
-                medians[i] / 1e6,
-                medians[i] / base,
-                counts[0],
-                medians[i] / base / (e as f64 / base_n),
-                runs_list(&runs[i])
+                "engine_scaling {e} engine threads, round {round}: {:.3} M WQE/s",
+                r / 1e6
             );
-            lines.push(Line {
-                test: "engine_scaling",
-                config: format!(
-                    "64 blocks, QP per block, block scope, {e} engine threads, median of {}",
-                    runs[i].len()
-                ),
-                db: db_name(DoorbellMode::GpuDoorbell),
-                value: medians[i] / 1e6,
-                unit: "M WQE/s",
-            });
+            runs[i].push(r);
         }
     }
-    let shape_thread_rate = if want("shapes") {
-        gpunetio_shapes(&gpu, sms, &mut lines)?
-    } else {
-        0.0
-    };
-    if want("mlx5_shapes") {
-        mlx5_shapes(&gpu, sms, &mut lines)?;
+    let medians: Vec<f64> = runs.iter_mut().map(|r| median(r)).collect();
+    let (base, base_n) = (medians[0], counts[0] as f64);
+    for (i, &e) in counts.iter().enumerate() {
+        eprintln!(
+            "engine_scaling {e} engine threads: median {:.3} M WQE/s ({:.2}x {} thread(s), {:.2} of linear; runs {})",
+            medians[i] / 1e6,
+            medians[i] / base,
+            counts[0],
+            medians[i] / base / (e as f64 / base_n),
+            runs_list(&runs[i])
+        );
+        lines.push(Line {
+            test: "engine_scaling",
+            config: format!(
+                "64 blocks, QP per block, block scope, {e} engine threads, median of {}",
+                runs[i].len()
+            ),
+            db: db_name(DoorbellMode::GpuDoorbell),
+            value: medians[i] / 1e6,
+            unit: "M WQE/s",
+        });
     }
+    Ok(())
+}
+
+/// The ratios: the single put over the floor (host and GPU rings), warp scope and the shared
+/// warp over one thread (with the post-only series), the shapes' single put over the floor.
+fn ratios(
+    post_only: bool,
+    rates: &RefRates,
+    floor_ns: f64,
+    shape_thread_rate: f64,
+) -> Result<serde_json::Map<String, serde_json::Value>> {
     let mut ratios = serde_json::Map::new();
-    if want("post_only") {
+    if post_only {
+        let (thread_rate, warp_rate) = (rates.thread, rates.warp);
+        let (shared_warp_rate, gpu_rings_rate) = (rates.shared_warp, rates.gpu_rings);
         if [thread_rate, warp_rate, shared_warp_rate, gpu_rings_rate].contains(&0.0) {
             bail!("missing reference rates");
         }
@@ -924,9 +994,18 @@ fn main() -> Result<()> {
             ((1e9 / shape_thread_rate) / floor_ns).into(),
         );
     }
-    let info = gpu.info().to_string();
+    Ok(ratios)
+}
+
+/// The lines and the ratios: one JSON object each (`--json`), or a table.
+fn print_lines(
+    args: &Args,
+    info: &str,
+    lines: &[Line],
+    mut ratios: serde_json::Map<String, serde_json::Value>,
+) {
     if args.json {
-        for l in &lines {
+        for l in lines {
             println!(
                 "{}",
                 serde_json::json!({"test": l.test, "config": l.config, "db": l.db, "value": l.value, "unit": l.unit, "gpu": info})
@@ -941,7 +1020,7 @@ fn main() -> Result<()> {
             "{:<18} {:<32} {:<6} {:>12} unit",
             "test", "config", "db", "value"
         );
-        for l in &lines {
+        for l in lines {
             println!(
                 "{:<18} {:<32} {:<6} {:>12.3} {}",
                 l.test, l.config, l.db, l.value, l.unit
@@ -951,7 +1030,6 @@ fn main() -> Result<()> {
             println!("{k}: {:.2}", v.as_f64().unwrap_or(f64::NAN));
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -103,6 +103,75 @@ pub(super) fn run_cpu(
 ) -> Result<Timing> {
     let size = p.size;
     let verb = o.verb;
+    start_flows(flows, verb, p, ids, keys);
+    let inline = verb.has_inline() && size <= o.inline_size as u64;
+    let posting = Posting {
+        p,
+        verb,
+        batch: o.post_list,
+        outs: o.outs,
+        // With a limit on reads in flight, a CQE at least every `outs` WQEs (else the limit
+        // waits for a completion nobody asked for).
+        sig_every: if o.outs > 0 {
+            a.cq_mod.min(o.outs)
+        } else {
+            a.cq_mod
+        },
+        inline,
+    };
+    let mut inline_bytes = vec![0u8; if inline { size as usize } else { 0 }];
+    // Without -D every job posts `iters`; with it, the count is set when the duration ends.
+    let mut target = duration.is_none().then_some(iters);
+    let mut total = iters as u64 * flows.len() as u64;
+    let mut peak = Peak::with_capacity((total / a.cq_mod as u64 + 8) as usize);
+    let mut done = 0u64;
+    let start = Instant::now();
+    peak.record(start, 0);
+    let mut last_progress = start;
+    let mut idle = Idle::default();
+    while done < total {
+        if target.is_none() && duration.is_some_and(|d| start.elapsed() >= d) {
+            // One more for every job, so that each ends with a signaled WQE.
+            let t = flows.iter().map(|f| f.posted).max().unwrap_or(0) + 1;
+            target = Some(t.min(iters));
+            total = t.min(iters) as u64 * flows.len() as u64;
+        }
+        let before = done;
+        let mut posted = false;
+        for f in flows.iter_mut() {
+            posted |= posting.post(f, target, iters, &mut inline_bytes)?;
+            done += take_completions(f)?;
+        }
+        if done > before {
+            last_progress = Instant::now();
+            peak.record(last_progress, done);
+            idle.polls = 0;
+        } else if posted {
+            idle.polls = 0;
+        } else {
+            idle.pass(flows, a.loopback);
+        }
+        if done == before && last_progress.elapsed() > a.wait() {
+            bail!(
+                "no completion for {:?} ({done} of {total} {} WQEs completed): the device \
+                 stopped answering",
+                a.wait(),
+                verb.title()
+            );
+        }
+    }
+    let total_t = last_progress.duration_since(start);
+    let window = (a.cq_mod as u64).max(total / 16);
+    Ok(Timing {
+        total: total_t,
+        peak_rate: peak.best_rate(window),
+        iters: target.unwrap_or(iters),
+    })
+}
+
+/// Sets each flow up for a run of plan `p`: its job's slots, bases and keys, its counters
+/// back to zero.
+fn start_flows(flows: &mut [Flow], verb: Verb, p: &Plan, ids: &[usize], keys: &Keys) {
     for (i, f) in flows.iter_mut().enumerate() {
         let j = ids[i];
         f.slots = p.dst_slots[j] as u64;
@@ -122,183 +191,182 @@ pub(super) fn run_cpu(
         f.pending.clear();
         f.inlined = 0;
     }
-    let batch = o.post_list;
-    // With a limit on reads in flight, a CQE at least every `outs` WQEs (else the limit waits
-    // for a completion nobody asked for).
-    let sig_every = if o.outs > 0 {
-        a.cq_mod.min(o.outs)
-    } else {
-        a.cq_mod
-    };
-    let inline = verb.has_inline() && size <= o.inline_size as u64;
-    let mut inline_bytes = vec![0u8; if inline { size as usize } else { 0 }];
-    // Without -D every job posts `iters`; with it, the count is set when the duration ends.
-    let mut target = duration.is_none().then_some(iters);
-    let mut total = iters as u64 * flows.len() as u64;
-    let mut peak = Peak::with_capacity((total / a.cq_mod as u64 + 8) as usize);
-    let mut done = 0u64;
-    let start = Instant::now();
-    peak.record(start, 0);
-    let mut last_progress = start;
-    // loop turns without a completion (then the thread sleeps on the CQ), and the engine
-    // turn of the QP waited on when they began
-    let mut idle = 0u32;
-    let mut idle_turn = None;
-    while done < total {
-        if target.is_none() && duration.is_some_and(|d| start.elapsed() >= d) {
-            // One more for every job, so that each ends with a signaled WQE.
-            let t = flows.iter().map(|f| f.posted).max().unwrap_or(0) + 1;
-            target = Some(t.min(iters));
-            total = t.min(iters) as u64 * flows.len() as u64;
-        }
+}
+
+/// How the CPU initiator posts a run's WQEs: the plan and verb, WQEs per doorbell, the most in
+/// flight, one CQE per `sig_every`, and whether the messages go inline.
+struct Posting<'a> {
+    p: &'a Plan,
+    verb: Verb,
+    batch: u32,
+    outs: u32,
+    sig_every: u32,
+    inline: bool,
+}
+
+impl Posting<'_> {
+    /// Posts up to a batch of flow `f`'s WQEs (as many as the SQ, `-o` and the count, `target`
+    /// or else `iters`, allow) and rings once; whether it posted any.
+    fn post(
+        &self,
+        f: &mut Flow,
+        target: Option<u32>,
+        iters: u32,
+        inline_bytes: &mut [u8],
+    ) -> Result<bool> {
         let limit = target.unwrap_or(iters);
-        let before = done;
-        let mut posted = false;
-        for f in flows.iter_mut() {
-            let mut n = 0;
-            while n < batch && f.posted < limit && (o.outs == 0 || f.posted - f.completed < o.outs)
-            {
-                let i = f.posted as u64;
-                let last = target.is_some_and(|t| f.posted + 1 == t);
-                let sig = f.since_sig + 1 >= sig_every || last;
-                let slot = ((i + f.shift) % p.src_slots as u64) * size;
-                let sge = Sge {
-                    addr: f.lbase + slot,
-                    len: size as u32,
-                    lkey: f.lkey,
-                };
-                // READ's destination slot, an atomic's result slot.
-                let dsge = Sge {
-                    addr: f.lbase + (i % f.slots) * size,
-                    len: size as u32,
-                    lkey: f.lkey,
-                };
-                let local = if inline {
-                    let b = f
-                        .src_buf
-                        .as_ref()
-                        .context("-I: inline WQEs need the source in host memory")?;
-                    b.read(slot as usize, &mut inline_bytes);
-                    Local::Inline(&inline_bytes)
-                } else {
-                    Local::Sges(std::slice::from_ref(&sge))
-                };
-                let op = match verb {
-                    Verb::Write => Op::Write {
-                        remote: RemoteAddr {
-                            addr: f.rbase + (i % f.slots) * size,
-                            rkey: f.rkey,
-                        },
-                        local,
-                        imm: None,
-                    },
-                    Verb::Send => Op::Send { local, imm: None },
-                    Verb::Read => Op::Read {
-                        remote: RemoteAddr {
-                            addr: f.rbase + slot,
-                            rkey: f.rkey,
-                        },
-                        local: std::slice::from_ref(&dsge),
-                    },
-                    Verb::Atomic(AtomicOp::FetchAdd) => Op::FetchAdd {
-                        remote: RemoteAddr {
-                            addr: f.rbase,
-                            rkey: f.rkey,
-                        },
-                        add: 1,
-                        result: dsge,
-                    },
-                    Verb::Atomic(AtomicOp::CmpSwap) => Op::CompareSwap {
-                        remote: RemoteAddr {
-                            addr: f.rbase,
-                            rkey: f.rkey,
-                        },
-                        compare: atomic_value(f.job, i),
-                        swap: atomic_value(f.job, i + 1),
-                        result: dsge,
-                    },
-                };
-                let flags = if sig {
-                    CtrlFlags::SIGNALED
-                } else {
-                    CtrlFlags::default()
-                };
-                match f.ini.post(&op, flags) {
-                    Ok(_) => {}
-                    Err(InitiatorError::SqFull { .. }) => break,
-                    Err(e) => return Err(e).with_context(|| format!("post an {}", verb.title())),
-                }
-                f.posted += 1;
-                f.since_sig += 1;
-                f.inlined += u64::from(inline);
-                n += 1;
-                if sig {
-                    f.pending.push_back(f.since_sig as u64);
-                    f.since_sig = 0;
-                }
+        let mut n = 0;
+        while n < self.batch
+            && f.posted < limit
+            && (self.outs == 0 || f.posted - f.completed < self.outs)
+        {
+            let last = target.is_some_and(|t| f.posted + 1 == t);
+            let sig = f.since_sig + 1 >= self.sig_every || last;
+            let flags = if sig {
+                CtrlFlags::SIGNALED
+            } else {
+                CtrlFlags::default()
+            };
+            if !self.post_one(f, flags, inline_bytes)? {
+                break;
             }
-            if n > 0 {
-                f.ini.ring();
-                posted = true;
-            }
-            while let Some(c) = f.ini.poll_send() {
-                match c {
-                    Completion::Req { .. } => {
-                        let m = f
-                            .pending
-                            .pop_front()
-                            .context("a completion for a WQE that asked for none")?;
-                        done += m;
-                        f.completed += m as u32;
-                    }
-                    Completion::Error(e) => bail!("a completion carries an error: {e}"),
-                    other => bail!("unexpected completion on the send CQ: {other:?}"),
-                }
+            f.posted += 1;
+            f.since_sig += 1;
+            f.inlined += u64::from(self.inline);
+            n += 1;
+            if sig {
+                f.pending.push_back(f.since_sig as u64);
+                f.since_sig = 0;
             }
         }
-        if done > before {
-            last_progress = Instant::now();
-            peak.record(last_progress, done);
-            idle = 0;
-        } else if posted {
-            idle = 0;
+        if n > 0 {
+            f.ini.ring();
+        }
+        Ok(n > 0)
+    }
+
+    /// Posts flow `f`'s next WQE (iteration `f.posted`); false when the SQ is full.
+    fn post_one(&self, f: &mut Flow, flags: CtrlFlags, inline_bytes: &mut [u8]) -> Result<bool> {
+        let (p, verb, size) = (self.p, self.verb, self.p.size);
+        let i = f.posted as u64;
+        let slot = ((i + f.shift) % p.src_slots as u64) * size;
+        let sge = Sge {
+            addr: f.lbase + slot,
+            len: size as u32,
+            lkey: f.lkey,
+        };
+        // READ's destination slot, an atomic's result slot.
+        let dsge = Sge {
+            addr: f.lbase + (i % f.slots) * size,
+            len: size as u32,
+            lkey: f.lkey,
+        };
+        let local = if self.inline {
+            let b = f
+                .src_buf
+                .as_ref()
+                .context("-I: inline WQEs need the source in host memory")?;
+            b.read(slot as usize, inline_bytes);
+            Local::Inline(inline_bytes)
         } else {
-            idle += 1;
-            let waited = flows.iter().find(|f| !f.pending.is_empty());
-            if idle == 1 {
-                idle_turn = waited.and_then(|f| f.ini.engine_turn());
-            }
-            let stalled = idle > STALL_POLLS
-                && idle_turn.is_some()
-                && waited.and_then(|f| f.ini.engine_turn()) == idle_turn;
-            // Across processes the completions come from this process's device threads (the
-            // wire's ACKs); in one process from the engine, which may share a core with this
-            // thread when another process is busy. Either way, once a few polls found
-            // nothing (or the engine did not run meanwhile), give the core away until a CQE
-            // is written.
-            if !a.loopback || idle > IDLE_POLLS || stalled {
-                match waited {
-                    Some(f) => f.ini.idle_until_completion(false, Duration::from_millis(1)),
-                    None => std::thread::yield_now(),
-                }
-            }
-        }
-        if done == before && last_progress.elapsed() > a.wait() {
-            bail!(
-                "no completion for {:?} ({done} of {total} {} WQEs completed): the device \
-                 stopped answering",
-                a.wait(),
-                verb.title()
-            );
+            Local::Sges(std::slice::from_ref(&sge))
+        };
+        let op = match verb {
+            Verb::Write => Op::Write {
+                remote: RemoteAddr {
+                    addr: f.rbase + (i % f.slots) * size,
+                    rkey: f.rkey,
+                },
+                local,
+                imm: None,
+            },
+            Verb::Send => Op::Send { local, imm: None },
+            Verb::Read => Op::Read {
+                remote: RemoteAddr {
+                    addr: f.rbase + slot,
+                    rkey: f.rkey,
+                },
+                local: std::slice::from_ref(&dsge),
+            },
+            Verb::Atomic(AtomicOp::FetchAdd) => Op::FetchAdd {
+                remote: RemoteAddr {
+                    addr: f.rbase,
+                    rkey: f.rkey,
+                },
+                add: 1,
+                result: dsge,
+            },
+            Verb::Atomic(AtomicOp::CmpSwap) => Op::CompareSwap {
+                remote: RemoteAddr {
+                    addr: f.rbase,
+                    rkey: f.rkey,
+                },
+                compare: atomic_value(f.job, i),
+                swap: atomic_value(f.job, i + 1),
+                result: dsge,
+            },
+        };
+        match f.ini.post(&op, flags) {
+            Ok(_) => Ok(true),
+            Err(InitiatorError::SqFull { .. }) => Ok(false),
+            Err(e) => Err(e).with_context(|| format!("post an {}", verb.title())),
         }
     }
-    let total_t = last_progress.duration_since(start);
-    let window = (a.cq_mod as u64).max(total / 16);
-    Ok(Timing {
-        total: total_t,
-        peak_rate: peak.best_rate(window),
-        iters: target.unwrap_or(iters),
-    })
+}
+
+/// Takes flow `f`'s send completions: the messages they complete (an error completion ends
+/// the run).
+fn take_completions(f: &mut Flow) -> Result<u64> {
+    let mut done = 0;
+    while let Some(c) = f.ini.poll_send() {
+        match c {
+            Completion::Req { .. } => {
+                let m = f
+                    .pending
+                    .pop_front()
+                    .context("a completion for a WQE that asked for none")?;
+                done += m;
+                f.completed += m as u32;
+            }
+            Completion::Error(e) => bail!("a completion carries an error: {e}"),
+            other => bail!("unexpected completion on the send CQ: {other:?}"),
+        }
+    }
+    Ok(done)
+}
+
+/// The loop's turns without a completion (after which the thread sleeps on the CQ), and the
+/// engine turn of the QP waited on when they began.
+#[derive(Default)]
+struct Idle {
+    polls: u32,
+    turn: Option<u64>,
+}
+
+impl Idle {
+    /// A turn that neither posted nor completed anything: gives the core away once a few
+    /// polls found nothing (or the engine did not run meanwhile).
+    fn pass(&mut self, flows: &[Flow], loopback: bool) {
+        self.polls += 1;
+        let waited = flows.iter().find(|f| !f.pending.is_empty());
+        if self.polls == 1 {
+            self.turn = waited.and_then(|f| f.ini.engine_turn());
+        }
+        let stalled = self.polls > STALL_POLLS
+            && self.turn.is_some()
+            && waited.and_then(|f| f.ini.engine_turn()) == self.turn;
+        // Across processes the completions come from this process's device threads (the
+        // wire's ACKs); in one process from the engine, which may share a core with this
+        // thread when another process is busy. Either way, once a few polls found
+        // nothing (or the engine did not run meanwhile), give the core away until a CQE
+        // is written.
+        if !loopback || self.polls > IDLE_POLLS || stalled {
+            match waited {
+                Some(f) => f.ini.idle_until_completion(false, Duration::from_millis(1)),
+                None => std::thread::yield_now(),
+            }
+        }
+    }
 }
 
 /// SEND: the receives of one job, posted and taken by a host thread of the target's process.

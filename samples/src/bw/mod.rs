@@ -97,12 +97,15 @@
 //! - `args`: the test of each verb, its options and their checks, the iterations of a size.
 //! - `plan`: the jobs (QPs), the slots of a size, each side's QPs and registered buffers, the
 //!   keys the initiators use, and the poison and validation of the destinations.
-//! - `run`: one run of every size, from the rendezvous to the last row.
+//! - `run`: one run of every size, in its steps: the plan (the options resolved), the
+//!   rendezvous and the connection, the buffers, the header, the initiators, every size, the
+//!   closing lines.
+//! - `size`: one size, in its steps: fresh sources, warm-up, poison, timed run, validation.
 //! - `engine`: the initiator of this process behind one call, and SEND's receives alongside.
 //! - `cpu`: the CPU initiator (one host thread) and SEND's receivers.
 //! - `gpu`: the GPU initiator (the `gv_sample_*_bw` kernels).
 //! - `report`: what a timed run and a side measured, the row's numbers, the registration
-//!   cache's report.
+//!   cache's report, the header, the address lines and columns, the JSON, a size's row.
 
 mod args;
 mod cpu;
@@ -111,6 +114,8 @@ mod gpu;
 mod plan;
 mod report;
 mod run;
+mod setup;
+mod size;
 mod verb;
 
 pub use verb::{atomic_base, atomic_value, AtomicOp, Verb};

@@ -36,7 +36,6 @@ impl GpuLat {
         inline: bool,
         a: &CommonArgs,
     ) -> Result<Ran> {
-        let p = pad(size);
         let verb = self.verb;
         let acting: Vec<usize> = (0..sides.len())
             .filter(|&i| matches!(verb, Verb::Write | Verb::Send) || ids[i] == 0)
@@ -50,62 +49,7 @@ impl GpuLat {
         };
         let descs: Vec<LatSide> = acting
             .iter()
-            .map(|&i| -> Result<LatSide> {
-                let (s, to) = (&sides[i], &targets[i]);
-                let [src_d, recv_d, sig_d, fetch_d] = self.mapped[i];
-                let src_stride = u32::try_from(s.src_stride)
-                    .context("the payload's two copies are more than 4 GiB apart")?;
-                let base = LatSide {
-                    qp: self.exports.qps[i].ptr(),
-                    ..Default::default()
-                };
-                Ok(match verb {
-                    // WRITE: the own payload into the peer's receive buffer (and signal word);
-                    // the own receive buffer's last word and signal word are polled.
-                    Verb::Write => LatSide {
-                        src_nic: s.src_mr.addr() + p,
-                        src_dev: src_d + p,
-                        src_stride,
-                        dst_remote: to.recv.addr + p,
-                        recv_dev: recv_d + p + size - 8,
-                        sig_remote: to.sig.addr,
-                        sig_dev: sig_d,
-                        lkey: s.src_mr.lkey().0,
-                        rkey: to.recv.rkey.0,
-                        sig_rkey: to.sig.rkey.0,
-                        ..base
-                    },
-                    // SEND: the own payload, and the own receive buffer in dst_remote / rkey
-                    // (its NIC address and lkey).
-                    Verb::Send => LatSide {
-                        src_nic: s.src_mr.addr() + p,
-                        src_dev: src_d + p,
-                        src_stride,
-                        dst_remote: s.recv_mr.addr() + p,
-                        lkey: s.src_mr.lkey().0,
-                        rkey: s.recv_mr.lkey().0,
-                        ..base
-                    },
-                    // READ: into the own receive buffer (src_nic / lkey) from the peer's source.
-                    Verb::Read => LatSide {
-                        src_nic: s.recv_mr.addr() + p,
-                        dst_remote: to.src.addr + p,
-                        lkey: s.recv_mr.lkey().0,
-                        rkey: to.src.rkey.0,
-                        ..base
-                    },
-                    // Atomics: on the peer's word, the old value into the own fetch word
-                    // (dst_remote / rkey: its NIC address and lkey; recv_dev: its GPU address).
-                    Verb::Atomic(_) => LatSide {
-                        dst_remote: s.fetch_mr.addr(),
-                        rkey: s.fetch_mr.lkey().0,
-                        recv_dev: fetch_d,
-                        sig_remote: to.sig.addr,
-                        sig_rkey: to.sig.rkey.0,
-                        ..base
-                    },
-                })
-            })
+            .map(|&i| self.side_desc(&sides[i], &targets[i], self.mapped[i], size, i))
             .collect::<Result<_>>()?;
         let dev_sides = upload(&self.gpu, &descs)?;
         let rtt = self.gpu.alloc(8 * total.max(1) as usize)?;
@@ -170,18 +114,105 @@ impl GpuLat {
                 .map_or(0, |k| sides[k].qp.qpn())
         };
         self.status.check("gv_sample_verb_lat", qpn)?;
+        self.check_values(total)?;
+        self.ran(&counts, &rtt, ids, &acting, total, duration)
+    }
+
+    /// The side descriptor the kernel gets for local side `i` (`s`, its messages going to
+    /// `to`; `mapped`: its buffers' GPU addresses).
+    fn side_desc(
+        &self,
+        s: &Side,
+        to: &Target,
+        mapped: [u64; 4],
+        size: u64,
+        i: usize,
+    ) -> Result<LatSide> {
+        let p = pad(size);
+        let [src_d, recv_d, sig_d, fetch_d] = mapped;
+        let src_stride = u32::try_from(s.src_stride)
+            .context("the payload's two copies are more than 4 GiB apart")?;
+        let base = LatSide {
+            qp: self.exports.qps[i].ptr(),
+            ..Default::default()
+        };
+        Ok(match self.verb {
+            // WRITE: the own payload into the peer's receive buffer (and signal word);
+            // the own receive buffer's last word and signal word are polled.
+            Verb::Write => LatSide {
+                src_nic: s.src_mr.addr() + p,
+                src_dev: src_d + p,
+                src_stride,
+                dst_remote: to.recv.addr + p,
+                recv_dev: recv_d + p + size - 8,
+                sig_remote: to.sig.addr,
+                sig_dev: sig_d,
+                lkey: s.src_mr.lkey().0,
+                rkey: to.recv.rkey.0,
+                sig_rkey: to.sig.rkey.0,
+                ..base
+            },
+            // SEND: the own payload, and the own receive buffer in dst_remote / rkey
+            // (its NIC address and lkey).
+            Verb::Send => LatSide {
+                src_nic: s.src_mr.addr() + p,
+                src_dev: src_d + p,
+                src_stride,
+                dst_remote: s.recv_mr.addr() + p,
+                lkey: s.src_mr.lkey().0,
+                rkey: s.recv_mr.lkey().0,
+                ..base
+            },
+            // READ: into the own receive buffer (src_nic / lkey) from the peer's source.
+            Verb::Read => LatSide {
+                src_nic: s.recv_mr.addr() + p,
+                dst_remote: to.src.addr + p,
+                lkey: s.recv_mr.lkey().0,
+                rkey: to.src.rkey.0,
+                ..base
+            },
+            // Atomics: on the peer's word, the old value into the own fetch word
+            // (dst_remote / rkey: its NIC address and lkey; recv_dev: its GPU address).
+            Verb::Atomic(_) => LatSide {
+                dst_remote: s.fetch_mr.addr(),
+                rkey: s.fetch_mr.lkey().0,
+                recv_dev: fetch_d,
+                sig_remote: to.sig.addr,
+                sig_rkey: to.sig.rkey.0,
+                ..base
+            },
+        })
+    }
+
+    /// The kernel's own checks of `total` iterations: SEND's byte counts, the fetched values.
+    fn check_values(&self, total: u32) -> Result<()> {
         let w = self.status.words()?;
         if w[5] != 0 {
             bail!(
                 "gv_sample_verb_lat: {} of {total} {} (first: iteration {})",
                 w[5],
-                match verb {
+                match self.verb {
                     Verb::Send => "receives had the wrong byte count",
                     _ => "fetched values differ from what they must be",
                 },
                 w[6]
             );
         }
+        Ok(())
+    }
+
+    /// What the launch did, from its counts (32 bytes per acting side) and round trips: every
+    /// side here sent what it acted for (READ and atomics: side A `total`), side A's round
+    /// trips, or with -D its timed part.
+    fn ran(
+        &self,
+        counts: &gpuverbs::gpu::DeviceMem,
+        rtt: &gpuverbs::gpu::DeviceMem,
+        ids: &[usize],
+        acting: &[usize],
+        total: u32,
+        duration: Option<Duration>,
+    ) -> Result<Ran> {
         let words = |m: &gpuverbs::gpu::DeviceMem, n: usize| -> Result<Vec<u64>> {
             let mut raw = vec![0u8; 8 * n];
             m.read(0, &mut raw)?;
@@ -195,7 +226,7 @@ impl GpuLat {
         for &i in ids {
             ran.sent[i] = Some(0);
         }
-        let c = words(&counts, 4 * descs.len())?;
+        let c = words(counts, 4 * acting.len())?;
         for (b, &i) in acting.iter().enumerate() {
             let side = ids[i];
             ran.sent[side] = Some(match duration {
@@ -207,7 +238,7 @@ impl GpuLat {
             }
         }
         if ids.contains(&0) && duration.is_none() {
-            ran.rtt = Some(words(&rtt, total as usize)?);
+            ran.rtt = Some(words(rtt, total as usize)?);
         }
         Ok(ran)
     }

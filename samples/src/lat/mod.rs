@@ -82,11 +82,16 @@
 //! - `args`: the test of each verb, its options and their checks, the iterations of a size.
 //! - `side`: one side's QP and buffers, where its messages go, the tail words, and the check of
 //!   what arrived.
-//! - `run`: one run of every size, from the rendezvous to the last row.
+//! - `run`: one run of every size, in its steps: the plan (the options resolved), the
+//!   rendezvous and the sides' connection, the header, the initiator, every size, the closing
+//!   lines.
+//! - `size`: one size, in its steps: the buffers prepared, the round trips, the validation,
+//!   the statistics both processes agree on.
 //! - `engine`: the initiator of this process behind one call.
 //! - `cpu`: the CPU initiator (one host thread drives this process's sides in turn).
 //! - `gpu`: the GPU initiator (the `gv_sample_verb_lat` kernel).
-//! - `report`: what a run of one size did, perftest's latency columns.
+//! - `report`: what a run of one size did, perftest's latency columns, the header, the address
+//!   lines and columns, the JSON, a size's row.
 
 mod args;
 mod cpu;
@@ -94,7 +99,9 @@ mod engine;
 mod gpu;
 mod report;
 mod run;
+mod setup;
 mod side;
+mod size;
 
 use crate::bw::Verb;
 use crate::{exit_with, Initiator};

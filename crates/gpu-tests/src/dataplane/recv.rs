@@ -126,27 +126,83 @@ pub fn recv(
     // belong to regions registered above (alive until this function returns).
     unsafe { gpu.launch_sync("gv_test_recv", (2, 1, 1), (1, 1, 1), 0, &mut params)? };
     if too_small {
-        let (r, s) = (st_recv.read()?, st_send.read()?);
-        ensure!(
-            r[0] == 1 && r[1] == 0x01,
-            "receiver: {} syndrome {:#04x}, expected ERROR_CQE LOCAL_LENGTH (0x01)",
-            status_name(r[0]),
-            r[1]
-        );
-        ensure!(
-            s[0] == 1 && s[1] == 0x12,
-            "sender: {} syndrome {:#04x}, expected ERROR_CQE REMOTE_INVAL_REQ (0x12)",
-            status_name(s[0]),
-            s[1]
-        );
-        return Ok(format!(
-            "a {size} B send into a {rsize} B receive buffer: the receiving kernel got \
-             LOCAL_LENGTH (vendor {:#04x}), the sending kernel REMOTE_INVAL_REQ",
-            r[2]
-        ));
+        return too_small_report(&st_recv, &st_send, size, rsize);
     }
     st_recv.expect_ok().context("receiver")?;
     st_send.expect_ok().context("sender")?;
+    let msgs = Messages {
+        n_imm,
+        n_send,
+        size,
+        rsize,
+    };
+    check_receives(msgs, &comps, &src, &dst, recv_off)?;
+    let da = ea.read()?;
+    ensure!(
+        da.rq_posted == n as u64 && da.rcq_ci == n as u64,
+        "receiver descriptor: {} posted, {} receive CQEs taken",
+        da.rq_posted,
+        da.rcq_ci
+    );
+    let how = match case {
+        RecvCase::InlineSends => " (the sends inline)",
+        _ => "",
+    };
+    Ok(format!(
+        "{n_imm} WRITE_IMM, {} SEND, {} SEND_IMM of {size} B{how}: every receive completion \
+         (opcode, immediate, length, WQE) and every byte verified",
+        n_send.div_ceil(2),
+        n_send / 2
+    ))
+}
+
+/// The messages of a case: the WRITE_IMMs, the SENDs (every other one with an immediate),
+/// their size, and the size of each receive buffer.
+#[derive(Clone, Copy, Debug)]
+struct Messages {
+    n_imm: u32,
+    n_send: u32,
+    size: u32,
+    rsize: u32,
+}
+
+/// [`RecvCase::TooSmall`]: the receiving kernel saw LOCAL_LENGTH, the sending one
+/// REMOTE_INVAL_REQ; what the case found.
+fn too_small_report(st_recv: &Status, st_send: &Status, size: u32, rsize: u32) -> Result<String> {
+    let (r, s) = (st_recv.read()?, st_send.read()?);
+    ensure!(
+        r[0] == 1 && r[1] == 0x01,
+        "receiver: {} syndrome {:#04x}, expected ERROR_CQE LOCAL_LENGTH (0x01)",
+        status_name(r[0]),
+        r[1]
+    );
+    ensure!(
+        s[0] == 1 && s[1] == 0x12,
+        "sender: {} syndrome {:#04x}, expected ERROR_CQE REMOTE_INVAL_REQ (0x12)",
+        status_name(s[0]),
+        s[1]
+    );
+    Ok(format!(
+        "a {size} B send into a {rsize} B receive buffer: the receiving kernel got \
+         LOCAL_LENGTH (vendor {:#04x}), the sending kernel REMOTE_INVAL_REQ",
+        r[2]
+    ))
+}
+
+/// Every receive completion the kernel recorded in `comps` (opcode, immediate, length, WQE)
+/// and every byte of every message: the WRITE_IMMs at their offsets in `dst`, the sends in the
+/// receive buffers from `recv_off` on.
+fn check_receives(
+    m: Messages,
+    comps: &gpuverbs::gpu::DeviceMem,
+    src: &HostBuffer,
+    dst: &HostBuffer,
+    recv_off: usize,
+) -> Result<()> {
+    let Messages {
+        n_imm, size, rsize, ..
+    } = m;
+    let n = (m.n_imm + m.n_send) as usize;
     let mut raw = vec![0u8; 16 * n];
     comps.read(0, &mut raw)?;
     let words: Vec<u32> = raw
@@ -182,21 +238,5 @@ pub fn recv(
             "message {k}: bytes differ"
         );
     }
-    let da = ea.read()?;
-    ensure!(
-        da.rq_posted == n as u64 && da.rcq_ci == n as u64,
-        "receiver descriptor: {} posted, {} receive CQEs taken",
-        da.rq_posted,
-        da.rcq_ci
-    );
-    let how = match case {
-        RecvCase::InlineSends => " (the sends inline)",
-        _ => "",
-    };
-    Ok(format!(
-        "{n_imm} WRITE_IMM, {} SEND, {} SEND_IMM of {size} B{how}: every receive completion \
-         (opcode, immediate, length, WQE) and every byte verified",
-        n_send.div_ceil(2),
-        n_send / 2
-    ))
+    Ok(())
 }
