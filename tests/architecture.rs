@@ -45,7 +45,10 @@ fn the_map_names_what_exists_and_all_of_it() {
     let names = named(&doc);
     assert!(names.len() > 40, "{names:?}");
     let missing: Vec<_> = names.iter().filter(|p| !root.join(p).exists()).collect();
-    assert!(missing.is_empty(), "the map names paths that do not exist: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "the map names paths that do not exist: {missing:?}"
+    );
     let mut unnamed = Vec::new();
     for e in std::fs::read_dir(root.join("crates")).unwrap().flatten() {
         let p = format!("crates/{}", e.file_name().to_string_lossy());
@@ -53,7 +56,12 @@ fn the_map_names_what_exists_and_all_of_it() {
             unnamed.push(p);
         }
     }
-    unnamed.extend(FOLDERS.iter().filter(|f| !names.contains(**f)).map(|f| f.to_string()));
+    unnamed.extend(
+        FOLDERS
+            .iter()
+            .filter(|f| !names.contains(**f))
+            .map(|f| f.to_string()),
+    );
     for dir in DETAILED {
         for e in std::fs::read_dir(root.join(dir)).unwrap().flatten() {
             let file = e.file_name().to_string_lossy().into_owned();
