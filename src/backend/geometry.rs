@@ -54,6 +54,9 @@ pub(crate) const DB_REG_LEN: usize = 2 * BF_HALF_SIZE;
 /// (a hardware NIC needs nothing).
 pub(crate) type Kick = Arc<dyn Fn() + Send + Sync>;
 
+/// Makes the device's help for one CPU poster of a QP.
+pub(crate) type PosterHooks = Arc<dyn Fn() -> verbs::initiator::DeviceHooks + Send + Sync>;
+
 /// A QP's queues.
 pub(crate) struct QpGeometry<'a> {
     pub qpn: u32,
@@ -75,6 +78,9 @@ pub(crate) struct QpGeometry<'a> {
     pub proxy_word: Option<Place<'a>>,
     /// What a doorbell write must do besides the store, `None` for hardware.
     pub kick: Option<Kick>,
+    /// What the device tells and does for a CPU poster beyond the rings (made anew for each
+    /// poster), `None` where it offers nothing (hardware).
+    pub poster_hooks: Option<PosterHooks>,
     /// Keeps every place above alive.
     pub keep: Arc<dyn Any + Send + Sync>,
 }

@@ -185,6 +185,7 @@ pub(crate) fn qp_geometry<'a>(
             }
         }) as Kick
     });
+    let hooks_qp = q.clone();
     QpGeometry {
         qpn: q.qpn(),
         sq: q.sq_ring(),
@@ -198,6 +199,9 @@ pub(crate) fn qp_geometry<'a>(
         db_reg_io: false,
         proxy_word: Some(Place::Buf(q.ctrl_page(), q.proxy_offset())),
         kick,
+        poster_hooks: Some(Arc::new(move || {
+            softnic::initiator::device_hooks(&hooks_qp)
+        })),
         keep: q.clone(),
     }
 }

@@ -108,23 +108,6 @@ impl Cq {
             CqDev::Mlx5(c) => c.geometry(),
         }
     }
-    /// Where the CQ lives, for a CPU poller.
-    pub(crate) fn cpu_geometry(&self) -> verbs::initiator::CqGeometry {
-        match &self.dev {
-            CqDev::Soft(c) => verbs::initiator::CqGeometry {
-                ring: c.ring().as_ptr(),
-                ncqe: c.ncqe(),
-                dbrec: c.dbrec().as_ptr(),
-                collapsed: c.mode() == CqMode::Collapsed,
-            },
-            CqDev::Mlx5(c) => verbs::initiator::CqGeometry {
-                ring: c.ring.as_ptr(),
-                ncqe: c.ncqe,
-                dbrec: c.dbrec.host().unwrap_or(std::ptr::null_mut()),
-                collapsed: c.mode == CqMode::Collapsed,
-            },
-        }
-    }
 }
 
 impl Context {

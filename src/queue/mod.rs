@@ -107,7 +107,7 @@ mod tests {
         assert_eq!(qp.placement(), RingPlacement::Gpu);
         assert!(matches!(
             qp.try_cpu_initiator(RingMode::Doca),
-            Err(Error::Soft(softnic::Error::InvalidArgument(_)))
+            Err(Error::InvalidArgument(_))
         ));
         // a host QP on a device-memory CQ is refused too
         let q2 = pd.create_qp(QpOptions::new(&cq, &host_cq)).unwrap();

@@ -4,7 +4,7 @@
 use super::cq::CqDev;
 use super::poster::Poster;
 use super::qp::{Qp, QpDev};
-use crate::backend::context::Backend;
+use crate::backend::geometry::{CqGeometry, QpGeometry};
 use crate::backend::soft::{producer_from, sq_producer};
 use crate::Error;
 use std::sync::Arc;
@@ -234,7 +234,7 @@ impl Qp {
     }
 
     /// A CPU initiator on this QP, or an error: [`Error::PosterBusy`] while another poster
-    /// (CPU initiator, GPU export, CPU proxy) holds the QP; `Error::Soft(InvalidArgument)`
+    /// (CPU initiator, GPU export, CPU proxy) holds the QP; `Error::InvalidArgument`
     /// when the QP or one of its CQs has its rings in GPU memory ([`RingPlacement::Gpu`](crate::RingPlacement::Gpu)):
     /// the CPU writes WQEs and polls CQEs with host stores and loads, which GPU memory does
     /// not take (drive such a QP from a kernel). The initiator holds the QP until it is
@@ -246,82 +246,102 @@ impl Qp {
         mode: verbs::initiator::RingMode,
     ) -> Result<verbs::initiator::Initiator, Error> {
         let claim = self.posters.claim(Poster::CpuInitiator)?;
-        match (&self.pd.ctx.inner.backend, &self.dev) {
-            (Backend::Soft(d), QpDev::Soft(q)) => Ok(
-                <verbs::initiator::Initiator as softnic::SoftQpInitiator>::try_for_soft_qp(
-                    d, q, mode,
-                )?
-                .with_guard(Box::new(claim)),
-            ),
-            (Backend::Mlx5(_), QpDev::Mlx5(q)) => {
-                let st = QueueState::of_mlx5(self, q);
-                let rq_consumer = st.rq_consumer.ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "QP {:#x}: receives were posted and its receive CQ is its send CQ: a new \
-                         poster cannot tell which receives were consumed (use a CQ of its own \
-                         for the receives)",
-                        q.qpn
-                    ))
-                });
-                let rq_consumer = if st.rq_head == 0 { Ok(0) } else { rq_consumer }?;
-                let host = |b: &verbs::DmaBuf| b.is_host();
-                let cq_host = |c: &CqDev| match c {
-                    CqDev::Mlx5(c) => host(&c.ring),
-                    CqDev::Soft(c) => host(c.ring()),
-                };
-                let sq_rec = q.dbrec.host().unwrap_or(std::ptr::null_mut());
-                if !host(&q.sq)
-                    || sq_rec.is_null()
-                    || !q.rq.as_ref().is_none_or(host)
-                    || !cq_host(&self.send_cq.dev)
-                    || !cq_host(&self.recv_cq.dev)
-                {
-                    return Err(Error::InvalidArgument(format!(
-                        "QP {:#x} or one of its CQs has its rings in GPU memory: the CPU cannot                          post or poll there (drive it from a kernel)",
-                        q.qpn
-                    )));
-                }
-                let sq = verbs::initiator::SqGeometry {
-                    ring: q.sq.as_ptr(),
-                    blocks: q.sq_blocks,
-                    dbrec: sq_rec,
-                    bf_reg: q.bf_reg,
-                    qpn: q.qpn,
-                };
-                let rq = verbs::initiator::RqGeometry {
-                    ring: q.rq.as_ref().map_or(std::ptr::null_mut(), |r| r.as_ptr()),
-                    wqes: q.rq_wqes,
-                    stride: q.rq_stride,
-                    dbrec: sq_rec,
-                };
-                let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new((
-                    q.clone(),
-                    self.send_cq.dev.clone(),
-                    self.recv_cq.dev.clone(),
-                ));
-                // SAFETY: the geometry is the provider's (mlx5dv_init_obj) for this live QP
-                // and its CQs, kept alive by `keep`; the claim makes the initiator the QP's
-                // only poster and its CQs' only poller.
-                let mut ini = unsafe {
-                    verbs::initiator::Initiator::from_geometry(
-                        sq,
-                        rq,
-                        self.send_cq.cpu_geometry(),
-                        self.recv_cq.cpu_geometry(),
-                        mode,
-                        keep,
-                        None,
-                    )
-                };
-                ini.resume_at(verbs::initiator::QueueStart {
-                    sq_pi: st.sq_pi as u16,
-                    sq_unfinished: st.sq_in_flight,
-                    rq_head: st.rq_head,
-                    rq_outstanding: st.rq_head.wrapping_sub(rq_consumer as u16),
-                });
-                Ok(ini.with_guard(Box::new(claim)))
+        let (g, scq, rcq) = (
+            self.geometry(),
+            self.send_cq.geometry(),
+            self.recv_cq.geometry(),
+        );
+        let st = self.queue_state();
+        let rq_consumer = match st.rq_consumer {
+            _ if st.rq_head == 0 => 0,
+            Some(c) => c,
+            None => {
+                return Err(Error::InvalidArgument(format!(
+                    "QP {:#x}: receives were posted and its receive CQ is its send CQ: a new \
+                     poster cannot tell which receives were consumed (use a CQ of its own for \
+                     the receives)",
+                    g.qpn
+                )))
             }
-            _ => unreachable!("a QP belongs to its context's backend"),
-        }
+        };
+        let (sq, rq, send, recv) = cpu_geometry(&g, &scq, &rcq).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "QP {:#x} or one of its CQs has its rings in GPU memory: the CPU cannot post or \
+                 poll there (drive it from a kernel)",
+                g.qpn
+            ))
+        })?;
+        let keep: Arc<dyn std::any::Any + Send + Sync> =
+            Arc::new((g.keep.clone(), scq.keep.clone(), rcq.keep.clone()));
+        // SAFETY: the geometry is the backend's for this live QP and its CQs, all host memory
+        // (checked), kept alive by `keep`; the claim makes the initiator the QP's only poster
+        // and its CQs' only poller.
+        let ini = unsafe {
+            verbs::initiator::Initiator::from_geometry(
+                sq,
+                rq,
+                send,
+                recv,
+                mode,
+                keep,
+                g.kick.clone(),
+            )
+        };
+        let mut ini = match &g.poster_hooks {
+            Some(h) => ini.with_device(h()),
+            None => ini,
+        };
+        ini.resume_at(verbs::initiator::QueueStart {
+            sq_pi: st.sq_pi as u16,
+            sq_unfinished: st.sq_in_flight,
+            rq_head: st.rq_head,
+            rq_outstanding: st.rq_head.wrapping_sub(rq_consumer as u16),
+        });
+        Ok(ini.with_guard(Box::new(claim)))
     }
+}
+
+/// The CPU initiator's view of a QP and its CQs, when every ring, record and register is host
+/// memory (a CPU cannot store into GPU memory).
+fn cpu_geometry(
+    g: &QpGeometry<'_>,
+    scq: &CqGeometry<'_>,
+    rcq: &CqGeometry<'_>,
+) -> Option<(
+    verbs::initiator::SqGeometry,
+    verbs::initiator::RqGeometry,
+    verbs::initiator::CqGeometry,
+    verbs::initiator::CqGeometry,
+)> {
+    let host = |b: &verbs::DmaBuf| b.is_host().then(|| b.as_ptr());
+    let cq = |c: &CqGeometry<'_>| {
+        Some(verbs::initiator::CqGeometry {
+            ring: host(c.ring)?,
+            ncqe: c.ncqe,
+            dbrec: c.dbrec.host()?,
+            collapsed: c.collapsed,
+        })
+    };
+    let dbrec = g.dbrec.host()?;
+    let rq_ring = match g.rq {
+        Some(r) => host(r)?,
+        None => std::ptr::null_mut(),
+    };
+    Some((
+        verbs::initiator::SqGeometry {
+            ring: host(g.sq)?,
+            blocks: g.sq_blocks,
+            dbrec,
+            bf_reg: g.db_reg.host()?,
+            qpn: g.qpn,
+        },
+        verbs::initiator::RqGeometry {
+            ring: rq_ring,
+            wqes: g.rq_wqes,
+            stride: g.rq_stride,
+            dbrec,
+        },
+        cq(scq)?,
+        cq(rcq)?,
+    ))
 }

@@ -125,13 +125,15 @@ fn for_host_rings(dev: &crate::Device, qp: &Arc<Qp>, mode: RingMode) -> Initiato
     // handed over as keep-alive (memory a QP was given from elsewhere stays valid while the
     // QP is not destroyed, `DmaBuf::from_external`'s contract).
     let ini = unsafe { Initiator::from_geometry(sq, rq, scq, rcq, mode, qp.clone(), Some(wake)) };
-    let mut ini = ini.with_device(hooks(qp));
+    let mut ini = ini.with_device(device_hooks(qp));
     ini.resume_at(queue_start(qp));
     ini
 }
 
-/// What the soft NIC tells and does for a poster of `qp`.
-fn hooks(qp: &Arc<Qp>) -> DeviceHooks {
+/// What the soft NIC tells and does for a CPU poster of `qp`, while the hooks live: CQ
+/// overrun probes, sleeping until the engine writes a CQE, the engine's turn, and a guard that
+/// has the engine take this poster's doorbells from its wake-ups instead of polling for them.
+pub fn device_hooks(qp: &Arc<Qp>) -> DeviceHooks {
     let probe = |cq: &Arc<crate::Cq>| -> Arc<dyn Fn() -> bool + Send + Sync> {
         let cq = cq.clone();
         Arc::new(move || cq.is_overrun())

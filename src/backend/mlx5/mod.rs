@@ -606,6 +606,7 @@ impl Qp {
             db_reg_io: true,
             proxy_word: None,
             kick: None,
+            poster_hooks: None,
             keep: self.clone(),
         }
     }
