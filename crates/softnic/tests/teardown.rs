@@ -234,6 +234,31 @@ fn a_responder_destroyed_under_a_stream_of_sends_is_not_touched_again_and_its_pe
     ea.destroy_and_free(&a);
 }
 
+/// A wire node, a UDP socket that never answers, a QP that sends to it and a 256-byte source
+/// holding `fill`, whose WRITE the QP has posted (its index returned): the requester resends
+/// it until its retries run out.
+fn resending(fill: &[u8]) -> (Node, UdpSocket, Ep, Buf, u16) {
+    let a = wire_node(WireFaults::default());
+    let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
+    peer.set_read_timeout(Some(Duration::from_millis(20)))
+        .unwrap();
+    let mut ep = silent_peer_qp(&a, &peer);
+    let src = a.buf(256, Access::NONE);
+    src.write(0, fill);
+    let i = ep.go(
+        &Op::Write {
+            remote: RemoteAddr {
+                addr: 0x1000,
+                rkey: Rkey(0x1234),
+            },
+            local: Local::Sges(&[src.sge(0, 256)]),
+            imm: None,
+        },
+        SIG,
+    );
+    (a, peer, ep, src, i)
+}
+
 /// A wire node whose only QP sends to `peer`, a UDP socket that never answers.
 fn silent_peer_qp(a: &Node, peer: &UdpSocket) -> Ep {
     let gid = Gid::from_ipv4(Ipv4Addr::LOCALHOST);
@@ -266,26 +291,8 @@ fn next_write(peer: &UdpSocket) -> Vec<u8> {
 #[test]
 fn a_buffer_dropped_while_the_requester_resends_from_it_stays_the_devices_until_its_region_goes() {
     let _s = serial();
-    let a = wire_node(WireFaults::default());
-    let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
-    peer.set_read_timeout(Some(Duration::from_millis(20)))
-        .unwrap();
-    let mut ep = silent_peer_qp(&a, &peer);
-    let src = a.buf(256, Access::NONE);
     let pattern: Vec<u8> = (0..256u32).map(|i| (i * 7 + 3) as u8).collect();
-    src.write(0, &pattern);
-    let sge = src.sge(0, 256);
-    ep.go(
-        &Op::Write {
-            remote: RemoteAddr {
-                addr: 0x1000,
-                rkey: Rkey(0x1234),
-            },
-            local: Local::Sges(&[sge]),
-            imm: None,
-        },
-        SIG,
-    );
+    let (a, peer, ep, src, _) = resending(&pattern);
     assert_eq!(next_write(&peer), pattern);
     // the test's handle goes; the region keeps the memory, and the resends read it
     drop(src);
@@ -297,24 +304,7 @@ fn a_buffer_dropped_while_the_requester_resends_from_it_stays_the_devices_until_
 #[test]
 fn a_region_deregistered_under_resends_fails_its_wqe_with_a_local_protection_error() {
     let _s = serial();
-    let a = wire_node(WireFaults::default());
-    let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
-    peer.set_read_timeout(Some(Duration::from_millis(20)))
-        .unwrap();
-    let mut ep = silent_peer_qp(&a, &peer);
-    let src = a.buf(256, Access::NONE);
-    src.fill(0x42);
-    let i = ep.go(
-        &Op::Write {
-            remote: RemoteAddr {
-                addr: 0x1000,
-                rkey: Rkey(0x1234),
-            },
-            local: Local::Sges(&[src.sge(0, 256)]),
-            imm: None,
-        },
-        SIG,
-    );
+    let (a, peer, mut ep, src, i) = resending(&[0x42; 256]);
     assert_eq!(next_write(&peer), vec![0x42; 256]);
     a.dev.dereg(src.mr.key).unwrap();
     // the next resend finds no region: the WQE fails as a ConnectX fails it
