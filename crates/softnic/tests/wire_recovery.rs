@@ -219,28 +219,38 @@ fn clean_runs(o: Opts) {
 fn a_paused_peer_costs_a_probe_not_a_window() {
     let _s = serial();
     for o in [wire_opts(), go_back_n_opts()] {
-        let stall = WireFaults {
-            stall: Some((3, Duration::from_millis(60))),
-            ..WireFaults::default()
-        };
-        let (a, b) = bulk_with(o.clone(), 4 * MIB, WireFaults::default(), stall);
         let mode = if o.selective_repeat {
             "selective repeat"
         } else {
             "go-back-N"
         };
+        // The pause must outlast the early timer, which adapts to the round trips it measured:
+        // on a machine loaded enough to stretch them, a run may see none; a few tries then.
+        let mut fired = false;
+        for _ in 0..3 {
+            let stall = WireFaults {
+                stall: Some((3, Duration::from_millis(60))),
+                ..WireFaults::default()
+            };
+            let (a, b) = bulk_with(o.clone(), 4 * MIB, WireFaults::default(), stall);
+            assert_eq!(a.timeouts, 0, "{mode}: {a:?}");
+            assert!(
+                a.retransmits <= a.early_timeouts,
+                "{mode}: {} packets resent for {} early timeouts: {a:?}",
+                a.retransmits,
+                a.early_timeouts
+            );
+            assert_eq!(b.seq_naks_sent, 0, "{mode}: {b:?}");
+            if a.early_timeouts >= 1 {
+                fired = true;
+                break;
+            }
+            eprintln!("note: {mode}: the pause did not outlast the early timer: {a:?}");
+        }
         assert!(
-            a.early_timeouts >= 1,
-            "{mode}: the pause did not outlast the early timer: {a:?}"
+            fired,
+            "{mode}: in three runs the pause never outlasted the early timer"
         );
-        assert_eq!(a.timeouts, 0, "{mode}: {a:?}");
-        assert!(
-            a.retransmits <= a.early_timeouts,
-            "{mode}: {} packets resent for {} early timeouts: {a:?}",
-            a.retransmits,
-            a.early_timeouts
-        );
-        assert_eq!(b.seq_naks_sent, 0, "{mode}: {b:?}");
     }
 }
 
