@@ -271,6 +271,27 @@ pub fn exit_with(test: &str, r: Result<()>) -> std::process::ExitCode {
     }
 }
 
+/// The closing lines of a perftest-style run: the table's last rule, the end of the capture,
+/// and the warning when other processes used much CPU.
+pub fn finish_run(
+    test: &str,
+    table: bool,
+    pcap: Option<crate::Pcap>,
+    other_cpu: &crate::OtherCpu,
+) -> anyhow::Result<()> {
+    if table {
+        println!("{}", crate::RULE);
+    }
+    if let Some(p) = pcap {
+        p.finish()?;
+    }
+    if let Some(w) = other_cpu.warning(test) {
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        eprintln!("{w}");
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

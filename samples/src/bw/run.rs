@@ -94,23 +94,7 @@ pub(super) fn run(args: &Args, t: &Test) -> Result<()> {
         progress.step(n + 1, plan.size);
     }
     progress.clear();
-    finish(rp.test, table, pcap, &other_cpu)
-}
-
-/// The closing lines: the table's last rule, the end of the capture, and the warning when
-/// other processes used much CPU.
-fn finish(test: &str, table: bool, pcap: Option<crate::Pcap>, other_cpu: &OtherCpu) -> Result<()> {
-    if table {
-        println!("{}", crate::RULE);
-    }
-    if let Some(p) = pcap {
-        p.finish()?;
-    }
-    if let Some(w) = other_cpu.warning(test) {
-        let _ = std::io::Write::flush(&mut std::io::stdout());
-        eprintln!("{w}");
-    }
-    Ok(())
+    crate::report::finish_run(rp.test, table, pcap, &other_cpu)
 }
 
 /// The QPs: both sides in loopback (one device, a PD each), this side's across processes.

@@ -72,7 +72,7 @@ pub(super) fn run(args: &Args, t: &Test) -> Result<()> {
         progress.step(n + 1, size);
     }
     progress.clear();
-    finish(lp.test, table, pcap, &other_cpu)
+    crate::report::finish_run(lp.test, table, pcap, &other_cpu)
 }
 
 /// The initiator's doorbell convention and the placements it can reach; across processes on
@@ -223,20 +223,4 @@ fn engine(run: &Run) -> Result<Engine> {
             }))
         }
     })
-}
-
-/// The closing lines: the table's last rule, the end of the capture, and the warning when
-/// other processes used much CPU.
-fn finish(test: &str, table: bool, pcap: Option<crate::Pcap>, other_cpu: &OtherCpu) -> Result<()> {
-    if table {
-        println!("{}", crate::RULE);
-    }
-    if let Some(p) = pcap {
-        p.finish()?;
-    }
-    if let Some(w) = other_cpu.warning(test) {
-        let _ = std::io::Write::flush(&mut std::io::stdout());
-        eprintln!("{w}");
-    }
-    Ok(())
 }
