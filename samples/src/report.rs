@@ -272,12 +272,11 @@ pub fn exit_with(test: &str, r: Result<()>) -> std::process::ExitCode {
 }
 
 /// The closing lines of a perftest-style run: the table's last rule, the end of the capture,
-/// and the warning when other processes used much CPU.
+/// and `warning` (other processes used much CPU) on standard error.
 pub fn finish_run(
-    test: &str,
     table: bool,
     pcap: Option<crate::Pcap>,
-    other_cpu: &crate::OtherCpu,
+    warning: Option<String>,
 ) -> anyhow::Result<()> {
     if table {
         println!("{}", crate::RULE);
@@ -285,7 +284,7 @@ pub fn finish_run(
     if let Some(p) = pcap {
         p.finish()?;
     }
-    if let Some(w) = other_cpu.warning(test) {
+    if let Some(w) = warning {
         let _ = std::io::Write::flush(&mut std::io::stdout());
         eprintln!("{w}");
     }

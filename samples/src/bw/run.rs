@@ -94,7 +94,7 @@ pub(super) fn run(args: &Args, t: &Test) -> Result<()> {
         progress.step(n + 1, plan.size);
     }
     progress.clear();
-    crate::report::finish_run(rp.test, table, pcap, &other_cpu)
+    crate::report::finish_run(table, pcap, other_cpu.warning(rp.test))
 }
 
 /// The QPs: both sides in loopback (one device, a PD each), this side's across processes.

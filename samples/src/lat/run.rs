@@ -72,7 +72,7 @@ pub(super) fn run(args: &Args, t: &Test) -> Result<()> {
         progress.step(n + 1, size);
     }
     progress.clear();
-    crate::report::finish_run(lp.test, table, pcap, &other_cpu)
+    crate::report::finish_run(table, pcap, other_cpu.warning(lp.test))
 }
 
 /// The initiator's doorbell convention and the placements it can reach; across processes on
