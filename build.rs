@@ -1,8 +1,8 @@
 //! Compiles every `kernels/src/*.cu` into one CUDA fatbin (sm_80 + sm_90 SASS, compute_90 PTX) that
-//! `src/cuda.rs` embeds with `include_bytes!`. The work is done by `gpuverbs-build`
-//! (`crates/build`), the same helper users' crates call for their own kernels.
+//! `src/cuda.rs` embeds with `include_bytes!`. The work is done by `gpuverbs-kernel-build`
+//! (`crates/kernel-build`), the same helper users' crates call for their own kernels.
 //!
-//! nvcc is looked up in this order (see `gpuverbs_build::NvccSearch`):
+//! nvcc is looked up in this order (see `gpuverbs_kernel_build::NvccSearch`):
 //! 1. `$NVCC` (a path to the nvcc executable);
 //! 2. `$CUDA_HOME/bin/nvcc`, then `$CUDA_PATH/bin/nvcc`;
 //! 3. `nvcc` on `$PATH`;
@@ -20,7 +20,7 @@
 //! - env `GPUVERBS_KERNELS_STATUS`: `built` or the reason they were not built;
 //! - env `GPUVERBS_NVCC_COMMAND`: the nvcc command line used (empty when not built).
 
-use gpuverbs_build::{one_line, require_nvcc_from_env, Kernels, Outcome};
+use gpuverbs_kernel_build::{one_line, require_nvcc_from_env, Kernels, Outcome};
 use std::env;
 use std::path::PathBuf;
 
@@ -41,8 +41,8 @@ fn main() {
     println!("cargo::rerun-if-changed=build.rs");
 
     // `$OUT_DIR/gpuverbs-kernels.fatbin`. The include directory is given by its path in this
-    // tree (not `include_gpuverbs()`, which names the same directory through crates/build), and
-    // only this tree's `.cuda` venv is searched.
+    // tree (not `include_gpuverbs()`, which names the same directory through
+    // crates/kernel-build), and only this tree's `.cuda` venv is searched.
     let outcome = Kernels::new()
         .manifest_dir(&manifest_dir)
         .sources_from_dir(&kernels_src)

@@ -4,7 +4,7 @@
 # (GPUVERBS_EMU_RECORD), split at record boundaries into files of at most 16 KiB, into
 # fuzz/corpus/uverbs/; and the distinct WQEs libmlx5 wrote into those programs' send queues
 # (left by the emulation as each QP is destroyed) into fuzz/corpus/wqe/ as libmlx5_*. Needs a
-# debug build of gpuverbs-cli and the preload library, and the
+# debug build of gpuverbs-command and the preload library, and the
 # Debian packages the emulation tests use (ibverbs-utils, perftest, rdma-core, python3-pyverbs).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

@@ -151,7 +151,7 @@ pub fn parsed_fatbin() -> Result<Fatbin<'static>, CudaError> {
 // Driver
 // ---------------------------------------------------------------------------------------------
 
-pub use cuda_mem::driver_available;
+pub use softnic_cuda::driver_available;
 
 /// Runs `f`, which uses the driver through cudarc, after checking the driver exists; a panic in
 /// cudarc (missing library or symbol) becomes [`CudaError::DriverPanicked`].
@@ -171,7 +171,7 @@ fn catch_driver_panic<T>(
     op: &'static str,
     f: impl FnOnce() -> Result<T, CudaError>,
 ) -> Result<T, CudaError> {
-    match cuda_mem::catch_panic(f) {
+    match softnic_cuda::catch_panic(f) {
         Ok(result) => result,
         Err(message) => Err(CudaError::DriverPanicked { op, message }),
     }

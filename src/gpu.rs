@@ -7,9 +7,9 @@
 use crate::cuda::{drv, open, with_driver, CudaError, DeviceInfo, Module};
 use crate::desc::QpDesc;
 use crate::Error;
-use cuda_mem::CudaMemory;
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext};
+use softnic_cuda::CudaMemory;
 use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -145,11 +145,11 @@ impl Gpu {
 
     /// Whether `dptr..dptr+len` lies in one allocation of this GPU's device memory.
     fn holds(&self, dptr: u64, len: u64) -> bool {
-        cuda_mem::device_allocation(dptr)
+        softnic_cuda::device_allocation(dptr)
             .is_some_and(|a| a.ordinal == self.info.ordinal && a.covers(dptr, len))
     }
 
-    /// Loads a user's fatbin (e.g. built with `gpuverbs-build`) into this GPU's context.
+    /// Loads a user's fatbin (e.g. built with `gpuverbs-kernel-build`) into this GPU's context.
     pub fn load_module(&self, image: &'static [u8]) -> Result<GpuModule, CudaError> {
         with_driver("load module", || {
             Ok(GpuModule(Module::load(&self.ctx, image)?))

@@ -267,7 +267,7 @@ fn cuda_array_interface(obj: &Bound<'_, PyAny>) -> PyResult<Imported> {
     let ordinal = if len == 0 || addr == 0 {
         0
     } else {
-        cuda_mem::device_allocation(addr)
+        softnic_cuda::device_allocation(addr)
             .map(|a| a.ordinal)
             .ok_or_else(|| bad(&format!("{addr:#x} is not device memory of a GPU")))?
     };

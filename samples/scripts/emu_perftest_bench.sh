@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 rounds=${1:-3}
 iters=${ITERS:-200}
 target=$(realpath -m "${CARGO_TARGET_DIR:-target}")
-cargo build -q --release -p gpuverbs-cli -p gpuverbs-uverbs-preload -p gpuverbs-samples \
+cargo build -q --release -p gpuverbs-command -p gpuverbs-uverbs-preload -p gpuverbs-samples \
   --bin gpuverbs --lib --bin put_bw --bin write_lat --bin read_bw --bin send_bw --bin atomic_bw \
   --bin read_lat --bin send_lat --bin atomic_lat
 G="$target/release/gpuverbs"

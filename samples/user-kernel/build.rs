@@ -4,7 +4,7 @@
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
-    let built = gpuverbs_build::Kernels::new()
+    let built = gpuverbs_kernel_build::Kernels::new()
         .sources_from_dir("kernels")
         .include_gpuverbs()
         .out_name("user_kernels")

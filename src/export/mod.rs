@@ -36,7 +36,7 @@ impl Gpu {
     /// the queue's state (`resume_desc`), so a kernel continues where an earlier poster
     /// stopped.
     /// The descriptor is laid out for kernels built against this library's own headers (its
-    /// embedded kernels, `gpuverbs-build`'s `include_gpuverbs`); for others, see
+    /// embedded kernels, `gpuverbs-kernel-build`'s `include_gpuverbs`); for others, see
     /// [`Gpu::export_qp_for`].
     pub fn export_qp(self: &Arc<Self>, qp: &Qp) -> Result<ExportedQp, Error> {
         self.export_qp_for(qp, DESC_VERSION)

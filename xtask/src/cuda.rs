@@ -84,8 +84,8 @@ pub fn setup_cuda() -> Result<()> {
 }
 
 /// `<venv>/lib/python3.*/site-packages/nvidia/cu13/bin/nvcc`: the very search build.rs does (both
-/// use gpuverbs-build).
-pub use gpuverbs_build::find_venv_nvcc;
+/// use gpuverbs-kernel-build).
+pub use gpuverbs_kernel_build::find_venv_nvcc;
 
 fn run(cmd: &mut Command) -> Result<()> {
     let status = cmd

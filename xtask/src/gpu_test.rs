@@ -19,7 +19,7 @@ const PACKAGE: &str = "gpuverbs-gpu-tests";
 const BIN: &str = "gpu-test";
 /// The emulation's pieces: (package, artifact target name, file name in the bundle).
 const EMU: [(&str, &str, &str); 2] = [
-    ("gpuverbs-cli", "gpuverbs", "gpuverbs"),
+    ("gpuverbs-command", "gpuverbs", "gpuverbs"),
     (
         "gpuverbs-uverbs-preload",
         "gpuverbs_uverbs_preload",

@@ -159,7 +159,7 @@ fn memcheck(root: &Path) -> Result<()> {
             "build",
             "-q",
             "-p",
-            "gpuverbs-cli",
+            "gpuverbs-command",
             "-p",
             "gpuverbs-uverbs-preload",
         ])

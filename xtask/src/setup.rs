@@ -27,7 +27,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ),
     (
         "ibverbs-utils",
-        "ibv_devices, ibv_devinfo, ibv_rc_pingpong (crates/cli/tests/emu.rs)",
+        "ibv_devices, ibv_devinfo, ibv_rc_pingpong (crates/command/tests/emu.rs)",
     ),
     (
         "perftest",

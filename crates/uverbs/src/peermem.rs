@@ -1,8 +1,8 @@
 //! GPU memory an application registers, with REG_MR on a GPU address (what nvidia-peermem lets
 //! the kernel resolve on a host with a ConnectX) or with REG_DMABUF_MR on a dma-buf of it. The emulated kernel lives in the application's process,
 //! so it asks CUDA there whether the range is device memory of one allocation
-//! ([`cuda_mem::device_allocation`]) and moves its bytes with CUDA copies (one
-//! [`cuda_mem::CudaMemory`] per GPU, made on first use). Without a CUDA driver, or for an
+//! ([`softnic_cuda::device_allocation`]) and moves its bytes with CUDA copies (one
+//! [`softnic_cuda::CudaMemory`] per GPU, made on first use). Without a CUDA driver, or for an
 //! address CUDA does not know, the range is simply not memory (EFAULT), as without peermem.
 
 use parking_lot::Mutex;
@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 /// The device memory behind `addr..addr+len`, when it is one allocation of GPU memory.
 pub fn resolve(addr: u64, len: u64) -> Option<Arc<dyn DeviceMemory>> {
-    let a = cuda_mem::device_allocation(addr)?;
+    let a = softnic_cuda::device_allocation(addr)?;
     if !a.covers(addr, len) {
         return None;
     }
@@ -25,9 +25,9 @@ fn memory_of(ordinal: usize) -> Option<Arc<dyn DeviceMemory>> {
     if let Some((_, m)) = all.iter().find(|(o, _)| *o == ordinal) {
         return Some(m.clone());
     }
-    let made = cuda_mem::catch_panic(|| {
+    let made = softnic_cuda::catch_panic(|| {
         let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| e.to_string())?;
-        cuda_mem::CudaMemory::new(&ctx).map_err(|e| e.to_string())
+        softnic_cuda::CudaMemory::new(&ctx).map_err(|e| e.to_string())
     });
     match made {
         Ok(Ok(m)) => {

@@ -1,5 +1,5 @@
-// A user kernel built outside gpuverbs (by gpuverbs-build, from this crate's build.rs) against
-// the public device API.
+// A user kernel built outside gpuverbs (by gpuverbs-kernel-build, from this crate's build.rs)
+// against the public device API.
 //
 // Each thread of one block fills its chunk of the local buffer, RDMA-writes it to the same offset
 // of the remote buffer with gpuverbs::put, and the block's thread 0 waits for every write with

@@ -1,6 +1,6 @@
 //! A user crate driving a gpuverbs QP from ITS OWN CUDA kernel.
 //!
-//! `build.rs` compiles `kernels/*.cu` with gpuverbs-build into one
+//! `build.rs` compiles `kernels/*.cu` with gpuverbs-kernel-build into one
 //! `$OUT_DIR/user_kernels.fatbin`: `user_put.cu` (which includes `<gpuverbs/qp.cuh>`), the kernel
 //! this program launches, and `put_signal.cu`, the README's kernel (compiled only; the test
 //! `tests/readme_kernel.rs` keeps README.md's copy equal to it). This program embeds that fatbin, sets up
@@ -57,7 +57,7 @@ struct UserModule {
 impl UserModule {
     fn load(ctx: &Arc<CudaContext>, image: &'static [u8]) -> Result<Self> {
         ctx.bind_to_thread().context("cuCtxSetCurrent")?;
-        // SAFETY: `image` is a complete fatbin produced by nvcc (gpuverbs-build checked its
+        // SAFETY: `image` is a complete fatbin produced by nvcc (gpuverbs-kernel-build checked its
         // magic), 16-byte aligned, and lives for the whole program.
         let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }
             .context("cuModuleLoadData (this crate's fatbin)")?;

@@ -75,7 +75,7 @@ struct Plot {
 }
 
 fn plot(a: Plot) -> anyhow::Result<ExitCode> {
-    use gpuverbs_cli::plot::{plot_files, PlotSpec};
+    use gpuverbs_command::plot::{plot_files, PlotSpec};
     let mut spec = match a.kind {
         PlotKind::Bw => PlotSpec::bandwidth(a.title.as_deref().unwrap_or("put_bw: bandwidth")),
         PlotKind::Lat => PlotSpec::latency(a.title.as_deref().unwrap_or("write_lat: latency")),
@@ -108,7 +108,7 @@ struct Doctor {
 
 fn doctor(a: Doctor) -> anyhow::Result<ExitCode> {
     use std::io::Write as _;
-    let report = gpuverbs_cli::doctor::run(gpuverbs_cli::doctor::Options { gpu: a.gpu });
+    let report = gpuverbs_command::doctor::run(gpuverbs_command::doctor::Options { gpu: a.gpu });
     let text = if a.json {
         report.to_json() + "\n"
     } else {

@@ -235,7 +235,7 @@ fn doorbell_page_child() {
     if std::env::var_os(CHILD).is_none() {
         return;
     }
-    let page = gpuverbs_cli::doctor::rdma::with_doorbell_page(None, |p| {
+    let page = gpuverbs_command::doctor::rdma::with_doorbell_page(None, |p| {
         // SAFETY: the page is the UAR mapping of the open context, alive during the call.
         let first = unsafe { std::ptr::read_volatile(p.ptr().cast::<u32>()) };
         (p.device.clone(), p.addr, first)
