@@ -178,14 +178,15 @@ impl QpDesc {
     }
 }
 
-/// Doorbell-mode codes in [`QpDesc::db_mode`].
+/// Doorbell-mode codes in [`QpDesc::db_mode`] ([`verbs::DoorbellMode::code`]).
 pub mod db_mode {
+    use verbs::DoorbellMode;
     /// DBREC + 8-byte doorbell store.
-    pub const GPU_DOORBELL: u32 = 0;
+    pub const GPU_DOORBELL: u32 = DoorbellMode::GpuDoorbell.code();
     /// DBREC + whole WQE into the BlueFlame register.
-    pub const BLUEFLAME: u32 = 1;
+    pub const BLUEFLAME: u32 = DoorbellMode::BlueFlame.code();
     /// Producer word for a host proxy thread.
-    pub const CPU_PROXY: u32 = 2;
+    pub const CPU_PROXY: u32 = DoorbellMode::CpuProxy.code();
 }
 
 /// The committed C header's path, relative to the workspace root.

@@ -182,15 +182,15 @@ impl Gid {
     }
 }
 
-impl From<softnic::Gid> for Gid {
-    fn from(g: softnic::Gid) -> Self {
+impl From<verbs::Gid> for Gid {
+    fn from(g: verbs::Gid) -> Self {
         Self(g.0)
     }
 }
 
-impl From<Gid> for softnic::Gid {
+impl From<Gid> for verbs::Gid {
     fn from(g: Gid) -> Self {
-        softnic::Gid(g.0)
+        verbs::Gid(g.0)
     }
 }
 
@@ -316,7 +316,7 @@ impl Endpoint {
     /// The same endpoint, saying whether its QP's responder holds packets that arrive behind a
     /// gap and its requester resends only what a sequence NAK names (soft NICs on the wire say
     /// so). Both ends must say it for a connection to use selective repeat
-    /// ([`softnic::RtrAttr::selective_repeat`]); an endpoint written without it says no.
+    /// ([`verbs::RtrAttr::selective_repeat`]); an endpoint written without it says no.
     pub fn with_selective_repeat(mut self, on: bool) -> Self {
         self.selective_repeat = on;
         self
@@ -421,8 +421,8 @@ impl Endpoint {
     /// The INIT→RTR attributes that connect a local QP to this (remote) endpoint:
     /// remote GID and QPN, expected PSN = this endpoint's initial PSN, and this endpoint's MTU.
     /// Use the smaller of both sides' MTUs when they differ (see [`Endpoint::common_mtu`]).
-    pub fn rtr_attr(&self, min_rnr_timer: u8) -> softnic::RtrAttr {
-        softnic::RtrAttr {
+    pub fn rtr_attr(&self, min_rnr_timer: u8) -> verbs::RtrAttr {
+        verbs::RtrAttr {
             remote_gid: self.gid.into(),
             remote_qpn: self.qpn,
             rq_psn: self.psn,
@@ -722,14 +722,12 @@ mod tests {
 
     #[test]
     fn gid_text_round_trip() {
-        let g = Gid::from(softnic::Gid::from_ipv4(std::net::Ipv4Addr::new(
-            127, 1, 0, 1,
-        )));
+        let g = Gid::from(verbs::Gid::from_ipv4(std::net::Ipv4Addr::new(127, 1, 0, 1)));
         assert_eq!(g.to_string(), "::ffff:127.1.0.1");
         assert_eq!(g.to_string().parse::<Gid>().unwrap(), g);
         let raw = Gid([0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(raw.to_string().parse::<Gid>().unwrap(), raw);
-        assert_eq!(softnic::Gid::from(raw).0, raw.0);
+        assert_eq!(verbs::Gid::from(raw).0, raw.0);
     }
 
     #[test]
@@ -758,7 +756,7 @@ mod tests {
 
     #[test]
     fn udp_port_is_optional_in_v1() {
-        let gid = Gid::from(softnic::Gid::from_ipv4(Ipv4Addr::new(10, 0, 0, 1)));
+        let gid = Gid::from(verbs::Gid::from_ipv4(Ipv4Addr::new(10, 0, 0, 1)));
         let v1 = br#"{"v":1,"gid":"::ffff:10.0.0.1","qpn":256,"psn":5,"mtu":1024,"device":"d"}"#;
         let ep = Endpoint::from_bytes(v1).unwrap();
         assert_eq!(ep.udp_port(), None);

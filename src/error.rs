@@ -8,7 +8,7 @@ pub enum Error {
     NoSuchDevice(String),
     /// The soft NIC refused a control-path operation.
     #[error(transparent)]
-    Soft(#[from] softnic::Error),
+    Soft(#[from] crate::soft::Error),
     /// CUDA failed (or is absent) where the operation needs it.
     #[error(transparent)]
     Cuda(#[from] crate::cuda::CudaError),

@@ -414,6 +414,19 @@ impl Gpu {
     }
 }
 
+/// A GPU's memory as the backends place rings in it and register it.
+impl crate::backend::seam::GpuRings for Arc<Gpu> {
+    fn ring_buffer(&self, len: usize) -> Result<DmaBuf, Error> {
+        Ok(Gpu::ring_buffer(self, len)?)
+    }
+    fn dmabuf(&self, addr: u64, len: u64) -> Result<(OwnedFd, u64), String> {
+        Gpu::dmabuf(self, addr, len).map_err(|e| e.to_string())
+    }
+    fn memory(&self) -> Arc<dyn DeviceMemory> {
+        self.device_memory()
+    }
+}
+
 impl Drop for Gpu {
     fn drop(&mut self) {
         let mapped = std::mem::take(self.mapped.get_mut().unwrap_or_else(|e| e.into_inner()));

@@ -33,15 +33,16 @@ pub mod queue;
 pub mod regcache;
 
 pub mod post;
-pub mod soft;
+pub use backend::soft::controls as soft;
 
-pub use backend::mlx5::GpuRegPath;
+pub use backend::GpuRegPath;
 pub use device::{Context, DeviceRequest, Selection};
 pub use endpoint::{Endpoint, RemoteMemory};
 pub use error::Error;
 pub use memory::{Access, DeregisterError, HostBuffer, InFlight, Mr, Pd, QpInFlight};
 pub use queue::{
-    ConnectOptions, Cq, CqOptions, DoorbellMode, Drained, Modify, Qp, QpOptions, RingPlacement,
+    ConnectOptions, Cq, CqOptions, DoorbellMode, Drained, Modify, Qp, QpOptions, QpState,
+    RingPlacement,
 };
 pub use regcache::{CachedMr, RegCache, RegCacheConfig, RegCacheStats};
 

@@ -40,11 +40,11 @@
 //! target, forwards a last time any sane value already published (nothing published before
 //! `remove` is lost), and only then returns: the QP's memory is never touched afterwards.
 
-use prm::doorbell::{DoorbellValue, BF_OFFSET, DBREC_SND};
+use prm::doorbell::{DoorbellValue, DBREC_SND};
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
@@ -156,43 +156,6 @@ impl ProxyTarget {
             wake,
             keep,
         })
-    }
-
-    /// The target for a soft-NIC QP: its control page's proxy word and doorbell record, the
-    /// doorbell register at [`BF_OFFSET`] of its UAR page, and a wake that kicks the device's
-    /// engine (a no-op once the device is dropped; the target does not keep the device alive).
-    /// Forwarded advances are limited to the QP's SQ size.
-    pub fn for_soft_qp(dev: &Arc<softnic::Device>, qp: &Arc<softnic::Qp>) -> Self {
-        let ctrl = qp.ctrl_page();
-        let producer: *const AtomicU64 = ctrl.atomic_u64(qp.proxy_offset());
-        let dbrec: *const AtomicU64 = ctrl.atomic_u64(qp.dbrec_offset());
-        let doorbell: *const AtomicU64 = qp.uar().atomic_u64(BF_OFFSET);
-        let dev: Weak<softnic::Device> = Arc::downgrade(dev);
-        let wake: Wake = Arc::new(move || {
-            if let Some(d) = dev.upgrade() {
-                d.kick();
-            }
-        });
-        let keep: Arc<dyn Any + Send + Sync> = qp.clone();
-        // SAFETY: the three words live in the QP's control and UAR pages (bounds and alignment
-        // checked by `atomic_u64`), which the `Arc<Qp>` in `keep` keeps alive; the soft NIC and
-        // its initiators access them only atomically. While the target is registered the caller
-        // lets the proxy own the send word (the documented CPU-proxy mode).
-        let t = unsafe {
-            Self::new(
-                producer,
-                dbrec.cast::<u8>().cast_mut(),
-                doorbell.cast::<u8>().cast_mut(),
-                qp.qpn(),
-                Some(wake),
-                keep,
-            )
-        };
-        // A soft QP's QPN is 24 bits and its words are aligned: `new` cannot refuse them.
-        match t {
-            Ok(t) => t.with_max_jump(qp.sq_blocks()),
-            Err(e) => unreachable!("soft QP target refused: {e}"),
-        }
     }
 
     /// The target for a QP of the host API, on any backend: its CPU-proxy word, doorbell

@@ -17,7 +17,7 @@ use gpuverbs::endpoint::{Endpoint, EndpointError, Gid, RemoteMemory, WIRE_VERSIO
 const T: Duration = Duration::from_secs(10);
 
 fn soft_gid(last: u8) -> Gid {
-    softnic::Gid::from_ipv4(Ipv4Addr::new(127, 1, 0, last)).into()
+    gpuverbs::soft::Gid::from_ipv4(Ipv4Addr::new(127, 1, 0, last)).into()
 }
 
 fn endpoint(rank: u8) -> Endpoint {
@@ -49,7 +49,7 @@ fn endpoint_round_trip() {
     assert_eq!(v["qpn"], 0x100);
     assert!(v.get("rkey").is_none(), "an endpoint never carries a key");
     assert_eq!(Endpoint::from_bytes(&bytes).unwrap(), ep);
-    assert_eq!(ep.gid().bytes(), softnic::Gid::from(ep.gid()).0);
+    assert_eq!(ep.gid().bytes(), gpuverbs::soft::Gid::from(ep.gid()).0);
     assert_eq!(ep.psn(), 0x12_3456);
     assert_eq!(ep.mtu(), 1024);
     assert_eq!(ep.device(), "softnic:soft0");

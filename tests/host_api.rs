@@ -6,6 +6,7 @@
 
 mod common;
 
+use gpuverbs::post::RingMode;
 use gpuverbs::queue::{CqMode, QpState};
 use gpuverbs::{
     Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, Error, HostBuffer,
@@ -13,7 +14,6 @@ use gpuverbs::{
 };
 use prm::wqe::{AtomicSize, CtrlFlags, Local, Op};
 use prm::{Completion, Syndrome};
-use softnic::initiator::RingMode;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(5);
@@ -247,9 +247,9 @@ fn bad_inputs_are_errors() {
     // illegal transitions
     let qp = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
     assert_eq!(qp.state(), QpState::Reset);
-    let rts = softnic::Modify::Rts(softnic::RtsAttr::default());
+    let rts = gpuverbs::Modify::Rts(gpuverbs::soft::raw::RtsAttr::default());
     match qp.modify(rts) {
-        Err(Error::Soft(softnic::Error::IllegalTransition { .. })) if !mlx5 => {}
+        Err(Error::Soft(gpuverbs::soft::Error::IllegalTransition { .. })) if !mlx5 => {}
         // rdma-core transitions that take attributes go through Qp::connect
         Err(Error::Unsupported(m)) if mlx5 => assert!(m.contains("Qp::connect"), "{m}"),
         other => panic!("{other:?}"),
@@ -281,7 +281,7 @@ fn default_access_refuses_remote_writes() {
 }
 
 /// A QP whose CQ has 4 entries, connected to a peer, and its CPU initiator.
-fn small_cq_pair(mode: CqMode) -> Result<(Side, Side, softnic::initiator::Initiator), Error> {
+fn small_cq_pair(mode: CqMode) -> Result<(Side, Side, gpuverbs::post::CpuInitiator), Error> {
     let ctx = common::open();
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(CqOptions {
@@ -308,7 +308,7 @@ fn small_cq_pair(mode: CqMode) -> Result<(Side, Side, softnic::initiator::Initia
 }
 
 /// 16 signaled WRITEs into the 4-entry CQ, which nobody polls meanwhile.
-fn flood(a: &Side, b: &Side, ini: &mut softnic::initiator::Initiator) {
+fn flood(a: &Side, b: &Side, ini: &mut gpuverbs::post::CpuInitiator) {
     for i in 0..16u64 {
         let op = Op::Write {
             remote: b.mr.remote(i * 8),
@@ -348,7 +348,7 @@ fn the_default_cq_reports_an_overrun_to_the_poller() {
     }
     assert_eq!(
         ini.wait_send(T),
-        Err(softnic::initiator::InitiatorError::CqOverrun("send"))
+        Err(gpuverbs::post::InitiatorError::CqOverrun("send"))
     );
     assert!(ini.cq_overrun(false));
     assert!(a.qp.send_cq().soft().unwrap().is_overrun());
@@ -692,7 +692,7 @@ fn a_qp_in_err_flushes_what_it_holds_and_what_is_posted() {
     let mut resp = b.qp.cpu_initiator(RingMode::RdmaCore);
     // a receive posted before the QP is moved to ERR is flushed by the move
     resp.post_recv(&[b.mr.sge(0, 64)]).unwrap();
-    b.qp.modify(softnic::Modify::Err).unwrap();
+    b.qp.modify(gpuverbs::Modify::Err).unwrap();
     assert_eq!(b.qp.state(), QpState::Err);
     let (responder, syndrome, _, counter) = error_of(resp.wait_recv(T).unwrap());
     assert_eq!(
@@ -707,7 +707,7 @@ fn a_qp_in_err_flushes_what_it_holds_and_what_is_posted() {
         (true, Some(Syndrome::WrFlush), 1)
     );
     // posting on a QP in ERR is accepted (the provider checks no state) and flushed
-    a.qp.modify(softnic::Modify::Err).unwrap();
+    a.qp.modify(gpuverbs::Modify::Err).unwrap();
     let w = Op::Write {
         remote: b.mr.remote(0),
         local: Local::Sges(&[a.mr.sge(0, 8)]),
@@ -775,7 +775,7 @@ fn a_vanished_peer_is_transport_retry_exc() {
 
 /// Writes `len` bytes of `seed`'s pattern from A's buffer to B's at `off` and checks them.
 fn write_checked(
-    ini: &mut softnic::initiator::Initiator,
+    ini: &mut gpuverbs::post::CpuInitiator,
     a: &Side,
     b: &Side,
     off: usize,
@@ -950,7 +950,7 @@ fn a_recovery_that_cannot_drain_says_so_and_leaves_the_qp_in_err() {
     let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
     a.qp.soft()
         .unwrap()
-        .inject(softnic::Fault::DropDoorbells(1));
+        .inject(gpuverbs::soft::Fault::DropDoorbells(1));
     let w = Op::Write {
         remote: b.mr.remote(0),
         local: Local::Sges(&[a.mr.sge(0, 8)]),
@@ -974,9 +974,9 @@ fn a_recovery_that_cannot_drain_says_so_and_leaves_the_qp_in_err() {
     assert!(e.to_string().contains("1 send blocks"), "{e}");
     assert_eq!(a.qp.state(), QpState::Err);
     // the application may give the WQE up: RESET by hand, then connect again
-    a.qp.modify(softnic::Modify::Reset).unwrap();
+    a.qp.modify(gpuverbs::Modify::Reset).unwrap();
     a.qp.connect(&b.qp.endpoint(), all_rights()).unwrap();
-    b.qp.modify(softnic::Modify::Reset).unwrap();
+    b.qp.modify(gpuverbs::Modify::Reset).unwrap();
     b.qp.connect(&a.qp.endpoint(), all_rights()).unwrap();
     let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);
     write_checked(&mut ini, &a, &b, 0, 64, 9);
@@ -1002,7 +1002,7 @@ fn a_recovery_counts_receives_flushed_before_it_took_over() {
         ini.post_recv(&[mr.sge(64 * i, 64)]).unwrap();
     }
     drop(ini);
-    qp.modify(softnic::Modify::Err).unwrap();
+    qp.modify(gpuverbs::Modify::Err).unwrap();
     if let Some(q) = qp.soft() {
         let t0 = std::time::Instant::now();
         while q.rq_consumer() != 3 {

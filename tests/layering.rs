@@ -12,19 +12,28 @@ const LAYERS: &[&str] = &[
     // crate-wide vocabulary and formats
     "error",
     "desc",
-    // the CUDA driver, the embedded kernels, a GPU context (mapping and device memory only)
+    // the CUDA driver, the embedded kernels
     "fatbin",
     "cuda",
-    "gpu",
-    // the device backends: what they share, one room per device kind, the boundary on top
+    // the device backends: what they share, the queues' geometry and the seam each implements,
+    // one room per device kind, the open device on top
     "backend",
     "backend::geometry",
+    "backend::seam",
     "backend::mlx5::device",
     "backend::mlx5::devx",
+    "backend::mlx5::objects",
+    "backend::mlx5::ops",
     "backend::mlx5",
+    "backend::soft::controls",
+    "backend::soft::addr",
+    "backend::soft::route",
+    "backend::soft::ops",
     "backend::soft",
     "backend::context",
     "device",
+    // a GPU context (mapping and device memory only), whose memory the backends place rings in
+    "gpu",
     // PDs, buffers, regions; the registration cache on top of them
     "memory::buffer",
     "memory::inflight",
@@ -54,7 +63,6 @@ const LAYERS: &[&str] = &[
     "proxy",
     // re-exports for users
     "post",
-    "soft",
 ];
 
 /// Crate-wide vocabulary: may name any module's types (the error enum carries them).

@@ -136,8 +136,8 @@ fn job(ex: &mut MpiExchange) {
 
     // Soft NICs on the wire, one per process, at distinct loopback addresses.
     let ip = Ipv4Addr::new(127, 0, 0, rank as u8 + 1);
-    let ctx = Context::open_soft(softnic::DeviceConfig {
-        wire: Some(softnic::WireConfig::new(SocketAddr::from((ip, 0)))),
+    let ctx = Context::open_soft(gpuverbs::soft::DeviceConfig {
+        wire: Some(gpuverbs::soft::WireConfig::new(SocketAddr::from((ip, 0)))),
         ..Default::default()
     })
     .unwrap();

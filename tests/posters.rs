@@ -9,6 +9,7 @@
 
 mod common;
 
+use gpuverbs::post::RingMode;
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
 use gpuverbs::queue::Poster;
 use gpuverbs::{
@@ -16,7 +17,6 @@ use gpuverbs::{
 };
 use prm::wqe::{CtrlFlags, Local, Op};
 use prm::{Completion, WQEBB};
-use softnic::initiator::RingMode;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -68,7 +68,7 @@ fn write_op(a: &Side, b: &Side, off: u64) -> (prm::Sge, prm::RemoteAddr) {
 }
 
 fn put(
-    ini: &mut softnic::initiator::Initiator,
+    ini: &mut gpuverbs::post::CpuInitiator,
     a: &Side,
     b: &Side,
     off: u64,
@@ -258,7 +258,7 @@ fn an_initiator_after_reset_starts_at_zero() {
     assert_eq!(counter(&put(&mut ini, &a, &b, 0, 1)), 0);
     assert_eq!(counter(&put(&mut ini, &a, &b, 8, 2)), 1);
     drop(ini);
-    a.qp.modify(softnic::Modify::Reset).unwrap();
+    a.qp.modify(gpuverbs::Modify::Reset).unwrap();
     assert_eq!(a.qp.state(), gpuverbs::queue::QpState::Reset);
     a.qp.connect(
         &b.qp.endpoint(),
@@ -295,7 +295,7 @@ fn posting_below_rts_is_accepted_and_runs_once_the_qp_is_ready() {
     assert_eq!(ini.post_and_ring(&op, CtrlFlags::SIGNALED), Ok(0));
     if common::is_mlx5(&a.ctx) {
         // the transitions that take attributes go through Qp::connect there
-        match a.qp.modify(softnic::Modify::Init {
+        match a.qp.modify(gpuverbs::Modify::Init {
             access: Access::REMOTE_WRITE,
         }) {
             Err(Error::Unsupported(m)) => assert!(m.contains("Qp::connect"), "{m}"),
@@ -314,18 +314,18 @@ fn posting_below_rts_is_accepted_and_runs_once_the_qp_is_ready() {
         access: Access::REMOTE_WRITE,
         ..Default::default()
     };
-    a.qp.modify(softnic::Modify::Init {
+    a.qp.modify(gpuverbs::Modify::Init {
         access: Access::REMOTE_WRITE,
     })
     .unwrap();
     assert_eq!(
         ini.wait_send(Duration::from_millis(50)),
-        Err(softnic::initiator::InitiatorError::Timeout(
+        Err(gpuverbs::post::InitiatorError::Timeout(
             Duration::from_millis(50)
         ))
     );
     assert_eq!(b.buf.to_vec()[..8], [0; 8], "nothing ran below RTS");
-    a.qp.modify(softnic::Modify::Reset).unwrap();
+    a.qp.modify(gpuverbs::Modify::Reset).unwrap();
     // RESET dropped what was posted (as mlx5_modify_qp resets the indices): post again.
     drop(ini);
     let mut ini = a.qp.cpu_initiator(RingMode::RdmaCore);

@@ -2,18 +2,51 @@
 //! WQEs into the SQ ring and only bumps the proxy word), and its rules on plain memory.
 
 use gpuverbs::proxy::{ProxyConfig, ProxyError, ProxyService, ProxyTarget, Wake, MAX_JUMP};
+use gpuverbs::soft::raw::{
+    Access, CqConfig, CqMode, DmaBuf, Modify, PdId, Qp, QpConfig, QpState, RtrAttr, RtsAttr,
+};
+use gpuverbs::soft::raw::{CqGeometry, CqPoller};
+use gpuverbs::soft::{Device, DeviceConfig};
 use prm::doorbell::{DoorbellValue, BF_OFFSET};
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr, Sge};
 use prm::{Completion, Lkey, Rkey, WQEBB};
-use softnic::initiator::{CqGeometry, CqPoller};
-use softnic::{
-    Access, CqConfig, CqMode, Device, DeviceConfig, DmaBuf, Modify, PdId, Qp, QpConfig, QpState,
-    RtrAttr, RtsAttr,
-};
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// The proxy's target for a raw soft-NIC QP: its control page's proxy word and doorbell
+/// record, the doorbell register at [`BF_OFFSET`] of its UAR page, and a wake that kicks the
+/// device's engine (a no-op once the device is dropped). Forwarded advances are limited to
+/// the QP's SQ size.
+fn soft_target(dev: &Arc<Device>, qp: &Arc<Qp>) -> ProxyTarget {
+    let ctrl = qp.ctrl_page();
+    let producer: *const AtomicU64 = ctrl.atomic_u64(qp.proxy_offset());
+    let dbrec: *const AtomicU64 = ctrl.atomic_u64(qp.dbrec_offset());
+    let doorbell: *const AtomicU64 = qp.uar().atomic_u64(BF_OFFSET);
+    let dev = Arc::downgrade(dev);
+    let wake: Wake = Arc::new(move || {
+        if let Some(d) = dev.upgrade() {
+            d.kick();
+        }
+    });
+    let keep: Arc<dyn Any + Send + Sync> = qp.clone();
+    // SAFETY: the three words live in the QP's control and UAR pages (bounds and alignment
+    // checked by `atomic_u64`), which the `Arc<Qp>` in `keep` keeps alive; the soft NIC and
+    // its initiators access them only atomically; the tests let the proxy own the send word.
+    let t = unsafe {
+        ProxyTarget::new(
+            producer,
+            dbrec.cast::<u8>().cast_mut(),
+            doorbell.cast::<u8>().cast_mut(),
+            qp.qpn(),
+            Some(wake),
+            keep,
+        )
+    };
+    t.expect("a soft QP's 24-bit QPN and aligned words")
+        .with_max_jump(qp.sq_blocks())
+}
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 const CHUNK: usize = 64;
@@ -283,7 +316,7 @@ fn proxy_rings_for_a_cpu_kernel_and_rejects_bad_producers() {
     let mut k = net.kernel(1, 300).with_base(base);
     let svc = ProxyService::start(cfg(1)).unwrap();
     let h = svc
-        .add(ProxyTarget::for_soft_qp(&net.a, &k.qp).with_start(base))
+        .add(soft_target(&net.a, &k.qp).with_start(base))
         .unwrap();
     let mut k = std::thread::spawn(move || {
         k.run(200, 5);
@@ -356,7 +389,7 @@ fn many_qps_two_threads_few_active() {
             idle.push(qp.clone());
             qp
         };
-        handles.push(svc.add(ProxyTarget::for_soft_qp(&net.a, &qp)).unwrap());
+        handles.push(svc.add(soft_target(&net.a, &qp)).unwrap());
     }
     let per_thread: Vec<usize> = svc.thread_counters().iter().map(|c| c.targets).collect();
     assert_eq!(per_thread, vec![32, 32]);
@@ -446,7 +479,7 @@ fn add_and_remove_while_running_loses_no_doorbell() {
     let net = Net::new();
     let svc = ProxyService::start(cfg(2)).unwrap();
     let mut k = net.kernel(9, 500);
-    let h = svc.add(ProxyTarget::for_soft_qp(&net.a, &k.qp)).unwrap();
+    let h = svc.add(soft_target(&net.a, &k.qp)).unwrap();
     let done = Arc::new(AtomicUsize::new(0));
     let d = done.clone();
     let driver = std::thread::spawn(move || {
@@ -462,7 +495,7 @@ fn add_and_remove_while_running_loses_no_doorbell() {
     let pool: Vec<Arc<Qp>> = (0..8).map(|_| net.idle_qp()).collect();
     let mut pool_handles: Vec<_> = pool
         .iter()
-        .map(|q| Some(svc.add(ProxyTarget::for_soft_qp(&net.a, q)).unwrap()))
+        .map(|q| Some(svc.add(soft_target(&net.a, q)).unwrap()))
         .collect();
     let mut churn = 0u64;
     while done.load(Ordering::Acquire) == 0 || churn < 50 {
@@ -487,12 +520,7 @@ fn add_and_remove_while_running_loses_no_doorbell() {
         let slot = (churn as usize) % pool.len();
         match pool_handles[slot].take() {
             Some(ph) => assert_eq!(svc.remove(ph).unwrap(), 0),
-            None => {
-                pool_handles[slot] = Some(
-                    svc.add(ProxyTarget::for_soft_qp(&net.a, &pool[slot]))
-                        .unwrap(),
-                )
-            }
+            None => pool_handles[slot] = Some(svc.add(soft_target(&net.a, &pool[slot])).unwrap()),
         }
         churn += 1;
     }
@@ -513,7 +541,7 @@ fn a_removed_qp_is_not_forwarded() {
     let net = Net::new();
     let svc = ProxyService::start(cfg(1)).unwrap();
     let mut k = net.kernel(5, 16);
-    let h = svc.add(ProxyTarget::for_soft_qp(&net.a, &k.qp)).unwrap();
+    let h = svc.add(soft_target(&net.a, &k.qp)).unwrap();
     k.run(4, 4);
     let last = svc.remove(h).unwrap();
     assert_eq!(last, k.pi);
@@ -530,7 +558,7 @@ fn a_removed_qp_is_not_forwarded() {
 
     // Added again from where it was left, the pending WQE goes out.
     let h = svc
-        .add(ProxyTarget::for_soft_qp(&net.a, &k.qp).with_start(last))
+        .add(soft_target(&net.a, &k.qp).with_start(last))
         .unwrap();
     k.drain_to(0);
     k.verify();

@@ -11,13 +11,13 @@ mod common;
 
 use gpuverbs::device::{parse_softnic_addr, SOFTNIC_ADDR_ENV};
 use gpuverbs::endpoint::{EndpointError, ROCE_UDP_PORT};
+use gpuverbs::post::{CpuInitiator as Initiator, RingMode};
 use gpuverbs::{
     Access, ConnectOptions, Context, CqOptions, DeviceRequest, Endpoint, Error, HostBuffer,
     QpOptions, RemoteMemory,
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
 use prm::{Completion, Rkey};
-use softnic::initiator::{Initiator, RingMode};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -34,8 +34,8 @@ fn env_lock() -> std::sync::MutexGuard<'static, ()> {
 
 /// A soft NIC with a wire port on `ip`, a port the system picks.
 fn wire_ctx(ip: Ipv4Addr) -> Context {
-    Context::open_soft(softnic::DeviceConfig {
-        wire: Some(softnic::WireConfig::new(SocketAddr::from((ip, 0)))),
+    Context::open_soft(gpuverbs::soft::DeviceConfig {
+        wire: Some(gpuverbs::soft::WireConfig::new(SocketAddr::from((ip, 0)))),
         ..Default::default()
     })
     .unwrap()
@@ -169,13 +169,14 @@ fn two_wire_contexts_write_through_serialized_endpoints() {
 /// from held packets (selective repeat) and A's retransmissions.
 fn lossy_transfer(a: &Side, b: &Side, mem: &RemoteMemory) -> (u64, u64) {
     let dev = a.ctx.soft_device().unwrap();
-    dev.set_wire_faults(softnic::WireFaults::loss(0.02, 5))
+    dev.set_wire_faults(gpuverbs::soft::WireFaults::loss(0.02, 5))
         .unwrap();
     let mut ini = a.qp.cpu_initiator(RingMode::Doca);
     for seed in 0..4 {
         write(&mut ini, a, b, mem, 1 << 17, seed);
     }
-    dev.set_wire_faults(softnic::WireFaults::default()).unwrap();
+    dev.set_wire_faults(gpuverbs::soft::WireFaults::default())
+        .unwrap();
     let filled = b.ctx.soft_device().unwrap().counters().wire.sr_gaps_filled;
     (filled, dev.counters().wire.retransmits)
 }
@@ -288,7 +289,7 @@ fn a_peer_on_the_wire_needs_a_wire_port() {
     let a = side(Context::open_soft(Default::default()).unwrap());
     // A peer of another process (nothing of this process listens there).
     let far = Endpoint::new(
-        softnic::Gid::from_ipv4(Ipv4Addr::new(127, 0, 0, 9)),
+        gpuverbs::soft::Gid::from_ipv4(Ipv4Addr::new(127, 0, 0, 9)),
         0x1234,
         7,
         4096,
@@ -306,7 +307,7 @@ fn a_peer_on_the_wire_needs_a_wire_port() {
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(a.qp.state(), softnic::QpState::Reset, "nothing changed");
+    assert_eq!(a.qp.state(), gpuverbs::QpState::Reset, "nothing changed");
 }
 
 #[test]

@@ -1,19 +1,14 @@
 //! An open device, [`Context`]: which device backs it (chosen automatically, by name or by
-//! [`DEVICE_ENV`], with the reason logged and queryable), opened in its room, and the
-//! [`Backend`] boundary that everything above (memory, queues, export, proxy) dispatches on.
+//! [`DEVICE_ENV`], with the reason logged and queryable), opened in its room, behind the seam
+//! ([`DeviceOps`]) that everything above (memory, queues, export, proxy) calls.
 
-use super::soft::{self, parse_softnic_addr, Routes, SOFTNIC_ADDR_ENV};
+use super::seam::DeviceOps;
+use super::soft::{self, parse_softnic_addr, SOFTNIC_ADDR_ENV};
 use super::{mlx5, BackendKind, DeviceRequest, Selection, DEVICE_ENV};
 use crate::Error;
-use std::fmt;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
-
-/// The device behind a context.
-pub(crate) enum Backend {
-    Soft(Arc<softnic::Device>),
-    Mlx5(Arc<mlx5::Device>),
-}
+use std::sync::Arc;
+use verbs::Gid;
 
 /// An open device: the root of every other object (PDs, CQs, QPs keep it alive).
 #[derive(Clone)]
@@ -22,10 +17,8 @@ pub struct Context {
 }
 
 pub(crate) struct ContextInner {
-    pub backend: Backend,
+    pub device: Arc<dyn DeviceOps>,
     pub selection: Selection,
-    /// Peer-table entries this context added for its QPs ([`Context::route_to`]).
-    routes: Routes,
 }
 
 /// Names rdma-core lists, or why it lists none.
@@ -118,9 +111,9 @@ impl Context {
             (None, None) => (None, String::new()),
         };
         Self::soft(
-            softnic::DeviceConfig {
+            crate::soft::DeviceConfig {
                 name,
-                wire: wire.map(softnic::WireConfig::new),
+                wire: wire.map(crate::soft::WireConfig::new),
                 ..Default::default()
             },
             soft_reason,
@@ -130,7 +123,7 @@ impl Context {
 
     /// Opens a soft NIC with explicit settings (GID, name, completion-only mode, wire port).
     /// [`DEVICE_ENV`] and [`SOFTNIC_ADDR_ENV`] do not apply.
-    pub fn open_soft(cfg: softnic::DeviceConfig) -> Result<Self, Error> {
+    pub fn open_soft(cfg: crate::soft::DeviceConfig) -> Result<Self, Error> {
         Self::soft(
             cfg,
             "soft NIC with explicit settings, requested in code".into(),
@@ -154,16 +147,19 @@ impl Context {
         tracing::info!(device = %selection, "gpuverbs device selected");
         Ok(Self {
             inner: Arc::new(ContextInner {
-                backend: Backend::Mlx5(dev),
+                device: Arc::new(mlx5::Mlx5Device(dev)),
                 selection,
-                routes: Mutex::default(),
             }),
         })
     }
 
     /// Opens the soft device; `reason` says why a soft NIC, `wire_origin` why its wire port.
-    fn soft(cfg: softnic::DeviceConfig, reason: String, wire_origin: &str) -> Result<Self, Error> {
-        let dev = Arc::new(softnic::Device::open(cfg)?);
+    fn soft(
+        cfg: crate::soft::DeviceConfig,
+        reason: String,
+        wire_origin: &str,
+    ) -> Result<Self, Error> {
+        let dev = Arc::new(crate::soft::Device::open(cfg)?);
         let reason = match dev.wire_addr() {
             Some(a) => format!("{reason}; soft NIC on UDP {a} ({wire_origin})"),
             None => reason,
@@ -177,9 +173,8 @@ impl Context {
         soft::register(&dev);
         Ok(Self {
             inner: Arc::new(ContextInner {
-                backend: Backend::Soft(dev),
+                device: Arc::new(soft::SoftDevice::new(dev)),
                 selection,
-                routes: Mutex::default(),
             }),
         })
     }
@@ -187,50 +182,12 @@ impl Context {
     /// The bound UDP address of the device's wire port (with the port the system picked), or
     /// `None` when the device reaches peers of this process only.
     pub fn wire_addr(&self) -> Option<SocketAddr> {
-        match &self.inner.backend {
-            Backend::Soft(d) => d.wire_addr(),
-            Backend::Mlx5(_) => None,
-        }
+        self.inner.device.wire_addr()
     }
 
-    /// The UDP port an endpoint of this context carries ([`Endpoint::udp_port`]).
+    /// The UDP port an endpoint of this context carries ([`Endpoint::udp_port`](crate::Endpoint::udp_port)).
     pub(crate) fn udp_port(&self) -> Option<u16> {
         self.wire_addr().map(|a| a.port())
-    }
-
-    /// Makes the route from `qp` (of this context, about to be connected) to `remote` work,
-    /// following the soft NIC's routing rules (`docs/wire.md`, "Addressing"):
-    ///
-    /// - `remote` carries no UDP port: nothing to do (a device of this process with that GID,
-    ///   else, on the wire, the GID's address at port 4791).
-    /// - `remote`'s UDP address is the wire port of the only device of this process with that
-    ///   GID: the in-process path (no peer-table entry for that GID).
-    /// - otherwise this device needs a wire port (else [`Error::Unsupported`]: it could not
-    ///   reach the peer), and its peer table gets `GID → UDP address` (several devices of one
-    ///   host share its GID; the port tells them apart).
-    ///
-    /// A device routes a GID to one place: connecting to a peer with the same GID at another
-    /// UDP address while a QP connected to the first is still alive (not destroyed, not in
-    /// ERR) is [`Error::Unsupported`] (open another context for it). Nothing changes on error.
-    ///
-    /// `to` is the UDP address `remote` names (its GID's address at its UDP port), `None` when
-    /// it carries no UDP port; `remote` and `remote_gid` are how it is shown in errors.
-    pub(crate) fn route_to(
-        &self,
-        qp: &Arc<softnic::Qp>,
-        gid: softnic::Gid,
-        to: Option<SocketAddr>,
-        remote: &dyn fmt::Display,
-        remote_gid: &dyn fmt::Display,
-    ) -> Result<(), Error> {
-        let Backend::Soft(dev) = &self.inner.backend else {
-            // a real NIC routes by GID (IP) itself
-            return Ok(());
-        };
-        let Some(to) = to else {
-            return Ok(());
-        };
-        soft::route(dev, &self.inner.routes, qp, gid, to, remote, remote_gid)
     }
 
     /// What was chosen and why.
@@ -239,37 +196,25 @@ impl Context {
     }
 
     /// The port GID.
-    pub fn gid(&self) -> softnic::Gid {
-        match &self.inner.backend {
-            Backend::Soft(d) => d.gid(),
-            Backend::Mlx5(d) => softnic::Gid(d.gid.gid),
-        }
+    pub fn gid(&self) -> Gid {
+        self.inner.device.gid()
     }
 
     /// The index of [`Context::gid`] in the port's GID table: the RoCE v2 GID an rdma-core
     /// device's QPs use (its `sgid_index`); 0 on the soft NIC, which has one GID.
     pub fn gid_index(&self) -> u8 {
-        match &self.inner.backend {
-            Backend::Soft(_) => 0,
-            Backend::Mlx5(d) => d.gid.index,
-        }
+        self.inner.device.gid_index()
     }
 
     /// The path MTU the device offers (bytes): the port's active MTU on rdma-core devices,
     /// 4096 on the soft NIC.
     pub fn mtu(&self) -> u32 {
-        match &self.inner.backend {
-            Backend::Soft(_) => 4096,
-            Backend::Mlx5(d) => d.mtu,
-        }
+        self.inner.device.mtu()
     }
 
     /// The soft device behind this context (counters, fault injection in tests).
-    pub fn soft_device(&self) -> Option<&Arc<softnic::Device>> {
-        match &self.inner.backend {
-            Backend::Soft(d) => Some(d),
-            Backend::Mlx5(_) => None,
-        }
+    pub fn soft_device(&self) -> Option<&Arc<crate::soft::Device>> {
+        soft::device_of(&*self.inner.device)
     }
 }
 

@@ -5,7 +5,7 @@
 
 use prm::doorbell::BF_HALF_SIZE;
 use std::any::Any;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use verbs::DmaBuf;
 
@@ -25,6 +25,31 @@ impl Place<'_> {
             Self::Buf(b, off) if b.is_host() => Some(unsafe { b.as_ptr().add(*off) }),
             Self::Buf(..) => None,
             Self::Host(p) => Some(*p),
+        }
+    }
+
+    /// Big-endian 32-bit word `i` from here (of a doorbell record) as a number: a load with
+    /// acquire, or a copy from GPU memory (0 when that read fails).
+    pub(crate) fn word(&self, i: usize) -> u32 {
+        let w = match self {
+            Self::Buf(b, off) => b.load_u32_acquire(off + 4 * i).unwrap_or(0),
+            // SAFETY: a geometry's host places are live (kept by its `keep`), 4-byte aligned
+            // records that the device and posters access atomically.
+            Self::Host(p) => {
+                unsafe { &*(p.add(4 * i) as *const AtomicU32) }.load(Ordering::Acquire)
+            }
+        };
+        u32::from_be(w)
+    }
+
+    /// The native 64-bit word here (the CPU-proxy word) with acquire, 0 where it is not host
+    /// memory.
+    pub(crate) fn load_u64(&self) -> u64 {
+        match self {
+            Self::Buf(b, off) if b.is_host() => b.atomic_u64(*off).load(Ordering::Acquire),
+            Self::Buf(..) => 0,
+            // SAFETY: as in `store_u64`.
+            Self::Host(p) => unsafe { &*(*p as *const AtomicU64) }.load(Ordering::Acquire),
         }
     }
 
@@ -99,4 +124,21 @@ pub(crate) struct CqGeometry<'a> {
     pub never_overwrites: bool,
     /// Keeps the ring and the record alive.
     pub keep: Arc<dyn Any + Send + Sync>,
+}
+
+impl QpGeometry<'_> {
+    /// The send producer index (64-bit): the CPU-proxy word when a kernel wrote it ahead of
+    /// the doorbell record's 16 bits (its WQEs not rung yet, the proxy will), else those 16
+    /// bits, as the 64-bit value at or below the word.
+    pub(crate) fn sq_producer(&self) -> u64 {
+        let proxy = self.proxy_word.as_ref().map_or(0, Place::load_u64);
+        producer_from(self.dbrec.word(1) as u16, proxy)
+    }
+}
+
+/// The 64-bit producer from the doorbell record's 16 bits and the CPU-proxy word.
+pub(crate) fn producer_from(sq16: u16, proxy: u64) -> u64 {
+    proxy
+        .checked_sub(u64::from((proxy as u16).wrapping_sub(sq16)))
+        .unwrap_or(u64::from(sq16))
 }

@@ -1,8 +1,10 @@
-//! The device backends behind one boundary. This file holds what every backend shares (how a
-//! device is asked for, what was chosen, how a QP connects); below the boundary, one room per
+//! The device backends behind one seam. This file holds what every backend shares (how a
+//! device is asked for, what was chosen, how a QP connects); [`seam`] is the ops table each
+//! backend implements and [`geometry`] the queues' layout it hands up; below them, one room per
 //! device kind: [`soft`] (the soft NIC) and [`mlx5`] (a ConnectX through rdma-core: the
-//! provider's objects and its DEVX ones); on top, [`context`]: the open device and its [`context::Backend`],
-//! the boundary that everything above (memory, queues, export, proxy) dispatches on.
+//! provider's objects and its DEVX ones); on top, [`context`]: the open device, chosen among
+//! the rooms, behind a [`seam::DeviceOps`] that everything above (memory, queues, export,
+//! proxy) calls without knowing which room made it.
 //!
 //! Backends: the soft NIC (always available) and a ConnectX through rdma-core's libibverbs and
 //! libmlx5 (run here on the emulated device of `gpuverbs emu`). A soft NIC reaches QPs of soft
@@ -17,6 +19,7 @@
 pub(crate) mod context;
 pub(crate) mod geometry;
 pub(crate) mod mlx5;
+pub(crate) mod seam;
 pub(crate) mod soft;
 
 use verbs::Access;
@@ -71,6 +74,15 @@ pub enum DeviceRequest {
     Soft,
     /// A device by name (`softnic*` or an rdma-core name).
     Named(String),
+}
+
+/// How GPU memory was registered on an rdma-core device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuRegPath {
+    /// `ibv_reg_dmabuf_mr` with a dma-buf of the GPU pages.
+    DmaBuf,
+    /// `ibv_reg_mr` on the GPU address (nvidia-peermem).
+    PeerMem,
 }
 
 /// How a QP connects to its peer.

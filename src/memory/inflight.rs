@@ -2,8 +2,8 @@
 //! found still in flight ([`InFlight`]), and the watch that follows the device's progress
 //! ([`Mr::deregister`](crate::Mr::deregister)(super::Mr::deregister) and a region's drop wait with it).
 
-use crate::backend::context::Context;
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use crate::backend::seam::QpOps;
+use std::sync::{Mutex, PoisonError, Weak};
 use std::time::Duration;
 use verbs::QpState;
 
@@ -12,20 +12,13 @@ use verbs::QpState;
 pub(crate) struct PdQps(Mutex<Vec<TrackedQp>>);
 
 /// One QP of a PD.
-#[derive(Clone)]
-pub(crate) enum TrackedQp {
-    Soft(Weak<softnic::Qp>),
-    Mlx5(Weak<crate::backend::mlx5::Qp>),
-}
+pub(crate) type TrackedQp = Weak<dyn QpOps>;
 
 impl PdQps {
     /// Records a new QP of the PD (and forgets the ones gone).
     pub(crate) fn add(&self, qp: TrackedQp) {
         let mut v = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        v.retain(|q| match q {
-            TrackedQp::Soft(w) => w.strong_count() > 0,
-            TrackedQp::Mlx5(w) => w.strong_count() > 0,
-        });
+        v.retain(|q| q.strong_count() > 0);
         v.push(qp);
     }
 
@@ -92,98 +85,90 @@ pub(super) struct Watched {
 
 /// The QPs of a PD with WQEs in flight, watched until the device has executed them.
 pub(super) struct SqWatch {
-    dev: Option<Arc<softnic::Device>>,
     pub(super) pending: Vec<Watched>,
 }
 
-/// A live soft QP's consumer index and how many blocks rung (or published to the CPU proxy)
-/// it has not executed yet; `None` for a QP that is gone (destroyed: it runs nothing more).
-fn soft_progress(dev: &softnic::Device, q: &Arc<softnic::Qp>) -> Option<(u16, u32)> {
-    if !dev.qp(q.qpn()).is_some_and(|d| Arc::ptr_eq(&d, q)) {
-        return None;
+/// What can be seen of a QP's send WQEs in flight.
+enum Seen {
+    /// Destroyed: it runs nothing more.
+    Gone,
+    /// Its finished index, and how many blocks rung (or published to the CPU proxy) it has not
+    /// finished yet.
+    Progress(u16, u32),
+    /// The device does not show its progress (a NIC).
+    Unobservable,
+}
+
+/// What can be seen of QP `q`'s send WQEs in flight now.
+fn seen(q: &dyn QpOps) -> Seen {
+    if !q.is_live() {
+        return Seen::Gone;
     }
+    let Some(p) = q.progress() else {
+        return Seen::Unobservable;
+    };
     // The finished index first: WQEs it passes meanwhile only make the wait longer. (WQEs on
     // the wire count until their answers arrive.)
-    let ci = q.sq_finished();
-    let pi = crate::backend::soft::sq_producer(q) as u16;
+    let ci = p.sq_finished;
+    let g = q.geometry();
+    let pi = g.sq_producer() as u16;
     let ahead = u32::from(pi.wrapping_sub(ci));
     // More than a ring ahead: not a producer the device will run (a record from before a
     // reset, or garbage), so nothing in flight.
-    Some((ci, if ahead > q.sq_blocks() { 0 } else { ahead }))
+    Seen::Progress(ci, if ahead > g.sq_blocks { 0 } else { ahead })
 }
 
 impl SqWatch {
     /// The QPs of `qps` with send WQEs rung (or published to the CPU proxy) and not yet
     /// executed, now (in any state: WQEs posted in RESET, INIT or RTR run once the QP reaches
-    /// RTS); with `unobservable`, also every mlx5 QP not in RESET (whose progress the device
-    /// does not show).
-    pub(super) fn new(ctx: &Context, qps: &PdQps, unobservable: bool) -> Self {
-        let dev = ctx.soft_device().cloned();
+    /// RTS); with `unobservable`, also every QP not in RESET whose progress the device does
+    /// not show (mlx5).
+    pub(super) fn new(qps: &PdQps, unobservable: bool) -> Self {
         let mut pending = Vec::new();
         for t in qps.list() {
-            match &t {
-                TrackedQp::Soft(w) => {
-                    let (Some(q), Some(d)) = (w.upgrade(), dev.as_ref()) else {
-                        continue;
-                    };
-                    let Some((ci, ahead)) = soft_progress(d, &q) else {
-                        continue;
-                    };
-                    if ahead > 0 {
-                        pending.push(Watched {
-                            qpn: q.qpn(),
-                            qp: t.clone(),
-                            state: q.state(),
-                            blocks: Some(ahead),
-                            ci,
-                        });
-                    }
-                }
-                TrackedQp::Mlx5(w) => {
-                    let Some(q) = w.upgrade().filter(|_| unobservable) else {
-                        continue;
-                    };
-                    let state = mlx5_state(&q);
-                    if state == QpState::Reset {
-                        continue;
-                    }
-                    pending.push(Watched {
-                        qpn: q.qpn,
-                        qp: t.clone(),
-                        state,
-                        blocks: None,
-                        ci: 0,
-                    });
-                }
+            let Some(q) = t.upgrade() else { continue };
+            let (blocks, ci) = match seen(&*q) {
+                Seen::Progress(ci, ahead) if ahead > 0 => (Some(ahead), ci),
+                Seen::Unobservable if unobservable => (None, 0),
+                _ => continue,
+            };
+            let state = q.state();
+            if blocks.is_none() && state == QpState::Reset {
+                continue;
             }
+            pending.push(Watched {
+                qpn: q.qpn(),
+                qp: t.clone(),
+                state,
+                blocks,
+                ci,
+            });
         }
-        Self { dev, pending }
+        Self { pending }
     }
 
     /// Takes the device's progress into account; drops the QPs that are done: destroyed, or
     /// whose consumer index has moved past the WQEs watched, or that have nothing rung left
     /// to execute (everything before is executed, or was dropped by a reset).
     pub(super) fn poll(&mut self) {
-        let dev = self.dev.clone();
-        self.pending.retain_mut(|p| match &p.qp {
-            TrackedQp::Soft(w) => {
-                let (Some(q), Some(d)) = (w.upgrade(), dev.as_ref()) else {
-                    return false;
-                };
-                let Some((ci, ahead)) = soft_progress(d, &q) else {
-                    return false;
-                };
-                p.state = q.state();
-                let done = u32::from(ci.wrapping_sub(p.ci));
-                p.ci = ci;
-                let left = p.blocks.unwrap_or(0).saturating_sub(done).min(ahead);
-                p.blocks = Some(left);
-                left > 0
-            }
-            TrackedQp::Mlx5(w) => {
-                let Some(q) = w.upgrade() else { return false };
-                p.state = mlx5_state(&q);
-                p.state != QpState::Reset
+        self.pending.retain_mut(|p| {
+            let Some(q) = p.qp.upgrade() else {
+                return false;
+            };
+            match seen(&*q) {
+                Seen::Gone => false,
+                Seen::Progress(ci, ahead) => {
+                    p.state = q.state();
+                    let done = u32::from(ci.wrapping_sub(p.ci));
+                    p.ci = ci;
+                    let left = p.blocks.unwrap_or(0).saturating_sub(done).min(ahead);
+                    p.blocks = Some(left);
+                    left > 0
+                }
+                Seen::Unobservable => {
+                    p.state = q.state();
+                    p.state != QpState::Reset
+                }
             }
         });
     }
@@ -197,16 +182,5 @@ impl SqWatch {
                 blocks: p.blocks,
             })
             .collect()
-    }
-}
-
-/// An mlx5 QP's state (ERR when the query fails).
-fn mlx5_state(q: &crate::backend::mlx5::Qp) -> QpState {
-    match q.state() {
-        Ok(0) => QpState::Reset,
-        Ok(1) => QpState::Init,
-        Ok(2) => QpState::Rtr,
-        Ok(3) => QpState::Rts,
-        _ => QpState::Err,
     }
 }

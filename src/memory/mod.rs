@@ -33,26 +33,26 @@ mod inflight;
 mod region;
 
 pub use buffer::HostBuffer;
+pub(crate) use inflight::PdQps;
 pub use inflight::{InFlight, QpInFlight};
-pub(crate) use inflight::{PdQps, TrackedQp};
-use region::{next_generation, MlxMr};
+use region::next_generation;
 pub use region::{DeregisterError, Mr};
-pub(crate) use region::{Keep, PdDev, RegionPd};
+pub(crate) use region::{Keep, RegionPd};
 
-use crate::backend::context::{Backend, Context};
+use crate::backend::context::Context;
+use crate::backend::seam::{PdOps, Registration};
 use crate::gpu::DeviceMem;
 use crate::Error;
 use std::any::Any;
 use std::sync::{Arc, OnceLock};
-use verbs::devmem::DeviceMemory;
 
-pub use softnic::{Access, MemKind};
+pub use verbs::{Access, MemKind};
 
 /// A protection domain. Clones share it (and its registration cache, [`Pd::reg_cache`]).
 #[derive(Clone)]
 pub struct Pd {
     pub(crate) ctx: Context,
-    pub(crate) dev: PdDev,
+    pub(crate) dev: Arc<dyn PdOps>,
     /// The QPs of this PD (what [`Mr::deregister`] waits for).
     pub(crate) qps: Arc<PdQps>,
     /// The registration cache ([`Pd::register_cached`]), made on first use by
@@ -62,10 +62,7 @@ pub struct Pd {
 
 impl std::fmt::Debug for Pd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.dev {
-            PdDev::Soft(id) => write!(f, "Pd({:?}, {id:?})", self.ctx),
-            PdDev::Mlx5(_) => write!(f, "Pd({:?})", self.ctx),
-        }
+        write!(f, "Pd({:?}, {:?})", self.ctx, self.dev)
     }
 }
 
@@ -84,13 +81,9 @@ impl Context {
 
     /// Allocates a protection domain, or the device's error.
     pub fn try_alloc_pd(&self) -> Result<Pd, Error> {
-        let dev = match &self.inner.backend {
-            Backend::Soft(d) => PdDev::Soft(d.alloc_pd()),
-            Backend::Mlx5(d) => PdDev::Mlx5(d.alloc_pd()?),
-        };
         Ok(Pd {
             ctx: self.clone(),
-            dev,
+            dev: self.inner.device.alloc_pd()?,
             qps: Arc::default(),
             cache: Arc::default(),
         })
@@ -138,47 +131,31 @@ impl Pd {
     /// # Safety
     /// `addr..addr+len` must stay valid host memory until the returned region is dropped.
     pub unsafe fn register_raw(&self, addr: u64, len: u64, access: Access) -> Result<Mr, Error> {
-        let (info, rkey, mlx5) = match (&self.ctx.inner.backend, &self.dev) {
-            (Backend::Soft(d), PdDev::Soft(id)) => {
-                // SAFETY: forwarded contract.
-                let info = unsafe { d.reg_host(*id, addr, len, access)? };
-                (info, info.key, None)
-            }
-            (Backend::Mlx5(_), PdDev::Mlx5(pd)) => {
-                if len == 0 {
-                    return Err(Error::InvalidArgument("an empty memory region".into()));
-                }
-                // SAFETY: forwarded contract.
-                let mr = unsafe { pd.reg_host(addr, len, access)? };
-                let info = softnic::MrInfo {
-                    key: mr.lkey,
-                    pd: softnic::PdId(0),
-                    addr,
-                    len,
-                    access,
-                    kind: MemKind::Host,
-                };
-                (info, mr.rkey, Some(MlxMr(mr)))
-            }
-            _ => unreachable!("a PD belongs to its context's backend"),
-        };
-        Ok(self.new_mr(info, rkey, mlx5, Keep::Nothing))
+        // SAFETY: forwarded contract (the region drops its registration before it returns).
+        let r = unsafe { self.dev.reg_host(addr, len, access)? };
+        Ok(self.new_mr(r, (addr, len, access, MemKind::Host), Keep::Nothing))
     }
 
-    /// A region of this PD, with a new generation.
-    fn new_mr(&self, info: softnic::MrInfo, rkey: u32, mlx5: Option<MlxMr>, keep: Keep) -> Mr {
+    /// A region of this PD over `range` (address, length, rights, kind), with a new
+    /// generation.
+    fn new_mr(&self, r: Registration, range: (u64, u64, Access, MemKind), keep: Keep) -> Mr {
+        let (addr, len, access, kind) = range;
         Mr {
             pd: RegionPd {
                 ctx: self.ctx.clone(),
-                dev: self.dev.clone(),
+                _dev: self.dev.clone(),
                 qps: self.qps.clone(),
             },
-            info,
-            rkey,
-            gpu_path: None,
+            lkey: r.lkey,
+            rkey: r.rkey,
+            addr,
+            len,
+            access,
+            kind,
+            gpu_path: r.gpu_path,
             generation: next_generation(),
             quiet: false,
-            _mlx5: mlx5,
+            _registration: r.handle,
             _keep: keep,
         }
     }
@@ -210,54 +187,29 @@ impl Pd {
     /// address itself (`ibv_reg_mr`, nvidia-peermem).
     pub(crate) fn register_on_gpu(
         &self,
-        gpu: &crate::gpu::Gpu,
+        gpu: &Arc<crate::gpu::Gpu>,
         dptr: u64,
         len: u64,
         access: Access,
         keep: Keep,
     ) -> Result<Mr, Error> {
-        let PdDev::Mlx5(pd) = &self.dev else {
-            return self.register_device(gpu.device_memory(), dptr, len, access, keep);
-        };
-        if len == 0 {
-            return Err(Error::InvalidArgument("an empty memory region".into()));
-        }
-        let dmabuf = gpu.dmabuf(dptr, len).map_err(|e| e.to_string());
-        let (mr, path) = pd.reg_gpu(dptr, len, access, dmabuf)?;
-        let info = softnic::MrInfo {
-            key: mr.lkey,
-            pd: softnic::PdId(0),
-            addr: dptr,
-            len,
-            access,
-            kind: MemKind::Device,
-        };
-        let rkey = mr.rkey;
-        let mut region = self.new_mr(info, rkey, Some(MlxMr(mr)), keep);
-        region.gpu_path = Some(path);
-        Ok(region)
+        let r = self.dev.reg_gpu(gpu, dptr, len, access)?;
+        Ok(self.new_mr(r, (dptr, len, access, MemKind::Device), keep))
     }
 
-    /// Registers device memory reached through `mem` (the soft NIC only).
+    /// Registers device memory reached through `mem` (a software device only; the tests'
+    /// simulated GPU memory).
+    #[cfg(test)]
     pub(crate) fn register_device(
         &self,
-        mem: Arc<dyn DeviceMemory>,
+        mem: Arc<dyn verbs::DeviceMemory>,
         dptr: u64,
         len: u64,
         access: Access,
         keep: Keep,
     ) -> Result<Mr, Error> {
-        let info = match (&self.ctx.inner.backend, &self.dev) {
-            (Backend::Soft(d), PdDev::Soft(id)) => d.reg_device(*id, dptr, len, access, mem)?,
-            _ => {
-                return Err(Error::Unsupported(
-                    "a DeviceMemory region on an rdma-core device (register GPU memory with \
-                     Pd::register_gpu or Pd::register_device_mem)"
-                        .into(),
-                ))
-            }
-        };
-        Ok(self.new_mr(info, info.key, None, keep))
+        let r = self.dev.reg_device_memory(mem, dptr, len, access)?;
+        Ok(self.new_mr(r, (dptr, len, access, MemKind::Device), keep))
     }
 
     /// The context.
@@ -460,7 +412,7 @@ mod tests {
         let smr = smr.deregister(Duration::ZERO).unwrap_err().into_mr();
         let waiter = std::thread::spawn(move || smr.deregister(Duration::from_secs(60)));
         // RESET drops what was posted
-        t.qa.modify(softnic::Modify::Reset).unwrap();
+        t.qa.modify(verbs::Modify::Reset).unwrap();
         waiter.join().unwrap().unwrap();
 
         let smr = t.pa.register(&src).unwrap();
@@ -495,7 +447,7 @@ mod tests {
         let again = t.pa.register(&src).unwrap();
         let mut ini2 = {
             drop(ini);
-            t.qa.modify(softnic::Modify::Reset).unwrap();
+            t.qa.modify(verbs::Modify::Reset).unwrap();
             t.qa.cpu_initiator(RingMode::RdmaCore)
         };
         write(&mut ini2, again.sge(0, 8), dmr.remote(0));

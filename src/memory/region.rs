@@ -4,29 +4,25 @@
 
 use super::buffer::HostBuffer;
 use super::inflight::{InFlight, PdQps, SqWatch};
-use crate::backend::context::{Backend, Context};
+use crate::backend::context::Context;
+use crate::backend::seam::PdOps;
+use crate::backend::GpuRegPath;
 use crate::gpu::DeviceMem;
 use crate::Error;
-use softnic::{Access, MemKind};
+use std::any::Any;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use verbs::{Access, MemKind};
 
 /// What a region holds of its PD: the device, the PD's device object and its QPs (not the
 /// registration cache, which holds regions itself).
 #[derive(Clone)]
 pub(crate) struct RegionPd {
     pub(crate) ctx: Context,
-    #[allow(dead_code)]
-    pub(crate) dev: PdDev,
+    /// The device's PD (a region's registration needs it alive).
+    pub(crate) _dev: Arc<dyn PdOps>,
     pub(crate) qps: Arc<PdQps>,
-}
-
-/// The device's PD.
-#[derive(Clone)]
-pub(crate) enum PdDev {
-    Soft(softnic::PdId),
-    Mlx5(Arc<crate::backend::mlx5::Pd>),
 }
 
 /// What a region keeps alive.
@@ -45,17 +41,21 @@ pub(crate) enum Keep {
 /// waits as long as asked and gives the region back instead.
 pub struct Mr {
     pub(super) pd: RegionPd,
-    /// Range, rights and kind; `key` is the lkey.
-    pub(super) info: softnic::MrInfo,
+    pub(super) lkey: u32,
     pub(super) rkey: u32,
+    pub(super) addr: u64,
+    pub(super) len: u64,
+    pub(super) access: Access,
+    pub(super) kind: MemKind,
     /// How GPU memory was registered on an rdma-core device.
-    pub(super) gpu_path: Option<crate::backend::mlx5::GpuRegPath>,
+    pub(super) gpu_path: Option<GpuRegPath>,
     /// This registration's serial number ([`Mr::generation`]).
     pub(super) generation: u32,
     /// Set when the region's drop need not look for work in flight (already waited for).
     pub(super) quiet: bool,
-    /// The rdma-core registration (deregistered on drop), on the mlx5 backend.
-    pub(super) _mlx5: Option<MlxMr>,
+    /// The device's registration, deregistered when it drops (after the wait in `drop`,
+    /// before the memory `_keep` holds).
+    pub(super) _registration: Box<dyn Any + Send + Sync>,
     pub(super) _keep: Keep,
 }
 
@@ -63,7 +63,11 @@ impl std::fmt::Debug for Mr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Mr")
             .field("ctx", &self.pd.ctx)
-            .field("info", &self.info)
+            .field("lkey", &format_args!("{:#x}", self.lkey))
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("access", &self.access)
+            .field("kind", &self.kind)
             .field("rkey", &format_args!("{:#x}", self.rkey))
             .field("generation", &self.generation)
             .field("keep", &self._keep)
@@ -84,19 +88,10 @@ pub(super) fn next_generation() -> u32 {
     }
 }
 
-/// An rdma-core region owner (opaque in Debug output).
-pub(super) struct MlxMr(#[allow(dead_code)] pub(super) crate::backend::mlx5::Mr);
-
-impl std::fmt::Debug for MlxMr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("mlx5 MR")
-    }
-}
-
 impl Mr {
     /// The local key.
     pub fn lkey(&self) -> prm::Lkey {
-        prm::Lkey(self.info.key)
+        prm::Lkey(self.lkey)
     }
     /// The remote key (a capability: hand it out only on purpose).
     pub fn rkey(&self) -> prm::Rkey {
@@ -104,33 +99,33 @@ impl Mr {
     }
     /// First byte.
     pub fn addr(&self) -> u64 {
-        self.info.addr
+        self.addr
     }
     /// Length.
     pub fn len(&self) -> u64 {
-        self.info.len
+        self.len
     }
     /// Whether empty (never).
     pub fn is_empty(&self) -> bool {
-        self.info.len == 0
+        self.len == 0
     }
     /// Rights.
     pub fn access(&self) -> Access {
-        self.info.access
+        self.access
     }
     /// Where its bytes live: host memory or GPU memory.
     pub fn kind(&self) -> MemKind {
-        self.info.kind
+        self.kind
     }
     /// For GPU memory on an rdma-core device: whether it was registered through a dma-buf or
     /// through nvidia-peermem (`None` elsewhere).
-    pub fn gpu_path(&self) -> Option<crate::backend::mlx5::GpuRegPath> {
+    pub fn gpu_path(&self) -> Option<GpuRegPath> {
         self.gpu_path
     }
     /// An SGE over `off..off+len` of this region.
     pub fn sge(&self, off: u64, len: u32) -> prm::Sge {
         prm::Sge {
-            addr: self.info.addr + off,
+            addr: self.addr + off,
             len,
             lkey: self.lkey(),
         }
@@ -138,7 +133,7 @@ impl Mr {
     /// The remote address of `off` in this region, with its rkey.
     pub fn remote(&self, off: u64) -> prm::RemoteAddr {
         prm::RemoteAddr {
-            addr: self.info.addr + off,
+            addr: self.addr + off,
             rkey: self.rkey(),
         }
     }
@@ -196,7 +191,7 @@ impl Mr {
     /// not show (mlx5).
     fn wait_for(&self, timeout: Duration, unobservable: bool) -> Result<(), InFlight> {
         let start = Instant::now();
-        let mut watch = SqWatch::new(&self.pd.ctx, &self.pd.qps, unobservable);
+        let mut watch = SqWatch::new(&self.pd.qps, unobservable);
         let mut pause = Duration::from_micros(1);
         loop {
             watch.poll();
@@ -206,7 +201,7 @@ impl Mr {
             let waited = start.elapsed();
             if waited >= timeout || watch.pending.iter().all(|p| p.blocks.is_none()) {
                 return Err(InFlight {
-                    lkey: self.info.key,
+                    lkey: self.lkey,
                     waited,
                     qps: watch.report(),
                 });
@@ -267,7 +262,7 @@ impl Drop for Mr {
             if let Err(busy) = self.wait_for(DROP_WAIT, false) {
                 let qps: Vec<String> = busy.qps.iter().map(ToString::to_string).collect();
                 tracing::warn!(
-                    lkey = self.info.key,
+                    lkey = self.lkey,
                     waited = ?busy.waited,
                     in_flight = %qps.join("; "),
                     "memory region dropped while QPs of its PD still have WQEs in flight: \
@@ -276,14 +271,6 @@ impl Drop for Mr {
                 );
             }
         }
-        match &self.pd.ctx.inner.backend {
-            Backend::Soft(d) => {
-                if let Err(e) = d.dereg(self.info.key) {
-                    tracing::warn!(key = self.info.key, error = %e, "deregistration failed");
-                }
-            }
-            // the rdma-core registration ends when `mlx5` drops
-            Backend::Mlx5(_) => {}
-        }
+        // the registration ends when `_registration` drops, next
     }
 }

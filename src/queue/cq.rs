@@ -1,11 +1,12 @@
 //! Completion queues: their options, the device's CQ behind each, and their creation.
 
 use super::ring::{needs_gpu, placement_of, RingPlacement};
-use crate::backend::context::{Backend, Context};
+use crate::backend::context::Context;
+use crate::backend::seam::{CqOps, CqSpec, GpuRings};
 use crate::gpu::Gpu;
 use crate::Error;
 use std::sync::Arc;
-use verbs::{CqInit, CqMode, DmaBuf};
+use verbs::{CqInit, CqMode};
 
 /// Parameters of a CQ.
 #[derive(Clone, Copy, Debug)]
@@ -41,23 +42,7 @@ impl Default for CqOptions {
 #[derive(Clone, Debug)]
 pub struct Cq {
     pub(crate) ctx: Context,
-    pub(crate) dev: CqDev,
-}
-
-/// The device's CQ.
-#[derive(Clone)]
-pub(crate) enum CqDev {
-    Soft(Arc<softnic::Cq>),
-    Mlx5(Arc<crate::backend::mlx5::Cq>),
-}
-
-impl std::fmt::Debug for CqDev {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Soft(c) => write!(f, "soft CQ {:#x}", c.cqn()),
-            Self::Mlx5(c) => write!(f, "mlx5 CQ {:#x}", c.cqn),
-        }
-    }
+    pub(crate) dev: Arc<dyn CqOps>,
 }
 
 impl Cq {
@@ -67,46 +52,27 @@ impl Cq {
     }
     /// Number of entries.
     pub fn depth(&self) -> u32 {
-        match &self.dev {
-            CqDev::Soft(c) => c.ncqe(),
-            CqDev::Mlx5(c) => c.ncqe,
-        }
+        self.dev.depth()
     }
     /// The consumer index its doorbell record holds (24 bits): the CQEs its poster took.
     pub(crate) fn consumer_index(&self) -> u32 {
-        use std::sync::atomic::Ordering::Acquire;
-        match &self.dev {
-            CqDev::Mlx5(c) => c.dbrec.word(0) & 0xff_ffff,
-            CqDev::Soft(c) => u32::from_be(c.dbrec().atomic_u32(0).load(Acquire)) & 0xff_ffff,
-        }
+        self.dev.geometry().dbrec.word(0) & 0xff_ffff
     }
     /// CQ number.
     pub fn cqn(&self) -> u32 {
-        match &self.dev {
-            CqDev::Soft(c) => c.cqn(),
-            CqDev::Mlx5(c) => c.cqn,
-        }
+        self.dev.cqn()
     }
     /// The soft NIC's CQ (rings, doorbell record, overrun state): soft backend only.
-    pub fn soft(&self) -> Option<&Arc<softnic::Cq>> {
-        match &self.dev {
-            CqDev::Soft(c) => Some(c),
-            CqDev::Mlx5(_) => None,
-        }
+    pub fn soft(&self) -> Option<&Arc<crate::soft::raw::Cq>> {
+        crate::backend::soft::cq_of(&*self.dev)
     }
     /// Where its CQE ring lives.
     pub fn placement(&self) -> RingPlacement {
-        match &self.dev {
-            CqDev::Soft(c) => placement_of(c.ring()),
-            CqDev::Mlx5(c) => placement_of(&c.ring),
-        }
+        placement_of(self.dev.geometry().ring)
     }
     /// The CQ's geometry, as its backend made it.
     pub(crate) fn geometry(&self) -> crate::backend::geometry::CqGeometry<'_> {
-        match &self.dev {
-            CqDev::Soft(c) => crate::backend::soft::cq_geometry(c),
-            CqDev::Mlx5(c) => c.geometry(),
-        }
+        self.dev.geometry()
     }
 }
 
@@ -115,7 +81,7 @@ impl Context {
     /// ([`RingPlacement::Gpu`] needs [`Context::create_cq_on`]).
     pub fn create_cq(&self, o: CqOptions) -> Result<Cq, Error> {
         needs_gpu(o.placement, "Context::create_cq_on")?;
-        self.create_cq_with(o, None, None)
+        self.create_cq_with(o, None)
     }
 
     /// Creates a completion queue whose ring is placed as `o.placement` says: in `gpu`'s
@@ -123,21 +89,15 @@ impl Context {
     /// mlx5 backend such a CQ is made with DEVX, its ring registered as a umem (a dma-buf of
     /// the GPU pages first, else the GPU address).
     pub fn create_cq_on(&self, gpu: &Arc<Gpu>, o: CqOptions) -> Result<Cq, Error> {
-        let ring = match o.placement {
-            RingPlacement::HostMapped => None,
-            RingPlacement::Gpu => {
-                let bytes = (o.depth as usize).saturating_mul(prm::CQE_SIZE);
-                Some(gpu.ring_buffer(bytes)?)
-            }
-        };
-        self.create_cq_with(o, ring, Some(gpu))
+        let gpu = (o.placement == RingPlacement::Gpu).then_some(gpu as &dyn GpuRings);
+        self.create_cq_with(o, gpu)
     }
 
+    /// Creates a CQ with its ring in `gpu`'s memory, or in host memory when `None`.
     pub(super) fn create_cq_with(
         &self,
         o: CqOptions,
-        ring: Option<DmaBuf>,
-        gpu: Option<&Arc<Gpu>>,
+        gpu: Option<&dyn GpuRings>,
     ) -> Result<Cq, Error> {
         if !o.depth.is_power_of_two() {
             return Err(Error::InvalidArgument(format!(
@@ -145,53 +105,12 @@ impl Context {
                 o.depth
             )));
         }
-        let dev = match &self.inner.backend {
-            Backend::Soft(d) => CqDev::Soft(d.create_cq(softnic::CqConfig {
-                ncqe: o.depth,
-                mode: o.mode,
-                init: o.init,
-                ring,
-                dbrec: None,
-                cqe_size: Default::default(),
-            })?),
-            Backend::Mlx5(d) => {
-                // The provider's CQs detect overrun, start with op_own 0xF0 and live in host
-                // memory; anything else is made with DEVX (as is everything when
-                // GPUVERBS_MLX5_DEVX=1 asks for it).
-                let provider = ring.is_none()
-                    && o.mode == CqMode::OverrunDetect
-                    && o.init == CqInit::Invalid
-                    && !crate::backend::mlx5::devx_always();
-                if provider {
-                    let cq = d.create_cq(o.depth)?;
-                    if cq.ncqe != o.depth {
-                        return Err(Error::Unsupported(format!(
-                            "the provider made a CQ of {} entries for {}",
-                            cq.ncqe, o.depth
-                        )));
-                    }
-                    CqDev::Mlx5(cq)
-                } else {
-                    let bytes = (o.depth as usize).saturating_mul(prm::CQE_SIZE);
-                    let ring = ring.unwrap_or_else(|| DmaBuf::alloc(bytes));
-                    softnic::cq::prefill(&ring, o.depth as usize, o.init)?;
-                    let gpu = gpu.filter(|_| !ring.is_host());
-                    let dmabuf = gpu.map(|g| {
-                        g.dmabuf(ring.addr(), bytes as u64)
-                            .map_err(|e| e.to_string())
-                    });
-                    // beside a ring in GPU memory, its doorbell record is GPU memory too (its
-                    // consumer, a kernel, writes it)
-                    let rec = match gpu {
-                        Some(g) => g.ring_buffer(8)?,
-                        None => DmaBuf::alloc(64),
-                    };
-                    CqDev::Mlx5(crate::backend::mlx5::Cq::devx(
-                        d, o.depth, o.mode, ring, dmabuf, rec,
-                    )?)
-                }
-            }
-        };
+        let dev = self.inner.device.create_cq(&CqSpec {
+            depth: o.depth,
+            mode: o.mode,
+            init: o.init,
+            gpu,
+        })?;
         Ok(Cq {
             ctx: self.clone(),
             dev,

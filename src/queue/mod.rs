@@ -14,15 +14,17 @@ pub use poster::Poster;
 pub(crate) use poster::PosterClaim;
 pub use qp::{Qp, QpOptions};
 pub use recover::Drained;
-pub use ring::{DoorbellMode, RingPlacement};
-pub use softnic::Modify;
+pub use ring::RingPlacement;
 pub(crate) use state::QueueState;
 pub use verbs::{CqInit, CqMode, QpState};
+pub use verbs::{DoorbellMode, Modify};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::seam::GpuRings;
     use crate::{Context, DeviceRequest, Error};
+    use std::sync::Arc;
     use verbs::initiator::RingMode;
     use verbs::{DmaBuf, SimDeviceMemory};
 
@@ -67,6 +69,44 @@ mod tests {
         assert!(psns.len() > 1, "{seen:x?}");
     }
 
+    /// A GPU of simulated device memory that hands out rings one after the other.
+    struct SimGpu {
+        mem: Arc<SimDeviceMemory>,
+        next: std::sync::atomic::AtomicU64,
+    }
+
+    impl Default for SimGpu {
+        fn default() -> Self {
+            Self {
+                mem: SimDeviceMemory::new(1 << 20),
+                next: Default::default(),
+            }
+        }
+    }
+
+    impl GpuRings for SimGpu {
+        fn ring_buffer(&self, len: usize) -> Result<DmaBuf, Error> {
+            use std::sync::atomic::Ordering::Relaxed;
+            let off = self
+                .next
+                .fetch_add((len as u64).next_multiple_of(4096), Relaxed);
+            assert!(off + len as u64 <= 1 << 20, "the simulated GPU is full");
+            let mem: Arc<dyn verbs::DeviceMemory> = self.mem.clone();
+            Ok(DmaBuf::from_device(
+                self.mem.base() + off,
+                len,
+                mem,
+                Box::new(()),
+            ))
+        }
+        fn dmabuf(&self, _: u64, _: u64) -> Result<(std::os::fd::OwnedFd, u64), String> {
+            Err("simulated GPU memory has no dma-buf".into())
+        }
+        fn memory(&self) -> Arc<dyn verbs::DeviceMemory> {
+            self.mem.clone()
+        }
+    }
+
     #[test]
     fn rings_in_device_memory_reach_the_device_and_refuse_the_cpu() {
         let ctx = Context::open(DeviceRequest::Soft).unwrap();
@@ -81,13 +121,8 @@ mod tests {
             Err(Error::Unsupported(m)) => assert!(m.contains("create_cq_on"), "{m}"),
             r => panic!("{r:?}"),
         }
-        let mem = SimDeviceMemory::new(1 << 20);
-        let ring = |off: u64, len: usize| {
-            DmaBuf::from_device(mem.base() + off, len, mem.clone(), Box::new(()))
-        };
-        let cq = ctx
-            .create_cq_with(gpu_o, Some(ring(0, 64 * 64)), None)
-            .unwrap();
+        let gpu = SimGpu::default();
+        let cq = ctx.create_cq_with(gpu_o, Some(&gpu)).unwrap();
         assert_eq!(cq.placement(), RingPlacement::Gpu);
         let host_cq = ctx.create_cq(CqOptions::default()).unwrap();
         assert_eq!(host_cq.placement(), RingPlacement::HostMapped);
@@ -97,13 +132,7 @@ mod tests {
             Err(Error::Unsupported(m)) => assert!(m.contains("create_qp_on"), "{m}"),
             r => panic!("{r:?}"),
         }
-        let qp = pd
-            .create_qp_with(
-                o,
-                Some((ring(0x10000, 256 * 64), ring(0x20000, 256 * 16))),
-                None,
-            )
-            .unwrap();
+        let qp = pd.create_qp_with(o, Some(&gpu)).unwrap();
         assert_eq!(qp.placement(), RingPlacement::Gpu);
         assert!(matches!(
             qp.try_cpu_initiator(RingMode::Doca),
@@ -193,7 +222,7 @@ mod tests {
             ini.wait_send(std::time::Duration::from_secs(5)).unwrap();
         }
         drop(ini);
-        let st = QueueState::of(qa.soft().unwrap());
+        let st = qa.queue_state();
         let mut d = crate::export::QpDesc {
             rq_wqes: 256,
             ..Default::default()
@@ -216,13 +245,13 @@ mod tests {
             rq_wqes: 256,
             ..Default::default()
         };
-        resume_desc(&mut e, &QueueState::of(shared.soft().unwrap())).unwrap();
+        resume_desc(&mut e, &shared.queue_state()).unwrap();
         assert_eq!((e.scq_ci, e.rcq_ci, e.rq_posted), (3, 3, 3));
         let mut ini = shared.cpu_initiator(RingMode::RdmaCore);
         ini.post_recv(&[smr.sge(0, 8)]).unwrap();
         drop(ini);
         assert!(matches!(
-            resume_desc(&mut e, &QueueState::of(shared.soft().unwrap())),
+            resume_desc(&mut e, &shared.queue_state()),
             Err(Error::InvalidArgument(_))
         ));
     }

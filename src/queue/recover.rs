@@ -4,10 +4,10 @@
 use super::qp::Qp;
 use crate::Error;
 use prm::Completion;
-use softnic::{Modify, QpState};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use verbs::initiator::RingMode;
+use verbs::{Modify, QpState};
 
 /// The completions [`Qp::recover`] took from the QP's CQs while draining it: every WQE that
 /// was outstanding (posted and not yet completed to a poster) completes exactly once, most of

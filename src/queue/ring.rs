@@ -1,5 +1,4 @@
-//! Where a queue's rings live ([`RingPlacement`]) and how kernels ring its doorbell
-//! ([`DoorbellMode`]).
+//! Where a queue's rings live ([`RingPlacement`]).
 
 use crate::Error;
 use verbs::DmaBuf;
@@ -16,33 +15,6 @@ pub enum RingPlacement {
     /// the GPU: [`Context::create_cq_on`](crate::Context::create_cq_on), [`Pd::create_qp_on`](crate::Pd::create_qp_on). The CPU initiator cannot
     /// drive such a queue ([`Qp::try_cpu_initiator`](crate::Qp::try_cpu_initiator)).
     Gpu,
-}
-
-/// How kernels tell the device about new WQEs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum DoorbellMode {
-    /// The best the platform allows (resolved at QP creation, with the reason recorded).
-    #[default]
-    Auto,
-    /// The kernel writes the doorbell record and an 8-byte doorbell to the mapped register.
-    GpuDoorbell,
-    /// The kernel copies the whole WQE into the BlueFlame register.
-    BlueFlame,
-    /// The kernel publishes its producer index in host memory; a host thread rings for it.
-    CpuProxy,
-}
-
-impl DoorbellMode {
-    /// The number the exported descriptor carries ([`crate::desc::db_mode`],
-    /// `GPUVERBS_DB_*` in the device API); `Auto` is resolved to a GPU doorbell.
-    pub fn code(self) -> u32 {
-        use crate::desc::db_mode;
-        match self {
-            Self::Auto | Self::GpuDoorbell => db_mode::GPU_DOORBELL,
-            Self::BlueFlame => db_mode::BLUEFLAME,
-            Self::CpuProxy => db_mode::CPU_PROXY,
-        }
-    }
 }
 
 pub(super) fn placement_of(ring: &DmaBuf) -> RingPlacement {

@@ -1,11 +1,9 @@
 //! A QP's queue state as memory and the device hold it, from which a new poster continues:
 //! the CPU initiator here ([`Qp::cpu_initiator`]); a GPU export and the CPU proxy above.
 
-use super::cq::CqDev;
 use super::poster::Poster;
-use super::qp::{Qp, QpDev};
+use super::qp::Qp;
 use crate::backend::geometry::{CqGeometry, QpGeometry};
-use crate::backend::soft::{producer_from, sq_producer};
 use crate::Error;
 use std::sync::Arc;
 
@@ -31,98 +29,81 @@ pub(crate) struct QueueState {
 }
 
 impl Qp {
-    /// The queue's state as memory and the device hold it (where a new poster continues).
+    /// The queue's state as memory and the device hold it (where a new poster continues):
+    /// the producer from the doorbell record and the CPU-proxy word, the RQ head from the
+    /// record, the CQ consumer indexes from their records; what the device has executed from
+    /// its own consumer indexes where it shows them (a software device), else from the
+    /// completions taken ([`QueueState::inferred`]).
     pub(crate) fn queue_state(&self) -> QueueState {
-        match &self.dev {
-            QpDev::Soft(s) => QueueState::of(s),
-            QpDev::Mlx5(q) => QueueState::of_mlx5(self, q),
-        }
-    }
-}
-
-impl QueueState {
-    pub(crate) fn of(qp: &softnic::Qp) -> Self {
-        use std::sync::atomic::Ordering::Acquire;
-        let rec = qp.ctrl_page();
-        let word = |i: usize| u32::from_be(rec.atomic_u32(qp.dbrec_offset() + 4 * i).load(Acquire));
-        let sq_pi = sq_producer(qp);
-        let in_flight = (sq_pi as u16).wrapping_sub(qp.sq_consumer());
-        let cq_ci =
-            |cq: &softnic::Cq| u32::from_be(cq.dbrec().atomic_u32(0).load(Acquire)) & 0xff_ffff;
-        let scq = qp.send_cq();
-        let scq_slot0 = scq
-            .ring()
+        let g = self.geometry();
+        let sq_pi = g.sq_producer();
+        let rq_head = g.dbrec.word(0) as u16;
+        let (scq_ci, rcq_ci) = (self.send_cq.consumer_index(), self.recv_cq.consumer_index());
+        let Some(p) = self.dev.progress() else {
+            return QueueState::inferred(self, &g, sq_pi, rq_head);
+        };
+        let in_flight = (sq_pi as u16).wrapping_sub(p.sq_consumed);
+        let scq_slot0 = self
+            .send_cq
+            .geometry()
+            .ring
             .load_u32_acquire(prm::cqe::CQE_TAIL_OFFSET)
             .ok()
             .filter(|t| t.to_ne_bytes()[3] >> 4 != prm::cqe::CqeOpcode::Invalid as u8);
-        Self {
+        QueueState {
             sq_pi,
-            sq_in_flight: if u32::from(in_flight) <= qp.sq_blocks() {
+            sq_in_flight: if u32::from(in_flight) <= g.sq_blocks {
                 in_flight
             } else {
                 0
             },
-            rq_head: word(0) as u16,
-            rq_consumer: Some(qp.rq_consumer()),
-            scq_ci: cq_ci(scq),
-            rcq_ci: cq_ci(qp.recv_cq()),
+            rq_head,
+            rq_consumer: Some(p.rq_consumed),
+            scq_ci,
+            rcq_ci,
             scq_slot0,
         }
     }
 }
 
 impl QueueState {
-    /// The queue state of an rdma-core QP, from the provider's memory alone (the device's
-    /// consumer indexes cannot be seen without DEVX): the producer as for a soft QP (doorbell
-    /// record and CPU-proxy word), the CQ consumer indexes from their doorbell records, and the
-    /// SQ blocks not yet retired counted from the last requester completion the send CQ holds
-    /// for this QP (RC completes in order: every WQE up to the end of that one is done; the
-    /// blocks after it stay taken until a later completion retires them). Receives: every
-    /// consumed receive's completion is taken (what [`crate::gpu`]'s export requires), so the
-    /// RQ's consumer index is the receive CQ's.
-    pub(crate) fn of_mlx5(qp: &Qp, q: &crate::backend::mlx5::Qp) -> Self {
-        use std::sync::atomic::{AtomicU64, Ordering::Acquire};
-        let word = |i: usize| q.dbrec.word(i);
-        let proxy = qp
-            .proxy_word
-            .as_ref()
-            // SAFETY: the proxy word is 8 aligned bytes of the QP's own host buffer.
-            .map_or(0, |w| {
-                unsafe { &*(w.addr() as *const AtomicU64) }.load(Acquire)
-            });
-        let sq_pi = producer_from(word(1) as u16, proxy);
+    /// The queue state of a QP whose device does not show its consumer indexes (an rdma-core
+    /// QP without DEVX queries), from memory alone: the SQ blocks not yet retired counted from
+    /// the last requester completion the send CQ holds for this QP (RC completes in order:
+    /// every WQE up to the end of that one is done; the blocks after it stay taken until a
+    /// later completion retires them). Receives: every consumed receive's completion is taken
+    /// (what [`crate::gpu`]'s export requires), so the RQ's consumer index is the receive
+    /// CQ's.
+    fn inferred(qp: &Qp, g: &QpGeometry<'_>, sq_pi: u64, rq_head: u16) -> Self {
+        use std::sync::atomic::Ordering::Acquire;
         let (scq_ci, rcq_ci) = (qp.send_cq.consumer_index(), qp.recv_cq.consumer_index());
+        let scq = qp.send_cq.geometry();
         // the CQEs of the QP's run before its creation or last RESET do not count
         let since = qp.reset_at_scq_ci.load(Acquire);
-        let done_to = match &qp.send_cq.dev {
-            CqDev::Mlx5(c) => last_req_end(c, q, scq_ci, since),
-            CqDev::Soft(_) => None,
-        };
-        let unretired = match done_to {
+        let unretired = match last_req_end(&scq, g, scq_ci, since) {
             Some(end) => (sq_pi as u16).wrapping_sub(end),
             // no completion seen: all of the SQ that was posted may be in flight
-            None => (sq_pi.min(u64::from(q.sq_blocks))) as u16,
+            None => (sq_pi.min(u64::from(g.sq_blocks))) as u16,
         };
         Self {
             sq_pi,
-            sq_in_flight: if u32::from(unretired) <= q.sq_blocks {
+            sq_in_flight: if u32::from(unretired) <= g.sq_blocks {
                 unretired
             } else {
                 0
             },
-            rq_head: word(0) as u16,
+            rq_head,
             // the receive CQ's CQEs are the receives' when it is not the send CQ too; on a
             // shared CQ the newest receive completion taken says how many were (RC consumes
             // receives in order)
-            rq_consumer: match (&qp.send_cq.dev, &qp.recv_cq.dev) {
-                (CqDev::Mlx5(s), CqDev::Mlx5(r)) if Arc::ptr_eq(s, r) => {
-                    match newest_of_qp(s, q.qpn, true, scq_ci, since) {
-                        Newest::Counter(c) => Some(u32::from(c.wrapping_add(1))),
-                        Newest::NoneSinceReset => Some(0),
-                        Newest::Unknown => None,
-                    }
+            rq_consumer: if Arc::ptr_eq(&qp.send_cq.dev, &qp.recv_cq.dev) {
+                match newest_of_qp(&scq, g.qpn, true, scq_ci, since) {
+                    Newest::Counter(c) => Some(u32::from(c.wrapping_add(1))),
+                    Newest::NoneSinceReset => Some(0),
+                    Newest::Unknown => None,
                 }
-                _ => Some(rcq_ci),
+            } else {
+                Some(rcq_ci)
             },
             scq_ci,
             rcq_ci,
@@ -144,15 +125,9 @@ enum Newest {
 /// The newest requester (`responder` false) or responder completion of QP `qpn` among the
 /// CQEs taken from `cq` so far (its consumer index `ci`), looking back at most one ring and
 /// not before `since` (the consumer index when the QP was created or last reset).
-fn newest_of_qp(
-    cq: &crate::backend::mlx5::Cq,
-    qpn: u32,
-    responder: bool,
-    ci: u32,
-    since: u32,
-) -> Newest {
+fn newest_of_qp(cq: &CqGeometry<'_>, qpn: u32, responder: bool, ci: u32, since: u32) -> Newest {
     let mask = cq.ncqe as usize - 1;
-    let collapsed = cq.mode == verbs::CqMode::Collapsed;
+    let collapsed = cq.collapsed;
     let fresh = ci.wrapping_sub(since) & 0xff_ffff;
     // a collapsed CQ holds its newest CQE in slot 0 only
     let window = if collapsed { 1 } else { cq.ncqe.min(ci) };
@@ -201,12 +176,7 @@ fn newest_of_qp(
 
 /// The SQ index just past the WQE of the newest requester completion of QP `q` taken from
 /// `cq` (see [`newest_of_qp`]).
-fn last_req_end(
-    cq: &crate::backend::mlx5::Cq,
-    q: &crate::backend::mlx5::Qp,
-    ci: u32,
-    since: u32,
-) -> Option<u16> {
+fn last_req_end(cq: &CqGeometry<'_>, q: &QpGeometry<'_>, ci: u32, since: u32) -> Option<u16> {
     let Newest::Counter(counter) = newest_of_qp(cq, q.qpn, false, ci, since) else {
         return None;
     };

@@ -485,8 +485,8 @@ mod tests {
     use crate::memory::HostBuffer;
     use crate::{ConnectOptions, Context, CqOptions, DeviceRequest, QpOptions};
     use prm::wqe::{CtrlFlags, Local, Op};
-    use softnic::MemKind;
     use verbs::initiator::RingMode;
+    use verbs::MemKind;
     use verbs::SimDeviceMemory;
 
     const T: Duration = Duration::from_secs(10);

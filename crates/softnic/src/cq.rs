@@ -11,9 +11,7 @@
 
 use crate::buffer::DmaBuf;
 use crate::event::{AsyncEvent, EventHandler, EventSlot};
-use prm::cqe::{
-    owner_bit, Cqe64, CqeOpcode, CQE_TAIL_OFFSET, OP_OWN_INVALID, OP_OWN_INVALID_OWNED,
-};
+use prm::cqe::{owner_bit, Cqe64, CqeOpcode, CQE_TAIL_OFFSET};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
@@ -73,51 +71,19 @@ struct CqState {
     delayed: VecDeque<(Instant, Cqe64)>,
 }
 
-/// Prepares the first `ncqe` entries of a CQ ring of 64-byte CQEs as `init` says: an invalid
-/// CQE with the `op_own` it names in each (host or device memory), or nothing for
-/// [`CqInit::Untouched`].
+/// [`verbs::cq::prefill`], with the soft NIC's error.
 pub fn prefill(ring: &DmaBuf, ncqe: usize, init: CqInit) -> Result<(), crate::Error> {
-    prefill_sized(ring, ncqe, init, CqeSize::B64)
+    Ok(verbs::cq::prefill(ring, ncqe, init)?)
 }
 
-/// [`prefill`] for entries of `size`: with 128-byte entries the invalid CQE is written into
-/// each entry's second half (where the CQE lies) and the first half is zeroed.
+/// [`verbs::cq::prefill_sized`], with the soft NIC's error.
 pub fn prefill_sized(
     ring: &DmaBuf,
     ncqe: usize,
     init: CqInit,
     size: CqeSize,
 ) -> Result<(), crate::Error> {
-    let fill = match init {
-        CqInit::Invalid => OP_OWN_INVALID,
-        CqInit::InvalidOwned => OP_OWN_INVALID_OWNED,
-        CqInit::Untouched => return Ok(()),
-    };
-    let stride = size.bytes();
-    let bytes = ncqe * stride;
-    if ring.len() < bytes {
-        return Err(crate::Error::InvalidArgument(
-            "CQ ring memory smaller than ncqe entries",
-        ));
-    }
-    let mut entry = vec![0u8; stride];
-    entry[size.cqe_offset()..].copy_from_slice(bytemuck::bytes_of(&Cqe64::invalid(fill)));
-    if ring.is_host() {
-        for i in 0..ncqe {
-            ring.write(i * stride, &entry);
-        }
-    } else {
-        // device memory: as few writes as the bounce size allows (one for rings ≤ 1 MiB)
-        let chunk = bytes.min(crate::devmem::BOUNCE);
-        let mut fill = Vec::with_capacity(chunk);
-        while fill.len() < chunk {
-            fill.extend_from_slice(&entry);
-        }
-        for off in (0..bytes).step_by(chunk) {
-            ring.try_write(off, &fill[..chunk.min(bytes - off)])?;
-        }
-    }
-    Ok(())
+    Ok(verbs::cq::prefill_sized(ring, ncqe, init, size)?)
 }
 
 /// A completion queue.

@@ -16,7 +16,7 @@ use crate::event::AsyncEvent;
 use crate::gather::{gather, local_ranges};
 use crate::mem::{total, write_range, Access, MemRange, MrGuard, MwBinding, MwRequest};
 use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall, MAX_MSG};
-use crate::qp::{DoorbellKind, Qp, QpState, SqState};
+use crate::qp::{Qp, QpState, SqState};
 use crate::responder::{respond, Request, Response};
 use crate::shared::{lookup, Shared};
 use crate::wire::{requester, responder};
@@ -309,7 +309,7 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
     if ahead(pi) > ahead(sq.target) {
         sq.target = pi;
     }
-    if qp.doorbell == DoorbellKind::BlueFlame && dv.ds() != 0 {
+    if qp.doorbell.is_blueflame() && dv.ds() != 0 {
         let mut copy = [0u8; BF_HALF_SIZE];
         qp.uar.read(qp.bf_off + h * BF_HALF_SIZE, &mut copy);
         // Writers clear the first 8 bytes, write bytes 8.., then the first 8 bytes (a seqlock):

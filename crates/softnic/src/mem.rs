@@ -67,14 +67,7 @@ pub enum AccessError {
     },
 }
 
-/// Where a region's bytes live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemKind {
-    /// Host memory the engine can address directly.
-    Host,
-    /// Device (GPU) memory, reached through the [`DeviceMemory`] given at registration.
-    Device,
-}
+pub use verbs::MemKind;
 
 /// A registered region as the device records it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

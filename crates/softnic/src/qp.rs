@@ -17,21 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-pub use verbs::QpState;
-
-/// How the device learns of new send WQEs. Real hardware tells an 8-byte doorbell from a
-/// BlueFlame copy by the size of the MMIO write; memory cannot show that, so the QP says which
-/// one its writers use.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum DoorbellKind {
-    /// 8-byte doorbell writes to the register; WQEs are read from the SQ ring.
-    #[default]
-    Register,
-    /// Each doorbell write carries the whole WQE (BlueFlame); that WQE is executed from the
-    /// register copy, earlier ones from the ring. Writers store the WQE's bytes 8.. first and
-    /// its first 8 bytes last, with release ordering.
-    BlueFlame,
-}
+pub use verbs::qp::{Modify, QpState, RtrAttr, RtsAttr};
+pub use verbs::DoorbellMode;
 
 /// Parameters of a new QP.
 pub struct QpConfig {
@@ -49,8 +36,9 @@ pub struct QpConfig {
     pub max_recv_sge: u32,
     /// Largest inline payload accepted.
     pub max_inline: u32,
-    /// Doorbell kind.
-    pub doorbell: DoorbellKind,
+    /// How producers ring: only [`DoorbellMode::BlueFlame`] makes the register take whole
+    /// WQEs; every other mode rings with 8-byte doorbells.
+    pub doorbell: DoorbellMode,
     /// SQ ring memory; allocated in host memory when `None`.
     pub sq_ring: Option<DmaBuf>,
     /// RQ ring memory; allocated in host memory when `None`.
@@ -98,7 +86,7 @@ impl QpConfig {
             rq_wqes: 256,
             max_recv_sge: 1,
             max_inline: 256,
-            doorbell: DoorbellKind::Register,
+            doorbell: DoorbellMode::Auto,
             sq_ring: None,
             rq_ring: None,
             rq_stride: None,
@@ -107,77 +95,6 @@ impl QpConfig {
             user_index: None,
         }
     }
-}
-
-/// Attributes of INIT → RTR.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RtrAttr {
-    /// The peer device's GID.
-    pub remote_gid: Gid,
-    /// The peer QP number.
-    pub remote_qpn: u32,
-    /// Expected PSN of the first incoming packet.
-    pub rq_psn: u32,
-    /// Path MTU in bytes (256..4096).
-    pub mtu: u32,
-    /// Minimal RNR NAK timer (IBTA encoding, 0..31).
-    pub min_rnr_timer: u8,
-    /// Selective repeat on the wire, which both ends must have agreed on (gpuverbs endpoints
-    /// of soft NICs advertise it): the responder holds packets that arrive behind a gap and
-    /// the requester resends only the packet a sequence NAK names (as ConnectX's selective
-    /// retransmission), instead of going back N. Off (go-back-N, the IBTA default) for peers
-    /// that did not advertise it, and for every QP set up through the uverbs emulation.
-    pub selective_repeat: bool,
-}
-
-/// Attributes of RTR → RTS.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RtsAttr {
-    /// First PSN sent.
-    pub sq_psn: u32,
-    /// Local ACK timeout (4.096 µs · 2^timeout; 0 = infinite).
-    pub timeout: u8,
-    /// Transport retries (0..7).
-    pub retry_cnt: u8,
-    /// RNR retries (0..7; 7 = infinite).
-    pub rnr_retry: u8,
-}
-
-impl Default for RtsAttr {
-    fn default() -> Self {
-        Self {
-            sq_psn: 0,
-            timeout: 14,
-            retry_cnt: 7,
-            rnr_retry: 7,
-        }
-    }
-}
-
-/// A state transition with its attributes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Modify {
-    /// RESET → INIT (or INIT → INIT): the remote rights peers get through this QP.
-    Init {
-        /// Remote access rights (REMOTE_WRITE/READ/ATOMIC).
-        access: Access,
-    },
-    /// INIT → RTR.
-    Rtr(RtrAttr),
-    /// RTR → RTS (or RTS → RTS). A UD QP takes `sq_psn` (its first packet's PSN) and
-    /// ignores the rest.
-    Rts(RtsAttr),
-    /// UD: RESET → INIT (or INIT → INIT), with the QP's Q_Key (P_Key index 0, port 1).
-    InitUd {
-        /// Q_Key: incoming datagrams must carry it; sent when a WQE's Q_Key has its high bit set.
-        qkey: u32,
-    },
-    /// UD: INIT → RTR (no peer, no path).
-    RtrUd,
-    /// any → ERR.
-    Err,
-    /// any → RESET.
-    Reset,
 }
 
 /// Test-only misbehaviour of a QP.
@@ -249,7 +166,7 @@ pub struct Qp {
     pub(crate) rq_stride: u32,
     pub(crate) max_recv_sge: u32,
     pub(crate) max_inline: u32,
-    pub(crate) doorbell: DoorbellKind,
+    pub(crate) doorbell: DoorbellMode,
     pub(crate) sq_ring: DmaBuf,
     pub(crate) rq_ring: DmaBuf,
     pub(crate) ctrl: DmaBuf,
@@ -525,8 +442,8 @@ impl Qp {
     pub fn max_inline(&self) -> u32 {
         self.max_inline
     }
-    /// Doorbell kind.
-    pub fn doorbell_kind(&self) -> DoorbellKind {
+    /// How producers ring ([`QpConfig::doorbell`]).
+    pub fn doorbell_mode(&self) -> DoorbellMode {
         self.doorbell
     }
     /// The send CQ.

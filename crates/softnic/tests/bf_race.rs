@@ -26,7 +26,7 @@ fn blueflame_copies_are_never_torn() {
         .unwrap();
     let mut cfg = QpConfig::new(pa, cqa.clone(), cqa);
     cfg.sq_blocks = 1024;
-    cfg.doorbell = DoorbellKind::BlueFlame;
+    cfg.doorbell = DoorbellMode::BlueFlame;
     let qa = a.create_qp(cfg).unwrap();
     let qb = b.create_qp(QpConfig::new(pb, cqb.clone(), cqb)).unwrap();
     const N: usize = 20_000;

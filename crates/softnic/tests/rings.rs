@@ -10,7 +10,7 @@ use prm::doorbell::{DoorbellValue, BF_HALF_SIZE, BF_OFFSET};
 use prm::wqe::{Local, Op, Sge};
 use prm::{Completion, WQEBB};
 use softnic::initiator::RingMode;
-use softnic::{Access, CqInit, CqMode, DoorbellKind, QpState};
+use softnic::{Access, CqInit, CqMode, DoorbellMode, QpState};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -63,7 +63,7 @@ struct Sent {
 
 /// Runs `laps` laps of an `sq_blocks`-block SQ with WRITEs of 1..=4 blocks (and now and then
 /// one as large as the ring), 1..3 per doorbell, and checks every payload.
-fn sq_laps(mode: RingMode, kind: DoorbellKind, sq_blocks: u32, laps: u32, seed: u64) -> u32 {
+fn sq_laps(mode: RingMode, kind: DoorbellMode, sq_blocks: u32, laps: u32, seed: u64) -> u32 {
     let oa = Opts {
         sq_blocks,
         ring: mode,
@@ -163,13 +163,13 @@ fn sq_laps(mode: RingMode, kind: DoorbellKind, sq_blocks: u32, laps: u32, seed: 
 
 #[test]
 fn sq_wraps_over_many_laps_rdma_core_doorbells() {
-    let wraps = sq_laps(RingMode::RdmaCore, DoorbellKind::Register, 8, 40, 11);
+    let wraps = sq_laps(RingMode::RdmaCore, DoorbellMode::GpuDoorbell, 8, 40, 11);
     assert!(wraps >= 10, "only {wraps} WQEs wrapped");
 }
 
 #[test]
 fn sq_wraps_over_many_laps_doca_doorbells() {
-    let wraps = sq_laps(RingMode::Doca, DoorbellKind::Register, 8, 40, 12);
+    let wraps = sq_laps(RingMode::Doca, DoorbellMode::GpuDoorbell, 8, 40, 12);
     assert!(wraps >= 10, "only {wraps} WQEs wrapped");
 }
 
@@ -177,7 +177,7 @@ fn sq_wraps_over_many_laps_doca_doorbells() {
 fn sq_wraps_over_many_laps_blueflame() {
     // 16-block ring: WQEs of up to 4 blocks travel in the register, larger ones (a 16-block
     // one now and then) from the ring
-    let wraps = sq_laps(RingMode::BlueFlame, DoorbellKind::BlueFlame, 16, 30, 13);
+    let wraps = sq_laps(RingMode::BlueFlame, DoorbellMode::BlueFlame, 16, 30, 13);
     assert!(wraps >= 10, "only {wraps} WQEs wrapped");
 }
 
@@ -528,7 +528,7 @@ fn blueflame_raw(ep: &Ep, dev: &softnic::Device, h: usize, wqe: &[u8], pi: u16) 
 #[test]
 fn blueflame_executes_the_register_copy_not_the_ring() {
     let oa = Opts {
-        doorbell: DoorbellKind::BlueFlame,
+        doorbell: DoorbellMode::BlueFlame,
         ring: RingMode::BlueFlame,
         max_inline: 512,
         ..Opts::default()
@@ -642,7 +642,7 @@ fn late_blueflame_copy_of_a_wqe_already_run_is_not_replayed() {
     // afterwards must not be kept and replayed when the 16-bit index comes round again.
     let oa = Opts {
         sq_blocks: 1024,
-        doorbell: DoorbellKind::BlueFlame,
+        doorbell: DoorbellMode::BlueFlame,
         ring: RingMode::Doca,
         ..Opts::default()
     };

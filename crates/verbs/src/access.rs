@@ -1,4 +1,4 @@
-//! Access rights of a memory region, with ibverbs' bit values.
+//! Access rights of a memory region, with ibverbs' bit values, and where its bytes live.
 
 /// Access rights of a memory region (ibverbs bit values).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -32,4 +32,13 @@ impl std::ops::BitOr for Access {
     fn bitor(self, o: Access) -> Access {
         Access(self.0 | o.0)
     }
+}
+
+/// Where a region's bytes live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemKind {
+    /// Host memory the engine can address directly.
+    Host,
+    /// Device (GPU) memory, reached through the [`DeviceMemory`](crate::DeviceMemory) given at registration.
+    Device,
 }

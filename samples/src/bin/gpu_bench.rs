@@ -212,10 +212,7 @@ fn setup(
         }
         let export = gpu.export_qp(&qa)?;
         if let Some(svc) = &proxy {
-            let _h = svc.add(ProxyTarget::for_soft_qp(
-                a.soft_device().expect("soft"),
-                qa.soft().expect("a soft-NIC QP"),
-            ))?;
+            let _h = svc.add(ProxyTarget::for_qp(&qa)?)?;
         }
         qps.push((qa, qb, export));
     }

@@ -16,7 +16,7 @@ use common::*;
 use prm::wqe::{AtomicSize, Local, Op, RemoteAddr, Sge, INLINE_SEG};
 use prm::{Completion, Lkey, Rkey, Syndrome};
 use softnic::initiator::RingMode;
-use softnic::{Access, DoorbellKind};
+use softnic::{Access, DoorbellMode};
 use std::collections::VecDeque;
 
 const SEED: u64 = 0xd1ff_5eed_2024;
@@ -678,9 +678,9 @@ fn random_streams_match_the_reference_model() {
         let ep_no = episodes;
         // ---- episode setup
         let (ring, doorbell) = match rng.below(3) {
-            0 => (RingMode::RdmaCore, DoorbellKind::Register),
-            1 => (RingMode::Doca, DoorbellKind::Register),
-            _ => (RingMode::BlueFlame, DoorbellKind::BlueFlame),
+            0 => (RingMode::RdmaCore, DoorbellMode::GpuDoorbell),
+            1 => (RingMode::Doca, DoorbellMode::GpuDoorbell),
+            _ => (RingMode::BlueFlame, DoorbellMode::BlueFlame),
         };
         let sq_blocks = *rng.pick(&[16u32, 32, 64]);
         let mut b_access = ALL.0 & !Access::LOCAL_WRITE.0;
@@ -716,7 +716,7 @@ fn random_streams_match_the_reference_model() {
         let mut gen = Gen {
             w: &w,
             rng: Rng(rng.next_u64()),
-            raw_ok: doorbell == DoorbellKind::Register,
+            raw_ok: doorbell == DoorbellMode::GpuDoorbell,
             recvs: Vec::new(),
         };
         // atomics peek at the model's memory as of the episode's start, so that compare

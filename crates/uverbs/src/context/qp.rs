@@ -169,7 +169,7 @@ impl Context {
             rq_wqes: shape.rq_wqe_count,
             max_recv_sge: (shape.rq_stride / 16).min(32),
             max_inline: prm::wqe::MAX_INLINE_SEND as u32,
-            doorbell: softnic::DoorbellKind::Register,
+            doorbell: softnic::DoorbellMode::Auto,
             sq_ring: Some(sq_ring),
             rq_ring,
             rq_stride: Some(shape.rq_stride),

@@ -5,7 +5,7 @@ use super::args::{Args, Ring};
 use anyhow::{bail, Context, Result};
 use gpuverbs::post::{Completion, CpuInitiator as Initiator, RingMode, Syndrome};
 use gpuverbs::soft::raw::{
-    Access, Cq, CqConfig, CqGeometry, CqMode, DmaBuf, DoorbellKind, Modify, MrInfo, Qp, QpConfig,
+    Access, Cq, CqConfig, CqGeometry, CqMode, DmaBuf, DoorbellMode, Modify, MrInfo, Qp, QpConfig,
     RqGeometry, RtrAttr, RtsAttr, SoftQpInitiator as _, SqGeometry,
 };
 use gpuverbs::soft::{CounterSnapshot, Device, DeviceConfig, Fault};
@@ -40,9 +40,9 @@ impl Loopback {
         let b = Device::open(DeviceConfig::default()).context("open device B")?;
         let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
         let doorbell = if ring == Ring::Bf {
-            DoorbellKind::BlueFlame
+            DoorbellMode::BlueFlame
         } else {
-            DoorbellKind::Register
+            DoorbellMode::GpuDoorbell
         };
         let mk = |d: &Device, pd| -> Result<Arc<Qp>> {
             // One CQE per SQ block at most: the CQ can never overrun.

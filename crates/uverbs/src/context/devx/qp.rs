@@ -237,7 +237,7 @@ impl Context {
             rq_wqes,
             max_recv_sge: (rq_stride / 16).min(32),
             max_inline: prm::wqe::MAX_INLINE_SEND as u32,
-            doorbell: softnic::DoorbellKind::Register,
+            doorbell: softnic::DoorbellMode::Auto,
             sq_ring,
             rq_ring,
             rq_stride: Some(rq_stride),

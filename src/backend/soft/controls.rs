@@ -19,9 +19,9 @@ pub use softnic::{
 /// and the ring geometry a CPU initiator is built over): for measuring the soft NIC's engine
 /// itself, as `softnic_bench` does. A program on the host API does not need them.
 pub mod raw {
-    pub use softnic::initiator::{CqGeometry, RqGeometry, SoftQpInitiator, SqGeometry};
+    pub use softnic::initiator::{CqGeometry, CqPoller, RqGeometry, SoftQpInitiator, SqGeometry};
     pub use softnic::{
-        Access, Cq, CqConfig, CqMode, DmaBuf, DoorbellKind, Modify, MrInfo, Qp, QpConfig, RtrAttr,
-        RtsAttr,
+        Access, Cq, CqConfig, CqMode, DmaBuf, DoorbellMode, Modify, MrInfo, PdId, Qp, QpConfig,
+        QpState, RtrAttr, RtsAttr,
     };
 }

@@ -1,0 +1,38 @@
+//! How a queue's producer tells the device about new WQEs: [`DoorbellMode`], one type from the
+//! host API's options through the devices to the descriptor the kernels read ([`DoorbellMode::code`]).
+
+/// How a queue's producer tells the device about new WQEs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DoorbellMode {
+    /// The best the platform allows (resolved at QP creation, with the reason recorded); a
+    /// device treats it as [`DoorbellMode::GpuDoorbell`].
+    #[default]
+    Auto,
+    /// The producer (a kernel, or the CPU) writes the doorbell record and an 8-byte doorbell to
+    /// the register; the device reads every WQE from the SQ ring.
+    GpuDoorbell,
+    /// The producer copies the whole WQE into the BlueFlame register; the device executes that
+    /// WQE from the register copy (earlier ones from the ring). Writers store the WQE's bytes
+    /// 8.. first and its first 8 bytes last, with release ordering.
+    BlueFlame,
+    /// A kernel publishes its producer index in host memory (the CPU-proxy word); a host
+    /// thread rings 8-byte doorbells for it.
+    CpuProxy,
+}
+
+impl DoorbellMode {
+    /// The number the exported descriptor carries (`QpDesc::db_mode`, `GPUVERBS_DB_*` in the
+    /// device API); `Auto` is resolved to a GPU doorbell.
+    pub const fn code(self) -> u32 {
+        match self {
+            Self::Auto | Self::GpuDoorbell => 0,
+            Self::BlueFlame => 1,
+            Self::CpuProxy => 2,
+        }
+    }
+
+    /// Whether the device's register takes whole WQEs.
+    pub fn is_blueflame(self) -> bool {
+        self == Self::BlueFlame
+    }
+}
