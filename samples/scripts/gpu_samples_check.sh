@@ -5,8 +5,8 @@
 # when every process exits 0 and every row it prints says `"validated":true`.
 #
 # Usage: samples/scripts/gpu_samples_check.sh [BIN_DIR] [GPUVERBS PRELOAD]
-#   BIN_DIR   where put_bw, read_bw, send_bw, atomic_bw, write_lat, read_lat, send_lat and
-#             atomic_lat are (default: target/release)
+#   BIN_DIR   where put_bw, read_bw, send_bw, atomic_bw, write_lat, read_lat, send_lat,
+#             atomic_lat and user-kernel are (default: target/release)
 #   GPUVERBS, PRELOAD   the `gpuverbs` command and its preload library: the mlx5 cases then run
 #             the samples on the real libmlx5 under `gpuverbs emu` (default: none, skipped)
 # Environment: MPS=0 keeps MPS off for the two-process cases (default: started with
@@ -107,6 +107,23 @@ loop write_lat_duration write_lat -s 64 -D 1
 loop send_lat_duration send_lat -s 4096 -D 1 --cpu_util
 loop read_lat_duration read_lat -D 1
 loop atomic_lat_duration atomic_lat -D 1 -A CMP_AND_SWAP
+
+# The user-kernel sample: a crate's own kernels (user_put, and the README's put_signal and
+# wait_put) on an exported QP; it checks every byte and the signal itself and exits 0 when all
+# arrived. Skipped (and said) when BIN_DIR has no user-kernel.
+if [ -x "$bin/user-kernel" ]; then
+    if timeout 120 "$bin/user-kernel" >"$log/user_kernel.out" 2>"$log/user_kernel.err" &&
+        grep -q "the README's put_signal" "$log/user_kernel.out"; then
+        echo "ok   user_kernel: $(tail -n 1 "$log/user_kernel.out")"
+        passed=$((passed + 1))
+    else
+        echo "FAIL user_kernel (see $log/user_kernel.err)"
+        tail -n 3 "$log/user_kernel.err"
+        failed=$((failed + 1))
+    fi
+else
+    echo "skip user_kernel: no $bin/user-kernel"
+fi
 
 # Two processes: write_lat's kernel drives one side per process; -D and -I across the wire.
 mps_started=0

@@ -1,12 +1,13 @@
 //! A user crate driving a gpuverbs QP from ITS OWN CUDA kernel.
 //!
 //! `build.rs` compiles `kernels/*.cu` with gpuverbs-kernel-build into one
-//! `$OUT_DIR/user_kernels.fatbin`: `user_put.cu` (which includes `<gpuverbs/qp.cuh>`), the kernel
-//! this program launches, and `put_signal.cu`, the README's kernel (compiled only; the test
-//! `tests/readme_kernel.rs` keeps README.md's copy equal to it). This program embeds that fatbin, sets up
-//! two soft-NIC devices with one connected RC QP pair, exports side A's QP to the GPU, loads the
-//! fatbin as a module of the gpuverbs GPU's CUDA context, launches `user_put` with the
-//! descriptor pointer, and checks every byte that arrived at side B.
+//! `$OUT_DIR/user_kernels.fatbin`: `user_put.cu` (which includes `<gpuverbs/qp.cuh>`) and
+//! `put_signal.cu`, the README's kernel (the test `tests/readme_kernel.rs` keeps README.md's copy
+//! equal to it). This program embeds that fatbin, sets up two soft-NIC devices with one
+//! connected RC QP pair, exports side A's QP to the GPU, loads the fatbin as a module of the
+//! gpuverbs GPU's CUDA context, launches `user_put` with the descriptor pointer and checks every
+//! byte that arrived at side B; then launches the README's `put_signal` on the same QP and its
+//! `wait_put` on side B's signal word, and checks both statuses, the bytes and the signal.
 //!
 //! Usage: `user-kernel [GPU ordinal]` (default 0). Needs an NVIDIA GPU and driver; elsewhere it
 //! exits with an error saying so.
@@ -83,6 +84,100 @@ impl Drop for UserModule {
     }
 }
 
+/// Launches `f` on one block of `threads` threads with `params` and waits for it.
+///
+/// # Safety
+/// `params` must match the kernel's parameters in order and type, and every pointer among them
+/// must stay valid until the launch is synchronised (this function returns).
+unsafe fn launch(
+    gpu: &Gpu,
+    f: sys::CUfunction,
+    threads: u32,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    gpu.context().bind_to_thread().context("cuCtxSetCurrent")?;
+    let stream = gpu.context().default_stream();
+    // SAFETY: the caller's promise.
+    unsafe { cu::launch_kernel(f, (1, 1, 1), (threads, 1, 1), 0, stream.cu_stream(), params) }
+        .context("cuLaunchKernel")?;
+    stream.synchronize().context("cuStreamSynchronize")?;
+    Ok(())
+}
+
+/// The first two `int`s of `status` (a kernel's status and syndrome).
+fn status_pair(status: &gpuverbs::gpu::DeviceMem) -> Result<[i32; 2]> {
+    let mut raw = [0u8; 8];
+    status.read(0, &mut raw)?;
+    let w = |i: usize| i32::from_ne_bytes(raw[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+    Ok([w(0), w(1)])
+}
+
+/// The README's kernel: `put_signal` puts the first `LEN` bytes of `src` into a buffer of side
+/// B and adds 1 to B's signal word, on the QP exported at `q`; `wait_put` then waits on side B
+/// (through the signal word's GPU mapping) until it reads 1. Checks both statuses, the bytes and
+/// the signal.
+fn readme_kernel(
+    gpu: &Arc<Gpu>,
+    module: &UserModule,
+    q: u64,
+    (src, src_mr): (&HostBuffer, &gpuverbs::Mr),
+    pb: &gpuverbs::Pd,
+) -> Result<()> {
+    const LEN: u32 = 1000;
+    let dst = HostBuffer::new(LEN as usize);
+    let sig = HostBuffer::new(8);
+    let dst_mr = pb.register_with(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    let sig_mr = pb.register_with(&sig, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
+    let sig_gpu = gpu.map_host(&sig)?;
+    let (put_out, wait_out) = (gpu.alloc(8)?, gpu.alloc(8)?);
+    let (mut q, mut laddr, mut lk, mut raddr, mut rk, mut len) = (
+        q,
+        src_mr.addr(),
+        src_mr.lkey().0,
+        dst_mr.addr(),
+        dst_mr.rkey().0,
+        LEN,
+    );
+    let (mut sig_addr, mut sig_rk, mut out) = (sig_mr.addr(), sig_mr.rkey().0, put_out.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut laddr),
+        arg(&mut lk),
+        arg(&mut raddr),
+        arg(&mut rk),
+        arg(&mut len),
+        arg(&mut sig_addr),
+        arg(&mut sig_rk),
+        arg(&mut out),
+    ];
+    // SAFETY: the parameters match `put_signal(gpuverbs_qp*, uint64_t, uint32_t, uint64_t,
+    // uint32_t, uint32_t, uint64_t, uint32_t, int*)`; q and out are device memory alive past
+    // the synchronised launch; the addresses are only used by the NIC, which checks the keys.
+    unsafe { launch(gpu, module.function("put_signal")?, 1, &mut params) }.context("put_signal")?;
+    let (mut sig_ptr, mut wout) = (sig_gpu, wait_out.ptr());
+    let mut params = [arg(&mut sig_ptr), arg(&mut wout)];
+    // SAFETY: `wait_put(const uint64_t*, int*)`: the signal word's GPU mapping (of `sig`, alive
+    // here) and 8 bytes of device memory, both alive past the synchronised launch.
+    unsafe { launch(gpu, module.function("wait_put")?, 1, &mut params) }.context("wait_put")?;
+    let [put, syndrome] = status_pair(&put_out)?;
+    ensure!(
+        put == 0,
+        "put_signal: status {put}, syndrome {syndrome:#04x}"
+    );
+    let [wait, _] = status_pair(&wait_out)?;
+    ensure!(wait == 0, "wait_put: status {wait}");
+    ensure!(
+        dst.to_vec() == src.to_vec()[..LEN as usize],
+        "put_signal's bytes differ at the peer"
+    );
+    let signal = u64::from_ne_bytes(sig.to_vec()[..8].try_into().expect("8 bytes"));
+    ensure!(signal == 1, "the signal word reads {signal}, not 1");
+    println!(
+        "user-kernel: the README's put_signal: {LEN} bytes and the signal arrived, wait_put saw it"
+    );
+    Ok(())
+}
+
 /// Pointer to a local, for the kernel parameter array.
 fn arg<T>(v: &mut T) -> *mut c_void {
     (v as *mut T).cast()
@@ -129,7 +224,7 @@ fn run() -> Result<()> {
     let qa = pa.create_qp(oa)?;
     let qb = pb.create_qp(QpOptions::new(&cqb, &cqb))?;
     let conn = ConnectOptions {
-        access: Access::REMOTE_WRITE,
+        access: Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
         timeout: 10,
         retry_cnt: 3,
         ..Default::default()
@@ -222,6 +317,7 @@ fn run() -> Result<()> {
             expected[i]
         );
     }
+    readme_kernel(&gpu, &module, export.ptr(), (&src, &src_mr), &pb)?;
     let desc = export.read()?;
     let counters = a.soft_device().map(|d| d.counters());
     if let Some(c) = &counters {
