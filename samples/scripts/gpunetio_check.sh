@@ -3,9 +3,12 @@
 # check, never part of this repository) on gpuverbs' emulated ConnectX: builds its host library
 # and its verbs examples against this machine's CUDA and rdma-core, then runs
 # `gpunetio_verbs_put_bw` and `gpunetio_verbs_write_lat` as server and client, each under its own
-# `gpuverbs emu` (addresses 127.0.0.1 and 127.0.0.2), with the CPU-proxy doorbell (`-p 1`: the
-# GPU cannot map the emulated UAR page as I/O memory, docs/emulation.md). put_bw's server checks
-# every byte it received (GPUNetIO's own check, on SIGINT); write_lat's ping-pong must finish.
+# `gpuverbs emu` (addresses 127.0.0.1 and 127.0.0.2), once per NIC handler in $HANDLERS
+# (GPUNetIO's `-p`: 1 CPU proxy, 2 GPU doorbell, 6 GPU BlueFlame; default "1 2": the GPU
+# doorbell needs the UAR page mapped into the GPU as I/O memory, which the emulation's preload
+# arranges, docs/emulation.md). put_bw's server checks every byte it received (GPUNetIO's own
+# check, on SIGINT); write_lat's ping-pong must finish. A GPU handler must not fall back to the
+# CPU proxy ("Enabling CPU proxy mode" in a log fails the case).
 # With gpuverbs' samples given, gpuverbs' put_bw (two processes) and write_lat (loopback) run on
 # the same emulated devices in the same call, for the figures beside GPUNetIO's.
 #
@@ -46,51 +49,63 @@ if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d 2
 fi
 
 # run_pair NAME BIN EXTRA...: server under `gpuverbs emu --ip 127.0.0.1`, client under
-# `--ip 127.0.0.2` connecting to it (TCP port 2000, GPUNetIO's). Sets $sp (server pid).
+# `--ip 127.0.0.2` connecting to it (TCP port 2000, GPUNetIO's), NIC handler $p. Sets $sp
+# (server pid).
 run_pair() {
     local name=$1 bin=$2
     shift 2
-    timeout 180 "$gpuverbs" emu --ip 127.0.0.1 -- "$bin" -g "$gpu" -d mlx5_0 -l 0 -p 1 "$@" \
-        >"$log/$name.server" 2>&1 &
+    GPUVERBS_EMU_COUNTERS=$log/$name.server.counters timeout 180 "$gpuverbs" emu --ip 127.0.0.1 \
+        -- "$bin" -g "$gpu" -d mlx5_0 -l 0 -p "$p" "$@" >"$log/$name.server" 2>&1 &
     sp=$!
     for _ in $(seq 300); do
         grep -q "Listening for incoming" "$log/$name.server" && break
         kill -0 "$sp" 2>/dev/null || break
         sleep 0.1
     done
-    timeout 180 "$gpuverbs" emu --ip 127.0.0.2 -- "$bin" -g "$gpu" -d mlx5_0 -l 0 -p 1 "$@" \
-        -c 127.0.0.1 >"$log/$name.client" 2>&1
+    GPUVERBS_EMU_COUNTERS=$log/$name.client.counters timeout 180 "$gpuverbs" emu --ip 127.0.0.2 \
+        -- "$bin" -g "$gpu" -d mlx5_0 -l 0 -p "$p" "$@" -c 127.0.0.1 >"$log/$name.client" 2>&1
 }
 
+# no_fallback NAME: with a GPU handler, neither side fell back to the CPU proxy.
+no_fallback() {
+    [ "$p" = 1 ] || ! grep -q "Enabling CPU proxy mode" "$log/$1.server" "$log/$1.client"
+}
+
+for p in ${HANDLERS:-1 2}; do
+echo "NIC handler -p $p:"
+
 b=examples/gpunetio_verbs_put_bw/gpunetio_verbs_put_bw
-run_pair put_bw "$b" -i 512
+run_pair "put_bw_p$p" "$b" -i 512
 crc=$?
 sleep 1
 # the server checks what it received when it gets SIGINT: signal the example itself (its
 # name as the kernel keeps it, 15 characters), not the `gpuverbs emu` around it
 pkill -INT -x gpunetio_verbs_
 wait "$sp"
-if [ "$crc" = 0 ] && grep -q "Validation successfull" "$log/put_bw.server" &&
-    ! grep -q "Validation error" "$log/put_bw.server"; then
-    ok "gpunetio_verbs_put_bw (client rc 0; the server validated every byte)"
+if [ "$crc" = 0 ] && grep -q "Validation successfull" "$log/put_bw_p$p.server" &&
+    ! grep -q "Validation error" "$log/put_bw_p$p.server" && no_fallback "put_bw_p$p"; then
+    ok "gpunetio_verbs_put_bw -p $p (client rc 0; the server validated every byte)"
 else
-    bad "gpunetio_verbs_put_bw (client rc $crc; see $log/put_bw.*)"
-    tail -n 15 "$log/put_bw.client" "$log/put_bw.server"
+    bad "gpunetio_verbs_put_bw -p $p (client rc $crc; see $log/put_bw_p$p.*)"
+    tail -n 15 "$log/put_bw_p$p.client" "$log/put_bw_p$p.server"
 fi
-grep -A20 '#bytes' "$log/put_bw.client" | head -20
+grep -A20 '#bytes' "$log/put_bw_p$p.client" | head -20
+cat "$log/put_bw_p$p.client.counters" 2>/dev/null | grep '^cuda'
+
 
 l=examples/gpunetio_verbs_write_lat/gpunetio_verbs_write_lat
-run_pair write_lat "$l" -i 256
+run_pair "write_lat_p$p" "$l" -i 256
 crc=$?
 wait "$sp"
 src_rc=$?
-if [ "$crc" = 0 ] && [ "$src_rc" = 0 ]; then
-    ok "gpunetio_verbs_write_lat (both sides finished the ping-pong)"
+if [ "$crc" = 0 ] && [ "$src_rc" = 0 ] && no_fallback "write_lat_p$p"; then
+    ok "gpunetio_verbs_write_lat -p $p (both sides finished the ping-pong)"
 else
-    bad "gpunetio_verbs_write_lat (client rc $crc, server rc $src_rc; see $log/write_lat.*)"
-    tail -n 15 "$log/write_lat.client" "$log/write_lat.server"
+    bad "gpunetio_verbs_write_lat -p $p (client rc $crc, server rc $src_rc; see $log/write_lat_p$p.*)"
+    tail -n 15 "$log/write_lat_p$p.client" "$log/write_lat_p$p.server"
 fi
-grep -A12 '#bytes' "$log/write_lat.client" | head -12
+grep -A12 '#bytes' "$log/write_lat_p$p.client" | head -12
+done
 
 if [ -n "$samples" ]; then
     echo "gpuverbs on the same emulated devices:"

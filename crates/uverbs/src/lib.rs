@@ -9,7 +9,8 @@
 //! - [`context`] answers the uverbs `write()` commands ([`abi`]) as the kernel's uverbs core and
 //!   mlx5_ib would, creating soft-NIC objects on the rings, doorbell records and UAR pages the
 //!   provider set up; [`events`] serves completion channels and the async event fd;
-//! - [`peermem`] resolves GPU addresses an application registers (nvidia-peermem's job);
+//! - [`peermem`] resolves GPU addresses an application registers (nvidia-peermem's job), and
+//!   [`dmabuf`] the GPU ranges of dma-bufs (what the preload saw the CUDA driver export);
 //! - [`device`] holds the soft NICs (one per `mlx5_N`, each with a RoCEv2 wire port on its
 //!   own address, [`config`]).
 //!
@@ -21,6 +22,7 @@ pub mod abi;
 pub mod config;
 pub mod context;
 pub mod device;
+pub mod dmabuf;
 pub mod events;
 pub mod ioctl;
 pub mod paths;
@@ -28,6 +30,7 @@ pub mod peermem;
 pub mod sysfs;
 pub mod uaccess;
 
+pub use context::uar::is_emulated_uar;
 use context::{Context, CqObj, Created, Io};
 use events::EventQueue;
 use parking_lot::Mutex;
@@ -270,7 +273,30 @@ pub fn emulation() -> Option<&'static Emulation> {
     .as_ref()
 }
 
-/// One line per started device with the counters that show the sanitizer's verdict.
+/// What the preload saw of the CUDA driver and the emulation did with it (process-wide).
+#[derive(Debug, Default)]
+pub struct CudaSeen {
+    /// `cuMemHostRegister` with IOMEMORY of an emulated UAR page, registered as mapped host
+    /// memory instead.
+    pub iomem_uar: AtomicU64,
+    /// dma-bufs `cuMemGetHandleForAddressRange` exported.
+    pub dmabuf_exports: AtomicU64,
+    /// DEVX umems registered on such a dma-buf.
+    pub dmabuf_umems: AtomicU64,
+    /// Memory regions registered on a dma-buf (REG_DMABUF_MR).
+    pub dmabuf_mrs: AtomicU64,
+}
+
+/// The process's [`CudaSeen`].
+pub static CUDA_SEEN: CudaSeen = CudaSeen {
+    iomem_uar: AtomicU64::new(0),
+    dmabuf_exports: AtomicU64::new(0),
+    dmabuf_umems: AtomicU64::new(0),
+    dmabuf_mrs: AtomicU64::new(0),
+};
+
+/// One line per started device with the counters that show the sanitizer's verdict, then one
+/// with what the emulation made of the CUDA driver's calls ([`CUDA_SEEN`]).
 pub fn counters_report(emu: &Emulation) -> String {
     let mut out = String::new();
     for d in emu.devices.iter() {
@@ -288,6 +314,14 @@ pub fn counters_report(emu: &Emulation) -> String {
             );
         }
     }
+    let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    out += &format!(
+        "cuda iomem_uar={} dmabuf_exports={} dmabuf_umems={} dmabuf_mrs={}\n",
+        n(&CUDA_SEEN.iomem_uar),
+        n(&CUDA_SEEN.dmabuf_exports),
+        n(&CUDA_SEEN.dmabuf_umems),
+        n(&CUDA_SEEN.dmabuf_mrs)
+    );
     out
 }
 

@@ -68,6 +68,7 @@ fn guard<T>(fail: T, f: impl FnOnce() -> Result<T, Errno>) -> T {
     }
 }
 
+mod cuda;
 mod dup;
 mod paths;
 

@@ -19,7 +19,7 @@ mod devx;
 mod pd_mr;
 mod qp;
 mod srq;
-mod uar;
+pub mod uar;
 
 pub use cq::{Arm, CqObj};
 pub use uar::{DynUar, Uars};

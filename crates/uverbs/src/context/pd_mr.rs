@@ -3,9 +3,9 @@
 
 use super::{ib_access, unsupported, Context, Created, Io};
 use crate::abi::{self, access};
+use crate::dmabuf::{self, dmabuf_size, is_dmabuf};
 use crate::peermem;
 use crate::uaccess::{check_mapped, Errno};
-use std::os::fd::RawFd;
 
 pub(super) struct PdObj {
     pub(super) id: softnic::PdId,
@@ -151,7 +151,20 @@ impl Context {
         if dmabuf_size(fd).is_some_and(|size| end > size) {
             return Err(Errno::EINVAL);
         }
-        let first = iova.checked_sub(offset).ok_or(Errno::EINVAL)?;
+        // the dma-buf's first byte: what the CUDA driver exported it from (seen by the
+        // preload), else the IOVA less the offset (the GPU address, as applications pass it)
+        let first = match dmabuf::gpu_range(fd) {
+            Some(r) if end > r.len => return Err(Errno::EINVAL),
+            Some(r) => r.addr,
+            None => iova.checked_sub(offset).ok_or(Errno::EINVAL)?,
+        };
+        if first.checked_add(offset) != Some(iova) {
+            crate::complain(format_args!(
+                "REG_DMABUF_MR with an IOVA ({iova:#x}) other than the GPU address of its bytes                  ({:#x}) is not emulated (EOPNOTSUPP)",
+                first.wrapping_add(offset)
+            ));
+            return Err(Errno::EOPNOTSUPP);
+        }
         let mem = peermem::resolve(first, end).ok_or(Errno::EFAULT)?;
         let soft = self.soft()?;
         let mut o = self.objs.lock();
@@ -176,6 +189,9 @@ impl Context {
                 pd: pd_h,
             },
         );
+        crate::CUDA_SEEN
+            .dmabuf_mrs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
@@ -278,22 +294,4 @@ impl Context {
         soft.dealloc_mw(mw.key).map_err(|_| Errno::EINVAL)?;
         Ok(Created::Nothing)
     }
-}
-
-/// Whether `fd` is a dma-buf (what `/proc/self/fd` names it: `/dmabuf:...` or
-/// `anon_inode:dmabuf`); EBADF when it is no open fd.
-fn is_dmabuf(fd: RawFd) -> Result<bool, Errno> {
-    let target = std::fs::read_link(format!("/proc/self/fd/{fd}")).map_err(|_| Errno::EBADF)?;
-    let t = target.to_string_lossy();
-    Ok(t.starts_with("/dmabuf:") || t.starts_with("anon_inode:dmabuf"))
-}
-
-/// A dma-buf's size (dma-bufs answer `lseek(fd, 0, SEEK_END)` with it), `None` when it does not
-/// say. The file position is left at 0, where it was.
-fn dmabuf_size(fd: RawFd) -> Option<u64> {
-    // SAFETY: lseek on an fd has no memory effects; a dma-buf's position carries no state.
-    let end = unsafe { libc::lseek(fd, 0, libc::SEEK_END) };
-    // SAFETY: as above.
-    unsafe { libc::lseek(fd, 0, libc::SEEK_SET) };
-    u64::try_from(end).ok()
 }

@@ -11,6 +11,42 @@ use std::os::fd::RawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+/// The name of the memfds behind UAR pages (`/proc/self/maps` shows `/memfd:<name> (deleted)`).
+const MEMFD_NAME: &std::ffi::CStr = c"gpuverbs-uar";
+
+/// Whether `addr..addr+len` (non-empty) lies in mappings of emulated UAR pages (what a
+/// ConnectX's UAR, BAR space, is on hardware: the CUDA driver registers such a page as I/O
+/// memory). Read from `/proc/self/maps`: only mappings of the emulation's UAR memfds count.
+pub fn is_emulated_uar(addr: u64, len: u64) -> bool {
+    let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
+        return false;
+    };
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let name = format!("/memfd:{}", MEMFD_NAME.to_string_lossy());
+    // every page of the range in a UAR mapping (adjacent mappings may cover it together)
+    let mut covered_to = addr;
+    let mut spans: Vec<(u64, u64)> = maps
+        .lines()
+        .filter(|l| l.split_whitespace().nth(5).is_some_and(|p| p == name))
+        .filter_map(|l| {
+            let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+            Some((
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            ))
+        })
+        .collect();
+    spans.sort_unstable();
+    for (a, b) in spans {
+        if a <= covered_to && b > covered_to {
+            covered_to = b;
+        }
+    }
+    covered_to >= end
+}
+
 /// A UAR page shared by the application's mapping and the soft NIC's.
 pub(super) struct UarPage {
     pub(super) buf: Arc<DmaBuf>,
@@ -33,7 +69,7 @@ impl Uars {
             )
         };
         // SAFETY: plain system call with a static NUL-terminated name; the result is checked.
-        let memfd = unsafe { libc::memfd_create(c"gpuverbs-uar".as_ptr(), libc::MFD_CLOEXEC) };
+        let memfd = unsafe { libc::memfd_create(MEMFD_NAME.as_ptr(), libc::MFD_CLOEXEC) };
         if memfd < 0 {
             return Err(os());
         }
@@ -179,5 +215,28 @@ impl Drop for Uars {
     fn drop(&mut self) {
         // SAFETY: closes the memfd this context owns.
         unsafe { libc::syscall(libc::SYS_close, self.memfd) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_emulations_uar_pages_are_uar_pages() {
+        let uars = Uars::new(1).unwrap();
+        let page = uars.pages[0].buf.addr();
+        assert!(is_emulated_uar(page, UAR_PAGE_SIZE as u64));
+        assert!(is_emulated_uar(page + 8, 8));
+        assert!(!is_emulated_uar(page, 0), "an empty range is no page");
+        assert!(
+            !is_emulated_uar(page, 2 * UAR_PAGE_SIZE as u64) || {
+                // the next page happens to be another UAR mapping of this process
+                is_emulated_uar(page + UAR_PAGE_SIZE as u64, 1)
+            }
+        );
+        let plain = vec![0u8; 2 * UAR_PAGE_SIZE];
+        assert!(!is_emulated_uar(plain.as_ptr() as u64, 64));
+        assert!(!is_emulated_uar(u64::MAX - 4, 8));
     }
 }

@@ -1,10 +1,13 @@
 //! DEVX umems (UMEM REG / DEREG): application memory registered for the rings and doorbell
 //! records of DEVX objects, in host memory or in GPU memory of the process (resolved through
-//! CUDA, as nvidia-peermem lets mlx5_ib pin it). A umem stays until its last object is gone.
+//! CUDA, as nvidia-peermem lets mlx5_ib pin it), named by its address or by a dma-buf of it
+//! (whose GPU range the preload saw the CUDA driver export). A umem stays until its last object
+//! is gone.
 
 use super::{refuse, syndrome, Refused};
 use crate::abi::mlx5_ioctl::umem as a;
 use crate::context::{user_buf, Context};
+use crate::dmabuf;
 use crate::ioctl::Call;
 use crate::peermem;
 use crate::uaccess::{check_mapped, Errno};
@@ -79,16 +82,18 @@ impl Context {
         if len == 0 || addr.checked_add(len).is_none() {
             return Err(Errno::EINVAL);
         }
-        if call.has(a::DMABUF_FD) {
-            crate::complain(format_args!(
-                "DEVX umems on a dma-buf are not served yet (EOPNOTSUPP); register the GPU \
-                 address instead (the nvidia-peermem path)"
-            ));
-            return Err(Errno::EOPNOTSUPP);
-        }
-        let gpu = match check_mapped(addr, len) {
-            Ok(()) => None,
-            Err(e) => Some(peermem::resolve(addr, len).ok_or(e)?),
+        // a umem on a dma-buf: ADDR is the offset into it (as mlx5_ib's
+        // ib_umem_dmabuf_get_pinned takes it), its bytes GPU memory
+        let fd = call.has(a::DMABUF_FD).then(|| call.handle(a::DMABUF_FD));
+        let (addr, gpu) = match fd.transpose()? {
+            Some(fd) => {
+                let at = dmabuf_umem(fd as i32, addr, len)?;
+                (at, Some(peermem::resolve(at, len).ok_or(Errno::EFAULT)?))
+            }
+            None => match check_mapped(addr, len) {
+                Ok(()) => (addr, None),
+                Err(e) => (addr, Some(peermem::resolve(addr, len).ok_or(e)?)),
+            },
         };
         let mut o = self.objs.lock();
         o.last_umem_id += 1;
@@ -106,6 +111,11 @@ impl Context {
                 users: 0,
             },
         );
+        if fd.is_some() {
+            crate::CUDA_SEEN
+                .dmabuf_umems
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -120,5 +130,25 @@ impl Context {
         }
         o.umems.remove(&h);
         Ok(())
+    }
+}
+
+/// The GPU address of `offset..offset+len` of dma-buf `fd`: the range the CUDA driver exported
+/// it from (the preload records it, [`dmabuf::gpu_range`]). Not a dma-buf: EINVAL; beyond it:
+/// EINVAL; a dma-buf whose export this process did not see: EOPNOTSUPP, said on stderr.
+fn dmabuf_umem(fd: i32, offset: u64, len: u64) -> Result<u64, Errno> {
+    if !dmabuf::is_dmabuf(fd)? {
+        return Err(Errno::EINVAL);
+    }
+    let Some(r) = dmabuf::gpu_range(fd) else {
+        crate::complain(format_args!(
+            "UMEM_REG on dma-buf fd {fd}: its GPU range is unknown (only dma-bufs that \
+             cuMemGetHandleForAddressRange exported in this process are served; EOPNOTSUPP)"
+        ));
+        return Err(Errno::EOPNOTSUPP);
+    };
+    match offset.checked_add(len) {
+        Some(end) if end <= r.len => Ok(r.addr + offset),
+        _ => Err(Errno::EINVAL),
     }
 }

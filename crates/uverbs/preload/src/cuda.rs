@@ -1,0 +1,296 @@
+//! The CUDA driver as the emulated kernel needs to see it. A process finds the driver's entry
+//! points with `dlopen("libcuda.so.1")` + `dlsym` (the CUDA runtime, static inside NVSHMEM and
+//! GPUNetIO, then asks `cuGetProcAddress` for every other one), or links them directly. This
+//! module defines `dlsym` (glibc's own is reached with `dlvsym`), `cuGetProcAddress` (both ABIs)
+//! and the two driver calls the emulation needs, and hands the process its wrappers of those:
+//!
+//! - `cuMemHostRegister` with `CU_MEMHOSTREGISTER_IOMEMORY` of an emulated UAR page: a
+//!   ConnectX's UAR is BAR space, which the driver maps for the GPU as I/O memory; the emulated
+//!   page is shared host memory, which the driver refuses as I/O memory, so it is registered as
+//!   mapped host memory instead (what the GPU gets is the same: a device address whose stores
+//!   reach the device). Any other range goes to the driver untouched.
+//! - `cuMemGetHandleForAddressRange` with `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`: the driver
+//!   exports the range; the emulated kernel records which GPU range the dma-buf holds
+//!   ([`uverbs::dmabuf::exported`]), so that a DEVX umem or a memory region on that dma-buf
+//!   reaches the GPU memory, as a kernel with a ConnectX reaches it through the exporter.
+//!
+//! Only processes under `gpuverbs emu` load this library. One limit: a `dlsym(RTLD_NEXT, …)`
+//! made by the program itself resolves from this library onwards (glibc tells the caller by
+//! its return address, which is here now), so it skips this library's own definitions.
+
+use libc::{c_char, c_int, c_uint, c_void, size_t};
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// `CUresult`.
+type CuResult = c_int;
+/// `CUDA_ERROR_NOT_INITIALIZED`: what a wrapper answers when no driver is loaded to forward to.
+const CUDA_ERROR_NOT_INITIALIZED: CuResult = 3;
+/// `CU_MEMHOSTREGISTER_DEVICEMAP`.
+const DEVICEMAP: c_uint = 0x02;
+/// `CU_MEMHOSTREGISTER_IOMEMORY`.
+const IOMEMORY: c_uint = 0x04;
+/// `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`.
+const DMA_BUF_FD: c_int = 0x1;
+/// The first CUDA version whose `cuGetProcAddress` takes the `_v2` arguments (12.0).
+const GET_PROC_ADDRESS_V2_FROM: c_int = 12000;
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+type GetProcV1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CuResult;
+type GetProcV2 =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
+type HostRegister = unsafe extern "C" fn(*mut c_void, size_t, c_uint) -> CuResult;
+type GetHandle = unsafe extern "C" fn(*mut c_void, u64, size_t, c_int, u64) -> CuResult;
+
+/// glibc's `dlsym` (looked up once with `dlvsym`, which this library does not define).
+fn real_dlsym() -> DlsymFn {
+    static SLOT: AtomicUsize = AtomicUsize::new(0);
+    let mut p = SLOT.load(Ordering::Acquire);
+    if p == 0 {
+        for version in [c"GLIBC_2.34", c"GLIBC_2.2.5"] {
+            // SAFETY: dlvsym with RTLD_NEXT and NUL-terminated names; checked below.
+            p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) }
+                as usize;
+            if p != 0 {
+                break;
+            }
+        }
+        if p == 0 {
+            uverbs::complain(format_args!("no glibc dlsym to forward to"));
+            // SAFETY: terminating the process is always sound.
+            unsafe { libc::abort() };
+        }
+        SLOT.store(p, Ordering::Release);
+    }
+    // SAFETY: glibc's dlsym, whose C signature this type states.
+    unsafe { std::mem::transmute::<usize, DlsymFn>(p) }
+}
+
+/// The driver's definitions of the wrapped entry points, as the process was given them.
+struct Slot {
+    real: AtomicUsize,
+    /// The name the driver exports it under (for a direct call made before any lookup).
+    name: &'static CStr,
+}
+
+static GET_PROC_V1: Slot = Slot::new(c"cuGetProcAddress");
+static GET_PROC_V2: Slot = Slot::new(c"cuGetProcAddress_v2");
+static HOST_REGISTER_V1: Slot = Slot::new(c"cuMemHostRegister");
+static HOST_REGISTER_V2: Slot = Slot::new(c"cuMemHostRegister_v2");
+static GET_HANDLE: Slot = Slot::new(c"cuMemGetHandleForAddressRange");
+
+impl Slot {
+    const fn new(name: &'static CStr) -> Self {
+        Self {
+            real: AtomicUsize::new(0),
+            name,
+        }
+    }
+
+    /// Records the driver's definition (never one of this library's wrappers).
+    fn set(&self, p: usize) {
+        if p != 0 && !is_wrapper(p) {
+            self.real.store(p, Ordering::Release);
+        }
+    }
+
+    /// The driver's definition: the one recorded, else the next one after this library's.
+    fn get(&self) -> Option<usize> {
+        let p = self.real.load(Ordering::Acquire);
+        if p != 0 {
+            return Some(p);
+        }
+        // SAFETY: RTLD_NEXT from this library (the call comes from here) and a static name.
+        let p = unsafe { real_dlsym()(libc::RTLD_NEXT, self.name.as_ptr()) } as usize;
+        self.set(p);
+        (p != 0 && !is_wrapper(p)).then_some(p)
+    }
+}
+
+/// The wrappers, by the driver name they stand for (`_v2` names: the `_v2` ABI).
+fn wrapper_of(name: &[u8], v2_abi: bool) -> Option<(usize, &'static Slot)> {
+    Some(match (name, v2_abi) {
+        (b"cuGetProcAddress", false) => (cuGetProcAddress as *const () as usize, &GET_PROC_V1),
+        (b"cuGetProcAddress", true) | (b"cuGetProcAddress_v2", _) => {
+            (cuGetProcAddress_v2 as *const () as usize, &GET_PROC_V2)
+        }
+        (b"cuMemHostRegister", false) => {
+            (cuMemHostRegister as *const () as usize, &HOST_REGISTER_V1)
+        }
+        (b"cuMemHostRegister", true) | (b"cuMemHostRegister_v2", _) => (
+            cuMemHostRegister_v2 as *const () as usize,
+            &HOST_REGISTER_V2,
+        ),
+        (b"cuMemGetHandleForAddressRange", _) => (
+            cuMemGetHandleForAddressRange as *const () as usize,
+            &GET_HANDLE,
+        ),
+        _ => return None,
+    })
+}
+
+fn is_wrapper(p: usize) -> bool {
+    [
+        cuGetProcAddress as *const () as usize,
+        cuGetProcAddress_v2 as *const () as usize,
+        cuMemHostRegister as *const () as usize,
+        cuMemHostRegister_v2 as *const () as usize,
+        cuMemGetHandleForAddressRange as *const () as usize,
+    ]
+    .contains(&p)
+}
+
+/// `p`, the driver's definition of `name`, or this library's wrapper of it (recording `p`).
+fn wrap(name: &[u8], v2_abi: bool, p: usize) -> usize {
+    match wrapper_of(name, v2_abi) {
+        Some((w, slot)) if p != 0 && p != w => {
+            slot.set(p);
+            w
+        }
+        _ => p,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    // SAFETY: the caller's arguments, forwarded.
+    let p = unsafe { real_dlsym()(handle, symbol) };
+    if p.is_null() || symbol.is_null() {
+        return p;
+    }
+    // SAFETY: dlsym's symbol is a NUL-terminated name.
+    let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+    if !name.starts_with(b"cu") {
+        return p;
+    }
+    wrap(name, false, p as usize) as *mut c_void
+}
+
+/// The `cuGetProcAddress` answer `*pfn` for `symbol`, replaced by a wrapper where there is one.
+///
+/// # Safety
+/// `symbol` NUL-terminated or null, `pfn` null or valid.
+unsafe fn wrap_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int) {
+    if symbol.is_null() || pfn.is_null() {
+        return;
+    }
+    // SAFETY: the caller's promise.
+    let (name, p) = unsafe { (CStr::from_ptr(symbol).to_bytes(), *pfn) };
+    if p.is_null() {
+        return;
+    }
+    // cuMemHostRegister's _v2 is the one from CUDA 6.5 on; cuGetProcAddress's from 12.0 on
+    let v2_abi = match name {
+        b"cuGetProcAddress" => version >= GET_PROC_ADDRESS_V2_FROM,
+        b"cuMemHostRegister" => version >= 6050,
+        _ => false,
+    };
+    // SAFETY: the caller's promise.
+    unsafe { *pfn = wrap(name, v2_abi, p as usize) as *mut c_void };
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+) -> CuResult {
+    let Some(real) = GET_PROC_V1.get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: the driver's cuGetProcAddress (v1 ABI) with the caller's arguments.
+    let r = unsafe { std::mem::transmute::<usize, GetProcV1>(real)(symbol, pfn, version, flags) };
+    if r == 0 {
+        // SAFETY: the driver succeeded with the caller's valid arguments.
+        unsafe { wrap_proc(symbol, pfn, version) };
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+    status: *mut c_int,
+) -> CuResult {
+    let Some(real) = GET_PROC_V2.get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: the driver's cuGetProcAddress_v2 with the caller's arguments.
+    let r = unsafe {
+        std::mem::transmute::<usize, GetProcV2>(real)(symbol, pfn, version, flags, status)
+    };
+    if r == 0 {
+        // SAFETY: the driver succeeded with the caller's valid arguments.
+        unsafe { wrap_proc(symbol, pfn, version) };
+    }
+    r
+}
+
+/// The flags to register `p..p+len` with: IOMEMORY of an emulated UAR page becomes mapped host
+/// memory; anything else as asked.
+fn host_register_flags(p: *mut c_void, len: size_t, flags: c_uint) -> c_uint {
+    if flags & IOMEMORY == 0 {
+        return flags;
+    }
+    let uar = std::panic::catch_unwind(|| uverbs::is_emulated_uar(p as u64, len as u64));
+    if !matches!(uar, Ok(true)) {
+        return flags;
+    }
+    uverbs::CUDA_SEEN.iomem_uar.fetch_add(1, Ordering::Relaxed);
+    (flags & !IOMEMORY) | DEVICEMAP
+}
+
+/// A `cuMemHostRegister` through `slot`.
+///
+/// # Safety
+/// The caller's arguments, as the driver takes them.
+unsafe fn host_register(slot: &Slot, p: *mut c_void, len: size_t, flags: c_uint) -> CuResult {
+    let Some(real) = slot.get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let flags = host_register_flags(p, len, flags);
+    // SAFETY: the driver's cuMemHostRegister with the caller's range.
+    unsafe { std::mem::transmute::<usize, HostRegister>(real)(p, len, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostRegister(p: *mut c_void, len: size_t, flags: c_uint) -> CuResult {
+    // SAFETY: forwarded.
+    unsafe { host_register(&HOST_REGISTER_V1, p, len, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostRegister_v2(
+    p: *mut c_void,
+    len: size_t,
+    flags: c_uint,
+) -> CuResult {
+    // SAFETY: forwarded.
+    unsafe { host_register(&HOST_REGISTER_V2, p, len, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetHandleForAddressRange(
+    handle: *mut c_void,
+    dptr: u64,
+    size: size_t,
+    kind: c_int,
+    flags: u64,
+) -> CuResult {
+    let Some(real) = GET_HANDLE.get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: the driver's cuMemGetHandleForAddressRange with the caller's arguments.
+    let r =
+        unsafe { std::mem::transmute::<usize, GetHandle>(real)(handle, dptr, size, kind, flags) };
+    if r == 0 && kind == DMA_BUF_FD && !handle.is_null() {
+        // SAFETY: for DMA_BUF_FD the driver wrote the new fd into the int at `handle`.
+        let fd = unsafe { *handle.cast::<c_int>() };
+        let _ = std::panic::catch_unwind(|| uverbs::dmabuf::exported(fd, dptr, size as u64));
+    }
+    r
+}
