@@ -199,6 +199,25 @@ fn every_operation_through_the_public_api() {
 }
 
 #[test]
+fn automatic_ring_placement_without_a_gpu_is_host_memory_and_says_why() {
+    // (with a GPU, a ConnectX takes GPU rings and the soft NIC host rings: gpu-test's
+    // put_autorings_* cases on both backends)
+    let ctx = common::open();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(CqOptions::default()).unwrap();
+    let qp = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
+    for (placement, why) in [
+        (cq.placement(), cq.placement_reason()),
+        (qp.placement(), qp.placement_reason()),
+    ] {
+        assert_eq!(placement, RingPlacement::HostMapped, "{why}");
+        assert!(why.starts_with("auto: host memory, no GPU given"), "{why}");
+    }
+    // host rings: the CPU initiator can drive them
+    assert!(qp.try_cpu_initiator(RingMode::Doca).is_ok());
+}
+
+#[test]
 fn bad_inputs_are_errors() {
     let ctx = common::open();
     let mlx5 = common::is_mlx5(&ctx);

@@ -105,6 +105,7 @@ pub(crate) fn parse_mode(s: &str) -> PyResult<DoorbellMode> {
 
 pub(crate) fn placement_name(p: RingPlacement) -> &'static str {
     match p {
+        RingPlacement::Auto => "auto",
         RingPlacement::HostMapped => "host",
         RingPlacement::Gpu => "gpu",
     }
@@ -112,10 +113,11 @@ pub(crate) fn placement_name(p: RingPlacement) -> &'static str {
 
 pub(crate) fn parse_placement(s: &str) -> PyResult<RingPlacement> {
     match s {
+        "auto" => Ok(RingPlacement::Auto),
         "host" => Ok(RingPlacement::HostMapped),
         "gpu" => Ok(RingPlacement::Gpu),
         _ => Err(errors::InvalidArgument::new_err(format!(
-            "rings {s:?}: \"host\" or \"gpu\""
+            "rings {s:?}: \"auto\", \"host\" or \"gpu\""
         ))),
     }
 }

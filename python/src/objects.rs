@@ -72,8 +72,9 @@ impl Context {
         Pd(self.0.alloc_pd())
     }
     /// A CQ of `depth` entries (a power of two), detecting overrun; its ring in host memory
-    /// or, with `rings="gpu"`, in GPU memory of `gpu`.
-    #[pyo3(signature = (depth = 256, rings = "host", gpu = None))]
+    /// or, with `rings="gpu"`, in GPU memory of `gpu`; `"auto"`: where the device wants it
+    /// for `gpu`'s kernels (host memory without a `gpu`; `placement_reason` says why).
+    #[pyo3(signature = (depth = 256, rings = "auto", gpu = None))]
     fn create_cq(&self, depth: u32, rings: &str, gpu: Option<&crate::gpu::Gpu>) -> PyResult<Cq> {
         let o = CqOptions {
             depth,
@@ -139,9 +140,11 @@ impl Pd {
     /// An RC QP in RESET on `send_cq` and `recv_cq`. `doorbell`: how kernels ring it once
     /// exported (`"auto"`, `"gpu_doorbell"`, `"blueflame"`, `"cpu_proxy"`; the choice and its
     /// reason are reported by `doorbell_mode` / `doorbell_reason`); `rings`: `"host"` (mapped
-    /// into the GPU) or `"gpu"` (GPU memory of `gpu`, for a QP only kernels drive).
+    /// into the GPU), `"gpu"` (GPU memory of `gpu`, for a QP only kernels drive) or `"auto"`
+    /// (where the device wants them for `gpu`'s kernels, host memory without a `gpu`; reported
+    /// by `ring_placement` / `placement_reason`).
     #[pyo3(signature = (send_cq, recv_cq, sq_blocks = 256, rq_wqes = 256, max_inline = 256,
-                        doorbell = "auto", rings = "host", gpu = None))]
+                        doorbell = "auto", rings = "auto", gpu = None))]
     #[allow(clippy::too_many_arguments)]
     fn create_qp(
         &self,
@@ -182,6 +185,16 @@ impl Cq {
     #[getter]
     fn depth(&self) -> u32 {
         self.0.depth()
+    }
+    /// `"host"` or `"gpu"`: where the ring lives (`"auto"` resolved at creation).
+    #[getter]
+    fn ring_placement(&self) -> &'static str {
+        crate::gpu::placement_name(self.0.placement())
+    }
+    /// Why the ring is there.
+    #[getter]
+    fn placement_reason(&self) -> String {
+        self.0.placement_reason().to_string()
     }
 }
 
@@ -263,10 +276,15 @@ impl Qp {
     fn doorbell_reason(&self) -> String {
         self.0.doorbell().1.to_string()
     }
-    /// `"host"` or `"gpu"`: where the rings live.
+    /// `"host"` or `"gpu"`: where the rings live (`"auto"` resolved at creation).
     #[getter]
     fn ring_placement(&self) -> &'static str {
         crate::gpu::placement_name(self.0.placement())
+    }
+    /// Why the rings are there.
+    #[getter]
+    fn placement_reason(&self) -> String {
+        self.0.placement_reason().to_string()
     }
     /// Exports the QP to `gpu` (a `Gpu` or an ordinal) for kernels built against headers of
     /// descriptor version `header_version` (`GPUVERBS_DESC_VERSION`; by default this

@@ -83,7 +83,12 @@ def test_a_qp_reports_its_doorbell_mode_and_ring_placement():
     qp = pd.create_qp(cq, cq)
     assert qp.doorbell_mode in ("gpu_doorbell", "blueflame", "cpu_proxy")
     assert qp.doorbell_reason
-    assert qp.ring_placement == "host"
+    # automatic placement without a GPU: host memory, and it says so
+    assert qp.ring_placement == "host" and cq.ring_placement == "host"
+    assert qp.placement_reason.startswith("auto: host memory, no GPU given"), qp.placement_reason
+    assert cq.placement_reason.startswith("auto: host memory"), cq.placement_reason
+    asked = pd.create_qp(cq, cq, rings="host")
+    assert (asked.ring_placement, asked.placement_reason) == ("host", "requested")
     px = pd.create_qp(cq, cq, doorbell="cpu_proxy")
     assert px.doorbell_mode == "cpu_proxy"
     with pytest.raises(gv.InvalidArgument, match="doorbell"):

@@ -62,7 +62,39 @@ impl DbArg {
     }
 }
 
-/// Where rings or payload buffers live.
+/// Where the SQ, RQ and CQ rings live (`--rings`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RingsArg {
+    /// Where the device wants them for the initiator: GPU memory on a ConnectX driven by the
+    /// GPU initiator, host memory otherwise (the header says what it chose and why).
+    Auto,
+    /// Host memory (mapped into the GPU when a kernel uses it).
+    Host,
+    /// GPU memory (the GPU initiator only).
+    Gpu,
+}
+
+impl RingsArg {
+    /// `"auto"`, `"host"` or `"gpu"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Host => "host",
+            Self::Gpu => "gpu",
+        }
+    }
+
+    /// The host API's placement.
+    pub fn placement(self) -> gpuverbs::RingPlacement {
+        match self {
+            Self::Auto => gpuverbs::RingPlacement::Auto,
+            Self::Host => gpuverbs::RingPlacement::HostMapped,
+            Self::Gpu => gpuverbs::RingPlacement::Gpu,
+        }
+    }
+}
+
+/// Where payload buffers live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Placement {
     /// Host memory (mapped into the GPU when a kernel uses it).
@@ -228,8 +260,8 @@ pub struct CommonArgs {
     #[arg(long, value_enum, default_value_t = DbArg::Auto)]
     pub db: DbArg,
     /// Where the SQ/CQ rings live.
-    #[arg(long, value_enum, default_value_t = Placement::Host)]
-    pub rings: Placement,
+    #[arg(long, value_enum, default_value_t = RingsArg::Auto)]
+    pub rings: RingsArg,
     /// Where the payload buffers live.
     #[arg(long, value_enum, default_value_t = Placement::Host)]
     pub mem: Placement,

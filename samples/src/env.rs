@@ -1,7 +1,7 @@
 //! The device, the GPU and the initiator of a run: [`open_env`], [`open_env_remote`], and what
 //! they check ([`check_placement`], [`soft_nic_options`]).
 
-use crate::args::{device_request, CommonArgs, Initiator, Placement};
+use crate::args::{device_request, CommonArgs, Initiator, Placement, RingsArg};
 use crate::peer::Peer;
 use anyhow::{bail, Context as _, Result};
 use gpuverbs::gpu::Gpu;
@@ -186,7 +186,7 @@ fn resolve_env(a: &CommonArgs, ctx: Context) -> Result<Env> {
 /// drive rings in GPU memory). `--mem gpu` needs a GPU and the GPU initiator (the CPU
 /// initiator reaches its buffers through host pointers).
 pub fn check_placement(a: &CommonArgs, env: &Env) -> Result<()> {
-    if a.rings == Placement::Gpu && (env.initiator != Initiator::Gpu || env.gpu.is_none()) {
+    if a.rings == RingsArg::Gpu && (env.initiator != Initiator::Gpu || env.gpu.is_none()) {
         bail!(
             "--rings gpu: rings in GPU memory are driven by the GPU initiator only, and this run \
              uses the CPU ({}; GPU: {}); the CPU initiator cannot drive GPU-resident rings (use \

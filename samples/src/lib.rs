@@ -56,7 +56,7 @@ pub mod wire;
 
 pub use args::{
     device_request, parse_loss, parse_size, CommonArgs, DbArg, Initiator, OutputArg, Placement,
-    Role, RoleArgs, ALL_SIZES, DEFAULT_PORT, DEFAULT_TIMEOUT_S, MAX_SIZE, MAX_TX_DEPTH,
+    RingsArg, Role, RoleArgs, ALL_SIZES, DEFAULT_PORT, DEFAULT_TIMEOUT_S, MAX_SIZE, MAX_TX_DEPTH,
 };
 pub use cpu::{CpuSample, OtherCpu, UserIdle, OTHER_CPU_HIGH};
 pub use env::{

@@ -2,13 +2,11 @@
 //! the SQ size ([`tx_depth_for`]), and the doorbell (the CPU initiator's ring mode, the names
 //! and the header line that describe it).
 
-use crate::args::{DbArg, Initiator, Placement, MAX_TX_DEPTH};
+use crate::args::{DbArg, Initiator, RingsArg, MAX_TX_DEPTH};
 use anyhow::{bail, Context as _, Result};
 use gpuverbs::gpu::Gpu;
 use gpuverbs::post::RingMode;
-use gpuverbs::{
-    Access, ConnectOptions, CqOptions, DoorbellMode, Endpoint, Pd, Qp, QpOptions, RingPlacement,
-};
+use gpuverbs::{Access, ConnectOptions, CqOptions, DoorbellMode, Endpoint, Pd, Qp, QpOptions};
 use std::sync::Arc;
 
 /// The doorbell convention a CPU initiator uses for a QP created with `db`, or why it cannot.
@@ -80,7 +78,7 @@ pub struct QpSpec {
     /// SQ blocks (power of two); the QP's CQ gets as many entries (one CQE per block at most).
     pub tx_depth: u32,
     /// Ring placement.
-    pub rings: Placement,
+    pub rings: RingsArg,
     /// Doorbell mode.
     pub db: DbArg,
 }
@@ -99,22 +97,23 @@ pub fn create_qp_rq(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>, rq_wqes: u32)
 }
 
 fn make_qp(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>, rq: Option<u32>) -> Result<Qp> {
-    let placement = match spec.rings {
-        Placement::Host => RingPlacement::HostMapped,
-        Placement::Gpu => RingPlacement::Gpu,
-    };
+    let placement = spec.rings.placement();
+    // a GPU to place rings for: given (the GPU initiator), unless host rings are asked for
+    let gpu = gpu.filter(|_| spec.rings != RingsArg::Host);
+    if spec.rings == RingsArg::Gpu && gpu.is_none() {
+        bail!(
+            "--rings gpu: rings in GPU memory need a GPU (and the GPU initiator; use --rings host)"
+        );
+    }
     let ctx = pd.context();
     let co = CqOptions {
         depth: spec.tx_depth.max(64),
         placement,
         ..Default::default()
     };
-    let cq = match (spec.rings, gpu) {
-        (Placement::Host, _) => ctx.create_cq(co),
-        (Placement::Gpu, Some(g)) => ctx.create_cq_on(g, co),
-        (Placement::Gpu, None) => bail!(
-            "--rings gpu: rings in GPU memory need a GPU (and the GPU initiator; use --rings host)"
-        ),
+    let cq = match gpu {
+        Some(g) => ctx.create_cq_on(g, co),
+        None => ctx.create_cq(co),
     }
     .with_context(|| format!("--rings {}: create a CQ", spec.rings.name()))?;
     let rcq = match rq {
@@ -125,9 +124,9 @@ fn make_qp(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>, rq: Option<u32>) -> Re
                 placement,
                 ..Default::default()
             };
-            match (spec.rings, gpu) {
-                (Placement::Gpu, Some(g)) => ctx.create_cq_on(g, co),
-                _ => ctx.create_cq(co),
+            match gpu {
+                Some(g) => ctx.create_cq_on(g, co),
+                None => ctx.create_cq(co),
             }
             .with_context(|| format!("--rings {}: create a receive CQ", spec.rings.name()))?
         }
@@ -139,9 +138,9 @@ fn make_qp(pd: &Pd, spec: QpSpec, gpu: Option<&Arc<Gpu>>, rq: Option<u32>) -> Re
     o.sq_blocks = spec.tx_depth;
     o.placement = placement;
     o.doorbell = spec.db.mode();
-    match (spec.rings, gpu) {
-        (Placement::Gpu, Some(g)) => pd.create_qp_on(g, o),
-        _ => pd.create_qp(o),
+    match gpu {
+        Some(g) => pd.create_qp_on(g, o),
+        None => pd.create_qp(o),
     }
     .with_context(|| format!("--rings {}: create a QP", spec.rings.name()))
 }

@@ -5,7 +5,7 @@ use crate::args::{CommonArgs, Initiator, Placement};
 use crate::qp::{cpu_doorbell_reason, cpu_ring_mode, doorbell_name, with_mtu};
 use crate::resolved::Env;
 use anyhow::Result;
-use gpuverbs::{Context, Endpoint, Qp};
+use gpuverbs::{Context, Endpoint, Qp, RingPlacement};
 use serde_json::{json, Value};
 use std::io::Write as _;
 
@@ -160,7 +160,7 @@ pub fn mtu_line(
 /// With the CPU initiator the doorbell line names the register the CPU writes and says that the CPU
 /// rings it (the QP's GPU-doorbell mapping is not used); `doorbell` is kept for kernels and
 /// for a side that only answers.
-pub fn common_header(h: &mut Header, env: &Env, a: &CommonArgs, doorbell: String) {
+pub fn common_header(h: &mut Header, env: &Env, a: &CommonArgs, qp: &Qp, doorbell: String) {
     use gpuverbs::post::RingMode;
     let doorbell = match (env.initiator, cpu_ring_mode(a.db)) {
         (Initiator::Cpu, Ok(ring)) if !doorbell.starts_with("none:") => format!(
@@ -183,16 +183,17 @@ pub fn common_header(h: &mut Header, env: &Env, a: &CommonArgs, doorbell: String
         .line("Doorbell", doorbell)
         .line(
             "Rings",
-            match a.rings {
-                Placement::Host if gpu_posts => {
-                    "host memory (mapped into the GPU when a kernel posts)"
-                }
-                Placement::Host => "host memory",
-                Placement::Gpu => {
-                    "GPU memory (SQ/RQ and CQ rings from Context::create_cq_on / \
-                     Pd::create_qp_on; doorbell records in host memory)"
-                }
-            },
+            format!(
+                "{} ({})",
+                match qp.placement() {
+                    RingPlacement::Gpu => {
+                        "GPU memory (SQ/RQ and CQ rings; doorbell records in host memory)"
+                    }
+                    _ if gpu_posts => "host memory (mapped into the GPU when a kernel posts)",
+                    _ => "host memory",
+                },
+                qp.placement_reason()
+            ),
         )
         .line(
             "Buffers",
@@ -224,7 +225,11 @@ pub fn common_json(env: &Env, a: &CommonArgs, qp: &Qp) -> Value {
         "initiator_reason": env.initiator_why,
         "doorbell": doorbell_name(mode),
         "doorbell_reason": why,
-        "rings": a.rings.name(),
+        "rings": match qp.placement() {
+            RingPlacement::Gpu => "gpu",
+            _ => "host",
+        },
+        "rings_reason": qp.placement_reason(),
         "mem": a.mem.name(),
     })
 }

@@ -65,6 +65,9 @@ fn check_bw(v: &Value, bytes: u64, iters: u64) {
     assert!(num(v, "bw_peak") >= num(v, "bw_average"), "{v}");
     assert_eq!(v["initiator"], "cpu", "{v}");
     assert_eq!(v["rings"], "host", "{v}");
+    // --rings auto (the default) without a GPU for the rings: host memory, and why
+    let why = v["rings_reason"].as_str().unwrap_or_default();
+    assert!(why.starts_with("auto: host memory, no GPU given"), "{v}");
     assert_eq!(v["mem"], "host", "{v}");
     assert!(v["doorbell"].is_string() && v["device"].is_string(), "{v}");
     // Other processes' CPU during the timed run (null when it was too short to tell).
@@ -635,7 +638,11 @@ fn cpu_header_does_not_talk_about_gpu_mapping() {
                 .unwrap_or_else(|| panic!("no {name} line in:\n{stdout}"));
             l[l.find(':').expect("a colon") + 1..].trim().to_string()
         };
-        assert_eq!(field("Rings"), "host memory", "{stdout}");
+        let rings = field("Rings");
+        assert!(
+            rings.starts_with("host memory (auto: host memory, no GPU given"),
+            "{rings}"
+        );
         let db = field("Doorbell");
         assert!(db.contains("the CPU initiator writes"), "{db}");
         for gpu_talk in ["GPU", "map", "kernel"] {

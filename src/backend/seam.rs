@@ -38,6 +38,9 @@ pub(crate) trait DeviceOps: Send + Sync {
     fn wire_addr(&self) -> Option<SocketAddr>;
     /// Why a QP whose options leave the doorbell mode to the device rings from the GPU.
     fn auto_doorbell_reason(&self) -> &'static str;
+    /// Whether the device wants the rings of a queue that kernels drive in GPU memory, and why
+    /// (what `RingPlacement::Auto` becomes when a GPU is given).
+    fn rings_for_kernels(&self) -> (bool, &'static str);
     /// A protection domain.
     fn alloc_pd(&self) -> Result<Arc<dyn PdOps>, Error>;
     /// A CQ as `spec` asks (depth already checked to be a power of two).

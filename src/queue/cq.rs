@@ -1,6 +1,6 @@
 //! Completion queues: their options, the device's CQ behind each, and their creation.
 
-use super::ring::{needs_gpu, placement_of, RingPlacement};
+use super::ring::{placement_of, resolve, RingPlacement};
 use crate::backend::context::Context;
 use crate::backend::seam::{CqOps, CqSpec, GpuRings};
 use crate::gpu::Gpu;
@@ -13,7 +13,7 @@ use verbs::{CqInit, CqMode};
 pub struct CqOptions {
     /// Entries (power of two).
     pub depth: u32,
-    /// Ring placement.
+    /// Ring placement ([`RingPlacement::Auto`] by default).
     pub placement: RingPlacement,
     /// Consumer-index mode. The default, [`CqMode::OverrunDetect`], never loses a completion
     /// silently: the device reads the consumer index from the CQ doorbell record (the CPU
@@ -31,7 +31,7 @@ impl Default for CqOptions {
     fn default() -> Self {
         Self {
             depth: 256,
-            placement: RingPlacement::HostMapped,
+            placement: RingPlacement::Auto,
             mode: CqMode::OverrunDetect,
             init: CqInit::Invalid,
         }
@@ -43,6 +43,8 @@ impl Default for CqOptions {
 pub struct Cq {
     pub(crate) ctx: Context,
     pub(crate) dev: Arc<dyn CqOps>,
+    /// Why its ring is where it is.
+    placement_reason: Arc<str>,
 }
 
 impl Cq {
@@ -66,9 +68,13 @@ impl Cq {
     pub fn soft(&self) -> Option<&Arc<crate::soft::raw::Cq>> {
         crate::backend::soft::cq_of(&*self.dev)
     }
-    /// Where its CQE ring lives.
+    /// Where its CQE ring lives (never `Auto`: what it became).
     pub fn placement(&self) -> RingPlacement {
         placement_of(self.dev.geometry().ring)
+    }
+    /// Why its ring is there ("requested", or what `RingPlacement::Auto` chose and why).
+    pub fn placement_reason(&self) -> &str {
+        &self.placement_reason
     }
     /// The CQ's geometry, as its backend made it.
     pub(crate) fn geometry(&self) -> crate::backend::geometry::CqGeometry<'_> {
@@ -80,20 +86,19 @@ impl Context {
     /// Creates a completion queue with its ring in host memory
     /// ([`RingPlacement::Gpu`] needs [`Context::create_cq_on`]).
     pub fn create_cq(&self, o: CqOptions) -> Result<Cq, Error> {
-        needs_gpu(o.placement, "Context::create_cq_on")?;
         self.create_cq_with(o, None)
     }
 
-    /// Creates a completion queue whose ring is placed as `o.placement` says: in `gpu`'s
-    /// memory for [`RingPlacement::Gpu`] (its CQ doorbell record stays in host memory). On the
-    /// mlx5 backend such a CQ is made with DEVX, its ring registered as a umem (a dma-buf of
-    /// the GPU pages first, else the GPU address).
+    /// Creates a completion queue for a queue that `gpu`'s kernels drive, its ring placed as
+    /// `o.placement` says: in `gpu`'s memory for [`RingPlacement::Gpu`], and for
+    /// [`RingPlacement::Auto`] where the device wants it (its CQ doorbell record stays in host
+    /// memory). On the mlx5 backend such a CQ is made with DEVX, its ring registered as a umem
+    /// (a dma-buf of the GPU pages first, else the GPU address).
     pub fn create_cq_on(&self, gpu: &Arc<Gpu>, o: CqOptions) -> Result<Cq, Error> {
-        let gpu = (o.placement == RingPlacement::Gpu).then_some(gpu as &dyn GpuRings);
-        self.create_cq_with(o, gpu)
+        self.create_cq_with(o, Some(gpu as &dyn GpuRings))
     }
 
-    /// Creates a CQ with its ring in `gpu`'s memory, or in host memory when `None`.
+    /// Creates a CQ for `gpu`'s kernels (`None`: no GPU given), its ring placed as asked.
     pub(super) fn create_cq_with(
         &self,
         o: CqOptions,
@@ -105,7 +110,9 @@ impl Context {
                 o.depth
             )));
         }
-        let dev = self.inner.device.create_cq(&CqSpec {
+        let device = &*self.inner.device;
+        let (gpu, reason) = resolve(o.placement, gpu, device, "Context::create_cq_on")?;
+        let dev = device.create_cq(&CqSpec {
             depth: o.depth,
             mode: o.mode,
             init: o.init,
@@ -114,6 +121,7 @@ impl Context {
         Ok(Cq {
             ctx: self.clone(),
             dev,
+            placement_reason: reason.into(),
         })
     }
 }

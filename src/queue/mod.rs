@@ -108,6 +108,47 @@ mod tests {
     }
 
     #[test]
+    fn automatic_placement_is_host_memory_on_the_soft_nic_and_without_a_gpu() {
+        let ctx = Context::open(DeviceRequest::Soft).unwrap();
+        let pd = ctx.alloc_pd();
+        let gpu = SimGpu::default();
+        // the default, with a GPU to place rings for: the soft NIC wants host rings
+        let cq = ctx
+            .create_cq_with(CqOptions::default(), Some(&gpu))
+            .unwrap();
+        assert_eq!(cq.placement(), RingPlacement::HostMapped);
+        assert!(
+            cq.placement_reason().contains("soft NIC's engine"),
+            "{}",
+            cq.placement_reason()
+        );
+        let qp = pd
+            .create_qp_with(QpOptions::new(&cq, &cq), Some(&gpu))
+            .unwrap();
+        assert_eq!(qp.placement(), RingPlacement::HostMapped);
+        assert!(
+            qp.placement_reason().contains("soft NIC's engine"),
+            "{}",
+            qp.placement_reason()
+        );
+        assert!(qp.try_cpu_initiator(RingMode::Doca).is_ok());
+        // without a GPU: host memory, whatever the device
+        let host = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
+        assert_eq!(host.placement(), RingPlacement::HostMapped);
+        assert!(host
+            .placement_reason()
+            .starts_with("auto: host memory, no GPU given"));
+        // asked for: as asked, and said so
+        let mut o = QpOptions::new(&cq, &cq);
+        o.placement = RingPlacement::Gpu;
+        let on_gpu = pd.create_qp_with(o, Some(&gpu)).unwrap();
+        assert_eq!(
+            (on_gpu.placement(), on_gpu.placement_reason()),
+            (RingPlacement::Gpu, "requested")
+        );
+    }
+
+    #[test]
     fn rings_in_device_memory_reach_the_device_and_refuse_the_cpu() {
         let ctx = Context::open(DeviceRequest::Soft).unwrap();
         let pd = ctx.alloc_pd();

@@ -3,7 +3,7 @@
 
 use super::cq::Cq;
 use super::poster::Posters;
-use super::ring::{needs_gpu, placement_of, RingPlacement};
+use super::ring::{placement_of, resolve, RingPlacement};
 use crate::backend::seam::{GpuRings, QpOps, QpSpec, Remote};
 use crate::backend::ConnectOptions;
 use crate::endpoint::Endpoint;
@@ -36,8 +36,8 @@ pub struct QpOptions {
 }
 
 impl QpOptions {
-    /// Defaults: 256-block SQ, 256-entry RQ of 1 SGE, 256 bytes inline, host-mapped rings,
-    /// automatic doorbell mode.
+    /// Defaults: 256-block SQ, 256-entry RQ of 1 SGE, 256 bytes inline, automatic ring
+    /// placement and doorbell mode.
     pub fn new(send_cq: &Cq, recv_cq: &Cq) -> Self {
         Self {
             send_cq: send_cq.clone(),
@@ -46,7 +46,7 @@ impl QpOptions {
             rq_wqes: 256,
             max_recv_sge: 1,
             max_inline: 256,
-            placement: RingPlacement::HostMapped,
+            placement: RingPlacement::Auto,
             doorbell: DoorbellMode::Auto,
         }
     }
@@ -61,6 +61,8 @@ pub struct Qp {
     pub(crate) recv_cq: Cq,
     pub(crate) doorbell: DoorbellMode,
     pub(crate) doorbell_reason: String,
+    /// Why its rings are where they are.
+    pub(crate) placement_reason: String,
     /// The send queue's first PSN (random; a new one at every [`Qp::recover`]).
     pub(crate) psn: AtomicU32,
     /// The send CQ's consumer index when the QP was created or last went to RESET: the CQEs
@@ -76,28 +78,30 @@ impl Pd {
     /// Creates an RC QP in RESET, its rings in host memory ([`RingPlacement::Gpu`] needs
     /// [`Pd::create_qp_on`]).
     pub fn create_qp(&self, o: QpOptions) -> Result<Qp, Error> {
-        needs_gpu(o.placement, "Pd::create_qp_on")?;
         self.create_qp_with(o, None)
     }
 
-    /// Creates an RC QP in RESET whose SQ and RQ rings are placed as `o.placement` says: in
-    /// `gpu`'s memory for [`RingPlacement::Gpu`] (the doorbell record, the CPU-proxy word and
-    /// the doorbell register stay in host memory). Its CQs are placed by their own options.
+    /// Creates an RC QP in RESET for `gpu`'s kernels, its SQ and RQ rings placed as
+    /// `o.placement` says: in `gpu`'s memory for [`RingPlacement::Gpu`], and for
+    /// [`RingPlacement::Auto`] where the device wants them (the doorbell record, the CPU-proxy
+    /// word and the doorbell register stay in host memory). Its CQs are placed by their own
+    /// options.
     pub fn create_qp_on(&self, gpu: &Arc<Gpu>, o: QpOptions) -> Result<Qp, Error> {
-        let gpu = (o.placement == RingPlacement::Gpu).then_some(gpu as &dyn GpuRings);
-        self.create_qp_with(o, gpu)
+        self.create_qp_with(o, Some(gpu as &dyn GpuRings))
     }
 
-    /// Creates an RC QP with its rings in `gpu`'s memory, or in host memory when `None`.
+    /// Creates an RC QP for `gpu`'s kernels (`None`: no GPU given), its rings placed as asked.
     pub(super) fn create_qp_with(
         &self,
         o: QpOptions,
         gpu: Option<&dyn GpuRings>,
     ) -> Result<Qp, Error> {
+        let device = &*self.ctx.inner.device;
+        let (gpu, placement_reason) = resolve(o.placement, gpu, device, "Pd::create_qp_on")?;
         let (mode, reason) = match o.doorbell {
             DoorbellMode::Auto => (
                 DoorbellMode::GpuDoorbell,
-                self.ctx.inner.device.auto_doorbell_reason().to_string(),
+                device.auto_doorbell_reason().to_string(),
             ),
             m => (m, "requested".to_string()),
         };
@@ -110,7 +114,7 @@ impl Pd {
             gpu,
         };
         let dev = self.dev.create_qp(&spec, &o.send_cq.dev, &o.recv_cq.dev)?;
-        self.finish_qp(o, dev, mode, reason)
+        self.finish_qp(o, dev, (mode, reason), placement_reason)
     }
 
     /// Registers a new device QP with the PD and wraps it.
@@ -118,8 +122,8 @@ impl Pd {
         &self,
         o: QpOptions,
         dev: Arc<dyn QpOps>,
-        mode: DoorbellMode,
-        reason: String,
+        (mode, reason): (DoorbellMode, String),
+        placement_reason: String,
     ) -> Result<Qp, Error> {
         tracing::debug!(qpn = dev.qpn(), ?mode, %reason, "QP created");
         self.qps.add(Arc::downgrade(&dev));
@@ -140,6 +144,7 @@ impl Pd {
             recv_cq: o.recv_cq,
             doorbell: mode,
             doorbell_reason: reason,
+            placement_reason,
             psn: AtomicU32::new(psn),
             reset_at_scq_ci: AtomicU32::new(created_at),
             posters: Arc::default(),
@@ -242,9 +247,14 @@ impl Qp {
         self.psn.load(Ordering::Acquire)
     }
 
-    /// Where its SQ and RQ rings live.
+    /// Where its SQ and RQ rings live (never `Auto`: what it became).
     pub fn placement(&self) -> RingPlacement {
         placement_of(self.dev.geometry().sq)
+    }
+
+    /// Why its rings are there ("requested", or what `RingPlacement::Auto` chose and why).
+    pub fn placement_reason(&self) -> &str {
+        &self.placement_reason
     }
 }
 

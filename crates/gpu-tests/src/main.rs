@@ -83,6 +83,9 @@ put_cases! {
     put_gpurings_warp_partial_bf: BlueFlame, grid 2, block 64, scope 1, skip 3, size 128, iters 8, signal 1, sq 256, mem Mem::Host, rings GpuRings;
     put_gpurings_block_gpudb: GpuDoorbell, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512, mem Mem::Host, rings GpuRings;
     put_gpurings_many_ctas_gpudb: GpuDoorbell, grid 8, block 128, scope 0, skip 0, size 16, iters 2, signal 2, sq 256, mem Mem::Host, rings GpuRings;
+    // RingPlacement::Auto: GPU rings on a ConnectX, host rings on the soft NIC
+    put_autorings_thread_gpudb: GpuDoorbell, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256, mem Mem::Host, rings RingPlacement::Auto;
+    put_autorings_warp_partial_bf: BlueFlame, grid 2, block 64, scope 1, skip 3, size 128, iters 8, signal 1, sq 256, mem Mem::Host, rings RingPlacement::Auto;
     // both
     put_gpuall_thread_gpudb: GpuDoorbell, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256, mem Mem::Gpu, rings GpuRings;
     put_gpuall_block_proxy: CpuProxy, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512, mem Mem::Gpu, rings GpuRings;
@@ -277,6 +280,8 @@ const CASES: &[Case] = cases![
     ops_gpurings_gpudb,
     ops_gpurings_proxy,
     bad_rkey_gpurings,
+    put_autorings_thread_gpudb,
+    put_autorings_warp_partial_bf,
     put_gpuall_thread_gpudb,
     put_gpuall_block_proxy,
     ops_gpuall_bf,

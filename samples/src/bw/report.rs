@@ -116,6 +116,7 @@ pub(super) fn header(
         &mut h,
         env,
         a,
+        run.first_qp,
         if receives_only {
             format!("none: this side only answers (the {peer_role} posts)")
         } else {

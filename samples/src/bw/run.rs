@@ -106,7 +106,7 @@ fn create_sides(args: &Args, rp: &RunPlan, env: &Env) -> Result<[Option<Side>; 2
             // SEND's side B only receives, through a host thread: its rings stay in host memory.
             let spec = match rp.verb {
                 Verb::Send if s == 1 => QpSpec {
-                    rings: crate::Placement::Host,
+                    rings: crate::RingsArg::Host,
                     ..rp.spec
                 },
                 _ => rp.spec,

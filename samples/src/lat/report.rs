@@ -58,6 +58,7 @@ pub(super) fn header(run: &Run, peer: Option<&Peer>, other_cpu: &OtherCpu) -> He
         &mut h,
         env,
         a,
+        &sides[0].qp,
         doorbell_line(&sides[0].qp, env.initiator, run.ring_mode, a.db),
     );
     if let (Some(p), Some(ep)) = (peer, &run.c.peer_ep) {

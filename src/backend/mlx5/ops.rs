@@ -44,6 +44,13 @@ impl DeviceOps for Mlx5Device {
         "auto: GPU doorbell; the UAR page is registered into the GPU at export (as I/O memory, \
          else as plain memory; the export fails and says why when the GPU cannot map it)"
     }
+    fn rings_for_kernels(&self) -> (bool, &'static str) {
+        (
+            true,
+            "auto: GPU memory (DEVX umems), which the NIC reads peer to peer; the device API \
+             then orders WQEs before the doorbell at GPU scope",
+        )
+    }
     fn alloc_pd(&self) -> Result<Arc<dyn PdOps>, Error> {
         Ok(Arc::new(Mlx5Pd(self.0.alloc_pd()?)))
     }

@@ -60,6 +60,12 @@ impl DeviceOps for SoftDevice {
     fn auto_doorbell_reason(&self) -> &'static str {
         "auto: the soft NIC's doorbell page is host memory that maps into any GPU"
     }
+    fn rings_for_kernels(&self) -> (bool, &'static str) {
+        (
+            false,
+            "auto: host memory, where the soft NIC's engine (a CPU thread) reads them fastest",
+        )
+    }
     fn alloc_pd(&self) -> Result<Arc<dyn PdOps>, Error> {
         Ok(Arc::new(SoftPd {
             dev: self.dev.clone(),

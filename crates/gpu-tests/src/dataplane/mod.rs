@@ -177,9 +177,19 @@ impl Pair {
         oa.doorbell = mode;
         oa.placement = rings;
         let qa = pa.create_qp_on(&gpu, oa)?;
+        // Auto: GPU rings on a ConnectX, host rings on the soft NIC (its engine is a CPU thread)
+        let rings = match (rings, a.selection().kind) {
+            (RingPlacement::Auto, gpuverbs::device::BackendKind::Mlx5) => RingPlacement::Gpu,
+            (RingPlacement::Auto, gpuverbs::device::BackendKind::Soft) => RingPlacement::HostMapped,
+            (r, _) => r,
+        };
         ensure!(
             qa.placement() == rings && cqa.placement() == rings,
-            "rings not where asked"
+            "rings not where expected ({rings:?}): QP {:?} ({}), CQ {:?} ({})",
+            qa.placement(),
+            qa.placement_reason(),
+            cqa.placement(),
+            cqa.placement_reason()
         );
         let qb = pb.create_qp(QpOptions::new(&cqb, &cqb))?;
         let remote = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;

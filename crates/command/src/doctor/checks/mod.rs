@@ -693,11 +693,13 @@ fn choice(gpu: Option<usize>, dma_buf: bool, peer: &PeerMem) -> (Vec<Check>, Opt
         "choice.rings",
         Status::Ok,
         format!(
-            "{:?} by default (host-pinned rings mapped into the GPU at export); RingPlacement::Gpu {}",
+            "RingPlacement::Auto by default: {:?} here ({}); for a GPU's kernels \
+             (Context::create_cq_on, Pd::create_qp_on) {}",
             qp.placement(),
+            qp.placement_reason(),
             match kind {
-                BackendKind::Soft => "is available (Context::create_cq_on, Pd::create_qp_on)",
-                BackendKind::Mlx5 => "is made with DEVX on the mlx5 backend (Context::create_cq_on, Pd::create_qp_on; docs/mlx5-backend.md)",
+                BackendKind::Soft => "host memory (the soft NIC's engine runs on the CPU; RingPlacement::Gpu on request)",
+                BackendKind::Mlx5 => "GPU memory, DEVX umems (docs/mlx5-backend.md; RingPlacement::HostMapped on request)",
             }
         ),
     ));
