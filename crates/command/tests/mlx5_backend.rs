@@ -6,10 +6,10 @@
 use gpuverbs::{Access, ConnectOptions, Context, CqOptions, DeviceRequest, HostBuffer, QpOptions};
 use prm::wqe::{CtrlFlags, Local, Op};
 use prm::Completion;
-use softnic::initiator::{Initiator, RingMode};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
+use verbs::initiator::{Initiator, RingMode};
 
 const GPUVERBS: &str = env!("CARGO_BIN_EXE_gpuverbs");
 const CHILD: &str = "GPUVERBS_MLX5_CHILD";

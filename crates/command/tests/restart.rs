@@ -16,10 +16,10 @@ use gpuverbs::{
 };
 use prm::wqe::{CtrlFlags, Local, Op, RemoteAddr};
 use prm::{Completion, Rkey};
-use softnic::initiator::RingMode;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::process::{Command, Stdio};
 use std::time::Duration;
+use verbs::initiator::RingMode;
 
 const T: Duration = Duration::from_secs(20);
 const ROLE: &str = "RESTART_ROLE";
@@ -43,8 +43,8 @@ fn side() -> Side {
         assert_eq!(c.selection().kind, gpuverbs::device::BackendKind::Mlx5);
         c
     } else {
-        Context::open_soft(softnic::DeviceConfig {
-            wire: Some(softnic::WireConfig::new(SocketAddr::from((
+        Context::open_soft(gpuverbs::soft::DeviceConfig {
+            wire: Some(gpuverbs::soft::WireConfig::new(SocketAddr::from((
                 Ipv4Addr::LOCALHOST,
                 0,
             )))),
@@ -153,7 +153,7 @@ fn survivor() {
         bs.barrier().unwrap();
         (child, bs, RemoteMemory::from_bytes(&mem_b).unwrap())
     };
-    let write = |ini: &mut softnic::initiator::Initiator, mem: &RemoteMemory, len, seed| {
+    let write = |ini: &mut verbs::initiator::Initiator, mem: &RemoteMemory, len, seed| {
         a.buf.write(0, &pattern(len, seed));
         let op = Op::Write {
             remote: RemoteAddr {

@@ -201,7 +201,7 @@ pub struct DeviceIdentity {
 impl DeviceIdentity {
     /// The GID at index 0 (RoCE v2, IPv4-mapped).
     pub fn gid(&self) -> [u8; 16] {
-        softnic::Gid::from_ipv4(self.ip).0
+        verbs::Gid::from_ipv4(self.ip).0
     }
     /// `/dev/infiniband/uverbsN`.
     pub fn cdev_path(&self) -> String {

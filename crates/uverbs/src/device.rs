@@ -57,7 +57,7 @@ impl EmuDevice {
         };
         let d = softnic::Device::open(softnic::DeviceConfig {
             name: self.id.name.clone(),
-            gid: Some(softnic::Gid::from_ipv4(self.id.ip)),
+            gid: Some(verbs::Gid::from_ipv4(self.id.ip)),
             completion_only: false,
             wire: Some(wire),
             engine_threads: 1,

@@ -120,7 +120,7 @@ impl FdEntry {
 /// One watched CQ: its context's UAR page 0 (the CQ arm doorbell) and the last value seen there.
 struct Watched {
     cq: Weak<CqObj>,
-    page0: Arc<softnic::buffer::DmaBuf>,
+    page0: Arc<verbs::DmaBuf>,
     last_db: u64,
 }
 

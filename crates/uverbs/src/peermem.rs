@@ -6,8 +6,8 @@
 //! address CUDA does not know, the range is simply not memory (EFAULT), as without peermem.
 
 use parking_lot::Mutex;
-use softnic::devmem::DeviceMemory;
 use std::sync::Arc;
+use verbs::DeviceMemory;
 
 /// The device memory behind `addr..addr+len`, when it is one allocation of GPU memory.
 pub fn resolve(addr: u64, len: u64) -> Option<Arc<dyn DeviceMemory>> {

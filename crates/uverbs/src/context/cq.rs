@@ -7,10 +7,10 @@ use crate::device::MAX_CQE;
 use crate::events::EventQueue;
 use crate::uaccess::Errno;
 use parking_lot::Mutex;
-use softnic::buffer::DmaBuf;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use verbs::DmaBuf;
 
 /// Arming state of a CQ, as its doorbells left it.
 #[derive(Default)]
@@ -88,8 +88,8 @@ const CQ_FLAG_UAR_PAGE_INDEX: u16 = 1 << 1;
 /// scatter-to-CQE (`MLX5_QP_FLAG_SCATTER_CQE`), which the soft NIC does not do: it writes the
 /// data into the receive buffer and leaves the CQE's inline-scatter bits clear, which the
 /// provider (and UCX) read as "data in the buffer".
-fn cqe_size(bytes: u32) -> Result<softnic::CqeSize, Errno> {
-    softnic::CqeSize::from_bytes(bytes).ok_or(Errno::EINVAL)
+fn cqe_size(bytes: u32) -> Result<verbs::CqeSize, Errno> {
+    verbs::CqeSize::from_bytes(bytes).ok_or(Errno::EINVAL)
 }
 
 impl Context {
@@ -193,8 +193,8 @@ impl Context {
         let scq = soft
             .create_cq(softnic::CqConfig {
                 ncqe,
-                mode: softnic::CqMode::OverrunDetect,
-                init: softnic::CqInit::Invalid,
+                mode: verbs::CqMode::OverrunDetect,
+                init: verbs::CqInit::Invalid,
                 ring: Some(ring),
                 dbrec: Some(dbrec),
                 cqe_size: size,

@@ -35,12 +35,12 @@ use crate::events::EventQueue;
 use crate::uaccess::{check_mapped, copy_from_user, copy_to_user, Errno};
 use bytemuck::Pod;
 use parking_lot::Mutex;
-use softnic::buffer::DmaBuf;
 use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
+use verbs::DmaBuf;
 
 /// BlueFlame register size the context reports (two 256-byte halves).
 pub const BF_REG_SIZE: u32 = 512;
@@ -185,8 +185,8 @@ fn read_prefix<T: Pod>(bytes: &[u8]) -> Result<T, Errno> {
     Ok(v)
 }
 
-fn ib_access(flags: u32) -> Result<softnic::Access, Errno> {
-    use softnic::Access as A;
+fn ib_access(flags: u32) -> Result<verbs::Access, Errno> {
+    use verbs::Access as A;
     let known = access::LOCAL_WRITE
         | access::REMOTE_WRITE
         | access::REMOTE_READ

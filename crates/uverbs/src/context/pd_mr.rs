@@ -53,12 +53,7 @@ impl Context {
         Ok(Created::Nothing)
     }
 
-    fn check_mr(
-        start: u64,
-        length: u64,
-        hca_va: u64,
-        flags: u32,
-    ) -> Result<softnic::Access, Errno> {
+    fn check_mr(start: u64, length: u64, hca_va: u64, flags: u32) -> Result<verbs::Access, Errno> {
         let a = ib_access(flags)?;
         if (flags & (access::REMOTE_WRITE | access::REMOTE_ATOMIC)) != 0
             && flags & access::LOCAL_WRITE == 0
@@ -213,7 +208,7 @@ impl Context {
         let va = if r.flags & 1 != 0 { r.hca_va } else { start };
         let pd_handle = if r.flags & 2 != 0 { r.pd_handle } else { mr.pd };
         let pd = o.pds.get(&pd_handle).ok_or(Errno::EINVAL)?.id;
-        if old.kind != softnic::MemKind::Host {
+        if old.kind != verbs::MemKind::Host {
             return Err(unsupported("REREG_MR of GPU memory"));
         }
         let a = if r.flags & 4 != 0 {

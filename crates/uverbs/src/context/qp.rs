@@ -9,9 +9,9 @@ use crate::abi::{self, access, qp_attr};
 use crate::device::{MAX_QP_WR, MAX_RD_ATOM, MAX_SGE};
 use crate::uaccess::{check_mapped, Errno};
 use prm::doorbell::BF_OFFSET;
-use softnic::buffer::DmaBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use verbs::DmaBuf;
 
 /// What QUERY_QP reports back: the attributes last set.
 #[derive(Clone, Copy, Default)]
@@ -169,7 +169,7 @@ impl Context {
             rq_wqes: shape.rq_wqe_count,
             max_recv_sge: (shape.rq_stride / 16).min(32),
             max_inline: prm::wqe::MAX_INLINE_SEND as u32,
-            doorbell: softnic::DoorbellMode::Auto,
+            doorbell: verbs::DoorbellMode::Auto,
             sq_ring: Some(sq_ring),
             rq_ring,
             rq_stride: Some(shape.rq_stride),
@@ -261,7 +261,7 @@ impl Context {
     /// checks them, the soft QP moved, and the attributes kept for QUERY_QP.
     fn modify_qp(&self, m: &abi::ModifyQp) -> Result<(), Errno> {
         use qp_attr::*;
-        use softnic::QpState as S;
+        use verbs::QpState as S;
         let mut o = self.objs.lock();
         let q = o.qps.get_mut(&m.qp_handle).ok_or(Errno::EINVAL)?;
         let cur = match q.soft.state() {
@@ -291,7 +291,7 @@ impl Context {
         let mut a = take_transport_attrs(m, given, a)?;
         let step = soft_transition(q.ud, cur, new, &a)?;
         if let Some(s) = step {
-            if matches!(s, softnic::Modify::Reset) {
+            if matches!(s, verbs::Modify::Reset) {
                 // RESET returns only once the device is done with the QP (libmlx5 then
                 // removes the QP's CQEs from its CQs): the flush of an errored QP completes first
                 self.soft()?.drain_errored(&q.soft);
@@ -314,11 +314,11 @@ impl Context {
         let q = o.qps.get(&r.qp_handle).ok_or(Errno::EINVAL)?;
         let a = q.attrs;
         let state = match q.soft.state() {
-            softnic::QpState::Reset => 0,
-            softnic::QpState::Init => 1,
-            softnic::QpState::Rtr => 2,
-            softnic::QpState::Rts => 3,
-            softnic::QpState::Err => 6,
+            verbs::QpState::Reset => 0,
+            verbs::QpState::Init => 1,
+            verbs::QpState::Rtr => 2,
+            verbs::QpState::Rts => 3,
+            verbs::QpState::Err => 6,
         };
         // mlx5_ib reports the receive queue as allocated: its WQE count and the data
         // segments a WQE holds (libmlx5 fills in the send side itself); none on an SRQ
@@ -632,7 +632,7 @@ fn take_path_attrs(m: &abi::ModifyQp, given: u32, mut a: QpAttrs) -> Result<QpAt
         if m.dest.is_global == 0 || m.dest.sgid_index != 0 {
             return Err(Errno::EINVAL);
         }
-        if softnic::Gid(m.dest.dgid).to_ipv4().is_none() {
+        if verbs::Gid(m.dest.dgid).to_ipv4().is_none() {
             return Err(unsupported(
                 "destination GIDs that are not IPv4-mapped (RoCE v2 over IPv4 only)",
             ));
@@ -693,24 +693,24 @@ fn soft_transition(
     cur: u8,
     new: u8,
     a: &QpAttrs,
-) -> Result<Option<softnic::Modify>, Errno> {
+) -> Result<Option<verbs::Modify>, Errno> {
     let rights =
         ib_access(a.access & (access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC))?;
     Ok(match (cur, new) {
-        (_, 0) => Some(softnic::Modify::Reset),
-        (_, 6) => Some(softnic::Modify::Err),
-        (_, 1) if ud => Some(softnic::Modify::InitUd { qkey: a.qkey }),
-        (1, 2) if ud => Some(softnic::Modify::RtrUd),
-        (_, 1) => Some(softnic::Modify::Init { access: rights }),
-        (1, 2) => Some(softnic::Modify::Rtr(softnic::RtrAttr {
-            remote_gid: softnic::Gid(a.dest.dgid),
+        (_, 0) => Some(verbs::Modify::Reset),
+        (_, 6) => Some(verbs::Modify::Err),
+        (_, 1) if ud => Some(verbs::Modify::InitUd { qkey: a.qkey }),
+        (1, 2) if ud => Some(verbs::Modify::RtrUd),
+        (_, 1) => Some(verbs::Modify::Init { access: rights }),
+        (1, 2) => Some(verbs::Modify::Rtr(verbs::RtrAttr {
+            remote_gid: verbs::Gid(a.dest.dgid),
             remote_qpn: a.dest_qpn,
             rq_psn: a.rq_psn,
             mtu: mtu_bytes(a.path_mtu).ok_or(Errno::EINVAL)?,
             min_rnr_timer: a.min_rnr_timer,
             selective_repeat: false,
         })),
-        (_, 3) => Some(softnic::Modify::Rts(softnic::RtsAttr {
+        (_, 3) => Some(verbs::Modify::Rts(verbs::RtsAttr {
             sq_psn: a.sq_psn,
             timeout: a.timeout,
             retry_cnt: a.retry_cnt,

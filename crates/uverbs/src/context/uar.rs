@@ -6,10 +6,10 @@
 
 use crate::uaccess::Errno;
 use prm::doorbell::UAR_PAGE_SIZE;
-use softnic::buffer::DmaBuf;
 use std::os::fd::RawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use verbs::DmaBuf;
 
 /// The name of the memfds behind UAR pages (`/proc/self/maps` shows `/memfd:<name> (deleted)`).
 const MEMFD_NAME: &std::ffi::CStr = c"gpuverbs-uar";

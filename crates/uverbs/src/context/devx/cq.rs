@@ -40,8 +40,8 @@ impl Context {
         // cqe_sz: 0 = 64 bytes, 1 = 128 bytes, 2 = 128 bytes padded (cqe_128_always, which
         // this device does not report), others reserved
         let size = match f(cqc::CQE_SZ) {
-            0 => softnic::CqeSize::B64,
-            1 => softnic::CqeSize::B128,
+            0 => verbs::CqeSize::B64,
+            1 => verbs::CqeSize::B128,
             2 => return lacks("padded 128-byte CQEs (cqe_sz 2)"),
             _ => return refuse(status::BAD_PARAM, syndrome::FEATURE),
         };
@@ -58,9 +58,9 @@ impl Context {
         }
         let uar_page = f(cqc::UAR_PAGE) as u32;
         let mode = match (f(cqc::CC), f(cqc::OI)) {
-            (1, _) => softnic::CqMode::Collapsed,
-            (_, 1) => softnic::CqMode::OverrunIgnore,
-            _ => softnic::CqMode::OverrunDetect,
+            (1, _) => verbs::CqMode::Collapsed,
+            (_, 1) => verbs::CqMode::OverrunIgnore,
+            _ => verbs::CqMode::OverrunDetect,
         };
         let soft = self.soft().map_err(|_| Refused {
             status: status::INT_ERR,
@@ -83,7 +83,7 @@ impl Context {
             .create_cq(softnic::CqConfig {
                 ncqe,
                 mode,
-                init: softnic::CqInit::Untouched,
+                init: verbs::CqInit::Untouched,
                 ring: Some(ring),
                 dbrec: Some(dbrec),
                 cqe_size: size,

@@ -46,12 +46,12 @@ impl Context {
         if entries == 0 {
             return refuse(status::BAD_PARAM, syndrome::ATTRIBUTE);
         }
-        let bit = |field, a: softnic::Access| if f(field) != 0 { a.0 } else { 0 };
-        let access = softnic::Access(
-            bit(mkc::LW, softnic::Access::LOCAL_WRITE)
-                | bit(mkc::RR, softnic::Access::REMOTE_READ)
-                | bit(mkc::RW, softnic::Access::REMOTE_WRITE)
-                | bit(mkc::A, softnic::Access::REMOTE_ATOMIC),
+        let bit = |field, a: verbs::Access| if f(field) != 0 { a.0 } else { 0 };
+        let access = verbs::Access(
+            bit(mkc::LW, verbs::Access::LOCAL_WRITE)
+                | bit(mkc::RR, verbs::Access::REMOTE_READ)
+                | bit(mkc::RW, verbs::Access::REMOTE_WRITE)
+                | bit(mkc::A, verbs::Access::REMOTE_ATOMIC),
         );
         let soft = self.soft().map_err(|_| Refused {
             status: status::INT_ERR,

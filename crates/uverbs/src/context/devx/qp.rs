@@ -110,11 +110,11 @@ fn copy_field(dst: &mut [u8], src: &[u8], f: Field) {
 
 fn soft_state(q: &softnic::Qp) -> u8 {
     match q.state() {
-        softnic::QpState::Reset => qp_state::RST,
-        softnic::QpState::Init => qp_state::INIT,
-        softnic::QpState::Rtr => qp_state::RTR,
-        softnic::QpState::Rts => qp_state::RTS,
-        softnic::QpState::Err => qp_state::ERR,
+        verbs::QpState::Reset => qp_state::RST,
+        verbs::QpState::Init => qp_state::INIT,
+        verbs::QpState::Rtr => qp_state::RTR,
+        verbs::QpState::Rts => qp_state::RTS,
+        verbs::QpState::Err => qp_state::ERR,
     }
 }
 
@@ -237,7 +237,7 @@ impl Context {
             rq_wqes,
             max_recv_sge: (rq_stride / 16).min(32),
             max_inline: prm::wqe::MAX_INLINE_SEND as u32,
-            doorbell: softnic::DoorbellMode::Auto,
+            doorbell: verbs::DoorbellMode::Auto,
             sq_ring,
             rq_ring,
             rq_stride: Some(rq_stride),
@@ -281,7 +281,7 @@ impl Context {
 
     /// One QP transition.
     pub(super) fn devx_modify_qp(&self, q: &mut DevxQp, opcode: u16, input: &[u8]) -> Fw {
-        use softnic::Modify;
+        use verbs::Modify;
         if input.len() < mi::OPT_PARAM_MASK.end() + QPC_LEN {
             return refuse(status::BAD_INP_LEN, syndrome::INPUT_LENGTH);
         }
@@ -298,11 +298,11 @@ impl Context {
             }
         };
         let rights = || {
-            let mut a = softnic::Access::NONE;
+            let mut a = verbs::Access::NONE;
             for (bit, right) in [
-                (qpc::RWE, softnic::Access::REMOTE_WRITE),
-                (qpc::RRE, softnic::Access::REMOTE_READ),
-                (qpc::RAE, softnic::Access::REMOTE_ATOMIC),
+                (qpc::RWE, verbs::Access::REMOTE_WRITE),
+                (qpc::RRE, verbs::Access::REMOTE_READ),
+                (qpc::RAE, verbs::Access::REMOTE_ATOMIC),
             ] {
                 if g(bit) == 1 {
                     a = a | right;
@@ -331,13 +331,13 @@ impl Context {
                 }
                 let mut gid = [0u8; 16];
                 gid.copy_from_slice(cmd::bytes(ctx, ads::RGID_RIP.at(ADS_AT)));
-                let gid = softnic::Gid(gid);
+                let gid = verbs::Gid(gid);
                 if gid.to_ipv4().is_none() {
                     return lacks(
                         "a destination GID that is not IPv4-mapped (RoCE v2 over IPv4 only)",
                     );
                 }
-                Some(Modify::Rtr(softnic::RtrAttr {
+                Some(Modify::Rtr(verbs::RtrAttr {
                     remote_gid: gid,
                     remote_qpn: g(qpc::REMOTE_QPN) as u32,
                     rq_psn: g(qpc::NEXT_RCV_PSN) as u32,
@@ -351,7 +351,7 @@ impl Context {
                 if g(qpc::LOG_SRA_MAX) > 4 {
                     return refuse(status::BAD_PARAM, syndrome::ATTRIBUTE);
                 }
-                Some(Modify::Rts(softnic::RtsAttr {
+                Some(Modify::Rts(verbs::RtsAttr {
                     sq_psn: g(qpc::NEXT_SEND_PSN) as u32,
                     timeout: p(ads::ACK_TIMEOUT) as u8,
                     retry_cnt: g(qpc::RETRY_COUNT) as u8,

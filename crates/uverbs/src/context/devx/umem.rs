@@ -12,9 +12,9 @@ use crate::ioctl::Call;
 use crate::peermem;
 use crate::uaccess::{check_mapped, Errno};
 use prm::cmd::status;
-use softnic::buffer::DmaBuf;
-use softnic::devmem::DeviceMemory;
 use std::sync::Arc;
+use verbs::DeviceMemory;
+use verbs::DmaBuf;
 
 /// `IB_ACCESS_*` a umem may carry: LOCAL_WRITE, REMOTE_WRITE, REMOTE_READ, RELAXED_ORDERING.
 const ACCESS_LOCAL_WRITE: u64 = 1;
