@@ -214,8 +214,8 @@ pub(crate) fn soft(e: gpuverbs::soft::Error) -> PyErr {
 }
 
 /// A CPU initiator's error as its exception.
-pub(crate) fn initiator(e: verbs::initiator::InitiatorError) -> PyErr {
-    use verbs::initiator::InitiatorError as E;
+pub(crate) fn initiator(e: gpuverbs::post::InitiatorError) -> PyErr {
+    use gpuverbs::post::InitiatorError as E;
     let msg = e.to_string();
     match e {
         E::SqFull { .. } | E::RqFull => QueueFullError::new_err(msg),
@@ -227,8 +227,8 @@ pub(crate) fn initiator(e: verbs::initiator::InitiatorError) -> PyErr {
 
 /// An error completion as its exception, with `syndrome` (the name), `syndrome_code`,
 /// `vendor_syndrome`, `wqe_counter`, `opcode`, `qpn` and `responder` set on it.
-pub(crate) fn completion(py: Python<'_>, e: &prm::ErrorCqe) -> PyErr {
-    use prm::Syndrome as S;
+pub(crate) fn completion(py: Python<'_>, e: &gpuverbs::post::ErrorCqe) -> PyErr {
+    use gpuverbs::post::Syndrome as S;
     let syndrome = e.syndrome();
     let name = syndrome.map_or_else(
         || format!("UNKNOWN_{:#04x}", e.syndrome),

@@ -4,7 +4,7 @@
 
 use crate::errors;
 use crate::region::{secs, Mr, RemoteMemory};
-use prm::wqe::{CtrlFlags, Local, Op};
+use gpuverbs::post::{CtrlFlags, Local, Op};
 use pyo3::prelude::*;
 use std::sync::Mutex;
 
@@ -37,8 +37,8 @@ impl Completion {
     }
 }
 
-impl From<&prm::Completion> for Completion {
-    fn from(c: &prm::Completion) -> Self {
+impl From<&gpuverbs::post::Completion> for Completion {
+    fn from(c: &gpuverbs::post::Completion) -> Self {
         let base = Self {
             kind: "send",
             opcode: 0,
@@ -49,7 +49,7 @@ impl From<&prm::Completion> for Completion {
             syndrome: None,
         };
         match *c {
-            prm::Completion::Req {
+            gpuverbs::post::Completion::Req {
                 wqe_opcode,
                 qpn,
                 wqe_counter,
@@ -61,7 +61,7 @@ impl From<&prm::Completion> for Completion {
                 byte_count: byte_cnt,
                 ..base
             },
-            prm::Completion::Resp {
+            gpuverbs::post::Completion::Resp {
                 qpn,
                 wqe_counter,
                 byte_cnt,
@@ -75,7 +75,7 @@ impl From<&prm::Completion> for Completion {
                 imm,
                 ..base
             },
-            prm::Completion::Error(e) => Self {
+            gpuverbs::post::Completion::Error(e) => Self {
                 kind: if e.responder { "recv" } else { "send" },
                 opcode: e.wqe_opcode,
                 qpn: e.qpn,
@@ -86,7 +86,7 @@ impl From<&prm::Completion> for Completion {
                 )),
                 ..base
             },
-            prm::Completion::Invalid(op) => Self {
+            gpuverbs::post::Completion::Invalid(op) => Self {
                 opcode: op,
                 syndrome: Some(format!("INVALID_{op:#04x}")),
                 ..base
@@ -98,16 +98,16 @@ impl From<&prm::Completion> for Completion {
 /// A CPU initiator on one QP (`Qp.initiator()`): posts WQEs and rings, polls the QP's CQs.
 /// The QP has this one poster until the initiator is dropped (`close()` or garbage).
 #[pyclass(module = "gpuverbs")]
-pub struct Initiator(Mutex<Option<verbs::initiator::Initiator>>);
+pub struct Initiator(Mutex<Option<gpuverbs::post::CpuInitiator>>);
 
 impl Initiator {
-    pub(crate) fn new(i: verbs::initiator::Initiator) -> Self {
+    pub(crate) fn new(i: gpuverbs::post::CpuInitiator) -> Self {
         Self(Mutex::new(Some(i)))
     }
 
     fn with<T>(
         &self,
-        f: impl FnOnce(&mut verbs::initiator::Initiator) -> PyResult<T>,
+        f: impl FnOnce(&mut gpuverbs::post::CpuInitiator) -> PyResult<T>,
     ) -> PyResult<T> {
         let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
         match g.as_mut() {
@@ -135,14 +135,14 @@ impl Initiator {
             })
         })?;
         match c {
-            prm::Completion::Error(e) => Err(errors::completion(py, &e)),
+            gpuverbs::post::Completion::Error(e) => Err(errors::completion(py, &e)),
             c => Ok(Completion::from(&c)),
         }
     }
 }
 
-fn sge(mr: &Mr, off: u64, len: u32) -> PyResult<prm::Sge> {
-    Ok(prm::Sge {
+fn sge(mr: &Mr, off: u64, len: u32) -> PyResult<gpuverbs::post::Sge> {
+    Ok(gpuverbs::post::Sge {
         addr: mr.local(off, u64::from(len))?,
         len,
         lkey: mr.mr.lkey(),

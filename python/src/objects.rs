@@ -261,8 +261,9 @@ impl Qp {
     )> {
         let t = secs(timeout)?;
         let d = py.detach(|| self.0.recover(t)).map_err(errors::host)?;
-        let conv =
-            |v: &[prm::Completion]| v.iter().map(crate::initiator::Completion::from).collect();
+        let conv = |v: &[gpuverbs::post::Completion]| {
+            v.iter().map(crate::initiator::Completion::from).collect()
+        };
         Ok((conv(&d.send), conv(&d.recv)))
     }
     /// How kernels ring this QP once exported: `"gpu_doorbell"`, `"blueflame"` or
@@ -311,7 +312,7 @@ impl Qp {
     /// It rings as the QP's doorbell mode says: whole WQEs into the register (seqlocked, as
     /// the device API writes them) on a BlueFlame QP, rdma-core's 8-byte doorbell otherwise.
     fn initiator(&self) -> PyResult<crate::initiator::Initiator> {
-        use verbs::initiator::RingMode;
+        use gpuverbs::post::RingMode;
         let mode = match self.0.doorbell().0 {
             gpuverbs::DoorbellMode::BlueFlame => RingMode::BlueFlame,
             _ => RingMode::RdmaCore,

@@ -94,11 +94,11 @@ impl RemoteMemory {
 
 impl RemoteMemory {
     /// The remote address of `off..off + len`, checked against the descriptor.
-    pub(crate) fn at(&self, off: u64, len: u64) -> PyResult<prm::RemoteAddr> {
+    pub(crate) fn at(&self, off: u64, len: u64) -> PyResult<gpuverbs::post::RemoteAddr> {
         within(off, len, self.0.len(), "remote offset", "remote memory")?;
-        Ok(prm::RemoteAddr {
+        Ok(gpuverbs::post::RemoteAddr {
             addr: self.0.addr() + off,
-            rkey: prm::Rkey(self.0.rkey()),
+            rkey: gpuverbs::post::Rkey(self.0.rkey()),
         })
     }
 }

@@ -5,13 +5,13 @@
 use crate::dataplane::{arg, gpu, Mem, Pair, PairSpec, Status, BUDGET_NS};
 use anyhow::{ensure, Result};
 use gpuverbs::memory::MemKind;
+use gpuverbs::post::Completion;
+use gpuverbs::post::RingMode;
+use gpuverbs::post::{CtrlFlags, Local, Op};
 use gpuverbs::{
     Access, ConnectOptions, CqOptions, DoorbellMode, Error, HostBuffer, QpOptions, RingPlacement,
 };
-use prm::wqe::{CtrlFlags, Local, Op};
-use prm::Completion;
 use std::time::Duration;
-use verbs::initiator::RingMode;
 
 /// Bytes the round trip moves: more than the soft NIC's 1 MiB staging buffer.
 const ROUNDTRIP: usize = (1 << 20) + 4096;

@@ -209,8 +209,7 @@ fn export_header_version(ctx: &Ctx) -> Result<String> {
         Ok(_) => anyhow::bail!("an export for headers of another version was made"),
     }
     // the refusal claimed nothing: QP B's poster is still free
-    let ini =
-        p.qb.try_cpu_initiator(verbs::initiator::RingMode::RdmaCore)?;
+    let ini = p.qb.try_cpu_initiator(gpuverbs::post::RingMode::RdmaCore)?;
     drop(ini);
     Ok(format!(
         "version {DESC_VERSION:#010x} and size {} in the descriptor; {:#010x} refused",

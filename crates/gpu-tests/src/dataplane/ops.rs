@@ -102,7 +102,7 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
 pub fn bad_rkey(ordinal: usize, rings: RingPlacement) -> Result<String> {
     let (p, s) = failed_pair(ordinal, 4096, rings)?;
     let one = PutArgs::single(64, BUDGET_NS);
-    let err = prm::ErrorCqe {
+    let err = gpuverbs::post::ErrorCqe {
         responder: false,
         syndrome: s[1] as u8,
         vendor_syndrome: s[2] as u8,
@@ -120,9 +120,9 @@ pub fn bad_rkey(ordinal: usize, rings: RingPlacement) -> Result<String> {
     );
     let d = p.export.read()?;
     if let Some(c) = counters(&p.a) {
-        let flushed = c.errors_of(prm::Syndrome::WrFlush);
+        let flushed = c.errors_of(gpuverbs::post::Syndrome::WrFlush);
         ensure!(
-            c.errors_of(prm::Syndrome::RemoteAccess) == 1 && flushed + 1 == d.sq_ready,
+            c.errors_of(gpuverbs::post::Syndrome::RemoteAccess) == 1 && flushed + 1 == d.sq_ready,
             "{} blocks posted, errors {:?}",
             d.sq_ready,
             c.errors
