@@ -165,12 +165,13 @@ impl Context {
             pd,
             send_cq,
             recv_cq,
-            sq_blocks: u.sq_wqe_count,
+            // a QP without an SQ gets one block nobody announces (a doorbell finds nothing)
+            sq_blocks: u.sq_wqe_count.max(1),
             rq_wqes: shape.rq_wqe_count,
             max_recv_sge: (shape.rq_stride / 16).min(32),
             max_inline: prm::wqe::MAX_INLINE_SEND as u32,
             doorbell: verbs::DoorbellMode::Auto,
-            sq_ring: Some(sq_ring),
+            sq_ring,
             rq_ring,
             rq_stride: Some(shape.rq_stride),
             dbrec: Some(dbrec),
@@ -433,8 +434,8 @@ impl QpShape {
         } else {
             u.rq_wqe_count
         };
+        // no SQ (max_send_wr 0) is a QP that only receives, as mlx5_ib creates it (no_sq)
         if !pow2(u.sq_wqe_count)
-            || u.sq_wqe_count == 0
             || u.sq_wqe_count > MAX_QP_WR
             || !pow2(rq_wqe_count)
             || rq_wqe_count > MAX_QP_WR
@@ -459,7 +460,10 @@ impl QpShape {
     }
 
     /// The provider's rings (the RQ first, then the SQ, in one buffer) and doorbell record.
-    fn rings(&self, u: &abi::Mlx5CreateQp) -> Result<(Option<DmaBuf>, DmaBuf, DmaBuf), Errno> {
+    fn rings(
+        &self,
+        u: &abi::Mlx5CreateQp,
+    ) -> Result<(Option<DmaBuf>, Option<DmaBuf>, DmaBuf), Errno> {
         let rq_bytes = self.rq_wqe_count as usize * self.rq_stride as usize;
         let sq_bytes = u.sq_wqe_count as usize * prm::WQEBB;
         check_mapped(u.buf_addr, (rq_bytes + sq_bytes) as u64)?;
@@ -468,7 +472,10 @@ impl QpShape {
         } else {
             None
         };
-        let sq_ring = user_buf(u.buf_addr + rq_bytes as u64, sq_bytes)?;
+        let sq_ring = match sq_bytes {
+            0 => None,
+            n => Some(user_buf(u.buf_addr + rq_bytes as u64, n)?),
+        };
         let dbrec = user_buf(u.db_addr, 8)?;
         Ok((rq_ring, sq_ring, dbrec))
     }
