@@ -197,3 +197,22 @@ fn keep_leaves_the_host_paths() {
     let out = run_script("127.0.171.1", &script, &[("GPUVERBS_EMU_SYSFS", "keep")]);
     assert!(out.contains("seen"), "{out}");
 }
+
+#[test]
+fn a_shell_cds_into_the_emulated_tree() {
+    // ibstatus (infiniband-diags) does `cd /sys/class/infiniband` and reads relative paths
+    let out = run(
+        emu(
+            "127.0.172.1",
+            None,
+            &[
+                "sh",
+                "-c",
+                "cd /sys/class/infiniband && ls && cat mlx5_0/ports/1/state",
+            ],
+        ),
+        Duration::from_secs(60),
+        "cd into the emulated sysfs",
+    );
+    assert!(out.contains("mlx5_0") && out.contains("ACTIVE"), "{out}");
+}

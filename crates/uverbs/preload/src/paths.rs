@@ -513,6 +513,13 @@ pub unsafe extern "C" fn opendir(path: *const c_char) -> *mut libc::DIR {
     }
 }
 
+/// `cd /sys/class/infiniband` (ibstatus does it) lands in the emulated tree.
+#[no_mangle]
+pub unsafe extern "C" fn chdir(path: *const c_char) -> c_int {
+    // SAFETY: forwards the caller's argument (the path rewritten when it is one of ours).
+    unsafe { with_path(path, -1, |p| real!(c"chdir": fn(*const c_char) -> c_int)(p)) }
+}
+
 type Filter = Option<unsafe extern "C" fn(*const libc::dirent) -> c_int>;
 type Compare =
     Option<unsafe extern "C" fn(*mut *const libc::dirent, *mut *const libc::dirent) -> c_int>;
