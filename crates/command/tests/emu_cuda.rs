@@ -3,8 +3,9 @@
 //! CUDA runtime does (dlopen, dlsym, cuGetProcAddress) and as a linked program does, under
 //! `gpuverbs emu`. The preload must hand the probe its wrappers: an emulated UAR page asked
 //! for as I/O memory reaches the driver as mapped host memory, a plain page reaches it as
-//! asked; the emulation's counters must count the two rewrites. (The dma-buf records are
-//! tested in `uverbs::dmabuf`, and end to end on the GPU machine.)
+//! asked; the emulation's counters must count the two rewrites; and the program's own
+//! `dlsym(RTLD_NEXT, …)` must still start after the program (the preload defines `dlsym`).
+//! (The dma-buf records are tested in `uverbs::dmabuf`, and end to end on the GPU machine.)
 //!
 //! Needs cc and rdma-core's headers (libibverbs-dev); CI installs them.
 
@@ -73,6 +74,7 @@ fn an_emulated_uar_page_registers_as_mapped_host_memory_whichever_way_the_driver
         "the CUDA probe under gpuverbs emu",
     );
     assert!(out.contains("probe ok"), "{out}");
+    assert!(out.contains("finds the preload's open"), "{out}");
     assert_eq!(
         out.matches("uar page as mapped host memory").count(),
         2,

@@ -2,8 +2,9 @@
  * finds the driver as the CUDA runtime does (dlopen + dlsym of cuGetProcAddress_v2, then
  * cuGetProcAddress for cuGetProcAddress itself and for cuMemHostRegister), and as a program
  * linked against it does (dlsym of cuMemHostRegister_v2), then asks for an emulated UAR page (a
- * DEVX UAR of mlx5_0) and for a plain page to be registered as I/O memory. Prints one line per
- * check and "probe ok"; exits 1 at the first wrong answer. */
+ * DEVX UAR of mlx5_0) and for a plain page to be registered as I/O memory; and checks that the
+ * preload's dlsym keeps the program's dlsym(RTLD_NEXT, ...) starting after the program. Prints
+ * one line per check and "probe ok"; exits 1 at the first wrong answer. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <infiniband/mlx5dv.h>
@@ -32,6 +33,12 @@ int main(void) {
     struct mlx5dv_devx_uar *uar = mlx5dv_devx_alloc_uar(ctx, MLX5DV_UAR_ALLOC_TYPE_NC);
     if (!uar) return fail("mlx5dv_devx_alloc_uar");
     void *page = uar->base_addr;
+
+    /* the preload defines dlsym: a lookup after the program must still start after it, where
+     * the preload's own open is (what the default lookup finds too) */
+    if (dlsym(RTLD_NEXT, "open") != dlsym(RTLD_DEFAULT, "open"))
+        return fail("dlsym(RTLD_NEXT) from the program skipped the preload");
+    printf("dlsym(RTLD_NEXT, \"open\") from the program finds the preload's open\n");
 
     void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!cuda) return fail(dlerror());

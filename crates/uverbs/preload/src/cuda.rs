@@ -14,9 +14,9 @@
 //!   ([`uverbs::dmabuf::exported`]), so that a DEVX umem or a memory region on that dma-buf
 //!   reaches the GPU memory, as a kernel with a ConnectX reaches it through the exporter.
 //!
-//! Only processes under `gpuverbs emu` load this library. One limit: a `dlsym(RTLD_NEXT, …)`
-//! made by the program itself resolves from this library onwards (glibc tells the caller by
-//! its return address, which is here now), so it skips this library's own definitions.
+//! Only processes under `gpuverbs emu` load this library. A `dlsym(RTLD_NEXT, …)` goes to
+//! glibc's by a tail jump (x86_64), so that glibc, which finds the caller by the return
+//! address, still starts the lookup after the program's own object.
 
 use libc::{c_char, c_int, c_uint, c_void, size_t};
 use std::ffi::CStr;
@@ -151,8 +151,8 @@ fn wrap(name: &[u8], v2_abi: bool, p: usize) -> usize {
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+/// `dlsym` for every handle but `RTLD_NEXT`: glibc's answer, or a wrapper of it.
+unsafe extern "C" fn dlsym_hook(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
     // SAFETY: the caller's arguments, forwarded.
     let p = unsafe { real_dlsym()(handle, symbol) };
     if p.is_null() || symbol.is_null() {
@@ -164,6 +164,47 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
         return p;
     }
     wrap(name, false, p as usize) as *mut c_void
+}
+
+/// glibc's `dlsym`'s address, for the trampoline below.
+extern "C" fn glibc_dlsym() -> usize {
+    real_dlsym() as usize
+}
+
+/// `dlsym`: `RTLD_NEXT` (`(void *)-1`) goes to glibc's by a tail jump, so that the caller glibc
+/// finds from the return address is the program's, not this library (the lookup then starts
+/// after the caller, as it must); every other handle goes to [`dlsym_hook`].
+// SAFETY (naked): the body is the whole function; it keeps the System V argument registers
+// (rdi, rsi) across the one call, aligns the stack for it, and leaves by a jump to a function
+// of dlsym's own signature, which returns to our caller.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+#[no_mangle]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    core::arch::naked_asm!(
+        "cmp rdi, -1",
+        "jne {hook}",
+        // keep the arguments across the call (and the stack 16-byte aligned at the call)
+        "push rdi",
+        "push rsi",
+        "sub rsp, 8",
+        "call {addr}",
+        "add rsp, 8",
+        "pop rsi",
+        "pop rdi",
+        "jmp rax",
+        hook = sym dlsym_hook,
+        addr = sym glibc_dlsym,
+    )
+}
+
+/// `dlsym` (elsewhere than x86_64 a `dlsym(RTLD_NEXT, …)` of the program resolves from this
+/// library onwards: glibc sees this library as the caller).
+#[cfg(not(target_arch = "x86_64"))]
+#[no_mangle]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    // SAFETY: forwarded.
+    unsafe { dlsym_hook(handle, symbol) }
 }
 
 /// The `cuGetProcAddress` answer `*pfn` for `symbol`, replaced by a wrapper where there is one.
