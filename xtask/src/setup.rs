@@ -18,6 +18,10 @@ pub const PACKAGES: &[(&str, &str)] = &[
         "libibverbs, loaded at run time by the mlx5 backend",
     ),
     (
+        "gcc",
+        "cc, which builds the emulation's C probes (emu_cuda.rs, emu_no_sq.rs)",
+    ),
+    (
         "ibverbs-providers",
         "libmlx5, which drives the emulated devices",
     ),
