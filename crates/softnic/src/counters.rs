@@ -64,6 +64,7 @@ pub struct Counters {
     pub(crate) doorbells_dropped: AtomicU64,
     pub(crate) bad_doorbells: AtomicU64,
     pub(crate) stale_wqes: AtomicU64,
+    pub(crate) dc_key_violations: AtomicU64,
     pub(crate) cq_overruns: AtomicU64,
     pub(crate) bf_torn: AtomicU64,
     pub(crate) bf_run: AtomicU64,
@@ -88,6 +89,7 @@ impl Default for Counters {
             doorbells_dropped: AtomicU64::new(0),
             bad_doorbells: AtomicU64::new(0),
             stale_wqes: AtomicU64::new(0),
+            dc_key_violations: AtomicU64::new(0),
             cq_overruns: AtomicU64::new(0),
             bf_torn: AtomicU64::new(0),
             bf_run: AtomicU64::new(0),
@@ -130,6 +132,7 @@ impl Counters {
             doorbells_dropped: self.doorbells_dropped.load(Relaxed),
             bad_doorbells: self.bad_doorbells.load(Relaxed),
             stale_wqes: self.stale_wqes.load(Relaxed),
+            dc_key_violations: self.dc_key_violations.load(Relaxed),
             cq_overruns: self.cq_overruns.load(Relaxed),
             bf_torn: self.bf_torn.load(Relaxed),
             bf_run: self.bf_run.load(Relaxed),
@@ -163,6 +166,8 @@ pub struct CounterSnapshot {
     pub bad_doorbells: u64,
     /// WQEs whose control-segment index did not match their ring position.
     pub stale_wqes: u64,
+    /// Requests a DC target dropped for a wrong DC access key.
+    pub dc_key_violations: u64,
     /// CQ overruns.
     pub cq_overruns: u64,
     /// BlueFlame register copies dropped because a later write to the half began while the

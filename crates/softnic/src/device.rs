@@ -9,7 +9,7 @@ use crate::devmem::DeviceMemory;
 use crate::mem::{Access, IndirectConfig, MrInfo, MwInfo, MwType, PdId};
 use crate::net::socket::Port;
 use crate::net::{Capture, WireConfig, WireError, WireFaults};
-use crate::qp::{Qp, QpConfig};
+use crate::qp::{DctConfig, Qp, QpConfig, Transport};
 use crate::shared::{self, Shared};
 use crate::srq::{Srq, SrqConfig};
 use crate::{Error, Gid};
@@ -401,7 +401,7 @@ impl Device {
 
     /// Creates an RC QP in RESET.
     pub fn create_qp(&self, cfg: QpConfig) -> Result<Arc<Qp>, Error> {
-        self.create_qp_inner(cfg, false, None)
+        self.create_qp_inner(cfg, Transport::Rc, None)
     }
 
     /// Creates a UD QP in RESET (receives from `srq` when given). Its send queue takes UD
@@ -409,19 +409,41 @@ impl Device {
     /// to any UD QP and takes them from any (see docs/softnic.md, "UD QPs"). States:
     /// [`crate::Modify::InitUd`], [`crate::Modify::RtrUd`], then [`crate::Modify::Rts`].
     pub fn create_ud_qp(&self, cfg: QpConfig, srq: Option<&Arc<Srq>>) -> Result<Arc<Qp>, Error> {
-        self.create_qp_inner(cfg, true, srq.cloned())
+        self.create_qp_inner(cfg, Transport::Ud, srq.cloned())
     }
 
     /// Creates an RC QP in RESET whose receives come from `srq` (its own RQ, if
     /// `cfg.rq_wqes` asks for one, is never used).
     pub fn create_qp_on_srq(&self, cfg: QpConfig, srq: &Arc<Srq>) -> Result<Arc<Qp>, Error> {
-        self.create_qp_inner(cfg, false, Some(srq.clone()))
+        self.create_qp_inner(cfg, Transport::Rc, Some(srq.clone()))
+    }
+
+    /// Creates a DC initiator in RESET. Its send queue takes RC's operations (SEND, RDMA
+    /// WRITE and READ, atomics) with an address vector after the control segment naming the
+    /// target (`prm::wqe::DatagramSeg::dc`); its `recv_cq` and RQ are unused. States:
+    /// [`crate::Modify::Init`], [`crate::Modify::RtrDc`], then [`crate::Modify::Rts`].
+    pub fn create_dci(&self, mut cfg: QpConfig) -> Result<Arc<Qp>, Error> {
+        cfg.rq_wqes = 0;
+        self.create_qp_inner(cfg, Transport::Dci, None)
+    }
+
+    /// Creates a DC target in RESET: a responder on `cfg.pd` whose SENDs take receives from
+    /// `cfg.srq` and complete on `cfg.cq`, open to every DC initiator that presents
+    /// `cfg.key`. Its number (DCTN) comes from the QP numbers. States: [`crate::Modify::Init`]
+    /// (the remote rights), then [`crate::Modify::RtrDc`], where it stays.
+    pub fn create_dct(&self, cfg: DctConfig) -> Result<Arc<Qp>, Error> {
+        let mut q = QpConfig::new(cfg.pd, cfg.cq.clone(), cfg.cq);
+        q.sq_blocks = 1;
+        q.rq_wqes = 0;
+        q.max_inline = 0;
+        q.user_index = cfg.user_index;
+        self.create_qp_inner(q, Transport::Dct { key: cfg.key }, Some(cfg.srq))
     }
 
     fn create_qp_inner(
         &self,
         cfg: QpConfig,
-        ud: bool,
+        transport: Transport,
         srq: Option<Arc<Srq>>,
     ) -> Result<Arc<Qp>, Error> {
         let own = |cq: &Arc<Cq>| {
@@ -436,7 +458,7 @@ impl Device {
         let qp = Arc::new(Qp::new(
             qpn,
             cfg,
-            ud,
+            transport,
             srq,
             self.shared.mrs.clone(),
             self.shared.counters.clone(),

@@ -16,14 +16,16 @@ use crate::event::AsyncEvent;
 use crate::gather::{gather, local_ranges};
 use crate::mem::{total, write_range, Access, MemRange, MrGuard, MwBinding, MwRequest};
 use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall, MAX_MSG};
-use crate::qp::{Qp, QpState, SqState};
+use crate::qp::{Qp, QpState, SqState, Transport};
 use crate::responder::{respond, Request, Response};
 use crate::shared::{lookup, Shared};
 use crate::wire::{requester, responder};
 use parking_lot::MutexGuard;
 use prm::cqe::{Cqe64, ErrorCqe};
 use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
-use prm::parse::{parse_wqe, sge_of, AtomicKind, LocalSeg, MwOp, ParsedLocal, ParsedOp, UmrOp};
+use prm::parse::{
+    parse_dc_wqe, parse_wqe, sge_of, AtomicKind, LocalSeg, MwOp, ParsedLocal, ParsedOp, UmrOp,
+};
 use prm::wqe::{
     blocks_for_ds, CtrlSeg, Sge, MKEY_ACCESS_ATOMIC, MKEY_ACCESS_REMOTE_READ,
     MKEY_ACCESS_REMOTE_WRITE,
@@ -394,11 +396,21 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
         Ok(())
     };
     let outcome = check.and_then(|()| {
-        if qp.ud {
-            return crate::ud::execute(dev, qp, sq, &buf[..blocks * WQEBB]);
-        }
-        let wqe =
-            parse_wqe(&buf[..blocks * WQEBB]).map_err(|e| (e.syndrome(), vendor::MALFORMED_WQE))?;
+        let bytes = &buf[..blocks * WQEBB];
+        let malformed = |e: prm::WqeError| (e.syndrome(), vendor::MALFORMED_WQE);
+        let wqe = match qp.transport {
+            Transport::Ud => return crate::ud::execute(dev, qp, sq, bytes),
+            Transport::Rc => parse_wqe(bytes).map_err(malformed)?,
+            Transport::Dci => {
+                let (wqe, av) = parse_dc_wqe(bytes).map_err(malformed)?;
+                if let Some(stall) = av.and_then(|av| crate::dc::aim(sq, &av)) {
+                    return Ok((Done::Stalled(stall), wqe.flags.signaled));
+                }
+                wqe
+            }
+            // a DC target has no send queue
+            Transport::Dct { .. } => return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST)),
+        };
         execute(dev, qp, sq, &wqe).map(|r| (r, wqe.flags.signaled))
     });
     // Behind WQEs still on the wire, a WQE that completes or fails right away takes its turn
@@ -621,17 +633,20 @@ enum Route {
 /// the route: a peer-table entry of this device for the remote GID means the wire; else a
 /// device of this process with that GID means the in-process path; else, when this device
 /// has a wire port and the GID is IPv4-mapped, the wire at the GID's address and the port's
-/// default UDP port.
-fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
+/// default UDP port. A DC initiator's target (the WQE's address vector: [`crate::dc::aim`])
+/// is reached in process only; the QP found must be of the requester's kind (an RC QP for
+/// RC, a DC target that holds the presented key for a DC initiator), else nobody answers.
+fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
     if sq.wire.is_some() {
         return Ok(Ok(Route::Wire));
     }
+    let dc = qp.is_dci();
     let cached = sq.peer.as_ref().and_then(|w| w.upgrade());
     let found = match (cached, sq.remote) {
         (Some(p), _) => Some(p),
         (None, None) => None,
         (None, Some((gid, qpn))) => {
-            if let Some(to) = dev.peer_addr(&gid) {
+            if let Some(to) = dev.peer_addr(&gid).filter(|_| !dc) {
                 if requester::connect(dev, sq, gid, qpn, to) {
                     return Ok(Ok(Route::Wire));
                 }
@@ -644,6 +659,7 @@ fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
                     }
                     p
                 }
+                None if dc => None,
                 None => {
                     let to = dev.port().and_then(|port| {
                         let ip = gid.to_ipv4()?;
@@ -659,8 +675,20 @@ fn route(dev: &Shared, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
             }
         }
     };
+    let accepts = |p: &Qp| match p.transport {
+        Transport::Rc => !dc,
+        Transport::Dct { key } if dc && key != sq.dc_key => {
+            // a ConnectX's DCT drops a request with the wrong key: the initiator times out
+            Counters::add(&p.counters.dc_key_violations, 1);
+            false
+        }
+        Transport::Dct { .. } => dc,
+        Transport::Ud | Transport::Dci => false,
+    };
     match found {
-        Some(p) if matches!(p.state(), QpState::Rtr | QpState::Rts) => Ok(Ok(Route::Local(p))),
+        Some(p) if accepts(&p) && matches!(p.state(), QpState::Rtr | QpState::Rts) => {
+            Ok(Ok(Route::Local(p)))
+        }
         _ => no_answer(sq).map(Err),
     }
 }
@@ -742,7 +770,7 @@ fn execute(
     // Local checks come first: the requester gathers (or validates its scatter list) before
     // anything goes out.
     let prepared = prepare(qp, &g, wqe)?;
-    let peer = match route(dev, sq)? {
+    let peer = match route(dev, qp, sq)? {
         Ok(Route::Local(p)) => p,
         Ok(Route::Wire) => {
             drop(prepared);

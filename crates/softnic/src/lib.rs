@@ -33,6 +33,7 @@ mod shared;
 pub mod srq;
 
 mod completion;
+mod dc;
 mod device;
 pub mod engine;
 mod gather;
@@ -53,7 +54,9 @@ pub use event::{AsyncEvent, EventHandler};
 pub use initiator::SoftQpInitiator;
 pub use mem::{Access, IndirectConfig, MemKind, MrInfo, MwInfo, MwType, PdId};
 pub use net::{Capture, WireConfig, WireError, WireFaults};
-pub use qp::{DoorbellMode, Fault, Modify, Qp, QpConfig, QpState, RtrAttr, RtsAttr};
+pub use qp::{
+    DctConfig, DoorbellMode, Fault, Modify, Qp, QpConfig, QpState, RtrAttr, RtsAttr, Transport,
+};
 pub use srq::{Srq, SrqConfig};
 
 pub use verbs::Gid;

@@ -1,5 +1,7 @@
-//! Queue pairs (RC, and UD: [`crate::Device::create_ud_qp`]): the SQ and RQ rings, the doorbell record, the UAR page with its BlueFlame
-//! halves, the CPU-proxy producer word, and the RESET → INIT → RTR → RTS → ERR state machine.
+//! Queue pairs (RC; UD: [`crate::Device::create_ud_qp`]; DC initiators and targets:
+//! [`crate::Device::create_dci`], [`crate::Device::create_dct`]): the SQ and RQ rings, the
+//! doorbell record, the UAR page with its BlueFlame halves, the CPU-proxy producer word, and
+//! the RESET → INIT → RTR → RTS → ERR state machine.
 
 use crate::buffer::DmaBuf;
 use crate::counters::Counters;
@@ -97,6 +99,39 @@ impl QpConfig {
     }
 }
 
+/// Parameters of a new DC target ([`crate::Device::create_dct`]).
+pub struct DctConfig {
+    /// Protection domain of the memory initiators reach.
+    pub pd: PdId,
+    /// CQ for the target's receive completions.
+    pub cq: Arc<Cq>,
+    /// Where SENDs take their receive WQEs.
+    pub srq: Arc<Srq>,
+    /// The DC access key initiators must present.
+    pub key: u64,
+    /// A user index for the target's CQEs (as [`QpConfig::user_index`]).
+    pub user_index: Option<u32>,
+}
+
+/// The transport service of a QP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// Reliable connected: one peer QP, set at RTR.
+    Rc,
+    /// Unreliable datagram: each send WQE names its destination.
+    Ud,
+    /// DC initiator: reliable like RC, but each send WQE names its DC target (DCT number, GID,
+    /// DC access key) in an address vector; it serves one target at a time and moves to
+    /// another between messages.
+    Dci,
+    /// DC target: a responder only, taking requests from any DC initiator that presents its
+    /// access key; its receives come from an SRQ.
+    Dct {
+        /// The DC access key initiators must present.
+        key: u64,
+    },
+}
+
 /// Test-only misbehaviour of a QP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
@@ -124,6 +159,8 @@ pub(crate) struct SqState {
     pub last_half: [u64; 2 * MAX_REGISTERS],
     pub bf: Option<(u16, [u8; BF_HALF_SIZE])>,
     pub remote: Option<(Gid, u32)>,
+    /// DC initiator: the access key presented to the target [`SqState::remote`] names.
+    pub dc_key: u64,
     pub peer: Option<Weak<Qp>>,
     pub rts: RtsAttr,
     pub stall: Option<Stall>,
@@ -181,8 +218,8 @@ pub struct Qp {
     pub(crate) halves: usize,
     /// [`QpConfig::user_index`].
     user_index: Option<u32>,
-    /// A UD QP (datagrams to and from any QP; [`crate::ud`]) rather than RC.
-    pub(crate) ud: bool,
+    /// RC, UD (datagrams to and from any QP; [`crate::ud`]), or a DC initiator or target.
+    pub(crate) transport: Transport,
     /// UD: the Q_Key.
     qkey: AtomicU32,
     state: AtomicU8,
@@ -218,7 +255,7 @@ impl Qp {
     pub(crate) fn new(
         qpn: u32,
         cfg: QpConfig,
-        ud: bool,
+        transport: Transport,
         srq: Option<Arc<Srq>>,
         mrs: Arc<MrTable>,
         counters: Arc<Counters>,
@@ -304,7 +341,7 @@ impl Qp {
             shared_uar,
             halves,
             user_index: cfg.user_index.map(|u| u & 0xff_ffff),
-            ud,
+            transport,
             qkey: AtomicU32::new(0),
             state: AtomicU8::new(QpState::Reset as u8),
             destroyed: AtomicBool::new(false),
@@ -316,6 +353,7 @@ impl Qp {
                 last_half: [0; 2 * MAX_REGISTERS],
                 bf: None,
                 remote: None,
+                dc_key: 0,
                 peer: None,
                 rts: RtsAttr::default(),
                 stall: None,
@@ -349,9 +387,24 @@ impl Qp {
     pub fn qpn(&self) -> u32 {
         self.qpn
     }
+    /// The transport service.
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
     /// Whether this is a UD QP.
     pub fn is_ud(&self) -> bool {
-        self.ud
+        self.transport == Transport::Ud
+    }
+    /// Whether this is a DC initiator.
+    pub fn is_dci(&self) -> bool {
+        self.transport == Transport::Dci
+    }
+    /// The access key of a DC target (`None` for other QPs).
+    pub fn dct_key(&self) -> Option<u64> {
+        match self.transport {
+            Transport::Dct { key } => Some(key),
+            _ => None,
+        }
     }
     /// The Q_Key of a UD QP (0 for RC).
     pub fn qkey(&self) -> u32 {
@@ -359,7 +412,7 @@ impl Qp {
     }
     /// Changes the Q_Key of a UD QP (an optional attribute of its later transitions).
     pub fn set_qkey(&self, qkey: u32) -> Result<(), Error> {
-        if !self.ud {
+        if !self.is_ud() {
             return Err(Error::InvalidArgument("only a UD QP has a Q_Key"));
         }
         self.qkey.store(qkey, Ordering::Release);
@@ -570,7 +623,7 @@ impl Qp {
         let from = self.state();
         let to = match m {
             Modify::Init { .. } | Modify::InitUd { .. } => Init,
-            Modify::Rtr(_) | Modify::RtrUd => Rtr,
+            Modify::Rtr(_) | Modify::RtrUd | Modify::RtrDc { .. } => Rtr,
             Modify::Rts(_) => Rts,
             Modify::Err => Err,
             Modify::Reset => Reset,
@@ -578,14 +631,9 @@ impl Qp {
         if !verbs::qp::can_move(from, to) {
             return Result::Err(Error::IllegalTransition { from, to });
         }
-        let wrong_type = match m {
-            Modify::Init { .. } | Modify::Rtr(_) => self.ud,
-            Modify::InitUd { .. } | Modify::RtrUd => !self.ud,
-            _ => false,
-        };
-        if wrong_type {
+        if !self.takes(&m) {
             return Result::Err(Error::InvalidArgument(
-                "RC attributes on a UD QP, or UD attributes on an RC QP",
+                "attributes of another transport (RC, UD or DC), or a DC target past RTR",
             ));
         }
         let mut sq = self.lock_sq();
@@ -597,6 +645,18 @@ impl Qp {
             Modify::Init { access } => rq.access = access,
             Modify::InitUd { qkey } => self.qkey.store(qkey, Ordering::Release),
             Modify::RtrUd => {}
+            Modify::RtrDc { mtu, min_rnr_timer } => {
+                if !matches!(mtu, 256 | 512 | 1024 | 2048 | 4096) || min_rnr_timer > 31 {
+                    return Result::Err(Error::InvalidArgument(
+                        "path MTU must be 256..4096, a power of two; RNR timer ≤ 31",
+                    ));
+                }
+                sq.remote = None;
+                sq.peer = None;
+                sq.mtu = mtu;
+                sq.wire = None;
+                rq.min_rnr_timer = min_rnr_timer;
+            }
             Modify::Rtr(a) => {
                 if !matches!(a.mtu, 256 | 512 | 1024 | 2048 | 4096) {
                     return Result::Err(Error::InvalidArgument(
@@ -629,7 +689,7 @@ impl Qp {
                     ));
                 }
                 sq.rts = a;
-                if self.ud && from == Rtr {
+                if self.is_ud() && from == Rtr {
                     sq.ud_psn = a.sq_psn & 0xff_ffff;
                 }
                 if let Some(w) = sq.wire.as_mut() {
@@ -662,6 +722,23 @@ impl Qp {
         }
         self.set_state(to);
         Ok(())
+    }
+
+    /// Whether a transition with these attributes is one this QP's transport takes: RC's
+    /// INIT and RTR attributes on RC QPs, UD's on UD QPs, DC's RTR on DC initiators and
+    /// targets (which take RC's INIT: the remote rights of a target); a DC target has no send
+    /// queue and stays in RTR (no RTS), as a ConnectX's DCT.
+    fn takes(&self, m: &Modify) -> bool {
+        use Transport::*;
+        matches!(
+            (m, self.transport),
+            (Modify::Init { .. }, Rc | Dci | Dct { .. })
+                | (Modify::Rtr(_), Rc)
+                | (Modify::InitUd { .. } | Modify::RtrUd, Ud)
+                | (Modify::RtrDc { .. }, Dci | Dct { .. })
+                | (Modify::Rts(_), Rc | Ud | Dci)
+                | (Modify::Err | Modify::Reset, _)
+        )
     }
 
     /// Injects a fault (tests).

@@ -162,7 +162,12 @@ impl<'a> Resp<'a> {
     /// A failure no receive completion reported raises the affiliated event a ConnectX
     /// responder raises: QP_REQ_ERR for an invalid request, QP_ACCESS_ERR for a remote access
     /// violation, QP_FATAL otherwise.
+    /// A DC target is not affected: it serves every other initiator on (the NAK ends only
+    /// the initiator's message, as on a ConnectX).
     pub fn fatal(&self, r: Response) -> Response {
+        if self.qp.dct_key().is_some() {
+            return r;
+        }
         if let Response::Nak(syndrome, _) = r {
             if self.reported {
                 self.qp.set_state(QpState::Err);

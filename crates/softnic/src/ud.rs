@@ -292,7 +292,7 @@ pub(crate) fn on_packet(dev: &Shared, qp: &Qp, pkt: &Packet<'_>, flow: &Flow, ud
 /// receiving device.
 pub(crate) fn deliver(qp: &Qp, d: &Datagram<'_>) {
     let c = &qp.counters;
-    if !qp.ud || !matches!(qp.state(), QpState::Rtr | QpState::Rts) {
+    if !qp.is_ud() || !matches!(qp.state(), QpState::Rtr | QpState::Rts) {
         Counters::add(&c.ud_unready_drops, 1);
         return;
     }

@@ -98,7 +98,9 @@ impl Ud {
             local: Local::Sges(&sge[..n]),
             imm,
         };
-        self.ini.post_ud(&op, CtrlFlags::SIGNALED, &av).unwrap();
+        self.ini
+            .post_with_av(&op, CtrlFlags::SIGNALED, &av)
+            .unwrap();
         self.ini.ring();
         self.ini.wait_send(T).unwrap()
     }
@@ -321,7 +323,7 @@ fn ud_to_itself_and_from_any_source() {
         local: Local::Sges(&sge),
         imm: None,
     };
-    a.ini.post_ud(&op, CtrlFlags::SIGNALED, &av).unwrap();
+    a.ini.post_with_av(&op, CtrlFlags::SIGNALED, &av).unwrap();
     a.ini.ring();
     a.ini.wait_send(T).unwrap();
     let c = a.wait_recv_raw();
@@ -359,7 +361,7 @@ fn ud_to_itself_and_from_any_source() {
         rgid: b.0.gid().0,
         ..Default::default()
     };
-    a.ini.post_ud(&op, CtrlFlags::SIGNALED, &av).unwrap();
+    a.ini.post_with_av(&op, CtrlFlags::SIGNALED, &av).unwrap();
     a.ini.ring();
     a.ini.wait_send(T).unwrap();
     assert_eq!(b.0.counters().ud_unready_drops, 1);

@@ -593,6 +593,10 @@ pod!(
     }
 );
 pod!(
+    /// `struct mlx5_ib_modify_qp_resp`: a DC target's number, given at its move to RTR.
+    Mlx5ModifyQpResp[16] { response_length: u32, dctn: u32, ece_options: u32, reserved: u32 }
+);
+pod!(
     /// `struct mlx5_ib_create_qp_resp`.
     Mlx5CreateQpResp[40] {
         bfreg_index: u32, ece_options: u32, comp_mask: u32, tirn: u32, tisn: u32, rqn: u32,
@@ -613,6 +617,7 @@ pub mod mlx5_qp_flag {
     pub const TYPE_DCT: u32 = 1 << 4;
     pub const TYPE_DCI: u32 = 1 << 5;
     pub const UAR_PAGE_INDEX: u32 = 1 << 10;
+    pub const DCI_STREAM: u32 = 1 << 11;
     pub const ALLOW_SCATTER_CQE: u32 = 1 << 8;
 }
 

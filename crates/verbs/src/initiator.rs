@@ -334,9 +334,10 @@ impl Initiator {
         self.post_wqe(w)
     }
 
-    /// Writes one WQE of a UD QP: `op` (SEND or SEND_IMM) with the datagram segment `av`
-    /// after its control segment (without ringing). Returns its index.
-    pub fn post_ud(
+    /// Writes one WQE with an address vector: `op` with the datagram segment `av` after its
+    /// control segment (a UD QP's SEND or SEND_IMM, or any operation of a DC initiator:
+    /// `DatagramSeg::dc`), without ringing. Returns its index.
+    pub fn post_with_av(
         &mut self,
         op: &Op<'_>,
         flags: CtrlFlags,

@@ -107,6 +107,14 @@ pub enum Modify {
     },
     /// UD: INIT → RTR (no peer, no path).
     RtrUd,
+    /// DC initiator or target: INIT → RTR. No peer: an initiator names its target in each
+    /// WQE; a target takes any initiator that presents its key.
+    RtrDc {
+        /// Path MTU in bytes (256..4096).
+        mtu: u32,
+        /// A target's RNR NAK timer code (0..31).
+        min_rnr_timer: u8,
+    },
     /// any → ERR.
     Err,
     /// any → RESET.

@@ -55,6 +55,8 @@ layout! {
         RELAXED_ORDERING_WRITE: 232, 1;
         RELAXED_ORDERING_READ: 233, 1;
         LOG_MAX_MRW_SZ: 265, 7;
+        LOG_MAX_RA_REQ_DC: 298, 6;
+        LOG_MAX_RA_RES_DC: 314, 6;
         LOG_MAX_RA_REQ_QP: 330, 6;
         LOG_MAX_RA_RES_QP: 346, 6;
         END_PAD: 352, 1;

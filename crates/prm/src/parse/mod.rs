@@ -447,6 +447,11 @@ pub enum WqeError {
         /// Opcode byte.
         opcode: u8,
     },
+    /// An opcode a DC initiator does not execute (UMR, SEND with invalidate).
+    NotOnDci {
+        /// Opcode byte.
+        opcode: u8,
+    },
     /// The result buffer of an atomic is not the operand size.
     AtomicLength {
         /// Byte count stored.
@@ -496,6 +501,9 @@ impl core::fmt::Display for WqeError {
                 "{} on a UD QP (SEND and SEND_IMM only)",
                 crate::wqe::opcode_name(*opcode)
             ),
+            Self::NotOnDci { opcode } => {
+                write!(f, "{} on a DC initiator", crate::wqe::opcode_name(*opcode))
+            }
         }
     }
 }
@@ -572,6 +580,15 @@ fn umr(bytes: &[u8], n: usize, key: u32) -> Option<UmrOp<'_>> {
 
 /// Parses the WQE at the start of `bytes` (the WQE's blocks, already gathered in order).
 pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
+    let ctrl = ctrl_of(bytes)?;
+    let (opcode, opmod) = opcode_of(&ctrl)?;
+    let op = parse_op(bytes, &ctrl, ctrl.ds() as usize, opcode, opmod)?;
+    Ok(parsed(&ctrl, opcode, opmod, op))
+}
+
+/// The control segment of the WQE at the start of `bytes`, once `bytes` holds the `ds` units
+/// it names (at least one).
+fn ctrl_of(bytes: &[u8]) -> Result<CtrlSeg, WqeError> {
     if bytes.len() < DS_UNIT {
         return Err(WqeError::Truncated {
             have: bytes.len(),
@@ -579,8 +596,7 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
         });
     }
     let ctrl: CtrlSeg = seg(bytes, 0);
-    let ds = ctrl.ds();
-    let n = ds as usize;
+    let n = ctrl.ds() as usize;
     if n == 0 {
         return Err(WqeError::ZeroDs);
     }
@@ -590,18 +606,21 @@ pub fn parse_wqe(bytes: &[u8]) -> Result<ParsedWqe<'_>, WqeError> {
             need: n * DS_UNIT,
         });
     }
-    let (opcode, opmod) = opcode_of(&ctrl)?;
-    let op = parse_op(bytes, &ctrl, n, opcode, opmod)?;
-    Ok(ParsedWqe {
+    Ok(ctrl)
+}
+
+/// A parsed WQE from its checked control segment and operation.
+fn parsed<'a>(ctrl: &CtrlSeg, opcode: Opcode, opmod: u8, op: ParsedOp<'a>) -> ParsedWqe<'a> {
+    ParsedWqe {
         opcode,
         opmod,
         wqe_index: ctrl.wqe_index(),
         qpn: ctrl.qpn(),
-        ds,
+        ds: ctrl.ds(),
         flags: CtrlFlags::from_fm_ce_se(ctrl.fm_ce_se),
         imm: ctrl.imm,
         op,
-    })
+    }
 }
 
 /// The opcode and opmod of a control segment, checked: a known opcode, and an opmod that fits
@@ -894,6 +913,80 @@ pub fn parse_ud_wqe(bytes: &[u8]) -> Result<(ParsedWqe<'_>, Option<Datagram>), W
         op: ParsedOp::Send { local },
     };
     Ok((wqe, Some(av.into())))
+}
+
+/// The address vector of a DC initiator's WQE, in host order: which DC target the message
+/// goes to and the key it presents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DcAddress {
+    /// The DC access key (the AV's first 8 bytes, where a UD WQE has its Q_Key).
+    pub key: u64,
+    /// The DC target's number (DCTN).
+    pub dctn: u32,
+    /// Source GID index.
+    pub sgid_index: u8,
+    /// Traffic class.
+    pub tclass: u8,
+    /// Hop limit.
+    pub hop_limit: u8,
+    /// Flow label.
+    pub flow_label: u32,
+    /// The target's GID.
+    pub rgid: [u8; 16],
+}
+
+impl From<DatagramSeg> for DcAddress {
+    fn from(a: DatagramSeg) -> Self {
+        let hi = a.qkey.get() as u64;
+        let lo = u32::from_be_bytes(a.reserved) as u64;
+        let fl = a.grh_gid_fl.get();
+        Self {
+            key: hi << 32 | lo,
+            dctn: a.dqp_dct.get() & 0xff_ffff,
+            sgid_index: (fl >> 20) as u8,
+            tclass: a.tclass,
+            hop_limit: a.hop_limit,
+            flow_label: fl & 0xf_ffff,
+            rgid: a.rgid,
+        }
+    }
+}
+
+/// Parses a WQE of a DC initiator's send queue: the control segment, the 48-byte address
+/// vector (the DC key, the DCT number and the target's GID: libmlx5's
+/// `mlx5dv_wr_set_dc_addr`), then the segments of the operation as on RC (remote address,
+/// atomic, data). NOP, WAIT and DUMP are local and carry no address vector (`None`). UMR and
+/// SEND with invalidate are [`WqeError::NotOnDci`] (LOCAL_QP_OP).
+pub fn parse_dc_wqe(bytes: &[u8]) -> Result<(ParsedWqe<'_>, Option<DcAddress>), WqeError> {
+    let ctrl = ctrl_of(bytes)?;
+    let (opcode, opmod) = opcode_of(&ctrl)?;
+    let n = ctrl.ds() as usize;
+    let (op, av) = match opcode {
+        Opcode::Nop | Opcode::Wait | Opcode::Dump => {
+            (parse_op(bytes, &ctrl, n, opcode, opmod)?, None)
+        }
+        Opcode::Umr | Opcode::SendInval => {
+            return Err(WqeError::NotOnDci {
+                opcode: opcode as u8,
+            })
+        }
+        _ if n < 1 + DATAGRAM_UNITS => {
+            return Err(WqeError::BadShape {
+                opcode: ctrl.opcode(),
+                ds: ctrl.ds(),
+            })
+        }
+        _ => {
+            let av: DatagramSeg = seg(bytes, 1);
+            // The operation's segments follow the address vector: they read as an RC WQE's
+            // from a view whose unit 0 is the vector's last unit (the parser never reads
+            // unit 0).
+            let shifted = &bytes[DATAGRAM_UNITS * DS_UNIT..];
+            let op = parse_op(shifted, &ctrl, n - DATAGRAM_UNITS, opcode, opmod)?;
+            (op, Some(av.into()))
+        }
+    };
+    Ok((parsed(&ctrl, opcode, opmod, op), av))
 }
 
 #[cfg(test)]

@@ -670,6 +670,97 @@ fn ud_refuses_rdma_atomics_and_short_shapes() {
     }
 }
 
+#[test]
+fn dc_wqes_parse_with_their_address_vector() {
+    let mut rgid = [0u8; 16];
+    rgid[15] = 9;
+    let key = 0x1122_3344_5566_7788;
+    let dc = crate::wqe::DatagramSeg::dc(0x4321, key, rgid);
+    let list = [sge(0x1000, 64)];
+    let ops = [
+        Op::Write {
+            remote: R,
+            local: Local::Sges(&list),
+            imm: Some(7),
+        },
+        Op::Write {
+            remote: R,
+            local: Local::Inline(b"inline over dc"),
+            imm: None,
+        },
+        Op::Read {
+            remote: R,
+            local: &list,
+        },
+        Op::Send {
+            local: Local::Sges(&list),
+            imm: None,
+        },
+        Op::FetchAdd {
+            remote: R,
+            add: 5,
+            result: sge(0x2000, 8),
+        },
+        Op::CompareSwap {
+            remote: R,
+            compare: 1,
+            swap: 2,
+            result: sge(0x2000, 8),
+        },
+    ];
+    for op in ops {
+        let plain = op.encode(3, 0x77, CtrlFlags::SIGNALED).unwrap();
+        let w = plain.with_datagram(&dc).unwrap();
+        // the key's bytes are where libmlx5's mlx5dv_wr_set_dc_addr puts av.key.dc_key
+        assert_eq!(&w.as_bytes()[16..24], &key.to_be_bytes());
+        let (p, a) = parse_dc_wqe(w.as_bytes()).unwrap();
+        let a = a.unwrap();
+        assert_eq!((a.key, a.dctn, a.rgid), (key, 0x4321, rgid));
+        // the operation reads as the same WQE without the vector does on RC
+        let rc = parse_wqe(plain.as_bytes()).unwrap();
+        assert_eq!(
+            (p.op, p.opcode, p.imm, p.wqe_index),
+            (rc.op, rc.opcode, rc.imm, 3)
+        );
+        assert_eq!(p.ds, rc.ds + 3);
+    }
+    // local WQEs carry no vector
+    let nop = Op::Nop.encode(1, 0x77, CtrlFlags::SIGNALED).unwrap();
+    assert_eq!(parse_dc_wqe(nop.as_bytes()).unwrap().1, None);
+    // SEND with invalidate is refused; a WRITE without its vector is malformed
+    let inv = Op::SendInvalidate {
+        local: Local::Sges(&list),
+        rkey: 1,
+    }
+    .encode(0, 0x77, CtrlFlags::SIGNALED)
+    .unwrap()
+    .with_datagram(&dc)
+    .unwrap();
+    let e = parse_dc_wqe(inv.as_bytes()).unwrap_err();
+    assert!(matches!(e, WqeError::NotOnDci { .. }), "{e:?}");
+    assert_eq!(e.syndrome(), Syndrome::LocalQpOp);
+    let bare = Op::Read {
+        remote: R,
+        local: &list,
+    }
+    .encode(0, 0x77, CtrlFlags::SIGNALED)
+    .unwrap();
+    assert!(parse_dc_wqe(bare.as_bytes()).is_err());
+    // any bytes: errors, never a panic
+    let mut x = 0x9e37_79b9u32;
+    for _ in 0..20_000 {
+        let mut b = [0u8; 192];
+        for v in b.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            *v = x as u8;
+        }
+        b[3] = [0x0a, 0x0b, 0x10, 0x11, 0x08, 0x0e][(x % 6) as usize];
+        let _ = parse_dc_wqe(&b[..(x as usize % 193)]);
+    }
+}
+
 /// A data segment's 16 bytes.
 fn dseg(bc: u32, lkey: u32, addr: u64) -> [u8; 16] {
     let mut d = [0u8; 16];

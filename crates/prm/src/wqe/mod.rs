@@ -249,6 +249,22 @@ pub struct DatagramSeg {
     pub rgid: [u8; 16],
 }
 
+impl DatagramSeg {
+    /// The address vector of a DC initiator's WQE: the target's DCT number and GID and the DC
+    /// access key it must present (the key big-endian in the first 8 bytes, where a UD WQE
+    /// has its Q_Key), the extended-AV bit set as libmlx5 sets it.
+    pub fn dc(dctn: u32, key: u64, rgid: [u8; 16]) -> Self {
+        Self {
+            qkey: Be32::new((key >> 32) as u32),
+            reserved: (key as u32).to_be_bytes(),
+            dqp_dct: Be32::new(dctn & 0xff_ffff | EXTENDED_UD_AV),
+            hop_limit: 64,
+            rgid,
+            ..Default::default()
+        }
+    }
+}
+
 /// Units (16 bytes) of a [`DatagramSeg`].
 pub const DATAGRAM_UNITS: usize = 3;
 /// The extended-AV bit of [`DatagramSeg::dqp_dct`].

@@ -577,3 +577,58 @@ pub fn norm(c: Completion, qa: u32, qb: u32) -> Completion {
         other => other,
     }
 }
+
+/// Software's side of an SRQ, as libmlx5 keeps it: head (next WQE to post), tail (last free).
+pub struct SwSrq {
+    pub srq: Arc<Srq>,
+    pub head: u16,
+    pub tail: u16,
+    pub posted: u32,
+}
+
+impl SwSrq {
+    pub fn new(srq: Arc<Srq>) -> Self {
+        let tail = (srq.wqes() - 1) as u16;
+        Self {
+            srq,
+            head: 0,
+            tail,
+            posted: 0,
+        }
+    }
+    pub fn wqe(&self, i: u16) -> usize {
+        i as usize * self.srq.stride() as usize
+    }
+    pub fn next(&self, i: u16) -> u16 {
+        let mut b = [0u8; 2];
+        self.srq.ring().read(self.wqe(i) + 2, &mut b);
+        u16::from_be_bytes(b)
+    }
+    /// Posts one receive of one data segment; returns its WQE index.
+    pub fn post(&mut self, addr: u64, len: u32, lkey: u32) -> u16 {
+        assert_ne!(self.head, self.tail, "SRQ full");
+        let i = self.head;
+        let mut seg = [0u8; 16];
+        seg[..4].copy_from_slice(&len.to_be_bytes());
+        seg[4..8].copy_from_slice(&lkey.to_be_bytes());
+        seg[8..].copy_from_slice(&addr.to_be_bytes());
+        self.srq.ring().write(self.wqe(i) + 16, &seg);
+        // terminator
+        let mut t = [0u8; 16];
+        t[4..8].copy_from_slice(&0x100u32.to_be_bytes());
+        self.srq.ring().write(self.wqe(i) + 32, &t);
+        self.head = self.next(i);
+        self.posted += 1;
+        self.srq
+            .dbrec()
+            .atomic_u32(0)
+            .store(self.posted.to_be(), std::sync::atomic::Ordering::Release);
+        i
+    }
+    /// Links a completed WQE at the tail of the free list.
+    pub fn free(&mut self, i: u16) {
+        let w = self.wqe(self.tail) + 2;
+        self.srq.ring().write(w, &i.to_be_bytes());
+        self.tail = i;
+    }
+}

@@ -1,5 +1,6 @@
-//! Queue pairs (RC and UD): CREATE_QP, EX_CREATE_QP, MODIFY_QP, EX_MODIFY_QP, QUERY_QP and
-//! DESTROY_QP, with the BlueFlame register each QP gets.
+//! Queue pairs (RC, UD, and DC initiators and targets: `mlx5dv_create_qp`'s `IBV_QPT_DRIVER`
+//! QPs): CREATE_QP, EX_CREATE_QP, MODIFY_QP, EX_MODIFY_QP, QUERY_QP and DESTROY_QP, with the
+//! BlueFlame register each QP with a send queue gets.
 
 use super::{
     ib_access, unsupported, user_buf, Context, Created, Io, Objects, BFREGS_PER_UAR, BF_REG_SIZE,
@@ -9,6 +10,7 @@ use crate::abi::{self, access, qp_attr};
 use crate::device::{MAX_QP_WR, MAX_RD_ATOM, MAX_SGE};
 use crate::uaccess::{check_mapped, Errno};
 use prm::doorbell::BF_OFFSET;
+use softnic::Transport;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use verbs::DmaBuf;
@@ -35,8 +37,6 @@ struct QpAttrs {
 
 pub(super) struct QpObj {
     pub(super) soft: Arc<softnic::Qp>,
-    /// A UD QP (else RC).
-    ud: bool,
     pub(super) pd: u32,
     pub(super) srq: Option<u32>,
     key: u64,
@@ -101,7 +101,7 @@ impl Context {
     /// MODIFY_QP (the legacy command).
     pub(super) fn legacy_modify_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
         let r: abi::ModifyQp = io.core()?;
-        self.modify_qp(&r).map(|_| Created::Nothing)
+        self.modify_qp(&r, io.uresp.1).map(|_| Created::Nothing)
     }
 
     /// EX_MODIFY_QP.
@@ -110,13 +110,22 @@ impl Context {
         if r.base.attr_mask & qp_attr::RATE_LIMIT != 0 {
             return Err(unsupported("EX_MODIFY_QP rate limit"));
         }
-        self.modify_qp(&r.base)?;
+        let dctn = self.modify_qp(&r.base, io.uresp.1)?;
         // as the kernel's uverbs_response: as much of the answer as the caller has room for
         // (none is fine), a bad pointer EFAULT
         io.reply_prefix(&abi::ExModifyQpResp {
             comp_mask: 0,
             response_length: 8,
         })?;
+        if let Some(dctn) = dctn {
+            // mlx5_ib_modify_dct: the DCT's number, in as much of the answer as fits
+            let response_length = if io.uresp.1 < 16 { 8 } else { 16 };
+            io.ureply(&abi::Mlx5ModifyQpResp {
+                response_length,
+                dctn,
+                ..Default::default()
+            })?;
+        }
         Ok(Created::Nothing)
     }
 
@@ -142,16 +151,31 @@ impl Context {
     fn create_qp(&self, io: &Io<'_>, r: &abi::ExCreateQp, ex: bool) -> Result<Created, Errno> {
         let u: abi::Mlx5CreateQp = io.udata()?;
         let shape = QpShape::check(io, r, &u)?;
-        let (rq_ring, sq_ring, dbrec) = shape.rings(&u)?;
         let soft = self.soft()?;
         let cqe_version = *self.cqe_version.lock();
+        let user_index = (cqe_version == 1).then_some(u.uidx & 0xff_ffff);
         let mut o = self.objs.lock();
+        let parents = QpParents::find(&o, r, shape.srq_handle)?;
+        if let Transport::Dct { key } = shape.transport {
+            // no rings, no doorbell: a responder on the SRQ (mlx5_ib: srq and recv_cq needed)
+            let srq = parents.srq.ok_or(Errno::EINVAL)?;
+            let cfg = softnic::DctConfig {
+                pd: parents.pd,
+                cq: parents.recv_cq,
+                srq,
+                key,
+                user_index,
+            };
+            let sqp = soft.create_dct(cfg).map_err(|_| Errno::EINVAL)?;
+            return self.record_qp(&mut o, io, (r, ex), sqp, &shape, (None, None));
+        }
+        let (rq_ring, sq_ring, dbrec) = shape.rings(&u)?;
         let QpParents {
             pd,
             send_cq,
             recv_cq,
             srq,
-        } = QpParents::find(&o, r, shape.srq_handle)?;
+        } = parents;
         if o.dynamic_uars && !shape.dyn_page {
             return Err(Errno::EINVAL);
         }
@@ -176,12 +200,13 @@ impl Context {
             rq_stride: Some(shape.rq_stride),
             dbrec: Some(dbrec),
             uar: Some(uar),
-            user_index: (cqe_version == 1).then_some(u.uidx & 0xff_ffff),
+            user_index,
         };
-        let created = match (&srq, shape.ud) {
-            (_, true) => soft.create_ud_qp(cfg, srq.as_ref()),
-            (Some(s), false) => soft.create_qp_on_srq(cfg, s),
-            (None, false) => soft.create_qp(cfg),
+        let created = match (&srq, shape.transport) {
+            (_, Transport::Ud) => soft.create_ud_qp(cfg, srq.as_ref()),
+            (_, Transport::Dci) => soft.create_dci(cfg),
+            (Some(s), _) => soft.create_qp_on_srq(cfg, s),
+            (None, _) => soft.create_qp(cfg),
         };
         let sqp = match created {
             Ok(q) => q,
@@ -190,11 +215,31 @@ impl Context {
                 return Err(Errno::EINVAL);
             }
         };
+        let page = shape.dyn_page.then_some(u.bfreg_index);
+        let recorded = self.record_qp(&mut o, io, (r, ex), sqp, &shape, (bfreg, page));
+        if recorded.is_err() {
+            release(&mut o);
+        }
+        recorded
+    }
+
+    /// Answers a CREATE_QP for the new soft QP `sqp` (with its BlueFlame register and UAR
+    /// page, if any) and records it; the soft QP is destroyed when the answer cannot be
+    /// written.
+    fn record_qp(
+        &self,
+        o: &mut Objects,
+        io: &Io<'_>,
+        (r, ex): (&abi::ExCreateQp, bool),
+        sqp: Arc<softnic::Qp>,
+        shape: &QpShape,
+        (bfreg, uar_page): (Option<u32>, Option<u32>),
+    ) -> Result<Created, Errno> {
+        let soft = self.soft()?;
         let h = o.handle();
-        let caps = create_qp_caps(r, h, sqp.qpn(), srq.is_some());
+        let caps = create_qp_caps(r, h, sqp.qpn(), shape.srq_handle.is_some());
         if let Err(e) = reply_create_qp(io, caps, ex, bfreg) {
             soft.destroy_qp(&sqp);
-            release(&mut o);
             return Err(e);
         }
         let key = crate::next_key();
@@ -208,7 +253,6 @@ impl Context {
             h,
             QpObj {
                 soft: sqp,
-                ud: shape.ud,
                 pd: r.pd_handle,
                 srq: shape.srq_handle,
                 key,
@@ -219,7 +263,7 @@ impl Context {
                 sq_sig_all: r.sq_sig_all,
                 attrs: QpAttrs::default(),
                 bfreg,
-                uar_page: shape.dyn_page.then_some(u.bfreg_index),
+                uar_page,
             },
         );
         Ok(Created::Nothing)
@@ -259,8 +303,10 @@ impl Context {
     }
 
     /// MODIFY_QP and EX_MODIFY_QP: the transition and its attributes checked as the kernel
-    /// checks them, the soft QP moved, and the attributes kept for QUERY_QP.
-    fn modify_qp(&self, m: &abi::ModifyQp) -> Result<(), Errno> {
+    /// checks them, the soft QP moved, and the attributes kept for QUERY_QP. A DC target's
+    /// move to RTR needs `room` for the provider's answer (at least 8 bytes) and returns the
+    /// target's number for it.
+    fn modify_qp(&self, m: &abi::ModifyQp, room: usize) -> Result<Option<u32>, Errno> {
         use qp_attr::*;
         use verbs::QpState as S;
         let mut o = self.objs.lock();
@@ -280,7 +326,8 @@ impl Context {
         } else {
             cur
         };
-        let (req, opt) = transition_attrs(q.ud, cur, new)?;
+        let transport = q.soft.transport();
+        let (req, opt) = transition_attrs(transport, cur, new)?;
         let given = m.attr_mask & !STATE;
         if given & req != req || given & !(req | opt | CUR_STATE) != 0 {
             return Err(Errno::EINVAL);
@@ -290,7 +337,11 @@ impl Context {
         }
         let a = take_path_attrs(m, given, q.attrs)?;
         let mut a = take_transport_attrs(m, given, a)?;
-        let step = soft_transition(q.ud, cur, new, &a)?;
+        let dct = matches!(transport, Transport::Dct { .. });
+        if dct && new == 2 && room < 8 {
+            return Err(Errno::EINVAL);
+        }
+        let step = soft_transition(transport, cur, new, &a)?;
         if let Some(s) = step {
             if matches!(s, verbs::Modify::Reset) {
                 // RESET returns only once the device is done with the QP (libmlx5 then
@@ -299,20 +350,24 @@ impl Context {
             }
             q.soft.modify(s).map_err(|_| Errno::EINVAL)?;
         }
-        if q.ud && given & QKEY != 0 && new != 0 {
+        if transport == Transport::Ud && given & QKEY != 0 && new != 0 {
             q.soft.set_qkey(a.qkey).map_err(|_| Errno::EINVAL)?;
         }
         if new == 0 {
             a = QpAttrs::default();
         }
         q.attrs = a;
-        Ok(())
+        Ok((dct && new == 2).then(|| q.soft.qpn()))
     }
 
     pub(super) fn query_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
         let r: abi::QueryQp = io.core()?;
         let o = self.objs.lock();
         let q = o.qps.get(&r.qp_handle).ok_or(Errno::EINVAL)?;
+        // mlx5_ib_dct_query_qp: a DC target answers in RTR only
+        if q.soft.dct_key().is_some() && q.soft.state() != verbs::QpState::Rtr {
+            return Err(Errno::EINVAL);
+        }
         let a = q.attrs;
         let state = match q.soft.state() {
             verbs::QpState::Reset => 0,
@@ -379,8 +434,9 @@ impl Context {
 /// What a CREATE_QP asks for, checked as mlx5_ib checks it: the QP's type, its SRQ, how its
 /// doorbell register is named, and its rings' geometry.
 struct QpShape {
-    /// A UD QP (else RC).
-    ud: bool,
+    /// RC, UD, or a DC initiator or target (`IBV_QPT_DRIVER` with `MLX5_QP_FLAG_TYPE_DCI` or
+    /// `_DCT`; a target's access key from the provider's `access_key`).
+    transport: Transport,
     srq_handle: Option<u32>,
     /// The provider names a UAR page of its own (dynamic UARs).
     dyn_page: bool,
@@ -392,26 +448,42 @@ struct QpShape {
 impl QpShape {
     /// Checks the core command `r` and the provider's part `u` (`io`'s udata).
     fn check(io: &Io<'_>, r: &abi::ExCreateQp, u: &abi::Mlx5CreateQp) -> Result<Self, Errno> {
-        const IBV_QPT_RC: u8 = 2;
-        const IBV_QPT_UD: u8 = 4;
         if io.udata.len() < 32 {
             return Err(Errno::EINVAL);
         }
-        if r.qp_type != IBV_QPT_RC && r.qp_type != IBV_QPT_UD {
-            return Err(unsupported("QP types other than RC and UD"));
-        }
-        let ud = r.qp_type == IBV_QPT_UD;
+        let transport = Self::transport(io, r, u)?;
         let srq_handle = (r.is_srq != 0).then_some(r.srq_handle);
         use abi::mlx5_qp_flag as f;
         let known = f::SIGNATURE
             | f::SCATTER_CQE
             | f::BFREG_INDEX
             | f::UAR_PAGE_INDEX
-            | f::ALLOW_SCATTER_CQE;
+            | f::ALLOW_SCATTER_CQE
+            | f::TYPE_DCI
+            | f::TYPE_DCT;
         if u.flags & !known != 0 {
             return Err(unsupported(
-                "mlx5 QP creation flags (DCT, DCI, tunnel offloads, ...)",
+                "mlx5 QP creation flags (DCI streams, tunnel offloads, ...)",
             ));
+        }
+        match transport {
+            // mlx5_ib's check_qp_attr: a target needs an SRQ and a receive CQ, and takes the
+            // rest of its shape from nobody (no rings, no doorbell)
+            Transport::Dct { .. } if srq_handle.is_none() => return Err(Errno::EINVAL),
+            Transport::Dct { .. } => {
+                return Ok(Self {
+                    transport,
+                    srq_handle,
+                    dyn_page: false,
+                    rq_wqe_count: 0,
+                    rq_stride: 16,
+                })
+            }
+            // an initiator has no receive side
+            Transport::Dci if r.max_recv_wr != 0 || r.max_recv_sge != 0 => {
+                return Err(Errno::EINVAL)
+            }
+            _ => {}
         }
         // BFREG_INDEX names a register of libmlx5's "dynamic" static pages, which this kernel
         // does not offer (num_dyn_bfregs 0); UAR_PAGE_INDEX names a page from the UAR ioctl,
@@ -451,11 +523,35 @@ impl QpShape {
             (_, None) => return Err(Errno::EINVAL),
         };
         Ok(Self {
-            ud,
+            transport,
             srq_handle,
             dyn_page,
             rq_wqe_count,
             rq_stride,
+        })
+    }
+
+    /// The transport a CREATE_QP asks for: RC and UD by type; a DC initiator or target by
+    /// `IBV_QPT_DRIVER` and exactly one of the DC flags, as mlx5_ib's `process_vendor_flags`
+    /// reads them (a target's request must reach the access key: 48 bytes of driver data).
+    fn transport(
+        io: &Io<'_>,
+        r: &abi::ExCreateQp,
+        u: &abi::Mlx5CreateQp,
+    ) -> Result<Transport, Errno> {
+        const IBV_QPT_RC: u8 = 2;
+        const IBV_QPT_UD: u8 = 4;
+        const IBV_QPT_DRIVER: u8 = 0xff;
+        use abi::mlx5_qp_flag as f;
+        Ok(match r.qp_type {
+            IBV_QPT_RC => Transport::Rc,
+            IBV_QPT_UD => Transport::Ud,
+            IBV_QPT_DRIVER => match (u.flags & f::TYPE_DCI != 0, u.flags & f::TYPE_DCT != 0) {
+                (true, false) => Transport::Dci,
+                (false, true) if io.udata.len() >= 48 => Transport::Dct { key: u.sq_buf_addr },
+                _ => return Err(Errno::EINVAL),
+            },
+            _ => return Err(unsupported("QP types other than RC, UD and DC")),
         })
     }
 
@@ -573,13 +669,31 @@ fn reply_create_qp(
     })
 }
 
-/// ib_modify_qp_is_ok for RC and UD: the attributes the move from state `cur` to `new`
-/// requires and those it allows (IB state numbers); EINVAL for a move that is not one.
-fn transition_attrs(ud: bool, cur: u8, new: u8) -> Result<(u32, u32), Errno> {
+/// ib_modify_qp_is_ok for RC and UD, mlx5_ib's `modify_dci_qp_is_ok` for a DC initiator
+/// and `mlx5_ib_modify_dct`'s exact masks for a DC target (RESET → INIT → RTR, nothing else):
+/// the attributes the move from state `cur` to `new` requires and those it allows (IB state
+/// numbers); EINVAL for a move that is not one.
+fn transition_attrs(transport: Transport, cur: u8, new: u8) -> Result<(u32, u32), Errno> {
     use qp_attr::*;
     Ok(match (cur, new) {
+        _ if matches!(transport, Transport::Dct { .. }) => match (cur, new) {
+            (0, 1) => (PKEY_INDEX | PORT | ACCESS_FLAGS, 0),
+            (1, 2) => (MIN_RNR_TIMER | AV | PATH_MTU, 0),
+            _ => return Err(Errno::EINVAL),
+        },
         (_, 0) | (_, 6) => (0, 0),
-        _ if ud => match (cur, new) {
+        _ if transport == Transport::Dci => match (cur, new) {
+            (0, 1) => (PKEY_INDEX | PORT, 0),
+            (1, 1) => (0, PKEY_INDEX | PORT),
+            (1, 2) => (PATH_MTU, PKEY_INDEX | AV),
+            (2, 3) => (
+                TIMEOUT | RETRY_CNT | RNR_RETRY | MAX_QP_RD_ATOMIC | SQ_PSN,
+                MIN_RNR_TIMER,
+            ),
+            (3, 3) => (0, MIN_RNR_TIMER),
+            _ => return Err(Errno::EINVAL),
+        },
+        _ if transport == Transport::Ud => match (cur, new) {
             (0, 1) => (PKEY_INDEX | PORT | QKEY, 0),
             (1, 1) => (0, PKEY_INDEX | PORT | QKEY),
             (1, 2) => (0, PKEY_INDEX | QKEY),
@@ -696,16 +810,22 @@ fn take_transport_attrs(m: &abi::ModifyQp, given: u32, mut a: QpAttrs) -> Result
 /// The soft QP's move from state `cur` to `new` with attributes `a` (none for a move within
 /// a state that changes attributes only).
 fn soft_transition(
-    ud: bool,
+    transport: Transport,
     cur: u8,
     new: u8,
     a: &QpAttrs,
 ) -> Result<Option<verbs::Modify>, Errno> {
     let rights =
         ib_access(a.access & (access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC))?;
+    let ud = transport == Transport::Ud;
+    let dc = matches!(transport, Transport::Dci | Transport::Dct { .. });
     Ok(match (cur, new) {
         (_, 0) => Some(verbs::Modify::Reset),
         (_, 6) => Some(verbs::Modify::Err),
+        (1, 2) if dc => Some(verbs::Modify::RtrDc {
+            mtu: mtu_bytes(a.path_mtu).ok_or(Errno::EINVAL)?,
+            min_rnr_timer: a.min_rnr_timer,
+        }),
         (_, 1) if ud => Some(verbs::Modify::InitUd { qkey: a.qkey }),
         (1, 2) if ud => Some(verbs::Modify::RtrUd),
         (_, 1) => Some(verbs::Modify::Init { access: rights }),
