@@ -20,7 +20,10 @@
 //! the bytes are the ring of an SRQ of 16 WQEs on B (next-WQE segments, scatter lists; its
 //! doorbell counter from the last four input bytes) that B's QP takes receives from, and a
 //! valid 64-byte SEND arrives: the sender completes (success, or the error the responder's
-//! NAK names: RNR with no retries when the SRQ looks empty) within the bound, guards intact.
+//! NAK names: RNR with no retries when the SRQ looks empty) within the bound, guards intact. Bit 4:
+//! the bytes are a DC initiator's WQE (its address vector after the control segment) on A, and
+//! B holds a DC target; bit 5 also writes the target's key, number and GID into the vector, so
+//! the WQE reaches it. The WQE completes (success or error) within the bound, guards intact.
 #![no_main]
 
 #[path = "../../crates/softnic/tests/common/mod.rs"]
@@ -44,6 +47,9 @@ fuzz_target!(|d: &[u8]| {
     let Some((&ctl, body)) = d.split_first() else {
         return;
     };
+    if ctl & 16 != 0 {
+        return dc_wqe(body, ctl & 32 != 0);
+    }
     if ctl & 8 != 0 {
         return srq_receive(body);
     }
@@ -209,6 +215,105 @@ fn srq_receive(body: &[u8]) {
     assert!(sent.is_ok(), "no send completion: {sent:?}");
     drop(ini);
     drop((qa, qb, srq, a, b));
+    for i in [0, 3] {
+        assert!(fixture::guards_intact(i), "a write outside buffer {i}");
+    }
+}
+
+/// The DC target's access key.
+const DC_KEY: u64 = 0x0dc0_ffee_1234_5678;
+
+/// `body` as the WQE of a DC initiator on A (index and QPN written by the harness), with a DC
+/// target on B over buffer 3; `aim`: the address vector names the target with its key.
+fn dc_wqe(body: &[u8], aim: bool) {
+    use softnic::{Access, CqConfig, DctConfig, Modify, QpConfig, RtsAttr, SrqConfig};
+    let (a, b) = (common::Node::new(), common::Node::new());
+    let all = Access(
+        Access::LOCAL_WRITE.0
+            | Access::REMOTE_WRITE.0
+            | Access::REMOTE_READ.0
+            | Access::REMOTE_ATOMIC.0,
+    );
+    fixture::register(&a.dev, a.pd, 0, all);
+    fixture::register(&b.dev, b.pd, 3, all);
+    let cq = |d: &softnic::Device| {
+        d.create_cq(CqConfig {
+            ncqe: 64,
+            ..Default::default()
+        })
+        .expect("a CQ")
+    };
+    let srq = b
+        .dev
+        .create_srq(SrqConfig::new(b.pd, 16, 1))
+        .expect("an SRQ");
+    let dct = b
+        .dev
+        .create_dct(DctConfig {
+            pd: b.pd,
+            cq: cq(&b.dev),
+            srq,
+            key: DC_KEY,
+            user_index: None,
+        })
+        .expect("a DCT");
+    let rtr = Modify::RtrDc {
+        mtu: 1024,
+        min_rnr_timer: 1,
+    };
+    dct.modify(Modify::Init { access: all }).expect("DCT INIT");
+    dct.modify(rtr).expect("DCT RTR");
+    let ca = cq(&a.dev);
+    let dci = a
+        .dev
+        .create_dci(QpConfig::new(a.pd, ca.clone(), ca.clone()))
+        .expect("a DCI");
+    dci.modify(Modify::Init {
+        access: Access::NONE,
+    })
+    .expect("DCI INIT");
+    dci.modify(rtr).expect("DCI RTR");
+    dci.modify(Modify::Rts(RtsAttr {
+        timeout: 1,
+        retry_cnt: 0,
+        rnr_retry: 0,
+        ..Default::default()
+    }))
+    .expect("DCI RTS");
+    let ini = <softnic::initiator::Initiator as softnic::SoftQpInitiator>::for_soft_qp(
+        &a.dev,
+        &dci,
+        softnic::initiator::RingMode::RdmaCore,
+    );
+    let mut ep = common::Ep {
+        ini,
+        qp: dci,
+        scq: ca.clone(),
+        rcq: ca,
+    };
+    let blocks = body.len().div_ceil(64).clamp(1, MAX_BLOCKS);
+    let mut w = vec![0u8; blocks * 64];
+    let n = body.len().min(w.len());
+    w[..n].copy_from_slice(&body[..n]);
+    let idx = ep.ini.producer();
+    w[1..3].copy_from_slice(&idx.to_be_bytes());
+    w[4..7].copy_from_slice(&ep.qpn().to_be_bytes()[1..]);
+    w[11] |= 0x08;
+    if aim {
+        // the address vector's key (0..8), DCT number (8..12) and GID (32..48)
+        w[16..24].copy_from_slice(&DC_KEY.to_be_bytes());
+        w[24..28].copy_from_slice(&(dct.qpn() | prm::wqe::EXTENDED_UD_AV).to_be_bytes());
+        w[48..64].copy_from_slice(&b.dev.gid().0);
+    }
+    let opcode = w[3];
+    ep.post_raw(&w);
+    ep.ini.ring();
+    let bound = if opcode == WAIT { WAIT_BOUND } else { BOUND };
+    if let Err(e) = ep.ini.wait_send(bound) {
+        assert_eq!(opcode, WAIT, "no completion for DC opcode {opcode:#x}: {e:?}");
+    }
+    drop(ep);
+    drop((dct, a, b));
     for i in [0, 3] {
         assert!(fixture::guards_intact(i), "a write outside buffer {i}");
     }
