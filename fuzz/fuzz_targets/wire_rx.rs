@@ -12,8 +12,10 @@
 //! Control bits: 0 selective repeat; 1 leave the ICRC as given (else the harness seals each
 //! datagram for its flow, so that the fuzzer gets past the ICRC check); 2 leave the BTH's
 //! destination QP as given (else it is the target's QPN); 3 send to the requester (A) instead
-//! of the responder (B). The fixture is fresh for each input: QPNs, keys, PSNs and addresses
-//! are the same in every run, so seeds captured from a fresh pair stay meaningful.
+//! of the responder (B); 4 send to a DC target on B (key [`DC_KEY`], every remote right, over
+//! B's buffers) instead: then no buffer of B changes unless some datagram presented the key.
+//! The fixture is fresh for each input: QPNs, keys, PSNs and addresses are the same in every
+//! run, so seeds captured from a fresh pair stay meaningful.
 #![no_main]
 
 #[path = "../../crates/softnic/tests/common/mod.rs"]
@@ -29,6 +31,8 @@ use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
 const BOUND: Duration = Duration::from_secs(5);
+/// The DC target's access key (bit 4).
+const DC_KEY: u64 = 0x1ee7_a330;
 const MAX_DATAGRAMS: usize = 8;
 
 fn datagrams(mut d: &[u8]) -> Vec<Vec<u8>> {
@@ -51,10 +55,11 @@ fuzz_target!(|d: &[u8]| {
     }
     let mut f = Fixture::wire(ctl & 1 != 0);
     let p = &f.p;
-    let (target, qpn) = if ctl & 8 != 0 {
-        (&p.a, p.ea.qpn())
-    } else {
-        (&p.b, p.eb.qpn())
+    let dct = (ctl & 16 != 0).then(|| dc_target(&p.b, p.eb.rcq.clone()));
+    let (target, qpn) = match &dct {
+        Some(t) => (&p.b, t.qpn()),
+        None if ctl & 8 != 0 => (&p.a, p.ea.qpn()),
+        None => (&p.b, p.eb.qpn()),
     };
     let to = target.dev.wire_addr().expect("a wire port");
     let sock = UdpSocket::bind("127.0.0.1:0").expect("a UDP socket");
@@ -108,7 +113,20 @@ fuzz_target!(|d: &[u8]| {
         "{dropped} datagrams counted as dropped of {} received: {c:?}",
         c.rx_packets
     );
-    if ctl & 8 != 0 {
+    if let Some(t) = dct {
+        // a DC target runs nothing for a request without its key
+        let keyed = sent
+            .iter()
+            .any(|g| g.len() >= BTH_LEN + 8 && g[BTH_LEN..BTH_LEN + 8] == DC_KEY.to_be_bytes());
+        if !keyed {
+            std::thread::sleep(Duration::from_millis(2));
+            assert!(
+                fixture::untouched(1) && fixture::untouched(3),
+                "a DC request ran without the target's key"
+            );
+        }
+        p.b.dev.destroy_qp(&t);
+    } else if ctl & 8 != 0 {
         // the requester posted nothing: no answer may land in its memory
         assert!(
             fixture::untouched(0) && fixture::untouched(2),
@@ -131,3 +149,30 @@ fuzz_target!(|d: &[u8]| {
     }
     f.finish();
 });
+
+/// A DC target on `n` (every remote right, key [`DC_KEY`]) completing on `cq`.
+fn dc_target(n: &common::Node, cq: std::sync::Arc<softnic::Cq>) -> std::sync::Arc<softnic::Qp> {
+    use softnic::{Access, DctConfig, Modify, SrqConfig};
+    let srq = n
+        .dev
+        .create_srq(SrqConfig::new(n.pd, 16, 1))
+        .expect("an SRQ");
+    let t = n
+        .dev
+        .create_dct(DctConfig {
+            pd: n.pd,
+            cq,
+            srq,
+            key: DC_KEY,
+            user_index: None,
+        })
+        .expect("a DCT");
+    let all = Access(Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0);
+    t.modify(Modify::Init { access: all }).expect("DCT INIT");
+    t.modify(Modify::RtrDc {
+        mtu: 1024,
+        min_rnr_timer: 1,
+    })
+    .expect("DCT RTR");
+    t
+}

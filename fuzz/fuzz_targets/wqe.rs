@@ -171,7 +171,10 @@ fn srq_receive(body: &[u8]) {
         .expect("A's QP");
     let mut cfg = QpConfig::new(b.pd, cb.clone(), cb);
     cfg.rq_wqes = 0;
-    let qb = b.dev.create_qp_on_srq(cfg, &srq).expect("B's QP on the SRQ");
+    let qb = b
+        .dev
+        .create_qp_on_srq(cfg, &srq)
+        .expect("B's QP on the SRQ");
     let up = |q: &softnic::Qp, peer: &common::Node, peer_qpn: u32| {
         q.modify(Modify::Init {
             access: Access::REMOTE_WRITE,
@@ -310,7 +313,10 @@ fn dc_wqe(body: &[u8], aim: bool) {
     ep.ini.ring();
     let bound = if opcode == WAIT { WAIT_BOUND } else { BOUND };
     if let Err(e) = ep.ini.wait_send(bound) {
-        assert_eq!(opcode, WAIT, "no completion for DC opcode {opcode:#x}: {e:?}");
+        assert_eq!(
+            opcode, WAIT,
+            "no completion for DC opcode {opcode:#x}: {e:?}"
+        );
     }
     drop(ep);
     drop((dct, a, b));

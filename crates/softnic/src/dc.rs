@@ -4,7 +4,8 @@
 //! message to the current one has been answered, then the initiator moves over (its route,
 //! retry state and wire transport start afresh). The target's side is the RC responder
 //! ([`crate::responder`]) on a QP of kind [`crate::Transport::Dct`], reached once the key
-//! matches ([`crate::engine`]'s route).
+//! matches ([`crate::engine`]'s route), or on the wire with a responder state per initiator
+//! (`wire::dct`).
 
 use crate::outcome::Stall;
 use crate::qp::SqState;
@@ -23,6 +24,7 @@ pub(crate) fn aim(sq: &mut SqState, av: &DcAddress) -> Option<Stall> {
     }
     sq.remote = Some(target);
     sq.dc_key = av.key;
+    sq.dc_generation = sq.dc_generation.wrapping_add(1);
     sq.peer = None;
     sq.wire = None;
     sq.retry_deadline = None;

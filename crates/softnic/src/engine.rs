@@ -634,8 +634,9 @@ enum Route {
 /// device of this process with that GID means the in-process path; else, when this device
 /// has a wire port and the GID is IPv4-mapped, the wire at the GID's address and the port's
 /// default UDP port. A DC initiator's target (the WQE's address vector: [`crate::dc::aim`])
-/// is reached in process only; the QP found must be of the requester's kind (an RC QP for
-/// RC, a DC target that holds the presented key for a DC initiator), else nobody answers.
+/// is found the same way, and its requests on the wire carry a DCETH ([`dc_on_wire`]). In
+/// process the QP found must be of the requester's kind (an RC QP for RC, a DC target that
+/// holds the presented key for a DC initiator), else nobody answers.
 fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>, Fail> {
     if sq.wire.is_some() {
         return Ok(Ok(Route::Wire));
@@ -646,8 +647,9 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
         (Some(p), _) => Some(p),
         (None, None) => None,
         (None, Some((gid, qpn))) => {
-            if let Some(to) = dev.peer_addr(&gid).filter(|_| !dc) {
+            if let Some(to) = dev.peer_addr(&gid) {
                 if requester::connect(dev, sq, gid, qpn, to) {
+                    dc_on_wire(qp, sq);
                     return Ok(Ok(Route::Wire));
                 }
             }
@@ -659,7 +661,6 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
                     }
                     p
                 }
-                None if dc => None,
                 None => {
                     let to = dev.port().and_then(|port| {
                         let ip = gid.to_ipv4()?;
@@ -667,6 +668,7 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
                     });
                     if let Some(to) = to {
                         if requester::connect(dev, sq, gid, qpn, to) {
+                            dc_on_wire(qp, sq);
                             return Ok(Ok(Route::Wire));
                         }
                     }
@@ -691,6 +693,24 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
         }
         _ => no_answer(sq).map(Err),
     }
+}
+
+/// A DC initiator's requests to a target on the wire carry the DCETH (the key, the initiator,
+/// this connection's generation and first PSN), and only that target's answers are taken.
+fn dc_on_wire(qp: &Qp, sq: &mut SqState) {
+    if !qp.is_dci() {
+        return;
+    }
+    let (Some(w), Some((gid, dctn))) = (sq.wire.as_mut(), sq.remote) else {
+        return;
+    };
+    w.dc = Some(crate::net::packet::Dceth {
+        key: sq.dc_key,
+        generation: sq.dc_generation,
+        dci: qp.qpn,
+        start_psn: w.next_psn,
+    });
+    qp.set_wire_remote(gid.to_ipv4().map(|ip| (ip, dctn)));
 }
 
 /// No peer answers (none found, or it vanished under the request): the transport timer runs

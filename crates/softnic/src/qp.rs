@@ -9,7 +9,7 @@ use crate::cq::Cq;
 use crate::event::{AsyncEvent, EventHandler, EventSlot};
 use crate::mem::{Access, MrTable, PdId};
 use crate::outcome::Stall;
-use crate::rc_state::{ReqWire, RespWire};
+use crate::rc_state::{DcConns, ReqWire, RespWire};
 use crate::srq::Srq;
 use crate::{Error, Gid};
 use parking_lot::{Mutex, MutexGuard};
@@ -177,6 +177,8 @@ pub(crate) struct SqState {
     pub wire: Option<Box<ReqWire>>,
     /// UD: the PSN of the next datagram sent (from `sq_psn` at RTS).
     pub ud_psn: u32,
+    /// DC initiator: how many times it moved to a target (the DCETH's generation).
+    pub dc_generation: u32,
 }
 
 /// Responder-side state.
@@ -236,6 +238,9 @@ pub struct Qp {
     pub(crate) rq: Mutex<RqState>,
     /// The SRQ receives come from (instead of the RQ).
     pub(crate) srq: Option<Arc<Srq>>,
+    /// A DC target's responder state per initiator on the wire. Held while a request to the
+    /// target runs (in process too), so that one initiator's state is never another's.
+    pub(crate) dc_conns: Mutex<DcConns>,
     /// Whether LAST_WQE_REACHED was raised since the QP last entered ERR.
     pub(crate) last_wqe_raised: AtomicBool,
     /// Selective repeat: the responder holds packets behind a gap (the engine's timer names
@@ -366,8 +371,10 @@ impl Qp {
                 selective_repeat: false,
                 wire: None,
                 ud_psn: 0,
+                dc_generation: 0,
             }),
             srq,
+            dc_conns: Mutex::default(),
             last_wqe_raised: AtomicBool::new(false),
             holding: AtomicBool::new(false),
             kicking_poster: AtomicBool::new(false),
@@ -451,6 +458,14 @@ impl Qp {
                 (v & 0xff_ffff) as u32,
             )
         })
+    }
+    /// A DC initiator's current target on the wire (the IPv4 address of its GID and its
+    /// DCTN): the only source whose answers it takes. `None`: none on the wire.
+    pub(crate) fn set_wire_remote(&self, target: Option<(std::net::Ipv4Addr, u32)>) {
+        let v = target.map_or(0, |(ip, qpn)| {
+            1u64 << 56 | (u32::from(ip) as u64) << 24 | qpn as u64
+        });
+        self.remote.store(v, Ordering::Release);
     }
     /// Where the responder's answers go on the wire: the connected peer's address, decided
     /// by `decide` at the first request after RTR (a lookup of the peer table) and kept, as
@@ -635,6 +650,10 @@ impl Qp {
             return Result::Err(Error::InvalidArgument(
                 "attributes of another transport (RC, UD or DC), or a DC target past RTR",
             ));
+        }
+        if m == Modify::Reset {
+            // before the SQ and RQ locks: a request to a DC target holds this, then the RQ's
+            self.dc_conns.lock().clear();
         }
         let mut sq = self.lock_sq();
         let mut rq = self.lock_rq();

@@ -3,16 +3,17 @@
 //! progress and answer caches. Plain state and the arithmetic on it; sending and receiving
 //! packets is the RC transport's ([`crate::wire`]). It stands below the QP, which embeds it
 //! (`SqState::wire`, `RqState::wire`), and above the datagrams of [`crate::net`]; the
-//! behaviour on it stands above the QP, in `wire`.
+//! behaviour on it stands above the QP, in `wire`. A DC target keeps one responder state per
+//! initiator that reached it on the wire ([`DcConns`]).
 
-use crate::net::packet::{Flow, Reth, MASK24};
+use crate::net::packet::{Dceth, Flow, Reth, MASK24};
 use crate::net::socket::TxBatch;
 use crate::outcome::Fail;
 use prm::parse::AtomicKind;
 use prm::wqe::Sge;
 use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 /// `p + n` in 24-bit PSN space.
@@ -175,6 +176,8 @@ pub(crate) struct ReqWire {
     pub(crate) blocked: bool,
     /// A queued message failed while being sent: send nothing more.
     pub(crate) halted: bool,
+    /// A DC initiator's connection: the DCETH every request carries.
+    pub(crate) dc: Option<Dceth>,
     /// Packets on their way out; the requester builds them in place (`Port::send_built`).
     pub(crate) batch: TxBatch,
 }
@@ -222,6 +225,7 @@ impl ReqWire {
             resent: HashMap::new(),
             blocked: false,
             halted: false,
+            dc: None,
             batch: TxBatch::default(),
         }
     }
@@ -1006,5 +1010,66 @@ mod tests {
         // A go-back resends everything from una anyway.
         w.go_back(100, now);
         assert!(w.resend.is_empty());
+    }
+}
+
+/// The most initiators a DC target keeps responder state for; the oldest connection is
+/// forgotten beyond (its initiator's next request starts it again, or it times out).
+pub(crate) const MAX_DC_CONNS: usize = 4096;
+
+/// A DC target's responder state for one initiator: as an RC QP's RQ state on the wire (the
+/// expected PSN, MSN, message in progress, answer caches, and the SRQ WQE a SEND in progress
+/// holds), for the initiator's current connection.
+pub(crate) struct DcConn {
+    pub(crate) generation: u32,
+    pub(crate) wire: RespWire,
+    pub(crate) srq_wqe: Option<u16>,
+}
+
+/// A DC target's connections, by initiator (source address, initiator QPN).
+#[derive(Default)]
+pub(crate) struct DcConns {
+    conns: HashMap<(Ipv4Addr, u32), DcConn>,
+    order: VecDeque<(Ipv4Addr, u32)>,
+}
+
+impl DcConns {
+    /// The state of the connection a request's DCETH names: a new one when the initiator
+    /// moved on (a later generation: it starts at the DCETH's start PSN), `None` for a request
+    /// of an earlier connection (dropped, as a stale duplicate).
+    pub(crate) fn conn(&mut self, from: Ipv4Addr, e: &Dceth, mtu: u32) -> Option<&mut DcConn> {
+        let id = (from, e.dci);
+        let fresh = || DcConn {
+            generation: e.generation,
+            wire: RespWire::new(e.start_psn, mtu, false),
+            srq_wqe: None,
+        };
+        match self
+            .conns
+            .get(&id)
+            .map(|c| e.generation.wrapping_sub(c.generation) as i32)
+        {
+            Some(0) => {}
+            Some(d) if d < 0 => return None,
+            Some(_) => {
+                self.conns.insert(id, fresh());
+            }
+            None => {
+                if self.order.len() >= MAX_DC_CONNS {
+                    if let Some(old) = self.order.pop_front() {
+                        self.conns.remove(&old);
+                    }
+                }
+                self.order.push_back(id);
+                self.conns.insert(id, fresh());
+            }
+        }
+        self.conns.get_mut(&id)
+    }
+
+    /// Forgets every connection (the target was reset or destroyed).
+    pub(crate) fn clear(&mut self) {
+        self.conns.clear();
+        self.order.clear();
     }
 }

@@ -388,6 +388,9 @@ impl<'a> Resp<'a> {
 /// false (completion-only mode) every check and completion happens but no payload byte moves
 /// and atomics leave their target alone.
 pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -> Response {
+    // a DC target's own RQ state is swapped with an initiator's while the wire runs a request
+    // (`wire::dct`): an in-process request waits for it to be back
+    let _dc = peer.dct_key().map(|_| peer.dc_conns.lock());
     let Some(mut r) = Resp::lock(peer) else {
         return Response::Vanished;
     };

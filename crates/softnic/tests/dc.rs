@@ -5,9 +5,12 @@
 //! initiator's transport timer ends it with TRANSPORT_RETRY_EXC), an RC QP named as a target
 //! and an RC QP connected to a DCT (neither transport accepts the other), a bad rkey (the
 //! initiator gets REMOTE_ACCESS, the target serves the next initiator), and no receive
-//! posted (RNR).
+//! posted (RNR). The same over the wire (RoCEv2 over UDP, with packet losses, duplicates and
+//! reordering): two targets behind one port, multi-packet messages, the wrong key, and an RC
+//! QP aimed at a target's number.
 
 mod common;
+mod wire_util;
 
 use common::*;
 use prm::cqe::RespKind;
@@ -37,8 +40,20 @@ fn cq(n: &Node) -> Arc<Cq> {
         .unwrap()
 }
 
-/// A DC initiator on `n`, in RTS, with the CPU initiator that drives it.
+/// A DC initiator on `n`, in RTS (ACK timeout 1 ms), with the CPU initiator that drives it.
 fn dci(n: &Node, retry_cnt: u8, rnr_retry: u8) -> (Arc<Qp>, Initiator) {
+    dci_with(
+        n,
+        RtsAttr {
+            timeout: 8,
+            retry_cnt,
+            rnr_retry,
+            ..Default::default()
+        },
+    )
+}
+
+fn dci_with(n: &Node, rts: RtsAttr) -> (Arc<Qp>, Initiator) {
     let c = cq(n);
     let q = n.dev.create_dci(QpConfig::new(n.pd, c.clone(), c)).unwrap();
     q.modify(Modify::Init {
@@ -50,13 +65,7 @@ fn dci(n: &Node, retry_cnt: u8, rnr_retry: u8) -> (Arc<Qp>, Initiator) {
         min_rnr_timer: 1,
     })
     .unwrap();
-    q.modify(Modify::Rts(RtsAttr {
-        timeout: 8,
-        retry_cnt,
-        rnr_retry,
-        ..Default::default()
-    }))
-    .unwrap();
+    q.modify(Modify::Rts(rts)).unwrap();
     let ini = Initiator::for_soft_qp(&n.dev, &q, RingMode::RdmaCore);
     (q, ini)
 }
@@ -312,16 +321,15 @@ fn a_wrong_key_or_no_such_target_times_out_and_the_target_serves_on() {
     assert_eq!(t.dct.state(), QpState::Rtr);
 }
 
-#[test]
-fn an_rc_qp_connected_to_a_dct_number_gets_no_answer() {
-    let (a, b) = (Node::new(), Node::new());
-    let t = dct(&b, KEY);
-    let c = cq(&a);
+/// An RC QP on `a` connected to QP (or DCT) `qpn` of `b`, with its initiator; then one
+/// 64-byte WRITE from `src` to `dst`, which nobody answers.
+fn rc_write_gets_no_answer(a: &Node, b: &Node, qpn: u32, src: &Buf, dst: &Buf) {
+    let c = cq(a);
     let q = a.dev.create_qp(QpConfig::new(a.pd, c.clone(), c)).unwrap();
     q.modify(Modify::Init { access: RIGHTS }).unwrap();
     q.modify(Modify::Rtr(RtrAttr {
         remote_gid: b.dev.gid(),
-        remote_qpn: t.dct.qpn(),
+        remote_qpn: qpn,
         rq_psn: 0,
         mtu: 4096,
         min_rnr_timer: 1,
@@ -334,12 +342,10 @@ fn an_rc_qp_connected_to_a_dct_number_gets_no_answer() {
     }))
     .unwrap();
     let mut ini = Initiator::for_soft_qp(&a.dev, &q, RingMode::RdmaCore);
-    let src = a.buf(64, RIGHTS);
-    let mb = b.buf(64, RIGHTS);
     let i = ini
         .post_and_ring(
             &Op::Write {
-                remote: mb.remote(0),
+                remote: dst.remote(0),
                 local: Local::Sges(&[src.sge(0, 64)]),
                 imm: None,
             },
@@ -347,6 +353,15 @@ fn an_rc_qp_connected_to_a_dct_number_gets_no_answer() {
         )
         .unwrap();
     expect_err(&mut ini, Syndrome::TransportRetryExc, vendor::NO_PEER, i);
+}
+
+#[test]
+fn an_rc_qp_connected_to_a_dct_number_gets_no_answer() {
+    let (a, b) = (Node::new(), Node::new());
+    let t = dct(&b, KEY);
+    let src = a.buf(64, RIGHTS);
+    let mb = b.buf(64, RIGHTS);
+    rc_write_gets_no_answer(&a, &b, t.dct.qpn(), &src, &mb);
     // nor does an RC WQE (no address vector) leave a DC initiator as anything but an error
     let (_, mut ini) = dci(&a, 0, 0);
     let i = ini
@@ -366,4 +381,109 @@ fn an_rc_qp_connected_to_a_dct_number_gets_no_answer() {
         c => panic!("{c:?}"),
     }
     assert_eq!(mb.read(0, 64), vec![0; 64]);
+}
+
+#[test]
+fn dc_over_the_wire_with_faults() {
+    let _serial = wire_util::serial();
+    let f = |seed| wire_util::faults(seed, 0.03, 0.03, 0.03, 0.02);
+    let (a, b) = (wire_util::wire_node(f(11)), wire_util::wire_node(f(12)));
+    wire_util::link(&a, &b);
+    let lossy = RtsAttr {
+        sq_psn: 0x00ff_fff0,
+        timeout: 16,
+        retry_cnt: 7,
+        rnr_retry: 7,
+    };
+    let (q, mut ini) = dci_with(&a, lossy);
+    let (mut t1, t2) = (dct(&b, KEY), dct(&b, KEY ^ 0xff));
+    let (to1, to2) = (av(&b, &t1, KEY), av(&b, &t2, KEY ^ 0xff));
+    let src = a.buf(1 << 17, RIGHTS);
+    let (m1, m2) = (b.buf(1 << 17, RIGHTS), b.buf(1 << 17, RIGHTS));
+    let mut rng = Rng(7);
+    src.write(0, &rng.bytes(1 << 16));
+    m2.write(0, &rng.bytes(1 << 16));
+    m1.set_u64(1 << 16, 5);
+    let qpn = q.qpn();
+    for round in 0..3u64 {
+        // a 64 KiB WRITE to one target, a 48 KiB READ from the other, an atomic on the first
+        let w = post(
+            &mut ini,
+            Op::Write {
+                remote: m1.remote(0),
+                local: Local::Sges(&[src.sge(0, 1 << 16)]),
+                imm: None,
+            },
+            &to1,
+        );
+        let r = post(
+            &mut ini,
+            Op::Read {
+                remote: m2.remote(0),
+                local: &[src.sge(1 << 16, 48 << 10)],
+            },
+            &to2,
+        );
+        let fa = post(
+            &mut ini,
+            Op::FetchAdd {
+                remote: m1.remote(1 << 16),
+                add: 10,
+                result: src.sge((1 << 17) - 8, 8),
+            },
+            &to1,
+        );
+        assert_eq!(expect_ok(&mut ini, qpn, Opcode::RdmaWrite, w), 1 << 16);
+        assert_eq!(expect_ok(&mut ini, qpn, Opcode::RdmaRead, r), 48 << 10);
+        assert_eq!(expect_ok(&mut ini, qpn, Opcode::AtomicFa, fa), 8);
+        assert_eq!(m1.read(0, 1 << 16), src.read(0, 1 << 16));
+        assert_eq!(src.read(1 << 16, 48 << 10), m2.read(0, 48 << 10));
+        assert_eq!(src.u64_at((1 << 17) - 8), 5 + 10 * round);
+    }
+    // a 10 KiB SEND into the first target's SRQ: three packets, one receive
+    let slot = t1.srq.post(m1.addr(0), 16 << 10, m1.lkey().0);
+    let s = post(
+        &mut ini,
+        Op::Send {
+            local: Local::Sges(&[src.sge(100, 10 << 10)]),
+            imm: None,
+        },
+        &to1,
+    );
+    expect_ok(&mut ini, qpn, Opcode::Send, s);
+    match t1.ini.wait_recv(T).unwrap() {
+        Completion::Resp {
+            qpn: d,
+            wqe_counter,
+            byte_cnt,
+            remote_qpn,
+            ..
+        } => assert_eq!(
+            (d, wqe_counter, byte_cnt, remote_qpn),
+            (t1.dct.qpn(), slot, 10 << 10, qpn)
+        ),
+        c => panic!("{c:?}"),
+    }
+    assert_eq!(m1.read(0, 10 << 10), src.read(100, 10 << 10));
+    assert!(b.dev.counters().wire.rx_packets > 0, "the wire carried it");
+
+    // the wrong key over the wire: dropped at the target, the initiator times out
+    let (_, mut bad) = dci(&a, 1, 0);
+    let i = post(
+        &mut bad,
+        Op::Write {
+            remote: m1.remote(0),
+            local: Local::Sges(&[src.sge(0, 64)]),
+            imm: None,
+        },
+        &av(&b, &t1, !KEY),
+    );
+    expect_err(&mut bad, Syndrome::TransportRetryExc, vendor::NO_PEER, i);
+    assert!(b.dev.counters().dc_key_violations >= 1);
+    assert_eq!(t1.dct.state(), QpState::Rtr);
+    // an RC QP aimed at the target's number: its RC packets are not the target's to take
+    let before = b.dev.counters().wire.rx_malformed;
+    rc_write_gets_no_answer(&a, &b, t1.dct.qpn(), &src, &m1);
+    assert!(b.dev.counters().wire.rx_malformed > before);
+    drop((ini, t1, t2));
 }

@@ -37,8 +37,10 @@ const LAYERS: &[&str] = &[
     "wire",
     "wire::requester",
     "wire::responder",
+    "wire::dct",
     "ud",
     "wire::transport",
+    "dc",
     "engine",
     "device",
     // clients of the device

@@ -9,11 +9,13 @@
 //! requests run through the same responder checks as in-process requests
 //! ([`crate::responder`]). This folder is the RC protocol's behaviour, above the QP: the
 //! requester side (`requester`), the responder side (`responder`) and the I/O thread
-//! (`transport`), which the engine hands work to and which never call the engine. Below the
+//! (`transport`), which the engine hands work to and which never call the engine; a DC
+//! target's side (`dct`) runs the responder per initiator. Below the
 //! QP are the datagrams and the UDP port they leave by ([`crate::net`]: formats and ICRC, IPv4
 //! identifications, the socket, captures) and the per-QP RC state the QP holds
 //! (`rc_state`). `docs/wire.md` is the full description.
 
+mod dct;
 pub(crate) mod requester;
 pub(crate) mod responder;
 pub(crate) mod transport;

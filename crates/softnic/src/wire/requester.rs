@@ -362,7 +362,7 @@ fn build(
     let next_psn = w.next_psn;
     let window_edge = psn_diff(psn_add(p, 1), w.una) >= limit;
     let (mtu, dest_qp) = (w.mtu as u64, w.remote_qpn);
-    let flow = w.flow;
+    let (flow, dc) = (w.flow, w.dc);
     let Some(m) = w.msgs.get_mut(i) else {
         return Built::Skip { next: next_psn };
     };
@@ -379,7 +379,11 @@ fn build(
         psn: p,
         ..Bth::default()
     };
-    let mut pkt = Packet::default();
+    let mut pkt = Packet {
+        dc: dc.is_some(),
+        dceth: dc,
+        ..Packet::default()
+    };
     let mut next = psn_add(p, 1);
     let built: Result<(), Fail> = match &m.op {
         OutOp::Write { .. } | OutOp::Send { .. } => {

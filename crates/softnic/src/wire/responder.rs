@@ -41,6 +41,8 @@ pub(super) struct Reply<'a> {
     pub(super) to: SocketAddr,
     pub(super) flow: Flow,
     pub(super) dest_qp: u32,
+    /// A DC target's answers: DC opcodes ([`packet::dc`]).
+    pub(super) dc: bool,
     pub(super) buf: &'a mut Vec<u8>,
     pub(super) batch: &'a mut TxBatch,
 }
@@ -58,7 +60,8 @@ impl Reply<'_> {
     }
 
     fn send(&mut self, p: &Packet<'_>) {
-        if packet::encode(p, &self.flow, self.buf).is_ok() {
+        let p = Packet { dc: self.dc, ..*p };
+        if packet::encode(&p, &self.flow, self.buf).is_ok() {
             self.port.send(self.buf, self.to, &self.flow, self.batch);
         }
     }
@@ -429,6 +432,7 @@ pub(crate) fn responder_tick(dev: &Shared, qp: &Qp, now: Instant) -> bool {
             to,
             flow,
             dest_qp,
+            dc: qp.dct_key().is_some(),
             buf: &mut buf,
             batch: &mut batch,
         };
@@ -882,6 +886,7 @@ fn read_responses(
                 syndrome: aeth::ACK,
                 msn,
             }),
+            dc: reply.dc,
             ..Packet::default()
         };
         // built in place at the end of the batch (alone under fault injection: TxBatch::slot)

@@ -70,6 +70,20 @@ pub(crate) fn receive(
         }
         return;
     }
+    if let Some(q) = qp.as_ref().filter(|q| q.dct_key().is_some()) {
+        // a DC target: requests from any initiator that presents its key
+        if !icrc_ok(port, &flow, d, id_hint, run_bth) {
+            Counters::add(&wc.rx_bad_icrc, 1);
+            return;
+        }
+        match packet::parse(d) {
+            Ok(p) if p.bth.pkey & 0x7fff == 0x7fff && p.dceth.is_some() => {
+                super::dct::on_request(dev, port, q, (&p, d), from4, (scratch, batch));
+            }
+            _ => Counters::add(&wc.rx_malformed, 1),
+        }
+        return;
+    }
     let (Some(qp), Some((remote_ip, remote_qpn))) = (qp, remote) else {
         Counters::add(&wc.rx_unknown_qp, 1);
         return;
@@ -89,8 +103,15 @@ pub(crate) fn receive(
         return;
     }
     let pkt = match packet::parse(d) {
-        // a UD packet names no RC QP
-        Ok(p) if p.bth.pkey & 0x7fff == 0x7fff && p.deth.is_none() => p,
+        // a UD packet names no RC QP; an RC QP takes RC packets, a DC initiator DC answers
+        Ok(p)
+            if p.bth.pkey & 0x7fff == 0x7fff
+                && p.deth.is_none()
+                && p.dc == qp.is_dci()
+                && !(p.dc && packet::is_request(p.bth.opcode)) =>
+        {
+            p
+        }
         _ => {
             Counters::add(&wc.rx_malformed, 1);
             return;
@@ -119,6 +140,7 @@ pub(crate) fn receive(
                 dport: to.port(),
             },
             dest_qp: remote_qpn,
+            dc: false,
             buf: scratch,
             batch,
         };

@@ -1,5 +1,6 @@
 //! RoCEv2 packet formats: the base transport header (BTH), its extension headers, the RC
-//! opcodes, encoding, strict parsing, and the invariant CRC (ICRC).
+//! opcodes (and the soft NIC's DC class of them, [`dc`]), encoding, strict parsing, and the
+//! invariant CRC (ICRC).
 //!
 //! What travels in a UDP datagram (destination port 4791 by default) is
 //! `BTH | extension headers | payload | pad to 4 bytes | ICRC`. Every multi-byte field is
@@ -41,13 +42,16 @@ pub const IMM_LEN: usize = 4;
 pub const IETH_LEN: usize = 4;
 /// Bytes of the datagram extended transport header (UD: Q_Key, source QP).
 pub const DETH_LEN: usize = 8;
+/// Bytes of the soft NIC's DC extended transport header ([`Dceth`]).
+pub const DCETH_LEN: usize = 20;
 /// Bytes of the invariant CRC.
 pub const ICRC_LEN: usize = 4;
 /// The largest path MTU (payload bytes per packet).
 pub const MAX_MTU: usize = 4096;
-/// The largest datagram a conforming sender produces: BTH, the largest header set, a full
-/// MTU of payload (no pad: 4096 is a multiple of 4) and the ICRC.
-pub const MAX_DATAGRAM: usize = BTH_LEN + RETH_LEN + IMM_LEN + MAX_MTU + ICRC_LEN;
+/// The largest datagram a conforming sender produces: BTH, the largest header set (a DC
+/// RDMA WRITE with immediate), a full MTU of payload (no pad: 4096 is a multiple of 4) and
+/// the ICRC.
+pub const MAX_DATAGRAM: usize = BTH_LEN + DCETH_LEN + RETH_LEN + IMM_LEN + MAX_MTU + ICRC_LEN;
 /// The default partition key.
 pub const DEFAULT_PKEY: u16 = 0xffff;
 /// Mask of a 24-bit PSN or QPN.
@@ -148,6 +152,53 @@ pub mod opcode {
     }
 }
 
+/// The soft NIC's DC transport on the wire (no public source describes a ConnectX's): the RC
+/// opcodes moved into the manufacturer-specific class 0b111 (`0xE0 | opcode`; the masked
+/// atomics, vendor opcodes already, at `0xF8` and `0xF9`), so that no RC QP takes a DC packet
+/// nor a DC QP an RC one, and a [`Dceth`] after the BTH of every request. Responses carry no
+/// DCETH. See docs/wire.md, "DC".
+pub mod dc {
+    use super::opcode::{MASKED_CMP_SWAP, MASKED_FETCH_ADD};
+
+    /// The DC opcode of RC opcode `op` (`None` for one DC does not carry: UD, the vendor
+    /// opcodes' neighbours).
+    pub fn to_dc(op: u8) -> Option<u8> {
+        match op {
+            MASKED_CMP_SWAP => Some(0xf8),
+            MASKED_FETCH_ADD => Some(0xf9),
+            0x00..=0x17 => Some(0xe0 | op),
+            _ => None,
+        }
+    }
+
+    /// The RC opcode a DC opcode stands for; `None` for an opcode outside the DC class.
+    pub fn from_dc(op: u8) -> Option<u8> {
+        match op {
+            0xf8 => Some(MASKED_CMP_SWAP),
+            0xf9 => Some(MASKED_FETCH_ADD),
+            0xe0..=0xf7 => Some(op & 0x1f),
+            _ => None,
+        }
+    }
+}
+
+/// The soft NIC's DC extended transport header, after the BTH of a DC request:
+/// `DC access key(8) | generation(4) | initiator QPN(4, 24 bits) | start PSN(4, 24 bits)`. The target
+/// checks the key; the initiator's QPN is where its answers go; the generation counts the
+/// initiator's moves between targets and the start PSN is the first PSN of this connection, so
+/// a target learns where a connection starts from any of its packets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dceth {
+    /// DC access key.
+    pub key: u64,
+    /// The initiator's connection generation.
+    pub generation: u32,
+    /// The initiator's QPN (24 bits).
+    pub dci: u32,
+    /// The first PSN of the connection (24 bits).
+    pub start_psn: u32,
+}
+
 /// AETH syndromes.
 pub mod aeth {
     /// ACK with an unlimited credit count.
@@ -188,6 +239,8 @@ pub struct Layout {
     pub ieth: bool,
     /// DETH (UD).
     pub deth: bool,
+    /// DCETH (a DC request).
+    pub dceth: bool,
     /// Payload allowed.
     pub payload: bool,
 }
@@ -204,13 +257,22 @@ impl Layout {
             + f(self.imm, IMM_LEN)
             + f(self.ieth, IETH_LEN)
             + f(self.deth, DETH_LEN)
+            + f(self.dceth, DCETH_LEN)
     }
 }
 
 /// The header layout of an opcode the soft NIC speaks; `None` for any other (UC, RD, UD
-/// opcodes but SEND only, CNP, reserved).
+/// opcodes but SEND only, CNP, reserved). A DC opcode has its RC opcode's layout, and a DCETH
+/// when it is a request.
 pub fn layout(op: u8) -> Option<Layout> {
     use opcode::*;
+    if let Some(rc) = dc::from_dc(op) {
+        let l = layout(rc)?;
+        return Some(Layout {
+            dceth: is_request(rc),
+            ..l
+        });
+    }
     let l = Layout::default();
     Some(match op {
         SEND_FIRST | SEND_MIDDLE | SEND_LAST | SEND_ONLY | WRITE_MIDDLE | WRITE_LAST => {
@@ -431,6 +493,11 @@ pub struct Packet<'a> {
     pub ieth: Option<u32>,
     /// DETH (UD): Q_Key and source QP.
     pub deth: Option<Deth>,
+    /// A DC packet: on the wire its opcode is the DC one ([`dc::to_dc`]); `bth.opcode` holds
+    /// the RC opcode it stands for.
+    pub dc: bool,
+    /// DCETH (a DC request).
+    pub dceth: Option<Dceth>,
     /// Payload, without the pad.
     pub payload: &'a [u8],
 }
@@ -487,6 +554,7 @@ pub fn parse(d: &[u8]) -> Result<Packet<'_>, PacketError> {
         return Err(PacketError::Version(bth.tver));
     }
     let l = layout(bth.opcode).ok_or(PacketError::Opcode(bth.opcode))?;
+    let rc = dc::from_dc(bth.opcode);
     let need = BTH_LEN + l.header_len() + ICRC_LEN;
     if d.len() < need {
         return Err(PacketError::Truncated {
@@ -497,9 +565,23 @@ pub fn parse(d: &[u8]) -> Result<Packet<'_>, PacketError> {
     let body = &d[BTH_LEN..d.len() - ICRC_LEN];
     let mut at = 0usize;
     let mut p = Packet {
-        bth,
+        bth: Bth {
+            opcode: rc.unwrap_or(bth.opcode),
+            ..bth
+        },
+        dc: rc.is_some(),
         ..Packet::default()
     };
+    if l.dceth {
+        let h = &body[at..at + DCETH_LEN];
+        p.dceth = Some(Dceth {
+            key: be64(h),
+            generation: be32(&h[8..]),
+            dci: be32(&h[12..]) & MASK24,
+            start_psn: be32(&h[16..]) & MASK24,
+        });
+        at += DCETH_LEN;
+    }
     if l.deth {
         let h = &body[at..at + DETH_LEN];
         p.deth = Some(Deth {
@@ -602,9 +684,13 @@ pub fn encode_headers(
     payload_len: usize,
     out: &mut Vec<u8>,
 ) -> Result<(), PacketError> {
-    let op = p.bth.opcode;
+    let op = match p.dc {
+        true => dc::to_dc(p.bth.opcode).ok_or(PacketError::Opcode(p.bth.opcode))?,
+        false => p.bth.opcode,
+    };
     let l = layout(op).ok_or(PacketError::Opcode(op))?;
     let missing = (l.reth && p.reth.is_none())
+        || (l.dceth && p.dceth.is_none())
         || (l.atomic && p.atomic.is_none())
         || (l.masked && p.masked.is_none())
         || (l.aeth && p.aeth.is_none())
@@ -619,8 +705,15 @@ pub fn encode_headers(
         return Err(PacketError::Payload);
     }
     let mut bth = p.bth;
+    bth.opcode = op;
     bth.pad = ((4 - payload_len % 4) % 4) as u8;
     out.extend_from_slice(&bth.to_bytes());
+    if let (true, Some(d)) = (l.dceth, p.dceth) {
+        out.extend_from_slice(&d.key.to_be_bytes());
+        out.extend_from_slice(&d.generation.to_be_bytes());
+        out.extend_from_slice(&(d.dci & MASK24).to_be_bytes());
+        out.extend_from_slice(&(d.start_psn & MASK24).to_be_bytes());
+    }
     if let (true, Some(d)) = (l.deth, p.deth) {
         out.extend_from_slice(&d.qkey.to_be_bytes());
         out.extend_from_slice(&(d.src_qp & MASK24).to_be_bytes());
