@@ -25,6 +25,8 @@ import pyverbs.enums as e  # noqa: E402
 import pyverbs.providers.mlx5.mlx5_enums as dve  # noqa: E402
 from pyverbs.mr import MR  # noqa: E402
 from pyverbs.pd import PD  # noqa: E402
+from pyverbs.srq import SRQ, SrqAttr, SrqInitAttr  # noqa: E402
+from pyverbs.wr import SGE, RecvWR  # noqa: E402
 from pyverbs.providers.mlx5.mlx5dv import (Mlx5Context, Mlx5DevxObj,  # noqa: E402
                                            Mlx5DVContextAttr, Mlx5UAR, Mlx5UMEM)
 from pyverbs.providers.mlx5.mlx5dv_objects import Mlx5DvObj  # noqa: E402
@@ -103,6 +105,14 @@ def bits(buf, bit, width):
 
 
 DEVS = []
+
+
+def put_bits(buf, bit, width, v):
+    """Sets a PRM field: `width` bits at bit offset `bit` (MSB first) of bytearray `buf`."""
+    n = int.from_bytes(buf, 'big')
+    shift = len(buf) * 8 - bit - width
+    n = n & ~(((1 << width) - 1) << shift) | (v & ((1 << width) - 1)) << shift
+    buf[:] = n.to_bytes(len(buf), 'big')
 
 
 def gid_words(gid):
@@ -208,13 +218,13 @@ class Qp:
     """A DEVX RC QP: RQ (16-byte WQEs, one SGE) then SQ in one umem, the doorbell record in
     another, doorbells on the device's NC UAR page."""
 
-    def __init__(self, dev, scq, rcq, log_sq=6, log_rq=6, rq_type=0):
+    def __init__(self, dev, scq, rcq, log_sq=6, log_rq=6, rq_type=0, st=None):
         self.dev = dev
         self.sq_n, self.rq_n = 1 << log_sq, (1 << log_rq if rq_type == 0 else 0)
         self.rq_bytes = self.rq_n * 16
         self.wq = dev.umem(max(4096, self.rq_bytes + self.sq_n * 64))
         self.dbr = dev.umem(8, align=8)
-        qpc = SwQpc(st=DevxOps.MLX5_QPC_ST_RC, pd=dev.pdn,
+        qpc = SwQpc(st=DevxOps.MLX5_QPC_ST_RC if st is None else st, pd=dev.pdn,
                     pm_state=DevxOps.MLX5_QPC_PM_STATE_MIGRATED,
                     log_sq_size=log_sq, log_rq_size=log_rq if rq_type == 0 else 0,
                     log_rq_stride=0, rq_type=rq_type, uar_page=dev.uar.page_id,
@@ -261,10 +271,11 @@ class Qp:
         self.rq_head += 1
         be32_at(self.dbr.umem_addr, 0, self.rq_head & 0xffff)
 
-    def post(self, op, local=None, remote=None, imm=0, atomic=None, signaled=True, ring=True):
-        """One WQE: ctrl, [raddr], [atomic], [data]; `local` = (addr, len, lkey),
-        `remote` = (addr, rkey), `atomic` = (swap_add, compare)."""
-        segs = b''
+    def post(self, op, local=None, remote=None, imm=0, atomic=None, signaled=True, ring=True,
+             av=b''):
+        """One WQE: ctrl, [address vector], [raddr], [atomic], [data]; `local` = (addr, len,
+        lkey), `remote` = (addr, rkey), `atomic` = (swap_add, compare), `av` 48 bytes."""
+        segs = av
         if remote is not None:
             segs += struct.pack('>QII', remote[0], remote[1], 0)
         if atomic is not None:
@@ -306,7 +317,7 @@ def case_queries():
     out = QueryCmdHcaCapOut(d.cmd(QueryHcaCapIn(op_mod=0x1), len(QueryCmdHcaCapOut())))
     check(out.status == 0, f'QUERY_HCA_CAP status {out.status}')
     cap = out.capability
-    for field, want in [('port_type', 1), ('rc', 1), ('uc', 0), ('xrc', 0), ('dct', 0),
+    for field, want in [('port_type', 1), ('rc', 1), ('uc', 0), ('xrc', 0), ('dct', 1),
                         ('cqe_version', 1), ('log_max_qp_sz', 15), ('atomic', 1),
                         ('roce', 1), ('cq_oi', 1), ('log_bf_reg_size', 9), ('num_ports', 1),
                         ('log_max_msg', 30), ('max_wqe_sz_sq', 1024), ('hca_cap_2', 1),
@@ -391,7 +402,7 @@ def case_umems():
     cq = Cq(d)
     qp = Qp(d, cq, cq)
     expect_errno(errno.EBUSY, 'destroy of a CQ a QP uses', cq.obj.close)
-    for name, kw in [('UD', dict(st=2)), ('DCI', dict(st=5)), ('a PD not ours', dict(pd=0xabcd)),
+    for name, kw in [('UD', dict(st=2)), ('a PD not ours', dict(pd=0xabcd)),
                      ('a CQ not ours', dict(cqn_snd=0xabcd)),
                      ('scatter to CQE', dict(cs_res=1))]:
         args = dict(st=0, pd=d.pdn, log_sq_size=4, log_rq_size=4, uar_page=d.uar.page_id,
@@ -404,6 +415,79 @@ def case_umems():
     cq.close()
     small.close()
     dbr.close()
+
+
+def dc_av(dctn, key, gid):
+    """A DC initiator's 48-byte address vector: key, DCT number (extended-AV bit), GID."""
+    return struct.pack('>QI', key, dctn | 1 << 31) + bytes(20) + gid
+
+
+def case_dc():
+    """A DC target (CREATE_DCT on a verbs SRQ, active at once; QUERY_DCT) and a DEVX DC
+    initiator (CREATE_QP st DCI, RST2INIT, INIT2RTR with no peer, RTR2RTS) on another device:
+    a WRITE and a SEND into the SRQ, then the wrong key (no answer: TRANSPORT_RETRY_EXC), then
+    DRAIN_DCT."""
+    a, b = Dev('mlx5_0'), Dev('mlx5_1')
+    out = QueryCmdHcaCapOut(b.cmd(QueryHcaCapIn(op_mod=0x1), len(QueryCmdHcaCapOut())))
+    check(out.capability.dct == 1, 'dct capability')
+    raw = b.cmd(QueryHcaCapIn(op_mod=0x7), 16 + 4096)[16:]
+    check(bits(raw, 208, 16) == 0xc, f'atomic_size_dc {bits(raw, 208, 16):#x}')
+    ca, cb = Cq(a), Cq(b)
+    srq = b.own(SRQ(b.pd, SrqInitAttr(SrqAttr(max_wr=16, max_sge=1))))
+    srqn = srq.get_srq_num()
+    key = 0x1ee7a330
+    mbox = bytearray(16 + 112)
+    put_bits(mbox, 0, 16, 0x710)
+    for bit, width, v in [(40, 24, 7), (72, 24, cb.cqn), (108, 1, 1), (109, 1, 1), (110, 1, 1),
+                          (147, 5, 12), (168, 24, srqn), (200, 24, b.pdn), (256, 64, key),
+                          (325, 3, 5), (328, 8, 1), (376, 8, 64)]:
+        put_bits(mbox, 128 + bit, width, v)
+    dct = b.own(Mlx5DevxObj(b.ctx, bytes(mbox), 16))
+    dctn = bits(bytes(dct.out_view), 72, 24)
+    q = bytearray(16)
+    put_bits(q, 0, 16, 0x713)
+    put_bits(q, 72, 24, dctn)
+    got = bytes(dct.query(bytes(q), 16 + 112))
+    check(bits(got, 128 + 4, 4) == 0 and bits(got, 128 + 256, 64) == key, 'QUERY_DCT')
+    qa = Qp(a, ca, ca, log_rq=0, rq_type=3, st=5)
+    qpc = SwQpc()
+    qpc.primary_address_path.vhca_port_num = 1
+    qa.modify(DevxOps.MLX5_CMD_OP_RST2INIT_QP, qpc)
+    qa.modify(DevxOps.MLX5_CMD_OP_INIT2RTR_QP, SwQpc(mtu=5, log_msg_max=30))
+    q = SwQpc(retry_count=0, rnr_retry=0, next_send_psn=0, log_sra_max=2)
+    q.primary_address_path.vhca_port_num = 1
+    q.primary_address_path.ack_timeout = 10
+    qa.modify(DevxOps.MLX5_CMD_OP_RTR2RTS_QP, q)
+    check(qa.state() == 3, 'DCI not in RTS')
+    la, lb = a.mr.buf, b.mr.buf
+    data = bytes(random.getrandbits(8) for _ in range(4096))
+    a.mr.write(data, len(data))
+    av = dc_av(dctn, key, b.gid)
+    idx = qa.post(OP_WRITE, local=(la, 4096, a.mr.lkey), remote=(lb + 8192, b.mr.rkey), av=av)
+    c = ca.poll()
+    check(opcode(c) == CQE_REQ and wqe_counter(c) == idx, f'DC WRITE CQE {c.hex()}')
+    check(b.mr.read(4096, 8192) == data, 'DC WRITE bytes differ')
+    srq.post_recv(RecvWR(num_sge=1, sg=[SGE(lb + 32768, 1024, b.mr.lkey)]))
+    qa.post(OP_SEND, local=(la, 300, a.mr.lkey), av=av)
+    check(opcode(ca.poll()) == CQE_REQ, 'DC SEND CQE')
+    c = cb.poll()
+    check(opcode(c) == CQE_RESP_SEND and struct.unpack('>I', c[44:48])[0] == 300,
+          f'DCT receive CQE {c.hex()}')
+    check(b.mr.read(300, 32768) == data[:300], 'DC SEND bytes differ')
+    # the wrong key: the target stays silent, the initiator's timer ends it
+    qa.post(OP_WRITE, local=(la, 64, a.mr.lkey), remote=(lb, b.mr.rkey),
+            av=dc_av(dctn, key ^ 1, b.gid))
+    c = ca.poll()
+    check(opcode(c) == CQE_REQ_ERR and c[55] == 0x15, f'wrong key CQE {c.hex()}')
+    q = bytearray(16)
+    put_bits(q, 0, 16, 0x712)
+    put_bits(q, 72, 24, dctn)
+    dct.modify(bytes(q), 16)
+    q = bytearray(16)
+    put_bits(q, 0, 16, 0x713)
+    put_bits(q, 72, 24, dctn)
+    check(bits(bytes(dct.query(bytes(q), 16 + 112)), 128 + 4, 4) == 2, 'DCT not drained')
+    qa.close()
 
 
 def case_traffic():
@@ -558,6 +642,7 @@ CASES = {
     'traffic': case_traffic,
     'collapsed': case_collapsed,
     'transitions': case_transitions,
+    'dc': case_dc,
 }
 
 

@@ -380,7 +380,14 @@ fn devx_script_checks_commands_objects_and_bytes() {
     let _g = serial();
     let suite = unpacked_suite("devx");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/devx_traffic.py");
-    let cases = ["queries", "umems", "traffic", "collapsed", "transitions"];
+    let cases = [
+        "queries",
+        "umems",
+        "traffic",
+        "collapsed",
+        "transitions",
+        "dc",
+    ];
     let mut c = Command::new(GPUVERBS);
     c.env("GPUVERBS_PRELOAD", preload())
         .args(["emu", "--ip", "127.0.104.1", "--devices", "2", "--"])

@@ -1,10 +1,10 @@
 //! UCX (Debian 12's UCX 1.13.1, package ucx-utils) on the emulated device: `ucx_info -d`
-//! under `gpuverbs emu --devices 2` lists rc_verbs, rc_mlx5, ud_verbs and ud_mlx5 on both
-//! devices (dc_mlx5 absent: no DC), and `ucx_perftest` runs between two emulated processes,
-//! each with its own address (127.0.150.x .. 127.0.159.x, TCP ports 19500..19599, used by no
-//! other test) over rc_mlx5 (UCX's own WQEs, CQ polling and 128-byte CQEs, ud_mlx5 for
-//! wire-up) and over rc_verbs/ud_verbs: tag matching (eager and rendezvous) and active
-//! messages. Both sides must exit 0 with their final row, UCX must report the lane it was
+//! under `gpuverbs emu --devices 2` lists rc_verbs, rc_mlx5, ud_verbs, ud_mlx5 and dc_mlx5 on
+//! both devices, and `ucx_perftest` runs between two emulated processes, each with its own
+//! address (127.0.150.x .. 127.0.159.x, TCP ports 19500..19599, used by no other test) over
+//! rc_mlx5 (UCX's own WQEs, CQ polling and 128-byte CQEs, ud_mlx5 for wire-up), over dc_mlx5
+//! (DC initiators and a DC target of UCX's, the soft NIC's DC on the wire) and over
+//! rc_verbs/ud_verbs: tag matching (eager and rendezvous) and active messages. Both sides must exit 0 with their final row, UCX must report the lane it was
 //! given, and the soft NICs' counters must show no sanitizer complaint. ucx_perftest 1.13.1
 //! has no data-validation option.
 //!
@@ -75,7 +75,7 @@ fn final_row(out: &str) -> Vec<f64> {
 }
 
 #[test]
-fn ucx_info_lists_rc_and_ud_transports_on_both_devices() {
+fn ucx_info_lists_rc_ud_and_dc_transports_on_both_devices() {
     need("ucx_info", "ucx-utils");
     let _g = serial();
     let mut c = Command::new(GPUVERBS);
@@ -100,16 +100,12 @@ fn ucx_info_lists_rc_and_ud_transports_on_both_devices() {
             .find(|(md, _)| md == dev)
             .unwrap_or_else(|| panic!("no memory domain {dev}:\n{out}"))
             .1;
-        for tl in ["rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5"] {
+        for tl in ["rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5"] {
             assert!(
                 tls.iter().any(|t| t == tl),
                 "{dev}: no {tl} in {tls:?}\n{out}"
             );
         }
-        assert!(
-            !tls.iter().any(|t| t == "dc_mlx5"),
-            "{dev}: dc_mlx5 without DC"
-        );
         // every transport UCX opened on the device says which port it is
         assert!(
             out.contains(&format!("Device: {dev}:1")),
@@ -152,6 +148,19 @@ fn ucx_perftest_tag_and_am_bandwidth_over_rc_mlx5() {
     used("am(rc_mlx5/mlx5_0:1)", &c, &s);
     let r = final_row(&c);
     assert!(r[0] == 1000.0 && r[4] > 0.0, "{c}");
+}
+
+#[test]
+fn ucx_perftest_tag_bandwidth_over_dc_mlx5() {
+    let _g = serial();
+    let tls = "dc_mlx5,ud_mlx5,self";
+    // eager tag messages (4 KiB), then rendezvous (100 kB: the receiver READs over DC)
+    for (net, port, n, size) in [(154, 19504, "1000", "4096"), (155, 19505, "100", "100000")] {
+        let (c, s) = perftest(tls, net, port, &["-t", "tag_bw", "-n", n, "-s", size]);
+        used("tag(dc_mlx5/mlx5_0:1)", &c, &s);
+        let r = final_row(&c);
+        assert!(r[0] == n.parse::<f64>().unwrap() && r[4] > 0.0, "{c}");
+    }
 }
 
 #[test]

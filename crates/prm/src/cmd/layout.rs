@@ -178,6 +178,49 @@ layout! {
     }
 }
 
+layout! {
+    /// Fields of the QP context rdma-core's description has as reserved: a DC initiator's
+    /// stream counts (kernel `mlx5_ifc.h`).
+    qpc_dci = "" {
+        LOG_NUM_DCI_STREAM_CHANNELS: 995, 5;
+        LOG_NUM_DCI_ERRORED_STREAMS: 1027, 5;
+    }
+}
+
+/// Where the DC target context starts in CREATE_DCT's in-mailbox and QUERY_DCT's out-mailbox.
+pub const DCTC_AT: u32 = 16;
+/// CREATE_DCT's in-mailbox (header and context).
+pub const CREATE_DCT_IN: usize = 16 + 112;
+/// QUERY_DCT's out-mailbox.
+pub const QUERY_DCT_OUT: usize = 16 + 112;
+
+layout! {
+    /// `dctc`: the DC target context.
+    dctc = "" {
+        STATE: 4, 4;
+        USER_INDEX: 40, 24;
+        CQN: 72, 24;
+        COUNTER_SET_ID: 96, 8;
+        ATOMIC_MODE: 104, 4;
+        RRE: 108, 1;
+        RWE: 109, 1;
+        RAE: 110, 1;
+        CS_RES: 136, 8;
+        MIN_RNR_NAK: 147, 5;
+        SRQN_XRQN: 168, 24;
+        PD: 200, 24;
+        TCLASS: 224, 8;
+        FLOW_LABEL: 236, 20;
+        DC_ACCESS_KEY: 256, 64;
+        MTU: 325, 3;
+        PORT: 328, 8;
+        PKEY_INDEX: 336, 16;
+        MY_ADDR_INDEX: 360, 8;
+        HOP_LIMIT: 376, 8;
+        DC_ACCESS_KEY_VIOLATION_COUNT: 384, 32;
+    }
+}
+
 /// Where the QP context starts in CREATE_QP's and the transitions' in-mailboxes and in
 /// QUERY_QP's out-mailbox.
 pub const QPC_AT: u32 = 24;

@@ -108,6 +108,10 @@ pub mod op {
     pub const INIT2INIT_QP: u16 = 0x50e;
     pub const CREATE_SRQ: u16 = 0x700;
     pub const CREATE_DCT: u16 = 0x710;
+    pub const DESTROY_DCT: u16 = 0x711;
+    pub const DRAIN_DCT: u16 = 0x712;
+    pub const QUERY_DCT: u16 = 0x713;
+    pub const ARM_DCT_FOR_KEY_VIOLATION: u16 = 0x714;
     pub const QUERY_VPORT_STATE: u16 = 0x750;
     pub const QUERY_NIC_VPORT_CONTEXT: u16 = 0x754;
     pub const QUERY_ROCE_ADDRESS: u16 = 0x760;

@@ -335,7 +335,8 @@ impl Context {
         if given & ALT_PATH != 0 || given & PATH_MIG_STATE != 0 {
             return Err(unsupported("alternate paths (APM)"));
         }
-        let a = take_path_attrs(m, given, q.attrs)?;
+        let dc = matches!(transport, Transport::Dci | Transport::Dct { .. });
+        let a = take_path_attrs(m, given, q.attrs, dc)?;
         let mut a = take_transport_attrs(m, given, a)?;
         let dct = matches!(transport, Transport::Dct { .. });
         if dct && new == 2 && room < 8 {
@@ -720,8 +721,15 @@ fn transition_attrs(transport: Transport, cur: u8, new: u8) -> Result<(u32, u32)
 }
 
 /// The port, P_Key index, access flags, address vector, path MTU and destination QPN that
-/// `given` names, checked and taken into `a`.
-fn take_path_attrs(m: &abi::ModifyQp, given: u32, mut a: QpAttrs) -> Result<QpAttrs, Errno> {
+/// `given` names, checked and taken into `a`. A DC QP's address vector names no peer (its
+/// destination GID is not used: mlx5_ib takes only the traffic class, flow label, hop limit
+/// and source GID index of a target's), so only RC's must reach an address.
+fn take_path_attrs(
+    m: &abi::ModifyQp,
+    given: u32,
+    mut a: QpAttrs,
+    dc: bool,
+) -> Result<QpAttrs, Errno> {
     use qp_attr::*;
     if given & PORT != 0 {
         if m.port_num != 1 {
@@ -753,7 +761,7 @@ fn take_path_attrs(m: &abi::ModifyQp, given: u32, mut a: QpAttrs) -> Result<QpAt
         if m.dest.is_global == 0 || m.dest.sgid_index != 0 {
             return Err(Errno::EINVAL);
         }
-        if verbs::Gid(m.dest.dgid).to_ipv4().is_none() {
+        if !dc && verbs::Gid(m.dest.dgid).to_ipv4().is_none() {
             return Err(unsupported(
                 "destination GIDs that are not IPv4-mapped (RoCE v2 over IPv4 only)",
             ));

@@ -98,6 +98,8 @@ fn query_hca_cap(input: &[u8]) -> Fw {
                 (g::LOG_MAX_MRW_SZ, 64),
                 (g::LOG_MAX_RA_REQ_QP, log2(MAX_RD_ATOM)),
                 (g::LOG_MAX_RA_RES_QP, log2(MAX_RD_ATOM)),
+                (g::LOG_MAX_RA_REQ_DC, log2(MAX_RD_ATOM)),
+                (g::LOG_MAX_RA_RES_DC, log2(MAX_RD_ATOM)),
                 (g::GID_TABLE_SIZE, 1),
                 (g::PORT_TYPE, 1), // Ethernet
                 (g::NUM_PORTS, 1),
@@ -110,6 +112,8 @@ fn query_hca_cap(input: &[u8]) -> Fw {
                 // no multicast at all, so a QP's own multicast is never looped back to it
                 (g::BLOCK_LB_MC, 1),
                 (g::RC, 1),
+                // DC initiators and targets (CREATE_DCT, DCI QPs; docs/softnic.md)
+                (g::DCT, 1),
                 (g::LOG_PG_SZ, 12),
                 (g::LOG_BF_REG_SIZE, 9), // 512-byte BlueFlame registers
                 (g::MAX_WQE_SZ_SQ, (prm::MAX_WQE_BBS * prm::WQEBB) as u64),
@@ -122,9 +126,10 @@ fn query_hca_cap(input: &[u8]) -> Fw {
             }
         }
         cap::ATOMIC => {
-            // compare-and-swap, fetch-and-add and their masked forms; 4 and 8 bytes on RC
+            // compare-and-swap, fetch-and-add and their masked forms; 4 and 8 bytes on RC and DC
             put(&mut o, c, at::ATOMIC_OPERATIONS, 0xf);
             put(&mut o, c, at::ATOMIC_SIZE_QP, 0xc);
+            put(&mut o, c, at::ATOMIC_SIZE_DC, 0xc);
             // the memory operand and the value returned are in host byte order (mode 1:
             // "host endianness"), as the soft NIC executes them
             put(&mut o, c, at::SUPPORTED_ATOMIC_REQ_8B_ENDIANNESS_MODE_1, 1);

@@ -1,5 +1,6 @@
 //! The mlx5 driver's ioctl methods, as mlx5_ib serves them: DEVX (PRM commands passed to the
-//! device: queries in `general.rs`, CQ and QP objects in `cq.rs` and `qp.rs`), DEVX umems
+//! device: queries in `general.rs`, CQ, QP and DC target objects in `cq.rs`, `qp.rs` and
+//! `dct.rs`), DEVX umems
 //! (`umem.rs`) and UAR pages allocated on demand (`uar.rs`). This file holds the dispatch
 //! ([`Context::ioctl`]), the objects' tables and what every PRM command shares: its mailboxes,
 //! and a failed command's answer (the out-mailbox's status and syndrome, and EREMOTEIO).
@@ -8,6 +9,7 @@
 //! keeps its `write()` command path.
 
 mod cq;
+mod dct;
 mod general;
 mod mkey;
 mod qp;
@@ -15,6 +17,7 @@ mod uar;
 mod umem;
 
 pub(super) use cq::DevxCq;
+pub(super) use dct::DevxDct;
 pub(super) use mkey::DevxMkey;
 pub(super) use qp::DevxQp;
 pub(super) use umem::Umem;
@@ -131,6 +134,7 @@ pub(super) fn answer(call: &Call, id: u16, room: usize, r: Fw) -> Result<(), Err
 pub(super) enum DevxObj {
     Cq(DevxCq),
     Qp(DevxQp),
+    Dct(DevxDct),
     Mkey(DevxMkey),
 }
 
@@ -142,6 +146,7 @@ impl DevxObj {
                 let _ = soft.destroy_cq(&c.soft);
             }
             Self::Qp(q) => soft.destroy_qp(&q.soft),
+            Self::Dct(d) => soft.destroy_qp(&d.soft),
             Self::Mkey(m) => {
                 let _ = soft.destroy_indirect(m.key);
             }
@@ -196,7 +201,8 @@ impl Context {
         }
     }
 
-    /// OBJ_CREATE: a CQ, an RC QP or an indirect mkey from its PRM command.
+    /// OBJ_CREATE: a CQ, an RC QP or DC initiator, a DC target or an indirect mkey from its
+    /// PRM command.
     fn devx_obj_create(&self, call: &Call) -> Result<(), Errno> {
         use m::obj as a;
         call.only(&[a::HANDLE, a::CMD_IN, a::CMD_OUT])?;
@@ -216,7 +222,9 @@ impl Context {
             cmd::op::CREATE_MKEY => self
                 .devx_create_mkey(&input)
                 .map(|(m, o)| (DevxObj::Mkey(m), o)),
-            cmd::op::CREATE_DCT => lacks("DC transport (CREATE_DCT; the dct capability is 0)"),
+            cmd::op::CREATE_DCT => self
+                .devx_create_dct(&input)
+                .map(|(d, o)| (DevxObj::Dct(d), o)),
             op if is_create(op) => lacks(&format!("PRM object creation {op:#x}")),
             _ => return Err(Errno::EINVAL),
         };
@@ -275,6 +283,27 @@ impl Context {
                 lacks("MODIFY_CQ (CQ moderation and resizing through DEVX)"),
             );
         }
+        if opcode == cmd::op::ARM_DCT_FOR_KEY_VIOLATION {
+            return answer(
+                call,
+                a::CMD_OUT,
+                room,
+                lacks("DC key violation events (ARM_DCT_FOR_KEY_VIOLATION)"),
+            );
+        }
+        if opcode == cmd::op::DRAIN_DCT {
+            let r = {
+                let mut o = self.objs.lock();
+                let Some(DevxObj::Dct(d)) = o.devx_objs.get_mut(&h) else {
+                    return Err(Errno::EINVAL);
+                };
+                if cmd::get(&input, cmd::obj::CQN) as u32 != d.soft.qpn() {
+                    return Err(Errno::EINVAL);
+                }
+                d.drain()
+            };
+            return answer(call, a::CMD_OUT, room, r);
+        }
         if !qp::is_transition(opcode) {
             return Err(Errno::EINVAL);
         }
@@ -291,7 +320,7 @@ impl Context {
         answer(call, a::CMD_OUT, room, r)
     }
 
-    /// OBJ_QUERY: QUERY_QP or QUERY_CQ of a DEVX object.
+    /// OBJ_QUERY: QUERY_QP, QUERY_CQ or QUERY_DCT of a DEVX object.
     fn devx_obj_query(&self, call: &Call) -> Result<(), Errno> {
         use m::obj as a;
         call.only(&[a::HANDLE, a::CMD_IN, a::CMD_OUT])?;
@@ -305,6 +334,7 @@ impl Context {
         let r = match (opcode, o.devx_objs.get(&h)) {
             (cmd::op::QUERY_QP, Some(DevxObj::Qp(q))) if number == q.soft.qpn() => q.query(),
             (cmd::op::QUERY_CQ, Some(DevxObj::Cq(c))) if number == c.soft.cqn() => c.query(),
+            (cmd::op::QUERY_DCT, Some(DevxObj::Dct(d))) if number == d.soft.qpn() => d.query(),
             _ => return Err(Errno::EINVAL),
         };
         answer(call, a::CMD_OUT, room, r)
@@ -356,6 +386,7 @@ impl super::Objects {
         verbs
             || self.devx_objs.values().any(|x| match x {
                 DevxObj::Qp(q) => q.send_cqn == cqn || q.recv_cqn == cqn,
+                DevxObj::Dct(d) => d.cqn == cqn,
                 DevxObj::Cq(_) | DevxObj::Mkey(_) => false,
             })
     }
@@ -364,16 +395,19 @@ impl super::Objects {
     pub(super) fn pd_in_use_by_devx(&self, pd_handle: u32) -> bool {
         self.devx_objs.values().any(|x| match x {
             DevxObj::Qp(q) => q.pd == pd_handle,
+            DevxObj::Dct(d) => d.pd == pd_handle,
             DevxObj::Mkey(m) => m.pd == pd_handle,
             DevxObj::Cq(_) => false,
         })
     }
 
-    /// Whether a DEVX QP takes its receives from SRQ `srqn`.
+    /// Whether a DEVX QP or DC target takes its receives from SRQ `srqn`.
     pub(super) fn srq_in_use_by_devx(&self, srqn: u32) -> bool {
-        self.devx_objs
-            .values()
-            .any(|x| matches!(x, DevxObj::Qp(q) if q.srqn == Some(srqn)))
+        self.devx_objs.values().any(|x| match x {
+            DevxObj::Qp(q) => q.srqn == Some(srqn),
+            DevxObj::Dct(d) => d.srqn == srqn,
+            DevxObj::Cq(_) | DevxObj::Mkey(_) => false,
+        })
     }
 
     /// Releases the umems a destroyed object held.
@@ -381,7 +415,7 @@ impl super::Objects {
         let ids: &[u32] = match obj {
             DevxObj::Cq(c) => &c.umems,
             DevxObj::Qp(q) => &q.umems,
-            DevxObj::Mkey(_) => &[],
+            DevxObj::Dct(_) | DevxObj::Mkey(_) => &[],
         };
         for id in ids {
             if let Some(u) = self.umems.values_mut().find(|u| u.id == *id) {
@@ -397,7 +431,7 @@ impl super::Objects {
             .map(|c| &c.soft)
             .chain(self.devx_objs.values().filter_map(|x| match x {
                 DevxObj::Cq(c) => Some(&c.soft),
-                DevxObj::Qp(_) | DevxObj::Mkey(_) => None,
+                DevxObj::Qp(_) | DevxObj::Dct(_) | DevxObj::Mkey(_) => None,
             }))
             .find(|c| c.cqn() == cqn)
             .cloned()

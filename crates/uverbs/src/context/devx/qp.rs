@@ -1,4 +1,4 @@
-//! DEVX QPs: CREATE_QP (RC; the WQ and the doorbell record in umems; an RQ of its own, on a
+//! DEVX QPs: CREATE_QP (RC, and DC initiators: `st` DCI; the WQ and the doorbell record in umems; an RQ of its own, on a
 //! verbs SRQ, or none; CQs and PD of the context, verbs or DEVX), the transitions RST2INIT,
 //! INIT2INIT, INIT2RTR, RTR2RTS, RTS2RTS, 2ERR and 2RST, QUERY_QP, and destroy. A transition
 //! the QP's state does not allow gets BAD_QP_STATE, as from the firmware.
@@ -6,7 +6,9 @@
 use super::DevxObj;
 use super::{lacks, out, refuse, syndrome, Fw, Refused};
 use crate::context::Context;
-use prm::cmd::{self, ads, create_qp_in as ci, modify_qp_in as mi, op, qp_state, qpc, rq_type, st};
+use prm::cmd::{
+    self, ads, create_qp_in as ci, modify_qp_in as mi, op, qp_state, qpc, qpc_dci, rq_type, st,
+};
 use prm::cmd::{status, Field, ADS_AT, QPC_AT};
 use std::sync::Arc;
 
@@ -140,10 +142,15 @@ impl Context {
         if input.len() < ci::WQ_UMEM_VALID.end() {
             return refuse(status::BAD_INP_LEN, syndrome::INPUT_LENGTH);
         }
-        match f(qpc::ST) as u8 {
-            st::RC => {}
-            st::DCI => return lacks("DC transport (a DCI QP; the dct capability is 0)"),
-            s => return lacks(&format!("QP service type {s:#x} (only RC)")),
+        let dci = match f(qpc::ST) as u8 {
+            st::RC => false,
+            st::DCI => true,
+            s => return lacks(&format!("QP service type {s:#x} (RC and DCI only)")),
+        };
+        if f(qpc_dci::LOG_NUM_DCI_STREAM_CHANNELS) != 0
+            || f(qpc_dci::LOG_NUM_DCI_ERRORED_STREAMS) != 0
+        {
+            return lacks("DCI streams (log_num_dci_stream_channels)");
         }
         if f(qpc::CS_REQ) != 0 || f(qpc::CS_RES) != 0 {
             return lacks("scatter to CQE (cs_req / cs_res)");
@@ -250,6 +257,8 @@ impl Context {
             user_index: Some(f(qpc::USER_INDEX) as u32),
         };
         let made = match &srq {
+            // an initiator takes no receives (UCX names the interface's SRQ all the same)
+            _ if dci => soft.create_dci(cfg),
             Some(s) => soft.create_qp_on_srq(cfg, s),
             None => soft.create_qp(cfg),
         };
@@ -329,6 +338,18 @@ impl Context {
                 if !(1..=5).contains(&mtu) || g(qpc::LOG_RRA_MAX) > 4 || !port_ok {
                     return refuse(status::BAD_PARAM, syndrome::ATTRIBUTE);
                 }
+                if q.soft.is_dci() {
+                    // no peer: each WQE names its target
+                    return self.step(
+                        q,
+                        opcode,
+                        ctx,
+                        Some(Modify::RtrDc {
+                            mtu: 128 << mtu,
+                            min_rnr_timer: g(qpc::MIN_RNR_NAK) as u8,
+                        }),
+                    );
+                }
                 let mut gid = [0u8; 16];
                 gid.copy_from_slice(cmd::bytes(ctx, ads::RGID_RIP.at(ADS_AT)));
                 let gid = verbs::Gid(gid);
@@ -372,6 +393,12 @@ impl Context {
             // the soft NIC's QPs never stop in SQE or SQD
             _ => return refuse(status::BAD_QP_STATE, syndrome::QP_STATE),
         };
+        self.step(q, opcode, ctx, step)
+    }
+
+    /// Moves the soft QP by `step` (none: attributes only) and keeps the fields the
+    /// transition carries in the QP's context.
+    fn step(&self, q: &mut DevxQp, opcode: u16, ctx: &[u8], step: Option<verbs::Modify>) -> Fw {
         if let Some(s) = step {
             if q.soft.modify(s).is_err() {
                 return refuse(status::BAD_PARAM, syndrome::ATTRIBUTE);
@@ -396,7 +423,7 @@ impl crate::context::Objects {
             || self.devx_objs.values().any(|x| match x {
                 DevxObj::Qp(q) => q.uar_page == page_id,
                 DevxObj::Cq(c) => c.uar_page == page_id,
-                DevxObj::Mkey(_) => false,
+                DevxObj::Dct(_) | DevxObj::Mkey(_) => false,
             })
     }
 }
