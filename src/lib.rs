@@ -41,8 +41,8 @@ pub use endpoint::{Endpoint, RemoteMemory};
 pub use error::Error;
 pub use memory::{Access, DeregisterError, HostBuffer, InFlight, Mr, Pd, QpInFlight};
 pub use queue::{
-    ConnectOptions, Cq, CqOptions, DoorbellMode, Drained, Modify, Qp, QpOptions, QpState,
-    RingPlacement,
+    ConnectOptions, Cq, CqOptions, DcTarget, Dct, DctOptions, DoorbellMode, Drained, Modify, Qp,
+    QpOptions, QpState, RingPlacement,
 };
 pub use regcache::{CachedMr, RegCache, RegCacheConfig, RegCacheStats};
 

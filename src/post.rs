@@ -6,7 +6,7 @@
 
 pub use prm::cqe::RespKind;
 pub use prm::doorbell::BF_OFFSET;
-pub use prm::wqe::AtomicSize;
+pub use prm::wqe::{AtomicSize, DatagramSeg as AddressVector};
 pub use prm::{Completion, CtrlFlags, ErrorCqe, Fence, Lkey, Local, Op, RemoteAddr, Rkey, Sge};
 pub use prm::{Opcode, Syndrome};
 pub use verbs::initiator::{Initiator as CpuInitiator, InitiatorError, RingMode};

@@ -1,6 +1,7 @@
 //! The seam every backend implements, as rdma-core's providers fill an ops table: the device
 //! ([`DeviceOps`]: PDs, CQs, what the port is), its PDs ([`PdOps`]: registrations, QPs), CQs
-//! ([`CqOps`]) and QPs ([`QpOps`]: state transitions, the device's progress). Everything a
+//! ([`CqOps`]), QPs ([`QpOps`]: state transitions, the device's progress) and DC targets
+//! ([`DctOps`]). Everything a
 //! layer above does with a queue besides these calls (export into a GPU, the CPU proxy, the CPU
 //! initiator, a queue's state) is written once over the queue's [geometry](super::geometry).
 //! Adding a NIC or a transport is one more implementation of these traits in a room of its own.
@@ -118,6 +119,38 @@ pub(crate) trait PdOps: Send + Sync + fmt::Debug {
         send_cq: &Arc<dyn CqOps>,
         recv_cq: &Arc<dyn CqOps>,
     ) -> Result<Arc<dyn QpOps>, Error>;
+    /// A DC initiator in RESET on `send_cq` (no receive side: `spec.rq_wqes` is 0).
+    fn create_dci(
+        &self,
+        spec: &QpSpec<'_>,
+        send_cq: &Arc<dyn CqOps>,
+    ) -> Result<Arc<dyn QpOps>, Error>;
+    /// A DC target, active, taking requests that present `t.key`.
+    fn create_dct(&self, t: &DctSpec<'_>) -> Result<Arc<dyn DctOps>, Error>;
+}
+
+/// What a DC target is asked to be.
+pub(crate) struct DctSpec<'a> {
+    /// Where its receive completions go.
+    pub cq: &'a Arc<dyn CqOps>,
+    /// The DC access key initiators must present.
+    pub key: u64,
+    /// The remote rights initiators get.
+    pub access: Access,
+    /// Path MTU (bytes).
+    pub mtu: u32,
+    /// RNR NAK timer code.
+    pub min_rnr_timer: u8,
+}
+
+/// A DC target of a device.
+pub(crate) trait DctOps: Send + Sync + fmt::Debug {
+    /// Its number (DCTN), what initiators name.
+    fn number(&self) -> u32;
+    /// Its state (RTR while it serves).
+    fn state(&self) -> QpState;
+    /// Destroys the device's target now.
+    fn destroy(&self);
 }
 
 /// A completion queue of a device.
@@ -165,6 +198,12 @@ pub(crate) trait QpOps: Send + Sync + fmt::Debug {
     fn connect(&self, remote: &Remote<'_>, psn: u32, o: &ConnectOptions) -> Result<(), Error>;
     /// A raw transition (a NIC may take only those without attributes: RESET, ERR).
     fn modify(&self, m: Modify) -> Result<(), Error>;
+    /// A DC initiator: RESET → INIT → RTR → RTS at path MTU `mtu`, with `psn` as the first
+    /// PSN (its targets are named per WQE); `Error::InvalidArgument` for any other QP.
+    fn ready_dc(&self, mtu: u32, psn: u32, o: &ConnectOptions) -> Result<(), Error>;
+    /// Makes a DC target whose software device listens on `udp` reachable from this initiator
+    /// (a NIC routes by GID itself: nothing to do).
+    fn reach(&self, gid: Gid, udp: SocketAddr, shown: &dyn fmt::Display) -> Result<(), Error>;
     /// Its rings, doorbell record and register (and its CPU-proxy word where the device keeps
     /// one).
     fn geometry(&self) -> QpGeometry<'_>;

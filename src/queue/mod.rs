@@ -1,7 +1,8 @@
-//! Completion queues and RC queue pairs: sizes, ring placement, doorbell mode, state
-//! transitions, endpoints and connection.
+//! Completion queues, RC queue pairs and DC initiators and targets: sizes, ring placement,
+//! doorbell mode, state transitions, endpoints and connection.
 
 mod cq;
+mod dc;
 mod poster;
 mod qp;
 mod recover;
@@ -10,6 +11,7 @@ mod state;
 
 pub use crate::backend::ConnectOptions;
 pub use cq::{Cq, CqOptions};
+pub use dc::{DcTarget, Dct, DctOptions};
 pub use poster::Poster;
 pub(crate) use poster::PosterClaim;
 pub use qp::{Qp, QpOptions};

@@ -98,13 +98,7 @@ impl Pd {
     ) -> Result<Qp, Error> {
         let device = &*self.ctx.inner.device;
         let (gpu, placement_reason) = resolve(o.placement, gpu, device, "Pd::create_qp_on")?;
-        let (mode, reason) = match o.doorbell {
-            DoorbellMode::Auto => (
-                DoorbellMode::GpuDoorbell,
-                device.auto_doorbell_reason().to_string(),
-            ),
-            m => (m, "requested".to_string()),
-        };
+        let (mode, reason) = self.doorbell_of(o.doorbell);
         let spec = QpSpec {
             sq_blocks: o.sq_blocks,
             rq_wqes: o.rq_wqes,
@@ -117,8 +111,19 @@ impl Pd {
         self.finish_qp(o, dev, (mode, reason), placement_reason)
     }
 
+    /// The doorbell mode a QP's options ask for, resolved, and why.
+    pub(super) fn doorbell_of(&self, asked: DoorbellMode) -> (DoorbellMode, String) {
+        match asked {
+            DoorbellMode::Auto => (
+                DoorbellMode::GpuDoorbell,
+                self.ctx.inner.device.auto_doorbell_reason().to_string(),
+            ),
+            m => (m, "requested".to_string()),
+        }
+    }
+
     /// Registers a new device QP with the PD and wraps it.
-    fn finish_qp(
+    pub(super) fn finish_qp(
         &self,
         o: QpOptions,
         dev: Arc<dyn QpOps>,

@@ -1,9 +1,12 @@
 //! The ConnectX backend through the real libibverbs + libmlx5, on the emulated device: the same
 //! traffic and error scenario runs on the in-process soft NIC and on `mlx5_0`/`mlx5_1` under
 //! `gpuverbs emu`, and must give the same completions (statuses, byte counts, immediates, old
-//! values of atomics) and the same bytes.
+//! values of atomics) and the same bytes; likewise a DC scenario (a DC target on one device, a
+//! DC initiator on the other: `mlx5dv_create_qp` DCI and DCT through the real libmlx5).
 
-use gpuverbs::{Access, ConnectOptions, Context, CqOptions, DeviceRequest, HostBuffer, QpOptions};
+use gpuverbs::{
+    Access, ConnectOptions, Context, CqOptions, DctOptions, DeviceRequest, HostBuffer, QpOptions,
+};
 use prm::wqe::{CtrlFlags, Local, Op};
 use prm::Completion;
 use std::path::Path;
@@ -348,8 +351,148 @@ fn mlx5_child() {
     }
 }
 
+/// A DC target on `b` (key 0xdc), a DC initiator on `a`: WRITE, READ back, fetch-add, then a
+/// WQE with the wrong key on a second initiator (no answer: TRANSPORT_RETRY_EXC).
+fn dc_scenario(a: &Context, b: &Context) -> Vec<String> {
+    let rights =
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    let (pb, cb) = (b.alloc_pd(), b.create_cq(CqOptions::default()).unwrap());
+    let dct = pb.create_dct(&cb, DctOptions::new(0xdc)).unwrap();
+    let tb = HostBuffer::new(16384);
+    let mrb = pb.register_with(&tb, rights).unwrap();
+    let to = dct.target();
+    let mut out = vec![format!("dct state {:?}", dct.state())];
+    let pa = a.alloc_pd();
+    let ba = HostBuffer::new(16384);
+    let mra = pa.register_with(&ba, rights).unwrap();
+    let dci = |retry_cnt| {
+        let cq = a.create_cq(CqOptions::default()).unwrap();
+        let c = ConnectOptions {
+            timeout: 12,
+            retry_cnt,
+            ..Default::default()
+        };
+        let q = pa.create_dci(QpOptions::new(&cq, &cq), c).unwrap();
+        q.reach(&to).unwrap();
+        q
+    };
+    let q = dci(7);
+    out.push(format!("dci state {:?}", q.state()));
+    let mut ini = q.cpu_initiator(RingMode::RdmaCore);
+    let go = |ini: &mut Initiator, op: &Op<'_>, t: &gpuverbs::DcTarget| {
+        ini.post_with_av(op, CtrlFlags::SIGNALED, &t.address_vector())
+            .unwrap();
+        ini.ring();
+        match ini.wait_send(T) {
+            Ok(c) => outcome(&c),
+            Err(e) => format!("wait: {e}"),
+        }
+    };
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    ba.write(0, &data);
+    let write = Op::Write {
+        remote: mrb.remote(0),
+        local: Local::Sges(&[mra.sge(0, 4096)]),
+        imm: None,
+    };
+    out.push(format!("dc write: {}", go(&mut ini, &write, &to)));
+    out.push(format!(
+        "dc write bytes: {}",
+        tb.to_vec()[..4096] == data[..]
+    ));
+    let read = Op::Read {
+        remote: mrb.remote(0),
+        local: &[mra.sge(8192, 4096)],
+    };
+    out.push(format!("dc read: {}", go(&mut ini, &read, &to)));
+    out.push(format!(
+        "dc read bytes: {}",
+        ba.to_vec()[8192..12288] == data[..]
+    ));
+    tb.write(12288, &9u64.to_ne_bytes());
+    let fa = Op::FetchAdd {
+        remote: mrb.remote(12288),
+        add: 3,
+        result: mra.sge(12288, 8),
+    };
+    out.push(format!("dc fetch_add: {}", go(&mut ini, &fa, &to)));
+    let word = |b: &HostBuffer| u64::from_ne_bytes(b.to_vec()[12288..12296].try_into().unwrap());
+    out.push(format!("dc fetch_add old {} now {}", word(&ba), word(&tb)));
+    drop(ini);
+    let bad = dci(0);
+    let mut ini = bad.cpu_initiator(RingMode::RdmaCore);
+    let wrong = gpuverbs::DcTarget { key: 0xdd, ..to };
+    out.push(format!("dc wrong key: {}", go(&mut ini, &write, &wrong)));
+    out
+}
+
+#[test]
+fn dc_child() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let a = Context::open(DeviceRequest::Named("mlx5_0".into())).unwrap();
+    let b = Context::open(DeviceRequest::Named("mlx5_1".into())).unwrap();
+    // past the test harness's "test dc_child ... " on the same line
+    println!();
+    for line in dc_scenario(&a, &b) {
+        println!("RESULT {line}");
+    }
+}
+
+/// The DC scenario on the soft NIC and on the mlx5 backend (the provider's DCI and DCT through
+/// the real libmlx5 under `gpuverbs emu`): the same completions and bytes.
+#[test]
+fn the_mlx5_backend_runs_dc_as_the_soft_nic_does() {
+    let a = Context::open(DeviceRequest::Soft).unwrap();
+    let b = Context::open(DeviceRequest::Soft).unwrap();
+    let soft = dc_scenario(&a, &b);
+    let mlx5 = child_results("dc_child", 94, &[]);
+    assert_eq!(
+        mlx5, soft,
+        "soft NIC (right) and mlx5 backend (left) differ"
+    );
+    for want in [
+        "dct state Rtr",
+        "dci state Rts",
+        "dc write: req op 0x8 bytes 4096",
+        "dc write bytes: true",
+        "dc read bytes: true",
+        "dc fetch_add old 9 now 12",
+        "dc wrong key: error requester syndrome 0x15",
+    ] {
+        assert!(
+            soft.iter().any(|l| l.starts_with(want)),
+            "missing {want:?} in {soft:#?}"
+        );
+    }
+}
+
 /// The scenario's results in a child under `gpuverbs emu --devices 2`, with `env` set.
 fn mlx5_scenario(net: u8, env: &[(&str, &str)]) -> Vec<String> {
+    let text = child_output("mlx5_child", net, env);
+    assert!(text.contains("KIND Mlx5 Mlx5"), "{text}");
+    assert!(
+        text.contains("SELECTION mlx5 mlx5_0 (auto: rdma-core lists mlx5_0, mlx5_1"),
+        "{text}"
+    );
+    results(&text)
+}
+
+/// The `RESULT` lines of `child` under `gpuverbs emu --devices 2`.
+fn child_results(child: &str, net: u8, env: &[(&str, &str)]) -> Vec<String> {
+    results(&child_output(child, net, env))
+}
+
+fn results(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("RESULT ").map(str::to_string))
+        .collect()
+}
+
+/// The output of test `child` of this binary run under `gpuverbs emu --devices 2` at
+/// 127.0.`net`.1, with `env` set; it must succeed.
+fn child_output(child: &str, net: u8, env: &[(&str, &str)]) -> String {
     let exe = std::env::current_exe().unwrap();
     let out = Command::new(GPUVERBS)
         .env("GPUVERBS_PRELOAD", preload())
@@ -364,23 +507,16 @@ fn mlx5_scenario(net: u8, env: &[(&str, &str)]) -> Vec<String> {
             "--",
         ])
         .arg(&exe)
-        .args(["--exact", "mlx5_child", "--nocapture", "--test-threads=1"])
+        .args(["--exact", child, "--nocapture", "--test-threads=1"])
         .output()
         .unwrap();
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "the child under gpuverbs emu ({env:?}) failed:\n{text}"
+        "{child} under gpuverbs emu ({env:?}) failed:\n{text}"
     );
-    assert!(text.contains("KIND Mlx5 Mlx5"), "{text}");
-    assert!(
-        text.contains("SELECTION mlx5 mlx5_0 (auto: rdma-core lists mlx5_0, mlx5_1"),
-        "{text}"
-    );
-    text.lines()
-        .filter_map(|l| l.strip_prefix("RESULT ").map(str::to_string))
-        .collect()
+    text
 }
 
 /// The scenario on the soft NIC, on the mlx5 backend's provider CQs and QPs, and on its DEVX

@@ -649,7 +649,7 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
         (None, Some((gid, qpn))) => {
             if let Some(to) = dev.peer_addr(&gid) {
                 if requester::connect(dev, sq, gid, qpn, to) {
-                    dc_on_wire(qp, sq);
+                    dc_on_wire(dev, qp, sq);
                     return Ok(Ok(Route::Wire));
                 }
             }
@@ -668,7 +668,7 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
                     });
                     if let Some(to) = to {
                         if requester::connect(dev, sq, gid, qpn, to) {
-                            dc_on_wire(qp, sq);
+                            dc_on_wire(dev, qp, sq);
                             return Ok(Ok(Route::Wire));
                         }
                     }
@@ -697,7 +697,7 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
 
 /// A DC initiator's requests to a target on the wire carry the DCETH (the key, the initiator,
 /// this connection's generation and first PSN), and only that target's answers are taken.
-fn dc_on_wire(qp: &Qp, sq: &mut SqState) {
+fn dc_on_wire(dev: &Shared, qp: &Qp, sq: &mut SqState) {
     if !qp.is_dci() {
         return;
     }
@@ -709,6 +709,7 @@ fn dc_on_wire(qp: &Qp, sq: &mut SqState) {
         generation: sq.dc_generation,
         dci: qp.qpn,
         start_psn: w.next_psn,
+        reply_port: dev.port().map_or(0, |p| p.local.port()),
     });
     qp.set_wire_remote(gid.to_ipv4().map(|ip| (ip, dctn)));
 }

@@ -9,11 +9,13 @@
 //! backend made them). CQs are 64-byte-CQE CQs; QPs are RC with scatter-to-CQE disabled (so a
 //! GPU poller never finds data inside a CQE). Rings are the provider's, in host memory, or
 //! ([`devx`]) rings the host API placed itself (GPU memory, or modes the provider cannot give:
-//! collapsed and overrun-ignore CQs), made with DEVX.
+//! collapsed and overrun-ignore CQs), made with DEVX. DC initiators and targets ([`dc`]) are
+//! the provider's, on host rings.
 //!
 //! Run here every day on the emulated device (`gpuverbs emu`: the real libibverbs and libmlx5
 //! over the soft NIC); not run on ConnectX hardware.
 
+mod dc;
 mod device;
 pub(crate) mod devx;
 mod objects;

@@ -208,7 +208,6 @@ impl Pd {
         let mut dv: sys::mlx5dv_qp_init_attr = unsafe { std::mem::zeroed() };
         dv.comp_mask = sys::MLX5DV_QP_INIT_ATTR_MASK_QP_CREATE_FLAGS as u64;
         dv.create_flags = sys::MLX5DV_QP_CREATE_DISABLE_SCATTER_TO_CQE;
-        let v = self.dev.libs.verbs;
         // SAFETY: live context, CQs and PD; attrs filled above.
         let qp = unsafe { (self.dev.libs.dv.mlx5dv_create_qp)(self.dev.ctx, &mut a, &mut dv) };
         if qp.is_null() {
@@ -218,6 +217,19 @@ impl Pd {
                 format!("RC, {max_send_wr} send WRs, {max_recv_wr} receive WRs"),
             ));
         }
+        self.adopt(qp, scq, rcq, a.cap.max_inline_data)
+    }
+
+    /// Takes a QP the provider just made (destroyed here on failure): its rings and doorbell
+    /// record as `mlx5dv_init_obj` shows them, checked to be the geometry the host API drives.
+    pub(super) fn adopt(
+        self: &Arc<Self>,
+        qp: *mut sys::ibv_qp,
+        scq: &Arc<Cq>,
+        rcq: &Arc<Cq>,
+        max_inline: u32,
+    ) -> Result<Arc<Qp>, Error> {
+        let v = self.dev.libs.verbs;
         // SAFETY: zeroed out struct, then init_obj fills it for the live QP.
         let mut out: sys::mlx5dv_qp = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
@@ -276,7 +288,7 @@ impl Pd {
             rq_stride: out.rq.stride,
             dbrec: Rec::Host(out.dbrec.cast()),
             bf_reg: out.bf.reg.cast(),
-            max_inline: a.cap.max_inline_data,
+            max_inline,
             _wq: None,
         }))
     }
@@ -451,6 +463,14 @@ impl Cq {
     }
 
     /// Whether it was made with DEVX.
+    /// The provider's CQ, `None` for one made with DEVX.
+    pub(super) fn verbs_cq(&self) -> Option<*mut sys::ibv_cq> {
+        match self.owner {
+            CqOwner::Verbs(c) => Some(c),
+            CqOwner::Devx { .. } => None,
+        }
+    }
+
     pub(crate) fn is_devx(&self) -> bool {
         matches!(self.owner, CqOwner::Devx { .. })
     }
@@ -575,6 +595,11 @@ impl Qp {
         }
     }
 
+    /// Its protection domain.
+    pub(super) fn pd(&self) -> &Arc<Pd> {
+        &self.pd
+    }
+
     fn verbs_qp(&self) -> *mut sys::ibv_qp {
         match self.owner {
             QpOwner::Verbs(q) => q,
@@ -582,7 +607,7 @@ impl Qp {
         }
     }
 
-    fn modify(
+    pub(super) fn modify(
         &self,
         attr: &mut sys::ibv_qp_attr,
         mask: u32,

@@ -4,7 +4,8 @@
 
 use super::super::geometry::{CqGeometry, QpGeometry};
 use super::super::seam::{
-    CqOps, CqSpec, DeviceOps, GpuRings, PdOps, Progress, QpOps, QpSpec, Registration, Remote,
+    CqOps, CqSpec, DctOps, DctSpec, DeviceOps, GpuRings, PdOps, Progress, QpOps, QpSpec,
+    Registration, Remote,
 };
 use super::super::ConnectOptions;
 use super::device::{Device, Pd};
@@ -251,6 +252,73 @@ impl PdOps for Mlx5Pd {
         };
         Ok(Arc::new(Mlx5Qp(q)))
     }
+
+    /// The provider's, on host rings (a DEVX DC initiator, for rings in GPU memory, is not
+    /// built yet: `Error::Unsupported`).
+    fn create_dci(
+        &self,
+        spec: &QpSpec<'_>,
+        send_cq: &Arc<dyn CqOps>,
+    ) -> Result<Arc<dyn QpOps>, Error> {
+        let Some(cq) = send_cq.as_any().downcast_ref::<Mlx5Cq>() else {
+            return Err(Error::InvalidArgument(
+                "the DC initiator's CQ belongs to another device".into(),
+            ));
+        };
+        if spec.gpu.is_some() {
+            return Err(Error::Unsupported(
+                "a DC initiator with its rings in GPU memory on the mlx5 backend (DEVX DCI): \
+                 not built yet; create it with host rings"
+                    .into(),
+            ));
+        }
+        let wqe_blocks = (32 + 48 + (4 + spec.max_inline as usize).next_multiple_of(16))
+            .div_ceil(prm::WQEBB)
+            .max(1) as u32;
+        let mut wrs = (spec.sq_blocks / wqe_blocks).max(1);
+        loop {
+            let q = self.0.create_dci(&cq.0, wrs, spec.max_inline)?;
+            if q.sq_blocks <= spec.sq_blocks || wrs == 1 {
+                return Ok(Arc::new(Mlx5Qp(q)));
+            }
+            wrs /= 2;
+        }
+    }
+
+    fn create_dct(&self, t: &DctSpec<'_>) -> Result<Arc<dyn DctOps>, Error> {
+        let Some(cq) = t.cq.as_any().downcast_ref::<Mlx5Cq>() else {
+            return Err(Error::InvalidArgument(
+                "the DC target's CQ belongs to another device".into(),
+            ));
+        };
+        let d = self
+            .0
+            .create_dct(&cq.0, t.key, t.access, (t.mtu, t.min_rnr_timer))?;
+        Ok(Arc::new(Mlx5Dct(d)))
+    }
+}
+
+/// A DC target of a ConnectX (destroyed when the last holder lets go).
+struct Mlx5Dct(super::dc::Dct);
+
+impl fmt::Debug for Mlx5Dct {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "mlx5 DCT {:#x}", self.0.dctn)
+    }
+}
+
+impl DctOps for Mlx5Dct {
+    fn number(&self) -> u32 {
+        self.0.dctn
+    }
+    fn state(&self) -> QpState {
+        match self.0.state() {
+            sys::IBV_QPS_RTR => QpState::Rtr,
+            _ => QpState::Err,
+        }
+    }
+    /// Nothing now: destroyed when the last holder lets go.
+    fn destroy(&self) {}
 }
 
 impl fmt::Debug for Mlx5Cq {
@@ -304,6 +372,15 @@ impl QpOps for Mlx5Qp {
             mtu: remote.mtu,
         };
         self.0.connect(o.access, &r, psn, o)
+    }
+
+    fn ready_dc(&self, mtu: u32, psn: u32, o: &ConnectOptions) -> Result<(), Error> {
+        self.0.ready_dc(mtu, psn, o)
+    }
+
+    /// A ConnectX routes to a target's GID itself.
+    fn reach(&self, _gid: Gid, _udp: SocketAddr, _shown: &dyn fmt::Display) -> Result<(), Error> {
+        Ok(())
     }
 
     /// RESET and ERR only (the others take attributes: connect).

@@ -3,7 +3,8 @@
 
 use super::super::geometry::{CqGeometry, Kick, Place, QpGeometry};
 use super::super::seam::{
-    CqOps, CqSpec, DeviceOps, GpuRings, PdOps, Progress, QpOps, QpSpec, Registration, Remote,
+    CqOps, CqSpec, DctOps, DctSpec, DeviceOps, GpuRings, PdOps, Progress, QpOps, QpSpec,
+    Registration, Remote,
 };
 use super::super::ConnectOptions;
 use super::route::{route, Routes};
@@ -168,6 +169,70 @@ impl PdOps for SoftPd {
         send_cq: &Arc<dyn CqOps>,
         recv_cq: &Arc<dyn CqOps>,
     ) -> Result<Arc<dyn QpOps>, Error> {
+        let cfg = self.qp_config(spec, send_cq, recv_cq)?;
+        let qp = self.dev.create_qp(cfg)?;
+        Ok(self.wrap(qp))
+    }
+
+    fn create_dci(
+        &self,
+        spec: &QpSpec<'_>,
+        send_cq: &Arc<dyn CqOps>,
+    ) -> Result<Arc<dyn QpOps>, Error> {
+        let cfg = self.qp_config(spec, send_cq, send_cq)?;
+        let qp = self.dev.create_dci(cfg)?;
+        Ok(self.wrap(qp))
+    }
+
+    /// A DC target on an SRQ of its own (the host API posts no receives: a SEND to it gets
+    /// RNR), in RTR.
+    fn create_dct(&self, t: &DctSpec<'_>) -> Result<Arc<dyn DctOps>, Error> {
+        let Some(cq) = cq_of(&**t.cq) else {
+            return Err(Error::InvalidArgument(
+                "the DC target's CQ belongs to another device".into(),
+            ));
+        };
+        let srq = self
+            .dev
+            .create_srq(softnic::SrqConfig::new(self.id, 2, 1))?;
+        let dct = self.dev.create_dct(softnic::DctConfig {
+            pd: self.id,
+            cq: cq.clone(),
+            srq: srq.clone(),
+            key: t.key,
+            user_index: None,
+        })?;
+        let up = dct
+            .modify(Modify::Init { access: t.access })
+            .and_then(|()| {
+                dct.modify(Modify::RtrDc {
+                    mtu: t.mtu,
+                    min_rnr_timer: t.min_rnr_timer,
+                })
+            });
+        let made = Arc::new(SoftDct {
+            dev: self.dev.clone(),
+            dct,
+            srq,
+        });
+        match up {
+            Ok(()) => Ok(made),
+            Err(e) => {
+                made.destroy();
+                Err(e.into())
+            }
+        }
+    }
+}
+
+impl SoftPd {
+    /// The soft NIC's QP config for `spec` on these CQs (rings in a GPU's memory when given).
+    fn qp_config(
+        &self,
+        spec: &QpSpec<'_>,
+        send_cq: &Arc<dyn CqOps>,
+        recv_cq: &Arc<dyn CqOps>,
+    ) -> Result<softnic::QpConfig, Error> {
         let (Some(scq), Some(rcq)) = (cq_of(&**send_cq), cq_of(&**recv_cq)) else {
             return Err(Error::InvalidArgument(
                 "the QP's CQs belong to another device".into(),
@@ -181,7 +246,7 @@ impl PdOps for SoftPd {
             }
             None => (None, None),
         };
-        let qp = self.dev.create_qp(softnic::QpConfig {
+        Ok(softnic::QpConfig {
             pd: self.id,
             send_cq: scq.clone(),
             recv_cq: rcq.clone(),
@@ -196,12 +261,41 @@ impl PdOps for SoftPd {
             dbrec: None,
             uar: None,
             user_index: None,
-        })?;
-        Ok(Arc::new(SoftQp {
+        })
+    }
+
+    fn wrap(&self, qp: Arc<softnic::Qp>) -> Arc<dyn QpOps> {
+        Arc::new(SoftQp {
             dev: self.dev.clone(),
             routes: self.routes.clone(),
             qp,
-        }))
+        })
+    }
+}
+
+/// A DC target of a soft NIC, with the SRQ it stands on (destroyed by [`DctOps::destroy`]).
+struct SoftDct {
+    dev: Arc<softnic::Device>,
+    dct: Arc<softnic::Qp>,
+    srq: Arc<softnic::Srq>,
+}
+
+impl fmt::Debug for SoftDct {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "soft DCT {:#x}", self.dct.qpn())
+    }
+}
+
+impl DctOps for SoftDct {
+    fn number(&self) -> u32 {
+        self.dct.qpn()
+    }
+    fn state(&self) -> QpState {
+        self.dct.state()
+    }
+    fn destroy(&self) {
+        self.dev.destroy_qp(&self.dct);
+        let _ = self.dev.destroy_srq(&self.srq);
     }
 }
 
@@ -293,6 +387,34 @@ impl QpOps for SoftQp {
 
     fn modify(&self, m: Modify) -> Result<(), Error> {
         Ok(self.qp.modify(m)?)
+    }
+
+    fn ready_dc(&self, mtu: u32, psn: u32, o: &ConnectOptions) -> Result<(), Error> {
+        let q = &self.qp;
+        if !q.is_dci() {
+            return Err(Error::InvalidArgument(format!(
+                "QP {:#x} is not a DC initiator",
+                q.qpn()
+            )));
+        }
+        q.modify(Modify::Init {
+            access: Access::NONE,
+        })?;
+        q.modify(Modify::RtrDc {
+            mtu,
+            min_rnr_timer: o.min_rnr_timer,
+        })?;
+        q.modify(Modify::Rts(verbs::RtsAttr {
+            sq_psn: psn,
+            timeout: o.timeout,
+            retry_cnt: o.retry_cnt,
+            rnr_retry: o.rnr_retry,
+        }))?;
+        Ok(())
+    }
+
+    fn reach(&self, gid: Gid, udp: SocketAddr, shown: &dyn fmt::Display) -> Result<(), Error> {
+        route(&self.dev, &self.routes, &self.qp, gid, udp, shown, &gid)
     }
 
     /// Its rings, the doorbell record and CPU-proxy word of its control page (or the record it

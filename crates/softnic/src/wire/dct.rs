@@ -43,11 +43,13 @@ pub(super) fn on_request(
         Counters::add(&wc.duplicates, 1);
         return;
     };
-    // answers go to the initiator's GID's address: its peer-table entry, else the default
-    // port (the key, not the source address, is what admits a request to a DC target)
-    let to = match dev.peer_addr(&Gid::from_ipv4(ip)) {
-        Some(SocketAddr::V4(a)) => a,
-        _ => SocketAddrV4::new(ip, port.cfg.default_port),
+    // answers go to the initiator's address at the port its DCETH names, else its GID's
+    // peer-table entry, else the default port (the key, not the source address, is what
+    // admits a request to a DC target)
+    let to = match (e.reply_port, dev.peer_addr(&Gid::from_ipv4(ip))) {
+        (0, Some(SocketAddr::V4(a))) => a,
+        (0, _) => SocketAddrV4::new(ip, port.cfg.default_port),
+        (p, _) => SocketAddrV4::new(ip, p),
     };
     let mut reply = Reply {
         port,

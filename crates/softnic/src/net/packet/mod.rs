@@ -43,7 +43,7 @@ pub const IETH_LEN: usize = 4;
 /// Bytes of the datagram extended transport header (UD: Q_Key, source QP).
 pub const DETH_LEN: usize = 8;
 /// Bytes of the soft NIC's DC extended transport header ([`Dceth`]).
-pub const DCETH_LEN: usize = 20;
+pub const DCETH_LEN: usize = 24;
 /// Bytes of the invariant CRC.
 pub const ICRC_LEN: usize = 4;
 /// The largest path MTU (payload bytes per packet).
@@ -183,10 +183,11 @@ pub mod dc {
 }
 
 /// The soft NIC's DC extended transport header, after the BTH of a DC request:
-/// `DC access key(8) | generation(4) | initiator QPN(4, 24 bits) | start PSN(4, 24 bits)`. The target
-/// checks the key; the initiator's QPN is where its answers go; the generation counts the
-/// initiator's moves between targets and the start PSN is the first PSN of this connection, so
-/// a target learns where a connection starts from any of its packets.
+/// `DC access key(8) | generation(4) | initiator QPN(4, 24 bits) | start PSN(4, 24 bits) |
+/// reply UDP port(2) | reserved(2)`. The target checks the key; the initiator's QPN (at the
+/// packet's source address and the reply port) is where its answers go; the generation counts
+/// the initiator's moves between targets and the start PSN is the first PSN of this connection,
+/// so a target learns where a connection starts from any of its packets.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Dceth {
     /// DC access key.
@@ -197,6 +198,8 @@ pub struct Dceth {
     pub dci: u32,
     /// The first PSN of the connection (24 bits).
     pub start_psn: u32,
+    /// The UDP port the initiator's device listens on (0: the RoCE v2 default).
+    pub reply_port: u16,
 }
 
 /// AETH syndromes.
@@ -579,6 +582,7 @@ pub fn parse(d: &[u8]) -> Result<Packet<'_>, PacketError> {
             generation: be32(&h[8..]),
             dci: be32(&h[12..]) & MASK24,
             start_psn: be32(&h[16..]) & MASK24,
+            reply_port: u16::from_be_bytes([h[20], h[21]]),
         });
         at += DCETH_LEN;
     }
@@ -713,6 +717,8 @@ pub fn encode_headers(
         out.extend_from_slice(&d.generation.to_be_bytes());
         out.extend_from_slice(&(d.dci & MASK24).to_be_bytes());
         out.extend_from_slice(&(d.start_psn & MASK24).to_be_bytes());
+        out.extend_from_slice(&d.reply_port.to_be_bytes());
+        out.extend_from_slice(&[0, 0]);
     }
     if let (true, Some(d)) = (l.deth, p.deth) {
         out.extend_from_slice(&d.qkey.to_be_bytes());

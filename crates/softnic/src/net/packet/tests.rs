@@ -155,6 +155,7 @@ fn encode_parse_round_trip_every_opcode() {
                 generation: 0xfeed_0001,
                 dci: 0x45_6789,
                 start_psn: 0xff_fff0,
+                reply_port: 40_123,
             }),
             payload: if l.payload { &payload } else { &[] },
         };
