@@ -495,12 +495,12 @@ fn dump_reads_one_local_segment_and_completes() {
 }
 
 #[test]
-fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
-    // WAIT { cqn, max_index } waits for a count: the CQ's written CQEs reaching max_index.
+fn wait_completes_once_the_cq_has_written_cqe_number_max_index() {
+    // WAIT { cqn, max_index } waits for CQE number max_index (from 0) of the CQ to be written.
     let (a, b) = connected(DoorbellMode::Auto);
     if common::skipped_on_mlx5(
         &a.ctx,
-        "wait_completes_when_the_cq_has_produced_max_index_cqes",
+        "wait_completes_once_the_cq_has_written_cqe_number_max_index",
         "WAIT is a cross-channel WQE on a ConnectX (the mlx5 backend creates no cross-channel \
          QPs) and the test reads the soft CQ's count (Cq::soft().produced())",
     ) {
@@ -516,14 +516,15 @@ fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
         .unwrap();
     let mut waiter = a.qp.cpu_initiator(RingMode::Doca);
     let mut other = q2.cpu_initiator(RingMode::Doca);
+    // CQE number 1: the second
     let wait = Op::Wait {
         cqn: c2.cqn(),
-        max_index: 2,
+        max_index: 1,
     };
     waiter.post_and_ring(&wait, CtrlFlags::SIGNALED).unwrap();
     let short = Duration::from_millis(50);
     for n in 1..=2u32 {
-        // one edge: with max_index - 1 CQEs produced, the WAIT has not completed
+        // one edge: with CQEs 0 .. max_index - 1 written, the WAIT has not completed
         assert!(
             waiter.wait_send(short).is_err(),
             "completed at {} CQEs",
@@ -533,7 +534,7 @@ fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
         ok(other.wait_send(T).unwrap());
         assert_eq!(c2.soft().unwrap().produced(), n);
     }
-    // the other edge: at max_index CQEs it completes
+    // the other edge: once CQE number max_index is written it completes
     match waiter.wait_send(T).unwrap() {
         Completion::Req { wqe_opcode, .. } => assert_eq!(wqe_opcode, 0x0f),
         c => panic!("{c:?}"),
@@ -543,7 +544,7 @@ fn wait_completes_when_the_cq_has_produced_max_index_cqes() {
         .post_and_ring(
             &Op::Wait {
                 cqn: c2.cqn(),
-                max_index: 1,
+                max_index: 0,
             },
             CtrlFlags::SIGNALED,
         )

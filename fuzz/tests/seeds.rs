@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The target's seed folder, emptied of what this generator wrote before (the `libmlx5_*`
-/// WQEs, recorded by `record_uverbs_seeds.sh`, stay).
+/// WQEs, recorded by `record_uverbs_seeds.sh`, and the `dc_*` seeds, DC forms of RC seeds
+/// made by hand, stay).
 fn corpus(target: &str) -> PathBuf {
     let d = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("corpus")
@@ -26,7 +27,9 @@ fn corpus(target: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     for e in std::fs::read_dir(&d).unwrap() {
         let e = e.unwrap();
-        if !e.file_name().to_string_lossy().starts_with("libmlx5_") {
+        let name = e.file_name().to_string_lossy().to_string();
+        // libmlx5_*: recorded by record_uverbs_seeds.sh; dc_*: DC forms of the RC seeds
+        if !name.starts_with("libmlx5_") && !name.starts_with("dc_") {
             std::fs::remove_file(e.path()).unwrap();
         }
     }
@@ -198,7 +201,13 @@ fn write_seed_corpora() {
     let cqn = f.p.ea.scq.cqn();
     f.finish();
     let mut f = Fixture::local();
-    let idx = f.p.ea.post(&Op::Wait { cqn, max_index: 0 }, common::SIG);
+    let idx = f.p.ea.post(
+        &Op::Wait {
+            cqn,
+            max_index: 0xff_ffff,
+        },
+        common::SIG,
+    );
     let ring = f.p.ea.read_ring(idx, 1);
     put(&dir, "wait", &[&[0u8][..], &ring[..]].concat());
     f.finish();

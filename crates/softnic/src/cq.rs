@@ -183,6 +183,14 @@ impl Cq {
         self.produced.load(Ordering::Acquire)
     }
 
+    /// Whether the CQE numbered `index` (from 0, since the CQ was made) has been written: the
+    /// count written is past it, in 24-bit serial arithmetic (the CQ index width; the upper
+    /// bits of `index` are ignored, and an index up to 2^23 behind counts as written). What a
+    /// cross-channel WAIT's `max_index` names (docs/softnic.md, "What WAIT waits for").
+    pub fn has_written(&self, index: u32) -> bool {
+        self.produced().wrapping_sub(index).wrapping_sub(1) & 0xff_ffff < 0x80_0000
+    }
+
     /// Blocks until the CQ holds a CQE its consumer has not taken — more than `consumed`
     /// written (both counted modulo 2^24, as the doorbell record's consumer index) — or
     /// `timeout` passes; returns whether it does. What a CQ's completion event is to a

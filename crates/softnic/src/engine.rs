@@ -235,9 +235,9 @@ fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) 
         if let Some(stall) = sq.stall {
             let over = match stall {
                 Stall::Until(t) => Instant::now() >= t,
-                Stall::Wait { cqn, max_index } => dev
-                    .cq(cqn)
-                    .is_none_or(|cq| cq.produced().wrapping_sub(max_index) as i32 >= 0),
+                Stall::Wait { cqn, max_index } => {
+                    dev.cq(cqn).is_none_or(|cq| cq.has_written(max_index))
+                }
                 Stall::Drain => sq.wire.as_ref().is_none_or(|w| w.msgs.is_empty()),
             };
             if !over && qp.state() != QpState::Err {
@@ -774,7 +774,7 @@ fn execute(
     if let ParsedOp::Wait { cqn, max_index } = wqe.op {
         return match dev.cq(cqn) {
             None => Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST)),
-            Some(cq) if cq.produced().wrapping_sub(max_index) as i32 >= 0 => Ok(Done::Complete(0)),
+            Some(cq) if cq.has_written(max_index) => Ok(Done::Complete(0)),
             Some(_) => Ok(Done::Stalled(Stall::Wait { cqn, max_index })),
         };
     }

@@ -548,16 +548,16 @@ fn wait_holds_the_queue_until_the_cq_index() {
         let mut p = Pair::new();
         let dst = p.b.buf(64, RW);
         let rbuf = p.a.buf(64, Access::LOCAL_WRITE);
-        // already satisfied: produced (0) >= 0
+        // already satisfied: CQE "number -1" (0xff_ffff, before the first) counts as written
         let w0 = Op::Wait {
             cqn: p.ea.rcq.cqn(),
-            max_index: 0,
+            max_index: 0xff_ffff,
         };
         run(&mut p.ea, &w0, signaled);
-        // WAIT for the first receive completion of A, then a WRITE
+        // WAIT for A's first receive completion (CQE number 0), then a WRITE
         let wait = Op::Wait {
             cqn: p.ea.rcq.cqn(),
-            max_index: 1,
+            max_index: 0,
         };
         let widx = p.ea.post(&wait, flags(signaled));
         let data = *b"after the wait!!";
@@ -590,6 +590,59 @@ fn wait_holds_the_queue_until_the_cq_index() {
         assert_eq!(dst.read(0, 16), data);
         assert_eq!(rbuf.read(0, 2), b"go");
         p.ea.expect_quiet(Duration::from_millis(2));
+    }
+}
+
+/// GPUNetIO's counter pattern (`doca_gpunetio_dev_verbs_counter.cuh`'s put_counter): a
+/// WRITE on the main QP, and on a companion QP a WAIT naming the main send CQ with the WRITE's
+/// WQE index as `max_index` (0 on a fresh QP), then a fetch-add of a counter. With the WRITE's
+/// completion delayed, the counter must not move before that CQE exists, and must move after.
+#[test]
+fn a_counter_behind_a_wait_never_moves_before_the_counted_write_completes() {
+    let o = Opts {
+        access: Access(RW.0 | Access::REMOTE_ATOMIC.0),
+        ..Opts::default()
+    };
+    let mut p = Pair::with(o.clone(), o.clone());
+    let (mut companion, _peer) = connect(&p.a, &o, &p.b, &o);
+    let dst = p.b.buf(4096, Access(RW.0 | Access::REMOTE_ATOMIC.0));
+    let res = p.a.buf(64, Access::LOCAL_WRITE);
+    let delay = Duration::from_millis(150);
+    p.ea.qp.inject(softnic::Fault::DelayCompletions(delay));
+    for round in 0..3u64 {
+        let write = Op::Write {
+            remote: dst.remote(0),
+            local: Local::Inline(b"counted payload!"),
+            imm: None,
+        };
+        let widx = p.ea.go(&write, SIG);
+        let wait = Op::Wait {
+            cqn: p.ea.scq.cqn(),
+            max_index: widx as u32,
+        };
+        let fa = Op::FetchAdd {
+            remote: dst.remote(1024),
+            add: 1,
+            result: res.sge(0, 8),
+        };
+        companion.post(&wait, UNSIG);
+        let fidx = companion.post(&fa, SIG);
+        companion.ini.ring();
+        std::thread::sleep(Duration::from_millis(40));
+        assert_eq!(
+            dst.u64_at(1024),
+            round,
+            "the counter moved before its WRITE's CQE (round {round})"
+        );
+        assert_eq!(
+            companion.ini.poll_send(),
+            None,
+            "the fetch-add completed early"
+        );
+        p.ea.expect_req(0x08, widx);
+        companion.expect_req(Opcode::AtomicFa as u8, fidx);
+        assert_eq!(dst.u64_at(1024), round + 1);
+        assert_eq!(dst.read(0, 16), b"counted payload!");
     }
 }
 
