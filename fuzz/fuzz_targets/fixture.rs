@@ -144,3 +144,35 @@ impl Fixture {
         }
     }
 }
+
+/// A DC target on `n` over an SRQ of its own, every remote right, key `key`, completing on
+/// `cq`, in RTR.
+pub fn dc_target(
+    n: &crate::common::Node,
+    cq: std::sync::Arc<softnic::Cq>,
+    key: u64,
+) -> std::sync::Arc<softnic::Qp> {
+    use softnic::{DctConfig, Modify, SrqConfig};
+    let srq = n
+        .dev
+        .create_srq(SrqConfig::new(n.pd, 16, 1))
+        .expect("an SRQ");
+    let t = n
+        .dev
+        .create_dct(DctConfig {
+            pd: n.pd,
+            cq,
+            srq,
+            key,
+            user_index: None,
+        })
+        .expect("a DCT");
+    t.modify(Modify::Init { access: ALL_REMOTE })
+        .expect("DCT INIT");
+    t.modify(Modify::RtrDc {
+        mtu: 1024,
+        min_rnr_timer: 1,
+    })
+    .expect("DCT RTR");
+    t
+}

@@ -55,7 +55,7 @@ fuzz_target!(|d: &[u8]| {
     }
     let mut f = Fixture::wire(ctl & 1 != 0);
     let p = &f.p;
-    let dct = (ctl & 16 != 0).then(|| dc_target(&p.b, p.eb.rcq.clone()));
+    let dct = (ctl & 16 != 0).then(|| fixture::dc_target(&p.b, p.eb.rcq.clone(), DC_KEY));
     let (target, qpn) = match &dct {
         Some(t) => (&p.b, t.qpn()),
         None if ctl & 8 != 0 => (&p.a, p.ea.qpn()),
@@ -149,30 +149,3 @@ fuzz_target!(|d: &[u8]| {
     }
     f.finish();
 });
-
-/// A DC target on `n` (every remote right, key [`DC_KEY`]) completing on `cq`.
-fn dc_target(n: &common::Node, cq: std::sync::Arc<softnic::Cq>) -> std::sync::Arc<softnic::Qp> {
-    use softnic::{Access, DctConfig, Modify, SrqConfig};
-    let srq = n
-        .dev
-        .create_srq(SrqConfig::new(n.pd, 16, 1))
-        .expect("an SRQ");
-    let t = n
-        .dev
-        .create_dct(DctConfig {
-            pd: n.pd,
-            cq,
-            srq,
-            key: DC_KEY,
-            user_index: None,
-        })
-        .expect("a DCT");
-    let all = Access(Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0);
-    t.modify(Modify::Init { access: all }).expect("DCT INIT");
-    t.modify(Modify::RtrDc {
-        mtu: 1024,
-        min_rnr_timer: 1,
-    })
-    .expect("DCT RTR");
-    t
-}

@@ -229,7 +229,7 @@ const DC_KEY: u64 = 0x0dc0_ffee_1234_5678;
 /// `body` as the WQE of a DC initiator on A (index and QPN written by the harness), with a DC
 /// target on B over buffer 3; `aim`: the address vector names the target with its key.
 fn dc_wqe(body: &[u8], aim: bool) {
-    use softnic::{Access, CqConfig, DctConfig, Modify, QpConfig, RtsAttr, SrqConfig};
+    use softnic::{Access, CqConfig, Modify, QpConfig, RtsAttr};
     let (a, b) = (common::Node::new(), common::Node::new());
     let all = Access(
         Access::LOCAL_WRITE.0
@@ -246,26 +246,11 @@ fn dc_wqe(body: &[u8], aim: bool) {
         })
         .expect("a CQ")
     };
-    let srq = b
-        .dev
-        .create_srq(SrqConfig::new(b.pd, 16, 1))
-        .expect("an SRQ");
-    let dct = b
-        .dev
-        .create_dct(DctConfig {
-            pd: b.pd,
-            cq: cq(&b.dev),
-            srq,
-            key: DC_KEY,
-            user_index: None,
-        })
-        .expect("a DCT");
+    let dct = fixture::dc_target(&b, cq(&b.dev), DC_KEY);
     let rtr = Modify::RtrDc {
         mtu: 1024,
         min_rnr_timer: 1,
     };
-    dct.modify(Modify::Init { access: all }).expect("DCT INIT");
-    dct.modify(rtr).expect("DCT RTR");
     let ca = cq(&a.dev);
     let dci = a
         .dev

@@ -236,23 +236,6 @@ impl Qp {
         a.qp_state = sys::IBV_QPS_RTR;
         a.path_mtu = mtu_enum(mtu.min(dev.mtu));
         self.modify(&mut a, sys::IBV_QP_STATE | sys::IBV_QP_PATH_MTU, "RTR")?;
-        // SAFETY: as above.
-        let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.qp_state = sys::IBV_QPS_RTS;
-        a.sq_psn = sq_psn & 0xff_ffff;
-        a.timeout = o.timeout;
-        a.retry_cnt = o.retry_cnt;
-        a.rnr_retry = o.rnr_retry;
-        a.max_rd_atomic = dev.max_rd_atomic;
-        self.modify(
-            &mut a,
-            sys::IBV_QP_STATE
-                | sys::IBV_QP_TIMEOUT
-                | sys::IBV_QP_RETRY_CNT
-                | sys::IBV_QP_RNR_RETRY
-                | sys::IBV_QP_SQ_PSN
-                | sys::IBV_QP_MAX_QP_RD_ATOMIC,
-            "RTS",
-        )
+        self.to_rts(sq_psn, o)
     }
 }

@@ -677,14 +677,23 @@ impl Qp {
                 | sys::IBV_QP_MIN_RNR_TIMER,
             "RTR",
         )?;
-        // SAFETY: as above.
+        self.to_rts(sq_psn, o)
+    }
+
+    /// RTR → RTS: timeout, retry counts, first PSN `sq_psn`, the device's outstanding reads.
+    pub(super) fn to_rts(
+        &self,
+        sq_psn: u32,
+        o: &super::super::ConnectOptions,
+    ) -> Result<(), Error> {
+        // SAFETY: zeroed attr is valid plain data.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = sys::IBV_QPS_RTS;
         a.sq_psn = sq_psn & 0xff_ffff;
         a.timeout = o.timeout;
         a.retry_cnt = o.retry_cnt;
         a.rnr_retry = o.rnr_retry;
-        a.max_rd_atomic = dev.max_rd_atomic;
+        a.max_rd_atomic = self.pd.dev.max_rd_atomic;
         self.modify(
             &mut a,
             sys::IBV_QP_STATE
