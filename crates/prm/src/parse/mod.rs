@@ -723,6 +723,11 @@ fn atomic(
     shape: WqeError,
 ) -> Result<ParsedOp<'_>, WqeError> {
     let raw_op = opcode as u8; // the byte it was read from
+                               // control, remote address, at least one unit of operands, the result segment: nothing is
+                               // read past the WQE's `ds` (a DC WQE's segments are a view that ends there)
+    if n < 4 {
+        return Err(shape);
+    }
     let size = if opmod == OPMOD_MASKED_ATOMIC_4B {
         AtomicSize::B4
     } else {

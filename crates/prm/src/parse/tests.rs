@@ -746,6 +746,23 @@ fn dc_wqes_parse_with_their_address_vector() {
     .encode(0, 0x77, CtrlFlags::SIGNALED)
     .unwrap();
     assert!(parse_dc_wqe(bare.as_bytes()).is_err());
+    // an atomic whose ds ends at the address vector (found by the wqe fuzz target: the
+    // operands were read past the WQE, out of the 64 bytes given): a shape error
+    let mut w = [0u8; 64];
+    w[0] = OPMOD_MASKED_ATOMIC_8B;
+    w[3] = Opcode::AtomicMaskedFa as u8;
+    w[7] = 4;
+    w[16..64].copy_from_slice(bytemuck::bytes_of(&dc));
+    assert!(matches!(parse_dc_wqe(&w), Err(WqeError::BadShape { .. })));
+    for ds in 1..=6u8 {
+        for op in [Opcode::AtomicFa, Opcode::AtomicCs, Opcode::AtomicMaskedCs] {
+            let mut w = [0u8; 64];
+            w[3] = op as u8;
+            w[7] = ds;
+            let _ = parse_dc_wqe(&w[..(ds as usize * 16).min(64)]);
+            let _ = parse_wqe(&w[..(ds as usize * 16).min(64)]);
+        }
+    }
     // any bytes: errors, never a panic
     let mut x = 0x9e37_79b9u32;
     for _ in 0..20_000 {
@@ -756,7 +773,8 @@ fn dc_wqes_parse_with_their_address_vector() {
             x ^= x << 5;
             *v = x as u8;
         }
-        b[3] = [0x0a, 0x0b, 0x10, 0x11, 0x08, 0x0e][(x % 6) as usize];
+        b[3] = [0x0a, 0x0b, 0x10, 0x11, 0x12, 0x08, 0x14, 0x13][(x % 8) as usize];
+        b[7] = (x >> 8) as u8 % 12;
         let _ = parse_dc_wqe(&b[..(x as usize % 193)]);
     }
 }
