@@ -130,6 +130,28 @@ GPUVERBS_KERNEL void gv_test_ops(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, ui
     device_tests::report(out, s, e);
 }
 
+// DC from one thread, on a DC initiator, to the target whose address vector is av0..av2:
+// dc_put of 64 bytes local+0 -> remote+0, dc_get of 64 bytes remote+256 -> local+512,
+// dc_atomic_fetch_add +7 on remote+1024 (old value to local+1024), dc_atomic_compare_swap on
+// remote+1032 (compare 11, swap 22; old value to local+1032), then quiet.
+GPUVERBS_KERNEL void gv_test_dc(gpuverbs_qp* q, uint4 av0, uint4 av1, uint4 av2, uint64_t lbase,
+                                uint32_t lk, uint64_t rbase, uint32_t rk, uint64_t budget,
+                                int* out) {
+    using namespace gpuverbs;
+    const dc_av av{{av0, av1, av2}};
+    error e{};
+    status s = dc_put(q, av, lbase, lkey{lk}, rbase, rkey{rk}, 64, false, budget);
+    if (s == OK) s = dc_get(q, av, lbase + 512, lkey{lk}, rbase + 256, rkey{rk}, 64, false, budget);
+    if (s == OK)
+        s = dc_atomic_fetch_add(q, av, rbase + 1024, rkey{rk}, 7, lbase + 1024, lkey{lk}, budget);
+    if (s == OK)
+        s = dc_atomic_compare_swap(q, av, rbase + 1032, rkey{rk}, 11, 22, lbase + 1032, lkey{lk},
+                                   budget);
+    if (s == OK) s = quiet(q, budget, &e);
+    else e = last_error(q);
+    device_tests::report(out, s, e);
+}
+
 // Waits on a local signal word until it reaches `value`; reports the status (TIMEOUT expected
 // when nobody signals).
 GPUVERBS_KERNEL void gv_test_wait_signal(const uint64_t* sig, uint64_t value, uint64_t budget,

@@ -147,6 +147,16 @@ ops_cases! {
     ops_gpuall_bf: BlueFlame, Mem::Gpu, GpuRings;
 }
 
+fn dc_ops_gpudb(ctx: &Ctx) -> Result<String> {
+    dataplane::dc_ops(ctx.ordinal, GpuDoorbell, Mem::Host)
+}
+fn dc_ops_proxy(ctx: &Ctx) -> Result<String> {
+    dataplane::dc_ops(ctx.ordinal, CpuProxy, Mem::Host)
+}
+fn dc_ops_gpumem_gpudb(ctx: &Ctx) -> Result<String> {
+    dataplane::dc_ops(ctx.ordinal, GpuDoorbell, Mem::Gpu)
+}
+
 fn bad_rkey(ctx: &Ctx) -> Result<String> {
     dataplane::bad_rkey(ctx.ordinal, HostMapped)
 }
@@ -254,6 +264,9 @@ const CASES: &[Case] = cases![
     ops_gpudb,
     ops_bf,
     ops_proxy,
+    dc_ops_gpudb,
+    dc_ops_proxy,
+    dc_ops_gpumem_gpudb,
     bad_rkey,
     recover_after_error,
     dropped_doorbell_timeout,

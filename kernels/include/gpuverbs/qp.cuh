@@ -10,6 +10,7 @@
 //               atomic_fetch_add, atomic_compare_swap, wait_signal, quiet, fence; warp- and
 //               block-scope put.
 //   receive side: post_recv, recv_wait.
+//   DC initiators: dc_put, dc_get, dc_atomic_fetch_add, dc_atomic_compare_swap.
 //
 // Every wait takes a budget in nanoseconds (%globaltimer) and returns a status; nothing spins
 // forever, and an error CQE is reported (with its syndrome) rather than waited past. A call's
@@ -29,6 +30,7 @@
 //   onesided.cuh high-level operations at thread scope
 //   recv.cuh     the receive side
 //   scope.cuh    warp and block scope
+//   dc.cuh       DC initiators: put, get and atomics naming a DC target's address vector
 // This header includes them all (as does <gpuverbs/gpuverbs.cuh>).
 #ifndef GPUVERBS_QP_CUH
 #define GPUVERBS_QP_CUH
@@ -41,5 +43,6 @@
 #include "onesided.cuh"
 #include "recv.cuh"
 #include "scope.cuh"
+#include "dc.cuh"
 
 #endif  // GPUVERBS_QP_CUH

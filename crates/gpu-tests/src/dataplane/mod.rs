@@ -1,12 +1,14 @@
 //! Data-path cases: kernels drive exported soft-NIC QPs through the device API; the host checks
 //! every byte and every status.
 
+mod dc;
 mod ops;
 mod put;
 mod recv;
 mod sharing;
 mod status;
 
+pub use dc::dc_ops;
 pub use ops::{bad_rkey, dropped_doorbell_timeout, ops, recover_after_error, wait_signal};
 pub use put::{collapsed_cq, put_case, PutArgs, PutCase};
 pub use recv::{recv, RecvCase};
