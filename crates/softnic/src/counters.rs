@@ -292,6 +292,10 @@ wire_counters! {
     /// Responses dropped because they match nothing outstanding (late, duplicate or stray),
     /// ACKs and NAKs of PSNs never sent among them.
     rx_unexpected,
+    /// UC request packets dropped: after a lost packet until the next first or only packet,
+    /// or with a message the responder could not take (no receive, a bad key), as IBTA's UC
+    /// responder drops them, answering nothing.
+    uc_dropped,
     /// Datagrams dropped because their source IPv4 address is not the one of the QP's
     /// connected peer (its RTR `remote_gid`): requests and responses alike, with no effect on
     /// the QP.

@@ -412,6 +412,13 @@ impl Device {
         self.create_qp_inner(cfg, Transport::Ud, srq.cloned())
     }
 
+    /// Creates a UC QP in RESET (receives from `srq` when given): connected as RC
+    /// ([`crate::Modify::Init`], [`crate::Modify::Rtr`], [`crate::Modify::Rts`]), carrying SENDs
+    /// and RDMA WRITEs without ACKs (docs/softnic.md, "UC QPs").
+    pub fn create_uc_qp(&self, cfg: QpConfig, srq: Option<&Arc<Srq>>) -> Result<Arc<Qp>, Error> {
+        self.create_qp_inner(cfg, Transport::Uc, srq.cloned())
+    }
+
     /// Creates an RC QP in RESET whose receives come from `srq` (its own RQ, if
     /// `cfg.rq_wqes` asks for one, is never used).
     pub fn create_qp_on_srq(&self, cfg: QpConfig, srq: &Arc<Srq>) -> Result<Arc<Qp>, Error> {

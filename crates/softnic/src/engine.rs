@@ -401,6 +401,19 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
         let wqe = match qp.transport {
             Transport::Ud => return crate::ud::execute(dev, qp, sq, bytes),
             Transport::Rc => parse_wqe(bytes).map_err(malformed)?,
+            Transport::Uc => {
+                let wqe = parse_wqe(bytes).map_err(malformed)?;
+                // UC carries SENDs and RDMA WRITEs only (IBTA's UC opcodes)
+                let on_uc = match wqe.op {
+                    ParsedOp::Read { .. } | ParsedOp::Atomic { .. } => false,
+                    ParsedOp::Send { .. } => wqe.invalidate().is_none(),
+                    _ => true,
+                };
+                if !on_uc {
+                    return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST));
+                }
+                wqe
+            }
             Transport::Dci => {
                 let (wqe, av) = parse_dc_wqe(bytes).map_err(malformed)?;
                 if let Some(stall) = av.and_then(|av| crate::dc::aim(sq, &av)) {
@@ -641,7 +654,6 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
     if sq.wire.is_some() {
         return Ok(Ok(Route::Wire));
     }
-    let dc = qp.is_dci();
     let cached = sq.peer.as_ref().and_then(|w| w.upgrade());
     let found = match (cached, sq.remote) {
         (Some(p), _) => Some(p),
@@ -649,7 +661,7 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
         (None, Some((gid, qpn))) => {
             if let Some(to) = dev.peer_addr(&gid) {
                 if requester::connect(dev, sq, gid, qpn, to) {
-                    dc_on_wire(dev, qp, sq);
+                    on_wire(dev, qp, sq);
                     return Ok(Ok(Route::Wire));
                 }
             }
@@ -668,7 +680,7 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
                     });
                     if let Some(to) = to {
                         if requester::connect(dev, sq, gid, qpn, to) {
-                            dc_on_wire(dev, qp, sq);
+                            on_wire(dev, qp, sq);
                             return Ok(Ok(Route::Wire));
                         }
                     }
@@ -677,27 +689,34 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
             }
         }
     };
-    let accepts = |p: &Qp| match p.transport {
-        Transport::Rc => !dc,
-        Transport::Dct { key } if dc && key != sq.dc_key => {
+    let accepts = |p: &Qp| match (qp.transport, p.transport) {
+        (Transport::Dci, Transport::Dct { key }) if key != sq.dc_key => {
             // a ConnectX's DCT drops a request with the wrong key: the initiator times out
             Counters::add(&p.counters.dc_key_violations, 1);
             false
         }
-        Transport::Dct { .. } => dc,
-        Transport::Ud | Transport::Dci => false,
+        (Transport::Dci, Transport::Dct { .. })
+        | (Transport::Rc, Transport::Rc)
+        | (Transport::Uc, Transport::Uc) => true,
+        _ => false,
     };
     match found {
         Some(p) if accepts(&p) && matches!(p.state(), QpState::Rtr | QpState::Rts) => {
             Ok(Ok(Route::Local(p)))
         }
+        // UC runs no transport timer: the caller drops the message
+        _ if qp.is_uc() => Ok(Err(Stall::Until(Instant::now()))),
         _ => no_answer(sq).map(Err),
     }
 }
 
-/// A DC initiator's requests to a target on the wire carry the DCETH (the key, the initiator,
-/// this connection's generation and first PSN), and only that target's answers are taken.
-fn dc_on_wire(dev: &Shared, qp: &Qp, sq: &mut SqState) {
+/// A QP's requester transport on the wire takes the QP's packet class. A DC initiator's
+/// requests carry the DCETH (the key, the initiator, this connection's generation and first
+/// PSN), and only that target's answers are taken.
+fn on_wire(dev: &Shared, qp: &Qp, sq: &mut SqState) {
+    if let Some(w) = sq.wire.as_mut() {
+        w.class = qp.wire_class();
+    }
     if !qp.is_dci() {
         return;
     }
@@ -798,11 +817,27 @@ fn execute(
             drop(g);
             return requester::enqueue(dev, qp, sq, wqe);
         }
+        // UC: nobody answers, so nobody is waited for: the message is lost
+        Err(_) if qp.is_uc() => return Ok(Done::Complete(total_of(&prepared) as u32)),
         Err(stall) => return Ok(Done::Stalled(stall)),
     };
     let move_data = !dev.completion_only;
     let (response, len) = request(&peer, from, &prepared, wqe, imm, move_data);
+    let own_failure = response == Response::Nak(Syndrome::LocalProt, vendor::DEVICE_MEMORY);
+    if qp.is_uc() && !own_failure {
+        // UC has no ACK: whatever the responder made of it, the message has left
+        Counters::add(&dev.counters.bytes, len);
+        return Ok(Done::Complete(len as u32));
+    }
     answered(dev, sq, &prepared, response, len)
+}
+
+/// Bytes a prepared WQE's message carries.
+fn total_of(p: &Prepared) -> u64 {
+    match p {
+        Prepared::Write(_, r) | Prepared::Send(r) | Prepared::Read(_, r) => total(r),
+        Prepared::Atomic(_, kind, _) => kind.size() as u64,
+    }
 }
 
 /// A DUMP, a local read of one segment: the lkey, PD and range are checked as for any gather.

@@ -118,6 +118,9 @@ pub struct DctConfig {
 pub enum Transport {
     /// Reliable connected: one peer QP, set at RTR.
     Rc,
+    /// Unreliable connected: one peer QP, set at RTR; SENDs and RDMA WRITEs only, no ACK (a
+    /// message completes once it has left; one the responder cannot take is lost).
+    Uc,
     /// Unreliable datagram: each send WQE names its destination.
     Ud,
     /// DC initiator: reliable like RC, but each send WQE names its DC target (DCT number, GID,
@@ -401,6 +404,19 @@ impl Qp {
     /// Whether this is a UD QP.
     pub fn is_ud(&self) -> bool {
         self.transport == Transport::Ud
+    }
+    /// Whether this is a UC QP.
+    pub fn is_uc(&self) -> bool {
+        self.transport == Transport::Uc
+    }
+    /// The class of the packets it sends and takes on the wire.
+    pub(crate) fn wire_class(&self) -> crate::net::packet::Class {
+        use crate::net::packet::Class;
+        match self.transport {
+            Transport::Uc => Class::Uc,
+            Transport::Dci | Transport::Dct { .. } => Class::Dc,
+            Transport::Rc | Transport::Ud => Class::Rc,
+        }
     }
     /// Whether this is a DC initiator.
     pub fn is_dci(&self) -> bool {
@@ -751,11 +767,11 @@ impl Qp {
         use Transport::*;
         matches!(
             (m, self.transport),
-            (Modify::Init { .. }, Rc | Dci | Dct { .. })
-                | (Modify::Rtr(_), Rc)
+            (Modify::Init { .. }, Rc | Uc | Dci | Dct { .. })
+                | (Modify::Rtr(_), Rc | Uc)
                 | (Modify::InitUd { .. } | Modify::RtrUd, Ud)
                 | (Modify::RtrDc { .. }, Dci | Dct { .. })
-                | (Modify::Rts(_), Rc | Ud | Dci)
+                | (Modify::Rts(_), Rc | Uc | Ud | Dci)
                 | (Modify::Err | Modify::Reset, _)
         )
     }

@@ -6,7 +6,7 @@
 //! behaviour on it stands above the QP, in `wire`. A DC target keeps one responder state per
 //! initiator that reached it on the wire ([`DcConns`]).
 
-use crate::net::packet::{Dceth, Flow, Reth, MASK24};
+use crate::net::packet::{Class, Dceth, Flow, Reth, MASK24};
 use crate::net::socket::TxBatch;
 use crate::outcome::Fail;
 use prm::parse::AtomicKind;
@@ -178,6 +178,9 @@ pub(crate) struct ReqWire {
     pub(crate) halted: bool,
     /// A DC initiator's connection: the DCETH every request carries.
     pub(crate) dc: Option<Dceth>,
+    /// The class of its packets (DC for a DC initiator, UC for a UC QP: nothing answers, a
+    /// message completes once its last packet has left).
+    pub(crate) class: Class,
     /// Packets on their way out; the requester builds them in place (`Port::send_built`).
     pub(crate) batch: TxBatch,
 }
@@ -226,6 +229,7 @@ impl ReqWire {
             blocked: false,
             halted: false,
             dc: None,
+            class: Class::Rc,
             batch: TxBatch::default(),
         }
     }

@@ -163,9 +163,10 @@ impl<'a> Resp<'a> {
     /// responder raises: QP_REQ_ERR for an invalid request, QP_ACCESS_ERR for a remote access
     /// violation, QP_FATAL otherwise.
     /// A DC target is not affected: it serves every other initiator on (the NAK ends only
-    /// the initiator's message, as on a ConnectX).
+    /// the initiator's message, as on a ConnectX). Nor is a UC QP by a request it drops (UC
+    /// answers nothing: the message is lost), only by a receive it failed.
     pub fn fatal(&self, r: Response) -> Response {
-        if self.qp.dct_key().is_some() {
+        if self.qp.dct_key().is_some() || (self.qp.is_uc() && !self.reported) {
             return r;
         }
         if let Response::Nak(syndrome, _) = r {

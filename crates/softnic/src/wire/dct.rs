@@ -61,7 +61,7 @@ pub(super) fn on_request(
             dport: to.port(),
         },
         dest_qp: e.dci,
-        dc: true,
+        class: crate::net::packet::Class::Dc,
         buf: scratch,
         batch,
     };

@@ -11,8 +11,8 @@ use crate::completion::{flush_cqe, push_cqe_delayed};
 use crate::counters::{Counters, WireCounters};
 use crate::mem::{read_range, write_range, Access, MemRange, MrGuard};
 use crate::net::packet::{
-    self, aeth, opcode as op, AtomicEth, Bth, Flow, MaskedAtomicEth, Packet, Reth, DEFAULT_PKEY,
-    MASK24,
+    self, aeth, opcode as op, AtomicEth, Bth, Class, Flow, MaskedAtomicEth, Packet, Reth,
+    DEFAULT_PKEY, MASK24,
 };
 use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall};
 use crate::qp::{Qp, QpState, SqState};
@@ -110,6 +110,7 @@ pub(crate) fn enqueue(
     sq: &mut SqState,
     wqe: &ParsedWqe<'_>,
 ) -> Result<Done, Fail> {
+    let delay = sq.delay;
     let Some(w) = sq.wire.as_mut() else {
         return Err((Syndrome::TransportRetryExc, vendor::NO_PEER));
     };
@@ -186,6 +187,9 @@ pub(crate) fn enqueue(
         fail: None,
     });
     pump(dev, qp, w, Instant::now());
+    if w.class == Class::Uc {
+        complete_front(dev, qp, w, delay);
+    }
     Ok(Done::Queued)
 }
 
@@ -362,7 +366,7 @@ fn build(
     let next_psn = w.next_psn;
     let window_edge = psn_diff(psn_add(p, 1), w.una) >= limit;
     let (mtu, dest_qp) = (w.mtu as u64, w.remote_qpn);
-    let (flow, dc) = (w.flow, w.dc);
+    let (flow, dc, class) = (w.flow, w.dc, w.class);
     let Some(m) = w.msgs.get_mut(i) else {
         return Built::Skip { next: next_psn };
     };
@@ -380,7 +384,7 @@ fn build(
         ..Bth::default()
     };
     let mut pkt = Packet {
-        dc: dc.is_some(),
+        class,
         dceth: dc,
         ..Packet::default()
     };
@@ -629,6 +633,13 @@ fn pump(dev: &Shared, qp: &Qp, w: &mut ReqWire, now: Instant) -> bool {
     }
     w.batch = batch;
     port.flush(&mut w.batch);
+    if w.class == Class::Uc {
+        // UC: nothing answers; what has left is done
+        w.una = w.send_psn;
+        w.deadline = None;
+        w.fast_deadline = None;
+        return sent > 0;
+    }
     if sent > 0 {
         // from the end of the burst: a slow sender must not time itself out
         let end = Instant::now();
@@ -765,6 +776,9 @@ pub(crate) fn tick(dev: &Shared, qp: &Qp, sq: &mut SqState, now: Instant) -> (bo
     }
     complete_front(dev, qp, w, delay);
     let sent = pump(dev, qp, w, now);
+    if w.class == Class::Uc {
+        complete_front(dev, qp, w, delay);
+    }
     (sent, !w.msgs.is_empty())
 }
 

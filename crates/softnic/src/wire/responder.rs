@@ -41,8 +41,9 @@ pub(super) struct Reply<'a> {
     pub(super) to: SocketAddr,
     pub(super) flow: Flow,
     pub(super) dest_qp: u32,
-    /// A DC target's answers: DC opcodes ([`packet::dc`]).
-    pub(super) dc: bool,
+    /// The class of the answers: DC opcodes for a DC target's; none at all for UC (which
+    /// answers nothing).
+    pub(super) class: packet::Class,
     pub(super) buf: &'a mut Vec<u8>,
     pub(super) batch: &'a mut TxBatch,
 }
@@ -60,7 +61,13 @@ impl Reply<'_> {
     }
 
     fn send(&mut self, p: &Packet<'_>) {
-        let p = Packet { dc: self.dc, ..*p };
+        if self.class == packet::Class::Uc {
+            return;
+        }
+        let p = Packet {
+            class: self.class,
+            ..*p
+        };
         if packet::encode(&p, &self.flow, self.buf).is_ok() {
             self.port.send(self.buf, self.to, &self.flow, self.batch);
         }
@@ -199,6 +206,10 @@ fn request(
         Counters::add(&wc.rx_malformed, 1);
         return;
     }
+    if qp.is_uc() {
+        uc_request(wc, r, pkt, from, reply);
+        return;
+    }
     r.rq.wire.reply_to = Some((reply.to, reply.flow, reply.dest_qp));
     if d > 0 {
         ahead(dev, qp, r, pkt, raw, sport, reply);
@@ -244,6 +255,45 @@ fn request(
     // Selective repeat: the gap is filled; run what was held behind it, in order.
     Counters::add(&wc.sr_gaps_filled, 1);
     run_held(wc, qp, r, from, reply);
+}
+
+/// A UC request packet: no ACK, no NAK, no duplicate handling. In sequence it runs as RC's
+/// does; a packet after a lost one ends the message in progress, and only a first or only
+/// packet starts the next (IBTA's UC responder); a message the responder cannot take (no
+/// receive posted, a bad key) is dropped with what follows of it.
+fn uc_request(
+    wc: &crate::counters::WireCounters<std::sync::atomic::AtomicU64>,
+    r: &mut Resp<'_>,
+    pkt: &Packet<'_>,
+    from: u32,
+    reply: &mut Reply<'_>,
+) {
+    let psn = pkt.bth.psn;
+    let starts = matches!(
+        pkt.bth.opcode,
+        op::SEND_FIRST
+            | op::SEND_ONLY
+            | op::SEND_ONLY_IMM
+            | op::WRITE_FIRST
+            | op::WRITE_ONLY
+            | op::WRITE_ONLY_IMM
+    );
+    if psn != r.rq.wire.epsn {
+        r.rq.wire.cur = None;
+        if !starts {
+            Counters::add(&wc.uc_dropped, 1);
+            return;
+        }
+        r.rq.wire.epsn = psn;
+    }
+    match new_request(r, pkt, from, reply) {
+        Outcome::Accepted(n) => r.rq.wire.epsn = psn_add(psn, n),
+        _ => {
+            Counters::add(&wc.uc_dropped, 1);
+            r.rq.wire.cur = None;
+            r.rq.wire.epsn = psn_add(psn, 1);
+        }
+    }
 }
 
 /// A request ahead of the expected PSN. With selective repeat, from the requester's flow
@@ -432,7 +482,7 @@ pub(crate) fn responder_tick(dev: &Shared, qp: &Qp, now: Instant) -> bool {
             to,
             flow,
             dest_qp,
-            dc: qp.dct_key().is_some(),
+            class: qp.wire_class(),
             buf: &mut buf,
             batch: &mut batch,
         };
@@ -886,7 +936,7 @@ fn read_responses(
                 syndrome: aeth::ACK,
                 msn,
             }),
-            dc: reply.dc,
+            class: reply.class,
             ..Packet::default()
         };
         // built in place at the end of the batch (alone under fault injection: TxBatch::slot)

@@ -107,8 +107,8 @@ pub(crate) fn receive(
         Ok(p)
             if p.bth.pkey & 0x7fff == 0x7fff
                 && p.deth.is_none()
-                && p.dc == qp.is_dci()
-                && !(p.dc && packet::is_request(p.bth.opcode)) =>
+                && p.class == qp.wire_class()
+                && !(qp.is_dci() && packet::is_request(p.bth.opcode)) =>
         {
             p
         }
@@ -140,7 +140,7 @@ pub(crate) fn receive(
                 dport: to.port(),
             },
             dest_qp: remote_qpn,
-            dc: false,
+            class: qp.wire_class(),
             buf: scratch,
             batch,
         };

@@ -204,6 +204,7 @@ impl Context {
         };
         let created = match (&srq, shape.transport) {
             (_, Transport::Ud) => soft.create_ud_qp(cfg, srq.as_ref()),
+            (_, Transport::Uc) => soft.create_uc_qp(cfg, srq.as_ref()),
             (_, Transport::Dci) => soft.create_dci(cfg),
             (Some(s), _) => soft.create_qp_on_srq(cfg, s),
             (None, _) => soft.create_qp(cfg),
@@ -541,18 +542,20 @@ impl QpShape {
         u: &abi::Mlx5CreateQp,
     ) -> Result<Transport, Errno> {
         const IBV_QPT_RC: u8 = 2;
+        const IBV_QPT_UC: u8 = 3;
         const IBV_QPT_UD: u8 = 4;
         const IBV_QPT_DRIVER: u8 = 0xff;
         use abi::mlx5_qp_flag as f;
         Ok(match r.qp_type {
             IBV_QPT_RC => Transport::Rc,
+            IBV_QPT_UC => Transport::Uc,
             IBV_QPT_UD => Transport::Ud,
             IBV_QPT_DRIVER => match (u.flags & f::TYPE_DCI != 0, u.flags & f::TYPE_DCT != 0) {
                 (true, false) => Transport::Dci,
                 (false, true) if io.udata.len() >= 48 => Transport::Dct { key: u.sq_buf_addr },
                 _ => return Err(Errno::EINVAL),
             },
-            _ => return Err(unsupported("QP types other than RC, UD and DC")),
+            _ => return Err(unsupported("QP types other than RC, UC, UD and DC")),
         })
     }
 
@@ -670,7 +673,7 @@ fn reply_create_qp(
     })
 }
 
-/// ib_modify_qp_is_ok for RC and UD, mlx5_ib's `modify_dci_qp_is_ok` for a DC initiator
+/// ib_modify_qp_is_ok for RC, UC and UD, mlx5_ib's `modify_dci_qp_is_ok` for a DC initiator
 /// and `mlx5_ib_modify_dct`'s exact masks for a DC target (RESET → INIT → RTR, nothing else):
 /// the attributes the move from state `cur` to `new` requires and those it allows (IB state
 /// numbers); EINVAL for a move that is not one.
@@ -692,6 +695,17 @@ fn transition_attrs(transport: Transport, cur: u8, new: u8) -> Result<(u32, u32)
                 MIN_RNR_TIMER,
             ),
             (3, 3) => (0, MIN_RNR_TIMER),
+            _ => return Err(Errno::EINVAL),
+        },
+        _ if transport == Transport::Uc => match (cur, new) {
+            (0, 1) => (PKEY_INDEX | PORT | ACCESS_FLAGS, 0),
+            (1, 1) => (0, PKEY_INDEX | PORT | ACCESS_FLAGS),
+            (1, 2) => (
+                AV | PATH_MTU | DEST_QPN | RQ_PSN,
+                ALT_PATH | ACCESS_FLAGS | PKEY_INDEX,
+            ),
+            (2, 3) => (SQ_PSN, CUR_STATE | ALT_PATH | ACCESS_FLAGS | PATH_MIG_STATE),
+            (3, 3) => (0, CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE),
             _ => return Err(Errno::EINVAL),
         },
         _ if transport == Transport::Ud => match (cur, new) {

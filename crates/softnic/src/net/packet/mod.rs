@@ -1,6 +1,6 @@
 //! RoCEv2 packet formats: the base transport header (BTH), its extension headers, the RC
-//! opcodes (and the soft NIC's DC class of them, [`dc`]), encoding, strict parsing, and the
-//! invariant CRC (ICRC).
+//! opcodes (and their UC class, [`uc`], and the soft NIC's DC class, [`dc`]), encoding, strict
+//! parsing, and the invariant CRC (ICRC).
 //!
 //! What travels in a UDP datagram (destination port 4791 by default) is
 //! `BTH | extension headers | payload | pad to 4 bytes | ICRC`. Every multi-byte field is
@@ -152,6 +152,58 @@ pub mod opcode {
     }
 }
 
+/// The transport class of a packet: which QPs take it. Packets name the RC opcode they stand
+/// for ([`Bth::opcode`]); the class says how it travels.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Class {
+    /// Reliable connected (and the UD opcodes, which carry a DETH).
+    #[default]
+    Rc,
+    /// Unreliable connected (IBTA transport class 0b001: `0x20 | opcode` for SENDs and RDMA
+    /// WRITEs): no ACK, no READ, no atomics.
+    Uc,
+    /// The soft NIC's DC class ([`dc`]).
+    Dc,
+}
+
+impl Class {
+    /// The class and RC opcode an opcode on the wire stands for.
+    pub fn of(op: u8) -> (Self, u8) {
+        if let Some(rc) = uc::from_uc(op) {
+            (Self::Uc, rc)
+        } else if let Some(rc) = dc::from_dc(op) {
+            (Self::Dc, rc)
+        } else {
+            (Self::Rc, op)
+        }
+    }
+    /// The opcode on the wire for RC opcode `op` in this class (`None`: the class has none).
+    pub fn wire(self, op: u8) -> Option<u8> {
+        match self {
+            Self::Rc => Some(op),
+            Self::Uc => uc::to_uc(op),
+            Self::Dc => dc::to_dc(op),
+        }
+    }
+}
+
+/// UC opcodes (IBTA transport class 0b001): the SENDs and RDMA WRITEs of RC, 0x20 up.
+pub mod uc {
+    use super::opcode::WRITE_ONLY_IMM;
+
+    /// The UC opcode of RC opcode `op` (SENDs and WRITEs only).
+    pub fn to_uc(op: u8) -> Option<u8> {
+        (op <= WRITE_ONLY_IMM).then_some(0x20 | op)
+    }
+
+    /// The RC opcode a UC opcode stands for; `None` outside UC's opcodes.
+    pub fn from_uc(op: u8) -> Option<u8> {
+        (0x20..=0x20 | WRITE_ONLY_IMM)
+            .contains(&op)
+            .then_some(op & 0x1f)
+    }
+}
+
 /// The soft NIC's DC transport on the wire (no public source describes a ConnectX's): the RC
 /// opcodes moved into the manufacturer-specific class 0b111 (`0xE0 | opcode`; the masked
 /// atomics, vendor opcodes already, at `0xF8` and `0xF9`), so that no RC QP takes a DC packet
@@ -275,6 +327,9 @@ pub fn layout(op: u8) -> Option<Layout> {
             dceth: is_request(rc),
             ..l
         });
+    }
+    if let Some(rc) = uc::from_uc(op) {
+        return layout(rc);
     }
     let l = Layout::default();
     Some(match op {
@@ -496,9 +551,9 @@ pub struct Packet<'a> {
     pub ieth: Option<u32>,
     /// DETH (UD): Q_Key and source QP.
     pub deth: Option<Deth>,
-    /// A DC packet: on the wire its opcode is the DC one ([`dc::to_dc`]); `bth.opcode` holds
-    /// the RC opcode it stands for.
-    pub dc: bool,
+    /// Its transport class: on the wire its opcode is the class's ([`Class::wire`]);
+    /// `bth.opcode` holds the RC opcode it stands for.
+    pub class: Class,
     /// DCETH (a DC request).
     pub dceth: Option<Dceth>,
     /// Payload, without the pad.
@@ -557,7 +612,7 @@ pub fn parse(d: &[u8]) -> Result<Packet<'_>, PacketError> {
         return Err(PacketError::Version(bth.tver));
     }
     let l = layout(bth.opcode).ok_or(PacketError::Opcode(bth.opcode))?;
-    let rc = dc::from_dc(bth.opcode);
+    let (class, rc) = Class::of(bth.opcode);
     let need = BTH_LEN + l.header_len() + ICRC_LEN;
     if d.len() < need {
         return Err(PacketError::Truncated {
@@ -568,11 +623,8 @@ pub fn parse(d: &[u8]) -> Result<Packet<'_>, PacketError> {
     let body = &d[BTH_LEN..d.len() - ICRC_LEN];
     let mut at = 0usize;
     let mut p = Packet {
-        bth: Bth {
-            opcode: rc.unwrap_or(bth.opcode),
-            ..bth
-        },
-        dc: rc.is_some(),
+        bth: Bth { opcode: rc, ..bth },
+        class,
         ..Packet::default()
     };
     if l.dceth {
@@ -688,10 +740,10 @@ pub fn encode_headers(
     payload_len: usize,
     out: &mut Vec<u8>,
 ) -> Result<(), PacketError> {
-    let op = match p.dc {
-        true => dc::to_dc(p.bth.opcode).ok_or(PacketError::Opcode(p.bth.opcode))?,
-        false => p.bth.opcode,
-    };
+    let op = p
+        .class
+        .wire(p.bth.opcode)
+        .ok_or(PacketError::Opcode(p.bth.opcode))?;
     let l = layout(op).ok_or(PacketError::Opcode(op))?;
     let missing = (l.reth && p.reth.is_none())
         || (l.dceth && p.dceth.is_none())

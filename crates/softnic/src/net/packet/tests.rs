@@ -107,10 +107,10 @@ fn encode_parse_round_trip_every_opcode() {
     for op in 0..=255u8 {
         let Some(l) = layout(op) else { continue };
         // a DC opcode stands for an RC one: the packet names that, marked DC
-        let rc = dc::from_dc(op);
+        let (class, rc) = Class::of(op);
         let p = Packet {
             bth: Bth {
-                opcode: rc.unwrap_or(op),
+                opcode: rc,
                 pkey: DEFAULT_PKEY,
                 dest_qp: 0x12_3456,
                 psn: 0xff_fffe,
@@ -149,7 +149,7 @@ fn encode_parse_round_trip_every_opcode() {
                 qkey: 0x8000_0011,
                 src_qp: 0x00_0203,
             }),
-            dc: rc.is_some(),
+            class,
             dceth: l.dceth.then_some(Dceth {
                 key: 0x0102_0304_0506_0708,
                 generation: 0xfeed_0001,
@@ -162,11 +162,7 @@ fn encode_parse_round_trip_every_opcode() {
         encode(&p, &flow, &mut out).unwrap();
         assert_eq!(out[0], op, "the wire opcode");
         assert_eq!(out.len() % 4, 0, "{op:#x}");
-        assert_eq!(
-            rc.is_some(),
-            l.dceth || matches!(rc, Some(o) if !is_request(o)),
-            "{op:#x}"
-        );
+        assert_eq!(l.dceth, class == Class::Dc && is_request(rc), "{op:#x}");
         assert!(icrc_matches(&flow, &out));
         let q = parse(&out).unwrap();
         let mut want = p;
