@@ -37,14 +37,7 @@ fn ud_pingpong_between_two_processes() {
             &[],
         );
         for out in [c, s] {
-            assert!(out.contains("200 iters in"), "size {size}:\n{out}");
-            assert!(
-                out.contains(&format!(
-                    "{} bytes in",
-                    2 * 200 * size.parse::<usize>().unwrap()
-                )),
-                "size {size}:\n{out}"
-            );
+            check_pingpong(&out, 200, size);
         }
     }
 }

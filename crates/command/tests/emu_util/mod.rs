@@ -235,3 +235,17 @@ pub fn used(lane: &str, client: &str, server: &str) {
         );
     }
 }
+
+/// Checks an rdma-core pingpong's output: `iters` iterations of `size` bytes each way.
+pub fn check_pingpong(out: &str, iters: usize, size: &str) {
+    assert!(
+        out.contains(&format!("{iters} iters in")),
+        "size {size}:\n{out}"
+    );
+    let bytes = 2 * iters * size.parse::<usize>().unwrap();
+    assert!(
+        out.contains(&format!("{bytes} bytes in")),
+        "size {size}:\n{out}"
+    );
+    assert!(!out.contains("mismatch"), "size {size}:\n{out}");
+}
