@@ -218,7 +218,7 @@ class Qp:
     """A DEVX RC QP: RQ (16-byte WQEs, one SGE) then SQ in one umem, the doorbell record in
     another, doorbells on the device's NC UAR page."""
 
-    def __init__(self, dev, scq, rcq, log_sq=6, log_rq=6, rq_type=0, st=None):
+    def __init__(self, dev, scq, rcq, log_sq=6, log_rq=6, rq_type=0, st=None, no_dbr=False):
         self.dev = dev
         self.sq_n, self.rq_n = 1 << log_sq, (1 << log_rq if rq_type == 0 else 0)
         self.rq_bytes = self.rq_n * 16
@@ -230,10 +230,14 @@ class Qp:
                     log_rq_stride=0, rq_type=rq_type, uar_page=dev.uar.page_id,
                     cqn_snd=scq.cqn, cqn_rcv=rcq.cqn, dbr_umem_id=self.dbr.umem_id,
                     dbr_umem_valid=1)
-        self.obj = dev.own(Mlx5DevxObj(dev.ctx, CreateQpIn(sw_qpc=qpc,
-                                                           wq_umem_id=self.wq.umem_id,
-                                                           wq_umem_valid=1),
-                                       len(CreateQpOut())))
+        cmd_in = bytearray(bytes(CreateQpIn(sw_qpc=qpc, wq_umem_id=self.wq.umem_id,
+                                            wq_umem_valid=1)))
+        # qpc.send_dbr_mode (bit 0x80 of the context at byte 24): 1 = NO_DBR_EXT, rung at the
+        # page's DBR-less register (0x600) with no send doorbell record
+        self.no_dbr = no_dbr
+        put_bits(cmd_in, 24 * 8 + 0x80, 2, 1 if no_dbr else 0)
+        self.db = (dev.uar.reg_addr & ~0xfff) + 0x600 if no_dbr else dev.uar.reg_addr
+        self.obj = dev.own(Mlx5DevxObj(dev.ctx, bytes(cmd_in), len(CreateQpOut())))
         self.qpn = CreateQpOut(self.obj.out_view).qpn
         self.pi = 0
         self.rq_head = 0
@@ -292,9 +296,10 @@ class Qp:
             chunk = wqe[i * 64:(i + 1) * 64]
             poke(base + ((self.pi + i) % self.sq_n) * 64, chunk)
         self.pi += blocks
-        be32_at(self.dbr.umem_addr, 4, self.pi & 0xffff)
+        if not self.no_dbr:
+            be32_at(self.dbr.umem_addr, 4, self.pi & 0xffff)
         if ring:
-            store64(self.dev.uar.reg_addr, ctrl[:8])
+            store64(self.db, ctrl[:8])
         return self.pi - blocks
 
     def close(self):
@@ -333,7 +338,10 @@ def case_queries():
     check(bits(raw, 240, 16) == 1, 'roce_address_table_size')
     check(bits(raw, 208, 16) <= bits(raw, 192, 16), 'RoCE UDP source-port range')
     raw = d.cmd(QueryHcaCapIn(op_mod=0x41), 16 + 4096)[16:]
-    check(not any(raw), 'cap2 has bits set the soft NIC does not implement')
+    check(bits(raw, 737, 1) == 1, 'cap2 send_dbr_mode_no_dbr_ext')
+    rest = bytearray(raw)
+    put_bits(rest, 737, 1, 0)
+    check(not any(rest), 'cap2 has bits set the soft NIC does not implement')
     # QUERY_ROCE_ADDRESS 0x760: index 0 is the port's GID (RoCE v2), index 1 does not exist
     q = struct.pack('>HHHHHHI', 0x760, 0, 0, 0, 0, 0, 0)
     out = d.cmd(q, 16 + 32)
@@ -490,6 +498,28 @@ def case_dc():
     qa.close()
 
 
+def case_no_dbr():
+    """A QP created with send_dbr_mode NO_DBR_EXT (what cap2's send_dbr_mode_no_dbr_ext
+    offers, a ConnectX-8's mode): its WRITEs are rung at the UAR page's DBR-less register with
+    the send doorbell record never written, and run."""
+    a, b = Dev('mlx5_0'), Dev('mlx5_1')
+    ca, cb = Cq(a), Cq(b)
+    qa, qb = Qp(a, ca, ca, no_dbr=True), Qp(b, cb, cb)
+    qa.connect(qb)
+    qb.connect(qa)
+    la, lb = a.mr.buf, b.mr.buf
+    for i in range(70):
+        data = bytes(random.getrandbits(8) for _ in range(256))
+        a.mr.write(data, len(data))
+        idx = qa.post(OP_WRITE, local=(la, 256, a.mr.lkey), remote=(lb + 256 * (i % 8), b.mr.rkey))
+        c = ca.poll()
+        check(opcode(c) == CQE_REQ and wqe_counter(c) == idx, f'no-DBR WRITE CQE {c.hex()}')
+        check(b.mr.read(256, 256 * (i % 8)) == data, 'no-DBR WRITE bytes differ')
+    check(peek(qa.dbr.umem_addr, 8) == bytes(8), 'the send doorbell record was written')
+    qa.close()
+    qb.close()
+
+
 def case_traffic():
     a, b, ca, cb, qa, qb = pair()
     check(qa.state() == 3 and qb.state() == 3, 'QPs not in RTS')
@@ -643,6 +673,7 @@ CASES = {
     'collapsed': case_collapsed,
     'transitions': case_transitions,
     'dc': case_dc,
+    'no_dbr': case_no_dbr,
 }
 
 

@@ -387,6 +387,7 @@ fn devx_script_checks_commands_objects_and_bytes() {
         "collapsed",
         "transitions",
         "dc",
+        "no_dbr",
     ];
     let mut c = Command::new(GPUVERBS);
     c.env("GPUVERBS_PRELOAD", preload())

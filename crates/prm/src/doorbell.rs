@@ -11,6 +11,10 @@ pub const BF_OFFSET: usize = 0x800;
 /// Size of one BlueFlame register half; writers alternate between `BF_OFFSET` and
 /// `BF_OFFSET + BF_HALF_SIZE`.
 pub const BF_HALF_SIZE: usize = 0x100;
+/// Offset of the doorbell a QP without a send doorbell record rings (`send_dbr_mode`
+/// NO_DBR_EXT, ConnectX-8): an 8-byte doorbell whose WQE index is the producer index (DOCA's
+/// `DOCA_VERBS_UAR_DBR_LESS_DB_OFFSET`).
+pub const DBR_LESS_OFFSET: usize = 0x600;
 /// Offset of the CQ arm doorbell in a UAR page.
 pub const CQ_DOORBELL_OFFSET: usize = 0x20;
 

@@ -13,7 +13,7 @@ use crate::rc_state::{DcConns, ReqWire, RespWire};
 use crate::srq::Srq;
 use crate::{Error, Gid};
 use parking_lot::{Mutex, MutexGuard};
-use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, UAR_PAGE_SIZE};
+use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, DBR_LESS_OFFSET, UAR_PAGE_SIZE};
 use prm::Syndrome;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
@@ -65,7 +65,8 @@ pub struct QpConfig {
 pub struct UarRegister {
     /// The UAR page.
     pub page: Arc<DmaBuf>,
-    /// Offset of the register (its first half) in the page: `0x800 + k · bf_reg_size`.
+    /// Offset of the register (its first half) in the page: `0x800 + k · bf_reg_size`, or
+    /// `prm::doorbell::DBR_LESS_OFFSET` for a QP rung without a send doorbell record.
     pub offset: usize,
     /// How many registers, from `offset` on, the QP's doorbells may arrive at (1 or 2): 2 where
     /// the device cannot know which register of the page the library picked (a dynamically
@@ -309,7 +310,7 @@ impl Qp {
                 let halves = 2 * r.registers;
                 if !r.page.is_host()
                     || !(1..=MAX_REGISTERS).contains(&r.registers)
-                    || r.offset < BF_OFFSET
+                    || (r.offset < BF_OFFSET && r.offset != DBR_LESS_OFFSET)
                     || r.offset % 8 != 0
                     || r.offset + halves * BF_HALF_SIZE > r.page.len()
                 {

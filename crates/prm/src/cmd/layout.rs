@@ -179,9 +179,10 @@ layout! {
 }
 
 layout! {
-    /// Fields of the QP context rdma-core's description has as reserved: a DC initiator's
-    /// stream counts (kernel `mlx5_ifc.h`).
-    qpc_dci = "" {
+    /// Fields of the QP context rdma-core's description has as reserved: the send doorbell
+    /// record mode, a DC initiator's stream counts (kernel `mlx5_ifc.h`).
+    qpc_ext = "" {
+        SEND_DBR_MODE: 128, 2;
         LOG_NUM_DCI_STREAM_CHANNELS: 995, 5;
         LOG_NUM_DCI_ERRORED_STREAMS: 1027, 5;
     }

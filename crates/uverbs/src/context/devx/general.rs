@@ -140,10 +140,10 @@ fn query_hca_cap(input: &[u8]) -> Fw {
             put(&mut o, c, r::R_ROCE_MAX_SRC_UDP_PORT, 0xffff);
             put(&mut o, c, r::ROCE_ADDRESS_TABLE_SIZE, 1);
         }
-        // nothing of cap2 or on-demand paging is implemented: all 0
-        cap::GENERAL_2 | cap::ODP => {
-            put(&mut o, c, g2::SEND_DBR_MODE_NO_DBR_EXT, 0);
-        }
+        // of cap2, QPs rung without a send doorbell record (send_dbr_mode NO_DBR_EXT, as a
+        // ConnectX-8 has them); nothing else of cap2 or of on-demand paging is implemented
+        cap::GENERAL_2 => put(&mut o, c, g2::SEND_DBR_MODE_NO_DBR_EXT, 1),
+        cap::ODP => {}
         // pages the firmware of a ConnectX-6 Dx knows, describing features the soft NIC
         // lacks: NIC flow tables (no steering, no packet reformat), QoS, device memory
         // (no MEMIC) and crypto. Every capability in them is 0, so a library that reads

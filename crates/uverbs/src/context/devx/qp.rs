@@ -7,7 +7,7 @@ use super::DevxObj;
 use super::{lacks, out, refuse, syndrome, Fw, Refused};
 use crate::context::Context;
 use prm::cmd::{
-    self, ads, create_qp_in as ci, modify_qp_in as mi, op, qp_state, qpc, qpc_dci, rq_type, st,
+    self, ads, create_qp_in as ci, modify_qp_in as mi, op, qp_state, qpc, qpc_ext, rq_type, st,
 };
 use prm::cmd::{status, Field, ADS_AT, QPC_AT};
 use std::sync::Arc;
@@ -147,11 +147,18 @@ impl Context {
             st::DCI => true,
             s => return lacks(&format!("QP service type {s:#x} (RC and DCI only)")),
         };
-        if f(qpc_dci::LOG_NUM_DCI_STREAM_CHANNELS) != 0
-            || f(qpc_dci::LOG_NUM_DCI_ERRORED_STREAMS) != 0
+        if f(qpc_ext::LOG_NUM_DCI_STREAM_CHANNELS) != 0
+            || f(qpc_ext::LOG_NUM_DCI_ERRORED_STREAMS) != 0
         {
             return lacks("DCI streams (log_num_dci_stream_channels)");
         }
+        // send_dbr_mode 1 (NO_DBR_EXT): doorbells at the page's DBR-less register carry the
+        // producer index, and nothing reads a send doorbell record (as on a ConnectX-8)
+        let no_dbr = match f(qpc_ext::SEND_DBR_MODE) {
+            0 => false,
+            1 => true,
+            m => return lacks(&format!("send_dbr_mode {m}")),
+        };
         if f(qpc::CS_REQ) != 0 || f(qpc::CS_RES) != 0 {
             return lacks("scatter to CQE (cs_req / cs_res)");
         }
@@ -249,10 +256,17 @@ impl Context {
             rq_ring,
             rq_stride: Some(rq_stride),
             dbrec: Some(dbrec),
-            uar: Some(softnic::qp::UarRegister {
-                page,
-                offset: prm::doorbell::BF_OFFSET,
-                registers: softnic::qp::MAX_REGISTERS,
+            uar: Some(match no_dbr {
+                true => softnic::qp::UarRegister {
+                    page,
+                    offset: prm::doorbell::DBR_LESS_OFFSET,
+                    registers: 1,
+                },
+                false => softnic::qp::UarRegister {
+                    page,
+                    offset: prm::doorbell::BF_OFFSET,
+                    registers: softnic::qp::MAX_REGISTERS,
+                },
             }),
             user_index: Some(f(qpc::USER_INDEX) as u32),
         };
