@@ -8,10 +8,11 @@
 
 use super::cq::Cq;
 use super::qp::{Qp, QpOptions};
-use super::ring::RingPlacement;
-use crate::backend::seam::{DctOps, DctSpec, QpSpec};
+use super::ring::resolve;
+use crate::backend::seam::{DctOps, DctSpec, GpuRings, QpSpec};
 use crate::backend::ConnectOptions;
 use crate::endpoint::Gid;
+use crate::gpu::Gpu;
 use crate::memory::Pd;
 use crate::Error;
 use serde::{Deserialize, Serialize};
@@ -139,11 +140,28 @@ impl Pd {
     /// target ([`DcTarget::address_vector`]); on a soft NIC on the wire, [`Qp::reach`] makes a
     /// target's device known first.
     pub fn create_dci(&self, o: QpOptions, c: ConnectOptions) -> Result<Qp, Error> {
-        if o.placement == RingPlacement::Gpu {
-            return Err(Error::Unsupported(
-                "a DC initiator's rings in GPU memory: not built yet (host rings only)".into(),
-            ));
-        }
+        self.create_dci_with(o, c, None)
+    }
+
+    /// [`Pd::create_dci`] for `gpu`'s kernels: its SQ ring placed as `o.placement` says, as
+    /// [`Pd::create_qp_on`] places an RC QP's (on a ConnectX a DEVX DCI).
+    pub fn create_dci_on(
+        &self,
+        gpu: &Arc<Gpu>,
+        o: QpOptions,
+        c: ConnectOptions,
+    ) -> Result<Qp, Error> {
+        self.create_dci_with(o, c, Some(gpu as &dyn GpuRings))
+    }
+
+    fn create_dci_with(
+        &self,
+        o: QpOptions,
+        c: ConnectOptions,
+        gpu: Option<&dyn GpuRings>,
+    ) -> Result<Qp, Error> {
+        let device = &*self.ctx.inner.device;
+        let (gpu, placement) = resolve(o.placement, gpu, device, "Pd::create_dci_on")?;
         let (mode, reason) = self.doorbell_of(o.doorbell);
         let spec = QpSpec {
             sq_blocks: o.sq_blocks,
@@ -151,11 +169,10 @@ impl Pd {
             max_recv_sge: 1,
             max_inline: o.max_inline,
             doorbell: mode,
-            gpu: None,
+            gpu,
         };
         let dev = self.dev.create_dci(&spec, &o.send_cq.dev)?;
-        let placement = "host memory: a DC initiator's rings (GPU rings not built yet)";
-        let qp = self.finish_qp(o, dev, (mode, reason), placement.into())?;
+        let qp = self.finish_qp(o, dev, (mode, reason), placement)?;
         qp.dev.ready_dc(self.ctx.mtu(), qp.psn(), &c)?;
         Ok(qp)
     }

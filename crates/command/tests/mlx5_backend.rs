@@ -441,7 +441,7 @@ fn dc_child() {
 }
 
 /// The DC scenario on the soft NIC and on the mlx5 backend (the provider's DCI and DCT through
-/// the real libmlx5 under `gpuverbs emu`): the same completions and bytes.
+/// the real libmlx5 under `gpuverbs emu`, and DEVX's): the same completions and bytes.
 #[test]
 fn the_mlx5_backend_runs_dc_as_the_soft_nic_does() {
     let a = Context::open(DeviceRequest::Soft).unwrap();
@@ -451,6 +451,12 @@ fn the_mlx5_backend_runs_dc_as_the_soft_nic_does() {
     assert_eq!(
         mlx5, soft,
         "soft NIC (right) and mlx5 backend (left) differ"
+    );
+    // and with DEVX objects: a DCI made with CREATE_QP st DCI, a DCT with CREATE_DCT
+    let devx = child_results("dc_child", 93, &[("GPUVERBS_MLX5_DEVX", "1")]);
+    assert_eq!(
+        devx, soft,
+        "soft NIC (right) and the mlx5 backend's DEVX DC objects (left) differ"
     );
     for want in [
         "dct state Rtr",

@@ -148,13 +148,16 @@ ops_cases! {
 }
 
 fn dc_ops_gpudb(ctx: &Ctx) -> Result<String> {
-    dataplane::dc_ops(ctx.ordinal, GpuDoorbell, Mem::Host)
+    dataplane::dc_ops(ctx.ordinal, GpuDoorbell, Mem::Host, HostMapped)
 }
 fn dc_ops_proxy(ctx: &Ctx) -> Result<String> {
-    dataplane::dc_ops(ctx.ordinal, CpuProxy, Mem::Host)
+    dataplane::dc_ops(ctx.ordinal, CpuProxy, Mem::Host, HostMapped)
 }
 fn dc_ops_gpumem_gpudb(ctx: &Ctx) -> Result<String> {
-    dataplane::dc_ops(ctx.ordinal, GpuDoorbell, Mem::Gpu)
+    dataplane::dc_ops(ctx.ordinal, GpuDoorbell, Mem::Gpu, HostMapped)
+}
+fn dc_ops_gpurings_gpudb(ctx: &Ctx) -> Result<String> {
+    dataplane::dc_ops(ctx.ordinal, GpuDoorbell, Mem::Host, GpuRings)
 }
 
 fn bad_rkey(ctx: &Ctx) -> Result<String> {
@@ -267,6 +270,7 @@ const CASES: &[Case] = cases![
     dc_ops_gpudb,
     dc_ops_proxy,
     dc_ops_gpumem_gpudb,
+    dc_ops_gpurings_gpudb,
     bad_rkey,
     recover_after_error,
     dropped_doorbell_timeout,

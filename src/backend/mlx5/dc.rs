@@ -1,7 +1,9 @@
-//! DC on a ConnectX through the provider: a DC initiator (`mlx5dv_create_qp` with
-//! `MLX5DV_QP_INIT_ATTR_MASK_DC`, DCI) on host rings, moved to RTS with mlx5_ib's DCI
-//! attributes, and a DC target (DCT) on an SRQ of its own, moved to RTR (where the kernel
-//! creates it and names its number). Run on the emulated device; not run on hardware.
+//! DC on a ConnectX: a DC initiator made by the provider (`mlx5dv_create_qp` with
+//! `MLX5DV_QP_INIT_ATTR_MASK_DC`, DCI) on host rings, or with DEVX (`st` DCI, [`super::devx`])
+//! on rings the host API placed, moved to RTS with mlx5_ib's DCI attributes; a DC target (DCT)
+//! on an SRQ of its own: the provider's, moved to RTR (where the kernel creates it and names its
+//! number), or CREATE_DCT through DEVX when its CQ is a DEVX one. Run on the emulated device;
+//! not run on hardware.
 
 use super::device::{errno, ibv_access, mtu_enum, verbs_err};
 use super::objects::{Cq, Pd, Qp};
@@ -13,9 +15,15 @@ use std::sync::Arc;
 pub(crate) struct Dct {
     pd: Arc<Pd>,
     _cq: Arc<Cq>,
-    qp: *mut sys::ibv_qp,
+    /// The provider's DCT, or the DEVX object (taken in drop, before the SRQ goes).
+    owner: Option<DctOwner>,
     srq: *mut sys::ibv_srq,
     pub dctn: u32,
+}
+
+enum DctOwner {
+    Verbs(*mut sys::ibv_qp),
+    Devx(super::devx::Obj),
 }
 
 // SAFETY: the provider's DCT and SRQ, owned by this value until drop; verbs calls on them are
@@ -27,10 +35,17 @@ unsafe impl Sync for Dct {}
 impl Drop for Dct {
     fn drop(&mut self) {
         let v = self.pd.dev.libs.verbs;
-        // SAFETY: created in `create_dct`, destroyed once, the QP before its SRQ.
-        let rc = unsafe { (v.ibv_destroy_qp)(self.qp) };
-        if rc != 0 {
-            tracing::warn!(errno = rc, "ibv_destroy_qp (DCT) failed");
+        match self.owner.take() {
+            Some(DctOwner::Verbs(qp)) => {
+                // SAFETY: created in `create_dct`, destroyed once, the QP before its SRQ.
+                let rc = unsafe { (v.ibv_destroy_qp)(qp) };
+                if rc != 0 {
+                    tracing::warn!(errno = rc, "ibv_destroy_qp (DCT) failed");
+                }
+            }
+            // the DEVX object goes here, before the SRQ
+            Some(DctOwner::Devx(obj)) => drop(obj),
+            None => {}
         }
         if let Some(destroy) = v.ibv_destroy_srq {
             // SAFETY: as above; no QP uses it any more.
@@ -43,20 +58,19 @@ impl Drop for Dct {
 }
 
 impl Dct {
-    /// Its state as the device reports it (a DCT answers in RTR only: ERR otherwise).
+    /// Its state as the device reports it (a DCT answers in RTR only: ERR otherwise; one made
+    /// with CREATE_DCT is active, RTR, while it exists).
     pub(crate) fn state(&self) -> sys::ibv_qp_state {
+        let Some(DctOwner::Verbs(qp)) = self.owner else {
+            return sys::IBV_QPS_RTR;
+        };
         // SAFETY: zeroed attrs are valid plain data.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         let mut ia: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         // SAFETY: live DCT, writable attrs.
         let rc = unsafe {
-            (self.pd.dev.libs.verbs.ibv_query_qp)(
-                self.qp,
-                &mut a,
-                sys::IBV_QP_STATE as i32,
-                &mut ia,
-            )
+            (self.pd.dev.libs.verbs.ibv_query_qp)(qp, &mut a, sys::IBV_QP_STATE as i32, &mut ia)
         };
         if rc == 0 {
             a.qp_state
@@ -118,9 +132,6 @@ impl Pd {
         access: verbs::Access,
         (mtu, min_rnr_timer): (u32, u8),
     ) -> Result<Dct, Error> {
-        let c = cq.verbs_cq().ok_or_else(|| {
-            Error::Unsupported("a DC target on a DEVX CQ (made with DEVX; not built yet)".into())
-        })?;
         let v = self.dev.libs.verbs;
         let create_srq = v
             .ibv_create_srq
@@ -138,6 +149,9 @@ impl Pd {
                 "for a DC target".into(),
             ));
         }
+        let Some(c) = cq.verbs_cq() else {
+            return self.devx_dct(cq, srq, key, access, (mtu, min_rnr_timer));
+        };
         let mut a = dc_attr(self, c);
         a.srq = srq;
         // SAFETY: zeroed attrs are valid plain data.
@@ -158,24 +172,73 @@ impl Pd {
         let mut dct = Dct {
             pd: self.clone(),
             _cq: cq.clone(),
-            qp,
+            owner: Some(DctOwner::Verbs(qp)),
             srq,
             dctn: 0,
         };
-        dct_up(&dct, access, mtu, min_rnr_timer)?;
+        dct_up(&dct, qp, access, mtu, min_rnr_timer)?;
         // SAFETY: a live DCT: its number is known once it is in RTR.
         dct.dctn = unsafe { (*qp).qp_num };
         Ok(dct)
     }
 }
 
+impl Pd {
+    /// A DC target made with CREATE_DCT on DEVX CQ `cq` and the provider's SRQ `srq` (taken:
+    /// destroyed with the target, or here on failure).
+    fn devx_dct(
+        self: &Arc<Self>,
+        cq: &Arc<Cq>,
+        srq: *mut sys::ibv_srq,
+        key: u64,
+        access: verbs::Access,
+        mtu_rnr: (u32, u8),
+    ) -> Result<Dct, Error> {
+        let mut dct = Dct {
+            pd: self.clone(),
+            _cq: cq.clone(),
+            owner: None,
+            srq,
+            dctn: 0,
+        };
+        // SAFETY: zeroed out structs are valid plain data.
+        let mut out: sys::mlx5dv_srq = unsafe { std::mem::zeroed() };
+        // libmlx5 fills in the SRQ number only when asked
+        out.comp_mask = sys::MLX5DV_SRQ_MASK_SRQN as u64;
+        // SAFETY: as above.
+        let mut obj: sys::mlx5dv_obj = unsafe { std::mem::zeroed() };
+        obj.srq.in_ = srq;
+        obj.srq.out = &mut out;
+        // SAFETY: a live SRQ of this provider and a writable out struct.
+        let rc =
+            unsafe { (self.dev.libs.dv.mlx5dv_init_obj)(&mut obj, sys::MLX5DV_OBJ_SRQ as u64) };
+        if rc != 0 {
+            return Err(verbs_err(
+                "mlx5dv_init_obj(SRQ)",
+                rc,
+                "for a DC target".into(),
+            ));
+        }
+        let (o, dctn) = self.create_devx_dct((cq.cqn, out.srqn), key, access, mtu_rnr)?;
+        dct.owner = Some(DctOwner::Devx(o));
+        dct.dctn = dctn;
+        Ok(dct)
+    }
+}
+
 /// A DCT to INIT (rights, port) and RTR (MTU, RNR timer, the source GID's address vector),
 /// with exactly the attributes mlx5_ib takes.
-fn dct_up(d: &Dct, access: verbs::Access, mtu: u32, min_rnr_timer: u8) -> Result<(), Error> {
+fn dct_up(
+    d: &Dct,
+    qp: *mut sys::ibv_qp,
+    access: verbs::Access,
+    mtu: u32,
+    min_rnr_timer: u8,
+) -> Result<(), Error> {
     let dev = &d.pd.dev;
     let modify = |a: &mut sys::ibv_qp_attr, mask: u32, what: &str| {
         // SAFETY: live DCT, attr filled for `mask`.
-        let rc = unsafe { (dev.libs.verbs.ibv_modify_qp)(d.qp, a, mask as i32) };
+        let rc = unsafe { (dev.libs.verbs.ibv_modify_qp)(qp, a, mask as i32) };
         match rc {
             0 => Ok(()),
             e => Err(verbs_err(
@@ -221,6 +284,9 @@ impl Qp {
         sq_psn: u32,
         o: &super::super::ConnectOptions,
     ) -> Result<(), Error> {
+        if let Some(obj) = self.devx_obj() {
+            return self.pd().connect_devx_dc(obj, self.qpn, mtu, sq_psn, o);
+        }
         let dev = &self.pd().dev;
         // SAFETY: zeroed attr is valid plain data.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };

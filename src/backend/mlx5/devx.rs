@@ -233,6 +233,8 @@ pub(crate) struct QpRings<'a> {
     pub rq_wqes: u32,
     pub rq_stride: u32,
     pub dbrec: &'a DmaBuf,
+    /// A DC initiator (`st` DCI) rather than an RC QP.
+    pub dci: bool,
 }
 
 impl Pd {
@@ -314,7 +316,10 @@ impl Pd {
             let log = |n: u32| u64::from(n.max(1).trailing_zeros());
             for (f, v) in [
                 (cmd::cmd_in::OPCODE, u64::from(op::CREATE_QP)),
-                (q(qpc::ST), u64::from(cmd::st::RC)),
+                (
+                    q(qpc::ST),
+                    u64::from(if r.dci { cmd::st::DCI } else { cmd::st::RC }),
+                ),
                 (q(qpc::PM_STATE), 3), // migrated
                 (q(qpc::PD), pdn.into()),
                 (q(qpc::LOG_SQ_SIZE), log(r.sq_blocks)),
@@ -350,8 +355,11 @@ impl Pd {
             }
         };
         let what = format!(
-            "CREATE_QP RC, SQ {} blocks, RQ {} x {} B",
-            r.sq_blocks, r.rq_wqes, r.rq_stride
+            "CREATE_QP {}, SQ {} blocks, RQ {} x {} B",
+            if r.dci { "DCI" } else { "RC" },
+            r.sq_blocks,
+            r.rq_wqes,
+            r.rq_stride
         );
         let (obj, out) = dev.create(&m, umems, own_uar, what)?;
         Ok((obj, cmd::get(&out, cmd::obj::CQN) as u32, reg))
@@ -379,13 +387,7 @@ impl Pd {
         );
         let q = |f: Field| f.at(QPC_AT);
         let p = |f: Field| f.at(QPC_AT + ADS_AT);
-        let mtu = match r.mtu.min(dev.mtu) {
-            0..=256 => 1,
-            257..=512 => 2,
-            513..=1024 => 3,
-            1025..=2048 => 4,
-            _ => 5,
-        };
+        let mtu = u64::from(mtu_code(r.mtu.min(dev.mtu)));
         let init: Vec<(Field, u64)> = vec![
             (q(qpc::PM_STATE), 3),
             (q(qpc::RWE), rights(verbs::Access::REMOTE_WRITE)),
@@ -416,14 +418,7 @@ impl Pd {
             let f = Field::new(ads::RGID_RIP.bit + 64 * i as u32, 64);
             rtr.push((p(f), u64::from_be_bytes(w.try_into().expect("8 bytes"))));
         }
-        let rts: Vec<(Field, u64)> = vec![
-            (q(qpc::NEXT_SEND_PSN), u64::from(sq_psn & 0xff_ffff)),
-            (q(qpc::RETRY_COUNT), o.retry_cnt.into()),
-            (q(qpc::RNR_RETRY), o.rnr_retry.into()),
-            (q(qpc::LOG_SRA_MAX), log_rd),
-            (p(ads::ACK_TIMEOUT), o.timeout.into()),
-            (p(ads::VHCA_PORT_NUM), port),
-        ];
+        let rts = self.rts_fields(sq_psn, o);
         for (opcode, fields, name) in [
             (op::RST2INIT_QP, init, "RST2INIT"),
             (op::INIT2RTR_QP, rtr, "INIT2RTR"),
@@ -432,6 +427,110 @@ impl Pd {
             modify(qp, qpn, opcode, &fields, name)?;
         }
         Ok(())
+    }
+}
+
+impl Pd {
+    /// RTR2RTS's fields: first PSN, retry counts, outstanding reads, ACK timeout, port.
+    fn rts_fields(&self, sq_psn: u32, o: &crate::backend::ConnectOptions) -> Vec<(Field, u64)> {
+        let dev = &self.dev;
+        let log_rd = u64::from(
+            dev.max_rd_atomic
+                .max(1)
+                .next_power_of_two()
+                .trailing_zeros(),
+        );
+        let q = |f: Field| f.at(QPC_AT);
+        let p = |f: Field| f.at(QPC_AT + ADS_AT);
+        vec![
+            (q(qpc::NEXT_SEND_PSN), u64::from(sq_psn & 0xff_ffff)),
+            (q(qpc::RETRY_COUNT), o.retry_cnt.into()),
+            (q(qpc::RNR_RETRY), o.rnr_retry.into()),
+            (q(qpc::LOG_SRA_MAX), log_rd),
+            (p(ads::ACK_TIMEOUT), o.timeout.into()),
+            (p(ads::VHCA_PORT_NUM), u64::from(dev.port)),
+        ]
+    }
+
+    /// RESET → INIT → RTR → RTS of DEVX DC initiator `qp` (number `qpn`): the port, the path
+    /// MTU (no peer: each WQE names its target), then as RC's RTS.
+    pub(crate) fn connect_devx_dc(
+        &self,
+        qp: &Obj,
+        qpn: u32,
+        mtu: u32,
+        sq_psn: u32,
+        o: &crate::backend::ConnectOptions,
+    ) -> Result<(), Error> {
+        let dev = &self.dev;
+        let port = u64::from(dev.port);
+        let q = |f: Field| f.at(QPC_AT);
+        let p = |f: Field| f.at(QPC_AT + ADS_AT);
+        let init = vec![(q(qpc::PM_STATE), 3), (p(ads::VHCA_PORT_NUM), port)];
+        let rtr = vec![
+            (q(qpc::MTU), u64::from(mtu_code(mtu.min(dev.mtu)))),
+            (q(qpc::LOG_MSG_MAX), 30),
+            (q(qpc::MIN_RNR_NAK), o.min_rnr_timer.into()),
+            (p(ads::VHCA_PORT_NUM), port),
+        ];
+        let rts = self.rts_fields(sq_psn, o);
+        for (opcode, fields, name) in [
+            (op::RST2INIT_QP, init, "RST2INIT"),
+            (op::INIT2RTR_QP, rtr, "INIT2RTR"),
+            (op::RTR2RTS_QP, rts, "RTR2RTS"),
+        ] {
+            modify(qp, qpn, opcode, &fields, name)?;
+        }
+        Ok(())
+    }
+
+    /// A DC target made with CREATE_DCT on CQ `cqn` and the provider's SRQ `srqn`, active at
+    /// once: key, remote rights, path MTU, RNR timer, this port's GID index. Returns it and its
+    /// number.
+    pub(crate) fn create_devx_dct(
+        &self,
+        (cqn, srqn): (u32, u32),
+        key: u64,
+        access: verbs::Access,
+        (mtu, min_rnr_timer): (u32, u8),
+    ) -> Result<(Obj, u32), Error> {
+        use cmd::dctc;
+        let dev = &self.dev;
+        dev.devx()?;
+        let mut m = vec![0u8; cmd::CREATE_DCT_IN];
+        let d = |f: Field| f.at(cmd::DCTC_AT);
+        let rights = |a: verbs::Access| u64::from(access.contains(a));
+        for (f, v) in [
+            (cmd::cmd_in::OPCODE, u64::from(op::CREATE_DCT)),
+            (d(dctc::PD), self.pdn()?.into()),
+            (d(dctc::CQN), cqn.into()),
+            (d(dctc::SRQN_XRQN), srqn.into()),
+            (d(dctc::DC_ACCESS_KEY), key),
+            (d(dctc::RWE), rights(verbs::Access::REMOTE_WRITE)),
+            (d(dctc::RRE), rights(verbs::Access::REMOTE_READ)),
+            (d(dctc::RAE), rights(verbs::Access::REMOTE_ATOMIC)),
+            (d(dctc::ATOMIC_MODE), 3),
+            (d(dctc::MTU), u64::from(mtu_code(mtu.min(dev.mtu)))),
+            (d(dctc::MIN_RNR_NAK), min_rnr_timer.into()),
+            (d(dctc::PORT), u64::from(dev.port)),
+            (d(dctc::MY_ADDR_INDEX), dev.gid.index.into()),
+            (d(dctc::HOP_LIMIT), 64),
+        ] {
+            cmd::set(&mut m, f, v);
+        }
+        let (obj, out) = dev.create(&m, Vec::new(), None, format!("CREATE_DCT on CQ {cqn:#x}"))?;
+        Ok((obj, cmd::get(&out, cmd::obj::CQN) as u32))
+    }
+}
+
+/// The PRM's path MTU code of `bytes` (256 → 1 … 4096 → 5).
+fn mtu_code(bytes: u32) -> u8 {
+    match bytes {
+        0..=256 => 1,
+        257..=512 => 2,
+        513..=1024 => 3,
+        1025..=2048 => 4,
+        _ => 5,
     }
 }
 

@@ -308,7 +308,7 @@ impl Pd {
         wq: DmaBuf,
         dmabuf: Option<Result<(std::os::fd::OwnedFd, u64), String>>,
         rec: DmaBuf,
-        bf: bool,
+        (bf, dci): (bool, bool),
     ) -> Result<Arc<Qp>, Error> {
         let rq_bytes = (rq_wqes * rq_stride) as usize;
         let sq_bytes = sq_blocks as usize * prm::WQEBB;
@@ -325,6 +325,7 @@ impl Pd {
             rq_wqes,
             rq_stride,
             dbrec: &rec,
+            dci,
         };
         let (obj, qpn, reg) = self.devx_qp_object(scq.cqn, rcq.cqn, rings, bf)?;
         // SAFETY (both views): parts of `wq`, which this QP keeps (its `_wq` field, dropped
@@ -598,6 +599,14 @@ impl Qp {
     /// Its protection domain.
     pub(super) fn pd(&self) -> &Arc<Pd> {
         &self.pd
+    }
+
+    /// Its DEVX object, when DEVX made it.
+    pub(super) fn devx_obj(&self) -> Option<&devx::Obj> {
+        match &self.owner {
+            QpOwner::Devx(obj) => Some(obj),
+            QpOwner::Verbs(_) => None,
+        }
     }
 
     fn verbs_qp(&self) -> *mut sys::ibv_qp {

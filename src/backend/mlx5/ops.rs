@@ -154,7 +154,12 @@ impl Mlx5Pd {
     /// A QP made with DEVX: its WQ (RQ then SQ) one buffer, in GPU memory when the spec says
     /// so; the doorbell record beside GPU rings is GPU memory too, unless the CPU proxy writes
     /// it.
-    fn devx_qp(&self, spec: &QpSpec<'_>, scq: &Arc<Cq>, rcq: &Arc<Cq>) -> Result<Arc<Qp>, Error> {
+    fn devx_qp(
+        &self,
+        spec: &QpSpec<'_>,
+        (scq, rcq): (&Arc<Cq>, &Arc<Cq>),
+        dci: bool,
+    ) -> Result<Arc<Qp>, Error> {
         let stride = spec.rq_stride();
         let len = spec.rq_wqes as usize * stride as usize + spec.sq_blocks as usize * prm::WQEBB;
         let (wq, dmabuf) = match spec.gpu {
@@ -178,7 +183,7 @@ impl Mlx5Pd {
             wq,
             dmabuf,
             rec,
-            spec.doorbell.is_blueflame(),
+            (spec.doorbell.is_blueflame(), dci),
         )
     }
 }
@@ -246,15 +251,15 @@ impl PdOps for Mlx5Pd {
             )));
         }
         let q = if spec.gpu.is_some() || scq.is_devx() || rcq.is_devx() || devx_always() {
-            self.devx_qp(spec, &scq, &rcq)?
+            self.devx_qp(spec, (&scq, &rcq), false)?
         } else {
             self.provider_qp(spec, &scq, &rcq)?
         };
         Ok(Arc::new(Mlx5Qp(q)))
     }
 
-    /// The provider's, on host rings (a DEVX DC initiator, for rings in GPU memory, is not
-    /// built yet: `Error::Unsupported`).
+    /// The provider's on host rings; made with DEVX (`st` DCI) for rings in GPU memory or on
+    /// a DEVX CQ.
     fn create_dci(
         &self,
         spec: &QpSpec<'_>,
@@ -265,12 +270,10 @@ impl PdOps for Mlx5Pd {
                 "the DC initiator's CQ belongs to another device".into(),
             ));
         };
-        if spec.gpu.is_some() {
-            return Err(Error::Unsupported(
-                "a DC initiator with its rings in GPU memory on the mlx5 backend (DEVX DCI): \
-                 not built yet; create it with host rings"
-                    .into(),
-            ));
+        // rings in GPU memory or a DEVX CQ: a DEVX DCI, as for RC
+        if spec.gpu.is_some() || cq.0.is_devx() || devx_always() {
+            let q = self.devx_qp(spec, (&cq.0, &cq.0), true)?;
+            return Ok(Arc::new(Mlx5Qp(q)));
         }
         let wqe_blocks = (32 + 48 + (4 + spec.max_inline as usize).next_multiple_of(16))
             .div_ceil(prm::WQEBB)

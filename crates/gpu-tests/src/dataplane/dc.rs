@@ -4,29 +4,44 @@
 
 use anyhow::{ensure, Result};
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
-use gpuverbs::{Access, ConnectOptions, CqOptions, DctOptions, DoorbellMode, QpOptions};
+use gpuverbs::{
+    Access, ConnectOptions, CqOptions, DctOptions, DoorbellMode, QpOptions, RingPlacement,
+};
 
 use super::{arg, contexts, counters, gpu, Buf, Mem, Status, BUDGET_NS};
 
 /// dc_put, dc_get, dc_atomic_fetch_add and dc_atomic_compare_swap from one thread, doorbell
-/// `mode`, payloads in `mem`; every byte and both old values checked on the host.
-pub fn dc_ops(ordinal: usize, mode: DoorbellMode, mem: Mem) -> Result<String> {
+/// `mode`, payloads in `mem`, the initiator's rings placed as `rings`; every byte and both
+/// old values checked on the host.
+pub fn dc_ops(
+    ordinal: usize,
+    mode: DoorbellMode,
+    mem: Mem,
+    rings: RingPlacement,
+) -> Result<String> {
     let gpu = gpu(ordinal)?;
     let (a, b) = contexts()?;
     let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
     let cqb = b.create_cq(CqOptions::default())?;
     let dct = pb.create_dct(&cqb, DctOptions::new(0x1ee7_a330))?;
     let target = dct.target();
-    let cqa = a.create_cq(CqOptions::default())?;
+    let cqa = a.create_cq_on(
+        &gpu,
+        CqOptions {
+            placement: rings,
+            ..Default::default()
+        },
+    )?;
     let mut o = QpOptions::new(&cqa, &cqa);
     o.sq_blocks = 64;
     o.doorbell = mode;
+    o.placement = rings;
     let conn = ConnectOptions {
         timeout: 10,
         retry_cnt: 3,
         ..Default::default()
     };
-    let dci = pa.create_dci(o, conn)?;
+    let dci = pa.create_dci_on(&gpu, o, conn)?;
     dci.reach(&target)?;
     let rights = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
     let (src, dst) = (Buf::new(&gpu, mem, 4096)?, Buf::new(&gpu, mem, 4096)?);
@@ -97,7 +112,8 @@ pub fn dc_ops(ordinal: usize, mode: DoorbellMode, mem: Mem) -> Result<String> {
         ensure!(c.errors.is_empty(), "device: {c:?}");
     }
     Ok(format!(
-        "dc_put, dc_get, dc fetch-add and compare-swap to DCT {:#x} verified (payload {mem:?})",
+        "dc_put, dc_get, dc fetch-add and compare-swap to DCT {:#x} verified (payload {mem:?}, \
+         rings {rings:?})",
         target.dctn
     ))
 }
