@@ -419,14 +419,7 @@ impl Pd {
             rtr.push((p(f), u64::from_be_bytes(w.try_into().expect("8 bytes"))));
         }
         let rts = self.rts_fields(sq_psn, o);
-        for (opcode, fields, name) in [
-            (op::RST2INIT_QP, init, "RST2INIT"),
-            (op::INIT2RTR_QP, rtr, "INIT2RTR"),
-            (op::RTR2RTS_QP, rts, "RTR2RTS"),
-        ] {
-            modify(qp, qpn, opcode, &fields, name)?;
-        }
-        Ok(())
+        up(qp, qpn, [init, rtr, rts])
     }
 }
 
@@ -474,14 +467,7 @@ impl Pd {
             (p(ads::VHCA_PORT_NUM), port),
         ];
         let rts = self.rts_fields(sq_psn, o);
-        for (opcode, fields, name) in [
-            (op::RST2INIT_QP, init, "RST2INIT"),
-            (op::INIT2RTR_QP, rtr, "INIT2RTR"),
-            (op::RTR2RTS_QP, rts, "RTR2RTS"),
-        ] {
-            modify(qp, qpn, opcode, &fields, name)?;
-        }
-        Ok(())
+        up(qp, qpn, [init, rtr, rts])
     }
 
     /// A DC target made with CREATE_DCT on CQ `cqn` and the provider's SRQ `srqn`, active at
@@ -523,15 +509,21 @@ impl Pd {
     }
 }
 
-/// The PRM's path MTU code of `bytes` (256 → 1 … 4096 → 5).
+/// The PRM's path MTU code of `bytes` (256 → 1 … 4096 → 5: verbs' `ibv_mtu` numbers).
 fn mtu_code(bytes: u32) -> u8 {
-    match bytes {
-        0..=256 => 1,
-        257..=512 => 2,
-        513..=1024 => 3,
-        1025..=2048 => 4,
-        _ => 5,
+    super::device::mtu_enum(bytes) as u8
+}
+
+/// RST2INIT, INIT2RTR and RTR2RTS of QP `qp` with these fields.
+fn up(qp: &Obj, qpn: u32, [init, rtr, rts]: [Vec<(Field, u64)>; 3]) -> Result<(), Error> {
+    for (opcode, fields, name) in [
+        (op::RST2INIT_QP, init, "RST2INIT"),
+        (op::INIT2RTR_QP, rtr, "INIT2RTR"),
+        (op::RTR2RTS_QP, rts, "RTR2RTS"),
+    ] {
+        modify(qp, qpn, opcode, &fields, name)?;
     }
+    Ok(())
 }
 
 /// `mlx5dv_devx_obj_modify` and `_query` (the same shape).

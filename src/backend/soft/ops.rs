@@ -273,6 +273,17 @@ impl SoftPd {
     }
 }
 
+/// RTR → RTS with the first PSN `psn` and `o`'s timers and retry counts.
+fn to_rts(q: &softnic::Qp, psn: u32, o: &ConnectOptions) -> Result<(), Error> {
+    q.modify(Modify::Rts(verbs::RtsAttr {
+        sq_psn: psn,
+        timeout: o.timeout,
+        retry_cnt: o.retry_cnt,
+        rnr_retry: o.rnr_retry,
+    }))?;
+    Ok(())
+}
+
 /// A DC target of a soft NIC, with the SRQ it stands on (destroyed by [`DctOps::destroy`]).
 struct SoftDct {
     dev: Arc<softnic::Device>,
@@ -376,13 +387,7 @@ impl QpOps for SoftQp {
             min_rnr_timer: o.min_rnr_timer,
             selective_repeat: remote.selective_repeat,
         }))?;
-        q.modify(Modify::Rts(verbs::RtsAttr {
-            sq_psn: psn,
-            timeout: o.timeout,
-            retry_cnt: o.retry_cnt,
-            rnr_retry: o.rnr_retry,
-        }))?;
-        Ok(())
+        to_rts(q, psn, o)
     }
 
     fn modify(&self, m: Modify) -> Result<(), Error> {
@@ -404,13 +409,7 @@ impl QpOps for SoftQp {
             mtu,
             min_rnr_timer: o.min_rnr_timer,
         })?;
-        q.modify(Modify::Rts(verbs::RtsAttr {
-            sq_psn: psn,
-            timeout: o.timeout,
-            retry_cnt: o.retry_cnt,
-            rnr_retry: o.rnr_retry,
-        }))?;
-        Ok(())
+        to_rts(q, psn, o)
     }
 
     fn reach(&self, gid: Gid, udp: SocketAddr, shown: &dyn fmt::Display) -> Result<(), Error> {
