@@ -13,7 +13,7 @@ use crate::buffer::DmaBuf;
 use crate::event::{AsyncEvent, EventHandler, EventSlot};
 use prm::cqe::{owner_bit, Cqe64, CqeOpcode, CQE_TAIL_OFFSET};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 pub use verbs::cq::{CqInit, CqMode, CqeSize};
@@ -99,6 +99,9 @@ pub struct Cq {
     waiters: AtomicU32,
     waiting: parking_lot::Mutex<()>,
     written: parking_lot::Condvar,
+    /// The thread [`Cq::wake_at_next_write`] wakes, and whether it asked to be.
+    watcher: parking_lot::Mutex<Option<std::thread::Thread>>,
+    watch_next: AtomicBool,
     pub(crate) events: EventSlot,
 }
 
@@ -149,6 +152,8 @@ impl Cq {
             waiters: AtomicU32::new(0),
             waiting: parking_lot::Mutex::new(()),
             written: parking_lot::Condvar::new(),
+            watcher: parking_lot::Mutex::new(None),
+            watch_next: AtomicBool::new(false),
         })
     }
 
@@ -208,6 +213,19 @@ impl Cq {
         self.waiters.fetch_sub(1, Ordering::SeqCst);
         pending()
     }
+    /// Names the thread that [`Cq::wake_at_next_write`] wakes (or none): one that watches
+    /// many CQs at once, as an emulated kernel's completion-event watcher does.
+    pub fn set_watcher(&self, t: Option<std::thread::Thread>) {
+        *self.watcher.lock() = t;
+    }
+
+    /// Asks for one wake-up (`unpark`) of the watcher when the next CQE is written; the
+    /// watcher asks again each time. A watcher that asks and then finds `produced` unchanged
+    /// may sleep: a write after its look wakes it (both sides are sequentially consistent).
+    pub fn wake_at_next_write(&self) {
+        self.watch_next.store(true, Ordering::SeqCst);
+    }
+
     /// Whether the CQ is in error after an overrun.
     pub fn is_overrun(&self) -> bool {
         self.lock().overrun
@@ -379,6 +397,11 @@ impl Cq {
             let _g = self.waiting.lock();
             self.written.notify_all();
         }
+        if self.watch_next.load(Ordering::SeqCst) && self.watch_next.swap(false, Ordering::SeqCst) {
+            if let Some(t) = &*self.watcher.lock() {
+                t.unpark();
+            }
+        }
         Ok(())
     }
 }
@@ -402,6 +425,49 @@ mod tests {
         let mut b = [0u8; 64];
         cq.ring().read(slot * 64, &mut b);
         bytemuck::cast(b)
+    }
+
+    #[test]
+    fn a_watcher_that_asked_is_woken_by_the_next_write_and_only_that_one() {
+        let cq = std::sync::Arc::new(
+            Cq::new(
+                1,
+                CqConfig {
+                    ncqe: 8,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let watcher = {
+            let cq = cq.clone();
+            std::thread::spawn(move || {
+                cq.set_watcher(Some(std::thread::current()));
+                cq.wake_at_next_write();
+                tx.send(()).unwrap();
+                // an unpark may come early (a spurious return): wait for the count itself;
+                // without the write's unpark this sleeps the whole minute
+                let start = Instant::now();
+                while cq.produced() == 0 && start.elapsed() < Duration::from_secs(60) {
+                    std::thread::park_timeout(Duration::from_secs(60));
+                }
+                (cq.produced(), start.elapsed())
+            })
+        };
+        rx.recv().unwrap();
+        assert!(cq.watch_next.load(Ordering::SeqCst));
+        cq.push(Cqe64::requester(8, 1, 0, 0, 0), None).unwrap();
+        // the ask is spent: a second write wakes no one
+        assert!(!cq.watch_next.load(Ordering::SeqCst));
+        let (produced, slept) = watcher.join().unwrap();
+        assert_eq!(produced, 1);
+        assert!(
+            slept < Duration::from_secs(30),
+            "not woken by the write: {slept:?}"
+        );
+        cq.push(Cqe64::requester(8, 2, 0, 0, 0), None).unwrap();
+        assert!(!cq.watch_next.load(Ordering::SeqCst));
     }
 
     #[test]

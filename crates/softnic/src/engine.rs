@@ -67,16 +67,16 @@ const BUDGET: u32 = 64;
 /// Engine thread `k` of `n`: runs the QPs whose QPN is `k` modulo `n` (and, thread 0, the
 /// delayed CQEs of every CQ) until the device shuts down.
 pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
-    // Sleeps of [`WARM_PARK`] mean little with Linux's default 50 µs timer slack: ask for 1 µs
-    // (this thread only; where it is refused the sleeps are just longer).
-    // SAFETY: PR_SET_TIMERSLACK takes an integer argument and touches no memory of ours.
-    let _ = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+    // Sleeps of [`WARM_PARK`] mean little with Linux's default 50 µs timer slack, and a wake-up
+    // means little if a busy poller keeps the core for its whole slice (crate::sched).
+    let mut me = crate::sched::DeviceThread::new();
     let mut generation = u64::MAX;
     let (mut qps, mut cqs): (Vec<Arc<Qp>>, Vec<_>) = (Vec::new(), Vec::new());
     let mut idle = 0u32;
     let mut park = Duration::from_micros(10);
     let mut polled_at: Option<Instant> = None;
     let mut turn = 0u64;
+    let mut spinner = crate::sched::Spinner::default();
     while !dev.shutdown.load(Ordering::Acquire) {
         turn = turn.wrapping_add(1);
         let g = dev.generation.load(Ordering::Acquire);
@@ -114,9 +114,10 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
         } else {
             idle = idle.saturating_add(1);
             let carried = dev.carried();
-            if idle < IDLE_SPINS && !carried {
+            me.set_prompt(!carried);
+            if idle < IDLE_SPINS && !carried && spinner.may_spin(now) {
                 if idle % YIELD_EVERY == 0 {
-                    std::thread::yield_now();
+                    spinner.yield_now();
                 } else {
                     std::hint::spin_loop();
                 }

@@ -12,6 +12,7 @@ use std::path::Path;
 const LAYERS: &[&str] = &[
     // formats and plain resources
     "clock",
+    "sched",
     "counters",
     "event",
     "mem",

@@ -122,6 +122,8 @@ struct Watched {
     cq: Weak<CqObj>,
     page0: Arc<verbs::DmaBuf>,
     last_db: u64,
+    /// Whether the CQ knows to wake the watcher at a write it asks for.
+    woken_by_writes: bool,
 }
 
 /// Bitmap of the fds that are ours (fds below 65536), so that the hooks of `read`, `write` and
@@ -655,6 +657,7 @@ impl Emulation {
             cq: Arc::downgrade(&cq),
             page0,
             last_db,
+            woken_by_writes: false,
         });
         self.watcher.get_or_init(|| {
             let _ = std::thread::Builder::new()
@@ -714,14 +717,25 @@ const ARM_UNSEEN: u32 = 0x8000_0000u32.to_be();
 /// Notices CQ arm doorbells (page 0 of a context's UARs, and the arm word of each CQ's
 /// doorbell record, which the provider writes first) and turns an armed CQ that has a
 /// completion at or past its arm index into one completion event on its channel.
+///
+/// Between looks it sleeps [`ARM_POLL`] (what a new arm waits to be noticed), unless a CQ it
+/// saw armed writes a CQE: the soft NIC wakes it then ([`softnic::Cq::wake_at_next_write`]),
+/// so an event follows its completion at once, and an armed CQ that stays quiet costs no
+/// wake-ups (a program that arms and busy-polls, as UCX does, shares its cores with this
+/// thread).
 fn watch_loop(emu: &'static Emulation) {
+    let me = std::thread::current();
     loop {
-        let mut any_armed = false;
+        let mut again = false;
         {
             let mut w = emu.watched.lock();
             w.retain(|x| x.cq.strong_count() > 0);
             for x in w.iter_mut() {
                 let Some(cq) = x.cq.upgrade() else { continue };
+                if !x.woken_by_writes {
+                    cq.soft.set_watcher(Some(me.clone()));
+                    x.woken_by_writes = true;
+                }
                 let mut arm = cq.arm.lock();
                 if arm.destroyed {
                     // its doorbell record may be freed memory now
@@ -793,18 +807,22 @@ fn watch_loop(emu: &'static Emulation) {
                             );
                         }
                     } else {
-                        any_armed = true;
+                        cq.soft.wake_at_next_write();
+                        // a CQE written between the look above and the ask is seen here
+                        again |= arm.due(cq.soft.produced() & 0xff_ffff);
                     }
                 }
             }
         }
-        std::thread::sleep(if any_armed {
-            Duration::from_micros(20)
-        } else {
-            Duration::from_micros(200)
-        });
+        if !again {
+            std::thread::park_timeout(ARM_POLL);
+        }
     }
 }
+
+/// How often the event watcher looks for new arms (the provider writes them to memory, which
+/// nothing tells the emulation of).
+const ARM_POLL: Duration = Duration::from_micros(200);
 
 #[cfg(test)]
 mod tests {

@@ -16,6 +16,7 @@ use super::ip_ids::IpIds;
 use super::packet::{self, Flow};
 use super::{Capture, WireConfig, WireError, WireFaults};
 use crate::counters::Counters;
+use crate::sched::Spinner;
 use parking_lot::Mutex;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
@@ -787,24 +788,26 @@ fn poll_once(fds: &mut [libc::pollfd], ready: &mut [bool], timeout_ms: libc::c_i
 }
 
 /// Waits at most `timeout` for datagrams on any of the sockets `fds`; marks the ready ones in
-/// `ready`. Returns whether any is. `busy` (datagrams came in the last pass): it first looks
-/// for [`SPIN`] without sleeping, giving the core away between looks.
+/// `ready`. Returns whether any is. With a `spin` (datagrams came in the last pass): it first
+/// looks for [`SPIN`] without sleeping, giving the core away between looks, unless a look
+/// finds the core shared with a busy task (then a sleeper is woken sooner: [`Spinner`]).
 pub(crate) fn wait_readable(
     fds: &mut [libc::pollfd],
     ready: &mut [bool],
-    busy: bool,
+    spin: Option<&mut Spinner>,
     timeout: Duration,
 ) -> bool {
-    if busy {
+    if let Some(spinner) = spin {
         let start = std::time::Instant::now();
         loop {
             if poll_once(fds, ready, 0) {
                 return true;
             }
-            if start.elapsed() >= SPIN {
+            let now = std::time::Instant::now();
+            if now.duration_since(start) >= SPIN || !spinner.may_spin(now) {
                 break;
             }
-            std::thread::yield_now();
+            spinner.yield_now();
         }
     }
     poll_once(fds, ready, timeout.as_millis() as libc::c_int)

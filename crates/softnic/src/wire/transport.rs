@@ -13,6 +13,7 @@ use crate::Gid;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Takes one received datagram: checks it (size, QP, ICRC, format) and hands it to the
 /// responder or requester side of its QP. Never panics on any input; every drop is counted.
@@ -167,13 +168,18 @@ fn icrc_ok(port: &Port, flow: &Flow, d: &[u8], id_hint: u16, run_bth: &[u8]) -> 
 
 /// The I/O thread: receives datagrams until the device shuts down.
 pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
+    let mut me = crate::sched::DeviceThread::new();
     let mut fds = port.pollfds();
     let mut ready = vec![false; fds.len()];
     let mut busy = false;
+    let mut spinner = crate::sched::Spinner::default();
     while !dev.shutdown.load(Ordering::Acquire) {
         // after traffic, look again before sleeping, unless the program's threads carry the
-        // device (they receive too; a spin here would only take their core)
-        let spin = busy && !dev.carried();
+        // device (they receive too; a spin here would only take their core) or the core is
+        // shared with a busy task (a sleeper's wake-up comes sooner: crate::sched)
+        let carried = dev.carried();
+        me.set_prompt(!carried);
+        let spin = (busy && !carried && spinner.may_spin(Instant::now())).then_some(&mut spinner);
         if !socket::wait_readable(&mut fds, &mut ready, spin, port.recv_timeout()) {
             busy = false;
             port.flush_held();

@@ -1,0 +1,303 @@
+//! How the device's own threads (engine, wire I/O) ask the scheduler to be as prompt as a NIC.
+//!
+//! A ConnectX has its own processors; the soft NIC borrows the host's. Where a program polls its
+//! completions in memory on every core (UCX's `rc_mlx5`, mlx5dv users, a GPU proxy thread), a
+//! device thread that wakes (a timer, a datagram) has to take a core from that poller, and
+//! Linux's fair scheduler (EEVDF) lets the running task finish its slice first: about a
+//! millisecond per wake-up, per hop. A thread may ask for a shorter slice of its own
+//! (`sched_setattr` with `SCHED_OTHER` and a `sched_runtime`, Linux 6.12 and later, no
+//! privilege needed); a task with a shorter slice preempts a longer one when it wakes. Its share
+//! of the CPU does not change (same policy, same nice): only how soon it runs after it wakes.
+//!
+//! The short slice is asked for only while no thread of the program carries the device (see
+//! [`DeviceThread::set_prompt`]). Where the kernel refuses (older than 6.12, a seccomp
+//! filter), nothing else changes: the device then waits for the poller's slice as before.
+//!
+//! A short slice helps only a thread that sleeps: one that spins and yields stays runnable, and
+//! a runnable thread waits for the other task's slice to end. So a device thread learns, from
+//! how long its own `sched_yield` took, whether its core is shared with a busy task
+//! ([`Spinner`]), and while it is, it sleeps instead of spinning (its wake-ups then preempt).
+
+use std::time::{Duration, Instant};
+
+/// The slice the device's threads ask for: the shortest the kernel accepts (100 µs).
+pub const DEVICE_SLICE: Duration = Duration::from_micros(100);
+
+/// A `sched_yield` that returns later than this gave the core to another task's slice.
+const CONTENDED_YIELD: Duration = Duration::from_micros(100);
+/// How long a device thread that found its core shared sleeps instead of spinning, at first;
+/// found shared again within that long after, twice as long, up to [`CONTENDED_MAX`]. One
+/// slow yield may be a passing task (a short wait costs little); a busy poller is found again
+/// and again (spinning beside it costs its slice every time).
+const CONTENDED_MIN: Duration = Duration::from_millis(20);
+const CONTENDED_MAX: Duration = Duration::from_millis(640);
+
+/// A device thread's spin, told by its own yields whether spinning pays.
+#[derive(Debug)]
+pub struct Spinner {
+    contended_until: Option<Instant>,
+    penalty: Duration,
+}
+
+impl Default for Spinner {
+    fn default() -> Self {
+        Self {
+            contended_until: None,
+            penalty: CONTENDED_MIN,
+        }
+    }
+}
+
+impl Spinner {
+    /// Gives the core away once (`sched_yield`), timing how long it took to come back.
+    pub fn yield_now(&mut self) {
+        let start = Instant::now();
+        std::thread::yield_now();
+        let now = Instant::now();
+        if now.duration_since(start) > CONTENDED_YIELD {
+            self.found_shared(now);
+        }
+    }
+
+    /// A yield that ended at `now` found the core shared: no spinning for a while.
+    fn found_shared(&mut self, now: Instant) {
+        self.penalty = match self.contended_until {
+            Some(until) if now < until + self.penalty => (self.penalty * 2).min(CONTENDED_MAX),
+            _ => CONTENDED_MIN,
+        };
+        self.contended_until = Some(now + self.penalty);
+    }
+
+    /// Whether spinning pays at `now`: no recent yield found the core shared.
+    pub fn may_spin(&self, now: Instant) -> bool {
+        self.contended_until.is_none_or(|until| now >= until)
+    }
+}
+
+/// `struct sched_attr` as `sched_setattr(2)` takes it (`SCHED_ATTR_SIZE_VER0`, 48 bytes).
+#[repr(C)]
+#[derive(Default)]
+struct SchedAttr {
+    size: u32,
+    policy: u32,
+    flags: u64,
+    nice: i32,
+    priority: u32,
+    runtime: u64,
+    deadline: u64,
+    period: u64,
+}
+
+/// A device thread's standing with the scheduler: its timer slack and, while it wants to be
+/// prompt, its short slice.
+#[derive(Debug)]
+pub struct DeviceThread {
+    prompt: bool,
+    refused: bool,
+}
+
+impl DeviceThread {
+    /// Readies the calling thread: a 1 µs timer slack (its short sleeps mean what they say),
+    /// the default slice for now.
+    pub fn new() -> Self {
+        // SAFETY: PR_SET_TIMERSLACK takes an integer argument and touches no memory of ours.
+        let _ = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+        Self {
+            prompt: false,
+            refused: false,
+        }
+    }
+
+    /// Asks for [`DEVICE_SLICE`] (`prompt`) or the default slice back, when that changes (one
+    /// system call per change). A device whose program carries it (its polls run the device's
+    /// turns: [`crate::Device::progress`]) wants the default: a prompt I/O thread would preempt
+    /// the carrier and take the datagram that thread was about to take itself. Once the kernel
+    /// refuses, it is not asked again.
+    pub fn set_prompt(&mut self, prompt: bool) {
+        if prompt == self.prompt || self.refused {
+            return;
+        }
+        let slice = if prompt { DEVICE_SLICE } else { Duration::ZERO };
+        if set_slice(slice) {
+            self.prompt = prompt;
+        } else {
+            self.refused = true;
+        }
+    }
+}
+
+impl Default for DeviceThread {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Sets the calling thread's slice at its current policy (`SCHED_OTHER`) and nice; zero asks
+/// for the default. Returns whether the kernel took it.
+fn set_slice(slice: Duration) -> bool {
+    // SAFETY: getpriority reads the calling thread's nice (who 0 = the caller); it touches no
+    // memory of ours. errno is cleared first since -1 is also a valid nice.
+    let nice = unsafe {
+        *libc::__errno_location() = 0;
+        let n = libc::getpriority(libc::PRIO_PROCESS, 0);
+        if n == -1 && *libc::__errno_location() != 0 {
+            return false;
+        }
+        n
+    };
+    let attr = SchedAttr {
+        size: std::mem::size_of::<SchedAttr>() as u32,
+        policy: libc::SCHED_OTHER as u32,
+        nice,
+        runtime: slice.as_nanos() as u64,
+        ..SchedAttr::default()
+    };
+    // SAFETY: sched_setattr(0, attr, 0) reads `attr` (a live, initialised sched_attr whose
+    // `size` field names its length) for the calling thread and writes nothing of ours.
+    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0u32) };
+    r == 0
+}
+
+/// The calling thread's slice as the kernel reports it (`sched_getattr`'s `sched_runtime`),
+/// or `None` where the kernel does not say.
+pub fn slice_of_this_thread() -> Option<Duration> {
+    let mut attr = SchedAttr::default();
+    // SAFETY: sched_getattr(0, attr, size, 0) writes at most `size` bytes into `attr`, a live
+    // sched_attr of exactly that size.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_sched_getattr,
+            0,
+            &mut attr as *mut SchedAttr,
+            std::mem::size_of::<SchedAttr>() as u32,
+            0u32,
+        )
+    };
+    (r == 0 && attr.runtime != 0).then(|| Duration::from_nanos(attr.runtime))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompt_device_thread_has_the_short_slice_and_gives_it_back() {
+        std::thread::spawn(|| {
+            let before = slice_of_this_thread();
+            let mut me = DeviceThread::new();
+            me.set_prompt(true);
+            if me.refused {
+                // a kernel without custom slices: the slice it reports (if any) is not ours
+                assert_ne!(slice_of_this_thread(), Some(DEVICE_SLICE));
+                return;
+            }
+            assert_eq!(
+                slice_of_this_thread(),
+                Some(DEVICE_SLICE),
+                "before: {before:?}"
+            );
+            me.set_prompt(false);
+            assert_eq!(slice_of_this_thread(), before);
+            assert!(!me.refused);
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// Runs `f` on a thread pinned to the caller's current CPU.
+    fn on_one_cpu<T: Send + 'static>(cpu: usize, f: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::spawn(move || {
+            // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes within it, and
+            // sched_setaffinity(0, ...) reads it for the calling thread only.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut set);
+                assert_eq!(
+                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+                    0
+                );
+            }
+            f()
+        })
+        .join()
+        .unwrap()
+    }
+
+    #[test]
+    fn a_yield_that_lets_a_busy_task_run_its_slice_stops_the_spinning() {
+        use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+        // SAFETY: sched_getcpu takes no arguments.
+        let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let running = std::sync::Arc::new(AtomicBool::new(false));
+        let busy = {
+            let (stop, running) = (stop.clone(), running.clone());
+            std::thread::spawn(move || {
+                on_one_cpu(cpu, move || {
+                    running.store(true, Relaxed);
+                    while !stop.load(Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+        };
+        while !running.load(Relaxed) {
+            std::thread::yield_now();
+        }
+        // The busy thread shares the core. Whenever the scheduler holds it eligible (it has
+        // not run ahead of its share), a yield hands it the core for the rest of its slice:
+        // hundreds of microseconds, far beyond CONTENDED_YIELD. While it is not, a yield comes
+        // back at once; the yielder's own running makes it eligible again within a slice.
+        let contended = on_one_cpu(cpu, || {
+            let mut s = Spinner::default();
+            assert!(s.may_spin(Instant::now()));
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(10) {
+                s.yield_now();
+                if !s.may_spin(Instant::now()) {
+                    return true;
+                }
+            }
+            false
+        });
+        stop.store(true, Relaxed);
+        busy.join().unwrap();
+        assert!(
+            contended,
+            "10 s of yields beside a busy thread on one core all came back at once"
+        );
+    }
+
+    #[test]
+    fn a_spinner_that_found_its_core_shared_spins_again_after_a_while() {
+        let now = Instant::now();
+        let s = Spinner {
+            contended_until: Some(now + CONTENDED_MIN),
+            penalty: CONTENDED_MIN,
+        };
+        assert!(!s.may_spin(now));
+        assert!(s.may_spin(now + CONTENDED_MIN));
+        assert!(Spinner::default().may_spin(now));
+    }
+
+    #[test]
+    fn a_core_found_shared_again_and_again_keeps_the_spinner_off_longer_each_time() {
+        let t0 = Instant::now();
+        let mut s = Spinner::default();
+        s.found_shared(t0);
+        assert_eq!(s.penalty, CONTENDED_MIN);
+        // found again right after the first penalty: twice as long, and so on up to the cap
+        let mut t = t0 + CONTENDED_MIN;
+        for _ in 0..10 {
+            let before = s.penalty;
+            s.found_shared(t);
+            assert_eq!(s.penalty, (before * 2).min(CONTENDED_MAX));
+            assert!(!s.may_spin(t));
+            t += s.penalty;
+        }
+        assert_eq!(s.penalty, CONTENDED_MAX);
+        // a quiet spell as long as the penalty: the next find starts short again
+        s.found_shared(t + 2 * CONTENDED_MAX);
+        assert_eq!(s.penalty, CONTENDED_MIN);
+    }
+}
