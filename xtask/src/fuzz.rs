@@ -17,6 +17,7 @@ pub const TARGETS: &[&str] = &[
     "endpoint",
     "uverbs",
     "bootstrap",
+    "netlink",
 ];
 
 /// Seconds an input may take before libFuzzer reports it as a hang.

@@ -25,6 +25,7 @@ pub mod device;
 pub mod dmabuf;
 pub mod events;
 pub mod ioctl;
+pub mod netlink;
 pub mod paths;
 pub mod peermem;
 pub mod sysfs;
@@ -51,6 +52,13 @@ pub fn complain(args: std::fmt::Arguments<'_>) {
 
 /// The RDMA connection manager's device file (the ucma module's).
 pub const RDMA_CM_PATH: &[u8] = b"/dev/infiniband/rdma_cm";
+/// The prefix of the umad device files (`umadN`, and `issmN` shares it after `/dev/infiniband/`).
+pub const UMAD_PREFIXES: [&[u8]; 2] = [b"/dev/infiniband/umad", b"/dev/infiniband/issm"];
+
+/// Whether `path` is a umad device file.
+pub fn is_umad_path(path: &[u8]) -> bool {
+    UMAD_PREFIXES.iter().any(|p| path.starts_with(p))
+}
 
 static KEYS: AtomicU64 = AtomicU64::new(1);
 /// A process-unique key for an object (event ownership).
@@ -362,6 +370,65 @@ impl Emulation {
         work
     }
 
+    /// The answer to `request`, a datagram sent on an emulated RDMA netlink socket bound to
+    /// `portid`: the datagrams the program then reads ([`netlink::answer`]). Resources are
+    /// this process's (each process under `gpuverbs emu` has devices of its own); counters are
+    /// the soft NIC's, by its own names (zero before the device's first context starts it).
+    pub fn netlink(&self, request: &[u8], portid: u32) -> Vec<Vec<u8>> {
+        let contexts: Vec<Arc<Context>> = {
+            let mut seen = Vec::<Arc<Context>>::new();
+            for e in self.fds.lock().values() {
+                if let FdKind::Device(c) = e.kind() {
+                    if !seen.iter().any(|s| Arc::ptr_eq(s, c)) {
+                        seen.push(c.clone());
+                    }
+                }
+            }
+            seen
+        };
+        let devs: Vec<netlink::NlDevice> = self
+            .devices
+            .iter()
+            .map(|d| {
+                let mut resources = vec![
+                    ("pd", 0),
+                    ("cq", 0),
+                    ("qp", 0),
+                    ("cm_id", 0),
+                    ("mr", 0),
+                    ("ctx", 0),
+                    ("srq", 0),
+                ];
+                for c in contexts.iter().filter(|c| c.dev.id.index == d.id.index) {
+                    for (name, n) in c.resource_counts() {
+                        if let Some(r) = resources.iter_mut().find(|r| r.0 == name) {
+                            r.1 += n;
+                        }
+                    }
+                    if let Some(r) = resources.iter_mut().find(|r| r.0 == "ctx") {
+                        r.1 += 1;
+                    }
+                }
+                let port = d.port();
+                netlink::NlDevice {
+                    index: d.id.index,
+                    name: d.id.name.clone(),
+                    node_guid: d.id.node_guid,
+                    fw_version: sysfs::FW_VER.into(),
+                    cdev: d.id.rdev(),
+                    abi: 1,
+                    port_cap_flags: port.port_cap_flags as u64,
+                    port_state: port.state,
+                    port_phys_state: port.phys_state,
+                    netdev: (1, "lo".into()),
+                    resources,
+                    counters: counter_list(&d.started().map(|s| s.counters()).unwrap_or_default()),
+                }
+            })
+            .collect();
+        netlink::answer(request, portid, &devs)
+    }
+
     /// `open(path, flags)`: `None` when `path` is not an emulated device file. The RDMA CM
     /// device is not emulated: ENOENT, as on a kernel without the ucma module, with one line on
     /// stderr saying so (once per process).
@@ -371,6 +438,16 @@ impl Emulation {
             SAID.call_once(|| {
                 complain(format_args!(
                     "rdma_cm is not emulated; exchange endpoints out of band (ENOENT)"
+                ))
+            });
+            return Some(Err(Errno::ENOENT));
+        }
+        if is_umad_path(path) {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                complain(format_args!(
+                    "umad (management datagrams: infiniband-diags, opensm) is not emulated; a RoCE \
+                     port has no subnet management (ENOENT)"
                 ))
             });
             return Some(Err(Errno::ENOENT));
@@ -709,6 +786,32 @@ fn cdev_stat(id: &config::DeviceIdentity) -> libc::stat {
     st
 }
 
+/// A device's counters by the soft NIC's names ([`softnic::counters::CounterSnapshot`]), as
+/// `rdma statistic` shows them.
+fn counter_list(c: &softnic::counters::CounterSnapshot) -> Vec<(String, u64)> {
+    let w = &c.wire;
+    [
+        ("wqes_executed", c.wqes_executed),
+        ("bytes_moved", c.bytes_moved),
+        ("cqes_written", c.cqes_written),
+        ("error_cqes", c.errors.values().sum()),
+        ("doorbells_seen", c.doorbells_seen),
+        ("bad_doorbells", c.bad_doorbells),
+        ("stale_wqes", c.stale_wqes),
+        ("cq_overruns", c.cq_overruns),
+        ("dc_key_violations", c.dc_key_violations),
+        ("ud_sent", c.ud_sent),
+        ("ud_received", c.ud_received),
+        ("carried_turns", c.carried_turns),
+        ("tx_packets", w.tx_packets),
+        ("tx_bytes", w.tx_bytes),
+        ("rx_packets", w.rx_packets),
+    ]
+    .into_iter()
+    .map(|(n, v)| (n.to_string(), v))
+    .collect()
+}
+
 /// What the emulation leaves in a watched CQ's arm doorbell record once it has taken the
 /// arm there: bit 31 of the big-endian word, which libmlx5 never sets (`sn << 28 | cmd | ci`,
 /// sn two bits).
@@ -864,6 +967,77 @@ mod tests {
         emu.open(path.as_bytes(), libc::O_RDWR)
             .expect("a device path")
             .expect("opened")
+    }
+
+    /// The resource summary of device 0 as `rdma resource` reads it: (name, count) pairs.
+    fn netlink_resources(emu: &Emulation) -> Vec<(String, u64)> {
+        // RDMA_NLDEV_CMD_RES_GET of device 0: header, then DEV_INDEX (1) = 0
+        let mut req = Vec::new();
+        req.extend_from_slice(&24u32.to_ne_bytes());
+        req.extend_from_slice(&((5u16 << 10) | 9).to_ne_bytes());
+        req.extend_from_slice(&1u16.to_ne_bytes());
+        req.extend_from_slice(&[7, 0, 0, 0, 0, 0, 0, 0]);
+        req.extend_from_slice(&8u16.to_ne_bytes());
+        req.extend_from_slice(&1u16.to_ne_bytes());
+        req.extend_from_slice(&0u32.to_ne_bytes());
+        let ans = emu.netlink(&req, 1234);
+        assert_eq!(ans.len(), 1);
+        let m = &ans[0];
+        assert_eq!(u16::from_ne_bytes([m[4], m[5]]), (5 << 10) | 9);
+        assert_eq!(u32::from_ne_bytes([m[12], m[13], m[14], m[15]]), 1234);
+        // walk the attributes to RES_SUMMARY (15), then its entries (16: name 17, count 18)
+        let attrs = |mut b: &[u8]| {
+            let mut v = Vec::new();
+            while b.len() >= 4 {
+                let len = u16::from_ne_bytes([b[0], b[1]]) as usize;
+                v.push((u16::from_ne_bytes([b[2], b[3]]), b[4..len].to_vec()));
+                b = &b[((len + 3) & !3).min(b.len())..];
+            }
+            v
+        };
+        let summary = attrs(&m[16..])
+            .into_iter()
+            .find(|a| a.0 == 15)
+            .expect("summary")
+            .1;
+        attrs(&summary)
+            .into_iter()
+            .map(|(_, e)| {
+                let e = attrs(&e);
+                let name = &e.iter().find(|a| a.0 == 17).unwrap().1;
+                let n = &e.iter().find(|a| a.0 == 18).unwrap().1;
+                (
+                    String::from_utf8(name[..name.len() - 1].to_vec()).unwrap(),
+                    u64::from_ne_bytes(n[..8].try_into().unwrap()),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn netlink_counts_this_processs_contexts_and_objects_and_umad_is_refused() {
+        let emu = emulation();
+        let count = |name: &str| {
+            netlink_resources(&emu)
+                .into_iter()
+                .find(|r| r.0 == name)
+                .map(|r| r.1)
+        };
+        assert_eq!(count("ctx"), Some(0));
+        assert_eq!(count("cm_id"), Some(0));
+        let fd = open_device(&emu);
+        let copy = dup(&emu, fd);
+        assert_eq!(count("ctx"), Some(1), "a dup is the same context");
+        assert_eq!(count("qp"), Some(0));
+        close(&emu, fd, true);
+        close(&emu, copy, true);
+        assert_eq!(count("ctx"), Some(0));
+        for p in [&b"/dev/infiniband/umad0"[..], b"/dev/infiniband/issm1"] {
+            assert!(matches!(
+                emu.open(p, libc::O_RDWR),
+                Some(Err(Errno::ENOENT))
+            ));
+        }
     }
 
     #[test]

@@ -70,6 +70,7 @@ fn guard<T>(fail: T, f: impl FnOnce() -> Result<T, Errno>) -> T {
 
 mod cuda;
 mod dup;
+mod netlink;
 mod paths;
 
 /// The path bytes when `path` names an emulated device file (cheap prefix test first).
@@ -79,7 +80,10 @@ unsafe fn device_path<'a>(path: *const c_char) -> Option<&'a [u8]> {
     }
     // SAFETY: the caller passed a NUL-terminated path (as open/stat require).
     let p = unsafe { CStr::from_ptr(path) }.to_bytes();
-    (p.starts_with(b"/dev/infiniband/uverbs") || p == uverbs::RDMA_CM_PATH).then_some(p)
+    (p.starts_with(b"/dev/infiniband/uverbs")
+        || p == uverbs::RDMA_CM_PATH
+        || uverbs::is_umad_path(p))
+    .then_some(p)
 }
 
 fn open_device(p: &[u8], flags: c_int) -> Option<c_int> {
@@ -168,6 +172,9 @@ pub unsafe extern "C" fn openat64(
 
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if netlink::is_ours(fd) {
+        netlink::close(fd);
+    }
     if is_ours(fd) {
         if let Some(emu) = emulation() {
             let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| emu.close(fd)))
@@ -194,6 +201,10 @@ pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t
 
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    if netlink::is_ours(fd) {
+        // SAFETY: the caller's buffer of `n` bytes.
+        return netlink::request(fd, unsafe { bytes(buf, n) });
+    }
     if is_ours(fd) {
         if let Some(emu) = emulation() {
             return guard(-1, || emu.write(fd, buf as u64, n).map(|v| v as ssize_t));
@@ -357,17 +368,184 @@ pub unsafe extern "C" fn fstat64(fd: c_int, out: *mut libc::stat) -> c_int {
     unsafe { real!(c"fstat64": fn(c_int, *mut libc::stat) -> c_int)(fd, out) }
 }
 
-/// `NETLINK_RDMA`.
-const NETLINK_RDMA: c_int = 20;
-
 #[no_mangle]
 pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
-    if domain == libc::AF_NETLINK && protocol == NETLINK_RDMA && emulation().is_some() {
-        // As on a kernel without RDMA: libibverbs then scans $SYSFS_PATH, which names the
-        // emulated devices (and not the host's).
-        set_errno(Errno::EPROTONOSUPPORT);
-        return -1;
+    if domain == libc::AF_NETLINK
+        && protocol == uverbs::netlink::NETLINK_RDMA
+        && emulation().is_some()
+    {
+        // The emulated devices' netlink (never the host's: libibverbs and `rdma` see the
+        // emulated devices only).
+        return netlink::open(ty);
     }
     // SAFETY: libc's socket with the caller's arguments.
     unsafe { real!(c"socket": fn(c_int, c_int, c_int) -> c_int)(domain, ty, protocol) }
+}
+
+/// `n` bytes at `buf` (none when null).
+///
+/// # Safety
+/// `buf` points to `n` readable bytes or is null.
+unsafe fn bytes<'a>(buf: *const c_void, n: size_t) -> &'a [u8] {
+    if buf.is_null() {
+        return &[];
+    }
+    // SAFETY: as the caller's contract.
+    unsafe { std::slice::from_raw_parts(buf as *const u8, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn bind(
+    fd: c_int,
+    addr: *const libc::sockaddr,
+    len: libc::socklen_t,
+) -> c_int {
+    if netlink::is_ours(fd) {
+        // SAFETY: the caller's address of `len` bytes.
+        return unsafe { netlink::bind(fd, addr, len) };
+    }
+    // SAFETY: libc's bind with the caller's arguments.
+    unsafe {
+        real!(c"bind": fn(c_int, *const libc::sockaddr, libc::socklen_t) -> c_int)(fd, addr, len)
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockname(
+    fd: c_int,
+    addr: *mut libc::sockaddr,
+    len: *mut libc::socklen_t,
+) -> c_int {
+    if netlink::is_ours(fd) {
+        // SAFETY: the caller's arguments, as getsockname takes them.
+        return unsafe { netlink::getsockname(fd, addr, len) };
+    }
+    // SAFETY: libc's getsockname with the caller's arguments.
+    unsafe {
+        real!(c"getsockname": fn(c_int, *mut libc::sockaddr, *mut libc::socklen_t) -> c_int)(
+            fd, addr, len,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: libc::socklen_t,
+) -> c_int {
+    if level == libc::SOL_NETLINK && netlink::is_ours(fd) {
+        // extended ACKs, strict checking, capped ACKs: the answers are what they are
+        return 0;
+    }
+    // SAFETY: libc's setsockopt with the caller's arguments.
+    unsafe {
+        real!(c"setsockopt": fn(c_int, c_int, c_int, *const c_void, libc::socklen_t) -> c_int)(
+            fd, level, name, val, len,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    if netlink::is_ours(fd) {
+        // SAFETY: the caller's buffer of `n` bytes.
+        return netlink::request(fd, unsafe { bytes(buf, n) });
+    }
+    // SAFETY: libc's send with the caller's arguments.
+    unsafe { real!(c"send": fn(c_int, *const c_void, size_t, c_int) -> ssize_t)(fd, buf, n, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *const libc::sockaddr,
+    len: libc::socklen_t,
+) -> ssize_t {
+    if netlink::is_ours(fd) {
+        // SAFETY: the caller's buffer of `n` bytes (the address is the kernel's, whatever it
+        // says).
+        return netlink::request(fd, unsafe { bytes(buf, n) });
+    }
+    // SAFETY: libc's sendto with the caller's arguments.
+    unsafe {
+        real!(c"sendto": fn(c_int, *const c_void, size_t, c_int, *const libc::sockaddr, libc::socklen_t) -> ssize_t)(
+            fd, buf, n, flags, addr, len,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_int) -> ssize_t {
+    if netlink::is_ours(fd) && !msg.is_null() {
+        let mut req = Vec::new();
+        // SAFETY: the caller's msghdr names `msg_iovlen` live iovecs of readable bytes.
+        unsafe {
+            let m = &*msg;
+            if !m.msg_iov.is_null() {
+                for v in std::slice::from_raw_parts(m.msg_iov, m.msg_iovlen) {
+                    req.extend_from_slice(bytes(v.iov_base, v.iov_len));
+                }
+            }
+        }
+        return netlink::request(fd, &req);
+    }
+    // SAFETY: libc's sendmsg with the caller's arguments.
+    unsafe { real!(c"sendmsg": fn(c_int, *const libc::msghdr, c_int) -> ssize_t)(fd, msg, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut libc::msghdr, flags: c_int) -> ssize_t {
+    // SAFETY: libc's recvmsg; `msg` is the caller's (with its name cleared around the call for
+    // an emulated netlink socket, and restored before returning).
+    unsafe {
+        let real = real!(c"recvmsg": fn(c_int, *mut libc::msghdr, c_int) -> ssize_t);
+        if !netlink::is_ours(fd) || msg.is_null() {
+            return real(fd, msg, flags);
+        }
+        let (name, room) = ((*msg).msg_name, (*msg).msg_namelen);
+        (*msg).msg_name = std::ptr::null_mut();
+        (*msg).msg_namelen = 0;
+        let r = real(fd, msg, flags);
+        (*msg).msg_name = name;
+        (*msg).msg_namelen = room;
+        if r >= 0 && !name.is_null() {
+            netlink::kernel_addr(name as *mut libc::sockaddr, &mut (*msg).msg_namelen);
+        }
+        r
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *mut libc::sockaddr,
+    len: *mut libc::socklen_t,
+) -> ssize_t {
+    if netlink::is_ours(fd) {
+        // SAFETY: libc's recv with the caller's buffer; then the kernel's address into the
+        // caller's.
+        unsafe {
+            let r =
+                real!(c"recv": fn(c_int, *mut c_void, size_t, c_int) -> ssize_t)(fd, buf, n, flags);
+            if r >= 0 {
+                netlink::kernel_addr(addr, len);
+            }
+            return r;
+        }
+    }
+    // SAFETY: libc's recvfrom with the caller's arguments.
+    unsafe {
+        real!(c"recvfrom": fn(c_int, *mut c_void, size_t, c_int, *mut libc::sockaddr, *mut libc::socklen_t) -> ssize_t)(
+            fd, buf, n, flags, addr, len,
+        )
+    }
 }

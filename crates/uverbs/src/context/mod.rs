@@ -232,6 +232,19 @@ impl Context {
         self.soft.lock().clone().ok_or(Errno::EINVAL)
     }
 
+    /// How many objects of each kind the context holds, by the kernel's resource names (what
+    /// `rdma resource` counts).
+    pub fn resource_counts(&self) -> [(&'static str, u64); 5] {
+        let o = self.objs.lock();
+        [
+            ("pd", o.pds.len() as u64),
+            ("cq", o.cqs.len() as u64),
+            ("qp", o.qps.len() as u64),
+            ("mr", o.mrs.len() as u64),
+            ("srq", o.srqs.len() as u64),
+        ]
+    }
+
     /// The device's view of UAR page `page_id` (a CQ's or QP's `uar_page`): a static page
     /// (ids 1..=n) or one allocated with the UAR ioctl.
     fn uar_page(&self, o: &Objects, page_id: u32) -> Option<(Arc<DmaBuf>, bool)> {
