@@ -99,6 +99,7 @@ impl Device {
             port,
             peers: RwLock::default(),
             carried_at: AtomicU64::new(0),
+            last_turn: AtomicU64::new(0),
             epoch: Instant::now(),
         });
         shared::register(&shared, wire)?;
@@ -553,4 +554,36 @@ impl std::fmt::Debug for Device {
             .field("wire", &self.wire_addr())
             .finish()
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_polling_loop_carries_the_device_and_a_lone_poll_does_not() {
+        let dev = Device::open(DeviceConfig::default()).unwrap();
+        let s = dev.shared();
+        assert!(!s.carried());
+        // one turn, as an event handler's poll: the device's threads keep their own pace
+        dev.progress();
+        assert!(!s.carried());
+        std::thread::sleep(STEADY_GAP);
+        dev.progress();
+        assert!(!s.carried(), "two polls far apart are no loop");
+        // a loop: turns back to back (however loaded the machine, two of a thousand are
+        // close enough)
+        for _ in 0..1000 {
+            dev.progress();
+            if s.carried() {
+                break;
+            }
+        }
+        assert!(s.carried());
+        dev.carry_end();
+        assert!(!s.carried());
+    }
+
+    /// Longer than what makes two turns a loop.
+    const STEADY_GAP: std::time::Duration = std::time::Duration::from_millis(2);
 }

@@ -41,9 +41,12 @@ pub(crate) struct Shared {
     pub port: Option<Arc<Port>>,
     /// GID → UDP address of wire peers ([`Device::add_peer`]).
     pub peers: RwLock<HashMap<Gid, SocketAddr>>,
-    /// When a thread of the program last carried the device ([`crate::Device::progress`]),
-    /// in nanoseconds after `epoch` (0: never). See [`Shared::carried`].
+    /// When a thread of the program last carried the device ([`crate::Device::progress`]) in
+    /// a polling loop (its previous turn less than [`STEADY`] before), in nanoseconds after
+    /// `epoch` (0: never). See [`Shared::carried`].
     pub carried_at: AtomicU64,
+    /// When a thread of the program last gave the device a turn, loop or not (0: never).
+    pub last_turn: AtomicU64,
     pub epoch: Instant,
 }
 
@@ -51,11 +54,20 @@ pub(crate) struct Shared {
 /// spinning.
 const CARRIED_FOR: Duration = Duration::from_millis(1);
 
+/// Turns of the program's threads this close together are a polling loop: what carries the
+/// device. A lone poll (an event handler's, a program that polls now and then while its main
+/// loop reads CQ memory, as UCX's `rc_mlx5` does) carries nothing, and must not make the
+/// device's own threads step back for [`CARRIED_FOR`].
+const STEADY: Duration = Duration::from_micros(100);
+
 impl Shared {
-    /// Notes that a thread of the program carries the device now.
+    /// Notes that a thread of the program gives the device a turn now.
     pub fn carry(&self) {
         let t = self.epoch.elapsed().as_nanos().max(1) as u64;
-        self.carried_at.store(t, Ordering::Relaxed);
+        let prev = self.last_turn.swap(t, Ordering::Relaxed);
+        if prev != 0 && t.saturating_sub(prev) < STEADY.as_nanos() as u64 {
+            self.carried_at.store(t, Ordering::Relaxed);
+        }
     }
     /// A thread of the program carried the device within [`CARRIED_FOR`]: the device's own
     /// threads (engine, wire I/O) then sleep instead of spinning when idle, which would only
