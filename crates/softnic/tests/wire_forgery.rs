@@ -549,6 +549,12 @@ fn answers_go_to_the_connected_peer_not_to_the_source() {
     for (mode, o) in modes() {
         let (p, e, _) = warm_pair(o.clone());
         let f = Forger::plain(p.b.dev.wire_addr().unwrap());
+        // B counts a datagram once its send returned, which may be after A took it (the
+        // warm-up WRITE's ACK): wait until B has counted all that A received, or the ACK
+        // would be counted twice below
+        wait_for("B to count its ACK", Duration::from_secs(5), || {
+            p.b.dev.counters().wire.tx_packets >= p.a.dev.counters().wire.rx_packets
+        });
         let before_a = p.a.dev.counters().wire;
         let before = p.b.dev.counters().wire;
         let payload = [1u8; 64];
