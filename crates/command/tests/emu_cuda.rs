@@ -2,8 +2,10 @@
 //! (`tests/cuda/fake_libcuda.c`) and a probe (`tests/cuda/probe.c`) that finds the driver as the
 //! CUDA runtime does (dlopen, dlsym, cuGetProcAddress) and as a linked program does, under
 //! `gpuverbs emu`. The preload must hand the probe its wrappers: an emulated UAR page asked
-//! for as I/O memory reaches the driver as mapped host memory, a plain page reaches it as
-//! asked; the emulation's counters must count the two rewrites; and the program's own
+//! for as I/O memory in two parts (a doorbell register each, as NVSHMEM's IBGDA asks) reaches
+//! the driver once, as mapped host memory, and goes back to it with the last part's
+//! unregister; a plain page reaches it as asked; the emulation's counters must count the four
+//! rewrites; and the program's own
 //! `dlsym(RTLD_NEXT, …)` must still start after the program (the preload defines `dlsym`).
 //! (The dma-buf records are tested in `uverbs::dmabuf`, and end to end on the GPU machine.)
 //!
@@ -80,9 +82,15 @@ fn an_emulated_uar_page_registers_as_mapped_host_memory_whichever_way_the_driver
         2,
         "{out}"
     );
+    assert_eq!(
+        out.matches("uar page unregistered with its last register")
+            .count(),
+        2,
+        "{out}"
+    );
     let text = std::fs::read_to_string(&counters).unwrap();
     assert!(
-        text.lines().any(|l| l.starts_with("cuda iomem_uar=2 ")),
+        text.lines().any(|l| l.starts_with("cuda iomem_uar=4 ")),
         "{text}"
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -8,7 +8,11 @@
 //!   ConnectX's UAR is BAR space, which the driver maps for the GPU as I/O memory; the emulated
 //!   page is shared host memory, which the driver refuses as I/O memory, so it is registered as
 //!   mapped host memory instead (what the GPU gets is the same: a device address whose stores
-//!   reach the device). Any other range goes to the driver untouched.
+//!   reach the device). The driver takes BAR registrations of parts of one page (a QP's
+//!   doorbell register each, as NVSHMEM's IBGDA registers them); host memory it takes by whole
+//!   pages, once. So the first such part registers its whole pages, a later part of pages
+//!   already registered is answered here, and `cuMemHostUnregister` of a part lets the pages go
+//!   with the last one ([`UarPages`]). Any other range goes to the driver untouched.
 //! - `cuMemGetHandleForAddressRange` with `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`: the driver
 //!   exports the range; the emulated kernel records which GPU range the dma-buf holds
 //!   ([`uverbs::dmabuf::exported`]), so that a DEVX umem or a memory region on that dma-buf
@@ -21,6 +25,7 @@
 use libc::{c_char, c_int, c_uint, c_void, size_t};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// `CUresult`.
 type CuResult = c_int;
@@ -40,6 +45,7 @@ type GetProcV1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u6
 type GetProcV2 =
     unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
 type HostRegister = unsafe extern "C" fn(*mut c_void, size_t, c_uint) -> CuResult;
+type HostUnregister = unsafe extern "C" fn(*mut c_void) -> CuResult;
 type GetHandle = unsafe extern "C" fn(*mut c_void, u64, size_t, c_int, u64) -> CuResult;
 
 /// glibc's `dlsym` (looked up once with `dlvsym`, which this library does not define).
@@ -77,6 +83,7 @@ static GET_PROC_V1: Slot = Slot::new(c"cuGetProcAddress");
 static GET_PROC_V2: Slot = Slot::new(c"cuGetProcAddress_v2");
 static HOST_REGISTER_V1: Slot = Slot::new(c"cuMemHostRegister");
 static HOST_REGISTER_V2: Slot = Slot::new(c"cuMemHostRegister_v2");
+static HOST_UNREGISTER: Slot = Slot::new(c"cuMemHostUnregister");
 static GET_HANDLE: Slot = Slot::new(c"cuMemGetHandleForAddressRange");
 
 impl Slot {
@@ -121,6 +128,9 @@ fn wrapper_of(name: &[u8], v2_abi: bool) -> Option<(usize, &'static Slot)> {
             cuMemHostRegister_v2 as *const () as usize,
             &HOST_REGISTER_V2,
         ),
+        (b"cuMemHostUnregister", _) => {
+            (cuMemHostUnregister as *const () as usize, &HOST_UNREGISTER)
+        }
         (b"cuMemGetHandleForAddressRange", _) => (
             cuMemGetHandleForAddressRange as *const () as usize,
             &GET_HANDLE,
@@ -135,6 +145,7 @@ fn is_wrapper(p: usize) -> bool {
         cuGetProcAddress_v2 as *const () as usize,
         cuMemHostRegister as *const () as usize,
         cuMemHostRegister_v2 as *const () as usize,
+        cuMemHostUnregister as *const () as usize,
         cuMemGetHandleForAddressRange as *const () as usize,
     ]
     .contains(&p)
@@ -271,18 +282,94 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     r
 }
 
-/// The flags to register `p..p+len` with: IOMEMORY of an emulated UAR page becomes mapped host
-/// memory; anything else as asked.
-fn host_register_flags(p: *mut c_void, len: size_t, flags: c_uint) -> c_uint {
+/// Whether `p..p+len`, asked for as I/O memory, lies in an emulated UAR page (and is counted as
+/// one rewritten registration).
+fn is_uar_iomem(p: *mut c_void, len: size_t, flags: c_uint) -> bool {
     if flags & IOMEMORY == 0 {
-        return flags;
+        return false;
     }
     let uar = std::panic::catch_unwind(|| uverbs::is_emulated_uar(p as u64, len as u64));
     if !matches!(uar, Ok(true)) {
-        return flags;
+        return false;
     }
     uverbs::CUDA_SEEN.iomem_uar.fetch_add(1, Ordering::Relaxed);
-    (flags & !IOMEMORY) | DEVICEMAP
+    true
+}
+
+/// Emulated UAR pages registered with the driver as mapped host memory: each run of whole
+/// pages once, with the addresses the program registered in it (parts of it, as BAR
+/// registrations may be).
+struct UarPages(Mutex<Vec<UarRun>>);
+
+struct UarRun {
+    start: usize,
+    len: usize,
+    /// The addresses the program registered in the run, each until it unregisters it.
+    parts: Vec<usize>,
+}
+
+static UAR_PAGES: UarPages = UarPages(Mutex::new(Vec::new()));
+
+const PAGE: usize = 4096;
+
+impl UarPages {
+    fn runs(&self) -> std::sync::MutexGuard<'_, Vec<UarRun>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers `p..p+len` of a UAR page through `real`: its whole pages, unless a run already
+    /// holds them.
+    ///
+    /// # Safety
+    /// `real` is the driver's `cuMemHostRegister` (either ABI: their arguments are the same).
+    unsafe fn register(&self, real: HostRegister, p: usize, len: usize, flags: c_uint) -> CuResult {
+        let start = p & !(PAGE - 1);
+        let end = (p.saturating_add(len.max(1)) + PAGE - 1) & !(PAGE - 1);
+        let mut runs = self.runs();
+        if let Some(run) = runs
+            .iter_mut()
+            .find(|r| r.start <= start && end <= r.start + r.len)
+        {
+            run.parts.push(p);
+            return 0;
+        }
+        let flags = (flags & !IOMEMORY) | DEVICEMAP;
+        // SAFETY: the driver's cuMemHostRegister on whole pages of a live UAR mapping.
+        let r = unsafe { real(start as *mut c_void, end - start, flags) };
+        if r == 0 {
+            runs.push(UarRun {
+                start,
+                len: end - start,
+                parts: vec![p],
+            });
+        }
+        r
+    }
+
+    /// Takes `p`'s registration back.
+    fn unregister(&self, p: usize) -> Unregister {
+        let mut runs = self.runs();
+        let Some(i) = runs.iter().position(|r| r.parts.contains(&p)) else {
+            return Unregister::NotOurs;
+        };
+        let parts = &mut runs[i].parts;
+        parts.retain(|&q| q != p);
+        if parts.is_empty() {
+            Unregister::LastPart(runs.swap_remove(i).start)
+        } else {
+            Unregister::Kept
+        }
+    }
+}
+
+/// What [`UarPages::unregister`] found.
+enum Unregister {
+    /// Other parts of the run remain registered.
+    Kept,
+    /// The run's last part: its pages (from this address) go back to the driver.
+    LastPart(usize),
+    /// No part of a run: the driver's to answer.
+    NotOurs,
 }
 
 /// A `cuMemHostRegister` through `slot`.
@@ -293,9 +380,30 @@ unsafe fn host_register(slot: &Slot, p: *mut c_void, len: size_t, flags: c_uint)
     let Some(real) = slot.get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
-    let flags = host_register_flags(p, len, flags);
+    // SAFETY: the driver's cuMemHostRegister, whose C signature this type states.
+    let real = unsafe { std::mem::transmute::<usize, HostRegister>(real) };
+    if is_uar_iomem(p, len, flags) {
+        // SAFETY: `real` is the driver's; the range lies in an emulated UAR mapping.
+        return unsafe { UAR_PAGES.register(real, p as usize, len, flags) };
+    }
     // SAFETY: the driver's cuMemHostRegister with the caller's range.
-    unsafe { std::mem::transmute::<usize, HostRegister>(real)(p, len, flags) }
+    unsafe { real(p, len, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CuResult {
+    let Some(real) = HOST_UNREGISTER.get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: the driver's cuMemHostUnregister, whose C signature this type states.
+    let real = unsafe { std::mem::transmute::<usize, HostUnregister>(real) };
+    match std::panic::catch_unwind(|| UAR_PAGES.unregister(p as usize)) {
+        Ok(Unregister::Kept) => 0,
+        // SAFETY: the start of pages this library registered, now without a part.
+        Ok(Unregister::LastPart(start)) => unsafe { real(start as *mut c_void) },
+        // SAFETY: forwarded.
+        Ok(Unregister::NotOurs) | Err(_) => unsafe { real(p) },
+    }
 }
 
 #[no_mangle]
