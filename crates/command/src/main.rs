@@ -229,11 +229,15 @@ fn emu(a: Emu) -> anyhow::Result<ExitCode> {
     let run = || -> anyhow::Result<ExitCode> {
         uverbs::sysfs::write_tree(&dir, &cfg)
             .with_context(|| format!("cannot write the sysfs tree in {}", dir.display()))?;
-        let status = std::process::Command::new(prog)
+        let mut child = std::process::Command::new(prog)
             .args(args)
             .envs(environment(&cfg, &dir, &lib))
-            .status()
+            .spawn()
             .with_context(|| format!("cannot run {prog}"))?;
+        forward_signals_to(child.id());
+        let status = child
+            .wait()
+            .with_context(|| format!("waiting for {prog}"))?;
         use std::os::unix::process::ExitStatusExt as _;
         let code = match (status.code(), status.signal()) {
             (Some(c), _) => c,
@@ -247,6 +251,39 @@ fn emu(a: Emu) -> anyhow::Result<ExitCode> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     r
+}
+
+/// The process `gpuverbs emu` runs (0: none yet), for [`forward_signal`].
+static CHILD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// From now on SIGTERM, SIGHUP, SIGINT and SIGQUIT sent to this process by another one
+/// (`kill`, `timeout`) go on to `pid`, so that stopping `gpuverbs emu` stops what it runs, as
+/// stopping a program started without it would. A signal the kernel sends (a terminal's ^C,
+/// which reaches the whole process group, the child included) is not sent twice: this
+/// process then just waits for the child.
+fn forward_signals_to(pid: u32) {
+    CHILD.store(pid as i32, std::sync::atomic::Ordering::Release);
+    for sig in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT, libc::SIGQUIT] {
+        // SAFETY: a zeroed sigaction with an SA_SIGINFO handler of the matching signature;
+        // the handler only loads an atomic and calls kill(2), both async-signal-safe.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = forward_signal as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+extern "C" fn forward_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let from_a_process = !info.is_null() && unsafe { (*info).si_code } <= 0;
+    let pid = CHILD.load(std::sync::atomic::Ordering::Acquire);
+    if from_a_process && pid > 0 {
+        // SAFETY: kill(2) on the child's pid, async-signal-safe.
+        unsafe { libc::kill(pid, sig) };
+    }
 }
 
 fn main() -> ExitCode {
