@@ -312,15 +312,18 @@ pub fn counters_report(emu: &Emulation) -> String {
     for d in emu.devices.iter() {
         if let Some(s) = d.started() {
             let c = s.counters();
+            let by_syndrome: Vec<String> =
+                c.errors.iter().map(|(s, n)| format!("{s:?}:{n}")).collect();
             out += &format!(
-                "{} wqes={} bad_doorbells={} stale_wqes={} cq_overruns={} error_cqes={} carried_turns={}\n",
+                "{} wqes={} bad_doorbells={} stale_wqes={} cq_overruns={} error_cqes={} carried_turns={} errors=[{}]\n",
                 d.id.name,
                 c.wqes_executed,
                 c.bad_doorbells,
                 c.stale_wqes,
                 c.cq_overruns,
                 c.errors.values().sum::<u64>(),
-                c.carried_turns
+                c.carried_turns,
+                by_syndrome.join(",")
             );
         }
     }
