@@ -985,14 +985,8 @@ fn answered(
             if let (Response::AtomicAck(old), Prepared::Atomic(_, kind, res)) =
                 (&response, prepared)
             {
-                let bytes = old.to_ne_bytes();
-                let n = kind.size() as usize;
-                // The original value lands host-endian (mlx5 in host-endian atomic mode).
-                let src = if n == 8 {
-                    &bytes[..]
-                } else {
-                    &(*old as u32).to_ne_bytes()[..]
-                };
+                let bytes = crate::responder::atomic_result_bytes(*old, kind.size());
+                let src = &bytes[..kind.size() as usize];
                 // SAFETY: `res` was checked (LOCAL_WRITE, exactly n bytes) under the caller's
                 // guard, still held.
                 if let Err(e) = unsafe { write_range(res, 0, src) } {

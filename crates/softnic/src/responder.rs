@@ -506,6 +506,20 @@ fn copy_failed(r: &Resp<'_>, e: CopyError) -> Response {
     }
 }
 
+/// The bytes of an atomic's original value as the requester's result segment receives them
+/// (the first `size` of them): an 8-byte value host-endian (the 8-byte atomic response mode
+/// the emulated device reports, `atomic_req_8B_endianness_mode` 1, which libmlx5 selects), a
+/// 4-byte one (masked atomics only) big-endian, as a ConnectX writes it (NVSHMEM's IBGDA swaps
+/// a 4-byte fetched value and reads an 8-byte one as it is). Target memory holds host-endian
+/// values in both cases.
+pub(crate) fn atomic_result_bytes(old: u64, size: u32) -> [u8; 8] {
+    let mut b = old.to_ne_bytes();
+    if size == 4 {
+        b[..4].copy_from_slice(&(old as u32).to_be_bytes());
+    }
+    b
+}
+
 /// What an atomic makes of the original value: the new value, or `None` to leave it.
 fn atomic_op(kind: AtomicKind) -> impl Fn(u64) -> Option<u64> {
     move |old: u64| -> Option<u64> {

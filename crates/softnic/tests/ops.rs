@@ -478,8 +478,9 @@ fn atomics_every_kind() {
                     want_r[roff..roff + 8].copy_from_slice(&old.to_ne_bytes());
                 }
                 AtomicSize::B4 => {
+                    // the 4-byte original value lands big-endian (as a ConnectX writes it)
                     want_t[toff..toff + 4].copy_from_slice(&(new as u32).to_ne_bytes());
-                    want_r[roff..roff + 4].copy_from_slice(&(old as u32).to_ne_bytes());
+                    want_r[roff..roff + 4].copy_from_slice(&(old as u32).to_be_bytes());
                 }
             }
             assert_eq!(

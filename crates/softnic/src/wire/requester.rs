@@ -1063,11 +1063,8 @@ fn take_atomic_result(
     if let OutOp::Atomic { kind, result, .. } = &m.op {
         let old = pkt.atomic_ack.unwrap_or(0);
         let n = kind.size() as usize;
-        let bytes = old.to_ne_bytes();
-        let small = (old as u32).to_ne_bytes();
-        // The original value lands host-endian (mlx5 host-endian atomic mode), as on the
-        // in-process path.
-        let v: &[u8] = if n == 8 { &bytes } else { &small };
+        let bytes = crate::responder::atomic_result_bytes(old, kind.size());
+        let v = &bytes[..n];
         match g.check(
             qp.pd,
             Access::LOCAL_WRITE,

@@ -344,12 +344,14 @@ impl Model {
                 };
                 let nb = new.to_ne_bytes();
                 let ob = old.to_ne_bytes();
+                // a 4-byte original value lands big-endian in the result (as a ConnectX
+                // writes it); targets hold host-endian values
                 let (nb, ob) = if n == 8 {
                     (&nb[..], &ob[..])
                 } else {
                     (
                         &(new as u32).to_ne_bytes()[..],
-                        &(old as u32).to_ne_bytes()[..],
+                        &(old as u32).to_be_bytes()[..],
                     )
                 };
                 self.mems[m][o..o + n].copy_from_slice(nb);
