@@ -53,9 +53,10 @@ if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d 2
     mps=1
 fi
 
-# ibgda_up LOG: NVSHMEM brought the IBGDA transport up and did not fall back to IBRC.
+# ibgda_up LOG: NVSHMEM brought the IBGDA transport up (no other remote transport is loaded, so
+# a run without it fails).
 ibgda_up() {
-    grep -qi "ibgda" "$1" && ! grep -qiE "Skipping|falling back|no active IB device that supports GPU" "$1"
+    grep -q "Successfully initialized the transport: IBGDA" "$1"
 }
 
 for h in ${HANDLERS:-gpu cpu_host_memory}; do
@@ -72,8 +73,9 @@ for h in ${HANDLERS:-gpu cpu_host_memory}; do
     wait "$pid1"
     rc1=$?
     if [ "$mode" = bench ]; then
-        grep '^{' "$log/$name.0.log"
-        if [ "$rc0" = 0 ] && [ "$rc1" = 0 ] && ibgda_up "$log/$name.0.log"; then
+        grep -h '^{' "$log/$name.0.log" "$log/$name.1.log"
+        if [ "$rc0" = 0 ] && [ "$rc1" = 0 ] && ibgda_up "$log/$name.0.log" &&
+            ! grep -qh '"validated":false' "$log/$name.0.log" "$log/$name.1.log"; then
             ok "bench, NIC handler $h"
         else
             bad "bench, NIC handler $h (rc $rc0/$rc1; see $log/$name.*)"
@@ -114,10 +116,11 @@ gv() {
 if [ "$mode" = bench ] && [ -n "$samples" ]; then
     echo "gpuverbs on the same emulated devices:"
     for size in 8 4096; do
-        gv "put_bw_${size}_1x1" put_bw -s "$size" -n 2000 --ctas 1 --threads 1
-        gv "put_bw_${size}_1x32" put_bw -s "$size" -n 6400 --ctas 1 --threads 32
-        gv "put_bw_${size}_8x32" put_bw -s "$size" -n 12800 --ctas 8 --threads 32
-        gv "write_lat_$size" write_lat -s "$size" -n 1000
+        # payloads in GPU memory registered through dma-bufs, as NVSHMEM's symmetric heap is
+        gv "put_bw_${size}_1x1" put_bw -s "$size" -n 2000 --ctas 1 --threads 1 --mem gpu --use_cuda_dmabuf
+        gv "put_bw_${size}_1x32" put_bw -s "$size" -n 6400 --ctas 1 --threads 32 --mem gpu --use_cuda_dmabuf
+        gv "put_bw_${size}_8x32" put_bw -s "$size" -n 12800 --ctas 8 --threads 32 --mem gpu --use_cuda_dmabuf
+        gv "write_lat_$size" write_lat -s "$size" -n 1000 --mem gpu --use_cuda_dmabuf --signal
     done
 fi
 if [ "$mps" = 1 ]; then
