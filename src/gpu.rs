@@ -330,20 +330,35 @@ impl Gpu {
         Ok(dptr + (addr - start))
     }
 
-    /// Allocates `len` bytes of device memory, zeroed.
+    /// Allocates `len` bytes of device memory, zeroed, starting on a host page and followed by
+    /// the rest of its last page within the allocation: whole host pages, which a dma-buf
+    /// export needs (`cuMemGetHandleForAddressRange` takes page-aligned ranges inside one
+    /// allocation, and the driver's small allocations share pages), so a registration of any
+    /// size goes through a dma-buf where the device offers one.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Result<DeviceMem, CudaError> {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let page = host_page() as usize;
+        let bytes = len
+            .max(1)
+            .checked_next_multiple_of(page)
+            .and_then(|n| n.checked_add(page))
+            .ok_or(CudaError::Driver {
+                op: "cuMemAlloc size",
+                source: DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE),
+            })?;
         // SAFETY: plain allocation; freed when the last DeviceMem clone drops.
-        let dptr = unsafe { cudarc::driver::result::malloc_sync(len.max(1)) }
-            .map_err(drv("cuMemAlloc"))?;
+        let base =
+            unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(drv("cuMemAlloc"))?;
+        let dptr = base.next_multiple_of(page as u64);
         let mem = DeviceMem(Arc::new(Alloc {
             gpu: self.clone(),
+            base,
             dptr,
             len,
             buffer_id: std::sync::OnceLock::new(),
         }));
-        // SAFETY: dptr holds at least len bytes.
-        unsafe { cudarc::driver::result::memset_d8_sync(dptr, 0, len.max(1)) }
+        // SAFETY: base holds `bytes` bytes.
+        unsafe { cudarc::driver::result::memset_d8_sync(base, 0, bytes) }
             .map_err(drv("cuMemsetD8"))?;
         Ok(mem)
     }
@@ -485,6 +500,9 @@ pub struct DeviceMem(Arc<Alloc>);
 
 pub(crate) struct Alloc {
     gpu: Arc<Gpu>,
+    /// What cuMemAlloc returned (freed on drop).
+    base: u64,
+    /// The buffer's first byte: `base` rounded up to a host page.
     dptr: u64,
     len: usize,
     /// CUDA's buffer ID of the allocation, once asked ([`DeviceMem::buffer_id`]).
@@ -580,7 +598,7 @@ impl Drop for Alloc {
     fn drop(&mut self) {
         if self.gpu.ctx.bind_to_thread().is_ok() {
             // SAFETY: allocated in `Gpu::alloc`, freed once, when the last clone is gone.
-            let _ = unsafe { cudarc::driver::result::free_sync(self.dptr) };
+            let _ = unsafe { cudarc::driver::result::free_sync(self.base) };
         }
     }
 }
