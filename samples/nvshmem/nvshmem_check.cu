@@ -10,7 +10,8 @@
 // Cases: putmem at every power of two 8 B .. 1 MiB (both PEs at once, thread scope), the same
 // sizes from a block (nvshmemx_putmem_block), 1024 threads' nvshmem_int_p + quiet, 32- and 64-bit
 // fetch-add (one thread, then 256: the fetched values must be a permutation of the counter's
-// states) and compare-swap (taken and not taken), putmem_signal + signal_wait_until as a ping-pong
+// states; then both sizes from 256 threads in one kernel, 10 rounds) and compare-swap (taken
+// and not taken), putmem_signal + signal_wait_until as a ping-pong
 // (8 B, 4 KiB: 100 rounds; 64 KiB: 10) with SET and once with ADD, and nvshmem_barrier_all on the device (each round's p
 // visible after the barrier).
 #include <nvshmem.h>
@@ -121,6 +122,16 @@ __global__ void fetch_adds(Atomics *a, int *old32, long *old64, int peer, bool w
         old64[t] = nvshmem_long_atomic_fetch_add(&a->c64, kAdd64, peer);
     else
         old32[t] = nvshmem_int_atomic_fetch_add(&a->c32, 1, peer);
+}
+
+// Both sizes from every thread in one kernel (what the first GPU run launched when it hung
+// once, 2026-12-06; kept as a case of its own), `rounds` times.
+__global__ void fetch_adds_mixed(Atomics *a, int *old32, long *old64, int peer, int rounds) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    for (int r = 0; r < rounds; r++) {
+        old32[t] = nvshmem_int_atomic_fetch_add(&a->c32, 1, peer);
+        old64[t] = nvshmem_long_atomic_fetch_add(&a->c64, kAdd64, peer);
+    }
 }
 
 __global__ void compare_swaps(Atomics *a, long *got, int peer, bool wide) {
@@ -296,6 +307,15 @@ static void check_atomics(Atomics *a, int peer) {
     report(after.c64 == kBase64 + (1 + kAtomicThreads) * kAdd64 && perm64,
            "long fetch_add x256 (+0x100000001)",
            "counter " + std::to_string(after.c64) + (perm64 ? "" : ", fetched values not a permutation"));
+    const int rounds = 10;
+    after = step("int and long fetch_add x256, mixed, 10 rounds", [&] {
+        fetch_adds_mixed<<<kAtomicThreads / 128, 128>>>(a, old32, old64, peer, rounds);
+    });
+    long n = (long)kAtomicThreads * rounds;
+    report(after.c32 == kBase32 + 1 + kAtomicThreads + n &&
+               after.c64 == kBase64 + (1 + kAtomicThreads + n) * kAdd64,
+           "int and long fetch_add x256, mixed, 10 rounds",
+           "counters " + std::to_string(after.c32) + ", " + std::to_string(after.c64));
     CUDA(cudaFree(old32));
     CUDA(cudaFree(old64));
     CUDA(cudaFree(got));
