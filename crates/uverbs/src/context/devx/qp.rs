@@ -135,6 +135,73 @@ impl DevxQp {
     }
 }
 
+/// What a CREATE_QP's context asks for, checked before any object is touched: the service
+/// type, the doorbell mode, the queue sizes and where receives come from; what the emulated
+/// device does not have is refused with a line (streams, scatter to CQE, cross-channel).
+struct QpShape {
+    dci: bool,
+    no_dbr: bool,
+    sq_blocks: u32,
+    rq_wqes: u32,
+    rq_stride: u32,
+    srqn: Option<u32>,
+}
+
+fn qp_shape(input: &[u8]) -> Result<QpShape, Refused> {
+    let f = |field: Field| cmd::get(input, field.at(QPC_AT));
+    let dci = match f(qpc::ST) as u8 {
+        st::RC => false,
+        st::DCI => true,
+        s => return lacks(&format!("QP service type {s:#x} (RC and DCI only)")),
+    };
+    if f(qpc_ext::LOG_NUM_DCI_STREAM_CHANNELS) != 0 || f(qpc_ext::LOG_NUM_DCI_ERRORED_STREAMS) != 0
+    {
+        return lacks("DCI streams (log_num_dci_stream_channels)");
+    }
+    // send_dbr_mode 1 (NO_DBR_EXT): doorbells at the page's DBR-less register carry the
+    // producer index, and nothing reads a send doorbell record (as on a ConnectX-8)
+    let no_dbr = match f(qpc_ext::SEND_DBR_MODE) {
+        0 => false,
+        1 => true,
+        m => return lacks(&format!("send_dbr_mode {m}")),
+    };
+    if f(qpc::CS_REQ) != 0 || f(qpc::CS_RES) != 0 {
+        return lacks("scatter to CQE (cs_req / cs_res)");
+    }
+    if f(qpc::CD_MASTER) != 0 || f(qpc::CD_SLAVE_SEND) != 0 || f(qpc::CD_SLAVE_RECEIVE) != 0 {
+        return lacks("cross-channel QPs (cd_master / cd_slave)");
+    }
+    if f(qpc::LOG_MSG_MAX) > 30 {
+        return refuse(status::BAD_PARAM, syndrome::QP_SIZE);
+    }
+    let log_sq = f(qpc::LOG_SQ_SIZE) as u32;
+    let sq_blocks = match f(qpc::NO_SQ) {
+        1 => 0,
+        _ if log_sq > 15 => return refuse(status::BAD_PARAM, syndrome::QP_SIZE),
+        _ => 1u32 << log_sq,
+    };
+    let (rq_wqes, rq_stride, srqn) = match f(qpc::RQ_TYPE) as u8 {
+        rq_type::REGULAR => {
+            let (log_rq, log_stride) = (f(qpc::LOG_RQ_SIZE) as u32, f(qpc::LOG_RQ_STRIDE) as u32);
+            if log_rq > 15 || log_stride > 5 {
+                return refuse(status::BAD_PARAM, syndrome::QP_SIZE);
+            }
+            (1u32 << log_rq, 16u32 << log_stride, None)
+        }
+        rq_type::SRQ => (0, 16, Some(f(qpc::SRQN_RMPN_XRQN) as u32)),
+        rq_type::ZERO_SIZE => (0, 16, None),
+        _ => return refuse(status::BAD_PARAM, syndrome::ATTRIBUTE),
+    };
+    Ok(QpShape {
+        dci,
+        no_dbr,
+        sq_blocks,
+        rq_wqes,
+        rq_stride,
+        srqn,
+    })
+}
+
 impl Context {
     /// CREATE_QP. Returns the QP and the out-mailbox (its number).
     pub(super) fn devx_create_qp(&self, input: &[u8]) -> Result<(DevxQp, Vec<u8>), Refused> {
@@ -142,51 +209,14 @@ impl Context {
         if input.len() < ci::WQ_UMEM_VALID.end() {
             return refuse(status::BAD_INP_LEN, syndrome::INPUT_LENGTH);
         }
-        let dci = match f(qpc::ST) as u8 {
-            st::RC => false,
-            st::DCI => true,
-            s => return lacks(&format!("QP service type {s:#x} (RC and DCI only)")),
-        };
-        if f(qpc_ext::LOG_NUM_DCI_STREAM_CHANNELS) != 0
-            || f(qpc_ext::LOG_NUM_DCI_ERRORED_STREAMS) != 0
-        {
-            return lacks("DCI streams (log_num_dci_stream_channels)");
-        }
-        // send_dbr_mode 1 (NO_DBR_EXT): doorbells at the page's DBR-less register carry the
-        // producer index, and nothing reads a send doorbell record (as on a ConnectX-8)
-        let no_dbr = match f(qpc_ext::SEND_DBR_MODE) {
-            0 => false,
-            1 => true,
-            m => return lacks(&format!("send_dbr_mode {m}")),
-        };
-        if f(qpc::CS_REQ) != 0 || f(qpc::CS_RES) != 0 {
-            return lacks("scatter to CQE (cs_req / cs_res)");
-        }
-        if f(qpc::CD_MASTER) != 0 || f(qpc::CD_SLAVE_SEND) != 0 || f(qpc::CD_SLAVE_RECEIVE) != 0 {
-            return lacks("cross-channel QPs (cd_master / cd_slave)");
-        }
-        if f(qpc::LOG_MSG_MAX) > 30 {
-            return refuse(status::BAD_PARAM, syndrome::QP_SIZE);
-        }
-        let log_sq = f(qpc::LOG_SQ_SIZE) as u32;
-        let sq_blocks = match f(qpc::NO_SQ) {
-            1 => 0,
-            _ if log_sq > 15 => return refuse(status::BAD_PARAM, syndrome::QP_SIZE),
-            _ => 1u32 << log_sq,
-        };
-        let (rq_wqes, rq_stride, srqn) = match f(qpc::RQ_TYPE) as u8 {
-            rq_type::REGULAR => {
-                let (log_rq, log_stride) =
-                    (f(qpc::LOG_RQ_SIZE) as u32, f(qpc::LOG_RQ_STRIDE) as u32);
-                if log_rq > 15 || log_stride > 5 {
-                    return refuse(status::BAD_PARAM, syndrome::QP_SIZE);
-                }
-                (1u32 << log_rq, 16u32 << log_stride, None)
-            }
-            rq_type::SRQ => (0, 16, Some(f(qpc::SRQN_RMPN_XRQN) as u32)),
-            rq_type::ZERO_SIZE => (0, 16, None),
-            _ => return refuse(status::BAD_PARAM, syndrome::ATTRIBUTE),
-        };
+        let QpShape {
+            dci,
+            no_dbr,
+            sq_blocks,
+            rq_wqes,
+            rq_stride,
+            srqn,
+        } = qp_shape(input)?;
         let soft = self.soft().map_err(|_| Refused {
             status: status::INT_ERR,
             syndrome: 0,
