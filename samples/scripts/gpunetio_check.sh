@@ -9,8 +9,9 @@
 # emulation's preload arranges, docs/emulation.md). put_bw's server checks every byte it received (GPUNetIO's own
 # check, on SIGINT); write_lat's ping-pong must finish. A GPU handler must not fall back to the
 # CPU proxy ("Enabling CPU proxy mode" in a log fails the case).
-# With gpuverbs' samples given, gpuverbs' put_bw (two processes) and write_lat (loopback) run on
-# the same emulated devices in the same call, for the figures beside GPUNetIO's.
+# With gpuverbs' samples given, gpuverbs' put_bw and write_lat (two processes each, GPU memory
+# through dma-bufs, the examples' message counts) run on the same emulated devices in the same
+# call, for the figures beside GPUNetIO's (issue 44 part 4).
 #
 # usage: gpunetio_check.sh GPUNETIO_TARBALL_OR_DIR GPUVERBS PRELOAD [SAMPLES_DIR]
 # prints one line per case and `gpunetio: N passed, M failed`; the examples' tables and logs
@@ -112,19 +113,34 @@ fi
 grep -A12 '#bytes' "$log/write_lat_p$p.client" | head -12
 done
 
-if [ -n "$samples" ]; then
-    echo "gpuverbs on the same emulated devices:"
-    timeout 120 "$gpuverbs" emu --ip 127.0.0.1 -- "$samples/put_bw" -d mlx5_0 -p 18700 \
-        --initiator gpu --rings gpu --json -s 65536 -n 5000 >"$log/gv_put_bw.server" 2>&1 &
-    gsp=$!
+# gv NAME SAMPLE ARGS...: gpuverbs' SAMPLE as server (127.0.0.1) and client (127.0.0.2) under
+# the emulation, GPU initiator, payloads in GPU memory through dma-bufs as GPUNetIO's examples
+# keep theirs; prints the client's rows.
+gv() {
+    local name=$1 s=$2
+    shift 2
+    timeout 120 "$gpuverbs" emu --ip 127.0.0.1 -- "$samples/$s" -d mlx5_0 -p 18700 \
+        --initiator gpu --mem gpu --use_cuda_dmabuf --json "$@" >"$log/gv_$name.server" 2>&1 &
+    local gsp=$!
     sleep 2
-    timeout 120 "$gpuverbs" emu --ip 127.0.0.2 -- "$samples/put_bw" -d mlx5_0 -p 18700 \
-        --initiator gpu --rings gpu --json -s 65536 -n 5000 127.0.0.1 >"$log/gv_put_bw.client" 2>&1
+    timeout 120 "$gpuverbs" emu --ip 127.0.0.2 -- "$samples/$s" -d mlx5_0 -p 18700 \
+        --initiator gpu --mem gpu --use_cuda_dmabuf --json "$@" 127.0.0.1 >"$log/gv_$name.client" 2>&1
+    local crc=$?
     wait "$gsp"
-    grep '^{' "$log/gv_put_bw.client" | head -2
-    timeout 120 "$gpuverbs" emu --devices 1 -- "$samples/write_lat" -d mlx5_0 --loopback \
-        --initiator gpu --json -s 8 -n 5000 >"$log/gv_write_lat.out" 2>&1
-    grep '^{' "$log/gv_write_lat.out" | head -2
+    grep -h '^{' "$log/gv_$name.client"
+    if [ "$crc" = 0 ] && ! grep -q '"validated":false' "$log/gv_$name.client"; then
+        ok "gpuverbs $name"
+    else
+        bad "gpuverbs $name (see $log/gv_$name.*)"
+    fi
+}
+if [ -n "$samples" ]; then
+    # the examples' shapes: put_bw 512 messages per size from one thread, write_lat a ping-pong
+    echo "gpuverbs on the same emulated devices:"
+    for size in 8 4096 65536; do
+        gv "put_bw_$size" put_bw -s "$size" -n 512
+        gv "write_lat_$size" write_lat -s "$size" -n 256
+    done
 fi
 if [ "$mps" = 1 ]; then
     echo quit | nvidia-cuda-mps-control
