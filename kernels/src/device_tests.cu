@@ -107,7 +107,11 @@ GPUVERBS_KERNEL void gv_test_put_exclusive(gpuverbs_qp* q, uint64_t lbase, uint3
 //  remote+600, and of 6 from payload+4 to remote+700: the words a payload's end cuts), put_signal of 64 bytes to remote+64 with +1 on sig,
 //  signal +5 on sig, get of 64 bytes from remote+256 into local+512, fetch-add +7 on
 //  remote word at remote+1024 with the old value to local+1024, compare-swap on remote+1032
-//  (compare 11, swap 22) with the old value to local+1032, then quiet.
+//  (compare 11, swap 22) with the old value to local+1032; 4-byte: fetch-add +3 on remote+1040
+//  (old value, big-endian, to local+1040), compare-swap on remote+1044 (compare 55, swap 66;
+//  old value to local+1044); a masked 8-byte fetch-add of 1 on remote+1048 with a field
+//  boundary at bit 31 (old value to local+1048); then quiet, and the two 4-byte old values
+//  read with atomic_result32 into local+1056 and local+1060 (host order).
 GPUVERBS_KERNEL void gv_test_ops(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, uint64_t rbase,
                                  uint32_t rk, uint64_t sig, uint32_t sig_key, uint64_t budget,
                                  int* out) {
@@ -125,8 +129,22 @@ GPUVERBS_KERNEL void gv_test_ops(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, ui
     if (s == OK) s = atomic_fetch_add(q, rbase + 1024, rkey{rk}, 7, lbase + 1024, lkey{lk}, budget);
     if (s == OK) s = atomic_compare_swap(q, rbase + 1032, rkey{rk}, 11, 22, lbase + 1032,
                                          lkey{lk}, budget);
+    if (s == OK)
+        s = atomic_fetch_add32(q, rbase + 1040, rkey{rk}, 3, lbase + 1040, lkey{lk}, budget);
+    if (s == OK)
+        s = atomic_compare_swap32(q, rbase + 1044, rkey{rk}, 55, 66, lbase + 1044, lkey{lk},
+                                  budget);
+    if (s == OK)
+        s = atomic_masked_fetch_add(q, rbase + 1048, rkey{rk}, 1, 0x8000000080000000ull,
+                                    lbase + 1048, lkey{lk}, budget);
     if (s == OK) s = quiet(q, budget, &e);
     else e = last_error(q);
+    if (s == OK) {
+        uint32_t* host_order = reinterpret_cast<uint32_t*>(lbase + 1056);
+        host_order[0] = atomic_result32(reinterpret_cast<const void*>(lbase + 1040));
+        host_order[1] = atomic_result32(reinterpret_cast<const void*>(lbase + 1044));
+        __threadfence_system();
+    }
     device_tests::report(out, s, e);
 }
 

@@ -229,6 +229,46 @@ __device__ status atomic_compare_swap(gpuverbs_qp* q, uint64_t raddr, rkey rk,
     });
 }
 
+// Remote fetch-and-add on a 4-byte word (a masked atomic on a 4-byte operand, boundary 0: a
+// plain 32-bit add); the old value lands at `result` (4 registered bytes) big-endian, as a
+// ConnectX writes it: read it with atomic_result32 after quiet().
+template <sharing S = sharing::gpu>
+__device__ status atomic_fetch_add32(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint32_t add,
+                                     uint64_t result, lkey result_key, uint64_t budget_ns) {
+    return post_block<S>(q, true, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+        return build_atomic32(q, idx, OP_ATOMIC_MASKED_FA, raddr, rk, add, 0, 0, 0, result,
+                              result_key, f);
+    });
+}
+
+// Remote compare-and-swap on a 4-byte word (full masks); the old value as atomic_fetch_add32.
+template <sharing S = sharing::gpu>
+__device__ status atomic_compare_swap32(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                        uint32_t compare, uint32_t swap, uint64_t result,
+                                        lkey result_key, uint64_t budget_ns) {
+    return post_block<S>(q, true, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+        return build_atomic32(q, idx, OP_ATOMIC_MASKED_CS, raddr, rk, swap, compare,
+                              0xffffffffu, 0xffffffffu, result, result_key, f);
+    });
+}
+
+// Remote fetch-and-add on an 8-byte word split into fields: a set bit of `boundary` is the top
+// bit of a field, and no carry crosses it (boundary 0: a plain add). The old value lands at
+// `result` (8 bytes, host order) after quiet().
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_fetch_add(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint64_t add,
+                                          uint64_t boundary, uint64_t result, lkey result_key,
+                                          uint64_t budget_ns) {
+    return post_block<S>(q, true, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+        return build_masked_fa(q, idx, raddr, rk, add, boundary, result, result_key, f);
+    });
+}
+
+// The old value a 4-byte atomic left at `result` (big-endian there), in host order.
+__device__ __forceinline__ uint32_t atomic_result32(const void* result) {
+    return bswap32(*(const volatile uint32_t*)result);
+}
+
 // Orders later WQEs after earlier ones: the next WQE carries a strong fence.
 template <sharing S = sharing::gpu>
 __device__ status fence(gpuverbs_qp* q, uint64_t budget_ns) {

@@ -225,15 +225,35 @@ __device__ __forceinline__ void prep_atomic(const gpuverbs_qp* q, uint64_t idx, 
                 build_atomic(q, idx, op, raddr, rk, swap_add, compare, result, result_key, flags));
 }
 
+// Masked atomics on 4-byte operands (opmod 0x08), one block: `op` OP_ATOMIC_MASKED_FA with
+// (add, field boundary, 0, 0) or OP_ATOMIC_MASKED_CS with (swap, compare, swap mask, compare
+// mask); the old value lands at `result` as 4 big-endian bytes (see atomic_result32).
+__device__ __forceinline__ block build_atomic32(const gpuverbs_qp* q, uint64_t idx, uint8_t op,
+                                                uint64_t raddr, rkey rk, uint32_t a, uint32_t b,
+                                                uint32_t c, uint32_t d, uint64_t result,
+                                                lkey result_key, uint8_t flags) {
+    return block{{seg_ctrl(op, 0x08, idx, q->qpn, 4, flags, 0), seg_raddr(raddr, rk),
+                  make_uint4(bswap32(a), bswap32(b), bswap32(c), bswap32(d)),
+                  seg_data(result, 4, result_key)}};
+}
+
+// A masked fetch-and-add on an 8-byte operand (opmod 0x09), one block.
+__device__ __forceinline__ block build_masked_fa(const gpuverbs_qp* q, uint64_t idx,
+                                                 uint64_t raddr, rkey rk, uint64_t add,
+                                                 uint64_t boundary, uint64_t result,
+                                                 lkey result_key, uint8_t flags) {
+    return block{{seg_ctrl(OP_ATOMIC_MASKED_FA, 0x09, idx, q->qpn, 4, flags, 0),
+                  seg_raddr(raddr, rk), seg_atomic(add, boundary),
+                  seg_data(result, 8, result_key)}};
+}
+
 // Masked atomics on 8-byte operands (opmod 0x09). FA: 1 block; CS: 2 blocks.
 __device__ __forceinline__ uint32_t prep_masked_fa(const gpuverbs_qp* q, uint64_t idx,
                                                    uint64_t raddr, rkey rk, uint64_t add,
                                                    uint64_t boundary, uint64_t result,
                                                    lkey result_key, uint8_t flags) {
-    store_block(q, idx,
-                block{{seg_ctrl(OP_ATOMIC_MASKED_FA, 0x09, idx, q->qpn, 4, flags, 0),
-                       seg_raddr(raddr, rk), seg_atomic(add, boundary),
-                       seg_data(result, 8, result_key)}});
+    store_block(q, idx, build_masked_fa(q, idx, raddr, rk, add, boundary, result, result_key,
+                                        flags));
     return 1;
 }
 

@@ -9,7 +9,8 @@ use super::{
     arg, counters, gpu, skip_on_mlx5, status_name, Buf, Mem, Pair, PairSpec, Status, BUDGET_NS,
 };
 
-/// put_inline, put_signal, signal, get, fetch-add, compare-swap from one thread; payload,
+/// put_inline, put_signal, signal, get, fetch-add, compare-swap (8 and 4 bytes), a masked
+/// 8-byte fetch-add from one thread; payload,
 /// atomic targets, results and the signal word in `mem`, side A's rings in `rings`.
 pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -> Result<String> {
     let spec = PairSpec {
@@ -23,6 +24,9 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
     // remote words for the atomics; remote bytes for the get
     p.dst.write(1024, &100u64.to_ne_bytes())?;
     p.dst.write(1032, &11u64.to_ne_bytes())?;
+    p.dst.write(1040, &1000u32.to_ne_bytes())?;
+    p.dst.write(1044, &55u32.to_ne_bytes())?;
+    p.dst.write(1048, &0x5_ffff_ffffu64.to_ne_bytes())?;
     let pattern: Vec<u8> = (0..64).map(|i| 0x40 + i as u8).collect();
     p.dst.write(256, &pattern)?;
     let sig = Buf::new(&p.gpu, mem, 8)?;
@@ -84,6 +88,31 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
         word(&dst, 1032),
         word(&src, 1032)
     );
+    // 4-byte atomics: the old value lands big-endian (as a ConnectX writes it), and the
+    // kernel's atomic_result32 turns it into host order
+    let w32 = |b: &[u8], o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
+    let be32 = |b: &[u8], o: usize| u32::from_be_bytes(b[o..o + 4].try_into().unwrap());
+    ensure!(
+        (w32(&dst, 1040), be32(&src, 1040), w32(&src, 1056)) == (1003, 1000, 1000),
+        "4-byte fetch-add: target {} old {} (big-endian), read back {}",
+        w32(&dst, 1040),
+        be32(&src, 1040),
+        w32(&src, 1056)
+    );
+    ensure!(
+        (w32(&dst, 1044), be32(&src, 1044), w32(&src, 1060)) == (66, 55, 55),
+        "4-byte compare-swap: target {} old {} (big-endian), read back {}",
+        w32(&dst, 1044),
+        be32(&src, 1044),
+        w32(&src, 1060)
+    );
+    // two 32-bit fields: the low one wraps to 0 without carrying into the high one
+    ensure!(
+        word(&dst, 1048) == 0x5_0000_0000 && word(&src, 1048) == 0x5_ffff_ffff,
+        "masked fetch-add: target {:#x} old {:#x}",
+        word(&dst, 1048),
+        word(&src, 1048)
+    );
     if let Some(c) = counters(&p.a) {
         ensure!(
             c.errors.is_empty() && c.device_memory_errors == 0,
@@ -91,8 +120,8 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
         );
     }
     Ok(format!(
-        "inline, put_signal, signal, get, fetch-add, compare-swap verified (payload {mem:?}, \
-         rings {rings:?})"
+        "inline, put_signal, signal, get, fetch-add, compare-swap (8 and 4 bytes), masked \
+         fetch-add verified (payload {mem:?}, rings {rings:?})"
     ))
 }
 
