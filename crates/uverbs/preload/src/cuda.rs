@@ -310,7 +310,15 @@ struct UarRun {
 
 static UAR_PAGES: UarPages = UarPages(Mutex::new(Vec::new()));
 
-const PAGE: usize = 4096;
+/// The host page size: the driver's unit of host-memory registration.
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p)
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
+}
 
 impl UarPages {
     fn runs(&self) -> std::sync::MutexGuard<'_, Vec<UarRun>> {
@@ -323,8 +331,9 @@ impl UarPages {
     /// # Safety
     /// `real` is the driver's `cuMemHostRegister` (either ABI: their arguments are the same).
     unsafe fn register(&self, real: HostRegister, p: usize, len: usize, flags: c_uint) -> CuResult {
-        let start = p & !(PAGE - 1);
-        let end = (p.saturating_add(len.max(1)) + PAGE - 1) & !(PAGE - 1);
+        let page = page_size();
+        let start = p & !(page - 1);
+        let end = p.saturating_add(len.max(1)).saturating_add(page - 1) & !(page - 1);
         let mut runs = self.runs();
         if let Some(run) = runs
             .iter_mut()
@@ -353,7 +362,9 @@ impl UarPages {
             return Unregister::NotOurs;
         };
         let parts = &mut runs[i].parts;
-        parts.retain(|&q| q != p);
+        if let Some(k) = parts.iter().position(|&q| q == p) {
+            parts.swap_remove(k);
+        }
         if parts.is_empty() {
             Unregister::LastPart(runs.swap_remove(i).start)
         } else {
