@@ -210,3 +210,95 @@ fn zero_length_rdma_ignores_key_and_address_on_the_wire() {
         assert_eq!(p.eb.qp.state(), softnic::QpState::Rts);
     }
 }
+
+/// What NVSHMEM's IBGDA posts for a warp's fetching atomics: a run of unsignaled 4-byte masked
+/// fetch-adds (their old values big-endian) and 8-byte fetch-adds, each into its own result
+/// slot, closed by a signaled DUMP with a strong fence whose CQE says they are all done. Over
+/// the wire with selective repeat, with go-back-N, and with packets dropped, duplicated,
+/// reordered and corrupted (a replayed atomic must answer from the responder's record, not
+/// run twice), 30 rounds: every DUMP completes in order, and after it every old value of its
+/// round is in place (the targets' final values and the old values, a permutation of the
+/// counter's states, checked).
+#[test]
+fn fetching_atomics_closed_by_a_fenced_dump_as_nvshmem_posts_them() {
+    let _serial = serial();
+    const ROUNDS: usize = 30;
+    const PER: usize = 16;
+    let clean = || (WireFaults::default(), WireFaults::default());
+    let faulty = || {
+        let f = |s| faults(s, 0.03, 0.03, 0.03, 0.02);
+        (f(7), f(70))
+    };
+    for (opts, (fa, fb), lossy) in [
+        (wire_opts(), clean(), false),
+        (go_back_n_opts(), clean(), false),
+        (wire_opts(), faulty(), true),
+    ] {
+        let mut p = wire_pair(opts.clone(), opts, 1024, fa, fb);
+        let tgt = p.b.buf(64, ALL_REMOTE);
+        tgt.write(0, &1000u32.to_ne_bytes());
+        tgt.set_u64(8, 0x5_0000_0003);
+        let res = p.a.buf(ROUNDS * PER * 2 * 8, softnic::Access::LOCAL_WRITE);
+        let fenced = prm::wqe::CtrlFlags {
+            signaled: true,
+            solicited: false,
+            fence: prm::Fence::Strong,
+        };
+        let (mut old32, mut old64) = (Vec::new(), Vec::new());
+        for r in 0..ROUNDS {
+            let slot = |k: usize| (r * PER * 2 + k) * 8;
+            for k in 0..PER {
+                p.ea.post(
+                    &Op::MaskedFetchAdd {
+                        size: prm::wqe::AtomicSize::B4,
+                        remote: tgt.remote(0),
+                        add: 1,
+                        field_boundary: 0,
+                        result: res.sge(slot(k), 4),
+                    },
+                    UNSIG,
+                );
+                p.ea.post(
+                    &Op::FetchAdd {
+                        remote: tgt.remote(8),
+                        add: 0x1_0000_0001,
+                        result: res.sge(slot(PER + k), 8),
+                    },
+                    UNSIG,
+                );
+            }
+            let dump = p.ea.post(
+                &Op::Dump {
+                    local: res.sge(0, 1),
+                },
+                fenced,
+            );
+            p.ea.ini.ring();
+            assert_eq!(p.ea.expect_req(0x23, dump), 1, "round {r}");
+            for k in 0..PER {
+                let b = res.read(slot(k), 4);
+                old32.push(u32::from_be_bytes(b.try_into().unwrap()));
+                old64.push(res.u64_at(slot(PER + k)));
+            }
+        }
+        let n = (ROUNDS * PER) as u64;
+        assert_eq!(tgt.u32_at(0) as u64, 1000 + n);
+        assert_eq!(tgt.u64_at(8), 0x5_0000_0003 + n * 0x1_0000_0001);
+        old32.sort_unstable();
+        old64.sort_unstable();
+        assert!(old32.iter().enumerate().all(|(i, &v)| v == 1000 + i as u32));
+        assert!(old64
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == 0x5_0000_0003 + i as u64 * 0x1_0000_0001));
+        p.ea.expect_quiet(std::time::Duration::from_millis(2));
+        let (ca, cb) = (p.a.dev.counters(), p.b.dev.counters());
+        assert_eq!(
+            lossy,
+            ca.wire.injected_drops + cb.wire.injected_drops > 0,
+            "{:?} {:?}",
+            ca.wire,
+            cb.wire
+        );
+    }
+}
