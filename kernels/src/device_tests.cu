@@ -110,8 +110,10 @@ GPUVERBS_KERNEL void gv_test_put_exclusive(gpuverbs_qp* q, uint64_t lbase, uint3
 //  (compare 11, swap 22) with the old value to local+1032; 4-byte: fetch-add +3 on remote+1040
 //  (old value, big-endian, to local+1040), compare-swap on remote+1044 (compare 55, swap 66;
 //  old value to local+1044); a masked 8-byte fetch-add of 1 on remote+1048 with a field
-//  boundary at bit 31 (old value to local+1048); then quiet, and the two 4-byte old values
-//  read with atomic_result32 into local+1056 and local+1060 (host order).
+//  boundary at bit 31 (old value to local+1048); a masked compare-swap on remote+1056 (compare
+//  bits 47..32 with 0x2222, swap bits 31..16 from 0xcccc; old value to local+1064); signal_set
+//  of 0x77 on remote+1072; then quiet, and the two 4-byte old values read with
+//  atomic_result32 into local+1056 and local+1060 (host order).
 GPUVERBS_KERNEL void gv_test_ops(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, uint64_t rbase,
                                  uint32_t rk, uint64_t sig, uint32_t sig_key, uint64_t budget,
                                  int* out) {
@@ -137,6 +139,11 @@ GPUVERBS_KERNEL void gv_test_ops(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, ui
     if (s == OK)
         s = atomic_masked_fetch_add(q, rbase + 1048, rkey{rk}, 1, 0x8000000080000000ull,
                                     lbase + 1048, lkey{lk}, budget);
+    if (s == OK)
+        s = atomic_masked_compare_swap(q, rbase + 1056, rkey{rk}, 0x0000222200000000ull,
+                                       0x0000ffff00000000ull, 0xaaaabbbbccccddddull,
+                                       0x00000000ffff0000ull, lbase + 1064, lkey{lk}, budget);
+    if (s == OK) s = signal_set(q, rbase + 1072, rkey{rk}, 0x77, false, budget);
     if (s == OK) s = quiet(q, budget, &e);
     else e = last_error(q);
     if (s == OK) {

@@ -264,6 +264,32 @@ __device__ status atomic_masked_fetch_add(gpuverbs_qp* q, uint64_t raddr, rkey r
     });
 }
 
+// Remote compare-and-swap on an 8-byte word under masks: the swap happens when the bits of
+// `compare_mask` equal `compare`'s; it then sets the bits of `swap_mask` from `swap` and keeps
+// the others. The old value lands at `result` (8 bytes, host order) after quiet(). 2 blocks.
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_compare_swap(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                             uint64_t compare, uint64_t compare_mask,
+                                             uint64_t swap, uint64_t swap_mask, uint64_t result,
+                                             lkey result_key, uint64_t budget_ns) {
+    return post1<S>(q, 2, true, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+        prep_masked_cs(q, idx, raddr, rk, compare, compare_mask, swap, swap_mask, result,
+                       result_key, f);
+    });
+}
+
+// Sets a remote 8-byte signal word to `value` in one atomic step (a masked compare-and-swap
+// that always swaps: NCCL GIN's signal "set", where `signal` is its "add"); old value
+// discarded. 2 blocks.
+template <sharing S = sharing::gpu>
+__device__ status signal_set(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key, uint64_t value,
+                             bool signaled, uint64_t budget_ns, bool do_ring = true) {
+    return post1<S>(q, 2, signaled, do_ring, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+        prep_masked_cs(q, idx, sig_addr, sig_key, 0, 0, value, ~0ull, q->scratch,
+                       lkey{q->scratch_lkey}, f);
+    });
+}
+
 // The old value a 4-byte atomic left at `result` (big-endian there), in host order.
 __device__ __forceinline__ uint32_t atomic_result32(const void* result) {
     return bswap32(*(const volatile uint32_t*)result);

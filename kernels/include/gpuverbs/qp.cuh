@@ -9,7 +9,8 @@
 //   high level: put, put_imm, put_inline, put_signal, signal, send, send_inline, get,
 //               atomic_fetch_add, atomic_compare_swap (8 bytes), atomic_fetch_add32,
 //               atomic_compare_swap32 (4 bytes; atomic_result32 reads their big-endian old
-//               value), atomic_masked_fetch_add (8-byte fields), wait_signal, quiet, fence;
+//               value), atomic_masked_fetch_add (8-byte fields), atomic_masked_compare_swap,
+//               signal_set, wait_signal, quiet, fence;
 //               warp- and block-scope put.
 //   receive side: post_recv, recv_wait.
 //   DC initiators: dc_put, dc_get, dc_atomic_fetch_add, dc_atomic_compare_swap.

@@ -9,8 +9,8 @@ use super::{
     arg, counters, gpu, skip_on_mlx5, status_name, Buf, Mem, Pair, PairSpec, Status, BUDGET_NS,
 };
 
-/// put_inline, put_signal, signal, get, fetch-add, compare-swap (8 and 4 bytes), a masked
-/// 8-byte fetch-add from one thread; payload,
+/// put_inline, put_signal, signal, signal_set, get, fetch-add, compare-swap (8 and 4 bytes),
+/// masked 8-byte fetch-add and compare-swap from one thread; payload,
 /// atomic targets, results and the signal word in `mem`, side A's rings in `rings`.
 pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -> Result<String> {
     let spec = PairSpec {
@@ -27,6 +27,8 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
     p.dst.write(1040, &1000u32.to_ne_bytes())?;
     p.dst.write(1044, &55u32.to_ne_bytes())?;
     p.dst.write(1048, &0x5_ffff_ffffu64.to_ne_bytes())?;
+    p.dst.write(1056, &0x1111_2222_3333_4444u64.to_ne_bytes())?;
+    p.dst.write(1072, &5u64.to_ne_bytes())?;
     let pattern: Vec<u8> = (0..64).map(|i| 0x40 + i as u8).collect();
     p.dst.write(256, &pattern)?;
     let sig = Buf::new(&p.gpu, mem, 8)?;
@@ -113,6 +115,18 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
         word(&dst, 1048),
         word(&src, 1048)
     );
+    // masked compare-swap: bits 47..32 matched, bits 31..16 swapped in, the rest kept
+    ensure!(
+        word(&dst, 1056) == 0x1111_2222_cccc_4444 && word(&src, 1064) == 0x1111_2222_3333_4444,
+        "masked compare-swap: target {:#x} old {:#x}",
+        word(&dst, 1056),
+        word(&src, 1064)
+    );
+    ensure!(
+        word(&dst, 1072) == 0x77,
+        "signal_set: {:#x}",
+        word(&dst, 1072)
+    );
     if let Some(c) = counters(&p.a) {
         ensure!(
             c.errors.is_empty() && c.device_memory_errors == 0,
@@ -120,8 +134,8 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
         );
     }
     Ok(format!(
-        "inline, put_signal, signal, get, fetch-add, compare-swap (8 and 4 bytes), masked \
-         fetch-add verified (payload {mem:?}, rings {rings:?})"
+        "inline, put_signal, signal, signal_set, get, fetch-add, compare-swap (8 and 4 bytes), \
+         masked fetch-add and compare-swap verified (payload {mem:?}, rings {rings:?})"
     ))
 }
 
