@@ -213,25 +213,46 @@ fn fill_port(m: &mut Msg, d: &NlDevice) {
 fn fill_res(m: &mut Msg, d: &NlDevice) {
     m.u32(attr::DEV_INDEX, d.index);
     m.str(attr::DEV_NAME, &d.name);
-    m.nest(attr::RES_SUMMARY, |m| {
-        for (name, n) in &d.resources {
-            m.nest(attr::RES_SUMMARY_ENTRY, |m| {
-                m.str(attr::RES_SUMMARY_ENTRY_NAME, name);
-                m.u64(attr::RES_SUMMARY_ENTRY_CURR, *n);
-            });
-        }
-    });
+    named_u64s(
+        m,
+        [
+            attr::RES_SUMMARY,
+            attr::RES_SUMMARY_ENTRY,
+            attr::RES_SUMMARY_ENTRY_NAME,
+            attr::RES_SUMMARY_ENTRY_CURR,
+        ],
+        &d.resources,
+    );
 }
 
 fn fill_stat(m: &mut Msg, d: &NlDevice) {
     m.u32(attr::DEV_INDEX, d.index);
     m.str(attr::DEV_NAME, &d.name);
     m.u32(attr::PORT_INDEX, 1);
-    m.nest(attr::STAT_HWCOUNTERS, |m| {
-        for (name, v) in &d.counters {
-            m.nest(attr::STAT_HWCOUNTER_ENTRY, |m| {
-                m.str(attr::STAT_HWCOUNTER_ENTRY_NAME, name);
-                m.u64(attr::STAT_HWCOUNTER_ENTRY_VALUE, *v);
+    named_u64s(
+        m,
+        [
+            attr::STAT_HWCOUNTERS,
+            attr::STAT_HWCOUNTER_ENTRY,
+            attr::STAT_HWCOUNTER_ENTRY_NAME,
+            attr::STAT_HWCOUNTER_ENTRY_VALUE,
+        ],
+        &d.counters,
+    );
+}
+
+/// A table of named numbers as nldev nests them: `[table, entry, name, value]` attribute
+/// types, one entry (a name and a u64) per item.
+fn named_u64s<N: AsRef<str>>(
+    m: &mut Msg,
+    [table, entry, name, value]: [u16; 4],
+    items: &[(N, u64)],
+) {
+    m.nest(table, |m| {
+        for (n, v) in items {
+            m.nest(entry, |m| {
+                m.str(name, n.as_ref());
+                m.u64(value, *v);
             });
         }
     });
