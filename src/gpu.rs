@@ -15,7 +15,8 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
-use verbs::devmem::{same_memory, DeviceMemory};
+use verbs::devmem::same_memory;
+pub use verbs::devmem::{DeviceMemory, DeviceMemoryError};
 use verbs::DmaBuf;
 
 /// `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP`.
