@@ -147,6 +147,44 @@ ops_cases! {
     ops_gpuall_bf: BlueFlame, Mem::Gpu, GpuRings;
 }
 
+macro_rules! scopes_cases {
+    ($($name:ident: $mode:expr, $mem:expr, $rings:expr, scope $scope:expr, skip $skip:expr;)*) => {
+        $(fn $name(ctx: &Ctx) -> Result<String> {
+            dataplane::scopes(ctx.ordinal, $mode, $mem, $rings, $scope, $skip)
+        })*
+    };
+}
+
+// signals, put-with-signal, get and the atomics at thread (0), warp (1) and block (2) scope
+scopes_cases! {
+    scopes_thread_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 0, skip 5;
+    scopes_warp_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 1, skip 0;
+    scopes_warp_partial_bf: BlueFlame, Mem::Host, HostMapped, scope 1, skip 3;
+    scopes_warp_partial_proxy: CpuProxy, Mem::Host, HostMapped, scope 1, skip 3;
+    scopes_block_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 2, skip 0;
+    scopes_block_partial_bf: BlueFlame, Mem::Host, HostMapped, scope 2, skip 4;
+    scopes_block_partial_proxy: CpuProxy, Mem::Host, HostMapped, scope 2, skip 4;
+    scopes_gpuall_warp_gpudb: GpuDoorbell, Mem::Gpu, GpuRings, scope 1, skip 3;
+    scopes_gpuall_block_bf: BlueFlame, Mem::Gpu, GpuRings, scope 2, skip 0;
+}
+
+macro_rules! gin_cases {
+    ($($name:ident: $mode:expr, $mem:expr, $rings:expr;)*) => {
+        $(fn $name(ctx: &Ctx) -> Result<String> {
+            dataplane::gin(ctx.ordinal, $mode, $mem, $rings)
+        })*
+    };
+}
+
+// put_signal_set, put_value, get_wait, signal word read / wait / reset, flush, flush_all
+gin_cases! {
+    gin_gpudb: GpuDoorbell, Mem::Host, HostMapped;
+    gin_bf: BlueFlame, Mem::Host, HostMapped;
+    gin_proxy: CpuProxy, Mem::Host, HostMapped;
+    gin_gpumem_gpudb: GpuDoorbell, Mem::Gpu, HostMapped;
+    gin_gpuall_proxy: CpuProxy, Mem::Gpu, GpuRings;
+}
+
 fn dc_ops_gpudb(ctx: &Ctx) -> Result<String> {
     dataplane::dc_ops(ctx.ordinal, GpuDoorbell, Mem::Host, HostMapped)
 }
@@ -267,6 +305,16 @@ const CASES: &[Case] = cases![
     ops_gpudb,
     ops_bf,
     ops_proxy,
+    scopes_thread_gpudb,
+    scopes_warp_gpudb,
+    scopes_warp_partial_bf,
+    scopes_warp_partial_proxy,
+    scopes_block_gpudb,
+    scopes_block_partial_bf,
+    scopes_block_partial_proxy,
+    gin_gpudb,
+    gin_bf,
+    gin_proxy,
     dc_ops_gpudb,
     dc_ops_proxy,
     dc_ops_gpumem_gpudb,
@@ -301,6 +349,10 @@ const CASES: &[Case] = cases![
     put_gpuall_thread_gpudb,
     put_gpuall_block_proxy,
     ops_gpuall_bf,
+    scopes_gpuall_warp_gpudb,
+    scopes_gpuall_block_bf,
+    gin_gpumem_gpudb,
+    gin_gpuall_proxy,
     gpumem_roundtrip_gpurings_gpudb,
     gpumem_roundtrip_gpurings_proxy,
 ];

@@ -1,7 +1,8 @@
 // gpuverbs device API — onesided.cuh (see qp.cuh for the layers).
 //
-// High-level operations at thread scope: put, put_imm, put_inline, put_signal, signal, send,
-// send_inline, get, atomics, wait_signal, quiet, fence.
+// High-level operations at thread scope: put, put_imm, put_inline, put_value, put_signal,
+// put_signal_set, signal, signal_set, send, send_inline, get, get_wait, atomics; wait_signal,
+// read_signal, reset_signal; quiet, flush, flush_all, wait_ticket, fence.
 #ifndef GPUVERBS_ONESIDED_CUH
 #define GPUVERBS_ONESIDED_CUH
 
@@ -15,13 +16,13 @@ namespace gpuverbs {
 // High level (thread scope)
 // ------------------------------------------------------------------------------------------
 
-// Waits until every WQE published so far has completed. Posts a signaled NOP first when the
-// last published WQE was unsignaled (unsignaled WQEs complete only behind a signaled one).
-template <sharing S = sharing::gpu>
-__device__ status quiet(gpuverbs_qp* qp, uint64_t budget_ns, error* err = nullptr) {
-    return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
-    call_clock c(budget_ns);
-    c.start();
+// quiet's first half: the ticket every WQE published so far completes at. When the last
+// published WQE is unsignaled it first posts a signaled NOP (unsignaled WQEs complete only
+// behind a signaled one); then it rings whatever was published without ringing (or the wait
+// would be for work the device was never told about).
+template <sharing S>
+__device__ __forceinline__ status quiet_begin(gpuverbs_qp* q, call_clock& c, uint64_t* ticket,
+                                              error* err) {
     uint64_t target = state_load<S>(&q->sq_ready);
     if (q->sq_signaled_end < target) {
         const gpuverbs_qp k = consts_of(q);
@@ -35,21 +36,90 @@ __device__ status quiet(gpuverbs_qp* qp, uint64_t budget_ns, error* err = nullpt
         if (s != OK) return s;
         target = idx + 1;
     }
-    // WQEs posted without ringing are announced now; otherwise quiet would wait for work the
-    // device was never told about.
-    status rs = ring<S>(q, c);
-    if (rs != OK) return rs;
+    *ticket = target;
+    return ring<S>(q, c);
+}
+
+// Polls the send CQ until everything up to `ticket` has retired: OK, ERROR_CQE (with `*err`)
+// once the ticket retired with an error recorded, TIMEOUT when the clock runs out.
+template <sharing S>
+__device__ __forceinline__ status poll_to(gpuverbs_qp* q, uint64_t ticket, call_clock& c,
+                                          error* err) {
     for (;;) {
         status s = scq_progress<S>(q);
         if (s == BUSY) return s;
         uint64_t retired = state_load<S>(&q->sq_retired);
-        if (retired >= target) {
+        if (retired >= ticket) {
             if (s == ERROR_CQE && err) *err = last_error(q);
             return s;
         }
         if (c.expired()) return TIMEOUT;
     }
+}
+
+// Waits until every WQE published so far has completed. Posts a signaled NOP first when the
+// last published WQE was unsignaled (unsignaled WQEs complete only behind a signaled one).
+template <sharing S = sharing::gpu>
+__device__ status quiet(gpuverbs_qp* qp, uint64_t budget_ns, error* err = nullptr) {
+    return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
+        call_clock c(budget_ns);
+        c.start();
+        uint64_t target = 0;
+        const status s = quiet_begin<S>(q, c, &target, err);
+        if (s != OK) return s;
+        return poll_to<S>(q, target, c, err);
     });
+}
+
+// NCCL GIN's flush of one peer: every operation posted to this QP before the call has
+// completed at its target (an RC completion: the responder acknowledged it; a READ's or an
+// atomic's data is in local memory). The same call as quiet.
+template <sharing S = sharing::gpu>
+__device__ status flush(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr) {
+    return quiet<S>(q, budget_ns, err);
+}
+
+// flush of every QP in `qps[0..n)` under one budget: each QP's NOP (where one is needed) is
+// posted and rung before any is waited for, so the QPs drain side by side, 16 at a time. OK
+// when all have completed; otherwise the first failing QP's status, its index in `*failed`
+// (when given) and its error in `*err`; the QPs after it are still flushed (their status is
+// not reported).
+template <sharing S = sharing::gpu>
+__device__ status flush_all(gpuverbs_qp* const* qps, uint32_t n, uint64_t budget_ns,
+                            error* err = nullptr, uint32_t* failed = nullptr) {
+    constexpr uint32_t CHUNK = 16;
+    call_clock c(budget_ns);
+    c.start();
+    status first = OK;
+    const auto note = [&](status s, uint32_t i) {
+        if (s != OK && first == OK) {
+            first = s;
+            if (failed) *failed = i;
+        }
+    };
+    for (uint32_t base = 0; base < n; base += CHUNK) {
+        const uint32_t m = n - base < CHUNK ? n - base : CHUNK;
+        uint64_t ticket[CHUNK];
+        status began[CHUNK];
+        for (uint32_t j = 0; j < m; ++j) {
+            error e{};
+            began[j] = on_copy<S>(qps[base + j], [&](gpuverbs_qp* q) -> status {
+                return quiet_begin<S>(q, c, &ticket[j], &e);
+            });
+            if (began[j] != OK && first == OK && err) *err = e;
+            note(began[j], base + j);
+        }
+        for (uint32_t j = 0; j < m; ++j) {
+            if (began[j] != OK) continue;
+            error e{};
+            const status s = on_copy<S>(qps[base + j], [&](gpuverbs_qp* q) -> status {
+                return poll_to<S>(q, ticket[j], c, &e);
+            });
+            if (s != OK && first == OK && err) *err = e;
+            note(s, base + j);
+        }
+    }
+    return first;
 }
 
 // Waits until everything up to block `ticket` has completed: a ticket is the end of a WQE (its
@@ -61,18 +131,9 @@ template <sharing S = sharing::gpu>
 __device__ status wait_ticket(gpuverbs_qp* qp, uint64_t ticket, uint64_t budget_ns,
                               error* err = nullptr) {
     return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
-    call_clock c(budget_ns);
-    c.start();
-    for (;;) {
-        status s = scq_progress<S>(q);
-        if (s == BUSY) return s;
-        uint64_t retired = state_load<S>(&q->sq_retired);
-        if (retired >= ticket) {
-            if (s == ERROR_CQE && err) *err = last_error(q);
-            return s;
-        }
-        if (c.expired()) return TIMEOUT;
-    }
+        call_clock c(budget_ns);
+        c.start();
+        return poll_to<S>(q, ticket, c, err);
     });
 }
 
@@ -200,12 +261,70 @@ __device__ status put_signal(gpuverbs_qp* qp, uint64_t laddr, lkey lk, uint64_t 
     });
 }
 
+// Write then set a remote 8-byte signal word to `value` (a masked compare-and-swap that always
+// swaps), ordered as put_signal's, one doorbell: 3 blocks (the WRITE, unsignaled; the set
+// carries `signaled`).
+template <sharing S = sharing::gpu>
+__device__ status put_signal_set(gpuverbs_qp* qp, uint64_t laddr, lkey lk, uint64_t raddr,
+                                 rkey rk, uint32_t len, uint64_t sig_addr, rkey sig_key,
+                                 uint64_t value, bool signaled, uint64_t budget_ns,
+                                 bool do_ring = true) {
+    return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
+        const gpuverbs_qp k = consts_of(q);
+        uint64_t idx, published;
+        bool force = false;
+        call_clock c(budget_ns);
+        status s = reserve<S>(q, 3, c, &idx, &force, &published);
+        if (s != OK) return s;
+        signaled = signaled || force;
+        prep_write(&k, idx, laddr, lk, raddr, rk, len, 0);
+        prep_masked_cs(&k, idx + 1, sig_addr, sig_key, 0, 0, value, ~0ull, k.scratch,
+                       lkey{k.scratch_lkey}, signaled ? CE_SIGNALED : 0);
+        return publish_ring<S>(q, k, idx, 3, idx + 1, signaled, published, do_ring, c, nullptr);
+    });
+}
+
+// NCCL GIN's putValue: writes the low `bytes` (1, 2, 4 or 8) bytes of `value`, in the GPU's
+// (little-endian) byte order, to `raddr`, carried in the WQE (an inline write: 1 block).
+// INVALID for another size or when the QP takes no inline data of that size.
+template <sharing S = sharing::gpu>
+__device__ status put_value(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint64_t value,
+                            uint32_t bytes, bool signaled, uint64_t budget_ns,
+                            bool do_ring = true) {
+    if (bytes != 1 && bytes != 2 && bytes != 4 && bytes != 8) return INVALID;
+    return put_inline<S>(q, &value, bytes, raddr, rk, signaled, budget_ns, do_ring);
+}
+
 // RDMA read of `len` bytes into local memory; complete once quiet() returns OK.
 template <sharing S = sharing::gpu>
 __device__ status get(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
                       uint32_t len, bool signaled, uint64_t budget_ns) {
     return post_block<S>(q, signaled, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         return build_read(q, idx, laddr, lk, raddr, rk, len, f);
+    });
+}
+
+// RDMA read of `len` bytes whose call returns once they are in local memory (GPUNetIO's
+// get_wait): posts the READ signaled and polls the send CQ until it has completed, all under
+// one budget. OK: the bytes are there (load them past the L1, e.g. __ldcv, where they are in
+// GPU memory the SM may have cached); ERROR_CQE (with `*err`) when an error CQE was recorded
+// by then (this READ's or an earlier WQE's: the READ is then flushed); TIMEOUT when the budget
+// ran out (the READ may still complete later).
+template <sharing S = sharing::gpu>
+__device__ status get_wait(gpuverbs_qp* qp, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                           uint32_t len, uint64_t budget_ns, error* err = nullptr) {
+    return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
+        const gpuverbs_qp k = consts_of(q);
+        uint64_t idx, published;
+        call_clock c(budget_ns);
+        status s = reserve<S>(q, 1, c, &idx, nullptr, &published);
+        if (s == ERROR_CQE && err) *err = last_error(q);
+        if (s != OK) return s;
+        const block b = build_read(&k, idx, laddr, lk, raddr, rk, len, CE_SIGNALED);
+        store_block(&k, idx, b);
+        s = publish_ring<S>(q, k, idx, 1, idx, true, published, true, c, &b);
+        if (s != OK) return s;
+        return poll_to<S>(q, idx + 1, c, err);
     });
 }
 
@@ -303,14 +422,35 @@ __device__ status fence(gpuverbs_qp* q, uint64_t budget_ns) {
     });
 }
 
-// Waits (acquire, system scope) until the local 8-byte signal word reaches `value`.
+// Waits (acquire, system scope) until the local 8-byte signal word reaches `value`; `*seen`
+// (when given) gets the last value read. OK or TIMEOUT.
 __device__ __forceinline__ status wait_signal(const uint64_t* sig, uint64_t value,
-                                              uint64_t budget_ns) {
+                                              uint64_t budget_ns, uint64_t* seen = nullptr) {
     uint64_t deadline = now_ns() + budget_ns;
-    while (ld_acquire_sys64(sig) < value) {
-        if (now_ns() > deadline) return TIMEOUT;
+    uint64_t v;
+    status s = OK;
+    while ((v = ld_acquire_sys64(sig)) < value) {
+        if (now_ns() > deadline) {
+            s = TIMEOUT;
+            break;
+        }
     }
-    return OK;
+    if (seen) *seen = v;
+    return s;
+}
+
+// The local 8-byte signal word now (acquire, system scope: what the signal's sender wrote
+// before it, and the NIC placed, is visible after it). NCCL GIN's readSignal.
+__device__ __forceinline__ uint64_t read_signal(const uint64_t* sig) {
+    return ld_acquire_sys64(sig);
+}
+
+// Sets the local 8-byte signal word to `value` (0: GIN's resetSignal) with a system-scope
+// release store. Not atomic against a signal the NIC applies at the same moment (a store and
+// a NIC atomic on the same word may lose either): reset a word once every signal counted in
+// it has arrived (wait_signal), before its senders signal it again.
+__device__ __forceinline__ void reset_signal(uint64_t* sig, uint64_t value = 0) {
+    st_release_sys64(sig, value);
 }
 
 }  // namespace gpuverbs

@@ -6,12 +6,15 @@
 //   publish  -> make WQEs visible in order
 //   ring     -> tell the device (GPU doorbell, BlueFlame, or CPU-proxy producer word)
 //   poll     -> take CQEs, retire SQ space, report errors
-//   high level: put, put_imm, put_inline, put_signal, signal, send, send_inline, get,
-//               atomic_fetch_add, atomic_compare_swap (8 bytes), atomic_fetch_add32,
-//               atomic_compare_swap32 (4 bytes; atomic_result32 reads their big-endian old
-//               value), atomic_masked_fetch_add (8-byte fields), atomic_masked_compare_swap,
-//               signal_set, wait_signal, quiet, fence;
-//               warp- and block-scope put.
+//   high level: put, put_imm, put_inline, put_value, put_signal, put_signal_set, signal,
+//               signal_set, send, send_inline, get, get_wait, atomic_fetch_add,
+//               atomic_compare_swap (8 bytes), atomic_fetch_add32, atomic_compare_swap32
+//               (4 bytes; atomic_result32 reads their big-endian old value),
+//               atomic_masked_fetch_add (8-byte fields), atomic_masked_compare_swap;
+//               wait_signal, read_signal, reset_signal (a local signal word);
+//               quiet, flush, flush_all (several QPs), wait_ticket, fence;
+//               warp scope (`*_warp`) and block scope (`*_block`) of put, get, signal,
+//               signal_set, put_signal, put_signal_set and every atomic above.
 //   receive side: post_recv, recv_wait.
 //   DC initiators: dc_put, dc_get, dc_atomic_fetch_add, dc_atomic_compare_swap.
 //
@@ -32,7 +35,7 @@
 //   sq.cuh       reserve, publish, ring; exclusive ownership in registers
 //   onesided.cuh high-level operations at thread scope
 //   recv.cuh     the receive side
-//   scope.cuh    warp and block scope
+//   scope.cuh    warp and block scope (warp_post, block_post and the calls made of them)
 //   dc.cuh       DC initiators: put, get and atomics naming a DC target's address vector
 // This header includes them all (as does <gpuverbs/gpuverbs.cuh>).
 #ifndef GPUVERBS_QP_CUH

@@ -1,7 +1,8 @@
 // gpuverbs device API — scope.cuh (see qp.cuh for the layers).
 //
 // Warp and block scope: one reservation and one doorbell for many threads, partial participation
-// allowed.
+// allowed: put, get, signal (add and set), put with a signal (add and set), and the atomics
+// (8- and 4-byte fetch-add and compare-swap, masked fetch-add and compare-swap).
 #ifndef GPUVERBS_SCOPE_CUH
 #define GPUVERBS_SCOPE_CUH
 
@@ -15,16 +16,24 @@ namespace gpuverbs {
 // Warp and block scope: one reservation, one doorbell, partial participation allowed
 // ------------------------------------------------------------------------------------------
 
-// Every active lane of the warp calls it with its own buffers; lanes that are not active
-// (diverged, exited) simply do not take part. One reservation and one doorbell per call.
-template <sharing S = sharing::gpu>
-__device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
-                           uint32_t len, bool signaled, uint64_t budget_ns) {
+// The warp-scope post every warp-scope call is made of. Every active lane of the warp calls it
+// (lanes that are not active, diverged or exited, simply do not take part); each lane posts
+// `per_lane` blocks, its WQEs, written by `build(k, idx, flags)` from block `idx` on (from the
+// descriptor's constants `k`; `flags` belong to the lane's last WQE: CE_SIGNALED on the last
+// rank's when `signaled`). `build` returns the lane's last WQE when it is one block
+// (`last_blocks` 1): a BlueFlame ring copies it from the registers of the lane that built it.
+// A longer last WQE (`last_blocks` > 1) is read back from the ring. One reservation of
+// `per_lane` blocks per active lane, one publish and one doorbell per call: the warp's blocks
+// must fit in the SQ at once.
+template <sharing S, typename Build>
+__device__ __forceinline__ status warp_post(gpuverbs_qp* q, uint32_t per_lane, uint32_t last_blocks,
+                                            bool signaled, uint64_t budget_ns, Build build) {
     const uint32_t mask = __activemask();
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t leader = __ffs(mask) - 1;
     const uint32_t count = __popc(mask);
     const uint32_t rank = __popc(mask & ((1u << lane) - 1u));
+    const uint32_t n = count * per_lane;
     uint64_t start = 0, published = 0;
     status s = OK;
     // Every lane takes the descriptor into registers when the call starts: its constants for
@@ -36,7 +45,7 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     call_clock c(budget_ns);  // the leader's: one budget for its reserve, publish and ring
     if (lane == leader) {
         bool force = false;
-        s = reserve<S>(st, count, c, &start, &force, &published);
+        s = reserve<S>(st, n, c, &start, &force, &published);
         signaled = signaled || force;
         // A failed reservation may still have taken CQEs (its wait polls the CQ).
         if (S == sharing::exclusive && s != OK && !k.checked_out) store_state(q, k);
@@ -46,13 +55,12 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     signaled = __shfl_sync(mask, signaled, leader);
     if (s != OK) return s;
     const bool last = rank == count - 1;
-    const block b = build_write(&k, start + rank, laddr, lk, raddr, rk, len,
-                                (signaled && last) ? CE_SIGNALED : 0);
-    store_block(&k, start + rank, b);
+    const block b = build(static_cast<const gpuverbs_qp*>(&k), start + (uint64_t)rank * per_lane,
+                          (signaled && last) ? CE_SIGNALED : 0);
     // A BlueFlame ring copies the last WQE from the leader's registers: the lane that built
     // it hands it over (other modes do not read it).
     block lastb = b;
-    const bool bf = k.db_mode == GPUVERBS_DB_BLUEFLAME;
+    const bool bf = k.db_mode == GPUVERBS_DB_BLUEFLAME && last_blocks == 1;
     if (bf) {
         const uint32_t owner = 31u - __clz(mask);
         for (int i = 0; i < 4; ++i) {
@@ -64,8 +72,8 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     }
     __syncwarp(mask);
     if (lane == leader) {
-        s = publish_ring<S>(st, k, start, count, start + count - 1, signaled, published, true,
-                            c, &lastb);
+        s = publish_ring<S>(st, k, start, n, start + n - last_blocks, signaled, published, true, c,
+                            last_blocks == 1 ? &lastb : nullptr);
         if (S == sharing::exclusive && !k.checked_out) store_state(q, k);
     }
     // Orders the leader's descriptor stores before whichever lane leads the next call
@@ -74,12 +82,15 @@ __device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t rad
     return (status)__shfl_sync(mask, (int)s, leader);
 }
 
-// Every thread of the block calls it (a collective: it synchronises the block); threads with
-// `participate == false` post nothing. One reservation and one doorbell for the block.
-template <sharing S = sharing::gpu>
-__device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lkey lk,
-                            uint64_t raddr, rkey rk, uint32_t len, bool signaled,
-                            uint64_t budget_ns) {
+// The block-scope post every block-scope call is made of: every thread of the block calls it
+// (a collective: it synchronises the block); threads with `participate == false` post nothing.
+// Participants take ranks in arrival order; each posts `per_thread` blocks written by `build`
+// (as in warp_post), thread 0 reserves for all and publishes and rings once. Every thread gets
+// the same status; with no participant it is OK and nothing is posted.
+template <sharing S, typename Build>
+__device__ __forceinline__ status block_post(gpuverbs_qp* q, bool participate, uint32_t per_thread,
+                                             uint32_t last_blocks, bool signaled,
+                                             uint64_t budget_ns, Build build) {
     __shared__ uint32_t count;
     __shared__ uint64_t start;
     __shared__ int st;
@@ -87,18 +98,19 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     __shared__ block lastb;  // the last WQE, for a BlueFlame ring
     const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     if (tid == 0) count = 0;
-    // The descriptor in registers, as in put_warp: constants for every thread, and in
+    // The descriptor in registers, as in warp_post: constants for every thread, and in
     // exclusive mode the state thread 0 works on.
     gpuverbs_qp k = S == sharing::exclusive ? *q : consts_of(q);
     gpuverbs_qp* const on = S == sharing::exclusive ? &k : q;
     __syncthreads();
     uint32_t rank = participate ? atomicAdd(&count, 1u) : 0;
     __syncthreads();
+    const uint32_t n = count * per_thread;
     call_clock c(budget_ns);  // thread 0's: one budget for its reserve, publish and ring
     uint64_t published = 0;   // thread 0's
     if (tid == 0) {
         bool force = false;
-        st = count ? reserve<S>(on, count, c, &start, &force, &published) : OK;
+        st = count ? reserve<S>(on, n, c, &start, &force, &published) : OK;
         sig = signaled || force;
     }
     __syncthreads();
@@ -106,15 +118,15 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     signaled = sig;
     if (s == OK && participate) {
         const bool last = rank == count - 1;
-        const block b = build_write(&k, start + rank, laddr, lk, raddr, rk, len,
-                                    (signaled && last) ? CE_SIGNALED : 0);
-        store_block(&k, start + rank, b);
-        if (last) lastb = b;
+        const block b = build(static_cast<const gpuverbs_qp*>(&k),
+                              start + (uint64_t)rank * per_thread,
+                              (signaled && last) ? CE_SIGNALED : 0);
+        if (last && last_blocks == 1) lastb = b;
     }
     __syncthreads();
     if (tid == 0 && s == OK && count) {
-        s = publish_ring<S>(on, k, start, count, start + count - 1, signaled, published, true,
-                            c, &lastb);
+        s = publish_ring<S>(on, k, start, n, start + n - last_blocks, signaled, published, true, c,
+                            last_blocks == 1 ? &lastb : nullptr);
         st = s;
     }
     if (S == sharing::exclusive && tid == 0 && !k.checked_out) store_state(q, k);
@@ -122,6 +134,316 @@ __device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lk
     s = (status)st;
     __syncthreads();
     return s;
+}
+
+// ------------------------------------------------------------------------------------------
+// put, get
+// ------------------------------------------------------------------------------------------
+
+// Every active lane of the warp calls it with its own buffers; lanes that are not active
+// (diverged, exited) simply do not take part. One reservation and one doorbell per call.
+template <sharing S = sharing::gpu>
+__device__ status put_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                           uint32_t len, bool signaled, uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, signaled, budget_ns,
+                        [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                            const block b = build_write(k, idx, laddr, lk, raddr, rk, len, f);
+                            store_block(k, idx, b);
+                            return b;
+                        });
+}
+
+// Every thread of the block calls it (a collective: it synchronises the block); threads with
+// `participate == false` post nothing. One reservation and one doorbell for the block.
+template <sharing S = sharing::gpu>
+__device__ status put_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lkey lk,
+                            uint64_t raddr, rkey rk, uint32_t len, bool signaled,
+                            uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, signaled, budget_ns,
+                         [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                             const block b = build_write(k, idx, laddr, lk, raddr, rk, len, f);
+                             store_block(k, idx, b);
+                             return b;
+                         });
+}
+
+// RDMA read of `len` bytes into each lane's local buffer (warp scope); complete once a CQE
+// covering it is in (quiet).
+template <sharing S = sharing::gpu>
+__device__ status get_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                           uint32_t len, bool signaled, uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, signaled, budget_ns,
+                        [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                            const block b = build_read(k, idx, laddr, lk, raddr, rk, len, f);
+                            store_block(k, idx, b);
+                            return b;
+                        });
+}
+
+// get_warp at block scope (a collective, as put_block).
+template <sharing S = sharing::gpu>
+__device__ status get_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lkey lk,
+                            uint64_t raddr, rkey rk, uint32_t len, bool signaled,
+                            uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, signaled, budget_ns,
+                         [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                             const block b = build_read(k, idx, laddr, lk, raddr, rk, len, f);
+                             store_block(k, idx, b);
+                             return b;
+                         });
+}
+
+// ------------------------------------------------------------------------------------------
+// Signals: add (fetch-add, old value discarded), set (masked compare-swap that always swaps),
+// and a put followed by either. Per lane / thread: signal 1 block, signal_set 2, put_signal 2
+// (WRITE + fetch-add), put_signal_set 3 (WRITE + masked compare-swap). The WRITE is unsignaled;
+// the signal carries the flags. Each lane's signal follows its own WRITE (an RC responder
+// executes them in order).
+// ------------------------------------------------------------------------------------------
+
+// One lane's or thread's signal WQEs at `idx` (`set`: a set of `value`, else an add).
+__device__ __forceinline__ block build_signal_at(const gpuverbs_qp* k, uint64_t idx, bool set,
+                                                 uint64_t sig_addr, rkey sig_key, uint64_t value,
+                                                 uint8_t f) {
+    if (set) {
+        prep_masked_cs(k, idx, sig_addr, sig_key, 0, 0, value, ~0ull, k->scratch,
+                       lkey{k->scratch_lkey}, f);
+        return block{};
+    }
+    const block b = build_atomic(k, idx, OP_ATOMIC_FA, sig_addr, sig_key, value, 0, k->scratch,
+                                 lkey{k->scratch_lkey}, f);
+    store_block(k, idx, b);
+    return b;
+}
+
+template <sharing S = sharing::gpu>
+__device__ status signal_warp(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key, uint64_t add,
+                              bool signaled, uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, signaled, budget_ns,
+                        [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                            return build_signal_at(k, idx, false, sig_addr, sig_key, add, f);
+                        });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status signal_block(gpuverbs_qp* q, bool participate, uint64_t sig_addr,
+                               rkey sig_key, uint64_t add, bool signaled, uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, signaled, budget_ns,
+                         [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                             return build_signal_at(k, idx, false, sig_addr, sig_key, add, f);
+                         });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status signal_set_warp(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key,
+                                  uint64_t value, bool signaled, uint64_t budget_ns) {
+    return warp_post<S>(q, 2, 2, signaled, budget_ns,
+                        [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                            return build_signal_at(k, idx, true, sig_addr, sig_key, value, f);
+                        });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status signal_set_block(gpuverbs_qp* q, bool participate, uint64_t sig_addr,
+                                   rkey sig_key, uint64_t value, bool signaled,
+                                   uint64_t budget_ns) {
+    return block_post<S>(q, participate, 2, 2, signaled, budget_ns,
+                         [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                             return build_signal_at(k, idx, true, sig_addr, sig_key, value, f);
+                         });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr,
+                                  rkey rk, uint32_t len, uint64_t sig_addr, rkey sig_key,
+                                  uint64_t add, bool signaled, uint64_t budget_ns) {
+    return warp_post<S>(q, 2, 1, signaled, budget_ns,
+                        [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                            prep_write(k, idx, laddr, lk, raddr, rk, len, 0);
+                            return build_signal_at(k, idx + 1, false, sig_addr, sig_key, add, f);
+                        });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lkey lk,
+                                   uint64_t raddr, rkey rk, uint32_t len, uint64_t sig_addr,
+                                   rkey sig_key, uint64_t add, bool signaled,
+                                   uint64_t budget_ns) {
+    return block_post<S>(q, participate, 2, 1, signaled, budget_ns,
+                         [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                             prep_write(k, idx, laddr, lk, raddr, rk, len, 0);
+                             return build_signal_at(k, idx + 1, false, sig_addr, sig_key, add,
+                                                    f);
+                         });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_set_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr,
+                                      rkey rk, uint32_t len, uint64_t sig_addr, rkey sig_key,
+                                      uint64_t value, bool signaled, uint64_t budget_ns) {
+    return warp_post<S>(q, 3, 2, signaled, budget_ns,
+                        [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                            prep_write(k, idx, laddr, lk, raddr, rk, len, 0);
+                            return build_signal_at(k, idx + 1, true, sig_addr, sig_key, value, f);
+                        });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_set_block(gpuverbs_qp* q, bool participate, uint64_t laddr,
+                                       lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                       uint64_t sig_addr, rkey sig_key, uint64_t value,
+                                       bool signaled, uint64_t budget_ns) {
+    return block_post<S>(q, participate, 3, 2, signaled, budget_ns,
+                         [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                             prep_write(k, idx, laddr, lk, raddr, rk, len, 0);
+                             return build_signal_at(k, idx + 1, true, sig_addr, sig_key, value,
+                                                    f);
+                         });
+}
+
+// ------------------------------------------------------------------------------------------
+// Atomics: each lane / thread its own target and result (as the thread-scope calls); the
+// last rank's WQE is signaled, so a quiet after the call covers every lane's result.
+// ------------------------------------------------------------------------------------------
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_fetch_add_warp(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint64_t add,
+                                        uint64_t result, lkey result_key, uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic(k, idx, OP_ATOMIC_FA, raddr, rk, add, 0, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_fetch_add_block(gpuverbs_qp* q, bool participate, uint64_t raddr,
+                                         rkey rk, uint64_t add, uint64_t result,
+                                         lkey result_key, uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic(k, idx, OP_ATOMIC_FA, raddr, rk, add, 0, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_compare_swap_warp(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                           uint64_t compare, uint64_t swap, uint64_t result,
+                                           lkey result_key, uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic(k, idx, OP_ATOMIC_CS, raddr, rk, swap, compare, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_compare_swap_block(gpuverbs_qp* q, bool participate, uint64_t raddr,
+                                            rkey rk, uint64_t compare, uint64_t swap,
+                                            uint64_t result, lkey result_key,
+                                            uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic(k, idx, OP_ATOMIC_CS, raddr, rk, swap, compare, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+// 4-byte: the old value lands big-endian at `result` (atomic_result32), as at thread scope.
+template <sharing S = sharing::gpu>
+__device__ status atomic_fetch_add32_warp(gpuverbs_qp* q, uint64_t raddr, rkey rk, uint32_t add,
+                                          uint64_t result, lkey result_key, uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic32(k, idx, OP_ATOMIC_MASKED_FA, raddr, rk, add, 0, 0, 0, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_fetch_add32_block(gpuverbs_qp* q, bool participate, uint64_t raddr,
+                                           rkey rk, uint32_t add, uint64_t result,
+                                           lkey result_key, uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic32(k, idx, OP_ATOMIC_MASKED_FA, raddr, rk, add, 0, 0, 0, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_compare_swap32_warp(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                             uint32_t compare, uint32_t swap, uint64_t result,
+                                             lkey result_key, uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic32(k, idx, OP_ATOMIC_MASKED_CS, raddr, rk, swap, compare,
+                                       0xffffffffu, 0xffffffffu, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_compare_swap32_block(gpuverbs_qp* q, bool participate, uint64_t raddr,
+                                              rkey rk, uint32_t compare, uint32_t swap,
+                                              uint64_t result, lkey result_key,
+                                              uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic32(k, idx, OP_ATOMIC_MASKED_CS, raddr, rk, swap, compare,
+                                       0xffffffffu, 0xffffffffu, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_fetch_add_warp(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                               uint64_t add, uint64_t boundary, uint64_t result,
+                                               lkey result_key, uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_masked_fa(k, idx, raddr, rk, add, boundary, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_fetch_add_block(gpuverbs_qp* q, bool participate, uint64_t raddr,
+                                                rkey rk, uint64_t add, uint64_t boundary,
+                                                uint64_t result, lkey result_key,
+                                                uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_masked_fa(k, idx, raddr, rk, add, boundary, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_compare_swap_warp(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                                  uint64_t compare, uint64_t compare_mask,
+                                                  uint64_t swap, uint64_t swap_mask,
+                                                  uint64_t result, lkey result_key,
+                                                  uint64_t budget_ns) {
+    return warp_post<S>(q, 2, 2, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        prep_masked_cs(k, idx, raddr, rk, compare, compare_mask, swap, swap_mask, result,
+                       result_key, f);
+        return block{};
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_compare_swap_block(gpuverbs_qp* q, bool participate,
+                                                   uint64_t raddr, rkey rk, uint64_t compare,
+                                                   uint64_t compare_mask, uint64_t swap,
+                                                   uint64_t swap_mask, uint64_t result,
+                                                   lkey result_key, uint64_t budget_ns) {
+    return block_post<S>(q, participate, 2, 2, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        prep_masked_cs(k, idx, raddr, rk, compare, compare_mask, swap, swap_mask, result,
+                       result_key, f);
+        return block{};
+    });
 }
 
 }  // namespace gpuverbs

@@ -2,6 +2,7 @@
 //! every byte and every status.
 
 mod dc;
+mod gin;
 mod ops;
 mod put;
 mod recv;
@@ -9,6 +10,7 @@ mod sharing;
 mod status;
 
 pub use dc::dc_ops;
+pub use gin::{gin, scopes};
 pub use ops::{bad_rkey, dropped_doorbell_timeout, ops, recover_after_error, wait_signal};
 pub use put::{collapsed_cq, put_case, PutArgs, PutCase};
 pub use recv::{recv, RecvCase};

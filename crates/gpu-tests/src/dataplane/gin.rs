@@ -1,0 +1,332 @@
+//! Signals, put-with-signal and the atomics at warp and block scope, and the GIN-style calls at
+//! thread scope (put_signal_set, put_value, get_wait, read / wait / reset of a signal word,
+//! flush of one QP and of several): every byte of both buffers checked on the host.
+
+use anyhow::{ensure, Result};
+use gpuverbs::{DoorbellMode, RingPlacement};
+
+use super::{arg, counters, Mem, Pair, PairSpec, Status, BUDGET_NS};
+
+/// Threads of the `gv_test_scopes` block (one bit of a signal word each).
+const THREADS: usize = 64;
+
+fn put_u64(b: &mut [u8], off: usize, v: u64) {
+    b[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+}
+
+fn put_u32(b: &mut [u8], off: usize, v: u32) {
+    b[off..off + 4].copy_from_slice(&v.to_ne_bytes());
+}
+
+/// An 8-byte fetch-add split into fields: a set bit of `boundary` is the top bit of a field,
+/// and no carry leaves a field (what the NIC computes for a masked fetch-add).
+fn masked_add(old: u64, add: u64, boundary: u64) -> u64 {
+    let mut out = 0u64;
+    let mut lo = 0u32;
+    while lo < 64 {
+        let top = (lo..64).find(|&b| boundary >> b & 1 == 1).unwrap_or(63);
+        let width = top - lo + 1;
+        let mask = if width == 64 {
+            u64::MAX
+        } else {
+            ((1u64 << width) - 1) << lo
+        };
+        out |= (old & mask).wrapping_add(add & mask) & mask;
+        lo = top + 1;
+    }
+    out
+}
+
+/// The first byte where `got` and `want` differ, as an error naming `what`.
+fn same(what: &str, got: &[u8], want: &[u8]) -> Result<()> {
+    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+        let end = (i + 8).min(want.len());
+        anyhow::bail!(
+            "{what}: first difference at byte {i}: got {:02x?}, want {:02x?}",
+            &got[i..end],
+            &want[i..end]
+        );
+    }
+    Ok(())
+}
+
+/// `gv_test_scopes` at `scope` (0 thread, 1 warp, 2 block) with every `skip_mod`-th thread
+/// left out (0: none): signal, signal_set, put_signal, put_signal_set, get and the six atomics
+/// from 64 threads, each on its own words; the host computes both buffers as they must end
+/// and compares them whole.
+pub fn scopes(
+    ordinal: usize,
+    mode: DoorbellMode,
+    mem: Mem,
+    rings: RingPlacement,
+    scope: u32,
+    skip_mod: u32,
+) -> Result<String> {
+    let spec = PairSpec {
+        mode,
+        bytes: 8192,
+        sq_blocks: 512,
+        mem,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
+    let src0 = p.src.to_vec()?;
+    let mut dst0 = vec![0u8; 8192];
+    for (i, b) in dst0[3584..4608].iter_mut().enumerate() {
+        *b = (i as u32 * 13 + 5) as u8;
+    }
+    for t in 0..THREADS {
+        let t64 = t as u64;
+        put_u64(&mut dst0, 4608 + 8 * t, 1000 + t64);
+        put_u64(&mut dst0, 5120 + 8 * t, 2000 + t64);
+        put_u32(&mut dst0, 5632 + 4 * t, 300 + t as u32);
+        put_u32(&mut dst0, 5888 + 4 * t, 400 + t as u32);
+        put_u64(&mut dst0, 6144 + 8 * t, 0x0000_0001_ffff_fff0 + t64);
+        put_u64(&mut dst0, 6656 + 8 * t, 0x1111_2222_3333_0000 | t64);
+    }
+    p.dst.write(0, &dst0)?;
+    let st = Status::new(&p.gpu)?;
+    let (mut q, mut l, mut lk, mut r, mut rk) = (
+        p.export.ptr(),
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0,
+    );
+    let (mut sc, mut skip, mut budget, mut out) = (scope, skip_mod, BUDGET_NS, st.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut l),
+        arg(&mut lk),
+        arg(&mut r),
+        arg(&mut rk),
+        arg(&mut sc),
+        arg(&mut skip),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    // SAFETY: parameters match gv_test_scopes; pointers are live device-visible memory.
+    unsafe {
+        p.gpu.launch_sync(
+            "gv_test_scopes",
+            (1, 1, 1),
+            (THREADS as u32, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    st.expect_ok()?;
+    // both buffers as they must end
+    let (mut want_src, mut want_dst) = (src0.clone(), dst0.clone());
+    let part = |t: usize| skip_mod == 0 || t % skip_mod as usize != skip_mod as usize - 1;
+    let mask: u64 = (0..THREADS).filter(|&t| part(t)).map(|t| 1u64 << t).sum();
+    let mut n = 0;
+    for t in (0..THREADS).filter(|&t| part(t)) {
+        n += 1;
+        let t64 = t as u64;
+        put_u64(&mut want_dst, 64 + 8 * t, 0x5157_0000_0000_0000 | t64);
+        let ps = 1024 + 16 * t;
+        want_dst[ps..ps + 16].copy_from_slice(&src0[ps..ps + 16]);
+        let pss = 2048 + 16 * t;
+        want_dst[pss..pss + 16].copy_from_slice(&src0[pss..pss + 16]);
+        put_u64(
+            &mut want_dst,
+            3072 + 8 * t,
+            0xc0de_0000_0000_005a | t64 << 8,
+        );
+        let g = 3584 + 16 * t;
+        want_src[g..g + 16].copy_from_slice(&dst0[g..g + 16]);
+        // fetch-add +(t + 1)
+        put_u64(&mut want_dst, 4608 + 8 * t, 1000 + t64 + t64 + 1);
+        put_u64(&mut want_src, 4608 + 8 * t, 1000 + t64);
+        // compare-swap: swaps for even t
+        if t % 2 == 0 {
+            put_u64(&mut want_dst, 5120 + 8 * t, 0xc5000 + t64);
+        }
+        put_u64(&mut want_src, 5120 + 8 * t, 2000 + t64);
+        // 4-byte: old values big-endian
+        put_u32(&mut want_dst, 5632 + 4 * t, 307 + t as u32);
+        want_src[5632 + 4 * t..5636 + 4 * t].copy_from_slice(&(300 + t as u32).to_be_bytes());
+        if t % 3 != 0 {
+            put_u32(&mut want_dst, 5888 + 4 * t, 0xab00 + t as u32);
+        }
+        want_src[5888 + 4 * t..5892 + 4 * t].copy_from_slice(&(400 + t as u32).to_be_bytes());
+        let mfa_old = 0x0000_0001_ffff_fff0 + t64;
+        let mfa_new = masked_add(mfa_old, 0x0000_0001_0000_0010, 0x8000_0000_8000_0000);
+        put_u64(&mut want_dst, 6144 + 8 * t, mfa_new);
+        put_u64(&mut want_src, 6144 + 8 * t, mfa_old);
+        let mcs_old = 0x1111_2222_3333_0000 | t64;
+        if t % 2 == 0 {
+            let smask = 0x0000_0000_ffff_0000u64;
+            let new = (mcs_old & !smask) | (0xaaaa_bbbb_cccc_dddd & smask);
+            put_u64(&mut want_dst, 6656 + 8 * t, new);
+        }
+        put_u64(&mut want_src, 6656 + 8 * t, mcs_old);
+    }
+    put_u64(&mut want_dst, 0, mask);
+    put_u64(&mut want_dst, 8, mask);
+    same("remote buffer", &p.dst.to_vec()?, &want_dst)?;
+    same("local buffer", &p.src.to_vec()?, &want_src)?;
+    if let Some(c) = counters(&p.a) {
+        ensure!(
+            c.errors.is_empty() && c.device_memory_errors == 0,
+            "device: {c:?}"
+        );
+    }
+    let scope_name = ["thread", "warp", "block"][scope as usize % 3];
+    Ok(format!(
+        "{scope_name} scope, {n} of {THREADS} threads: signal, signal_set, put_signal, \
+         put_signal_set, get, fetch-add, compare-swap (8 and 4 bytes), masked fetch-add and \
+         compare-swap, both buffers bit for bit (payload {mem:?}, rings {rings:?})"
+    ))
+}
+
+/// `gv_test_gin` on two pairs: put_signal_set, put_value (1, 2, 4, 8 bytes; 3 is INVALID),
+/// get_wait (the kernel checks the bytes as soon as it returns), signal / wait_signal /
+/// read_signal / reset_signal / signal_set on a word the kernel reads, wait_signal's TIMEOUT,
+/// flush_all over both QPs (one WQE published and not rung) and flush of one.
+pub fn gin(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -> Result<String> {
+    let spec = |bytes| PairSpec {
+        mode,
+        bytes,
+        sq_blocks: 64,
+        mem,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec(8192))?;
+    let p2 = Pair::with(ordinal, spec(4096))?;
+    let got: Vec<u8> = (0..64u32).map(|i| (i * 7 + 3) as u8).collect();
+    p.dst.write(256, &got)?;
+    let (src0, src20) = (p.src.to_vec()?, p2.src.to_vec()?);
+    let vals = p.gpu.alloc(16 * 8)?;
+    vals.write(0, &[0xffu8; 16 * 8])?;
+    let st = Status::new(&p.gpu)?;
+    let (mut q, mut q2) = (p.export.ptr(), p2.export.ptr());
+    let (mut l, mut lk, mut r, mut rk) = (
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0,
+    );
+    let (mut l2, mut lk2, mut r2, mut rk2) = (
+        p2.src_d,
+        p2.src_mr.lkey().0,
+        p2.dst_mr.addr(),
+        p2.dst_mr.rkey().0,
+    );
+    let (mut rw, mut budget, mut out, mut v) =
+        (p.dst.gpu_addr(&p.gpu)?, BUDGET_NS, st.ptr(), vals.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut q2),
+        arg(&mut l),
+        arg(&mut lk),
+        arg(&mut r),
+        arg(&mut rk),
+        arg(&mut l2),
+        arg(&mut lk2),
+        arg(&mut r2),
+        arg(&mut rk2),
+        arg(&mut rw),
+        arg(&mut budget),
+        arg(&mut out),
+        arg(&mut v),
+    ];
+    // SAFETY: parameters match gv_test_gin; pointers are live device-visible memory.
+    unsafe {
+        p.gpu
+            .launch_sync("gv_test_gin", (1, 1, 1), (1, 1, 1), 0, &mut params)?
+    };
+    st.expect_ok()?;
+    let mut raw = [0u8; 16 * 8];
+    vals.read(0, &mut raw)?;
+    let val = |i: usize| u64::from_ne_bytes(raw[8 * i..8 * i + 8].try_into().unwrap());
+    ensure!(
+        val(0) == 3,
+        "put_value of 3 bytes: status {} (INVALID expected)",
+        val(0)
+    );
+    ensure!(
+        val(1) == 0,
+        "get_wait returned before byte {} was there",
+        val(1) - 1
+    );
+    let signals: Vec<u64> = (2..9).map(val).collect();
+    ensure!(
+        signals == [5, 5, 0, 9, 10, 2, 10],
+        "signal word: waited 5 saw {}, read {}, after reset {}, set 9 saw {}, +1 saw {}, \
+         wait for 11: status {} saw {}",
+        signals[0],
+        signals[1],
+        signals[2],
+        signals[3],
+        signals[4],
+        signals[5],
+        signals[6]
+    );
+    ensure!(
+        (val(9), val(10), val(11)) == (0, 0xffff, 0),
+        "flush_all {} (failed QP {}), flush {}",
+        val(9),
+        val(10),
+        val(11)
+    );
+    let mut want = vec![0u8; 8192];
+    want[..64].copy_from_slice(&src0[..64]);
+    want[256..320].copy_from_slice(&got);
+    want[1024..1280].copy_from_slice(&src0[1024..1280]);
+    want[2048..2112].copy_from_slice(&src0[2048..2112]);
+    put_u64(&mut want, 4096, 0x1234_5678_9abc_def0);
+    put_u64(&mut want, 4104, 0x0102_0304_0506_0708);
+    put_u32(&mut want, 4112, 0xa1b2_c3d4);
+    want[4116..4118].copy_from_slice(&0xbeefu16.to_ne_bytes());
+    want[4118] = 0x7f;
+    put_u64(&mut want, 4200, 10);
+    same("remote buffer of QP 1", &p.dst.to_vec()?, &want)?;
+    let mut want_src = src0.clone();
+    want_src[512..576].copy_from_slice(&got);
+    same("local buffer of QP 1", &p.src.to_vec()?, &want_src)?;
+    let mut want2 = vec![0u8; 4096];
+    want2[..512].copy_from_slice(&src20[..512]);
+    want2[1024..1088].copy_from_slice(&src20[1024..1088]);
+    same("remote buffer of QP 2", &p2.dst.to_vec()?, &want2)?;
+    for pair in [&p, &p2] {
+        if let Some(c) = counters(&pair.a) {
+            ensure!(
+                c.errors.is_empty() && c.device_memory_errors == 0,
+                "device: {c:?}"
+            );
+        }
+    }
+    Ok(format!(
+        "put_signal_set, put_value (8/4/2/1 bytes; 3 refused), get_wait, signal word read / \
+         wait / reset / set, flush_all over 2 QPs (an unrung WQE rung by it), flush: every byte \
+         checked (payload {mem:?}, rings {rings:?})"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::masked_add;
+
+    #[test]
+    fn masked_add_keeps_carries_in_their_fields() {
+        // no boundary: a plain add
+        assert_eq!(masked_add(u64::MAX, 1, 0), 0);
+        assert_eq!(masked_add(5, 7, 0), 12);
+        // two 32-bit fields: the low one wraps without touching the high one
+        assert_eq!(
+            masked_add(
+                0x0000_0001_ffff_fff0,
+                0x0000_0001_0000_0010,
+                0x8000_0000_8000_0000
+            ),
+            0x0000_0002_0000_0000
+        );
+        // bytes
+        assert_eq!(
+            masked_add(0x00ff_00ff, 0x0001_0001, 0x8080_8080),
+            0x0000_0000
+        );
+    }
+}
