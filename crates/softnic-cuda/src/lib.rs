@@ -235,6 +235,44 @@ impl DeviceMemory for CudaMemory {
         })
     }
 
+    fn write_ordered(&self, parts: &[(u64, &[u8])]) -> Result<(), DeviceMemoryError> {
+        let total: usize = parts.iter().map(|p| p.1.len()).sum();
+        let Some(&(first, _)) = parts.first() else {
+            return Ok(());
+        };
+        if total > STAGING {
+            return parts
+                .iter()
+                .try_for_each(|&(dst, src)| self.write(dst, src));
+        }
+        // every part staged at its own place, copied in order on the one stream (a copy starts
+        // after the one before it has completed), one wait for all
+        self.with_io("cuMemcpyAsync (host to device)", first, total, |io| {
+            let mut at = 0;
+            for &(dst, src) in parts {
+                // SAFETY: `at + src.len() <= total <= STAGING`, the staging buffer is ours
+                // under the mutex and no queued copy reads this range yet.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), io.staging.add(at), src.len())
+                };
+                // SAFETY: the device side is an address the soft NIC checked; the host side
+                // `src.len()` staged bytes that stay put until the wait below.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        dst,
+                        io.staging.add(at) as *const c_void,
+                        src.len(),
+                        io.stream,
+                    )
+                }
+                .result()?;
+                at += src.len();
+            }
+            // SAFETY: the stream is live (destroyed only in drop).
+            unsafe { sys::cuStreamSynchronize(io.stream) }.result()
+        })
+    }
+
     unsafe fn read_to_host(
         &self,
         src: u64,

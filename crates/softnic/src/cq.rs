@@ -60,6 +60,11 @@ pub enum CqError {
 struct CqState {
     /// CQEs produced so far (the producer index).
     pi: u32,
+    /// The consumer index last read from the doorbell record. The consumer only moves it
+    /// forward, so while `pi` is less than a ring ahead of it the ring has room and the
+    /// record need not be read again (a copy each time in device memory); it is read again
+    /// before an overrun is declared.
+    ci_seen: u32,
     /// The ring the CQ writes into after [`Cq::resize`] (the creation ring when `None`).
     resized: Option<DmaBuf>,
     /// The entry size of the ring it writes into.
@@ -69,6 +74,12 @@ struct CqState {
     /// Set by [`Cq::retire`]: no CQE is written any more.
     destroyed: bool,
     delayed: VecDeque<(Instant, Cqe64)>,
+}
+
+/// Whether a CQ of `ncqe` entries with producer index `pi` has room for one more CQE while its
+/// consumer index is `ci` (24-bit counters).
+fn has_room(pi: u32, ci: u32, ncqe: u32) -> bool {
+    pi.wrapping_sub(ci) & 0xff_ffff < ncqe
 }
 
 /// [`verbs::cq::prefill`], with the soft NIC's error.
@@ -141,6 +152,7 @@ impl Cq {
             events: EventSlot::default(),
             state: Mutex::new(CqState {
                 pi: 0,
+                ci_seen: 0,
                 resized: None,
                 cqe_size: cfg.cqe_size,
                 overrun: false,
@@ -349,7 +361,7 @@ impl Cq {
         if st.failed {
             return Err(CqError::Failed(self.cqn));
         }
-        if self.mode == CqMode::OverrunDetect {
+        if self.mode == CqMode::OverrunDetect && !has_room(st.pi, st.ci_seen, self.ncqe()) {
             // the consumer index, from a record in host memory or (a copy) in device memory
             let ci = match self.dbrec.load_u32_acquire(0) {
                 Ok(w) => u32::from_be(w) & 0xff_ffff,
@@ -359,7 +371,8 @@ impl Cq {
                     return Err(CqError::DeviceMemory(self.cqn));
                 }
             };
-            if st.pi.wrapping_sub(ci) & 0xff_ffff >= self.ncqe() {
+            st.ci_seen = ci;
+            if !has_room(st.pi, ci, self.ncqe()) {
                 st.overrun = true;
                 tracing::debug!(cqn = self.cqn, "CQ overrun");
                 self.events.raise(AsyncEvent::CqError);
@@ -381,9 +394,7 @@ impl Cq {
         let off = slot * st.cqe_size.bytes() + st.cqe_size.cqe_offset();
         // Two ordered writes: a consumer that sees the tail (acquire) sees the head.
         let ring = st.resized.as_ref().unwrap_or(&self.ring);
-        let written = ring
-            .try_write(off, &head)
-            .and_then(|()| ring.store_u32_release(off + CQE_TAIL_OFFSET, tail));
+        let written = ring.write_then_release(off, &head, off + CQE_TAIL_OFFSET, tail);
         if let Err(e) = written {
             tracing::warn!(cqn = self.cqn, error = %e, "CQE write failed: CQ in error");
             st.failed = true;

@@ -702,6 +702,76 @@ fn cqes_in_device_memory_are_written_head_then_tail() {
         let slot = ring + (i as u64 % 64) * 64;
         assert_eq!(pair, [(slot, 60), (slot + 60, 4)], "CQE {i}");
     }
+    // each CQE is one ordered group (a CUDA memory queues both copies and waits once)
+    let groups: Vec<_> = rec
+        .ordered_log()
+        .into_iter()
+        .filter(|g| g[0].0 >= ring && g[0].0 < ring + 64 * 64)
+        .collect();
+    assert_eq!(groups.len(), 70);
+    for (i, g) in groups.iter().enumerate() {
+        let slot = ring + (i as u64 % 64) * 64;
+        assert_eq!(g, &[(slot, 60), (slot + 60, 4)], "CQE {i}");
+    }
+}
+
+/// The consumer index of a CQ in device memory is read when the ring might be full, not at
+/// every CQE (each read is a copy): 200 CQEs on a 64-entry ring polled as they come take a
+/// handful of reads; an overrun is still found (the record is read again before it is
+/// declared).
+#[test]
+fn the_cq_consumer_index_is_read_only_when_the_ring_may_be_full() {
+    let g = SimDeviceMemory::new(4 * MB);
+    let rec = Recording::new(g.clone());
+    let (a, b) = (Node::new(), Node::new());
+    let mut carver = Carver::new(g.clone(), rec.clone(), 0x80_000);
+    let (qa, sa, ra) = qp_all_on(&a, &mut carver, 128, 64);
+    let (qb, _sb, _rb) = qp_on(
+        &b,
+        &mut Carver::new(g.clone(), g.clone(), 0),
+        Placement {
+            sq: false,
+            rq: false,
+            scq: false,
+            rcq: false,
+        },
+        64,
+        64,
+    );
+    bring_up(&qa, &b, qb.qpn());
+    bring_up(&qb, &a, qa.qpn());
+    let mut ga = GpuSide::new(qa, sa, ra, g.clone());
+    assert!(!ga.scq.dbrec().is_host());
+    let dbrec = ga.scq.dbrec().addr();
+    let dst = Region::new(&b, &Kind::Host, 4096, ALL);
+    let write = Op::Write {
+        remote: dst.remote(0),
+        local: Local::Inline(b"x"),
+        imm: None,
+    };
+    let reads = || rec.read_log().iter().filter(|r| r.0 == dbrec).count();
+    let before = reads();
+    for i in 0..200u16 {
+        ga.go(&a.dev, &write, SIG);
+        assert!(matches!(ga.wait_send(), Completion::Req { wqe_counter, .. } if wqe_counter == i));
+    }
+    let n = reads() - before;
+    assert!(
+        (1..=8).contains(&n),
+        "{n} reads of the CQ's doorbell record"
+    );
+    // 65 CQEs without polling: the 65th finds the ring full
+    for _ in 0..65 {
+        ga.go(&a.dev, &write, SIG);
+    }
+    let t = std::time::Instant::now();
+    while a.dev.counters().cq_overruns == 0 {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "no CQ overrun"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 #[test]

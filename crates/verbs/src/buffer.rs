@@ -262,6 +262,35 @@ impl DmaBuf {
         }
     }
 
+    /// Writes `head` at `off`, then stores the 4-byte word `tail` at `tail_off` (4-byte
+    /// aligned) after it, as [`DmaBuf::try_write`] and [`DmaBuf::store_u32_release`] would one
+    /// after the other; in device memory both go to [`DeviceMemory::write_ordered`] (one
+    /// round trip where the memory can queue them).
+    pub fn write_then_release(
+        &self,
+        off: usize,
+        head: &[u8],
+        tail_off: usize,
+        tail: u32,
+    ) -> Result<(), DeviceMemoryError> {
+        match &self.backing {
+            Backing::Device { mem, .. } => {
+                self.check(off, head.len());
+                self.check(tail_off, 4);
+                assert_eq!(tail_off % 4, 0, "unaligned u32 at {tail_off}");
+                let tail = tail.to_ne_bytes();
+                mem.write_ordered(&[
+                    (self.addr + off as u64, head),
+                    (self.addr + tail_off as u64, &tail),
+                ])
+            }
+            _ => {
+                self.try_write(off, head)?;
+                self.store_u32_release(tail_off, tail)
+            }
+        }
+    }
+
     /// Loads the 4-byte word at `off` (4-byte aligned) with acquire ordering (a completed read
     /// in device memory).
     pub fn load_u32_acquire(&self, off: usize) -> Result<u32, DeviceMemoryError> {

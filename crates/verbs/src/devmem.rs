@@ -45,6 +45,16 @@ pub trait DeviceMemory: Send + Sync {
     /// the host).
     fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError>;
 
+    /// Writes each `(device address, bytes)` part in turn, complete on return: a reader that
+    /// sees any byte of a later part sees every earlier part (a CQE's body, then the word
+    /// holding its owner bit). The provided version makes one [`DeviceMemory::write`] per
+    /// part; an implementation may queue them in order and wait once.
+    fn write_ordered(&self, parts: &[(u64, &[u8])]) -> Result<(), DeviceMemoryError> {
+        parts
+            .iter()
+            .try_for_each(|&(dst, src)| self.write(dst, src))
+    }
+
     /// Copies `len` bytes from device address `src` to host memory at `dst`. The provided
     /// version bounces through a host buffer and [`DeviceMemory::read`]; an implementation may
     /// copy directly (one copy less).

@@ -239,11 +239,13 @@ pub fn reference() -> Outcome {
     out
 }
 
-/// A device memory that records every write (address, length) on the way to a
-/// `SimDeviceMemory`.
+/// A device memory that records every write and read (address, length) and every ordered
+/// group of writes on the way to a `SimDeviceMemory`.
 pub struct Recording {
     pub inner: Arc<SimDeviceMemory>,
     pub writes: Mutex<Vec<(u64, usize)>>,
+    pub reads: Mutex<Vec<(u64, usize)>>,
+    pub ordered: Mutex<Vec<Vec<(u64, usize)>>>,
 }
 
 impl Recording {
@@ -251,16 +253,32 @@ impl Recording {
         Arc::new(Self {
             inner,
             writes: Mutex::new(Vec::new()),
+            reads: Mutex::new(Vec::new()),
+            ordered: Mutex::new(Vec::new()),
         })
     }
     pub fn log(&self) -> Vec<(u64, usize)> {
         self.writes.lock().unwrap().clone()
     }
+    pub fn read_log(&self) -> Vec<(u64, usize)> {
+        self.reads.lock().unwrap().clone()
+    }
+    pub fn ordered_log(&self) -> Vec<Vec<(u64, usize)>> {
+        self.ordered.lock().unwrap().clone()
+    }
 }
 
 impl DeviceMemory for Recording {
     fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), DeviceMemoryError> {
+        self.reads.lock().unwrap().push((src, dst.len()));
         self.inner.read(src, dst)
+    }
+    fn write_ordered(&self, parts: &[(u64, &[u8])]) -> Result<(), DeviceMemoryError> {
+        let group = parts.iter().map(|&(a, b)| (a, b.len())).collect();
+        self.ordered.lock().unwrap().push(group);
+        parts
+            .iter()
+            .try_for_each(|&(dst, src)| self.write(dst, src))
     }
     fn write(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
         self.writes.lock().unwrap().push((dst, src.len()));
