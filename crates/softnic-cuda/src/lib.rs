@@ -121,14 +121,21 @@ pub fn device_allocation(addr: u64) -> Option<Allocation> {
 
 /// Bytes of pinned host memory a [`CudaMemory`] stages its copies through.
 const STAGING: usize = 1 << 20;
+/// The staging buffer's slots: a copy longer than one slot is pipelined, the driver filling
+/// (or draining) one slot while the host drains (or fills) another.
+const SLOTS: usize = 4;
+/// Bytes of one slot.
+const SLOT: usize = STAGING / SLOTS;
 
 /// The soft NIC's access to one GPU's memory: CUDA copies
 /// (`cuMemcpy{DtoH,HtoD,DtoD}Async`, UVA addresses, so host-registered memory with a device
 /// address works too), staged through pinned host memory, on a non-blocking stream (no
 /// implicit synchronisation with the default stream, where kernels that wait for the very
-/// copies may be running), each synchronised before it returns, as [`DeviceMemory`]
-/// requires. The context is bound to whichever thread calls (the soft NIC's engine or wire
-/// thread). One copy at a time per GPU (a mutex).
+/// copies may be running), each complete before it returns, as [`DeviceMemory`] requires.
+/// A copy longer than a staging slot is pipelined over the slots (an event per slot says
+/// when the driver is done with it); ordered writes are queued together and waited for once.
+/// The context is bound to whichever thread calls (the soft NIC's engine or wire thread). One
+/// copy at a time per GPU (a mutex).
 pub struct CudaMemory {
     ctx: Arc<CudaContext>,
     io: Mutex<Io>,
@@ -137,6 +144,35 @@ pub struct CudaMemory {
 struct Io {
     stream: sys::CUstream,
     staging: *mut u8,
+    /// Recorded on the stream after the copy that last used each slot.
+    events: [sys::CUevent; SLOTS],
+}
+
+impl Io {
+    /// Slot `k % SLOTS` of the staging buffer.
+    fn slot(&self, k: usize) -> *mut u8 {
+        // SAFETY: `(k % SLOTS) * SLOT < STAGING`: inside the staging allocation.
+        unsafe { self.staging.add((k % SLOTS) * SLOT) }
+    }
+
+    /// Records slot `k`'s event after the copies queued so far.
+    fn mark(&self, k: usize) -> Result<(), DriverError> {
+        // SAFETY: the event and the stream are live (destroyed only in drop).
+        unsafe { sys::cuEventRecord(self.events[k % SLOTS], self.stream) }.result()
+    }
+
+    /// Waits until the driver is done with slot `k` (its last recorded copy has completed).
+    fn wait(&self, k: usize) -> Result<(), DriverError> {
+        // SAFETY: the event is live.
+        unsafe { sys::cuEventSynchronize(self.events[k % SLOTS]) }.result()
+    }
+
+    /// Waits for everything queued (after a failure too, so that no queued copy still
+    /// touches the staging buffer once the mutex is released).
+    fn drain(&self) -> Result<(), DriverError> {
+        // SAFETY: the stream is live.
+        unsafe { sys::cuStreamSynchronize(self.stream) }.result()
+    }
 }
 
 // SAFETY: the stream and the pinned buffer are used only under the mutex, with the context
@@ -159,9 +195,35 @@ impl CudaMemory {
                 return Err(drv("cuMemHostAlloc")(e));
             }
         };
+        let mut events = [std::ptr::null_mut(); SLOTS];
+        for i in 0..SLOTS {
+            // SAFETY: `events[i]` is a valid out-pointer; timing is off (cheaper to record).
+            let made = unsafe {
+                sys::cuEventCreate(
+                    &mut events[i],
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+                )
+            }
+            .result();
+            if let Err(e) = made {
+                // SAFETY: each made above, destroyed once; the stream and buffer likewise.
+                unsafe {
+                    for ev in &events[..i] {
+                        let _ = sys::cuEventDestroy_v2(*ev);
+                    }
+                    let _ = stream::destroy(stream);
+                    let _ = cudarc::driver::result::free_host(staging.cast());
+                }
+                return Err(drv("cuEventCreate")(e));
+            }
+        }
         Ok(Self {
             ctx: ctx.clone(),
-            io: Mutex::new(Io { stream, staging }),
+            io: Mutex::new(Io {
+                stream,
+                staging,
+                events,
+            }),
         })
     }
 
@@ -189,35 +251,6 @@ impl CudaMemory {
     }
 }
 
-/// Which way a copy goes. Every copy names its direction: an address the driver does not know
-/// (device memory freed under a region) is then an error, never taken for a host pointer, as
-/// the pointer-inferring `cuMemcpy` would (and copy from or to host memory).
-#[derive(Clone, Copy)]
-enum Dir {
-    /// Device to the staging buffer.
-    DtoH,
-    /// The staging buffer to device.
-    HtoD,
-    /// Device to device.
-    DtoD,
-}
-
-/// One asynchronous copy on the stream, then a synchronisation.
-fn copy_sync(io: &Io, dir: Dir, dst: u64, src: u64, n: usize) -> Result<(), DriverError> {
-    // SAFETY: the device side is an address the soft NIC checked against a region (a bad one
-    // is an error), the host side the staging buffer, which holds at least `n` bytes.
-    unsafe {
-        match dir {
-            Dir::DtoH => sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, n, io.stream),
-            Dir::HtoD => sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, n, io.stream),
-            Dir::DtoD => sys::cuMemcpyDtoDAsync_v2(dst, src, n, io.stream),
-        }
-    }
-    .result()?;
-    // SAFETY: the stream is live (destroyed only in drop).
-    unsafe { sys::cuStreamSynchronize(io.stream) }.result()
-}
-
 impl DeviceMemory for CudaMemory {
     fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), DeviceMemoryError> {
         // SAFETY: `dst` is a live, exclusively borrowed slice of `dst.len()` bytes.
@@ -231,7 +264,10 @@ impl DeviceMemory for CudaMemory {
 
     fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError> {
         self.with_io("cuMemcpyAsync (device to device)", dst, len, |io| {
-            copy_sync(io, Dir::DtoD, dst, src, len)
+            // SAFETY: both are addresses the soft NIC checked against regions (a bad one is
+            // an error, never taken for a host pointer: the direction is named).
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, io.stream) }.result()?;
+            io.drain()
         })
     }
 
@@ -248,28 +284,9 @@ impl DeviceMemory for CudaMemory {
         // every part staged at its own place, copied in order on the one stream (a copy starts
         // after the one before it has completed), one wait for all
         self.with_io("cuMemcpyAsync (host to device)", first, total, |io| {
-            let mut at = 0;
-            for &(dst, src) in parts {
-                // SAFETY: `at + src.len() <= total <= STAGING`, the staging buffer is ours
-                // under the mutex and no queued copy reads this range yet.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), io.staging.add(at), src.len())
-                };
-                // SAFETY: the device side is an address the soft NIC checked; the host side
-                // `src.len()` staged bytes that stay put until the wait below.
-                unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(
-                        dst,
-                        io.staging.add(at) as *const c_void,
-                        src.len(),
-                        io.stream,
-                    )
-                }
-                .result()?;
-                at += src.len();
-            }
-            // SAFETY: the stream is live (destroyed only in drop).
-            unsafe { sys::cuStreamSynchronize(io.stream) }.result()
+            let queued = queue_ordered(io, parts);
+            let drained = io.drain();
+            queued.and(drained)
         })
     }
 
@@ -280,16 +297,12 @@ impl DeviceMemory for CudaMemory {
         len: usize,
     ) -> Result<(), DeviceMemoryError> {
         self.with_io("cuMemcpyAsync (device to host)", src, len, |io| {
-            let mut done = 0;
-            while done < len {
-                let n = (len - done).min(STAGING);
-                copy_sync(io, Dir::DtoH, io.staging as u64, src + done as u64, n)?;
-                // SAFETY: the staging buffer holds `n` copied bytes; `dst + done .. + n` is
-                // inside the caller's writable range.
-                unsafe { std::ptr::copy_nonoverlapping(io.staging, dst.add(done), n) };
-                done += n;
-            }
-            Ok(())
+            // SAFETY: the caller's contract: `dst..dst+len` is writable host memory.
+            let r = unsafe { read_pipelined(io, src, dst, len) };
+            // nothing queued may still fill a slot after a failure
+            r.and_then(|()| io.drain()).inspect_err(|_| {
+                let _ = io.drain();
+            })
         })
     }
 
@@ -300,18 +313,130 @@ impl DeviceMemory for CudaMemory {
         len: usize,
     ) -> Result<(), DeviceMemoryError> {
         self.with_io("cuMemcpyAsync (host to device)", dst, len, |io| {
-            let mut done = 0;
-            while done < len {
-                let n = (len - done).min(STAGING);
-                // SAFETY: `src + done .. + n` is inside the caller's readable range; the
-                // staging buffer has STAGING bytes and is ours under the mutex.
-                unsafe { std::ptr::copy_nonoverlapping(src.add(done), io.staging, n) };
-                copy_sync(io, Dir::HtoD, dst + done as u64, io.staging as u64, n)?;
-                done += n;
-            }
-            Ok(())
+            // SAFETY: the caller's contract: `src..src+len` is readable host memory.
+            let r = unsafe { write_pipelined(io, dst, src, len) };
+            let drained = io.drain();
+            r.and(drained)
         })
     }
+}
+
+/// The `n` bytes of chunk `k` of a `len`-byte copy cut into slots.
+fn chunk(len: usize, k: usize) -> usize {
+    (len - k * SLOT).min(SLOT)
+}
+
+/// Device memory at `src` to host memory at `dst`, chunk by chunk through the slots: the
+/// first `SLOTS` chunks are queued, then each is copied out once its event fired and the slot
+/// refilled with the chunk `SLOTS` further on.
+///
+/// # Safety
+/// `dst..dst+len` is host memory writable for the call.
+unsafe fn read_pipelined(io: &Io, src: u64, dst: *mut u8, len: usize) -> Result<(), DriverError> {
+    let chunks = len.div_ceil(SLOT);
+    let fill = |k: usize| -> Result<(), DriverError> {
+        // SAFETY: the device side is an address the soft NIC checked (a bad one is an
+        // error); slot `k` holds `SLOT >= chunk` bytes and no earlier queued copy still
+        // fills it (its event was waited for and it was drained before this refill).
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                io.slot(k).cast::<c_void>(),
+                src + (k * SLOT) as u64,
+                chunk(len, k),
+                io.stream,
+            )
+        }
+        .result()?;
+        // one chunk: the caller's wait is the only one needed
+        if chunks > 1 {
+            io.mark(k)?;
+        }
+        Ok(())
+    };
+    if chunks == 1 {
+        fill(0)?;
+        io.drain()?;
+        // SAFETY: the slot holds the whole copy, complete; `dst` has `len` writable bytes.
+        unsafe { std::ptr::copy_nonoverlapping(io.slot(0), dst, len) };
+        return Ok(());
+    }
+    for k in 0..chunks.min(SLOTS) {
+        fill(k)?;
+    }
+    for k in 0..chunks {
+        io.wait(k)?;
+        // SAFETY: the slot holds chunk `k`, complete (its event fired); the destination
+        // range is inside the caller's writable range.
+        unsafe { std::ptr::copy_nonoverlapping(io.slot(k), dst.add(k * SLOT), chunk(len, k)) };
+        if k + SLOTS < chunks {
+            fill(k + SLOTS)?;
+        }
+    }
+    Ok(())
+}
+
+/// Host memory at `src` to device memory at `dst`, chunk by chunk through the slots: a slot
+/// is filled once the copy that last read it has completed, then queued.
+///
+/// # Safety
+/// `src..src+len` is host memory readable for the call.
+unsafe fn write_pipelined(
+    io: &Io,
+    dst: u64,
+    src: *const u8,
+    len: usize,
+) -> Result<(), DriverError> {
+    let chunks = len.div_ceil(SLOT);
+    for k in 0..chunks {
+        if k >= SLOTS {
+            io.wait(k)?;
+        }
+        let n = chunk(len, k);
+        // SAFETY: inside the caller's readable range; the slot is free (first use, or its
+        // last copy completed) and holds `SLOT >= n` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(k * SLOT), io.slot(k), n) };
+        // SAFETY: the device side is an address the soft NIC checked; the slot's `n` bytes
+        // stay put until its event fires.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst + (k * SLOT) as u64,
+                io.slot(k) as *const c_void,
+                n,
+                io.stream,
+            )
+        }
+        .result()?;
+        // a slot is waited for only when it is reused
+        if k + SLOTS < chunks {
+            io.mark(k)?;
+        }
+    }
+    Ok(())
+}
+
+/// Queues the parts of an ordered write on the stream, each staged at its own place (their
+/// total fits the staging buffer); a copy on the stream starts after the one before it has
+/// completed.
+fn queue_ordered(io: &Io, parts: &[(u64, &[u8])]) -> Result<(), DriverError> {
+    let mut at = 0;
+    for &(dst, src) in parts {
+        // SAFETY: the caller checked that the parts fit the staging buffer together; it is
+        // ours under the mutex and no queued copy reads this range yet.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), io.staging.add(at), src.len()) };
+        // SAFETY: the device side is an address the soft NIC checked; the host side
+        // `src.len()` staged bytes that stay put until the wait below.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                io.staging.add(at) as *const c_void,
+                src.len(),
+                io.stream,
+            )
+        }
+        .result()?;
+        at += src.len();
+    }
+    Ok(())
 }
 
 impl Drop for CudaMemory {
@@ -321,6 +446,9 @@ impl Drop for CudaMemory {
             // SAFETY: created in `new`, each destroyed once, here; nothing uses them after.
             unsafe {
                 let _ = cudarc::driver::result::stream::destroy(io.stream);
+                for ev in io.events {
+                    let _ = sys::cuEventDestroy_v2(ev);
+                }
                 let _ = cudarc::driver::result::free_host(io.staging.cast());
             }
         }
