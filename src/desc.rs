@@ -133,6 +133,9 @@ descriptor! {
         /// reservation (its thread never published): the send queue has a hole, and every
         /// later send-side call returns BROKEN. Reset the QP, connect it and export it again.
         sq_broken: u32,
+        /// Device API state: the first block (on the 64-bit SQ counter) of the WQE whose error
+        /// CQE `sq_error` recorded (0 while none).
+        sq_error_wqe: u64,
     }
 }
 
@@ -260,7 +263,7 @@ mod tests {
         );
     }
 
-    const PINNED: u32 = 0x4618_3136;
+    const PINNED: u32 = 0x782e_9b32;
 
     #[test]
     fn fields_are_naturally_aligned_and_in_order() {

@@ -624,3 +624,20 @@ GPUVERBS_KERNEL void gv_test_gin(gpuverbs_qp* q, gpuverbs_qp* q2, uint64_t l, ui
     __threadfence_system();
     device_tests::report(out, s, e);
 }
+
+// Which error put the QP in ERR, asked without polling the CQ (qp_error): out[0] = its status
+// (OK: none recorded; ERROR_CQE), out[1] = syndrome, out[2] = vendor syndrome, out[3] = the
+// CQE's 16-bit WQE counter, out[4] = the failed WQE's first block on the 64-bit SQ counter;
+// out[5] = the send CQ consumer index before and out[6] after the call (unchanged: no poll).
+GPUVERBS_KERNEL void gv_test_qp_error(gpuverbs_qp* q, uint64_t* out) {
+    using namespace gpuverbs;
+    if (threadIdx.x != 0) return;
+    out[5] = ld_acquire_gpu64(&q->scq_ci);
+    error e{};
+    out[0] = (uint64_t)qp_error(q, &e);
+    out[6] = ld_acquire_gpu64(&q->scq_ci);
+    out[1] = e.syndrome;
+    out[2] = e.vendor;
+    out[3] = e.wqe_counter;
+    out[4] = e.wqe;
+}

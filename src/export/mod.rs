@@ -8,11 +8,12 @@ pub use crate::desc::{c_header, db_mode, QpDesc, DESC_VERSION, HEADER_PATH};
 
 use crate::backend::geometry::{Place, QpGeometry, DB_REG_LEN};
 use crate::gpu::{ExportedQp, Gpu};
-use crate::memory::{Access, HostBuffer};
-use crate::queue::{DoorbellMode, Poster, PosterClaim, Qp, QueueState};
+use crate::memory::{Access, HostBuffer, Mr};
+use crate::queue::{DoorbellMode, Drained, Poster, PosterClaim, Qp, QpState, QueueState};
 use crate::Error;
 use std::any::Any;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Whether kernels built against headers of descriptor version `header_version`
 /// (`GPUVERBS_DESC_VERSION`) can drive this library's descriptors: [`Error::DescVersion`] if
@@ -127,9 +128,10 @@ impl Gpu {
         }
         let mem = self.alloc(core::mem::size_of::<QpDesc>())?;
         mem.write(0, bytemuck::bytes_of(&desc))?;
+        let keep: Keep = ((scratch, scratch_mr), Some(claim));
         Ok(ExportedQp {
             mem,
-            _keep: Box::new(((scratch, scratch_mr), claim)),
+            _keep: Box::new(keep),
         })
     }
 
@@ -173,6 +175,83 @@ impl Gpu {
                 g.qpn
             ))),
         }
+    }
+}
+
+/// What an export keeps alive: its scratch word's buffer and region, and the QP's poster
+/// claim (given back for the length of [`ExportedQp::recover`]).
+type Keep = ((HostBuffer, Mr), Option<PosterClaim>);
+
+impl ExportedQp {
+    /// Brings the QP this descriptor drives back after an error, keeping the descriptor: the
+    /// export gives back its poster claim, [`Qp::recover`] drains and resets the QP (waiting
+    /// at most `timeout`), the export takes its claim again, and the descriptor's tracking
+    /// starts clean ([`ExportedQp::reset_tracking`]). Then the peers exchange endpoints and
+    /// [`Qp::connect`] the QP again, and kernels go on with the same descriptor address.
+    ///
+    /// No kernel may be using the descriptor meanwhile. `qp` must be the exported QP
+    /// ([`Error::InvalidArgument`] otherwise) and hold no other poster (a CPU-proxy target
+    /// ringing for it: [`Error::PosterBusy`]); [`Qp::recover`]'s conditions apply (rings in
+    /// host memory). When the recovery fails the export takes its claim back and the
+    /// descriptor is left as it was.
+    pub fn recover(&mut self, qp: &Qp, timeout: Duration) -> Result<Drained, Error> {
+        self.check_qp(qp)?;
+        let keep = self
+            ._keep
+            .downcast_mut::<Keep>()
+            .ok_or_else(|| Error::InvalidArgument("not a QP export".into()))?;
+        drop(keep.1.take());
+        let drained = qp.recover(timeout);
+        keep.1 = Some(qp.posters.claim(Poster::GpuExport)?);
+        let drained = drained?;
+        self.reset_tracking(qp)?;
+        Ok(drained)
+    }
+
+    /// Starts the descriptor's tracking clean for a QP in RESET (after [`Qp::recover`], or a
+    /// [`Qp::modify`] to RESET once a kernel has drained it): every send-queue counter at the
+    /// queue's producer index (0 after a reset), the CQ consumer indexes where the queue's CQs
+    /// stand, the recorded error (`sq_error`, `sq_error_info`, `sq_error_wqe`), the broken
+    /// mark, the locks and the checkout word cleared. The constants (rings, doorbells, sizes,
+    /// scratch) stay. No kernel may be using the descriptor meanwhile.
+    /// [`Error::InvalidArgument`] when `qp` is not the exported QP or not in RESET.
+    pub fn reset_tracking(&self, qp: &Qp) -> Result<(), Error> {
+        self.check_qp(qp)?;
+        if qp.state() != QpState::Reset {
+            return Err(Error::InvalidArgument(format!(
+                "QP {:#x} is in {:?}: its tracking starts clean only in RESET (Qp::recover)",
+                qp.qpn(),
+                qp.state()
+            )));
+        }
+        let mut d = self.read()?;
+        resume_desc(&mut d, &qp.queue_state())?;
+        d.sq_error = 0;
+        d.sq_error_info = 0;
+        d.sq_error_wqe = 0;
+        d.sq_broken = 0;
+        d.scq_lock = 0;
+        d.rq_lock = 0;
+        d.rcq_lock = 0;
+        d.checked_out = 0;
+        if let (DoorbellMode::CpuProxy, Some(w)) = (qp.doorbell().0, &qp.geometry().proxy_word) {
+            // the kernel's producer continues from the queue's, as at export
+            w.store_u64(d.sq_rung);
+        }
+        self.write(&d)?;
+        Ok(())
+    }
+
+    /// Whether this descriptor drives `qp`.
+    fn check_qp(&self, qp: &Qp) -> Result<(), Error> {
+        let qpn = self.read()?.qpn;
+        if qpn != qp.qpn() {
+            return Err(Error::InvalidArgument(format!(
+                "the descriptor drives QP {qpn:#x}, not {:#x}",
+                qp.qpn()
+            )));
+        }
+        Ok(())
     }
 }
 

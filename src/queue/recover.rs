@@ -47,10 +47,12 @@ impl Qp {
     /// QP to RTS. A GPU export made after that starts on the fresh queues.
     ///
     /// The QP must have no poster (drop the CPU initiator, the GPU export and the CPU-proxy
-    /// target first: [`Error::PosterBusy`]), its rings and its CQs' rings in host memory (the
-    /// CPU polls the CQs: [`Error::InvalidArgument`] for rings in GPU memory, whose QPs a
-    /// kernel drains — it sees every flush as an `ERROR_CQE` — before [`Qp::modify`] to
-    /// RESET), and no one else may poll its CQs meanwhile (as for any poster). On the mlx5
+    /// target first: [`Error::PosterBusy`]; `ExportedQp::recover` recovers an exported QP
+    /// keeping its descriptor, whose tracking then starts clean), its rings and its CQs'
+    /// rings in host memory (the CPU polls the CQs: [`Error::InvalidArgument`] for rings in
+    /// GPU memory, whose QPs a kernel drains — it sees every flush as an `ERROR_CQE` —
+    /// before [`Qp::modify`] to RESET), and no one else may poll its CQs meanwhile (as for
+    /// any poster). On the mlx5
     /// backend a QP whose receives share its send CQ must have taken every receive
     /// completion before (`InvalidArgument` otherwise: the provider's rings cannot say how
     /// many were consumed).

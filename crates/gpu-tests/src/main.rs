@@ -207,6 +207,9 @@ fn bad_rkey_gpurings(ctx: &Ctx) -> Result<String> {
 fn recover_after_error(ctx: &Ctx) -> Result<String> {
     dataplane::recover_after_error(ctx.ordinal)
 }
+fn recover_in_place(ctx: &Ctx) -> Result<String> {
+    dataplane::recover_in_place(ctx.ordinal)
+}
 
 fn roundtrip(ctx: &Ctx, mode: gpuverbs::DoorbellMode, rings: RingPlacement) -> Result<String> {
     devmem::gpumem_roundtrip(ctx.ordinal, mode, rings)
@@ -321,6 +324,7 @@ const CASES: &[Case] = cases![
     dc_ops_gpurings_gpudb,
     bad_rkey,
     recover_after_error,
+    recover_in_place,
     dropped_doorbell_timeout,
     wait_signal,
     status_paths,

@@ -1,6 +1,7 @@
 // gpuverbs device API — cq.cuh (see qp.cuh for the layers).
 //
-// Completions: taking CQEs, retiring SQ space, reporting error CQEs with their syndrome.
+// Completions: taking CQEs, retiring SQ space, reporting error CQEs with their syndrome
+// (last_error, qp_error).
 #ifndef GPUVERBS_CQ_CUH
 #define GPUVERBS_CQ_CUH
 
@@ -42,17 +43,21 @@ __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
         return 0;
     }
     uint16_t counter = (uint16_t)(((tail & 0xffu) << 8) | ((tail >> 8) & 0xffu));
+    uint64_t retired = q->sq_retired;
     if (opcode == 13 || opcode == 14) {
         uint32_t synd_word = *reinterpret_cast<const volatile uint32_t*>(cqe + 52);
         uint8_t vendor = (uint8_t)(synd_word >> 16);
         uint8_t syndrome = (uint8_t)(synd_word >> 24);
         if (q->sq_error == 0) {
+            // The failed WQE is not retired yet: its first block is the first one at or after
+            // `retired` whose low 16 bits are the CQE's counter.
+            q->sq_error_wqe = retired + (uint16_t)(counter - (uint16_t)retired);
             q->sq_error_info = (uint64_t)syndrome << 24 | (uint64_t)vendor << 16 | counter;
-            q->sq_error = ci + 1;
+            // Released after the two words above: qp_error acquires it and then reads them.
+            state_store<S>(&q->sq_error, ci + 1);
         }
     }
     uint32_t blocks = wqe_blocks_at(q, counter);
-    uint64_t retired = q->sq_retired;
     uint16_t delta = (uint16_t)(counter + blocks - (uint16_t)retired);
     if (delta <= q->sq_blocks) state_store<S>(&q->sq_retired, retired + delta);
     ci = q->scq_collapsed ? (uint64_t)tail + 1 : ci + 1;
@@ -61,9 +66,24 @@ __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
     return 1;
 }
 
+// The error the QP recorded (see qp_error), read with plain loads: for the thread that polled
+// it, or after something that ordered the recording before (a status ERROR_CQE it returned).
 __device__ __forceinline__ error last_error(const gpuverbs_qp* q) {
     uint64_t info = q->sq_error_info;
-    return error{(uint8_t)(info >> 24), (uint8_t)(info >> 16), (uint16_t)info};
+    return error{(uint8_t)(info >> 24), (uint8_t)(info >> 16), (uint16_t)info, q->sq_error_wqe};
+}
+
+// Which error put the QP in ERR for the device API, without polling the CQ: the first error
+// CQE the send-CQ poll path recorded (whichever thread took it). OK when none is recorded
+// (nothing written to `*out`); ERROR_CQE with `*out` = its syndrome, vendor syndrome, 16-bit
+// WQE counter and the failed WQE's first block on the 64-bit SQ counter. The record word is
+// read with acquire at the sharing mode's scope, so the fields after it are the recorder's.
+// The record stays until the host resets the tracking (ExportedQp::recover or reset_tracking).
+template <sharing S = sharing::gpu>
+__device__ __forceinline__ status qp_error(const gpuverbs_qp* q, error* out) {
+    if (state_load<S>(&q->sq_error) == 0) return OK;
+    if (out) *out = last_error(q);
+    return ERROR_CQE;
 }
 
 // Takes what the send CQ holds, under the CQ lock when shared. Never waits: when another

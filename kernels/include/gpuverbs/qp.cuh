@@ -5,7 +5,7 @@
 //   prepare  -> write one WQE of each kind into its slots (whole blocks, unused bytes zero)
 //   publish  -> make WQEs visible in order
 //   ring     -> tell the device (GPU doorbell, BlueFlame, or CPU-proxy producer word)
-//   poll     -> take CQEs, retire SQ space, report errors
+//   poll     -> take CQEs, retire SQ space, report errors (last_error; qp_error without polling)
 //   high level: put, put_imm, put_inline, put_value, put_signal, put_signal_set, signal,
 //               signal_set, send, send_inline, get, get_wait, atomic_fetch_add,
 //               atomic_compare_swap (8 bytes), atomic_fetch_add32, atomic_compare_swap32

@@ -11,7 +11,9 @@ mod status;
 
 pub use dc::dc_ops;
 pub use gin::{gin, scopes};
-pub use ops::{bad_rkey, dropped_doorbell_timeout, ops, recover_after_error, wait_signal};
+pub use ops::{
+    bad_rkey, dropped_doorbell_timeout, ops, recover_after_error, recover_in_place, wait_signal,
+};
 pub use put::{collapsed_cq, put_case, PutArgs, PutCase};
 pub use recv::{recv, RecvCase};
 pub use sharing::{exclusive_wrap, poster_handover, private_qps};

@@ -271,6 +271,115 @@ pub fn recover_after_error(ordinal: usize) -> Result<String> {
     ))
 }
 
+/// What `gv_test_qp_error` reports: [status, syndrome, vendor, wqe_counter, wqe, scq_ci
+/// before, scq_ci after].
+fn qp_error_seen(p: &Pair) -> Result<[u64; 7]> {
+    let out = p.gpu.alloc(8 * 8)?;
+    out.write(0, &[0xffu8; 64])?;
+    let (mut q, mut o) = (p.export.ptr(), out.ptr());
+    let mut params = [arg(&mut q), arg(&mut o)];
+    // SAFETY: parameters match gv_test_qp_error; both pointers are live device memory.
+    unsafe {
+        p.gpu
+            .launch_sync("gv_test_qp_error", (1, 1, 1), (1, 1, 1), 0, &mut params)?
+    };
+    let mut raw = [0u8; 64];
+    out.read(0, &mut raw)?;
+    let mut v = [0u64; 7];
+    for (i, w) in v.iter_mut().enumerate() {
+        *w = u64::from_ne_bytes(raw[8 * i..8 * i + 8].try_into()?);
+    }
+    Ok(v)
+}
+
+/// Issue 46 item 6. Five good writes, then a kernel's writes into a forged rkey: a later
+/// kernel asks which error put the QP in ERR without polling the CQ (`qp_error`: REMOTE_ACCESS
+/// at the first bad WQE, whose 64-bit index is where the good writes ended; the CQ consumer
+/// index unchanged by the call). `ExportedQp::recover` then recovers the QP keeping its
+/// descriptor, whose tracking starts clean (every counter 0, no error recorded: `qp_error` OK);
+/// after reconnecting, a kernel's writes through the same descriptor land, every byte checked.
+pub fn recover_in_place(ordinal: usize) -> Result<String> {
+    let spec = PairSpec {
+        mode: DoorbellMode::GpuDoorbell,
+        bytes: 16384,
+        sq_blocks: 64,
+        mem: Mem::Host,
+        rings: RingPlacement::HostMapped,
+    };
+    let mut p = Pair::with(ordinal, spec)?;
+    let good = PutArgs {
+        iters: 5,
+        ..PutArgs::single(64, BUDGET_NS)
+    };
+    super::put::run_put(&p, &good)?;
+    let before = p.export.read()?.sq_ready;
+    let eight = PutArgs {
+        iters: 8,
+        ..PutArgs::single(64, BUDGET_NS)
+    };
+    let s = p.launch_put(&eight, p.dst_mr.rkey().0 ^ 0x5500)?.read()?;
+    ensure!(
+        s[0] == 1 && s[1] == 0x13,
+        "expected ERROR_CQE REMOTE_ACCESS, got {} syndrome {:#x}",
+        status_name(s[0]),
+        s[1]
+    );
+    let seen = qp_error_seen(&p)?;
+    let d = p.export.read()?;
+    ensure!(
+        seen[..5] == [1, 0x13, s[2] as u64, before & 0xffff, before]
+            && seen[5] == seen[6]
+            && d.sq_error_wqe == before,
+        "qp_error: {seen:?} (status, syndrome, vendor, counter, wqe, scq_ci before / after); \
+         the failed kernel saw {s:?}; the first bad WQE starts at {before}; descriptor {d:?}"
+    );
+    let psns = (p.qa.psn(), p.qb.psn());
+    let wait = std::time::Duration::from_secs(5);
+    let da = p.export.recover(&p.qa, wait)?;
+    let db = p.qb.recover(wait)?;
+    ensure!((p.qa.psn(), p.qb.psn()) != psns, "the PSNs did not change");
+    let d = p.export.read()?;
+    let tracking = [
+        d.sq_reserved,
+        d.sq_ready,
+        d.sq_rung,
+        d.sq_retired,
+        d.sq_signaled_end,
+        d.sq_last_start,
+        d.sq_error,
+        d.sq_error_info,
+        d.sq_error_wqe,
+        u64::from(d.sq_broken),
+        u64::from(d.scq_lock),
+        u64::from(d.checked_out),
+    ];
+    ensure!(
+        tracking.iter().all(|&w| w == 0),
+        "the descriptor's tracking did not start clean: {d:?}"
+    );
+    let clean = qp_error_seen(&p)?;
+    ensure!(clean[0] == 0, "qp_error after recovery: {clean:?}");
+    let remote = gpuverbs::Access::REMOTE_WRITE
+        | gpuverbs::Access::REMOTE_READ
+        | gpuverbs::Access::REMOTE_ATOMIC;
+    super::connect_both(&p.qa, &p.qb, remote)?;
+    p.dst.write(0, &vec![0u8; p.dst.len()])?;
+    let many = PutArgs {
+        grid: 2,
+        block: 32,
+        iters: 4,
+        signal_every: 4,
+        ..good
+    };
+    let done = super::put::run_put(&p, &many)?;
+    Ok(format!(
+        "qp_error without polling: REMOTE_ACCESS at WQE {before}; recovered in place ({} + {} \
+         leftover completions), tracking clean; same descriptor after reconnect: {done}",
+        da.send.len() + da.recv.len(),
+        db.send.len() + db.recv.len()
+    ))
+}
+
 /// A dropped doorbell makes the kernel's quiet return TIMEOUT within its budget, not hang.
 pub fn dropped_doorbell_timeout(ordinal: usize) -> Result<String> {
     skip_on_mlx5(
