@@ -814,9 +814,10 @@ fn execute(
     let peer = match route(dev, qp, sq)? {
         Ok(Route::Local(p)) => p,
         Ok(Route::Wire) => {
+            let staged = stage_for_wire(&dev.counters, &prepared)?;
             drop(prepared);
             drop(g);
-            return requester::enqueue(dev, qp, sq, wqe);
+            return requester::enqueue(dev, qp, sq, wqe, staged);
         }
         // UC: nobody answers, so nobody is waited for: the message is lost
         Err(_) if qp.is_uc() => return Ok(Done::Complete(total_of(&prepared) as u32)),
@@ -917,6 +918,37 @@ fn prepare(qp: &Qp, g: &MrGuard<'_>, wqe: &prm::ParsedWqe<'_>) -> Result<Prepare
             unreachable!("execute handles them before")
         }
     })
+}
+
+/// Most bytes of a message read ahead for the wire ([`stage_for_wire`]).
+const STAGE_MAX: u64 = 16 << 20;
+
+/// The payload of a WRITE or SEND bound for the wire whose source has device memory, read
+/// once, now (one copy per range instead of one per packet, each a round trip through the
+/// driver); `None` for a source wholly in host memory (packets are built from it directly),
+/// another operation, or a message over [`STAGE_MAX`]. The packets still check the source's
+/// keys as they are built; the bytes are those the source held when the WQE was taken, which
+/// is what a NIC reads as long as the application keeps the buffer until the completion, as
+/// verbs requires.
+fn stage_for_wire(c: &Counters, prepared: &Prepared) -> Result<Option<Vec<u8>>, Fail> {
+    let (Prepared::Write(_, src) | Prepared::Send(src)) = prepared else {
+        return Ok(None);
+    };
+    let len = total(src);
+    if len > STAGE_MAX || src.iter().all(MemRange::is_host) {
+        return Ok(None);
+    }
+    let mut out = vec![0u8; len as usize];
+    let mut at = 0usize;
+    for r in src {
+        let end = at + r.len as usize;
+        // SAFETY: `r` was checked under the guard the caller holds; `out[at..end]` is its
+        // length.
+        unsafe { crate::mem::read_range(r, 0, &mut out[at..end]) }
+            .map_err(|e| local_devmem_err(c, &e))?;
+        at = end;
+    }
+    Ok(Some(out))
 }
 
 /// Sends the request to the in-process peer; its response, and the message's length.

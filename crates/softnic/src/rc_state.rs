@@ -57,6 +57,14 @@ pub(crate) enum Src {
     Inline(Vec<u8>),
     /// Inline and pointer segments in WQE order (the inline bytes copied out of the WQE).
     Mixed(Vec<SrcSeg>),
+    /// A source with device memory, read when the WQE was taken: each packet still checks
+    /// `src`'s keys for its bytes, then takes them from `bytes`.
+    Staged {
+        /// The source as the WQE named it (never itself `Staged`).
+        src: Box<Src>,
+        /// The whole message.
+        bytes: Vec<u8>,
+    },
 }
 
 /// One segment of a [`Src::Mixed`].

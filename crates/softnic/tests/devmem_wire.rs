@@ -1,7 +1,8 @@
 //! Device memory over the wire (RoCEv2 over UDP on 127.0.0.1): the same dispatch as the
 //! in-process path. Every opcode with its buffers in two different simulated device memories
 //! (two hosts' GPUs) gives the completions and bytes of host memory, also under loss,
-//! duplication and reordering (retransmissions re-read device sources, duplicate READs re-run);
+//! duplication and reordering (retransmissions resend the source as it was read once, when the
+//! WQE was taken; duplicate READs re-run);
 //! every failing device access, requester or responder side, becomes the documented error CQE.
 
 mod common;
@@ -69,6 +70,66 @@ fn every_opcode_in_device_memory_over_the_wire() {
         assert!(p.a.dev.counters().wire.tx_packets > 10);
         assert_eq!(p.a.dev.counters().device_memory_errors, 0);
         assert_eq!(p.b.dev.counters().device_memory_errors, 0);
+    }
+}
+
+/// A WRITE or SEND from device memory reads its source once, when the WQE is taken (a copy
+/// per packet before, each a round trip through the driver), also when packets are lost and
+/// sent again; the bytes arrive whole.
+#[test]
+fn a_device_source_is_read_once_per_message() {
+    let _serial = serial();
+    let g = SimDeviceMemory::new(MB);
+    for (mtu, fa) in [
+        (1024, WireFaults::default()),
+        (256, faults(0x5e, 0.1, 0.0, 0.05, 0.0)),
+    ] {
+        let mut p = wire_pair(wire_opts(), wire_opts(), mtu, fa, WireFaults::default());
+        let src = Region::new(&p.a, &Kind::Dev(g.clone(), 0), 64 << 10, ALL);
+        let dst = Region::new(&p.b, &Kind::Host, 64 << 10, ALL);
+        let data: Vec<u8> = (0..64u32 << 10).map(|i| (i * 7 + i / 251) as u8).collect();
+        src.write(0, &data);
+        for (k, op) in [
+            Op::Write {
+                remote: dst.remote(0),
+                local: Local::Sges(&[src.sge(0, 40_000), src.sge(40_000, 25_536)]),
+                imm: None,
+            },
+            Op::Write {
+                remote: dst.remote(1000),
+                local: Local::Sges(&[src.sge(5, 9000)]),
+                imm: Some(7),
+            },
+        ]
+        .iter()
+        .enumerate()
+        {
+            let before = g.counts().reads;
+            if k == 1 {
+                p.eb.ini.post_recv(&[]).unwrap();
+            }
+            p.ea.go(op, SIG);
+            assert!(
+                matches!(p.ea.send_cqe(), Completion::Req { .. }),
+                "MTU {mtu}"
+            );
+            let sges = match op {
+                Op::Write {
+                    local: Local::Sges(s),
+                    ..
+                } => s.len() as u64,
+                _ => unreachable!(),
+            };
+            assert_eq!(
+                g.counts().reads - before,
+                sges,
+                "MTU {mtu}: reads of the source"
+            );
+        }
+        let mut want = data.clone();
+        want[1000..10_000].copy_from_slice(&data[5..9005]);
+        assert!(dst.read(0, 64 << 10) == want, "MTU {mtu}: bytes differ");
+        assert!(matches!(p.eb.recv_cqe(), Completion::Resp { .. }));
     }
 }
 

@@ -109,7 +109,15 @@ pub(crate) fn enqueue(
     qp: &Qp,
     sq: &mut SqState,
     wqe: &ParsedWqe<'_>,
+    staged: Option<Vec<u8>>,
 ) -> Result<Done, Fail> {
+    let src_of = |l: &ParsedLocal<'_>| match staged {
+        Some(bytes) => Src::Staged {
+            src: Box::new(src_of(l)),
+            bytes,
+        },
+        None => src_of(l),
+    };
     let delay = sq.delay;
     let Some(w) = sq.wire.as_mut() else {
         return Err((Syndrome::TransportRetryExc, vendor::NO_PEER));
@@ -193,7 +201,64 @@ pub(crate) fn enqueue(
     Ok(Done::Queued)
 }
 
-/// Copies `n` bytes at offset `off` of a message's source into `out`.
+/// One piece of a message's source within a packet: inline bytes, or `n` bytes at offset
+/// `off` of a gather entry.
+enum Piece<'a> {
+    Inline(&'a [u8]),
+    Sge(&'a Sge, u64, u64),
+}
+
+/// Walks the pieces of `src` that hold bytes `off..off + n` of the message, in order.
+fn walk<'a>(
+    src: &'a Src,
+    off: u64,
+    n: u64,
+    f: &mut dyn FnMut(Piece<'a>) -> Result<(), Fail>,
+) -> Result<(), Fail> {
+    let end = off + n;
+    let mut pos = 0u64;
+    let mut seg = |len: u64, piece: &dyn Fn(u64, u64) -> Piece<'a>| -> Result<bool, Fail> {
+        let (a, e) = (off.max(pos), end.min(pos + len));
+        if a < e {
+            f(piece(a - pos, e - a))?;
+        }
+        pos += len;
+        Ok(pos >= end)
+    };
+    match src {
+        Src::Inline(b) => {
+            let piece = b
+                .get(off as usize..end as usize)
+                .ok_or((Syndrome::LocalLength, vendor::TOO_LONG))?;
+            f(Piece::Inline(piece))?;
+        }
+        Src::Mixed(segs) => {
+            for s in segs {
+                let done = match s {
+                    SrcSeg::Inline(b) => seg(b.len() as u64, &|a, k| {
+                        Piece::Inline(&b[a as usize..(a + k) as usize])
+                    })?,
+                    SrcSeg::Sge(s) => seg(s.len as u64, &|a, k| Piece::Sge(s, a, k))?,
+                };
+                if done {
+                    break;
+                }
+            }
+        }
+        Src::Sges(list) => {
+            for s in list {
+                if seg(s.len as u64, &|a, k| Piece::Sge(s, a, k))? {
+                    break;
+                }
+            }
+        }
+        Src::Staged { src, .. } => walk(src, off, n, f)?,
+    }
+    Ok(())
+}
+
+/// Copies `n` bytes at offset `off` of a message's source into `out`. A staged source's keys
+/// are checked for those bytes as a source in memory would be; the bytes come from the stage.
 fn gather(
     c: &Counters,
     g: &MrGuard<'_>,
@@ -203,54 +268,24 @@ fn gather(
     n: u64,
     out: &mut Vec<u8>,
 ) -> Result<(), Fail> {
-    match src {
-        Src::Inline(b) => {
-            let (a, e) = (off as usize, (off + n) as usize);
-            out.extend_from_slice(
-                b.get(a..e)
-                    .ok_or((Syndrome::LocalLength, vendor::TOO_LONG))?,
-            );
-        }
-        Src::Mixed(segs) => {
-            let mut pos = 0u64;
-            for seg in segs {
-                let slen = match seg {
-                    SrcSeg::Inline(b) => b.len() as u64,
-                    SrcSeg::Sge(s) => s.len as u64,
-                };
-                let (a, e) = (off.max(pos), (off + n).min(pos + slen));
-                if a < e {
-                    match seg {
-                        SrcSeg::Inline(b) => {
-                            out.extend_from_slice(&b[(a - pos) as usize..(e - pos) as usize])
-                        }
-                        SrcSeg::Sge(s) => {
-                            append_sge(c, g, pd, s, a - pos, e - a, out)?;
-                        }
-                    }
-                }
-                pos += slen;
-                if pos >= off + n {
-                    break;
-                }
-            }
-        }
-        Src::Sges(list) => {
-            let mut pos = 0u64;
-            for s in list {
-                let slen = s.len as u64;
-                let (a, e) = (off.max(pos), (off + n).min(pos + slen));
-                if a < e {
-                    append_sge(c, g, pd, s, a - pos, e - a, out)?;
-                }
-                pos += slen;
-                if pos >= off + n {
-                    break;
-                }
-            }
-        }
+    if let Src::Staged { src, bytes } = src {
+        walk(src, off, n, &mut |p| match p {
+            Piece::Inline(_) => Ok(()),
+            Piece::Sge(s, a, k) => check_sge(g, pd, s, a, k),
+        })?;
+        let piece = bytes
+            .get(off as usize..(off + n) as usize)
+            .ok_or((Syndrome::LocalLength, vendor::TOO_LONG))?;
+        out.extend_from_slice(piece);
+        return Ok(());
     }
-    Ok(())
+    walk(src, off, n, &mut |p| match p {
+        Piece::Inline(b) => {
+            out.extend_from_slice(b);
+            Ok(())
+        }
+        Piece::Sge(s, a, k) => append_sge(c, g, pd, s, a, k, out),
+    })
 }
 
 /// Appends `n` bytes at offset `off` of a checked range (host or device memory). On a
@@ -1095,6 +1130,14 @@ fn take_atomic_result(
 
 /// Appends bytes `off..off + n` of the local segment `s` (checked under `g`: through an
 /// indirect mkey, piece by piece) to `out`.
+/// Checks `n` bytes at offset `off` of a gather entry as [`append_sge`] would, copying
+/// nothing.
+fn check_sge(g: &MrGuard<'_>, pd: crate::PdId, s: &Sge, off: u64, n: u64) -> Result<(), Fail> {
+    let mut ranges: SmallVec<[MemRange; 2]> = SmallVec::new();
+    g.resolve(pd, Access::NONE, s.lkey.0, s.addr + off, n, &mut ranges)
+        .map_err(local_err)
+}
+
 fn append_sge(
     c: &Counters,
     g: &MrGuard<'_>,
