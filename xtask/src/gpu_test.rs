@@ -12,8 +12,10 @@ use anyhow::{bail, Context as _, Result};
 /// The bundle directory, relative to the workspace root.
 pub const BUNDLE_DIR: &str = ".gpu-bundle";
 
-/// Bundles travel to the GPU machine with a 64 MiB limit; stay well under it.
-const MAX_BUNDLE_BYTES: u64 = 32 << 20;
+/// Bundles travel to the GPU machine with a 64 MiB limit; stay well under it, with room for
+/// the release samples beside it. (The kernels' fatbins for sm_80 and sm_90 are most of it:
+/// 35 MiB in December 2026, with the GIN and scope cases; `tar -cJ` makes it about half.)
+const MAX_BUNDLE_BYTES: u64 = 40 << 20;
 
 const PACKAGE: &str = "gpuverbs-gpu-tests";
 const BIN: &str = "gpu-test";
