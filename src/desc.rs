@@ -136,6 +136,10 @@ descriptor! {
         /// Device API state: the first block (on the 64-bit SQ counter) of the WQE whose error
         /// CQE `sq_error` recorded (0 while none).
         sq_error_wqe: u64,
+        /// The completion-counter table: `sq_blocks` entries of 16 bytes in GPU memory, one
+        /// per SQ block ({the counted WQE's first block + 1, the counter's address}), written
+        /// by the counted calls and read by the send-CQ poll path.
+        sq_counters: u64,
     }
 }
 
@@ -263,7 +267,7 @@ mod tests {
         );
     }
 
-    const PINNED: u32 = 0x782e_9b32;
+    const PINNED: u32 = 0xe38b_739c;
 
     #[test]
     fn fields_are_naturally_aligned_and_in_order() {

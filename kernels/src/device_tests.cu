@@ -641,3 +641,107 @@ GPUVERBS_KERNEL void gv_test_qp_error(gpuverbs_qp* q, uint64_t* out) {
     out[3] = e.wqe_counter;
     out[4] = e.wqe;
 }
+
+// Counted calls at one scope (0 thread, 1 warp, 2 block), one block of 64 threads; thread t
+// takes part unless skip_mod && t % skip_mod == skip_mod - 1. Per participating thread t:
+//   put_counted            16 bytes l+1024+16t -> r+1024+16t, counter ctr[0]
+//   put_signal_counted     16 bytes l+2048+16t -> r+2048+16t, +(1 << t) on r+0, counter ctr[1]
+//   put_signal_set_counted 16 bytes l+3072+16t -> r+3072+16t, r+64+8t := 0xc0c0_0000_0000_0000 | t,
+//                          counter ctr[2]
+//   get_counted            16 bytes r+4096+16t -> l+4096+16t, counter ctr[3]
+// Then thread 0 waits for every counter to reach the number of participants (wait_counter,
+// polling the CQ: no quiet) and records what it saw in vals[0..3]; checks at once the bytes
+// the gets brought against (i * 11 + 1) & 0xff at r+4096+i, which the host wrote (vals[4]:
+// index + 1 of the first mismatch, 0 none); reset_counter(ctr[0]) and read_counter (vals[5]);
+// read_counter(ctr[1]) (vals[6]).
+GPUVERBS_KERNEL void gv_test_counters(gpuverbs_qp* q, uint64_t l, uint32_t lk_, uint64_t r,
+                                      uint32_t rk_, uint32_t scope, uint32_t skip_mod,
+                                      uint64_t* ctr, uint64_t budget, int* out, uint64_t* vals) {
+    using namespace gpuverbs;
+    const uint32_t t = threadIdx.x;
+    const bool part = skip_mod == 0 || t % skip_mod != skip_mod - 1;
+    const lkey lk{lk_};
+    const rkey rk{rk_};
+    const uint64_t bit = 1ull << t;
+    status s = OK;
+#define GV_AT_SCOPE(thread, warp, block) \
+    if (s == OK) {                       \
+        if (scope == 2) {                \
+            s = block;                   \
+        } else if (part) {               \
+            s = scope == 1 ? warp : thread; \
+        }                                \
+    }
+    const uint64_t a = 1024 + 16 * t, b = 2048 + 16 * t, c = 3072 + 16 * t, g = 4096 + 16 * t;
+    const uint64_t set = 0xc0c0000000000000ull | t;
+    GV_AT_SCOPE(put_counted(q, l + a, lk, r + a, rk, 16, ctr, budget),
+                put_counted_warp(q, l + a, lk, r + a, rk, 16, ctr, budget),
+                put_counted_block(q, part, l + a, lk, r + a, rk, 16, ctr, budget));
+    GV_AT_SCOPE(put_signal_counted(q, l + b, lk, r + b, rk, 16, r, rk, bit, ctr + 1, budget),
+                put_signal_counted_warp(q, l + b, lk, r + b, rk, 16, r, rk, bit, ctr + 1, budget),
+                put_signal_counted_block(q, part, l + b, lk, r + b, rk, 16, r, rk, bit, ctr + 1,
+                                         budget));
+    GV_AT_SCOPE(put_signal_set_counted(q, l + c, lk, r + c, rk, 16, r + 64 + 8 * t, rk, set,
+                                       ctr + 2, budget),
+                put_signal_set_counted_warp(q, l + c, lk, r + c, rk, 16, r + 64 + 8 * t, rk, set,
+                                            ctr + 2, budget),
+                put_signal_set_counted_block(q, part, l + c, lk, r + c, rk, 16, r + 64 + 8 * t,
+                                             rk, set, ctr + 2, budget));
+    GV_AT_SCOPE(get_counted(q, l + g, lk, r + g, rk, 16, ctr + 3, budget),
+                get_counted_warp(q, l + g, lk, r + g, rk, 16, ctr + 3, budget),
+                get_counted_block(q, part, l + g, lk, r + g, rk, 16, ctr + 3, budget));
+#undef GV_AT_SCOPE
+    error e{};
+    if (s != OK) e = last_error(q);
+    device_tests::report(out, s, e);
+    __syncthreads();
+    if (t != 0) return;
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < blockDim.x; ++i) n += skip_mod == 0 || i % skip_mod != skip_mod - 1;
+    s = OK;
+    for (uint32_t k = 0; k < 4 && s == OK; ++k) s = wait_counter(q, ctr + k, n, budget, &e, &vals[k]);
+    if (s == OK) {
+        vals[4] = 0;
+        for (uint32_t i = 0; i < blockDim.x && vals[4] == 0; ++i) {
+            if (!(skip_mod == 0 || i % skip_mod != skip_mod - 1)) continue;
+            const uint32_t* got = reinterpret_cast<const uint32_t*>(l + 4096 + 16 * i);
+            for (uint32_t w = 0; w < 4 && vals[4] == 0; ++w) {
+                const uint32_t v = __ldcv(got + w);
+                for (uint32_t k = 0; k < 4; ++k) {
+                    const uint32_t at = 16 * i + 4 * w + k;
+                    if (((v >> (8 * k)) & 0xffu) != ((at * 11 + 1) & 0xffu)) {
+                        vals[4] = at + 1;
+                        break;
+                    }
+                }
+            }
+        }
+        reset_counter(ctr);
+        vals[5] = read_counter(ctr);
+        vals[6] = read_counter(ctr + 1);
+        s = quiet(q, budget, &e);
+    }
+    __threadfence_system();
+    device_tests::report(out, s, e);
+}
+
+// A counted put that fails (a forged rkey `bad`): three put_counted on ctr, then
+// wait_counter for 1. vals[0] = its status (ERROR_CQE expected), vals[1] = the counter it saw
+// (0: a failed or flushed WQE never moves it), vals[2] = the error's syndrome.
+GPUVERBS_KERNEL void gv_test_counter_error(gpuverbs_qp* q, uint64_t l, uint32_t lk, uint64_t r,
+                                           uint32_t bad, uint64_t* ctr, uint64_t budget,
+                                           uint64_t* vals) {
+    using namespace gpuverbs;
+    if (threadIdx.x != 0) return;
+    status s = OK;
+    for (uint32_t i = 0; i < 3 && s == OK; ++i) {
+        s = put_counted(q, l + 64 * i, lkey{lk}, r + 64 * i, rkey{bad}, 64, ctr, budget);
+    }
+    error e{};
+    uint64_t seen = ~0ull;
+    if (s == OK) s = wait_counter(q, ctr, 1, budget, &e, &seen);
+    vals[0] = s;
+    vals[1] = seen;
+    vals[2] = e.syndrome;
+    __threadfence_system();
+}

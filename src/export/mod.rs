@@ -7,7 +7,7 @@
 pub use crate::desc::{c_header, db_mode, QpDesc, DESC_VERSION, HEADER_PATH};
 
 use crate::backend::geometry::{Place, QpGeometry, DB_REG_LEN};
-use crate::gpu::{ExportedQp, Gpu};
+use crate::gpu::{DeviceMem, ExportedQp, Gpu};
 use crate::memory::{Access, HostBuffer, Mr};
 use crate::queue::{DoorbellMode, Drained, Poster, PosterClaim, Qp, QpState, QueueState};
 use crate::Error;
@@ -73,6 +73,8 @@ impl Gpu {
         let mode = qp.doorbell().0;
         let scratch = HostBuffer::new(64);
         let scratch_mr = qp.pd().register_with(&scratch, Access::LOCAL_WRITE)?;
+        // the completion-counter table: 16 bytes per SQ block, zeroed (no WQE counted)
+        let counters = self.alloc(g.sq_blocks as usize * 16)?;
         let desc = QpDesc {
             sq_ring: self.gpu_addr(g.sq, g.keep.clone())?,
             rq_ring: match g.rq {
@@ -116,6 +118,7 @@ impl Gpu {
             scratch_lkey: scratch_mr.lkey().0,
             scq_collapsed: u32::from(scq.collapsed),
             rcq_collapsed: u32::from(rcq.collapsed),
+            sq_counters: counters.ptr(),
             ..QpDesc::new()
         };
         let mut desc = desc;
@@ -128,7 +131,7 @@ impl Gpu {
         }
         let mem = self.alloc(core::mem::size_of::<QpDesc>())?;
         mem.write(0, bytemuck::bytes_of(&desc))?;
-        let keep: Keep = ((scratch, scratch_mr), Some(claim));
+        let keep: Keep = ((scratch, scratch_mr), Some(claim), counters);
         Ok(ExportedQp {
             mem,
             _keep: Box::new(keep),
@@ -178,9 +181,9 @@ impl Gpu {
     }
 }
 
-/// What an export keeps alive: its scratch word's buffer and region, and the QP's poster
-/// claim (given back for the length of [`ExportedQp::recover`]).
-type Keep = ((HostBuffer, Mr), Option<PosterClaim>);
+/// What an export keeps alive: its scratch word's buffer and region, the QP's poster claim
+/// (given back for the length of [`ExportedQp::recover`]) and the completion-counter table.
+type Keep = ((HostBuffer, Mr), Option<PosterClaim>, DeviceMem);
 
 impl ExportedQp {
     /// Brings the QP this descriptor drives back after an error, keeping the descriptor: the
@@ -212,7 +215,8 @@ impl ExportedQp {
     /// [`Qp::modify`] to RESET once a kernel has drained it): every send-queue counter at the
     /// queue's producer index (0 after a reset), the CQ consumer indexes where the queue's CQs
     /// stand, the recorded error (`sq_error`, `sq_error_info`, `sq_error_wqe`), the broken
-    /// mark, the locks and the checkout word cleared. The constants (rings, doorbells, sizes,
+    /// mark, the locks, the checkout word and the completion-counter table (whose entries
+    /// name WQE indexes that start again) cleared. The constants (rings, doorbells, sizes,
     /// scratch) stay. No kernel may be using the descriptor meanwhile.
     /// [`Error::InvalidArgument`] when `qp` is not the exported QP or not in RESET.
     pub fn reset_tracking(&self, qp: &Qp) -> Result<(), Error> {
@@ -237,6 +241,9 @@ impl ExportedQp {
         if let (DoorbellMode::CpuProxy, Some(w)) = (qp.doorbell().0, &qp.geometry().proxy_word) {
             // the kernel's producer continues from the queue's, as at export
             w.store_u64(d.sq_rung);
+        }
+        if let Some(keep) = self._keep.downcast_ref::<Keep>() {
+            keep.2.write(0, &vec![0u8; keep.2.len()])?;
         }
         self.write(&d)?;
         Ok(())

@@ -185,6 +185,27 @@ gin_cases! {
     gin_gpuall_proxy: CpuProxy, Mem::Gpu, GpuRings;
 }
 
+macro_rules! counted_cases {
+    ($($name:ident: $mode:expr, $mem:expr, $rings:expr, scope $scope:expr, skip $skip:expr;)*) => {
+        $(fn $name(ctx: &Ctx) -> Result<String> {
+            dataplane::counted(ctx.ordinal, $mode, $mem, $rings, $scope, $skip)
+        })*
+    };
+}
+
+// the counted calls (a local completion counter) at thread, warp and block scope
+counted_cases! {
+    counted_thread_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 0, skip 5;
+    counted_warp_partial_bf: BlueFlame, Mem::Host, HostMapped, scope 1, skip 3;
+    counted_block_proxy: CpuProxy, Mem::Host, HostMapped, scope 2, skip 0;
+    counted_gpuall_warp_gpudb: GpuDoorbell, Mem::Gpu, GpuRings, scope 1, skip 0;
+    counted_gpuall_block_bf: BlueFlame, Mem::Gpu, GpuRings, scope 2, skip 4;
+}
+
+fn counter_error(ctx: &Ctx) -> Result<String> {
+    dataplane::counter_error(ctx.ordinal)
+}
+
 fn dc_ops_gpudb(ctx: &Ctx) -> Result<String> {
     dataplane::dc_ops(ctx.ordinal, GpuDoorbell, Mem::Host, HostMapped)
 }
@@ -318,6 +339,10 @@ const CASES: &[Case] = cases![
     gin_gpudb,
     gin_bf,
     gin_proxy,
+    counted_thread_gpudb,
+    counted_warp_partial_bf,
+    counted_block_proxy,
+    counter_error,
     dc_ops_gpudb,
     dc_ops_proxy,
     dc_ops_gpumem_gpudb,
@@ -357,6 +382,8 @@ const CASES: &[Case] = cases![
     scopes_gpuall_block_bf,
     gin_gpumem_gpudb,
     gin_gpuall_proxy,
+    counted_gpuall_warp_gpudb,
+    counted_gpuall_block_bf,
     gpumem_roundtrip_gpurings_gpudb,
     gpumem_roundtrip_gpurings_proxy,
 ];

@@ -22,6 +22,40 @@ __device__ __forceinline__ uint32_t wqe_blocks_at(const gpuverbs_qp* q, uint64_t
     return ds == 0 ? 1 : (ds * 16 + 63) / 64;
 }
 
+// ------------------------------------------------------------------------------------------
+// Completion counters (software): a counted call names, in the descriptor's table, the
+// counter its WQE moves (`count_at`, before the WQE is published); the poll path adds 1 to it
+// when it takes that WQE's own CQE without an error (`count_done`). Entries carry the WQE's
+// first block + 1 on the 64-bit SQ counter, so an entry of an earlier lap never matches.
+// ------------------------------------------------------------------------------------------
+
+// Whether the QP can count completions: it has a counter table (every export made since the
+// table exists) and its send CQ is not collapsed (there a CQE may be overwritten before it is
+// taken, and its counter would never move).
+__device__ __forceinline__ bool counts(const gpuverbs_qp* q) {
+    return q->sq_counters != 0 && !q->scq_collapsed;
+}
+
+// Names `counter` (an 8-byte word, in GPU memory) the counter of the WQE at `idx`.
+__device__ __forceinline__ void count_at(const gpuverbs_qp* k, uint64_t idx, uint64_t* counter) {
+    uint64_t* e = reinterpret_cast<uint64_t*>(k->sq_counters) + 2 * (idx & (k->sq_blocks - 1));
+    *reinterpret_cast<ulonglong2*>(e) =
+        make_ulonglong2(idx + 1, reinterpret_cast<unsigned long long>(counter));
+}
+
+// The WQE whose first block is `wqe` completed without an error: its counter (if it has one)
+// moves by 1, with release at system scope (a thread that acquires the counter sees what the
+// poller saw: the CQE, so the WQE's local data). The entry is cleared: counted once.
+__device__ __forceinline__ void count_done(const gpuverbs_qp* q, uint64_t wqe) {
+    uint64_t* e = reinterpret_cast<uint64_t*>(q->sq_counters) + 2 * (wqe & (q->sq_blocks - 1));
+    uint64_t tag, counter;
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
+                 : "=l"(tag), "=l"(counter) : "l"(e) : "memory");
+    if (tag != wqe + 1) return;
+    e[0] = 0;
+    asm volatile("red.release.sys.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
+}
+
 // Takes one send-CQ entry if software owns it. Returns 1 if one was taken (and retires the SQ
 // space it covers), 0 if none. Records the first error CQE in the descriptor.
 // Caller holds the send-CQ lock (or owns the QP exclusively).
@@ -59,7 +93,12 @@ __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
     }
     uint32_t blocks = wqe_blocks_at(q, counter);
     uint16_t delta = (uint16_t)(counter + blocks - (uint16_t)retired);
-    if (delta <= q->sq_blocks) state_store<S>(&q->sq_retired, retired + delta);
+    if (delta <= q->sq_blocks) {
+        if (opcode != 13 && opcode != 14 && q->sq_counters) {
+            count_done(q, retired + (uint16_t)(counter - (uint16_t)retired));
+        }
+        state_store<S>(&q->sq_retired, retired + delta);
+    }
     ci = q->scq_collapsed ? (uint64_t)tail + 1 : ci + 1;
     q->scq_ci = ci;
     st_relaxed_sys32(reinterpret_cast<uint32_t*>(q->scq_dbrec), bswap32((uint32_t)(ci & 0xffffff)));

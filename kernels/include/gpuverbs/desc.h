@@ -53,9 +53,10 @@ typedef struct gpuverbs_qp {
     uint32_t rcq_lock; /* Device API state: receive CQ lock. */
     uint32_t sq_broken; /* Device API state: 1 once a shared-mode publish gave up waiting for an earlier reservation (its thread never published): the send queue has a hole, and every later send-side call returns BROKEN. Reset the QP, connect it and export it again. */
     uint64_t sq_error_wqe; /* Device API state: the first block (on the 64-bit SQ counter) of the WQE whose error CQE `sq_error` recorded (0 while none). */
+    uint64_t sq_counters; /* The completion-counter table: `sq_blocks` entries of 16 bytes in GPU memory, one per SQ block ({the counted WQE's first block + 1, the counter's address}), written by the counted calls and read by the send-CQ poll path. */
 } gpuverbs_qp;
 
-GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 256, "gpuverbs_qp size");
+GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 264, "gpuverbs_qp size");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, version) == 0, "version");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, size) == 4, "size");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ring) == 8, "sq_ring");
@@ -98,9 +99,10 @@ GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_lock) == 236, "rq_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_lock) == 240, "rcq_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_broken) == 244, "sq_broken");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error_wqe) == 248, "sq_error_wqe");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_counters) == 256, "sq_counters");
 
 /* The layout's version; a descriptor carries it in `version`. */
-#define GPUVERBS_DESC_VERSION 0x782e9b32u
+#define GPUVERBS_DESC_VERSION 0xe38b739cu
 #define GPUVERBS_DB_GPU_DOORBELL 0u
 #define GPUVERBS_DB_BLUEFLAME 1u
 #define GPUVERBS_DB_CPU_PROXY 2u

@@ -2,7 +2,9 @@
 //
 // High-level operations at thread scope: put, put_imm, put_inline, put_value, put_signal,
 // put_signal_set, signal, signal_set, send, send_inline, get, get_wait, atomics; wait_signal,
-// read_signal, reset_signal; quiet, flush, flush_all, wait_ticket, fence.
+// read_signal, reset_signal; counted calls (put_counted, get_counted, put_signal_counted,
+// put_signal_set_counted) with read_counter, wait_counter, reset_counter; quiet, flush,
+// flush_all, wait_ticket, fence.
 #ifndef GPUVERBS_ONESIDED_CUH
 #define GPUVERBS_ONESIDED_CUH
 
@@ -406,6 +408,134 @@ __device__ status signal_set(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key, ui
     return post1<S>(q, 2, signaled, do_ring, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
         prep_masked_cs(q, idx, sig_addr, sig_key, 0, 0, value, ~0ull, q->scratch,
                        lkey{q->scratch_lkey}, f);
+    });
+}
+
+// ------------------------------------------------------------------------------------------
+// Counted calls: a local completion counter (NCCL GIN's local action, CounterInc), moved in
+// software: the call's WQE is signaled and named in the descriptor's counter table, and the
+// thread that takes its CQE (any poller of the send CQ: quiet, wait_counter, a reserve on a
+// full ring) adds 1 to `counter` (an 8-byte word in GPU memory) once it completed without an
+// error; a failed or flushed WQE never moves it. INVALID where the QP cannot count (a
+// collapsed send CQ). The counter moves only when someone polls: wait_counter polls while it
+// waits.
+// ------------------------------------------------------------------------------------------
+
+// put whose completion moves `counter` (its source may be reused once it moved). 1 block.
+template <sharing S = sharing::gpu>
+__device__ status put_counted(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                              uint32_t len, uint64_t* counter, uint64_t budget_ns,
+                              bool do_ring = true) {
+    if (!counts(q)) return INVALID;
+    return post_block<S>(q, true, do_ring, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        count_at(k, idx, counter);
+        return build_write(k, idx, laddr, lk, raddr, rk, len, f);
+    });
+}
+
+// get whose completion moves `counter` (the bytes are in local memory once it moved). 1 block.
+template <sharing S = sharing::gpu>
+__device__ status get_counted(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                              uint32_t len, uint64_t* counter, uint64_t budget_ns) {
+    if (!counts(q)) return INVALID;
+    return post_block<S>(q, true, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        count_at(k, idx, counter);
+        return build_read(k, idx, laddr, lk, raddr, rk, len, f);
+    });
+}
+
+// put_signal (`set` false) or put_signal_set (`set` true) whose completion moves `counter`:
+// the signal's WQE is counted (the WRITE before it completes with it). 2 or 3 blocks.
+template <sharing S>
+__device__ __forceinline__ status put_signal_counted_op(gpuverbs_qp* qp, bool set, uint64_t laddr,
+                                                        lkey lk, uint64_t raddr, rkey rk,
+                                                        uint32_t len, uint64_t sig_addr,
+                                                        rkey sig_key, uint64_t value,
+                                                        uint64_t* counter, uint64_t budget_ns,
+                                                        bool do_ring) {
+    if (!counts(qp)) return INVALID;
+    return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
+        const gpuverbs_qp k = consts_of(q);
+        const uint32_t n = set ? 3 : 2;
+        uint64_t idx, published;
+        call_clock c(budget_ns);
+        status s = reserve<S>(q, n, c, &idx, nullptr, &published);
+        if (s != OK) return s;
+        prep_write(&k, idx, laddr, lk, raddr, rk, len, 0);
+        count_at(&k, idx + 1, counter);
+        if (set) {
+            prep_masked_cs(&k, idx + 1, sig_addr, sig_key, 0, 0, value, ~0ull, k.scratch,
+                           lkey{k.scratch_lkey}, CE_SIGNALED);
+            return publish_ring<S>(q, k, idx, n, idx + 1, true, published, do_ring, c, nullptr);
+        }
+        const block sig = build_atomic(&k, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, value, 0,
+                                       k.scratch, lkey{k.scratch_lkey}, CE_SIGNALED);
+        store_block(&k, idx + 1, sig);
+        return publish_ring<S>(q, k, idx, n, idx + 1, true, published, do_ring, c, &sig);
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_counted(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr,
+                                     rkey rk, uint32_t len, uint64_t sig_addr, rkey sig_key,
+                                     uint64_t add, uint64_t* counter, uint64_t budget_ns,
+                                     bool do_ring = true) {
+    return put_signal_counted_op<S>(q, false, laddr, lk, raddr, rk, len, sig_addr, sig_key, add,
+                                    counter, budget_ns, do_ring);
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_set_counted(gpuverbs_qp* q, uint64_t laddr, lkey lk,
+                                         uint64_t raddr, rkey rk, uint32_t len,
+                                         uint64_t sig_addr, rkey sig_key, uint64_t value,
+                                         uint64_t* counter, uint64_t budget_ns,
+                                         bool do_ring = true) {
+    return put_signal_counted_op<S>(q, true, laddr, lk, raddr, rk, len, sig_addr, sig_key, value,
+                                    counter, budget_ns, do_ring);
+}
+
+// The counter now (acquire, system scope: the data of the completions it counts is visible
+// after it). NCCL GIN's readCounter.
+__device__ __forceinline__ uint64_t read_counter(const uint64_t* counter) {
+    return ld_acquire_sys64(counter);
+}
+
+// Sets the counter to `value` (0: GIN's resetCounter), release at system scope. Reset it when
+// no counted WQE naming it is in flight (the poll path's add and this store are not one
+// atomic step).
+__device__ __forceinline__ void reset_counter(uint64_t* counter, uint64_t value = 0) {
+    st_release_sys64(counter, value);
+}
+
+// Waits until `counter` reaches `value`, polling the send CQ of `q` (the QP whose counted
+// calls move it; WQEs posted without ringing are not rung here) meanwhile. OK (`*seen`: the
+// value read), TIMEOUT, or ERROR_CQE (with `*err`) once the QP has recorded an error and the
+// counter is still short: CQEs come in order, so every counted WQE before the failed one has
+// already moved it, and the failed one and those after it never will.
+template <sharing S = sharing::gpu>
+__device__ status wait_counter(gpuverbs_qp* qp, const uint64_t* counter, uint64_t value,
+                               uint64_t budget_ns, error* err = nullptr,
+                               uint64_t* seen = nullptr) {
+    return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
+        call_clock c(budget_ns);
+        c.start();
+        for (;;) {
+            uint64_t v = ld_acquire_sys64(counter);
+            if (v < value) {
+                const status s = scq_progress<S>(q);
+                if (s == BUSY) return s;
+                if (s == ERROR_CQE) v = ld_acquire_sys64(counter);  // moved by this poll?
+                if (v < value && s == ERROR_CQE) {
+                    if (seen) *seen = v;
+                    if (err) *err = last_error(q);
+                    return ERROR_CQE;
+                }
+            }
+            if (v >= value || c.expired()) {
+                if (seen) *seen = v;
+                return v >= value ? OK : TIMEOUT;
+            }
+        }
     });
 }
 

@@ -12,9 +12,13 @@
 //               (4 bytes; atomic_result32 reads their big-endian old value),
 //               atomic_masked_fetch_add (8-byte fields), atomic_masked_compare_swap;
 //               wait_signal, read_signal, reset_signal (a local signal word);
+//               counted calls (a local completion counter moved by the CQ poll path):
+//               put_counted, get_counted, put_signal_counted, put_signal_set_counted, with
+//               read_counter, wait_counter, reset_counter;
 //               quiet, flush, flush_all (several QPs), wait_ticket, fence;
 //               warp scope (`*_warp`) and block scope (`*_block`) of put, get, signal,
-//               signal_set, put_signal, put_signal_set and every atomic above.
+//               signal_set, put_signal, put_signal_set, every atomic above and the counted
+//               calls.
 //   receive side: post_recv, recv_wait.
 //   DC initiators: dc_put, dc_get, dc_atomic_fetch_add, dc_atomic_compare_swap.
 //

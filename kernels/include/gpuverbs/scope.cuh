@@ -1,8 +1,9 @@
 // gpuverbs device API — scope.cuh (see qp.cuh for the layers).
 //
 // Warp and block scope: one reservation and one doorbell for many threads, partial participation
-// allowed: put, get, signal (add and set), put with a signal (add and set), and the atomics
-// (8- and 4-byte fetch-add and compare-swap, masked fetch-add and compare-swap).
+// allowed: put, get, signal (add and set), put with a signal (add and set), the atomics
+// (8- and 4-byte fetch-add and compare-swap, masked fetch-add and compare-swap), and the
+// counted put, get and put with a signal.
 #ifndef GPUVERBS_SCOPE_CUH
 #define GPUVERBS_SCOPE_CUH
 
@@ -443,6 +444,123 @@ __device__ status atomic_masked_compare_swap_block(gpuverbs_qp* q, bool particip
         prep_masked_cs(k, idx, raddr, rk, compare, compare_mask, swap, swap_mask, result,
                        result_key, f);
         return block{};
+    });
+}
+
+// ------------------------------------------------------------------------------------------
+// Counted calls (see onesided.cuh): every lane's counted WQE is signaled and named in the
+// counter table; each lane names its own counter (or the same one: it then moves once per
+// lane). INVALID, for every lane, where the QP cannot count.
+// ------------------------------------------------------------------------------------------
+
+template <sharing S = sharing::gpu>
+__device__ status put_counted_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr,
+                                   rkey rk, uint32_t len, uint64_t* counter,
+                                   uint64_t budget_ns) {
+    if (!counts(q)) return INVALID;
+    return warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
+        count_at(k, idx, counter);
+        const block b = build_write(k, idx, laddr, lk, raddr, rk, len, CE_SIGNALED);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_counted_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lkey lk,
+                                    uint64_t raddr, rkey rk, uint32_t len, uint64_t* counter,
+                                    uint64_t budget_ns) {
+    if (!counts(q)) return INVALID;
+    return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
+        count_at(k, idx, counter);
+        const block b = build_write(k, idx, laddr, lk, raddr, rk, len, CE_SIGNALED);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status get_counted_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr,
+                                   rkey rk, uint32_t len, uint64_t* counter,
+                                   uint64_t budget_ns) {
+    if (!counts(q)) return INVALID;
+    return warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
+        count_at(k, idx, counter);
+        const block b = build_read(k, idx, laddr, lk, raddr, rk, len, CE_SIGNALED);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status get_counted_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lkey lk,
+                                    uint64_t raddr, rkey rk, uint32_t len, uint64_t* counter,
+                                    uint64_t budget_ns) {
+    if (!counts(q)) return INVALID;
+    return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
+        count_at(k, idx, counter);
+        const block b = build_read(k, idx, laddr, lk, raddr, rk, len, CE_SIGNALED);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+// A lane's put_signal (set: put_signal_set) counted on its signal's WQE.
+__device__ __forceinline__ block build_put_signal_counted(const gpuverbs_qp* k, uint64_t idx,
+                                                          bool set, uint64_t laddr, lkey lk,
+                                                          uint64_t raddr, rkey rk, uint32_t len,
+                                                          uint64_t sig_addr, rkey sig_key,
+                                                          uint64_t value, uint64_t* counter) {
+    prep_write(k, idx, laddr, lk, raddr, rk, len, 0);
+    count_at(k, idx + 1, counter);
+    return build_signal_at(k, idx + 1, set, sig_addr, sig_key, value, CE_SIGNALED);
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_counted_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk,
+                                          uint64_t raddr, rkey rk, uint32_t len,
+                                          uint64_t sig_addr, rkey sig_key, uint64_t add,
+                                          uint64_t* counter, uint64_t budget_ns) {
+    if (!counts(q)) return INVALID;
+    return warp_post<S>(q, 2, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
+        return build_put_signal_counted(k, idx, false, laddr, lk, raddr, rk, len, sig_addr,
+                                        sig_key, add, counter);
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_counted_block(gpuverbs_qp* q, bool participate, uint64_t laddr,
+                                           lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                           uint64_t sig_addr, rkey sig_key, uint64_t add,
+                                           uint64_t* counter, uint64_t budget_ns) {
+    if (!counts(q)) return INVALID;
+    return block_post<S>(q, participate, 2, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
+        return build_put_signal_counted(k, idx, false, laddr, lk, raddr, rk, len, sig_addr,
+                                        sig_key, add, counter);
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_set_counted_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk,
+                                              uint64_t raddr, rkey rk, uint32_t len,
+                                              uint64_t sig_addr, rkey sig_key, uint64_t value,
+                                              uint64_t* counter, uint64_t budget_ns) {
+    if (!counts(q)) return INVALID;
+    return warp_post<S>(q, 3, 2, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
+        return build_put_signal_counted(k, idx, true, laddr, lk, raddr, rk, len, sig_addr,
+                                        sig_key, value, counter);
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status put_signal_set_counted_block(gpuverbs_qp* q, bool participate, uint64_t laddr,
+                                               lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                               uint64_t sig_addr, rkey sig_key, uint64_t value,
+                                               uint64_t* counter, uint64_t budget_ns) {
+    if (!counts(q)) return INVALID;
+    return block_post<S>(q, participate, 3, 2, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
+        return build_put_signal_counted(k, idx, true, laddr, lk, raddr, rk, len, sig_addr,
+                                        sig_key, value, counter);
     });
 }
 

@@ -54,6 +54,7 @@ __device__ __forceinline__ gpuverbs_qp consts_of(const gpuverbs_qp* q) {
     k.rcq_ring = q->rcq_ring;
     k.rcq_dbrec = q->rcq_dbrec;
     k.scratch = q->scratch;
+    k.sq_counters = q->sq_counters;
     k.sq_blocks = q->sq_blocks;
     k.rq_wqes = q->rq_wqes;
     k.rq_stride = q->rq_stride;

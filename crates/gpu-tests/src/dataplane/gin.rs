@@ -305,6 +305,182 @@ pub fn gin(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
     ))
 }
 
+/// `gv_test_counters` at `scope` with every `skip_mod`-th thread left out: put_counted,
+/// put_signal_counted, put_signal_set_counted and get_counted from 64 threads, each kind on a
+/// counter of its own; the kernel waits for each counter to reach the number of participants
+/// (polling, no quiet) and checks the gets' bytes at once; the host checks the counters, the
+/// signal words and both buffers bit for bit.
+pub fn counted(
+    ordinal: usize,
+    mode: DoorbellMode,
+    mem: Mem,
+    rings: RingPlacement,
+    scope: u32,
+    skip_mod: u32,
+) -> Result<String> {
+    let spec = PairSpec {
+        mode,
+        bytes: 8192,
+        sq_blocks: 512,
+        mem,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
+    let src0 = p.src.to_vec()?;
+    let mut dst0 = vec![0u8; 8192];
+    for (i, b) in dst0[4096..4096 + 16 * THREADS].iter_mut().enumerate() {
+        *b = (i as u32 * 11 + 1) as u8;
+    }
+    p.dst.write(0, &dst0)?;
+    let ctr = p.gpu.alloc(4 * 8)?;
+    let vals = p.gpu.alloc(8 * 8)?;
+    vals.write(0, &[0xffu8; 64])?;
+    let st = Status::new(&p.gpu)?;
+    let (mut q, mut l, mut lk, mut r, mut rk) = (
+        p.export.ptr(),
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0,
+    );
+    let (mut sc, mut skip, mut c, mut budget, mut out, mut v) =
+        (scope, skip_mod, ctr.ptr(), BUDGET_NS, st.ptr(), vals.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut l),
+        arg(&mut lk),
+        arg(&mut r),
+        arg(&mut rk),
+        arg(&mut sc),
+        arg(&mut skip),
+        arg(&mut c),
+        arg(&mut budget),
+        arg(&mut out),
+        arg(&mut v),
+    ];
+    // SAFETY: parameters match gv_test_counters; pointers are live device-visible memory.
+    unsafe {
+        p.gpu.launch_sync(
+            "gv_test_counters",
+            (1, 1, 1),
+            (THREADS as u32, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    st.expect_ok()?;
+    let part = |t: usize| skip_mod == 0 || t % skip_mod as usize != skip_mod as usize - 1;
+    let n = (0..THREADS).filter(|&t| part(t)).count() as u64;
+    let mut raw = [0u8; 64];
+    vals.read(0, &mut raw)?;
+    let val = |i: usize| u64::from_ne_bytes(raw[8 * i..8 * i + 8].try_into().unwrap());
+    let seen: Vec<u64> = (0..4).map(val).collect();
+    ensure!(
+        seen == [n; 4],
+        "counters seen by wait_counter {seen:?}, {n} expected each"
+    );
+    ensure!(val(4) == 0, "get_counted: byte {} not there", val(4) - 1);
+    ensure!(
+        (val(5), val(6)) == (0, n),
+        "after reset_counter: {}; the other counter read {}",
+        val(5),
+        val(6)
+    );
+    let mut craw = [0u8; 32];
+    ctr.read(0, &mut craw)?;
+    let cv: Vec<u64> = (0..4)
+        .map(|i| u64::from_ne_bytes(craw[8 * i..8 * i + 8].try_into().unwrap()))
+        .collect();
+    // the final quiet took every CQE: no counter moved after the kernel read them
+    ensure!(cv == [0, n, n, n], "counters at the end: {cv:?}");
+    let (mut want_src, mut want_dst) = (src0.clone(), dst0.clone());
+    let mut mask = 0u64;
+    for t in (0..THREADS).filter(|&t| part(t)) {
+        mask |= 1 << t;
+        for base in [1024, 2048, 3072] {
+            let o = base + 16 * t;
+            want_dst[o..o + 16].copy_from_slice(&src0[o..o + 16]);
+        }
+        put_u64(&mut want_dst, 64 + 8 * t, 0xc0c0_0000_0000_0000 | t as u64);
+        let g = 4096 + 16 * t;
+        want_src[g..g + 16].copy_from_slice(&dst0[g..g + 16]);
+    }
+    put_u64(&mut want_dst, 0, mask);
+    same("remote buffer", &p.dst.to_vec()?, &want_dst)?;
+    same("local buffer", &p.src.to_vec()?, &want_src)?;
+    if let Some(c) = counters(&p.a) {
+        ensure!(
+            c.errors.is_empty() && c.device_memory_errors == 0,
+            "device: {c:?}"
+        );
+    }
+    let scope_name = ["thread", "warp", "block"][scope as usize % 3];
+    Ok(format!(
+        "{scope_name} scope, {n} of {THREADS} threads: put_counted, put_signal_counted, \
+         put_signal_set_counted, get_counted each moved its counter to {n} (wait_counter, no \
+         quiet), reset_counter, every byte checked (payload {mem:?}, rings {rings:?})"
+    ))
+}
+
+/// Counted puts into a forged rkey: wait_counter returns ERROR_CQE with REMOTE_ACCESS and
+/// the counter still 0 (a failed or flushed WQE never moves it), within its budget.
+pub fn counter_error(ordinal: usize) -> Result<String> {
+    let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
+    let ctr = p.gpu.alloc(8)?;
+    let vals = p.gpu.alloc(3 * 8)?;
+    vals.write(0, &[0xffu8; 24])?;
+    let (mut q, mut l, mut lk, mut r, mut bad) = (
+        p.export.ptr(),
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0 ^ 0x5500,
+    );
+    let (mut c, mut budget, mut v) = (ctr.ptr(), BUDGET_NS, vals.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut l),
+        arg(&mut lk),
+        arg(&mut r),
+        arg(&mut bad),
+        arg(&mut c),
+        arg(&mut budget),
+        arg(&mut v),
+    ];
+    // SAFETY: parameters match gv_test_counter_error; pointers are live device memory.
+    unsafe {
+        p.gpu.launch_sync(
+            "gv_test_counter_error",
+            (1, 1, 1),
+            (1, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    let mut raw = [0u8; 24];
+    vals.read(0, &mut raw)?;
+    let val = |i: usize| u64::from_ne_bytes(raw[8 * i..8 * i + 8].try_into().unwrap());
+    let mut craw = [0u8; 8];
+    ctr.read(0, &mut craw)?;
+    let counter = u64::from_ne_bytes(craw);
+    ensure!(
+        (val(0), val(1), val(2), counter) == (1, 0, 0x13, 0),
+        "wait_counter: status {} seen {} syndrome {:#x}; counter {counter} (ERROR_CQE, 0, \
+         0x13, 0 expected)",
+        val(0),
+        val(1),
+        val(2)
+    );
+    ensure!(
+        p.dst.to_vec()?.iter().all(|&b| b == 0),
+        "bytes landed despite the bad key"
+    );
+    Ok(
+        "counted puts into a bad rkey: wait_counter ERROR_CQE REMOTE_ACCESS, the counter still 0"
+            .into(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::masked_add;
