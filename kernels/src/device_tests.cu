@@ -423,8 +423,10 @@ GPUVERBS_KERNEL void gv_test_status(gpuverbs_qp* q, uint32_t which, uint64_t bud
     out[3] = ok;
 }
 
-// Signals, put-with-signal, get and the atomics at one scope (0 thread, 1 warp, 2 block), one
+// Signals, put-with-signal, get and the atomics at warp (scope 1) or block (scope 2) scope, one
 // block of 64 threads; thread t takes part unless skip_mod && t % skip_mod == skip_mod - 1.
+// (Their thread-scope calls are gv_test_ops' and gv_test_gin's: one call site per call and
+// scope keeps the kernels' code, all of it inlined, within the bundle's size.)
 // Offsets into the remote (r) and local (l) buffers, per thread t:
 //   signal        +(1 << t) on r+0                      (the word ends as the participants' mask)
 //   signal_set    r+64+8t := 0x5157_0000_0000_0000 | t
@@ -455,71 +457,57 @@ GPUVERBS_KERNEL void gv_test_scopes(gpuverbs_qp* q, uint64_t l, uint32_t lk_, ui
     const uint64_t mcs_cmp = t % 2 == 0 ? 0x0000222200000000ull : 0x0000999900000000ull;
     status s = OK;
 // One operation at the kernel's scope: `block` is the block-scope call (every thread calls it,
-// `part` says who posts), `warp` the warp-scope one (participants only), `thread` the
-// thread-scope one.
-#define GV_AT_SCOPE(thread, warp, block) \
-    if (s == OK) {                       \
-        if (scope == 2) {                \
-            s = block;                   \
-        } else if (part) {               \
-            s = scope == 1 ? warp : thread; \
-        }                                \
+// `part` says who posts), `warp` the warp-scope one (participants only).
+#define GV_AT_SCOPE(warp, block) \
+    if (s == OK) {               \
+        if (scope == 2) {        \
+            s = block;           \
+        } else if (part) {       \
+            s = warp;            \
+        }                        \
     }
-    GV_AT_SCOPE(signal(q, r + 0, rk, bit, false, budget),
-                signal_warp(q, r + 0, rk, bit, false, budget),
+    GV_AT_SCOPE(signal_warp(q, r + 0, rk, bit, false, budget),
                 signal_block(q, part, r + 0, rk, bit, false, budget));
     const uint64_t set = 0x5157000000000000ull | t;
-    GV_AT_SCOPE(signal_set(q, r + 64 + 8 * t, rk, set, false, budget),
-                signal_set_warp(q, r + 64 + 8 * t, rk, set, false, budget),
+    GV_AT_SCOPE(signal_set_warp(q, r + 64 + 8 * t, rk, set, false, budget),
                 signal_set_block(q, part, r + 64 + 8 * t, rk, set, false, budget));
     const uint64_t ps = 1024 + 16 * t;
-    GV_AT_SCOPE(put_signal(q, l + ps, lk, r + ps, rk, 16, r + 8, rk, bit, false, budget),
-                put_signal_warp(q, l + ps, lk, r + ps, rk, 16, r + 8, rk, bit, false, budget),
+    GV_AT_SCOPE(put_signal_warp(q, l + ps, lk, r + ps, rk, 16, r + 8, rk, bit, false, budget),
                 put_signal_block(q, part, l + ps, lk, r + ps, rk, 16, r + 8, rk, bit, false,
                                  budget));
     const uint64_t pss = 2048 + 16 * t, pss_sig = 3072 + 8 * t;
     const uint64_t pss_val = 0xc0de00000000005aull | (uint64_t)t << 8;
-    GV_AT_SCOPE(put_signal_set(q, l + pss, lk, r + pss, rk, 16, r + pss_sig, rk, pss_val, false,
-                               budget),
-                put_signal_set_warp(q, l + pss, lk, r + pss, rk, 16, r + pss_sig, rk, pss_val,
+    GV_AT_SCOPE(put_signal_set_warp(q, l + pss, lk, r + pss, rk, 16, r + pss_sig, rk, pss_val,
                                     false, budget),
                 put_signal_set_block(q, part, l + pss, lk, r + pss, rk, 16, r + pss_sig, rk,
                                      pss_val, false, budget));
     const uint64_t g = 3584 + 16 * t;
-    GV_AT_SCOPE(get(q, l + g, lk, r + g, rk, 16, false, budget),
-                get_warp(q, l + g, lk, r + g, rk, 16, false, budget),
+    GV_AT_SCOPE(get_warp(q, l + g, lk, r + g, rk, 16, false, budget),
                 get_block(q, part, l + g, lk, r + g, rk, 16, false, budget));
     const uint64_t fa = 4608 + 8 * t;
-    GV_AT_SCOPE(atomic_fetch_add(q, r + fa, rk, t + 1, l + fa, lk, budget),
-                atomic_fetch_add_warp(q, r + fa, rk, t + 1, l + fa, lk, budget),
+    GV_AT_SCOPE(atomic_fetch_add_warp(q, r + fa, rk, t + 1, l + fa, lk, budget),
                 atomic_fetch_add_block(q, part, r + fa, rk, t + 1, l + fa, lk, budget));
     const uint64_t cs = 5120 + 8 * t;
-    GV_AT_SCOPE(atomic_compare_swap(q, r + cs, rk, cs_cmp, 0xc5000 + t, l + cs, lk, budget),
-                atomic_compare_swap_warp(q, r + cs, rk, cs_cmp, 0xc5000 + t, l + cs, lk, budget),
+    GV_AT_SCOPE(atomic_compare_swap_warp(q, r + cs, rk, cs_cmp, 0xc5000 + t, l + cs, lk, budget),
                 atomic_compare_swap_block(q, part, r + cs, rk, cs_cmp, 0xc5000 + t, l + cs, lk,
                                           budget));
     const uint64_t fa32 = 5632 + 4 * t;
-    GV_AT_SCOPE(atomic_fetch_add32(q, r + fa32, rk, 7, l + fa32, lk, budget),
-                atomic_fetch_add32_warp(q, r + fa32, rk, 7, l + fa32, lk, budget),
+    GV_AT_SCOPE(atomic_fetch_add32_warp(q, r + fa32, rk, 7, l + fa32, lk, budget),
                 atomic_fetch_add32_block(q, part, r + fa32, rk, 7, l + fa32, lk, budget));
     const uint64_t cs32 = 5888 + 4 * t;
-    GV_AT_SCOPE(atomic_compare_swap32(q, r + cs32, rk, cs32_cmp, 0xab00 + t, l + cs32, lk, budget),
-                atomic_compare_swap32_warp(q, r + cs32, rk, cs32_cmp, 0xab00 + t, l + cs32, lk,
+    GV_AT_SCOPE(atomic_compare_swap32_warp(q, r + cs32, rk, cs32_cmp, 0xab00 + t, l + cs32, lk,
                                            budget),
                 atomic_compare_swap32_block(q, part, r + cs32, rk, cs32_cmp, 0xab00 + t, l + cs32,
                                             lk, budget));
     const uint64_t mfa = 6144 + 8 * t, mfa_add = 0x0000000100000010ull;
     const uint64_t bounds = 0x8000000080000000ull;
-    GV_AT_SCOPE(atomic_masked_fetch_add(q, r + mfa, rk, mfa_add, bounds, l + mfa, lk, budget),
-                atomic_masked_fetch_add_warp(q, r + mfa, rk, mfa_add, bounds, l + mfa, lk, budget),
+    GV_AT_SCOPE(atomic_masked_fetch_add_warp(q, r + mfa, rk, mfa_add, bounds, l + mfa, lk, budget),
                 atomic_masked_fetch_add_block(q, part, r + mfa, rk, mfa_add, bounds, l + mfa, lk,
                                               budget));
     const uint64_t mcs = 6656 + 8 * t;
     const uint64_t cmask = 0x0000ffff00000000ull, sw = 0xaaaabbbbccccddddull,
                    smask = 0x00000000ffff0000ull;
-    GV_AT_SCOPE(atomic_masked_compare_swap(q, r + mcs, rk, mcs_cmp, cmask, sw, smask, l + mcs, lk,
-                                           budget),
-                atomic_masked_compare_swap_warp(q, r + mcs, rk, mcs_cmp, cmask, sw, smask,
+    GV_AT_SCOPE(atomic_masked_compare_swap_warp(q, r + mcs, rk, mcs_cmp, cmask, sw, smask,
                                                 l + mcs, lk, budget),
                 atomic_masked_compare_swap_block(q, part, r + mcs, rk, mcs_cmp, cmask, sw, smask,
                                                  l + mcs, lk, budget));

@@ -155,9 +155,8 @@ macro_rules! scopes_cases {
     };
 }
 
-// signals, put-with-signal, get and the atomics at thread (0), warp (1) and block (2) scope
+// signals, put-with-signal, get and the atomics at warp (1) and block (2) scope
 scopes_cases! {
-    scopes_thread_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 0, skip 5;
     scopes_warp_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 1, skip 0;
     scopes_warp_partial_bf: BlueFlame, Mem::Host, HostMapped, scope 1, skip 3;
     scopes_warp_partial_proxy: CpuProxy, Mem::Host, HostMapped, scope 1, skip 3;
@@ -329,7 +328,6 @@ const CASES: &[Case] = cases![
     ops_gpudb,
     ops_bf,
     ops_proxy,
-    scopes_thread_gpudb,
     scopes_warp_gpudb,
     scopes_warp_partial_bf,
     scopes_warp_partial_proxy,

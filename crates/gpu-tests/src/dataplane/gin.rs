@@ -50,10 +50,10 @@ fn same(what: &str, got: &[u8], want: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// `gv_test_scopes` at `scope` (0 thread, 1 warp, 2 block) with every `skip_mod`-th thread
-/// left out (0: none): signal, signal_set, put_signal, put_signal_set, get and the six atomics
-/// from 64 threads, each on its own words; the host computes both buffers as they must end
-/// and compares them whole.
+/// `gv_test_scopes` at `scope` (1 warp, 2 block) with every `skip_mod`-th thread left out (0:
+/// none): signal, signal_set, put_signal, put_signal_set, get and the six atomics from 64
+/// threads, each on its own words; the host computes both buffers as they must end and
+/// compares them whole. (The thread-scope calls are `ops`' and `gin`'s.)
 pub fn scopes(
     ordinal: usize,
     mode: DoorbellMode,
@@ -69,6 +69,10 @@ pub fn scopes(
         mem,
         rings,
     };
+    ensure!(
+        scope == 1 || scope == 2,
+        "gv_test_scopes runs at warp (1) or block (2) scope"
+    );
     let p = Pair::with(ordinal, spec)?;
     let src0 = p.src.to_vec()?;
     let mut dst0 = vec![0u8; 8192];
