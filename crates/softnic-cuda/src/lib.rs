@@ -146,6 +146,24 @@ struct Io {
     staging: *mut u8,
     /// Recorded on the stream after the copy that last used each slot.
     events: [sys::CUevent; SLOTS],
+    /// Writes queued and not waited for ([`DeviceMemory::write_queued`]).
+    queue: Queue,
+    /// Set when a queued write turned out to have failed: every later call fails with it
+    /// (as a CUDA context does after an asynchronous fault), so nothing is reported done that
+    /// depended on the lost bytes.
+    poisoned: Option<String>,
+}
+
+/// Where queued writes stand: they are staged one after the other through the slots; a slot
+/// is taken again only after its event (recorded after its last copy) has fired.
+#[derive(Default)]
+struct Queue {
+    /// Next free byte of the staging buffer.
+    cursor: usize,
+    /// Slots holding bytes of queued copies since the last wait.
+    used: [bool; SLOTS],
+    /// Whether anything is queued.
+    pending: bool,
 }
 
 impl Io {
@@ -172,6 +190,49 @@ impl Io {
     fn drain(&self) -> Result<(), DriverError> {
         // SAFETY: the stream is live.
         unsafe { sys::cuStreamSynchronize(self.stream) }.result()
+    }
+
+    /// Completes the queued writes, if any; a failure poisons the memory.
+    fn settle(&mut self) -> Result<(), String> {
+        if !self.queue.pending {
+            return Ok(());
+        }
+        self.queue = Queue::default();
+        self.drain().map_err(|e| {
+            let why = format!("a queued write to GPU memory failed: {e}");
+            self.poisoned = Some(why.clone());
+            why
+        })
+    }
+
+    /// Queues a copy of `src` to device address `dst` (at most a slot long) through the
+    /// staging buffer, without waiting for it.
+    fn queue_write(&mut self, dst: u64, src: &[u8]) -> Result<(), DriverError> {
+        let n = src.len();
+        let mut at = self.queue.cursor;
+        if at % SLOT + n > SLOT || at >= STAGING {
+            // the next slot, once the driver is done with what it last copied from it
+            at = (at.div_ceil(SLOT) * SLOT) % STAGING;
+        }
+        let k = at / SLOT;
+        if at % SLOT == 0 && self.queue.used[k] {
+            self.wait(k)?;
+            self.queue.used[k] = false;
+        }
+        // SAFETY: `at + n` stays inside slot `k` of the staging buffer, which no queued copy
+        // reads any more (its last one completed, or it was not used since the last wait).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.staging.add(at), n) };
+        // SAFETY: the device side is an address the soft NIC checked; the `n` staged bytes
+        // stay put until slot `k`'s event fires.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, self.staging.add(at) as *const c_void, n, self.stream)
+        }
+        .result()?;
+        self.mark(k)?;
+        self.queue.used[k] = true;
+        self.queue.pending = true;
+        self.queue.cursor = at + n;
+        Ok(())
     }
 }
 
@@ -223,26 +284,49 @@ impl CudaMemory {
                 stream,
                 staging,
                 events,
+                queue: Queue::default(),
+                poisoned: None,
             }),
         })
     }
 
-    /// Runs `f` under the mutex with the context bound (driver panics caught); a failure
-    /// names the call and the range.
+    /// Runs `f` under the mutex with the context bound (driver panics caught), after the
+    /// queued writes have completed unless `f` queues one itself; a failure names the call and
+    /// the range.
     fn with_io(
         &self,
         what: &'static str,
         addr: u64,
         len: usize,
-        f: impl FnOnce(&Io) -> Result<(), DriverError>,
+        f: impl FnOnce(&mut Io) -> Result<(), DriverError>,
     ) -> Result<(), DeviceMemoryError> {
-        let io = self.io.lock().unwrap_or_else(|e| e.into_inner());
-        let run = || {
-            self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-            f(&io).map_err(drv(what))
+        self.with_io_queued(what, addr, len, false, f)
+    }
+
+    /// [`CudaMemory::with_io`], leaving queued writes queued when `queued`.
+    fn with_io_queued(
+        &self,
+        what: &'static str,
+        addr: u64,
+        len: usize,
+        queued: bool,
+        f: impl FnOnce(&mut Io) -> Result<(), DriverError>,
+    ) -> Result<(), DeviceMemoryError> {
+        let mut io = self.io.lock().unwrap_or_else(|e| e.into_inner());
+        let run = || -> Result<(), String> {
+            if let Some(why) = &io.poisoned {
+                return Err(why.clone());
+            }
+            self.ctx
+                .bind_to_thread()
+                .map_err(|e| drv("cuCtxSetCurrent")(e).to_string())?;
+            if !queued {
+                io.settle()?;
+            }
+            f(&mut io).map_err(|e| drv(what)(e).to_string())
         };
         let r = match catch_panic(run) {
-            Ok(r) => r.map_err(|e| e.to_string()),
+            Ok(r) => r,
             Err(panic) => Err(format!(
                 "the CUDA driver bindings panicked during {what}: {panic}"
             )),
@@ -269,6 +353,23 @@ impl DeviceMemory for CudaMemory {
             unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, io.stream) }.result()?;
             io.drain()
         })
+    }
+
+    fn write_queued(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
+        if src.len() > SLOT {
+            return self.write(dst, src);
+        }
+        self.with_io_queued(
+            "cuMemcpyAsync (host to device, queued)",
+            dst,
+            src.len(),
+            true,
+            |io| io.queue_write(dst, src),
+        )
+    }
+
+    fn settle(&self) -> Result<(), DeviceMemoryError> {
+        self.with_io("cuStreamSynchronize", 0, 0, |_| Ok(()))
     }
 
     fn write_ordered(&self, parts: &[(u64, &[u8])]) -> Result<(), DeviceMemoryError> {

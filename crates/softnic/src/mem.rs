@@ -380,6 +380,10 @@ impl MrTable {
         let mut slots = self.write();
         match slots.get_mut((key >> 8) as usize) {
             Some(s) if s.mr.is_some_and(|m| m.key == key) => {
+                // writes queued into it complete before its owner may free it
+                if let Some(Err(e)) = s.dev.as_ref().map(|d| d.settle()) {
+                    tracing::warn!(key, error = %e, "queued device-memory writes failed");
+                }
                 s.dev = None;
                 s.keep = None;
                 s.mr.take()
@@ -808,6 +812,51 @@ pub unsafe fn write_range(r: &MemRange, off: u64, bytes: &[u8]) -> Result<(), De
             Ok(())
         }
     }
+}
+
+/// Copies `bytes` to offset `off` of range `r` as [`write_range`] does, except that in device
+/// memory the write may be left queued ([`DeviceMemory::write_queued`]): complete before any
+/// other access to that memory, and before [`settle_queued`] returns. For the middle of a
+/// message whose arrival nothing reports yet; whatever reports it (a packet the responder
+/// sends, a completion) comes after [`settle_queued`] or after another access.
+///
+/// # Safety
+/// As for [`write_range`].
+pub unsafe fn write_range_queued(
+    r: &MemRange,
+    off: u64,
+    bytes: &[u8],
+) -> Result<(), DeviceMemoryError> {
+    let Some(m) = &r.dev else {
+        // SAFETY: per the contract.
+        return unsafe { write_range(r, off, bytes) };
+    };
+    m.write_queued(r.addr + off, bytes)?;
+    let mut q = QUEUED.lock();
+    if !q.iter().any(|x| same_memory(x, m)) {
+        q.push(m.clone());
+    }
+    ANY_QUEUED.store(true, std::sync::atomic::Ordering::Release);
+    Ok(())
+}
+
+/// Device memories that may hold queued writes ([`write_range_queued`]).
+static QUEUED: Mutex<Vec<Arc<dyn DeviceMemory>>> = Mutex::new(Vec::new());
+/// Whether [`QUEUED`] may be non-empty (read without the lock on every reply).
+static ANY_QUEUED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Completes every queued write of the process ([`write_range_queued`]). A failure (a queued
+/// write that failed) is returned once; the memory it belongs to fails every later access.
+pub fn settle_queued() -> Result<(), DeviceMemoryError> {
+    if !ANY_QUEUED.load(std::sync::atomic::Ordering::Acquire) {
+        return Ok(());
+    }
+    let mems = {
+        let mut q = QUEUED.lock();
+        ANY_QUEUED.store(false, std::sync::atomic::Ordering::Release);
+        std::mem::take(&mut *q)
+    };
+    mems.iter().map(|m| m.settle()).fold(Ok(()), Result::and)
 }
 
 #[cfg(test)]

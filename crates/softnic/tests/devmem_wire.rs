@@ -133,6 +133,55 @@ fn a_device_source_is_read_once_per_message() {
     }
 }
 
+/// The middle of a WRITE into device memory may be left queued (a copy through the driver
+/// per packet otherwise), but nothing acknowledges it before it has landed: when the
+/// requester's completion arrives every byte is in memory, with loss and reordering too.
+#[test]
+fn queued_payloads_land_before_the_ack() {
+    let _serial = serial();
+    let g = SimDeviceMemory::new(MB);
+    let deferred = devmem_util::Deferred::new(g.clone());
+    for (mtu, fb) in [
+        (256, WireFaults::default()),
+        (256, faults(0x7a, 0.05, 0.02, 0.05, 0.0)),
+    ] {
+        let mut p = wire_pair(wire_opts(), wire_opts(), mtu, WireFaults::default(), fb);
+        let src = Region::new(&p.a, &Kind::Host, 256 << 10, ALL);
+        let dm: Arc<dyn softnic::devmem::DeviceMemory> = deferred.clone();
+        let mr =
+            p.b.dev
+                .reg_device(p.b.pd, g.base(), 256 << 10, ALL, dm)
+                .expect("register");
+        for round in 0..4u32 {
+            let data: Vec<u8> = (0..256u32 << 10)
+                .map(|i| (i.wrapping_mul(31) ^ (round * 77)) as u8)
+                .collect();
+            src.write(0, &data);
+            let before = deferred.queued.load(std::sync::atomic::Ordering::Relaxed);
+            p.ea.go(
+                &Op::Write {
+                    remote: prm::RemoteAddr {
+                        addr: mr.addr,
+                        rkey: prm::Rkey(mr.key),
+                    },
+                    local: Local::Sges(&[src.sge(0, 256 << 10)]),
+                    imm: None,
+                },
+                SIG,
+            );
+            assert!(matches!(p.ea.send_cqe(), Completion::Req { .. }));
+            // straight from the memory, past the queue: what a GPU kernel would see now
+            assert!(
+                g.peek(mr.addr, 256 << 10) == data,
+                "MTU {mtu}, round {round}: acknowledged before it landed"
+            );
+            let queued = deferred.queued.load(std::sync::atomic::Ordering::Relaxed) - before;
+            assert!(queued > 100, "MTU {mtu}, round {round}: {queued} queued");
+        }
+        assert_eq!(p.b.dev.counters().device_memory_errors, 0);
+    }
+}
+
 #[test]
 fn failing_requester_memory_over_the_wire() {
     let _serial = serial();

@@ -45,6 +45,20 @@ pub trait DeviceMemory: Send + Sync {
     /// the host).
     fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError>;
 
+    /// Queues a copy of `src` to device address `dst`: unlike every other method it need not
+    /// be complete on return. It is complete once any later call on this memory other than
+    /// `write_queued` returns (that call waits for it first), [`DeviceMemory::settle`]
+    /// included, and takes effect before it. A queued write that fails after returning makes
+    /// that later call fail, and every call after it. The provided version writes at once.
+    fn write_queued(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
+        self.write(dst, src)
+    }
+
+    /// Completes every queued write ([`DeviceMemory::write_queued`]).
+    fn settle(&self) -> Result<(), DeviceMemoryError> {
+        Ok(())
+    }
+
     /// Writes each `(device address, bytes)` part in turn, complete on return: a reader that
     /// sees any byte of a later part sees every earlier part (a CQE's body, then the word
     /// holding its owner bit). The provided version makes one [`DeviceMemory::write`] per

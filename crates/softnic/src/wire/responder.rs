@@ -64,6 +64,13 @@ impl Reply<'_> {
         if self.class == packet::Class::Uc {
             return;
         }
+        // Whatever the responder says acknowledges what came before: the payloads it left
+        // queued in device memory land first. A queued write that failed sends nothing
+        // (the memory now fails every access, so the message's next packet is NAKed).
+        if let Err(e) = crate::mem::settle_queued() {
+            tracing::warn!(error = %e, "queued device-memory writes failed: reply dropped");
+            return;
+        }
         let p = Packet {
             class: self.class,
             ..*p
@@ -698,7 +705,7 @@ fn write_first(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32) -> Outcome {
         return invalid(r);
     }
     // SAFETY: `dst` checked under `r.g` (held) for `len >= n` bytes.
-    if let Err(e) = unsafe { write_range(&dst, 0, pkt.payload) } {
+    if let Err(e) = unsafe { place(&dst, 0, pkt) } {
         let nak = remote_devmem_nak(&r.qp.counters, &e);
         return Outcome::Nak(r.fatal(nak));
     }
@@ -716,6 +723,24 @@ fn write_first(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32) -> Outcome {
         r.rq.wire.msn = psn_add(r.rq.wire.msn, 1);
     }
     Outcome::Accepted(1)
+}
+
+/// Writes a WRITE packet's payload at offset `off` of `dst`. A first or middle packet that
+/// asks for no ACK may stay queued in device memory (a copy through the driver each, waited
+/// for only when something is said about them: see [`Reply::send`]); the last packet, or one
+/// that asks for an ACK, is written at once, after them.
+///
+/// # Safety
+/// As for [`write_range`].
+unsafe fn place(dst: &MemRange, off: u64, pkt: &Packet<'_>) -> Result<(), DeviceMemoryError> {
+    let middle = matches!(pkt.bth.opcode, op::WRITE_FIRST | op::WRITE_MIDDLE);
+    if middle && !pkt.bth.ack_req {
+        // SAFETY: per the contract.
+        unsafe { crate::mem::write_range_queued(dst, off, pkt.payload) }
+    } else {
+        // SAFETY: per the contract.
+        unsafe { write_range(dst, off, pkt.payload) }
+    }
 }
 
 /// A later packet of the WRITE in progress: written after what came before.
@@ -747,7 +772,7 @@ fn write_next(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32) -> Outcome {
         }
     };
     // SAFETY: `dst` checked under `r.g` (held) for exactly `n` bytes.
-    if let Err(e) = unsafe { write_range(&dst, 0, pkt.payload) } {
+    if let Err(e) = unsafe { place(&dst, 0, pkt) } {
         r.rq.wire.cur = None;
         let nak = remote_devmem_nak(&r.qp.counters, &e);
         return Outcome::Nak(r.fatal(nak));

@@ -289,6 +289,52 @@ impl DeviceMemory for Recording {
     }
 }
 
+/// A device memory that really leaves queued writes queued: `write_queued` keeps the bytes
+/// until `settle` or any other call (as a CUDA memory's stream does), so a test sees whether
+/// anything was reported before they landed. Counts what it queued.
+pub struct Deferred {
+    pub inner: Arc<SimDeviceMemory>,
+    pub held: Mutex<Vec<(u64, Vec<u8>)>>,
+    pub queued: std::sync::atomic::AtomicU64,
+}
+
+impl Deferred {
+    pub fn new(inner: Arc<SimDeviceMemory>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            held: Mutex::new(Vec::new()),
+            queued: Default::default(),
+        })
+    }
+    fn land(&self) -> Result<(), DeviceMemoryError> {
+        let held = std::mem::take(&mut *self.held.lock().unwrap());
+        held.iter().try_for_each(|(a, b)| self.inner.write(*a, b))
+    }
+}
+
+impl DeviceMemory for Deferred {
+    fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), DeviceMemoryError> {
+        self.land()?;
+        self.inner.read(src, dst)
+    }
+    fn write(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
+        self.land()?;
+        self.inner.write(dst, src)
+    }
+    fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError> {
+        self.land()?;
+        self.inner.copy(dst, src, len)
+    }
+    fn write_queued(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        self.held.lock().unwrap().push((dst, src.to_vec()));
+        Ok(())
+    }
+    fn settle(&self) -> Result<(), DeviceMemoryError> {
+        self.land()
+    }
+}
+
 /// Ring memory carved out of a simulated device memory, page by page.
 pub struct Carver {
     pub mem: Arc<SimDeviceMemory>,
