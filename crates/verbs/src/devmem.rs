@@ -23,7 +23,7 @@ pub const BOUNCE: usize = 1 << 20;
 
 /// Access to one kind of device memory by device address.
 ///
-/// Contract, for every method:
+/// Contract, for every method but [`DeviceMemory::write_queued`]:
 /// - it is complete when it returns: written bytes are in device memory, where any later
 ///   access (a kernel's load, a later call from any thread) sees them, and read bytes are what
 ///   device memory held at some point during the call;
