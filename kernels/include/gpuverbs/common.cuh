@@ -32,8 +32,8 @@ struct error {
     uint8_t syndrome;   // MLX5 CQE syndrome (0x13 REMOTE_ACCESS, 0x05 WR_FLUSH, ...)
     uint8_t vendor;     // vendor syndrome
     uint16_t wqe_counter;  // the CQE's 16-bit WQE counter
-    uint64_t wqe;       // the failed WQE's first block on the 64-bit SQ counter (the low 16
-                        // bits are wqe_counter)
+    uint64_t wqe;       // a send-side error: the failed WQE's first block on the 64-bit SQ
+                        // counter (its low 16 bits are wqe_counter); 0 for a receive error
 };
 
 // Keys are host-order values with distinct types: an lkey cannot be passed as an rkey, and the
