@@ -18,6 +18,7 @@ pub const TARGETS: &[&str] = &[
     "uverbs",
     "bootstrap",
     "netlink",
+    "cm_mad",
 ];
 
 /// Seconds an input may take before libFuzzer reports it as a hang.

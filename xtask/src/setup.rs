@@ -38,6 +38,11 @@ pub const PACKAGES: &[(&str, &str)] = &[
         "ib_write_bw, ib_write_lat, ib_send_bw, ... (emu.rs, perftest_parity.rs)",
     ),
     (
+        "rdmacm-utils",
+        "rping, ucmatose, udaddy, rdma_server / rdma_client, rstream: librdmacm's programs on \
+         the emulated connection manager (emu_cm.rs)",
+    ),
+    (
         "ucx-utils",
         "ucx_info, ucx_perftest: UCX 1.13 on the emulated device (emu_ucx.rs)",
     ),

@@ -136,25 +136,6 @@ fn static_uar_mode_serves_pingpong_and_perftest() {
     );
 }
 
-/// rdma_cm is not emulated, and says so: `ib_write_bw -R` (perftest's RDMA CM mode) fails with
-/// the emulation's one line and librdmacm's report of ENOENT (a kernel without the ucma module).
-#[test]
-fn rdma_cm_is_refused_with_a_clear_line() {
-    need("ib_write_bw", "perftest");
-    let _g = serial();
-    let child = emu("127.0.0.1", None, &["ib_write_bw", "-R", "-x", "0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let o = wait(child, Duration::from_secs(30), "ib_write_bw -R");
-    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "{text}");
-    let lines = text.matches("rdma_cm is not emulated").count();
-    assert_eq!(lines, 1, "one line naming it expected:\n{text}");
-    assert!(text.contains("(ENOENT)"), "{text}");
-}
-
 #[test]
 fn perftest_bandwidth_tests_run_on_the_emulated_device() {
     need("ib_write_bw", "perftest");

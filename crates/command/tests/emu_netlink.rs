@@ -109,8 +109,8 @@ fn libibverbs_lists_the_devices_with_netlink_answered() {
 
 /// A pyverbs program opens a context, PD, CQ and QP on mlx5_0, then asks the RDMA netlink
 /// socket (a raw `AF_NETLINK` socket of its own, as `rdma` would from the same process) for the
-/// resource summary, and again after closing them; then asks for the rdma_cm character device,
-/// which the emulation does not have.
+/// resource summary, and again after closing them; then asks for the rdma_cm character device
+/// (the emulated connection manager's, whose device file has its number).
 const LIVE: &str = r#"
 import socket, struct
 from pyverbs.device import Context
@@ -183,9 +183,21 @@ st = os.stat('/dev/infiniband/uverbs0')
 assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (major, minor), (major, minor, st)
 assert struct.unpack('=I', a[73][0])[0] == 1  # RDMA_DRIVER_MLX5
 
-# the rdma_cm chardev: not there (EOPNOTSUPP, as a kernel without ucma answers)
+# the rdma_cm chardev: a device's, none (ucma has no per-device node: EOPNOTSUPP); the
+# global one, as librdmacm asks for it: the emulated connection manager's, whose device file
+# has that number
 (ty, body), = ask(15, 0, [(1, struct.pack('=I', 0)), (69, b'rdma_cm\0')])
 assert ty == 2 and struct.unpack('=i', body[:4])[0] == -95, (ty, body[:4])
+(ty, body), = ask(15, 0, [(69, b'rdma_cm\0')])
+a = attrs(body)
+assert a[70][0] == b'rdma_cm\0', a[70]
+assert struct.unpack('=Q', a[71][0])[0] == 4  # RDMA_USER_CM_ABI_VERSION
+cdev = struct.unpack('=Q', a[72][0])[0]
+major, minor = (cdev & 0xfff00) >> 8, (cdev & 0xff) | ((cdev >> 12) & 0xfff00)
+fd = os.open('/dev/infiniband/rdma_cm', os.O_RDWR)
+st = os.fstat(fd)
+os.close(fd)
+assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (major, minor), (major, minor, st)
 print('ok')
 "#;
 

@@ -138,6 +138,18 @@ impl Device {
         Ok(dev)
     }
 
+    /// Installs (or removes, with `None`) the handler of the device's QP1: every management
+    /// datagram its wire port receives goes there ([`crate::gsi`]).
+    pub fn set_gsi_handler(&self, h: Option<crate::gsi::GsiHandler>) {
+        crate::gsi::set_handler(&self.shared, h);
+    }
+
+    /// Sends a management datagram from the device's QP1 to QP1 of the device with GID `to`
+    /// over the wire port ([`crate::gsi`]).
+    pub fn send_gsi(&self, to: &Gid, mad: &[u8]) -> Result<(), Error> {
+        Ok(crate::gsi::send(&self.shared, to, mad)?)
+    }
+
     /// The bound address of the wire port (with the port the system picked), if any.
     pub fn wire_addr(&self) -> Option<SocketAddr> {
         self.shared.port.as_ref().map(|p| p.local)

@@ -38,6 +38,7 @@ mod dc;
 mod device;
 pub mod engine;
 mod gather;
+pub mod gsi;
 pub mod outcome;
 pub mod responder;
 pub mod ud;

@@ -40,6 +40,7 @@ const LAYERS: &[&str] = &[
     "wire::responder",
     "wire::dct",
     "ud",
+    "gsi",
     "wire::transport",
     "dc",
     "engine",

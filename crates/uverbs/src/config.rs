@@ -41,6 +41,11 @@ pub const MAX_DEVICES: u32 = 16;
 pub const UVERBS_MAJOR: u32 = 231;
 /// Minor number of `uverbs0`.
 pub const UVERBS_BASE_MINOR: u32 = 192;
+/// The RDMA connection manager's character device (`/dev/infiniband/rdma_cm`, the ucma
+/// module's misc device: major 10, a minor the kernel picks; this one for the emulation).
+pub const RDMA_CM_RDEV: (u32, u32) = (10, 58);
+/// The ucma ABI version (`RDMA_USER_CM_ABI_VERSION`).
+pub const RDMA_CM_ABI: u64 = 4;
 
 /// A bad launcher setting.
 #[derive(Debug, thiserror::Error)]

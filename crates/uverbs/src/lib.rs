@@ -19,6 +19,7 @@
 //! driver's own methods: DEVX, DEVX umems and objects, and UAR pages allocated on demand.
 
 pub mod abi;
+pub mod cm;
 pub mod config;
 pub mod context;
 pub mod device;
@@ -73,6 +74,8 @@ enum FdKind {
     Channel(Arc<EventQueue>, Weak<Context>),
     /// A context's async event file.
     Async(Arc<EventQueue>, Weak<Context>),
+    /// An open file of the RDMA connection manager's device (an event channel).
+    Cm(Arc<cm::CmFile>),
 }
 
 /// One open file of the emulation: what `open` (or a command creating a channel or the async
@@ -104,6 +107,11 @@ impl OpenFile {
             FdKind::Async(_, ctx) => {
                 if let Some(c) = ctx.upgrade() {
                     c.async_q.lock().take();
+                }
+            }
+            FdKind::Cm(f) => {
+                if let Some(emu) = emulation() {
+                    cm::cm(emu.devices).release(f);
                 }
             }
         }
@@ -433,17 +441,18 @@ impl Emulation {
     }
 
     /// `open(path, flags)`: `None` when `path` is not an emulated device file. The RDMA CM
-    /// device is not emulated: ENOENT, as on a kernel without the ucma module, with one line on
-    /// stderr saying so (once per process).
+    /// device (`/dev/infiniband/rdma_cm`) opens an event channel of the emulated connection
+    /// manager ([`cm`]).
     pub fn open(&self, path: &[u8], flags: i32) -> Option<Result<RawFd, Errno>> {
         if path == RDMA_CM_PATH {
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
-                complain(format_args!(
-                    "rdma_cm is not emulated; exchange endpoints out of band (ENOENT)"
-                ))
-            });
-            return Some(Err(Errno::ENOENT));
+            if flags & libc::O_ACCMODE != libc::O_RDWR {
+                return Some(Err(Errno::EPERM));
+            }
+            return Some(cm::CmFile::new(flags).map(|f| {
+                let fd = f.fd();
+                self.register(fd, FdKind::Cm(f), true);
+                fd
+            }));
         }
         if is_umad_path(path) {
             static SAID: std::sync::Once = std::sync::Once::new();
@@ -479,6 +488,14 @@ impl Emulation {
         let file = OpenFile::new(kind);
         self.fds.lock().insert(fd, FdEntry { file, queue_owned });
         mark(fd, true);
+    }
+
+    /// The connection manager's open file behind `fd`, if it is one.
+    fn cm_file(&self, fd: RawFd) -> Option<Arc<cm::CmFile>> {
+        match self.fds.lock().get(&fd).map(FdEntry::kind) {
+            Some(FdKind::Cm(f)) => Some(f.clone()),
+            _ => None,
+        }
     }
 
     fn context(&self, fd: RawFd) -> Option<Arc<Context>> {
@@ -528,6 +545,12 @@ impl Emulation {
 
     /// `write(fd, buf, len)` on a file of ours: one uverbs command.
     pub fn write(&self, fd: RawFd, buf: u64, len: usize) -> Result<usize, Errno> {
+        if let Some(f) = self.cm_file(fd) {
+            // (the table's lock is not held: GET_EVENT may wait)
+            let bytes = context::read_command(buf, len)?;
+            cm::cm(self.devices).write(&f, &bytes, &|fd| self.cm_file(fd))?;
+            return Ok(len);
+        }
         let ctx = match self.fds.lock().get(&fd).map(FdEntry::kind) {
             Some(FdKind::Device(c)) => c.clone(),
             Some(_) => return Err(Errno::EINVAL),
@@ -610,7 +633,7 @@ impl Emulation {
     pub fn read(&self, fd: RawFd, buf: u64, len: usize) -> Result<usize, Errno> {
         let q = match self.fds.lock().get(&fd).map(FdEntry::kind) {
             Some(FdKind::Channel(q, _)) | Some(FdKind::Async(q, _)) => q.clone(),
-            Some(FdKind::Device(_)) => return Err(Errno::EINVAL),
+            Some(FdKind::Device(_)) | Some(FdKind::Cm(_)) => return Err(Errno::EINVAL),
             None => return Err(Errno::EBADF),
         };
         // The program may sleep here: its threads stop carrying the devices.
@@ -709,14 +732,15 @@ impl Emulation {
     /// `fstat` of a device file: the character device libibverbs checks.
     pub fn fstat(&self, fd: RawFd) -> Option<libc::stat> {
         match self.fds.lock().get(&fd).map(FdEntry::kind) {
-            Some(FdKind::Device(c)) => Some(cdev_stat(&c.dev.id)),
+            Some(FdKind::Device(c)) => Some(cdev_stat(c.dev.id.rdev())),
+            Some(FdKind::Cm(_)) => Some(cdev_stat(config::RDMA_CM_RDEV)),
             _ => None,
         }
     }
 
     /// `stat` of `/dev/infiniband/uverbsN`.
     pub fn stat(&self, path: &[u8]) -> Option<libc::stat> {
-        self.devices.by_cdev(path).map(|d| cdev_stat(&d.id))
+        self.devices.by_cdev(path).map(|d| cdev_stat(d.id.rdev()))
     }
 
     fn watch(&self, cq: Arc<CqObj>) {
@@ -778,10 +802,9 @@ fn legacy_sizes(c: u32) -> (usize, usize) {
     }
 }
 
-fn cdev_stat(id: &config::DeviceIdentity) -> libc::stat {
+fn cdev_stat((maj, min): (u32, u32)) -> libc::stat {
     // SAFETY: `stat` is plain old data; all-zero is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    let (maj, min) = id.rdev();
     st.st_mode = libc::S_IFCHR | 0o666;
     st.st_rdev = libc::makedev(maj, min);
     st.st_nlink = 1;

@@ -160,6 +160,13 @@ fn answer_one(hdr: &Header, a: &Attrs, portid: u32, devs: &[NlDevice], out: &mut
                 Ok(())
             }
             cmd::GET_CHARDEV => match (chosen(true), a.str(attr::CHARDEV_TYPE)) {
+                // the connection manager's device is global: asked without a device (as
+                // librdmacm asks), the emulated one; asked for a device's, none (ucma has no
+                // per-device node)
+                (_, Some(b"rdma_cm")) if a.u32(attr::DEV_INDEX).is_none() => {
+                    out.push(reply.msg(fill_rdma_cm));
+                    Ok(())
+                }
                 (Ok(ds), Some(b"uverbs")) => {
                     out.push(reply.msg(|m| fill_chardev(m, ds[0])));
                     Ok(())
@@ -258,12 +265,19 @@ fn named_u64s<N: AsRef<str>>(
     });
 }
 
+/// The kernel's `huge_encode_dev` of a device number.
+fn huge_encode_dev((major, minor): (u32, u32)) -> u64 {
+    (minor as u64 & 0xff) | ((major as u64 & 0xfff) << 8) | ((minor as u64 & !0xff) << 12)
+}
+
+fn fill_rdma_cm(m: &mut Msg) {
+    m.u64(attr::CHARDEV, huge_encode_dev(crate::config::RDMA_CM_RDEV));
+    m.u64(attr::CHARDEV_ABI, crate::config::RDMA_CM_ABI);
+    m.str(attr::CHARDEV_NAME, "rdma_cm");
+}
+
 fn fill_chardev(m: &mut Msg, d: &NlDevice) {
-    let (major, minor) = d.cdev;
-    // the kernel's huge_encode_dev
-    let dev =
-        (minor as u64 & 0xff) | ((major as u64 & 0xfff) << 8) | ((minor as u64 & !0xff) << 12);
-    m.u64(attr::CHARDEV, dev);
+    m.u64(attr::CHARDEV, huge_encode_dev(d.cdev));
     m.u64(attr::CHARDEV_ABI, d.abi);
     m.str(attr::CHARDEV_NAME, &format!("uverbs{}", d.index));
     m.u32(attr::UVERBS_DRIVER_ID, DRIVER_MLX5);

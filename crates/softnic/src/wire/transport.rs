@@ -57,6 +57,15 @@ pub(crate) fn receive(
         dport,
     };
     port.capture_rx(&flow, d, id_hint);
+    if bth.dest_qp == crate::gsi::QPN {
+        // QP1: management datagrams, for the device's GSI handler
+        if !icrc_ok(port, &flow, d, id_hint, run_bth) {
+            Counters::add(&wc.rx_bad_icrc, 1);
+            return;
+        }
+        crate::gsi::on_packet(dev, d, &flow);
+        return;
+    }
     if let Some(q) = qp.as_ref().filter(|q| q.is_ud()) {
         // UD: datagrams from any source (no connected peer), checked as RC packets are
         if !icrc_ok(port, &flow, d, id_hint, run_bth) {

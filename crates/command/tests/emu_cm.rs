@@ -1,0 +1,358 @@
+//! `gpuverbs emu` serves the RDMA connection manager: librdmacm's programs (rdmacm-utils'
+//! `rping`, `ucmatose`, `udaddy`, `rdma_server` / `rdma_client`, rsockets' `rstream`, perftest's
+//! `-R` mode), server and client each under its own `gpuverbs emu` with its own address
+//! (127.0.200.x .. 127.0.219.x, used by no other test), connect through the emulated ucma
+//! device and CM messages on QP1 between their soft NICs, move data with their own checks, and
+//! disconnect. Both sides must exit 0, and their soft NICs' counters must show no sanitizer
+//! complaint.
+//!
+//! Needs Debian's rdmacm-utils and perftest (CI installs them); a missing tool fails the test
+//! with the package to install.
+
+mod emu_util;
+use emu_util::*;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+/// Whether a UDP socket is bound to `ip`:`port` (from /proc/net/udp): the server's soft NIC
+/// started.
+fn udp_bound(ip: [u8; 4], port: u16) -> bool {
+    let want = format!(
+        "{:02X}{:02X}{:02X}{:02X}:{:04X}",
+        ip[3], ip[2], ip[1], ip[0], port
+    );
+    std::fs::read_to_string("/proc/net/udp")
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .any(|l| l.split_whitespace().nth(1) == Some(want.as_str()))
+}
+
+/// The counters file must show a clean run: no bad doorbell, stale WQE or CQ overrun, and no
+/// error completion but flushes (a connection's end moves its QP to ERR, which flushes the
+/// receives still posted, as on a ConnectX); `active`: WQEs were executed.
+fn check_counters_flush_ok(path: &std::path::Path, what: &str, active: bool) {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{what}: no counters ({e})"));
+    let line = text.lines().next().unwrap_or_default();
+    let val = |k: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix(&format!("{k}=")).map(|v| v.parse().unwrap()))
+            .unwrap_or_else(|| panic!("{what}: no {k} in {line:?}"))
+    };
+    assert!(
+        !active || val("wqes") > 0,
+        "{what}: no WQE executed: {line}"
+    );
+    for k in ["bad_doorbells", "stale_wqes", "cq_overruns"] {
+        assert_eq!(val(k), 0, "{what}: sanitizer complaint: {line}");
+    }
+    let errors = line
+        .split("errors=[")
+        .nth(1)
+        .unwrap_or("")
+        .trim_end_matches(']');
+    assert!(
+        errors
+            .split(',')
+            .filter(|e| !e.is_empty())
+            .all(|e| e.starts_with("WrFlush:")),
+        "{what}: error completions other than flushes: {line}"
+    );
+    let _ = std::fs::remove_file(path);
+}
+
+/// A server's launcher: its process group is killed when the test ends early.
+struct Server(Option<std::process::Child>);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.0 {
+            // SAFETY: plain system call on the process group this test started.
+            unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs `server` under `gpuverbs emu --ip 127.0.<net>.1` and, once its device is up,
+/// `client` under `--ip 127.0.<net>.2` (`SIP` in either stands for the server's address).
+/// Returns both outputs; both must exit 0 with clean counters.
+///
+/// A client whose request comes before the server listens is rejected (no listener: REJ,
+/// invalid service ID), as on a ConnectX host; the pair then runs again (perftest's `-R` makes
+/// two connections one after the other, and its client's second can overtake its server's
+/// second listen on a loaded machine).
+fn cm_pair(net: u8, server: &[&str], client: &[&str]) -> (String, String) {
+    assert!(
+        (200..220).contains(&net),
+        "127.0.200.x .. 127.0.219.x are this file's"
+    );
+    let sip = format!("127.0.{net}.1");
+    let cip = format!("127.0.{net}.2");
+    let subst = |a: &[&str]| -> Vec<String> { a.iter().map(|s| s.replace("SIP", &sip)).collect() };
+    let (sargs, cargs) = (subst(server), subst(client));
+    let sargs: Vec<&str> = sargs.iter().map(String::as_str).collect();
+    let cargs: Vec<&str> = cargs.iter().map(String::as_str).collect();
+    let (sc, cc) = (tmp(&format!("cm-{net}-s")), tmp(&format!("cm-{net}-c")));
+    let (swhat, cwhat) = (
+        format!("{} server", sargs[0]),
+        format!("{} client", cargs[0]),
+    );
+    for attempt in 1.. {
+        let mut srv = Server(Some(
+            emu(&sip, Some(&sc), &sargs)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        ));
+        let t = Instant::now();
+        while !udp_bound([127, 0, net, 1], 4791) {
+            if let Some(st) = srv.0.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                let o = srv.0.take().unwrap().wait_with_output().unwrap();
+                panic!(
+                    "{swhat} ended ({st}) before it started its device:\n{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                );
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "{swhat} never started its device"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // from the device's start to its listen is the program's own set-up
+        std::thread::sleep(Duration::from_millis(300));
+        let child = emu(&cip, Some(&cc), &cargs)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let o = wait(child, Duration::from_secs(120), &cwhat);
+        let c =
+            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        if !o.status.success() {
+            assert!(
+                c.contains("REJECTED") && attempt < 5,
+                "{cwhat} failed ({}):\n{c}",
+                o.status
+            );
+            continue;
+        }
+        let so = wait(srv.0.take().unwrap(), Duration::from_secs(60), &swhat);
+        let s =
+            String::from_utf8_lossy(&so.stdout).to_string() + &String::from_utf8_lossy(&so.stderr);
+        assert!(so.status.success(), "{swhat} failed:\n{s}\nclient:\n{c}");
+        check_counters_flush_ok(&cc, &cwhat, true);
+        check_counters_flush_ok(&sc, &swhat, false);
+        return (c, s);
+    }
+    unreachable!()
+}
+
+/// The ping lines rping prints with `-v`: `ping data: rdma-ping-<n>: <rotating alphabet>`.
+fn check_pings(out: &str, count: usize, side: &str) {
+    let pings: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("ping data: rdma-ping-"))
+        .collect();
+    assert_eq!(pings.len(), count, "{side}:\n{out}");
+    for (n, l) in pings.iter().enumerate() {
+        let data = l.split(": ").nth(2).unwrap_or("");
+        let want: String = (0..data.len())
+            .map(|k| (b'A' + ((n + k) % (b'z' - b'A' + 1) as usize) as u8) as char)
+            .collect();
+        assert!(l.contains(&format!("rdma-ping-{n}: ")), "{side}: {l}");
+        assert_eq!(data, want, "{side}: ping {n}");
+    }
+}
+
+#[test]
+fn rping_pings_and_validates_every_buffer() {
+    need("rping", "rdmacm-utils");
+    let _g = serial();
+    // -V: both sides compare every buffer (the server's RDMA READ of the client's, the
+    // client's of the server's RDMA WRITE); -v: they print it too
+    let (c, s) = cm_pair(
+        200,
+        &[
+            "rping", "-s", "-a", "SIP", "-p", "7200", "-v", "-V", "-C", "20", "-S", "100",
+        ],
+        &[
+            "rping", "-c", "-a", "SIP", "-p", "7200", "-v", "-V", "-C", "20", "-S", "100",
+        ],
+    );
+    check_pings(&c, 20, "client");
+    check_pings(&s, 20, "server");
+    for (side, out) in [("client", &c), ("server", &s)] {
+        assert!(!out.contains("mismatch"), "{side}:\n{out}");
+    }
+    assert!(s.contains("DISCONNECT EVENT"), "server:\n{s}");
+}
+
+#[test]
+fn rping_with_its_own_qp_transitions() {
+    need("rping", "rdmacm-utils");
+    let _g = serial();
+    // -q: the program moves its QP itself with rdma_init_qp_attr's attributes
+    let (c, s) = cm_pair(
+        201,
+        &[
+            "rping", "-s", "-a", "SIP", "-p", "7201", "-q", "-V", "-C", "10", "-S", "4000",
+        ],
+        &[
+            "rping", "-c", "-a", "SIP", "-p", "7201", "-q", "-V", "-C", "10", "-S", "4000",
+        ],
+    );
+    for (side, out) in [("client", &c), ("server", &s)] {
+        assert!(!out.contains("mismatch"), "{side}:\n{out}");
+    }
+}
+
+#[test]
+fn ucmatose_connects_several_and_moves_data() {
+    need("ucmatose", "rdmacm-utils");
+    let _g = serial();
+    let (c, s) = cm_pair(
+        202,
+        &[
+            "ucmatose", "-p", "7202", "-c", "4", "-C", "50", "-S", "4096",
+        ],
+        &[
+            "ucmatose", "-s", "SIP", "-p", "7202", "-c", "4", "-C", "50", "-S", "4096",
+        ],
+    );
+    for (side, out) in [("client", &c), ("server", &s)] {
+        assert!(out.contains("data transfers complete"), "{side}:\n{out}");
+        assert!(out.contains("return status 0"), "{side}:\n{out}");
+    }
+    assert!(s.contains("disconnected"), "server:\n{s}");
+}
+
+#[test]
+fn udaddy_resolves_a_ud_service_and_exchanges_datagrams() {
+    need("udaddy", "rdmacm-utils");
+    let _g = serial();
+    let (c, s) = cm_pair(
+        203,
+        // (udaddy's -p is the port space; it uses port 7174)
+        &["udaddy", "-c", "2", "-C", "20", "-S", "512"],
+        &["udaddy", "-s", "SIP", "-c", "2", "-C", "20", "-S", "512"],
+    );
+    for (side, out) in [("client", &c), ("server", &s)] {
+        assert!(out.contains("data transfers complete"), "{side}:\n{out}");
+        assert!(out.contains("return status 0"), "{side}:\n{out}");
+    }
+}
+
+#[test]
+fn rdma_server_and_rdma_client() {
+    need("rdma_server", "rdmacm-utils");
+    let _g = serial();
+    let (c, s) = cm_pair(
+        204,
+        &["rdma_server", "-p", "7204"],
+        &["rdma_client", "-s", "SIP", "-p", "7204"],
+    );
+    assert!(c.contains("rdma_client: end 0"), "client:\n{c}");
+    assert!(s.contains("rdma_server: end 0"), "server:\n{s}");
+}
+
+#[test]
+fn rstream_over_rsockets_verifies_its_data() {
+    need("rstream", "rdmacm-utils");
+    let _g = serial();
+    // -T v: rsockets (not TCP: that is -T s) with every transfer's bytes verified
+    let (c, s) = cm_pair(
+        205,
+        &[
+            "rstream", "-p", "7205", "-T", "v", "-S", "4096", "-C", "200",
+        ],
+        &[
+            "rstream", "-s", "SIP", "-p", "7205", "-T", "v", "-S", "4096", "-C", "200",
+        ],
+    );
+    for (side, out) in [("client", &c), ("server", &s)] {
+        let row = out
+            .lines()
+            .find(|l| l.starts_with("custom"))
+            .unwrap_or_else(|| panic!("{side}: no result row:\n{out}"));
+        let f: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(&f[1..3], &["4k", "200"], "{side}: {row}");
+    }
+}
+
+#[test]
+fn perftest_over_rdma_cm() {
+    need("ib_write_bw", "perftest");
+    let _g = serial();
+    for (i, (tool, size)) in [
+        ("ib_write_bw", "65536"),
+        ("ib_read_bw", "4096"),
+        ("ib_send_bw", "4096"),
+        ("ib_send_lat", "8"),
+        ("ib_write_lat", "8"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let port = (7210 + i).to_string();
+        let args = ["-R", "-x", "0", "-n", "200", "-s", size, "-p", &port];
+        let mut sargs = vec![tool];
+        sargs.extend_from_slice(&args);
+        let mut cargs = sargs.clone();
+        cargs.push("SIP");
+        let (c, s) = cm_pair(206 + i as u8, &sargs, &cargs);
+        for (side, out) in [("client", &c), ("server", &s)] {
+            let r = rows(out);
+            assert!(
+                r.iter().any(
+                    |row| row[0] as u64 == size.parse::<u64>().unwrap() && row[1] as u64 == 200
+                ),
+                "{tool} {side}:\n{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_request_for_a_port_nobody_listens_on_is_rejected() {
+    need("rping", "rdmacm-utils");
+    let _g = serial();
+    // the server's CM answers a REQ for a service it has no listener for with REJ (invalid
+    // service ID, 8), as a ConnectX host's does; the client reports REJECTED at once
+    let sip = "127.0.215.1";
+    let srv = emu(
+        sip,
+        None,
+        &["rping", "-s", "-a", sip, "-p", "7215", "-C", "1"],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let t = Instant::now();
+    while !udp_bound([127, 0, 215, 1], 4791) {
+        assert!(t.elapsed() < Duration::from_secs(20), "rping never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut c = emu(
+        "127.0.215.2",
+        None,
+        &["rping", "-c", "-a", sip, "-p", "7216", "-C", "1"],
+    );
+    let child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = wait(child, Duration::from_secs(30), "rping client");
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{text}");
+    assert!(text.contains("RDMA_CM_EVENT_REJECTED, error 8"), "{text}");
+    // SAFETY: plain system call on the process group this test started.
+    unsafe { libc::kill(-(srv.id() as i32), libc::SIGKILL) };
+    let _ = srv.wait_with_output();
+}

@@ -1,0 +1,986 @@
+//! The connection protocol of the emulated CM: the messages each side sends and takes (IBTA
+//! 12.6, as Linux's `ib_cm` and the CMA above it use them on RoCE), their retransmission, and
+//! the QP attributes each side's QP gets.
+//!
+//! Active side: CONNECT sends a REQ (the CMA header with both addresses, then the program's
+//! private data); a REP makes a CONNECT_RESPONSE event, on which librdmacm moves its QP to
+//! RTR and RTS and ACCEPTs, which sends the RTU. Passive side: a REQ for a listener's service
+//! ID makes a new id and a CONNECT_REQUEST event; ACCEPT sends the REP; the RTU makes
+//! ESTABLISHED. DISCONNECT sends a DREQ (or, after one came, the DREP); a DREQ or DREP makes
+//! DISCONNECTED. REJECT sends a REJ, which makes REJECTED. A REQ, REP or DREQ without an
+//! answer is sent again after the CM response timeout (2^20 × 4.096 µs ≈ 4 s), at most 15
+//! times; then UNREACHABLE (or, for a DREQ, DISCONNECTED with -ETIMEDOUT). The starting PSN
+//! of both directions is the REQ's, as the Linux CMA uses it.
+
+use super::abi::{self, mask, ConnParam, EventResp, QpAttr};
+use super::addr::{self, Addr};
+use super::mad::{self, Mad, Msg};
+use super::{plain_event, Cm, Id, St, State};
+use crate::uaccess::Errno;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `IBV_QPT_RC`.
+pub(super) const QPT_RC: u8 = 2;
+/// `IBV_QPT_UD`.
+pub(super) const QPT_UD: u8 = 4;
+/// The Q_Key of the CMA's UD ids (`RDMA_UDP_QKEY`).
+pub(super) const UDP_QKEY: u32 = 0x0123_4567;
+/// The CM response timeout the CMA asks for (`CMA_CM_RESPONSE_TIMEOUT`).
+const RESPONSE_TIMEOUT: u8 = 20;
+/// Retries of a message without an answer (`CMA_MAX_CM_RETRIES`).
+const MAX_RETRIES: u8 = 15;
+/// The path's packet lifetime (`CMA_IBOE_PACKET_LIFETIME`) and the local ACK timeout it gives.
+pub(super) const PACKET_LIFETIME: u8 = 16;
+const ACK_TIMEOUT: u8 = PACKET_LIFETIME + 2;
+/// Path MTU code: 4096 (the soft NIC's port MTU).
+pub(super) const MTU_4096: u8 = 5;
+/// Hop limit of the route (an IPv4 route's).
+pub(super) const HOP_LIMIT: u8 = 64;
+/// `IB_CM_REJ_INVALID_SERVICE_ID`.
+const REJ_INVALID_SERVICE_ID: u16 = 8;
+/// `IB_CM_REJ_TIMEOUT`.
+const REJ_TIMEOUT: u16 = 1;
+/// `IB_CM_REJ_CONSUMER_DEFINED`.
+pub(super) const REJ_CONSUMER_DEFINED: u16 = 28;
+/// `-ETIMEDOUT` as an event status.
+const ETIMEDOUT: i32 = -libc::ETIMEDOUT;
+
+/// Where a connection stands (the IB CM's states, those the emulation uses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum CmSt {
+    ReqSent,
+    RepRcvd,
+    ReqRcvd,
+    RepSent,
+    Established,
+    DreqSent,
+    DreqRcvd,
+    Timewait,
+    Closed,
+    SidrReqSent,
+    SidrReqRcvd,
+}
+
+/// The connection of an id.
+pub(super) struct Conn {
+    cm: CmSt,
+    /// The device (index) it runs on.
+    dev: u32,
+    local_comm_id: u32,
+    remote_comm_id: u32,
+    remote_gid: [u8; 16],
+    remote_qpn: u32,
+    sq_psn: u32,
+    rq_psn: u32,
+    /// READs / atomics this side takes (RTR's max_dest_rd_atomic) and sends (RTS's
+    /// max_rd_atomic).
+    responder_resources: u8,
+    initiator_depth: u8,
+    retry_count: u8,
+    rnr_retry_count: u8,
+    flow_label: u32,
+    tid: u64,
+    /// The message to send again when no answer comes, and when.
+    last: Option<Box<[u8; mad::MAD_LEN]>>,
+    deadline_ms: u64,
+    retries: u8,
+    /// DISCONNECTED was reported.
+    disconnected: bool,
+}
+
+impl Conn {
+    fn new(dev: u32, local_comm_id: u32, remote_gid: [u8; 16], cm: CmSt) -> Self {
+        Self {
+            cm,
+            dev,
+            local_comm_id,
+            remote_comm_id: 0,
+            remote_gid,
+            remote_qpn: 0,
+            sq_psn: 0,
+            rq_psn: 0,
+            responder_resources: 0,
+            initiator_depth: 0,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            flow_label: 0,
+            tid: 0,
+            last: None,
+            deadline_ms: 0,
+            retries: 0,
+            disconnected: false,
+        }
+    }
+}
+
+/// A pseudo-random 32-bit value (comm IDs, PSNs, transaction IDs): no two processes that
+/// start together should pick the same ones.
+fn random() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish() as u32
+}
+
+/// The CM response timeout in milliseconds (4.096 µs × 2^t).
+fn timeout_ms(t: u8) -> u64 {
+    1u64 << t.saturating_sub(8).min(31)
+}
+
+/// The connection parameters of an event.
+#[allow(clippy::too_many_arguments)]
+fn conn_param(
+    qp_num: u32,
+    private: &[u8],
+    responder_resources: u8,
+    initiator_depth: u8,
+    flow_control: bool,
+    retry_count: u8,
+    rnr_retry_count: u8,
+    srq: bool,
+) -> ConnParam {
+    let mut p: ConnParam = bytemuck::Zeroable::zeroed();
+    p.qp_num = qp_num;
+    let n = private.len().min(p.private_data.len());
+    p.private_data[..n].copy_from_slice(&private[..n]);
+    p.private_data_len = n as u8;
+    p.responder_resources = responder_resources;
+    p.initiator_depth = initiator_depth;
+    p.flow_control = flow_control.into();
+    p.retry_count = retry_count;
+    p.rnr_retry_count = rnr_retry_count;
+    p.srq = srq.into();
+    p
+}
+
+fn conn_event(event: u32, status: i32, p: &ConnParam) -> EventResp {
+    let mut e = plain_event(event, status);
+    e.set_conn(p);
+    e
+}
+
+/// Copies `src` into a private-data field, refusing what does not fit (EINVAL).
+fn private<const N: usize>(src: &[u8], len: u8, at: usize) -> Result<[u8; N], Errno> {
+    let len = len as usize;
+    if at + len > N || len > src.len() {
+        return Err(Errno::EINVAL);
+    }
+    let mut p = [0u8; N];
+    p[at..at + len].copy_from_slice(&src[..len]);
+    Ok(p)
+}
+
+impl Cm {
+    /// Installs the QP1 handler of device `dev` (starting its soft NIC).
+    pub(super) fn ensure_agent(&'static self, st: &mut State, dev: u32) -> Result<(), Errno> {
+        if st.agents.contains(&dev) {
+            return Ok(());
+        }
+        let d = self.devices.get(dev).ok_or(Errno::ENODEV)?;
+        let soft = d.soft()?;
+        soft.set_gsi_handler(Some(Arc::new(move |g: &softnic::gsi::GsiDatagram<'_>| {
+            if let Some(cm) = super::CM.get() {
+                cm.on_mad(dev, g);
+            }
+        })));
+        st.agents.push(dev);
+        self.timer.get_or_init(|| {
+            let _ = std::thread::Builder::new()
+                .name("gpuverbs-emu-cm".into())
+                .spawn(move || loop {
+                    std::thread::sleep(Duration::from_millis(100));
+                    self.tick();
+                });
+        });
+        Ok(())
+    }
+
+    /// Sends `msg` from device `dev`'s QP1 to the GID's; returns the bytes (to send again).
+    fn send(&self, dev: u32, to: &[u8; 16], tid: u64, msg: Msg) -> Box<[u8; mad::MAD_LEN]> {
+        let bytes = Box::new(mad::encode(&Mad { tid, msg }));
+        self.resend(dev, to, &bytes);
+        bytes
+    }
+
+    fn resend(&self, dev: u32, to: &[u8; 16], bytes: &[u8; mad::MAD_LEN]) {
+        let sent = self
+            .devices
+            .get(dev)
+            .and_then(|d| d.started())
+            .map(|s| s.send_gsi(&verbs::Gid(*to), bytes));
+        if let Some(Err(e)) = sent {
+            crate::complain(format_args!("rdma_cm: a CM message could not be sent: {e}"));
+        }
+    }
+
+    fn arm(&self, c: &mut Conn, bytes: Box<[u8; mad::MAD_LEN]>) {
+        c.last = Some(bytes);
+        c.retries = 0;
+        c.deadline_ms = self.now_ms() + timeout_ms(RESPONSE_TIMEOUT);
+    }
+
+    /// CONNECT of an id whose route is resolved: a REQ (RC) or SIDR_REQ (UD).
+    pub(super) fn connect(
+        &'static self,
+        st: &mut State,
+        h: u32,
+        p: &ConnParam,
+    ) -> Result<(), Errno> {
+        let id = st.ids.get_mut(&h).ok_or(Errno::ENOENT)?;
+        let dev = id.dev.ok_or(Errno::EINVAL)?;
+        if id.st != St::RouteResolved {
+            return Err(Errno::EINVAL);
+        }
+        let local_comm_id = random();
+        let tid = (random() as u64) << 32 | local_comm_id as u64;
+        let hdr = addr::cma_hdr(&id.src, &id.dst);
+        let sid = (id.ps as u64) << 16 | id.dst.port as u64;
+        let mut c = Conn::new(dev, local_comm_id, id.dst.gid(), CmSt::ReqSent);
+        c.tid = tid;
+        if id.is_ud() {
+            let mut pd: [u8; mad::private_len::SIDR_REQ] =
+                private(&p.private_data, p.private_data_len, addr::CMA_HDR_LEN)?;
+            pd[..addr::CMA_HDR_LEN].copy_from_slice(&hdr);
+            c.cm = CmSt::SidrReqSent;
+            let msg = Msg::SidrReq(Box::new(mad::SidrReq {
+                request_id: local_comm_id,
+                pkey: 0xffff,
+                service_id: sid,
+                private_data: pd,
+            }));
+            let bytes = self.send(dev, &c.remote_gid, tid, msg);
+            self.arm(&mut c, bytes);
+            id.conn = Some(c);
+            id.st = St::Connect;
+            return Ok(());
+        }
+        let mut pd: [u8; mad::private_len::REQ] =
+            private(&p.private_data, p.private_data_len, addr::CMA_HDR_LEN)?;
+        pd[..addr::CMA_HDR_LEN].copy_from_slice(&hdr);
+        c.sq_psn = random() & 0xff_ffff;
+        c.responder_resources = p.responder_resources;
+        c.initiator_depth = p.initiator_depth;
+        c.retry_count = p.retry_count.min(7);
+        c.rnr_retry_count = p.rnr_retry_count.min(7);
+        c.flow_label = (id.src.port as u32 * 31 + id.dst.port as u32) & 0xf_ffff;
+        let req = mad::Req {
+            local_comm_id,
+            service_id: sid,
+            local_ca_guid: self.guid(dev),
+            local_qkey: 0,
+            local_qpn: p.qp_num & 0xff_ffff,
+            responder_resources: p.responder_resources,
+            initiator_depth: p.initiator_depth,
+            remote_cm_response_timeout: RESPONSE_TIMEOUT,
+            transport: 0,
+            flow_control: p.flow_control != 0,
+            starting_psn: c.sq_psn,
+            local_cm_response_timeout: RESPONSE_TIMEOUT,
+            retry_count: c.retry_count,
+            pkey: 0xffff,
+            mtu: MTU_4096,
+            rnr_retry_count: c.rnr_retry_count,
+            max_cm_retries: MAX_RETRIES,
+            srq: p.srq != 0,
+            path: mad::Path {
+                local_lid: 0xffff,
+                remote_lid: 0xffff,
+                local_gid: id.src.gid(),
+                remote_gid: c.remote_gid,
+                flow_label: c.flow_label,
+                packet_rate: 0,
+                traffic_class: id.tos,
+                hop_limit: HOP_LIMIT,
+                sl: 0,
+                subnet_local: false,
+                local_ack_timeout: ACK_TIMEOUT,
+            },
+            private_data: pd,
+        };
+        let bytes = self.send(dev, &c.remote_gid, tid, Msg::Req(Box::new(req)));
+        self.arm(&mut c, bytes);
+        id.conn = Some(c);
+        id.st = St::Connect;
+        Ok(())
+    }
+
+    /// The node GUID of device `dev` as the wire carries it.
+    fn guid(&self, dev: u32) -> u64 {
+        self.devices.get(dev).map_or(0, |d| d.id.node_guid)
+    }
+
+    /// ACCEPT: on the passive side (with parameters) the REP or SIDR_REP; on the active side
+    /// (after CONNECT_RESPONSE, without) the RTU.
+    pub(super) fn accept(
+        &'static self,
+        st: &mut State,
+        h: u32,
+        a: &abi::Accept,
+    ) -> Result<(), Errno> {
+        let id = st.ids.get_mut(&h).ok_or(Errno::ENOENT)?;
+        let ud = id.is_ud();
+        let c = id.conn.as_mut().ok_or(Errno::EINVAL)?;
+        let p = &a.conn_param;
+        match (c.cm, p.valid != 0) {
+            (CmSt::RepRcvd, _) => {
+                let msg = Msg::Rtu(Box::new(mad::Ids224 {
+                    local_comm_id: c.local_comm_id,
+                    remote_comm_id: c.remote_comm_id,
+                    private_data: [0; 224],
+                }));
+                self.send(c.dev, &c.remote_gid, c.tid, msg);
+                c.cm = CmSt::Established;
+                c.last = None;
+                Ok(())
+            }
+            (CmSt::SidrReqRcvd, true) if ud => {
+                let pd = private(&p.private_data, p.private_data_len, 0)?;
+                let msg = Msg::SidrRep(Box::new(mad::SidrRep {
+                    request_id: c.remote_comm_id,
+                    status: 0,
+                    qpn: p.qp_num & 0xff_ffff,
+                    service_id: (id.ps as u64) << 16 | id.src.port as u64,
+                    qkey: if p.qkey != 0 { p.qkey } else { UDP_QKEY },
+                    private_data: pd,
+                }));
+                self.send(c.dev, &c.remote_gid, c.tid, msg);
+                c.cm = CmSt::Closed;
+                id.uid = a.uid;
+                Ok(())
+            }
+            (CmSt::ReqRcvd, true) => {
+                let pd = private(&p.private_data, p.private_data_len, 0)?;
+                c.responder_resources = p.responder_resources;
+                c.initiator_depth = p.initiator_depth;
+                c.rnr_retry_count = p.rnr_retry_count.min(7);
+                let rep = mad::Rep {
+                    local_comm_id: c.local_comm_id,
+                    remote_comm_id: c.remote_comm_id,
+                    local_qkey: 0,
+                    local_qpn: p.qp_num & 0xff_ffff,
+                    starting_psn: c.sq_psn,
+                    responder_resources: p.responder_resources,
+                    initiator_depth: p.initiator_depth,
+                    target_ack_delay: 16,
+                    failover_accepted: 0,
+                    flow_control: p.flow_control != 0,
+                    rnr_retry_count: c.rnr_retry_count,
+                    srq: p.srq != 0,
+                    local_ca_guid: self.devices.get(c.dev).map_or(0, |d| d.id.node_guid),
+                    private_data: pd,
+                };
+                let bytes = self.send(c.dev, &c.remote_gid, c.tid, Msg::Rep(Box::new(rep)));
+                let deadline = self.now_ms() + timeout_ms(RESPONSE_TIMEOUT);
+                c.last = Some(bytes);
+                c.retries = 0;
+                c.deadline_ms = deadline;
+                c.cm = CmSt::RepSent;
+                id.uid = a.uid;
+                Ok(())
+            }
+            _ => Err(Errno::EINVAL),
+        }
+    }
+
+    /// REJECT of a connection request (or a reply).
+    pub(super) fn reject(
+        &'static self,
+        st: &mut State,
+        h: u32,
+        r: &abi::Reject,
+    ) -> Result<(), Errno> {
+        let reason = match r.reason {
+            0 => REJ_CONSUMER_DEFINED,
+            28 | 35 => r.reason as u16,
+            _ => return Err(Errno::EINVAL),
+        };
+        let id = st.ids.get_mut(&h).ok_or(Errno::ENOENT)?;
+        let ud = id.is_ud();
+        let c = id.conn.as_mut().ok_or(Errno::EINVAL)?;
+        match c.cm {
+            CmSt::SidrReqRcvd if ud => {
+                let pd = private(&r.private_data, r.private_data_len, 0)?;
+                let msg = Msg::SidrRep(Box::new(mad::SidrRep {
+                    request_id: c.remote_comm_id,
+                    status: 2,
+                    qpn: 0,
+                    service_id: 0,
+                    qkey: 0,
+                    private_data: pd,
+                }));
+                self.send(c.dev, &c.remote_gid, c.tid, msg);
+            }
+            CmSt::ReqRcvd | CmSt::RepRcvd => {
+                let pd = private(&r.private_data, r.private_data_len, 0)?;
+                let msg = Msg::Rej(Box::new(mad::Rej {
+                    local_comm_id: c.local_comm_id,
+                    remote_comm_id: c.remote_comm_id,
+                    message_rejected: if c.cm == CmSt::ReqRcvd { 0 } else { 1 },
+                    reason,
+                    private_data: pd,
+                }));
+                self.send(c.dev, &c.remote_gid, c.tid, msg);
+            }
+            _ => return Err(Errno::EINVAL),
+        }
+        c.cm = CmSt::Closed;
+        c.last = None;
+        Ok(())
+    }
+
+    /// DISCONNECT: a DREQ on an established connection, the DREP after one came; otherwise
+    /// nothing (as the kernel, which answers 0 then).
+    pub(super) fn disconnect(&'static self, st: &mut State, h: u32) -> Result<(), Errno> {
+        let id = st.ids.get_mut(&h).ok_or(Errno::ENOENT)?;
+        let c = id.conn.as_mut().ok_or(Errno::EINVAL)?;
+        match c.cm {
+            CmSt::Established | CmSt::RepSent => {
+                let tid = (random() as u64) << 32 | c.local_comm_id as u64;
+                c.tid = tid;
+                let msg = Msg::Dreq(Box::new(mad::Dreq {
+                    local_comm_id: c.local_comm_id,
+                    remote_comm_id: c.remote_comm_id,
+                    remote_qpn: c.remote_qpn,
+                    private_data: [0; mad::private_len::DREQ],
+                }));
+                let bytes = self.send(c.dev, &c.remote_gid, tid, msg);
+                c.cm = CmSt::DreqSent;
+                self.arm(c, bytes);
+            }
+            CmSt::DreqRcvd => {
+                self.send_drep(c);
+                c.cm = CmSt::Timewait;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn send_drep(&self, c: &Conn) {
+        let msg = Msg::Drep(Box::new(mad::Ids224 {
+            local_comm_id: c.local_comm_id,
+            remote_comm_id: c.remote_comm_id,
+            private_data: [0; 224],
+        }));
+        self.send(c.dev, &c.remote_gid, c.tid, msg);
+    }
+
+    /// NOTIFY: IB_EVENT_COMM_EST (data arrived before the RTU) establishes a connection
+    /// waiting for its RTU; other events change nothing.
+    pub(super) fn notify(&'static self, st: &mut State, h: u32, event: u32) -> Result<(), Errno> {
+        let id = st.ids.get_mut(&h).ok_or(Errno::ENOENT)?;
+        let Some(c) = id.conn.as_mut() else {
+            return Err(Errno::EINVAL);
+        };
+        if event == 9 && c.cm == CmSt::RepSent {
+            c.cm = CmSt::Established;
+            c.last = None;
+            id.event(plain_event(abi::event::ESTABLISHED, 0), None);
+        }
+        Ok(())
+    }
+
+    /// What destroying an id does to its connection: a REJ for one not yet made, a DREQ for
+    /// an established one, the DREP for one whose peer asked.
+    pub(super) fn conn_gone(&self, id: &Id) {
+        let Some(c) = &id.conn else { return };
+        let rej = |reason: u16, which: u8| {
+            let msg = Msg::Rej(Box::new(mad::Rej {
+                local_comm_id: c.local_comm_id,
+                remote_comm_id: c.remote_comm_id,
+                message_rejected: which,
+                reason,
+                private_data: [0; mad::private_len::REJ],
+            }));
+            self.send(c.dev, &c.remote_gid, c.tid, msg);
+        };
+        match c.cm {
+            CmSt::ReqSent => rej(REJ_TIMEOUT, 0),
+            CmSt::ReqRcvd => rej(REJ_CONSUMER_DEFINED, 0),
+            CmSt::RepRcvd => rej(REJ_CONSUMER_DEFINED, 1),
+            CmSt::RepSent => rej(REJ_CONSUMER_DEFINED, 2),
+            CmSt::Established => {
+                let msg = Msg::Dreq(Box::new(mad::Dreq {
+                    local_comm_id: c.local_comm_id,
+                    remote_comm_id: c.remote_comm_id,
+                    remote_qpn: c.remote_qpn,
+                    private_data: [0; mad::private_len::DREQ],
+                }));
+                self.send(c.dev, &c.remote_gid, c.tid, msg);
+            }
+            CmSt::DreqRcvd => self.send_drep(c),
+            _ => {}
+        }
+    }
+
+    /// INIT_QP_ATTR: the attributes the id's QP takes to `state` (INIT, RTR, RTS), as the
+    /// kernel's CM gives them (`cm_init_qp_*_attr`, the CMA's before a connection exists).
+    pub(super) fn init_qp_attr(&self, id: &Id, state: u32) -> Result<QpAttr, Errno> {
+        let mut a: QpAttr = bytemuck::Zeroable::zeroed();
+        a.qp_state = state;
+        if id.dev.is_none() {
+            return Err(Errno::EINVAL);
+        }
+        let c = match &id.conn {
+            Some(c) if !id.is_ud() => c,
+            _ => {
+                // before a connection (or UD): the CMA's own INIT attributes
+                a.qp_attr_mask = mask::STATE | mask::PKEY_INDEX | mask::PORT;
+                a.port_num = 1;
+                if id.is_ud() {
+                    a.qkey = UDP_QKEY;
+                    a.qp_attr_mask |= mask::QKEY;
+                } else {
+                    a.qp_attr_mask |= mask::ACCESS_FLAGS;
+                }
+                return Ok(a);
+            }
+        };
+        match state {
+            1 => {
+                a.qp_attr_mask = mask::STATE | mask::ACCESS_FLAGS | mask::PKEY_INDEX | mask::PORT;
+                // IB_ACCESS_REMOTE_WRITE, and READ + ATOMIC when this side takes them
+                a.qp_access_flags = 2 | if c.responder_resources > 0 { 4 | 8 } else { 0 };
+                a.port_num = 1;
+            }
+            2 => {
+                a.qp_attr_mask = mask::STATE
+                    | mask::AV
+                    | mask::PATH_MTU
+                    | mask::DEST_QPN
+                    | mask::RQ_PSN
+                    | mask::MAX_DEST_RD_ATOMIC
+                    | mask::MIN_RNR_TIMER;
+                a.ah_attr.dgid = c.remote_gid;
+                a.ah_attr.flow_label = c.flow_label;
+                a.ah_attr.hop_limit = HOP_LIMIT;
+                a.ah_attr.traffic_class = id.tos;
+                a.ah_attr.is_global = 1;
+                a.ah_attr.port_num = 1;
+                a.path_mtu = MTU_4096 as u32;
+                a.dest_qp_num = c.remote_qpn;
+                a.rq_psn = c.rq_psn;
+                a.max_dest_rd_atomic = c.responder_resources;
+                a.port_num = 1;
+            }
+            3 => {
+                a.qp_attr_mask = mask::STATE
+                    | mask::SQ_PSN
+                    | mask::TIMEOUT
+                    | mask::RETRY_CNT
+                    | mask::RNR_RETRY
+                    | mask::MAX_QP_RD_ATOMIC;
+                a.sq_psn = c.sq_psn;
+                a.timeout = id.ack_timeout.unwrap_or(ACK_TIMEOUT);
+                a.retry_cnt = c.retry_count;
+                a.rnr_retry = c.rnr_retry_count;
+                a.max_rd_atomic = c.initiator_depth;
+            }
+            _ => return Err(Errno::EINVAL),
+        }
+        Ok(a)
+    }
+}
+
+// ------------------------------------------------------------------ messages that arrive
+
+impl Cm {
+    /// A datagram for QP1 of device `dev`: one CM message, handled as the kernel's CM does.
+    pub(super) fn on_mad(&'static self, dev: u32, g: &softnic::gsi::GsiDatagram<'_>) {
+        let Ok(m) = mad::parse(g.mad) else {
+            return;
+        };
+        let from = verbs::Gid::from_ipv4(g.from).0;
+        let mut st = self.st.lock();
+        match m.msg {
+            Msg::Req(r) => self.on_req(&mut st, dev, m.tid, &r),
+            Msg::SidrReq(r) => self.on_sidr_req(&mut st, dev, m.tid, &r, from),
+            Msg::SidrRep(r) => on_sidr_rep(&mut st, &r),
+            Msg::Rep(r) => self.on_rep(&mut st, &r),
+            Msg::Rtu(r) => {
+                if let Some(id) = by_comm_id(&mut st, r.remote_comm_id) {
+                    if let Some(c) = id.conn.as_mut().filter(|c| c.cm == CmSt::RepSent) {
+                        c.cm = CmSt::Established;
+                        c.last = None;
+                        id.event(plain_event(abi::event::ESTABLISHED, 0), None);
+                    }
+                }
+            }
+            Msg::Rej(r) => on_rej(&mut st, &r),
+            Msg::Mra(r) => {
+                let now = self.now_ms();
+                if let Some(c) = by_comm_id(&mut st, r.remote_comm_id).and_then(|i| i.conn.as_mut())
+                {
+                    if c.last.is_some() {
+                        c.deadline_ms = now
+                            + timeout_ms(
+                                r.service_timeout.saturating_add(RESPONSE_TIMEOUT).min(31),
+                            );
+                    }
+                }
+            }
+            Msg::Dreq(r) => self.on_dreq(&mut st, dev, m.tid, &r, from),
+            Msg::Drep(r) => {
+                if let Some(id) = by_comm_id(&mut st, r.remote_comm_id) {
+                    if let Some(c) = id.conn.as_mut().filter(|c| c.cm == CmSt::DreqSent) {
+                        c.cm = CmSt::Timewait;
+                        c.last = None;
+                        disconnected(id, 0);
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_req(&'static self, st: &mut State, dev: u32, tid: u64, r: &mad::Req) {
+        // a REQ sent again: the REP again if it went, else nothing (the program has it)
+        if let Some(c) = st
+            .ids
+            .values_mut()
+            .filter_map(|i| i.conn.as_mut())
+            .find(|c| c.remote_comm_id == r.local_comm_id && c.remote_gid == r.path.local_gid)
+        {
+            if let (CmSt::RepSent, Some(b)) = (c.cm, c.last.as_ref()) {
+                self.resend(c.dev, &c.remote_gid, b);
+            }
+            return;
+        }
+        let ps = (r.service_id >> 16) as u16;
+        let port = r.service_id as u16;
+        let addrs = addr::parse_cma_hdr(&r.private_data, port);
+        let listener = (r.service_id >> 32 == 0 && r.transport == 0)
+            .then(|| find_listener(st, dev, ps, port, addrs.map(|a| a.1), QPT_RC))
+            .flatten();
+        let reject = |reason| {
+            let msg = Msg::Rej(Box::new(mad::Rej {
+                local_comm_id: 0,
+                remote_comm_id: r.local_comm_id,
+                message_rejected: 0,
+                reason,
+                private_data: [0; mad::private_len::REJ],
+            }));
+            self.send(dev, &r.path.local_gid, tid, msg);
+        };
+        let Some(lh) = listener else {
+            reject(REJ_INVALID_SERVICE_ID);
+            return;
+        };
+        let child = st.next_id;
+        let Some(l) = st.ids.get_mut(&lh) else { return };
+        if l.pending >= l.backlog {
+            reject(REJ_CONSUMER_DEFINED);
+            return;
+        }
+        l.pending += 1;
+        st.next_id += 1;
+        let mut id = Id::new(child, l.file.clone(), 0, l.ps, QPT_RC);
+        id.st = St::Connect;
+        id.dev = Some(dev);
+        id.listener = Some(lh);
+        id.visible = false;
+        id.tos = r.path.traffic_class;
+        let (src, dst) = addrs.unwrap_or_default();
+        let me = self.devices.get(dev).map(|d| d.id.ip);
+        id.src = Addr::v4(
+            if dst.ip.is_unspecified() {
+                me.unwrap_or(dst.ip)
+            } else {
+                dst.ip
+            },
+            port,
+        );
+        id.dst = src;
+        let mut c = Conn::new(dev, random(), r.path.local_gid, CmSt::ReqRcvd);
+        c.remote_comm_id = r.local_comm_id;
+        c.remote_qpn = r.local_qpn;
+        c.rq_psn = r.starting_psn;
+        c.sq_psn = r.starting_psn;
+        c.responder_resources = r.initiator_depth;
+        c.initiator_depth = r.responder_resources;
+        c.retry_count = r.retry_count;
+        c.rnr_retry_count = r.rnr_retry_count;
+        c.flow_label = r.path.flow_label;
+        c.tid = tid;
+        id.conn = Some(c);
+        let p = conn_param(
+            r.local_qpn,
+            &r.private_data[addr::CMA_HDR_LEN..],
+            r.initiator_depth,
+            r.responder_resources,
+            r.flow_control,
+            r.retry_count,
+            r.rnr_retry_count,
+            r.srq,
+        );
+        let mut e = conn_event(abi::event::CONNECT_REQUEST, 0, &p);
+        e.id = child;
+        st.ids.insert(child, id);
+        if let Some(l) = st.ids.get(&lh) {
+            l.event(e, Some(child));
+        }
+    }
+
+    fn on_sidr_req(
+        &'static self,
+        st: &mut State,
+        dev: u32,
+        tid: u64,
+        r: &mad::SidrReq,
+        from: [u8; 16],
+    ) {
+        let ps = (r.service_id >> 16) as u16;
+        let port = r.service_id as u16;
+        let addrs = addr::parse_cma_hdr(&r.private_data, port);
+        let Some(lh) = find_listener(st, dev, ps, port, addrs.map(|a| a.1), QPT_UD) else {
+            let msg = Msg::SidrRep(Box::new(mad::SidrRep {
+                request_id: r.request_id,
+                status: 1, // IB_SIDR_UNSUPPORTED
+                qpn: 0,
+                service_id: r.service_id,
+                qkey: 0,
+                private_data: [0; mad::private_len::SIDR_REP],
+            }));
+            self.send(dev, &from, tid, msg);
+            return;
+        };
+        let child = st.next_id;
+        let Some(l) = st.ids.get_mut(&lh) else { return };
+        if l.pending >= l.backlog {
+            return;
+        }
+        l.pending += 1;
+        st.next_id += 1;
+        let mut id = Id::new(child, l.file.clone(), 0, l.ps, QPT_UD);
+        id.st = St::Connect;
+        id.dev = Some(dev);
+        id.listener = Some(lh);
+        id.visible = false;
+        let (src, dst) = addrs.unwrap_or_default();
+        id.src = Addr::v4(dst.ip, port);
+        id.dst = src;
+        let mut c = Conn::new(dev, random(), from, CmSt::SidrReqRcvd);
+        c.remote_comm_id = r.request_id;
+        c.tid = tid;
+        id.conn = Some(c);
+        let mut u: abi::UdParam = bytemuck::Zeroable::zeroed();
+        let pd = &r.private_data[addr::CMA_HDR_LEN..];
+        u.private_data[..pd.len()].copy_from_slice(pd);
+        u.private_data_len = pd.len() as u8;
+        u.ah_attr = ah_attr(from, 0);
+        let mut e = plain_event(abi::event::CONNECT_REQUEST, 0);
+        e.set_ud(&u);
+        e.id = child;
+        st.ids.insert(child, id);
+        if let Some(l) = st.ids.get(&lh) {
+            l.event(e, Some(child));
+        }
+    }
+
+    fn on_rep(&'static self, st: &mut State, r: &mad::Rep) {
+        let Some(id) = by_comm_id(st, r.remote_comm_id) else {
+            return;
+        };
+        let Some(c) = id.conn.as_mut() else { return };
+        match c.cm {
+            CmSt::ReqSent => {
+                c.remote_comm_id = r.local_comm_id;
+                c.remote_qpn = r.local_qpn;
+                c.rq_psn = r.starting_psn;
+                c.initiator_depth = r.responder_resources;
+                c.responder_resources = r.initiator_depth;
+                c.rnr_retry_count = r.rnr_retry_count;
+                c.cm = CmSt::RepRcvd;
+                c.last = None;
+                let p = conn_param(
+                    r.local_qpn,
+                    &r.private_data,
+                    r.initiator_depth,
+                    r.responder_resources,
+                    r.flow_control,
+                    c.retry_count,
+                    r.rnr_retry_count,
+                    r.srq,
+                );
+                id.event(conn_event(abi::event::CONNECT_RESPONSE, 0, &p), None);
+            }
+            // a REP sent again: its RTU went missing
+            CmSt::Established if c.remote_comm_id == r.local_comm_id => {
+                let msg = Msg::Rtu(Box::new(mad::Ids224 {
+                    local_comm_id: c.local_comm_id,
+                    remote_comm_id: c.remote_comm_id,
+                    private_data: [0; 224],
+                }));
+                self.send(c.dev, &c.remote_gid, c.tid, msg);
+            }
+            _ => {}
+        }
+    }
+
+    fn on_dreq(&'static self, st: &mut State, dev: u32, tid: u64, r: &mad::Dreq, from: [u8; 16]) {
+        let Some(c) = by_comm_id(st, r.remote_comm_id).and_then(|i| i.conn.as_mut()) else {
+            // a connection this side no longer has: the DREP all the same (the kernel's
+            // cm_issue_drep), so the peer's DREQ ends
+            let msg = Msg::Drep(Box::new(mad::Ids224 {
+                local_comm_id: r.remote_comm_id,
+                remote_comm_id: r.local_comm_id,
+                private_data: [0; 224],
+            }));
+            self.send(dev, &from, tid, msg);
+            return;
+        };
+        c.tid = tid;
+        match c.cm {
+            CmSt::Established | CmSt::RepSent => {
+                c.cm = CmSt::DreqRcvd;
+                c.last = None;
+            }
+            CmSt::DreqSent => {
+                // both sides asked at once
+                self.send_drep(c);
+                c.cm = CmSt::Timewait;
+                c.last = None;
+            }
+            CmSt::Timewait => {
+                self.send_drep(c);
+                return;
+            }
+            _ => return,
+        }
+        if let Some(id) = by_comm_id(st, r.remote_comm_id) {
+            disconnected(id, 0);
+        }
+    }
+
+    /// Sends again what got no answer, and gives up after [`MAX_RETRIES`].
+    fn tick(&'static self) {
+        let now = self.now_ms();
+        let mut st = self.st.lock();
+        for id in st.ids.values_mut() {
+            let Some(c) = id.conn.as_mut() else { continue };
+            let Some(bytes) = c.last.as_ref() else {
+                continue;
+            };
+            if now < c.deadline_ms {
+                continue;
+            }
+            if c.retries < MAX_RETRIES {
+                c.retries += 1;
+                c.deadline_ms = now + timeout_ms(RESPONSE_TIMEOUT);
+                self.resend(c.dev, &c.remote_gid, bytes);
+                continue;
+            }
+            c.last = None;
+            match c.cm {
+                CmSt::DreqSent => {
+                    c.cm = CmSt::Timewait;
+                    disconnected(id, ETIMEDOUT);
+                }
+                _ => {
+                    c.cm = CmSt::Closed;
+                    id.event(plain_event(abi::event::UNREACHABLE, ETIMEDOUT), None);
+                }
+            }
+        }
+    }
+}
+
+/// Reports DISCONNECTED once.
+fn disconnected(id: &mut Id, status: i32) {
+    let Some(c) = id.conn.as_mut() else { return };
+    if c.disconnected {
+        return;
+    }
+    c.disconnected = true;
+    id.st = St::Disconnect;
+    id.event(plain_event(abi::event::DISCONNECTED, status), None);
+}
+
+/// The id whose connection has local comm ID `comm`.
+fn by_comm_id(st: &mut State, comm: u32) -> Option<&mut Id> {
+    st.ids
+        .values_mut()
+        .find(|i| i.conn.as_ref().is_some_and(|c| c.local_comm_id == comm))
+}
+
+/// A listener for service `ps`:`port` on device `dev` at address `to`.
+fn find_listener(
+    st: &State,
+    dev: u32,
+    ps: u16,
+    port: u16,
+    to: Option<Addr>,
+    qp_type: u8,
+) -> Option<u32> {
+    st.ids
+        .values()
+        .find(|l| {
+            l.st == St::Listen
+                && l.ps == ps
+                && l.src.port == port
+                && (l.qp_type == qp_type || l.ps == abi::ps::IB)
+                && l.dev.is_none_or(|d| d == dev)
+                && (l.src.is_any() || to.is_none_or(|t| t.ip == l.src.ip))
+        })
+        .map(|l| l.handle)
+}
+
+fn on_rej(st: &mut State, r: &mad::Rej) {
+    let Some(id) = by_comm_id(st, r.remote_comm_id) else {
+        return;
+    };
+    let Some(c) = id.conn.as_mut() else { return };
+    if matches!(
+        c.cm,
+        CmSt::ReqSent | CmSt::RepRcvd | CmSt::RepSent | CmSt::ReqRcvd
+    ) {
+        c.cm = CmSt::Closed;
+        c.last = None;
+        let p = conn_param(0, &r.private_data, 0, 0, false, 0, 0, false);
+        id.event(conn_event(abi::event::REJECTED, r.reason as i32, &p), None);
+    }
+}
+
+fn on_sidr_rep(st: &mut State, r: &mad::SidrRep) {
+    let Some(id) = by_comm_id(st, r.request_id) else {
+        return;
+    };
+    let Some(c) = id.conn.as_mut() else { return };
+    if c.cm != CmSt::SidrReqSent {
+        return;
+    }
+    c.cm = CmSt::Closed;
+    c.last = None;
+    let mut u: abi::UdParam = bytemuck::Zeroable::zeroed();
+    u.private_data[..r.private_data.len()].copy_from_slice(&r.private_data);
+    u.private_data_len = r.private_data.len() as u8;
+    if r.status != 0 {
+        let mut e = plain_event(abi::event::UNREACHABLE, r.status as i32);
+        e.set_ud(&u);
+        id.event(e, None);
+        return;
+    }
+    u.qp_num = r.qpn;
+    u.qkey = r.qkey;
+    u.ah_attr = ah_attr(c.remote_gid, id.tos);
+    let mut e = plain_event(abi::event::ESTABLISHED, 0);
+    e.set_ud(&u);
+    id.event(e, None);
+}
+
+/// The address vector to a peer's GID over port 1.
+pub(super) fn ah_attr(gid: [u8; 16], tos: u8) -> crate::abi::AhAttr {
+    crate::abi::AhAttr {
+        dgid: gid,
+        hop_limit: HOP_LIMIT,
+        traffic_class: tos,
+        is_global: 1,
+        port_num: 1,
+        ..Default::default()
+    }
+}

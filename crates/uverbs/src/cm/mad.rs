@@ -1,0 +1,770 @@
+//! The communication manager's messages (IBTA vol. 1 chapter 12) as MADs of class 0x07: REQ,
+//! MRA, REJ, REP, RTU, DREQ, DREP, SIDR_REQ and SIDR_REP, each a 24-byte MAD header and a
+//! 232-byte message whose fields sit at the bit positions the specification gives (offsets
+//! below are from the end of the MAD header, bits counted from a byte's most significant).
+//!
+//! [`parse`] takes any bytes (a datagram from the wire) and never panics; [`encode`] writes
+//! exactly 256 bytes. The fuzz target `cm_mad` runs [`parse`] and checks that what it accepts
+//! encodes back to the same fields.
+
+/// Bytes of a MAD.
+pub const MAD_LEN: usize = 256;
+/// Bytes of the common MAD header.
+pub const HDR_LEN: usize = 24;
+/// Bytes of a CM message after the header.
+pub const MSG_LEN: usize = MAD_LEN - HDR_LEN;
+/// Management class of the communication manager.
+pub const CLASS_CM: u8 = 0x07;
+/// The CM class version ConnectX hosts send (Linux's `IB_CM_CLASS_VERSION`).
+pub const CLASS_VERSION: u8 = 2;
+/// Method SEND (every CM message is one).
+pub const METHOD_SEND: u8 = 0x03;
+
+/// Attribute IDs.
+pub mod attr {
+    /// ClassPortInfo.
+    pub const CLASS_PORT_INFO: u16 = 0x0001;
+    /// Connection request.
+    pub const REQ: u16 = 0x0010;
+    /// Message receipt acknowledgement.
+    pub const MRA: u16 = 0x0011;
+    /// Reject.
+    pub const REJ: u16 = 0x0012;
+    /// Reply to a request.
+    pub const REP: u16 = 0x0013;
+    /// Ready to use.
+    pub const RTU: u16 = 0x0014;
+    /// Disconnect request.
+    pub const DREQ: u16 = 0x0015;
+    /// Disconnect reply.
+    pub const DREP: u16 = 0x0016;
+    /// Service ID resolution request (UD).
+    pub const SIDR_REQ: u16 = 0x0017;
+    /// Service ID resolution reply.
+    pub const SIDR_REP: u16 = 0x0018;
+}
+
+/// Private data bytes each message carries.
+pub mod private_len {
+    /// REQ.
+    pub const REQ: usize = 92;
+    /// MRA.
+    pub const MRA: usize = 222;
+    /// REJ.
+    pub const REJ: usize = 148;
+    /// REP.
+    pub const REP: usize = 196;
+    /// RTU.
+    pub const RTU: usize = 224;
+    /// DREQ.
+    pub const DREQ: usize = 220;
+    /// DREP.
+    pub const DREP: usize = 224;
+    /// SIDR_REQ.
+    pub const SIDR_REQ: usize = 216;
+    /// SIDR_REP.
+    pub const SIDR_REP: usize = 136;
+}
+
+/// Why bytes are not a CM message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MadError {
+    /// Fewer bytes than a MAD.
+    #[error("{0} bytes: shorter than a 256-byte MAD")]
+    Short(usize),
+    /// Another management class or version.
+    #[error("management class {class:#04x} version {version}, base version {base}: not the CM's")]
+    NotCm {
+        /// Base version.
+        base: u8,
+        /// Class.
+        class: u8,
+        /// Class version.
+        version: u8,
+    },
+    /// Not a SEND.
+    #[error("method {0:#04x}: the CM sends only SEND")]
+    Method(u8),
+    /// An attribute this CM does not take (LAP, APR, ClassPortInfo, unknown).
+    #[error("attribute {0:#06x} not served")]
+    Attr(u16),
+}
+
+/// The primary path of a REQ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Path {
+    /// Local port LID (0xffff, permissive, on RoCE).
+    pub local_lid: u16,
+    /// Remote port LID.
+    pub remote_lid: u16,
+    /// The requester's GID.
+    pub local_gid: [u8; 16],
+    /// The responder's GID.
+    pub remote_gid: [u8; 16],
+    /// Flow label (20 bits).
+    pub flow_label: u32,
+    /// Packet rate (6 bits).
+    pub packet_rate: u8,
+    /// Traffic class.
+    pub traffic_class: u8,
+    /// Hop limit.
+    pub hop_limit: u8,
+    /// Service level (4 bits).
+    pub sl: u8,
+    /// Subnet local.
+    pub subnet_local: bool,
+    /// Local ACK timeout (5 bits).
+    pub local_ack_timeout: u8,
+}
+
+/// A connection request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Req {
+    /// The requester's communication ID.
+    pub local_comm_id: u32,
+    /// Service ID.
+    pub service_id: u64,
+    /// The requester's CA GUID.
+    pub local_ca_guid: u64,
+    /// Q_Key (UD/RD only).
+    pub local_qkey: u32,
+    /// The requester's QPN (24 bits).
+    pub local_qpn: u32,
+    /// RDMA READ / atomic requests the requester accepts.
+    pub responder_resources: u8,
+    /// RDMA READ / atomic requests the requester sends.
+    pub initiator_depth: u8,
+    /// Remote CM response timeout (5 bits).
+    pub remote_cm_response_timeout: u8,
+    /// Transport service type (0 RC, 1 UC, 3 XRC with the extended type).
+    pub transport: u8,
+    /// End-to-end flow control.
+    pub flow_control: bool,
+    /// Starting PSN (24 bits).
+    pub starting_psn: u32,
+    /// Local CM response timeout (5 bits).
+    pub local_cm_response_timeout: u8,
+    /// Retry count (3 bits).
+    pub retry_count: u8,
+    /// P_Key.
+    pub pkey: u16,
+    /// Path MTU code (4 bits).
+    pub mtu: u8,
+    /// RNR retry count (3 bits).
+    pub rnr_retry_count: u8,
+    /// Max CM retries (4 bits).
+    pub max_cm_retries: u8,
+    /// The requester's QP uses an SRQ.
+    pub srq: bool,
+    /// The primary path.
+    pub path: Path,
+    /// Private data.
+    pub private_data: [u8; private_len::REQ],
+}
+
+/// A message receipt acknowledgement.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mra {
+    /// The sender's communication ID.
+    pub local_comm_id: u32,
+    /// The receiver's communication ID.
+    pub remote_comm_id: u32,
+    /// Which message: 0 REQ, 1 REP, 2 LAP.
+    pub message_mraed: u8,
+    /// Service timeout (5 bits).
+    pub service_timeout: u8,
+}
+
+/// A reject.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rej {
+    /// The sender's communication ID.
+    pub local_comm_id: u32,
+    /// The receiver's communication ID (0 when unknown).
+    pub remote_comm_id: u32,
+    /// Which message is rejected: 0 REQ, 1 REP, 2 none (2 bits).
+    pub message_rejected: u8,
+    /// Reason (IBTA table 112; 28 consumer defined).
+    pub reason: u16,
+    /// Private data.
+    pub private_data: [u8; private_len::REJ],
+}
+
+/// A reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rep {
+    /// The responder's communication ID.
+    pub local_comm_id: u32,
+    /// The requester's communication ID.
+    pub remote_comm_id: u32,
+    /// Q_Key.
+    pub local_qkey: u32,
+    /// The responder's QPN (24 bits).
+    pub local_qpn: u32,
+    /// Starting PSN (24 bits).
+    pub starting_psn: u32,
+    /// Responder resources.
+    pub responder_resources: u8,
+    /// Initiator depth.
+    pub initiator_depth: u8,
+    /// Target ACK delay (5 bits).
+    pub target_ack_delay: u8,
+    /// Failover accepted (2 bits).
+    pub failover_accepted: u8,
+    /// End-to-end flow control.
+    pub flow_control: bool,
+    /// RNR retry count (3 bits).
+    pub rnr_retry_count: u8,
+    /// SRQ.
+    pub srq: bool,
+    /// The responder's CA GUID.
+    pub local_ca_guid: u64,
+    /// Private data.
+    pub private_data: [u8; private_len::REP],
+}
+
+/// Ready to use, a disconnect reply: IDs and private data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ids224 {
+    /// The sender's communication ID.
+    pub local_comm_id: u32,
+    /// The receiver's communication ID.
+    pub remote_comm_id: u32,
+    /// Private data.
+    pub private_data: [u8; 224],
+}
+
+/// A disconnect request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dreq {
+    /// The sender's communication ID.
+    pub local_comm_id: u32,
+    /// The receiver's communication ID.
+    pub remote_comm_id: u32,
+    /// The receiver's QPN (24 bits).
+    pub remote_qpn: u32,
+    /// Private data.
+    pub private_data: [u8; private_len::DREQ],
+}
+
+/// A service ID resolution request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SidrReq {
+    /// Request ID.
+    pub request_id: u32,
+    /// P_Key.
+    pub pkey: u16,
+    /// Service ID.
+    pub service_id: u64,
+    /// Private data.
+    pub private_data: [u8; private_len::SIDR_REQ],
+}
+
+/// A service ID resolution reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SidrRep {
+    /// Request ID.
+    pub request_id: u32,
+    /// Status (0 valid, 1 service ID not supported, 2 rejected, 3 no QP, ...).
+    pub status: u8,
+    /// QPN (24 bits).
+    pub qpn: u32,
+    /// Service ID.
+    pub service_id: u64,
+    /// Q_Key.
+    pub qkey: u32,
+    /// Private data.
+    pub private_data: [u8; private_len::SIDR_REP],
+}
+
+/// One CM message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Msg {
+    /// REQ.
+    Req(Box<Req>),
+    /// MRA.
+    Mra(Mra),
+    /// REJ.
+    Rej(Box<Rej>),
+    /// REP.
+    Rep(Box<Rep>),
+    /// RTU.
+    Rtu(Box<Ids224>),
+    /// DREQ.
+    Dreq(Box<Dreq>),
+    /// DREP.
+    Drep(Box<Ids224>),
+    /// SIDR_REQ.
+    SidrReq(Box<SidrReq>),
+    /// SIDR_REP.
+    SidrRep(Box<SidrRep>),
+}
+
+impl Msg {
+    /// The attribute ID it is sent with.
+    pub fn attr_id(&self) -> u16 {
+        match self {
+            Msg::Req(_) => attr::REQ,
+            Msg::Mra(_) => attr::MRA,
+            Msg::Rej(_) => attr::REJ,
+            Msg::Rep(_) => attr::REP,
+            Msg::Rtu(_) => attr::RTU,
+            Msg::Dreq(_) => attr::DREQ,
+            Msg::Drep(_) => attr::DREP,
+            Msg::SidrReq(_) => attr::SIDR_REQ,
+            Msg::SidrRep(_) => attr::SIDR_REP,
+        }
+    }
+}
+
+/// A CM MAD: the transaction ID and the message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mad {
+    /// Transaction ID.
+    pub tid: u64,
+    /// The message.
+    pub msg: Msg,
+}
+
+/// The message bytes, padded so that a 4-byte window at any field offset stays inside.
+struct Bits([u8; MSG_LEN + 4]);
+
+impl Bits {
+    /// `n` bits (≤ 32) starting at bit `bit` (from the MSB) of byte `at`.
+    fn get(&self, at: usize, bit: u32, n: u32) -> u32 {
+        let w = u32::from_be_bytes([self.0[at], self.0[at + 1], self.0[at + 2], self.0[at + 3]]);
+        let v = w >> (32 - bit - n);
+        if n == 32 {
+            v
+        } else {
+            v & ((1 << n) - 1)
+        }
+    }
+    fn set(&mut self, at: usize, bit: u32, n: u32, v: u32) {
+        let mut w =
+            u32::from_be_bytes([self.0[at], self.0[at + 1], self.0[at + 2], self.0[at + 3]]);
+        let mask = if n == 32 { u32::MAX } else { (1 << n) - 1 };
+        let sh = 32 - bit - n;
+        w = (w & !(mask << sh)) | ((v & mask) << sh);
+        self.0[at..at + 4].copy_from_slice(&w.to_be_bytes());
+    }
+    fn u8(&self, at: usize) -> u8 {
+        self.0[at]
+    }
+    fn u16(&self, at: usize) -> u16 {
+        u16::from_be_bytes([self.0[at], self.0[at + 1]])
+    }
+    fn u32(&self, at: usize) -> u32 {
+        self.get(at, 0, 32)
+    }
+    fn u64(&self, at: usize) -> u64 {
+        (self.u32(at) as u64) << 32 | self.u32(at + 4) as u64
+    }
+    fn bytes<const N: usize>(&self, at: usize) -> [u8; N] {
+        let mut b = [0u8; N];
+        b.copy_from_slice(&self.0[at..at + N]);
+        b
+    }
+    fn put(&mut self, at: usize, b: &[u8]) {
+        self.0[at..at + b.len()].copy_from_slice(b);
+    }
+    fn put16(&mut self, at: usize, v: u16) {
+        self.put(at, &v.to_be_bytes());
+    }
+    fn put32(&mut self, at: usize, v: u32) {
+        self.put(at, &v.to_be_bytes());
+    }
+    fn put64(&mut self, at: usize, v: u64) {
+        self.put(at, &v.to_be_bytes());
+    }
+}
+
+/// Parses a CM MAD. Any bytes are taken without panicking; a datagram longer than a MAD is
+/// read to its first 256 bytes.
+pub fn parse(b: &[u8]) -> Result<Mad, MadError> {
+    if b.len() < MAD_LEN {
+        return Err(MadError::Short(b.len()));
+    }
+    let (base, class, version, method) = (b[0], b[1], b[2], b[3]);
+    if base != 1 || class != CLASS_CM || version != CLASS_VERSION {
+        return Err(MadError::NotCm {
+            base,
+            class,
+            version,
+        });
+    }
+    if method != METHOD_SEND {
+        return Err(MadError::Method(method));
+    }
+    let mut tid = [0u8; 8];
+    tid.copy_from_slice(&b[8..16]);
+    let attr_id = u16::from_be_bytes([b[16], b[17]]);
+    let mut m = Bits([0; MSG_LEN + 4]);
+    m.0[..MSG_LEN].copy_from_slice(&b[HDR_LEN..MAD_LEN]);
+    let msg = match attr_id {
+        attr::REQ => Msg::Req(Box::new(parse_req(&m))),
+        attr::MRA => Msg::Mra(Mra {
+            local_comm_id: m.u32(0),
+            remote_comm_id: m.u32(4),
+            message_mraed: m.get(8, 0, 2) as u8,
+            service_timeout: m.get(9, 0, 5) as u8,
+        }),
+        attr::REJ => Msg::Rej(Box::new(Rej {
+            local_comm_id: m.u32(0),
+            remote_comm_id: m.u32(4),
+            message_rejected: m.get(8, 0, 2) as u8,
+            reason: m.u16(10),
+            private_data: m.bytes(84),
+        })),
+        attr::REP => Msg::Rep(Box::new(Rep {
+            local_comm_id: m.u32(0),
+            remote_comm_id: m.u32(4),
+            local_qkey: m.u32(8),
+            local_qpn: m.get(12, 0, 24),
+            starting_psn: m.get(20, 0, 24),
+            responder_resources: m.u8(24),
+            initiator_depth: m.u8(25),
+            target_ack_delay: m.get(26, 0, 5) as u8,
+            failover_accepted: m.get(26, 5, 2) as u8,
+            flow_control: m.get(26, 7, 1) != 0,
+            rnr_retry_count: m.get(27, 0, 3) as u8,
+            srq: m.get(27, 3, 1) != 0,
+            local_ca_guid: m.u64(28),
+            private_data: m.bytes(36),
+        })),
+        attr::RTU | attr::DREP => {
+            let x = Box::new(Ids224 {
+                local_comm_id: m.u32(0),
+                remote_comm_id: m.u32(4),
+                private_data: m.bytes(8),
+            });
+            if attr_id == attr::RTU {
+                Msg::Rtu(x)
+            } else {
+                Msg::Drep(x)
+            }
+        }
+        attr::DREQ => Msg::Dreq(Box::new(Dreq {
+            local_comm_id: m.u32(0),
+            remote_comm_id: m.u32(4),
+            remote_qpn: m.get(8, 0, 24),
+            private_data: m.bytes(12),
+        })),
+        attr::SIDR_REQ => Msg::SidrReq(Box::new(SidrReq {
+            request_id: m.u32(0),
+            pkey: m.u16(4),
+            service_id: m.u64(8),
+            private_data: m.bytes(16),
+        })),
+        attr::SIDR_REP => Msg::SidrRep(Box::new(SidrRep {
+            request_id: m.u32(0),
+            status: m.u8(4),
+            qpn: m.get(8, 0, 24),
+            service_id: m.u64(12),
+            qkey: m.u32(20),
+            private_data: m.bytes(96),
+        })),
+        other => return Err(MadError::Attr(other)),
+    };
+    Ok(Mad {
+        tid: u64::from_be_bytes(tid),
+        msg,
+    })
+}
+
+fn parse_req(m: &Bits) -> Req {
+    Req {
+        local_comm_id: m.u32(0),
+        service_id: m.u64(8),
+        local_ca_guid: m.u64(16),
+        local_qkey: m.u32(28),
+        local_qpn: m.get(32, 0, 24),
+        responder_resources: m.u8(35),
+        initiator_depth: m.u8(39),
+        remote_cm_response_timeout: m.get(43, 0, 5) as u8,
+        transport: m.get(43, 5, 2) as u8,
+        flow_control: m.get(43, 7, 1) != 0,
+        starting_psn: m.get(44, 0, 24),
+        local_cm_response_timeout: m.get(47, 0, 5) as u8,
+        retry_count: m.get(47, 5, 3) as u8,
+        pkey: m.u16(48),
+        mtu: m.get(50, 0, 4) as u8,
+        rnr_retry_count: m.get(50, 5, 3) as u8,
+        max_cm_retries: m.get(51, 0, 4) as u8,
+        srq: m.get(51, 4, 1) != 0,
+        path: Path {
+            local_lid: m.u16(52),
+            remote_lid: m.u16(54),
+            local_gid: m.bytes(56),
+            remote_gid: m.bytes(72),
+            flow_label: m.get(88, 0, 20),
+            packet_rate: m.get(91, 2, 6) as u8,
+            traffic_class: m.u8(92),
+            hop_limit: m.u8(93),
+            sl: m.get(94, 0, 4) as u8,
+            subnet_local: m.get(94, 4, 1) != 0,
+            local_ack_timeout: m.get(95, 0, 5) as u8,
+        },
+        private_data: m.bytes(140),
+    }
+}
+
+fn encode_req(m: &mut Bits, r: &Req) {
+    m.put32(0, r.local_comm_id);
+    m.put64(8, r.service_id);
+    m.put64(16, r.local_ca_guid);
+    m.put32(28, r.local_qkey);
+    m.set(32, 0, 24, r.local_qpn);
+    m.0[35] = r.responder_resources;
+    m.0[39] = r.initiator_depth;
+    m.set(43, 0, 5, r.remote_cm_response_timeout.into());
+    m.set(43, 5, 2, r.transport.into());
+    m.set(43, 7, 1, r.flow_control.into());
+    m.set(44, 0, 24, r.starting_psn);
+    m.set(47, 0, 5, r.local_cm_response_timeout.into());
+    m.set(47, 5, 3, r.retry_count.into());
+    m.put16(48, r.pkey);
+    m.set(50, 0, 4, r.mtu.into());
+    m.set(50, 5, 3, r.rnr_retry_count.into());
+    m.set(51, 0, 4, r.max_cm_retries.into());
+    m.set(51, 4, 1, r.srq.into());
+    let p = &r.path;
+    m.put16(52, p.local_lid);
+    m.put16(54, p.remote_lid);
+    m.put(56, &p.local_gid);
+    m.put(72, &p.remote_gid);
+    m.set(88, 0, 20, p.flow_label);
+    m.set(91, 2, 6, p.packet_rate.into());
+    m.0[92] = p.traffic_class;
+    m.0[93] = p.hop_limit;
+    m.set(94, 0, 4, p.sl.into());
+    m.set(94, 4, 1, p.subnet_local.into());
+    m.set(95, 0, 5, p.local_ack_timeout.into());
+    m.put(140, &r.private_data);
+}
+
+/// The 256 bytes of `mad` (a SEND of class CM, version 2).
+pub fn encode(mad: &Mad) -> [u8; MAD_LEN] {
+    let mut m = Bits([0; MSG_LEN + 4]);
+    match &mad.msg {
+        Msg::Req(r) => encode_req(&mut m, r),
+        Msg::Mra(r) => {
+            m.put32(0, r.local_comm_id);
+            m.put32(4, r.remote_comm_id);
+            m.set(8, 0, 2, r.message_mraed.into());
+            m.set(9, 0, 5, r.service_timeout.into());
+        }
+        Msg::Rej(r) => {
+            m.put32(0, r.local_comm_id);
+            m.put32(4, r.remote_comm_id);
+            m.set(8, 0, 2, r.message_rejected.into());
+            m.put16(10, r.reason);
+            m.put(84, &r.private_data);
+        }
+        Msg::Rep(r) => {
+            m.put32(0, r.local_comm_id);
+            m.put32(4, r.remote_comm_id);
+            m.put32(8, r.local_qkey);
+            m.set(12, 0, 24, r.local_qpn);
+            m.set(20, 0, 24, r.starting_psn);
+            m.0[24] = r.responder_resources;
+            m.0[25] = r.initiator_depth;
+            m.set(26, 0, 5, r.target_ack_delay.into());
+            m.set(26, 5, 2, r.failover_accepted.into());
+            m.set(26, 7, 1, r.flow_control.into());
+            m.set(27, 0, 3, r.rnr_retry_count.into());
+            m.set(27, 3, 1, r.srq.into());
+            m.put64(28, r.local_ca_guid);
+            m.put(36, &r.private_data);
+        }
+        Msg::Rtu(r) | Msg::Drep(r) => {
+            m.put32(0, r.local_comm_id);
+            m.put32(4, r.remote_comm_id);
+            m.put(8, &r.private_data);
+        }
+        Msg::Dreq(r) => {
+            m.put32(0, r.local_comm_id);
+            m.put32(4, r.remote_comm_id);
+            m.set(8, 0, 24, r.remote_qpn);
+            m.put(12, &r.private_data);
+        }
+        Msg::SidrReq(r) => {
+            m.put32(0, r.request_id);
+            m.put16(4, r.pkey);
+            m.put64(8, r.service_id);
+            m.put(16, &r.private_data);
+        }
+        Msg::SidrRep(r) => {
+            m.put32(0, r.request_id);
+            m.0[4] = r.status;
+            m.set(8, 0, 24, r.qpn);
+            m.put64(12, r.service_id);
+            m.put32(20, r.qkey);
+            m.put(96, &r.private_data);
+        }
+    }
+    let mut out = [0u8; MAD_LEN];
+    out[0] = 1; // base version
+    out[1] = CLASS_CM;
+    out[2] = CLASS_VERSION;
+    out[3] = METHOD_SEND;
+    out[8..16].copy_from_slice(&mad.tid.to_be_bytes());
+    out[16..18].copy_from_slice(&mad.msg.attr_id().to_be_bytes());
+    out[HDR_LEN..].copy_from_slice(&m.0[..MSG_LEN]);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> Req {
+        Req {
+            local_comm_id: 0x1122_3344,
+            service_id: 0x0000_0000_0106_1c06,
+            local_ca_guid: 0x0202_c9ff_fe00_0001,
+            local_qkey: 0,
+            local_qpn: 0x00ab_cdef,
+            responder_resources: 16,
+            initiator_depth: 15,
+            remote_cm_response_timeout: 20,
+            transport: 0,
+            flow_control: true,
+            starting_psn: 0x0012_3456,
+            local_cm_response_timeout: 20,
+            retry_count: 7,
+            pkey: 0xffff,
+            mtu: 5,
+            rnr_retry_count: 6,
+            max_cm_retries: 15,
+            srq: true,
+            path: Path {
+                local_lid: 0xffff,
+                remote_lid: 0xffff,
+                local_gid: [9; 16],
+                remote_gid: [7; 16],
+                flow_label: 0xa_bcde,
+                packet_rate: 0x2a,
+                traffic_class: 0x10,
+                hop_limit: 64,
+                sl: 3,
+                subnet_local: false,
+                local_ack_timeout: 18,
+            },
+            private_data: [0x5a; 92],
+        }
+    }
+
+    #[test]
+    fn a_req_lands_at_the_specifications_offsets_and_reads_back() {
+        let mad = Mad {
+            tid: 0x0102_0304_0506_0708,
+            msg: Msg::Req(Box::new(req())),
+        };
+        let b = encode(&mad);
+        assert_eq!(&b[..4], &[1, 7, 2, 3]);
+        assert_eq!(&b[16..18], &[0, 0x10]);
+        let m = &b[HDR_LEN..];
+        assert_eq!(
+            &m[32..36],
+            &[0xab, 0xcd, 0xef, 16],
+            "QPN then responder resources"
+        );
+        assert_eq!(m[43], 20 << 3 | 1, "timeout, RC, flow control");
+        assert_eq!(&m[44..48], &[0x12, 0x34, 0x56, 20 << 3 | 7]);
+        assert_eq!(m[50], 5 << 4 | 6);
+        assert_eq!(m[51], 15 << 4 | 1 << 3);
+        assert_eq!(&m[88..92], &[0xab, 0xcd, 0xe0, 0x2a]);
+        assert_eq!(m[95], 18 << 3);
+        assert_eq!(parse(&b), Ok(mad));
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        let msgs = [
+            Msg::Mra(Mra {
+                local_comm_id: 1,
+                remote_comm_id: 2,
+                message_mraed: 1,
+                service_timeout: 23,
+            }),
+            Msg::Rej(Box::new(Rej {
+                local_comm_id: 3,
+                remote_comm_id: 4,
+                message_rejected: 0,
+                reason: 28,
+                private_data: [1; 148],
+            })),
+            Msg::Rep(Box::new(Rep {
+                local_comm_id: 5,
+                remote_comm_id: 6,
+                local_qkey: 0,
+                local_qpn: 0x12_3456,
+                starting_psn: 0xff_fff0,
+                responder_resources: 4,
+                initiator_depth: 3,
+                target_ack_delay: 16,
+                failover_accepted: 1,
+                flow_control: true,
+                rnr_retry_count: 7,
+                srq: false,
+                local_ca_guid: 42,
+                private_data: [2; 196],
+            })),
+            Msg::Rtu(Box::new(Ids224 {
+                local_comm_id: 7,
+                remote_comm_id: 8,
+                private_data: [3; 224],
+            })),
+            Msg::Dreq(Box::new(Dreq {
+                local_comm_id: 9,
+                remote_comm_id: 10,
+                remote_qpn: 0x77,
+                private_data: [4; 220],
+            })),
+            Msg::Drep(Box::new(Ids224 {
+                local_comm_id: 11,
+                remote_comm_id: 12,
+                private_data: [5; 224],
+            })),
+            Msg::SidrReq(Box::new(SidrReq {
+                request_id: 13,
+                pkey: 0xffff,
+                service_id: 0x0111_0000,
+                private_data: [6; 216],
+            })),
+            Msg::SidrRep(Box::new(SidrRep {
+                request_id: 14,
+                status: 0,
+                qpn: 0x4242,
+                service_id: 0x0111_0000,
+                qkey: 0x0123_4567,
+                private_data: [7; 136],
+            })),
+        ];
+        for msg in msgs {
+            let mad = Mad { tid: 99, msg };
+            assert_eq!(parse(&encode(&mad)), Ok(mad));
+        }
+    }
+
+    #[test]
+    fn other_bytes_are_refused_without_a_panic() {
+        assert_eq!(parse(&[0; 10]), Err(MadError::Short(10)));
+        let mut b = encode(&Mad {
+            tid: 1,
+            msg: Msg::Req(Box::new(req())),
+        });
+        b[1] = 0x03; // SA
+        assert!(matches!(parse(&b), Err(MadError::NotCm { .. })));
+        b[1] = CLASS_CM;
+        b[3] = 0x81;
+        assert_eq!(parse(&b), Err(MadError::Method(0x81)));
+        b[3] = METHOD_SEND;
+        b[17] = 0x19; // LAP
+        assert_eq!(parse(&b), Err(MadError::Attr(0x19)));
+        for n in 0..300 {
+            let _ = parse(&vec![0xff; n]);
+        }
+    }
+}
