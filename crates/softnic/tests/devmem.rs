@@ -584,12 +584,19 @@ fn rings_in_device_memory_run_every_kind_of_work() {
 /// CQ consumer indexes are read from device memory. The send CQ detects overrun: 24 signaled
 /// WRITEs through a 16-entry CQ go through only because the consumer index the poller stores
 /// in device memory is read; a 17th CQE without polling is an overrun.
-#[test]
-fn doorbell_records_in_device_memory_are_read_as_a_device_reads_them() {
-    let g = SimDeviceMemory::new(4 * MB);
+/// A QP of node A with every ring and doorbell record in device memory (reached through
+/// `dm`), driven as a kernel drives it, connected to a host-memory QP of node B (returned with
+/// its CQs).
+#[allow(clippy::type_complexity)]
+fn doorbells_in_device_memory(
+    g: &Arc<SimDeviceMemory>,
+    dm: Arc<dyn DeviceMemory>,
+    sq_blocks: u32,
+    ncqe: u32,
+) -> (Node, GpuSide, Node, (Arc<Qp>, Arc<Cq>, Arc<Cq>)) {
     let (a, b) = (Node::new(), Node::new());
-    let mut carver = Carver::new(g.clone(), g.clone(), 0x80_000);
-    let (qa, sa, ra) = qp_all_on(&a, &mut carver, 64, 16);
+    let mut carver = Carver::new(g.clone(), dm, 0x80_000);
+    let (qa, sa, ra) = qp_all_on(&a, &mut carver, sq_blocks, ncqe);
     assert!(!qa.dbrec_page().is_host() && !sa.dbrec().is_host() && !ra.dbrec().is_host());
     let ob = Opts::default();
     let (qb, sb, rb) = qp_on(
@@ -606,7 +613,14 @@ fn doorbell_records_in_device_memory_are_read_as_a_device_reads_them() {
     );
     bring_up(&qa, &b, qb.qpn());
     bring_up(&qb, &a, qa.qpn());
-    let mut ga = GpuSide::new(qa, sa, ra, g.clone());
+    let ga = GpuSide::new(qa, sa, ra, g.clone());
+    (a, ga, b, (qb, sb, rb))
+}
+
+#[test]
+fn doorbell_records_in_device_memory_are_read_as_a_device_reads_them() {
+    let g = SimDeviceMemory::new(4 * MB);
+    let (a, mut ga, b, (qb, sb, rb)) = doorbells_in_device_memory(&g, g.clone(), 64, 16);
     let mut eb = Ep {
         ini: Initiator::for_soft_qp(&b.dev, &qb, RingMode::Doca),
         qp: qb,
@@ -723,24 +737,7 @@ fn cqes_in_device_memory_are_written_head_then_tail() {
 fn the_cq_consumer_index_is_read_only_when_the_ring_may_be_full() {
     let g = SimDeviceMemory::new(4 * MB);
     let rec = Recording::new(g.clone());
-    let (a, b) = (Node::new(), Node::new());
-    let mut carver = Carver::new(g.clone(), rec.clone(), 0x80_000);
-    let (qa, sa, ra) = qp_all_on(&a, &mut carver, 128, 64);
-    let (qb, _sb, _rb) = qp_on(
-        &b,
-        &mut Carver::new(g.clone(), g.clone(), 0),
-        Placement {
-            sq: false,
-            rq: false,
-            scq: false,
-            rcq: false,
-        },
-        64,
-        64,
-    );
-    bring_up(&qa, &b, qb.qpn());
-    bring_up(&qb, &a, qa.qpn());
-    let mut ga = GpuSide::new(qa, sa, ra, g.clone());
+    let (a, mut ga, b, _) = doorbells_in_device_memory(&g, rec.clone(), 128, 64);
     assert!(!ga.scq.dbrec().is_host());
     let dbrec = ga.scq.dbrec().addr();
     let dst = Region::new(&b, &Kind::Host, 4096, ALL);

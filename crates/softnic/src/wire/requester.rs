@@ -1130,12 +1130,24 @@ fn take_atomic_result(
 
 /// Appends bytes `off..off + n` of the local segment `s` (checked under `g`: through an
 /// indirect mkey, piece by piece) to `out`.
+/// The checked ranges of `n` bytes at offset `off` of a gather entry.
+fn resolve_sge(
+    g: &MrGuard<'_>,
+    pd: crate::PdId,
+    s: &Sge,
+    off: u64,
+    n: u64,
+) -> Result<SmallVec<[MemRange; 2]>, Fail> {
+    let mut ranges = SmallVec::new();
+    g.resolve(pd, Access::NONE, s.lkey.0, s.addr + off, n, &mut ranges)
+        .map_err(local_err)?;
+    Ok(ranges)
+}
+
 /// Checks `n` bytes at offset `off` of a gather entry as [`append_sge`] would, copying
 /// nothing.
 fn check_sge(g: &MrGuard<'_>, pd: crate::PdId, s: &Sge, off: u64, n: u64) -> Result<(), Fail> {
-    let mut ranges: SmallVec<[MemRange; 2]> = SmallVec::new();
-    g.resolve(pd, Access::NONE, s.lkey.0, s.addr + off, n, &mut ranges)
-        .map_err(local_err)
+    resolve_sge(g, pd, s, off, n).map(drop)
 }
 
 fn append_sge(
@@ -1147,10 +1159,7 @@ fn append_sge(
     n: u64,
     out: &mut Vec<u8>,
 ) -> Result<(), Fail> {
-    let mut ranges: SmallVec<[MemRange; 2]> = SmallVec::new();
-    g.resolve(pd, Access::NONE, s.lkey.0, s.addr + off, n, &mut ranges)
-        .map_err(local_err)?;
-    for r in &ranges {
+    for r in &resolve_sge(g, pd, s, off, n)? {
         // SAFETY: `r` was checked under `g`, which the caller still holds.
         unsafe { append_range(out, r, 0, r.len) }.map_err(|e| local_devmem_err(c, &e))?;
     }
