@@ -43,6 +43,10 @@ pub const PACKAGES: &[(&str, &str)] = &[
          the emulated connection manager (emu_cm.rs)",
     ),
     (
+        "qperf",
+        "qperf -cm1 rc_bw / rc_lat over the emulated connection manager (emu_cm.rs)",
+    ),
+    (
         "ucx-utils",
         "ucx_info, ucx_perftest: UCX 1.13 on the emulated device (emu_ucx.rs)",
     ),

@@ -209,6 +209,13 @@ impl Cm {
     }
 
     fn resend(&self, dev: u32, to: &[u8; 16], bytes: &[u8; mad::MAD_LEN]) {
+        if crate::tracing() {
+            crate::complain(format_args!(
+                "rdma_cm: {:#06x} to {} from device {dev}",
+                u16::from_be_bytes([bytes[16], bytes[17]]),
+                verbs::Gid(*to)
+            ));
+        }
         let sent = self
             .devices
             .get(dev)
@@ -596,6 +603,13 @@ impl Cm {
         let Ok(m) = mad::parse(g.mad) else {
             return;
         };
+        if crate::tracing() {
+            crate::complain(format_args!(
+                "rdma_cm: {:#06x} from {} on device {dev}",
+                m.msg.attr_id(),
+                g.from
+            ));
+        }
         let from = verbs::Gid::from_ipv4(g.from).0;
         let mut st = self.st.lock();
         match m.msg {

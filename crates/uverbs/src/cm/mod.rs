@@ -266,6 +266,7 @@ pub fn cm(devices: &'static Devices) -> &'static Cm {
     CM.get_or_init(|| {
         // SAFETY: registers a plain `extern "C" fn()` to run at exit.
         unsafe { libc::atexit(at_exit) };
+        on_fatal_signals();
         Cm {
             devices,
             st: Mutex::new(State::default()),
@@ -273,6 +274,69 @@ pub fn cm(devices: &'static Devices) -> &'static Cm {
             epoch: Instant::now(),
         }
     })
+}
+
+/// Signals whose default action ends the process, caught (where the program left them at
+/// their default) so that a process that dies of one still tells its peers, as the kernel
+/// would when it closes the dead process's files.
+const FATAL: [libc::c_int; 8] = [
+    libc::SIGSEGV,
+    libc::SIGBUS,
+    libc::SIGABRT,
+    libc::SIGFPE,
+    libc::SIGILL,
+    libc::SIGTERM,
+    libc::SIGINT,
+    libc::SIGHUP,
+];
+
+fn on_fatal_signals() {
+    for sig in FATAL {
+        // SAFETY: reads the current disposition into a zeroed struct.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: query only (no new action).
+        if unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) } != 0
+            || old.sa_sigaction != libc::SIG_DFL
+        {
+            continue;
+        }
+        // SAFETY: a zeroed sigaction with our handler, SA_RESETHAND so that the re-raised
+        // signal takes its default action.
+        let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
+        act.sa_sigaction = on_fatal as extern "C" fn(libc::c_int) as usize;
+        act.sa_flags = libc::SA_RESETHAND;
+        // SAFETY: installs the handler for a signal the program left at its default.
+        unsafe { libc::sigaction(sig, &act, std::ptr::null_mut()) };
+    }
+}
+
+/// A fatal signal: the connections' peers are told (best effort: nothing is done when the
+/// manager's lock stays held, and an alarm ends a process that would hang here), then the
+/// signal takes its default action.
+extern "C" fn on_fatal(sig: libc::c_int) {
+    // SAFETY: SIGALRM to its default, then an alarm: the process ends within 2 s whatever
+    // happens below.
+    unsafe {
+        libc::signal(libc::SIGALRM, libc::SIG_DFL);
+        libc::alarm(2);
+    }
+    if let Some(cm) = CM.get() {
+        // another thread may hold the lock a moment longer (the one that queued the event
+        // the program took before it died); the dying thread itself, for good
+        match cm.st.try_lock_for(std::time::Duration::from_millis(300)) {
+            Some(st) => {
+                for id in st.ids.values() {
+                    cm.conn_gone(id);
+                }
+            }
+            None if crate::tracing() => {
+                crate::complain(format_args!("rdma_cm: signal {sig}: the manager is busy"))
+            }
+            None => {}
+        }
+    }
+    // SAFETY: the handler was reset (SA_RESETHAND): the signal now takes its default action.
+    unsafe { libc::raise(sig) };
 }
 
 /// At exit the kernel closes the process's files, which destroys its ids: its peers learn
