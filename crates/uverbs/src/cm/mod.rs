@@ -21,6 +21,8 @@ pub mod addr;
 mod agent;
 mod cmds;
 pub mod mad;
+#[cfg(test)]
+mod tests;
 
 use crate::device::Devices;
 use crate::uaccess::Errno;
