@@ -214,7 +214,7 @@ impl ExportedQp {
     /// Starts the descriptor's tracking clean for a QP in RESET (after [`Qp::recover`], or a
     /// [`Qp::modify`] to RESET once a kernel has drained it): every send-queue counter at the
     /// queue's producer index (0 after a reset), the CQ consumer indexes where the queue's CQs
-    /// stand, the recorded error (`sq_error`, `sq_error_info`, `sq_error_wqe`), the broken
+    /// stand, the recorded error (`sq_error`, `sq_error_info`), the broken
     /// mark, the locks, the checkout word and the completion-counter table (whose entries
     /// name WQE indexes that start again) cleared. The constants (rings, doorbells, sizes,
     /// scratch) stay. No kernel may be using the descriptor meanwhile.
@@ -232,7 +232,6 @@ impl ExportedQp {
         resume_desc(&mut d, &qp.queue_state())?;
         d.sq_error = 0;
         d.sq_error_info = 0;
-        d.sq_error_wqe = 0;
         d.sq_broken = 0;
         d.scq_lock = 0;
         d.rq_lock = 0;

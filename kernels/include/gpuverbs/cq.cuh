@@ -43,17 +43,25 @@ __device__ __forceinline__ void count_at(const gpuverbs_qp* k, uint64_t idx, uin
         make_ulonglong2(idx + 1, reinterpret_cast<unsigned long long>(counter));
 }
 
-// The WQE whose first block is `wqe` completed without an error: its counter (if it has one)
-// moves by 1, with release at system scope (a thread that acquires the counter sees what the
-// poller saw: the CQE, so the WQE's local data). The entry is cleared: counted once.
-__device__ __forceinline__ void count_done(const gpuverbs_qp* q, uint64_t wqe) {
-    uint64_t* e = reinterpret_cast<uint64_t*>(q->sq_counters) + 2 * (wqe & (q->sq_blocks - 1));
-    uint64_t tag, counter;
-    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
-                 : "=l"(tag), "=l"(counter) : "l"(e) : "memory");
-    if (tag != wqe + 1) return;
-    e[0] = 0;
-    asm volatile("red.release.sys.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
+// The counter-table entry of the WQE whose first block is `wqe`: {tag, counter address}.
+// Loaded before the poller reads the WQE's ctrl segment from the ring, so both loads are in
+// flight together.
+__device__ __forceinline__ ulonglong2 count_entry(const gpuverbs_qp* q, uint64_t wqe) {
+    const uint64_t* e =
+        reinterpret_cast<const uint64_t*>(q->sq_counters) + 2 * (wqe & (q->sq_blocks - 1));
+    ulonglong2 v;
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(e));
+    return v;
+}
+
+// The WQE whose first block is `wqe` completed without an error: when its entry `v` names a
+// counter, the counter moves by 1, with release at system scope (a thread that acquires the
+// counter sees what the poller saw: the CQE, so the WQE's local data), and the entry is
+// cleared (counted once).
+__device__ __forceinline__ void count_done(const gpuverbs_qp* q, uint64_t wqe, ulonglong2 v) {
+    if (v.x != wqe + 1) return;
+    reinterpret_cast<uint64_t*>(q->sq_counters)[2 * (wqe & (q->sq_blocks - 1))] = 0;
+    asm volatile("red.release.sys.global.add.u64 [%0], 1;" ::"l"(v.y) : "memory");
 }
 
 // Takes one send-CQ entry if software owns it. Returns 1 if one was taken (and retires the SQ
@@ -84,19 +92,25 @@ __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
         uint8_t syndrome = (uint8_t)(synd_word >> 24);
         if (q->sq_error == 0) {
             // The failed WQE is not retired yet: its first block is the first one at or after
-            // `retired` whose low 16 bits are the CQE's counter.
-            q->sq_error_wqe = retired + (uint16_t)(counter - (uint16_t)retired);
-            q->sq_error_info = (uint64_t)syndrome << 24 | (uint64_t)vendor << 16 | counter;
-            // Released after the two words above: qp_error acquires it and then reads them.
+            // `retired` whose low 16 bits are the CQE's counter; bits 47..16 of it go into the
+            // record's upper half (one word: a field of its own put the register copy of an
+            // exclusive owner on the stack).
+            const uint64_t wqe = retired + (uint16_t)(counter - (uint16_t)retired);
+            q->sq_error_info = (wqe >> 16) << 32 | (uint64_t)syndrome << 24 |
+                               (uint64_t)vendor << 16 | counter;
+            // Released after the record: qp_error acquires it and then reads the record.
             state_store<S>(&q->sq_error, ci + 1);
         }
     }
+    // A WQE that completed without an error may move a counter: its entry is read now,
+    // alongside the ctrl segment below.
+    const bool counted = opcode != 13 && opcode != 14 && q->sq_counters;
+    const uint64_t wqe = retired + (uint16_t)(counter - (uint16_t)retired);
+    const ulonglong2 entry = counted ? count_entry(q, wqe) : make_ulonglong2(0, 0);
     uint32_t blocks = wqe_blocks_at(q, counter);
     uint16_t delta = (uint16_t)(counter + blocks - (uint16_t)retired);
     if (delta <= q->sq_blocks) {
-        if (opcode != 13 && opcode != 14 && q->sq_counters) {
-            count_done(q, retired + (uint16_t)(counter - (uint16_t)retired));
-        }
+        if (counted) count_done(q, wqe, entry);
         state_store<S>(&q->sq_retired, retired + delta);
     }
     ci = q->scq_collapsed ? (uint64_t)tail + 1 : ci + 1;
@@ -107,9 +121,14 @@ __device__ __forceinline__ int scq_poll_one(gpuverbs_qp* q) {
 
 // The error the QP recorded (see qp_error), read with plain loads: for the thread that polled
 // it, or after something that ordered the recording before (a status ERROR_CQE it returned).
+// The failed WQE's 64-bit index is its recorded 48 bits placed at or below `sq_retired`, which
+// passed it when its CQE was taken and stays within the SQ's size of it.
 __device__ __forceinline__ error last_error(const gpuverbs_qp* q) {
-    uint64_t info = q->sq_error_info;
-    return error{(uint8_t)(info >> 24), (uint8_t)(info >> 16), (uint16_t)info, q->sq_error_wqe};
+    const uint64_t info = q->sq_error_info;
+    const uint64_t low48 = (info >> 32) << 16 | (uint16_t)info;
+    const uint64_t retired = q->sq_retired;
+    const uint64_t wqe = q->sq_error ? retired - ((retired - low48) & 0xffffffffffffull) : 0;
+    return error{(uint8_t)(info >> 24), (uint8_t)(info >> 16), (uint16_t)info, wqe};
 }
 
 // Which error put the QP in ERR for the device API, without polling the CQ: the first error

@@ -45,18 +45,17 @@ typedef struct gpuverbs_qp {
     uint64_t rcq_ci; /* Device API state: receive CQ consumer index. */
     uint64_t rq_posted; /* Device API state: receive WQEs posted. */
     uint64_t sq_error; /* Device API state: index of the first error CQE seen on the send CQ, plus 1 (0 none). */
-    uint64_t sq_error_info; /* Device API state: the error CQE's syndrome << 24 | vendor << 16 | wqe_counter. */
+    uint64_t sq_error_info; /* Device API state: the error CQE's syndrome << 24 | vendor << 16 | wqe_counter, and in bits 63..32 the failed WQE's first block (on the 64-bit SQ counter) >> 16. */
     uint32_t bf_half; /* Device API state: next BlueFlame half. */
     uint32_t scq_lock; /* Device API state: send CQ lock. */
     uint32_t checked_out; /* Device API state: 1 while one thread holds the QP's state in registers (`checkout`). */
     uint32_t rq_lock; /* Device API state: receive-posting lock. */
     uint32_t rcq_lock; /* Device API state: receive CQ lock. */
     uint32_t sq_broken; /* Device API state: 1 once a shared-mode publish gave up waiting for an earlier reservation (its thread never published): the send queue has a hole, and every later send-side call returns BROKEN. Reset the QP, connect it and export it again. */
-    uint64_t sq_error_wqe; /* Device API state: the first block (on the 64-bit SQ counter) of the WQE whose error CQE `sq_error` recorded (0 while none). */
     uint64_t sq_counters; /* The completion-counter table: `sq_blocks` entries of 16 bytes in GPU memory, one per SQ block ({the counted WQE's first block + 1, the counter's address}), written by the counted calls and read by the send-CQ poll path. */
 } gpuverbs_qp;
 
-GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 264, "gpuverbs_qp size");
+GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 256, "gpuverbs_qp size");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, version) == 0, "version");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, size) == 4, "size");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ring) == 8, "sq_ring");
@@ -98,11 +97,10 @@ GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, checked_out) == 232, "checked_out")
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_lock) == 236, "rq_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_lock) == 240, "rcq_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_broken) == 244, "sq_broken");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_error_wqe) == 248, "sq_error_wqe");
-GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_counters) == 256, "sq_counters");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_counters) == 248, "sq_counters");
 
 /* The layout's version; a descriptor carries it in `version`. */
-#define GPUVERBS_DESC_VERSION 0xe38b739cu
+#define GPUVERBS_DESC_VERSION 0x223c4353u
 #define GPUVERBS_DB_GPU_DOORBELL 0u
 #define GPUVERBS_DB_BLUEFLAME 1u
 #define GPUVERBS_DB_CPU_PROXY 2u

@@ -369,7 +369,6 @@ __device__ __forceinline__ void store_state(gpuverbs_qp* q, const gpuverbs_qp& m
     q->rq_posted = mine.rq_posted;
     q->sq_error = mine.sq_error;
     q->sq_error_info = mine.sq_error_info;
-    q->sq_error_wqe = mine.sq_error_wqe;
     q->bf_half = mine.bf_half;
 }
 

@@ -326,10 +326,12 @@ pub fn recover_in_place(ordinal: usize) -> Result<String> {
     );
     let seen = qp_error_seen(&p)?;
     let d = p.export.read()?;
+    // the record's upper half holds bits 47..16 of the failed WQE's index
+    let recorded = (d.sq_error_info >> 32) << 16 | (d.sq_error_info & 0xffff);
     ensure!(
         seen[..5] == [1, 0x13, s[2] as u64, before & 0xffff, before]
             && seen[5] == seen[6]
-            && d.sq_error_wqe == before,
+            && recorded == before,
         "qp_error: {seen:?} (status, syndrome, vendor, counter, wqe, scq_ci before / after); \
          the failed kernel saw {s:?}; the first bad WQE starts at {before}; descriptor {d:?}"
     );
@@ -348,7 +350,6 @@ pub fn recover_in_place(ordinal: usize) -> Result<String> {
         d.sq_last_start,
         d.sq_error,
         d.sq_error_info,
-        d.sq_error_wqe,
         u64::from(d.sq_broken),
         u64::from(d.scq_lock),
         u64::from(d.checked_out),
