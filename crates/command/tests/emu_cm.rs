@@ -431,3 +431,121 @@ fn qperf_cm_mode_rc_bw_and_rc_lat() {
         c.wait()
     }));
 }
+
+#[test]
+fn cmtime_makes_and_ends_a_hundred_connections() {
+    need("cmtime", "rdmacm-utils");
+    let _g = serial();
+    // the server runs until stopped; the client times each step of 100 connections made at
+    // once (create, resolve address and route, QP, connect, disconnect, destroy)
+    let sip = "127.0.217.1";
+    let mut srv = Server(Some(
+        emu(sip, None, &["cmtime", "-p", "7217"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let t = Instant::now();
+    while !udp_bound([127, 0, 217, 1], 4791) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "cmtime never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let cc = tmp("cm-217-c");
+    let out = run(
+        emu(
+            "127.0.217.2",
+            Some(&cc),
+            &["cmtime", "-s", sip, "-p", "7217", "-c", "100"],
+        ),
+        Duration::from_secs(60),
+        "cmtime client",
+    );
+    for step in [
+        "create id",
+        "resolve addr",
+        "resolve route",
+        "create qp",
+        "connect",
+        "disconnect",
+        "destroy",
+    ] {
+        assert!(
+            out.lines().any(|l| l.starts_with(step) && l.contains(':')),
+            "no {step} row:\n{out}"
+        );
+    }
+    check_counters_flush_ok(&cc, "cmtime client", false);
+    drop(srv.0.take().map(|mut c| {
+        // SAFETY: plain system call on the process group this test started.
+        unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
+        c.wait()
+    }));
+}
+
+/// A process's ids in its RDMA netlink resource summary (`rdma resource`'s `cm_id`): one bound
+/// to mlx5_1's address, one listening on every device (counted on each, as the kernel's
+/// internal per-device listeners are). librdmacm through ctypes, netlink through a raw socket.
+const CM_IDS: &str = r#"
+import ctypes, struct, socket
+rdmacm = ctypes.CDLL("librdmacm.so.1")
+rdmacm.rdma_create_event_channel.restype = ctypes.c_void_p
+c = rdmacm.rdma_create_event_channel()
+def listener(ip, port):
+    idp = ctypes.c_void_p()
+    assert rdmacm.rdma_create_id(ctypes.c_void_p(c), ctypes.byref(idp), None, 0x0106) == 0
+    sa = struct.pack('=H', 2) + struct.pack('>H', port) + bytes(ip) + bytes(8)
+    assert rdmacm.rdma_bind_addr(idp, ctypes.create_string_buffer(sa, 16)) == 0
+    assert rdmacm.rdma_listen(idp, 1) == 0
+def request(op, attrs):
+    body = b''.join(struct.pack('=HH', 4 + len(p), t) + p + b'\0' * (-len(p) % 4) for t, p in attrs)
+    return struct.pack('=IHHII', 16 + len(body), (5 << 10) | op, 1, 1, 0) + body
+def attrs(b):
+    out = {}
+    while len(b) >= 4:
+        ln, t = struct.unpack('=HH', b[:4])
+        out.setdefault(t & 0x3fff, []).append(b[4:ln])
+        b = b[(ln + 3) & ~3:]
+    return out
+def cm_ids(dev):
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 20)
+    s.bind((0, 0))
+    s.send(request(9, [(1, struct.pack('=I', dev))]))
+    d = s.recv(65536)
+    s.close()
+    for entry in attrs(attrs(d[16:])[15][0])[16]:
+        a = attrs(entry)
+        if a[17][0].rstrip(b'\0') == b'cm_id':
+            return struct.unpack('=Q', a[18][0])[0]
+before = (cm_ids(0), cm_ids(1))
+listener([127, 0, 218, 2], 7301)   # on mlx5_1
+listener([0, 0, 0, 0], 7302)       # on every device
+after = (cm_ids(0), cm_ids(1))
+assert before == (0, 0) and after == (1, 2), (before, after)
+print('ok')
+"#;
+
+#[test]
+fn the_resource_summary_counts_the_ids() {
+    need("python3", "python3");
+    let py = tmp("cm_ids.py");
+    std::fs::write(&py, CM_IDS).unwrap();
+    let mut c = std::process::Command::new(GPUVERBS);
+    c.env("GPUVERBS_PRELOAD", preload()).args([
+        "emu",
+        "--ip",
+        "127.0.218.1",
+        "--devices",
+        "2",
+        "--",
+        "/usr/bin/python3",
+        py.to_str().unwrap(),
+    ]);
+    let out = run(c, Duration::from_secs(60), "cm_ids.py");
+    let _ = std::fs::remove_file(&py);
+    assert!(out.contains("ok"), "{out}");
+}

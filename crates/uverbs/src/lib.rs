@@ -405,7 +405,10 @@ impl Emulation {
                     ("pd", 0),
                     ("cq", 0),
                     ("qp", 0),
-                    ("cm_id", 0),
+                    (
+                        "cm_id",
+                        cm::existing().map_or(0, |c| c.ids_on(self.devices, d.id.index)),
+                    ),
                     ("mr", 0),
                     ("ctx", 0),
                     ("srq", 0),

@@ -341,6 +341,28 @@ extern "C" fn on_fatal(sig: libc::c_int) {
     unsafe { libc::raise(sig) };
 }
 
+/// The process's connection manager, if a program opened the device.
+pub fn existing() -> Option<&'static Cm> {
+    CM.get()
+}
+
+impl Cm {
+    /// How many ids device `dev` of `devices` has (`rdma resource`'s `cm_id`): those bound to
+    /// it, and one for each id listening on every device (the kernel makes an internal
+    /// listener per device). Devices other than the manager's have none.
+    pub fn ids_on(&self, devices: &Devices, dev: u32) -> u64 {
+        if !std::ptr::eq(self.devices, devices) {
+            return 0;
+        }
+        self.st
+            .lock()
+            .ids
+            .values()
+            .filter(|i| i.dev == Some(dev) || (i.dev.is_none() && i.st == St::Listen))
+            .count() as u64
+    }
+}
+
 /// At exit the kernel closes the process's files, which destroys its ids: its peers learn
 /// of it (a DREQ for each connection, a REJ for each one being made). The same here.
 extern "C" fn at_exit() {
