@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Records the uverbs fuzz target's seeds: the command streams of Debian's ibv_rc_pingpong and
-# perftest (server and client) and of rdma-core's pyverbs tests under `gpuverbs emu`
+# Records the uverbs fuzz target's seeds: the command streams of Debian's ibv_rc_pingpong,
+# rping (rdma_cm) and perftest (server and client) and of rdma-core's pyverbs tests under `gpuverbs emu`
 # (GPUVERBS_EMU_RECORD), split at record boundaries into files of at most 16 KiB, into
 # fuzz/corpus/uverbs/; and the distinct WQEs libmlx5 wrote into those programs' send queues
 # (left by the emulation as each QP is destroyed) into fuzz/corpus/wqe/ as libmlx5_*. Needs a
 # debug build of gpuverbs-command and the preload library, and the
-# Debian packages the emulation tests use (ibverbs-utils, perftest, rdma-core, python3-pyverbs).
+# Debian packages the emulation tests use (ibverbs-utils, rdmacm-utils, perftest, rdma-core, python3-pyverbs).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 g="$root/target/debug/gpuverbs"
@@ -27,6 +27,15 @@ pair() {
   cat "$rec/$name.2"/*.stream > "$rec/${name}_side2.s"
 }
 pair ibv_rc_pingpong ibv_rc_pingpong -g 0 -n 5 -p 18515
+# rdma_cm (the connection manager's ucma commands, records of kind 2, with the verbs ones)
+mkdir -p "$rec/rping.1" "$rec/rping.2"
+GPUVERBS_EMU_RECORD="$rec/rping.1" "$g" emu --ip 127.0.94.1 -- rping -s -a 127.0.94.1 -C 3 -V >/dev/null 2>&1 &
+server=$!
+sleep 1
+GPUVERBS_EMU_RECORD="$rec/rping.2" timeout 60 "$g" emu --ip 127.0.94.2 -- rping -c -a 127.0.94.1 -C 3 -V >/dev/null 2>&1
+wait "$server"
+cat "$rec/rping.1"/*.stream > "$rec/rping_side1.s"
+cat "$rec/rping.2"/*.stream > "$rec/rping_side2.s"
 for t in ib_write_bw ib_read_bw ib_atomic_bw ib_send_bw; do
   pair "$t" "$t" -x 0 -n 10 -p 18600
 done

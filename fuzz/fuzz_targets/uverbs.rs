@@ -3,8 +3,10 @@
 //! oracle: every command gets an answer (a result or an errno), the process never crashes
 //! or hangs, and closing the file frees whatever the commands made.
 //!
-//! Input: records of a kind byte (even: a `write()` command; odd: an ioctl, the bytes being
-//! its header and attributes), a 2-byte big-endian length and the bytes — the stream
+//! Input: records of a kind byte (bit 1 set: a `write()` command on an rdma_cm file, the
+//! connection manager's ucma commands, opened non-blocking so that GET_EVENT never waits;
+//! else even: a `write()` command; odd: an ioctl, the bytes being its header and attributes),
+//! a 2-byte big-endian length and the bytes — the stream
 //! `GPUVERBS_EMU_RECORD` writes, so the seeds are what perftest, ibv_rc_pingpong and pyverbs
 //! sent. The commands' user pointers are the recorded process's, or anything: the harness
 //! maps every 8-byte word that looks like a user address (0x1000 ..= 2^47) into a scratch
@@ -73,6 +75,7 @@ fuzz_target!(|d: &[u8]| {
         Some(Ok(fd)) => fd,
         other => panic!("opening the emulated device: {other:?}"),
     };
+    let mut cm_fd = None;
     let mut rest = d;
     let mut n = 0;
     while rest.len() >= 3 && n < MAX_RECORDS {
@@ -91,14 +94,31 @@ fuzz_target!(|d: &[u8]| {
         // SAFETY: the arena's command area is CMD_LEN writable bytes and a command is at most
         // 65,535; nothing else uses it while the call runs.
         unsafe { std::ptr::copy_nonoverlapping(cmd.as_ptr(), ARENA as *mut u8, cmd.len()) };
-        if kind & 1 == 0 {
+        if kind & 2 != 0 {
+            let f = *cm_fd.get_or_insert_with(|| {
+                match emu.open(
+                    b"/dev/infiniband/rdma_cm",
+                    libc::O_RDWR | libc::O_CLOEXEC | libc::O_NONBLOCK,
+                ) {
+                    Some(Ok(f)) => f,
+                    other => panic!("opening the emulated rdma_cm: {other:?}"),
+                }
+            });
+            let _ = emu.write(f, ARENA as u64, cmd.len());
+        } else if kind & 1 == 0 {
             let _ = emu.write(fd, ARENA as u64, cmd.len());
         } else {
             let _ = emu.ioctl(fd, RDMA_VERBS_IOCTL, ARENA as u64);
         }
     }
-    // the device file, then whatever the commands opened (completion channels, the async
-    // event file), as a program's exit closes them
+    // the device file (and the rdma_cm file), then whatever the commands opened (completion
+    // channels, the async event file), as a program's exit closes them
+    if let Some(f) = cm_fd {
+        if emu.close(f) {
+            // SAFETY: closes the fd this input opened.
+            unsafe { libc::close(f) };
+        }
+    }
     for fd in std::iter::once(fd).chain(
         open_fds()
             .into_iter()

@@ -219,7 +219,7 @@ fn recorder() -> Option<&'static Mutex<std::fs::File>> {
 }
 
 /// Appends one command to the recorded stream (kind 0: a `write()` command, 1: an ioctl's
-/// header and attributes).
+/// header and attributes, 2: a `write()` command on the RDMA connection manager's device).
 fn record(kind: u8, bytes: &[u8]) {
     let (Some(r), Ok(len)) = (recorder(), u16::try_from(bytes.len())) else {
         return;
@@ -551,6 +551,7 @@ impl Emulation {
         if let Some(f) = self.cm_file(fd) {
             // (the table's lock is not held: GET_EVENT may wait)
             let bytes = context::read_command(buf, len)?;
+            record(2, &bytes);
             cm::cm(self.devices).write(&f, &bytes, &|fd| self.cm_file(fd))?;
             return Ok(len);
         }

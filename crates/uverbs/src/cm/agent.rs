@@ -692,7 +692,7 @@ impl Cm {
             return;
         }
         l.pending += 1;
-        st.next_id += 1;
+        st.next_id = st.next_id.wrapping_add(1);
         let mut id = Id::new(child, l.file.clone(), 0, l.ps, QPT_RC);
         id.st = St::Connect;
         id.dev = Some(dev);
@@ -769,7 +769,7 @@ impl Cm {
             return;
         }
         l.pending += 1;
-        st.next_id += 1;
+        st.next_id = st.next_id.wrapping_add(1);
         let mut id = Id::new(child, l.file.clone(), 0, l.ps, QPT_UD);
         id.st = St::Connect;
         id.dev = Some(dev);

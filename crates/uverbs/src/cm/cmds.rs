@@ -221,7 +221,7 @@ fn create_id(
     let h = {
         let mut st = cm.st.lock();
         let h = st.next_id;
-        st.next_id += 1;
+        st.next_id = st.next_id.wrapping_add(1);
         st.ids
             .insert(h, Id::new(h, file.clone(), c.uid, c.ps, qp_type));
         h
