@@ -112,8 +112,11 @@ GPUVERBS_KERNEL void gv_test_put_exclusive(gpuverbs_qp* q, uint64_t lbase, uint3
 //  old value to local+1044); a masked 8-byte fetch-add of 1 on remote+1048 with a field
 //  boundary at bit 31 (old value to local+1048); a masked compare-swap on remote+1056 (compare
 //  bits 47..32 with 0x2222, swap bits 31..16 from 0xcccc; old value to local+1064); signal_set
-//  of 0x77 on remote+1072; then quiet, and the two 4-byte old values read with
-//  atomic_result32 into local+1056 and local+1060 (host order).
+//  of 0x77 on remote+1072; a masked 4-byte fetch-add of 0x0001_0001 on remote+1080 with byte
+//  fields (boundaries 0x8080_8080; old value, big-endian, to local+1080); a masked 4-byte
+//  compare-swap on remote+1084 (compare bits 15..8 with 0x56, swap bits 31..16 from 0xabcd;
+//  old value to local+1084); then quiet, and the two 4-byte old values of the plain 4-byte
+//  atomics read with atomic_result32 into local+1056 and local+1060 (host order).
 GPUVERBS_KERNEL void gv_test_ops(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, uint64_t rbase,
                                  uint32_t rk, uint64_t sig, uint32_t sig_key, uint64_t budget,
                                  int* out) {
@@ -144,6 +147,13 @@ GPUVERBS_KERNEL void gv_test_ops(gpuverbs_qp* q, uint64_t lbase, uint32_t lk, ui
                                        0x0000ffff00000000ull, 0xaaaabbbbccccddddull,
                                        0x00000000ffff0000ull, lbase + 1064, lkey{lk}, budget);
     if (s == OK) s = signal_set(q, rbase + 1072, rkey{rk}, 0x77, false, budget);
+    if (s == OK)
+        s = atomic_masked_fetch_add32(q, rbase + 1080, rkey{rk}, 0x00010001u, 0x80808080u,
+                                      lbase + 1080, lkey{lk}, budget);
+    if (s == OK)
+        s = atomic_masked_compare_swap32(q, rbase + 1084, rkey{rk}, 0x00005600u, 0x0000ff00u,
+                                         0xabcdef01u, 0xffff0000u, lbase + 1084, lkey{lk},
+                                         budget);
     if (s == OK) s = quiet(q, budget, &e);
     else e = last_error(q);
     if (s == OK) {
@@ -442,6 +452,10 @@ GPUVERBS_KERNEL void gv_test_status(gpuverbs_qp* q, uint32_t which, uint64_t bud
 //   masked fetch-add r+6144+8t += 0x1_0000_0010 with boundaries at bits 31 and 63; old to l+6144+8t
 //   masked compare-swap r+6656+8t: compare bits 47..32 with 0x2222 (t even) or 0x9999 (t odd),
 //                 swap bits 31..16 from 0xcccc; old value to l+6656+8t
+//   masked fetch-add32 r+7168+4t += 0x0101_0110 with byte fields (boundaries 0x8080_8080); old
+//                 value (big-endian) to l+7168+4t
+//   masked compare-swap32 r+7424+4t: compare bits 15..8 with t (t even) or 0xee (t odd), swap
+//                 bits 31..16 from 0xa5a5; old value (big-endian) to l+7424+4t
 // then every thread syncs and thread 0 quiets.
 GPUVERBS_KERNEL void gv_test_scopes(gpuverbs_qp* q, uint64_t l, uint32_t lk_, uint64_t r,
                                     uint32_t rk_, uint32_t scope, uint32_t skip_mod,
@@ -511,6 +525,18 @@ GPUVERBS_KERNEL void gv_test_scopes(gpuverbs_qp* q, uint64_t l, uint32_t lk_, ui
                                                 l + mcs, lk, budget),
                 atomic_masked_compare_swap_block(q, part, r + mcs, rk, mcs_cmp, cmask, sw, smask,
                                                  l + mcs, lk, budget));
+    const uint64_t mfa32 = 7168 + 4 * t;
+    const uint32_t b32 = 0x80808080u, add32 = 0x01010110u;
+    GV_AT_SCOPE(atomic_masked_fetch_add32_warp(q, r + mfa32, rk, add32, b32, l + mfa32, lk, budget),
+                atomic_masked_fetch_add32_block(q, part, r + mfa32, rk, add32, b32, l + mfa32, lk,
+                                                budget));
+    const uint64_t mcs32 = 7424 + 4 * t;
+    const uint32_t cmp32 = t % 2 == 0 ? t << 8 : 0xee00u;
+    GV_AT_SCOPE(atomic_masked_compare_swap32_warp(q, r + mcs32, rk, cmp32, 0x0000ff00u,
+                                                  0xa5a5a5a5u, 0xffff0000u, l + mcs32, lk, budget),
+                atomic_masked_compare_swap32_block(q, part, r + mcs32, rk, cmp32, 0x0000ff00u,
+                                                   0xa5a5a5a5u, 0xffff0000u, l + mcs32, lk,
+                                                   budget));
 #undef GV_AT_SCOPE
     error e{};
     if (s != OK) e = last_error(q);

@@ -373,6 +373,34 @@ __device__ status atomic_compare_swap32(gpuverbs_qp* q, uint64_t raddr, rkey rk,
     });
 }
 
+// Remote fetch-and-add on a 4-byte word split into fields: a set bit of `boundary` is the top
+// bit of a field, and no carry crosses it (boundary 0: atomic_fetch_add32). The old value as
+// atomic_fetch_add32's (big-endian at `result`: atomic_result32).
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_fetch_add32(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                            uint32_t add, uint32_t boundary, uint64_t result,
+                                            lkey result_key, uint64_t budget_ns) {
+    return post_block<S>(q, true, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+        return build_atomic32(q, idx, OP_ATOMIC_MASKED_FA, raddr, rk, add, boundary, 0, 0, result,
+                              result_key, f);
+    });
+}
+
+// Remote compare-and-swap on a 4-byte word under masks: swaps when the bits of `compare_mask`
+// equal `compare`'s, then sets the bits of `swap_mask` from `swap` and keeps the others (full
+// masks: atomic_compare_swap32). The old value as atomic_fetch_add32's. 1 block.
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_compare_swap32(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                               uint32_t compare, uint32_t compare_mask,
+                                               uint32_t swap, uint32_t swap_mask,
+                                               uint64_t result, lkey result_key,
+                                               uint64_t budget_ns) {
+    return post_block<S>(q, true, true, budget_ns, [&](const gpuverbs_qp* q, uint64_t idx, uint8_t f) {
+        return build_atomic32(q, idx, OP_ATOMIC_MASKED_CS, raddr, rk, swap, compare, swap_mask,
+                              compare_mask, result, result_key, f);
+    });
+}
+
 // Remote fetch-and-add on an 8-byte word split into fields: a set bit of `boundary` is the top
 // bit of a field, and no carry crosses it (boundary 0: a plain add). The old value lands at
 // `result` (8 bytes, host order) after quiet().

@@ -10,7 +10,8 @@
 //               signal_set, send, send_inline, get, get_wait, atomic_fetch_add,
 //               atomic_compare_swap (8 bytes), atomic_fetch_add32, atomic_compare_swap32
 //               (4 bytes; atomic_result32 reads their big-endian old value),
-//               atomic_masked_fetch_add (8-byte fields), atomic_masked_compare_swap;
+//               atomic_masked_fetch_add, atomic_masked_compare_swap (8 bytes),
+//               atomic_masked_fetch_add32, atomic_masked_compare_swap32 (4 bytes);
 //               wait_signal, read_signal, reset_signal (a local signal word);
 //               counted calls (a local completion counter moved by the CQ poll path):
 //               put_counted, get_counted, put_signal_counted, put_signal_set_counted, with

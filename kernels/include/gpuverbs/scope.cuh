@@ -2,7 +2,7 @@
 //
 // Warp and block scope: one reservation and one doorbell for many threads, partial participation
 // allowed: put, get, signal (add and set), put with a signal (add and set), the atomics
-// (8- and 4-byte fetch-add and compare-swap, masked fetch-add and compare-swap), and the
+// (8- and 4-byte fetch-add and compare-swap, plain and masked), and the
 // counted put, get and put with a signal.
 #ifndef GPUVERBS_SCOPE_CUH
 #define GPUVERBS_SCOPE_CUH
@@ -393,6 +393,57 @@ __device__ status atomic_compare_swap32_block(gpuverbs_qp* q, bool participate, 
     return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
         const block b = build_atomic32(k, idx, OP_ATOMIC_MASKED_CS, raddr, rk, swap, compare,
                                        0xffffffffu, 0xffffffffu, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_fetch_add32_warp(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                                 uint32_t add, uint32_t boundary, uint64_t result,
+                                                 lkey result_key, uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic32(k, idx, OP_ATOMIC_MASKED_FA, raddr, rk, add, boundary, 0, 0, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_fetch_add32_block(gpuverbs_qp* q, bool participate,
+                                                  uint64_t raddr, rkey rk, uint32_t add,
+                                                  uint32_t boundary, uint64_t result,
+                                                  lkey result_key, uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic32(k, idx, OP_ATOMIC_MASKED_FA, raddr, rk, add, boundary, 0, 0, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_compare_swap32_warp(gpuverbs_qp* q, uint64_t raddr, rkey rk,
+                                                    uint32_t compare, uint32_t compare_mask,
+                                                    uint32_t swap, uint32_t swap_mask,
+                                                    uint64_t result, lkey result_key,
+                                                    uint64_t budget_ns) {
+    return warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic32(k, idx, OP_ATOMIC_MASKED_CS, raddr, rk, swap, compare,
+                                       swap_mask, compare_mask, result, result_key, f);
+        store_block(k, idx, b);
+        return b;
+    });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status atomic_masked_compare_swap32_block(gpuverbs_qp* q, bool participate,
+                                                     uint64_t raddr, rkey rk, uint32_t compare,
+                                                     uint32_t compare_mask, uint32_t swap,
+                                                     uint32_t swap_mask, uint64_t result,
+                                                     lkey result_key, uint64_t budget_ns) {
+    return block_post<S>(q, participate, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        const block b = build_atomic32(k, idx, OP_ATOMIC_MASKED_CS, raddr, rk, swap, compare,
+                                       swap_mask, compare_mask, result, result_key, f);
         store_block(k, idx, b);
         return b;
     });

@@ -87,6 +87,12 @@ pub fn scopes(
         put_u32(&mut dst0, 5888 + 4 * t, 400 + t as u32);
         put_u64(&mut dst0, 6144 + 8 * t, 0x0000_0001_ffff_fff0 + t64);
         put_u64(&mut dst0, 6656 + 8 * t, 0x1111_2222_3333_0000 | t64);
+        put_u32(&mut dst0, 7168 + 4 * t, 0x00ff_1000 | (0xc0 + t as u32));
+        put_u32(
+            &mut dst0,
+            7424 + 4 * t,
+            0x7700_0000 | (t as u32) << 8 | t as u32,
+        );
     }
     p.dst.write(0, &dst0)?;
     let st = Status::new(&p.gpu)?;
@@ -166,6 +172,21 @@ pub fn scopes(
             put_u64(&mut want_dst, 6656 + 8 * t, new);
         }
         put_u64(&mut want_src, 6656 + 8 * t, mcs_old);
+        // 4-byte masked: byte fields (the carry out of bit 31 dropped too); a compare on
+        // bits 15..8 that matches for even t
+        let mfa32_old = 0x00ff_1000 | (0xc0 + t as u32);
+        let mfa32_new = masked_add(u64::from(mfa32_old), 0x0101_0110, 0x8080_8080) as u32;
+        put_u32(&mut want_dst, 7168 + 4 * t, mfa32_new);
+        want_src[7168 + 4 * t..7172 + 4 * t].copy_from_slice(&mfa32_old.to_be_bytes());
+        let mcs32_old = 0x7700_0000 | (t as u32) << 8 | t as u32;
+        if t % 2 == 0 {
+            put_u32(
+                &mut want_dst,
+                7424 + 4 * t,
+                (mcs32_old & 0xffff) | 0xa5a5_0000,
+            );
+        }
+        want_src[7424 + 4 * t..7428 + 4 * t].copy_from_slice(&mcs32_old.to_be_bytes());
     }
     put_u64(&mut want_dst, 0, mask);
     put_u64(&mut want_dst, 8, mask);
@@ -180,8 +201,8 @@ pub fn scopes(
     let scope_name = ["thread", "warp", "block"][scope as usize % 3];
     Ok(format!(
         "{scope_name} scope, {n} of {THREADS} threads: signal, signal_set, put_signal, \
-         put_signal_set, get, fetch-add, compare-swap (8 and 4 bytes), masked fetch-add and \
-         compare-swap, both buffers bit for bit (payload {mem:?}, rings {rings:?})"
+         put_signal_set, get, fetch-add, compare-swap, masked fetch-add and compare-swap (8 and \
+         4 bytes), both buffers bit for bit (payload {mem:?}, rings {rings:?})"
     ))
 }
 

@@ -10,7 +10,7 @@ use super::{
 };
 
 /// put_inline, put_signal, signal, signal_set, get, fetch-add, compare-swap (8 and 4 bytes),
-/// masked 8-byte fetch-add and compare-swap from one thread; payload,
+/// masked fetch-add and compare-swap (8 and 4 bytes) from one thread; payload,
 /// atomic targets, results and the signal word in `mem`, side A's rings in `rings`.
 pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -> Result<String> {
     let spec = PairSpec {
@@ -29,6 +29,8 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
     p.dst.write(1048, &0x5_ffff_ffffu64.to_ne_bytes())?;
     p.dst.write(1056, &0x1111_2222_3333_4444u64.to_ne_bytes())?;
     p.dst.write(1072, &5u64.to_ne_bytes())?;
+    p.dst.write(1080, &0x00ff_00ffu32.to_ne_bytes())?;
+    p.dst.write(1084, &0x1234_5678u32.to_ne_bytes())?;
     let pattern: Vec<u8> = (0..64).map(|i| 0x40 + i as u8).collect();
     p.dst.write(256, &pattern)?;
     let sig = Buf::new(&p.gpu, mem, 8)?;
@@ -127,6 +129,19 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
         "signal_set: {:#x}",
         word(&dst, 1072)
     );
+    // masked 4-byte: byte fields that wrap without carrying; a compare on bits 15..8
+    ensure!(
+        (w32(&dst, 1080), be32(&src, 1080)) == (0, 0x00ff_00ff),
+        "masked 4-byte fetch-add: target {:#x} old {:#x} (big-endian)",
+        w32(&dst, 1080),
+        be32(&src, 1080)
+    );
+    ensure!(
+        (w32(&dst, 1084), be32(&src, 1084)) == (0xabcd_5678, 0x1234_5678),
+        "masked 4-byte compare-swap: target {:#x} old {:#x} (big-endian)",
+        w32(&dst, 1084),
+        be32(&src, 1084)
+    );
     if let Some(c) = counters(&p.a) {
         ensure!(
             c.errors.is_empty() && c.device_memory_errors == 0,
@@ -135,7 +150,7 @@ pub fn ops(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
     }
     Ok(format!(
         "inline, put_signal, signal, signal_set, get, fetch-add, compare-swap (8 and 4 bytes), \
-         masked fetch-add and compare-swap verified (payload {mem:?}, rings {rings:?})"
+         masked fetch-add and compare-swap (8 and 4 bytes) verified (payload {mem:?}, rings {rings:?})"
     ))
 }
 
