@@ -9,8 +9,10 @@
 //! ESTABLISHED. DISCONNECT sends a DREQ (or, after one came, the DREP); a DREQ or DREP makes
 //! DISCONNECTED. REJECT sends a REJ, which makes REJECTED. A REQ, REP or DREQ without an
 //! answer is sent again after the CM response timeout (2^20 × 4.096 µs ≈ 4 s), at most 15
-//! times; then UNREACHABLE (or, for a DREQ, DISCONNECTED with -ETIMEDOUT). The starting PSN
-//! of both directions is the REQ's, as the Linux CMA uses it.
+//! times; then UNREACHABLE (or, for a DREQ, DISCONNECTED with -ETIMEDOUT). A REQ or REP taken
+//! is acknowledged with an MRA while the program handles it (as the CMA does), and an MRA
+//! taken pushes the deadline back. The starting PSN of both directions is the REQ's, as the
+//! Linux CMA uses it.
 
 use super::abi::{self, mask, ConnParam, EventResp, QpAttr};
 use super::addr::{self, Addr};
@@ -37,6 +39,8 @@ const ACK_TIMEOUT: u8 = PACKET_LIFETIME + 2;
 pub(super) const MTU_4096: u8 = 5;
 /// Hop limit of the route (an IPv4 route's).
 pub(super) const HOP_LIMIT: u8 = 64;
+/// The service timeout of the CMA's MRAs (`CMA_CM_MRA_SETTING`: 2^22 × 4.096 µs ≈ 17 s).
+const MRA_SERVICE_TIMEOUT: u8 = RESPONSE_TIMEOUT + 2;
 /// `IB_CM_REJ_INVALID_SERVICE_ID`.
 const REJ_INVALID_SERVICE_ID: u16 = 8;
 /// `IB_CM_REJ_TIMEOUT`.
@@ -469,6 +473,17 @@ impl Cm {
         Ok(())
     }
 
+    /// An MRA of the message `which` (0 REQ, 1 REP) with the CMA's service timeout.
+    fn send_mra(&self, c: &Conn, which: u8) {
+        let msg = Msg::Mra(mad::Mra {
+            local_comm_id: c.local_comm_id,
+            remote_comm_id: c.remote_comm_id,
+            message_mraed: which,
+            service_timeout: MRA_SERVICE_TIMEOUT,
+        });
+        self.send(c.dev, &c.remote_gid, c.tid, msg);
+    }
+
     fn send_drep(&self, c: &Conn) {
         let msg = Msg::Drep(Box::new(mad::Ids224 {
             local_comm_id: c.local_comm_id,
@@ -631,11 +646,11 @@ impl Cm {
                 let now = self.now_ms();
                 if let Some(c) = by_comm_id(&mut st, r.remote_comm_id).and_then(|i| i.conn.as_mut())
                 {
+                    // the peer's service timeout, plus a packet's round trip (the kernel's
+                    // cm_mra_handler)
                     if c.last.is_some() {
-                        c.deadline_ms = now
-                            + timeout_ms(
-                                r.service_timeout.saturating_add(RESPONSE_TIMEOUT).min(31),
-                            );
+                        c.deadline_ms =
+                            now + timeout_ms(r.service_timeout) + timeout_ms(ACK_TIMEOUT);
                     }
                 }
             }
@@ -653,15 +668,18 @@ impl Cm {
     }
 
     fn on_req(&'static self, st: &mut State, dev: u32, tid: u64, r: &mad::Req) {
-        // a REQ sent again: the REP again if it went, else nothing (the program has it)
+        // a REQ sent again: the REP again if it went, else the MRA again (the program has
+        // the request)
         if let Some(c) = st
             .ids
             .values_mut()
             .filter_map(|i| i.conn.as_mut())
             .find(|c| c.remote_comm_id == r.local_comm_id && c.remote_gid == r.path.local_gid)
         {
-            if let (CmSt::RepSent, Some(b)) = (c.cm, c.last.as_ref()) {
-                self.resend(c.dev, &c.remote_gid, b);
+            match (c.cm, c.last.as_ref()) {
+                (CmSt::RepSent, Some(b)) => self.resend(c.dev, &c.remote_gid, b),
+                (CmSt::ReqRcvd, _) => self.send_mra(c, 0),
+                _ => {}
             }
             return;
         }
@@ -734,6 +752,11 @@ impl Cm {
         );
         let mut e = conn_event(abi::event::CONNECT_REQUEST, 0, &p);
         e.id = child;
+        // the program takes its time to accept: an MRA keeps the requester from sending the
+        // REQ again meanwhile (the CMA's, after its handler)
+        if let Some(c) = &id.conn {
+            self.send_mra(c, 0);
+        }
         st.ids.insert(child, id);
         if let Some(l) = st.ids.get(&lh) {
             l.event(e, Some(child));
@@ -811,6 +834,7 @@ impl Cm {
                 c.rnr_retry_count = r.rnr_retry_count;
                 c.cm = CmSt::RepRcvd;
                 c.last = None;
+                self.send_mra(c, 1);
                 let p = conn_param(
                     r.local_qpn,
                     &r.private_data,
@@ -823,6 +847,8 @@ impl Cm {
                 );
                 id.event(conn_event(abi::event::CONNECT_RESPONSE, 0, &p), None);
             }
+            // a REP sent again while the program moves its QP: the MRA again
+            CmSt::RepRcvd if c.remote_comm_id == r.local_comm_id => self.send_mra(c, 1),
             // a REP sent again: its RTU went missing
             CmSt::Established if c.remote_comm_id == r.local_comm_id => {
                 let msg = Msg::Rtu(Box::new(mad::Ids224 {
