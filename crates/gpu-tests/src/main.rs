@@ -12,6 +12,11 @@
 //! case that has not reported after [`WATCHDOG`] (a kernel that outlived every budget, a hung
 //! driver call) is killed and fails, and the suite goes on. `--in-process` runs the cases in
 //! this process, one after the other, without the watchdog.
+//!
+//! Kernels: the library's `kernels/src/device_tests.cu` (in gpuverbs' embedded fatbin) and the
+//! suite's own `crates/gpu-tests/kernels/` (the scope, GIN-style, per-QP error and counter
+//! cases: built by this crate's build script and launched with `dataplane::launch_own`, so the
+//! library's fatbin, which its users and the `gpuverbs` command embed, does not carry them).
 
 use std::panic::{self, AssertUnwindSafe};
 use std::process::ExitCode;

@@ -117,11 +117,11 @@ pub fn scopes(
     ];
     // SAFETY: parameters match gv_test_scopes; pointers are live device-visible memory.
     unsafe {
-        p.gpu.launch_sync(
+        super::launch_own(
+            &p.gpu,
             "gv_test_scopes",
             (1, 1, 1),
             (THREADS as u32, 1, 1),
-            0,
             &mut params,
         )?
     };
@@ -258,10 +258,7 @@ pub fn gin(ordinal: usize, mode: DoorbellMode, mem: Mem, rings: RingPlacement) -
         arg(&mut v),
     ];
     // SAFETY: parameters match gv_test_gin; pointers are live device-visible memory.
-    unsafe {
-        p.gpu
-            .launch_sync("gv_test_gin", (1, 1, 1), (1, 1, 1), 0, &mut params)?
-    };
+    unsafe { super::launch_own(&p.gpu, "gv_test_gin", (1, 1, 1), (1, 1, 1), &mut params)? };
     st.expect_ok()?;
     let mut raw = [0u8; 16 * 8];
     vals.read(0, &mut raw)?;
@@ -385,11 +382,11 @@ pub fn counted(
     ];
     // SAFETY: parameters match gv_test_counters; pointers are live device-visible memory.
     unsafe {
-        p.gpu.launch_sync(
+        super::launch_own(
+            &p.gpu,
             "gv_test_counters",
             (1, 1, 1),
             (THREADS as u32, 1, 1),
-            0,
             &mut params,
         )?
     };
@@ -474,11 +471,11 @@ pub fn counter_error(ordinal: usize) -> Result<String> {
     ];
     // SAFETY: parameters match gv_test_counter_error; pointers are live device memory.
     unsafe {
-        p.gpu.launch_sync(
+        super::launch_own(
+            &p.gpu,
             "gv_test_counter_error",
             (1, 1, 1),
             (1, 1, 1),
-            0,
             &mut params,
         )?
     };

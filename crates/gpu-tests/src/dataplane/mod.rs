@@ -363,6 +363,38 @@ pub fn status_name(s: i32) -> &'static str {
     }
 }
 
+/// The suite's own kernels (`crates/gpu-tests/kernels`, built by this crate's build script),
+/// 16-byte aligned as the driver wants a fatbin; empty when the build found no nvcc.
+#[repr(C, align(16))]
+struct Aligned<B: ?Sized>(B);
+static OWN_KERNELS: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(
+    env!("OUT_DIR"),
+    "/gpu_tests_kernels.fatbin"
+)));
+
+/// Launches `name`, one of the suite's own kernels, on `gpu` (its module loaded into the
+/// context gpuverbs opened for the launch) and waits for it.
+///
+/// # Safety
+/// As [`Gpu::launch_sync`]: `params` match the kernel's parameters and point at live values.
+pub unsafe fn launch_own(
+    gpu: &Gpu,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    ensure!(
+        !OWN_KERNELS.0.is_empty(),
+        "gpu-test was built without nvcc: its own kernels ({name}) are missing (build it with \
+         GPUVERBS_REQUIRE_NVCC=1, as `cargo xtask gpu-test` does)"
+    );
+    let module = gpu.load_module(&OWN_KERNELS.0)?;
+    // SAFETY: forwarded contract.
+    unsafe { gpu.launch_sync_in(&module, name, grid, block, 0, params)? };
+    Ok(())
+}
+
 /// Pointer-to-local helper for kernel parameter arrays.
 pub fn arg<T>(v: &mut T) -> *mut c_void {
     (v as *mut T).cast()

@@ -295,8 +295,13 @@ fn qp_error_seen(p: &Pair) -> Result<[u64; 7]> {
     let mut params = [arg(&mut q), arg(&mut o)];
     // SAFETY: parameters match gv_test_qp_error; both pointers are live device memory.
     unsafe {
-        p.gpu
-            .launch_sync("gv_test_qp_error", (1, 1, 1), (1, 1, 1), 0, &mut params)?
+        super::launch_own(
+            &p.gpu,
+            "gv_test_qp_error",
+            (1, 1, 1),
+            (1, 1, 1),
+            &mut params,
+        )?
     };
     let mut raw = [0u8; 64];
     out.read(0, &mut raw)?;
