@@ -256,6 +256,9 @@ struct State {
 /// The connection manager of the process.
 pub struct Cm {
     devices: &'static Devices,
+    /// The process that made it: a child `fork` made shares the files, and its exit must not
+    /// end the parent's connections (the kernel's files live while either holds them).
+    pid: u32,
     st: Mutex<State>,
     timer: OnceLock<()>,
     epoch: Instant,
@@ -271,6 +274,7 @@ pub fn cm(devices: &'static Devices) -> &'static Cm {
         on_fatal_signals();
         Cm {
             devices,
+            pid: std::process::id(),
             st: Mutex::new(State::default()),
             timer: OnceLock::new(),
             epoch: Instant::now(),
@@ -322,7 +326,7 @@ extern "C" fn on_fatal(sig: libc::c_int) {
         libc::signal(libc::SIGALRM, libc::SIG_DFL);
         libc::alarm(2);
     }
-    if let Some(cm) = CM.get() {
+    if let Some(cm) = CM.get().filter(|c| c.pid == std::process::id()) {
         // another thread may hold the lock a moment longer (the one that queued the event
         // the program took before it died); the dying thread itself, for good
         match cm.st.try_lock_for(std::time::Duration::from_millis(300)) {
@@ -367,7 +371,7 @@ impl Cm {
 /// of it (a DREQ for each connection, a REJ for each one being made). The same here.
 extern "C" fn at_exit() {
     let _ = std::panic::catch_unwind(|| {
-        if let Some(cm) = CM.get() {
+        if let Some(cm) = CM.get().filter(|c| c.pid == std::process::id()) {
             let handles: Vec<u32> = cm.st.lock().ids.keys().copied().collect();
             for h in handles {
                 cm.destroy(h);
