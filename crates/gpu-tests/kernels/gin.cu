@@ -346,3 +346,54 @@ GPUVERBS_KERNEL void gv_test_counter_error(gpuverbs_qp* q, uint64_t l, uint32_t 
     vals[2] = e.syndrome;
     __threadfence_system();
 }
+
+// The multi-QP doorbell (ring_multi), one block of 64 threads on n QPs (2..RING_MULTI_MAX),
+// `rounds` rounds. In round r every thread t puts `size` bytes at offset (r * 64 + t) * size
+// on every QP i (l[i] -> r[i], signaled, not rung) unless ring_multi_skips(r, i), which leaves
+// QP i with nothing to ring that round; then thread 0 checks that no QP was rung yet
+// (sq_rung < sq_ready where it posted, else INVALID), rings them all with one ring_multi
+// (each QP's status must be OK), checks that each QP's doorbell now stands at its published
+// end, and waits for every QP's completions up to that end (wait_ticket: every put is
+// signaled). Statuses as gv_test_scopes'; bytes and the descriptors are checked on the host.
+GPUVERBS_DEVICE bool ring_multi_skips(uint32_t r, uint32_t i, uint32_t n) {
+    return r % 2 == 1 && i == (r / 2) % n;
+}
+
+GPUVERBS_KERNEL void gv_test_ring_multi(gpuverbs_qp* const* qps, const uint64_t* l,
+                                        const uint32_t* lk, const uint64_t* r, const uint32_t* rk,
+                                        uint32_t n, uint32_t size, uint32_t rounds,
+                                        uint64_t budget, int* out) {
+    using namespace gpuverbs;
+    const uint32_t t = threadIdx.x;
+    status s = OK;
+    error e{};
+    for (uint32_t round = 0; round < rounds; ++round) {
+        const uint64_t off = (uint64_t)(round * blockDim.x + t) * size;
+        for (uint32_t i = 0; i < n && s == OK; ++i) {
+            if (ring_multi_skips(round, i, n)) continue;
+            s = put(qps[i], l[i] + off, lkey{lk[i]}, r[i] + off, rkey{rk[i]}, size, true, budget,
+                    false);
+        }
+        __syncthreads();
+        if (t == 0 && s == OK) {
+            for (uint32_t i = 0; i < n && s == OK; ++i) {
+                const volatile gpuverbs_qp* v = qps[i];
+                if (!ring_multi_skips(round, i, n) && v->sq_rung >= v->sq_ready) s = INVALID;
+            }
+            status each[RING_MULTI_MAX];
+            if (s == OK) s = ring_multi(qps, n, budget, each);
+            for (uint32_t i = 0; i < n && s == OK; ++i) {
+                if (each[i] != OK) s = each[i];
+            }
+            for (uint32_t i = 0; i < n && s == OK; ++i) {
+                const volatile gpuverbs_qp* v = qps[i];
+                const uint64_t end = v->sq_ready;
+                if (v->sq_rung != end) s = INVALID;
+                if (s == OK) s = wait_ticket(qps[i], end, budget, &e);
+            }
+        }
+        __syncthreads();
+    }
+    __threadfence_system();
+    gin_tests::report(out, s, e);
+}

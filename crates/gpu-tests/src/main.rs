@@ -206,6 +206,25 @@ counted_cases! {
     counted_gpuall_block_bf: BlueFlame, Mem::Gpu, GpuRings, scope 2, skip 4;
 }
 
+// the multi-QP doorbell: 2..4 QPs (modes mixed in one call) rung by one ring_multi
+fn ring_multi_2_gpudb(ctx: &Ctx) -> Result<String> {
+    dataplane::ring_multi(ctx.ordinal, &[GpuDoorbell; 2], Mem::Host, HostMapped)
+}
+fn ring_multi_3_bf(ctx: &Ctx) -> Result<String> {
+    dataplane::ring_multi(ctx.ordinal, &[BlueFlame; 3], Mem::Host, HostMapped)
+}
+fn ring_multi_2_proxy(ctx: &Ctx) -> Result<String> {
+    dataplane::ring_multi(ctx.ordinal, &[CpuProxy; 2], Mem::Host, HostMapped)
+}
+fn ring_multi_4_mixed(ctx: &Ctx) -> Result<String> {
+    let modes = [GpuDoorbell, BlueFlame, CpuProxy, GpuDoorbell];
+    dataplane::ring_multi(ctx.ordinal, &modes, Mem::Host, HostMapped)
+}
+fn ring_multi_gpuall_4_mixed(ctx: &Ctx) -> Result<String> {
+    let modes = [GpuDoorbell, CpuProxy, GpuDoorbell, BlueFlame];
+    dataplane::ring_multi(ctx.ordinal, &modes, Mem::Gpu, GpuRings)
+}
+
 fn counter_error(ctx: &Ctx) -> Result<String> {
     dataplane::counter_error(ctx.ordinal)
 }
@@ -385,6 +404,11 @@ const CASES: &[Case] = cases![
     scopes_gpuall_block_bf,
     gin_gpumem_gpudb,
     gin_gpuall_proxy,
+    ring_multi_2_gpudb,
+    ring_multi_3_bf,
+    ring_multi_2_proxy,
+    ring_multi_4_mixed,
+    ring_multi_gpuall_4_mixed,
     counted_gpuall_warp_gpudb,
     counted_gpuall_block_bf,
     gpumem_roundtrip_gpurings_gpudb,

@@ -5,6 +5,7 @@
 //   prepare  -> write one WQE of each kind into its slots (whole blocks, unused bytes zero)
 //   publish  -> make WQEs visible in order
 //   ring     -> tell the device (GPU doorbell, BlueFlame, or CPU-proxy producer word)
+//               (ring_multi: several QPs at once, two fences in all)
 //   poll     -> take CQEs, retire SQ space, report errors (last_error; qp_error without polling)
 //   high level: put, put_imm, put_inline, put_value, put_signal, put_signal_set, signal,
 //               signal_set, send, send_inline, get, get_wait, atomic_fetch_add,

@@ -165,13 +165,25 @@ __device__ __forceinline__ void give_rung(gpuverbs_qp* q, uint64_t rung) {
 // next ring. `last` is the caller's newest WQE when it built it in registers (one block): it
 // is copied from there when it is the WQE at `at`, which its ctrl segment's index says;
 // otherwise the WQE is read back from the ring.
-__device__ __forceinline__ void doorbell(gpuverbs_qp* q, const gpuverbs_qp& k, uint64_t pi,
-                                         uint64_t at, const block* last) {
+//
+// `doorbell` is `doorbell_record` then `doorbell_register`; `ring_multi` splits them to write
+// every QP's record before any QP's register.
+
+// The send word of the doorbell record gets the producer index (GPU doorbell and BlueFlame
+// modes; nothing in CPU-proxy mode, whose host thread writes the record itself).
+__device__ __forceinline__ void doorbell_record(const gpuverbs_qp& k, uint64_t pi) {
+    if (k.db_mode == GPUVERBS_DB_CPU_PROXY) return;
+    st_relaxed_sys32(reinterpret_cast<uint32_t*>(k.dbrec) + 1, bswap32((uint32_t)(pi & 0xffff)));
+}
+
+// The doorbell proper: the register store (GPU doorbell), the BlueFlame copy, or the CPU-proxy
+// producer word.
+__device__ __forceinline__ void doorbell_register(gpuverbs_qp* q, const gpuverbs_qp& k,
+                                                  uint64_t pi, uint64_t at, const block* last) {
     if (k.db_mode == GPUVERBS_DB_CPU_PROXY) {
         st_relaxed_sys64(reinterpret_cast<uint64_t*>(k.proxy_word), pi);
         return;
     }
-    st_relaxed_sys32(reinterpret_cast<uint32_t*>(k.dbrec) + 1, bswap32((uint32_t)(pi & 0xffff)));
     uint8_t* const halves = reinterpret_cast<uint8_t*>(k.db_reg);
     // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.
     uint64_t value = (uint64_t)bswap32(k.qpn << 8) << 32 | bswap32(((uint32_t)pi & 0xffffu) << 8);
@@ -200,6 +212,12 @@ __device__ __forceinline__ void doorbell(gpuverbs_qp* q, const gpuverbs_qp& k, u
     st_relaxed_sys64(reinterpret_cast<uint64_t*>(reg), value);
     q->bf_half ^= 1u;
     st_relaxed_sys64(reinterpret_cast<uint64_t*>(halves + (q->bf_half & 1u) * 256), 0);
+}
+
+__device__ __forceinline__ void doorbell(gpuverbs_qp* q, const gpuverbs_qp& k, uint64_t pi,
+                                         uint64_t at, const block* last) {
+    doorbell_record(k, pi);
+    doorbell_register(q, k, pi, at, last);
 }
 
 // Whether the release before a doorbell must be at system scope: host-resident rings, and
@@ -250,6 +268,125 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns,
                                        const block* last = nullptr) {
     call_clock c(budget_ns);
     return ring<S>(q, c, last);
+}
+
+// ------------------------------------------------------------------------------------------
+// Ringing several QPs at once (GPUNetIO's submit_db_multi_qps)
+// ------------------------------------------------------------------------------------------
+
+// The most QPs one `ring_multi` call rings (its per-QP state stays in registers).
+constexpr uint32_t RING_MULTI_MAX = 8;
+
+// Rings every WQE published on each QP of `qps[0..n)` (posted with `do_ring = false`, or by
+// reserve / prepare / publish), under one budget, with two fences in all instead of one or two
+// per QP:
+//
+//   1. per QP: the checks `ring` makes (BUSY, BROKEN), the doorbell taken (take_rung, bounded by
+//      the budget) and the published end read. A QP that fails here is not rung; its status
+//      goes to `each[i]` (when given) and the first one is returned; the others are still rung.
+//   2. one release fence, for every QP: it orders every published WQE (and the payloads and
+//      earlier publishes it covers cumulatively) before every doorbell record, register and
+//      proxy word stored below. A fence orders all of this thread's earlier memory operations
+//      (and, cumulatively, what it has observed: the WQEs other threads published, seen through
+//      its acquire of `sq_ready`) before all of its later stores, whatever their address, so one
+//      serves every QP. Scope: system when any QP to ring has its rings in host memory or rings
+//      by BlueFlame (as `ring`: the NIC or the soft NIC's CPU engine reads them over the system;
+//      BlueFlame also orders the previous ring's clear of the half before this copy); GPU scope
+//      when all of them have their rings in GPU memory (the NIC reads those only after the
+//      doorbell).
+//   3. per QP: the doorbell record (send word = producer index). The record must come after
+//      the WQEs (step 2): a device may take the producer from it at any time.
+//   4. one fence again, for every QP: it orders every record before every doorbell. Why the
+//      record before the doorbell: the doorbell value carries its own QP's producer index, but a
+//      device does not always see every doorbell value. Doorbells of QPs that share a register
+//      (or a UAR page) overwrite one another, a ConnectX's doorbell recovery path reads the
+//      records (GPUNetIO: "in case the recovery path is triggered"), and the soft NIC, on any
+//      doorbell on a shared register, takes the producer of every QP from its record (of its own
+//      doorbell, the larger of value and record). So when any doorbell of this call arrives, every
+//      record of this call must already be readable: all records, one fence, all doorbells. Same
+//      scope as step 2 (the records are in host memory either way; GPUNetIO makes this second
+//      fence at most GPU scope). Skipped when every QP to ring is in CPU-proxy mode.
+//   5. per QP: the doorbell in its mode, as `doorbell_register`: the 8-byte register store, the
+//      BlueFlame copy (with its own seqlock fence per QP), or for a CPU-proxy QP the producer
+//      word. A CPU-proxy QP has no record from the GPU (step 3 skips it): its host thread sees
+//      the word change and writes the record, then the register, itself; only step 2's fence
+//      matters for it (its WQEs before the word).
+//   6. per QP: the doorbell given back with the new producer index (release: the next ringer's
+//      stores come after these).
+//
+// GPUNetIO's submit_db_multi_qps rings each QP twice (fence, early doorbell; then record, fence,
+// doorbell again: 2 fences per QP); gpuverbs' doorbell values carry the producer index, so one
+// doorbell per QP after its record is enough. Shared modes: the doorbells are taken in the
+// order of `qps`, each held until step 6, so threads that ring overlapping sets should list
+// them in one order (a thread waiting for a doorbell another holds spends its budget, then that
+// QP is TIMEOUT and not rung: ring it again). Returns INVALID (nothing rung) when n exceeds
+// RING_MULTI_MAX or a pointer is null.
+template <sharing S>
+__device__ __forceinline__ status ring_multi(gpuverbs_qp* const* qps, uint32_t n, call_clock& c,
+                                             status* each = nullptr) {
+    if (n > RING_MULTI_MAX) return INVALID;
+    for (uint32_t i = 0; i < n; ++i) {
+        if (!qps[i]) return INVALID;
+    }
+    uint64_t rung[RING_MULTI_MAX];
+    uint64_t ready[RING_MULTI_MAX];
+    uint32_t taken = 0;  // bit i: QP i's doorbell is held
+    uint32_t due = 0;    // bit i: QP i has published WQEs past its last ring
+    bool sys = false;    // step 2's and step 4's scope
+    bool records = false;  // some QP to ring has a doorbell record to write (not CPU proxy)
+    status first = OK;
+    // 1. checks, doorbells taken, published ends read
+    for (uint32_t i = 0; i < n; ++i) {
+        gpuverbs_qp* const q = qps[i];
+        const uint32_t held = q->checked_out;
+        const bool broken = S != sharing::exclusive && sq_broken(q);
+        const uint32_t mode = q->db_mode;
+        const uint32_t loc = q->ring_loc;
+        status s = held ? BUSY : broken ? BROKEN : OK;
+        if (s == OK && !take_rung<S>(q, c, &rung[i])) s = TIMEOUT;
+        if (s == OK) {
+            taken |= 1u << i;
+            ready[i] = state_load<S>(&q->sq_ready);
+            if (ready[i] > rung[i]) {
+                due |= 1u << i;
+                sys |= loc == 0 || mode == GPUVERBS_DB_BLUEFLAME;
+                records |= mode != GPUVERBS_DB_CPU_PROXY;
+            }
+        }
+        if (each) each[i] = s;
+        if (s != OK && first == OK) first = s;
+    }
+    if (due) {
+        // 2. one fence: every QP's WQEs before any record, doorbell or proxy word
+        release_wqes(sys);
+        // 3. every QP's doorbell record
+        for (uint32_t i = 0; i < n; ++i) {
+            if (due & (1u << i)) doorbell_record(consts_of(qps[i]), ready[i]);
+        }
+        // 4. one fence: every record before any doorbell
+        if (records) release_wqes(sys);
+        // 5. every QP's doorbell (register, BlueFlame copy or proxy word)
+        for (uint32_t i = 0; i < n; ++i) {
+            if (!(due & (1u << i))) continue;
+            gpuverbs_qp* const q = qps[i];
+            const gpuverbs_qp k = consts_of(q);
+            doorbell_register(q, k, ready[i],
+                              k.db_mode == GPUVERBS_DB_BLUEFLAME ? q->sq_last_start : 0, nullptr);
+            rung[i] = ready[i];
+        }
+    }
+    // 6. the doorbells given back with the index rung
+    for (uint32_t i = 0; i < n; ++i) {
+        if (taken & (1u << i)) give_rung<S>(qps[i], rung[i]);
+    }
+    return first;
+}
+
+template <sharing S = sharing::gpu>
+__device__ status ring_multi(gpuverbs_qp* const* qps, uint32_t n, uint64_t budget_ns,
+                             status* each = nullptr) {
+    call_clock c(budget_ns);
+    return ring_multi<S>(qps, n, c, each);
 }
 
 // Exclusive mode: releases every WQE published so far, and every store this thread made before

@@ -16,7 +16,7 @@ pub use ops::{
 };
 pub use put::{collapsed_cq, put_case, PutArgs, PutCase};
 pub use recv::{recv, RecvCase};
-pub use sharing::{exclusive_wrap, poster_handover, private_qps};
+pub use sharing::{exclusive_wrap, poster_handover, private_qps, ring_multi};
 pub use status::status_paths;
 
 use anyhow::{bail, ensure, Context as _, Result};

@@ -277,3 +277,129 @@ pub fn private_qps(ordinal: usize, mode: DoorbellMode) -> Result<String> {
         ctas * threads * iters
     ))
 }
+
+/// `ring_multi_skips` of gv_test_ring_multi: QP `i` has nothing posted in round `r`.
+fn ring_multi_skips(r: usize, i: usize, n: usize) -> bool {
+    r % 2 == 1 && i == (r / 2) % n
+}
+
+/// The multi-QP doorbell: one QP per entry of `modes` (each its own pair, doorbell mode and
+/// rings), 64 threads putting on every QP unrung, thread 0 ringing them all with one
+/// `ring_multi` per round (some rounds leave one QP with nothing to ring). Every byte of every
+/// QP checked (and the bytes of skipped rounds still zero), every QP's completions retired.
+pub fn ring_multi(
+    ordinal: usize,
+    modes: &[DoorbellMode],
+    mem: Mem,
+    rings: RingPlacement,
+) -> Result<String> {
+    let (threads, rounds, size) = (64u32, 6u32, 32u32);
+    let n = modes.len();
+    let bytes = (threads * rounds * size) as usize;
+    let pairs: Vec<Pair> = modes
+        .iter()
+        .map(|&mode| {
+            Pair::with(
+                ordinal,
+                PairSpec {
+                    mode,
+                    bytes,
+                    sq_blocks: 256,
+                    mem,
+                    rings,
+                },
+            )
+        })
+        .collect::<Result<_>>()?;
+    for p in &pairs {
+        p.dst.write(0, &vec![0; bytes])?;
+    }
+    let gpu = pairs[0].gpu.clone();
+    let array = |words: Vec<u8>| -> Result<gpuverbs::gpu::DeviceMem> {
+        let m = gpu.alloc(words.len())?;
+        m.write(0, &words)?;
+        Ok(m)
+    };
+    let qps = array(
+        pairs
+            .iter()
+            .flat_map(|p| p.export.ptr().to_ne_bytes())
+            .collect(),
+    )?;
+    let lbases = array(pairs.iter().flat_map(|p| p.src_d.to_ne_bytes()).collect())?;
+    let lks = array(
+        pairs
+            .iter()
+            .flat_map(|p| p.src_mr.lkey().0.to_ne_bytes())
+            .collect(),
+    )?;
+    let rbases = array(
+        pairs
+            .iter()
+            .flat_map(|p| p.dst_mr.addr().to_ne_bytes())
+            .collect(),
+    )?;
+    let rks = array(
+        pairs
+            .iter()
+            .flat_map(|p| p.dst_mr.rkey().0.to_ne_bytes())
+            .collect(),
+    )?;
+    let st = Status::new(&gpu)?;
+    let (mut a, mut b, mut c, mut d, mut e) =
+        (qps.ptr(), lbases.ptr(), lks.ptr(), rbases.ptr(), rks.ptr());
+    let (mut n_, mut size_, mut rounds_, mut budget, mut out) =
+        (n as u32, size, rounds, BUDGET_NS, st.ptr());
+    let mut params = [
+        arg(&mut a),
+        arg(&mut b),
+        arg(&mut c),
+        arg(&mut d),
+        arg(&mut e),
+        arg(&mut n_),
+        arg(&mut size_),
+        arg(&mut rounds_),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    // SAFETY: parameters match gv_test_ring_multi; the arrays hold one entry per QP and every
+    // pointer in them is live device-visible memory for the whole launch.
+    unsafe {
+        super::launch_own(
+            &gpu,
+            "gv_test_ring_multi",
+            (1, 1, 1),
+            (threads, 1, 1),
+            &mut params,
+        )?
+    };
+    st.expect_ok()?;
+    let slot = size as usize;
+    for (i, p) in pairs.iter().enumerate() {
+        let (src, dst) = (p.src.to_vec()?, p.dst.to_vec()?);
+        for r in 0..rounds as usize {
+            let span = r * threads as usize * slot..(r + 1) * threads as usize * slot;
+            if ring_multi_skips(r, i, n) {
+                ensure!(
+                    dst[span.clone()].iter().all(|&x| x == 0),
+                    "QP {i}: round {r} was skipped but bytes landed"
+                );
+            } else {
+                ensure!(
+                    dst[span.clone()] == src[span.clone()],
+                    "QP {i} ({:?}): round {r}'s bytes differ",
+                    modes[i]
+                );
+            }
+        }
+        let desc = p.export.read()?;
+        ensure!(
+            desc.sq_retired == desc.sq_ready && desc.sq_rung == desc.sq_ready,
+            "QP {i}: {desc:?}"
+        );
+    }
+    Ok(format!(
+        "{n} QPs ({modes:?}) rung together by ring_multi, {rounds} rounds of {threads} puts \
+         of {size} B each: every byte and completion checked"
+    ))
+}
