@@ -397,3 +397,49 @@ GPUVERBS_KERNEL void gv_test_ring_multi(gpuverbs_qp* const* qps, const uint64_t*
     __threadfence_system();
     gin_tests::report(out, s, e);
 }
+
+// flush and get_wait at warp (scope 1) or block (scope 2) scope, one block of 64 threads;
+// thread t takes part unless skip_mod && t % skip_mod == skip_mod - 1. Per participant t:
+//   put      16 bytes l+16t -> r+16t (unsignaled, rung), then the scope's flush (every thread
+//            at block scope); after OK the QP's retired counter must have reached the end the
+//            thread saw after its put (INVALID otherwise)
+//   get_wait 16 bytes r+1024+16t -> l+1024+16t at the scope; after OK the thread loads them
+//            (__ldcv) and stores them at l+2048+16t (the host compares both copies with r)
+GPUVERBS_KERNEL void gv_test_scope_waits(gpuverbs_qp* q, uint64_t l, uint32_t lk_, uint64_t r,
+                                         uint32_t rk_, uint32_t scope, uint32_t skip_mod,
+                                         uint64_t budget, int* out) {
+    using namespace gpuverbs;
+    const uint32_t t = threadIdx.x;
+    const bool part = skip_mod == 0 || t % skip_mod != skip_mod - 1;
+    const lkey lk{lk_};
+    const rkey rk{rk_};
+    status s = OK;
+    error e{};
+    uint64_t mine = 0;
+    if (part) {
+        s = put(q, l + 16 * t, lk, r + 16 * t, rk, 16, false, budget);
+        mine = reinterpret_cast<volatile gpuverbs_qp*>(q)->sq_ready;
+    }
+    if (scope == 2) {
+        const status f = flush_block(q, budget, &e);
+        if (s == OK) s = f;
+    } else if (part && s == OK) {
+        s = flush_warp(q, budget, &e);
+    }
+    if (part && s == OK && reinterpret_cast<volatile gpuverbs_qp*>(q)->sq_retired < mine) {
+        s = INVALID;
+    }
+    const uint64_t g = 1024 + 16 * t;
+    if (scope == 2) {
+        const status w = get_wait_block(q, part && s == OK, l + g, lk, r + g, rk, 16, budget, &e);
+        if (s == OK) s = w;
+    } else if (part && s == OK) {
+        s = get_wait_warp(q, l + g, lk, r + g, rk, 16, budget, &e);
+    }
+    if (part && s == OK) {
+        const uint4 v = __ldcv(reinterpret_cast<const uint4*>(l + g));
+        *reinterpret_cast<uint4*>(l + 2048 + 16 * t) = v;
+    }
+    __threadfence_system();
+    gin_tests::report(out, s, e);
+}

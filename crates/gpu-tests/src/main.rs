@@ -172,6 +172,23 @@ scopes_cases! {
     scopes_gpuall_block_bf: BlueFlame, Mem::Gpu, GpuRings, scope 2, skip 0;
 }
 
+macro_rules! scope_waits_cases {
+    ($($name:ident: $mode:expr, $mem:expr, $rings:expr, scope $scope:expr, skip $skip:expr;)*) => {
+        $(fn $name(ctx: &Ctx) -> Result<String> {
+            dataplane::scope_waits(ctx.ordinal, $mode, $mem, $rings, $scope, $skip)
+        })*
+    };
+}
+
+// flush and get_wait at warp (1) and block (2) scope
+scope_waits_cases! {
+    waits_warp_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 1, skip 0;
+    waits_warp_partial_bf: BlueFlame, Mem::Host, HostMapped, scope 1, skip 3;
+    waits_block_partial_proxy: CpuProxy, Mem::Host, HostMapped, scope 2, skip 4;
+    waits_gpuall_warp_partial_proxy: CpuProxy, Mem::Gpu, GpuRings, scope 1, skip 5;
+    waits_gpuall_block_gpudb: GpuDoorbell, Mem::Gpu, GpuRings, scope 2, skip 0;
+}
+
 macro_rules! gin_cases {
     ($($name:ident: $mode:expr, $mem:expr, $rings:expr;)*) => {
         $(fn $name(ctx: &Ctx) -> Result<String> {
@@ -409,6 +426,11 @@ const CASES: &[Case] = cases![
     ring_multi_2_proxy,
     ring_multi_4_mixed,
     ring_multi_gpuall_4_mixed,
+    waits_warp_gpudb,
+    waits_warp_partial_bf,
+    waits_block_partial_proxy,
+    waits_gpuall_warp_partial_proxy,
+    waits_gpuall_block_gpudb,
     counted_gpuall_warp_gpudb,
     counted_gpuall_block_bf,
     gpumem_roundtrip_gpurings_gpudb,

@@ -19,8 +19,8 @@
 //               read_counter, wait_counter, reset_counter;
 //               quiet, flush, flush_all (several QPs), wait_ticket, fence;
 //               warp scope (`*_warp`) and block scope (`*_block`) of put, get, signal,
-//               signal_set, put_signal, put_signal_set, every atomic above and the counted
-//               calls.
+//               signal_set, put_signal, put_signal_set, every atomic above, the counted
+//               calls, flush and get_wait.
 //   receive side: post_recv, recv_wait.
 //   DC initiators: dc_put, dc_get, dc_atomic_fetch_add, dc_atomic_compare_swap.
 //

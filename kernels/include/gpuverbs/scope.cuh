@@ -3,7 +3,7 @@
 // Warp and block scope: one reservation and one doorbell for many threads, partial participation
 // allowed: put, get, signal (add and set), put with a signal (add and set), the atomics
 // (8- and 4-byte fetch-add and compare-swap, plain and masked), and the
-// counted put, get and put with a signal.
+// counted put, get and put with a signal; flush and get_wait.
 #ifndef GPUVERBS_SCOPE_CUH
 #define GPUVERBS_SCOPE_CUH
 
@@ -613,6 +613,111 @@ __device__ status put_signal_set_counted_block(gpuverbs_qp* q, bool participate,
         return build_put_signal_counted(k, idx, true, laddr, lk, raddr, rk, len, sig_addr,
                                         sig_key, value, counter);
     });
+}
+
+// ------------------------------------------------------------------------------------------
+// flush and get_wait at warp and block scope
+// ------------------------------------------------------------------------------------------
+
+// flush (= quiet) at warp scope: every active lane calls it; once every lane has arrived (so
+// every lane's earlier posts are published), the lowest active lane quiets the QP, and every
+// lane returns its status (and, on ERROR_CQE, the QP's recorded error in its `*err`). Every
+// operation the warp posted to the QP before the call has then completed.
+template <sharing S = sharing::gpu>
+__device__ status flush_warp(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr) {
+    const uint32_t mask = __activemask();
+    const uint32_t leader = __ffs(mask) - 1;
+    __syncwarp(mask);  // every lane's posts before the leader's quiet
+    status s = OK;
+    if ((threadIdx.x & 31u) == leader) s = quiet<S>(q, budget_ns);
+    // Orders the leader's descriptor stores (and the completions it acquired) before the lanes.
+    __syncwarp(mask);
+    s = (status)__shfl_sync(mask, (int)s, leader);
+    if (s == ERROR_CQE && err) *err = last_error(q);
+    return s;
+}
+
+// flush at block scope (a collective: every thread of the block calls it): after a block-wide
+// barrier thread 0 quiets the QP; every thread returns its status (and error, as flush_warp).
+template <sharing S = sharing::gpu>
+__device__ status flush_block(gpuverbs_qp* q, uint64_t budget_ns, error* err = nullptr) {
+    __shared__ int st;
+    const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    __syncthreads();  // every thread's posts before thread 0's quiet
+    if (tid == 0) st = quiet<S>(q, budget_ns);
+    __syncthreads();
+    const status s = (status)st;
+    __syncthreads();  // `st` read by all before a later call writes it again
+    if (s == ERROR_CQE && err) *err = last_error(q);
+    return s;
+}
+
+// get_wait at warp scope: every active lane reads `len` bytes (its own addresses) with one
+// reservation and one doorbell (as get_warp), the last lane's READ signaled; the lowest active
+// lane then polls the send CQ until that READ has completed (RC completes a QP's WQEs in order:
+// every lane's READ is done), all under one budget from the call's start. Every lane returns
+// the status: OK (its bytes are in local memory: load them past the L1, as after get_wait),
+// ERROR_CQE (with the QP's recorded error in `*err`), TIMEOUT.
+template <sharing S = sharing::gpu>
+__device__ status get_wait_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint64_t raddr, rkey rk,
+                                uint32_t len, uint64_t budget_ns, error* err = nullptr) {
+    const uint32_t mask = __activemask();
+    const uint32_t leader = __ffs(mask) - 1;
+    call_clock c(budget_ns);
+    c.start();
+    uint64_t end = 0;  // the signaled (last) READ's end, on the lane that built it
+    status s = warp_post<S>(q, 1, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+        if (f & CE_SIGNALED) end = idx + 1;
+        const block b = build_read(k, idx, laddr, lk, raddr, rk, len, f);
+        store_block(k, idx, b);
+        return b;
+    });
+    if (s == ERROR_CQE && err) *err = last_error(q);
+    if (s != OK) return s;
+    // The last rank is the highest active lane; its READ is the signaled one.
+    end = __shfl_sync(mask, end, 31u - __clz(mask));
+    if ((threadIdx.x & 31u) == leader) {
+        s = on_copy<S>(q, [&](gpuverbs_qp* m) -> status { return poll_to<S>(m, end, c, nullptr); });
+    }
+    __syncwarp(mask);  // the leader's acquire of the CQE (and its state stores) before the lanes
+    s = (status)__shfl_sync(mask, (int)s, leader);
+    if (s == ERROR_CQE && err) *err = last_error(q);
+    return s;
+}
+
+// get_wait at block scope (a collective, as get_block): participants read with one reservation
+// and one doorbell, the last one's READ signaled; thread 0 polls until it has completed; every
+// thread returns the status (OK with no participant). As get_wait_warp otherwise.
+template <sharing S = sharing::gpu>
+__device__ status get_wait_block(gpuverbs_qp* q, bool participate, uint64_t laddr, lkey lk,
+                                 uint64_t raddr, rkey rk, uint32_t len, uint64_t budget_ns,
+                                 error* err = nullptr) {
+    __shared__ uint64_t end;  // the signaled (last) READ's end; 0: nothing posted
+    __shared__ int st;
+    const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    call_clock c(budget_ns);
+    c.start();
+    if (tid == 0) end = 0;  // ordered before the build by block_post's first barrier
+    status s = block_post<S>(q, participate, 1, 1, true, budget_ns,
+                             [&](const gpuverbs_qp* k, uint64_t idx, uint8_t f) {
+                                 if (f & CE_SIGNALED) end = idx + 1;
+                                 const block b = build_read(k, idx, laddr, lk, raddr, rk, len, f);
+                                 store_block(k, idx, b);
+                                 return b;
+                             });
+    if (s == ERROR_CQE && err) *err = last_error(q);
+    if (s != OK) return s;  // every thread got the same status from block_post
+    if (tid == 0) {
+        st = end == 0 ? OK
+                      : on_copy<S>(q, [&](gpuverbs_qp* m) -> status {
+                            return poll_to<S>(m, end, c, nullptr);
+                        });
+    }
+    __syncthreads();
+    s = (status)st;
+    __syncthreads();  // `st` read by all before a later call writes it again
+    if (s == ERROR_CQE && err) *err = last_error(q);
+    return s;
 }
 
 }  // namespace gpuverbs

@@ -1,6 +1,7 @@
 //! Signals, put-with-signal and the atomics at warp and block scope, and the GIN-style calls at
 //! thread scope (put_signal_set, put_value, get_wait, read / wait / reset of a signal word,
-//! flush of one QP and of several): every byte of both buffers checked on the host.
+//! flush of one QP and of several), flush and get_wait at warp and block scope: every byte of
+//! both buffers checked on the host.
 
 use anyhow::{ensure, Result};
 use gpuverbs::{DoorbellMode, RingPlacement};
@@ -501,6 +502,89 @@ pub fn counter_error(ordinal: usize) -> Result<String> {
         "counted puts into a bad rkey: wait_counter ERROR_CQE REMOTE_ACCESS, the counter still 0"
             .into(),
     )
+}
+
+/// `gv_test_scope_waits` at `scope` (1 warp, 2 block) with every `skip_mod`-th thread left out:
+/// a put then flush at the scope, get_wait at the scope and a load of what it read; both
+/// buffers checked whole (non-participants' bytes untouched).
+pub fn scope_waits(
+    ordinal: usize,
+    mode: DoorbellMode,
+    mem: Mem,
+    rings: RingPlacement,
+    scope: u32,
+    skip_mod: u32,
+) -> Result<String> {
+    ensure!(
+        scope == 1 || scope == 2,
+        "gv_test_scope_waits runs at warp (1) or block (2) scope"
+    );
+    let spec = PairSpec {
+        mode,
+        bytes: 4096,
+        sq_blocks: 256,
+        mem,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
+    let mut src0 = p.src.to_vec()?;
+    src0[1024..3072].fill(0);
+    p.src.write(0, &src0)?;
+    let mut dst0 = vec![0u8; 4096];
+    for (i, b) in dst0[1024..2048].iter_mut().enumerate() {
+        *b = (i as u32 * 29 + 11) as u8 | 0x40;
+    }
+    p.dst.write(0, &dst0)?;
+    let st = Status::new(&p.gpu)?;
+    let (mut q, mut l, mut lk, mut r, mut rk) = (
+        p.export.ptr(),
+        p.src_d,
+        p.src_mr.lkey().0,
+        p.dst_mr.addr(),
+        p.dst_mr.rkey().0,
+    );
+    let (mut sc, mut skip, mut budget, mut out) = (scope, skip_mod, BUDGET_NS, st.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut l),
+        arg(&mut lk),
+        arg(&mut r),
+        arg(&mut rk),
+        arg(&mut sc),
+        arg(&mut skip),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    // SAFETY: parameters match gv_test_scope_waits; pointers are live device-visible memory.
+    unsafe {
+        super::launch_own(
+            &p.gpu,
+            "gv_test_scope_waits",
+            (1, 1, 1),
+            (THREADS as u32, 1, 1),
+            &mut params,
+        )?
+    };
+    st.expect_ok()?;
+    let part = |t: usize| skip_mod == 0 || t % skip_mod as usize != skip_mod as usize - 1;
+    let (mut want_src, mut want_dst) = (src0.clone(), dst0.clone());
+    let mut n = 0;
+    for t in (0..THREADS).filter(|&t| part(t)) {
+        n += 1;
+        let (o, g) = (16 * t, 1024 + 16 * t);
+        want_dst[o..o + 16].copy_from_slice(&src0[o..o + 16]);
+        want_src[g..g + 16].copy_from_slice(&dst0[g..g + 16]);
+        want_src[g + 1024..g + 1040].copy_from_slice(&dst0[g..g + 16]);
+    }
+    same("local buffer", &p.src.to_vec()?, &want_src)?;
+    same("remote buffer", &p.dst.to_vec()?, &want_dst)?;
+    let desc = p.export.read()?;
+    ensure!(desc.sq_retired == desc.sq_ready, "{desc:?}");
+    let at = if scope == 1 { "warp" } else { "block" };
+    Ok(format!(
+        "{n} of {THREADS} threads: put + flush_{at}, get_wait_{at} and a load of its bytes; \
+         both buffers checked"
+    ))
 }
 
 #[cfg(test)]
