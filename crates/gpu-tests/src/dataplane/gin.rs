@@ -76,25 +76,7 @@ pub fn scopes(
     );
     let p = Pair::with(ordinal, spec)?;
     let src0 = p.src.to_vec()?;
-    let mut dst0 = vec![0u8; 8192];
-    for (i, b) in dst0[3584..4608].iter_mut().enumerate() {
-        *b = (i as u32 * 13 + 5) as u8;
-    }
-    for t in 0..THREADS {
-        let t64 = t as u64;
-        put_u64(&mut dst0, 4608 + 8 * t, 1000 + t64);
-        put_u64(&mut dst0, 5120 + 8 * t, 2000 + t64);
-        put_u32(&mut dst0, 5632 + 4 * t, 300 + t as u32);
-        put_u32(&mut dst0, 5888 + 4 * t, 400 + t as u32);
-        put_u64(&mut dst0, 6144 + 8 * t, 0x0000_0001_ffff_fff0 + t64);
-        put_u64(&mut dst0, 6656 + 8 * t, 0x1111_2222_3333_0000 | t64);
-        put_u32(&mut dst0, 7168 + 4 * t, 0x00ff_1000 | (0xc0 + t as u32));
-        put_u32(
-            &mut dst0,
-            7424 + 4 * t,
-            0x7700_0000 | (t as u32) << 8 | t as u32,
-        );
-    }
+    let dst0 = scopes_remote_start();
     p.dst.write(0, &dst0)?;
     let st = Status::new(&p.gpu)?;
     let (mut q, mut l, mut lk, mut r, mut rk) = (
@@ -127,8 +109,51 @@ pub fn scopes(
         )?
     };
     st.expect_ok()?;
-    // both buffers as they must end
-    let (mut want_src, mut want_dst) = (src0.clone(), dst0.clone());
+    let (want_src, want_dst, n) = scopes_expected(&src0, &dst0, skip_mod);
+    same("remote buffer", &p.dst.to_vec()?, &want_dst)?;
+    same("local buffer", &p.src.to_vec()?, &want_src)?;
+    if let Some(c) = counters(&p.a) {
+        ensure!(
+            c.errors.is_empty() && c.device_memory_errors == 0,
+            "device: {c:?}"
+        );
+    }
+    let scope_name = ["thread", "warp", "block"][scope as usize % 3];
+    Ok(format!(
+        "{scope_name} scope, {n} of {THREADS} threads: signal, signal_set, put_signal, \
+         put_signal_set, get, fetch-add, compare-swap, masked fetch-add and compare-swap (8 and \
+         4 bytes), both buffers bit for bit (payload {mem:?}, rings {rings:?})"
+    ))
+}
+
+/// The remote buffer `gv_test_scopes` starts from: a get source and the atomics' operands.
+fn scopes_remote_start() -> Vec<u8> {
+    let mut dst0 = vec![0u8; 8192];
+    for (i, b) in dst0[3584..4608].iter_mut().enumerate() {
+        *b = (i as u32 * 13 + 5) as u8;
+    }
+    for t in 0..THREADS {
+        let t64 = t as u64;
+        put_u64(&mut dst0, 4608 + 8 * t, 1000 + t64);
+        put_u64(&mut dst0, 5120 + 8 * t, 2000 + t64);
+        put_u32(&mut dst0, 5632 + 4 * t, 300 + t as u32);
+        put_u32(&mut dst0, 5888 + 4 * t, 400 + t as u32);
+        put_u64(&mut dst0, 6144 + 8 * t, 0x0000_0001_ffff_fff0 + t64);
+        put_u64(&mut dst0, 6656 + 8 * t, 0x1111_2222_3333_0000 | t64);
+        put_u32(&mut dst0, 7168 + 4 * t, 0x00ff_1000 | (0xc0 + t as u32));
+        put_u32(
+            &mut dst0,
+            7424 + 4 * t,
+            0x7700_0000 | (t as u32) << 8 | t as u32,
+        );
+    }
+    dst0
+}
+
+/// Both buffers as `gv_test_scopes` must leave them (local, remote), and how many threads took
+/// part, with every `skip_mod`-th thread left out (0: none).
+fn scopes_expected(src0: &[u8], dst0: &[u8], skip_mod: u32) -> (Vec<u8>, Vec<u8>, usize) {
+    let (mut want_src, mut want_dst) = (src0.to_vec(), dst0.to_vec());
     let part = |t: usize| skip_mod == 0 || t % skip_mod as usize != skip_mod as usize - 1;
     let mask: u64 = (0..THREADS).filter(|&t| part(t)).map(|t| 1u64 << t).sum();
     let mut n = 0;
@@ -191,20 +216,7 @@ pub fn scopes(
     }
     put_u64(&mut want_dst, 0, mask);
     put_u64(&mut want_dst, 8, mask);
-    same("remote buffer", &p.dst.to_vec()?, &want_dst)?;
-    same("local buffer", &p.src.to_vec()?, &want_src)?;
-    if let Some(c) = counters(&p.a) {
-        ensure!(
-            c.errors.is_empty() && c.device_memory_errors == 0,
-            "device: {c:?}"
-        );
-    }
-    let scope_name = ["thread", "warp", "block"][scope as usize % 3];
-    Ok(format!(
-        "{scope_name} scope, {n} of {THREADS} threads: signal, signal_set, put_signal, \
-         put_signal_set, get, fetch-add, compare-swap, masked fetch-add and compare-swap (8 and \
-         4 bytes), both buffers bit for bit (payload {mem:?}, rings {rings:?})"
-    ))
+    (want_src, want_dst, n)
 }
 
 /// `gv_test_gin` on two pairs: put_signal_set, put_value (1, 2, 4, 8 bytes; 3 is INVALID),
