@@ -78,6 +78,28 @@ pub fn scopes(
     let src0 = p.src.to_vec()?;
     let dst0 = scopes_remote_start();
     p.dst.write(0, &dst0)?;
+    launch_scoped(&p, "gv_test_scopes", scope, skip_mod)?;
+    let (want_src, want_dst, n) = scopes_expected(&src0, &dst0, skip_mod);
+    same("remote buffer", &p.dst.to_vec()?, &want_dst)?;
+    same("local buffer", &p.src.to_vec()?, &want_src)?;
+    if let Some(c) = counters(&p.a) {
+        ensure!(
+            c.errors.is_empty() && c.device_memory_errors == 0,
+            "device: {c:?}"
+        );
+    }
+    let scope_name = ["thread", "warp", "block"][scope as usize % 3];
+    Ok(format!(
+        "{scope_name} scope, {n} of {THREADS} threads: signal, signal_set, put_signal, \
+         put_signal_set, get, fetch-add, compare-swap, masked fetch-add and compare-swap (8 and \
+         4 bytes), both buffers bit for bit (payload {mem:?}, rings {rings:?})"
+    ))
+}
+
+/// Launches `kernel` (one block of THREADS threads; parameters: the QP, the local buffer and
+/// key, the remote buffer and key, the scope, `skip_mod`, the budget, the status word) on `p`
+/// and expects it to report OK.
+fn launch_scoped(p: &Pair, kernel: &str, scope: u32, skip_mod: u32) -> Result<()> {
     let st = Status::new(&p.gpu)?;
     let (mut q, mut l, mut lk, mut r, mut rk) = (
         p.export.ptr(),
@@ -98,32 +120,18 @@ pub fn scopes(
         arg(&mut budget),
         arg(&mut out),
     ];
-    // SAFETY: parameters match gv_test_scopes; pointers are live device-visible memory.
+    // SAFETY: the callers' kernels take exactly these parameters; pointers are live
+    // device-visible memory.
     unsafe {
         super::launch_own(
             &p.gpu,
-            "gv_test_scopes",
+            kernel,
             (1, 1, 1),
             (THREADS as u32, 1, 1),
             &mut params,
         )?
     };
-    st.expect_ok()?;
-    let (want_src, want_dst, n) = scopes_expected(&src0, &dst0, skip_mod);
-    same("remote buffer", &p.dst.to_vec()?, &want_dst)?;
-    same("local buffer", &p.src.to_vec()?, &want_src)?;
-    if let Some(c) = counters(&p.a) {
-        ensure!(
-            c.errors.is_empty() && c.device_memory_errors == 0,
-            "device: {c:?}"
-        );
-    }
-    let scope_name = ["thread", "warp", "block"][scope as usize % 3];
-    Ok(format!(
-        "{scope_name} scope, {n} of {THREADS} threads: signal, signal_set, put_signal, \
-         put_signal_set, get, fetch-add, compare-swap, masked fetch-add and compare-swap (8 and \
-         4 bytes), both buffers bit for bit (payload {mem:?}, rings {rings:?})"
-    ))
+    st.expect_ok()
 }
 
 /// The remote buffer `gv_test_scopes` starts from: a get source and the atomics' operands.
@@ -547,37 +555,7 @@ pub fn scope_waits(
         *b = (i as u32 * 29 + 11) as u8 | 0x40;
     }
     p.dst.write(0, &dst0)?;
-    let st = Status::new(&p.gpu)?;
-    let (mut q, mut l, mut lk, mut r, mut rk) = (
-        p.export.ptr(),
-        p.src_d,
-        p.src_mr.lkey().0,
-        p.dst_mr.addr(),
-        p.dst_mr.rkey().0,
-    );
-    let (mut sc, mut skip, mut budget, mut out) = (scope, skip_mod, BUDGET_NS, st.ptr());
-    let mut params = [
-        arg(&mut q),
-        arg(&mut l),
-        arg(&mut lk),
-        arg(&mut r),
-        arg(&mut rk),
-        arg(&mut sc),
-        arg(&mut skip),
-        arg(&mut budget),
-        arg(&mut out),
-    ];
-    // SAFETY: parameters match gv_test_scope_waits; pointers are live device-visible memory.
-    unsafe {
-        super::launch_own(
-            &p.gpu,
-            "gv_test_scope_waits",
-            (1, 1, 1),
-            (THREADS as u32, 1, 1),
-            &mut params,
-        )?
-    };
-    st.expect_ok()?;
+    launch_scoped(&p, "gv_test_scope_waits", scope, skip_mod)?;
     let part = |t: usize| skip_mod == 0 || t % skip_mod as usize != skip_mod as usize - 1;
     let (mut want_src, mut want_dst) = (src0.clone(), dst0.clone());
     let mut n = 0;
