@@ -198,6 +198,35 @@ pub fn exclusive_wrap(ordinal: usize, mode: DoorbellMode, rings: RingPlacement) 
     ))
 }
 
+/// Per-pair arrays in GPU memory for kernels that drive several pairs: the exported QPs, the
+/// local buffers and keys, the remote buffers and keys, pair `i` at index `i`.
+struct PairArrays {
+    qps: gpuverbs::gpu::DeviceMem,
+    lbases: gpuverbs::gpu::DeviceMem,
+    lks: gpuverbs::gpu::DeviceMem,
+    rbases: gpuverbs::gpu::DeviceMem,
+    rks: gpuverbs::gpu::DeviceMem,
+}
+
+impl PairArrays {
+    fn new(pairs: &[Pair]) -> Result<Self> {
+        let gpu = &pairs[0].gpu;
+        let array = |words: Vec<u8>| -> Result<gpuverbs::gpu::DeviceMem> {
+            let m = gpu.alloc(words.len())?;
+            m.write(0, &words)?;
+            Ok(m)
+        };
+        let each = |f: &dyn Fn(&Pair) -> Vec<u8>| array(pairs.iter().flat_map(f).collect());
+        Ok(Self {
+            qps: each(&|p| p.export.ptr().to_ne_bytes().to_vec())?,
+            lbases: each(&|p| p.src_d.to_ne_bytes().to_vec())?,
+            lks: each(&|p| p.src_mr.lkey().0.to_ne_bytes().to_vec())?,
+            rbases: each(&|p| p.dst_mr.addr().to_ne_bytes().to_vec())?,
+            rks: each(&|p| p.dst_mr.rkey().0.to_ne_bytes().to_vec())?,
+        })
+    }
+}
+
 /// Many CTAs, each driving a private QP of its own pair (CTA sharing): every byte of every pair
 /// checked.
 pub fn private_qps(ordinal: usize, mode: DoorbellMode) -> Result<String> {
@@ -207,36 +236,13 @@ pub fn private_qps(ordinal: usize, mode: DoorbellMode) -> Result<String> {
         .map(|_| Pair::new(ordinal, mode, bytes, 256))
         .collect::<Result<_>>()?;
     let gpu = pairs[0].gpu.clone();
-    let array = |words: Vec<u8>| -> Result<gpuverbs::gpu::DeviceMem> {
-        let m = gpu.alloc(words.len())?;
-        m.write(0, &words)?;
-        Ok(m)
-    };
-    let qps = array(
-        pairs
-            .iter()
-            .flat_map(|p| p.export.ptr().to_ne_bytes())
-            .collect(),
-    )?;
-    let lbases = array(pairs.iter().flat_map(|p| p.src_d.to_ne_bytes()).collect())?;
-    let lks = array(
-        pairs
-            .iter()
-            .flat_map(|p| p.src_mr.lkey().0.to_ne_bytes())
-            .collect(),
-    )?;
-    let rbases = array(
-        pairs
-            .iter()
-            .flat_map(|p| p.dst_mr.addr().to_ne_bytes())
-            .collect(),
-    )?;
-    let rks = array(
-        pairs
-            .iter()
-            .flat_map(|p| p.dst_mr.rkey().0.to_ne_bytes())
-            .collect(),
-    )?;
+    let PairArrays {
+        qps,
+        lbases,
+        lks,
+        rbases,
+        rks,
+    } = PairArrays::new(&pairs)?;
     let st = Status::new(&gpu)?;
     let (mut a, mut b, mut c, mut d, mut e) =
         (qps.ptr(), lbases.ptr(), lks.ptr(), rbases.ptr(), rks.ptr());
@@ -315,36 +321,13 @@ pub fn ring_multi(
         p.dst.write(0, &vec![0; bytes])?;
     }
     let gpu = pairs[0].gpu.clone();
-    let array = |words: Vec<u8>| -> Result<gpuverbs::gpu::DeviceMem> {
-        let m = gpu.alloc(words.len())?;
-        m.write(0, &words)?;
-        Ok(m)
-    };
-    let qps = array(
-        pairs
-            .iter()
-            .flat_map(|p| p.export.ptr().to_ne_bytes())
-            .collect(),
-    )?;
-    let lbases = array(pairs.iter().flat_map(|p| p.src_d.to_ne_bytes()).collect())?;
-    let lks = array(
-        pairs
-            .iter()
-            .flat_map(|p| p.src_mr.lkey().0.to_ne_bytes())
-            .collect(),
-    )?;
-    let rbases = array(
-        pairs
-            .iter()
-            .flat_map(|p| p.dst_mr.addr().to_ne_bytes())
-            .collect(),
-    )?;
-    let rks = array(
-        pairs
-            .iter()
-            .flat_map(|p| p.dst_mr.rkey().0.to_ne_bytes())
-            .collect(),
-    )?;
+    let PairArrays {
+        qps,
+        lbases,
+        lks,
+        rbases,
+        rks,
+    } = PairArrays::new(&pairs)?;
     let st = Status::new(&gpu)?;
     let (mut a, mut b, mut c, mut d, mut e) =
         (qps.ptr(), lbases.ptr(), lks.ptr(), rbases.ptr(), rks.ptr());
