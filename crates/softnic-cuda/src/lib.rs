@@ -400,8 +400,9 @@ impl DeviceMemory for CudaMemory {
         self.with_io("cuMemcpyAsync (device to host)", src, len, |io| {
             // SAFETY: the caller's contract: `dst..dst+len` is writable host memory.
             let r = unsafe { read_pipelined(io, src, dst, len) };
-            // nothing queued may still fill a slot after a failure
-            r.and_then(|()| io.drain()).inspect_err(|_| {
+            // on success every chunk was waited for before it was copied out; after a
+            // failure nothing queued may still fill a slot
+            r.inspect_err(|_| {
                 let _ = io.drain();
             })
         })

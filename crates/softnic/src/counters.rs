@@ -65,6 +65,7 @@ pub struct Counters {
     pub(crate) bad_doorbells: AtomicU64,
     pub(crate) stale_wqes: AtomicU64,
     pub(crate) dc_key_violations: AtomicU64,
+    pub(crate) xrc_bad_srq: AtomicU64,
     pub(crate) cq_overruns: AtomicU64,
     pub(crate) bf_torn: AtomicU64,
     pub(crate) bf_run: AtomicU64,
@@ -90,6 +91,7 @@ impl Default for Counters {
             bad_doorbells: AtomicU64::new(0),
             stale_wqes: AtomicU64::new(0),
             dc_key_violations: AtomicU64::new(0),
+            xrc_bad_srq: AtomicU64::new(0),
             cq_overruns: AtomicU64::new(0),
             bf_torn: AtomicU64::new(0),
             bf_run: AtomicU64::new(0),
@@ -133,6 +135,7 @@ impl Counters {
             bad_doorbells: self.bad_doorbells.load(Relaxed),
             stale_wqes: self.stale_wqes.load(Relaxed),
             dc_key_violations: self.dc_key_violations.load(Relaxed),
+            xrc_bad_srq: self.xrc_bad_srq.load(Relaxed),
             cq_overruns: self.cq_overruns.load(Relaxed),
             bf_torn: self.bf_torn.load(Relaxed),
             bf_run: self.bf_run.load(Relaxed),
@@ -168,6 +171,9 @@ pub struct CounterSnapshot {
     pub stale_wqes: u64,
     /// Requests a DC target dropped for a wrong DC access key.
     pub dc_key_violations: u64,
+    /// Requests an XRC target refused (NAK invalid request) for naming no XRC SRQ of its
+    /// domain.
+    pub xrc_bad_srq: u64,
     /// CQ overruns.
     pub cq_overruns: u64,
     /// BlueFlame register copies dropped because a later write to the half began while the

@@ -11,7 +11,11 @@ use crate::net::socket::Port;
 use crate::net::{Capture, WireConfig, WireError, WireFaults};
 use crate::qp::{DctConfig, Qp, QpConfig, Transport};
 use crate::shared::{self, Shared};
-use crate::srq::{Srq, SrqConfig};
+use crate::srq::{Srq, SrqConfig, XrcSrqConfig, Xrcd};
+
+/// The PD an XRC target stands in (it has none: its requests are checked against their XRC
+/// SRQ's); no PD the device allocates has this number.
+const XRC_TGT_PD: PdId = PdId(u32::MAX);
 use crate::{Error, Gid};
 use parking_lot::RwLock;
 use std::net::SocketAddr;
@@ -397,7 +401,30 @@ impl Device {
         Ok(Arc::new(Srq::new(srqn, cfg, self.shared.counters.clone())?))
     }
 
-    /// Destroys an SRQ; fails while a QP still takes receives from it.
+    /// Opens a new XRC domain.
+    pub fn alloc_xrcd(&self) -> Arc<Xrcd> {
+        Arc::new(Xrcd::new())
+    }
+
+    /// Creates an XRC SRQ: an SRQ of `x.xrcd` whose receives complete on `x.cq` (a CQ of this
+    /// device), for whichever XRC target QP of the domain a request names it in.
+    pub fn create_xrc_srq(&self, cfg: SrqConfig, x: XrcSrqConfig) -> Result<Arc<Srq>, Error> {
+        let own = self
+            .shared
+            .cq(x.cq.cqn())
+            .is_some_and(|c| Arc::ptr_eq(&c, &x.cq));
+        if !own {
+            return Err(Error::InvalidArgument("CQ does not belong to this device"));
+        }
+        let srqn = self.shared.next_srqn.fetch_add(1, Ordering::Relaxed) & 0xff_ffff;
+        let xrcd = x.xrcd.clone();
+        let srq = Arc::new(Srq::new(srqn, cfg, self.shared.counters.clone())?.with_xrc(x));
+        xrcd.add(&srq);
+        Ok(srq)
+    }
+
+    /// Destroys an SRQ; fails while a QP still takes receives from it. An XRC SRQ leaves its
+    /// domain: later requests naming it are refused.
     pub fn destroy_srq(&self, srq: &Arc<Srq>) -> Result<(), Error> {
         let used = self
             .shared
@@ -407,6 +434,9 @@ impl Device {
             .any(|q| q.srq.as_ref().is_some_and(|s| Arc::ptr_eq(s, srq)));
         if used {
             return Err(Error::Busy("SRQ"));
+        }
+        if let Some(x) = srq.xrcd() {
+            x.remove(srq.srqn());
         }
         srq.set_event_handler(None);
         Ok(())
@@ -460,11 +490,52 @@ impl Device {
         self.create_qp_inner(q, Transport::Dct { key: cfg.key }, Some(cfg.srq))
     }
 
+    /// Creates an XRC initiator (XRC_INI) in RESET: send only (its `recv_cq` and RQ are
+    /// unused). Its WQEs carry an XRC segment after the control segment naming the target's
+    /// XRC SRQ (`prm::parse::parse_xrc_wqe`). States as RC ([`crate::Modify::Init`],
+    /// [`crate::Modify::Rtr`], [`crate::Modify::Rts`]); it connects to an XRC target.
+    pub fn create_xrc_ini(&self, mut cfg: QpConfig) -> Result<Arc<Qp>, Error> {
+        cfg.rq_wqes = 0;
+        self.create_qp_with(cfg, Transport::XrcIni, None, None)
+    }
+
+    /// Creates an XRC target (XRC_TGT) of `xrcd` in RESET: a responder with no queues and no
+    /// PD of its own; a request's receive comes from the XRC SRQ of `xrcd` it names and
+    /// completes on that SRQ's CQ, its memory accesses checked against that SRQ's PD. States
+    /// as RC; it connects to an XRC initiator. `user_index` is unused (an XRC target's
+    /// completions carry their SRQ's).
+    pub fn create_xrc_tgt(&self, xrcd: &Arc<Xrcd>) -> Result<Arc<Qp>, Error> {
+        // a ConnectX XRC target has no CQ: the QP object needs one, which nothing writes
+        let cq = self.create_cq(CqConfig {
+            ncqe: 2,
+            ..Default::default()
+        })?;
+        let mut q = QpConfig::new(XRC_TGT_PD, cq.clone(), cq.clone());
+        q.sq_blocks = 1;
+        q.rq_wqes = 0;
+        q.max_inline = 0;
+        let qp = self.create_qp_with(q, Transport::XrcTgt, None, Some(xrcd.clone()));
+        if qp.is_err() {
+            let _ = self.destroy_cq(&cq);
+        }
+        qp
+    }
+
     fn create_qp_inner(
         &self,
         cfg: QpConfig,
         transport: Transport,
         srq: Option<Arc<Srq>>,
+    ) -> Result<Arc<Qp>, Error> {
+        self.create_qp_with(cfg, transport, srq, None)
+    }
+
+    fn create_qp_with(
+        &self,
+        cfg: QpConfig,
+        transport: Transport,
+        srq: Option<Arc<Srq>>,
+        xrcd: Option<Arc<Xrcd>>,
     ) -> Result<Arc<Qp>, Error> {
         let own = |cq: &Arc<Cq>| {
             self.shared
@@ -475,14 +546,18 @@ impl Device {
             return Err(Error::InvalidArgument("CQ does not belong to this device"));
         }
         let qpn = self.shared.next_qpn.fetch_add(1, Ordering::Relaxed) & 0xff_ffff;
-        let qp = Arc::new(Qp::new(
+        let mut qp = Qp::new(
             qpn,
             cfg,
             transport,
             srq,
             self.shared.mrs.clone(),
             self.shared.counters.clone(),
-        )?);
+        )?;
+        if let Some(x) = xrcd {
+            qp = qp.with_xrcd(x);
+        }
+        let qp = Arc::new(qp);
         self.shared.qps.write().insert(qpn, qp.clone());
         self.shared.generation.fetch_add(1, Ordering::Release);
         Ok(qp)
@@ -499,6 +574,10 @@ impl Device {
         // peer's cached Weak): a retired QP answers nothing, so peers time out as with a
         // vanished QP, and its memory is never reached again.
         qp.retire();
+        if qp.transport() == Transport::XrcTgt {
+            // its private CQ (create_xrc_tgt)
+            let _ = self.destroy_cq(&qp.send_cq);
+        }
     }
 
     /// Finishes the flush of a QP in ERR now: every receive WQE and every announced send WQE

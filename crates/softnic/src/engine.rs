@@ -24,7 +24,8 @@ use parking_lot::MutexGuard;
 use prm::cqe::{Cqe64, ErrorCqe};
 use prm::doorbell::{DoorbellValue, BF_HALF_SIZE};
 use prm::parse::{
-    parse_dc_wqe, parse_wqe, sge_of, AtomicKind, LocalSeg, MwOp, ParsedLocal, ParsedOp, UmrOp,
+    parse_dc_wqe, parse_wqe, parse_xrc_wqe, sge_of, AtomicKind, LocalSeg, MwOp, ParsedLocal,
+    ParsedOp, UmrOp,
 };
 use prm::wqe::{
     blocks_for_ds, CtrlSeg, Sge, MKEY_ACCESS_ATOMIC, MKEY_ACCESS_REMOTE_READ,
@@ -422,8 +423,11 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
                 }
                 wqe
             }
-            // a DC target has no send queue
-            Transport::Dct { .. } => return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST)),
+            Transport::XrcIni => xrc_wqe(sq, bytes)?,
+            // a DC or XRC target has no send queue
+            Transport::Dct { .. } | Transport::XrcTgt => {
+                return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST))
+            }
         };
         execute(dev, qp, sq, &wqe).map(|r| (r, wqe.flags.signaled))
     });
@@ -542,6 +546,9 @@ fn flush_wqe(dev: &Shared, qp: &Qp, sq: &SqState, opcode: u8, idx: u16) {
 fn flush_rq(dev: &Shared, qp: &Qp) {
     // The state is checked again under the RQ lock: a QP reset (and perhaps brought up and
     // given new receives) since the engine saw ERR must not have them flushed.
+    if qp.transport == Transport::XrcTgt {
+        return flush_xrc(dev, qp);
+    }
     if qp.srq.is_some() {
         let held = {
             let Some(mut rq) = qp.lock_rq_live() else {
@@ -575,6 +582,39 @@ fn flush_rq(dev: &Shared, qp: &Qp) {
     while (rq.ci as u16) != head && head.wrapping_sub(rq.ci as u16) as u32 <= qp.rq_wqes {
         flush_recv_cqe(dev, qp, rq.ci as u16);
         rq.ci = rq.ci.wrapping_add(1);
+    }
+}
+
+/// An XRC target in ERR: the XRC SRQ WQE it holds for a message in progress completes with
+/// WR_FLUSH on that SRQ's CQ (the SRQ's other WQEs stay for the domain's other targets).
+fn flush_xrc(dev: &Shared, qp: &Qp) {
+    let (held, srq) = {
+        let Some(mut rq) = qp.lock_rq_live() else {
+            return;
+        };
+        if qp.state() != QpState::Err {
+            return;
+        }
+        (rq.srq_wqe.take(), rq.xrc_srq.clone())
+    };
+    let (Some(idx), Some(s)) = (held, srq) else {
+        return;
+    };
+    let Some(x) = s.xrc.as_ref() else { return };
+    dev.counters.error(Syndrome::WrFlush);
+    let e = ErrorCqe {
+        responder: true,
+        syndrome: Syndrome::WrFlush as u8,
+        vendor_syndrome: 0,
+        wqe_opcode: 0,
+        qpn: qp.qpn,
+        wqe_counter: idx,
+    };
+    let mut cqe = Cqe64::error(&e, 0);
+    cqe.srqn_uidx = prm::Be32::new(x.user_index.unwrap_or(s.srqn()));
+    match x.cq.push(cqe, None) {
+        Ok(()) => Counters::add(&dev.counters.cqes, 1),
+        Err(e) => count_cq_error(&dev.counters, e),
     }
 }
 
@@ -697,6 +737,7 @@ fn route(dev: &Shared, qp: &Qp, sq: &mut SqState) -> Result<Result<Route, Stall>
             false
         }
         (Transport::Dci, Transport::Dct { .. })
+        | (Transport::XrcIni, Transport::XrcTgt)
         | (Transport::Rc, Transport::Rc)
         | (Transport::Uc, Transport::Uc) => true,
         _ => false,
@@ -824,7 +865,8 @@ fn execute(
         Err(stall) => return Ok(Done::Stalled(stall)),
     };
     let move_data = !dev.completion_only;
-    let (response, len) = request(&peer, from, &prepared, wqe, imm, move_data);
+    let xrc = sq.xrc_srqn;
+    let (response, len) = request(&peer, from, xrc, &prepared, wqe, imm, move_data);
     let own_failure = response == Response::Nak(Syndrome::LocalProt, vendor::DEVICE_MEMORY);
     if qp.is_uc() && !own_failure {
         // UC has no ACK: whatever the responder made of it, the message has left
@@ -832,6 +874,21 @@ fn execute(
         return Ok(Done::Complete(len as u32));
     }
     answered(dev, sq, &prepared, response, len)
+}
+
+/// An XRC initiator's WQE: the XRC segment names the remote XRC SRQ (kept for the message);
+/// masked atomics (no XRC form on the wire) are LOCAL_QP_OP.
+fn xrc_wqe<'a>(sq: &mut SqState, bytes: &'a [u8]) -> Result<prm::ParsedWqe<'a>, Fail> {
+    let (wqe, srqn) = parse_xrc_wqe(bytes).map_err(|e| (e.syndrome(), vendor::MALFORMED_WQE))?;
+    if let ParsedOp::Atomic {
+        kind: AtomicKind::MaskedFetchAdd { .. } | AtomicKind::MaskedCompareSwap { .. },
+        ..
+    } = wqe.op
+    {
+        return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST));
+    }
+    sq.xrc_srqn = srqn;
+    Ok(wqe)
 }
 
 /// Bytes a prepared WQE's message carries.
@@ -955,6 +1012,7 @@ fn stage_for_wire(c: &Counters, prepared: &Prepared) -> Result<Option<Vec<u8>>, 
 fn request(
     peer: &Qp,
     from: u32,
+    xrc: Option<u32>,
     prepared: &Prepared,
     wqe: &prm::ParsedWqe<'_>,
     imm: Option<u32>,
@@ -970,7 +1028,7 @@ fn request(
                 len,
                 imm,
             };
-            (respond(peer, from, req, move_data), len)
+            (respond(peer, from, xrc, req, move_data), len)
         }
         Prepared::Send(src) => {
             let len = total(src);
@@ -980,7 +1038,7 @@ fn request(
                 imm,
                 invalidate: wqe.invalidate(),
             };
-            (respond(peer, from, req, move_data), len)
+            (respond(peer, from, xrc, req, move_data), len)
         }
         Prepared::Read(r, dst) => {
             let len = total(dst);
@@ -990,7 +1048,7 @@ fn request(
                 dst,
                 len,
             };
-            (respond(peer, from, req, move_data), len)
+            (respond(peer, from, xrc, req, move_data), len)
         }
         Prepared::Atomic(r, kind, _) => {
             let req = Request::Atomic {
@@ -998,7 +1056,7 @@ fn request(
                 rkey: r.rkey.0,
                 kind: *kind,
             };
-            (respond(peer, from, req, move_data), kind.size() as u64)
+            (respond(peer, from, xrc, req, move_data), kind.size() as u64)
         }
     }
 }

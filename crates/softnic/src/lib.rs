@@ -59,7 +59,7 @@ pub use net::{Capture, WireConfig, WireError, WireFaults};
 pub use qp::{
     DctConfig, DoorbellMode, Fault, Modify, Qp, QpConfig, QpState, RtrAttr, RtsAttr, Transport,
 };
-pub use srq::{Srq, SrqConfig};
+pub use srq::{Srq, SrqConfig, XrcSrqConfig, Xrcd};
 
 pub use verbs::Gid;
 

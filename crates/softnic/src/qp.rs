@@ -10,7 +10,7 @@ use crate::event::{AsyncEvent, EventHandler, EventSlot};
 use crate::mem::{Access, MrTable, PdId};
 use crate::outcome::Stall;
 use crate::rc_state::{DcConns, ReqWire, RespWire};
-use crate::srq::Srq;
+use crate::srq::{Srq, Xrcd};
 use crate::{Error, Gid};
 use parking_lot::{Mutex, MutexGuard};
 use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, DBR_LESS_OFFSET, UAR_PAGE_SIZE};
@@ -134,6 +134,14 @@ pub enum Transport {
         /// The DC access key initiators must present.
         key: u64,
     },
+    /// XRC initiator (XRC_INI, `IBV_QPT_XRC_SEND`): connected as RC to an XRC target, send
+    /// only; each SEND, RDMA WRITE, READ or atomic names the target's XRC SRQ in its XRC
+    /// segment.
+    XrcIni,
+    /// XRC target (XRC_TGT, `IBV_QPT_XRC_RECV`): connected as RC to an XRC initiator, a
+    /// responder only, with no queues of its own; each request's receive comes from the XRC
+    /// SRQ of its domain that the request names, and completes on that SRQ's CQ.
+    XrcTgt,
 }
 
 /// Test-only misbehaviour of a QP.
@@ -183,6 +191,8 @@ pub(crate) struct SqState {
     pub ud_psn: u32,
     /// DC initiator: how many times it moved to a target (the DCETH's generation).
     pub dc_generation: u32,
+    /// XRC initiator: the remote XRC SRQ the WQE being executed names.
+    pub xrc_srqn: Option<u32>,
 }
 
 /// Responder-side state.
@@ -190,6 +200,8 @@ pub(crate) struct RqState {
     pub ci: u32,
     /// The SRQ WQE this QP took for the message in progress (QPs on an SRQ).
     pub srq_wqe: Option<u16>,
+    /// An XRC target: the XRC SRQ the request in progress named.
+    pub xrc_srq: Option<Arc<Srq>>,
     pub access: Access,
     pub min_rnr_timer: u8,
     /// The wire responder's state (expected PSN, MSN, message in progress).
@@ -242,6 +254,8 @@ pub struct Qp {
     pub(crate) rq: Mutex<RqState>,
     /// The SRQ receives come from (instead of the RQ).
     pub(crate) srq: Option<Arc<Srq>>,
+    /// An XRC target's domain: the XRC SRQs its requests may name.
+    pub(crate) xrcd: Option<Arc<Xrcd>>,
     /// A DC target's responder state per initiator on the wire. Held while a request to the
     /// target runs (in process too), so that one initiator's state is never another's.
     pub(crate) dc_conns: Mutex<DcConns>,
@@ -376,8 +390,10 @@ impl Qp {
                 wire: None,
                 ud_psn: 0,
                 dc_generation: 0,
+                xrc_srqn: None,
             }),
             srq,
+            xrcd: None,
             dc_conns: Mutex::default(),
             last_wqe_raised: AtomicBool::new(false),
             holding: AtomicBool::new(false),
@@ -387,6 +403,7 @@ impl Qp {
             rq: Mutex::new(RqState {
                 ci: 0,
                 srq_wqe: None,
+                xrc_srq: None,
                 access: Access::NONE,
                 min_rnr_timer: 0,
                 wire: Default::default(),
@@ -415,8 +432,27 @@ impl Qp {
         use crate::net::packet::Class;
         match self.transport {
             Transport::Uc => Class::Uc,
+            Transport::XrcIni | Transport::XrcTgt => Class::Xrc,
             Transport::Dci | Transport::Dct { .. } => Class::Dc,
             Transport::Rc | Transport::Ud => Class::Rc,
+        }
+    }
+    /// An XRC target's domain (`None` for other QPs).
+    pub fn xrcd(&self) -> Option<&Arc<Xrcd>> {
+        self.xrcd.as_ref()
+    }
+    /// Makes a new XRC target's domain known (before it is shared).
+    pub(crate) fn with_xrcd(mut self, xrcd: Arc<Xrcd>) -> Self {
+        self.xrcd = Some(xrcd);
+        self
+    }
+    /// Whether the QP takes a request packet (`request`) or a response one: an initiator
+    /// (DC, XRC) takes no requests, an XRC target no responses.
+    pub(crate) fn takes_packet(&self, request: bool) -> bool {
+        match self.transport {
+            Transport::Dci | Transport::XrcIni => !request,
+            Transport::XrcTgt => request,
+            _ => true,
         }
     }
     /// Whether this is a DC initiator.
@@ -768,11 +804,13 @@ impl Qp {
         use Transport::*;
         matches!(
             (m, self.transport),
-            (Modify::Init { .. }, Rc | Uc | Dci | Dct { .. })
-                | (Modify::Rtr(_), Rc | Uc)
+            (
+                Modify::Init { .. },
+                Rc | Uc | Dci | Dct { .. } | XrcIni | XrcTgt
+            ) | (Modify::Rtr(_), Rc | Uc | XrcIni | XrcTgt)
                 | (Modify::InitUd { .. } | Modify::RtrUd, Ud)
                 | (Modify::RtrDc { .. }, Dci | Dct { .. })
-                | (Modify::Rts(_), Rc | Uc | Ud | Dci)
+                | (Modify::Rts(_), Rc | Uc | Ud | Dci | XrcIni | XrcTgt)
                 | (Modify::Err | Modify::Reset, _)
         )
     }

@@ -119,6 +119,8 @@ pub(crate) struct OutMsg {
     pub(crate) npkts: u32,
     /// Completes with this error when it reaches the front.
     pub(crate) fail: Option<Fail>,
+    /// An XRC initiator's message: the target's XRC SRQ, carried in every packet's XRCETH.
+    pub(crate) xrc_srqn: Option<u32>,
 }
 
 impl OutMsg {

@@ -10,7 +10,8 @@ use crate::counters::Counters;
 use crate::event::AsyncEvent;
 use crate::mem::{copy_ranges, total, Access, CopyError, MemRange, MrGuard};
 use crate::outcome::vendor;
-use crate::qp::{Qp, QpState, RqState};
+use crate::qp::{Qp, QpState, RqState, Transport};
+use crate::srq::Srq;
 use parking_lot::MutexGuard;
 use prm::cqe::{Cqe64, ErrorCqe, RespKind};
 use prm::parse::{sge_of, AtomicKind};
@@ -18,6 +19,7 @@ use prm::wqe::DataSeg;
 use prm::Syndrome;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// What a request asks of the responder.
 pub(crate) enum Request<'a> {
@@ -121,7 +123,11 @@ impl<'a> Resp<'a> {
             return;
         }
         let qp = self.qp;
-        match qp.recv_cq.push(cqe, None) {
+        let cq = match self.rq.xrc_srq.as_ref().and_then(|s| s.xrc_cq()) {
+            Some(cq) => cq.clone(),
+            None => qp.recv_cq.clone(),
+        };
+        match cq.push(cqe, None) {
             Ok(()) => Counters::add(&qp.counters.cqes, 1),
             Err(e) => {
                 count_cq_error(&qp.counters, e);
@@ -153,7 +159,7 @@ impl<'a> Resp<'a> {
             return Ok(MemRange::empty());
         }
         self.g
-            .check_remote(self.qp.pd, self.qp.qpn, need, rkey, raddr, len)
+            .check_remote(self.pd(), self.qp.qpn, need, rkey, raddr, len)
             .map_err(|_| Response::Nak(Syndrome::RemoteAccess, vendor::REMOTE_KEY))
     }
 
@@ -183,10 +189,57 @@ impl<'a> Resp<'a> {
         r
     }
 
+    /// The SRQ this request's receive comes from: the QP's, or the XRC SRQ an XRC target's
+    /// request named ([`Resp::xrc_target`]).
+    fn srq(&self) -> Option<Arc<Srq>> {
+        self.qp.srq.as_ref().or(self.rq.xrc_srq.as_ref()).cloned()
+    }
+
+    /// The PD the request's memory accesses are checked against: an XRC target's is the one
+    /// of the XRC SRQ the request names (IBTA XRC), every other QP's its own.
+    fn pd(&self) -> crate::PdId {
+        match &self.rq.xrc_srq {
+            Some(s) => s.pd(),
+            None => self.qp.pd,
+        }
+    }
+
+    /// An XRC target's request names XRC SRQ `srqn` (its XRCETH, or the initiator's XRC
+    /// segment in process): it must be an XRC SRQ of the target's domain, and stay the same
+    /// within a message. Otherwise NAK invalid request (REMOTE_INVAL_REQ at the initiator),
+    /// fatal for the target. Nothing for other QPs.
+    pub fn xrc_target(&mut self, srqn: Option<u32>) -> Result<(), Response> {
+        if self.qp.transport != Transport::XrcTgt {
+            return Ok(());
+        }
+        let found = srqn.and_then(|n| self.qp.xrcd.as_ref()?.srq(n));
+        let switched = |s: &Arc<Srq>, rq: &RqState| {
+            rq.srq_wqe.is_some() && rq.xrc_srq.as_ref().is_some_and(|o| !Arc::ptr_eq(o, s))
+        };
+        match found {
+            Some(s) if !switched(&s, &self.rq) => {
+                self.rq.xrc_srq = Some(s);
+                Ok(())
+            }
+            _ => {
+                Counters::add(&self.qp.counters.xrc_bad_srq, 1);
+                tracing::debug!(
+                    qpn = self.qp.qpn,
+                    ?srqn,
+                    "XRC request names no SRQ of the domain"
+                );
+                Err(self.fatal(Response::Nak(
+                    Syndrome::RemoteInvalReq,
+                    vendor::INVALID_REQUEST,
+                )))
+            }
+        }
+    }
+
     /// Whether a receive WQE is posted. A QP on an SRQ takes the SRQ's next WQE here and
     /// holds it for the message (other QPs of the SRQ cannot take it meanwhile).
     pub fn has_recv(&mut self) -> bool {
-        match &self.qp.srq {
+        match &self.srq() {
             Some(s) => {
                 if self.rq.srq_wqe.is_none() {
                     self.rq.srq_wqe = s.take();
@@ -200,15 +253,18 @@ impl<'a> Resp<'a> {
     /// The `wqe_counter` of the receive at the head: the RQ's counter, or the index of the
     /// SRQ WQE held.
     fn recv_counter(&self) -> u16 {
-        match (&self.qp.srq, self.rq.srq_wqe) {
-            (Some(_), Some(i)) => i,
+        match (
+            self.qp.srq.is_some() || self.rq.xrc_srq.is_some(),
+            self.rq.srq_wqe,
+        ) {
+            (true, Some(i)) => i,
             _ => self.rq.ci as u16,
         }
     }
 
     /// Moves past the receive just completed.
     fn recv_advance(&mut self) {
-        if self.qp.srq.is_some() {
+        if self.qp.srq.is_some() || self.rq.xrc_srq.is_some() {
             self.rq.srq_wqe = None;
         } else {
             self.rq.ci = self.rq.ci.wrapping_add(1);
@@ -220,7 +276,7 @@ impl<'a> Resp<'a> {
     /// receive with LOCAL_PROT (vendor syndrome [`vendor::MEMORY_WINDOW`] or [`vendor::UMR`])
     /// and NAKs invalid request (fatal).
     pub fn invalidate(&mut self, rkey: u32) -> Result<(), Response> {
-        let (pd, qpn) = (self.qp.pd, self.qp.qpn);
+        let (pd, qpn) = (self.pd(), self.qp.qpn);
         let done = if self.g.is_indirect(rkey) {
             self.g
                 .invalidate_indirect(pd, qpn, rkey)
@@ -250,7 +306,8 @@ impl<'a> Resp<'a> {
     /// key completes the receive with LOCAL_PROT and NAKs remote operational error (fatal).
     pub fn recv_ranges(&mut self) -> Result<SmallVec<[MemRange; 4]>, Response> {
         let qp = self.qp;
-        let (ring, off, nsge, pd) = match &qp.srq {
+        let srq = self.srq();
+        let (ring, off, nsge, pd) = match &srq {
             Some(s) => {
                 if !self.has_recv() {
                     return Err(self.rnr());
@@ -327,15 +384,32 @@ impl<'a> Resp<'a> {
     /// Completes the receive WQE at the head successfully with the CQE `cqe` makes of its
     /// `wqe_counter`.
     pub fn recv_complete(&mut self, cqe: impl FnOnce(u16) -> Cqe64) {
-        let qp = self.qp;
-        if qp.srq.is_some() && !self.has_recv() {
+        if self.srq().is_some() && !self.has_recv() {
             // only after has_recv said yes, which holds the WQE: not reached
             return;
         }
         let counter = self.recv_counter();
         let cqe = cqe(counter);
         self.recv_advance();
-        self.push_recv_cqe(qp.stamp(cqe), true);
+        let cqe = self.stamp(cqe);
+        self.push_recv_cqe(cqe, true);
+    }
+
+    /// Puts the user index into a receive CQE: an XRC SRQ's (its number when it has none), as
+    /// libmlx5 finds an XRC SRQ's completions by it, else the QP's.
+    fn stamp(&self, mut cqe: Cqe64) -> Cqe64 {
+        match self
+            .rq
+            .xrc_srq
+            .as_ref()
+            .and_then(|s| s.xrc.as_ref().map(|x| (s, x)))
+        {
+            Some((s, x)) => {
+                cqe.srqn_uidx = prm::Be32::new(x.user_index.unwrap_or(s.srqn()));
+                cqe
+            }
+            None => self.qp.stamp(cqe),
+        }
     }
 
     fn recv_error(&mut self, syndrome: Syndrome, why: u8) {
@@ -351,7 +425,8 @@ impl<'a> Resp<'a> {
         };
         self.recv_advance();
         self.reported = true;
-        self.push_recv_cqe(qp.stamp(Cqe64::error(&e, 0)), false);
+        let cqe = self.stamp(Cqe64::error(&e, 0));
+        self.push_recv_cqe(cqe, false);
     }
 
     /// Runs an atomic: alignment, access, then the operation (skipped with `move_data`
@@ -388,13 +463,22 @@ impl<'a> Resp<'a> {
 /// Executes a request at the responder `peer`, from requester QPN `from`. With `move_data`
 /// false (completion-only mode) every check and completion happens but no payload byte moves
 /// and atomics leave their target alone.
-pub(crate) fn respond(peer: &Qp, from: u32, req: Request<'_>, move_data: bool) -> Response {
+pub(crate) fn respond(
+    peer: &Qp,
+    from: u32,
+    xrc: Option<u32>,
+    req: Request<'_>,
+    move_data: bool,
+) -> Response {
     // a DC target's own RQ state is swapped with an initiator's while the wire runs a request
     // (`wire::dct`): an in-process request waits for it to be back
     let _dc = peer.dct_key().map(|_| peer.dc_conns.lock());
     let Some(mut r) = Resp::lock(peer) else {
         return Response::Vanished;
     };
+    if let Err(nak) = r.xrc_target(xrc) {
+        return nak;
+    }
     let needs_recv = matches!(
         req,
         Request::Send { .. } | Request::Write { imm: Some(_), .. }

@@ -6,15 +6,22 @@
 //! WQE's `next_wqe_index`. The doorbell record (BE32, low 16 bits) counts the WQEs posted;
 //! the device has taken its own count, and the difference is what it may still take.
 //! A responder CQE of a QP on an SRQ carries the SRQ WQE's index as its `wqe_counter`.
+//!
+//! XRC: an XRC domain ([`Xrcd`]) groups XRC SRQs. An XRC SRQ is bound to its domain and to a
+//! CQ of its own: the receives of every XRC target QP of the domain that a request names it in
+//! (the XRCETH) complete there, stamped with the SRQ's user index (its number when it has
+//! none), and the request's memory accesses are checked against the SRQ's PD.
 
 use crate::buffer::DmaBuf;
 use crate::counters::Counters;
+use crate::cq::Cq;
 use crate::event::{AsyncEvent, EventHandler, EventSlot};
 use crate::mem::PdId;
 use crate::Error;
 use parking_lot::Mutex;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Weak};
 
 /// Bytes of the next-WQE segment at the start of each SRQ WQE.
 pub const NEXT_SEG_SIZE: usize = 16;
@@ -53,6 +60,64 @@ impl SrqConfig {
     }
 }
 
+/// XRC domain numbers (device-wide uniqueness is all a number needs).
+static NEXT_XRCDN: AtomicU32 = AtomicU32::new(1);
+
+/// An XRC domain: the XRC SRQs its target QPs may deliver to, by number.
+pub struct Xrcd {
+    xrcdn: u32,
+    srqs: Mutex<HashMap<u32, Weak<Srq>>>,
+}
+
+impl Xrcd {
+    pub(crate) fn new() -> Self {
+        Self {
+            xrcdn: NEXT_XRCDN.fetch_add(1, Ordering::Relaxed) & 0xff_ffff,
+            srqs: Mutex::default(),
+        }
+    }
+    /// The domain's number.
+    pub fn xrcdn(&self) -> u32 {
+        self.xrcdn
+    }
+    /// The XRC SRQ numbered `srqn` in this domain (`None`: no such SRQ, or one of another
+    /// domain).
+    pub fn srq(&self, srqn: u32) -> Option<Arc<Srq>> {
+        self.srqs.lock().get(&srqn).and_then(Weak::upgrade)
+    }
+    /// How many XRC SRQs the domain holds.
+    pub fn srq_count(&self) -> usize {
+        self.srqs
+            .lock()
+            .values()
+            .filter(|w| w.strong_count() > 0)
+            .count()
+    }
+    pub(crate) fn add(&self, srq: &Arc<Srq>) {
+        self.srqs.lock().insert(srq.srqn, Arc::downgrade(srq));
+    }
+    pub(crate) fn remove(&self, srqn: u32) {
+        self.srqs.lock().remove(&srqn);
+    }
+}
+
+impl std::fmt::Debug for Xrcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Xrcd").field("xrcdn", &self.xrcdn).finish()
+    }
+}
+
+/// What makes an SRQ an XRC SRQ ([`crate::Device::create_xrc_srq`]).
+#[derive(Clone)]
+pub struct XrcSrqConfig {
+    /// Its domain.
+    pub xrcd: Arc<Xrcd>,
+    /// The CQ its receives complete on.
+    pub cq: Arc<Cq>,
+    /// The user index its CQEs carry (`srqn_uidx`); the SRQ number when `None`.
+    pub user_index: Option<u32>,
+}
+
 struct SrqState {
     /// The device's head of the free list.
     head: u16,
@@ -73,6 +138,8 @@ pub struct Srq {
     counters: Arc<Counters>,
     state: Mutex<SrqState>,
     pub(crate) events: EventSlot,
+    /// An XRC SRQ's domain, CQ and user index.
+    pub(crate) xrc: Option<XrcSrqConfig>,
 }
 
 impl Srq {
@@ -128,7 +195,23 @@ impl Srq {
                 limit: cfg.limit,
             }),
             events: EventSlot::default(),
+            xrc: None,
         })
+    }
+
+    /// Makes a new SRQ an XRC SRQ of `x.xrcd` (not yet registered there).
+    pub(crate) fn with_xrc(mut self, mut x: XrcSrqConfig) -> Self {
+        x.user_index = x.user_index.map(|u| u & 0xff_ffff);
+        self.xrc = Some(x);
+        self
+    }
+    /// An XRC SRQ's domain (`None` for an ordinary SRQ).
+    pub fn xrcd(&self) -> Option<&Arc<Xrcd>> {
+        self.xrc.as_ref().map(|x| &x.xrcd)
+    }
+    /// An XRC SRQ's CQ (`None` for an ordinary SRQ).
+    pub fn xrc_cq(&self) -> Option<&Arc<Cq>> {
+        self.xrc.as_ref().map(|x| &x.cq)
     }
 
     /// SRQ number.

@@ -350,6 +350,21 @@ impl Initiator {
         self.post_wqe(w)
     }
 
+    /// Posts `op` on an XRC initiator's send queue: its WQE with the XRC segment naming the
+    /// target's XRC SRQ `srqn` after the control segment. Not rung.
+    pub fn post_with_xrc(
+        &mut self,
+        op: &Op<'_>,
+        flags: CtrlFlags,
+        srqn: u32,
+    ) -> Result<u16, InitiatorError> {
+        let w = op
+            .encode(self.pi, self.sq.qpn, flags)
+            .and_then(|w| w.with_xrc(srqn))
+            .map_err(InitiatorError::Build)?;
+        self.post_wqe(w)
+    }
+
     fn post_wqe(&mut self, w: prm::WqeBuf) -> Result<u16, InitiatorError> {
         let need = w.blocks() as u32;
         let free = self.sq.blocks - self.outstanding();

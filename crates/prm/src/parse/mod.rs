@@ -994,5 +994,42 @@ pub fn parse_dc_wqe(bytes: &[u8]) -> Result<(ParsedWqe<'_>, Option<DcAddress>), 
     Ok((parsed(&ctrl, opcode, opmod, op), av))
 }
 
+/// 16-byte units of the XRC segment (`struct mlx5_wqe_xrc_seg`: BE32 `xrc_srqn`, 12 reserved
+/// bytes) after the control segment of an XRC initiator's WQE.
+pub const XRC_UNITS: usize = 1;
+
+/// Parses a WQE of an XRC initiator (XRC_SEND QP): the control segment, the XRC segment naming
+/// the remote XRC SRQ (low 24 bits of its first word), then the operation's segments as on RC.
+/// Local WQEs (NOP, WAIT, DUMP, UMR: libmlx5 writes no XRC segment for BIND_MW and LOCAL_INV)
+/// carry none (`None`).
+pub fn parse_xrc_wqe(bytes: &[u8]) -> Result<(ParsedWqe<'_>, Option<u32>), WqeError> {
+    let ctrl = ctrl_of(bytes)?;
+    let (opcode, opmod) = opcode_of(&ctrl)?;
+    let n = ctrl.ds() as usize;
+    let (op, srqn) = match opcode {
+        Opcode::Nop | Opcode::Wait | Opcode::Dump | Opcode::Umr => {
+            (parse_op(bytes, &ctrl, n, opcode, opmod)?, None)
+        }
+        _ if n < 1 + XRC_UNITS => {
+            return Err(WqeError::BadShape {
+                opcode: ctrl.opcode(),
+                ds: ctrl.ds(),
+            })
+        }
+        _ => {
+            let srqn = u32::from_be_bytes(
+                bytes[DS_UNIT..DS_UNIT + 4]
+                    .try_into()
+                    .expect("4 bytes of a checked unit"),
+            ) & 0xff_ffff;
+            // as for DC: the operation reads from a view whose unit 0 is the XRC segment
+            let shifted = &bytes[XRC_UNITS * DS_UNIT..];
+            let op = parse_op(shifted, &ctrl, n - XRC_UNITS, opcode, opmod)?;
+            (op, Some(srqn))
+        }
+    };
+    Ok((parsed(&ctrl, opcode, opmod, op), srqn))
+}
+
 #[cfg(test)]
 mod tests;

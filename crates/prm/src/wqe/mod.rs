@@ -824,6 +824,28 @@ impl WqeBuf {
     }
 }
 
+impl WqeBuf {
+    /// This WQE with the XRC segment (`struct mlx5_wqe_xrc_seg`: BE32 `xrc_srqn`, 12 reserved
+    /// bytes) naming remote XRC SRQ `srqn` inserted after its control segment, as an XRC
+    /// initiator's send queue takes it; `ds` grows by 1.
+    pub fn with_xrc(&self, srqn: u32) -> Result<WqeBuf, BuildError> {
+        let ds = self.ds as usize + 1;
+        if ds > MAX_DS as usize {
+            return Err(BuildError::TooLarge { ds });
+        }
+        let mut out = WqeBuf {
+            bytes: [0; MAX_WQE_BBS * WQEBB],
+            ds: ds as u8,
+        };
+        let n = self.ds as usize * DS_UNIT;
+        out.bytes[..DS_UNIT].copy_from_slice(&self.bytes[..DS_UNIT]);
+        out.bytes[DS_UNIT..DS_UNIT + 4].copy_from_slice(&(srqn & 0xff_ffff).to_be_bytes());
+        out.bytes[2 * DS_UNIT..n + DS_UNIT].copy_from_slice(&self.bytes[DS_UNIT..n]);
+        out.bytes[7] = (out.bytes[7] & !0x3f) | ds as u8;
+        Ok(out)
+    }
+}
+
 /// Incremental writer of 16-byte units into a [`WqeBuf`].
 struct Units {
     buf: WqeBuf,

@@ -85,6 +85,7 @@ pub(crate) fn enqueue_local(
         psn: w.next_psn,
         npkts: 0,
         fail,
+        xrc_srqn: None,
     });
 }
 
@@ -118,7 +119,7 @@ pub(crate) fn enqueue(
         },
         None => src_of(l),
     };
-    let delay = sq.delay;
+    let (delay, xrc_srqn) = (sq.delay, sq.xrc_srqn);
     let Some(w) = sq.wire.as_mut() else {
         return Err((Syndrome::TransportRetryExc, vendor::NO_PEER));
     };
@@ -193,6 +194,7 @@ pub(crate) fn enqueue(
         psn,
         npkts,
         fail: None,
+        xrc_srqn: xrc_srqn.filter(|_| w.class == Class::Xrc),
     });
     pump(dev, qp, w, Instant::now());
     if w.class == Class::Uc {
@@ -421,6 +423,7 @@ fn build(
     let mut pkt = Packet {
         class,
         dceth: dc,
+        xrceth: m.xrc_srqn,
         ..Packet::default()
     };
     let mut next = psn_add(p, 1);

@@ -578,6 +578,10 @@ fn send_done(r: &mut Resp<'_>, pkt: &Packet<'_>, len: u64, from: u32) -> Result<
 
 /// Runs a request packet with the expected PSN, each kind of request by its own step.
 fn new_request(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32, reply: &mut Reply<'_>) -> Outcome {
+    // an XRC target's request names its XRC SRQ (XRCETH): checked before anything runs
+    if let Err(nak) = r.xrc_target(pkt.xrceth) {
+        return Outcome::Nak(nak);
+    }
     match pkt.bth.opcode {
         op::SEND_FIRST | op::SEND_ONLY | op::SEND_ONLY_IMM | op::SEND_ONLY_INV => {
             send_first(r, pkt, from)

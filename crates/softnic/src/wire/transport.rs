@@ -113,12 +113,13 @@ pub(crate) fn receive(
         return;
     }
     let pkt = match packet::parse(d) {
-        // a UD packet names no RC QP; an RC QP takes RC packets, a DC initiator DC answers
+        // a UD packet names no RC QP; an RC QP takes RC packets, a DC initiator DC answers,
+        // an XRC initiator XRC answers, an XRC target XRC requests
         Ok(p)
             if p.bth.pkey & 0x7fff == 0x7fff
                 && p.deth.is_none()
                 && p.class == qp.wire_class()
-                && !(qp.is_dci() && packet::is_request(p.bth.opcode)) =>
+                && qp.takes_packet(packet::is_request(p.bth.opcode)) =>
         {
             p
         }

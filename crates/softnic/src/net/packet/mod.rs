@@ -1,6 +1,6 @@
 //! RoCEv2 packet formats: the base transport header (BTH), its extension headers, the RC
-//! opcodes (and their UC class, [`uc`], and the soft NIC's DC class, [`dc`]), encoding, strict
-//! parsing, and the invariant CRC (ICRC).
+//! opcodes (and their UC class, [`uc`], their XRC class, [`xrc`], and the soft NIC's DC
+//! class, [`dc`]), encoding, strict parsing, and the invariant CRC (ICRC).
 //!
 //! What travels in a UDP datagram (destination port 4791 by default) is
 //! `BTH | extension headers | payload | pad to 4 bytes | ICRC`. Every multi-byte field is
@@ -44,6 +44,8 @@ pub const IETH_LEN: usize = 4;
 pub const DETH_LEN: usize = 8;
 /// Bytes of the soft NIC's DC extended transport header ([`Dceth`]).
 pub const DCETH_LEN: usize = 24;
+/// XRCETH: reserved (8 bits) | XRC SRQ number (24 bits).
+pub const XRCETH_LEN: usize = 4;
 /// Bytes of the invariant CRC.
 pub const ICRC_LEN: usize = 4;
 /// The largest path MTU (payload bytes per packet).
@@ -164,6 +166,9 @@ pub enum Class {
     Uc,
     /// The soft NIC's DC class ([`dc`]).
     Dc,
+    /// Extended reliable connected (IBTA transport class 0b101: `0xA0 | opcode`): RC's
+    /// operations, every request with an XRCETH naming the target's XRC SRQ ([`xrc`]).
+    Xrc,
 }
 
 impl Class {
@@ -171,6 +176,8 @@ impl Class {
     pub fn of(op: u8) -> (Self, u8) {
         if let Some(rc) = uc::from_uc(op) {
             (Self::Uc, rc)
+        } else if let Some(rc) = xrc::from_xrc(op) {
+            (Self::Xrc, rc)
         } else if let Some(rc) = dc::from_dc(op) {
             (Self::Dc, rc)
         } else {
@@ -182,6 +189,7 @@ impl Class {
         match self {
             Self::Rc => Some(op),
             Self::Uc => uc::to_uc(op),
+            Self::Xrc => xrc::to_xrc(op),
             Self::Dc => dc::to_dc(op),
         }
     }
@@ -199,6 +207,25 @@ pub mod uc {
     /// The RC opcode a UC opcode stands for; `None` outside UC's opcodes.
     pub fn from_uc(op: u8) -> Option<u8> {
         (0x20..=0x20 | WRITE_ONLY_IMM)
+            .contains(&op)
+            .then_some(op & 0x1f)
+    }
+}
+
+/// XRC opcodes (IBTA transport class 0b101): RC's SENDs, RDMA WRITEs, READs, atomics and
+/// their responses, 0xA0 up. Every request carries an XRCETH after the BTH; responses do not.
+/// The soft NIC's masked atomics (vendor opcodes) have no XRC form.
+pub mod xrc {
+    use super::opcode::SEND_ONLY_INV;
+
+    /// The XRC opcode of RC opcode `op`.
+    pub fn to_xrc(op: u8) -> Option<u8> {
+        (op <= SEND_ONLY_INV).then_some(0xa0 | op)
+    }
+
+    /// The RC opcode an XRC opcode stands for; `None` outside XRC's opcodes.
+    pub fn from_xrc(op: u8) -> Option<u8> {
+        (0xa0..=0xa0 | SEND_ONLY_INV)
             .contains(&op)
             .then_some(op & 0x1f)
     }
@@ -296,6 +323,8 @@ pub struct Layout {
     pub deth: bool,
     /// DCETH (a DC request).
     pub dceth: bool,
+    /// XRCETH (an XRC request).
+    pub xrceth: bool,
     /// Payload allowed.
     pub payload: bool,
 }
@@ -313,6 +342,7 @@ impl Layout {
             + f(self.ieth, IETH_LEN)
             + f(self.deth, DETH_LEN)
             + f(self.dceth, DCETH_LEN)
+            + f(self.xrceth, XRCETH_LEN)
     }
 }
 
@@ -330,6 +360,13 @@ pub fn layout(op: u8) -> Option<Layout> {
     }
     if let Some(rc) = uc::from_uc(op) {
         return layout(rc);
+    }
+    if let Some(rc) = xrc::from_xrc(op) {
+        let l = layout(rc)?;
+        return Some(Layout {
+            xrceth: is_request(rc),
+            ..l
+        });
     }
     let l = Layout::default();
     Some(match op {
@@ -556,6 +593,8 @@ pub struct Packet<'a> {
     pub class: Class,
     /// DCETH (a DC request).
     pub dceth: Option<Dceth>,
+    /// XRCETH (an XRC request): the XRC SRQ number (24 bits) at the target.
+    pub xrceth: Option<u32>,
     /// Payload, without the pad.
     pub payload: &'a [u8],
 }
@@ -637,6 +676,10 @@ pub fn parse(d: &[u8]) -> Result<Packet<'_>, PacketError> {
             reply_port: u16::from_be_bytes([h[20], h[21]]),
         });
         at += DCETH_LEN;
+    }
+    if l.xrceth {
+        p.xrceth = Some(be32(&body[at..]) & MASK24);
+        at += XRCETH_LEN;
     }
     if l.deth {
         let h = &body[at..at + DETH_LEN];
@@ -747,6 +790,7 @@ pub fn encode_headers(
     let l = layout(op).ok_or(PacketError::Opcode(op))?;
     let missing = (l.reth && p.reth.is_none())
         || (l.dceth && p.dceth.is_none())
+        || (l.xrceth && p.xrceth.is_none())
         || (l.atomic && p.atomic.is_none())
         || (l.masked && p.masked.is_none())
         || (l.aeth && p.aeth.is_none())
@@ -771,6 +815,9 @@ pub fn encode_headers(
         out.extend_from_slice(&(d.start_psn & MASK24).to_be_bytes());
         out.extend_from_slice(&d.reply_port.to_be_bytes());
         out.extend_from_slice(&[0, 0]);
+    }
+    if let (true, Some(x)) = (l.xrceth, p.xrceth) {
+        out.extend_from_slice(&(x & MASK24).to_be_bytes());
     }
     if let (true, Some(d)) = (l.deth, p.deth) {
         out.extend_from_slice(&d.qkey.to_be_bytes());

@@ -157,12 +157,14 @@ fn encode_parse_round_trip_every_opcode() {
                 start_psn: 0xff_fff0,
                 reply_port: 40_123,
             }),
+            xrceth: l.xrceth.then_some(0x00ab_cdef),
             payload: if l.payload { &payload } else { &[] },
         };
         encode(&p, &flow, &mut out).unwrap();
         assert_eq!(out[0], op, "the wire opcode");
         assert_eq!(out.len() % 4, 0, "{op:#x}");
         assert_eq!(l.dceth, class == Class::Dc && is_request(rc), "{op:#x}");
+        assert_eq!(l.xrceth, class == Class::Xrc && is_request(rc), "{op:#x}");
         assert!(icrc_matches(&flow, &out));
         let q = parse(&out).unwrap();
         let mut want = p;
