@@ -344,6 +344,8 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
     let from_bf = matches!(sq.bf, Some((i, _)) if i == idx);
     let fetched = if let (true, Some((_, copy))) = (from_bf, &sq.bf) {
         buf[..BF_HALF_SIZE].copy_from_slice(copy);
+        // the consumer moves past the blocks read ahead without them
+        sq.ahead = Default::default();
         Counters::add(&dev.counters.bf_run, 1);
         Ok(())
     } else {
@@ -473,30 +475,34 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
     }
 }
 
+/// Most blocks read ahead from a send ring in device memory in one copy (a copy costs a
+/// round trip through the driver whatever its size, up to a few KiB).
+const READ_AHEAD_BLOCKS: usize = 64;
+
 /// Reads the WQE at `idx` from the SQ ring into `buf`: its first block, then as many more as
-/// its ds names (up to the ring size). From a ring in device memory every block announced so
-/// far (up to the largest WQE) comes in one read per contiguous span, since each read is a
-/// round trip through the driver.
+/// its ds names (up to the ring size). From a ring in device memory the blocks come from
+/// [`SqState::ahead`]: every block announced from `idx` on (up to [`READ_AHEAD_BLOCKS`]) is
+/// read in one copy per contiguous span, and the WQEs behind this one run from that copy
+/// while they lie in it.
 fn fetch_wqe(
     qp: &Qp,
-    sq: &SqState,
+    sq: &mut SqState,
     idx: u16,
     buf: &mut [u8; MAX_WQE_BBS * WQEBB],
 ) -> Result<(), crate::DeviceMemoryError> {
     let ring = &qp.sq_ring;
     let mask = qp.sq_blocks as usize - 1;
-    let first = idx as usize & mask;
     let mut have = 1;
     if ring.is_host() {
-        ring.try_read(first * WQEBB, &mut buf[..WQEBB])?;
+        ring.try_read((idx as usize & mask) * WQEBB, &mut buf[..WQEBB])?;
     } else {
-        let announced = (sq.target.wrapping_sub(idx) as usize).clamp(1, MAX_WQE_BBS);
-        have = announced.min(qp.sq_blocks as usize);
-        let head = have.min(qp.sq_blocks as usize - first);
-        ring.try_read(first * WQEBB, &mut buf[..head * WQEBB])?;
-        if head < have {
-            ring.try_read(0, &mut buf[head * WQEBB..have * WQEBB])?;
+        let announced = (sq.target.wrapping_sub(idx) as usize).clamp(1, qp.sq_blocks as usize);
+        if ahead_blocks(sq, idx) < ahead_wqe_blocks(sq, idx).min(announced) {
+            read_ahead(qp, sq, idx, announced.min(READ_AHEAD_BLOCKS))?;
         }
+        let off = idx.wrapping_sub(sq.ahead.start) as usize;
+        have = ahead_blocks(sq, idx).min(MAX_WQE_BBS);
+        buf[..have * WQEBB].copy_from_slice(&sq.ahead.bytes[off * WQEBB..(off + have) * WQEBB]);
     }
     let ctrl: CtrlSeg = bytemuck::pod_read_unaligned(&buf[..DS_UNIT]);
     let blocks = blocks_for_ds(ctrl.ds().max(1)).min(qp.sq_blocks as usize);
@@ -505,6 +511,49 @@ fn fetch_wqe(
         ring.try_read(slot * WQEBB, &mut buf[i * WQEBB..(i + 1) * WQEBB])?;
     }
     Ok(())
+}
+
+/// How many blocks from `idx` on [`SqState::ahead`] holds.
+fn ahead_blocks(sq: &SqState, idx: u16) -> usize {
+    let off = idx.wrapping_sub(sq.ahead.start) as usize;
+    (sq.ahead.bytes.len() / WQEBB).saturating_sub(off)
+}
+
+/// The blocks the WQE at `idx` needs by its ds, read from [`SqState::ahead`] (at most
+/// [`MAX_WQE_BBS`]; 1 when the block is not there: it is read first).
+fn ahead_wqe_blocks(sq: &SqState, idx: u16) -> usize {
+    if ahead_blocks(sq, idx) == 0 {
+        return 1;
+    }
+    let at = idx.wrapping_sub(sq.ahead.start) as usize * WQEBB;
+    let ctrl: CtrlSeg = bytemuck::pod_read_unaligned(&sq.ahead.bytes[at..at + DS_UNIT]);
+    blocks_for_ds(ctrl.ds().max(1)).min(MAX_WQE_BBS)
+}
+
+/// Replaces [`SqState::ahead`] with blocks `idx .. idx + n` of the send ring (device memory;
+/// one read, two where the span wraps).
+fn read_ahead(
+    qp: &Qp,
+    sq: &mut SqState,
+    idx: u16,
+    n: usize,
+) -> Result<(), crate::DeviceMemoryError> {
+    let ring = &qp.sq_ring;
+    let first = idx as usize & (qp.sq_blocks as usize - 1);
+    let head = n.min(qp.sq_blocks as usize - first);
+    let bytes = &mut sq.ahead.bytes;
+    bytes.resize(n * WQEBB, 0);
+    let read = ring
+        .try_read(first * WQEBB, &mut bytes[..head * WQEBB])
+        .and_then(|()| match head < n {
+            true => ring.try_read(0, &mut bytes[head * WQEBB..]),
+            false => Ok(()),
+        });
+    sq.ahead.start = idx;
+    if read.is_err() {
+        bytes.clear();
+    }
+    read
 }
 
 /// Writes a CQE to `cq` on behalf of `qp` (delayed when fault injection asks).

@@ -193,6 +193,19 @@ pub(crate) struct SqState {
     pub dc_generation: u32,
     /// XRC initiator: the remote XRC SRQ the WQE being executed names.
     pub xrc_srqn: Option<u32>,
+    /// WQE blocks read ahead from a send ring in device memory.
+    pub ahead: ReadAhead,
+}
+
+/// Blocks `start ..` of a send ring in device memory, read in one copy: every one was announced
+/// by the producer when it was read and lies at or past the consumer, so the producer cannot
+/// rewrite it before the engine has run it. Emptied whenever the consumer moves other than
+/// through it (a BlueFlame copy, a reset), so that a 16-bit index coming round never meets
+/// old bytes.
+#[derive(Default)]
+pub(crate) struct ReadAhead {
+    pub start: u16,
+    pub bytes: Vec<u8>,
 }
 
 /// Responder-side state.
@@ -391,6 +404,7 @@ impl Qp {
                 ud_psn: 0,
                 dc_generation: 0,
                 xrc_srqn: None,
+                ahead: ReadAhead::default(),
             }),
             srq,
             xrcd: None,
@@ -775,6 +789,7 @@ impl Qp {
                     sq.last_half[h] = self.half_word(h);
                 }
                 sq.bf = None;
+                sq.ahead = ReadAhead::default();
                 sq.stall = None;
                 sq.remote = None;
                 sq.peer = None;

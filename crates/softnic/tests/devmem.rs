@@ -771,6 +771,59 @@ fn the_cq_consumer_index_is_read_only_when_the_ring_may_be_full() {
     }
 }
 
+/// WQEs announced together are read from a send ring in device memory together (each read is
+/// a copy): 100 one-block WRITEs behind one doorbell on a 256-block ring take at most one read
+/// per 64 blocks, every one lands, in order; a ring that wraps under them is read in two
+/// spans; and a WQE rewritten after it ran (the producer reusing its blocks on the next lap) is
+/// read anew, not taken from the earlier read.
+#[test]
+fn wqes_announced_together_are_read_together() {
+    let g = SimDeviceMemory::new(4 * MB);
+    let rec = Recording::new(g.clone());
+    let at = Placement {
+        sq: true,
+        rq: false,
+        scq: false,
+        rcq: false,
+    };
+    let (a, mut ga, b, _eb) = ring_pair(&g, rec.clone(), at, 256);
+    let ring = ga.qp.sq_ring().addr();
+    let ring_reads = || {
+        rec.read_log()
+            .iter()
+            .filter(|r| (ring..ring + 256 * 64).contains(&r.0))
+            .count()
+    };
+    let dst = Region::new(&b, &Kind::Host, 8 * 256, ALL);
+    let lap = |ga: &mut GpuSide, from: u64, n: u64| {
+        let before = ring_reads();
+        let values: Vec<[u8; 8]> = (from..from + n).map(|i| (i + 1).to_le_bytes()).collect();
+        for (i, v) in (from..from + n).zip(&values) {
+            let op = Op::Write {
+                remote: dst.remote(8 * (i % 256) as usize),
+                local: Local::Inline(v),
+                imm: None,
+            };
+            ga.post(&op, if i + 1 == from + n { SIG } else { UNSIG });
+        }
+        ga.ring(&a.dev);
+        assert!(matches!(ga.wait_send(), Completion::Req { .. }));
+        for i in from..from + n {
+            assert_eq!(dst.u64_at(8 * (i % 256) as usize), i + 1, "WRITE {i}");
+        }
+        ring_reads() - before
+    };
+    // blocks 0..100: two reads at most (64 + 36)
+    let n = lap(&mut ga, 0, 100);
+    assert!((1..=2).contains(&n), "{n} reads for 100 WQEs");
+    // blocks 100..300: wraps at 256; 200 blocks in at most 5 reads (spans of 64, one split)
+    let n = lap(&mut ga, 100, 200);
+    assert!((3..=5).contains(&n), "{n} reads for 200 WQEs across the wrap");
+    // the next lap rewrites every block with other values: each lands as rewritten
+    let n = lap(&mut ga, 300, 256);
+    assert!((4..=6).contains(&n), "{n} reads for a whole lap");
+}
+
 #[test]
 fn a_failing_wqe_fetch_is_an_error_cqe() {
     let g = SimDeviceMemory::new(4 * MB);
