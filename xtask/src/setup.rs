@@ -43,6 +43,11 @@ pub const PACKAGES: &[(&str, &str)] = &[
          the emulated connection manager (emu_cm.rs)",
     ),
     (
+        "libfabric-bin",
+        "fi_pingpong: libfabric's verbs provider (MSG, verbs;ofi_rxm RDM, DGRAM) on the \
+         emulated devices (emu_fabric.rs)",
+    ),
+    (
         "qperf",
         "qperf -cm1 rc_bw / rc_lat over the emulated connection manager (emu_cm.rs)",
     ),

@@ -28,40 +28,6 @@ fn udp_bound(ip: [u8; 4], port: u16) -> bool {
         .any(|l| l.split_whitespace().nth(1) == Some(want.as_str()))
 }
 
-/// The counters file must show a clean run: no bad doorbell, stale WQE or CQ overrun, and no
-/// error completion but flushes (a connection's end moves its QP to ERR, which flushes the
-/// receives still posted, as on a ConnectX); `active`: WQEs were executed.
-fn check_counters_flush_ok(path: &std::path::Path, what: &str, active: bool) {
-    let text =
-        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{what}: no counters ({e})"));
-    let line = text.lines().next().unwrap_or_default();
-    let val = |k: &str| -> u64 {
-        line.split_whitespace()
-            .find_map(|f| f.strip_prefix(&format!("{k}=")).map(|v| v.parse().unwrap()))
-            .unwrap_or_else(|| panic!("{what}: no {k} in {line:?}"))
-    };
-    assert!(
-        !active || val("wqes") > 0,
-        "{what}: no WQE executed: {line}"
-    );
-    for k in ["bad_doorbells", "stale_wqes", "cq_overruns"] {
-        assert_eq!(val(k), 0, "{what}: sanitizer complaint: {line}");
-    }
-    let errors = line
-        .split("errors=[")
-        .nth(1)
-        .unwrap_or("")
-        .trim_end_matches(']');
-    assert!(
-        errors
-            .split(',')
-            .filter(|e| !e.is_empty())
-            .all(|e| e.starts_with("WrFlush:")),
-        "{what}: error completions other than flushes: {line}"
-    );
-    let _ = std::fs::remove_file(path);
-}
-
 /// A server's launcher: its process group is killed when the test ends early.
 struct Server(Option<std::process::Child>);
 

@@ -171,6 +171,7 @@ impl EmuConfig {
             port: self.port,
             // a locally administered EUI-64 made from the address, unique per device
             node_guid: u64::from_be_bytes([0x02, 0x9c, 0xa5, 0xff, o[0], o[1], o[2], o[3]]),
+            netdev: crate::netdev::of(ip),
         }
     }
 }
@@ -201,6 +202,8 @@ pub struct DeviceIdentity {
     pub port: u16,
     /// Node GUID (host order).
     pub node_guid: u64,
+    /// The interface that holds its address: its port's netdev.
+    pub netdev: crate::netdev::Netdev,
 }
 
 impl DeviceIdentity {

@@ -137,7 +137,8 @@ impl EmuDevice {
             pkey_tbl_len: 1,
             state: 4, // ACTIVE
             max_mtu: MTU_4096,
-            active_mtu: MTU_4096,
+            // as mlx5_ib: the netdev's MTU less the RoCE headers, at most the port's
+            active_mtu: crate::netdev::active_ib_mtu(self.id.netdev.mtu).min(MTU_4096),
             max_vl_num: 1,
             active_width: 2,  // 4X
             active_speed: 32, // EDR

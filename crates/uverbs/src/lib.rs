@@ -26,6 +26,7 @@ pub mod device;
 pub mod dmabuf;
 pub mod events;
 pub mod ioctl;
+pub mod netdev;
 pub mod netlink;
 pub mod paths;
 pub mod peermem;
@@ -434,7 +435,7 @@ impl Emulation {
                     port_cap_flags: port.port_cap_flags as u64,
                     port_state: port.state,
                     port_phys_state: port.phys_state,
-                    netdev: (1, "lo".into()),
+                    netdev: (d.id.netdev.index, d.id.netdev.name.clone()),
                     resources,
                     counters: counter_list(&d.started().map(|s| s.counters()).unwrap_or_default()),
                 }

@@ -191,7 +191,13 @@ pub fn write_device(root: &Path, d: &DeviceIdentity) -> io::Result<()> {
     put(&port.join("rate"), "100 Gb/sec (4X EDR)")?;
     put(&port.join("gids/0"), &gid_text(&d.gid()))?;
     put(&port.join("gid_attrs/types/0"), "RoCE v2")?;
-    put(&port.join("gid_attrs/ndevs/0"), "lo")?;
+    put(&port.join("gid_attrs/ndevs/0"), &d.netdev.name)?;
+    if !d.netdev.loopback {
+        // the PCI function's Ethernet interface, as mlx5_core registers it (a link to the
+        // interface's own folder; `lo` belongs to no PCI function)
+        let name = &d.netdev.name;
+        link(&format!("/sys/class/net/{name}"), &pci.join("net").join(name))?;
+    }
     put(&port.join("pkeys/0"), "0xffff")?;
     Ok(())
 }

@@ -295,7 +295,7 @@ impl Cm {
             local_cm_response_timeout: RESPONSE_TIMEOUT,
             retry_count: c.retry_count,
             pkey: 0xffff,
-            mtu: MTU_4096,
+            mtu: self.path_mtu(dev),
             rnr_retry_count: c.rnr_retry_count,
             max_cm_retries: MAX_RETRIES,
             srq: p.srq != 0,
@@ -324,6 +324,14 @@ impl Cm {
     /// The node GUID of device `dev` as the wire carries it.
     fn guid(&self, dev: u32) -> u64 {
         self.devices.get(dev).map_or(0, |d| d.id.node_guid)
+    }
+
+    /// The path MTU of device `dev`'s routes: its port's active MTU, which follows its netdev's
+    /// MTU (the kernel's `cma_resolve_iboe_route` takes `iboe_get_mtu` of the netdev's).
+    pub(super) fn path_mtu(&self, dev: u32) -> u8 {
+        self.devices
+            .get(dev)
+            .map_or(MTU_4096, |d| d.port().active_mtu)
     }
 
     /// ACCEPT: on the passive side (with parameters) the REP or SIDR_REP; on the active side
@@ -585,7 +593,7 @@ impl Cm {
                 a.ah_attr.traffic_class = id.tos;
                 a.ah_attr.is_global = 1;
                 a.ah_attr.port_num = 1;
-                a.path_mtu = MTU_4096 as u32;
+                a.path_mtu = id.dev.map_or(MTU_4096, |d| self.path_mtu(d)) as u32;
                 a.dest_qp_num = c.remote_qpn;
                 a.rq_psn = c.rq_psn;
                 a.max_dest_rd_atomic = c.responder_resources;
@@ -965,7 +973,8 @@ fn find_listener(
                 && l.src.port == port
                 && (l.qp_type == qp_type || l.ps == abi::ps::IB)
                 && l.dev.is_none_or(|d| d == dev)
-                && (l.src.is_any() || to.is_none_or(|t| t.ip == l.src.ip))
+                // bound to no device: any address (or a loopback one, which the CMA takes for any)
+                && (l.dev.is_none() || to.is_none_or(|t| t.ip == l.src.ip))
         })
         .map(|l| l.handle)
 }

@@ -5,7 +5,7 @@
 
 use super::abi::{self, cmd, event, ps, query, EventResp, UserPathRec};
 use super::addr::{self, Addr, AF_IB};
-use super::agent::{self, MTU_4096, PACKET_LIFETIME};
+use super::agent::{self, PACKET_LIFETIME};
 use super::{plain_event, Cm, CmFile, Id, St, State};
 use crate::uaccess::{copy_from_user, copy_to_user, Errno};
 use bytemuck::Pod;
@@ -241,19 +241,20 @@ fn bind(cm: &'static Cm, file: &Arc<CmFile>, h: u32, a: Addr) -> Result<(), Errn
 }
 
 /// Binds an idle id to `a`: its device (when the address is a device's), its port (one picked
-/// when 0).
+/// when 0). A loopback address that no emulated device has binds no device, as the unspecified
+/// address does: the kernel's CMA takes every loopback address (127/8, `::1`) for "any"
+/// (`cma_any_addr`), so that an id bound to `localhost` listens on every device (libfabric's
+/// verbs provider binds `localhost` when it is given no address).
 fn do_bind(cm: &Cm, st: &mut State, h: u32, mut a: Addr) -> Result<(), Errno> {
-    let dev = if a.is_any() {
-        None
-    } else {
-        let want = a.gid();
-        let d = cm
-            .devices
-            .iter()
-            .find(|d| d.id.gid() == want)
-            .ok_or(Errno(libc::EADDRNOTAVAIL))?;
-        Some(d.id.index)
+    let want = a.gid();
+    let dev = match cm.devices.iter().find(|d| d.id.gid() == want) {
+        _ if a.is_any() => None,
+        Some(d) => Some(d.id.index),
+        None if a.family != AF_IB && a.ip.is_loopback() => None,
+        None => return Err(Errno(libc::EADDRNOTAVAIL)),
     };
+    // an address that binds no device holds its port for every address
+    let wild = dev.is_none();
     let ps = st.ids.get(&h).ok_or(Errno::ENOENT)?.ps;
     let in_use = |st: &State, port: u16, a: &Addr, reuse: bool| {
         st.ids.values().any(|o| {
@@ -262,7 +263,7 @@ fn do_bind(cm: &Cm, st: &mut State, h: u32, mut a: Addr) -> Result<(), Errno> {
                 && o.holds_port
                 && o.src.port == port
                 && !(reuse && o.reuseaddr)
-                && (a.is_any() || o.src.is_any() || o.src.ip == a.ip)
+                && (wild || o.src.is_any() || o.dev.is_none() || o.src.ip == a.ip)
         })
     };
     let reuse = st.ids.get(&h).is_some_and(|i| i.reuseaddr);
@@ -320,6 +321,8 @@ fn resolve_addr(
     if id.src.family != dst.family {
         return Err(Errno::EINVAL);
     }
+    // bound to no device (any, or a loopback address): the source becomes the device's
+    let wild = id.dev.is_none();
     let dev = match id.dev {
         Some(d) => d,
         None => cm
@@ -333,7 +336,7 @@ fn resolve_addr(
         dst.ip = ip;
     }
     id.dev = Some(dev);
-    if id.src.is_any() {
+    if wild {
         id.src.ip = ip;
     }
     id.dst = dst;
@@ -394,7 +397,7 @@ fn path(cm: &Cm, id: &Id) -> Option<UserPathRec> {
         raw_traffic: 0,
         flow_label: ((id.src.port as u32 * 31 + id.dst.port as u32) & 0xf_ffff).to_be(),
         reversible: 1,
-        mtu: MTU_4096 as u32,
+        mtu: cm.path_mtu(dev.id.index) as u32,
         pkey: 0xffff,
         hop_limit: agent::HOP_LIMIT,
         traffic_class: id.tos,

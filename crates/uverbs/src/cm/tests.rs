@@ -290,6 +290,15 @@ fn commands_out_of_shape_or_turn_get_the_kernels_errors() {
         bind(&f, b, [127, 0, 230, 2], 9200),
         Err(Errno(libc::EADDRINUSE))
     );
+    // a loopback address no device has binds no device, as the unspecified one does (the
+    // CMA's `cma_any_addr`): it holds its port on every address
+    let c = create(&f, abi::ps::TCP, 9);
+    bind(&f, c, [127, 0, 0, 1], 9300).expect("BIND localhost");
+    let d = create(&f, abi::ps::TCP, 10);
+    assert_eq!(
+        bind(&f, d, [127, 0, 230, 1], 9300),
+        Err(Errno(libc::EADDRINUSE))
+    );
     assert_eq!(
         write(&f, cmd::GET_EVENT, &0u64.to_ne_bytes(), 336),
         Err(Errno::EAGAIN),
