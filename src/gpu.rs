@@ -587,6 +587,20 @@ impl DeviceMem {
         unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, self.ptr() + off as u64) }
             .map_err(drv("cuMemcpyDtoH"))
     }
+    /// Reads the 8-byte completion counter at `off` (a word the NIC moves with fetch-adds,
+    /// `put_counter` and its kin, or the CQ poll path, `put_counted`): its value now, as the
+    /// device last wrote it. `Err` when `off` is not 8-byte aligned inside the allocation.
+    pub fn read_counter(&self, off: usize) -> Result<u64, crate::Error> {
+        if off % 8 != 0 || off.checked_add(8).is_none_or(|end| end > self.len()) {
+            return Err(crate::Error::InvalidArgument(format!(
+                "a counter at offset {off} of {} bytes: 8-byte aligned, inside",
+                self.len()
+            )));
+        }
+        let mut b = [0u8; 8];
+        self.read(off, &mut b)?;
+        Ok(u64::from_ne_bytes(b))
+    }
 }
 
 impl std::fmt::Debug for DeviceMem {

@@ -69,6 +69,8 @@ pub(crate) struct QpSpec<'a> {
     pub doorbell: DoorbellMode,
     /// The GPU whose memory holds the SQ and RQ rings, `None` for host memory.
     pub gpu: Option<&'a dyn GpuRings>,
+    /// Cross-channel master (`cd_master`): the QP may post WAIT WQEs on other QPs' CQs.
+    pub cross_channel: bool,
 }
 
 impl QpSpec<'_> {

@@ -170,6 +170,7 @@ impl Pd {
             max_inline: o.max_inline,
             doorbell: mode,
             gpu,
+            cross_channel: false,
         };
         let dev = self.dev.create_dci(&spec, &o.send_cq.dev)?;
         let qp = self.finish_qp(o, dev, (mode, reason), placement)?;

@@ -12,7 +12,7 @@ use crate::memory::Pd;
 use crate::Error;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use verbs::{DoorbellMode, Modify, QpState};
+use verbs::{Access, DoorbellMode, Modify, QpState};
 
 /// Parameters of an RC QP.
 #[derive(Clone, Debug)]
@@ -33,6 +33,10 @@ pub struct QpOptions {
     pub placement: RingPlacement,
     /// Doorbell mode.
     pub doorbell: DoorbellMode,
+    /// A cross-channel master (a ConnectX's `cd_master`): the QP may post WAIT WQEs on other
+    /// QPs' CQs, as a companion QP does ([`Pd::create_companion`]). On a ConnectX only DEVX
+    /// QPs can ask for it (the mlx5 backend then makes the QP with DEVX).
+    pub cross_channel: bool,
 }
 
 impl QpOptions {
@@ -48,6 +52,7 @@ impl QpOptions {
             max_inline: 256,
             placement: RingPlacement::Auto,
             doorbell: DoorbellMode::Auto,
+            cross_channel: false,
         }
     }
 }
@@ -90,6 +95,29 @@ impl Pd {
         self.create_qp_with(o, Some(gpu as &dyn GpuRings))
     }
 
+    /// Creates a companion QP: the QP on which the NIC itself moves completion counters
+    /// (`put_counter` and its kin in the device API, as DOCA GPUNetIO's companion QP). It is
+    /// a cross-channel master (a ConnectX's `cd_master`, so it may post WAIT on any QP's send
+    /// CQ), has no RQ, and is connected to itself (loopback), so that the fetch-add it posts
+    /// after each WAIT lands in this device's own memory: a counter registered with
+    /// REMOTE_ATOMIC in this PD. One companion may serve many QPs of the PD (a group); its
+    /// send CQ (`o.send_cq`) must be its own. `gpu`: as [`Pd::create_qp_on`] (`None`: host
+    /// rings). Export it with [`crate::Gpu::export_qp`] as any QP and pass both descriptors
+    /// to the counter calls.
+    pub fn create_companion(&self, gpu: Option<&Arc<Gpu>>, mut o: QpOptions) -> Result<Qp, Error> {
+        o.cross_channel = true;
+        o.rq_wqes = 0;
+        let qp = self.create_qp_with(o, gpu.map(|g| g as &dyn GpuRings))?;
+        let access =
+            Access(Access::REMOTE_ATOMIC.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0);
+        let c = ConnectOptions {
+            access,
+            ..ConnectOptions::default()
+        };
+        qp.connect(&qp.endpoint(), c)?;
+        Ok(qp)
+    }
+
     /// Creates an RC QP for `gpu`'s kernels (`None`: no GPU given), its rings placed as asked.
     pub(super) fn create_qp_with(
         &self,
@@ -106,6 +134,7 @@ impl Pd {
             max_inline: o.max_inline,
             doorbell: mode,
             gpu,
+            cross_channel: o.cross_channel,
         };
         let dev = self.dev.create_qp(&spec, &o.send_cq.dev, &o.recv_cq.dev)?;
         self.finish_qp(o, dev, (mode, reason), placement_reason)

@@ -73,6 +73,9 @@ struct CqState {
     failed: bool,
     /// Set by [`Cq::retire`]: no CQE is written any more.
     destroyed: bool,
+    /// The numbers of the last error CQEs written, as runs `[first, end)` (at most
+    /// [`ERROR_RUNS`] of them, oldest first): what a WAIT on one of them finds.
+    errors: VecDeque<(u32, u32)>,
     delayed: VecDeque<(Instant, Cqe64)>,
 }
 
@@ -158,6 +161,7 @@ impl Cq {
                 overrun: false,
                 failed: false,
                 destroyed: false,
+                errors: VecDeque::new(),
                 delayed: VecDeque::new(),
             }),
             produced: AtomicU32::new(0),
@@ -206,6 +210,16 @@ impl Cq {
     /// cross-channel WAIT's `max_index` names (docs/softnic.md, "What WAIT waits for").
     pub fn has_written(&self, index: u32) -> bool {
         self.produced().wrapping_sub(index).wrapping_sub(1) & 0xff_ffff < 0x80_0000
+    }
+
+    /// Whether CQE number `index` (numbered as [`Cq::has_written`] numbers them) was written
+    /// as an error CQE (a failed WQE or a flushed one). Only the last [`ERROR_RUNS`] runs of
+    /// error CQEs are remembered: a WAIT asks about a CQE just written.
+    pub fn wrote_error(&self, index: u32) -> bool {
+        let st = self.lock();
+        st.errors.iter().any(|&(first, end)| {
+            (index.wrapping_sub(first) & 0xff_ffff) < (end.wrapping_sub(first) & 0xff_ffff)
+        })
     }
 
     /// Blocks until the CQ holds a CQE its consumer has not taken — more than `consumed`
@@ -401,6 +415,9 @@ impl Cq {
             self.events.raise(AsyncEvent::CqError);
             return Err(CqError::DeviceMemory(self.cqn));
         }
+        if error {
+            note_error(&mut st.errors, st.pi);
+        }
         st.pi = st.pi.wrapping_add(1);
         // SeqCst: a waiter that registers after this sees the new count, or is seen here
         self.produced.store(st.pi, Ordering::SeqCst);
@@ -415,6 +432,23 @@ impl Cq {
         }
         Ok(())
     }
+}
+
+/// How many runs of consecutive error CQEs a CQ remembers ([`Cq::wrote_error`]).
+const ERROR_RUNS: usize = 16;
+
+/// Records error CQE number `n`: extends the last run when it ends at `n`, else starts one.
+fn note_error(runs: &mut VecDeque<(u32, u32)>, n: u32) {
+    if let Some(last) = runs.back_mut() {
+        if last.1 == n {
+            last.1 = n.wrapping_add(1);
+            return;
+        }
+    }
+    if runs.len() == ERROR_RUNS {
+        runs.pop_front();
+    }
+    runs.push_back((n, n.wrapping_add(1)));
 }
 
 impl std::fmt::Debug for Cq {
@@ -436,6 +470,25 @@ mod tests {
         let mut b = [0u8; 64];
         cq.ring().read(slot * 64, &mut b);
         bytemuck::cast(b)
+    }
+
+    #[test]
+    fn error_cqe_numbers_are_kept_as_runs_the_last_sixteen() {
+        let mut runs = VecDeque::new();
+        for n in [5, 6, 7, 9] {
+            note_error(&mut runs, n);
+        }
+        assert_eq!(runs, [(5, 8), (9, 10)]);
+        for n in 0..20u32 {
+            note_error(&mut runs, 100 + 2 * n);
+        }
+        assert_eq!(runs.len(), ERROR_RUNS);
+        assert_eq!(runs.front(), Some(&(108, 109)));
+        // a run across the 32-bit wrap stays one run
+        let mut wrap = VecDeque::new();
+        note_error(&mut wrap, u32::MAX);
+        note_error(&mut wrap, 0);
+        assert_eq!(wrap, [(u32::MAX, 1)]);
     }
 
     #[test]

@@ -882,8 +882,14 @@ fn execute(
         return Ok(Done::Complete(0));
     }
     if let ParsedOp::Wait { cqn, max_index } = wqe.op {
+        if !qp.cross_channel {
+            return Err((Syndrome::LocalQpOp, vendor::NOT_CROSS_CHANNEL));
+        }
         return match dev.cq(cqn) {
             None => Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST)),
+            Some(cq) if cq.has_written(max_index) && cq.wrote_error(max_index) => {
+                Err((Syndrome::WrFlush, vendor::WAITED_FOR_ERROR))
+            }
             Some(cq) if cq.has_written(max_index) => Ok(Done::Complete(0)),
             Some(_) => Ok(Done::Stalled(Stall::Wait { cqn, max_index })),
         };

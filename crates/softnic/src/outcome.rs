@@ -55,6 +55,11 @@ pub mod vendor {
     /// key that is no such mkey), or a SEND_WITH_INV named one not created for remote
     /// invalidation.
     pub const UMR: u8 = 0x94;
+    /// A WAIT on a QP created without cross-channel (`cd_master`): LOCAL_QP_OP.
+    pub const NOT_CROSS_CHANNEL: u8 = 0x95;
+    /// A WAIT whose awaited CQE is an error CQE (the work it waits for failed or was
+    /// flushed): WR_FLUSH_ERR, and the WQEs behind it are flushed (a counter never moves).
+    pub const WAITED_FOR_ERROR: u8 = 0x96;
 }
 
 /// Largest message (bytes), as ConnectX's `max_msg_sz`.

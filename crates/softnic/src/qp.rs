@@ -57,6 +57,10 @@ pub struct QpConfig {
     /// A user index (24 bits) written into every CQE of this QP (`srqn_uidx`), as a ConnectX
     /// does for QPs created with one under CQE version 1. `None`: the field stays 0.
     pub user_index: Option<u32>,
+    /// Cross-channel master (a ConnectX's `cd_master` in the QP context): the QP may post WAIT
+    /// WQEs on any CQ of the device. A WAIT on a QP without it fails (docs/softnic.md, "What
+    /// WAIT waits for").
+    pub cross_channel: bool,
 }
 
 /// A doorbell (BlueFlame) register on a UAR page that may be shared by several QPs: doorbells
@@ -96,6 +100,7 @@ impl QpConfig {
             dbrec: None,
             uar: None,
             user_index: None,
+            cross_channel: false,
         }
     }
 }
@@ -249,6 +254,8 @@ pub struct Qp {
     pub(crate) halves: usize,
     /// [`QpConfig::user_index`].
     user_index: Option<u32>,
+    /// [`QpConfig::cross_channel`].
+    pub(crate) cross_channel: bool,
     /// RC, UD (datagrams to and from any QP; [`crate::ud`]), or a DC initiator or target.
     pub(crate) transport: Transport,
     /// UD: the Q_Key.
@@ -377,6 +384,7 @@ impl Qp {
             shared_uar,
             halves,
             user_index: cfg.user_index.map(|u| u & 0xff_ffff),
+            cross_channel: cfg.cross_channel,
             transport,
             qkey: AtomicU32::new(0),
             state: AtomicU8::new(QpState::Reset as u8),

@@ -340,13 +340,14 @@ fn delayed_completions_arrive_late_but_in_order() {
 // ---------------------------------------------------------------- misc
 
 #[test]
-fn wait_on_unknown_cq_is_local_qp_op() {
+fn wait_on_a_qp_without_cross_channel_is_local_qp_op() {
+    // (a WAIT on an unknown CQ, from a cross-channel QP: tests/cross_channel.rs)
     let mut fx = Fx::new();
     let op = Op::Wait {
         cqn: 0xfff,
         max_index: 1,
     };
-    fx.fails(&op, Syndrome::LocalQpOp, vendor::INVALID_REQUEST);
+    fx.fails(&op, Syndrome::LocalQpOp, vendor::NOT_CROSS_CHANNEL);
 }
 
 #[test]

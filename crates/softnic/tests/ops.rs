@@ -546,7 +546,12 @@ fn nop_and_fences() {
 #[test]
 fn wait_holds_the_queue_until_the_cq_index() {
     for signaled in [true, false] {
-        let mut p = Pair::new();
+        // A posts WAIT: a cross-channel master
+        let oa = Opts {
+            cross_channel: true,
+            ..Opts::default()
+        };
+        let mut p = Pair::with(oa, Opts::default());
         let dst = p.b.buf(64, RW);
         let rbuf = p.a.buf(64, Access::LOCAL_WRITE);
         // already satisfied: CQE "number -1" (0xff_ffff, before the first) counts as written
@@ -605,7 +610,12 @@ fn a_counter_behind_a_wait_never_moves_before_the_counted_write_completes() {
         ..Opts::default()
     };
     let mut p = Pair::with(o.clone(), o.clone());
-    let (mut companion, _peer) = connect(&p.a, &o, &p.b, &o);
+    // the companion posts WAIT: a cross-channel master
+    let oc = Opts {
+        cross_channel: true,
+        ..o.clone()
+    };
+    let (mut companion, _peer) = connect(&p.a, &oc, &p.b, &o);
     let dst = p.b.buf(4096, Access(RW.0 | Access::REMOTE_ATOMIC.0));
     let res = p.a.buf(64, Access::LOCAL_WRITE);
     let delay = Duration::from_millis(150);

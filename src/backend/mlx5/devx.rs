@@ -235,6 +235,8 @@ pub(crate) struct QpRings<'a> {
     pub dbrec: &'a DmaBuf,
     /// A DC initiator (`st` DCI) rather than an RC QP.
     pub dci: bool,
+    /// Cross-channel master (`cd_master`): may post WAIT on other QPs' CQs.
+    pub cd_master: bool,
 }
 
 impl Pd {
@@ -336,6 +338,7 @@ impl Pd {
                 (q(qpc::UAR_PAGE), uar_page.into()),
                 (q(qpc::CQN_SND), scqn.into()),
                 (q(qpc::CQN_RCV), rcqn.into()),
+                (q(qpc::CD_MASTER), u64::from(r.cd_master)),
                 (q(qpc::DBR_UMEM_VALID), 1),
                 (q(qpc::DBR_UMEM_ID), dbr_umem.id.into()),
                 (create_qp_in::WQ_UMEM_VALID, 1),

@@ -308,7 +308,7 @@ impl Pd {
         wq: DmaBuf,
         dmabuf: Option<Result<(std::os::fd::OwnedFd, u64), String>>,
         rec: DmaBuf,
-        (bf, dci): (bool, bool),
+        (bf, dci, cd_master): (bool, bool, bool),
     ) -> Result<Arc<Qp>, Error> {
         let rq_bytes = (rq_wqes * rq_stride) as usize;
         let sq_bytes = sq_blocks as usize * prm::WQEBB;
@@ -326,6 +326,7 @@ impl Pd {
             rq_stride,
             dbrec: &rec,
             dci,
+            cd_master,
         };
         let (obj, qpn, reg) = self.devx_qp_object(scq.cqn, rcq.cqn, rings, bf)?;
         // SAFETY (both views): parts of `wq`, which this QP keeps (its `_wq` field, dropped

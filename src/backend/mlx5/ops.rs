@@ -183,7 +183,7 @@ impl Mlx5Pd {
             wq,
             dmabuf,
             rec,
-            (spec.doorbell.is_blueflame(), dci),
+            (spec.doorbell.is_blueflame(), dci, spec.cross_channel),
         )
     }
 }
@@ -250,7 +250,9 @@ impl PdOps for Mlx5Pd {
                 spec.sq_blocks, spec.rq_wqes
             )));
         }
-        let q = if spec.gpu.is_some() || scq.is_devx() || rcq.is_devx() || devx_always() {
+        // a cross-channel QP needs DEVX: the provider's QPs cannot ask for `cd_master`
+        let devx = spec.gpu.is_some() || spec.cross_channel || scq.is_devx() || rcq.is_devx();
+        let q = if devx || devx_always() {
             self.devx_qp(spec, (&scq, &rcq), false)?
         } else {
             self.provider_qp(spec, &scq, &rcq)?

@@ -261,6 +261,7 @@ impl SoftPd {
             dbrec: None,
             uar: None,
             user_index: None,
+            cross_channel: spec.cross_channel,
         })
     }
 

@@ -178,6 +178,8 @@ pub struct Opts {
     pub min_rnr_timer: u8,
     /// RtrAttr::selective_repeat (on the wire: hold packets behind a gap, resend selectively).
     pub selective_repeat: bool,
+    /// QpConfig::cross_channel (a companion: may post WAIT).
+    pub cross_channel: bool,
 }
 
 impl Default for Opts {
@@ -201,6 +203,7 @@ impl Default for Opts {
             },
             min_rnr_timer: 1,
             selective_repeat: false,
+            cross_channel: false,
         }
     }
 }
@@ -233,6 +236,7 @@ fn make_qp(n: &Node, o: &Opts) -> (Arc<Qp>, Arc<Cq>, Arc<Cq>) {
     cfg.max_recv_sge = o.max_recv_sge;
     cfg.max_inline = o.max_inline;
     cfg.doorbell = o.doorbell;
+    cfg.cross_channel = o.cross_channel;
     (n.dev.create_qp(cfg).unwrap(), scq, rcq)
 }
 
@@ -269,6 +273,19 @@ pub fn connect(a: &Node, oa: &Opts, b: &Node, ob: &Opts) -> (Ep, Ep) {
         rcq: rb,
     };
     (ea, eb)
+}
+
+/// One QP of `n` connected to itself (a loopback), as a companion QP is: its atomics land in
+/// its own device's memory.
+pub fn self_connected(n: &Node, o: &Opts) -> Ep {
+    let (q, s, r) = make_qp(n, o);
+    bring_up(&q, o, n, q.qpn());
+    Ep {
+        ini: Initiator::for_soft_qp(&n.dev, &q, o.ring),
+        qp: q,
+        scq: s,
+        rcq: r,
+    }
 }
 
 /// Destroys an endpoint's QP and CQs.

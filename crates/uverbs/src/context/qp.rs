@@ -201,6 +201,7 @@ impl Context {
             dbrec: Some(dbrec),
             uar: Some(uar),
             user_index,
+            cross_channel: false,
         };
         let created = match (&srq, shape.transport) {
             (_, Transport::Ud) => soft.create_ud_qp(cfg, srq.as_ref()),

@@ -137,9 +137,11 @@ impl DevxQp {
 
 /// What a CREATE_QP's context asks for, checked before any object is touched: the service
 /// type, the doorbell mode, the queue sizes and where receives come from; what the emulated
-/// device does not have is refused with a line (streams, scatter to CQE, cross-channel).
+/// device does not have is refused with a line (streams, scatter to CQE, cross-channel
+/// slaves). A cross-channel master (`cd_master`) may post WAIT on any CQ of the device.
 struct QpShape {
     dci: bool,
+    cd_master: bool,
     no_dbr: bool,
     sq_blocks: u32,
     rq_wqes: u32,
@@ -168,8 +170,8 @@ fn qp_shape(input: &[u8]) -> Result<QpShape, Refused> {
     if f(qpc::CS_REQ) != 0 || f(qpc::CS_RES) != 0 {
         return lacks("scatter to CQE (cs_req / cs_res)");
     }
-    if f(qpc::CD_MASTER) != 0 || f(qpc::CD_SLAVE_SEND) != 0 || f(qpc::CD_SLAVE_RECEIVE) != 0 {
-        return lacks("cross-channel QPs (cd_master / cd_slave)");
+    if f(qpc::CD_SLAVE_SEND) != 0 || f(qpc::CD_SLAVE_RECEIVE) != 0 {
+        return lacks("cross-channel slave QPs (cd_slave_send / cd_slave_receive)");
     }
     if f(qpc::LOG_MSG_MAX) > 30 {
         return refuse(status::BAD_PARAM, syndrome::QP_SIZE);
@@ -194,6 +196,7 @@ fn qp_shape(input: &[u8]) -> Result<QpShape, Refused> {
     };
     Ok(QpShape {
         dci,
+        cd_master: f(qpc::CD_MASTER) != 0,
         no_dbr,
         sq_blocks,
         rq_wqes,
@@ -211,6 +214,7 @@ impl Context {
         }
         let QpShape {
             dci,
+            cd_master,
             no_dbr,
             sq_blocks,
             rq_wqes,
@@ -299,6 +303,7 @@ impl Context {
                 },
             }),
             user_index: Some(f(qpc::USER_INDEX) as u32),
+            cross_channel: cd_master,
         };
         let made = match &srq {
             // an initiator takes no receives (UCX names the interface's SRQ all the same)
