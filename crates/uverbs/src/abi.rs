@@ -40,6 +40,7 @@ pub mod cmd {
     pub const DESTROY_SRQ: u32 = 35;
     pub const OPEN_XRCD: u32 = 37;
     pub const CLOSE_XRCD: u32 = 38;
+    pub const CREATE_XSRQ: u32 = 39;
     pub const OPEN_QP: u32 = 40;
 }
 
@@ -402,6 +403,21 @@ pod!(
         response: u64, user_handle: u64, pd_handle: u32, max_wr: u32, max_sge: u32,
         srq_limit: u32,
     }
+);
+pod!(
+    /// `struct ib_uverbs_create_xsrq`.
+    CreateXsrq[48] {
+        response: u64, user_handle: u64, srq_type: u32, pd_handle: u32, max_wr: u32,
+        max_sge: u32, srq_limit: u32, max_num_tags: u32, xrcd_handle: u32, cq_handle: u32,
+    }
+);
+pod!(
+    /// `struct ib_uverbs_open_xrcd`.
+    OpenXrcd[16] { response: u64, fd: u32, oflags: u32 }
+);
+pod!(
+    /// `struct ib_uverbs_open_xrcd_resp`.
+    OpenXrcdResp[4] { xrcd_handle: u32 }
 );
 pod!(
     /// `struct ib_uverbs_create_srq_resp`.

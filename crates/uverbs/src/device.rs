@@ -6,7 +6,8 @@ use crate::abi;
 use crate::config::{DeviceIdentity, EmuConfig};
 use crate::uaccess::Errno;
 use parking_lot::Mutex;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
 
 /// Largest SQ in blocks and RQ in WQEs.
 pub const MAX_QP_WR: u32 = 32768;
@@ -29,6 +30,9 @@ pub struct EmuDevice {
     pub id: DeviceIdentity,
     static_uars: bool,
     soft: Mutex<Option<Arc<softnic::Device>>>,
+    /// XRC domains opened with a file, by its inode (device, inode number): every context
+    /// that opens the same file shares the domain, as the kernel's per-device inode table.
+    xrcds: Mutex<HashMap<(u64, u64), Weak<softnic::Xrcd>>>,
 }
 
 impl EmuDevice {
@@ -37,6 +41,7 @@ impl EmuDevice {
             id,
             static_uars,
             soft: Mutex::new(None),
+            xrcds: Mutex::default(),
         }
     }
 
@@ -74,6 +79,33 @@ impl EmuDevice {
         Ok(d)
     }
 
+    /// OPEN_XRCD's domain for the file of inode `inode` (`None`: no file, a domain of its
+    /// own): the open one of that inode, unless `excl`; a new one when `create` (and none is
+    /// open). EINVAL otherwise, as the kernel's `ib_uverbs_open_xrcd`.
+    pub fn xrcd_for(
+        &self,
+        soft: &softnic::Device,
+        inode: Option<(u64, u64)>,
+        create: bool,
+        excl: bool,
+    ) -> Result<Arc<softnic::Xrcd>, Errno> {
+        let Some(key) = inode else {
+            return Ok(soft.alloc_xrcd());
+        };
+        let mut t = self.xrcds.lock();
+        t.retain(|_, w| w.strong_count() > 0);
+        match t.get(&key).and_then(Weak::upgrade) {
+            Some(_) if excl => Err(Errno::EINVAL),
+            Some(x) => Ok(x),
+            None if !create => Err(Errno::EINVAL),
+            None => {
+                let x = soft.alloc_xrcd();
+                t.insert(key, Arc::downgrade(&x));
+                Ok(x)
+            }
+        }
+    }
+
     /// The soft NIC, if it was started.
     pub fn started(&self) -> Option<Arc<softnic::Device>> {
         self.soft.lock().clone()
@@ -94,7 +126,7 @@ impl EmuDevice {
             max_qp_wr: MAX_QP_WR,
             // RESIZE_MAX_WR | BAD_PKEY_CNTR | BAD_QKEY_CNTR | CHANGE_PHY_PORT
             // | PORT_ACTIVE_EVENT | SYS_IMAGE_GUID | RC_RNR_NAK_GEN | MEM_WINDOW
-            // | BLOCK_MULTICAST_LOOPBACK (no multicast at all) | MEM_WINDOW_TYPE_2B
+            // | XRC | BLOCK_MULTICAST_LOOPBACK (no multicast at all) | MEM_WINDOW_TYPE_2B
             device_cap_flags: 0x1
                 | 0x2
                 | 0x4
@@ -103,6 +135,7 @@ impl EmuDevice {
                 | 0x800
                 | 0x1000
                 | 1 << 17
+                | 1 << 20
                 | 1 << 22
                 | 1 << 24,
             max_sge: MAX_SGE,

@@ -251,7 +251,12 @@ impl Context {
         let soft = self.soft()?;
         let mut o = self.objs.lock();
         let cq = o.cqs.get(&r.handle).ok_or(Errno::EINVAL)?.clone();
-        if o.cq_in_use(cq.soft.cqn()) {
+        // in use by a QP, a DEVX object, or an XRC SRQ (whose receives complete there)
+        let xrc_srq = o
+            .srqs
+            .values()
+            .any(|s| s.xrc.is_some_and(|(_, c)| c == r.handle));
+        if o.cq_in_use(cq.soft.cqn()) || xrc_srq {
             return Err(Errno::EBUSY);
         }
         soft.destroy_cq(&cq.soft).map_err(|_| Errno::EBUSY)?;

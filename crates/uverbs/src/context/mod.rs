@@ -6,10 +6,10 @@
 //!
 //! The commands are split by object family, one file each: `device.rs` (the context itself and
 //! the device queries), `pd_mr.rs` (PDs, MRs, MWs), `cq.rs` (completion channels and CQs),
-//! `qp.rs`, `srq.rs` and `ah.rs`; `uar.rs` holds the UAR pages. This file holds the [`Context`],
-//! the object tables, the helpers every family uses, and the dispatch table
-//! ([`Context::command`], [`Context::ex_command`]): command number to handler. A new family of
-//! commands gets a file of its own and its arms in that table.
+//! `qp.rs`, `srq.rs`, `xrc.rs` (XRC domains) and `ah.rs`; `uar.rs` holds the UAR pages. This
+//! file holds the [`Context`], the object tables, the helpers every family uses, and the
+//! dispatch table ([`Context::command`], [`Context::ex_command`]): command number to handler. A
+//! new family of commands gets a file of its own and its arms in that table.
 
 mod ah;
 mod clock;
@@ -20,6 +20,7 @@ mod pd_mr;
 mod qp;
 mod srq;
 pub mod uar;
+mod xrc;
 
 pub use cq::{Arm, CqObj};
 pub use uar::{DynUar, Uars};
@@ -28,6 +29,7 @@ use ah::AhObj;
 use pd_mr::{MrObj, MwObj, PdObj};
 use qp::QpObj;
 use srq::SrqObj;
+use xrc::XrcdObj;
 
 use crate::abi::{self, access};
 use crate::device::EmuDevice;
@@ -81,6 +83,7 @@ struct Objects {
     qps: HashMap<u32, QpObj>,
     ahs: HashMap<u32, AhObj>,
     srqs: HashMap<u32, SrqObj>,
+    xrcds: HashMap<u32, XrcdObj>,
     /// Completion channels created through this context, by fd.
     channels: HashMap<RawFd, Arc<EventQueue>>,
     /// QPs per BlueFlame register (non-fast-path numbering; static UARs).
@@ -322,6 +325,9 @@ impl Context {
             c::MODIFY_SRQ => self.modify_srq(io),
             c::QUERY_SRQ => self.query_srq(io),
             c::DESTROY_SRQ => self.destroy_srq(io),
+            c::OPEN_XRCD => self.open_xrcd(io),
+            c::CLOSE_XRCD => self.close_xrcd(io),
+            c::CREATE_XSRQ => self.create_xsrq(io),
             c::CREATE_QP => self.legacy_create_qp(io),
             c::MODIFY_QP => self.legacy_modify_qp(io),
             c::QUERY_QP => self.query_qp(io),
@@ -405,6 +411,7 @@ impl Context {
         for (_, s) in o.srqs.drain() {
             let _ = soft.destroy_srq(&s.soft);
         }
+        o.xrcds.clear();
         for (_, m) in o.mws.drain() {
             let _ = soft.dealloc_mw(m.key);
         }

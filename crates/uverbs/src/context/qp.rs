@@ -1,6 +1,7 @@
-//! Queue pairs (RC, UD, and DC initiators and targets: `mlx5dv_create_qp`'s `IBV_QPT_DRIVER`
-//! QPs): CREATE_QP, EX_CREATE_QP, MODIFY_QP, EX_MODIFY_QP, QUERY_QP and DESTROY_QP, with the
-//! BlueFlame register each QP with a send queue gets.
+//! Queue pairs (RC, UC, UD, XRC initiators and targets, and DC initiators and targets:
+//! `mlx5dv_create_qp`'s `IBV_QPT_DRIVER` QPs): CREATE_QP, EX_CREATE_QP, MODIFY_QP,
+//! EX_MODIFY_QP, QUERY_QP and DESTROY_QP, with the BlueFlame register each QP with a send queue
+//! gets.
 
 use super::{
     ib_access, unsupported, user_buf, Context, Created, Io, Objects, BFREGS_PER_UAR, BF_REG_SIZE,
@@ -155,7 +156,14 @@ impl Context {
         let cqe_version = *self.cqe_version.lock();
         let user_index = (cqe_version == 1).then_some(u.uidx & 0xff_ffff);
         let mut o = self.objs.lock();
-        let parents = QpParents::find(&o, r, shape.srq_handle)?;
+        if shape.transport == Transport::XrcTgt {
+            // no rings, no doorbell, no CQs: a responder of the XRC domain `pd_handle` names
+            let xrcd = o.xrcds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.soft.clone();
+            let sqp = soft.create_xrc_tgt(&xrcd).map_err(|_| Errno::EINVAL)?;
+            return self.record_qp(&mut o, io, (r, ex), sqp, &shape, (None, None));
+        }
+        let xrc_ini = shape.transport == Transport::XrcIni;
+        let parents = QpParents::find(&o, r, shape.srq_handle, xrc_ini)?;
         if let Transport::Dct { key } = shape.transport {
             // no rings, no doorbell: a responder on the SRQ (mlx5_ib: srq and recv_cq needed)
             let srq = parents.srq.ok_or(Errno::EINVAL)?;
@@ -207,6 +215,7 @@ impl Context {
             (_, Transport::Ud) => soft.create_ud_qp(cfg, srq.as_ref()),
             (_, Transport::Uc) => soft.create_uc_qp(cfg, srq.as_ref()),
             (_, Transport::Dci) => soft.create_dci(cfg),
+            (_, Transport::XrcIni) => soft.create_xrc_ini(cfg),
             (Some(s), _) => soft.create_qp_on_srq(cfg, s),
             (None, _) => soft.create_qp(cfg),
         };
@@ -473,7 +482,8 @@ impl QpShape {
             // mlx5_ib's check_qp_attr: a target needs an SRQ and a receive CQ, and takes the
             // rest of its shape from nobody (no rings, no doorbell)
             Transport::Dct { .. } if srq_handle.is_none() => return Err(Errno::EINVAL),
-            Transport::Dct { .. } => {
+            // an XRC target has no queues, CQs or PD of its own (mlx5_ib's create_xrc_tgt_qp)
+            Transport::Dct { .. } | Transport::XrcTgt => {
                 return Ok(Self {
                     transport,
                     srq_handle,
@@ -503,8 +513,9 @@ impl QpShape {
             return Err(Errno::EINVAL);
         }
         let pow2 = |n: u32| n == 0 || n.is_power_of_two();
-        // a QP on an SRQ has no RQ (the provider allocates none)
-        let rq_wqe_count = if srq_handle.is_some() {
+        // a QP on an SRQ has no RQ (the provider allocates none), nor has an XRC initiator
+        // (the kernel clears its receive capacities)
+        let rq_wqe_count = if srq_handle.is_some() || transport == Transport::XrcIni {
             0
         } else {
             u.rq_wqe_count
@@ -545,18 +556,22 @@ impl QpShape {
         const IBV_QPT_RC: u8 = 2;
         const IBV_QPT_UC: u8 = 3;
         const IBV_QPT_UD: u8 = 4;
+        const IBV_QPT_XRC_SEND: u8 = 9;
+        const IBV_QPT_XRC_RECV: u8 = 10;
         const IBV_QPT_DRIVER: u8 = 0xff;
         use abi::mlx5_qp_flag as f;
         Ok(match r.qp_type {
             IBV_QPT_RC => Transport::Rc,
             IBV_QPT_UC => Transport::Uc,
             IBV_QPT_UD => Transport::Ud,
+            IBV_QPT_XRC_SEND => Transport::XrcIni,
+            IBV_QPT_XRC_RECV => Transport::XrcTgt,
             IBV_QPT_DRIVER => match (u.flags & f::TYPE_DCI != 0, u.flags & f::TYPE_DCT != 0) {
                 (true, false) => Transport::Dci,
                 (false, true) if io.udata.len() >= 48 => Transport::Dct { key: u.sq_buf_addr },
                 _ => return Err(Errno::EINVAL),
             },
-            _ => return Err(unsupported("QP types other than RC, UC, UD and DC")),
+            _ => return Err(unsupported("QP types other than RC, UC, UD, XRC and DC")),
         })
     }
 
@@ -591,8 +606,14 @@ struct QpParents {
 }
 
 impl QpParents {
-    /// Looks the PD, the CQs and the SRQ up; EINVAL for a handle that names none.
-    fn find(o: &Objects, r: &abi::ExCreateQp, srq_handle: Option<u32>) -> Result<Self, Errno> {
+    /// Looks the PD, the CQs and the SRQ up; EINVAL for a handle that names none. An XRC
+    /// initiator has no receive CQ (the library names none): its send CQ stands in.
+    fn find(
+        o: &Objects,
+        r: &abi::ExCreateQp,
+        srq_handle: Option<u32>,
+        xrc_ini: bool,
+    ) -> Result<Self, Errno> {
         let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
         let scq = o
             .cqs
@@ -600,12 +621,15 @@ impl QpParents {
             .ok_or(Errno::EINVAL)?
             .soft
             .clone();
-        let rcq = o
-            .cqs
-            .get(&r.recv_cq_handle)
-            .ok_or(Errno::EINVAL)?
-            .soft
-            .clone();
+        let rcq = match xrc_ini {
+            true => scq.clone(),
+            false => o
+                .cqs
+                .get(&r.recv_cq_handle)
+                .ok_or(Errno::EINVAL)?
+                .soft
+                .clone(),
+        };
         let srq = match srq_handle {
             Some(h) => Some(o.srqs.get(&h).ok_or(Errno::EINVAL)?.soft.clone()),
             None => None,
@@ -674,7 +698,7 @@ fn reply_create_qp(
     })
 }
 
-/// ib_modify_qp_is_ok for RC, UC and UD, mlx5_ib's `modify_dci_qp_is_ok` for a DC initiator
+/// ib_modify_qp_is_ok for RC, UC, UD and XRC, mlx5_ib's `modify_dci_qp_is_ok` for a DC initiator
 /// and `mlx5_ib_modify_dct`'s exact masks for a DC target (RESET → INIT → RTR, nothing else):
 /// the attributes the move from state `cur` to `new` requires and those it allows (IB state
 /// numbers); EINVAL for a move that is not one.
@@ -709,6 +733,25 @@ fn transition_attrs(transport: Transport, cur: u8, new: u8) -> Result<(u32, u32)
             (3, 3) => (0, CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE),
             _ => return Err(Errno::EINVAL),
         },
+        _ if transport == Transport::XrcIni => match (cur, new) {
+            (0, 1) => (PKEY_INDEX | PORT | ACCESS_FLAGS, 0),
+            (1, 1) => (0, PKEY_INDEX | PORT | ACCESS_FLAGS),
+            (1, 2) => (
+                AV | PATH_MTU | DEST_QPN | RQ_PSN,
+                ALT_PATH | ACCESS_FLAGS | PKEY_INDEX,
+            ),
+            (2, 3) => (
+                TIMEOUT | RETRY_CNT | RNR_RETRY | SQ_PSN | MAX_QP_RD_ATOMIC,
+                CUR_STATE | ALT_PATH | ACCESS_FLAGS | PATH_MIG_STATE,
+            ),
+            (3, 3) => (0, CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE),
+            _ => return Err(Errno::EINVAL),
+        },
+        // an XRC target moves as RC but for RTR→RTS: timeout and SQ PSN only
+        (2, 3) if transport == Transport::XrcTgt => (
+            TIMEOUT | SQ_PSN,
+            CUR_STATE | ALT_PATH | ACCESS_FLAGS | MIN_RNR_TIMER | PATH_MIG_STATE,
+        ),
         _ if transport == Transport::Ud => match (cur, new) {
             (0, 1) => (PKEY_INDEX | PORT | QKEY, 0),
             (1, 1) => (0, PKEY_INDEX | PORT | QKEY),

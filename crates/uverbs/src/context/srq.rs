@@ -1,6 +1,7 @@
-//! Shared receive queues: CREATE_SRQ, MODIFY_SRQ, QUERY_SRQ and DESTROY_SRQ.
+//! Shared receive queues: CREATE_SRQ, CREATE_XSRQ (basic and XRC SRQs), MODIFY_SRQ, QUERY_SRQ
+//! and DESTROY_SRQ.
 
-use super::{user_buf, Context, Created, Io};
+use super::{unsupported, user_buf, Context, Created, Io};
 use crate::abi;
 use crate::device::{MAX_QP_WR, MAX_SRQ_SGE};
 use crate::uaccess::Errno;
@@ -10,6 +11,8 @@ use std::sync::Arc;
 pub(super) struct SrqObj {
     pub(super) soft: Arc<softnic::Srq>,
     pub(super) pd: u32,
+    /// An XRC SRQ's domain and CQ (handles).
+    pub(super) xrc: Option<(u32, u32)>,
     key: u64,
     async_reported: Arc<AtomicU32>,
 }
@@ -17,6 +20,38 @@ pub(super) struct SrqObj {
 impl Context {
     pub(super) fn create_srq(&self, io: &Io<'_>) -> Result<Created, Errno> {
         let r: abi::CreateSrq = io.core()?;
+        self.new_srq(io, r, None)
+    }
+
+    /// CREATE_XSRQ: a basic SRQ, or an XRC SRQ of an XRC domain whose receives complete on a
+    /// CQ of its own (tag-matching SRQs: EOPNOTSUPP).
+    pub(super) fn create_xsrq(&self, io: &Io<'_>) -> Result<Created, Errno> {
+        const IB_SRQT_BASIC: u32 = 0;
+        const IB_SRQT_XRC: u32 = 1;
+        let x: abi::CreateXsrq = io.core()?;
+        let r = abi::CreateSrq {
+            response: x.response,
+            user_handle: x.user_handle,
+            pd_handle: x.pd_handle,
+            max_wr: x.max_wr,
+            max_sge: x.max_sge,
+            srq_limit: x.srq_limit,
+        };
+        match x.srq_type {
+            IB_SRQT_BASIC => self.new_srq(io, r, None),
+            IB_SRQT_XRC => self.new_srq(io, r, Some((x.xrcd_handle, x.cq_handle))),
+            _ => Err(unsupported("tag-matching SRQs")),
+        }
+    }
+
+    /// A new SRQ on the provider's ring and doorbell record; an XRC SRQ when `xrc` names its
+    /// domain and CQ (handles).
+    fn new_srq(
+        &self,
+        io: &Io<'_>,
+        r: abi::CreateSrq,
+        xrc: Option<(u32, u32)>,
+    ) -> Result<Created, Errno> {
         let u: abi::Mlx5CreateSrq = io.udata()?;
         if io.udata.len() < 24 {
             return Err(Errno::EINVAL);
@@ -42,16 +77,27 @@ impl Context {
         let soft = self.soft()?;
         let mut o = self.objs.lock();
         let pd = o.pds.get(&r.pd_handle).ok_or(Errno::EINVAL)?.id;
-        let srq = soft
-            .create_srq(softnic::SrqConfig {
-                pd,
-                wqes,
-                stride,
-                ring: Some(ring),
-                dbrec: Some(dbrec),
-                limit: r.srq_limit,
-            })
-            .map_err(|_| Errno::EINVAL)?;
+        let cfg = softnic::SrqConfig {
+            pd,
+            wqes,
+            stride,
+            ring: Some(ring),
+            dbrec: Some(dbrec),
+            limit: r.srq_limit,
+        };
+        let srq = match xrc {
+            None => soft.create_srq(cfg),
+            Some((xh, ch)) => {
+                let x = softnic::XrcSrqConfig {
+                    xrcd: o.xrcds.get(&xh).ok_or(Errno::EINVAL)?.soft.clone(),
+                    cq: o.cqs.get(&ch).ok_or(Errno::EINVAL)?.soft.clone(),
+                    // mlx5_ib: the SRQ's CQEs carry its user index under CQE version 1
+                    user_index: (cqe_version == 1).then_some(u.uidx),
+                };
+                soft.create_xrc_srq(cfg, x)
+            }
+        }
+        .map_err(|_| Errno::EINVAL)?;
         let h = o.handle();
         let reply = io
             .reply(&abi::CreateSrqResp {
@@ -82,6 +128,7 @@ impl Context {
             SrqObj {
                 soft: srq,
                 pd: r.pd_handle,
+                xrc,
                 key,
                 async_reported,
             },
