@@ -114,6 +114,10 @@ fn query_hca_cap(input: &[u8]) -> Fw {
                 (g::RC, 1),
                 // DC initiators and targets (CREATE_DCT, DCI QPs; docs/softnic.md)
                 (g::DCT, 1),
+                // XRC domains, SRQs and QPs through verbs (mlx5_ib reports IB_DEVICE_XRC from
+                // this bit); DEVX's own XRC objects are refused (docs/emulation.md)
+                (g::XRC, 1),
+                (g::LOG_MAX_XRCD, 24),
                 (g::LOG_PG_SZ, 12),
                 (g::LOG_BF_REG_SIZE, 9), // 512-byte BlueFlame registers
                 (g::MAX_WQE_SZ_SQ, (prm::MAX_WQE_BBS * prm::WQEBB) as u64),
