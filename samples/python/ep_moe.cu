@@ -97,10 +97,56 @@ GPUVERBS_DEVICE void finish(const Args& a, uint32_t d, uint64_t off_sig, uint64_
     report(a.status, stage, s, e);
 }
 
+// Row `i` of the rows bound to destination `d`: where it goes in `d`'s window.
+GPUVERBS_DEVICE uint64_t disp_off(const Args& a, uint32_t i) {
+    return (uint64_t)(a.rank * a.tokens + i) * a.row_bytes;
+}
+
+// A rank's own row `i`: copied into its window in place.
+GPUVERBS_DEVICE void copy_own_row(const Args& a, uint32_t d, uint32_t i) {
+    const int32_t t = a.send_idx[d * a.tokens + i];
+    const uint4* src = (const uint4*)(a.send + (uint64_t)t * a.row_bytes);
+    uint4* dst = (uint4*)(a.win + disp_off(a, i));
+    for (uint32_t w = 0; w < a.row_bytes / 16; ++w) dst[w] = src[w];
+}
+
+// The combine of row `i` from source `s_rank` (this rank's experts, weighted), by the block's
+// threads, into `y`.
+GPUVERBS_DEVICE void combine_row(const Args& a, uint32_t s_rank, uint32_t i, __nv_bfloat16* y) {
+    const uint8_t* row = a.win + (uint64_t)(s_rank * a.tokens + i) * a.row_bytes;
+    const __nv_bfloat16* x = (const __nv_bfloat16*)row;
+    const uint32_t hrow = a.hidden * 2;
+    const int32_t* ids = (const int32_t*)(row + hrow);
+    const float* wts = (const float*)(row + hrow + 4 * a.topk);
+    for (uint32_t h = threadIdx.x; h < a.hidden; h += blockDim.x) {
+        const float xv = __bfloat162float(x[h]);
+        float acc = 0.0f;
+        for (uint32_t j = 0; j < a.topk; ++j) {
+            if ((uint32_t)ids[j] / a.experts_per_rank == a.rank) {
+                acc += wts[j] * expert_scale(ids[j]) * xv;
+            }
+        }
+        y[h] = __float2bfloat16_rn(acc);
+    }
+}
+
+// Thread 0: waits for rank `s_rank`'s dispatch of this round; every thread learns whether it
+// came.
+GPUVERBS_DEVICE bool wait_rows(const Args& a, uint32_t s_rank, uint64_t round) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        status s = wait_signal(word(a, a.off_dsig, s_rank), round, a.budget_ns);
+        report(a.status, 3, s, error{});
+        ok = s == OK;
+    }
+    __syncthreads();
+    return ok;
+}
+
 }  // namespace ep
 
 // grid (N, B): blockIdx.x is the destination rank; each of its B blocks writes a share of the
-// rows bound there.
+// rows bound there, one thread per row (a WQE and a doorbell each).
 GPUVERBS_KERNEL void ep_dispatch(const ep::Args* ap) {
     using namespace gpuverbs;
     const ep::Args a = *ap;
@@ -109,18 +155,43 @@ GPUVERBS_KERNEL void ep_dispatch(const ep::Args* ap) {
     const uint32_t stride = gridDim.y * blockDim.x;
     const uint64_t q = a.qp[d];
     for (uint32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < (uint32_t)n; i += stride) {
-        const int32_t t = a.send_idx[d * a.tokens + i];
-        const uint64_t dst_off = (uint64_t)(a.rank * a.tokens + i) * a.row_bytes;
         if (q == 0) {
-            const uint4* src = (const uint4*)(a.send + (uint64_t)t * a.row_bytes);
-            uint4* dst = (uint4*)(a.win + dst_off);
-            for (uint32_t w = 0; w < a.row_bytes / 16; ++w) dst[w] = src[w];
-        } else {
-            status s = put((gpuverbs_qp*)q, a.send_addr + (uint64_t)t * a.row_bytes,
-                           lkey{a.send_lkey}, a.rbase[d] + dst_off, rkey{a.rkey[d]}, a.row_bytes,
-                           false, a.budget_ns);
-            ep::report(a.status, 1, s, ep::err_of(q, s));
+            ep::copy_own_row(a, d, i);
+            continue;
         }
+        const int32_t t = a.send_idx[d * a.tokens + i];
+        status s = put((gpuverbs_qp*)q, a.send_addr + (uint64_t)t * a.row_bytes,
+                       lkey{a.send_lkey}, a.rbase[d] + ep::disp_off(a, i), rkey{a.rkey[d]},
+                       a.row_bytes, false, a.budget_ns);
+        ep::report(a.status, 1, s, ep::err_of(q, s));
+    }
+    ep::finish(a, d, a.off_dsig, (uint64_t)n, true, 2);
+}
+
+// The same as users of warp-scope posting write it: each warp takes 32 rows bound to `d` and
+// posts them with one put_warp (the lanes' WQEs prepared together, one reservation and one
+// doorbell per 32 rows); the count and the signal per destination at the end, as above.
+// blockDim a multiple of 32.
+GPUVERBS_KERNEL void ep_dispatch_warp(const ep::Args* ap) {
+    using namespace gpuverbs;
+    const ep::Args a = *ap;
+    const uint32_t d = blockIdx.x;
+    const uint32_t n = (uint32_t)a.send_cnt[d];
+    const uint64_t q = a.qp[d];
+    const uint32_t warps = blockDim.x / 32, lane = threadIdx.x % 32;
+    const uint32_t stride = gridDim.y * warps * 32;
+    for (uint32_t base = (blockIdx.y * warps + threadIdx.x / 32) * 32; base < n; base += stride) {
+        const uint32_t i = base + lane;
+        if (i >= n) continue;
+        if (q == 0) {
+            ep::copy_own_row(a, d, i);
+            continue;
+        }
+        const int32_t t = a.send_idx[d * a.tokens + i];
+        status s = put_warp((gpuverbs_qp*)q, a.send_addr + (uint64_t)t * a.row_bytes,
+                            lkey{a.send_lkey}, a.rbase[d] + ep::disp_off(a, i), rkey{a.rkey[d]},
+                            a.row_bytes, false, a.budget_ns);
+        ep::report(a.status, 1, s, ep::err_of(q, s));
     }
     ep::finish(a, d, a.off_dsig, (uint64_t)n, true, 2);
 }
@@ -137,50 +208,66 @@ GPUVERBS_KERNEL void ep_wait_dispatch(const ep::Args* ap, uint64_t round) {
 
 // grid (N, B): blockIdx.x is the source rank s. Waits for s's rows, runs this rank's experts on
 // each (the weighted sum over the token's experts that live here) and writes the result back to
-// slot i of s's combine area for this rank.
+// slot i of s's combine area for this rank, a put per row by thread 0.
 GPUVERBS_KERNEL void ep_combine(const ep::Args* ap, uint64_t round) {
     using namespace gpuverbs;
     const ep::Args a = *ap;
     const uint32_t s_rank = blockIdx.x;
-    __shared__ int ok;
-    if (threadIdx.x == 0) {
-        status s = wait_signal(ep::word(a, a.off_dsig, s_rank), round, a.budget_ns);
-        ep::report(a.status, 3, s, error{});
-        ok = s == OK;
-    }
-    __syncthreads();
-    if (!ok) return;
+    if (!ep::wait_rows(a, s_rank, round)) return;
     const uint64_t n = *(volatile uint64_t*)ep::word(a, a.off_cnt, s_rank);
     const uint32_t hrow = a.hidden * 2;
     const uint64_t q = a.qp[s_rank];
     for (uint32_t i = blockIdx.y; i < n; i += gridDim.y) {
-        const uint8_t* row = a.win + (uint64_t)(s_rank * a.tokens + i) * a.row_bytes;
-        const __nv_bfloat16* x = (const __nv_bfloat16*)row;
-        const int32_t* ids = (const int32_t*)(row + hrow);
-        const float* wts = (const float*)(row + hrow + 4 * a.topk);
         const uint64_t slot = (uint64_t)s_rank * a.tokens + i;
+        const uint64_t back = a.off_comb + (uint64_t)(a.rank * a.tokens + i) * hrow;
         // local: straight into our own combine area (slot i of rank s == us)
-        __nv_bfloat16* y = (__nv_bfloat16*)(q == 0 ? a.win + a.off_comb + (uint64_t)(a.rank * a.tokens + i) * hrow
-                                                   : a.cout + slot * hrow);
-        for (uint32_t h = threadIdx.x; h < a.hidden; h += blockDim.x) {
-            const float xv = __bfloat162float(x[h]);
-            float acc = 0.0f;
-            for (uint32_t j = 0; j < a.topk; ++j) {
-                if ((uint32_t)ids[j] / a.experts_per_rank == a.rank) {
-                    acc += wts[j] * ep::expert_scale(ids[j]) * xv;
-                }
-            }
-            y[h] = __float2bfloat16_rn(acc);
-        }
+        ep::combine_row(a, s_rank, i,
+                        (__nv_bfloat16*)(q == 0 ? a.win + back : a.cout + slot * hrow));
         __syncthreads();
         if (q != 0 && threadIdx.x == 0) {
             // the row's stores (this block's threads) before the write that carries them
             __threadfence_system();
             status s = put((gpuverbs_qp*)q, a.cout_addr + slot * hrow, lkey{a.cout_lkey},
-                           a.rbase[s_rank] + a.off_comb + (uint64_t)(a.rank * a.tokens + i) * hrow,
-                           rkey{a.rkey[s_rank]}, hrow, false, a.budget_ns);
+                           a.rbase[s_rank] + back, rkey{a.rkey[s_rank]}, hrow, false,
+                           a.budget_ns);
             ep::report(a.status, 4, s, ep::err_of(q, s));
         }
+    }
+    ep::finish(a, s_rank, a.off_csig, 0, false, 5);
+}
+
+// The same with warp-scope posting: a block combines up to 32 of its rows, then its first warp
+// puts them with one put_warp (lane j the batch's row j: one doorbell per 32 rows).
+GPUVERBS_KERNEL void ep_combine_warp(const ep::Args* ap, uint64_t round) {
+    using namespace gpuverbs;
+    const ep::Args a = *ap;
+    const uint32_t s_rank = blockIdx.x;
+    if (!ep::wait_rows(a, s_rank, round)) return;
+    const uint64_t n = *(volatile uint64_t*)ep::word(a, a.off_cnt, s_rank);
+    const uint32_t hrow = a.hidden * 2;
+    const uint64_t q = a.qp[s_rank];
+    const uint64_t step = 32ull * gridDim.y;
+    for (uint64_t first = blockIdx.y; first < n; first += step) {
+        // rows first, first + B, ..., first + 31 B of this block
+        for (uint32_t j = 0; j < 32 && first + j * gridDim.y < n; ++j) {
+            const uint64_t i = first + j * gridDim.y;
+            const uint64_t slot = (uint64_t)s_rank * a.tokens + i;
+            const uint64_t back = a.off_comb + (uint64_t)(a.rank * a.tokens + i) * hrow;
+            ep::combine_row(a, s_rank, (uint32_t)i,
+                            (__nv_bfloat16*)(q == 0 ? a.win + back : a.cout + slot * hrow));
+        }
+        __syncthreads();
+        const uint64_t i = first + (uint64_t)threadIdx.x * gridDim.y;
+        if (q != 0 && threadIdx.x < 32 && i < n) {
+            // the rows' stores (this block's threads) before the writes that carry them
+            __threadfence_system();
+            const uint64_t slot = (uint64_t)s_rank * a.tokens + i;
+            status s = put_warp((gpuverbs_qp*)q, a.cout_addr + slot * hrow, lkey{a.cout_lkey},
+                                a.rbase[s_rank] + a.off_comb + (uint64_t)(a.rank * a.tokens + i) * hrow,
+                                rkey{a.rkey[s_rank]}, hrow, false, a.budget_ns);
+            ep::report(a.status, 4, s, ep::err_of(q, s));
+        }
+        __syncthreads();
     }
     ep::finish(a, s_rank, a.off_csig, 0, false, 5);
 }

@@ -95,13 +95,18 @@ def parse():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--blocks", type=int, default=4, help="blocks per destination")
-    p.add_argument("--threads", type=int, default=128)
+    p.add_argument("--threads", type=int, default=128, help="threads per block (a multiple of 32)")
+    p.add_argument("--post", choices=["row", "warp", "both"], default="both",
+                   help="how the kernels post: a WQE and a doorbell per row (row), or a warp's "
+                        "32 rows with one put_warp (warp); both: each, in the same run")
     p.add_argument("--budget-ms", type=int, default=20000, help="bound of every GPU wait")
     p.add_argument("--no-baseline", action="store_true", help="skip all_to_all_single")
     p.add_argument("--json", help="append a line with every rank's figures to this file (rank 0)")
     a = p.parse_args()
     if not 1 <= a.topk <= 8:
         p.error("--topk is 1..8")
+    if a.threads % 32 or not 32 <= a.threads <= 1024:
+        p.error("--threads is a multiple of 32, at most 1024")
     return a
 
 
@@ -256,15 +261,16 @@ def main():
         out=out.data_ptr())
     args_dev = torch.frombuffer(bytearray(bytes(args)), dtype=torch.uint8).to(dev)
     ap = np.uint64(args_dev.data_ptr())
-    k_disp, k_wait, k_comb, k_red = (mod.get_function(f) for f in
-                                     ("ep_dispatch", "ep_wait_dispatch", "ep_combine", "ep_reduce"))
+    k_wait, k_red = mod.get_function("ep_wait_dispatch"), mod.get_function("ep_reduce")
+    kernels = {"row": ("ep_dispatch", "ep_combine"), "warp": ("ep_dispatch_warp", "ep_combine_warp")}
+    posts = ["row", "warp"] if a.post == "both" else [a.post]
 
     # the reference, from every rank's inputs
     gathered = [None] * n
     dist.all_gather_object(gathered, {k: lay[k] for k in ("rows", "send_idx", "cnt")})
     ref_out = reference_combine(lay, n, epr)
 
-    def check_round():
+    def check_round(post):
         w = win.cpu()
         for s in range(n):
             c = int(gathered[s]["cnt"][rank])
@@ -272,33 +278,47 @@ def main():
             got = w[s * t_ * row : (s * t_ + c) * row].reshape(c, row)
             if not torch.equal(got, want):
                 bad = (got != want).any(dim=1).nonzero().flatten()[:4].tolist()
-                raise RuntimeError(f"rank {rank}: rows from rank {s} differ at slots {bad}")
+                raise RuntimeError(f"rank {rank} ({post}): rows from rank {s} differ at slots {bad}")
         if not torch.equal(out.cpu(), ref_out):
             diff = (out.cpu() != ref_out).any(dim=1).nonzero().flatten()[:4].tolist()
-            raise RuntimeError(f"rank {rank}: combined tokens {diff} differ from the reference")
+            raise RuntimeError(f"rank {rank} ({post}): combined tokens {diff} differ from the reference")
 
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-    t_disp, t_comb = [], []
-    for it in range(a.warmup + a.iters):
-        rnd = np.uint64(it + 1)
-        done.zero_()
-        out.zero_()
-        torch.cuda.synchronize()
-        dist.barrier()
-        ev[0].record()
-        k_disp((n, a.blocks), (a.threads,), (ap,))
-        k_wait((1,), (max(32, n),), (ap, rnd))
-        ev[1].record()
-        k_comb((n, a.blocks), (a.threads,), (ap, rnd))
-        k_red((t_,), (a.threads,), (ap, rnd))
-        ev[2].record()
-        torch.cuda.synchronize()
-        check_status(status, f"rank {rank} round {it + 1}")
-        if it == 0 or it == a.warmup + a.iters - 1:
-            check_round()
-        if it >= a.warmup:
-            t_disp.append(ev[0].elapsed_time(ev[1]) * 1e3)
-            t_comb.append(ev[1].elapsed_time(ev[2]) * 1e3)
+    rounds = 0
+
+    def timed(post):
+        """Median dispatch and combine times (µs) of this posting; the first and last rounds are
+        checked bit for bit (the window is cleared before each, so old rows cannot pass)."""
+        nonlocal rounds
+        k_disp, k_comb = (mod.get_function(f) for f in kernels[post])
+        t_disp, t_comb = [], []
+        for it in range(a.warmup + a.iters):
+            rounds += 1
+            rnd = np.uint64(rounds)
+            check = it == 0 or it == a.warmup + a.iters - 1
+            done.zero_()
+            out.zero_()
+            if check:
+                win[: off_comb + n * t_ * hrow].zero_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            ev[0].record()
+            k_disp((n, a.blocks), (a.threads,), (ap,))
+            k_wait((1,), (max(32, n),), (ap, rnd))
+            ev[1].record()
+            k_comb((n, a.blocks), (a.threads,), (ap, rnd))
+            k_red((t_,), (a.threads,), (ap, rnd))
+            ev[2].record()
+            torch.cuda.synchronize()
+            check_status(status, f"rank {rank} round {rounds} ({post})")
+            if check:
+                check_round(post)
+            if it >= a.warmup:
+                t_disp.append(ev[0].elapsed_time(ev[1]) * 1e3)
+                t_comb.append(ev[1].elapsed_time(ev[2]) * 1e3)
+        return statistics.median(t_disp), statistics.median(t_comb)
+
+    times = {post: timed(post) for post in posts}
     for e in exports:
         if e is not None:
             e.close()
@@ -309,8 +329,9 @@ def main():
                rings=",".join(placements) or "-", tokens=t_, hidden=h_, topk=a.topk,
                experts=a.experts, dispatch_bytes=remote_rows * row,
                combine_bytes=sum(int(gathered[s]["cnt"][rank]) for s in range(n) if s != rank)
-               * hrow,
-               dispatch_us=statistics.median(t_disp), combine_us=statistics.median(t_comb))
+               * hrow)
+    for post, (td, tc) in times.items():
+        res[f"{post}_dispatch_us"], res[f"{post}_combine_us"] = td, tc
 
     if not a.no_baseline:
         res.update(baseline(a, rank, n, lay, gathered, send, win, row, hrow, dev))
@@ -363,23 +384,26 @@ def baseline(a, rank, n, lay, gathered, send, win, row, hrow, dev):
 
 
 def report(allres, a):
-    cols = ["rank", "device", "doorbell", "rings", "dispatch_us", "combine_us", "dispatch_GBps",
-            "combine_GBps"]
-    if not a.no_baseline:
-        cols += ["a2a_dispatch_us", "a2a_combine_us", "dispatch_speedup", "combine_speedup"]
-    for r in allres:
-        r["dispatch_GBps"] = r["dispatch_bytes"] / r["dispatch_us"] / 1e3
-        r["combine_GBps"] = r["combine_bytes"] / r["combine_us"] / 1e3
-        if not a.no_baseline:
-            r["dispatch_speedup"] = r["a2a_dispatch_us"] / r["dispatch_us"]
-            r["combine_speedup"] = r["a2a_combine_us"] / r["combine_us"]
+    posts = ["row", "warp"] if a.post == "both" else [a.post]
     r0 = allres[0]
     print(f"ep_moe: {r0['ranks']} ranks, T={r0['tokens']} H={r0['hidden']} top-{r0['topk']} "
           f"E={r0['experts']} bf16; every token of both phases validated")
+    cols = ["rank", "post", "device", "doorbell", "rings", "dispatch_us", "combine_us",
+            "dispatch_GBps", "combine_GBps"]
+    if not a.no_baseline:
+        cols += ["a2a_dispatch_us", "a2a_combine_us", "dispatch_speedup", "combine_speedup"]
     print("  ".join(f"{c:>14}" for c in cols))
-    for r in allres:
-        print("  ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14}"
-                        for c in cols))
+    for post in posts:
+        for r in allres:
+            td, tc = r[f"{post}_dispatch_us"], r[f"{post}_combine_us"]
+            row = dict(r, post=post, dispatch_us=td, combine_us=tc,
+                       dispatch_GBps=r["dispatch_bytes"] / td / 1e3,
+                       combine_GBps=r["combine_bytes"] / tc / 1e3)
+            if not a.no_baseline:
+                row["dispatch_speedup"] = r["a2a_dispatch_us"] / td
+                row["combine_speedup"] = r["a2a_combine_us"] / tc
+            print("  ".join(f"{row[c]:>14.2f}" if isinstance(row[c], float) else f"{row[c]:>14}"
+                            for c in cols))
     if a.json:
         with open(a.json, "a") as f:
             f.write(json.dumps(dict(args=vars(a), ranks=allres)) + "\n")
