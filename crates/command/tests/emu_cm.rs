@@ -545,3 +545,26 @@ fn the_resource_summary_counts_the_ids() {
     let _ = std::fs::remove_file(&py);
     assert!(out.contains("ok"), "{out}");
 }
+
+/// mckey (rdma_cm multicast over UD): refused with one line, as multicast is not emulated (a
+/// ConnectX RoCE host would serve it: the kernel's CMA joins the group with IGMP on the netdev);
+/// mckey reports the failed join and exits with an error.
+#[test]
+fn mckey_is_refused_with_a_line() {
+    need("mckey", "rdmacm-utils");
+    let _g = serial();
+    let ip = "127.0.216.1";
+    let child = emu(ip, None, &["mckey", "-m", "239.1.2.3", "-b", ip])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = wait(child, Duration::from_secs(30), "mckey");
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{text}");
+    assert!(
+        text.contains("rdma_cm: multicast is not emulated")
+            && text.contains("failure joining: Function not implemented"),
+        "{text}"
+    );
+}

@@ -31,7 +31,7 @@ use addr::Addr;
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
@@ -296,7 +296,32 @@ const FATAL: [libc::c_int; 8] = [
     libc::SIGHUP,
 ];
 
+/// The pipes between the fatal-signal handler and the thread that tells the peers: the
+/// handler writes the signal's number to `REQ` and waits for a byte on `ACK` (a self-pipe:
+/// `write`, `poll` and `read` are async-signal-safe, taking the manager's lock and sending are
+/// not, so they run on the thread).
+static FATAL_REQ: AtomicI32 = AtomicI32::new(-1);
+static FATAL_ACK: AtomicI32 = AtomicI32::new(-1);
+
+/// A pipe's (read, write) ends, close-on-exec.
+fn pipe() -> Option<(libc::c_int, libc::c_int)> {
+    let mut fds = [-1; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    (unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == 0).then_some((fds[0], fds[1]))
+}
+
 fn on_fatal_signals() {
+    let (Some((req_r, req_w)), Some((ack_r, ack_w))) = (pipe(), pipe()) else {
+        return;
+    };
+    let watcher = std::thread::Builder::new()
+        .name("gpuverbs-emu-cm-fatal".into())
+        .spawn(move || fatal_watcher(req_r, ack_w));
+    if watcher.is_err() {
+        return;
+    }
+    FATAL_REQ.store(req_w, Ordering::Release);
+    FATAL_ACK.store(ack_r, Ordering::Release);
     for sig in FATAL {
         // SAFETY: reads the current disposition into a zeroed struct.
         let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
@@ -316,33 +341,78 @@ fn on_fatal_signals() {
     }
 }
 
-/// A fatal signal: the connections' peers are told (best effort: nothing is done when the
-/// manager's lock stays held, and an alarm ends a process that would hang here), then the
-/// signal takes its default action.
+/// The thread behind the handler: for each signal number read from `req`, the connections'
+/// peers are told (best effort: nothing is done when the manager's lock stays held 300 ms),
+/// then a byte goes back on `ack`.
+fn fatal_watcher(req: libc::c_int, ack: libc::c_int) {
+    loop {
+        let mut sig = [0u8; 1];
+        // SAFETY: reads one byte into a live local from the pipe this thread owns.
+        match unsafe { libc::read(req, sig.as_mut_ptr().cast(), 1) } {
+            1 => {}
+            -1 if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {
+                continue
+            }
+            _ => return,
+        }
+        let _ = std::panic::catch_unwind(|| farewell(sig[0]));
+        // SAFETY: writes one byte from a live local to the pipe this thread owns.
+        unsafe { libc::write(ack, sig.as_ptr().cast(), 1) };
+    }
+}
+
+/// Tells the peers of every connection of this process that it is gone (a fatal signal).
+fn farewell(sig: u8) {
+    let Some(cm) = CM.get().filter(|c| c.pid == std::process::id()) else {
+        return;
+    };
+    // another thread may hold the lock a moment longer (the one that queued the event the
+    // program took before it died); the dying thread itself, for good
+    match cm.st.try_lock_for(std::time::Duration::from_millis(300)) {
+        Some(st) => {
+            for id in st.ids.values() {
+                cm.conn_gone(id);
+            }
+        }
+        None if crate::tracing() => {
+            crate::complain(format_args!("rdma_cm: signal {sig}: the manager is busy"))
+        }
+        None => {}
+    }
+}
+
+/// A fatal signal: only async-signal-safe calls. The watcher thread is asked to tell the
+/// connections' peers and waited for (at most 1.5 s; an alarm ends a process that would hang
+/// here all the same), then the signal takes its default action. A child `fork` made has no
+/// watcher (and tells nobody: its parent's connections are not its own).
 extern "C" fn on_fatal(sig: libc::c_int) {
-    // SAFETY: SIGALRM to its default, then an alarm: the process ends within 2 s whatever
-    // happens below.
+    // SAFETY: async-signal-safe calls only: sigaction (through signal), alarm, getpid, write,
+    // poll, read and raise, on descriptors made before the handler was installed.
     unsafe {
         libc::signal(libc::SIGALRM, libc::SIG_DFL);
         libc::alarm(2);
-    }
-    if let Some(cm) = CM.get().filter(|c| c.pid == std::process::id()) {
-        // another thread may hold the lock a moment longer (the one that queued the event
-        // the program took before it died); the dying thread itself, for good
-        match cm.st.try_lock_for(std::time::Duration::from_millis(300)) {
-            Some(st) => {
-                for id in st.ids.values() {
-                    cm.conn_gone(id);
+        let (req, ack) = (
+            FATAL_REQ.load(Ordering::Acquire),
+            FATAL_ACK.load(Ordering::Acquire),
+        );
+        let starter = CM.get().is_some_and(|c| c.pid == libc::getpid() as u32);
+        if starter && req >= 0 && ack >= 0 {
+            let b = sig as u8;
+            if libc::write(req, (&b as *const u8).cast(), 1) == 1 {
+                let mut p = libc::pollfd {
+                    fd: ack,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                if libc::poll(&mut p, 1, 1500) == 1 {
+                    let mut r = 0u8;
+                    libc::read(ack, (&mut r as *mut u8).cast(), 1);
                 }
             }
-            None if crate::tracing() => {
-                crate::complain(format_args!("rdma_cm: signal {sig}: the manager is busy"))
-            }
-            None => {}
         }
+        // the handler was reset (SA_RESETHAND): the signal now takes its default action
+        libc::raise(sig);
     }
-    // SAFETY: the handler was reset (SA_RESETHAND): the signal now takes its default action.
-    unsafe { libc::raise(sig) };
 }
 
 /// The process's connection manager, if a program opened the device.
