@@ -10,6 +10,8 @@
 //! address — the device's netdev is `veth0` (sysfs, netlink), its active MTU 1024 (the veth's
 //! 1500, as mlx5_ib computes it). Needs root and iproute2 for the namespaces: skipped with a note
 //! without them, a failure under CI (`CI=true`, which runs as root). Needs Debian's libfabric-bin.
+//! On the default loopback address (127.0.226.1, no namespace) the provider offers no MSG
+//! endpoint, as on any host whose RDMA netdev is a loopback interface.
 
 mod emu_util;
 use emu_util::*;
@@ -189,4 +191,30 @@ fn fi_pingpong_verbs_msg_rdm_and_dgram() {
     // DGRAM: UD up to the port's active MTU (1024 on a 1500-byte netdev)
     let out = pingpong(3, &["-p", "verbs", "-e", "dgram", "-I", "50"]);
     assert_eq!(sizes(&out, "50"), ["64", "256", "1k"], "{out}");
+}
+
+/// On the emulation's default loopback address the device's netdev is `lo`, which the verbs
+/// provider skips (as on any host): no MSG endpoint (`fi_getinfo: -61`, ENODATA), DGRAM still
+/// offered. Needs no namespace.
+#[test]
+fn on_a_loopback_address_the_verbs_provider_offers_no_msg_endpoint() {
+    need("fi_info", "libfabric-bin");
+    let _g = serial();
+    let fi_info = |ep: &str| {
+        let child = emu("127.0.226.1", None, &["fi_info", "-p", "verbs", "-t", ep])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let o = wait(child, Duration::from_secs(30), "fi_info");
+        let text =
+            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        (o.status.code(), text)
+    };
+    let (code, text) = fi_info("FI_EP_MSG");
+    assert_eq!(code, Some(61), "{text}");
+    assert!(text.contains("fi_getinfo: -61"), "{text}");
+    let (code, text) = fi_info("FI_EP_DGRAM");
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("domain: mlx5_0-dgram"), "{text}");
 }
