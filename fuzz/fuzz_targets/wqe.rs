@@ -24,6 +24,10 @@
 //! the bytes are a DC initiator's WQE (its address vector after the control segment) on A, and
 //! B holds a DC target; bit 5 also writes the target's key, number and GID into the vector, so
 //! the WQE reaches it. The WQE completes (success or error) within the bound, guards intact.
+//! Bit 6: the bytes are an XRC initiator's WQE (its XRC segment after the control segment) on
+//! A, connected to an XRC target on B whose domain holds an XRC SRQ with one receive posted;
+//! bit 5 also writes that SRQ's number into the XRC segment, so the WQE reaches it. The WQE
+//! completes (success or error) within the bound, guards intact.
 #![no_main]
 
 #[path = "../../crates/softnic/tests/common/mod.rs"]
@@ -34,6 +38,7 @@ mod wire_util;
 
 use fixture::Fixture;
 use libfuzzer_sys::fuzz_target;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A WQE that neither completes nor stalls on a WAIT within this is a hang.
@@ -47,6 +52,9 @@ fuzz_target!(|d: &[u8]| {
     let Some((&ctl, body)) = d.split_first() else {
         return;
     };
+    if ctl & 64 != 0 {
+        return xrc_wqe(body, ctl & 32 != 0);
+    }
     if ctl & 16 != 0 {
         return dc_wqe(body, ctl & 32 != 0);
     }
@@ -228,6 +236,111 @@ const DC_KEY: u64 = 0x0dc0_ffee_1234_5678;
 
 /// `body` as the WQE of a DC initiator on A (index and QPN written by the harness), with a DC
 /// target on B over buffer 3; `aim`: the address vector names the target with its key.
+/// An XRC initiator on A, in RTS, connected in process to an XRC target on B; B's domain
+/// holds an XRC SRQ (its own CQ, one receive over buffer 3).
+fn xrc_pair(a: &common::Node, b: &common::Node) -> (common::Ep, Arc<softnic::Qp>, common::SwSrq) {
+    use softnic::{CqConfig, Modify, QpConfig, RtrAttr, RtsAttr, SrqConfig, XrcSrqConfig};
+    let cq = |d: &softnic::Device| {
+        d.create_cq(CqConfig {
+            ncqe: 64,
+            ..Default::default()
+        })
+        .expect("a CQ")
+    };
+    let xrcd = b.dev.alloc_xrcd();
+    let srq = b
+        .dev
+        .create_xrc_srq(
+            SrqConfig::new(b.pd, 16, 1),
+            XrcSrqConfig {
+                xrcd: xrcd.clone(),
+                cq: cq(&b.dev),
+                user_index: None,
+            },
+        )
+        .expect("an XRC SRQ");
+    let mut sw = common::SwSrq::new(srq);
+    sw.post(fixture::addr(3), fixture::LEN as u32, fixture_key(b, 3));
+    let tgt = b.dev.create_xrc_tgt(&xrcd).expect("an XRC target");
+    let ca = cq(&a.dev);
+    let ini = a
+        .dev
+        .create_xrc_ini(QpConfig::new(a.pd, ca.clone(), ca.clone()))
+        .expect("an XRC initiator");
+    let up = |q: &softnic::Qp, peer: &common::Node, qpn: u32, access| {
+        q.modify(Modify::Init { access }).expect("INIT");
+        q.modify(Modify::Rtr(RtrAttr {
+            remote_gid: peer.dev.gid(),
+            remote_qpn: qpn,
+            rq_psn: 0,
+            mtu: 1024,
+            min_rnr_timer: 1,
+            selective_repeat: false,
+        }))
+        .expect("RTR");
+        q.modify(Modify::Rts(RtsAttr {
+            timeout: 1,
+            retry_cnt: 0,
+            rnr_retry: 0,
+            ..Default::default()
+        }))
+        .expect("RTS");
+    };
+    up(&tgt, a, ini.qpn(), wire_util::ALL_REMOTE);
+    up(&ini, b, tgt.qpn(), softnic::Access::NONE);
+    let i = <softnic::initiator::Initiator as softnic::SoftQpInitiator>::for_soft_qp(
+        &a.dev,
+        &ini,
+        softnic::initiator::RingMode::RdmaCore,
+    );
+    let ep = common::Ep {
+        ini: i,
+        qp: ini,
+        scq: ca.clone(),
+        rcq: ca,
+    };
+    (ep, tgt, sw)
+}
+
+/// The lkey of fixture buffer `i` on node `n` (registered there).
+fn fixture_key(n: &common::Node, i: usize) -> u32 {
+    let all = wire_util::ALL_REMOTE;
+    fixture::register(&n.dev, n.pd, i, all).key
+}
+
+/// Bit 6: the bytes as an XRC initiator's WQE (see the file's comment).
+fn xrc_wqe(body: &[u8], aim: bool) {
+    let (a, b) = (common::Node::new(), common::Node::new());
+    fixture::register(&a.dev, a.pd, 0, wire_util::ALL_REMOTE);
+    let (mut ep, tgt, srq) = xrc_pair(&a, &b);
+    let blocks = body.len().div_ceil(64).clamp(1, MAX_BLOCKS);
+    let mut w = vec![0u8; blocks * 64];
+    let n = body.len().min(w.len());
+    w[..n].copy_from_slice(&body[..n]);
+    let idx = ep.ini.producer();
+    w[1..3].copy_from_slice(&idx.to_be_bytes());
+    w[4..7].copy_from_slice(&ep.qpn().to_be_bytes()[1..]);
+    w[11] |= 0x08;
+    if aim {
+        w[16..20].copy_from_slice(&srq.srq.srqn().to_be_bytes());
+    }
+    let opcode = w[3];
+    ep.post_raw(&w);
+    ep.ini.ring();
+    let bound = if opcode == WAIT { WAIT_BOUND } else { BOUND };
+    if let Err(e) = ep.ini.wait_send(bound) {
+        assert_eq!(
+            opcode, WAIT,
+            "no completion for XRC opcode {opcode:#x}: {e:?}"
+        );
+    }
+    drop(ep);
+    drop((tgt, srq, a, b));
+    for i in [0, 3] {
+        assert!(fixture::guards_intact(i), "a write outside buffer {i}");
+    }
+}
+
 fn dc_wqe(body: &[u8], aim: bool) {
     use softnic::{Access, CqConfig, Modify, QpConfig, RtsAttr};
     let (a, b) = (common::Node::new(), common::Node::new());

@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The target's seed folder, emptied of what this generator wrote before (the `libmlx5_*`
-/// WQEs, recorded by `record_uverbs_seeds.sh`, and the `dc_*` and `uc_*` seeds, DC and UC
-/// forms of RC seeds made by hand, stay).
+/// WQEs, recorded by `record_uverbs_seeds.sh`, and the `dc_*`, `uc_*` and `xrc_*` seeds, DC,
+/// UC and XRC forms of RC seeds made by hand, stay).
 fn corpus(target: &str) -> PathBuf {
     let d = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("corpus")
@@ -28,9 +28,9 @@ fn corpus(target: &str) -> PathBuf {
     for e in std::fs::read_dir(&d).unwrap() {
         let e = e.unwrap();
         let name = e.file_name().to_string_lossy().to_string();
-        // libmlx5_*: recorded by record_uverbs_seeds.sh; dc_*, uc_*: DC and UC forms of the RC
-        // seeds
-        if !["libmlx5_", "dc_", "uc_"]
+        // libmlx5_*: recorded by record_uverbs_seeds.sh; dc_*, uc_*, xrc_*: DC, UC and XRC
+        // forms of the RC seeds
+        if !["libmlx5_", "dc_", "uc_", "xrc_"]
             .iter()
             .any(|p| name.starts_with(p))
         {
