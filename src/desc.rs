@@ -138,6 +138,15 @@ descriptor! {
         /// per SQ block ({the counted WQE's first block + 1, the counter's address}), written
         /// by the counted calls and read by the send-CQ poll path.
         sq_counters: u64,
+        /// Device API state: the CQEs the send CQ will have written (counted from its creation,
+        /// modulo 2^24 as the CQ counts) once every published WQE has completed: what a
+        /// companion QP's WAIT names to wait for a WQE (`put_counter` and its kin). Set at
+        /// export to the send CQ's consumer index; every publish adds its signaled WQEs.
+        sq_cqes: u64,
+        /// The send CQ's number (what a companion's WAIT names).
+        scq_cqn: u32,
+        /// The receive CQ's number.
+        rcq_cqn: u32,
     }
 }
 
@@ -265,7 +274,7 @@ mod tests {
         );
     }
 
-    const PINNED: u32 = 0x223c_4353;
+    const PINNED: u32 = 0x5d43_6f23;
 
     #[test]
     fn fields_are_naturally_aligned_and_in_order() {

@@ -119,6 +119,8 @@ impl Gpu {
             scq_collapsed: u32::from(scq.collapsed),
             rcq_collapsed: u32::from(rcq.collapsed),
             sq_counters: counters.ptr(),
+            scq_cqn: qp.send_cq().cqn(),
+            rcq_cqn: qp.recv_cq().cqn(),
             ..QpDesc::new()
         };
         let mut desc = desc;
@@ -285,6 +287,9 @@ pub(crate) fn resume_desc(d: &mut QpDesc, st: &QueueState) -> Result<(), Error> 
     } else {
         u64::from(st.scq_ci)
     };
+    // the send CQ's CQEs so far: every one is taken before an export or a reset (a collapsed
+    // CQ's count is not known; the counter calls refuse it)
+    d.sq_cqes = d.scq_ci;
     // An RQ never posted to starts fresh whatever the receive CQ holds (a send CQ shared
     // with it); otherwise its consumer index must be the receive CQ's.
     let rq_out = match st.rq_consumer {

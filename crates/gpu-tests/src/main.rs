@@ -223,6 +223,27 @@ counted_cases! {
     counted_gpuall_block_bf: BlueFlame, Mem::Gpu, GpuRings, scope 2, skip 4;
 }
 
+macro_rules! nic_counter_cases {
+    ($($name:ident: $mode:expr, $mem:expr, $rings:expr, scope $scope:expr, skip $skip:expr;)*) => {
+        $(fn $name(ctx: &Ctx) -> Result<String> {
+            dataplane::nic_counters(ctx.ordinal, $mode, $mem, $rings, $scope, $skip)
+        })*
+    };
+}
+
+// counters the NIC moves through a companion QP, at thread, warp and block scope
+nic_counter_cases! {
+    nic_counter_thread_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 0, skip 5;
+    nic_counter_warp_partial_bf: BlueFlame, Mem::Host, HostMapped, scope 1, skip 3;
+    nic_counter_block_proxy: CpuProxy, Mem::Host, HostMapped, scope 2, skip 0;
+    nic_counter_gpuall_warp_gpudb: GpuDoorbell, Mem::Gpu, GpuRings, scope 1, skip 0;
+    nic_counter_gpuall_block_partial_bf: BlueFlame, Mem::Gpu, GpuRings, scope 2, skip 4;
+}
+
+fn nic_counter_error(ctx: &Ctx) -> Result<String> {
+    dataplane::nic_counter_error(ctx.ordinal)
+}
+
 // the multi-QP doorbell: 2..4 QPs (modes mixed in one call) rung by one ring_multi
 fn ring_multi_2_gpudb(ctx: &Ctx) -> Result<String> {
     dataplane::ring_multi(ctx.ordinal, &[GpuDoorbell; 2], Mem::Host, HostMapped)
@@ -382,6 +403,10 @@ const CASES: &[Case] = cases![
     counted_warp_partial_bf,
     counted_block_proxy,
     counter_error,
+    nic_counter_thread_gpudb,
+    nic_counter_warp_partial_bf,
+    nic_counter_block_proxy,
+    nic_counter_error,
     dc_ops_gpudb,
     dc_ops_proxy,
     dc_ops_gpumem_gpudb,
@@ -433,6 +458,8 @@ const CASES: &[Case] = cases![
     waits_gpuall_block_gpudb,
     counted_gpuall_warp_gpudb,
     counted_gpuall_block_bf,
+    nic_counter_gpuall_warp_gpudb,
+    nic_counter_gpuall_block_partial_bf,
     gpumem_roundtrip_gpurings_gpudb,
     gpumem_roundtrip_gpurings_proxy,
 ];

@@ -53,9 +53,12 @@ typedef struct gpuverbs_qp {
     uint32_t rcq_lock; /* Device API state: receive CQ lock. */
     uint32_t sq_broken; /* Device API state: 1 once a shared-mode publish gave up waiting for an earlier reservation (its thread never published): the send queue has a hole, and every later send-side call returns BROKEN. Reset the QP, connect it and export it again. */
     uint64_t sq_counters; /* The completion-counter table: `sq_blocks` entries of 16 bytes in GPU memory, one per SQ block ({the counted WQE's first block + 1, the counter's address}), written by the counted calls and read by the send-CQ poll path. */
+    uint64_t sq_cqes; /* Device API state: the CQEs the send CQ will have written (counted from its creation, modulo 2^24 as the CQ counts) once every published WQE has completed: what a companion QP's WAIT names to wait for a WQE (`put_counter` and its kin). Set at export to the send CQ's consumer index; every publish adds its signaled WQEs. */
+    uint32_t scq_cqn; /* The send CQ's number (what a companion's WAIT names). */
+    uint32_t rcq_cqn; /* The receive CQ's number. */
 } gpuverbs_qp;
 
-GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 256, "gpuverbs_qp size");
+GPUVERBS_STATIC_ASSERT(sizeof(gpuverbs_qp) == 272, "gpuverbs_qp size");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, version) == 0, "version");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, size) == 4, "size");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_ring) == 8, "sq_ring");
@@ -98,9 +101,12 @@ GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rq_lock) == 236, "rq_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_lock) == 240, "rcq_lock");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_broken) == 244, "sq_broken");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_counters) == 248, "sq_counters");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, sq_cqes) == 256, "sq_cqes");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_cqn) == 264, "scq_cqn");
+GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_cqn) == 268, "rcq_cqn");
 
 /* The layout's version; a descriptor carries it in `version`. */
-#define GPUVERBS_DESC_VERSION 0x223c4353u
+#define GPUVERBS_DESC_VERSION 0x5d436f23u
 #define GPUVERBS_DB_GPU_DOORBELL 0u
 #define GPUVERBS_DB_BLUEFLAME 1u
 #define GPUVERBS_DB_CPU_PROXY 2u

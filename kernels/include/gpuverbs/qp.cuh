@@ -43,6 +43,8 @@
 //   recv.cuh     the receive side
 //   scope.cuh    warp and block scope (warp_post, block_post and the calls made of them)
 //   dc.cuh       DC initiators: put, get and atomics naming a DC target's address vector
+//   counter.cuh  counters the NIC moves through a companion QP (put_counter, get_counter,
+//                signal_counter, put_signal_counter at every scope; wait_counter of both)
 // This header includes them all (as does <gpuverbs/gpuverbs.cuh>).
 #ifndef GPUVERBS_QP_CUH
 #define GPUVERBS_QP_CUH
@@ -56,5 +58,6 @@
 #include "recv.cuh"
 #include "scope.cuh"
 #include "dc.cuh"
+#include "counter.cuh"
 
 #endif  // GPUVERBS_QP_CUH

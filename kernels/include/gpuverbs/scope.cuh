@@ -26,9 +26,17 @@ namespace gpuverbs {
 // A longer last WQE (`last_blocks` > 1) is read back from the ring. One reservation of
 // `per_lane` blocks per active lane, one publish and one doorbell per call: the warp's blocks
 // must fit in the SQ at once.
+//
+// `cqes_per_lane` (0: only the last rank's last WQE may be signaled, one CQE in all) says how
+// many CQEs each lane's WQEs ask for when every lane's are signaled (the counted calls);
+// `first_cqe` (optional) receives, in every lane, the CQE number of the first of them (the
+// send CQ's count before the call's WQEs: `sq_cqes`), so lane `rank` has CQE number
+// `first + rank * cqes_per_lane`. `c` is the call's clock (the leader's decides).
 template <sharing S, typename Build>
-__device__ __forceinline__ status warp_post(gpuverbs_qp* q, uint32_t per_lane, uint32_t last_blocks,
-                                            bool signaled, uint64_t budget_ns, Build build) {
+__device__ __forceinline__ status warp_post_on(gpuverbs_qp* q, uint32_t per_lane,
+                                               uint32_t last_blocks, bool signaled, call_clock& c,
+                                               Build build, uint32_t cqes_per_lane = 0,
+                                               uint64_t* first_cqe = nullptr) {
     const uint32_t mask = __activemask();
     const uint32_t lane = threadIdx.x & 31u;
     const uint32_t leader = __ffs(mask) - 1;
@@ -43,7 +51,7 @@ __device__ __forceinline__ status warp_post(gpuverbs_qp* q, uint32_t per_lane, u
     // end, see on_copy).
     gpuverbs_qp k = S == sharing::exclusive ? *q : consts_of(q);
     gpuverbs_qp* const st = S == sharing::exclusive ? &k : q;
-    call_clock c(budget_ns);  // the leader's: one budget for its reserve, publish and ring
+    uint64_t first = 0;
     if (lane == leader) {
         bool force = false;
         s = reserve<S>(st, n, c, &start, &force, &published);
@@ -74,26 +82,42 @@ __device__ __forceinline__ status warp_post(gpuverbs_qp* q, uint32_t per_lane, u
     __syncwarp(mask);
     if (lane == leader) {
         s = publish_ring<S>(st, k, start, n, start + n - last_blocks, signaled, published, true, c,
-                            last_blocks == 1 ? &lastb : nullptr);
+                            last_blocks == 1 ? &lastb : nullptr,
+                            cqes_per_lane ? count * cqes_per_lane : CQES_OF_SIGNALED, &first);
         if (S == sharing::exclusive && !k.checked_out) store_state(q, k);
     }
     // Orders the leader's descriptor stores before whichever lane leads the next call
     // (exclusive mode reads them with plain loads).
     __syncwarp(mask);
+    if (first_cqe) *first_cqe = __shfl_sync(mask, first, leader);
     return (status)__shfl_sync(mask, (int)s, leader);
+}
+
+template <sharing S, typename Build>
+__device__ __forceinline__ status warp_post(gpuverbs_qp* q, uint32_t per_lane, uint32_t last_blocks,
+                                            bool signaled, uint64_t budget_ns, Build build,
+                                            uint32_t cqes_per_lane = 0) {
+    call_clock c(budget_ns);  // the leader's: one budget for its reserve, publish and ring
+    return warp_post_on<S>(q, per_lane, last_blocks, signaled, c, build, cqes_per_lane);
 }
 
 // The block-scope post every block-scope call is made of: every thread of the block calls it
 // (a collective: it synchronises the block); threads with `participate == false` post nothing.
 // Participants take ranks in arrival order; each posts `per_thread` blocks written by `build`
 // (as in warp_post), thread 0 reserves for all and publishes and rings once. Every thread gets
-// the same status; with no participant it is OK and nothing is posted.
+// the same status; with no participant it is OK and nothing is posted. `cqes_per_lane`,
+// `first_cqe` and `c` as in warp_post_on (per participant; thread 0's clock decides);
+// `rank_out` (optional) receives the participant's rank.
 template <sharing S, typename Build>
-__device__ __forceinline__ status block_post(gpuverbs_qp* q, bool participate, uint32_t per_thread,
-                                             uint32_t last_blocks, bool signaled,
-                                             uint64_t budget_ns, Build build) {
+__device__ __forceinline__ status block_post_on(gpuverbs_qp* q, bool participate,
+                                                uint32_t per_thread, uint32_t last_blocks,
+                                                bool signaled, call_clock& c, Build build,
+                                                uint32_t cqes_per_lane = 0,
+                                                uint64_t* first_cqe = nullptr,
+                                                uint32_t* rank_out = nullptr) {
     __shared__ uint32_t count;
     __shared__ uint64_t start;
+    __shared__ uint64_t first;
     __shared__ int st;
     __shared__ bool sig;
     __shared__ block lastb;  // the last WQE, for a BlueFlame ring
@@ -105,10 +129,10 @@ __device__ __forceinline__ status block_post(gpuverbs_qp* q, bool participate, u
     gpuverbs_qp* const on = S == sharing::exclusive ? &k : q;
     __syncthreads();
     uint32_t rank = participate ? atomicAdd(&count, 1u) : 0;
+    if (rank_out) *rank_out = rank;
     __syncthreads();
     const uint32_t n = count * per_thread;
-    call_clock c(budget_ns);  // thread 0's: one budget for its reserve, publish and ring
-    uint64_t published = 0;   // thread 0's
+    uint64_t published = 0;  // thread 0's
     if (tid == 0) {
         bool force = false;
         st = count ? reserve<S>(on, n, c, &start, &force, &published) : OK;
@@ -126,15 +150,29 @@ __device__ __forceinline__ status block_post(gpuverbs_qp* q, bool participate, u
     }
     __syncthreads();
     if (tid == 0 && s == OK && count) {
+        uint64_t f = 0;
         s = publish_ring<S>(on, k, start, n, start + n - last_blocks, signaled, published, true, c,
-                            last_blocks == 1 ? &lastb : nullptr);
+                            last_blocks == 1 ? &lastb : nullptr,
+                            cqes_per_lane ? count * cqes_per_lane : CQES_OF_SIGNALED, &f);
+        first = f;
         st = s;
     }
     if (S == sharing::exclusive && tid == 0 && !k.checked_out) store_state(q, k);
     __syncthreads();
     s = (status)st;
+    if (first_cqe) *first_cqe = first;
     __syncthreads();
     return s;
+}
+
+template <sharing S, typename Build>
+__device__ __forceinline__ status block_post(gpuverbs_qp* q, bool participate, uint32_t per_thread,
+                                             uint32_t last_blocks, bool signaled,
+                                             uint64_t budget_ns, Build build,
+                                             uint32_t cqes_per_lane = 0) {
+    call_clock c(budget_ns);  // thread 0's: one budget for its reserve, publish and ring
+    return block_post_on<S>(q, participate, per_thread, last_blocks, signaled, c, build,
+                            cqes_per_lane);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -514,7 +552,7 @@ __device__ status put_counted_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint
         const block b = build_write(k, idx, laddr, lk, raddr, rk, len, CE_SIGNALED);
         store_block(k, idx, b);
         return b;
-    });
+    }, 1);
 }
 
 template <sharing S = sharing::gpu>
@@ -527,7 +565,7 @@ __device__ status put_counted_block(gpuverbs_qp* q, bool participate, uint64_t l
         const block b = build_write(k, idx, laddr, lk, raddr, rk, len, CE_SIGNALED);
         store_block(k, idx, b);
         return b;
-    });
+    }, 1);
 }
 
 template <sharing S = sharing::gpu>
@@ -540,7 +578,7 @@ __device__ status get_counted_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk, uint
         const block b = build_read(k, idx, laddr, lk, raddr, rk, len, CE_SIGNALED);
         store_block(k, idx, b);
         return b;
-    });
+    }, 1);
 }
 
 template <sharing S = sharing::gpu>
@@ -553,7 +591,7 @@ __device__ status get_counted_block(gpuverbs_qp* q, bool participate, uint64_t l
         const block b = build_read(k, idx, laddr, lk, raddr, rk, len, CE_SIGNALED);
         store_block(k, idx, b);
         return b;
-    });
+    }, 1);
 }
 
 // A lane's put_signal (set: put_signal_set) counted on its signal's WQE.
@@ -576,7 +614,7 @@ __device__ status put_signal_counted_warp(gpuverbs_qp* q, uint64_t laddr, lkey l
     return warp_post<S>(q, 2, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
         return build_put_signal_counted(k, idx, false, laddr, lk, raddr, rk, len, sig_addr,
                                         sig_key, add, counter);
-    });
+    }, 1);
 }
 
 template <sharing S = sharing::gpu>
@@ -588,7 +626,7 @@ __device__ status put_signal_counted_block(gpuverbs_qp* q, bool participate, uin
     return block_post<S>(q, participate, 2, 1, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
         return build_put_signal_counted(k, idx, false, laddr, lk, raddr, rk, len, sig_addr,
                                         sig_key, add, counter);
-    });
+    }, 1);
 }
 
 template <sharing S = sharing::gpu>
@@ -600,7 +638,7 @@ __device__ status put_signal_set_counted_warp(gpuverbs_qp* q, uint64_t laddr, lk
     return warp_post<S>(q, 3, 2, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
         return build_put_signal_counted(k, idx, true, laddr, lk, raddr, rk, len, sig_addr,
                                         sig_key, value, counter);
-    });
+    }, 1);
 }
 
 template <sharing S = sharing::gpu>
@@ -612,7 +650,7 @@ __device__ status put_signal_set_counted_block(gpuverbs_qp* q, bool participate,
     return block_post<S>(q, participate, 3, 2, true, budget_ns, [&](const gpuverbs_qp* k, uint64_t idx, uint8_t) {
         return build_put_signal_counted(k, idx, true, laddr, lk, raddr, rk, len, sig_addr,
                                         sig_key, value, counter);
-    });
+    }, 1);
 }
 
 // ------------------------------------------------------------------------------------------

@@ -98,19 +98,45 @@ __device__ __forceinline__ status publish_turn(gpuverbs_qp* q, uint64_t start, c
     return OK;
 }
 
+// How many CQEs a published range asks for: `cqes` when given, else one when its last WQE is
+// signaled (the one-signal-per-range rule of every call that does not pass `cqes`).
+constexpr uint32_t CQES_OF_SIGNALED = ~0u;
+__device__ __forceinline__ uint32_t cqes_of(bool signaled, uint32_t cqes) {
+    return cqes != CQES_OF_SIGNALED ? cqes : (signaled ? 1u : 0u);
+}
+
+// Counts the range's CQEs into `sq_cqes` (the CQE number the next signaled WQE gets, what a
+// companion's WAIT names): by the in-order publisher, before its release of `sq_ready`, so the
+// next publisher, which acquires `sq_ready`, continues from it. Returns the range's first.
+template <sharing S>
+__device__ __forceinline__ uint64_t count_cqes(gpuverbs_qp* q, uint32_t cqes) {
+    volatile uint64_t* p = reinterpret_cast<volatile uint64_t*>(&q->sq_cqes);
+    const uint64_t first = S == sharing::exclusive ? q->sq_cqes : *p;
+    if (cqes) {
+        if (S == sharing::exclusive) q->sq_cqes = first + cqes;
+        else *p = first + cqes;
+    }
+    return first;
+}
+
 // Publishes blocks [start, start+n) after every earlier reservation. The ready counter is
 // released at GPU scope; the system-scope release of the WQE bytes happens in `ring`, whose
 // fence is cumulative over every WQE published before it. `signaled` records that the last
-// WQE asks for a CQE.
+// WQE asks for a CQE; `cqes` (when given) is how many WQEs of the range ask for one, and
+// `first_cqe` (optional) receives the CQE number the first of them gets (`sq_cqes`).
 template <sharing S>
 __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32_t n,
-                                          uint64_t last_start, bool signaled, call_clock& c) {
+                                          uint64_t last_start, bool signaled, call_clock& c,
+                                          uint32_t cqes = CQES_OF_SIGNALED,
+                                          uint64_t* first_cqe = nullptr) {
     if (S != sharing::exclusive) {
         const status s = publish_turn<S>(q, start, c);
         if (s != OK) return s;
     }
     q->sq_last_start = last_start;
     if (signaled) q->sq_signaled_end = start + n;
+    const uint64_t first = count_cqes<S>(q, cqes_of(signaled, cqes));
+    if (first_cqe) *first_cqe = first;
     state_store<S>(&q->sq_ready, start + n);
     return OK;
 }
@@ -429,13 +455,16 @@ __device__ __forceinline__ status ring(gpuverbs_qp* q, uint64_t budget_ns, relea
 // before) ahead of the publish counter and the doorbell both; the doorbell is taken with one
 // exchange and rung to this caller's end unless a later ring already covered it (without
 // BlueFlame, whose ring fences after taking the doorbell, see `doorbell`).
+// `cqes` and `first_cqe` as in `publish`.
 template <sharing S>
 __device__ __forceinline__ status publish_ring(gpuverbs_qp* q, const gpuverbs_qp& k,
                                                uint64_t start, uint32_t n, uint64_t last_start,
                                                bool signaled, uint64_t published, bool do_ring,
-                                               call_clock& c, const block* last) {
+                                               call_clock& c, const block* last,
+                                               uint32_t cqes = CQES_OF_SIGNALED,
+                                               uint64_t* first_cqe = nullptr) {
     if constexpr (S == sharing::exclusive) {
-        const status s = publish<S>(q, start, n, last_start, signaled, c);
+        const status s = publish<S>(q, start, n, last_start, signaled, c, cqes, first_cqe);
         if (s != OK || !do_ring) return s;
         return ring<S>(q, c, last);
     } else {
@@ -446,6 +475,8 @@ __device__ __forceinline__ status publish_ring(gpuverbs_qp* q, const gpuverbs_qp
         const uint64_t end = start + n;
         q->sq_last_start = last_start;
         if (signaled) q->sq_signaled_end = end;
+        const uint64_t first = count_cqes<S>(q, cqes_of(signaled, cqes));
+        if (first_cqe) *first_cqe = first;
         const bool bf = k.db_mode == GPUVERBS_DB_BLUEFLAME;
         if (!do_ring || bf) {
             state_store<S>(&q->sq_ready, end);
@@ -501,6 +532,7 @@ __device__ __forceinline__ void store_state(gpuverbs_qp* q, const gpuverbs_qp& m
     q->sq_retired = mine.sq_retired;
     q->sq_signaled_end = mine.sq_signaled_end;
     q->sq_last_start = mine.sq_last_start;
+    q->sq_cqes = mine.sq_cqes;
     q->scq_ci = mine.scq_ci;
     q->rcq_ci = mine.rcq_ci;
     q->rq_posted = mine.rq_posted;

@@ -67,6 +67,8 @@ __device__ __forceinline__ gpuverbs_qp consts_of(const gpuverbs_qp* q) {
     k.scratch_lkey = q->scratch_lkey;
     k.scq_collapsed = q->scq_collapsed;
     k.rcq_collapsed = q->rcq_collapsed;
+    k.scq_cqn = q->scq_cqn;
+    k.rcq_cqn = q->rcq_cqn;
     return k;
 }
 

@@ -26,6 +26,7 @@ enum opcode : uint8_t {
     OP_ATOMIC_FA = 0x12,
     OP_ATOMIC_MASKED_CS = 0x14,
     OP_ATOMIC_MASKED_FA = 0x15,
+    OP_WAIT = 0x0f,
 };
 
 // fm_ce_se bits
@@ -277,6 +278,17 @@ __device__ __forceinline__ block build_nop(const gpuverbs_qp* q, uint64_t idx, u
 }
 __device__ __forceinline__ void prep_nop(const gpuverbs_qp* q, uint64_t idx, uint8_t flags) {
     store_block(q, idx, build_nop(q, idx, flags));
+}
+
+// Cross-channel WAIT (ds 2, one block; the QP must be a cross-channel master, a companion):
+// the device executes nothing behind it on this QP until CQ `cqn` has written CQE number
+// `max_index` (counted from 0 since the CQ was made, modulo 2^24). The wait segment: 8 bytes
+// reserved, BE32 max_index, BE32 cqn.
+__device__ __forceinline__ block build_wait(const gpuverbs_qp* q, uint64_t idx, uint32_t cqn,
+                                            uint32_t max_index, uint8_t flags) {
+    return block{{seg_ctrl(OP_WAIT, 0, idx, q->qpn, 2, flags, 0),
+                  make_uint4(0, 0, bswap32(max_index & 0xffffffu), bswap32(cqn)), SEG_ZERO,
+                  SEG_ZERO}};
 }
 
 }  // namespace gpuverbs

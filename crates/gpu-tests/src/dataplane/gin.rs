@@ -39,7 +39,7 @@ fn masked_add(old: u64, add: u64, boundary: u64) -> u64 {
 }
 
 /// The first byte where `got` and `want` differ, as an error naming `what`.
-fn same(what: &str, got: &[u8], want: &[u8]) -> Result<()> {
+pub(super) fn same(what: &str, got: &[u8], want: &[u8]) -> Result<()> {
     if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
         let end = (i + 8).min(want.len());
         anyhow::bail!(
