@@ -84,6 +84,8 @@ pub(super) struct Conn {
     retry_count: u8,
     rnr_retry_count: u8,
     flow_label: u32,
+    /// The connection's path MTU (IB enum): the requester's route's, which its REQ carries.
+    path_mtu: u8,
     tid: u64,
     /// The message to send again when no answer comes, and when.
     last: Option<Box<[u8; mad::MAD_LEN]>>,
@@ -109,6 +111,7 @@ impl Conn {
             retry_count: 7,
             rnr_retry_count: 7,
             flow_label: 0,
+            path_mtu: MTU_4096,
             tid: 0,
             last: None,
             deadline_ms: 0,
@@ -254,6 +257,7 @@ impl Cm {
         let sid = (id.ps as u64) << 16 | id.dst.port as u64;
         let mut c = Conn::new(dev, local_comm_id, id.dst.gid(), CmSt::ReqSent);
         c.tid = tid;
+        c.path_mtu = self.path_mtu(dev);
         if id.is_ud() {
             let mut pd: [u8; mad::private_len::SIDR_REQ] =
                 private(&p.private_data, p.private_data_len, addr::CMA_HDR_LEN)?;
@@ -295,7 +299,7 @@ impl Cm {
             local_cm_response_timeout: RESPONSE_TIMEOUT,
             retry_count: c.retry_count,
             pkey: 0xffff,
-            mtu: self.path_mtu(dev),
+            mtu: c.path_mtu,
             rnr_retry_count: c.rnr_retry_count,
             max_cm_retries: MAX_RETRIES,
             srq: p.srq != 0,
@@ -593,7 +597,7 @@ impl Cm {
                 a.ah_attr.traffic_class = id.tos;
                 a.ah_attr.is_global = 1;
                 a.ah_attr.port_num = 1;
-                a.path_mtu = id.dev.map_or(MTU_4096, |d| self.path_mtu(d)) as u32;
+                a.path_mtu = c.path_mtu as u32;
                 a.dest_qp_num = c.remote_qpn;
                 a.rq_psn = c.rq_psn;
                 a.max_dest_rd_atomic = c.responder_resources;
@@ -746,6 +750,13 @@ impl Cm {
         c.retry_count = r.retry_count;
         c.rnr_retry_count = r.rnr_retry_count;
         c.flow_label = r.path.flow_label;
+        // the passive side takes the REQ's path, as the kernel's CM does (an MTU outside the
+        // IB enum: this device's route's)
+        c.path_mtu = if (1..=MTU_4096).contains(&r.mtu) {
+            r.mtu
+        } else {
+            self.path_mtu(dev)
+        };
         c.tid = tid;
         id.conn = Some(c);
         let p = conn_param(
