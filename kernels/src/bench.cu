@@ -99,6 +99,45 @@ GPUVERBS_KERNEL void gv_bench_post(const uint64_t* qps, uint32_t nqps, uint64_t 
     if (s != OK) atomicCAS(st_out, 0, (int)s);
 }
 
+// Counted puts (gpu_bench's `counters` series): every thread posts `iters` 8-byte writes to its
+// own 8 bytes on QP `q` (sharing::gpu), then thread 0 of each block waits until the block's are
+// all done. `kind` 0: put + poll (every put signaled, the wait is quiet, which polls the send
+// CQ); 1: put_counted (a software counter per block, moved by the poll path; the wait is
+// wait_counter, which polls); 2: put_counter (a counter per block moved by the NIC through the
+// companion `cp`; the wait is wait_counter over both QPs). `ctr`: the counters' NIC address
+// (key `ck`), `ctr_d`: the same words for loads (block b's at index b, zero at launch).
+GPUVERBS_KERNEL void gv_bench_counter(gpuverbs_qp* q, gpuverbs_qp* cp, uint64_t laddr,
+                                      uint32_t lk, uint64_t raddr, uint32_t rk, uint32_t iters,
+                                      uint32_t kind, uint64_t ctr, uint32_t ck, uint64_t* ctr_d,
+                                      uint64_t budget, unsigned long long* t, int* st_out) {
+    using namespace gpuverbs;
+    const uint64_t off = 8ull * (threadIdx.x + blockIdx.x * blockDim.x);
+    uint64_t* mine = ctr_d + blockIdx.x;
+    __syncthreads();
+    bench::stamp_start(t);
+    status s = OK;
+    for (uint32_t i = 0; i < iters && s == OK; ++i) {
+        if (kind == 2) {
+            s = put_counter(q, laddr + off, lkey{lk}, raddr + off, rkey{rk}, 8, cp,
+                            ctr + 8ull * blockIdx.x, rkey{ck}, 1, budget);
+        } else if (kind == 1) {
+            s = put_counted(q, laddr + off, lkey{lk}, raddr + off, rkey{rk}, 8, mine, budget);
+        } else {
+            s = put(q, laddr + off, lkey{lk}, raddr + off, rkey{rk}, 8, true, budget);
+        }
+    }
+    if (s != OK) atomicCAS(st_out, 0, (int)s);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint64_t all = (uint64_t)iters * blockDim.x;
+        s = kind == 2   ? wait_counter(q, cp, mine, all, budget)
+            : kind == 1 ? wait_counter(q, mine, all, budget)
+                        : quiet(q, budget);
+        if (s != OK) atomicCAS(st_out, 0, (int)s);
+    }
+    bench::stamp_end(t);
+}
+
 // Post-only QPs are never executed (they are not in RTS): marks every block posted so far
 // retired, so that the next round of gv_bench_post reuses the ring. One thread per QP, between
 // rounds (no kernel is posting).

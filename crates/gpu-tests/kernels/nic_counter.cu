@@ -124,30 +124,3 @@ GPUVERBS_KERNEL void gv_test_nic_counter_error(gpuverbs_qp* q, gpuverbs_qp* cp, 
     vals[4] = read_counter(ctr_dev);
     __threadfence_system();
 }
-
-// The post rate of counted puts: every thread of the grid posts `iters` puts of `size` bytes
-// into its own slot, counted on its block's counter by the NIC (`nic` 1: put_counter through the
-// companion, no poll) or each followed by nothing and the block waiting with quiet (`nic` 0:
-// put + poll, the baseline); thread 0 of each block then waits for its block's count (nic) or
-// quiets (put + poll). out[0] status; the host times the launch.
-GPUVERBS_KERNEL void gv_bench_nic_counter(gpuverbs_qp* q, gpuverbs_qp* cp, uint64_t l,
-                                          uint32_t lk, uint64_t r, uint32_t rk, uint32_t size,
-                                          uint32_t iters, uint32_t nic, uint64_t ctr, uint32_t ck,
-                                          uint64_t* ctr_dev, uint64_t budget, int* out) {
-    using namespace gpuverbs;
-    const uint32_t t = threadIdx.x + blockIdx.x * blockDim.x;
-    const uint64_t off = (uint64_t)t * size;
-    status s = OK;
-    for (uint32_t i = 0; i < iters && s == OK; ++i) {
-        s = nic ? put_counter(q, l + off, lkey{lk}, r + off, rkey{rk}, size, cp,
-                              ctr + 8 * blockIdx.x, rkey{ck}, 1, budget)
-                : put(q, l + off, lkey{lk}, r + off, rkey{rk}, size, true, budget);
-    }
-    error e{};
-    nic_counter_tests::report(out, s, e);
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    s = nic ? wait_counter(q, cp, ctr_dev + blockIdx.x, (uint64_t)iters * blockDim.x, budget, &e)
-            : quiet(q, budget, &e);
-    nic_counter_tests::report(out, s, e);
-}

@@ -13,6 +13,10 @@
 //!   GPU sharing, host or GPU rings), post only, five interleaved rounds, medians.
 //! - `mlx5_shapes`: the GPU-ring shapes on soft-NIC QPs and on DEVX QPs of `mlx5_0` (rings in
 //!   GPU memory through DEVX umems) in the same rounds; run under `gpuverbs emu --devices 2`.
+//! - `counters`: completed, counted 8-byte WRITEs per second on one QP in RTS, GPU doorbell:
+//!   put + poll (every put signaled, quiet at the end), put_counted (a software counter per
+//!   block, wait_counter) and put_counter (a counter per block moved by the NIC through a
+//!   companion QP, wait_counter over both), for 1 thread, 1 warp and 8 blocks of 64 threads.
 //!
 //! `gpu_bench [--gpu N] [--json] [--series post_only,post_complete,engines,shapes]`. Times come from %globaltimer inside the kernels.
 
@@ -39,11 +43,12 @@ struct Args {
     /// Which series to run (the ceiling and the floor always run): post_only, post_complete,
     /// engines, shapes (the launch shapes of issue 14, five interleaved rounds, medians),
     /// mlx5_shapes (the GPU-ring shapes on soft-NIC QPs and on DEVX QPs of `mlx5_0`, in the
-    /// same rounds; not by default: it runs under `gpuverbs emu --devices 2`).
+    /// same rounds; not by default: it runs under `gpuverbs emu --devices 2`), counters (put +
+    /// poll next to the software and the NIC-moved counters).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "post_only,post_complete,engines,shapes"
+        default_value = "post_only,post_complete,engines,shapes,counters"
     )]
     series: Vec<String>,
     /// Engine-thread counts for the engine-scaling series (post and complete, 64 blocks each
@@ -572,12 +577,13 @@ const MODES: [DoorbellMode; 3] = [
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    const SERIES: [&str; 5] = [
+    const SERIES: [&str; 6] = [
         "post_only",
         "post_complete",
         "engines",
         "shapes",
         "mlx5_shapes",
+        "counters",
     ];
     for s in &args.series {
         ensure!(
@@ -617,6 +623,9 @@ fn main() -> Result<()> {
     };
     if want("mlx5_shapes") {
         mlx5_shapes(&gpu, sms, &mut lines)?;
+    }
+    if want("counters") {
+        counters(&gpu, &mut lines)?;
     }
     let ratios = ratios(want("post_only"), &rates, floor_ns, shape_thread_rate)?;
     print_lines(&args, &gpu.info().to_string(), &lines, ratios);
@@ -903,6 +912,162 @@ fn post_complete(gpu: &Arc<Gpu>, lines: &mut Vec<Line>) -> Result<()> {
                 test: "post_complete",
                 config: name.into(),
                 db: db_name(mode),
+                value: r / 1e6,
+                unit: "M WQE/s",
+            });
+        }
+    }
+    Ok(())
+}
+
+/// One QP between two soft NICs (side A exported), its companion, and per-block counters in
+/// host memory mapped into the GPU (the soft NIC's atomics on host memory are direct; on GPU
+/// memory they are CUDA copies, which would time the copies).
+struct CounterSetup {
+    exports: (ExportedQp, ExportedQp),
+    _qps: (Qp, Qp, Qp),
+    src_mr: Mr,
+    dst_mr: Mr,
+    ctr_mr: Mr,
+    src_d: u64,
+    ctr_d: u64,
+    bufs: (HostBuffer, HostBuffer, HostBuffer),
+    _ctx: (Context, Context),
+}
+
+fn counter_setup(gpu: &Arc<Gpu>, threads: usize) -> Result<CounterSetup> {
+    let (a, b) = (
+        Context::open(DeviceRequest::Soft)?,
+        Context::open(DeviceRequest::Soft)?,
+    );
+    let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+    let cq = |ctx: &Context, depth: u32| {
+        ctx.create_cq(CqOptions {
+            depth,
+            mode: gpuverbs::queue::CqMode::OverrunIgnore,
+            ..Default::default()
+        })
+    };
+    let (cqa, cqb, cqc) = (cq(&a, 4096)?, cq(&b, 64)?, cq(&a, 8192)?);
+    let mut o = QpOptions::new(&cqa, &cqa);
+    o.sq_blocks = 4096;
+    o.doorbell = DoorbellMode::GpuDoorbell;
+    let qa = pa.create_qp_on(gpu, o)?;
+    let qb = pb.create_qp(QpOptions::new(&cqb, &cqb))?;
+    let c = ConnectOptions {
+        access: Access::REMOTE_WRITE,
+        ..Default::default()
+    };
+    qa.connect(&qb.endpoint(), c)?;
+    qb.connect(&qa.endpoint(), c)?;
+    let mut oc = QpOptions::new(&cqc, &cqc);
+    oc.sq_blocks = 8192;
+    oc.doorbell = DoorbellMode::GpuDoorbell;
+    let qc = pa.create_companion(Some(gpu), oc)?;
+    let (ea, ec) = (gpu.export_qp(&qa)?, gpu.export_qp(&qc)?);
+    let bytes = 8 * threads.max(8);
+    let (src, dst, ctr) = (
+        HostBuffer::new(bytes),
+        HostBuffer::new(bytes),
+        HostBuffer::new(64 * 8),
+    );
+    let src_mr = pa.register(&src)?;
+    let dst_mr = pb.register_with(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    let ctr_mr = pa.register_with(&ctr, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)?;
+    let (src_d, ctr_d) = (gpu.map_host(&src)?, gpu.map_host(&ctr)?);
+    Ok(CounterSetup {
+        exports: (ea, ec),
+        _qps: (qa, qb, qc),
+        src_mr,
+        dst_mr,
+        ctr_mr,
+        src_d,
+        ctr_d,
+        bufs: (src, dst, ctr),
+        _ctx: (a, b),
+    })
+}
+
+/// One run of `gv_bench_counter` (`kind` 0 put + poll, 1 put_counted, 2 put_counter):
+/// completed WRITEs per second; the counters checked.
+fn counter_rate(gpu: &Arc<Gpu>, s: &CounterSetup, kind: u32, sh: (u32, u32, u32)) -> Result<f64> {
+    let (grid, block, iters) = sh;
+    s.bufs.2.write(0, &[0u8; 64 * 8]);
+    let st = Stamps::new(gpu)?;
+    let (qa, qc) = (s.exports.0.ptr(), s.exports.1.ptr());
+    let (mut q, mut cp, mut laddr, mut lk, mut raddr, mut rk) = (
+        qa,
+        qc,
+        s.src_d,
+        s.src_mr.lkey().0,
+        s.dst_mr.addr(),
+        s.dst_mr.rkey().0,
+    );
+    let (mut it, mut k, mut ctr, mut ck, mut ctr_d) =
+        (iters, kind, s.ctr_mr.addr(), s.ctr_mr.rkey().0, s.ctr_d);
+    let (mut budget, mut t, mut out) = (BUDGET, st.t(), st.status());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut cp),
+        arg(&mut laddr),
+        arg(&mut lk),
+        arg(&mut raddr),
+        arg(&mut rk),
+        arg(&mut it),
+        arg(&mut k),
+        arg(&mut ctr),
+        arg(&mut ck),
+        arg(&mut ctr_d),
+        arg(&mut budget),
+        arg(&mut t),
+        arg(&mut out),
+    ];
+    // SAFETY: parameters match gv_bench_counter; every pointer is live device-visible memory.
+    unsafe {
+        gpu.launch_sync(
+            "gv_bench_counter",
+            (grid, 1, 1),
+            (block, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    let elapsed = st.elapsed_ns()?;
+    if kind != 0 {
+        let c = s.bufs.2.to_vec();
+        for b in 0..grid as usize {
+            let v = u64::from_ne_bytes(c[8 * b..8 * b + 8].try_into().unwrap());
+            ensure!(
+                v == u64::from(iters) * u64::from(block),
+                "block {b}'s counter at {v}"
+            );
+        }
+    }
+    Ok(f64::from(grid * block * iters) / (elapsed * 1e-9))
+}
+
+/// The counter series: put + poll next to put_counted and put_counter, same QP, same shapes.
+fn counters(gpu: &Arc<Gpu>, lines: &mut Vec<Line>) -> Result<()> {
+    let shapes = [
+        ("1 thread", (1u32, 1u32, 2048u32)),
+        ("1 warp, thread scope", (1, 32, 128)),
+        ("8 blocks x 64 threads", (8, 64, 16)),
+    ];
+    let kinds = [
+        (0, "put + poll"),
+        (1, "put_counted"),
+        (2, "put_counter (NIC)"),
+    ];
+    for (name, sh) in shapes {
+        let s = counter_setup(gpu, (sh.0 * sh.1) as usize)?;
+        for (kind, what) in kinds {
+            let r = counter_rate(gpu, &s, kind, sh)
+                .with_context(|| format!("counters {name}, {what}"))?;
+            eprintln!("counters {name} {what}: {:.3} M WQE/s", r / 1e6);
+            lines.push(Line {
+                test: "counters",
+                config: format!("{name}, {what}"),
+                db: "gpu",
                 value: r / 1e6,
                 unit: "M WQE/s",
             });
