@@ -13,8 +13,11 @@
 //! datagram for its flow, so that the fuzzer gets past the ICRC check); 2 leave the BTH's
 //! destination QP as given (else it is the target's QPN); 3 send to the requester (A) instead
 //! of the responder (B); 4 send to a DC target on B (key [`DC_KEY`], every remote right, over
-//! B's buffers) instead: then no buffer of B changes unless some datagram presented the key.
-//! The fixture is fresh for each input: QPNs, keys, PSNs and addresses are the same in every
+//! B's buffers) instead: then no buffer of B changes unless some datagram presented the key;
+//! 5 (without 4) send to an XRC target on B instead (connected to A, every remote right, its
+//! domain holding an XRC SRQ with a receive over buffer 3): the XRC class and its XRCETH
+//! parsed, the SRQ looked up in the domain; as for the RC responder, nothing runs unless some
+//! datagram carried the PSN it expects. The fixture is fresh for each input: QPNs, keys, PSNs and addresses are the same in every
 //! run, so seeds captured from a fresh pair stay meaningful.
 #![no_main]
 
@@ -28,12 +31,51 @@ use fixture::Fixture;
 use libfuzzer_sys::fuzz_target;
 use softnic::wire::packet::{self, Flow, BTH_LEN, ICRC_LEN};
 use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const BOUND: Duration = Duration::from_secs(5);
 /// The DC target's access key (bit 4).
 const DC_KEY: u64 = 0x1ee7_a330;
 const MAX_DATAGRAMS: usize = 8;
+
+/// An XRC target on B, in RTS, connected to A (B's RC QP's peer: the same address and PSNs),
+/// with every remote right; its domain holds an XRC SRQ (B's receive CQ) with one receive over
+/// buffer 3 (`key3`).
+fn xrc_target(p: &common::Pair, key3: u32) -> (Arc<softnic::Qp>, common::SwSrq) {
+    use softnic::{Modify, RtrAttr, SrqConfig, XrcSrqConfig};
+    let xrcd = p.b.dev.alloc_xrcd();
+    let srq =
+        p.b.dev
+            .create_xrc_srq(
+                SrqConfig::new(p.b.pd, 16, 2),
+                XrcSrqConfig {
+                    xrcd: xrcd.clone(),
+                    cq: p.eb.rcq.clone(),
+                    user_index: None,
+                },
+            )
+            .expect("an XRC SRQ");
+    let mut sw = common::SwSrq::new(srq);
+    sw.post(fixture::addr(3), fixture::LEN as u32, key3);
+    let t = p.b.dev.create_xrc_tgt(&xrcd).expect("an XRC target");
+    let o = wire_util::wire_opts();
+    t.modify(Modify::Init {
+        access: wire_util::ALL_REMOTE,
+    })
+    .expect("XRC target INIT");
+    t.modify(Modify::Rtr(RtrAttr {
+        remote_gid: p.a.dev.gid(),
+        remote_qpn: p.ea.qpn(),
+        rq_psn: o.rts.sq_psn,
+        mtu: 1024,
+        min_rnr_timer: 1,
+        selective_repeat: false,
+    }))
+    .expect("XRC target RTR");
+    t.modify(Modify::Rts(o.rts)).expect("XRC target RTS");
+    (t, sw)
+}
 
 fn datagrams(mut d: &[u8]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
@@ -56,10 +98,11 @@ fuzz_target!(|d: &[u8]| {
     let mut f = Fixture::wire(ctl & 1 != 0);
     let p = &f.p;
     let dct = (ctl & 16 != 0).then(|| fixture::dc_target(&p.b, p.eb.rcq.clone(), DC_KEY));
-    let (target, qpn) = match &dct {
-        Some(t) => (&p.b, t.qpn()),
-        None if ctl & 8 != 0 => (&p.a, p.ea.qpn()),
-        None => (&p.b, p.eb.qpn()),
+    let xrc = (ctl & 48 == 32).then(|| xrc_target(p, f.mrs[3].key));
+    let (target, qpn) = match (&dct, &xrc) {
+        (Some(t), _) | (None, Some((t, _))) => (&p.b, t.qpn()),
+        (None, None) if ctl & 8 != 0 => (&p.a, p.ea.qpn()),
+        (None, None) => (&p.b, p.eb.qpn()),
     };
     let to = target.dev.wire_addr().expect("a wire port");
     let sock = UdpSocket::bind("127.0.0.1:0").expect("a UDP socket");
@@ -123,6 +166,20 @@ fuzz_target!(|d: &[u8]| {
             assert!(
                 fixture::untouched(1) && fixture::untouched(3),
                 "a DC request ran without the target's key"
+            );
+        }
+        p.b.dev.destroy_qp(&t);
+    } else if let Some((t, _srq)) = xrc {
+        // as the RC responder: nothing runs without the PSN the target expects
+        let epsn = wire_util::wire_opts().rts.sq_psn & 0xff_ffff;
+        let expected_seen = sent
+            .iter()
+            .any(|g| g.len() >= BTH_LEN && u32::from_be_bytes([0, g[9], g[10], g[11]]) == epsn);
+        if !expected_seen {
+            std::thread::sleep(Duration::from_millis(2));
+            assert!(
+                fixture::untouched(1) && fixture::untouched(3),
+                "an XRC request ran without the expected PSN {epsn:#x} arriving"
             );
         }
         p.b.dev.destroy_qp(&t);
