@@ -53,6 +53,7 @@ EREMOTEIO = 121
 
 # mlx5 WQE and CQE opcodes
 OP_WRITE, OP_WRITE_IMM, OP_SEND, OP_SEND_IMM, OP_READ, OP_CS, OP_FA = 0x08, 0x09, 0x0a, 0x0b, 0x10, 0x11, 0x12
+OP_WAIT = 0x0f
 CQE_REQ, CQE_RESP_WRITE_IMM, CQE_RESP_SEND, CQE_RESP_SEND_IMM = 0, 1, 2, 3
 CQE_REQ_ERR, CQE_RESP_ERR, CQE_INVALID = 13, 14, 15
 
@@ -218,7 +219,8 @@ class Qp:
     """A DEVX RC QP: RQ (16-byte WQEs, one SGE) then SQ in one umem, the doorbell record in
     another, doorbells on the device's NC UAR page."""
 
-    def __init__(self, dev, scq, rcq, log_sq=6, log_rq=6, rq_type=0, st=None, no_dbr=False):
+    def __init__(self, dev, scq, rcq, log_sq=6, log_rq=6, rq_type=0, st=None, no_dbr=False,
+                 cd_master=0):
         self.dev = dev
         self.sq_n, self.rq_n = 1 << log_sq, (1 << log_rq if rq_type == 0 else 0)
         self.rq_bytes = self.rq_n * 16
@@ -229,7 +231,7 @@ class Qp:
                     log_sq_size=log_sq, log_rq_size=log_rq if rq_type == 0 else 0,
                     log_rq_stride=0, rq_type=rq_type, uar_page=dev.uar.page_id,
                     cqn_snd=scq.cqn, cqn_rcv=rcq.cqn, dbr_umem_id=self.dbr.umem_id,
-                    dbr_umem_valid=1)
+                    dbr_umem_valid=1, cd_master=cd_master)
         cmd_in = bytearray(bytes(CreateQpIn(sw_qpc=qpc, wq_umem_id=self.wq.umem_id,
                                             wq_umem_valid=1)))
         # qpc.send_dbr_mode (bit 0x80 of the context at byte 24): 1 = NO_DBR_EXT, rung at the
@@ -276,10 +278,11 @@ class Qp:
         be32_at(self.dbr.umem_addr, 0, self.rq_head & 0xffff)
 
     def post(self, op, local=None, remote=None, imm=0, atomic=None, signaled=True, ring=True,
-             av=b''):
-        """One WQE: ctrl, [address vector], [raddr], [atomic], [data]; `local` = (addr, len,
-        lkey), `remote` = (addr, rkey), `atomic` = (swap_add, compare), `av` 48 bytes."""
-        segs = av
+             av=b'', seg=b''):
+        """One WQE: ctrl, [address vector], [segment], [raddr], [atomic], [data]; `local` =
+        (addr, len, lkey), `remote` = (addr, rkey), `atomic` = (swap_add, compare), `av` 48
+        bytes, `seg` a segment of its own (16 bytes: a WAIT's)."""
+        segs = av + seg
         if remote is not None:
             segs += struct.pack('>QII', remote[0], remote[1], 0)
         if atomic is not None:
@@ -666,6 +669,64 @@ def case_transitions():
     cq.close()
 
 
+def case_cross_channel():
+    """A QP created with cd_master (a cross-channel master, as DOCA GPUNetIO's companion QP)
+    and connected to itself: for each WRITE of another QP, a WAIT for that WRITE's CQE number on
+    its send CQ, then a FETCH_ADD on a counter of its own device; the counter moves once per
+    completed WRITE, and not for a WRITE into a bad rkey (the WAIT for its error CQE ends with
+    WR_FLUSH, the FETCH_ADD is flushed). A WAIT on a QP without cd_master is LOCAL_QP_OP; the
+    slave bits are refused."""
+    a, b, ca, cb, qa, qb = pair()
+    cc = Cq(a)
+    qc = Qp(a, cc, cc, cd_master=1)
+    qc.connect(qc)
+    la, lb = a.mr.buf, b.mr.buf
+    ctr, res = 60000, 61000
+    a.mr.write(bytes(8), 8, ctr)
+
+    def count(cqe):
+        qc.post(OP_WAIT, seg=struct.pack('>QII', 0, cqe, ca.cqn), signaled=False, ring=False)
+        return qc.post(OP_FA, local=(la + res, 8, a.mr.lkey), remote=(la + ctr, a.mr.rkey),
+                       atomic=(1, 0))
+
+    for i in range(3):
+        idx = qa.post(OP_WRITE, local=(la, 64, a.mr.lkey), remote=(lb + 64 * i, b.mr.rkey))
+        f = count(i)
+        c = cc.poll()
+        check(opcode(c) == CQE_REQ and wqe_counter(c) == f, f'companion FETCH_ADD CQE {c.hex()}')
+        check(struct.unpack('<Q', a.mr.read(8, ctr))[0] == i + 1, f'counter after WRITE {i}')
+        c = ca.poll()
+        check(opcode(c) == CQE_REQ and wqe_counter(c) == idx, f'WRITE CQE {c.hex()}')
+    qa.post(OP_WRITE, local=(la, 64, a.mr.lkey), remote=(lb, b.mr.rkey ^ 0x5500))
+    count(3)
+    c = ca.poll()
+    check(opcode(c) == CQE_REQ_ERR and c[55] == 0x13, f'bad rkey CQE {c.hex()}')
+    c = cc.poll()
+    check(opcode(c) == CQE_REQ_ERR and c[55] == 0x05 and c[56] == OP_WAIT,
+          f'WAIT for an error CQE: {c.hex()}')
+    c = cc.poll()
+    check(opcode(c) == CQE_REQ_ERR and c[55] == 0x05, f'FETCH_ADD behind it: {c.hex()}')
+    check(struct.unpack('<Q', a.mr.read(8, ctr))[0] == 3, 'the failed WRITE moved the counter')
+    check(qc.state() == 6, 'the companion not in ERR')
+    # a WAIT on a QP that is not a cross-channel master (connected to itself, in RTS)
+    cd = Cq(a)
+    qd = Qp(a, cd, cd)
+    qd.connect(qd)
+    qd.post(OP_WAIT, seg=struct.pack('>QII', 0, 0, cd.cqn))
+    c = cd.poll()
+    check(opcode(c) == CQE_REQ_ERR and c[55] == 0x02, f'WAIT without cd_master: {c.hex()}')
+    for name in ('cd_slave_send', 'cd_slave_receive'):
+        args = dict(st=0, pd=a.pdn, log_sq_size=4, log_rq_size=4, uar_page=a.uar.page_id,
+                    cqn_snd=cc.cqn, cqn_rcv=cc.cqn, dbr_umem_id=qc.dbr.umem_id,
+                    dbr_umem_valid=1)
+        args[name] = 1
+        cmd_in = CreateQpIn(sw_qpc=SwQpc(**args), wq_umem_id=qc.wq.umem_id, wq_umem_valid=1)
+        expect_errno(EREMOTEIO, f'QP with {name}',
+                     lambda: Mlx5DevxObj(a.ctx, cmd_in, len(CreateQpOut())))
+    for q in (qd, qc, qa, qb):
+        q.close()
+
+
 CASES = {
     'queries': case_queries,
     'umems': case_umems,
@@ -674,6 +735,7 @@ CASES = {
     'transitions': case_transitions,
     'dc': case_dc,
     'no_dbr': case_no_dbr,
+    'cross_channel': case_cross_channel,
 }
 
 

@@ -350,7 +350,8 @@ fn unpacked_suite(name: &str) -> PathBuf {
 /// commands with their errno or PRM status, umem and object lifetimes (EBUSY while used), bad
 /// CQ and QP contexts, the QP transitions in and out of order, and WRITE, READ, SEND_IMM,
 /// FETCH_ADD and CMP_SWP between DEVX QPs of two devices whose WQEs the script writes into umem
-/// rings and rings on an NC UAR page, every byte checked; a collapsed CQ.
+/// rings and rings on an NC UAR page, every byte checked; a collapsed CQ; a cross-channel
+/// master's WAIT and FETCH_ADD moving a counter (and not for a failed WRITE).
 #[test]
 fn devx_script_checks_commands_objects_and_bytes() {
     need("/usr/bin/python3", "python3");
@@ -369,6 +370,7 @@ fn devx_script_checks_commands_objects_and_bytes() {
         "transitions",
         "dc",
         "no_dbr",
+        "cross_channel",
     ];
     let mut c = Command::new(GPUVERBS);
     c.env("GPUVERBS_PRELOAD", preload())
