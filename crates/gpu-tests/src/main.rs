@@ -244,6 +244,11 @@ fn nic_counter_error(ctx: &Ctx) -> Result<String> {
     dataplane::nic_counter_error(ctx.ordinal)
 }
 
+// NVIDIA's GPUNetIO put_counter beside gpuverbs' (built with GPUNETIO_SRC; else skipped)
+fn gpunetio_counter(ctx: &Ctx) -> Result<String> {
+    dataplane::gpunetio_counter(ctx.ordinal)
+}
+
 // the multi-QP doorbell: 2..4 QPs (modes mixed in one call) rung by one ring_multi
 fn ring_multi_2_gpudb(ctx: &Ctx) -> Result<String> {
     dataplane::ring_multi(ctx.ordinal, &[GpuDoorbell; 2], Mem::Host, HostMapped)
@@ -407,6 +412,7 @@ const CASES: &[Case] = cases![
     nic_counter_warp_partial_bf,
     nic_counter_block_proxy,
     nic_counter_error,
+    gpunetio_counter,
     dc_ops_gpudb,
     dc_ops_proxy,
     dc_ops_gpumem_gpudb,

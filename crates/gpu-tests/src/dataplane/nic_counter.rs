@@ -304,3 +304,129 @@ pub fn nic_counter_error(ordinal: usize) -> Result<String> {
             .into(),
     )
 }
+
+/// NVIDIA's GPUNetIO `doca_gpu_dev_verbs_put_counter` (its device code, from the headers
+/// `GPUNETIO_SRC` named at build time) on one QP and companion that gpuverbs made and exported,
+/// gpuverbs' `put_counter` on a second pair, the same 32 puts of 64 bytes each: both counters
+/// must reach 32 (read by the kernel and by the host) and both remote buffers hold the same
+/// bytes. Skips when gpu-test was built without `GPUNETIO_SRC`.
+pub fn gpunetio_counter(ordinal: usize) -> Result<String> {
+    let headers = env!("GPU_TESTS_GPUNETIO");
+    if headers.is_empty() {
+        return Err(super::Skip(
+            "built without GPUNETIO_SRC (NVIDIA's GPUNetIO headers are an input of the build)"
+                .into(),
+        )
+        .into());
+    }
+    const N: usize = 32;
+    const SIZE: usize = 64;
+    let g = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
+    let v = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
+    let (gc, vc) = (
+        Companion::new(
+            &g,
+            DoorbellMode::GpuDoorbell,
+            RingPlacement::HostMapped,
+            64,
+            1,
+        )?,
+        Companion::new(
+            &v,
+            DoorbellMode::GpuDoorbell,
+            RingPlacement::HostMapped,
+            64,
+            1,
+        )?,
+    );
+    let dq = g.gpu.alloc(2 * 512)?;
+    let vals = g.gpu.alloc(4 * 8)?;
+    vals.write(0, &[0u8; 32])?;
+    let (mut gq, mut gcp, mut vq, mut vcp, mut dqp) = (
+        g.export.ptr(),
+        gc.export.ptr(),
+        v.export.ptr(),
+        vc.export.ptr(),
+        dq.ptr(),
+    );
+    // each pair puts from its own source buffer (registered in its own PD), the same bytes
+    v.src.write(0, &g.src.to_vec()?)?;
+    let (mut src, mut lk, mut src_v, mut lk_v) =
+        (g.src_d, g.src_mr.lkey().0, v.src_d, v.src_mr.lkey().0);
+    let (mut dst_g, mut rk_g, mut dst_v, mut rk_v) = (
+        g.dst_mr.addr(),
+        g.dst_mr.rkey().0,
+        v.dst_mr.addr(),
+        v.dst_mr.rkey().0,
+    );
+    let (mut ctr_g, mut ck_g, mut ctr_g_d, mut ctr_v, mut ck_v, mut ctr_v_d) = (
+        gc.ctr_mr.addr(),
+        gc.ctr_mr.rkey().0,
+        gc.ctr.ptr(),
+        vc.ctr_mr.addr(),
+        vc.ctr_mr.rkey().0,
+        vc.ctr.ptr(),
+    );
+    let (mut size, mut budget, mut out) = (SIZE as u32, BUDGET_NS, vals.ptr());
+    let mut params = [
+        arg(&mut gq),
+        arg(&mut gcp),
+        arg(&mut vq),
+        arg(&mut vcp),
+        arg(&mut dqp),
+        arg(&mut src),
+        arg(&mut lk),
+        arg(&mut src_v),
+        arg(&mut lk_v),
+        arg(&mut dst_g),
+        arg(&mut rk_g),
+        arg(&mut dst_v),
+        arg(&mut rk_v),
+        arg(&mut ctr_g),
+        arg(&mut ck_g),
+        arg(&mut ctr_g_d),
+        arg(&mut ctr_v),
+        arg(&mut ck_v),
+        arg(&mut ctr_v_d),
+        arg(&mut size),
+        arg(&mut budget),
+        arg(&mut out),
+    ];
+    // SAFETY: parameters match gv_test_gpunetio_counter; pointers are live device memory.
+    unsafe {
+        super::launch_own(
+            &g.gpu,
+            "gv_test_gpunetio_counter",
+            (1, 1, 1),
+            (N as u32, 1, 1),
+            &mut params,
+        )?
+    };
+    let mut raw = [0u8; 32];
+    vals.read(0, &mut raw)?;
+    let val = |i: usize| u64::from_ne_bytes(raw[8 * i..8 * i + 8].try_into().unwrap());
+    let (host_g, host_v) = (gc.read(1)?[0], vc.read(1)?[0]);
+    ensure!(
+        (val(0), val(1), val(2), val(3), host_g, host_v)
+            == (N as u64, N as u64, 0, 0, N as u64, N as u64),
+        "GPUNetIO's counter {} (timed out: {}), gpuverbs' {} (status {}); on the host {host_g} \
+         and {host_v}; {N} each expected",
+        val(0),
+        val(3),
+        val(1),
+        val(2)
+    );
+    let (bg, bv) = (g.dst.to_vec()?, v.dst.to_vec()?);
+    let want = g.src.to_vec()?;
+    super::gin::same("GPUNetIO's puts", &bg[..N * SIZE], &want[..N * SIZE])?;
+    super::gin::same("gpuverbs' puts", &bv[..N * SIZE], &want[..N * SIZE])?;
+    ensure!(
+        bg[N * SIZE..].iter().all(|&b| b == 0) && bv[N * SIZE..].iter().all(|&b| b == 0),
+        "bytes past the puts"
+    );
+    Ok(format!(
+        "NVIDIA's doca_gpu_dev_verbs_put_counter (headers from {headers}) on a gpuverbs QP and \
+         companion, and gpuverbs' put_counter on another: {N} puts each, both counters {N} (in \
+         the kernel and on the host), the same bytes"
+    ))
+}
