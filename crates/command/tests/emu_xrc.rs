@@ -11,7 +11,9 @@
 //! 127.0.194.1): two contexts of one device share the domain of a file (O_CREAT, O_EXCL and
 //! the missing O_CREAT as the kernel answers them), an initiator of one context sends through a
 //! target of the other into an SRQ of the first (SEND and RDMA WRITE, byte for byte), CLOSE_XRCD
-//! of a domain in use is EBUSY, and an SRQ of another domain is IBV_WC_REM_INV_REQ_ERR.
+//! of a domain in use is EBUSY, the first context opens the target (`ibv_open_qp`: OPEN_QP),
+//! which then outlives the second context's handle, and an SRQ of another domain is
+//! IBV_WC_REM_INV_REQ_ERR.
 //!
 //! Needs Debian's ibverbs-utils, cc and libibverbs-dev (CI installs them); a missing tool fails
 //! the test with the package to install.

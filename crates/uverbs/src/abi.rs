@@ -412,6 +412,13 @@ pod!(
     }
 );
 pod!(
+    /// `struct ib_uverbs_open_qp`.
+    OpenQp[32] {
+        response: u64, user_handle: u64, pd_handle: u32, qpn: u32, qp_type: u8,
+        reserved: [u8; 7],
+    }
+);
+pod!(
     /// `struct ib_uverbs_open_xrcd`.
     OpenXrcd[16] { response: u64, fd: u32, oflags: u32 }
 );

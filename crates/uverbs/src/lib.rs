@@ -788,6 +788,7 @@ fn legacy_sizes(c: u32) -> (usize, usize) {
         ALLOC_PD => (8, s::<abi::AllocPdResp>()),
         DEALLOC_PD | DEREG_MR | DEALLOC_MW | DESTROY_AH | CLOSE_XRCD => (4, 0),
         OPEN_XRCD => (s::<abi::OpenXrcd>(), s::<abi::OpenXrcdResp>()),
+        OPEN_QP => (s::<abi::OpenQp>(), s::<abi::CreateQpResp>()),
         CREATE_XSRQ => (s::<abi::CreateXsrq>(), s::<abi::CreateSrqResp>()),
         REG_MR => (s::<abi::RegMr>(), s::<abi::RegMrResp>()),
         ALLOC_MW => (s::<abi::AllocMw>(), s::<abi::AllocMwResp>()),

@@ -328,6 +328,7 @@ impl Context {
             c::OPEN_XRCD => self.open_xrcd(io),
             c::CLOSE_XRCD => self.close_xrcd(io),
             c::CREATE_XSRQ => self.create_xsrq(io),
+            c::OPEN_QP => self.open_qp(io),
             c::CREATE_QP => self.legacy_create_qp(io),
             c::MODIFY_QP => self.legacy_modify_qp(io),
             c::QUERY_QP => self.query_qp(io),
@@ -402,7 +403,10 @@ impl Context {
             x.destroy(&soft);
         }
         for (_, q) in o.qps.drain() {
-            soft.destroy_qp(&q.soft);
+            // an XRC target goes with its last handle, in any context (`xrc::TgtShare`)
+            if q.tgt.is_none() {
+                soft.destroy_qp(&q.soft);
+            }
         }
         for (_, c) in o.cqs.drain() {
             let _ = soft.destroy_cq(&c.soft);

@@ -50,6 +50,38 @@ pub(super) struct QpObj {
     /// Its static BlueFlame register, or the dynamically allocated UAR page it rings.
     bfreg: Option<u32>,
     pub(super) uar_page: Option<u32>,
+    /// An XRC target's share: the soft QP is destroyed with its last handle, in any context
+    /// (the creator's, or one OPEN_QP made).
+    pub(super) tgt: Option<Arc<super::xrc::TgtShare>>,
+    /// A handle OPEN_QP made (it gets no async events; the creator's handle does).
+    opened: bool,
+}
+
+impl QpObj {
+    /// A handle on an XRC target another handle created (OPEN_QP), in domain `xrcd_handle`.
+    pub(super) fn opened(share: Arc<super::xrc::TgtShare>, xrcd_handle: u32, h: u32) -> Self {
+        let soft = share.qp().clone();
+        QpObj {
+            caps: abi::CreateQpResp {
+                qp_handle: h,
+                qpn: soft.qpn(),
+                ..Default::default()
+            },
+            soft,
+            pd: xrcd_handle,
+            srq: None,
+            key: crate::next_key(),
+            async_reported: Arc::default(),
+            send_cq: 0,
+            recv_cq: 0,
+            sq_sig_all: 0,
+            attrs: QpAttrs::default(),
+            bfreg: None,
+            uar_page: None,
+            tgt: Some(share),
+            opened: true,
+        }
+    }
 }
 
 /// `v` when it is at most `max` (a QP attribute in range), else EINVAL.
@@ -255,6 +287,8 @@ impl Context {
         }
         let key = crate::next_key();
         let async_reported: Arc<AtomicU32> = Arc::default();
+        let tgt = (sqp.transport() == Transport::XrcTgt)
+            .then(|| super::xrc::TgtShare::register(soft.clone(), sqp.clone()));
         sqp.set_event_handler(Some(self.event_handler(
             r.user_handle,
             key,
@@ -275,6 +309,8 @@ impl Context {
                 attrs: QpAttrs::default(),
                 bfreg,
                 uar_page,
+                tgt,
+                opened: false,
             },
         );
         Ok(Created::Nothing)
@@ -430,8 +466,14 @@ impl Context {
         let mut o = self.objs.lock();
         let q = o.qps.remove(&r.handle).ok_or(Errno::EINVAL)?;
         crate::record_wqes(&q.soft);
-        soft.destroy_qp(&q.soft);
-        q.soft.set_event_handler(None);
+        // an XRC target goes with its last handle (`xrc::TgtShare`), the creator's handle takes
+        // its events with it
+        if q.tgt.is_none() {
+            soft.destroy_qp(&q.soft);
+        }
+        if !q.opened {
+            q.soft.set_event_handler(None);
+        }
         if let Some(b) = q.bfreg {
             o.bfreg_use[b as usize] -= 1;
         }
