@@ -1,11 +1,12 @@
 //! `gpuverbs emu` with XRC: the distro's ibv_xsrq_pingpong between two emulated processes, each
 //! with its own address (127.0.195.x .. 127.0.198.x, TCP ports 19950..19959, used by no other
-//! test), polled and with `-e` (sleeping on the SRQ's CQ). Each side opens an XRC domain on a
-//! file, an XRC SRQ bound to it and a CQ, an XRC target and an XRC initiator; every SEND names
-//! the peer's SRQ, lands there through the peer's target and completes on the SRQ's CQ. The
-//! tool's own checks: every completion successful and from the target QP it expects, the
-//! counts of sends and receives, "success" at the end; both sides must exit 0, and the soft
-//! NICs' counters must show no sanitizer complaint.
+//! test), polled and with `-e` (sleeping on the SRQ's CQ), and a server with two clients
+//! (127.0.193.x). Each side opens an XRC domain on a file, an XRC SRQ bound to it and a CQ, an
+//! XRC target and an XRC initiator per peer; every SEND names the peer's SRQ, lands there
+//! through the peer's target and completes on the SRQ's CQ. The tool's own checks: every
+//! completion successful and from the target QP it expects, the counts of sends and receives,
+//! "success" at the end; every side must exit 0, and (two processes) the soft NICs' counters
+//! must show no sanitizer complaint.
 //!
 //! And `tests/verbs/xrc.c` (built with cc against the distro's libibverbs, address
 //! 127.0.194.1): two contexts of one device share the domain of a file (O_CREAT, O_EXCL and
@@ -22,8 +23,56 @@ mod emu_util;
 use emu_util::*;
 
 use std::path::Path;
-use std::process::Command;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A server with two clients (`-c 2`, 127.0.193.x, TCP port 19958): the server's SRQ takes
+/// the SENDs of both clients through two targets, and it sends to each over both of its
+/// initiators (the tool's round robin); every side ends with "success".
+#[test]
+fn xsrq_pingpong_server_with_two_clients() {
+    need("ibv_xsrq_pingpong", "ibverbs-utils");
+    let _g = serial();
+    let port = "19958";
+    let common = ["ibv_xsrq_pingpong", "-p", port, "-g", "0", "-n", "20"];
+    let mut sargs = common.to_vec();
+    sargs.extend(["-c", "2"]);
+    let server = emu("127.0.193.1", None, &sargs)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !listening(19958) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "server never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let client = |ip: &str| {
+        let mut a = common.to_vec();
+        a.push("127.0.193.1");
+        emu(ip, None, &a)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // the server takes its clients one after the other
+    let c1 = client("127.0.193.2");
+    std::thread::sleep(Duration::from_millis(300));
+    let c2 = client("127.0.193.3");
+    for (what, child) in [("client 1", c1), ("client 2", c2), ("server", server)] {
+        let o = wait(child, Duration::from_secs(60), what);
+        let out =
+            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        assert!(
+            o.status.success() && out.lines().any(|l| l.trim() == "success"),
+            "{what}:\n{out}"
+        );
+    }
+}
 
 #[test]
 fn contexts_share_a_domain_and_a_foreign_srq_is_refused() {
