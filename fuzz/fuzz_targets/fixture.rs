@@ -107,7 +107,8 @@ impl Fixture {
         f
     }
 
-    /// Two soft NICs in process (the WQE path): no retries, so nothing waits for long.
+    /// Two soft NICs in process (the WQE path): no retries, so nothing waits for long. The QPs
+    /// are cross-channel masters, so that WAIT WQEs run (a ConnectX runs them only there).
     pub fn local() -> Self {
         let quick = Opts {
             rts: RtsAttr {
@@ -116,6 +117,7 @@ impl Fixture {
                 retry_cnt: 0,
                 rnr_retry: 0,
             },
+            cross_channel: true,
             ..Opts::default()
         };
         Self::with(Pair::with(quick.clone(), quick))
