@@ -2,10 +2,14 @@
 //! MRA, REJ, REP, RTU, DREQ, DREP, SIDR_REQ and SIDR_REP, each a 24-byte MAD header and a
 //! 232-byte message whose fields sit at the bit positions the specification gives (offsets
 //! below are from the end of the MAD header, bits counted from a byte's most significant).
+//! Each message's fields are one table (its `Layout`), which [`encode`] walks to write them and
+//! [`parse`] to read them.
 //!
 //! [`parse`] takes any bytes (a datagram from the wire) and never panics; [`encode`] writes
 //! exactly 256 bytes. The fuzz target `cm_mad` runs [`parse`] and checks that what it accepts
 //! encodes back to the same fields.
+
+use bytemuck::Zeroable;
 
 /// Bytes of a MAD.
 pub const MAD_LEN: usize = 256;
@@ -91,7 +95,7 @@ pub enum MadError {
 }
 
 /// The primary path of a REQ.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Zeroable)]
 pub struct Path {
     /// Local port LID (0xffff, permissive, on RoCE).
     pub local_lid: u16,
@@ -163,7 +167,7 @@ pub struct Req {
 }
 
 /// A message receipt acknowledgement.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Zeroable)]
 pub struct Mra {
     /// The sender's communication ID.
     pub local_comm_id: u32,
@@ -326,56 +330,259 @@ pub struct Mad {
     pub msg: Msg,
 }
 
-/// The message bytes, padded so that a 4-byte window at any field offset stays inside.
-struct Bits([u8; MSG_LEN + 4]);
+// SAFETY: every field of these messages is an integer, a bool, a byte array or a `Path`
+// (itself `Zeroable`): all-zero bytes are a value of each. (bytemuck derives `Zeroable` only
+// for arrays of at most 32 bytes without its `min_const_generics` feature.)
+unsafe impl Zeroable for Req {}
+// SAFETY: as above.
+unsafe impl Zeroable for Rej {}
+// SAFETY: as above.
+unsafe impl Zeroable for Rep {}
+// SAFETY: as above.
+unsafe impl Zeroable for Ids224 {}
+// SAFETY: as above.
+unsafe impl Zeroable for Dreq {}
+// SAFETY: as above.
+unsafe impl Zeroable for SidrReq {}
+// SAFETY: as above.
+unsafe impl Zeroable for SidrRep {}
 
-impl Bits {
-    /// `n` bits (≤ 32) starting at bit `bit` (from the MSB) of byte `at`.
-    fn get(&self, at: usize, bit: u32, n: u32) -> u32 {
-        let w = u32::from_be_bytes([self.0[at], self.0[at + 1], self.0[at + 2], self.0[at + 3]]);
-        let v = w >> (32 - bit - n);
-        if n == 32 {
-            v
-        } else {
-            v & ((1 << n) - 1)
+/// The message bytes (padded so that an 8-byte window at any field offset stays inside), and
+/// the way a message's field table moves values: into them (encoding) or out of them.
+struct Wire {
+    b: [u8; MSG_LEN + 8],
+    encoding: bool,
+}
+
+/// A field's value as bits of the wire.
+trait Field {
+    /// Its width when it fills whole bytes.
+    const BITS: u32;
+    fn to_bits(&self) -> u64;
+    fn from_bits(v: u64) -> Self;
+}
+
+macro_rules! int_field {
+    ($($t:ty),*) => {$(
+        impl Field for $t {
+            const BITS: u32 = <$t>::BITS;
+            fn to_bits(&self) -> u64 {
+                *self as u64
+            }
+            fn from_bits(v: u64) -> Self {
+                v as $t
+            }
+        }
+    )*};
+}
+int_field!(u8, u16, u32, u64);
+
+impl Field for bool {
+    const BITS: u32 = 1;
+    fn to_bits(&self) -> u64 {
+        *self as u64
+    }
+    fn from_bits(v: u64) -> Self {
+        v != 0
+    }
+}
+
+impl Wire {
+    fn new(encoding: bool) -> Self {
+        Self {
+            b: [0; MSG_LEN + 8],
+            encoding,
         }
     }
-    fn set(&mut self, at: usize, bit: u32, n: u32, v: u32) {
-        let mut w =
-            u32::from_be_bytes([self.0[at], self.0[at + 1], self.0[at + 2], self.0[at + 3]]);
-        let mask = if n == 32 { u32::MAX } else { (1 << n) - 1 };
-        let sh = 32 - bit - n;
-        w = (w & !(mask << sh)) | ((v & mask) << sh);
-        self.0[at..at + 4].copy_from_slice(&w.to_be_bytes());
+
+    /// The field `v`: `n` bits (1 to 64) from bit `bit` (counted from the MSB) of byte `at`.
+    fn bits<T: Field>(&mut self, at: usize, bit: u32, n: u32, v: &mut T) {
+        let window = &mut self.b[at..at + 8];
+        let w = u64::from_be_bytes(window.try_into().expect("8 bytes"));
+        let mask = u64::MAX >> (64 - n);
+        let sh = 64 - bit - n;
+        if self.encoding {
+            let w = (w & !(mask << sh)) | ((v.to_bits() & mask) << sh);
+            window.copy_from_slice(&w.to_be_bytes());
+        } else {
+            *v = T::from_bits(w >> sh & mask);
+        }
     }
-    fn u8(&self, at: usize) -> u8 {
-        self.0[at]
+
+    /// The field `v`, whole bytes of its type, at byte `at`.
+    fn at<T: Field>(&mut self, at: usize, v: &mut T) {
+        self.bits(at, 0, T::BITS, v);
     }
-    fn u16(&self, at: usize) -> u16 {
-        u16::from_be_bytes([self.0[at], self.0[at + 1]])
+
+    /// The bytes `v` (a GID, private data) at byte `at`.
+    fn bytes<const N: usize>(&mut self, at: usize, v: &mut [u8; N]) {
+        let w = &mut self.b[at..at + N];
+        if self.encoding {
+            w.copy_from_slice(v);
+        } else {
+            v.copy_from_slice(w);
+        }
     }
-    fn u32(&self, at: usize) -> u32 {
-        self.get(at, 0, 32)
+}
+
+/// A message's field table: each field at the offset the specification gives it (its byte
+/// after the MAD header, then first bit and width for a field that does not fill whole bytes of
+/// its type), walked one way to encode and the other to decode.
+trait Layout {
+    fn fields(&mut self, w: &mut Wire);
+}
+
+/// REQ (Linux's `struct cm_req_msg`).
+impl Layout for Req {
+    fn fields(&mut self, w: &mut Wire) {
+        w.at(0, &mut self.local_comm_id);
+        w.at(8, &mut self.service_id);
+        w.at(16, &mut self.local_ca_guid);
+        w.at(28, &mut self.local_qkey);
+        w.bits(32, 0, 24, &mut self.local_qpn);
+        w.at(35, &mut self.responder_resources);
+        w.at(39, &mut self.initiator_depth);
+        w.bits(43, 0, 5, &mut self.remote_cm_response_timeout);
+        w.bits(43, 5, 2, &mut self.transport);
+        w.bits(43, 7, 1, &mut self.flow_control);
+        w.bits(44, 0, 24, &mut self.starting_psn);
+        w.bits(47, 0, 5, &mut self.local_cm_response_timeout);
+        w.bits(47, 5, 3, &mut self.retry_count);
+        w.at(48, &mut self.pkey);
+        w.bits(50, 0, 4, &mut self.mtu);
+        w.bits(50, 5, 3, &mut self.rnr_retry_count);
+        w.bits(51, 0, 4, &mut self.max_cm_retries);
+        w.bits(51, 4, 1, &mut self.srq);
+        let p = &mut self.path;
+        w.at(52, &mut p.local_lid);
+        w.at(54, &mut p.remote_lid);
+        w.bytes(56, &mut p.local_gid);
+        w.bytes(72, &mut p.remote_gid);
+        w.bits(88, 0, 20, &mut p.flow_label);
+        w.bits(91, 2, 6, &mut p.packet_rate);
+        w.at(92, &mut p.traffic_class);
+        w.at(93, &mut p.hop_limit);
+        w.bits(94, 0, 4, &mut p.sl);
+        w.bits(94, 4, 1, &mut p.subnet_local);
+        w.bits(95, 0, 5, &mut p.local_ack_timeout);
+        w.bytes(140, &mut self.private_data);
     }
-    fn u64(&self, at: usize) -> u64 {
-        (self.u32(at) as u64) << 32 | self.u32(at + 4) as u64
+}
+
+/// MRA (`struct cm_mra_msg`).
+impl Layout for Mra {
+    fn fields(&mut self, w: &mut Wire) {
+        w.at(0, &mut self.local_comm_id);
+        w.at(4, &mut self.remote_comm_id);
+        w.bits(8, 0, 2, &mut self.message_mraed);
+        w.bits(9, 0, 5, &mut self.service_timeout);
     }
-    fn bytes<const N: usize>(&self, at: usize) -> [u8; N] {
-        let mut b = [0u8; N];
-        b.copy_from_slice(&self.0[at..at + N]);
-        b
+}
+
+/// REJ (`struct cm_rej_msg`).
+impl Layout for Rej {
+    fn fields(&mut self, w: &mut Wire) {
+        w.at(0, &mut self.local_comm_id);
+        w.at(4, &mut self.remote_comm_id);
+        w.bits(8, 0, 2, &mut self.message_rejected);
+        w.at(10, &mut self.reason);
+        w.bytes(84, &mut self.private_data);
     }
-    fn put(&mut self, at: usize, b: &[u8]) {
-        self.0[at..at + b.len()].copy_from_slice(b);
+}
+
+/// REP (`struct cm_rep_msg`).
+impl Layout for Rep {
+    fn fields(&mut self, w: &mut Wire) {
+        w.at(0, &mut self.local_comm_id);
+        w.at(4, &mut self.remote_comm_id);
+        w.at(8, &mut self.local_qkey);
+        w.bits(12, 0, 24, &mut self.local_qpn);
+        w.bits(20, 0, 24, &mut self.starting_psn);
+        w.at(24, &mut self.responder_resources);
+        w.at(25, &mut self.initiator_depth);
+        w.bits(26, 0, 5, &mut self.target_ack_delay);
+        w.bits(26, 5, 2, &mut self.failover_accepted);
+        w.bits(26, 7, 1, &mut self.flow_control);
+        w.bits(27, 0, 3, &mut self.rnr_retry_count);
+        w.bits(27, 3, 1, &mut self.srq);
+        w.at(28, &mut self.local_ca_guid);
+        w.bytes(36, &mut self.private_data);
     }
-    fn put16(&mut self, at: usize, v: u16) {
-        self.put(at, &v.to_be_bytes());
+}
+
+/// RTU and DREP (`struct cm_rtu_msg`, `struct cm_drep_msg`).
+impl Layout for Ids224 {
+    fn fields(&mut self, w: &mut Wire) {
+        w.at(0, &mut self.local_comm_id);
+        w.at(4, &mut self.remote_comm_id);
+        w.bytes(8, &mut self.private_data);
     }
-    fn put32(&mut self, at: usize, v: u32) {
-        self.put(at, &v.to_be_bytes());
+}
+
+/// DREQ (`struct cm_dreq_msg`).
+impl Layout for Dreq {
+    fn fields(&mut self, w: &mut Wire) {
+        w.at(0, &mut self.local_comm_id);
+        w.at(4, &mut self.remote_comm_id);
+        w.bits(8, 0, 24, &mut self.remote_qpn);
+        w.bytes(12, &mut self.private_data);
     }
-    fn put64(&mut self, at: usize, v: u64) {
-        self.put(at, &v.to_be_bytes());
+}
+
+/// SIDR_REQ (`struct cm_sidr_req_msg`).
+impl Layout for SidrReq {
+    fn fields(&mut self, w: &mut Wire) {
+        w.at(0, &mut self.request_id);
+        w.at(4, &mut self.pkey);
+        w.at(8, &mut self.service_id);
+        w.bytes(16, &mut self.private_data);
+    }
+}
+
+/// SIDR_REP (`struct cm_sidr_rep_msg`).
+impl Layout for SidrRep {
+    fn fields(&mut self, w: &mut Wire) {
+        w.at(0, &mut self.request_id);
+        w.at(4, &mut self.status);
+        w.bits(8, 0, 24, &mut self.qpn);
+        w.at(12, &mut self.service_id);
+        w.at(20, &mut self.qkey);
+        w.bytes(96, &mut self.private_data);
+    }
+}
+
+impl Msg {
+    /// A message of attribute `attr` with every field 0 (None: one this CM does not take).
+    fn zeroed(attr: u16) -> Option<Msg> {
+        fn z<T: Zeroable>() -> Box<T> {
+            Box::new(T::zeroed())
+        }
+        Some(match attr {
+            attr::REQ => Msg::Req(z()),
+            attr::MRA => Msg::Mra(Mra::zeroed()),
+            attr::REJ => Msg::Rej(z()),
+            attr::REP => Msg::Rep(z()),
+            attr::RTU => Msg::Rtu(z()),
+            attr::DREQ => Msg::Dreq(z()),
+            attr::DREP => Msg::Drep(z()),
+            attr::SIDR_REQ => Msg::SidrReq(z()),
+            attr::SIDR_REP => Msg::SidrRep(z()),
+            _ => return None,
+        })
+    }
+
+    /// The message's field table.
+    fn layout(&mut self) -> &mut dyn Layout {
+        match self {
+            Msg::Req(m) => &mut **m,
+            Msg::Mra(m) => m,
+            Msg::Rej(m) => &mut **m,
+            Msg::Rep(m) => &mut **m,
+            Msg::Rtu(m) | Msg::Drep(m) => &mut **m,
+            Msg::Dreq(m) => &mut **m,
+            Msg::SidrReq(m) => &mut **m,
+            Msg::SidrRep(m) => &mut **m,
+        }
     }
 }
 
@@ -399,210 +606,20 @@ pub fn parse(b: &[u8]) -> Result<Mad, MadError> {
     let mut tid = [0u8; 8];
     tid.copy_from_slice(&b[8..16]);
     let attr_id = u16::from_be_bytes([b[16], b[17]]);
-    let mut m = Bits([0; MSG_LEN + 4]);
-    m.0[..MSG_LEN].copy_from_slice(&b[HDR_LEN..MAD_LEN]);
-    let msg = match attr_id {
-        attr::REQ => Msg::Req(Box::new(parse_req(&m))),
-        attr::MRA => Msg::Mra(Mra {
-            local_comm_id: m.u32(0),
-            remote_comm_id: m.u32(4),
-            message_mraed: m.get(8, 0, 2) as u8,
-            service_timeout: m.get(9, 0, 5) as u8,
-        }),
-        attr::REJ => Msg::Rej(Box::new(Rej {
-            local_comm_id: m.u32(0),
-            remote_comm_id: m.u32(4),
-            message_rejected: m.get(8, 0, 2) as u8,
-            reason: m.u16(10),
-            private_data: m.bytes(84),
-        })),
-        attr::REP => Msg::Rep(Box::new(Rep {
-            local_comm_id: m.u32(0),
-            remote_comm_id: m.u32(4),
-            local_qkey: m.u32(8),
-            local_qpn: m.get(12, 0, 24),
-            starting_psn: m.get(20, 0, 24),
-            responder_resources: m.u8(24),
-            initiator_depth: m.u8(25),
-            target_ack_delay: m.get(26, 0, 5) as u8,
-            failover_accepted: m.get(26, 5, 2) as u8,
-            flow_control: m.get(26, 7, 1) != 0,
-            rnr_retry_count: m.get(27, 0, 3) as u8,
-            srq: m.get(27, 3, 1) != 0,
-            local_ca_guid: m.u64(28),
-            private_data: m.bytes(36),
-        })),
-        attr::RTU | attr::DREP => {
-            let x = Box::new(Ids224 {
-                local_comm_id: m.u32(0),
-                remote_comm_id: m.u32(4),
-                private_data: m.bytes(8),
-            });
-            if attr_id == attr::RTU {
-                Msg::Rtu(x)
-            } else {
-                Msg::Drep(x)
-            }
-        }
-        attr::DREQ => Msg::Dreq(Box::new(Dreq {
-            local_comm_id: m.u32(0),
-            remote_comm_id: m.u32(4),
-            remote_qpn: m.get(8, 0, 24),
-            private_data: m.bytes(12),
-        })),
-        attr::SIDR_REQ => Msg::SidrReq(Box::new(SidrReq {
-            request_id: m.u32(0),
-            pkey: m.u16(4),
-            service_id: m.u64(8),
-            private_data: m.bytes(16),
-        })),
-        attr::SIDR_REP => Msg::SidrRep(Box::new(SidrRep {
-            request_id: m.u32(0),
-            status: m.u8(4),
-            qpn: m.get(8, 0, 24),
-            service_id: m.u64(12),
-            qkey: m.u32(20),
-            private_data: m.bytes(96),
-        })),
-        other => return Err(MadError::Attr(other)),
-    };
+    let mut msg = Msg::zeroed(attr_id).ok_or(MadError::Attr(attr_id))?;
+    let mut w = Wire::new(false);
+    w.b[..MSG_LEN].copy_from_slice(&b[HDR_LEN..MAD_LEN]);
+    msg.layout().fields(&mut w);
     Ok(Mad {
         tid: u64::from_be_bytes(tid),
         msg,
     })
 }
 
-fn parse_req(m: &Bits) -> Req {
-    Req {
-        local_comm_id: m.u32(0),
-        service_id: m.u64(8),
-        local_ca_guid: m.u64(16),
-        local_qkey: m.u32(28),
-        local_qpn: m.get(32, 0, 24),
-        responder_resources: m.u8(35),
-        initiator_depth: m.u8(39),
-        remote_cm_response_timeout: m.get(43, 0, 5) as u8,
-        transport: m.get(43, 5, 2) as u8,
-        flow_control: m.get(43, 7, 1) != 0,
-        starting_psn: m.get(44, 0, 24),
-        local_cm_response_timeout: m.get(47, 0, 5) as u8,
-        retry_count: m.get(47, 5, 3) as u8,
-        pkey: m.u16(48),
-        mtu: m.get(50, 0, 4) as u8,
-        rnr_retry_count: m.get(50, 5, 3) as u8,
-        max_cm_retries: m.get(51, 0, 4) as u8,
-        srq: m.get(51, 4, 1) != 0,
-        path: Path {
-            local_lid: m.u16(52),
-            remote_lid: m.u16(54),
-            local_gid: m.bytes(56),
-            remote_gid: m.bytes(72),
-            flow_label: m.get(88, 0, 20),
-            packet_rate: m.get(91, 2, 6) as u8,
-            traffic_class: m.u8(92),
-            hop_limit: m.u8(93),
-            sl: m.get(94, 0, 4) as u8,
-            subnet_local: m.get(94, 4, 1) != 0,
-            local_ack_timeout: m.get(95, 0, 5) as u8,
-        },
-        private_data: m.bytes(140),
-    }
-}
-
-fn encode_req(m: &mut Bits, r: &Req) {
-    m.put32(0, r.local_comm_id);
-    m.put64(8, r.service_id);
-    m.put64(16, r.local_ca_guid);
-    m.put32(28, r.local_qkey);
-    m.set(32, 0, 24, r.local_qpn);
-    m.0[35] = r.responder_resources;
-    m.0[39] = r.initiator_depth;
-    m.set(43, 0, 5, r.remote_cm_response_timeout.into());
-    m.set(43, 5, 2, r.transport.into());
-    m.set(43, 7, 1, r.flow_control.into());
-    m.set(44, 0, 24, r.starting_psn);
-    m.set(47, 0, 5, r.local_cm_response_timeout.into());
-    m.set(47, 5, 3, r.retry_count.into());
-    m.put16(48, r.pkey);
-    m.set(50, 0, 4, r.mtu.into());
-    m.set(50, 5, 3, r.rnr_retry_count.into());
-    m.set(51, 0, 4, r.max_cm_retries.into());
-    m.set(51, 4, 1, r.srq.into());
-    let p = &r.path;
-    m.put16(52, p.local_lid);
-    m.put16(54, p.remote_lid);
-    m.put(56, &p.local_gid);
-    m.put(72, &p.remote_gid);
-    m.set(88, 0, 20, p.flow_label);
-    m.set(91, 2, 6, p.packet_rate.into());
-    m.0[92] = p.traffic_class;
-    m.0[93] = p.hop_limit;
-    m.set(94, 0, 4, p.sl.into());
-    m.set(94, 4, 1, p.subnet_local.into());
-    m.set(95, 0, 5, p.local_ack_timeout.into());
-    m.put(140, &r.private_data);
-}
-
 /// The 256 bytes of `mad` (a SEND of class CM, version 2).
 pub fn encode(mad: &Mad) -> [u8; MAD_LEN] {
-    let mut m = Bits([0; MSG_LEN + 4]);
-    match &mad.msg {
-        Msg::Req(r) => encode_req(&mut m, r),
-        Msg::Mra(r) => {
-            m.put32(0, r.local_comm_id);
-            m.put32(4, r.remote_comm_id);
-            m.set(8, 0, 2, r.message_mraed.into());
-            m.set(9, 0, 5, r.service_timeout.into());
-        }
-        Msg::Rej(r) => {
-            m.put32(0, r.local_comm_id);
-            m.put32(4, r.remote_comm_id);
-            m.set(8, 0, 2, r.message_rejected.into());
-            m.put16(10, r.reason);
-            m.put(84, &r.private_data);
-        }
-        Msg::Rep(r) => {
-            m.put32(0, r.local_comm_id);
-            m.put32(4, r.remote_comm_id);
-            m.put32(8, r.local_qkey);
-            m.set(12, 0, 24, r.local_qpn);
-            m.set(20, 0, 24, r.starting_psn);
-            m.0[24] = r.responder_resources;
-            m.0[25] = r.initiator_depth;
-            m.set(26, 0, 5, r.target_ack_delay.into());
-            m.set(26, 5, 2, r.failover_accepted.into());
-            m.set(26, 7, 1, r.flow_control.into());
-            m.set(27, 0, 3, r.rnr_retry_count.into());
-            m.set(27, 3, 1, r.srq.into());
-            m.put64(28, r.local_ca_guid);
-            m.put(36, &r.private_data);
-        }
-        Msg::Rtu(r) | Msg::Drep(r) => {
-            m.put32(0, r.local_comm_id);
-            m.put32(4, r.remote_comm_id);
-            m.put(8, &r.private_data);
-        }
-        Msg::Dreq(r) => {
-            m.put32(0, r.local_comm_id);
-            m.put32(4, r.remote_comm_id);
-            m.set(8, 0, 24, r.remote_qpn);
-            m.put(12, &r.private_data);
-        }
-        Msg::SidrReq(r) => {
-            m.put32(0, r.request_id);
-            m.put16(4, r.pkey);
-            m.put64(8, r.service_id);
-            m.put(16, &r.private_data);
-        }
-        Msg::SidrRep(r) => {
-            m.put32(0, r.request_id);
-            m.0[4] = r.status;
-            m.set(8, 0, 24, r.qpn);
-            m.put64(12, r.service_id);
-            m.put32(20, r.qkey);
-            m.put(96, &r.private_data);
-        }
-    }
+    let mut w = Wire::new(true);
+    mad.msg.clone().layout().fields(&mut w);
     let mut out = [0u8; MAD_LEN];
     out[0] = 1; // base version
     out[1] = CLASS_CM;
@@ -610,7 +627,7 @@ pub fn encode(mad: &Mad) -> [u8; MAD_LEN] {
     out[3] = METHOD_SEND;
     out[8..16].copy_from_slice(&mad.tid.to_be_bytes());
     out[16..18].copy_from_slice(&mad.msg.attr_id().to_be_bytes());
-    out[HDR_LEN..].copy_from_slice(&m.0[..MSG_LEN]);
+    out[HDR_LEN..].copy_from_slice(&w.b[..MSG_LEN]);
     out
 }
 
