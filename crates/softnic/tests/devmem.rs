@@ -818,7 +818,10 @@ fn wqes_announced_together_are_read_together() {
     assert!((1..=2).contains(&n), "{n} reads for 100 WQEs");
     // blocks 100..300: wraps at 256; 200 blocks in at most 5 reads (spans of 64, one split)
     let n = lap(&mut ga, 100, 200);
-    assert!((3..=5).contains(&n), "{n} reads for 200 WQEs across the wrap");
+    assert!(
+        (3..=5).contains(&n),
+        "{n} reads for 200 WQEs across the wrap"
+    );
     // the next lap rewrites every block with other values: each lands as rewritten
     let n = lap(&mut ga, 300, 256);
     assert!((4..=6).contains(&n), "{n} reads for a whole lap");

@@ -196,7 +196,10 @@ pub fn write_device(root: &Path, d: &DeviceIdentity) -> io::Result<()> {
         // the PCI function's Ethernet interface, as mlx5_core registers it (a link to the
         // interface's own folder; `lo` belongs to no PCI function)
         let name = &d.netdev.name;
-        link(&format!("/sys/class/net/{name}"), &pci.join("net").join(name))?;
+        link(
+            &format!("/sys/class/net/{name}"),
+            &pci.join("net").join(name),
+        )?;
     }
     put(&port.join("pkeys/0"), "0xffff")?;
     Ok(())
