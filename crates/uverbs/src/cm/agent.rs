@@ -119,6 +119,25 @@ impl Conn {
             disconnected: false,
         }
     }
+
+    /// Takes the peer's end of the connection from its REQ or REP: its comm ID, QPN and
+    /// starting PSN, its RDMA resources turned round (what it sends, this side takes) and its
+    /// RNR retry count.
+    fn take_peer(
+        &mut self,
+        comm_id: u32,
+        qpn: u32,
+        psn: u32,
+        (responder_resources, initiator_depth): (u8, u8),
+        rnr_retry_count: u8,
+    ) {
+        self.remote_comm_id = comm_id;
+        self.remote_qpn = qpn;
+        self.rq_psn = psn;
+        self.responder_resources = initiator_depth;
+        self.initiator_depth = responder_resources;
+        self.rnr_retry_count = rnr_retry_count;
+    }
 }
 
 /// A pseudo-random 32-bit value (comm IDs, PSNs, transaction IDs): no two processes that
@@ -140,28 +159,31 @@ fn timeout_ms(t: u8) -> u64 {
     1u64 << t.saturating_sub(8).min(31)
 }
 
-/// The connection parameters of an event.
-#[allow(clippy::too_many_arguments)]
-fn conn_param(
-    qp_num: u32,
-    private: &[u8],
-    responder_resources: u8,
-    initiator_depth: u8,
-    flow_control: bool,
-    retry_count: u8,
-    rnr_retry_count: u8,
-    srq: bool,
-) -> ConnParam {
+/// An event's private data: `private`, cut to what the event carries, and its length.
+fn event_private(private: &[u8]) -> ([u8; 256], u8) {
+    let mut b = [0u8; 256];
+    let n = private.len().min(b.len());
+    b[..n].copy_from_slice(&private[..n]);
+    (b, n as u8)
+}
+
+/// Connection parameters that carry only `private` (a REJ's).
+fn private_param(private: &[u8]) -> ConnParam {
     let mut p: ConnParam = bytemuck::Zeroable::zeroed();
-    p.qp_num = qp_num;
-    let n = private.len().min(p.private_data.len());
-    p.private_data[..n].copy_from_slice(&private[..n]);
-    p.private_data_len = n as u8;
-    p.responder_resources = responder_resources;
-    p.initiator_depth = initiator_depth;
+    (p.private_data, p.private_data_len) = event_private(private);
+    p
+}
+
+/// The connection parameters of a request or reply as the program sees them: the peer's QPN,
+/// the resources and retry counts of this side's QP, and the peer's private data.
+fn conn_param(c: &Conn, private: &[u8], flow_control: bool, srq: bool) -> ConnParam {
+    let mut p = private_param(private);
+    p.qp_num = c.remote_qpn;
+    p.responder_resources = c.responder_resources;
+    p.initiator_depth = c.initiator_depth;
     p.flow_control = flow_control.into();
-    p.retry_count = retry_count;
-    p.rnr_retry_count = rnr_retry_count;
+    p.retry_count = c.retry_count;
+    p.rnr_retry_count = c.rnr_retry_count;
     p.srq = srq.into();
     p
 }
@@ -170,6 +192,71 @@ fn conn_event(event: u32, status: i32, p: &ConnParam) -> EventResp {
     let mut e = plain_event(event, status);
     e.set_conn(p);
     e
+}
+
+/// UD parameters that carry `private` (the rest 0).
+fn ud_param(private: &[u8]) -> abi::UdParam {
+    let mut u: abi::UdParam = bytemuck::Zeroable::zeroed();
+    (u.private_data, u.private_data_len) = event_private(private);
+    u
+}
+
+fn ud_event(event: u32, status: i32, u: &abi::UdParam) -> EventResp {
+    let mut e = plain_event(event, status);
+    e.set_ud(u);
+    e
+}
+
+/// The IDs of an RTU or a DREP, without private data.
+fn ids(local_comm_id: u32, remote_comm_id: u32) -> Box<mad::Ids224> {
+    Box::new(mad::Ids224 {
+        local_comm_id,
+        remote_comm_id,
+        private_data: [0; 224],
+    })
+}
+
+/// A DREQ of connection `c`, without private data.
+fn dreq(c: &Conn) -> Msg {
+    Msg::Dreq(Box::new(mad::Dreq {
+        local_comm_id: c.local_comm_id,
+        remote_comm_id: c.remote_comm_id,
+        remote_qpn: c.remote_qpn,
+        private_data: [0; mad::private_len::DREQ],
+    }))
+}
+
+/// A REJ of message `which` (0 REQ, 1 REP, 2 none).
+fn rej(
+    (local_comm_id, remote_comm_id): (u32, u32),
+    which: u8,
+    reason: u16,
+    private_data: [u8; mad::private_len::REJ],
+) -> Msg {
+    Msg::Rej(Box::new(mad::Rej {
+        local_comm_id,
+        remote_comm_id,
+        message_rejected: which,
+        reason,
+        private_data,
+    }))
+}
+
+/// A SIDR_REP that refuses request `request_id` with `status` (no QP, no Q_Key).
+fn sidr_refusal(
+    request_id: u32,
+    status: u8,
+    service_id: u64,
+    private_data: [u8; mad::private_len::SIDR_REP],
+) -> Msg {
+    Msg::SidrRep(Box::new(mad::SidrRep {
+        request_id,
+        status,
+        qpn: 0,
+        service_id,
+        qkey: 0,
+        private_data,
+    }))
 }
 
 /// Copies `src` into a private-data field, refusing what does not fit (EINVAL).
@@ -213,6 +300,11 @@ impl Cm {
         let bytes = Box::new(mad::encode(&Mad { tid, msg }));
         self.resend(dev, to, &bytes);
         bytes
+    }
+
+    /// Sends `msg` to the peer of connection `c` in its transaction.
+    fn send_conn(&self, c: &Conn, msg: Msg) -> Box<[u8; mad::MAD_LEN]> {
+        self.send(c.dev, &c.remote_gid, c.tid, msg)
     }
 
     fn resend(&self, dev: u32, to: &[u8; 16], bytes: &[u8; mad::MAD_LEN]) {
@@ -352,12 +444,7 @@ impl Cm {
         let p = &a.conn_param;
         match (c.cm, p.valid != 0) {
             (CmSt::RepRcvd, _) => {
-                let msg = Msg::Rtu(Box::new(mad::Ids224 {
-                    local_comm_id: c.local_comm_id,
-                    remote_comm_id: c.remote_comm_id,
-                    private_data: [0; 224],
-                }));
-                self.send(c.dev, &c.remote_gid, c.tid, msg);
+                self.send_conn(c, Msg::Rtu(ids(c.local_comm_id, c.remote_comm_id)));
                 c.cm = CmSt::Established;
                 c.last = None;
                 Ok(())
@@ -372,7 +459,7 @@ impl Cm {
                     qkey: if p.qkey != 0 { p.qkey } else { UDP_QKEY },
                     private_data: pd,
                 }));
-                self.send(c.dev, &c.remote_gid, c.tid, msg);
+                self.send_conn(c, msg);
                 c.cm = CmSt::Closed;
                 id.uid = a.uid;
                 Ok(())
@@ -395,14 +482,11 @@ impl Cm {
                     flow_control: p.flow_control != 0,
                     rnr_retry_count: c.rnr_retry_count,
                     srq: p.srq != 0,
-                    local_ca_guid: self.devices.get(c.dev).map_or(0, |d| d.id.node_guid),
+                    local_ca_guid: self.guid(c.dev),
                     private_data: pd,
                 };
-                let bytes = self.send(c.dev, &c.remote_gid, c.tid, Msg::Rep(Box::new(rep)));
-                let deadline = self.now_ms() + timeout_ms(RESPONSE_TIMEOUT);
-                c.last = Some(bytes);
-                c.retries = 0;
-                c.deadline_ms = deadline;
+                let bytes = self.send_conn(c, Msg::Rep(Box::new(rep)));
+                self.arm(c, bytes);
                 c.cm = CmSt::RepSent;
                 id.uid = a.uid;
                 Ok(())
@@ -429,26 +513,14 @@ impl Cm {
         match c.cm {
             CmSt::SidrReqRcvd if ud => {
                 let pd = private(&r.private_data, r.private_data_len, 0)?;
-                let msg = Msg::SidrRep(Box::new(mad::SidrRep {
-                    request_id: c.remote_comm_id,
-                    status: 2,
-                    qpn: 0,
-                    service_id: 0,
-                    qkey: 0,
-                    private_data: pd,
-                }));
-                self.send(c.dev, &c.remote_gid, c.tid, msg);
+                // IB_SIDR_REJECT
+                self.send_conn(c, sidr_refusal(c.remote_comm_id, 2, 0, pd));
             }
             CmSt::ReqRcvd | CmSt::RepRcvd => {
                 let pd = private(&r.private_data, r.private_data_len, 0)?;
-                let msg = Msg::Rej(Box::new(mad::Rej {
-                    local_comm_id: c.local_comm_id,
-                    remote_comm_id: c.remote_comm_id,
-                    message_rejected: if c.cm == CmSt::ReqRcvd { 0 } else { 1 },
-                    reason,
-                    private_data: pd,
-                }));
-                self.send(c.dev, &c.remote_gid, c.tid, msg);
+                let which = if c.cm == CmSt::ReqRcvd { 0 } else { 1 };
+                let ids = (c.local_comm_id, c.remote_comm_id);
+                self.send_conn(c, rej(ids, which, reason, pd));
             }
             _ => return Err(Errno::EINVAL),
         }
@@ -466,13 +538,7 @@ impl Cm {
             CmSt::Established | CmSt::RepSent => {
                 let tid = (random() as u64) << 32 | c.local_comm_id as u64;
                 c.tid = tid;
-                let msg = Msg::Dreq(Box::new(mad::Dreq {
-                    local_comm_id: c.local_comm_id,
-                    remote_comm_id: c.remote_comm_id,
-                    remote_qpn: c.remote_qpn,
-                    private_data: [0; mad::private_len::DREQ],
-                }));
-                let bytes = self.send(c.dev, &c.remote_gid, tid, msg);
+                let bytes = self.send_conn(c, dreq(c));
                 c.cm = CmSt::DreqSent;
                 self.arm(c, bytes);
             }
@@ -493,28 +559,21 @@ impl Cm {
             message_mraed: which,
             service_timeout: MRA_SERVICE_TIMEOUT,
         });
-        self.send(c.dev, &c.remote_gid, c.tid, msg);
+        self.send_conn(c, msg);
     }
 
     fn send_drep(&self, c: &Conn) {
-        let msg = Msg::Drep(Box::new(mad::Ids224 {
-            local_comm_id: c.local_comm_id,
-            remote_comm_id: c.remote_comm_id,
-            private_data: [0; 224],
-        }));
-        self.send(c.dev, &c.remote_gid, c.tid, msg);
+        self.send_conn(c, Msg::Drep(ids(c.local_comm_id, c.remote_comm_id)));
     }
 
     /// NOTIFY: IB_EVENT_COMM_EST (data arrived before the RTU) establishes a connection
     /// waiting for its RTU; other events change nothing.
     pub(super) fn notify(&'static self, st: &mut State, h: u32, event: u32) -> Result<(), Errno> {
         let id = st.ids.get_mut(&h).ok_or(Errno::ENOENT)?;
-        let Some(c) = id.conn.as_mut() else {
+        if id.conn.is_none() {
             return Err(Errno::EINVAL);
-        };
-        if event == 9 && c.cm == CmSt::RepSent {
-            c.cm = CmSt::Established;
-            c.last = None;
+        }
+        if event == 9 && transition(id, CmSt::RepSent, CmSt::Established) {
             id.event(plain_event(abi::event::ESTABLISHED, 0), None);
         }
         Ok(())
@@ -524,29 +583,17 @@ impl Cm {
     /// an established one, the DREP for one whose peer asked.
     pub(super) fn conn_gone(&self, id: &Id) {
         let Some(c) = &id.conn else { return };
-        let rej = |reason: u16, which: u8| {
-            let msg = Msg::Rej(Box::new(mad::Rej {
-                local_comm_id: c.local_comm_id,
-                remote_comm_id: c.remote_comm_id,
-                message_rejected: which,
-                reason,
-                private_data: [0; mad::private_len::REJ],
-            }));
-            self.send(c.dev, &c.remote_gid, c.tid, msg);
+        let reject = |reason: u16, which: u8| {
+            let ids = (c.local_comm_id, c.remote_comm_id);
+            self.send_conn(c, rej(ids, which, reason, [0; mad::private_len::REJ]));
         };
         match c.cm {
-            CmSt::ReqSent => rej(REJ_TIMEOUT, 0),
-            CmSt::ReqRcvd => rej(REJ_CONSUMER_DEFINED, 0),
-            CmSt::RepRcvd => rej(REJ_CONSUMER_DEFINED, 1),
-            CmSt::RepSent => rej(REJ_CONSUMER_DEFINED, 2),
+            CmSt::ReqSent => reject(REJ_TIMEOUT, 0),
+            CmSt::ReqRcvd => reject(REJ_CONSUMER_DEFINED, 0),
+            CmSt::RepRcvd => reject(REJ_CONSUMER_DEFINED, 1),
+            CmSt::RepSent => reject(REJ_CONSUMER_DEFINED, 2),
             CmSt::Established => {
-                let msg = Msg::Dreq(Box::new(mad::Dreq {
-                    local_comm_id: c.local_comm_id,
-                    remote_comm_id: c.remote_comm_id,
-                    remote_qpn: c.remote_qpn,
-                    private_data: [0; mad::private_len::DREQ],
-                }));
-                self.send(c.dev, &c.remote_gid, c.tid, msg);
+                self.send_conn(c, dreq(c));
             }
             CmSt::DreqRcvd => self.send_drep(c),
             _ => {}
@@ -646,9 +693,7 @@ impl Cm {
             Msg::Rep(r) => self.on_rep(&mut st, &r),
             Msg::Rtu(r) => {
                 if let Some(id) = by_comm_id(&mut st, r.remote_comm_id) {
-                    if let Some(c) = id.conn.as_mut().filter(|c| c.cm == CmSt::RepSent) {
-                        c.cm = CmSt::Established;
-                        c.last = None;
+                    if transition(id, CmSt::RepSent, CmSt::Established) {
                         id.event(plain_event(abi::event::ESTABLISHED, 0), None);
                     }
                 }
@@ -669,9 +714,7 @@ impl Cm {
             Msg::Dreq(r) => self.on_dreq(&mut st, dev, m.tid, &r, from),
             Msg::Drep(r) => {
                 if let Some(id) = by_comm_id(&mut st, r.remote_comm_id) {
-                    if let Some(c) = id.conn.as_mut().filter(|c| c.cm == CmSt::DreqSent) {
-                        c.cm = CmSt::Timewait;
-                        c.last = None;
+                    if transition(id, CmSt::DreqSent, CmSt::Timewait) {
                         disconnected(id, 0);
                     }
                 }
@@ -702,32 +745,17 @@ impl Cm {
             .then(|| find_listener(st, dev, ps, port, addrs.map(|a| a.1), QPT_RC))
             .flatten();
         let reject = |reason| {
-            let msg = Msg::Rej(Box::new(mad::Rej {
-                local_comm_id: 0,
-                remote_comm_id: r.local_comm_id,
-                message_rejected: 0,
-                reason,
-                private_data: [0; mad::private_len::REJ],
-            }));
+            let msg = rej((0, r.local_comm_id), 0, reason, [0; mad::private_len::REJ]);
             self.send(dev, &r.path.local_gid, tid, msg);
         };
         let Some(lh) = listener else {
             reject(REJ_INVALID_SERVICE_ID);
             return;
         };
-        let child = st.next_id;
-        let Some(l) = st.ids.get_mut(&lh) else { return };
-        if l.pending >= l.backlog {
+        let Some(mut id) = child_of(st, lh, dev, QPT_RC) else {
             reject(REJ_CONSUMER_DEFINED);
             return;
-        }
-        l.pending += 1;
-        st.next_id = st.next_id.wrapping_add(1);
-        let mut id = Id::new(child, l.file.clone(), 0, l.ps, QPT_RC);
-        id.st = St::Connect;
-        id.dev = Some(dev);
-        id.listener = Some(lh);
-        id.visible = false;
+        };
         id.tos = r.path.traffic_class;
         let (src, dst) = addrs.unwrap_or_default();
         let me = self.devices.get(dev).map(|d| d.id.ip);
@@ -741,14 +769,16 @@ impl Cm {
         );
         id.dst = src;
         let mut c = Conn::new(dev, random(), r.path.local_gid, CmSt::ReqRcvd);
-        c.remote_comm_id = r.local_comm_id;
-        c.remote_qpn = r.local_qpn;
-        c.rq_psn = r.starting_psn;
+        let resources = (r.responder_resources, r.initiator_depth);
+        c.take_peer(
+            r.local_comm_id,
+            r.local_qpn,
+            r.starting_psn,
+            resources,
+            r.rnr_retry_count,
+        );
         c.sq_psn = r.starting_psn;
-        c.responder_resources = r.initiator_depth;
-        c.initiator_depth = r.responder_resources;
         c.retry_count = r.retry_count;
-        c.rnr_retry_count = r.rnr_retry_count;
         c.flow_label = r.path.flow_label;
         // the passive side takes the REQ's path, as the kernel's CM does (an MTU outside the
         // IB enum: this device's route's)
@@ -758,28 +788,13 @@ impl Cm {
             self.path_mtu(dev)
         };
         c.tid = tid;
-        id.conn = Some(c);
-        let p = conn_param(
-            r.local_qpn,
-            &r.private_data[addr::CMA_HDR_LEN..],
-            r.initiator_depth,
-            r.responder_resources,
-            r.flow_control,
-            r.retry_count,
-            r.rnr_retry_count,
-            r.srq,
-        );
-        let mut e = conn_event(abi::event::CONNECT_REQUEST, 0, &p);
-        e.id = child;
+        let pd = &r.private_data[addr::CMA_HDR_LEN..];
+        let p = conn_param(&c, pd, r.flow_control, r.srq);
         // the program takes its time to accept: an MRA keeps the requester from sending the
         // REQ again meanwhile (the CMA's, after its handler)
-        if let Some(c) = &id.conn {
-            self.send_mra(c, 0);
-        }
-        st.ids.insert(child, id);
-        if let Some(l) = st.ids.get(&lh) {
-            l.event(e, Some(child));
-        }
+        self.send_mra(&c, 0);
+        id.conn = Some(c);
+        offer(st, lh, id, conn_event(abi::event::CONNECT_REQUEST, 0, &p));
     }
 
     fn on_sidr_req(
@@ -794,29 +809,19 @@ impl Cm {
         let port = r.service_id as u16;
         let addrs = addr::parse_cma_hdr(&r.private_data, port);
         let Some(lh) = find_listener(st, dev, ps, port, addrs.map(|a| a.1), QPT_UD) else {
-            let msg = Msg::SidrRep(Box::new(mad::SidrRep {
-                request_id: r.request_id,
-                status: 1, // IB_SIDR_UNSUPPORTED
-                qpn: 0,
-                service_id: r.service_id,
-                qkey: 0,
-                private_data: [0; mad::private_len::SIDR_REP],
-            }));
-            self.send(dev, &from, tid, msg);
+            let pd = [0; mad::private_len::SIDR_REP];
+            // IB_SIDR_UNSUPPORTED
+            self.send(
+                dev,
+                &from,
+                tid,
+                sidr_refusal(r.request_id, 1, r.service_id, pd),
+            );
             return;
         };
-        let child = st.next_id;
-        let Some(l) = st.ids.get_mut(&lh) else { return };
-        if l.pending >= l.backlog {
+        let Some(mut id) = child_of(st, lh, dev, QPT_UD) else {
             return;
-        }
-        l.pending += 1;
-        st.next_id = st.next_id.wrapping_add(1);
-        let mut id = Id::new(child, l.file.clone(), 0, l.ps, QPT_UD);
-        id.st = St::Connect;
-        id.dev = Some(dev);
-        id.listener = Some(lh);
-        id.visible = false;
+        };
         let (src, dst) = addrs.unwrap_or_default();
         id.src = Addr::v4(dst.ip, port);
         id.dst = src;
@@ -824,18 +829,9 @@ impl Cm {
         c.remote_comm_id = r.request_id;
         c.tid = tid;
         id.conn = Some(c);
-        let mut u: abi::UdParam = bytemuck::Zeroable::zeroed();
-        let pd = &r.private_data[addr::CMA_HDR_LEN..];
-        u.private_data[..pd.len()].copy_from_slice(pd);
-        u.private_data_len = pd.len() as u8;
+        let mut u = ud_param(&r.private_data[addr::CMA_HDR_LEN..]);
         u.ah_attr = ah_attr(from, 0);
-        let mut e = plain_event(abi::event::CONNECT_REQUEST, 0);
-        e.set_ud(&u);
-        e.id = child;
-        st.ids.insert(child, id);
-        if let Some(l) = st.ids.get(&lh) {
-            l.event(e, Some(child));
-        }
+        offer(st, lh, id, ud_event(abi::event::CONNECT_REQUEST, 0, &u));
     }
 
     fn on_rep(&'static self, st: &mut State, r: &mad::Rep) {
@@ -845,37 +841,25 @@ impl Cm {
         let Some(c) = id.conn.as_mut() else { return };
         match c.cm {
             CmSt::ReqSent => {
-                c.remote_comm_id = r.local_comm_id;
-                c.remote_qpn = r.local_qpn;
-                c.rq_psn = r.starting_psn;
-                c.initiator_depth = r.responder_resources;
-                c.responder_resources = r.initiator_depth;
-                c.rnr_retry_count = r.rnr_retry_count;
+                let resources = (r.responder_resources, r.initiator_depth);
+                c.take_peer(
+                    r.local_comm_id,
+                    r.local_qpn,
+                    r.starting_psn,
+                    resources,
+                    r.rnr_retry_count,
+                );
                 c.cm = CmSt::RepRcvd;
                 c.last = None;
                 self.send_mra(c, 1);
-                let p = conn_param(
-                    r.local_qpn,
-                    &r.private_data,
-                    r.initiator_depth,
-                    r.responder_resources,
-                    r.flow_control,
-                    c.retry_count,
-                    r.rnr_retry_count,
-                    r.srq,
-                );
+                let p = conn_param(c, &r.private_data, r.flow_control, r.srq);
                 id.event(conn_event(abi::event::CONNECT_RESPONSE, 0, &p), None);
             }
             // a REP sent again while the program moves its QP: the MRA again
             CmSt::RepRcvd if c.remote_comm_id == r.local_comm_id => self.send_mra(c, 1),
             // a REP sent again: its RTU went missing
             CmSt::Established if c.remote_comm_id == r.local_comm_id => {
-                let msg = Msg::Rtu(Box::new(mad::Ids224 {
-                    local_comm_id: c.local_comm_id,
-                    remote_comm_id: c.remote_comm_id,
-                    private_data: [0; 224],
-                }));
-                self.send(c.dev, &c.remote_gid, c.tid, msg);
+                self.send_conn(c, Msg::Rtu(ids(c.local_comm_id, c.remote_comm_id)));
             }
             _ => {}
         }
@@ -885,11 +869,7 @@ impl Cm {
         let Some(c) = by_comm_id(st, r.remote_comm_id).and_then(|i| i.conn.as_mut()) else {
             // a connection this side no longer has: the DREP all the same (the kernel's
             // cm_issue_drep), so the peer's DREQ ends
-            let msg = Msg::Drep(Box::new(mad::Ids224 {
-                local_comm_id: r.remote_comm_id,
-                remote_comm_id: r.local_comm_id,
-                private_data: [0; 224],
-            }));
+            let msg = Msg::Drep(ids(r.remote_comm_id, r.local_comm_id));
             self.send(dev, &from, tid, msg);
             return;
         };
@@ -949,6 +929,17 @@ impl Cm {
     }
 }
 
+/// Moves the connection of `id` from state `from` to `to`, the answer it waited for come (it
+/// sends nothing again); false when it is not in `from`.
+fn transition(id: &mut Id, from: CmSt, to: CmSt) -> bool {
+    let Some(c) = id.conn.as_mut().filter(|c| c.cm == from) else {
+        return false;
+    };
+    c.cm = to;
+    c.last = None;
+    true
+}
+
 /// Reports DISCONNECTED once.
 fn disconnected(id: &mut Id, status: i32) {
     let Some(c) = id.conn.as_mut() else { return };
@@ -990,6 +981,34 @@ fn find_listener(
         .map(|l| l.handle)
 }
 
+/// A new id for a request to listener `lh` on device `dev`, hidden until its CONNECT_REQUEST
+/// is read; None when the listener's backlog is full.
+fn child_of(st: &mut State, lh: u32, dev: u32, qp_type: u8) -> Option<Id> {
+    let child = st.next_id;
+    let l = st.ids.get_mut(&lh)?;
+    if l.pending >= l.backlog {
+        return None;
+    }
+    l.pending += 1;
+    st.next_id = st.next_id.wrapping_add(1);
+    let mut id = Id::new(child, l.file.clone(), 0, l.ps, qp_type);
+    id.st = St::Connect;
+    id.dev = Some(dev);
+    id.listener = Some(lh);
+    id.visible = false;
+    Some(id)
+}
+
+/// Queues the CONNECT_REQUEST `e` of the new id `id` on its listener `lh`.
+fn offer(st: &mut State, lh: u32, id: Id, mut e: EventResp) {
+    let child = id.handle;
+    e.id = child;
+    st.ids.insert(child, id);
+    if let Some(l) = st.ids.get(&lh) {
+        l.event(e, Some(child));
+    }
+}
+
 fn on_rej(st: &mut State, r: &mad::Rej) {
     let Some(id) = by_comm_id(st, r.remote_comm_id) else {
         return;
@@ -1001,7 +1020,7 @@ fn on_rej(st: &mut State, r: &mad::Rej) {
     ) {
         c.cm = CmSt::Closed;
         c.last = None;
-        let p = conn_param(0, &r.private_data, 0, 0, false, 0, 0, false);
+        let p = private_param(&r.private_data);
         id.event(conn_event(abi::event::REJECTED, r.reason as i32, &p), None);
     }
 }
@@ -1016,21 +1035,15 @@ fn on_sidr_rep(st: &mut State, r: &mad::SidrRep) {
     }
     c.cm = CmSt::Closed;
     c.last = None;
-    let mut u: abi::UdParam = bytemuck::Zeroable::zeroed();
-    u.private_data[..r.private_data.len()].copy_from_slice(&r.private_data);
-    u.private_data_len = r.private_data.len() as u8;
+    let mut u = ud_param(&r.private_data);
     if r.status != 0 {
-        let mut e = plain_event(abi::event::UNREACHABLE, r.status as i32);
-        e.set_ud(&u);
-        id.event(e, None);
+        id.event(ud_event(abi::event::UNREACHABLE, r.status as i32, &u), None);
         return;
     }
     u.qp_num = r.qpn;
     u.qkey = r.qkey;
     u.ah_attr = ah_attr(c.remote_gid, id.tos);
-    let mut e = plain_event(abi::event::ESTABLISHED, 0);
-    e.set_ud(&u);
-    id.event(e, None);
+    id.event(ud_event(abi::event::ESTABLISHED, 0, &u), None);
 }
 
 /// The address vector to a peer's GID over port 1.
