@@ -1,8 +1,12 @@
 //! The ucma ABI (`<rdma/rdma_user_cm.h>`, ABI version 4): what librdmacm writes to
 //! `/dev/infiniband/rdma_cm` — a `struct rdma_ucm_cmd_hdr` and one command struct — and the
-//! responses it reads back. Layouts are checked against the sizes the header gives.
+//! responses it reads back. Layouts are checked against the sizes the header gives. Those the
+//! uverbs ABI already has are taken from [`crate::abi`]: `struct rdma_ucm_destroy_id` is
+//! [`Destroy`] (`ib_uverbs_destroy_cq`'s shape: a response pointer, the id's handle, 4 reserved
+//! bytes), and INIT_QP_ATTR's mask bits are [`crate::abi::qp_attr`]'s.
 
 use crate::abi::AhAttr;
+pub use crate::abi::Destroy;
 use bytemuck::{Pod, Zeroable};
 
 /// Commands (`RDMA_USER_CM_CMD_*`).
@@ -102,6 +106,8 @@ pub mod event {
 /// `struct rdma_ucm_cmd_hdr`.
 pub const HDR_LEN: usize = 8;
 
+// `crate::abi`'s `pod!` but for `Default`, which arrays of over 32 bytes (addresses, private
+// data) do not have.
 macro_rules! pod {
     ($(#[$m:meta])* $name:ident [$size:expr] { $($(#[$fm:meta])* $f:ident : $t:ty),* $(,)? }) => {
         $(#[$m])*
@@ -115,10 +121,6 @@ macro_rules! pod {
 pod!(
     /// `struct rdma_ucm_create_id`.
     CreateId[24] { uid: u64, response: u64, ps: u16, qp_type: u8, reserved: [u8; 5] }
-);
-pod!(
-    /// `struct rdma_ucm_destroy_id` (also MIGRATE_ID's response pointer first).
-    DestroyId[16] { response: u64, id: u32, reserved: u32 }
 );
 pod!(
     /// `struct rdma_ucm_bind_ip`.
@@ -244,40 +246,4 @@ impl EventResp {
         self.param.copy_from_slice(&b[..256]);
         self.param_tail.copy_from_slice(&b[256..]);
     }
-}
-
-/// `IB_QP_*` attribute mask bits.
-pub mod mask {
-    /// State.
-    pub const STATE: u32 = 1;
-    /// Access flags.
-    pub const ACCESS_FLAGS: u32 = 1 << 3;
-    /// P_Key index.
-    pub const PKEY_INDEX: u32 = 1 << 4;
-    /// Port.
-    pub const PORT: u32 = 1 << 5;
-    /// Q_Key.
-    pub const QKEY: u32 = 1 << 6;
-    /// Address vector.
-    pub const AV: u32 = 1 << 7;
-    /// Path MTU.
-    pub const PATH_MTU: u32 = 1 << 8;
-    /// ACK timeout.
-    pub const TIMEOUT: u32 = 1 << 9;
-    /// Retry count.
-    pub const RETRY_CNT: u32 = 1 << 10;
-    /// RNR retry.
-    pub const RNR_RETRY: u32 = 1 << 11;
-    /// RQ PSN.
-    pub const RQ_PSN: u32 = 1 << 12;
-    /// Outstanding READs/atomics as initiator.
-    pub const MAX_QP_RD_ATOMIC: u32 = 1 << 13;
-    /// Minimum RNR timer.
-    pub const MIN_RNR_TIMER: u32 = 1 << 15;
-    /// SQ PSN.
-    pub const SQ_PSN: u32 = 1 << 16;
-    /// Outstanding READs/atomics as responder.
-    pub const MAX_DEST_RD_ATOMIC: u32 = 1 << 17;
-    /// Destination QPN.
-    pub const DEST_QPN: u32 = 1 << 20;
 }

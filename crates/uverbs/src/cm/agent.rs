@@ -14,10 +14,11 @@
 //! taken pushes the deadline back. The starting PSN of both directions is the REQ's, as the
 //! Linux CMA uses it.
 
-use super::abi::{self, mask, ConnParam, EventResp, QpAttr};
+use super::abi::{self, ConnParam, EventResp, QpAttr};
 use super::addr::{self, Addr};
 use super::mad::{self, Mad, Msg};
 use super::{plain_event, Cm, Id, St, State};
+use crate::abi::{access, qp_attr};
 use crate::uaccess::Errno;
 use std::sync::Arc;
 use std::time::Duration;
@@ -612,32 +613,38 @@ impl Cm {
             Some(c) if !id.is_ud() => c,
             _ => {
                 // before a connection (or UD): the CMA's own INIT attributes
-                a.qp_attr_mask = mask::STATE | mask::PKEY_INDEX | mask::PORT;
+                a.qp_attr_mask = qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT;
                 a.port_num = 1;
                 if id.is_ud() {
                     a.qkey = UDP_QKEY;
-                    a.qp_attr_mask |= mask::QKEY;
+                    a.qp_attr_mask |= qp_attr::QKEY;
                 } else {
-                    a.qp_attr_mask |= mask::ACCESS_FLAGS;
+                    a.qp_attr_mask |= qp_attr::ACCESS_FLAGS;
                 }
                 return Ok(a);
             }
         };
         match state {
             1 => {
-                a.qp_attr_mask = mask::STATE | mask::ACCESS_FLAGS | mask::PKEY_INDEX | mask::PORT;
-                // IB_ACCESS_REMOTE_WRITE, and READ + ATOMIC when this side takes them
-                a.qp_access_flags = 2 | if c.responder_resources > 0 { 4 | 8 } else { 0 };
+                a.qp_attr_mask =
+                    qp_attr::STATE | qp_attr::ACCESS_FLAGS | qp_attr::PKEY_INDEX | qp_attr::PORT;
+                // REMOTE_WRITE, and READ + ATOMIC when this side takes them
+                a.qp_access_flags = access::REMOTE_WRITE
+                    | if c.responder_resources > 0 {
+                        access::REMOTE_READ | access::REMOTE_ATOMIC
+                    } else {
+                        0
+                    };
                 a.port_num = 1;
             }
             2 => {
-                a.qp_attr_mask = mask::STATE
-                    | mask::AV
-                    | mask::PATH_MTU
-                    | mask::DEST_QPN
-                    | mask::RQ_PSN
-                    | mask::MAX_DEST_RD_ATOMIC
-                    | mask::MIN_RNR_TIMER;
+                a.qp_attr_mask = qp_attr::STATE
+                    | qp_attr::AV
+                    | qp_attr::PATH_MTU
+                    | qp_attr::DEST_QPN
+                    | qp_attr::RQ_PSN
+                    | qp_attr::MAX_DEST_RD_ATOMIC
+                    | qp_attr::MIN_RNR_TIMER;
                 a.ah_attr.dgid = c.remote_gid;
                 a.ah_attr.flow_label = c.flow_label;
                 a.ah_attr.hop_limit = HOP_LIMIT;
@@ -651,12 +658,12 @@ impl Cm {
                 a.port_num = 1;
             }
             3 => {
-                a.qp_attr_mask = mask::STATE
-                    | mask::SQ_PSN
-                    | mask::TIMEOUT
-                    | mask::RETRY_CNT
-                    | mask::RNR_RETRY
-                    | mask::MAX_QP_RD_ATOMIC;
+                a.qp_attr_mask = qp_attr::STATE
+                    | qp_attr::SQ_PSN
+                    | qp_attr::TIMEOUT
+                    | qp_attr::RETRY_CNT
+                    | qp_attr::RNR_RETRY
+                    | qp_attr::MAX_QP_RD_ATOMIC;
                 a.sq_psn = c.sq_psn;
                 a.timeout = id.ack_timeout.unwrap_or(ACK_TIMEOUT);
                 a.retry_cnt = c.retry_count;

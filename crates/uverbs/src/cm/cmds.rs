@@ -28,12 +28,12 @@ pub(super) fn run(
     match c {
         cmd::CREATE_ID => create_id(cm, file, read(body)?, out),
         cmd::DESTROY_ID => {
-            let d: abi::DestroyId = read(body)?;
+            let d: abi::Destroy = read(body)?;
             if out < 4 {
                 return Err(Errno::ENOSPC);
             }
-            id_mut(&mut cm.st.lock(), file, d.id)?;
-            let n = cm.destroy(d.id).ok_or(Errno::ENOENT)?;
+            id_mut(&mut cm.st.lock(), file, d.handle)?;
+            let n = cm.destroy(d.handle).ok_or(Errno::ENOENT)?;
             respond(d.response, out, &n)
         }
         cmd::BIND_IP => {

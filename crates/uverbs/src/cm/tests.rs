@@ -123,9 +123,9 @@ fn params(qp_num: u32, private: &[u8]) -> ConnParam {
 
 fn destroy(f: &Arc<CmFile>, id: u32) -> u32 {
     let mut n = 0u32;
-    let d = abi::DestroyId {
+    let d = abi::Destroy {
         response: ptr(&mut n),
-        id,
+        handle: id,
         reserved: 0,
     };
     write(f, cmd::DESTROY_ID, bytemuck::bytes_of(&d), 4).expect("DESTROY_ID");
