@@ -83,7 +83,8 @@ __device__ __forceinline__ status warp_post_on(gpuverbs_qp* q, uint32_t per_lane
     if (lane == leader) {
         s = publish_ring<S>(st, k, start, n, start + n - last_blocks, signaled, published, true, c,
                             last_blocks == 1 ? &lastb : nullptr,
-                            cqes_per_lane ? count * cqes_per_lane : CQES_OF_SIGNALED, &first);
+                            cqes_per_lane ? count * cqes_per_lane : CQES_OF_SIGNALED,
+                            first_cqe ? &first : nullptr);
         if (S == sharing::exclusive && !k.checked_out) store_state(q, k);
     }
     // Orders the leader's descriptor stores before whichever lane leads the next call
@@ -153,7 +154,8 @@ __device__ __forceinline__ status block_post_on(gpuverbs_qp* q, bool participate
         uint64_t f = 0;
         s = publish_ring<S>(on, k, start, n, start + n - last_blocks, signaled, published, true, c,
                             last_blocks == 1 ? &lastb : nullptr,
-                            cqes_per_lane ? count * cqes_per_lane : CQES_OF_SIGNALED, &f);
+                            cqes_per_lane ? count * cqes_per_lane : CQES_OF_SIGNALED,
+                            first_cqe ? &f : nullptr);
         first = f;
         st = s;
     }

@@ -107,16 +107,19 @@ __device__ __forceinline__ uint32_t cqes_of(bool signaled, uint32_t cqes) {
 
 // Counts the range's CQEs into `sq_cqes` (the CQE number the next signaled WQE gets, what a
 // companion's WAIT names): by the in-order publisher, before its release of `sq_ready`, so the
-// next publisher, which acquires `sq_ready`, continues from it. Returns the range's first.
+// next publisher, which acquires `sq_ready`, continues from it. `*first` (optional) gets the
+// range's first. A range that asks for no CQE and no number touches nothing (no load on the
+// path of unsignaled posts).
 template <sharing S>
-__device__ __forceinline__ uint64_t count_cqes(gpuverbs_qp* q, uint32_t cqes) {
+__device__ __forceinline__ void count_cqes(gpuverbs_qp* q, uint32_t cqes, uint64_t* first) {
+    if (cqes == 0 && first == nullptr) return;
     volatile uint64_t* p = reinterpret_cast<volatile uint64_t*>(&q->sq_cqes);
-    const uint64_t first = S == sharing::exclusive ? q->sq_cqes : *p;
+    const uint64_t f = S == sharing::exclusive ? q->sq_cqes : *p;
     if (cqes) {
-        if (S == sharing::exclusive) q->sq_cqes = first + cqes;
-        else *p = first + cqes;
+        if (S == sharing::exclusive) q->sq_cqes = f + cqes;
+        else *p = f + cqes;
     }
-    return first;
+    if (first) *first = f;
 }
 
 // Publishes blocks [start, start+n) after every earlier reservation. The ready counter is
@@ -135,8 +138,7 @@ __device__ __forceinline__ status publish(gpuverbs_qp* q, uint64_t start, uint32
     }
     q->sq_last_start = last_start;
     if (signaled) q->sq_signaled_end = start + n;
-    const uint64_t first = count_cqes<S>(q, cqes_of(signaled, cqes));
-    if (first_cqe) *first_cqe = first;
+    count_cqes<S>(q, cqes_of(signaled, cqes), first_cqe);
     state_store<S>(&q->sq_ready, start + n);
     return OK;
 }
@@ -475,8 +477,7 @@ __device__ __forceinline__ status publish_ring(gpuverbs_qp* q, const gpuverbs_qp
         const uint64_t end = start + n;
         q->sq_last_start = last_start;
         if (signaled) q->sq_signaled_end = end;
-        const uint64_t first = count_cqes<S>(q, cqes_of(signaled, cqes));
-        if (first_cqe) *first_cqe = first;
+        count_cqes<S>(q, cqes_of(signaled, cqes), first_cqe);
         const bool bf = k.db_mode == GPUVERBS_DB_BLUEFLAME;
         if (!do_ring || bf) {
             state_store<S>(&q->sq_ready, end);
