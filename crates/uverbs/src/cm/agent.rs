@@ -574,7 +574,10 @@ impl Cm {
         if id.conn.is_none() {
             return Err(Errno::EINVAL);
         }
-        if event == 9 && transition(id, CmSt::RepSent, CmSt::Established) {
+        // IB_EVENT_COMM_EST (the QP saw the peer's first packet before the RTU): the passive
+        // side takes the connection as made, as the kernel's ib_cm_notify does
+        const IB_EVENT_COMM_EST: u32 = 4;
+        if event == IB_EVENT_COMM_EST && transition(id, CmSt::RepSent, CmSt::Established) {
             id.event(plain_event(abi::event::ESTABLISHED, 0), None);
         }
         Ok(())

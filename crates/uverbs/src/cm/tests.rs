@@ -132,27 +132,28 @@ fn destroy(f: &Arc<CmFile>, id: u32) -> u32 {
     n
 }
 
-#[test]
-fn a_connection_is_made_used_by_the_qp_attributes_and_ended() {
-    let (sf, cf) = (file(), file());
-    let listener = create(&sf, abi::ps::TCP, 0x1111);
-    bind(&sf, listener, [127, 0, 230, 1], 9100).expect("BIND");
+/// A listener on the first file (at `port`) and a client on the second that connects to it, up to the
+/// server's ACCEPT (the REP sent): (listener, client, the server's new id, the server's RTR
+/// attributes).
+fn connect_until_rep(sf: &Arc<CmFile>, cf: &Arc<CmFile>, port: u16) -> (u32, u32, u32, QpAttr) {
+    let listener = create(sf, abi::ps::TCP, 0x1111);
+    bind(sf, listener, [127, 0, 230, 1], port).expect("BIND");
     let l = abi::IdAnd32 {
         id: listener,
         value: 8,
     };
-    write(&sf, cmd::LISTEN, bytemuck::bytes_of(&l), 0).expect("LISTEN");
+    write(sf, cmd::LISTEN, bytemuck::bytes_of(&l), 0).expect("LISTEN");
 
     // the client: resolve the address and route, then connect
-    let client = create(&cf, abi::ps::TCP, 0x2222);
+    let client = create(cf, abi::ps::TCP, 0x2222);
     let mut r: abi::ResolveAddr = bytemuck::Zeroable::zeroed();
     r.id = client;
     // from the second device (without a source, the first: the destination's own)
     r.src_size = 16;
     r.src_addr = sockaddr([127, 0, 230, 2], 0);
     r.dst_size = 16;
-    r.dst_addr = sockaddr([127, 0, 230, 1], 9100);
-    write(&cf, cmd::RESOLVE_ADDR, bytemuck::bytes_of(&r), 0).expect("RESOLVE_ADDR");
+    r.dst_addr = sockaddr([127, 0, 230, 1], port);
+    write(cf, cmd::RESOLVE_ADDR, bytemuck::bytes_of(&r), 0).expect("RESOLVE_ADDR");
     let e = next_event(&cf);
     assert_eq!(
         (e.event, e.uid, e.id),
@@ -162,7 +163,7 @@ fn a_connection_is_made_used_by_the_qp_attributes_and_ended() {
         id: client,
         value: 1000,
     };
-    write(&cf, cmd::RESOLVE_ROUTE, bytemuck::bytes_of(&rr), 0).expect("RESOLVE_ROUTE");
+    write(cf, cmd::RESOLVE_ROUTE, bytemuck::bytes_of(&rr), 0).expect("RESOLVE_ROUTE");
     assert_eq!(next_event(&cf).event, event::ROUTE_RESOLVED);
     let c = abi::Connect {
         conn_param: params(0x1234, b"hello"),
@@ -171,7 +172,7 @@ fn a_connection_is_made_used_by_the_qp_attributes_and_ended() {
         ece_vendor_id: 0,
         ece_attr_mod: 0,
     };
-    write(&cf, cmd::CONNECT, bytemuck::bytes_of(&c), 0).expect("CONNECT");
+    write(cf, cmd::CONNECT, bytemuck::bytes_of(&c), 0).expect("CONNECT");
 
     // the server: a new id with the client's parameters, seen from its side
     let e = next_event(&sf);
@@ -186,7 +187,7 @@ fn a_connection_is_made_used_by_the_qp_attributes_and_ended() {
         "the REQ's private data after the CMA header"
     );
     assert_eq!((p.responder_resources, p.initiator_depth), (2, 4));
-    let rtr = qp_attr(&sf, child, 2);
+    let rtr = qp_attr(sf, child, 2);
     assert_eq!(rtr.dest_qp_num, 0x1234);
     assert_eq!(rtr.ah_attr.dgid[10..], [0xff, 0xff, 127, 0, 230, 2]);
     assert_eq!((rtr.ah_attr.is_global, rtr.path_mtu), (1, 5));
@@ -194,7 +195,15 @@ fn a_connection_is_made_used_by_the_qp_attributes_and_ended() {
     a.uid = 0x3333;
     a.id = child;
     a.conn_param = params(0x5678, b"welcome");
-    write(&sf, cmd::ACCEPT, bytemuck::bytes_of(&a), 0).expect("ACCEPT");
+    write(sf, cmd::ACCEPT, bytemuck::bytes_of(&a), 0).expect("ACCEPT");
+
+    (listener, client, child, rtr)
+}
+
+#[test]
+fn a_connection_is_made_used_by_the_qp_attributes_and_ended() {
+    let (sf, cf) = (file(), file());
+    let (listener, client, child, rtr) = connect_until_rep(&sf, &cf, 9100);
 
     // the client: the REP, then its own transitions and the RTU
     let e = next_event(&cf);
@@ -363,4 +372,41 @@ fn a_request_nobody_listens_for_is_rejected() {
     );
     destroy(&f, id);
     destroy(&g, l);
+}
+
+/// NOTIFY with IB_EVENT_COMM_EST (4) on the passive side after its REP: the connection is made
+/// without waiting for the RTU (ESTABLISHED once; the RTU that comes later changes nothing);
+/// any other event number leaves it waiting.
+#[test]
+fn comm_est_notified_before_the_rtu_establishes_the_connection() {
+    let (sf, cf) = (file(), file());
+    let (listener, client, child, _) = connect_until_rep(&sf, &cf, 9101);
+    assert_eq!(next_event(&cf).event, event::CONNECT_RESPONSE);
+    let notify = |value: u32| {
+        let n = abi::IdAnd32 { id: child, value };
+        write(&sf, cmd::NOTIFY, bytemuck::bytes_of(&n), 0).expect("NOTIFY");
+    };
+    // IBV_EVENT_PORT_ACTIVE (9): not a connection event
+    notify(9);
+    let mut e: EventResp = bytemuck::Zeroable::zeroed();
+    let p = ptr(&mut e);
+    assert!(
+        matches!(write(&sf, cmd::GET_EVENT, &p.to_ne_bytes(), 336), Err(Errno::EAGAIN)),
+        "an event for IBV_EVENT_PORT_ACTIVE"
+    );
+    notify(4);
+    let e = next_event(&sf);
+    assert_eq!((e.event, e.id), (event::ESTABLISHED, child));
+    let mut a: abi::Accept = bytemuck::Zeroable::zeroed();
+    a.id = client;
+    write(&cf, cmd::ACCEPT, bytemuck::bytes_of(&a), 0).expect("ACCEPT (RTU)");
+    write(&cf, cmd::DISCONNECT, &client.to_ne_bytes(), 0).expect("DISCONNECT");
+    assert_eq!(
+        next_event(&sf).event,
+        event::DISCONNECTED,
+        "no second ESTABLISHED for the RTU"
+    );
+    destroy(&cf, client);
+    destroy(&sf, child);
+    destroy(&sf, listener);
 }
