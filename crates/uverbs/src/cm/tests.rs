@@ -154,7 +154,7 @@ fn connect_until_rep(sf: &Arc<CmFile>, cf: &Arc<CmFile>, port: u16) -> (u32, u32
     r.dst_size = 16;
     r.dst_addr = sockaddr([127, 0, 230, 1], port);
     write(cf, cmd::RESOLVE_ADDR, bytemuck::bytes_of(&r), 0).expect("RESOLVE_ADDR");
-    let e = next_event(&cf);
+    let e = next_event(cf);
     assert_eq!(
         (e.event, e.uid, e.id),
         (event::ADDR_RESOLVED, 0x2222, client)
@@ -164,7 +164,7 @@ fn connect_until_rep(sf: &Arc<CmFile>, cf: &Arc<CmFile>, port: u16) -> (u32, u32
         value: 1000,
     };
     write(cf, cmd::RESOLVE_ROUTE, bytemuck::bytes_of(&rr), 0).expect("RESOLVE_ROUTE");
-    assert_eq!(next_event(&cf).event, event::ROUTE_RESOLVED);
+    assert_eq!(next_event(cf).event, event::ROUTE_RESOLVED);
     let c = abi::Connect {
         conn_param: params(0x1234, b"hello"),
         id: client,
@@ -175,7 +175,7 @@ fn connect_until_rep(sf: &Arc<CmFile>, cf: &Arc<CmFile>, port: u16) -> (u32, u32
     write(cf, cmd::CONNECT, bytemuck::bytes_of(&c), 0).expect("CONNECT");
 
     // the server: a new id with the client's parameters, seen from its side
-    let e = next_event(&sf);
+    let e = next_event(sf);
     assert_eq!((e.event, e.uid), (event::CONNECT_REQUEST, 0x1111));
     let child = e.id;
     assert_ne!(child, listener);
@@ -391,7 +391,10 @@ fn comm_est_notified_before_the_rtu_establishes_the_connection() {
     let mut e: EventResp = bytemuck::Zeroable::zeroed();
     let p = ptr(&mut e);
     assert!(
-        matches!(write(&sf, cmd::GET_EVENT, &p.to_ne_bytes(), 336), Err(Errno::EAGAIN)),
+        matches!(
+            write(&sf, cmd::GET_EVENT, &p.to_ne_bytes(), 336),
+            Err(Errno::EAGAIN)
+        ),
         "an event for IBV_EVENT_PORT_ACTIVE"
     );
     notify(4);
