@@ -326,7 +326,7 @@ def case_queries():
     check(out.status == 0, f'QUERY_HCA_CAP status {out.status}')
     cap = out.capability
     for field, want in [('port_type', 1), ('rc', 1), ('uc', 0), ('xrc', 1), ('dct', 1),
-                        ('cqe_version', 1), ('log_max_qp_sz', 15), ('atomic', 1),
+                        ('cqe_version', 1), ('log_max_qp_sz', 15), ('atomic', 1), ('cd', 1),
                         ('roce', 1), ('cq_oi', 1), ('log_bf_reg_size', 9), ('num_ports', 1),
                         ('log_max_msg', 30), ('max_wqe_sz_sq', 1024), ('hca_cap_2', 1),
                         ('num_lag_ports', 0), ('qos', 0), ('crypto', 0),

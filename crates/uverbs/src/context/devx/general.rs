@@ -111,6 +111,9 @@ fn query_hca_cap(input: &[u8]) -> Fw {
                 (g::CQ_RESIZE, 1),
                 // no multicast at all, so a QP's own multicast is never looped back to it
                 (g::BLOCK_LB_MC, 1),
+                // cross-channel masters (cd_master: WAIT on any CQ; DPDK's send scheduling
+                // checks this bit); the slave bits are refused at CREATE_QP
+                (g::CD, 1),
                 (g::RC, 1),
                 // DC initiators and targets (CREATE_DCT, DCI QPs; docs/softnic.md)
                 (g::DCT, 1),
