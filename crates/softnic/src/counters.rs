@@ -71,6 +71,7 @@ pub struct Counters {
     pub(crate) bf_run: AtomicU64,
     pub(crate) devmem_errors: AtomicU64,
     pub(crate) carried_turns: AtomicU64,
+    pub(crate) carry_calls: AtomicU64,
     pub(crate) ud_qkey_drops: AtomicU64,
     pub(crate) ud_no_recv_drops: AtomicU64,
     pub(crate) ud_unready_drops: AtomicU64,
@@ -97,6 +98,7 @@ impl Default for Counters {
             bf_run: AtomicU64::new(0),
             devmem_errors: AtomicU64::new(0),
             carried_turns: AtomicU64::new(0),
+            carry_calls: AtomicU64::new(0),
             ud_qkey_drops: AtomicU64::new(0),
             ud_no_recv_drops: AtomicU64::new(0),
             ud_unready_drops: AtomicU64::new(0),
@@ -141,6 +143,7 @@ impl Counters {
             bf_run: self.bf_run.load(Relaxed),
             device_memory_errors: self.devmem_errors.load(Relaxed),
             carried_turns: self.carried_turns.load(Relaxed),
+            carry_calls: self.carry_calls.load(Relaxed),
             ud_qkey_drops: self.ud_qkey_drops.load(Relaxed),
             ud_no_recv_drops: self.ud_no_recv_drops.load(Relaxed),
             ud_unready_drops: self.ud_unready_drops.load(Relaxed),
@@ -185,6 +188,9 @@ pub struct CounterSnapshot {
     pub device_memory_errors: u64,
     /// Turns of a program's thread ([`crate::Device::progress`]) that found work.
     pub carried_turns: u64,
+    /// Turns a program's thread offered ([`crate::Device::progress`] calls), whether or not
+    /// they found work: the device's own threads may have taken everything first.
+    pub carry_calls: u64,
     /// UD datagrams dropped at a receiving QP for a Q_Key that is not its own.
     pub ud_qkey_drops: u64,
     /// UD datagrams dropped because the receiving QP had no receive WQE posted (UD has no

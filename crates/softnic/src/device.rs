@@ -220,6 +220,7 @@ impl Device {
     /// an empty poll that calls this carries the device itself. Returns whether anything was
     /// done; the device's threads keep running either way.
     pub fn progress(&self) -> bool {
+        Counters::add(&self.shared.counters.carry_calls, 1);
         self.shared.carry();
         let sent = crate::engine::turn(&self.shared);
         let received = crate::wire::transport::poll_inline(&self.shared);
