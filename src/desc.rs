@@ -84,7 +84,7 @@ descriptor! {
         scq_ncqe: u32,
         /// Receive CQ entries.
         rcq_ncqe: u32,
-        /// Doorbell mode: 0 GPU doorbell, 1 BlueFlame, 2 CPU proxy.
+        /// Doorbell mode: 0 GPU doorbell, 1 BlueFlame, 2 CPU proxy, 3 no DBR (DBR-less register).
         db_mode: u32,
         /// Where rings and doorbells live: 0 host memory (system-scope ordering), 1 GPU memory.
         ring_loc: u32,
@@ -152,7 +152,7 @@ descriptor! {
 
 /// Bumped by hand when a field keeps its place but changes its meaning; any change of the
 /// layout changes [`DESC_VERSION`] by itself.
-const DESC_REVISION: u32 = 1;
+const DESC_REVISION: u32 = 2;
 
 /// The descriptor's version: a hash (FNV-1a) of [`DESC_REVISION`] and every field's name, C
 /// type and offset, so headers and a library of different layouts never agree on it. The
@@ -201,6 +201,9 @@ pub mod db_mode {
     pub const BLUEFLAME: u32 = DoorbellMode::BlueFlame.code();
     /// Producer word for a host proxy thread.
     pub const CPU_PROXY: u32 = DoorbellMode::CpuProxy.code();
+    /// No send doorbell record: an 8-byte doorbell carrying the producer index at the
+    /// DBR-less register (UAR + `prm::doorbell::DBR_LESS_OFFSET`).
+    pub const NO_DBR: u32 = DoorbellMode::NoDbr.code();
 }
 
 /// The committed C header's path, relative to the workspace root.
@@ -238,6 +241,7 @@ pub fn c_header() -> String {
         ("GPU_DOORBELL", db_mode::GPU_DOORBELL),
         ("BLUEFLAME", db_mode::BLUEFLAME),
         ("CPU_PROXY", db_mode::CPU_PROXY),
+        ("NO_DBR", db_mode::NO_DBR),
     ] {
         s.push_str(&format!("#define GPUVERBS_DB_{n} {v}u\n"));
     }
@@ -274,7 +278,8 @@ mod tests {
         );
     }
 
-    const PINNED: u32 = 0x5d43_6f23;
+    // revision 2: db_mode 3, no DBR
+    const PINNED: u32 = 0x2a02_3244;
 
     #[test]
     fn fields_are_naturally_aligned_and_in_order() {

@@ -5,7 +5,7 @@
 //! backends.
 
 pub use prm::cqe::RespKind;
-pub use prm::doorbell::BF_OFFSET;
+pub use prm::doorbell::{BF_OFFSET, DBR_LESS_OFFSET};
 pub use prm::wqe::{AtomicSize, DatagramSeg as AddressVector};
 pub use prm::{Completion, CtrlFlags, ErrorCqe, Fence, Lkey, Local, Op, RemoteAddr, Rkey, Sge};
 pub use prm::{Opcode, Syndrome};

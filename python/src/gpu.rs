@@ -86,6 +86,7 @@ pub(crate) fn mode_name(m: DoorbellMode) -> &'static str {
         DoorbellMode::GpuDoorbell => "gpu_doorbell",
         DoorbellMode::BlueFlame => "blueflame",
         DoorbellMode::CpuProxy => "cpu_proxy",
+        DoorbellMode::NoDbr => "no_dbr",
     }
 }
 
@@ -95,9 +96,10 @@ pub(crate) fn parse_mode(s: &str) -> PyResult<DoorbellMode> {
         "gpu_doorbell" => DoorbellMode::GpuDoorbell,
         "blueflame" => DoorbellMode::BlueFlame,
         "cpu_proxy" => DoorbellMode::CpuProxy,
+        "no_dbr" => DoorbellMode::NoDbr,
         _ => {
             return Err(errors::InvalidArgument::new_err(format!(
-                "doorbell {s:?}: one of auto, gpu_doorbell, blueflame, cpu_proxy"
+                "doorbell {s:?}: one of auto, gpu_doorbell, blueflame, cpu_proxy, no_dbr"
             )))
         }
     })

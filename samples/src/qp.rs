@@ -69,6 +69,7 @@ pub fn doorbell_name(m: DoorbellMode) -> &'static str {
         DoorbellMode::GpuDoorbell => "gpu-doorbell",
         DoorbellMode::BlueFlame => "blueflame",
         DoorbellMode::CpuProxy => "cpu-proxy",
+        DoorbellMode::NoDbr => "no-dbr",
     }
 }
 

@@ -210,11 +210,20 @@ impl Qp {
     /// not take (drive such a QP from a kernel). The initiator holds the QP until it is
     /// dropped; it starts where the queue is: the producer index last rung, the SQ space the
     /// device has not executed yet, the CQ consumer indexes (and owner parity) in the CQ
-    /// doorbell records.
+    /// doorbell records. A [`verbs::DoorbellMode::NoDbr`] QP is refused
+    /// (`Error::Unsupported`): the CPU initiator writes the send doorbell record, which such a
+    /// QP never has written (drive it from a kernel).
     pub fn try_cpu_initiator(
         &self,
         mode: verbs::initiator::RingMode,
     ) -> Result<verbs::initiator::Initiator, Error> {
+        if self.doorbell == verbs::DoorbellMode::NoDbr {
+            return Err(Error::Unsupported(format!(
+                "QP {:#x} is rung without a send doorbell record (DoorbellMode::NoDbr); the CPU \
+                 initiator writes that record: drive the QP from a kernel",
+                self.qpn()
+            )));
+        }
         let claim = self.posters.claim(Poster::CpuInitiator)?;
         let (g, scq, rcq) = (
             self.geometry(),

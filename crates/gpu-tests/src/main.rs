@@ -40,7 +40,7 @@ mod dataplane;
 mod devmem;
 
 use dataplane::{Mem, PutArgs, PutCase, RecvCase};
-use gpuverbs::DoorbellMode::{BlueFlame, CpuProxy, GpuDoorbell};
+use gpuverbs::DoorbellMode::{BlueFlame, CpuProxy, GpuDoorbell, NoDbr};
 use gpuverbs::RingPlacement::{self, Gpu as GpuRings, HostMapped};
 
 macro_rules! put_cases {
@@ -268,6 +268,22 @@ fn ring_multi_gpuall_4_mixed(ctx: &Ctx) -> Result<String> {
     dataplane::ring_multi(ctx.ordinal, &modes, Mem::Gpu, GpuRings)
 }
 
+// no-DBR QPs (a ConnectX-8's send_dbr_mode NO_DBR_EXT): their rings on the GPU (an rdma-core
+// provider QP cannot be no-DBR), alone and in a ring_multi beside the other modes
+fn put_nodbr_gpurings_thread(ctx: &Ctx) -> Result<String> {
+    dataplane::put_no_dbr(ctx.ordinal, GpuRings, 0, 0)
+}
+fn put_nodbr_gpurings_warp_partial(ctx: &Ctx) -> Result<String> {
+    dataplane::put_no_dbr(ctx.ordinal, GpuRings, 1, 3)
+}
+fn put_nodbr_gpurings_block(ctx: &Ctx) -> Result<String> {
+    dataplane::put_no_dbr(ctx.ordinal, GpuRings, 2, 0)
+}
+fn ring_multi_gpuall_4_nodbr_mixed(ctx: &Ctx) -> Result<String> {
+    let modes = [NoDbr, GpuDoorbell, NoDbr, CpuProxy];
+    dataplane::ring_multi(ctx.ordinal, &modes, Mem::Gpu, GpuRings)
+}
+
 fn counter_error(ctx: &Ctx) -> Result<String> {
     dataplane::counter_error(ctx.ordinal)
 }
@@ -457,6 +473,10 @@ const CASES: &[Case] = cases![
     ring_multi_2_proxy,
     ring_multi_4_mixed,
     ring_multi_gpuall_4_mixed,
+    put_nodbr_gpurings_thread,
+    put_nodbr_gpurings_warp_partial,
+    put_nodbr_gpurings_block,
+    ring_multi_gpuall_4_nodbr_mixed,
     waits_warp_gpudb,
     waits_warp_partial_bf,
     waits_block_partial_proxy,

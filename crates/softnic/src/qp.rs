@@ -39,7 +39,8 @@ pub struct QpConfig {
     /// Largest inline payload accepted.
     pub max_inline: u32,
     /// How producers ring: only [`DoorbellMode::BlueFlame`] makes the register take whole
-    /// WQEs; every other mode rings with 8-byte doorbells.
+    /// WQEs; every other mode rings with 8-byte doorbells. [`DoorbellMode::NoDbr`] puts the
+    /// register of a private UAR page (`uar` `None`) at `prm::doorbell::DBR_LESS_OFFSET`.
     pub doorbell: DoorbellMode,
     /// SQ ring memory; allocated in host memory when `None`.
     pub sq_ring: Option<DmaBuf>,
@@ -339,7 +340,14 @@ impl Qp {
             return Err(Error::InvalidArgument("doorbell record must be 8 bytes"));
         }
         let (uar, bf_off, shared_uar, halves) = match cfg.uar {
-            None => (Arc::new(DmaBuf::alloc(UAR_PAGE_SIZE)), BF_OFFSET, false, 2),
+            // a private page: its BlueFlame register, or (no-DBR) its DBR-less register
+            None => {
+                let off = match cfg.doorbell {
+                    DoorbellMode::NoDbr => DBR_LESS_OFFSET,
+                    _ => BF_OFFSET,
+                };
+                (Arc::new(DmaBuf::alloc(UAR_PAGE_SIZE)), off, false, 2)
+            }
             Some(r) => {
                 let halves = 2 * r.registers;
                 if !r.page.is_host()

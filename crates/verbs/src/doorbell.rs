@@ -18,6 +18,11 @@ pub enum DoorbellMode {
     /// A kernel publishes its producer index in host memory (the CPU-proxy word); a host
     /// thread rings 8-byte doorbells for it.
     CpuProxy,
+    /// No send doorbell record (a ConnectX-8's `send_dbr_mode` 1, NO_DBR_EXT; DOCA GPUNetIO's
+    /// `NIC_HANDLER_GPU_SM_NO_DBR`): the producer writes only an 8-byte doorbell, carrying its
+    /// producer index, to the page's DBR-less register (`prm::doorbell::DBR_LESS_OFFSET`); the
+    /// device never reads the record's send word, and nobody writes it.
+    NoDbr,
 }
 
 impl DoorbellMode {
@@ -28,6 +33,7 @@ impl DoorbellMode {
             Self::Auto | Self::GpuDoorbell => 0,
             Self::BlueFlame => 1,
             Self::CpuProxy => 2,
+            Self::NoDbr => 3,
         }
     }
 

@@ -198,14 +198,22 @@ __device__ __forceinline__ void give_rung(gpuverbs_qp* q, uint64_t rung) {
 // every QP's record before any QP's register.
 
 // The send word of the doorbell record gets the producer index (GPU doorbell and BlueFlame
-// modes; nothing in CPU-proxy mode, whose host thread writes the record itself).
+// modes; nothing in CPU-proxy mode, whose host thread writes the record itself, nor in no-DBR
+// mode: a QP made with send_dbr_mode NO_DBR_EXT has no send doorbell record, its device takes
+// the producer index from the doorbell value alone, as GPUNetIO's
+// doca_gpu_dev_verbs_submit_db_no_dbr does).
+__device__ __forceinline__ bool has_record(uint32_t mode) {
+    return mode != GPUVERBS_DB_CPU_PROXY && mode != GPUVERBS_DB_NO_DBR;
+}
+
 __device__ __forceinline__ void doorbell_record(const gpuverbs_qp& k, uint64_t pi) {
-    if (k.db_mode == GPUVERBS_DB_CPU_PROXY) return;
+    if (!has_record(k.db_mode)) return;
     st_relaxed_sys32(reinterpret_cast<uint32_t*>(k.dbrec) + 1, bswap32((uint32_t)(pi & 0xffff)));
 }
 
-// The doorbell proper: the register store (GPU doorbell), the BlueFlame copy, or the CPU-proxy
-// producer word.
+// The doorbell proper: the register store (GPU doorbell; no DBR, where `db_reg` is the
+// page's DBR-less register, UAR + 0x600, and the value's producer index is all the device
+// gets), the BlueFlame copy, or the CPU-proxy producer word.
 __device__ __forceinline__ void doorbell_register(gpuverbs_qp* q, const gpuverbs_qp& k,
                                                   uint64_t pi, uint64_t at, const block* last) {
     if (k.db_mode == GPUVERBS_DB_CPU_PROXY) {
@@ -333,7 +341,11 @@ constexpr uint32_t RING_MULTI_MAX = 8;
 //      doorbell, the larger of value and record). So when any doorbell of this call arrives, every
 //      record of this call must already be readable: all records, one fence, all doorbells. Same
 //      scope as step 2 (the records are in host memory either way; GPUNetIO makes this second
-//      fence at most GPU scope). Skipped when every QP to ring is in CPU-proxy mode.
+//      fence at most GPU scope). Skipped when every QP to ring is in CPU-proxy or no-DBR
+//      mode. A no-DBR QP (send_dbr_mode NO_DBR_EXT) has no record to write (step 3 skips it)
+//      and no recovery path reading one: its device takes the producer from the doorbell
+//      value, so for it the DB -> DBR -> fence -> DB sequence degenerates to one doorbell
+//      after step 2's fence.
 //   5. per QP: the doorbell in its mode, as `doorbell_register`: the 8-byte register store, the
 //      BlueFlame copy (with its own seqlock fence per QP), or for a CPU-proxy QP the producer
 //      word. A CPU-proxy QP has no record from the GPU (step 3 skips it): its host thread sees
@@ -361,7 +373,8 @@ __device__ __forceinline__ status ring_multi(gpuverbs_qp* const* qps, uint32_t n
     uint32_t taken = 0;  // bit i: QP i's doorbell is held
     uint32_t due = 0;    // bit i: QP i has published WQEs past its last ring
     bool sys = false;    // step 2's and step 4's scope
-    bool records = false;  // some QP to ring has a doorbell record to write (not CPU proxy)
+    bool records = false;  // some QP to ring has a doorbell record to write (not CPU proxy,
+                           // not no DBR)
     status first = OK;
     // 1. checks, doorbells taken, published ends read
     for (uint32_t i = 0; i < n; ++i) {
@@ -378,7 +391,7 @@ __device__ __forceinline__ status ring_multi(gpuverbs_qp* const* qps, uint32_t n
             if (ready[i] > rung[i]) {
                 due |= 1u << i;
                 sys |= loc == 0 || mode == GPUVERBS_DB_BLUEFLAME;
-                records |= mode != GPUVERBS_DB_CPU_PROXY;
+                records |= has_record(mode);
             }
         }
         if (each) each[i] = s;

@@ -565,6 +565,7 @@ fn db_name(m: DoorbellMode) -> &'static str {
         DoorbellMode::GpuDoorbell | DoorbellMode::Auto => "gpu",
         DoorbellMode::BlueFlame => "bf",
         DoorbellMode::CpuProxy => "proxy",
+        DoorbellMode::NoDbr => "nodbr",
     }
 }
 

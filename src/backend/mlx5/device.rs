@@ -390,6 +390,45 @@ impl Device {
     }
 }
 
+impl Device {
+    /// Whether the device makes QPs without a send doorbell record: QUERY_HCA_CAP of
+    /// `cmd_hca_cap_2` (current values), its `send_dbr_mode_no_dbr_ext` bit (a ConnectX-8 sets
+    /// it). A device that cannot answer the query (no cap2, no DEVX) has none.
+    pub(crate) fn no_dbr_ext(&self) -> bool {
+        use prm::cmd::{self, cap, hca_cap_2, op};
+        let Some(general) = self.libs.dv.mlx5dv_devx_general_cmd else {
+            return false;
+        };
+        let mut input = [0u8; 16];
+        cmd::set(
+            &mut input,
+            cmd::cmd_in::OPCODE,
+            u64::from(op::QUERY_HCA_CAP),
+        );
+        cmd::set(
+            &mut input,
+            cmd::cmd_in::OP_MOD,
+            u64::from(cap::GENERAL_2 << 1 | cap::CURRENT),
+        );
+        let mut out = vec![0u8; cmd::QUERY_HCA_CAP_OUT];
+        // SAFETY: a live context; in and out are buffers of the lengths given.
+        let rc = unsafe {
+            general(
+                self.ctx,
+                input.as_ptr().cast(),
+                input.len(),
+                out.as_mut_ptr().cast(),
+                out.len(),
+            )
+        };
+        rc == 0
+            && cmd::get(
+                &out,
+                hca_cap_2::SEND_DBR_MODE_NO_DBR_EXT.at(cmd::HCA_CAP_AT),
+            ) == 1
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -237,6 +237,9 @@ pub(crate) struct QpRings<'a> {
     pub dci: bool,
     /// Cross-channel master (`cd_master`): may post WAIT on other QPs' CQs.
     pub cd_master: bool,
+    /// No send doorbell record (`send_dbr_mode` 1, NO_DBR_EXT): the QP is rung at its page's
+    /// DBR-less register (`prm::doorbell::DBR_LESS_OFFSET`).
+    pub no_dbr: bool,
 }
 
 impl Pd {
@@ -310,6 +313,11 @@ impl Pd {
             Some(u) => (u.page_id, u.reg),
             None => (nc_page, nc_reg),
         };
+        // no-DBR: the DBR-less register of the same page (`reg` is page + BF_OFFSET)
+        let reg = match r.no_dbr {
+            true => reg.wrapping_sub(prm::doorbell::BF_OFFSET - prm::doorbell::DBR_LESS_OFFSET),
+            false => reg,
+        };
         let made = (|| {
             let wq_umem = dev.umem(r.wq.addr(), r.wq.len(), r.dmabuf)?;
             let dbr_umem = dev.umem(r.dbrec.addr(), r.dbrec.len(), None)?;
@@ -339,6 +347,7 @@ impl Pd {
                 (q(qpc::CQN_SND), scqn.into()),
                 (q(qpc::CQN_RCV), rcqn.into()),
                 (q(qpc::CD_MASTER), u64::from(r.cd_master)),
+                (q(cmd::qpc_ext::SEND_DBR_MODE), u64::from(r.no_dbr)),
                 (q(qpc::DBR_UMEM_VALID), 1),
                 (q(qpc::DBR_UMEM_ID), dbr_umem.id.into()),
                 (create_qp_in::WQ_UMEM_VALID, 1),
@@ -358,8 +367,9 @@ impl Pd {
             }
         };
         let what = format!(
-            "CREATE_QP {}, SQ {} blocks, RQ {} x {} B",
+            "CREATE_QP {}{}, SQ {} blocks, RQ {} x {} B",
             if r.dci { "DCI" } else { "RC" },
+            if r.no_dbr { " (no DBR)" } else { "" },
             r.sq_blocks,
             r.rq_wqes,
             r.rq_stride

@@ -308,8 +308,17 @@ impl Pd {
         wq: DmaBuf,
         dmabuf: Option<Result<(std::os::fd::OwnedFd, u64), String>>,
         rec: DmaBuf,
-        (bf, dci, cd_master): (bool, bool, bool),
+        (doorbell, dci, cd_master): (verbs::DoorbellMode, bool, bool),
     ) -> Result<Arc<Qp>, Error> {
+        let no_dbr = doorbell == verbs::DoorbellMode::NoDbr;
+        if no_dbr && !self.dev.no_dbr_ext() {
+            return Err(Error::Unsupported(format!(
+                "{}: a QP without a send doorbell record (DoorbellMode::NoDbr): the device's \
+                 QUERY_HCA_CAP cap2 does not report send_dbr_mode_no_dbr_ext (a ConnectX-8 \
+                 does)",
+                self.dev.name
+            )));
+        }
         let rq_bytes = (rq_wqes * rq_stride) as usize;
         let sq_bytes = sq_blocks as usize * prm::WQEBB;
         if wq.len() < rq_bytes + sq_bytes || sq_blocks == 0 {
@@ -327,7 +336,9 @@ impl Pd {
             dbrec: &rec,
             dci,
             cd_master,
+            no_dbr,
         };
+        let bf = doorbell.is_blueflame();
         let (obj, qpn, reg) = self.devx_qp_object(scq.cqn, rcq.cqn, rings, bf)?;
         // SAFETY (both views): parts of `wq`, which this QP keeps (its `_wq` field, dropped
         // after the views).

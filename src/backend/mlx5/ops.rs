@@ -183,8 +183,22 @@ impl Mlx5Pd {
             wq,
             dmabuf,
             rec,
-            (spec.doorbell.is_blueflame(), dci, spec.cross_channel),
+            (spec.doorbell, dci, spec.cross_channel),
         )
+    }
+}
+
+/// A provider (rdma-core verbs) QP has no no-DBR mode: `mlx5dv_create_qp` cannot ask for
+/// `send_dbr_mode`, so a [`DoorbellMode::NoDbr`] QP must be made with DEVX.
+fn refuse_provider_no_dbr(spec: &QpSpec<'_>) -> Result<(), Error> {
+    match spec.doorbell {
+        DoorbellMode::NoDbr => Err(Error::Unsupported(
+            "DoorbellMode::NoDbr on a QP the provider would make (rdma-core's verbs path has \
+             no send_dbr_mode): give it rings on a GPU (Pd::create_qp_on), DEVX CQs, or set \
+             GPUVERBS_MLX5_DEVX=1"
+                .into(),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -255,6 +269,7 @@ impl PdOps for Mlx5Pd {
         let q = if devx || devx_always() {
             self.devx_qp(spec, (&scq, &rcq), false)?
         } else {
+            refuse_provider_no_dbr(spec)?;
             self.provider_qp(spec, &scq, &rcq)?
         };
         Ok(Arc::new(Mlx5Qp(q)))
@@ -277,6 +292,7 @@ impl PdOps for Mlx5Pd {
             let q = self.devx_qp(spec, (&cq.0, &cq.0), true)?;
             return Ok(Arc::new(Mlx5Qp(q)));
         }
+        refuse_provider_no_dbr(spec)?;
         let wqe_blocks = (32 + 48 + (4 + spec.max_inline as usize).next_multiple_of(16))
             .div_ceil(prm::WQEBB)
             .max(1) as u32;

@@ -16,7 +16,7 @@ pub use nic_counter::{gpunetio_counter, nic_counter_error, nic_counters};
 pub use ops::{
     bad_rkey, dropped_doorbell_timeout, ops, recover_after_error, recover_in_place, wait_signal,
 };
-pub use put::{collapsed_cq, put_case, PutArgs, PutCase};
+pub use put::{collapsed_cq, put_case, put_no_dbr, PutArgs, PutCase};
 pub use recv::{recv, RecvCase};
 pub use sharing::{exclusive_wrap, poster_handover, private_qps, ring_multi};
 pub use status::status_paths;

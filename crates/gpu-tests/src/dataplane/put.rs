@@ -158,6 +158,54 @@ pub fn put_case(ordinal: usize, c: &PutCase) -> Result<String> {
     Ok(format!("{r}; {} doorbells", dev.doorbells_seen))
 }
 
+/// A no-DBR QP (`DoorbellMode::NoDbr`: rung at UAR + 0x600 with the producer index in the
+/// doorbell value, as a ConnectX-8's `send_dbr_mode` NO_DBR_EXT): a kernel's puts land, and
+/// on the soft NIC the QP's doorbell record's send word is still 0 afterwards (the device API
+/// never stored it; on a ConnectX the record is GPU memory the host does not read here). Its
+/// rings on the GPU (`rings`): an rdma-core provider QP (host rings, provider CQs) cannot be
+/// no-DBR.
+pub fn put_no_dbr(ordinal: usize, rings: RingPlacement, scope: u32, skip: u32) -> Result<String> {
+    let a = PutArgs {
+        grid: 4,
+        block: 64,
+        scope,
+        skip_mod: skip,
+        size: 64,
+        iters: 8,
+        signal_every: 4,
+        budget_ns: BUDGET_NS,
+    };
+    let spec = PairSpec {
+        mode: DoorbellMode::NoDbr,
+        bytes: (a.grid * a.block * a.iters * a.size) as usize,
+        sq_blocks: 256,
+        mem: Mem::Host,
+        rings,
+    };
+    let p = Pair::with(ordinal, spec)?;
+    ensure!(
+        p.qa.doorbell().0 == DoorbellMode::NoDbr,
+        "mode {:?}",
+        p.qa.doorbell()
+    );
+    let r = run_put(&p, &a)?;
+    let Some(s) = p.qa.soft() else {
+        return Ok(format!("{r}; no DBR (record in GPU memory, not read)"));
+    };
+    ensure!(
+        s.bf_offset() == gpuverbs::post::DBR_LESS_OFFSET,
+        "register at {:#x}",
+        s.bf_offset()
+    );
+    let mut rec = [0u8; 8];
+    s.dbrec_page().read(s.dbrec_offset(), &mut rec);
+    ensure!(
+        rec[4..] == [0u8; 4],
+        "the send doorbell record was written: {rec:?}"
+    );
+    Ok(format!("{r}; no DBR, send record still 0"))
+}
+
 /// A collapsed send CQ (every CQE in slot 0): the device API takes slot 0 whenever its last word
 /// changes and retires up to the WQE it names; puts, quiet and the bytes all check out.
 pub fn collapsed_cq(ordinal: usize) -> Result<String> {
