@@ -166,8 +166,17 @@ impl ProxyTarget {
     /// with the doorbell record, else the record's 16 bits), so it continues after an earlier
     /// poster. [`crate::Error::PosterBusy`] while a CPU initiator or another proxy target
     /// holds the QP; a GPU export may hold it too (the kernel writes the WQEs, the proxy rings
-    /// for it).
+    /// for it). [`crate::Error::Unsupported`] for a [`verbs::DoorbellMode::NoDbr`] QP (the
+    /// proxy writes the send doorbell record such a QP never has written).
     pub fn for_qp(qp: &crate::Qp) -> Result<Self, crate::Error> {
+        if qp.doorbell().0 == verbs::DoorbellMode::NoDbr {
+            // the proxy writes the send doorbell record, which a no-DBR QP never has written
+            return Err(crate::Error::Unsupported(format!(
+                "QP {:#x} is rung without a send doorbell record (DoorbellMode::NoDbr); the \
+                 CPU proxy writes that record (create the QP with DoorbellMode::CpuProxy)",
+                qp.qpn()
+            )));
+        }
         let g = qp.geometry();
         let word = g.proxy_word.as_ref().ok_or_else(|| {
             crate::Error::InvalidArgument(format!("QP {:#x} has no CPU-proxy word", g.qpn))

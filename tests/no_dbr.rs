@@ -59,6 +59,12 @@ fn a_no_dbr_qp_is_made_and_reported_or_refused_by_the_provider() {
         Err(e) => panic!("the CPU initiator on a no-DBR QP: {e}"),
         Ok(_) => panic!("the CPU initiator on a no-DBR QP was made"),
     }
+    // so does the CPU proxy (it writes the record too)
+    match gpuverbs::proxy::ProxyTarget::for_qp(&qp) {
+        Err(Error::Unsupported(m)) => assert!(m.contains("doorbell record"), "{m}"),
+        Err(e) => panic!("a CPU-proxy target of a no-DBR QP: {e}"),
+        Ok(_) => panic!("a CPU-proxy target of a no-DBR QP was made"),
+    }
     // it connects as any QP
     let pd_b = peer.alloc_pd();
     let cq_b = peer.create_cq(CqOptions::default()).unwrap();
