@@ -86,9 +86,9 @@ pair() {
 # Loopback: -I (inline WQEs from the kernels), -D (a run of a duration; the bandwidth tests with
 # every scope, the latency tests' duration rows).
 loop put_bw_inline put_bw -s 64 -n 2000 -I 64
-loop put_bw_inline_shared put_bw -s 200 -n 4096 -I 256 --threads 32
+loop put_bw_inline_shared put_bw -s 200 -n 4096 -I 256 --threads 32 --scope thread
 loop put_bw_duration put_bw -s 4096 -D 1
-loop put_bw_duration_shared put_bw -s 4096 -D 1 -q 2 --ctas 4 --threads 64
+loop put_bw_duration_shared put_bw -s 4096 -D 1 -q 2 --ctas 4 --threads 64 --scope thread
 loop put_bw_duration_warp put_bw -s 4096 -D 1 --threads 64 --scope warp
 loop put_bw_duration_block put_bw -s 4096 -D 1 --threads 128 --scope block
 loop send_bw_inline send_bw -s 128 -n 2000 -I 128

@@ -138,7 +138,7 @@ if [ -n "$samples" ]; then
     # the examples' shapes: put_bw 512 messages per size from one thread, write_lat a ping-pong
     echo "gpuverbs on the same emulated devices:"
     for size in 8 4096 65536; do
-        gv "put_bw_$size" put_bw -s "$size" -n 512
+        gv "put_bw_$size" put_bw -s "$size" -n 512 --scope thread
         gv "write_lat_$size" write_lat -s "$size" -n 256
     done
 fi

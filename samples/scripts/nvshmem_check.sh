@@ -117,9 +117,9 @@ if [ "$mode" = bench ] && [ -n "$samples" ]; then
     echo "gpuverbs on the same emulated devices:"
     for size in 8 4096; do
         # payloads in GPU memory registered through dma-bufs, as NVSHMEM's symmetric heap is
-        gv "put_bw_${size}_1x1" put_bw -s "$size" -n 2000 --ctas 1 --threads 1 --mem gpu --use_cuda_dmabuf
-        gv "put_bw_${size}_1x32" put_bw -s "$size" -n 6400 --ctas 1 --threads 32 --mem gpu --use_cuda_dmabuf
-        gv "put_bw_${size}_8x32" put_bw -s "$size" -n 12800 --ctas 8 --threads 32 --mem gpu --use_cuda_dmabuf
+        gv "put_bw_${size}_1x1" put_bw -s "$size" -n 2000 --ctas 1 --threads 1 --scope thread --mem gpu --use_cuda_dmabuf
+        gv "put_bw_${size}_1x32" put_bw -s "$size" -n 6400 --ctas 1 --threads 32 --scope thread --mem gpu --use_cuda_dmabuf
+        gv "put_bw_${size}_8x32" put_bw -s "$size" -n 12800 --ctas 8 --threads 32 --scope thread --mem gpu --use_cuda_dmabuf
         gv "write_lat_$size" write_lat -s "$size" -n 1000 --mem gpu --use_cuda_dmabuf --signal
     done
 fi

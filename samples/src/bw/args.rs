@@ -122,7 +122,9 @@ pub(super) struct Args {
     /// GPU, WRITE: threads per CTA [default: 1 for thread scope, 32 for warp, 128 for block].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub(super) threads: Option<u32>,
-    /// GPU, WRITE: who posts together [default: thread].
+    /// GPU, WRITE: who posts together [default: warp, as GPU code posts small messages: the
+    /// 32 lanes' WQEs under one reservation and one doorbell; thread with -I or -l, which are
+    /// thread-scope options; `thread` is perftest's single poster].
     #[arg(long, value_enum)]
     pub(super) scope: Option<Scope>,
     /// perftest's -l (--post_list): WQEs per doorbell, perftest's default 1 (thread scope and

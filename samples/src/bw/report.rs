@@ -188,8 +188,14 @@ fn posting(run: &Run) -> String {
             format!("{ctas} CTA(s) x 1 thread: one thread per QP, one doorbell per WQE")
         }
         Initiator::Gpu => format!(
-            "{ctas} CTA(s) x {threads} thread(s), {} scope, {}",
+            "{ctas} CTA(s) x {threads} thread(s), {} scope{}, {}",
             scope.name(),
+            if args.scope.is_none() && scope == Scope::Warp {
+                " (the default: a warp's WQEs under one doorbell, as GPU code posts, unless -I \
+                 or -l asks for thread scope; --scope thread for perftest's single poster)"
+            } else {
+                ""
+            },
             match scope {
                 Scope::Thread => format!("{} WQEs per doorbell per thread", args.post_list),
                 Scope::Warp => "one doorbell per warp call".into(),

@@ -66,7 +66,9 @@ impl RunPlan {
         let local: Vec<usize> = (0..njobs)
             .filter(|&j| me.is_none_or(|s| j / qps == s))
             .collect();
-        let scope = args.scope.unwrap_or(Scope::Thread);
+        let scope = args
+            .scope
+            .unwrap_or(default_scope(args, env.initiator, verb));
         let threads = args.threads.unwrap_or(match scope {
             Scope::Thread => 1,
             Scope::Warp => 32,
@@ -232,4 +234,52 @@ pub(super) fn shown(sides: &[Option<Side>; 2], s: usize, verb: Verb) -> (u32, u6
                 .or(sd.src.as_ref())
         })
         .map_or((0, 0), |(_, mr)| (mr.rkey().0, mr.addr()))
+}
+
+/// The posting scope when `--scope` is not given: a warp for the GPU initiator's WRITEs (one
+/// thread ringing a doorbell per WQE leaves the GPU initiator at a fraction of the CPU's
+/// message rate on small messages; a warp's 32 WQEs per doorbell reach it, docs/benchmarks.md),
+/// a thread otherwise: the other verbs post with one thread per QP, `-I` and `-l` are
+/// thread-scope options, the CPU has no scope.
+fn default_scope(args: &Args, initiator: Initiator, verb: Verb) -> Scope {
+    match (initiator, verb) {
+        (Initiator::Gpu, Verb::Write) if args.inline_size == 0 && args.post_list == 1 => {
+            Scope::Warp
+        }
+        _ => Scope::Thread,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn args(v: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("put_bw").chain(v.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn the_gpu_initiator_writes_with_a_warp_unless_asked_otherwise() {
+        let gpu_write = |v: &[&str]| default_scope(&args(v), Initiator::Gpu, Verb::Write);
+        assert_eq!(gpu_write(&[]), Scope::Warp);
+        assert_eq!(
+            gpu_write(&["-I", "64"]),
+            Scope::Thread,
+            "-I is a thread-scope option"
+        );
+        assert_eq!(
+            gpu_write(&["-l", "8"]),
+            Scope::Thread,
+            "-l is a thread-scope option"
+        );
+        assert_eq!(
+            default_scope(&args(&[]), Initiator::Cpu, Verb::Write),
+            Scope::Thread
+        );
+        assert_eq!(
+            default_scope(&args(&[]), Initiator::Gpu, Verb::Read),
+            Scope::Thread
+        );
+    }
 }
