@@ -282,11 +282,14 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
         0 => dv.index(),
         ds => dv.index().wrapping_add(blocks_for_ds(ds & 0x3f) as u16),
     };
-    // a record in device memory is not read: the producer comes from the doorbell, as on a
-    // ConnectX
-    let rec = qp.sq_dbrec();
     if !mine {
-        if let Some(rec) = rec {
+        // Another QP's doorbell on a shared register (every DEVX QP of a context rings the
+        // same one) may have replaced ours before the engine saw it: a ConnectX takes each
+        // doorbell as a write of its own, this register is a word of memory. The record is
+        // then all that is left of ours, so it is read wherever it lives, by a copy from
+        // device memory too (without it a QP whose record is in GPU memory lost its last
+        // doorbell for good and its WQEs never ran).
+        if let Some(rec) = qp.sq_dbrec_anywhere() {
             let ahead = rec.wrapping_sub(sq.ci);
             if ahead as u32 <= qp.sq_blocks && ahead > sq.target.wrapping_sub(sq.ci) {
                 sq.target = rec;
@@ -294,6 +297,9 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
         }
         return;
     }
+    // our own doorbell: a record in device memory is not read (each read is a copy), the
+    // producer comes from the doorbell, as on a ConnectX
+    let rec = qp.sq_dbrec();
     let ahead = |pi: u16| pi.wrapping_sub(sq.ci);
     let fits = |d: u16| d as u32 <= qp.sq_blocks;
     let best = std::iter::once(from_value)

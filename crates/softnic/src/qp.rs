@@ -648,6 +648,12 @@ impl Qp {
         }
         self.dbrec_load(1).map(|w| w as u16)
     }
+    /// The SQ producer counter published in the doorbell record wherever it lives (a copy from
+    /// device memory; `None` when that read fails): for a doorbell on a shared register that
+    /// names another QP, which may have replaced this QP's own.
+    pub(crate) fn sq_dbrec_anywhere(&self) -> Option<u16> {
+        self.dbrec_load(1).map(|w| w as u16)
+    }
     /// The RQ producer counter the application published in its doorbell record (low 16 bits);
     /// a record in device memory that cannot be read shows no new receive.
     pub(crate) fn rq_head(&self, known: u16) -> u16 {
