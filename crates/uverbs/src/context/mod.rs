@@ -21,6 +21,7 @@ mod qp;
 mod srq;
 pub mod uar;
 mod xrc;
+mod xrc_target;
 
 pub use cq::{Arm, CqObj};
 pub use uar::{DynUar, Uars};
@@ -403,7 +404,7 @@ impl Context {
             x.destroy(&soft);
         }
         for (_, q) in o.qps.drain() {
-            // an XRC target goes with its last handle, in any context (`xrc::TgtShare`)
+            // an XRC target goes with its last handle, in any context (`xrc_target::TgtShare`)
             if q.tgt.is_none() {
                 soft.destroy_qp(&q.soft);
             }

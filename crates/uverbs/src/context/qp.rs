@@ -52,14 +52,18 @@ pub(super) struct QpObj {
     pub(super) uar_page: Option<u32>,
     /// An XRC target's share: the soft QP is destroyed with its last handle, in any context
     /// (the creator's, or one OPEN_QP made).
-    pub(super) tgt: Option<Arc<super::xrc::TgtShare>>,
+    pub(super) tgt: Option<Arc<super::xrc_target::TgtShare>>,
     /// A handle OPEN_QP made (it gets no async events; the creator's handle does).
     opened: bool,
 }
 
 impl QpObj {
     /// A handle on an XRC target another handle created (OPEN_QP), in domain `xrcd_handle`.
-    pub(super) fn opened(share: Arc<super::xrc::TgtShare>, xrcd_handle: u32, h: u32) -> Self {
+    pub(super) fn opened(
+        share: Arc<super::xrc_target::TgtShare>,
+        xrcd_handle: u32,
+        h: u32,
+    ) -> Self {
         let soft = share.qp().clone();
         QpObj {
             caps: abi::CreateQpResp {
@@ -288,7 +292,7 @@ impl Context {
         let key = crate::next_key();
         let async_reported: Arc<AtomicU32> = Arc::default();
         let tgt = (sqp.transport() == Transport::XrcTgt)
-            .then(|| super::xrc::TgtShare::register(soft.clone(), sqp.clone()));
+            .then(|| super::xrc_target::TgtShare::register(soft.clone(), sqp.clone()));
         sqp.set_event_handler(Some(self.event_handler(
             r.user_handle,
             key,
@@ -466,7 +470,7 @@ impl Context {
         let mut o = self.objs.lock();
         let q = o.qps.remove(&r.handle).ok_or(Errno::EINVAL)?;
         crate::record_wqes(&q.soft);
-        // an XRC target goes with its last handle (`xrc::TgtShare`), the creator's handle takes
+        // an XRC target goes with its last handle (`xrc_target::TgtShare`), the creator's handle takes
         // its events with it
         if q.tgt.is_none() {
             soft.destroy_qp(&q.soft);

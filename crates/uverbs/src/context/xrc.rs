@@ -4,56 +4,14 @@
 //! refuses an open one), as the kernel's inode table does. XRC SRQs (`srq.rs`, CREATE_XSRQ)
 //! and XRC target QPs (`qp.rs`) hang off a domain; a domain in use cannot be closed (EBUSY).
 //! OPEN_QP gives a context a handle on an XRC target of a domain it opened: the target lives
-//! until its last handle, the creator's or an opened one, is destroyed ([`TgtShare`]).
+//! until its last handle, the creator's or an opened one, is destroyed (`xrc_target`).
 
 use super::qp::QpObj;
+use super::xrc_target::TgtShare;
 use super::{Context, Created, Io};
 use crate::abi;
 use crate::uaccess::Errno;
-use parking_lot::Mutex;
-use std::sync::{Arc, Weak};
-
-/// An XRC target of a device, shared by the handles on it (CREATE_QP's and OPEN_QP's, in any
-/// context): the soft QP is destroyed when the last one goes, as the kernel's shared QPs.
-pub(super) struct TgtShare {
-    dev: Arc<softnic::Device>,
-    qp: Arc<softnic::Qp>,
-}
-
-/// Every XRC target some handle holds, for OPEN_QP.
-static TGTS: Mutex<Vec<Weak<TgtShare>>> = Mutex::new(Vec::new());
-
-impl TgtShare {
-    /// The share of a new XRC target `qp` of `dev`.
-    pub(super) fn register(dev: Arc<softnic::Device>, qp: Arc<softnic::Qp>) -> Arc<Self> {
-        let s = Arc::new(Self { dev, qp });
-        let mut t = TGTS.lock();
-        t.retain(|w| w.strong_count() > 0);
-        t.push(Arc::downgrade(&s));
-        s
-    }
-
-    /// The XRC target numbered `qpn` of `dev` in domain `xrcd`, while some handle holds it.
-    fn find(dev: &Arc<softnic::Device>, xrcd: &Arc<softnic::Xrcd>, qpn: u32) -> Option<Arc<Self>> {
-        let t = TGTS.lock();
-        t.iter().filter_map(Weak::upgrade).find(|s| {
-            Arc::ptr_eq(&s.dev, dev)
-                && s.qp.qpn() == qpn
-                && s.qp.xrcd().is_some_and(|x| Arc::ptr_eq(x, xrcd))
-        })
-    }
-
-    /// The soft QP.
-    pub(super) fn qp(&self) -> &Arc<softnic::Qp> {
-        &self.qp
-    }
-}
-
-impl Drop for TgtShare {
-    fn drop(&mut self) {
-        self.dev.destroy_qp(&self.qp);
-    }
-}
+use std::sync::Arc;
 
 pub(super) struct XrcdObj {
     pub(super) soft: Arc<softnic::Xrcd>,
