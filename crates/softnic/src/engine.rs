@@ -656,25 +656,19 @@ fn flush_xrc(dev: &Shared, qp: &Qp) {
         return;
     };
     let Some(x) = s.xrc.as_ref() else { return };
-    dev.counters.error(Syndrome::WrFlush);
-    let e = ErrorCqe {
-        responder: true,
-        syndrome: Syndrome::WrFlush as u8,
-        vendor_syndrome: 0,
-        wqe_opcode: 0,
-        qpn: qp.qpn,
-        wqe_counter: idx,
-    };
-    let mut cqe = Cqe64::error(&e, 0);
+    let mut cqe = recv_flush(dev, qp, idx);
     cqe.srqn_uidx = prm::Be32::new(x.user_index.unwrap_or(s.srqn()));
-    match x.cq.push(cqe, None) {
-        Ok(()) => Counters::add(&dev.counters.cqes, 1),
-        Err(e) => count_cq_error(&dev.counters, e),
-    }
+    push_recv_flush(dev, &x.cq, cqe);
 }
 
 /// The WR_FLUSH completion of receive WQE `idx` of an errored QP.
 fn flush_recv_cqe(dev: &Shared, qp: &Qp, idx: u16) {
+    let cqe = qp.stamp(recv_flush(dev, qp, idx));
+    push_recv_flush(dev, &qp.recv_cq, cqe);
+}
+
+/// A WR_FLUSH CQE for receive WQE `idx` of `qp` (counted as an error completion).
+fn recv_flush(dev: &Shared, qp: &Qp, idx: u16) -> Cqe64 {
     dev.counters.error(Syndrome::WrFlush);
     let e = ErrorCqe {
         responder: true,
@@ -684,7 +678,12 @@ fn flush_recv_cqe(dev: &Shared, qp: &Qp, idx: u16) {
         qpn: qp.qpn,
         wqe_counter: idx,
     };
-    match qp.recv_cq.push(qp.stamp(Cqe64::error(&e, 0)), None) {
+    Cqe64::error(&e, 0)
+}
+
+/// Writes a receive's flush CQE to `cq`, counting it or the CQ's refusal.
+fn push_recv_flush(dev: &Shared, cq: &crate::cq::Cq, cqe: Cqe64) {
+    match cq.push(cqe, None) {
         Ok(()) => Counters::add(&dev.counters.cqes, 1),
         Err(e) => count_cq_error(&dev.counters, e),
     }
