@@ -166,23 +166,6 @@ impl Counting {
     }
 }
 
-/// RESET → RTR towards `peer`'s QP `qpn` (the engine does not run a QP below RTS).
-fn up_to_rtr(q: &Qp, peer: &Node, qpn: u32) {
-    q.modify(Modify::Init {
-        access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
-    })
-    .unwrap();
-    q.modify(Modify::Rtr(RtrAttr {
-        remote_gid: peer.dev.gid(),
-        remote_qpn: qpn,
-        rq_psn: 0,
-        mtu: 4096,
-        min_rnr_timer: 1,
-        selective_repeat: false,
-    }))
-    .unwrap();
-}
-
 /// The interleaving a GPU makes at random, made certain: the main QP's counted WRITE is rung
 /// (record, then register) while the main QP is still in RTR, so the engine first looks at
 /// its register after the companion's doorbell (its WAIT for that WRITE's CQE) has replaced

@@ -435,19 +435,7 @@ pub fn qp_all_on(
 
 /// RESET → RTS towards `peer`'s QP `qpn`, every remote right granted.
 pub fn bring_up(q: &Qp, peer: &Node, qpn: u32) {
-    q.modify(Modify::Init {
-        access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
-    })
-    .unwrap();
-    q.modify(Modify::Rtr(RtrAttr {
-        remote_gid: peer.dev.gid(),
-        remote_qpn: qpn,
-        rq_psn: 0,
-        mtu: 4096,
-        min_rnr_timer: 1,
-        selective_repeat: false,
-    }))
-    .unwrap();
+    up_to_rtr(q, peer, qpn);
     q.modify(Modify::Rts(RtsAttr {
         sq_psn: 0,
         timeout: 10,
@@ -625,4 +613,22 @@ pub fn req_err(qpn: u32, syndrome: prm::Syndrome, vendor: u8, opcode: u8, idx: u
         qpn,
         wqe_counter: idx,
     })
+}
+
+/// RESET → RTR towards `peer`'s QP `qpn`, every remote right granted (the engine runs no
+/// QP below RTS).
+pub fn up_to_rtr(q: &Qp, peer: &Node, qpn: u32) {
+    q.modify(Modify::Init {
+        access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+    })
+    .unwrap();
+    q.modify(Modify::Rtr(RtrAttr {
+        remote_gid: peer.dev.gid(),
+        remote_qpn: qpn,
+        rq_psn: 0,
+        mtu: 4096,
+        min_rnr_timer: 1,
+        selective_repeat: false,
+    }))
+    .unwrap();
 }
