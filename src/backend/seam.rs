@@ -37,8 +37,9 @@ pub(crate) trait DeviceOps: Send + Sync {
     fn mtu(&self) -> u32;
     /// The UDP address a software device sends and receives RoCE v2 on, `None` for a NIC.
     fn wire_addr(&self) -> Option<SocketAddr>;
-    /// Why a QP whose options leave the doorbell mode to the device rings from the GPU.
-    fn auto_doorbell_reason(&self) -> &'static str;
+    /// The doorbell mode of a QP whose options leave it to the device, and why, given where
+    /// its rings are (`rings_on_gpu`: GPU memory, as `rings_for_kernels` or the user put them).
+    fn auto_doorbell(&self, rings_on_gpu: bool) -> (DoorbellMode, &'static str);
     /// Whether the device wants the rings of a queue that kernels drive in GPU memory, and why
     /// (what `RingPlacement::Auto` becomes when a GPU is given).
     fn rings_for_kernels(&self) -> (bool, &'static str);

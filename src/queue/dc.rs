@@ -162,7 +162,7 @@ impl Pd {
     ) -> Result<Qp, Error> {
         let device = &*self.ctx.inner.device;
         let (gpu, placement) = resolve(o.placement, gpu, device, "Pd::create_dci_on")?;
-        let (mode, reason) = self.doorbell_of(o.doorbell);
+        let (mode, reason) = self.doorbell_of(o.doorbell, gpu.is_some());
         let spec = QpSpec {
             sq_blocks: o.sq_blocks,
             rq_wqes: 0,

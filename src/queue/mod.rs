@@ -133,6 +133,9 @@ mod tests {
             "{}",
             qp.placement_reason()
         );
+        // host rings: a plain GPU doorbell
+        assert_eq!(qp.doorbell().0, DoorbellMode::GpuDoorbell);
+        assert!(qp.doorbell().1.starts_with("auto: "), "{}", qp.doorbell().1);
         assert!(qp.try_cpu_initiator(RingMode::Doca).is_ok());
         // without a GPU: host memory, whatever the device
         let host = pd.create_qp(QpOptions::new(&cq, &cq)).unwrap();
@@ -148,6 +151,20 @@ mod tests {
             (on_gpu.placement(), on_gpu.placement_reason()),
             (RingPlacement::Gpu, "requested")
         );
+        // a send ring in GPU memory: the soft NIC's automatic doorbell is BlueFlame (its engine
+        // would copy each WQE out of GPU memory; the register carries a single one to it)
+        let (mode, why) = on_gpu.doorbell();
+        assert_eq!(mode, DoorbellMode::BlueFlame);
+        assert!(
+            why.starts_with("auto: BlueFlame") && why.contains("GPU memory"),
+            "{why}"
+        );
+        // a mode asked for is kept, GPU rings or not
+        let mut o = QpOptions::new(&cq, &cq);
+        o.placement = RingPlacement::Gpu;
+        o.doorbell = DoorbellMode::GpuDoorbell;
+        let asked = pd.create_qp_with(o, Some(&gpu)).unwrap();
+        assert_eq!(asked.doorbell(), (DoorbellMode::GpuDoorbell, "requested"));
     }
 
     #[test]

@@ -126,7 +126,7 @@ impl Pd {
     ) -> Result<Qp, Error> {
         let device = &*self.ctx.inner.device;
         let (gpu, placement_reason) = resolve(o.placement, gpu, device, "Pd::create_qp_on")?;
-        let (mode, reason) = self.doorbell_of(o.doorbell);
+        let (mode, reason) = self.doorbell_of(o.doorbell, gpu.is_some());
         let spec = QpSpec {
             sq_blocks: o.sq_blocks,
             rq_wqes: o.rq_wqes,
@@ -140,13 +140,18 @@ impl Pd {
         self.finish_qp(o, dev, (mode, reason), placement_reason)
     }
 
-    /// The doorbell mode a QP's options ask for, resolved, and why.
-    pub(super) fn doorbell_of(&self, asked: DoorbellMode) -> (DoorbellMode, String) {
+    /// The doorbell mode a QP's options ask for, resolved for rings where `rings_on_gpu`
+    /// says, and why.
+    pub(super) fn doorbell_of(
+        &self,
+        asked: DoorbellMode,
+        rings_on_gpu: bool,
+    ) -> (DoorbellMode, String) {
         match asked {
-            DoorbellMode::Auto => (
-                DoorbellMode::GpuDoorbell,
-                self.ctx.inner.device.auto_doorbell_reason().to_string(),
-            ),
+            DoorbellMode::Auto => {
+                let (mode, why) = self.ctx.inner.device.auto_doorbell(rings_on_gpu);
+                (mode, why.to_string())
+            }
             m => (m, "requested".to_string()),
         }
     }

@@ -41,9 +41,13 @@ impl DeviceOps for Mlx5Device {
     fn wire_addr(&self) -> Option<SocketAddr> {
         None
     }
-    fn auto_doorbell_reason(&self) -> &'static str {
-        "auto: GPU doorbell; the UAR page is registered into the GPU at export (as I/O memory, \
-         else as plain memory; the export fails and says why when the GPU cannot map it)"
+    fn auto_doorbell(&self, _rings_on_gpu: bool) -> (DoorbellMode, &'static str) {
+        (
+            DoorbellMode::GpuDoorbell,
+            "auto: GPU doorbell; the UAR page is registered into the GPU at export (as I/O \
+             memory, else as plain memory; the export fails and says why when the GPU cannot \
+             map it)",
+        )
     }
     fn rings_for_kernels(&self) -> (bool, &'static str) {
         (

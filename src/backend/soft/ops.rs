@@ -13,7 +13,7 @@ use std::any::Any;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use verbs::{Access, DeviceMemory, Gid, Modify, QpState};
+use verbs::{Access, DeviceMemory, DoorbellMode, Gid, Modify, QpState};
 
 /// A soft NIC, and the peer-table routes its context added for its QPs.
 pub(crate) struct SoftDevice {
@@ -58,8 +58,20 @@ impl DeviceOps for SoftDevice {
     fn wire_addr(&self) -> Option<SocketAddr> {
         self.dev.wire_addr()
     }
-    fn auto_doorbell_reason(&self) -> &'static str {
-        "auto: the soft NIC's doorbell page is host memory that maps into any GPU"
+    fn auto_doorbell(&self, rings_on_gpu: bool) -> (DoorbellMode, &'static str) {
+        if rings_on_gpu {
+            (
+                DoorbellMode::BlueFlame,
+                "auto: BlueFlame, the SQ ring being GPU memory: the soft NIC's engine (a CPU \
+                 thread) reads a ring there by a copy per doorbell, while a single WQE rides \
+                 the register (host memory) to it",
+            )
+        } else {
+            (
+                DoorbellMode::GpuDoorbell,
+                "auto: the soft NIC's doorbell page is host memory that maps into any GPU",
+            )
+        }
     }
     fn rings_for_kernels(&self) -> (bool, &'static str) {
         (
