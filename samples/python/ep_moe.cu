@@ -29,6 +29,10 @@ struct Args {
     uint64_t cout_addr;      // combine rows going out [N][T] (registered)
     uint8_t* cout;
     uint32_t cout_lkey;
+    uint64_t pack_addr;      // dispatch rows gathered per destination [N][T] (registered)
+    uint8_t* pack;
+    uint32_t pack_lkey;
+    uint32_t chunk_rows;     // rows per put of the chunked kernels
     const int32_t* send_idx; // [N][T] token of each send slot, per destination
     const int32_t* send_cnt; // [N]
     const int32_t* slot_of;  // [N][T] send slot of token t at destination d, or -1
@@ -108,6 +112,14 @@ GPUVERBS_DEVICE void copy_own_row(const Args& a, uint32_t d, uint32_t i) {
     const uint4* src = (const uint4*)(a.send + (uint64_t)t * a.row_bytes);
     uint4* dst = (uint4*)(a.win + disp_off(a, i));
     for (uint32_t w = 0; w < a.row_bytes / 16; ++w) dst[w] = src[w];
+}
+
+// The rows [lo, hi) of the `n` bound to one destination (or from one source) that block
+// blockIdx.y of gridDim.y takes in the chunked kernels: contiguous shares.
+GPUVERBS_DEVICE void block_share(uint64_t n, uint64_t* lo, uint64_t* hi) {
+    const uint64_t per = (n + gridDim.y - 1) / gridDim.y;
+    *lo = min(n, (uint64_t)blockIdx.y * per);
+    *hi = min(n, *lo + per);
 }
 
 // The combine of row `i` from source `s_rank` (this rank's experts, weighted), by the block's
@@ -196,6 +208,40 @@ GPUVERBS_KERNEL void ep_dispatch_warp(const ep::Args* ap) {
     ep::finish(a, d, a.off_dsig, (uint64_t)n, true, 2);
 }
 
+// The same as high-throughput MoE kernels send: the rows bound to `d` land in `d`'s window in
+// send order, so a block gathers a contiguous share of them, chunk by chunk, into the pack
+// buffer (this rank's own rows straight into its window) and thread 0 writes each chunk with
+// one put; the count and the signal per destination at the end, as above.
+GPUVERBS_KERNEL void ep_dispatch_chunk(const ep::Args* ap) {
+    using namespace gpuverbs;
+    const ep::Args a = *ap;
+    const uint32_t d = blockIdx.x;
+    const uint64_t n = (uint64_t)a.send_cnt[d];
+    const uint64_t q = a.qp[d];
+    const uint32_t words = a.row_bytes / 16;
+    uint64_t lo, hi;
+    ep::block_share(n, &lo, &hi);
+    for (uint64_t c0 = lo; c0 < hi; c0 += a.chunk_rows) {
+        const uint64_t c1 = min(hi, c0 + a.chunk_rows);
+        const uint64_t packed = (uint64_t)(d * a.tokens + c0) * a.row_bytes;
+        uint4* dst = (uint4*)(q == 0 ? a.win + ep::disp_off(a, (uint32_t)c0) : a.pack + packed);
+        for (uint64_t w = threadIdx.x; w < (c1 - c0) * words; w += blockDim.x) {
+            const int32_t t = a.send_idx[d * a.tokens + c0 + w / words];
+            dst[w] = ((const uint4*)(a.send + (uint64_t)t * a.row_bytes))[w % words];
+        }
+        __syncthreads();
+        if (q != 0 && threadIdx.x == 0) {
+            // the chunk's stores (this block's threads) before the write that carries them
+            __threadfence_system();
+            status s = put((gpuverbs_qp*)q, a.pack_addr + packed, lkey{a.pack_lkey},
+                           a.rbase[d] + ep::disp_off(a, (uint32_t)c0), rkey{a.rkey[d]},
+                           (uint32_t)((c1 - c0) * a.row_bytes), false, a.budget_ns);
+            ep::report(a.status, 1, s, ep::err_of(q, s));
+        }
+    }
+    ep::finish(a, d, a.off_dsig, n, true, 2);
+}
+
 // grid 1, N threads: thread s waits for rank s's dispatch of this round.
 GPUVERBS_KERNEL void ep_wait_dispatch(const ep::Args* ap, uint64_t round) {
     using namespace gpuverbs;
@@ -268,6 +314,39 @@ GPUVERBS_KERNEL void ep_combine_warp(const ep::Args* ap, uint64_t round) {
             ep::report(a.status, 4, s, ep::err_of(q, s));
         }
         __syncthreads();
+    }
+    ep::finish(a, s_rank, a.off_csig, 0, false, 5);
+}
+
+// The same, chunked: a block combines a contiguous share of `s`'s rows, chunk by chunk, and
+// thread 0 writes each chunk back with one put (the rows are contiguous at both ends).
+GPUVERBS_KERNEL void ep_combine_chunk(const ep::Args* ap, uint64_t round) {
+    using namespace gpuverbs;
+    const ep::Args a = *ap;
+    const uint32_t s_rank = blockIdx.x;
+    if (!ep::wait_rows(a, s_rank, round)) return;
+    const uint64_t n = *(volatile uint64_t*)ep::word(a, a.off_cnt, s_rank);
+    const uint32_t hrow = a.hidden * 2;
+    const uint64_t q = a.qp[s_rank];
+    uint64_t lo, hi;
+    ep::block_share(n, &lo, &hi);
+    for (uint64_t c0 = lo; c0 < hi; c0 += a.chunk_rows) {
+        const uint64_t c1 = min(hi, c0 + a.chunk_rows);
+        const uint64_t back = a.off_comb + (uint64_t)(a.rank * a.tokens + c0) * hrow;
+        const uint64_t slot = (uint64_t)s_rank * a.tokens + c0;
+        for (uint64_t i = c0; i < c1; ++i) {
+            ep::combine_row(a, s_rank, (uint32_t)i,
+                            (__nv_bfloat16*)(q == 0 ? a.win + back + (i - c0) * hrow
+                                                    : a.cout + (slot + i - c0) * hrow));
+        }
+        __syncthreads();
+        if (q != 0 && threadIdx.x == 0) {
+            __threadfence_system();
+            status s = put((gpuverbs_qp*)q, a.cout_addr + slot * hrow, lkey{a.cout_lkey},
+                           a.rbase[s_rank] + back, rkey{a.rkey[s_rank]},
+                           (uint32_t)((c1 - c0) * hrow), false, a.budget_ns);
+            ep::report(a.status, 4, s, ep::err_of(q, s));
+        }
     }
     ep::finish(a, s_rank, a.off_csig, 0, false, 5);
 }

@@ -4,8 +4,9 @@ exchange through torch.distributed.all_to_all_single.
 
 N ranks (torchrun) each hold T tokens of hidden size H (bf16) routed top-k over E experts, E/N
 experts per rank. Dispatch: a kernel writes every token to each rank that owns one of its
-experts (one RDMA write per token and destination, into that rank's window), then the count
-and a signal per destination. Combine: each rank waits for every source's signal, applies its
+experts (one RDMA write per token and destination, into that rank's window; or, with --post
+chunk, the rows gathered into contiguous chunks and one write per chunk), then the count and a
+signal per destination. Combine: each rank waits for every source's signal, applies its
 experts (expert e scales a token by 2^((e % 3) - 1), weighted by the router's weight) and writes
 the weighted sum back to the token's owner, which sums the contributions in rank order. Values
 are chosen so that every product and sum is exact: both phases are checked bit for bit against
@@ -61,6 +62,10 @@ class Args(ctypes.Structure):
         ("cout_addr", ctypes.c_uint64),
         ("cout", ctypes.c_uint64),
         ("cout_lkey", ctypes.c_uint32),
+        ("pack_addr", ctypes.c_uint64),
+        ("pack", ctypes.c_uint64),
+        ("pack_lkey", ctypes.c_uint32),
+        ("chunk_rows", ctypes.c_uint32),
         ("send_idx", ctypes.c_uint64),
         ("send_cnt", ctypes.c_uint64),
         ("slot_of", ctypes.c_uint64),
@@ -96,9 +101,11 @@ def parse():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--blocks", type=int, default=4, help="blocks per destination")
     p.add_argument("--threads", type=int, default=128, help="threads per block (a multiple of 32)")
-    p.add_argument("--post", choices=["row", "warp", "both"], default="both",
-                   help="how the kernels post: a WQE and a doorbell per row (row), or a warp's "
-                        "32 rows with one put_warp (warp); both: each, in the same run")
+    p.add_argument("--post", choices=["row", "warp", "chunk", "all"], default="all",
+                   help="how the kernels post: a WQE and a doorbell per row (row), a warp's 32 "
+                        "rows with one put_warp (warp), or rows gathered into contiguous chunks "
+                        "of --chunk-rows, one put per chunk (chunk); all: each, in the same run")
+    p.add_argument("--chunk-rows", type=int, default=16, help="rows per put of --post chunk")
     p.add_argument("--budget-ms", type=int, default=20000, help="bound of every GPU wait")
     p.add_argument("--no-baseline", action="store_true", help="skip all_to_all_single")
     p.add_argument("--json", help="append a line with every rank's figures to this file (rank 0)")
@@ -107,6 +114,8 @@ def parse():
         p.error("--topk is 1..8")
     if a.threads % 32 or not 32 <= a.threads <= 1024:
         p.error("--threads is a multiple of 32, at most 1024")
+    if a.chunk_rows < 1:
+        p.error("--chunk-rows is at least 1")
     return a
 
 
@@ -215,6 +224,7 @@ def main():
     win = torch.zeros(off_cnt + 24 * n, dtype=torch.uint8, device=dev)
     send = lay["rows"].to(dev)
     cout = torch.zeros(n * t_ * hrow, dtype=torch.uint8, device=dev)
+    pack = torch.zeros(n * t_ * row, dtype=torch.uint8, device=dev)
     out = torch.zeros(t_, h_, dtype=torch.float32, device=dev)
 
     if a.device == "soft":
@@ -226,8 +236,8 @@ def main():
     all_rights = (gv.ACCESS_LOCAL_WRITE | gv.ACCESS_REMOTE_WRITE | gv.ACCESS_REMOTE_READ
                   | gv.ACCESS_REMOTE_ATOMIC)
     mr_win = pd.register(win, all_rights)
-    mr_send, mr_cout = pd.register(send), pd.register(cout)
-    assert mr_win.memory == mr_send.memory == mr_cout.memory == "gpu"
+    mr_send, mr_cout, mr_pack = pd.register(send), pd.register(cout), pd.register(pack)
+    assert mr_win.memory == mr_send.memory == mr_cout.memory == mr_pack.memory == "gpu"
     ring_gpu = gpu if a.rings == "gpu" else None
     qps = []
     for d in range(n):
@@ -254,6 +264,8 @@ def main():
         qp=qp_ptrs.data_ptr(), rbase=rbase.data_ptr(), rkey=rkeys.data_ptr(), win=win.data_ptr(),
         send_addr=mr_send.addr, send=send.data_ptr(), send_lkey=mr_send.lkey,
         cout_addr=mr_cout.addr, cout=cout.data_ptr(), cout_lkey=mr_cout.lkey,
+        pack_addr=mr_pack.addr, pack=pack.data_ptr(), pack_lkey=mr_pack.lkey,
+        chunk_rows=a.chunk_rows,
         send_idx=send_idx.data_ptr(), send_cnt=cnt.data_ptr(), slot_of=slot_of.data_ptr(),
         rank=rank, nranks=n, tokens=t_, hidden=h_, topk=a.topk, experts_per_rank=epr,
         row_bytes=row, off_comb=off_comb, off_cnt=off_cnt, off_dsig=off_dsig, off_csig=off_csig,
@@ -262,8 +274,9 @@ def main():
     args_dev = torch.frombuffer(bytearray(bytes(args)), dtype=torch.uint8).to(dev)
     ap = np.uint64(args_dev.data_ptr())
     k_wait, k_red = mod.get_function("ep_wait_dispatch"), mod.get_function("ep_reduce")
-    kernels = {"row": ("ep_dispatch", "ep_combine"), "warp": ("ep_dispatch_warp", "ep_combine_warp")}
-    posts = ["row", "warp"] if a.post == "both" else [a.post]
+    kernels = {"row": ("ep_dispatch", "ep_combine"), "warp": ("ep_dispatch_warp", "ep_combine_warp"),
+               "chunk": ("ep_dispatch_chunk", "ep_combine_chunk")}
+    posts = list(kernels) if a.post == "all" else [a.post]
 
     # the reference, from every rank's inputs
     gathered = [None] * n
@@ -384,7 +397,7 @@ def baseline(a, rank, n, lay, gathered, send, win, row, hrow, dev):
 
 
 def report(allres, a):
-    posts = ["row", "warp"] if a.post == "both" else [a.post]
+    posts = ["row", "warp", "chunk"] if a.post == "all" else [a.post]
     r0 = allres[0]
     print(f"ep_moe: {r0['ranks']} ranks, T={r0['tokens']} H={r0['hidden']} top-{r0['topk']} "
           f"E={r0['experts']} bf16; every token of both phases validated")
