@@ -84,7 +84,7 @@ descriptor! {
         scq_ncqe: u32,
         /// Receive CQ entries.
         rcq_ncqe: u32,
-        /// Doorbell mode: 0 GPU doorbell, 1 BlueFlame, 2 CPU proxy, 3 no DBR (DBR-less register).
+        /// Doorbell mode: 0 GPU doorbell, 1 BlueFlame, 2 CPU proxy, 3 no DBR (DBR-less register), 4 no DBR emulated (register + proxy word; a host thread keeps the record).
         db_mode: u32,
         /// Where rings and doorbells live: 0 host memory (system-scope ordering), 1 GPU memory.
         ring_loc: u32,
@@ -152,7 +152,7 @@ descriptor! {
 
 /// Bumped by hand when a field keeps its place but changes its meaning; any change of the
 /// layout changes [`DESC_VERSION`] by itself.
-const DESC_REVISION: u32 = 2;
+const DESC_REVISION: u32 = 3;
 
 /// The descriptor's version: a hash (FNV-1a) of [`DESC_REVISION`] and every field's name, C
 /// type and offset, so headers and a library of different layouts never agree on it. The
@@ -204,6 +204,10 @@ pub mod db_mode {
     /// No send doorbell record: an 8-byte doorbell carrying the producer index at the
     /// DBR-less register (UAR + `prm::doorbell::DBR_LESS_OFFSET`).
     pub const NO_DBR: u32 = DoorbellMode::NoDbr.code();
+    /// No doorbell record from the kernel, emulated (GPUNetIO's `NO_DBR_SW_EMULATED`): an
+    /// 8-byte doorbell at the ordinary register and the producer index in the CPU-proxy word;
+    /// a host proxy thread writes the record and rings again.
+    pub const NO_DBR_EMULATED: u32 = DoorbellMode::NoDbrEmulated.code();
 }
 
 /// The committed C header's path, relative to the workspace root.
@@ -242,6 +246,7 @@ pub fn c_header() -> String {
         ("BLUEFLAME", db_mode::BLUEFLAME),
         ("CPU_PROXY", db_mode::CPU_PROXY),
         ("NO_DBR", db_mode::NO_DBR),
+        ("NO_DBR_EMULATED", db_mode::NO_DBR_EMULATED),
     ] {
         s.push_str(&format!("#define GPUVERBS_DB_{n} {v}u\n"));
     }
@@ -278,8 +283,8 @@ mod tests {
         );
     }
 
-    // revision 2: db_mode 3, no DBR
-    const PINNED: u32 = 0x2a02_3244;
+    // revision 3: db_mode 4, no DBR emulated (revision 2: db_mode 3, no DBR)
+    const PINNED: u32 = 0x4b30_a12d;
 
     #[test]
     fn fields_are_naturally_aligned_and_in_order() {

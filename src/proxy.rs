@@ -167,7 +167,10 @@ impl ProxyTarget {
     /// poster. [`crate::Error::PosterBusy`] while a CPU initiator or another proxy target
     /// holds the QP; a GPU export may hold it too (the kernel writes the WQEs, the proxy rings
     /// for it). [`crate::Error::Unsupported`] for a [`verbs::DoorbellMode::NoDbr`] QP (the
-    /// proxy writes the send doorbell record such a QP never has written).
+    /// proxy writes the send doorbell record such a QP never has written). A
+    /// [`verbs::DoorbellMode::NoDbrEmulated`] QP is what the target is for: the kernel rings
+    /// the register itself and publishes its producer in the word, and the proxy keeps the
+    /// record and rings again (a doorbell the device lost is recovered from the record).
     pub fn for_qp(qp: &crate::Qp) -> Result<Self, crate::Error> {
         if qp.doorbell().0 == verbs::DoorbellMode::NoDbr {
             // the proxy writes the send doorbell record, which a no-DBR QP never has written

@@ -87,6 +87,7 @@ pub(crate) fn mode_name(m: DoorbellMode) -> &'static str {
         DoorbellMode::BlueFlame => "blueflame",
         DoorbellMode::CpuProxy => "cpu_proxy",
         DoorbellMode::NoDbr => "no_dbr",
+        DoorbellMode::NoDbrEmulated => "no_dbr_emulated",
     }
 }
 
@@ -97,9 +98,11 @@ pub(crate) fn parse_mode(s: &str) -> PyResult<DoorbellMode> {
         "blueflame" => DoorbellMode::BlueFlame,
         "cpu_proxy" => DoorbellMode::CpuProxy,
         "no_dbr" => DoorbellMode::NoDbr,
+        "no_dbr_emulated" => DoorbellMode::NoDbrEmulated,
         _ => {
             return Err(errors::InvalidArgument::new_err(format!(
-                "doorbell {s:?}: one of auto, gpu_doorbell, blueflame, cpu_proxy, no_dbr"
+                "doorbell {s:?}: one of auto, gpu_doorbell, blueflame, cpu_proxy, no_dbr, \
+                 no_dbr_emulated"
             )))
         }
     })
@@ -143,7 +146,7 @@ impl ExportedQp {
             .export_qp_for(qp, header_version)
             .map_err(errors::host)?;
         let mode = qp.doorbell().0;
-        let handle = if mode == DoorbellMode::CpuProxy {
+        let handle = if mode.proxied() {
             let target = ProxyTarget::for_qp(qp).map_err(errors::host)?;
             Some(
                 proxy()?

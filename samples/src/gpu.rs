@@ -5,7 +5,7 @@
 use anyhow::{bail, Context as _, Result};
 use gpuverbs::gpu::{DeviceMem, ExportedQp, Gpu};
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
-use gpuverbs::{DoorbellMode, Qp};
+use gpuverbs::Qp;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -154,7 +154,7 @@ impl Exports {
         }
         let proxied: Vec<&&Qp> = qps
             .iter()
-            .filter(|q| q.doorbell().0 == DoorbellMode::CpuProxy)
+            .filter(|q| q.doorbell().0.proxied())
             .collect();
         let proxy = if proxied.is_empty() {
             None

@@ -58,6 +58,9 @@ pub fn doorbell_line(qp: &Qp, initiator: Initiator, ring: Option<RingMode>, db: 
         (Initiator::Gpu, _) if mode == DoorbellMode::CpuProxy => {
             format!("{name} ({why}); a host proxy thread rings for the kernels")
         }
+        (Initiator::Gpu, _) if mode == DoorbellMode::NoDbrEmulated => {
+            format!("{name} ({why}); rung by the kernels, a host proxy thread keeps the record")
+        }
         _ => format!("{name} ({why}); rung by the kernels"),
     }
 }
@@ -70,6 +73,7 @@ pub fn doorbell_name(m: DoorbellMode) -> &'static str {
         DoorbellMode::BlueFlame => "blueflame",
         DoorbellMode::CpuProxy => "cpu-proxy",
         DoorbellMode::NoDbr => "no-dbr",
+        DoorbellMode::NoDbrEmulated => "no-dbr-emulated",
     }
 }
 

@@ -83,15 +83,17 @@ impl Gpu {
             },
             dbrec: self.place_addr(&g.dbrec, 8, &g.keep)?,
             // the doorbell: the register mapped into the GPU, or (CPU proxy) a host word the
-            // kernel stores its producer into and a host thread rings for it
+            // kernel stores its producer into and a host thread rings for it; an emulated
+            // no-DBR QP has both (the kernel rings the register, the host thread keeps the
+            // record from the word and rings again)
             db_reg: if mode == DoorbellMode::CpuProxy {
                 0
             } else {
                 self.map_register(&g)?
             },
-            proxy_word: match (mode, &g.proxy_word) {
-                (DoorbellMode::CpuProxy, Some(w)) => self.place_addr(w, 8, &g.keep)?,
-                (DoorbellMode::CpuProxy, None) => {
+            proxy_word: match (mode.proxied(), &g.proxy_word) {
+                (true, Some(w)) => self.place_addr(w, 8, &g.keep)?,
+                (true, None) => {
                     return Err(Error::InvalidArgument(format!(
                         "QP {:#x} has no CPU-proxy word",
                         g.qpn
@@ -126,7 +128,7 @@ impl Gpu {
         let mut desc = desc;
         let state = qp.queue_state();
         resume_desc(&mut desc, &state)?;
-        if let (DoorbellMode::CpuProxy, Some(w)) = (mode, &g.proxy_word) {
+        if let (true, Some(w)) = (mode.proxied(), &g.proxy_word) {
             // The kernel's 64-bit producer continues from the queue's (a proxy target made
             // now starts there too).
             w.store_u64(state.sq_pi);
@@ -239,7 +241,7 @@ impl ExportedQp {
         d.rq_lock = 0;
         d.rcq_lock = 0;
         d.checked_out = 0;
-        if let (DoorbellMode::CpuProxy, Some(w)) = (qp.doorbell().0, &qp.geometry().proxy_word) {
+        if let (true, Some(w)) = (qp.doorbell().0.proxied(), &qp.geometry().proxy_word) {
             // the kernel's producer continues from the queue's, as at export
             w.store_u64(d.sq_rung);
         }

@@ -40,7 +40,7 @@ mod dataplane;
 mod devmem;
 
 use dataplane::{Mem, PutArgs, PutCase, RecvCase};
-use gpuverbs::DoorbellMode::{BlueFlame, CpuProxy, GpuDoorbell, NoDbr};
+use gpuverbs::DoorbellMode::{BlueFlame, CpuProxy, GpuDoorbell, NoDbr, NoDbrEmulated};
 use gpuverbs::RingPlacement::{self, Gpu as GpuRings, HostMapped};
 
 macro_rules! put_cases {
@@ -271,16 +271,36 @@ fn ring_multi_gpuall_4_mixed(ctx: &Ctx) -> Result<String> {
 // no-DBR QPs (a ConnectX-8's send_dbr_mode NO_DBR_EXT): their rings on the GPU (an rdma-core
 // provider QP cannot be no-DBR), alone and in a ring_multi beside the other modes
 fn put_nodbr_gpurings_thread(ctx: &Ctx) -> Result<String> {
-    dataplane::put_no_dbr(ctx.ordinal, GpuRings, 0, 0)
+    dataplane::put_no_dbr(ctx.ordinal, NoDbr, GpuRings, 0, 0)
 }
 fn put_nodbr_gpurings_warp_partial(ctx: &Ctx) -> Result<String> {
-    dataplane::put_no_dbr(ctx.ordinal, GpuRings, 1, 3)
+    dataplane::put_no_dbr(ctx.ordinal, NoDbr, GpuRings, 1, 3)
 }
 fn put_nodbr_gpurings_block(ctx: &Ctx) -> Result<String> {
-    dataplane::put_no_dbr(ctx.ordinal, GpuRings, 2, 0)
+    dataplane::put_no_dbr(ctx.ordinal, NoDbr, GpuRings, 2, 0)
 }
 fn ring_multi_gpuall_4_nodbr_mixed(ctx: &Ctx) -> Result<String> {
     let modes = [NoDbr, GpuDoorbell, NoDbr, CpuProxy];
+    dataplane::ring_multi(ctx.ordinal, &modes, Mem::Gpu, GpuRings)
+}
+
+// emulated no-DBR QPs (GPUNetIO's NO_DBR_SW_EMULATED, for NICs without NO_DBR_EXT): ordinary
+// QPs rung at their ordinary register without the record, a proxy thread keeping the record;
+// host rings too (on mlx5 a provider QP may be one)
+fn put_nodbr_emu_thread(ctx: &Ctx) -> Result<String> {
+    dataplane::put_no_dbr(ctx.ordinal, NoDbrEmulated, HostMapped, 0, 0)
+}
+fn put_nodbr_emu_gpurings_thread(ctx: &Ctx) -> Result<String> {
+    dataplane::put_no_dbr(ctx.ordinal, NoDbrEmulated, GpuRings, 0, 0)
+}
+fn put_nodbr_emu_gpurings_warp_partial(ctx: &Ctx) -> Result<String> {
+    dataplane::put_no_dbr(ctx.ordinal, NoDbrEmulated, GpuRings, 1, 3)
+}
+fn put_nodbr_emu_gpurings_block(ctx: &Ctx) -> Result<String> {
+    dataplane::put_no_dbr(ctx.ordinal, NoDbrEmulated, GpuRings, 2, 0)
+}
+fn ring_multi_gpuall_4_nodbr_emu_mixed(ctx: &Ctx) -> Result<String> {
+    let modes = [NoDbrEmulated, GpuDoorbell, NoDbr, NoDbrEmulated];
     dataplane::ring_multi(ctx.ordinal, &modes, Mem::Gpu, GpuRings)
 }
 
@@ -477,6 +497,11 @@ const CASES: &[Case] = cases![
     put_nodbr_gpurings_warp_partial,
     put_nodbr_gpurings_block,
     ring_multi_gpuall_4_nodbr_mixed,
+    put_nodbr_emu_thread,
+    put_nodbr_emu_gpurings_thread,
+    put_nodbr_emu_gpurings_warp_partial,
+    put_nodbr_emu_gpurings_block,
+    ring_multi_gpuall_4_nodbr_emu_mixed,
     waits_warp_gpudb,
     waits_warp_partial_bf,
     waits_block_partial_proxy,

@@ -215,6 +215,10 @@ fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) 
                 dev.polled_doorbell.store(true, Ordering::Relaxed);
             }
             doorbell(dev, qp, sq, h, v);
+            if qp.takes_doorbells_out() && qp.take_half(h, v) {
+                // the next write, of any value, is a doorbell of its own
+                sq.last_half[h] = 0;
+            }
         }
     }
     let mut timed = false;

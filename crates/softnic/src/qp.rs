@@ -41,6 +41,8 @@ pub struct QpConfig {
     /// How producers ring: only [`DoorbellMode::BlueFlame`] makes the register take whole
     /// WQEs; every other mode rings with 8-byte doorbells. [`DoorbellMode::NoDbr`] puts the
     /// register of a private UAR page (`uar` `None`) at `prm::doorbell::DBR_LESS_OFFSET`.
+    /// [`DoorbellMode::NoDbrEmulated`] is an ordinary QP whose private register's doorbells
+    /// are taken out once read (see [`Qp::takes_doorbells_out`]).
     pub doorbell: DoorbellMode,
     /// SQ ring memory; allocated in host memory when `None`.
     pub sq_ring: Option<DmaBuf>,
@@ -719,6 +721,25 @@ impl Qp {
         self.uar
             .atomic_u64(self.bf_off + h * BF_HALF_SIZE)
             .load(Ordering::Acquire)
+    }
+
+    /// Whether the engine takes each doorbell out of the register once it has read it: a
+    /// [`DoorbellMode::NoDbrEmulated`] QP on a private register. Its producer rings twice
+    /// with one value by design (the kernel, then the host proxy after writing the record,
+    /// as GPUNetIO's software-emulated no-DBR mode does): a ConnectX takes each register
+    /// write as a doorbell, so the second one reaches it even when it lost the first; this
+    /// register is a word of memory, where the same value written again is no change.
+    pub(crate) fn takes_doorbells_out(&self) -> bool {
+        self.doorbell == DoorbellMode::NoDbrEmulated && !self.shared_uar
+    }
+
+    /// Takes doorbell value `v` out of BF half `h` (a compare-exchange to 0: a value written
+    /// since stays for the next look). Whether it was still there.
+    pub(crate) fn take_half(&self, h: usize, v: u64) -> bool {
+        self.uar
+            .atomic_u64(self.bf_off + h * BF_HALF_SIZE)
+            .compare_exchange(v, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
     }
 
     /// Applies a state transition.

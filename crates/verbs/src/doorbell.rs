@@ -23,6 +23,14 @@ pub enum DoorbellMode {
     /// producer index, to the page's DBR-less register (`prm::doorbell::DBR_LESS_OFFSET`); the
     /// device never reads the record's send word, and nobody writes it.
     NoDbr,
+    /// No doorbell record written by the producer, emulated in software for a device without
+    /// the no-DBR mode (DOCA GPUNetIO's `SEND_DBR_MODE_EXT_NO_DBR_SW_EMULATED`, for a
+    /// ConnectX-7 or older): the QP is an ordinary one, with a record. The producer stores
+    /// its 64-bit producer index into the CPU-proxy word and an 8-byte doorbell into the
+    /// ordinary register, never the record; a host proxy thread that sees the word change
+    /// stores the record's send word, a release fence, then the doorbell again, so a doorbell
+    /// the device lost is recovered from the record.
+    NoDbrEmulated,
 }
 
 impl DoorbellMode {
@@ -34,7 +42,14 @@ impl DoorbellMode {
             Self::BlueFlame => 1,
             Self::CpuProxy => 2,
             Self::NoDbr => 3,
+            Self::NoDbrEmulated => 4,
         }
+    }
+
+    /// Whether a host proxy thread keeps the QP's send doorbell record (and rings for it):
+    /// the producer publishes its index in the CPU-proxy word.
+    pub fn proxied(self) -> bool {
+        matches!(self, Self::CpuProxy | Self::NoDbrEmulated)
     }
 
     /// Whether the device's register takes whole WQEs.

@@ -29,7 +29,7 @@ typedef struct gpuverbs_qp {
     uint32_t qpn; /* QP number. */
     uint32_t scq_ncqe; /* Send CQ entries. */
     uint32_t rcq_ncqe; /* Receive CQ entries. */
-    uint32_t db_mode; /* Doorbell mode: 0 GPU doorbell, 1 BlueFlame, 2 CPU proxy, 3 no DBR (DBR-less register). */
+    uint32_t db_mode; /* Doorbell mode: 0 GPU doorbell, 1 BlueFlame, 2 CPU proxy, 3 no DBR (DBR-less register), 4 no DBR emulated (register + proxy word; a host thread keeps the record). */
     uint32_t ring_loc; /* Where rings and doorbells live: 0 host memory (system-scope ordering), 1 GPU memory. */
     uint32_t max_inline; /* Largest inline payload. */
     uint32_t scratch_lkey; /* lkey of `scratch`. */
@@ -106,8 +106,9 @@ GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, scq_cqn) == 264, "scq_cqn");
 GPUVERBS_STATIC_ASSERT(offsetof(gpuverbs_qp, rcq_cqn) == 268, "rcq_cqn");
 
 /* The layout's version; a descriptor carries it in `version`. */
-#define GPUVERBS_DESC_VERSION 0x2a023244u
+#define GPUVERBS_DESC_VERSION 0x4b30a12du
 #define GPUVERBS_DB_GPU_DOORBELL 0u
 #define GPUVERBS_DB_BLUEFLAME 1u
 #define GPUVERBS_DB_CPU_PROXY 2u
 #define GPUVERBS_DB_NO_DBR 3u
+#define GPUVERBS_DB_NO_DBR_EMULATED 4u

@@ -201,9 +201,12 @@ __device__ __forceinline__ void give_rung(gpuverbs_qp* q, uint64_t rung) {
 // modes; nothing in CPU-proxy mode, whose host thread writes the record itself, nor in no-DBR
 // mode: a QP made with send_dbr_mode NO_DBR_EXT has no send doorbell record, its device takes
 // the producer index from the doorbell value alone, as GPUNetIO's
-// doca_gpu_dev_verbs_submit_db_no_dbr does).
+// doca_gpu_dev_verbs_submit_db_no_dbr does; nor in emulated no-DBR mode, an ordinary QP whose
+// record a host proxy thread keeps from the producer word, GPUNetIO's
+// SEND_DBR_MODE_EXT_NO_DBR_SW_EMULATED).
 __device__ __forceinline__ bool has_record(uint32_t mode) {
-    return mode != GPUVERBS_DB_CPU_PROXY && mode != GPUVERBS_DB_NO_DBR;
+    return mode != GPUVERBS_DB_CPU_PROXY && mode != GPUVERBS_DB_NO_DBR &&
+           mode != GPUVERBS_DB_NO_DBR_EMULATED;
 }
 
 __device__ __forceinline__ void doorbell_record(const gpuverbs_qp& k, uint64_t pi) {
@@ -213,12 +216,15 @@ __device__ __forceinline__ void doorbell_record(const gpuverbs_qp& k, uint64_t p
 
 // The doorbell proper: the register store (GPU doorbell; no DBR, where `db_reg` is the
 // page's DBR-less register, UAR + 0x600, and the value's producer index is all the device
-// gets), the BlueFlame copy, or the CPU-proxy producer word.
+// gets), the BlueFlame copy, or the CPU-proxy producer word. Emulated no DBR: the producer
+// word first (the host proxy thread that reads it writes the record, a fence and the doorbell
+// again, so a doorbell the device lost is recovered from the record), then the 8-byte
+// doorbell to the ordinary register, never the record.
 __device__ __forceinline__ void doorbell_register(gpuverbs_qp* q, const gpuverbs_qp& k,
                                                   uint64_t pi, uint64_t at, const block* last) {
-    if (k.db_mode == GPUVERBS_DB_CPU_PROXY) {
+    if (k.db_mode == GPUVERBS_DB_CPU_PROXY || k.db_mode == GPUVERBS_DB_NO_DBR_EMULATED) {
         st_relaxed_sys64(reinterpret_cast<uint64_t*>(k.proxy_word), pi);
-        return;
+        if (k.db_mode == GPUVERBS_DB_CPU_PROXY) return;
     }
     uint8_t* const halves = reinterpret_cast<uint8_t*>(k.db_reg);
     // DOCA convention: {BE32(pi << 8), BE32(qpn << 8)}.

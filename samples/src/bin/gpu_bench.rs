@@ -185,7 +185,7 @@ fn setup(
     let src_mr = pa.register(&src)?;
     let dst_mr = pb.register_with(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
     let src_d = gpu.map_host(&src)?;
-    let proxy = if mode == DoorbellMode::CpuProxy && connect {
+    let proxy = if mode.proxied() && connect {
         Some(ProxyService::start(ProxyConfig::default())?)
     } else {
         None
@@ -566,6 +566,7 @@ fn db_name(m: DoorbellMode) -> &'static str {
         DoorbellMode::BlueFlame => "bf",
         DoorbellMode::CpuProxy => "proxy",
         DoorbellMode::NoDbr => "nodbr",
+        DoorbellMode::NoDbrEmulated => "nodbr-emu",
     }
 }
 

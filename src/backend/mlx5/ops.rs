@@ -175,7 +175,8 @@ impl Mlx5Pd {
             None => (DmaBuf::alloc(len), None),
         };
         let rec = match spec.gpu {
-            Some(g) if spec.doorbell != DoorbellMode::CpuProxy => g.ring_buffer(8)?,
+            // a host proxy thread writes the record of a proxied QP: host memory
+            Some(g) if !spec.doorbell.proxied() => g.ring_buffer(8)?,
             _ => DmaBuf::alloc(64),
         };
         self.0.create_devx_qp(

@@ -56,7 +56,7 @@ pub fn dc_ops(
     let export = gpu.export_qp(&dci)?;
     // the proxy thread rings for a CPU-proxy QP (the handle is not needed: the service,
     // dropped at the end, releases the target)
-    let _proxy = if mode == DoorbellMode::CpuProxy {
+    let _proxy = if mode.proxied() {
         let svc = ProxyService::start(ProxyConfig::default())?;
         let _handle = svc.add(ProxyTarget::for_qp(&dci)?)?;
         Some(svc)

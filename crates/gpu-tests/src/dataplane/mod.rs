@@ -120,6 +120,10 @@ pub struct PairSpec {
 
 /// Two soft devices with one connected RC QP pair; side A is exported to the GPU.
 pub struct Pair {
+    /// The proxy thread ringing for a CPU-proxy QP (or keeping an emulated no-DBR QP's
+    /// record): declared first, so it stops and lets its target go before the QPs are
+    /// destroyed.
+    _proxy: Option<ProxyService>,
     pub a: Context,
     pub qa: Qp,
     pub qb: Qp,
@@ -131,8 +135,6 @@ pub struct Pair {
     pub export: ExportedQp,
     pub gpu: Arc<Gpu>,
     _b: Context,
-    /// The proxy thread ringing for a CPU-proxy QP.
-    _proxy: Option<ProxyService>,
 }
 
 impl Pair {
@@ -223,7 +225,7 @@ impl Pair {
             ring_loc == want_loc,
             "descriptor ring_loc {ring_loc}, expected {want_loc}"
         );
-        let proxy = if mode == DoorbellMode::CpuProxy {
+        let proxy = if mode.proxied() {
             let svc = ProxyService::start(ProxyConfig::default())?;
             // The handle is not needed: the service (dropped with the pair) releases the target.
             let _handle = svc.add(ProxyTarget::for_qp(&qa)?)?;

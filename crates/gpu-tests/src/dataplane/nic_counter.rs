@@ -52,7 +52,7 @@ impl Companion {
         let pd = p.qa.pd();
         let qp = pd.create_companion(Some(&p.gpu), o)?;
         let export = p.gpu.export_qp(&qp)?;
-        let proxy = if mode == DoorbellMode::CpuProxy {
+        let proxy = if mode.proxied() {
             let svc = ProxyService::start(ProxyConfig::default())?;
             let _handle = svc.add(ProxyTarget::for_qp(&qp)?)?;
             Some(svc)

@@ -164,7 +164,18 @@ pub fn put_case(ordinal: usize, c: &PutCase) -> Result<String> {
 /// never stored it; on a ConnectX the record is GPU memory the host does not read here). Its
 /// rings on the GPU (`rings`): an rdma-core provider QP (host rings, provider CQs) cannot be
 /// no-DBR.
-pub fn put_no_dbr(ordinal: usize, rings: RingPlacement, scope: u32, skip: u32) -> Result<String> {
+///
+/// `DoorbellMode::NoDbrEmulated` (GPUNetIO's `NO_DBR_SW_EMULATED`): an ordinary QP the kernel
+/// rings at its ordinary register without the record, publishing its producer in the proxy
+/// word, while the pair's proxy thread keeps the record: the puts land and, on the soft NIC,
+/// the record's send word holds the last producer index (the proxy's) at the end.
+pub fn put_no_dbr(
+    ordinal: usize,
+    mode: DoorbellMode,
+    rings: RingPlacement,
+    scope: u32,
+    skip: u32,
+) -> Result<String> {
     let a = PutArgs {
         grid: 4,
         block: 64,
@@ -176,22 +187,23 @@ pub fn put_no_dbr(ordinal: usize, rings: RingPlacement, scope: u32, skip: u32) -
         budget_ns: BUDGET_NS,
     };
     let spec = PairSpec {
-        mode: DoorbellMode::NoDbr,
+        mode,
         bytes: (a.grid * a.block * a.iters * a.size) as usize,
         sq_blocks: 256,
         mem: Mem::Host,
         rings,
     };
     let p = Pair::with(ordinal, spec)?;
-    ensure!(
-        p.qa.doorbell().0 == DoorbellMode::NoDbr,
-        "mode {:?}",
-        p.qa.doorbell()
-    );
+    ensure!(p.qa.doorbell().0 == mode, "mode {:?}", p.qa.doorbell());
     let r = run_put(&p, &a)?;
     let Some(s) = p.qa.soft() else {
-        return Ok(format!("{r}; no DBR (record in GPU memory, not read)"));
+        return Ok(format!(
+            "{r}; {mode:?} (the device's record not read on mlx5)"
+        ));
     };
+    if mode == DoorbellMode::NoDbrEmulated {
+        return emulated_record(&p, s, r);
+    }
     ensure!(
         s.bf_offset() == gpuverbs::post::DBR_LESS_OFFSET,
         "register at {:#x}",
@@ -204,6 +216,35 @@ pub fn put_no_dbr(ordinal: usize, rings: RingPlacement, scope: u32, skip: u32) -
         "the send doorbell record was written: {rec:?}"
     );
     Ok(format!("{r}; no DBR, send record still 0"))
+}
+
+/// The soft NIC's view of an emulated no-DBR QP after its puts: an ordinary register, and a
+/// send record that the proxy (never the kernel) brought to the producer the kernel rang.
+fn emulated_record(p: &Pair, s: &gpuverbs::soft::raw::Qp, r: String) -> Result<String> {
+    ensure!(
+        s.bf_offset() == gpuverbs::post::BF_OFFSET,
+        "register at {:#x}",
+        s.bf_offset()
+    );
+    let rung = p.export.read()?.sq_rung;
+    let want = (rung & 0xffff) as u32;
+    // the proxy thread may still be on its way from the word to the record
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        let mut rec = [0u8; 8];
+        s.dbrec_page().read(s.dbrec_offset(), &mut rec);
+        let snd = u32::from_be_bytes([rec[4], rec[5], rec[6], rec[7]]);
+        if snd == want {
+            return Ok(format!(
+                "{r}; no DBR emulated, the proxy's send record = {snd} (producer {rung})"
+            ));
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the send record holds {snd}, the kernel rang {rung}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 /// A collapsed send CQ (every CQE in slot 0): the device API takes slot 0 whenever its last word

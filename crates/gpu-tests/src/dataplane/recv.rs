@@ -78,7 +78,7 @@ pub fn recv(
     let src_mr = pb.register(&src)?;
     let dst_mr = pa.register_with(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
     let (ea, eb) = (gpu.export_qp(&qa)?, gpu.export_qp(&qb)?);
-    let _proxy = if mode == DoorbellMode::CpuProxy {
+    let _proxy = if mode.proxied() {
         let svc = ProxyService::start(ProxyConfig::default())?;
         let _handle = svc.add(ProxyTarget::for_qp(&qb)?)?;
         Some(svc)
