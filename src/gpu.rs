@@ -648,3 +648,89 @@ impl ExportedQp {
         self.mem.write(0, bytemuck::bytes_of(desc))
     }
 }
+
+/// NCCL GIN's default width of a counter comparison (its counters carry 56 bits): the device
+/// API's `COUNTER_BITS`.
+pub const COUNTER_BITS: u32 = 56;
+/// GIN's default width of a signal comparison: the device API's `SIGNAL_BITS`.
+pub const SIGNAL_BITS: u32 = 64;
+
+/// The low `bits` bits set (`bits` 1..=64; 0 gives 0, more than 64 all): the device API's
+/// `rolling_mask`, what `read_signal(sig, bits)` and `read_counter(counter, bits)` keep.
+pub const fn rolling_mask(bits: u32) -> u64 {
+    if bits >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << bits) - 1
+    }
+}
+
+/// `a <= b` on a counter of `bits` bits that may wrap: `b` is at most 2^(bits-1) - 1 ahead of
+/// `a` modulo 2^bits (bits above `bits` ignored). The host's copy of the device API's
+/// `rolling_le` (`common.cuh`), the condition `wait_signal_rolling` and `wait_counter_rolling`
+/// wait for (`rolling_le(least, word, bits)`); NCCL GIN's rolling comparison
+/// (`nccl_device/utility.h` `rollingLessEq`, stated in `gin.h` above `readCounter`). Read a
+/// counter from the host ([`DeviceMem::read_counter`]) and compare it with this.
+pub const fn rolling_le(a: u64, b: u64, bits: u32) -> bool {
+    let m = rolling_mask(bits);
+    (b.wrapping_sub(a) & m) <= m >> 1
+}
+
+#[cfg(test)]
+mod rolling_tests {
+    use super::*;
+
+    #[test]
+    fn rolling_le_is_le_across_the_wrap() {
+        let top56 = (1u64 << 56) - 1;
+        // plain order away from the wrap, at every width
+        for bits in [8, 32, 56, 64] {
+            assert!(rolling_le(5, 5, bits));
+            assert!(rolling_le(5, 6, bits));
+            assert!(!rolling_le(6, 5, bits));
+            assert!(
+                rolling_le(0, rolling_mask(bits) >> 1, bits),
+                "half the range ahead"
+            );
+            assert!(
+                !rolling_le(0, (rolling_mask(bits) >> 1) + 1, bits),
+                "one more is behind"
+            );
+        }
+        // x <= x + 1 holds where x + 1 wraps to 0
+        assert!(rolling_le(top56, 0, 56));
+        assert!(rolling_le(top56 - 1, 3, 56));
+        assert!(!rolling_le(3, top56 - 1, 56));
+        assert!(rolling_le(u64::MAX - 1, 3, 64));
+        assert!(!rolling_le(3, u64::MAX - 1, 64));
+        // 56 bits: the bits above are ignored (a word with high bits set compares as its low 56)
+        assert!(rolling_le(top56 - 1, 0xab00_0000_0000_0003, 56));
+        assert!(!rolling_le(4, 0xab00_0000_0000_0003, 56));
+        // with 64 bits the high bits count: that word is more than half the range past 2^64 - 2
+        assert!(!rolling_le(u64::MAX - 1, 0xab00_0000_0000_0003, 64));
+        // a plain >= says otherwise at the wrap: what the rolling form is for
+        assert!(3 < u64::MAX - 1 && rolling_le(u64::MAX - 1, 3, 64));
+    }
+
+    #[test]
+    fn rolling_le_matches_the_definition_on_every_pair_of_a_small_width() {
+        // 4 bits: b is "at or after" a when (b - a) mod 16 is 0..=7
+        for a in 0..16u64 {
+            for b in 0..16u64 {
+                let d = (b + 16 - a) % 16;
+                assert_eq!(rolling_le(a, b, 4), d <= 7, "a {a} b {b}");
+                // the high bits of either operand change nothing
+                assert_eq!(rolling_le(a | 0x50, b | 0xa0, 4), d <= 7);
+            }
+        }
+    }
+
+    #[test]
+    fn masks() {
+        assert_eq!(rolling_mask(0), 0);
+        assert_eq!(rolling_mask(1), 1);
+        assert_eq!(rolling_mask(56), 0x00ff_ffff_ffff_ffff);
+        assert_eq!(rolling_mask(64), u64::MAX);
+        assert_eq!(rolling_mask(65), u64::MAX);
+    }
+}

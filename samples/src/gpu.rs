@@ -152,10 +152,7 @@ impl Exports {
         for q in qps {
             out.push(gpu.export_qp(q).context("export a QP to the GPU")?);
         }
-        let proxied: Vec<&&Qp> = qps
-            .iter()
-            .filter(|q| q.doorbell().0.proxied())
-            .collect();
+        let proxied: Vec<&&Qp> = qps.iter().filter(|q| q.doorbell().0.proxied()).collect();
         let proxy = if proxied.is_empty() {
             None
         } else {

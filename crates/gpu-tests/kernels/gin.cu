@@ -443,3 +443,42 @@ GPUVERBS_KERNEL void gv_test_scope_waits(gpuverbs_qp* q, uint64_t l, uint32_t lk
     __threadfence_system();
     gin_tests::report(out, s, e);
 }
+
+// NCCL GIN's rolling comparison on the device: cmp[i] = rolling_le(a[i], b[i], bits[i]) for
+// i < n (thread i), then thread 0 waits on two local words across a wrap: `w` holds a counter
+// that wrapped (the host stores 3), `hi` one whose bits above 56 are set (the host stores
+// 0xab00_0000_0000_0003). out[k] (8 bytes each): 0/1 status and seen of
+// wait_signal_rolling(w, 2^56 - 2, 56) (OK); 2/3 wait_signal_rolling(w, 2^64 - 2, 64) (OK);
+// 4/5 wait_signal_rolling(w, 4, 56) with `short_ns` (TIMEOUT); 6 wait_signal_rolling(w, 0, 0)
+// (INVALID); 7 wait_signal_rolling(w, 0, 65) (INVALID); 8/9 wait_signal_rolling(hi, 2^56 - 2,
+// 56) (OK: the bits above 56 are ignored); 10 read_signal(hi, 56); 11 read_counter(hi, 8);
+// 12/13 wait_counter_rolling(q, w, 2^56 - 2, COUNTER_BITS) (OK, `q` polled, nothing posted);
+// 14/15 wait_counter_rolling(q, w, 4, 56) with `short_ns` (TIMEOUT).
+GPUVERBS_KERNEL void gv_test_rolling(gpuverbs_qp* q, const uint64_t* a, const uint64_t* b,
+                                     const uint32_t* bits, uint32_t n, uint32_t* cmp,
+                                     const uint64_t* w, const uint64_t* hi, uint64_t budget,
+                                     uint64_t short_ns, uint64_t* out) {
+    using namespace gpuverbs;
+    const uint32_t t = threadIdx.x;
+    if (t < n) cmp[t] = rolling_le(a[t], b[t], bits[t]) ? 1u : 0u;
+    if (t != 0) return;
+    const uint64_t top56 = (1ull << 56) - 2;
+    uint64_t seen = 0;
+    out[0] = wait_signal_rolling(w, top56, 56, budget, &seen);
+    out[1] = seen;
+    out[2] = wait_signal_rolling(w, ~0ull - 1, 64, budget, &seen);
+    out[3] = seen;
+    out[4] = wait_signal_rolling(w, 4, 56, short_ns, &seen);
+    out[5] = seen;
+    out[6] = wait_signal_rolling(w, 0, 0, budget);
+    out[7] = wait_signal_rolling(w, 0, 65, budget);
+    out[8] = wait_signal_rolling(hi, top56, 56, budget, &seen);
+    out[9] = seen;
+    out[10] = read_signal(hi, 56);
+    out[11] = read_counter(hi, 8);
+    error e{};
+    out[12] = wait_counter_rolling(q, w, top56, COUNTER_BITS, budget, &e, &seen);
+    out[13] = seen;
+    out[14] = wait_counter_rolling(q, w, 4, 56, short_ns, &e, &seen);
+    out[15] = seen;
+}

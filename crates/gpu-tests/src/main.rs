@@ -304,6 +304,12 @@ fn ring_multi_gpuall_4_nodbr_emu_mixed(ctx: &Ctx) -> Result<String> {
     dataplane::ring_multi(ctx.ordinal, &modes, Mem::Gpu, GpuRings)
 }
 
+// NCCL GIN's rolling comparison of signals and counters (no traffic: the waits on words the
+// host set across a wrap)
+fn gin_rolling(ctx: &Ctx) -> Result<String> {
+    dataplane::rolling(ctx.ordinal)
+}
+
 fn counter_error(ctx: &Ctx) -> Result<String> {
     dataplane::counter_error(ctx.ordinal)
 }
@@ -438,6 +444,7 @@ const CASES: &[Case] = cases![
     scopes_block_partial_bf,
     scopes_block_partial_proxy,
     gin_gpudb,
+    gin_rolling,
     gin_bf,
     gin_proxy,
     counted_thread_gpudb,

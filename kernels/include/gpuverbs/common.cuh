@@ -8,6 +8,43 @@
 #include <stdint.h>
 #include "desc.h"
 
+// ------------------------------------------------------------------------------------------
+// Rolling comparison (host and device: plain C++ outside nvcc too)
+// ------------------------------------------------------------------------------------------
+
+#if defined(__CUDACC__)
+#define GPUVERBS_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define GPUVERBS_HOST_DEVICE inline
+#endif
+
+namespace gpuverbs {
+
+// NCCL GIN's default widths (nccl_device/gin.h): signals compare all 64 bits, counters 56.
+constexpr uint32_t SIGNAL_BITS = 64;
+constexpr uint32_t COUNTER_BITS = 56;
+
+// The low `bits` bits set (`bits` 1..64; 0 gives 0, more than 64 all).
+GPUVERBS_HOST_DEVICE constexpr uint64_t rolling_mask(uint32_t bits) {
+    return bits >= 64 ? ~0ull : (1ull << bits) - 1;
+}
+
+// Whether a width is one the rolling calls take (1..64).
+GPUVERBS_HOST_DEVICE constexpr bool rolling_bits_ok(uint32_t bits) {
+    return bits >= 1 && bits <= 64;
+}
+
+// `a <= b` on a counter of `bits` bits that may wrap: b is at most half the counter's range
+// (2^(bits-1) - 1) ahead of a, modulo 2^bits, so x <= x + 1 holds across the wrap. NCCL GIN's
+// rolling comparison (nccl_device/utility.h rollingLessEq, the rule stated in gin.h above
+// readCounter): its waits end once the value they wait for is rolling-less-or-equal to the
+// word. Bits above `bits` of either operand are ignored.
+GPUVERBS_HOST_DEVICE constexpr bool rolling_le(uint64_t a, uint64_t b, uint32_t bits) {
+    return ((b - a) & rolling_mask(bits)) <= (rolling_mask(bits) >> 1);
+}
+
+}  // namespace gpuverbs
+
 #if defined(__CUDACC__)
 
 namespace gpuverbs {

@@ -291,16 +291,16 @@ __device__ status signal_counter_block(gpuverbs_qp* q, bool participate, uint64_
 // retired everything it was given) or the budget ran out: `*err` is `q`'s error when it has
 // one (the counted WQE that failed), else the companion's. GIN's waitCounter. Read the counter
 // alone with read_counter, set it with reset_counter (onesided.cuh).
-template <sharing S = sharing::gpu>
-__device__ status wait_counter(gpuverbs_qp* q, gpuverbs_qp* cp, const uint64_t* counter,
-                               uint64_t value, uint64_t budget_ns, error* err = nullptr,
-                               uint64_t* seen = nullptr) {
+template <sharing S, typename Reached>
+__device__ status wait_counter_until(gpuverbs_qp* q, gpuverbs_qp* cp, const uint64_t* counter,
+                                     Reached reached, uint64_t budget_ns, error* err,
+                                     uint64_t* seen) {
     if (q == nullptr || cp == nullptr || q == cp) return INVALID;
     call_clock c(budget_ns);
     c.start();
     for (;;) {
         uint64_t v = ld_acquire_sys64(counter);
-        if (v >= value) {
+        if (reached(v)) {
             if (seen) *seen = v;
             return OK;
         }
@@ -315,7 +315,7 @@ __device__ status wait_counter(gpuverbs_qp* q, gpuverbs_qp* cp, const uint64_t* 
         if (failed && (stopped || out)) {
             v = ld_acquire_sys64(counter);
             if (seen) *seen = v;
-            if (v >= value) return OK;
+            if (reached(v)) return OK;
             if (err) *err = sq == ERROR_CQE ? last_error(q) : last_error(cp);
             return ERROR_CQE;
         }
@@ -324,6 +324,29 @@ __device__ status wait_counter(gpuverbs_qp* q, gpuverbs_qp* cp, const uint64_t* 
             return TIMEOUT;
         }
     }
+}
+
+template <sharing S = sharing::gpu>
+__device__ status wait_counter(gpuverbs_qp* q, gpuverbs_qp* cp, const uint64_t* counter,
+                               uint64_t value, uint64_t budget_ns, error* err = nullptr,
+                               uint64_t* seen = nullptr) {
+    return wait_counter_until<S>(
+        q, cp, counter, [value](uint64_t v) { return v >= value; }, budget_ns, err, seen);
+}
+
+// `wait_counter` of a NIC-moved counter with NCCL GIN's rolling comparison of `bits` bits
+// (waitCounter(coop, counter, least, bits = 56)): waits until rolling_le(least, counter, bits).
+// `*seen` is masked to `bits`. INVALID unless 1 <= bits <= 64.
+template <sharing S = sharing::gpu>
+__device__ status wait_counter_rolling(gpuverbs_qp* q, gpuverbs_qp* cp, const uint64_t* counter,
+                                       uint64_t least, uint32_t bits, uint64_t budget_ns,
+                                       error* err = nullptr, uint64_t* seen = nullptr) {
+    if (!rolling_bits_ok(bits)) return INVALID;
+    const status s = wait_counter_until<S>(
+        q, cp, counter, [least, bits](uint64_t v) { return rolling_le(least, v, bits); },
+        budget_ns, err, seen);
+    if (seen) *seen &= rolling_mask(bits);
+    return s;
 }
 
 }  // namespace gpuverbs

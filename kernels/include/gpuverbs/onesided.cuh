@@ -2,9 +2,9 @@
 //
 // High-level operations at thread scope: put, put_imm, put_inline, put_value, put_signal,
 // put_signal_set, signal, signal_set, send, send_inline, get, get_wait, atomics; wait_signal,
-// read_signal, reset_signal; counted calls (put_counted, get_counted, put_signal_counted,
-// put_signal_set_counted) with read_counter, wait_counter, reset_counter; quiet, flush,
-// flush_all, wait_ticket, fence.
+// wait_signal_rolling, read_signal, reset_signal; counted calls (put_counted, get_counted,
+// put_signal_counted, put_signal_set_counted) with read_counter, wait_counter,
+// wait_counter_rolling, reset_counter; quiet, flush, flush_all, wait_ticket, fence.
 #ifndef GPUVERBS_ONESIDED_CUH
 #define GPUVERBS_ONESIDED_CUH
 
@@ -528,6 +528,11 @@ __device__ __forceinline__ uint64_t read_counter(const uint64_t* counter) {
     return ld_acquire_sys64(counter);
 }
 
+// Its low `bits` bits (GIN's readCounter(counter, bits), whose default is COUNTER_BITS, 56).
+__device__ __forceinline__ uint64_t read_counter(const uint64_t* counter, uint32_t bits) {
+    return ld_acquire_sys64(counter) & rolling_mask(bits);
+}
+
 // Sets the counter to `value` (0: GIN's resetCounter), release at system scope. Reset it when
 // no counted WQE naming it is in flight (the poll path's add and this store are not one
 // atomic step).
@@ -540,31 +545,55 @@ __device__ __forceinline__ void reset_counter(uint64_t* counter, uint64_t value 
 // value read), TIMEOUT, or ERROR_CQE (with `*err`) once the QP has recorded an error and the
 // counter is still short: CQEs come in order, so every counted WQE before the failed one has
 // already moved it, and the failed one and those after it never will.
-template <sharing S = sharing::gpu>
-__device__ status wait_counter(gpuverbs_qp* qp, const uint64_t* counter, uint64_t value,
-                               uint64_t budget_ns, error* err = nullptr,
-                               uint64_t* seen = nullptr) {
+// `wait_counter` with the condition `reached(v)` on the value read.
+template <sharing S, typename Reached>
+__device__ status wait_counter_until(gpuverbs_qp* qp, const uint64_t* counter, Reached reached,
+                                     uint64_t budget_ns, error* err, uint64_t* seen) {
     return on_copy<S>(qp, [&](gpuverbs_qp* q) -> status {
         call_clock c(budget_ns);
         c.start();
         for (;;) {
             uint64_t v = ld_acquire_sys64(counter);
-            if (v < value) {
+            if (!reached(v)) {
                 const status s = scq_progress<S>(q);
                 if (s == BUSY) return s;
                 if (s == ERROR_CQE) v = ld_acquire_sys64(counter);  // moved by this poll?
-                if (v < value && s == ERROR_CQE) {
+                if (!reached(v) && s == ERROR_CQE) {
                     if (seen) *seen = v;
                     if (err) *err = last_error(q);
                     return ERROR_CQE;
                 }
             }
-            if (v >= value || c.expired()) {
+            if (reached(v) || c.expired()) {
                 if (seen) *seen = v;
-                return v >= value ? OK : TIMEOUT;
+                return reached(v) ? OK : TIMEOUT;
             }
         }
     });
+}
+
+template <sharing S = sharing::gpu>
+__device__ status wait_counter(gpuverbs_qp* qp, const uint64_t* counter, uint64_t value,
+                               uint64_t budget_ns, error* err = nullptr,
+                               uint64_t* seen = nullptr) {
+    return wait_counter_until<S>(
+        qp, counter, [value](uint64_t v) { return v >= value; }, budget_ns, err, seen);
+}
+
+// `wait_counter` with NCCL GIN's rolling comparison of `bits` bits (its waitCounter(coop,
+// counter, least, bits = 56)): waits until rolling_le(least, counter, bits), so a counter that
+// wrapped past 2^bits still reaches `least`. `*seen`: the last value read, masked to `bits`.
+// INVALID (nothing waited for) unless 1 <= bits <= 64.
+template <sharing S = sharing::gpu>
+__device__ status wait_counter_rolling(gpuverbs_qp* qp, const uint64_t* counter, uint64_t least,
+                                       uint32_t bits, uint64_t budget_ns, error* err = nullptr,
+                                       uint64_t* seen = nullptr) {
+    if (!rolling_bits_ok(bits)) return INVALID;
+    const status s = wait_counter_until<S>(
+        qp, counter, [least, bits](uint64_t v) { return rolling_le(least, v, bits); },
+        budget_ns, err, seen);
+    if (seen) *seen &= rolling_mask(bits);
+    return s;
 }
 
 // The old value a 4-byte atomic left at `result` (big-endian there), in host order.
@@ -580,14 +609,15 @@ __device__ status fence(gpuverbs_qp* q, uint64_t budget_ns) {
     });
 }
 
-// Waits (acquire, system scope) until the local 8-byte signal word reaches `value`; `*seen`
-// (when given) gets the last value read. OK or TIMEOUT.
-__device__ __forceinline__ status wait_signal(const uint64_t* sig, uint64_t value,
-                                              uint64_t budget_ns, uint64_t* seen = nullptr) {
+// Waits (acquire, system scope) until `reached(*sig)`; `*seen` (when given) gets the last value
+// read. OK or TIMEOUT.
+template <typename Reached>
+__device__ __forceinline__ status wait_signal_until(const uint64_t* sig, Reached reached,
+                                                    uint64_t budget_ns, uint64_t* seen) {
     uint64_t deadline = now_ns() + budget_ns;
     uint64_t v;
     status s = OK;
-    while ((v = ld_acquire_sys64(sig)) < value) {
+    while (!reached(v = ld_acquire_sys64(sig))) {
         if (now_ns() > deadline) {
             s = TIMEOUT;
             break;
@@ -597,10 +627,36 @@ __device__ __forceinline__ status wait_signal(const uint64_t* sig, uint64_t valu
     return s;
 }
 
+// Waits (acquire, system scope) until the local 8-byte signal word reaches `value`; `*seen`
+// (when given) gets the last value read. OK or TIMEOUT.
+__device__ __forceinline__ status wait_signal(const uint64_t* sig, uint64_t value,
+                                              uint64_t budget_ns, uint64_t* seen = nullptr) {
+    return wait_signal_until(sig, [value](uint64_t v) { return v >= value; }, budget_ns, seen);
+}
+
+// Waits until rolling_le(least, *sig, bits): NCCL GIN's waitSignal(coop, signal, least, bits),
+// whose comparison is rolling (a word that wrapped past 2^bits still reaches `least`; bits
+// above `bits` are ignored). `*seen`: the last value read, masked to `bits`. OK, TIMEOUT, or
+// INVALID (nothing waited for) unless 1 <= bits <= 64.
+__device__ __forceinline__ status wait_signal_rolling(const uint64_t* sig, uint64_t least,
+                                                      uint32_t bits, uint64_t budget_ns,
+                                                      uint64_t* seen = nullptr) {
+    if (!rolling_bits_ok(bits)) return INVALID;
+    const status s = wait_signal_until(
+        sig, [least, bits](uint64_t v) { return rolling_le(least, v, bits); }, budget_ns, seen);
+    if (seen) *seen &= rolling_mask(bits);
+    return s;
+}
+
 // The local 8-byte signal word now (acquire, system scope: what the signal's sender wrote
 // before it, and the NIC placed, is visible after it). NCCL GIN's readSignal.
 __device__ __forceinline__ uint64_t read_signal(const uint64_t* sig) {
     return ld_acquire_sys64(sig);
+}
+
+// Its low `bits` bits: GIN's readSignal(signal, bits) ("all but bottom bits set to zero").
+__device__ __forceinline__ uint64_t read_signal(const uint64_t* sig, uint32_t bits) {
+    return ld_acquire_sys64(sig) & rolling_mask(bits);
 }
 
 // Sets the local 8-byte signal word to `value` (0: GIN's resetSignal) with a system-scope

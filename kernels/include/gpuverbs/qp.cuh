@@ -13,10 +13,11 @@
 //               (4 bytes; atomic_result32 reads their big-endian old value),
 //               atomic_masked_fetch_add, atomic_masked_compare_swap (8 bytes),
 //               atomic_masked_fetch_add32, atomic_masked_compare_swap32 (4 bytes);
-//               wait_signal, read_signal, reset_signal (a local signal word);
+//               wait_signal, wait_signal_rolling, read_signal, reset_signal (a local
+//               signal word; the rolling wait is NCCL GIN's comparison modulo 2^bits);
 //               counted calls (a local completion counter moved by the CQ poll path):
 //               put_counted, get_counted, put_signal_counted, put_signal_set_counted, with
-//               read_counter, wait_counter, reset_counter;
+//               read_counter, wait_counter, wait_counter_rolling, reset_counter;
 //               quiet, flush, flush_all (several QPs), wait_ticket, fence;
 //               warp scope (`*_warp`) and block scope (`*_block`) of put, get, signal,
 //               signal_set, put_signal, put_signal_set, every atomic above, the counted

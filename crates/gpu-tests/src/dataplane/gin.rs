@@ -577,6 +577,125 @@ pub fn scope_waits(
     ))
 }
 
+/// NCCL GIN's rolling comparison on the device (`gv_test_rolling`): `rolling_le` over a table
+/// of pairs at widths 4 to 64 around each wrap must agree with the host's copy
+/// (`gpuverbs::gpu::rolling_le`); `wait_signal_rolling` and `wait_counter_rolling` (on an
+/// exported QP with nothing posted) end OK on words that wrapped past 2^56 and 2^64, time out
+/// on one that is short, refuse widths 0 and 65, ignore bits above the width; `read_signal` and
+/// `read_counter` with a width mask.
+pub fn rolling(ordinal: usize) -> Result<String> {
+    use gpuverbs::gpu::{rolling_le, COUNTER_BITS};
+    let p = Pair::new(ordinal, DoorbellMode::GpuDoorbell, 4096, 64)?;
+    let gpu = p.gpu.clone();
+    let mut table: Vec<(u64, u64, u32)> = Vec::new();
+    for bits in [4u32, 8, 32, 56, 63, 64] {
+        let m = gpuverbs::gpu::rolling_mask(bits);
+        for (a, b) in [
+            (0, 0),
+            (1, 0),
+            (m, 0),
+            (m - 1, 2),
+            (2, m - 1),
+            (0, m >> 1),
+            (0, (m >> 1) + 1),
+            (m >> 1, 0),
+            (0xab00_0000_0000_0003, 0x1200_0000_0000_0004),
+        ] {
+            table.push((a, b, bits));
+        }
+    }
+    let n = table.len();
+    ensure!(n <= 64, "one thread per pair");
+    let bytes = |v: Vec<u8>| -> Result<gpuverbs::gpu::DeviceMem> {
+        let m = gpu.alloc(v.len().max(8))?;
+        m.write(0, &v)?;
+        Ok(m)
+    };
+    let da = bytes(table.iter().flat_map(|t| t.0.to_ne_bytes()).collect())?;
+    let db = bytes(table.iter().flat_map(|t| t.1.to_ne_bytes()).collect())?;
+    let dbits = bytes(table.iter().flat_map(|t| t.2.to_ne_bytes()).collect())?;
+    let cmp = bytes(vec![0xffu8; 4 * n])?;
+    let w = bytes(3u64.to_ne_bytes().to_vec())?;
+    let hi = bytes(0xab00_0000_0000_0003u64.to_ne_bytes().to_vec())?;
+    let out = bytes(vec![0u8; 16 * 8])?;
+    let (mut q, mut a, mut b, mut bits, mut n_, mut c) = (
+        p.export.ptr(),
+        da.ptr(),
+        db.ptr(),
+        dbits.ptr(),
+        n as u32,
+        cmp.ptr(),
+    );
+    let (mut w_, mut hi_, mut budget, mut short, mut o) =
+        (w.ptr(), hi.ptr(), BUDGET_NS, 2_000_000u64, out.ptr());
+    let mut params = [
+        arg(&mut q),
+        arg(&mut a),
+        arg(&mut b),
+        arg(&mut bits),
+        arg(&mut n_),
+        arg(&mut c),
+        arg(&mut w_),
+        arg(&mut hi_),
+        arg(&mut budget),
+        arg(&mut short),
+        arg(&mut o),
+    ];
+    // SAFETY: parameters match gv_test_rolling; every pointer is a live allocation of this
+    // GPU sized as the kernel reads and writes it (n pairs, 16 result words).
+    unsafe { super::launch_own(&gpu, "gv_test_rolling", (1, 1, 1), (64, 1, 1), &mut params)? };
+    let mut got = vec![0u8; 4 * n];
+    cmp.read(0, &mut got)?;
+    for (i, &(a, b, bits)) in table.iter().enumerate() {
+        let dev = u32::from_ne_bytes(got[4 * i..4 * i + 4].try_into()?);
+        let want = u32::from(rolling_le(a, b, bits));
+        ensure!(
+            dev == want,
+            "rolling_le({a:#x}, {b:#x}, {bits}): device {dev}, host {want}"
+        );
+    }
+    let mut o = [0u8; 16 * 8];
+    out.read(0, &mut o)?;
+    let r: Vec<u64> = o
+        .chunks(8)
+        .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    let (ok, timeout, invalid) = (0u64, 2u64, 3u64);
+    let want = [
+        (0, ok, "wait_signal_rolling(w, 2^56 - 2, 56)"),
+        (2, ok, "wait_signal_rolling(w, 2^64 - 2, 64)"),
+        (4, timeout, "wait_signal_rolling(w, 4, 56)"),
+        (6, invalid, "wait_signal_rolling(bits 0)"),
+        (7, invalid, "wait_signal_rolling(bits 65)"),
+        (8, ok, "wait_signal_rolling(hi, 2^56 - 2, 56)"),
+        (12, ok, "wait_counter_rolling(q, w, 2^56 - 2, COUNTER_BITS)"),
+        (14, timeout, "wait_counter_rolling(q, w, 4, 56)"),
+    ];
+    for (k, s, what) in want {
+        ensure!(
+            r[k] == s,
+            "{what}: {} (want {})",
+            super::status_name(r[k] as i32),
+            super::status_name(s as i32)
+        );
+    }
+    ensure!(
+        r[1] == 3 && r[3] == 3 && r[5] == 3 && r[9] == 3 && r[13] == 3 && r[15] == 3,
+        "seen values {r:?}"
+    );
+    ensure!(
+        r[10] == 3 && r[11] == 3,
+        "masked reads {:#x} {:#x}",
+        r[10],
+        r[11]
+    );
+    ensure!(COUNTER_BITS == 56);
+    Ok(format!(
+        "rolling_le agrees with the host on {n} pairs (widths 4..64, across each wrap); waits \
+         across the 56- and 64-bit wraps OK, a short one TIMEOUT, widths 0 and 65 INVALID"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::masked_add;

@@ -11,7 +11,7 @@ mod sharing;
 mod status;
 
 pub use dc::dc_ops;
-pub use gin::{counted, counter_error, gin, scope_waits, scopes};
+pub use gin::{counted, counter_error, gin, rolling, scope_waits, scopes};
 pub use nic_counter::{gpunetio_counter, nic_counter_error, nic_counters};
 pub use ops::{
     bad_rkey, dropped_doorbell_timeout, ops, recover_after_error, recover_in_place, wait_signal,
