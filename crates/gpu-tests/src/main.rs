@@ -40,7 +40,7 @@ mod dataplane;
 mod devmem;
 
 use dataplane::{Mem, PutArgs, PutCase, RecvCase};
-use gpuverbs::DoorbellMode::{BlueFlame, CpuProxy, GpuDoorbell, NoDbr, NoDbrEmulated};
+use gpuverbs::DoorbellMode::{Auto, BlueFlame, CpuProxy, GpuDoorbell, NoDbr, NoDbrEmulated};
 use gpuverbs::RingPlacement::{self, Gpu as GpuRings, HostMapped};
 
 macro_rules! put_cases {
@@ -91,6 +91,10 @@ put_cases! {
     // RingPlacement::Auto: GPU rings on a ConnectX, host rings on the soft NIC
     put_autorings_thread_gpudb: GpuDoorbell, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256, mem Mem::Host, rings RingPlacement::Auto;
     put_autorings_warp_partial_bf: BlueFlame, grid 2, block 64, scope 1, skip 3, size 128, iters 8, signal 1, sq 256, mem Mem::Host, rings RingPlacement::Auto;
+    // DoorbellMode::Auto: BlueFlame for GPU rings on the soft NIC, a GPU doorbell otherwise
+    put_gpurings_warp_partial_autodb: Auto, grid 2, block 64, scope 1, skip 3, size 128, iters 8, signal 1, sq 256, mem Mem::Host, rings GpuRings;
+    put_gpurings_thread_autodb: Auto, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256, mem Mem::Host, rings GpuRings;
+    put_autorings_block_autodb: Auto, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512, mem Mem::Host, rings RingPlacement::Auto;
     // both
     put_gpuall_thread_gpudb: GpuDoorbell, grid 4, block 64, scope 0, skip 0, size 64, iters 8, signal 4, sq 256, mem Mem::Gpu, rings GpuRings;
     put_gpuall_block_proxy: CpuProxy, grid 3, block 96, scope 2, skip 0, size 32, iters 4, signal 1, sq 512, mem Mem::Gpu, rings GpuRings;
@@ -488,6 +492,9 @@ const CASES: &[Case] = cases![
     bad_rkey_gpurings,
     put_autorings_thread_gpudb,
     put_autorings_warp_partial_bf,
+    put_gpurings_warp_partial_autodb,
+    put_gpurings_thread_autodb,
+    put_autorings_block_autodb,
     put_gpuall_thread_gpudb,
     put_gpuall_block_proxy,
     ops_gpuall_bf,

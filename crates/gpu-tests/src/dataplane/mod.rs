@@ -201,6 +201,21 @@ impl Pair {
             cqa.placement(),
             cqa.placement_reason()
         );
+        // Auto doorbell: BlueFlame for GPU rings on the soft NIC (its engine would copy each
+        // WQE out of GPU memory), a GPU doorbell otherwise
+        if mode == DoorbellMode::Auto {
+            let soft = a.selection().kind == gpuverbs::device::BackendKind::Soft;
+            let want = if soft && rings == RingPlacement::Gpu {
+                DoorbellMode::BlueFlame
+            } else {
+                DoorbellMode::GpuDoorbell
+            };
+            let (got, why) = qa.doorbell();
+            ensure!(
+                got == want,
+                "auto doorbell {got:?} ({why}), expected {want:?}"
+            );
+        }
         let qb = pb.create_qp(QpOptions::new(&cqb, &cqb))?;
         let remote = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
         connect_both(&qa, &qb, remote)?;
