@@ -245,6 +245,63 @@ GPUVERBS_DEVICE uint64_t atomic_base(uint64_t j) {
 constexpr uint32_t MAX_OUTS = 256;
 }  // namespace samples
 
+namespace samples {
+// One warp call of the warp-scope verb loop: this lane's WQE of iteration `i` (READ 1, FETCH_AND_ADD
+// 3, CMP_AND_SWAP 4, as gv_sample_verb_bw's thread loop posts them), signaled.
+GPUVERBS_DEVICE gpuverbs::status verb_warp_call(gpuverbs_qp* q, const bw_job& job, uint32_t verb,
+                                                uint32_t size, uint64_t i, uint64_t base,
+                                                uint64_t budget) {
+    using namespace gpuverbs;
+    const uint64_t src = ((i + job.src_shift) % job.src_slots) * size;
+    const uint64_t dst = (i % job.dst_slots) * size;
+    const uint64_t result = job.lbase + i % job.dst_slots * 8;
+    switch (verb) {
+        case 1:
+            return get_warp(q, job.lbase + dst, lkey{job.lkey}, job.rbase + src, rkey{job.rkey},
+                            size, true, budget);
+        case 3:
+            return atomic_fetch_add_warp(q, job.rbase, rkey{job.rkey}, 1, result, lkey{job.lkey},
+                                         budget);
+        case 4:
+            return atomic_compare_swap_warp(q, job.rbase, rkey{job.rkey}, base + i, base + i + 1,
+                                            result, lkey{job.lkey}, budget);
+        default:
+            return INVALID;
+    }
+}
+
+// The warp-scope verb loop (READ and atomics): lane l posts iterations 32 r + l in call r, the
+// lanes' WQEs in lane order under one reservation, one release and one doorbell, the last one
+// signaled (so one CQE per call). `outs` counts WQEs in flight in whole calls: before call r the
+// warp waits until call r - ceil(outs / 32) has completed (lane 0, whose iteration is the
+// call's first, is in every call and keeps the tickets).
+GPUVERBS_DEVICE gpuverbs::status verb_warp_loop(gpuverbs_qp* q, const bw_job& job, uint32_t verb,
+                                                uint32_t size, const duration_ctl& d,
+                                                uint32_t outs, uint64_t budget,
+                                                gpuverbs::error* e) {
+    using namespace gpuverbs;
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t calls_out = (outs + 31) / 32;
+    uint64_t tickets[MAX_OUTS / 32];
+    const uint64_t base = atomic_base(job.src_shift);
+    status s = OK;
+    for (uint64_t r = 0;; ++r) {
+        const uint64_t i = r * 32 + lane;
+        if (!d.go(i)) break;
+        const uint32_t mask = __activemask();
+        if (lane == 0 && calls_out != 0 && r >= calls_out) {
+            s = wait_ticket(q, tickets[r % calls_out], budget, e);
+        }
+        s = (status)__shfl_sync(mask, (int)s, 0);
+        if (s != OK) break;
+        s = verb_warp_call(q, job, verb, size, i, base, budget);
+        if (lane == 0 && calls_out != 0) tickets[r % calls_out] = state_load<sharing::gpu>(&q->sq_ready);
+        if (s != OK) break;
+    }
+    return s;
+}
+}  // namespace samples
+
 // read_bw, send_bw, atomic_bw: one thread (CTA `j`, thread 0) per job `j`, exclusive on its QP.
 // `verb`: 1 READ (iteration i reads source slot (i + shift) % src_slots of the target, at
 // `rbase`, into destination slot i % dst_slots at `lbase`), 2 SEND (source slot (i + shift) %
@@ -257,13 +314,35 @@ constexpr uint32_t MAX_OUTS = 256;
 // signaled WQE at or after it is posted). `inl` (SEND): send_inline from the source slot at
 // `src_dev`. `ctl`, `duration_ns` as gv_sample_put_bw's. `times[2j]`, `times[2j+1]`:
 // %globaltimer at the start and after the final quiet. Every wait is bounded by `budget` ns.
+// With 32 threads per CTA (warp scope; READ and atomics), the CTA's warp posts instead
+// (samples::verb_warp_loop) and its lane 0 quiets.
 GPUVERBS_KERNEL void gv_sample_verb_bw(const samples::bw_job* jobs, uint32_t njobs, uint32_t verb,
                                        uint32_t size, uint32_t iters, uint32_t sig_calls,
                                        uint32_t outs, uint32_t inl, unsigned long long* ctl,
                                        uint64_t duration_ns, uint64_t budget, int* out,
                                        uint64_t* times) {
     using namespace gpuverbs;
-    if (threadIdx.x != 0 || blockIdx.x >= njobs) return;
+    if (blockIdx.x >= njobs) return;
+    if (blockDim.x == 32) {
+        const uint32_t j = blockIdx.x;
+        if (threadIdx.x == 0) times[2 * j] = now_ns();
+        __syncwarp();
+        const samples::duration_ctl d(ctl, duration_ns, iters);
+        error e{};
+        status s = samples::verb_warp_loop(jobs[j].qp, jobs[j], verb, size, d,
+                                           outs > samples::MAX_OUTS ? samples::MAX_OUTS : outs,
+                                           budget, &e);
+        if (s == ERROR_CQE) e = last_error(jobs[j].qp);
+        samples::report(out, s, e, (int)j);
+        __syncwarp();
+        if (threadIdx.x == 0) {
+            s = quiet(jobs[j].qp, budget, &e);
+            samples::report(out, s, e, (int)j);
+            times[2 * j + 1] = now_ns();
+        }
+        return;
+    }
+    if (threadIdx.x != 0) return;
     const uint32_t j = blockIdx.x;
     const samples::bw_job job = jobs[j];
     gpuverbs_qp* q = job.qp;

@@ -423,6 +423,8 @@ fn options_of_other_verbs_are_usage_errors() {
         (READ_BW, vec!["-A", "CMP_AND_SWAP"], "-A (--atomic_type)"),
         (ATOMIC_BW, vec!["-s", "16"], "-s other than 8"),
         (READ_BW, vec!["--threads", "4"], "--threads"),
+        (SEND_BW, vec!["--scope", "warp"], "--scope"),
+        (ATOMIC_BW, vec!["--scope", "block"], "--scope block"),
         (READ_LAT, vec!["-I", "8"], "-I (--inline_size)"),
         (SEND_LAT, vec!["--signal"], "--signal"),
         (ATOMIC_LAT, vec!["-a"], "-s other than 8"),

@@ -122,9 +122,10 @@ pub(super) struct Args {
     /// GPU, WRITE: threads per CTA [default: 1 for thread scope, 32 for warp, 128 for block].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub(super) threads: Option<u32>,
-    /// GPU, WRITE: who posts together [default: warp, as GPU code posts small messages: the
-    /// 32 lanes' WQEs under one reservation and one doorbell; thread with -I or -l, which are
-    /// thread-scope options; `thread` is perftest's single poster].
+    /// GPU, WRITE (READ and atomics: thread or warp): who posts together [default: warp, as GPU
+    /// code posts small messages: the 32 lanes' WQEs under one reservation and one doorbell
+    /// (READ and atomics: and one CQE); thread with -I or -l, which are thread-scope options;
+    /// `thread` is perftest's single poster].
     #[arg(long, value_enum)]
     pub(super) scope: Option<Scope>,
     /// perftest's -l (--post_list): WQEs per doorbell, perftest's default 1 (thread scope and
@@ -235,8 +236,11 @@ pub(super) fn command(t: &Test) -> clap::Command {
             n = t.name,
             i = t.default_iters
         ));
-        for id in ["ctas", "threads", "scope"] {
+        for id in ["ctas", "threads"] {
             c = c.mut_arg(id, |a| a.hide(true));
+        }
+        if !v.has_outs() {
+            c = c.mut_arg("scope", |a| a.hide(true));
         }
     }
     if !v.has_outs() {

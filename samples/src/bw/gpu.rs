@@ -36,7 +36,8 @@ pub(super) struct GpuEngine {
 }
 
 impl GpuEngine {
-    /// READ, SEND, atomics: `gv_sample_verb_bw`, one thread (one CTA) per job.
+    /// READ, SEND, atomics: `gv_sample_verb_bw`, one CTA per job: one thread, or at warp scope
+    /// (READ and atomics) one warp.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_verb(
         &mut self,
@@ -86,7 +87,7 @@ impl GpuEngine {
             self.gpu.launch_timed(
                 "gv_sample_verb_bw",
                 (njobs as u32, 1, 1),
-                (1, 1, 1),
+                (if self.scope == Scope::Warp { 32 } else { 1 }, 1, 1),
                 0,
                 &mut params,
             )

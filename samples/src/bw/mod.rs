@@ -150,10 +150,15 @@ pub fn main(verb: Verb) -> std::process::ExitCode {
     if args.inline_size > 0 && !verb.has_inline() {
         foreign.push("-I (--inline_size): WRITE and SEND");
     }
-    if verb != Verb::Write && !args.gpu_only_options().is_empty() {
+    let shaped = args.ctas.is_some() || args.threads.is_some();
+    if verb != Verb::Write && (shaped || (args.scope.is_some() && !verb.has_outs())) {
         foreign.push(
-            "--ctas, --threads, --scope: WRITE (the other verbs post with one thread per QP)",
+            "--ctas, --threads: WRITE; --scope: WRITE, READ and atomics (the other verbs post \
+             from one thread, or one warp, per QP)",
         );
+    }
+    if verb.has_outs() && args.scope == Some(Scope::Block) {
+        foreign.push("--scope block: WRITE (READ and atomics post at thread or warp scope)");
     }
     if verb == Verb::Send && args.bidir {
         foreign.push(

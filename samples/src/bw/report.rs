@@ -184,6 +184,15 @@ fn posting(run: &Run) -> String {
             "none: this side only answers"
         }
         .to_string(),
+        Initiator::Gpu if rp.verb != Verb::Write && scope == Scope::Warp => format!(
+            "{ctas} CTA(s) x 32 threads, warp scope{}: one warp per QP, one doorbell and one \
+             CQE per warp call of 32 WQEs",
+            if args.scope.is_none() {
+                " (the default, as GPU code posts; --scope thread for perftest's single poster)"
+            } else {
+                ""
+            }
+        ),
         Initiator::Gpu if rp.verb != Verb::Write => {
             format!("{ctas} CTA(s) x 1 thread: one thread per QP, one doorbell per WQE")
         }

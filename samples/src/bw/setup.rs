@@ -236,16 +236,17 @@ pub(super) fn shown(sides: &[Option<Side>; 2], s: usize, verb: Verb) -> (u32, u6
         .map_or((0, 0), |(_, mr)| (mr.rkey().0, mr.addr()))
 }
 
-/// The posting scope when `--scope` is not given: a warp for the GPU initiator's WRITEs (one
-/// thread ringing a doorbell per WQE leaves the GPU initiator at a fraction of the CPU's
-/// message rate on small messages; a warp's 32 WQEs per doorbell reach it, docs/benchmarks.md),
-/// a thread otherwise: the other verbs post with one thread per QP, `-I` and `-l` are
-/// thread-scope options, the CPU has no scope.
+/// The posting scope when `--scope` is not given: a warp for the GPU initiator's WRITEs, READs
+/// and atomics (one thread ringing a doorbell, and for READs and atomics taking a CQE, per WQE
+/// leaves the GPU initiator at a fraction of the CPU's message rate on small messages; a warp's
+/// 32 WQEs per doorbell and per CQE reach it, docs/benchmarks.md), a thread otherwise: SENDs
+/// post with one thread per QP, `-I` and `-l` are thread-scope options, the CPU has no scope.
 fn default_scope(args: &Args, initiator: Initiator, verb: Verb) -> Scope {
     match (initiator, verb) {
         (Initiator::Gpu, Verb::Write) if args.inline_size == 0 && args.post_list == 1 => {
             Scope::Warp
         }
+        (Initiator::Gpu, v) if v.has_outs() => Scope::Warp,
         _ => Scope::Thread,
     }
 }
@@ -260,7 +261,7 @@ mod tests {
     }
 
     #[test]
-    fn the_gpu_initiator_writes_with_a_warp_unless_asked_otherwise() {
+    fn the_gpu_initiator_posts_writes_reads_and_atomics_with_a_warp_unless_asked_otherwise() {
         let gpu_write = |v: &[&str]| default_scope(&args(v), Initiator::Gpu, Verb::Write);
         assert_eq!(gpu_write(&[]), Scope::Warp);
         assert_eq!(
@@ -279,6 +280,15 @@ mod tests {
         );
         assert_eq!(
             default_scope(&args(&[]), Initiator::Gpu, Verb::Read),
+            Scope::Warp,
+            "READs and atomics: a warp's WQEs under one doorbell and one CQE"
+        );
+        assert_eq!(
+            default_scope(&args(&[]), Initiator::Gpu, Verb::Send),
+            Scope::Thread
+        );
+        assert_eq!(
+            default_scope(&args(&[]), Initiator::Cpu, Verb::Read),
             Scope::Thread
         );
     }
