@@ -23,7 +23,7 @@ GPUVERBS_DEVICE void report(int* out, gpuverbs::status s, const gpuverbs::error&
 // Per participant t, each call adds 1 to a counter of its own kind (ctr: the 4 words' NIC
 // address, key ck; ctr_dev: the same words for loads):
 //   put_counter        16 bytes l+1024+16t -> r+1024+16t                    counter 0 (scope)
-//   put_signal_counter 16 bytes l+2048+16t -> r+2048+16t, +(1 << t) on r+0  counter 1 (thread)
+//   put_signal_counter 16 bytes l+2048+16t -> r+2048+16t, +(1 << t) on r+0  counter 1 (scope)
 //   signal_counter     +(1 << t) on r+8                                      counter 2 (scope)
 //   get_counter        16 bytes r+4096+16t -> l+4096+16t                    counter 3 (scope)
 // `early` (the soft NIC, the QP's completions delayed): right after every post, thread 0 sums
@@ -55,10 +55,12 @@ GPUVERBS_KERNEL void gv_test_nic_counters(gpuverbs_qp* q, gpuverbs_qp* cp, uint6
     GV_AT_SCOPE(put_counter(q, l + a, lk, r + a, rk, 16, cp, ctr, ck, 1, budget),
                 put_counter_warp(q, l + a, lk, r + a, rk, 16, cp, ctr, ck, 1, budget),
                 put_counter_block(q, part, l + a, lk, r + a, rk, 16, cp, ctr, ck, 1, budget));
-    if (s == OK && part) {
-        s = put_signal_counter(q, l + b, lk, r + b, rk, 16, r, rk, bit, cp, ctr + 8, ck, 1,
-                               budget);
-    }
+    GV_AT_SCOPE(put_signal_counter(q, l + b, lk, r + b, rk, 16, r, rk, bit, cp, ctr + 8, ck, 1,
+                                   budget),
+                put_signal_counter_warp(q, l + b, lk, r + b, rk, 16, r, rk, bit, cp, ctr + 8, ck,
+                                        1, budget),
+                put_signal_counter_block(q, part, l + b, lk, r + b, rk, 16, r, rk, bit, cp,
+                                         ctr + 8, ck, 1, budget));
     GV_AT_SCOPE(signal_counter(q, r + 8, rk, bit, cp, ctr + 16, ck, 1, budget),
                 signal_counter_warp(q, r + 8, rk, bit, cp, ctr + 16, ck, 1, budget),
                 signal_counter_block(q, part, r + 8, rk, bit, cp, ctr + 16, ck, 1, budget));

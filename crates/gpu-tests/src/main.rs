@@ -242,6 +242,9 @@ nic_counter_cases! {
     nic_counter_block_proxy: CpuProxy, Mem::Host, HostMapped, scope 2, skip 0;
     nic_counter_gpuall_warp_gpudb: GpuDoorbell, Mem::Gpu, GpuRings, scope 1, skip 0;
     nic_counter_gpuall_block_partial_bf: BlueFlame, Mem::Gpu, GpuRings, scope 2, skip 4;
+    // put_signal_counter_warp / _block (every warp and block case runs them beside the others)
+    nic_counter_warp_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 1, skip 0;
+    nic_counter_block_partial_gpudb: GpuDoorbell, Mem::Host, HostMapped, scope 2, skip 3;
 }
 
 fn nic_counter_error(ctx: &Ctx) -> Result<String> {
@@ -459,6 +462,8 @@ const CASES: &[Case] = cases![
     nic_counter_warp_partial_bf,
     nic_counter_block_proxy,
     nic_counter_error,
+    nic_counter_warp_gpudb,
+    nic_counter_block_partial_gpudb,
     gpunetio_counter,
     dc_ops_gpudb,
     dc_ops_proxy,

@@ -127,6 +127,18 @@ __device__ status signal_counter(gpuverbs_qp* q, uint64_t sig_addr, rkey sig_key
                                });
 }
 
+// The two WQEs of a put with a signal at blocks `idx` and `idx + 1`: the write, unsignaled,
+// stored into the ring; the signal (fetch-add of `sig_add`, signaled: the counted WQE),
+// returned in registers.
+__device__ __forceinline__ block build_write_signal(const gpuverbs_qp* k, uint64_t idx,
+                                                    uint64_t laddr, lkey lk, uint64_t raddr,
+                                                    rkey rk, uint32_t len, uint64_t sig_addr,
+                                                    rkey sig_key, uint64_t sig_add) {
+    prep_write(k, idx, laddr, lk, raddr, rk, len, 0);
+    return build_atomic(k, idx + 1, OP_ATOMIC_FA, sig_addr, sig_key, sig_add, 0, k->scratch,
+                        lkey{k->scratch_lkey}, CE_SIGNALED);
+}
+
 // RDMA write then a signal (add `sig_add`), counted on the signal: the counter moves once
 // both are done (an RC responder applies them in order). GPUNetIO's put_signal_counter.
 template <sharing S = sharing::gpu>
@@ -136,10 +148,8 @@ __device__ status put_signal_counter(gpuverbs_qp* q, uint64_t laddr, lkey lk, ui
                                      rkey counter_key, uint64_t add, uint64_t budget_ns) {
     return post_nic_counted<S>(q, cp, 2, counter, counter_key, add, budget_ns,
                                [&](const gpuverbs_qp* k, uint64_t idx) {
-                                   prep_write(k, idx, laddr, lk, raddr, rk, len, 0);
-                                   return build_atomic(k, idx + 1, OP_ATOMIC_FA, sig_addr,
-                                                       sig_key, sig_add, 0, k->scratch,
-                                                       lkey{k->scratch_lkey}, CE_SIGNALED);
+                                   return build_write_signal(k, idx, laddr, lk, raddr, rk, len,
+                                                             sig_addr, sig_key, sig_add);
                                });
 }
 
@@ -277,6 +287,36 @@ __device__ status signal_counter_block(gpuverbs_qp* q, bool participate, uint64_
                                     return build_atomic(k, idx, OP_ATOMIC_FA, sig_addr,
                                                         sig_key, sig_add, 0, k->scratch,
                                                         lkey{k->scratch_lkey}, CE_SIGNALED);
+                                });
+}
+
+// Every active lane's write then signal (2 blocks each, only the signal signaled and counted)
+// under one reservation and one doorbell on `q`, then every lane's WAIT + fetch-add on `cp`.
+template <sharing S = sharing::gpu>
+__device__ status put_signal_counter_warp(gpuverbs_qp* q, uint64_t laddr, lkey lk,
+                                          uint64_t raddr, rkey rk, uint32_t len,
+                                          uint64_t sig_addr, rkey sig_key, uint64_t sig_add,
+                                          gpuverbs_qp* cp, uint64_t counter, rkey counter_key,
+                                          uint64_t add, uint64_t budget_ns) {
+    return warp_nic_counted<S>(q, cp, 2, counter, counter_key, add, budget_ns,
+                               [&](const gpuverbs_qp* k, uint64_t idx) {
+                                   return build_write_signal(k, idx, laddr, lk, raddr, rk, len,
+                                                             sig_addr, sig_key, sig_add);
+                               });
+}
+
+// As put_signal_counter_warp for the participants of a block (a collective).
+template <sharing S = sharing::gpu>
+__device__ status put_signal_counter_block(gpuverbs_qp* q, bool participate, uint64_t laddr,
+                                           lkey lk, uint64_t raddr, rkey rk, uint32_t len,
+                                           uint64_t sig_addr, rkey sig_key, uint64_t sig_add,
+                                           gpuverbs_qp* cp, uint64_t counter,
+                                           rkey counter_key, uint64_t add,
+                                           uint64_t budget_ns) {
+    return block_nic_counted<S>(q, cp, participate, 2, counter, counter_key, add, budget_ns,
+                                [&](const gpuverbs_qp* k, uint64_t idx) {
+                                    return build_write_signal(k, idx, laddr, lk, raddr, rk, len,
+                                                              sig_addr, sig_key, sig_add);
                                 });
 }
 

@@ -80,7 +80,7 @@ impl Companion {
 }
 
 /// `gv_test_nic_counters` at `scope` with every `skip_mod`-th thread left out: put_counter,
-/// put_signal_counter (thread scope), signal_counter and get_counter from 64 threads, each
+/// put_signal_counter, signal_counter and get_counter from 64 threads (each at `scope`), each
 /// kind on a counter of its own, the companion's WAITs and fetch-adds moving them with no
 /// thread polling for them. On the soft NIC the QP's completions are delayed 300 ms, and the
 /// kernel checks that no counter moved before. The kernel waits for each counter
