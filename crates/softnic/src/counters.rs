@@ -72,6 +72,8 @@ pub struct Counters {
     pub(crate) devmem_errors: AtomicU64,
     pub(crate) carried_turns: AtomicU64,
     pub(crate) carry_calls: AtomicU64,
+    pub(crate) answer_looks: AtomicU64,
+    pub(crate) answers_found: AtomicU64,
     pub(crate) ud_qkey_drops: AtomicU64,
     pub(crate) ud_no_recv_drops: AtomicU64,
     pub(crate) ud_unready_drops: AtomicU64,
@@ -99,6 +101,8 @@ impl Default for Counters {
             devmem_errors: AtomicU64::new(0),
             carried_turns: AtomicU64::new(0),
             carry_calls: AtomicU64::new(0),
+            answer_looks: AtomicU64::new(0),
+            answers_found: AtomicU64::new(0),
             ud_qkey_drops: AtomicU64::new(0),
             ud_no_recv_drops: AtomicU64::new(0),
             ud_unready_drops: AtomicU64::new(0),
@@ -144,6 +148,8 @@ impl Counters {
             device_memory_errors: self.devmem_errors.load(Relaxed),
             carried_turns: self.carried_turns.load(Relaxed),
             carry_calls: self.carry_calls.load(Relaxed),
+            answer_looks: self.answer_looks.load(Relaxed),
+            answers_found: self.answers_found.load(Relaxed),
             ud_qkey_drops: self.ud_qkey_drops.load(Relaxed),
             ud_no_recv_drops: self.ud_no_recv_drops.load(Relaxed),
             ud_unready_drops: self.ud_unready_drops.load(Relaxed),
@@ -191,6 +197,12 @@ pub struct CounterSnapshot {
     /// Turns a program's thread offered ([`crate::Device::progress`] calls), whether or not
     /// they found work: the device's own threads may have taken everything first.
     pub carry_calls: u64,
+    /// Looks of the wire I/O thread for the doorbell that answers a datagram it delivered
+    /// ([`crate::sched::AnswerWatch`]).
+    pub answer_looks: u64,
+    /// Those looks that found the answer rung (a doorbell seen since the delivery, by the
+    /// look itself or by the engine).
+    pub answers_found: u64,
     /// UD datagrams dropped at a receiving QP for a Q_Key that is not its own.
     pub ud_qkey_drops: u64,
     /// UD datagrams dropped because the receiving QP had no receive WQE posted (UD has no

@@ -104,6 +104,7 @@ impl Device {
             peers: RwLock::default(),
             carried_at: AtomicU64::new(0),
             last_turn: AtomicU64::new(0),
+            answered_at: AtomicU64::new(0),
             epoch: Instant::now(),
         });
         shared::register(&shared, wire)?;
@@ -135,7 +136,7 @@ impl Device {
             dev.io = Some(
                 std::thread::Builder::new()
                     .name(format!("{}-wire", shared.name))
-                    .spawn(move || crate::wire::transport::run(s, port))?,
+                    .spawn(move || crate::wire::transport::run(s, port, crate::engine::turn))?,
             );
         }
         tracing::debug!(name = %shared.name, gid = %gid, wire = ?dev.wire_addr(), "soft NIC opened");

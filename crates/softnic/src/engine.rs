@@ -62,6 +62,11 @@ const TIMED_PARK: Duration = Duration::from_micros(50);
 /// after the program's last poll (a program that goes to sleep on a completion channel ends
 /// the carrying and wakes the engine: [`crate::Device::carry_end`]).
 const CARRIED_PARK: Duration = MAX_PARK;
+/// The longest sleep while the wire I/O thread finds the program's doorbells itself, right
+/// after the datagrams they answer ([`Shared::answering`], [`crate::sched::AnswerWatch`]):
+/// the engine then only catches a doorbell that answers nothing (a first request), within
+/// this.
+const ANSWERING_PARK: Duration = Duration::from_micros(200);
 /// WQEs one QP runs before the engine looks at the next.
 const BUDGET: u32 = 64;
 
@@ -115,8 +120,9 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
         } else {
             idle = idle.saturating_add(1);
             let carried = dev.carried();
+            let answering = !carried && dev.answering();
             me.set_prompt(!carried);
-            if idle < IDLE_SPINS && !carried && spinner.may_spin(now) {
+            if idle < IDLE_SPINS && !carried && !answering && spinner.may_spin(now) {
                 if idle % YIELD_EVERY == 0 {
                     spinner.yield_now();
                 } else {
@@ -130,7 +136,13 @@ pub(crate) fn run(dev: Arc<Shared>, k: u32, n: u32) {
                     (false, true) => TIMED_PARK,
                     (false, false) => MAX_PARK,
                 };
-                std::thread::park_timeout(park.min(limit));
+                // while the I/O thread finds the doorbells, the whole of ANSWERING_PARK at once
+                let sleep = if answering {
+                    ANSWERING_PARK
+                } else {
+                    park.min(limit)
+                };
+                std::thread::park_timeout(sleep);
                 park = (park * 2).min(MAX_PARK);
             }
         }

@@ -74,6 +74,184 @@ impl Spinner {
     }
 }
 
+/// The first look for an answer's doorbell after a datagram its program may answer, at
+/// first: about a poller's time to see the CQE and ring (the wake-up comes a few
+/// microseconds later still). It then follows when the answers come: earlier while the first
+/// look finds them, later while only later looks do, within [`FIRST_MIN`]..[`FIRST_MAX`].
+const ANSWER_FIRST: Duration = Duration::from_micros(4);
+const FIRST_MIN: Duration = Duration::from_micros(2);
+const FIRST_MAX: Duration = Duration::from_micros(64);
+/// The last look: each one after the first waits twice as long as the one before (from 4 µs:
+/// 4, 8, …, 128 µs after the datagram, six looks, 252 µs in all).
+const ANSWER_LAST: Duration = Duration::from_micros(128);
+/// How long the I/O thread stays awake after a delivery, running the engine's turns, for the
+/// answer: worth it when the program's poller runs on another core (it answers within this
+/// and the thread's sleep and wake-up are saved), not when the two share one (the poller
+/// cannot answer while the thread spins). So it stays again only while stays pay, and tries
+/// once in [`STAY_RETRY`] deliveries otherwise.
+const ANSWER_STAY: Duration = Duration::from_micros(40);
+const STAY_RETRY: u32 = 8;
+
+/// After [`COLD_AFTER`] watches in a row found nothing (a passive peer: an RDMA READ's
+/// target, a bandwidth test's receiver), the next ones are skipped: one more for each further
+/// fruitless watch, up to [`COLD_SKIP_MAX`]; one that finds its doorbell starts over. (A
+/// ping-pong's stray fruitless watch, for a datagram nobody answers, skips nothing.)
+const COLD_AFTER: u32 = 4;
+const COLD_SKIP_MAX: u32 = 64;
+
+/// The wire I/O thread's watch for the doorbell that answers a datagram it just delivered.
+///
+/// A program that polls its CQs in memory (UCX's `rc_mlx5`, mlx5dv users) rings its doorbells
+/// in memory too, unseen until a device thread looks, and on a machine whose cores it keeps
+/// busy every look is a wake-up that takes a core from it. Most of its doorbells answer a
+/// message (a ping-pong's reply, the next request after a response), so they come a few
+/// microseconds after the I/O thread delivered one: that thread, awake already, looks then
+/// (and again at growing intervals for a while) instead of the engine looking blindly every
+/// few tens of microseconds. What it runs is the engine's turn ([`crate::Device::progress`]
+/// without the receive): the device sees the doorbell sooner, never anything it would not
+/// have seen.
+#[derive(Debug)]
+pub struct AnswerWatch {
+    /// When to look next, while watching.
+    at: Option<Instant>,
+    /// The wait before the look at `at`.
+    step: Duration,
+    /// Watches in a row that found nothing.
+    fruitless: u32,
+    /// Deliveries still to pass over before the next watch (a passive peer).
+    skip: u32,
+    /// Whether the current watch has found nothing yet.
+    pending: bool,
+    /// The wait before the first look (learnt: [`ANSWER_FIRST`]).
+    first: Duration,
+    /// When the current watch began, and when it last looked.
+    armed_at: Instant,
+    last_look: Instant,
+    /// Whether the last stay found the answer, and the deliveries since it did not.
+    stay_paid: bool,
+    unstayed: u32,
+}
+
+impl Default for AnswerWatch {
+    fn default() -> Self {
+        Self {
+            at: None,
+            step: ANSWER_FIRST,
+            fruitless: 0,
+            skip: 0,
+            pending: false,
+            first: ANSWER_FIRST,
+            armed_at: Instant::now(),
+            last_look: Instant::now(),
+            stay_paid: true,
+            unstayed: 0,
+        }
+    }
+}
+
+impl AnswerWatch {
+    /// A datagram the program may answer was delivered at `now`: watch for the answer's
+    /// doorbell (unless recent watches found none: then only now and then).
+    pub fn arm(&mut self, now: Instant) {
+        if self.at.is_none() {
+            if self.skip > 0 {
+                self.skip -= 1;
+                return;
+            }
+            self.pending = true;
+        }
+        // (still watching for an earlier one: start over from the first look)
+        self.at = Some(now + self.first);
+        self.step = self.first;
+        self.armed_at = now;
+        self.last_look = now;
+    }
+
+    /// Right after [`AnswerWatch::arm`]: how long to stay awake for the answer, if at all
+    /// (while watching, and while stays pay or once in [`STAY_RETRY`] deliveries).
+    pub fn stay(&mut self) -> Option<Duration> {
+        self.at?;
+        self.unstayed = self.unstayed.wrapping_add(1);
+        (self.stay_paid || self.unstayed >= STAY_RETRY).then(|| {
+            self.unstayed = 0;
+            ANSWER_STAY
+        })
+    }
+
+    /// A stay ended at `now`, with the answer (`found`: the watch ends) or without.
+    pub fn stayed(&mut self, found: bool, now: Instant) {
+        self.stay_paid = found;
+        if found {
+            self.looked(true, now);
+        }
+    }
+
+    /// Stops watching (the program's own polls now run the device's turns).
+    pub fn disarm(&mut self) {
+        self.at = None;
+        self.pending = false;
+    }
+
+    /// Whether a look is due at `now`.
+    pub fn due(&self, now: Instant) -> bool {
+        self.at.is_some_and(|t| now >= t)
+    }
+
+    /// Whether a watch is on.
+    pub fn armed(&self) -> bool {
+        self.at.is_some()
+    }
+
+    /// A look at `now` found a doorbell (`found`) or not: the watch ends, or looks again
+    /// twice as late, until [`ANSWER_LAST`]. Returns whether the watch gave up (its last look
+    /// found nothing: the answer, if any, comes late, and the engine must look for it).
+    pub fn looked(&mut self, found: bool, now: Instant) -> bool {
+        if found {
+            self.learn(now);
+            self.at = None;
+            self.pending = false;
+            self.fruitless = 0;
+            self.skip = 0;
+        } else if self.step >= ANSWER_LAST {
+            self.at = None;
+            if self.pending {
+                self.pending = false;
+                self.fruitless = self.fruitless.saturating_add(1);
+                if self.fruitless >= COLD_AFTER {
+                    self.skip = (self.fruitless - COLD_AFTER + 1).min(COLD_SKIP_MAX);
+                }
+            }
+            return true;
+        } else {
+            self.step *= 2;
+            self.at = Some(now + self.step);
+            self.last_look = now;
+        }
+        false
+    }
+
+    /// A look at `now` found the answer: the first look comes earlier next time if it was this
+    /// one (the answer may come sooner still), else closer to where the answer came (between
+    /// the previous look and this one).
+    fn learn(&mut self, now: Instant) {
+        self.first = if self.last_look == self.armed_at {
+            self.first - self.first / 8
+        } else {
+            let came = (self.last_look + now.saturating_duration_since(self.last_look) / 2)
+                .saturating_duration_since(self.armed_at);
+            (self.first * 3 + came) / 4
+        }
+        .clamp(FIRST_MIN, FIRST_MAX);
+    }
+
+    /// How long the I/O thread may wait at `now` for a datagram: `idle`, or until the next
+    /// look.
+    pub fn wait(&self, now: Instant, idle: Duration) -> Duration {
+        self.at
+            .map_or(idle, |t| t.saturating_duration_since(now).min(idle))
+    }
+}
+
 /// `struct sched_attr` as `sched_setattr(2)` takes it (`SCHED_ATTR_SIZE_VER0`, 48 bytes).
 #[repr(C)]
 #[derive(Default)]
@@ -266,6 +444,95 @@ mod tests {
             contended,
             "10 s of yields beside a busy thread on one core all came back at once"
         );
+    }
+
+    #[test]
+    fn an_answer_watch_looks_at_growing_intervals_and_ends_at_a_find() {
+        let t0 = Instant::now();
+        let mut w = AnswerWatch::default();
+        assert!(!w.armed() && !w.due(t0 + Duration::from_secs(1)));
+        assert_eq!(
+            w.wait(t0, Duration::from_millis(100)),
+            Duration::from_millis(100)
+        );
+        w.arm(t0);
+        assert!(!w.due(t0) && w.due(t0 + ANSWER_FIRST));
+        assert_eq!(w.wait(t0, Duration::from_millis(100)), ANSWER_FIRST);
+        // nothing at the first look: the next one twice as late
+        let t1 = t0 + ANSWER_FIRST;
+        assert!(!w.looked(false, t1));
+        assert!(!w.due(t1 + ANSWER_FIRST) && w.due(t1 + 2 * ANSWER_FIRST));
+        // found: the watch ends
+        assert!(!w.looked(true, t1 + 2 * ANSWER_FIRST));
+        assert!(!w.armed());
+    }
+
+    #[test]
+    fn the_io_thread_stays_for_answers_while_stays_pay_and_retries_now_and_then() {
+        let t = Instant::now();
+        let mut w = AnswerWatch::default();
+        assert_eq!(w.stay(), None, "not watching");
+        w.arm(t);
+        assert_eq!(w.stay(), Some(ANSWER_STAY));
+        w.stayed(true, t);
+        assert!(!w.armed(), "found: the watch ends");
+        w.arm(t);
+        assert_eq!(w.stay(), Some(ANSWER_STAY));
+        w.stayed(false, t);
+        assert!(w.armed(), "not found: the looks go on");
+        // a stay that did not pay: the next STAY_RETRY - 1 deliveries sleep at once
+        for _ in 1..STAY_RETRY {
+            w.arm(t);
+            assert_eq!(w.stay(), None);
+        }
+        w.arm(t);
+        assert_eq!(w.stay(), Some(ANSWER_STAY));
+    }
+
+    #[test]
+    fn an_answer_watch_that_finds_nothing_gives_up_then_watches_now_and_then() {
+        let mut t = Instant::now();
+        let mut w = AnswerWatch::default();
+        let fruitless = |w: &mut AnswerWatch, t: &mut Instant| {
+            let mut looks = 0;
+            while w.armed() {
+                *t += w.wait(*t, Duration::from_secs(1));
+                assert!(w.due(*t));
+                let gave_up = w.looked(false, *t);
+                looks += 1;
+                assert_eq!(gave_up, !w.armed());
+            }
+            looks
+        };
+        w.arm(t);
+        // 4, 8, 16, 32, 64, 128 µs
+        assert_eq!(fruitless(&mut w, &mut t), 6);
+        for _ in 1..COLD_AFTER {
+            w.arm(t);
+            assert_eq!(fruitless(&mut w, &mut t), 6);
+        }
+        // COLD_AFTER fruitless watches: the next delivery is passed over; one more, two
+        for skipped in 1..=2 {
+            for _ in 0..skipped {
+                w.arm(t);
+                assert!(!w.armed());
+            }
+            w.arm(t);
+            assert!(w.armed());
+            fruitless(&mut w, &mut t);
+        }
+        w.arm(t);
+        assert!(!w.armed());
+        for _ in 0..3 {
+            w.arm(t);
+        }
+        assert!(w.armed());
+        // a find starts over: every delivery watched again
+        assert!(!w.looked(true, t));
+        w.arm(t);
+        assert!(w.armed());
+        w.disarm();
+        assert!(!w.armed());
     }
 
     #[test]

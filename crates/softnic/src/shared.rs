@@ -47,12 +47,19 @@ pub(crate) struct Shared {
     pub carried_at: AtomicU64,
     /// When a thread of the program last gave the device a turn, loop or not (0: never).
     pub last_turn: AtomicU64,
+    /// When the wire I/O thread last found the doorbell that answered a datagram it delivered
+    /// ([`crate::sched::AnswerWatch`]; 0: never). See [`Shared::answering`].
+    pub answered_at: AtomicU64,
     pub epoch: Instant,
 }
 
 /// How long after a program's thread last carried the device its own threads keep from
 /// spinning.
 const CARRIED_FOR: Duration = Duration::from_millis(1);
+
+/// How long after the I/O thread's watch last found an answer's doorbell the engine keeps its
+/// sleeps long ([`crate::engine`]).
+const ANSWERING_FOR: Duration = Duration::from_millis(1);
 
 /// Turns of the program's threads this close together are a polling loop: what carries the
 /// device. A lone poll (an event handler's, a program that polls now and then while its main
@@ -75,6 +82,17 @@ impl Shared {
     pub fn carried(&self) -> bool {
         let t = self.carried_at.load(Ordering::Relaxed);
         t != 0 && self.epoch.elapsed().as_nanos() as u64 - t < CARRIED_FOR.as_nanos() as u64
+    }
+    /// Notes that the I/O thread's watch found an answer's doorbell now.
+    pub fn answered(&self) {
+        let t = self.epoch.elapsed().as_nanos().max(1) as u64;
+        self.answered_at.store(t, Ordering::Relaxed);
+    }
+    /// The I/O thread found an answer's doorbell within [`ANSWERING_FOR`]: the program's
+    /// doorbells answer what it receives, and the engine need not look for them often.
+    pub fn answering(&self) -> bool {
+        let t = self.answered_at.load(Ordering::Relaxed);
+        t != 0 && self.epoch.elapsed().as_nanos() as u64 - t < ANSWERING_FOR.as_nanos() as u64
     }
     pub fn qp(&self, qpn: u32) -> Option<Arc<Qp>> {
         self.qps.read().get(&qpn).cloned()

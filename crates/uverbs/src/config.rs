@@ -21,7 +21,8 @@ pub const ENV_TRACE: &str = "GPUVERBS_EMU_TRACE";
 
 /// When set, the emulated process writes its soft NICs' counters to this file at exit (one
 /// line per started device: `mlx5_0 wqes=… bad_doorbells=… stale_wqes=… cq_overruns=…
-/// error_cqes=… carried_turns=… carry_calls=… errors=[Syndrome:count,…]`).
+/// error_cqes=… carried_turns=… carry_calls=… answer_looks=… answers_found=…
+/// errors=[Syndrome:count,…]`).
 pub const ENV_COUNTERS: &str = "GPUVERBS_EMU_COUNTERS";
 
 /// When set (a folder), the emulated process appends every uverbs command it is given — each

@@ -324,7 +324,7 @@ pub fn counters_report(emu: &Emulation) -> String {
             let by_syndrome: Vec<String> =
                 c.errors.iter().map(|(s, n)| format!("{s:?}:{n}")).collect();
             out += &format!(
-                "{} wqes={} bad_doorbells={} stale_wqes={} cq_overruns={} error_cqes={} carried_turns={} carry_calls={} errors=[{}]\n",
+                "{} wqes={} bad_doorbells={} stale_wqes={} cq_overruns={} error_cqes={} carried_turns={} carry_calls={} answer_looks={} answers_found={} errors=[{}]\n",
                 d.id.name,
                 c.wqes_executed,
                 c.bad_doorbells,
@@ -333,6 +333,8 @@ pub fn counters_report(emu: &Emulation) -> String {
                 c.errors.values().sum::<u64>(),
                 c.carried_turns,
                 c.carry_calls,
+                c.answer_looks,
+                c.answers_found,
                 by_syndrome.join(",")
             );
         }
@@ -839,6 +841,8 @@ fn counter_list(c: &softnic::counters::CounterSnapshot) -> Vec<(String, u64)> {
         ("ud_received", c.ud_received),
         ("carried_turns", c.carried_turns),
         ("carry_calls", c.carry_calls),
+        ("answer_looks", c.answer_looks),
+        ("answers_found", c.answers_found),
         ("tx_packets", w.tx_packets),
         ("tx_bytes", w.tx_bytes),
         ("rx_packets", w.rx_packets),

@@ -34,6 +34,10 @@ pub struct WireConfig {
     pub socket_buffer: usize,
     /// Packet fault injection, applied to every datagram this device sends.
     pub faults: WireFaults,
+    /// Whether the I/O thread, after delivering a datagram the program may answer, looks for
+    /// the answer's doorbell itself ([`crate::sched::AnswerWatch`]; on by default). Off, the
+    /// engine alone finds doorbells, as before 2026-12-07.
+    pub answer_watch: bool,
 }
 
 impl WireConfig {
@@ -46,6 +50,7 @@ impl WireConfig {
             window: 512,
             socket_buffer: 8 << 20,
             faults: WireFaults::default(),
+            answer_watch: true,
         }
     }
 

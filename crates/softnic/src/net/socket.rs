@@ -772,13 +772,25 @@ pub(crate) struct Received {
 /// or virtual machine, and while data flows the next datagram is rarely further away.
 const SPIN: Duration = Duration::from_micros(50);
 
-fn poll_once(fds: &mut [libc::pollfd], ready: &mut [bool], timeout_ms: libc::c_int) -> bool {
+fn poll_once(fds: &mut [libc::pollfd], ready: &mut [bool], timeout: Duration) -> bool {
     for p in fds.iter_mut() {
         p.revents = 0;
     }
+    // microseconds count (an I/O thread's look for an answer's doorbell: crate::sched)
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
     // SAFETY: `fds` is a live slice of pollfds of open sockets (owned by the port, which the
-    // caller holds), its length passed along.
-    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+    // caller holds), its length passed along; `ts` is a live timespec; no signal mask.
+    let n = unsafe {
+        libc::ppoll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            &ts,
+            std::ptr::null(),
+        )
+    };
     let mut any = false;
     for (r, p) in ready.iter_mut().zip(fds.iter()) {
         *r = n > 0 && p.revents != 0;
@@ -800,7 +812,7 @@ pub(crate) fn wait_readable(
     if let Some(spinner) = spin {
         let start = std::time::Instant::now();
         loop {
-            if poll_once(fds, ready, 0) {
+            if poll_once(fds, ready, Duration::ZERO) {
                 return true;
             }
             let now = std::time::Instant::now();
@@ -810,7 +822,7 @@ pub(crate) fn wait_readable(
             spinner.yield_now();
         }
     }
-    poll_once(fds, ready, timeout.as_millis() as libc::c_int)
+    poll_once(fds, ready, timeout)
 }
 
 impl Port {

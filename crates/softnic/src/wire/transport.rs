@@ -1,10 +1,12 @@
 //! The wire's I/O thread: it receives every datagram of the device's port ([`run`]), checks it
 //! (size, QP, source, ICRC, format: [`receive`]) and hands requests to the responder side
 //! ([`super::responder`]) and answers to the requester side ([`super::requester`]).
-//! Neither side calls the engine; the engine calls them.
+//! Neither side calls the engine; the engine calls them. (The I/O thread runs the engine's
+//! turn when it looks for the doorbell that answers a delivery, through the function the
+//! device hands it: [`run`].)
 
 use super::{requester, responder};
-use crate::counters::Counters;
+use crate::counters::{Counter, Counters};
 use crate::net::packet::{self, Bth, Flow, BTH_LEN, ICRC_LEN};
 use crate::net::socket::{self, Port, TxBatch};
 use crate::qp::QpState;
@@ -176,32 +178,111 @@ fn icrc_ok(port: &Port, flow: &Flow, d: &[u8], id_hint: u16, run_bth: &[u8]) -> 
 
 // ---------------------------------------------------------------------------- I/O thread
 
-/// The I/O thread: receives datagrams until the device shuts down.
-pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>) {
+/// The I/O thread: receives datagrams until the device shuts down. `turn` is the engine's
+/// pass over the device's doorbells and WQEs ([`crate::Device::progress`]'s, passed down by
+/// the device so that the wire does not call up into the engine): after delivering a datagram
+/// the program may answer, the thread looks for the answer's doorbell itself
+/// ([`crate::sched::AnswerWatch`]), unless the program's own polls carry the device.
+pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>, turn: fn(&Shared) -> bool) {
     let mut me = crate::sched::DeviceThread::new();
     let mut fds = port.pollfds();
     let mut ready = vec![false; fds.len()];
     let mut busy = false;
     let mut spinner = crate::sched::Spinner::default();
+    let mut watch = crate::sched::AnswerWatch::default();
+    let mut doorbells_at_arm = 0;
     while !dev.shutdown.load(Ordering::Acquire) {
         // after traffic, look again before sleeping, unless the program's threads carry the
         // device (they receive too; a spin here would only take their core) or the core is
         // shared with a busy task (a sleeper's wake-up comes sooner: crate::sched)
         let carried = dev.carried();
         me.set_prompt(!carried);
-        let spin = (busy && !carried && spinner.may_spin(Instant::now())).then_some(&mut spinner);
-        if !socket::wait_readable(&mut fds, &mut ready, spin, port.recv_timeout()) {
+        let now = Instant::now();
+        if carried {
+            watch.disarm();
+        } else if watch.due(now) {
+            look_for_answer(&dev, &mut watch, turn, doorbells_at_arm);
+        }
+        let spin =
+            (busy && !carried && !watch.armed() && spinner.may_spin(now)).then_some(&mut spinner);
+        let timeout = watch.wait(Instant::now(), port.recv_timeout());
+        if !socket::wait_readable(&mut fds, &mut ready, spin, timeout) {
             busy = false;
             port.flush_held();
             continue;
         }
         busy = true;
         let mut rx = port.rx.lock();
+        let mut answerable = false;
         for (i, _) in ready.iter().enumerate().filter(|(_, r)| **r) {
-            if drain(&dev, &port, i, &mut rx).is_none() {
-                return;
+            match drain(&dev, &port, i, &mut rx) {
+                Some((_, a)) => answerable |= a,
+                None => return,
             }
         }
+        drop(rx);
+        if answerable && port.cfg.answer_watch && !dev.carried() {
+            watch.arm(Instant::now());
+            doorbells_at_arm = dev.counters.doorbells.get();
+            if let Some(stay) = watch.stay() {
+                let found =
+                    stay_for_answer(&dev, turn, doorbells_at_arm, stay, (&mut fds, &mut ready));
+                watch.stayed(found, Instant::now());
+            }
+        }
+    }
+}
+
+/// The I/O thread stays, up to `stay`, for the doorbell that answers what it has just
+/// delivered, running the engine's turn over and over; a datagram on one of the sockets `fds`
+/// ends the stay (it is received at once). Whether the answer came (a doorbell seen since the
+/// delivery).
+fn stay_for_answer(
+    dev: &Shared,
+    turn: fn(&Shared) -> bool,
+    doorbells_at_arm: u64,
+    stay: std::time::Duration,
+    (fds, ready): (&mut [libc::pollfd], &mut [bool]),
+) -> bool {
+    Counters::add(&dev.counters.answer_looks, 1);
+    let until = Instant::now() + stay;
+    while Instant::now() < until {
+        if socket::wait_readable(fds, ready, None, std::time::Duration::ZERO) {
+            return false;
+        }
+        turn(dev);
+        if dev.counters.doorbells.get() != doorbells_at_arm {
+            Counters::add(&dev.counters.answers_found, 1);
+            dev.answered();
+            return true;
+        }
+        std::hint::spin_loop();
+    }
+    false
+}
+
+/// One look of the I/O thread for the doorbell that answers what it delivered: the engine's
+/// turn on this thread, counted. The answer came if any doorbell was seen since the watch
+/// began, by this look or by the engine (which may have got there first: the watch was
+/// right all the same).
+fn look_for_answer(
+    dev: &Shared,
+    watch: &mut crate::sched::AnswerWatch,
+    turn: fn(&Shared) -> bool,
+    doorbells_at_arm: u64,
+) {
+    Counters::add(&dev.counters.answer_looks, 1);
+    turn(dev);
+    let found = dev.counters.doorbells.get() != doorbells_at_arm;
+    if found {
+        Counters::add(&dev.counters.answers_found, 1);
+        dev.answered();
+    }
+    if watch.looked(found, Instant::now()) && dev.answering() {
+        // no answer in time (a busy machine, a slow program): the engine looks for it again
+        // as often as before the watch found any
+        dev.answered_at.store(0, Ordering::Relaxed);
+        dev.kick();
     }
 }
 
@@ -220,7 +301,7 @@ pub(crate) fn poll_inline(dev: &Shared) -> bool {
     let mut got = false;
     for i in 0..port.socks.len() {
         match drain(dev, port, i, &mut rx) {
-            Some(n) => got |= n > 0,
+            Some((n, _)) => got |= n > 0,
             None => break,
         }
     }
@@ -228,8 +309,10 @@ pub(crate) fn poll_inline(dev: &Shared) -> bool {
 }
 
 /// Receives up to one burst from socket `i` and hands each datagram to [`receive`]. Returns
-/// how many datagrams were taken, or `None` when the device is shutting down.
-fn drain(dev: &Shared, port: &Port, i: usize, rx: &mut socket::RxBufs) -> Option<usize> {
+/// how many datagrams were taken and whether any was one a program may answer (anything but
+/// a bare ACK or NAK: a request, a READ or atomic response, a UD datagram), or `None` when
+/// the device is shutting down.
+fn drain(dev: &Shared, port: &Port, i: usize, rx: &mut socket::RxBufs) -> Option<(usize, bool)> {
     let dport = port.sock_port(i);
     let socket::RxBufs {
         buf,
@@ -237,6 +320,7 @@ fn drain(dev: &Shared, port: &Port, i: usize, rx: &mut socket::RxBufs) -> Option
         batch,
     } = rx;
     let mut taken = 0;
+    let mut answerable = false;
     for _ in 0..socket::RX_BURST {
         let socket::Received {
             len: n,
@@ -265,6 +349,10 @@ fn drain(dev: &Shared, port: &Port, i: usize, rx: &mut socket::RxBufs) -> Option
             continue;
         }
         let data = &buf[..n];
+        // the BTH's opcode, its class bits aside (a coalesced run: its first datagram's)
+        answerable |= data
+            .first()
+            .is_some_and(|op| op & 0x1f != packet::opcode::ACK);
         match seg {
             Some(s) if s > 0 && n > s => {
                 // a run's n-th datagram was most likely a segmented send's n-th segment: its
@@ -294,5 +382,5 @@ fn drain(dev: &Shared, port: &Port, i: usize, rx: &mut socket::RxBufs) -> Option
         }
         port.flush(batch);
     }
-    Some(taken)
+    Some((taken, answerable))
 }
