@@ -89,11 +89,13 @@ pub fn run() -> Result<()> {
     let dest = bundle.join(BIN);
     std::fs::copy(&executable, &dest)
         .with_context(|| format!("copying {} to {}", executable.display(), dest.display()))?;
+    strip(&dest)?;
     let mut size = std::fs::metadata(&dest)?.len();
     for (src, file) in &emu {
         let to = bundle.join(file);
         std::fs::copy(src, &to)
             .with_context(|| format!("copying {} to {}", src.display(), to.display()))?;
+        strip(&to)?;
         size += std::fs::metadata(&to)?.len();
     }
     if emu.len() != EMU.len() {
@@ -124,5 +126,19 @@ pub fn run() -> Result<()> {
     );
     println!("gpu-test: (device tool: command `./{BUNDLE_DIR}/{BIN}`, carry [\"{BUNDLE_DIR}\"])");
     println!("gpu-test: it prints `gpu-test: N passed, M failed` and exits non-zero on failure or without a GPU");
+    Ok(())
+}
+
+/// Drops the symbol tables of a bundled binary (binutils' `strip`; what the GPU machine runs
+/// needs none, and they are most of a release binary's size under the bundle budget).
+fn strip(file: &std::path::Path) -> Result<()> {
+    let status = Command::new("strip")
+        .arg("--strip-unneeded")
+        .arg(file)
+        .status()
+        .context("running strip (binutils) on the bundle")?;
+    if !status.success() {
+        bail!("strip {} failed ({status})", file.display());
+    }
     Ok(())
 }
