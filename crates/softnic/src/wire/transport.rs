@@ -309,9 +309,10 @@ pub(crate) fn poll_inline(dev: &Shared) -> bool {
 }
 
 /// Receives up to one burst from socket `i` and hands each datagram to [`receive`]. Returns
-/// how many datagrams were taken and whether any was one a program may answer (anything but
-/// a bare ACK or NAK: a request, a READ or atomic response, a UD datagram), or `None` when
-/// the device is shutting down.
+/// how many datagrams were taken and whether any was one a program may answer (a SEND or
+/// WRITE, a READ or atomic response, a UD datagram; not a bare ACK or NAK, nor a READ or
+/// atomic request, which the device answers itself), or `None` when the device is shutting
+/// down.
 fn drain(dev: &Shared, port: &Port, i: usize, rx: &mut socket::RxBufs) -> Option<(usize, bool)> {
     let dport = port.sock_port(i);
     let socket::RxBufs {
@@ -349,10 +350,12 @@ fn drain(dev: &Shared, port: &Port, i: usize, rx: &mut socket::RxBufs) -> Option
             continue;
         }
         let data = &buf[..n];
-        // the BTH's opcode, its class bits aside (a coalesced run: its first datagram's)
-        answerable |= data
-            .first()
-            .is_some_and(|op| op & 0x1f != packet::opcode::ACK);
+        // the BTH's opcode, its class bits aside (a coalesced run: its first datagram's): a
+        // READ or atomic request is answered by the device, never seen by the program
+        answerable |= data.first().is_some_and(|op| {
+            use packet::opcode::{ACK, CMP_SWAP, FETCH_ADD, READ_REQUEST};
+            !matches!(op & 0x1f, ACK | READ_REQUEST | CMP_SWAP | FETCH_ADD)
+        });
         match seg {
             Some(s) if s > 0 && n > s => {
                 // a run's n-th datagram was most likely a segmented send's n-th segment: its
