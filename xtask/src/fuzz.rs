@@ -19,6 +19,7 @@ pub const TARGETS: &[&str] = &[
     "bootstrap",
     "netlink",
     "cm_mad",
+    "mcast_rx",
 ];
 
 /// Seconds an input may take before libFuzzer reports it as a hang.

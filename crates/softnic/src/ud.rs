@@ -16,6 +16,7 @@
 //! too short completes the receive with LOCAL_LENGTH.
 
 use crate::counters::Counters;
+use crate::group::{self, MCAST_QPN};
 use crate::mem::{copy_ranges, read_range, total, CopyError, MemRange};
 use crate::net::packet::{self, opcode, Bth, Deth, Flow, Packet, DEFAULT_PKEY, MASK24};
 use crate::net::socket::{Port, TxBatch};
@@ -28,7 +29,7 @@ use prm::cqe::{Cqe64, RespKind};
 use prm::parse::{parse_ud_wqe, ParsedOp};
 use prm::Syndrome;
 use smallvec::SmallVec;
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 
 /// The port MTU of a soft device: the largest UD message.
 pub const UD_MTU: u32 = 4096;
@@ -84,12 +85,44 @@ fn udp_payload_len(len: usize, imm: bool) -> usize {
         + packet::ICRC_LEN
 }
 
+/// The GRH a datagram from QP `src_qpn` of `dev` to GID `dst` gets in process (`av`: the
+/// address vector's traffic class, flow label and hop limit), and whether it is IPv4's: both
+/// GIDs IPv4-mapped, the IPv4 header of the packet the wire would carry; else an IPv6 header.
+pub(crate) fn grh_between(
+    dev: &Shared,
+    src_qpn: u32,
+    dst: Gid,
+    (tclass, flow_label, hop_limit): (u8, u32, u8),
+    payload: &[u8],
+    imm: Option<u32>,
+) -> ([u8; GRH_LEN], bool) {
+    match (dev.gid.to_ipv4(), dst.to_ipv4()) {
+        (Some(src), Some(dst)) => {
+            let flow = Flow {
+                src,
+                dst,
+                sport: 0xc000 | (src_qpn & 0x3fff) as u16,
+                dport: packet::ROCE_PORT,
+            };
+            let n = udp_payload_len(payload.len(), imm.is_some());
+            (grh_ipv4(&flow, n), true)
+        }
+        _ => {
+            let n = 8 + udp_payload_len(payload.len(), imm.is_some());
+            let hop = if hop_limit == 0 { 64 } else { hop_limit };
+            (grh_ipv6(dev.gid, dst, tclass, flow_label, hop, n), false)
+        }
+    }
+}
+
 /// Where a datagram goes.
 enum Dest {
     /// A soft device of this process.
     Local(std::sync::Arc<Shared>),
     /// Over the wire.
     Wire(&'static str, SocketAddrV4),
+    /// A multicast group ([`crate::mcast`]).
+    Group,
     /// Nowhere this device can reach: the datagram is lost.
     Nowhere,
 }
@@ -126,7 +159,11 @@ pub(crate) fn execute(
         return Ok((Done::Complete(0), signaled));
     };
     let gid = Gid(av.rgid);
-    let to = dest(dev, &gid);
+    let to = if group::is_multicast(&gid) {
+        Dest::Group
+    } else {
+        dest(dev, &gid)
+    };
     let mtu = match (&to, dev.port()) {
         (Dest::Wire(_, a), Some(port)) => port.path_mtu(*a.ip()).map_or(UD_MTU, |m| m.min(UD_MTU)),
         _ => UD_MTU,
@@ -163,24 +200,8 @@ pub(crate) fn execute(
                 Counters::add(&peer.counters.ud_unready_drops, 1);
                 return Ok((Done::Complete(len as u32), signaled));
             };
-            let (grh, ipv4) = match (dev.gid.to_ipv4(), peer.gid.to_ipv4()) {
-                (Some(src), Some(dst)) => {
-                    let flow = Flow {
-                        src,
-                        dst,
-                        sport: 0xc000 | (qp.qpn & 0x3fff) as u16,
-                        dport: packet::ROCE_PORT,
-                    };
-                    let n = udp_payload_len(payload.len(), imm.is_some());
-                    (grh_ipv4(&flow, n), true)
-                }
-                _ => {
-                    let n = 8 + udp_payload_len(payload.len(), imm.is_some());
-                    let hop = if av.hop_limit == 0 { 64 } else { av.hop_limit };
-                    let g = grh_ipv6(dev.gid, peer.gid, av.tclass, av.flow_label, hop, n);
-                    (g, false)
-                }
-            };
+            let hop = (av.tclass, av.flow_label, av.hop_limit);
+            let (grh, ipv4) = grh_between(dev, qp.qpn, peer.gid, hop, &payload, imm);
             deliver(
                 &pqp,
                 &Datagram {
@@ -196,19 +217,27 @@ pub(crate) fn execute(
         Dest::Wire(why, to) => {
             if let Some(port) = dev.port() {
                 tracing::trace!(qpn = qp.qpn, %to, why, "UD datagram on the wire");
-                let solicited = wqe.flags.solicited;
-                send_wire(
-                    port,
-                    qp,
-                    sq,
-                    to,
-                    av.dest_qpn,
+                let w = WireSend {
+                    dest_qpn: av.dest_qpn,
                     qkey,
                     imm,
-                    solicited,
-                    &payload,
-                );
+                    solicited: wqe.flags.solicited,
+                };
+                send_wire(port, qp, sq, to, &w, &payload);
             }
+        }
+        Dest::Group => {
+            let s = GroupSend {
+                mgid: gid,
+                qkey,
+                imm,
+                solicited: wqe.flags.solicited,
+                tclass: av.tclass,
+                flow_label: av.flow_label,
+                hop_limit: av.hop_limit,
+                payload: &payload,
+            };
+            send_group(dev, qp, sq, &s);
         }
         Dest::Nowhere => {
             tracing::debug!(qpn = qp.qpn, gid = ?gid, "UD datagram to an unreachable GID: lost");
@@ -217,19 +246,30 @@ pub(crate) fn execute(
     Ok((Done::Complete(len as u32), signaled))
 }
 
+/// A datagram's BTH and DETH fields that the send WQE gives.
+#[derive(Clone, Copy)]
+pub(crate) struct WireSend {
+    pub dest_qpn: u32,
+    pub qkey: u32,
+    pub imm: Option<u32>,
+    pub solicited: bool,
+}
+
 /// Sends one UD datagram on the wire.
-#[allow(clippy::too_many_arguments)]
-fn send_wire(
+pub(crate) fn send_wire(
     port: &Port,
     qp: &Qp,
     sq: &mut SqState,
     to: SocketAddrV4,
-    dest_qpn: u32,
-    qkey: u32,
-    imm: Option<u32>,
-    solicited: bool,
+    w: &WireSend,
     payload: &[u8],
 ) {
+    let WireSend {
+        dest_qpn,
+        qkey,
+        imm,
+        solicited,
+    } = *w;
     let flow = Flow {
         src: port.ip,
         dst: *to.ip(),
@@ -264,6 +304,127 @@ fn send_wire(
         let mut batch = TxBatch::default();
         port.send(&buf, SocketAddr::V4(to), &flow, &mut batch);
         port.flush(&mut batch);
+    }
+}
+
+/// What a UD send to a multicast GID carries.
+struct GroupSend<'a> {
+    mgid: Gid,
+    qkey: u32,
+    imm: Option<u32>,
+    solicited: bool,
+    tclass: u8,
+    flow_label: u32,
+    hop_limit: u8,
+    payload: &'a [u8],
+}
+
+/// Sends a datagram of UD QP `qp` of `dev` to its group ([`crate::mcast`]): on the wire once
+/// (a device with a wire port, an IPv4 group), and by a function call to the attached QPs of
+/// this process's devices that the wire does not reach (those without a wire port, or all of
+/// them when the datagram does not go on the wire). The sending QP gets its own datagram
+/// unless it blocks self-loopback.
+fn send_group(dev: &Shared, qp: &Qp, sq: &mut SqState, s: &GroupSend<'_>) {
+    let wire = match (dev.port(), group::group_ipv4(&s.mgid)) {
+        (Some(port), Some(g)) => {
+            group::enable_tx(port);
+            let to = SocketAddrV4::new(g, packet::ROCE_PORT);
+            tracing::trace!(qpn = qp.qpn, %to, "UD multicast datagram on the wire");
+            let w = WireSend {
+                dest_qpn: MCAST_QPN,
+                qkey: s.qkey,
+                imm: s.imm,
+                solicited: s.solicited,
+            };
+            send_wire(port, qp, sq, to, &w, s.payload);
+            true
+        }
+        _ => false,
+    };
+    let qps = group::members(&s.mgid, |m| !(m.block_self && m.qpn == qp.qpn && m.of(dev)));
+    let qps: Vec<_> = qps
+        .into_iter()
+        .filter(|(d, _)| !(wire && d.port().is_some()))
+        .collect();
+    if qps.is_empty() && !wire {
+        tracing::debug!(qpn = qp.qpn, mgid = %s.mgid, "multicast datagram to a group nobody joined");
+        Counters::add(&dev.counters.ud_unready_drops, 1);
+        return;
+    }
+    let hop = (s.tclass, s.flow_label, s.hop_limit);
+    let (grh, ipv4) = grh_between(dev, qp.qpn, s.mgid, hop, s.payload, s.imm);
+    for (_, q) in qps {
+        let d = Datagram {
+            grh,
+            ipv4,
+            src_qpn: qp.qpn,
+            qkey: s.qkey,
+            imm: s.imm,
+            payload: s.payload,
+        };
+        deliver(&q, &d);
+    }
+}
+
+/// Takes one datagram that arrived at device `dev`'s socket for IPv4 `group` from `from`:
+/// checked as the wire checks UD packets (size, ICRC, format, P_Key, a UD opcode with a
+/// DETH, destination QP 0xFFFFFF), then given to every QP of `dev` attached to the group
+/// (but the sender itself when it came from this port and the sender blocks self-loopback).
+/// Never panics; every drop is counted.
+pub(crate) fn on_group_packet(dev: &Shared, group: Ipv4Addr, from: SocketAddr, d: &[u8]) {
+    let wc = &dev.counters.wire;
+    Counters::add(&wc.rx_packets, 1);
+    Counters::add(&wc.rx_bytes, d.len() as u64);
+    let SocketAddr::V4(from4) = from else {
+        Counters::add(&wc.rx_malformed, 1);
+        return;
+    };
+    let flow = Flow {
+        src: *from4.ip(),
+        dst: group,
+        sport: from.port(),
+        dport: packet::ROCE_PORT,
+    };
+    if let Some(port) = dev.port() {
+        port.capture_rx(&flow, d, 0);
+    }
+    if d.len() < packet::BTH_LEN + packet::ICRC_LEN || d.len() > packet::MAX_DATAGRAM {
+        Counters::add(&wc.rx_malformed, 1);
+        return;
+    }
+    if packet::icrc_ip_id(&flow, d, 0).is_none() {
+        Counters::add(&wc.rx_bad_icrc, 1);
+        return;
+    }
+    let (p, deth) = match packet::parse(d) {
+        Ok(p)
+            if p.bth.pkey & 0x7fff == 0x7fff
+                && packet::is_ud(p.bth.opcode)
+                && p.bth.dest_qp == MCAST_QPN =>
+        {
+            match p.deth {
+                Some(deth) => (p, deth),
+                None => {
+                    Counters::add(&wc.rx_malformed, 1);
+                    return;
+                }
+            }
+        }
+        _ => {
+            Counters::add(&wc.rx_malformed, 1);
+            return;
+        }
+    };
+    let own_port = dev.port().is_some_and(|port| port.ip == *from4.ip());
+    let qps = group::members(&Gid::from_ipv4(group), |m| {
+        m.of(dev) && !(own_port && m.block_self && m.qpn == deth.src_qp)
+    });
+    if qps.is_empty() {
+        Counters::add(&wc.rx_unknown_qp, 1);
+        return;
+    }
+    for (_, q) in qps {
+        on_packet(dev, &q, &p, &flow, d.len());
     }
 }
 

@@ -39,12 +39,15 @@ const LAYERS: &[&str] = &[
     "wire::requester",
     "wire::responder",
     "wire::dct",
+    "group",
     "ud",
     "gsi",
     "wire::transport",
     "dc",
     "engine",
     "device",
+    // the multicast verbs: the device's, over `group` and `ud`
+    "mcast",
     // clients of the device
     "initiator",
     "bench",
