@@ -1,6 +1,6 @@
 //! `gpuverbs emu` serves the RDMA connection manager: librdmacm's programs (rdmacm-utils'
-//! `rping`, `ucmatose`, `udaddy`, `rdma_server` / `rdma_client`, rsockets' `rstream`, perftest's
-//! `-R` mode), server and client each under its own `gpuverbs emu` with its own address
+//! `rping`, `ucmatose`, `udaddy`, `mckey`, `rdma_server` / `rdma_client`, rsockets' `rstream`,
+//! perftest's `-R` mode), server and client each under its own `gpuverbs emu` with its own address
 //! (127.0.200.x .. 127.0.219.x, used by no other test), connect through the emulated ucma
 //! device and CM messages on QP1 between their soft NICs, move data with their own checks, and
 //! disconnect. Both sides must exit 0, and their soft NICs' counters must show no sanitizer
@@ -546,25 +546,83 @@ fn the_resource_summary_counts_the_ids() {
     assert!(out.contains("ok"), "{out}");
 }
 
-/// mckey (rdma_cm multicast over UD): refused with one line, as multicast is not emulated (a
-/// ConnectX RoCE host would serve it: the kernel's CMA joins the group with IGMP on the netdev);
-/// mckey reports the failed join and exits with an error.
+/// mckey (rdma_cm multicast over UD), receiver and sender each under its own `gpuverbs emu`
+/// on loopback addresses: both join group 239.216.0.1 (JOIN_MCAST; the MULTICAST_JOIN event's
+/// address vector names the IPv4-mapped group GID; librdmacm attaches each QP, and each soft NIC
+/// joins the group on `lo`), the sender sends 20 datagrams of 512 bytes to QP 0xFFFFFF, and
+/// the receiver, which counts its completions, ends only once all 20 arrived. A second run
+/// with `-l` on both sides (IBV_QP_CREATE_BLOCK_SELF_MCAST_LB, through EX_CREATE_QP) and a
+/// send-only join (`-o`, no attach) for the sender. Multicast on `lo` works for IPv4 (the
+/// kernel loops a datagram sent with IP_MULTICAST_IF on a loopback address back to the
+/// sockets that joined on `lo`), so no network namespaces are needed.
 #[test]
-fn mckey_is_refused_with_a_line() {
+fn mckey_joins_a_group_and_every_message_arrives() {
     need("mckey", "rdmacm-utils");
     let _g = serial();
-    let ip = "127.0.216.1";
-    let child = emu(ip, None, &["mckey", "-m", "239.1.2.3", "-b", ip])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let o = wait(child, Duration::from_secs(30), "mckey");
-    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "{text}");
-    assert!(
-        text.contains("rdma_cm: multicast is not emulated")
-            && text.contains("failure joining: Function not implemented"),
-        "{text}"
-    );
+    let (rip, sip) = ("127.0.216.1", "127.0.216.2");
+    for (k, (rx_extra, tx_extra)) in [(&[][..], &[][..]), (&["-l"][..], &["-l", "-o"][..])]
+        .into_iter()
+        .enumerate()
+    {
+        let group = format!("239.216.0.{}", k + 1);
+        let (rc, sc) = (tmp(&format!("mckey-{k}-r")), tmp(&format!("mckey-{k}-s")));
+        let common = ["-m", group.as_str(), "-C", "20", "-S", "512"];
+        let mut rargs = vec!["mckey", "-b", rip];
+        rargs.extend(common);
+        rargs.extend(rx_extra);
+        let mut sargs = vec!["mckey", "-s", "-b", sip];
+        sargs.extend(common);
+        sargs.extend(tx_extra);
+        let mut rx = Server(Some(
+            emu(rip, Some(&rc), &rargs)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        ));
+        // the receiver's soft NIC joined: its socket for the group is bound
+        let t = Instant::now();
+        while !udp_bound([239, 216, 0, k as u8 + 1], 4791) {
+            if let Some(st) = rx.0.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                let o = rx.0.take().unwrap().wait_with_output().unwrap();
+                panic!(
+                    "mckey receiver ended ({st}) before it joined:\n{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                );
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "mckey receiver never joined"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let tx = emu(sip, Some(&sc), &sargs)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let so = wait(tx, Duration::from_secs(60), "mckey sender");
+        let s =
+            String::from_utf8_lossy(&so.stdout).to_string() + &String::from_utf8_lossy(&so.stderr);
+        assert!(so.status.success(), "sender:\n{s}");
+        let ro = wait(
+            rx.0.take().unwrap(),
+            Duration::from_secs(30),
+            "mckey receiver",
+        );
+        let r =
+            String::from_utf8_lossy(&ro.stdout).to_string() + &String::from_utf8_lossy(&ro.stderr);
+        assert!(ro.status.success(), "receiver:\n{r}\nsender:\n{s}");
+        for (side, out) in [("receiver", &r), ("sender", &s)] {
+            assert!(
+                out.contains(&format!("joined dgid: ::ffff:{group}")),
+                "{side}:\n{out}"
+            );
+            assert!(out.contains("data transfers complete"), "{side}:\n{out}");
+        }
+        assert!(r.contains("receiving data transfers"), "receiver:\n{r}");
+        check_counters_flush_ok(&sc, "mckey sender", true);
+        check_counters_flush_ok(&rc, "mckey receiver", false);
+    }
 }

@@ -34,6 +34,8 @@ pub mod cmd {
     pub const QUERY_QP: u32 = 25;
     pub const MODIFY_QP: u32 = 26;
     pub const DESTROY_QP: u32 = 27;
+    pub const ATTACH_MCAST: u32 = 30;
+    pub const DETACH_MCAST: u32 = 31;
     pub const CREATE_SRQ: u32 = 32;
     pub const MODIFY_SRQ: u32 = 33;
     pub const QUERY_SRQ: u32 = 34;
@@ -207,6 +209,10 @@ pod!(
 pod!(
     /// A command naming one object (DEALLOC_PD, DEREG_MR, DEALLOC_MW, DESTROY_AH).
     Handle[4] { handle: u32 }
+);
+pod!(
+    /// `struct ib_uverbs_attach_mcast` (DETACH_MCAST's `ib_uverbs_detach_mcast` is the same).
+    AttachMcast[24] { gid: [u8; 16], qp_handle: u32, mlid: u16, reserved: u16 }
 );
 pod!(
     /// `struct ib_uverbs_reg_mr`.

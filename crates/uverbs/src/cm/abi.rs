@@ -101,6 +101,8 @@ pub mod event {
     pub const ESTABLISHED: u32 = 9;
     /// Disconnected.
     pub const DISCONNECTED: u32 = 10;
+    /// A multicast join completed (its address vector, Q_Key and QPN 0xFFFFFF).
+    pub const MULTICAST_JOIN: u32 = 12;
 }
 
 /// `struct rdma_ucm_cmd_hdr`.
@@ -212,6 +214,16 @@ pod!(
     EventResp[336] {
         uid: u64, id: u32, event: u32, status: u32, param: [u8; 256], param_tail: [u8; 48],
         reserved: u32, ece_vendor_id: u32, ece_attr_mod: u32,
+    }
+);
+pod!(
+    /// `struct rdma_ucm_join_ip_mcast`.
+    JoinIpMcast[48] { response: u64, uid: u64, addr: [u8; 28], id: u32 }
+);
+pod!(
+    /// `struct rdma_ucm_join_mcast`.
+    JoinMcast[152] {
+        response: u64, uid: u64, id: u32, addr_size: u16, join_flags: u16, addr: [u8; 128],
     }
 );
 pod!(

@@ -6,7 +6,7 @@
 use super::abi::{self, cmd, event, ps, query, EventResp, UserPathRec};
 use super::addr::{self, Addr, AF_IB};
 use super::agent::{self, PACKET_LIFETIME};
-use super::{plain_event, Cm, CmFile, Id, St, State};
+use super::{id_mut, plain_event, respond, Cm, CmFile, Id, St, State};
 use crate::uaccess::{copy_from_user, copy_to_user, Errno};
 use bytemuck::Pod;
 use std::os::fd::RawFd;
@@ -136,15 +136,31 @@ pub(super) fn run(
             cm.notify(&mut st, n.id, n.value)
         }
         cmd::MIGRATE_ID => migrate(cm, file, &read(body)?, out, file_of),
-        cmd::JOIN_IP_MCAST | cmd::JOIN_MCAST | cmd::LEAVE_MCAST => {
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
-                crate::complain(format_args!(
-                    "rdma_cm: multicast is not emulated (the soft NIC has no multicast) (ENOSYS)"
-                ))
-            });
-            Err(Errno::ENOSYS)
+        cmd::JOIN_IP_MCAST => {
+            let j: abi::JoinIpMcast = read(body)?;
+            let join = super::mcast::Join {
+                response: j.response,
+                uid: j.uid,
+                id: j.id,
+                addr: &j.addr,
+                addr_size: None,
+                join_flags: super::mcast::FULLMEMBER,
+            };
+            super::mcast::join(cm, file, &join, out)
         }
+        cmd::JOIN_MCAST => {
+            let j: abi::JoinMcast = read(body)?;
+            let join = super::mcast::Join {
+                response: j.response,
+                uid: j.uid,
+                id: j.id,
+                addr: &j.addr,
+                addr_size: Some(j.addr_size),
+                join_flags: j.join_flags,
+            };
+            super::mcast::join(cm, file, &join, out)
+        }
+        cmd::LEAVE_MCAST => super::mcast::leave(cm, file, &read(body)?, out),
         // the kernel's ucma has no GET_OPTION
         cmd::GET_OPTION => Err(Errno::ENOSYS),
         _ => Err(Errno::EINVAL),
@@ -172,35 +188,12 @@ fn read_padded<T: Pod>(body: &[u8], min: usize) -> Result<T, Errno> {
     Ok(v)
 }
 
-/// Writes a response: ENOSPC when the room is smaller.
-fn respond<T: Pod>(to: u64, out: usize, v: &T) -> Result<(), Errno> {
-    let b = bytemuck::bytes_of(v);
-    if out < b.len() {
-        return Err(Errno::ENOSPC);
-    }
-    copy_to_user(to, b)
-}
-
 /// An optional source address (family 0: none).
 fn optional(b: &[u8]) -> Result<Option<Addr>, Errno> {
     if b.len() < 2 || u16::from_ne_bytes([b[0], b[1]]) == 0 {
         return Ok(None);
     }
     addr::parse(b).map(Some)
-}
-
-/// The id `h` of `file`: ENOENT when there is none (or it is a connection request not yet
-/// reported), EINVAL when it is another file's.
-fn id_mut<'a>(st: &'a mut State, file: &Arc<CmFile>, h: u32) -> Result<&'a mut Id, Errno> {
-    let id = st
-        .ids
-        .get_mut(&h)
-        .filter(|i| i.visible)
-        .ok_or(Errno::ENOENT)?;
-    if !Arc::ptr_eq(&id.file, file) {
-        return Err(Errno::EINVAL);
-    }
-    Ok(id)
 }
 
 fn create_id(
@@ -647,6 +640,7 @@ fn migrate(
                     owner: e.owner,
                     counter: e.counter.clone(),
                     child: e.child,
+                    mc: e.mc.clone(),
                 });
             }
             !mine

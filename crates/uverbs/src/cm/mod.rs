@@ -9,6 +9,7 @@
 //!   that is readable while events wait, so `poll`/`epoll` work, and GET_EVENT blocks on it
 //!   unless the file is non-blocking) and the ids (`rdma_cm_id`s) of the process.
 //! - `cmds`: each `write()` command, as `drivers/infiniband/core/ucma.c` and `cma.c` answer it.
+//! - `mcast`: multicast joins (JOIN_IP_MCAST, JOIN_MCAST, LEAVE_MCAST) and their events.
 //! - `agent`: the connection protocol (REQ / REP / RTU / REJ / DREQ / DREP / MRA, SIDR), its
 //!   retransmissions, and the QP attributes each side's QP gets (INIT_QP_ATTR).
 //!
@@ -21,6 +22,7 @@ pub mod addr;
 mod agent;
 mod cmds;
 pub mod mad;
+mod mcast;
 #[cfg(test)]
 mod tests;
 
@@ -43,6 +45,8 @@ struct Queued {
     counter: Arc<AtomicU32>,
     /// A connection request's new id (it becomes usable when the event is read).
     child: Option<u32>,
+    /// A multicast event's group (its handle, and the counter LEAVE_MCAST reports).
+    mc: Option<(u32, Arc<AtomicU32>)>,
 }
 
 /// One open file of `/dev/infiniband/rdma_cm`: an event channel.
@@ -114,6 +118,9 @@ impl CmFile {
             if let Some(e) = q.pop_front() {
                 self.take_token();
                 e.counter.fetch_add(1, Ordering::AcqRel);
+                if let Some((_, c)) = &e.mc {
+                    c.fetch_add(1, Ordering::AcqRel);
+                }
                 return Ok(e);
             }
             if self.nonblocking() {
@@ -140,6 +147,18 @@ impl CmFile {
             self.take_token();
         }
         children
+    }
+}
+
+impl CmFile {
+    /// Drops the queued events of multicast group `mc` (ucma's `ucma_cleanup_mc_events`).
+    fn purge_mc(&self, mc: u32) {
+        let mut q = self.q.lock();
+        let before = q.len();
+        q.retain(|e| e.mc.as_ref().is_none_or(|(h, _)| *h != mc));
+        for _ in q.len()..before {
+            self.take_token();
+        }
     }
 }
 
@@ -191,6 +210,8 @@ struct Id {
     ack_timeout: Option<u8>,
     /// The connection, once one is being made.
     conn: Option<agent::Conn>,
+    /// The multicast groups it joined.
+    mcs: Vec<mcast::Mc>,
 }
 
 impl Id {
@@ -215,6 +236,7 @@ impl Id {
             reuseaddr: false,
             ack_timeout: None,
             conn: None,
+            mcs: Vec::new(),
         }
     }
 
@@ -229,12 +251,40 @@ impl Id {
             owner: self.handle,
             counter: self.reported.clone(),
             child,
+            mc: None,
         });
     }
 
     fn is_ud(&self) -> bool {
         self.qp_type == agent::QPT_UD
     }
+}
+
+/// Writes a response: ENOSPC when the room is smaller.
+fn respond<T: bytemuck::Pod>(to: u64, out: usize, v: &T) -> Result<(), Errno> {
+    let b = bytemuck::bytes_of(v);
+    if out < b.len() {
+        return Err(Errno::ENOSPC);
+    }
+    crate::uaccess::copy_to_user(to, b)
+}
+
+/// The id `h` of `file`: ENOENT when there is none (or it is a connection request not yet
+/// reported), EINVAL when it is another file's.
+fn id_mut<'a>(
+    st: &'a mut State,
+    file: &Arc<CmFile>,
+    h: u32,
+) -> Result<&'a mut Id, Errno> {
+    let id = st
+        .ids
+        .get_mut(&h)
+        .filter(|i| i.visible)
+        .ok_or(Errno::ENOENT)?;
+    if !Arc::ptr_eq(&id.file, file) {
+        return Err(Errno::EINVAL);
+    }
+    Ok(id)
 }
 
 /// An event with nothing but its type and status.
@@ -251,6 +301,8 @@ struct State {
     next_id: u32,
     /// Devices whose QP1 handler is installed.
     agents: Vec<u32>,
+    /// The last multicast group handle given.
+    last_mc: u32,
 }
 
 /// The connection manager of the process.

@@ -413,3 +413,132 @@ fn comm_est_notified_before_the_rtu_establishes_the_connection() {
     destroy(&sf, child);
     destroy(&sf, listener);
 }
+
+/// A JOIN_MCAST (or JOIN_IP_MCAST) body for `addr`.
+fn join_mcast(
+    id: u32,
+    uid: u64,
+    resp: &mut u32,
+    addr: [u8; 128],
+    size: u16,
+    flags: u16,
+) -> Vec<u8> {
+    let j = abi::JoinMcast {
+        response: ptr(resp),
+        uid,
+        id,
+        addr_size: size,
+        join_flags: flags,
+        addr,
+    };
+    bytemuck::bytes_of(&j).to_vec()
+}
+
+#[test]
+fn a_multicast_join_is_answered_with_the_groups_address_vector_and_left() {
+    let f = file();
+    let ud = create(&f, abi::ps::UDP, 0x55);
+    let group = sockaddr([239, 230, 0, 1], 0);
+    let mut h = 0u32;
+    // no device yet: EINVAL; a short answer room: ENOSPC
+    let b = join_mcast(ud, 7, &mut h, group, 16, 0);
+    assert_eq!(write(&f, cmd::JOIN_MCAST, &b, 4), Err(Errno::EINVAL));
+    assert_eq!(write(&f, cmd::JOIN_MCAST, &b, 2), Err(Errno::ENOSPC));
+    bind(&f, ud, [127, 0, 230, 1], 0).unwrap();
+    // the kernel's errors: size not the family's, unknown join flags, IPv6 on RoCE v2
+    // (ENOTSUPP, 524), 0.0.0.0, a unicast address for a full member
+    let bad = [
+        (join_mcast(ud, 7, &mut h, group, 28, 0), Errno::EINVAL),
+        (join_mcast(ud, 7, &mut h, group, 16, 2), Errno::EINVAL),
+        (
+            join_mcast(ud, 7, &mut h, sockaddr([0; 4], 0), 16, 0),
+            Errno::EINVAL,
+        ),
+        (
+            join_mcast(ud, 7, &mut h, sockaddr([10, 0, 0, 1], 0), 16, 0),
+            Errno::EINVAL,
+        ),
+    ];
+    for (b, e) in bad {
+        assert_eq!(write(&f, cmd::JOIN_MCAST, &b, 4), Err(e));
+    }
+    let mut v6 = [0u8; 128];
+    v6[..2].copy_from_slice(&10u16.to_ne_bytes());
+    v6[8] = 0xff;
+    let b = join_mcast(ud, 7, &mut h, v6, 28, 0);
+    assert_eq!(write(&f, cmd::JOIN_MCAST, &b, 4), Err(Errno(524)));
+    // an RC id: EINVAL
+    let rc = create(&f, abi::ps::TCP, 0x56);
+    bind(&f, rc, [127, 0, 230, 1], 0).unwrap();
+    let b = join_mcast(rc, 7, &mut h, group, 16, 0);
+    assert_eq!(write(&f, cmd::JOIN_MCAST, &b, 4), Err(Errno::EINVAL));
+
+    // the join: the group's handle, then MULTICAST_JOIN with the group's uid and handle
+    let b = join_mcast(ud, 0x1234, &mut h, group, 16, 0);
+    write(&f, cmd::JOIN_MCAST, &b, 4).unwrap();
+    assert_ne!(h, 0);
+    let e = next_event(&f);
+    assert_eq!(
+        (e.event, e.status, e.uid, e.id),
+        (event::MULTICAST_JOIN, 0, 0x1234, h)
+    );
+    let mut raw = [0u8; 304];
+    raw[..256].copy_from_slice(&e.param);
+    raw[256..].copy_from_slice(&e.param_tail);
+    let u: abi::UdParam = bytemuck::pod_read_unaligned(&raw);
+    assert_eq!((u.qp_num, u.qkey), (0xff_ffff, 0x0123_4567));
+    let mgid = verbs::Gid::from_ipv4(Ipv4Addr::new(239, 230, 0, 1)).0;
+    assert_eq!(u.ah_attr.dgid, mgid);
+    assert_eq!(
+        (u.ah_attr.is_global, u.ah_attr.hop_limit, u.ah_attr.port_num),
+        (1, 64, 1)
+    );
+    assert_eq!((u.ah_attr.sgid_index, u.ah_attr.dlid), (0, 0));
+
+    // JOIN_IP_MCAST (a sockaddr_in6-sized address) gives another group
+    let mut h2 = 0u32;
+    let mut ip = abi::JoinIpMcast {
+        response: ptr(&mut h2),
+        uid: 0x99,
+        addr: [0; 28],
+        id: ud,
+    };
+    ip.addr
+        .copy_from_slice(&sockaddr([239, 230, 0, 2], 0)[..28]);
+    write(&f, cmd::JOIN_IP_MCAST, bytemuck::bytes_of(&ip), 4).unwrap();
+    assert_ne!(h2, h);
+
+    // LEAVE_MCAST: the group's events read (1); the unread one of the second goes with it
+    let mut n = 99u32;
+    let l = abi::Destroy {
+        response: ptr(&mut n),
+        handle: h,
+        reserved: 0,
+    };
+    write(&f, cmd::LEAVE_MCAST, bytemuck::bytes_of(&l), 4).unwrap();
+    assert_eq!(n, 1);
+    assert_eq!(
+        write(&f, cmd::LEAVE_MCAST, bytemuck::bytes_of(&l), 4),
+        Err(Errno::ENOENT)
+    );
+    let l2 = abi::Destroy {
+        response: ptr(&mut n),
+        handle: h2,
+        reserved: 0,
+    };
+    assert_eq!(
+        write(&file(), cmd::LEAVE_MCAST, bytemuck::bytes_of(&l2), 4),
+        Err(Errno::EINVAL),
+        "another file's group"
+    );
+    write(&f, cmd::LEAVE_MCAST, bytemuck::bytes_of(&l2), 4).unwrap();
+    assert_eq!(n, 0);
+    let mut ev: EventResp = bytemuck::Zeroable::zeroed();
+    assert_eq!(
+        write(&f, cmd::GET_EVENT, &ptr(&mut ev).to_ne_bytes(), 336),
+        Err(Errno::EAGAIN),
+        "the left group's event went with it"
+    );
+    destroy(&f, ud);
+    destroy(&f, rc);
+}

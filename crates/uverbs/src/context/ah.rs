@@ -20,11 +20,18 @@ impl Context {
         }
         let h = o.handle();
         io.reply(&abi::CreateAhResp { ah_handle: h })?;
-        // the destination MAC of an IPv4-mapped GID on this emulated Ethernet
+        // the destination MAC of an IPv4-mapped GID on this emulated Ethernet; of a multicast
+        // group, the IPv4 multicast MAC (01:00:5e and the group's low 23 bits), as the
+        // kernel's `ib_resolve_eth_dmac` gives it
         let g = r.attr.dgid;
+        let dmac = if softnic::mcast::group_ipv4(&softnic::Gid(g)).is_some() {
+            [0x01, 0x00, 0x5e, g[13] & 0x7f, g[14], g[15]]
+        } else {
+            [0x02, 0x00, g[12], g[13], g[14], g[15]]
+        };
         io.ureply(&abi::Mlx5CreateAhResp {
             response_length: 16,
-            dmac: [0x02, 0x00, g[12], g[13], g[14], g[15]],
+            dmac,
             reserved: [0; 6],
         })?;
         o.ahs.insert(h, AhObj { pd: r.pd_handle });

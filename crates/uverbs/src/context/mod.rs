@@ -334,6 +334,8 @@ impl Context {
             c::MODIFY_QP => self.legacy_modify_qp(io),
             c::QUERY_QP => self.query_qp(io),
             c::DESTROY_QP => self.destroy_qp(io),
+            c::ATTACH_MCAST => self.attach_mcast(io, true),
+            c::DETACH_MCAST => self.attach_mcast(io, false),
             c::CREATE_AH => self.create_ah(io),
             c::DESTROY_AH => self.destroy_ah(io),
             _ => Err(unsupported(abi::cmd_name(cmd))),

@@ -1,7 +1,7 @@
 //! Queue pairs (RC, UC, UD, XRC initiators and targets, and DC initiators and targets:
 //! `mlx5dv_create_qp`'s `IBV_QPT_DRIVER` QPs): CREATE_QP, EX_CREATE_QP, MODIFY_QP,
 //! EX_MODIFY_QP, QUERY_QP and DESTROY_QP, with the BlueFlame register each QP with a send queue
-//! gets.
+//! gets; ATTACH_MCAST and DETACH_MCAST (UD multicast).
 
 use super::{
     ib_access, unsupported, user_buf, Context, Created, Io, Objects, BFREGS_PER_UAR, BF_REG_SIZE,
@@ -55,6 +55,9 @@ pub(super) struct QpObj {
     pub(super) tgt: Option<Arc<super::xrc_target::TgtShare>>,
     /// A handle OPEN_QP made (it gets no async events; the creator's handle does).
     opened: bool,
+    /// Created with IB_UVERBS_QP_CREATE_BLOCK_MULTICAST_LOOPBACK (its own multicast
+    /// datagrams do not come back to it).
+    mc_block_self: bool,
 }
 
 impl QpObj {
@@ -84,6 +87,7 @@ impl QpObj {
             uar_page: None,
             tgt: Some(share),
             opened: true,
+            mc_block_self: false,
         }
     }
 }
@@ -126,9 +130,9 @@ impl Context {
     /// EX_CREATE_QP.
     pub(super) fn ex_create_qp(&self, io: &Io<'_>) -> Result<Created, Errno> {
         let r: abi::ExCreateQp = io.core()?;
-        // IB_UVERBS_QP_CREATE_BLOCK_MULTICAST_LOOPBACK: honoured by a device without multicast
-        // (it reports the block_lb_mc capability, as mlx5_ib requires); any other flag is not
-        const BLOCK_MULTICAST_LOOPBACK: u32 = 1 << 1;
+        // IB_UVERBS_QP_CREATE_BLOCK_MULTICAST_LOOPBACK (the device reports the block_lb_mc
+        // capability, as mlx5_ib requires): the QP's own multicast datagrams do not come back
+        // to it; any other flag is not served
         if r.comp_mask != 0 || r.create_flags & !BLOCK_MULTICAST_LOOPBACK != 0 {
             return Err(unsupported("EX_CREATE_QP with create flags or RSS"));
         }
@@ -315,6 +319,7 @@ impl Context {
                 uar_page,
                 tgt,
                 opened: false,
+                mc_block_self: r.create_flags & BLOCK_MULTICAST_LOOPBACK != 0,
             },
         );
         Ok(Created::Nothing)
@@ -473,6 +478,11 @@ impl Context {
         // an XRC target goes with its last handle (`xrc_target::TgtShare`), the creator's handle takes
         // its events with it
         if q.tgt.is_none() {
+            if q.soft.is_ud() {
+                finish_rung(&soft);
+            }
+            // uverbs detaches what the QP left attached
+            soft.detach_all_mcast(&q.soft);
             soft.destroy_qp(&q.soft);
         }
         if !q.opened {
@@ -488,6 +498,62 @@ impl Context {
         Ok(Created::Nothing)
     }
 }
+
+impl Context {
+    /// ATTACH_MCAST (`ibv_attach_mcast`) and DETACH_MCAST, as uverbs and `ib_attach_mcast`
+    /// answer them: an unknown QP, a GID that is not multicast, a QP that is not UD: EINVAL;
+    /// attaching again: 0; detaching what is not attached: EINVAL. The soft NIC joins the
+    /// group's IPv4 address on its interface with the QP's first attach (`softnic::mcast`);
+    /// a join the host refuses is the errno it gave (librdmacm then reports
+    /// RDMA_CM_EVENT_MULTICAST_ERROR).
+    pub(super) fn attach_mcast(&self, io: &Io<'_>, attach: bool) -> Result<Created, Errno> {
+        // the command table (`legacy_sizes`) gives these commands no core size of their own,
+        // so the whole body arrives as the driver part
+        let r: abi::AttachMcast = if io.core.is_empty() {
+            io.udata()?
+        } else {
+            io.core()?
+        };
+        let soft = self.soft()?;
+        let (qp, block) = {
+            let o = self.objs.lock();
+            let q = o.qps.get(&r.qp_handle).ok_or(Errno::EINVAL)?;
+            (q.soft.clone(), q.mc_block_self)
+        };
+        let gid = softnic::Gid(r.gid);
+        let res = if attach {
+            let how = softnic::mcast::McastAttach {
+                block_self_loopback: block,
+            };
+            soft.attach_mcast(&qp, gid, how)
+        } else {
+            soft.detach_mcast(&qp, gid)
+        };
+        res.map_err(|e| match e {
+            softnic::Error::Wire(softnic::WireError::Socket(io)) => {
+                crate::complain(format_args!(
+                    "ATTACH_MCAST {gid}: the group join failed: {io}"
+                ));
+                Errno(io.raw_os_error().unwrap_or(libc::EADDRNOTAVAIL))
+            }
+            _ => Errno::EINVAL,
+        })?;
+        Ok(Created::Nothing)
+    }
+}
+
+/// Runs, on the caller's thread, what a UD QP's program rang before DESTROY_QP (at most
+/// 50 ms): a ConnectX has sent those datagrams microseconds after the doorbell, long before
+/// the command's firmware round trip, and programs count on it (mckey's sender posts its
+/// datagrams unsignaled and destroys its QP at once).
+fn finish_rung(soft: &softnic::Device) {
+    let end = std::time::Instant::now() + std::time::Duration::from_millis(50);
+    while soft.progress() && std::time::Instant::now() < end {}
+    soft.carry_end();
+}
+
+/// IB_UVERBS_QP_CREATE_BLOCK_MULTICAST_LOOPBACK.
+const BLOCK_MULTICAST_LOOPBACK: u32 = 1 << 1;
 
 /// What a CREATE_QP asks for, checked as mlx5_ib checks it: the QP's type, its SRQ, how its
 /// doorbell register is named, and its rings' geometry.
