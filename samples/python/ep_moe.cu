@@ -155,6 +155,14 @@ GPUVERBS_DEVICE bool wait_rows(const Args& a, uint32_t s_rank, uint64_t round) {
     return ok;
 }
 
+// A combine block's start: waits for rank `s_rank`'s dispatch of this round and reads how many
+// rows it sent (`n`); false (and a status reported) when it did not come.
+GPUVERBS_DEVICE bool rows_from(const Args& a, uint32_t s_rank, uint64_t round, uint64_t* n) {
+    if (!wait_rows(a, s_rank, round)) return false;
+    *n = *(volatile uint64_t*)word(a, a.off_cnt, s_rank);
+    return true;
+}
+
 }  // namespace ep
 
 // grid (N, B): blockIdx.x is the destination rank; each of its B blocks writes a share of the
@@ -259,8 +267,8 @@ GPUVERBS_KERNEL void ep_combine(const ep::Args* ap, uint64_t round) {
     using namespace gpuverbs;
     const ep::Args a = *ap;
     const uint32_t s_rank = blockIdx.x;
-    if (!ep::wait_rows(a, s_rank, round)) return;
-    const uint64_t n = *(volatile uint64_t*)ep::word(a, a.off_cnt, s_rank);
+    uint64_t n;
+    if (!ep::rows_from(a, s_rank, round, &n)) return;
     const uint32_t hrow = a.hidden * 2;
     const uint64_t q = a.qp[s_rank];
     for (uint32_t i = blockIdx.y; i < n; i += gridDim.y) {
@@ -288,8 +296,8 @@ GPUVERBS_KERNEL void ep_combine_warp(const ep::Args* ap, uint64_t round) {
     using namespace gpuverbs;
     const ep::Args a = *ap;
     const uint32_t s_rank = blockIdx.x;
-    if (!ep::wait_rows(a, s_rank, round)) return;
-    const uint64_t n = *(volatile uint64_t*)ep::word(a, a.off_cnt, s_rank);
+    uint64_t n;
+    if (!ep::rows_from(a, s_rank, round, &n)) return;
     const uint32_t hrow = a.hidden * 2;
     const uint64_t q = a.qp[s_rank];
     const uint64_t step = 32ull * gridDim.y;
@@ -324,8 +332,8 @@ GPUVERBS_KERNEL void ep_combine_chunk(const ep::Args* ap, uint64_t round) {
     using namespace gpuverbs;
     const ep::Args a = *ap;
     const uint32_t s_rank = blockIdx.x;
-    if (!ep::wait_rows(a, s_rank, round)) return;
-    const uint64_t n = *(volatile uint64_t*)ep::word(a, a.off_cnt, s_rank);
+    uint64_t n;
+    if (!ep::rows_from(a, s_rank, round, &n)) return;
     const uint32_t hrow = a.hidden * 2;
     const uint64_t q = a.qp[s_rank];
     uint64_t lo, hi;
