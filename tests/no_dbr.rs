@@ -8,13 +8,12 @@ mod common;
 
 use gpuverbs::post::RingMode;
 use gpuverbs::queue::QpState;
-use gpuverbs::{Access, ConnectOptions, CqOptions, DoorbellMode, Error, HostBuffer, QpOptions};
+use gpuverbs::{ConnectOptions, CqOptions, DoorbellMode, Error, QpOptions};
 use prm::doorbell::DBR_LESS_OFFSET;
 use prm::wqe::{CtrlFlags, Local, Op};
 use prm::Completion;
 use std::sync::Arc;
 use std::time::Duration;
-use verbs::initiator::{CqGeometry, Initiator, RqGeometry, SqGeometry};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -91,60 +90,18 @@ fn a_soft_no_dbr_qp_moves_data_with_its_record_never_written() {
         return;
     }
     let peer = common::open_peer();
-    let (pd, pd_b) = (ctx.alloc_pd(), peer.alloc_pd());
-    let cq = ctx.create_cq(CqOptions::default()).unwrap();
-    let qp = pd.create_qp(no_dbr(&cq)).unwrap();
-    let cq_b = peer.create_cq(CqOptions::default()).unwrap();
-    let qp_b = pd_b.create_qp(QpOptions::new(&cq_b, &cq_b)).unwrap();
-    let c = ConnectOptions {
-        access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-        ..Default::default()
-    };
-    qp.connect(&qp_b.endpoint(), c).unwrap();
-    qp_b.connect(&qp.endpoint(), c).unwrap();
-    let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
-    src.write(0, b"no doorbell rec!");
-    let src_mr = pd.register_with(&src, Access::LOCAL_WRITE).unwrap();
-    let dst_mr = pd_b
-        .register_with(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-        .unwrap();
+    let common::WritePair {
+        qp,
+        qp_b: _qp_b,
+        src: _src,
+        dst,
+        src_mr,
+        dst_mr,
+    } = common::write_pair(&ctx, &peer, no_dbr, b"no doorbell rec!");
     let s = qp.soft().unwrap().clone();
     let record = s.dbrec_page().as_ptr().wrapping_add(s.dbrec_offset());
     let decoy = Arc::new(verbs::DmaBuf::alloc(64));
-    let cq_geom = |c: &gpuverbs::soft::raw::Cq| CqGeometry {
-        ring: c.ring().as_ptr(),
-        ncqe: c.ncqe(),
-        dbrec: c.dbrec().as_ptr(),
-        collapsed: false,
-    };
-    let sq = SqGeometry {
-        ring: s.sq_ring().as_ptr(),
-        blocks: s.sq_blocks(),
-        dbrec: decoy.as_ptr(),
-        bf_reg: s.uar().as_ptr().wrapping_add(s.bf_offset()),
-        qpn: s.qpn(),
-    };
-    let rq = RqGeometry {
-        ring: s.rq_ring().as_ptr(),
-        wqes: s.rq_wqes(),
-        stride: s.rq_stride(),
-        dbrec: record,
-    };
-    let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new((s.clone(), decoy.clone()));
-    // SAFETY: the rings, CQs and register are the live soft QP's (kept by `keep`), host
-    // memory; the decoy record is a live 64-byte buffer (kept too); this test is the QP's only
-    // poster and its CQ's only poller.
-    let mut ini = unsafe {
-        Initiator::from_geometry(
-            sq,
-            rq,
-            cq_geom(s.send_cq()),
-            cq_geom(s.recv_cq()),
-            RingMode::Doca,
-            keep,
-            None,
-        )
-    };
+    let mut ini = common::decoy_player(&s, &decoy);
     let word = |i: usize| {
         // SAFETY: the QP's live 8-byte doorbell record, 4-byte aligned words.
         unsafe { std::ptr::read_volatile(record.cast::<u32>().add(i)) }

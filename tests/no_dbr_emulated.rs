@@ -9,16 +9,16 @@
 
 mod common;
 
-use gpuverbs::post::{RingMode, BF_OFFSET};
+use gpuverbs::post::BF_OFFSET;
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
 use gpuverbs::queue::QpState;
-use gpuverbs::{Access, ConnectOptions, CqOptions, DoorbellMode, HostBuffer, QpOptions};
+use gpuverbs::{ConnectOptions, CqOptions, DoorbellMode, QpOptions};
 use prm::wqe::{CtrlFlags, Local, Op};
 use prm::Completion;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use verbs::initiator::{CqGeometry, Initiator, RqGeometry, SqGeometry};
+use verbs::initiator::Initiator;
 
 const T: Duration = Duration::from_secs(10);
 
@@ -64,47 +64,6 @@ fn an_emulated_no_dbr_qp_is_an_ordinary_qp_that_the_proxy_serves() {
     assert_eq!(qp.state(), QpState::Rts);
 }
 
-/// The kernel's side, played by the CPU: WQEs into the QP's own SQ ring, the doorbell (the
-/// DOCA convention, as the device API rings) into its ordinary register, and the doorbell
-/// record's send word into a decoy, so the QP's record is never written by the player.
-fn player(s: &Arc<gpuverbs::soft::raw::Qp>, decoy: &Arc<verbs::DmaBuf>) -> Initiator {
-    let record = s.dbrec_page().as_ptr().wrapping_add(s.dbrec_offset());
-    let cq_geom = |c: &gpuverbs::soft::raw::Cq| CqGeometry {
-        ring: c.ring().as_ptr(),
-        ncqe: c.ncqe(),
-        dbrec: c.dbrec().as_ptr(),
-        collapsed: false,
-    };
-    let sq = SqGeometry {
-        ring: s.sq_ring().as_ptr(),
-        blocks: s.sq_blocks(),
-        dbrec: decoy.as_ptr(),
-        bf_reg: s.uar().as_ptr().wrapping_add(s.bf_offset()),
-        qpn: s.qpn(),
-    };
-    let rq = RqGeometry {
-        ring: s.rq_ring().as_ptr(),
-        wqes: s.rq_wqes(),
-        stride: s.rq_stride(),
-        dbrec: record,
-    };
-    let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new((s.clone(), decoy.clone()));
-    // SAFETY: the rings, CQs and register are the live soft QP's (kept by `keep`), host
-    // memory; the decoy record is a live 64-byte buffer (kept too); the test is the QP's only
-    // poster and its CQ's only poller.
-    unsafe {
-        Initiator::from_geometry(
-            sq,
-            rq,
-            cq_geom(s.send_cq()),
-            cq_geom(s.recv_cq()),
-            RingMode::Doca,
-            keep,
-            None,
-        )
-    }
-}
-
 /// The QP's send record word, as a number.
 fn send_record(s: &gpuverbs::soft::raw::Qp) -> u32 {
     let mut rec = [0u8; 8];
@@ -137,26 +96,17 @@ fn the_proxy_keeps_the_record_and_recovers_a_dropped_doorbell() {
         return;
     }
     let peer = common::open_peer();
-    let (pd, pd_b) = (ctx.alloc_pd(), peer.alloc_pd());
-    let cq = ctx.create_cq(CqOptions::default()).unwrap();
-    let qp = pd.create_qp(emulated(&cq)).unwrap();
-    let cq_b = peer.create_cq(CqOptions::default()).unwrap();
-    let qp_b = pd_b.create_qp(QpOptions::new(&cq_b, &cq_b)).unwrap();
-    let c = ConnectOptions {
-        access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-        ..Default::default()
-    };
-    qp.connect(&qp_b.endpoint(), c).unwrap();
-    qp_b.connect(&qp.endpoint(), c).unwrap();
-    let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
-    src.write(0, b"emulated no DBR!");
-    let src_mr = pd.register_with(&src, Access::LOCAL_WRITE).unwrap();
-    let dst_mr = pd_b
-        .register_with(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-        .unwrap();
+    let common::WritePair {
+        qp,
+        qp_b: _qp_b,
+        src: _src,
+        dst,
+        src_mr,
+        dst_mr,
+    } = common::write_pair(&ctx, &peer, emulated, b"emulated no DBR!");
     let s = qp.soft().unwrap().clone();
     let decoy = Arc::new(verbs::DmaBuf::alloc(64));
-    let mut ini = player(&s, &decoy);
+    let mut ini = common::decoy_player(&s, &decoy);
     let target = ProxyTarget::for_qp(&qp).unwrap();
     // the word the kernel publishes into (live while the QP is: the target keeps it)
     let word: *const AtomicU64 = target.producer_word();
