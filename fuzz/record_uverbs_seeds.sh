@@ -36,6 +36,15 @@ GPUVERBS_EMU_RECORD="$rec/rping.2" timeout 60 "$g" emu --ip 127.0.94.2 -- rping 
 wait "$server"
 cat "$rec/rping.1"/*.stream > "$rec/rping_side1.s"
 cat "$rec/rping.2"/*.stream > "$rec/rping_side2.s"
+# multicast: JOIN_MCAST, ATTACH_MCAST / DETACH_MCAST, LEAVE_MCAST (mckey's receiver and sender)
+mkdir -p "$rec/mckey.1" "$rec/mckey.2"
+GPUVERBS_EMU_RECORD="$rec/mckey.1" timeout 60 "$g" emu --ip 127.0.94.1 -- mckey -m 239.94.0.1 -b 127.0.94.1 -C 3 >/dev/null 2>&1 &
+server=$!
+sleep 1
+GPUVERBS_EMU_RECORD="$rec/mckey.2" timeout 60 "$g" emu --ip 127.0.94.2 -- mckey -m 239.94.0.1 -b 127.0.94.2 -s -C 3 >/dev/null 2>&1
+wait "$server"
+cat "$rec/mckey.1"/*.stream > "$rec/mckey_side1.s"
+cat "$rec/mckey.2"/*.stream > "$rec/mckey_side2.s"
 for t in ib_write_bw ib_read_bw ib_atomic_bw ib_send_bw; do
   pair "$t" "$t" -x 0 -n 10 -p 18600
 done

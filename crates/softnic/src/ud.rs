@@ -166,6 +166,11 @@ pub(crate) fn execute(
     };
     let mtu = match (&to, dev.port()) {
         (Dest::Wire(_, a), Some(port)) => port.path_mtu(*a.ip()).map_or(UD_MTU, |m| m.min(UD_MTU)),
+        // the route to a group from the port's address is the port's interface (the kernel
+        // routes a multicast destination by the source address's device)
+        (Dest::Group, Some(port)) => group::group_ipv4(&gid)
+            .and_then(|g| port.path_mtu(g))
+            .map_or(UD_MTU, |m| m.min(UD_MTU)),
         _ => UD_MTU,
     };
     // Local checks first (keys, PD, ranges), then the length, then the gather.

@@ -255,3 +255,35 @@ fn over_the_wire_through_the_group_address() {
     tx.send(mgid, 10, QKEY, 6);
     assert!(r1.wait_recv(Duration::from_millis(300)).is_none());
 }
+
+#[test]
+fn a_datagram_longer_than_the_ports_mtu_fails_with_local_length() {
+    // on `lo` (MTU 65536) the port MTU is 4096: a 4096-byte datagram goes, 4097 does not
+    let a = wire_dev(3);
+    let (_, mgid) = group(5);
+    let mut tx = ud(&a);
+    tx.send(mgid, 4096, QKEY, 1);
+    for (i, b) in tx.buf[..4097].iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    let av = DatagramSeg {
+        qkey: Be32::new(QKEY),
+        dqp_dct: Be32::new(MCAST_QPN | EXTENDED_UD_AV),
+        hop_limit: 64,
+        rgid: mgid.0,
+        ..Default::default()
+    };
+    let sge = [tx.sge(0, 4097)];
+    let op = Op::Send {
+        local: Local::Sges(&sge),
+        imm: None,
+    };
+    tx.ini.post_with_av(&op, CtrlFlags::SIGNALED, &av).unwrap();
+    tx.ini.ring();
+    match tx.ini.wait_send(T).unwrap() {
+        Completion::Error(e) => {
+            assert_eq!(e.syndrome(), Some(prm::Syndrome::LocalLength), "{e}")
+        }
+        c => panic!("{c:?}"),
+    }
+}

@@ -586,11 +586,15 @@ impl Emulation {
             if (core_out > 0 || drv_out > 0) && ex.response == 0 {
                 return Err(Errno::EFAULT);
             }
+            let uresp = ex
+                .response
+                .checked_add(core_out as u64)
+                .ok_or(Errno::EFAULT)?;
             let io = Io {
                 core: &bytes[24..24 + core_in],
                 udata: &bytes[24 + core_in..],
                 resp: (ex.response, core_out),
-                uresp: (ex.response + core_out as u64, drv_out),
+                uresp: (uresp, drv_out),
             };
             ctx.ex_command(command & abi::CMD_MASK, &io)
         } else {
@@ -609,11 +613,13 @@ impl Emulation {
             } else {
                 0
             };
+            // a response pointer at the top of the address space: EFAULT, as copy_to_user
+            let uresp = resp.checked_add(resp_size as u64).ok_or(Errno::EFAULT)?;
             let io = Io {
                 core,
                 udata: &bytes[8 + core_size..],
                 resp: (resp, out.min(resp_size)),
-                uresp: (resp + resp_size as u64, out.saturating_sub(resp_size)),
+                uresp: (uresp, out.saturating_sub(resp_size)),
             };
             if resp_size > 0 && out < resp_size {
                 return Err(Errno::ENOSPC);
@@ -809,6 +815,7 @@ fn legacy_sizes(c: u32) -> (usize, usize) {
         MODIFY_QP => (s::<abi::ModifyQp>(), 0),
         DESTROY_QP => (s::<abi::Destroy>(), s::<abi::DestroyQpResp>()),
         CREATE_AH => (s::<abi::CreateAh>(), s::<abi::CreateAhResp>()),
+        ATTACH_MCAST | DETACH_MCAST => (s::<abi::AttachMcast>(), 0),
         _ => (0, 0),
     }
 }

@@ -271,11 +271,7 @@ fn respond<T: bytemuck::Pod>(to: u64, out: usize, v: &T) -> Result<(), Errno> {
 
 /// The id `h` of `file`: ENOENT when there is none (or it is a connection request not yet
 /// reported), EINVAL when it is another file's.
-fn id_mut<'a>(
-    st: &'a mut State,
-    file: &Arc<CmFile>,
-    h: u32,
-) -> Result<&'a mut Id, Errno> {
+fn id_mut<'a>(st: &'a mut State, file: &Arc<CmFile>, h: u32) -> Result<&'a mut Id, Errno> {
     let id = st
         .ids
         .get_mut(&h)

@@ -31,7 +31,8 @@ impl Context {
         let total = req
             .total_num_bfregs
             .max(BFREGS_PER_UAR)
-            .next_multiple_of(BFREGS_PER_UAR);
+            .checked_next_multiple_of(BFREGS_PER_UAR)
+            .ok_or(Errno::EINVAL)?;
         if total > MAX_BFREGS || req.num_low_latency_bfregs > total - 1 {
             return Err(Errno::EINVAL);
         }

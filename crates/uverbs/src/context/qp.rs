@@ -507,13 +507,7 @@ impl Context {
     /// a join the host refuses is the errno it gave (librdmacm then reports
     /// RDMA_CM_EVENT_MULTICAST_ERROR).
     pub(super) fn attach_mcast(&self, io: &Io<'_>, attach: bool) -> Result<Created, Errno> {
-        // the command table (`legacy_sizes`) gives these commands no core size of their own,
-        // so the whole body arrives as the driver part
-        let r: abi::AttachMcast = if io.core.is_empty() {
-            io.udata()?
-        } else {
-            io.core()?
-        };
+        let r: abi::AttachMcast = io.core()?;
         let soft = self.soft()?;
         let (qp, block) = {
             let o = self.objs.lock();
