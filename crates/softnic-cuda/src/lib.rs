@@ -10,7 +10,7 @@ use cudarc::driver::{sys, CudaContext};
 use std::ffi::c_void;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
-use verbs::devmem::{DeviceMemory, DeviceMemoryError};
+use verbs::devmem::{DeviceMemory, DeviceMemoryError, ReadManyError};
 
 /// A driver call that failed, with what was being done.
 #[derive(Debug, thiserror::Error)]
@@ -133,7 +133,8 @@ const SLOT: usize = STAGING / SLOTS;
 /// implicit synchronisation with the default stream, where kernels that wait for the very
 /// copies may be running), each complete before it returns, as [`DeviceMemory`] requires.
 /// A copy longer than a staging slot is pipelined over the slots (an event per slot says
-/// when the driver is done with it); ordered writes are queued together and waited for once.
+/// when the driver is done with it); ordered writes are queued together and waited for once,
+/// and so are the parts of a batched read (`read_many`) that fit the staging buffer together.
 /// The context is bound to whichever thread calls (the soft NIC's engine or wire thread). One
 /// copy at a time per GPU (a mutex).
 pub struct CudaMemory {
@@ -335,6 +336,74 @@ impl CudaMemory {
     }
 }
 
+impl CudaMemory {
+    /// Reads parts whose total fits the staging buffer: every copy queued on the stream, each
+    /// into its own place of the staging buffer, one wait, then each copied out. A copy the
+    /// driver refuses names its part; a failure found at the wait (asynchronous: the driver
+    /// does not say which copy) is pinned down by reading the parts again one by one.
+    fn read_staged(&self, parts: &mut [(u64, &mut [u8])]) -> Result<(), ReadManyError> {
+        let total: usize = parts.iter().map(|p| p.1.len()).sum();
+        let first = parts.first().map_or(0, |p| p.0);
+        // the part whose copy the driver refused; `parts.len()`: the wait failed
+        let mut refused = parts.len();
+        let r = self.with_io(
+            "cuMemcpyAsync (device to host, batched)",
+            first,
+            total,
+            |io| {
+                let mut at = 0;
+                for (i, (src, dst)) in parts.iter().enumerate() {
+                    // SAFETY: the device side is an address the soft NIC checked (a bad one is an
+                    // error, never taken for a host pointer: the direction is named); the host
+                    // side is `dst.len()` bytes of the pinned staging buffer at `at` (the parts
+                    // fit it together), ours under the mutex, read by nothing else and not freed
+                    // before the wait below returns (on every path: a refused copy drains first).
+                    let queued = unsafe {
+                        sys::cuMemcpyDtoHAsync_v2(
+                            io.staging.add(at).cast::<c_void>(),
+                            *src,
+                            dst.len(),
+                            io.stream,
+                        )
+                    }
+                    .result();
+                    if let Err(e) = queued {
+                        refused = i;
+                        let _ = io.drain();
+                        return Err(e);
+                    }
+                    at += dst.len();
+                }
+                io.drain()?;
+                let mut at = 0;
+                for (_, dst) in parts.iter_mut() {
+                    // SAFETY: the copies into the staging buffer completed (the wait above); `at
+                    // .. at + dst.len()` is this part's place in it.
+                    let staged =
+                        unsafe { std::slice::from_raw_parts(io.staging.add(at), dst.len()) };
+                    dst.copy_from_slice(staged);
+                    at += dst.len();
+                }
+                Ok(())
+            },
+        );
+        match r {
+            Ok(()) => Ok(()),
+            Err(error) if refused < parts.len() => Err(ReadManyError {
+                part: refused,
+                error,
+            }),
+            Err(_) => {
+                for (part, (src, dst)) in parts.iter_mut().enumerate() {
+                    self.read(*src, dst)
+                        .map_err(|error| ReadManyError { part, error })?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 impl DeviceMemory for CudaMemory {
     fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), DeviceMemoryError> {
         // SAFETY: `dst` is a live, exclusively borrowed slice of `dst.len()` bytes.
@@ -389,6 +458,34 @@ impl DeviceMemory for CudaMemory {
             let drained = io.drain();
             queued.and(drained)
         })
+    }
+
+    fn read_many(&self, parts: &mut [(u64, &mut [u8])]) -> Result<(), ReadManyError> {
+        let mut start = 0;
+        while start < parts.len() {
+            // the parts from `start` on that fit the staging buffer together
+            let mut end = start;
+            let mut total = 0;
+            while end < parts.len() && total + parts[end].1.len() <= STAGING {
+                total += parts[end].1.len();
+                end += 1;
+            }
+            if end == start {
+                // one part larger than the staging buffer: the pipelined read
+                let (src, dst) = &mut parts[start];
+                self.read(*src, dst)
+                    .map_err(|error| ReadManyError { part: start, error })?;
+                start += 1;
+                continue;
+            }
+            self.read_staged(&mut parts[start..end])
+                .map_err(|e| ReadManyError {
+                    part: start + e.part,
+                    error: e.error,
+                })?;
+            start = end;
+        }
+        Ok(())
     }
 
     unsafe fn read_to_host(

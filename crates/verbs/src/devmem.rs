@@ -18,6 +18,18 @@ use std::sync::{Arc, Mutex, MutexGuard};
 #[error("device memory: {0}")]
 pub struct DeviceMemoryError(pub String);
 
+/// A part of a [`DeviceMemory::read_many`] that failed: the parts before it were read, it and
+/// the parts after it hold no meaningful bytes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("part {part} of a batched read: {error}")]
+pub struct ReadManyError {
+    /// Index of the part that failed.
+    pub part: usize,
+    /// Why it failed.
+    #[source]
+    pub error: DeviceMemoryError,
+}
+
 /// Largest bounce buffer the provided methods (and the engine) use at once.
 pub const BOUNCE: usize = 1 << 20;
 
@@ -67,6 +79,19 @@ pub trait DeviceMemory: Send + Sync {
         parts
             .iter()
             .try_for_each(|&(dst, src)| self.write(dst, src))
+    }
+
+    /// Reads each `(device address, buffer)` part, complete on return (each part's bytes are
+    /// what device memory held at some point during the call). On a failure the error names
+    /// the first part that failed; every part before it was read, the others hold nothing
+    /// meaningful. The provided version makes one [`DeviceMemory::read`] per part; an
+    /// implementation may queue them all and wait once (one round trip for many small reads).
+    fn read_many(&self, parts: &mut [(u64, &mut [u8])]) -> Result<(), ReadManyError> {
+        for (part, (src, dst)) in parts.iter_mut().enumerate() {
+            self.read(*src, dst)
+                .map_err(|error| ReadManyError { part, error })?;
+        }
+        Ok(())
     }
 
     /// Copies `len` bytes from device address `src` to host memory at `dst`. The provided
@@ -128,7 +153,8 @@ pub fn same_memory(a: &Arc<dyn DeviceMemory>, b: &Arc<dyn DeviceMemory>) -> bool
 /// Calls a [`SimDeviceMemory`] has served (failed ones included).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SimCounts {
-    /// `read` calls (the provided `read_to_host` makes one per bounce chunk).
+    /// `read` calls (the provided `read_to_host` makes one per bounce chunk), and `read_many`
+    /// calls, each counted once whatever its parts (one wait).
     pub reads: u64,
     /// `write` calls.
     pub writes: u64,
@@ -269,6 +295,19 @@ impl DeviceMemory for SimDeviceMemory {
         Ok(())
     }
 
+    fn read_many(&self, parts: &mut [(u64, &mut [u8])]) -> Result<(), ReadManyError> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        let mem = self.lock();
+        for (part, (src, dst)) in parts.iter_mut().enumerate() {
+            let off = self
+                .span(*src, dst.len(), mem.len())
+                .map_err(|error| ReadManyError { part, error })?;
+            dst.copy_from_slice(&mem[off..off + dst.len()]);
+            self.moved.fetch_add(dst.len() as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     fn write(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
         self.writes.fetch_add(1, Ordering::Relaxed);
         let mut mem = self.lock();
@@ -339,6 +378,67 @@ mod tests {
         // SAFETY: as above.
         unsafe { m.write_from_host(b + 200, host.as_ptr(), 5) }.unwrap();
         assert_eq!(m.peek(b + 200, 5), b"hello");
+    }
+
+    /// A batched read is one call; a failing part names itself, the parts before it are read.
+    #[test]
+    fn sim_read_many_is_one_call_and_names_the_failing_part() {
+        let m = SimDeviceMemory::new(4096);
+        let b = m.base();
+        m.poke(b, &(0..=255u8).collect::<Vec<_>>());
+        let (mut x, mut y, mut z) = ([0u8; 4], [0u8; 8], [0u8; 2]);
+        {
+            let mut parts = [
+                (b + 10, &mut x[..]),
+                (b + 100, &mut y[..]),
+                (b + 200, &mut z[..]),
+            ];
+            m.read_many(&mut parts).unwrap();
+        }
+        assert_eq!(x, [10, 11, 12, 13]);
+        assert_eq!(y, [100, 101, 102, 103, 104, 105, 106, 107]);
+        assert_eq!(z, [200, 201]);
+        assert_eq!(m.counts().reads, 1);
+        assert_eq!(m.counts().bytes, 14);
+        m.fail_range(b + 104, 1);
+        let (mut x, mut y, mut z) = ([0u8; 4], [0u8; 8], [0u8; 2]);
+        let mut parts = [
+            (b + 20, &mut x[..]),
+            (b + 100, &mut y[..]),
+            (b + 200, &mut z[..]),
+        ];
+        let e = m.read_many(&mut parts).unwrap_err();
+        assert_eq!(e.part, 1);
+        assert_eq!(
+            parts[0].1,
+            [20, 21, 22, 23],
+            "the part before the failure was read"
+        );
+        assert_eq!(m.counts().reads, 2);
+        // the provided version: a read per part, the same failing part
+        struct Plain(Arc<SimDeviceMemory>);
+        impl DeviceMemory for Plain {
+            fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), DeviceMemoryError> {
+                self.0.read(src, dst)
+            }
+            fn write(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
+                self.0.write(dst, src)
+            }
+            fn copy(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError> {
+                self.0.copy(dst, src, len)
+            }
+        }
+        let p = Plain(m.clone());
+        let e = p.read_many(&mut parts).unwrap_err();
+        assert_eq!(e.part, 1);
+        assert_eq!(
+            m.counts().reads,
+            4,
+            "two reads: the first part, the failing one"
+        );
+        let mut w = [0u8; 3];
+        p.read_many(&mut [(b + 1, &mut w[..])]).unwrap();
+        assert_eq!(w, [1, 2, 3]);
     }
 
     #[test]
