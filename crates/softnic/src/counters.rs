@@ -70,6 +70,8 @@ pub struct Counters {
     pub(crate) bf_torn: AtomicU64,
     pub(crate) bf_run: AtomicU64,
     pub(crate) devmem_errors: AtomicU64,
+    pub(crate) staged_batches: AtomicU64,
+    pub(crate) staged_wqes: AtomicU64,
     pub(crate) carried_turns: AtomicU64,
     pub(crate) carry_calls: AtomicU64,
     pub(crate) answer_looks: AtomicU64,
@@ -99,6 +101,8 @@ impl Default for Counters {
             bf_torn: AtomicU64::new(0),
             bf_run: AtomicU64::new(0),
             devmem_errors: AtomicU64::new(0),
+            staged_batches: AtomicU64::new(0),
+            staged_wqes: AtomicU64::new(0),
             carried_turns: AtomicU64::new(0),
             carry_calls: AtomicU64::new(0),
             answer_looks: AtomicU64::new(0),
@@ -146,6 +150,8 @@ impl Counters {
             bf_torn: self.bf_torn.load(Relaxed),
             bf_run: self.bf_run.load(Relaxed),
             device_memory_errors: self.devmem_errors.load(Relaxed),
+            staged_batches: self.staged_batches.load(Relaxed),
+            staged_wqes: self.staged_wqes.load(Relaxed),
             carried_turns: self.carried_turns.load(Relaxed),
             carry_calls: self.carry_calls.load(Relaxed),
             answer_looks: self.answer_looks.load(Relaxed),
@@ -192,6 +198,11 @@ pub struct CounterSnapshot {
     pub bf_run: u64,
     /// Device-memory accesses (payload copies, ring reads, CQE writes) that failed.
     pub device_memory_errors: u64,
+    /// Batched reads of the sources of several wire-bound WRITEs and SENDs in device memory
+    /// (the WQE being run and those announced behind it; one wait per device memory).
+    pub staged_batches: u64,
+    /// WQEs whose sources those batches read.
+    pub staged_wqes: u64,
     /// Turns of a program's thread ([`crate::Device::progress`]) that found work.
     pub carried_turns: u64,
     /// Turns a program's thread offered ([`crate::Device::progress`] calls), whether or not

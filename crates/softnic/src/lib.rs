@@ -32,6 +32,7 @@ mod rc_state;
 pub mod sched;
 mod shared;
 pub mod srq;
+mod staged;
 
 mod completion;
 mod dc;

@@ -11,6 +11,7 @@ use crate::mem::{Access, MrTable, PdId};
 use crate::outcome::Stall;
 use crate::rc_state::{DcConns, ReqWire, RespWire};
 use crate::srq::{Srq, Xrcd};
+use crate::staged::Staged;
 use crate::{Error, Gid};
 use parking_lot::{Mutex, MutexGuard};
 use prm::doorbell::{BF_HALF_SIZE, BF_OFFSET, DBR_LESS_OFFSET, UAR_PAGE_SIZE};
@@ -203,6 +204,8 @@ pub(crate) struct SqState {
     pub xrc_srqn: Option<u32>,
     /// WQE blocks read ahead from a send ring in device memory.
     pub ahead: ReadAhead,
+    /// Sources of wire-bound WRITEs and SENDs in device memory, read ahead of their turn.
+    pub staged: Staged,
 }
 
 /// Blocks `start ..` of a send ring in device memory, read in one copy: every one was announced
@@ -423,6 +426,7 @@ impl Qp {
                 dc_generation: 0,
                 xrc_srqn: None,
                 ahead: ReadAhead::default(),
+                staged: Staged::default(),
             }),
             srq,
             xrcd: None,
@@ -802,6 +806,7 @@ impl Qp {
                 sq.mtu = a.mtu;
                 sq.selective_repeat = a.selective_repeat;
                 sq.wire = None;
+                sq.staged.clear();
                 rq.min_rnr_timer = a.min_rnr_timer;
                 rq.wire = RespWire::new(a.rq_psn, a.mtu, a.selective_repeat);
                 self.holding.store(false, Ordering::Release);
@@ -833,6 +838,7 @@ impl Qp {
                 }
                 sq.bf = None;
                 sq.ahead = ReadAhead::default();
+                sq.staged.clear();
                 sq.stall = None;
                 sq.remote = None;
                 sq.peer = None;
@@ -848,7 +854,8 @@ impl Qp {
                     self.ctrl.atomic_u64(DBREC_OFF).store(0, Ordering::Release);
                 }
             }
-            Modify::Err => {}
+            // the engine flushes what is announced; nothing read ahead is sent
+            Modify::Err => sq.staged.clear(),
         }
         self.set_state(to);
         Ok(())

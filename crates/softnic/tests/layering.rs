@@ -28,6 +28,8 @@ const LAYERS: &[&str] = &[
     // what a WQE's end looks like; the per-QP RC state a QP holds
     "outcome",
     "rc_state",
+    // sources read ahead for the wire, kept per WQE (a QP holds them)
+    "staged",
     // objects and the tables that hold them
     "qp",
     "shared",
