@@ -265,3 +265,64 @@ pub fn reg_cache_gpumem(ordinal: usize) -> Result<String> {
         }
     ))
 }
+
+/// The soft NIC's queued writes into GPU memory (what a wire WRITE's packets become): runs of
+/// packets that continue one another, across the staging slots and round the staging buffer,
+/// with jumps, odd sizes, a write over bytes still queued and reads in between. The memory
+/// must end exactly as the same writes applied in order on the host, and each read must see
+/// every write queued before it.
+pub fn devmem_queued_runs(ordinal: usize) -> Result<String> {
+    let gpu = gpu(ordinal)?;
+    let len = 3 << 20;
+    let buf = gpu.alloc(len)?;
+    let dm = gpu.device_memory();
+    let base = buf.ptr();
+    let mut model = vec![0u8; len];
+    dm.write(base, &model)?;
+    let mut writes = 0;
+    let mut put = |model: &mut [u8], off: usize, n: usize, seed: u32| -> Result<()> {
+        let bytes: Vec<u8> = (0..n as u32)
+            .map(|i| (i.wrapping_mul(31) ^ seed) as u8)
+            .collect();
+        dm.write_queued(base + off as u64, &bytes)?;
+        model[off..off + n].copy_from_slice(&bytes);
+        writes += 1;
+        Ok(())
+    };
+    // 2.5 MiB of 4 KiB packets in order: runs cut by the four 256 KiB slots, round the
+    // staging buffer twice and a half
+    for k in 0..640 {
+        put(&mut model, k * 4096, 4096, k as u32)?;
+    }
+    // odd sizes continuing one another, then a write back over bytes just queued
+    let far = 5 << 19;
+    let mut at = far + 7;
+    for (k, n) in [1000usize, 3, 4093, 1, 2048, 65536].into_iter().enumerate() {
+        put(&mut model, at, n, 700 + k as u32)?;
+        at += n;
+    }
+    put(&mut model, far + 500, 3000, 800)?;
+    let mut seen = vec![0u8; 8192];
+    dm.read(base + far as u64, &mut seen)?;
+    ensure!(
+        seen == model[far..far + 8192],
+        "a read did not see the writes queued before it"
+    );
+    // more packets after the read, ending mid-slot, then the wait
+    for k in 0..40 {
+        put(&mut model, (1 << 20) + 13 + k * 4096, 4096, 900 + k as u32)?;
+    }
+    dm.settle()?;
+    let mut back = vec![0u8; len];
+    dm.read(base, &mut back)?;
+    if let Some(i) = back.iter().zip(&model).position(|(a, b)| a != b) {
+        anyhow::bail!(
+            "byte {i} is {:#x}, the writes made it {:#x}",
+            back[i],
+            model[i]
+        );
+    }
+    Ok(format!(
+        "{writes} queued writes landed in order; a read in between saw the ones before it"
+    ))
+}

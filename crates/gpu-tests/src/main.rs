@@ -368,6 +368,9 @@ fn cpu_initiator_gpumem(ctx: &Ctx) -> Result<String> {
 fn reg_cache_gpumem(ctx: &Ctx) -> Result<String> {
     devmem::reg_cache_gpumem(ctx.ordinal)
 }
+fn devmem_queued_runs(ctx: &Ctx) -> Result<String> {
+    devmem::devmem_queued_runs(ctx.ordinal)
+}
 fn dropped_doorbell_timeout(ctx: &Ctx) -> Result<String> {
     dataplane::dropped_doorbell_timeout(ctx.ordinal)
 }
@@ -479,6 +482,7 @@ const CASES: &[Case] = cases![
     // GPU memory: regions, rings, both
     cpu_initiator_gpumem,
     reg_cache_gpumem,
+    devmem_queued_runs,
     put_gpumem_thread_gpudb,
     put_gpumem_warp_partial_proxy,
     put_gpumem_block_bf,

@@ -134,8 +134,8 @@ const SLOT: usize = STAGING / SLOTS;
 /// copies may be running), each complete before it returns, as [`DeviceMemory`] requires.
 /// A copy longer than a staging slot is pipelined over the slots (an event per slot says
 /// when the driver is done with it); ordered writes are queued together and waited for once,
-/// and so are the parts of a batched read (`read_many`) that fit the staging buffer together.
-/// The context is bound to whichever thread calls (the soft NIC's engine or wire thread). One
+/// and so are the parts of a batched read (`read_many`) that fit the staging buffer together;
+/// queued writes that continue one another are one copy (see `Queue`). The context is bound to whichever thread calls (the soft NIC's engine or wire thread). One
 /// copy at a time per GPU (a mutex).
 pub struct CudaMemory {
     ctx: Arc<CudaContext>,
@@ -156,7 +156,10 @@ struct Io {
 }
 
 /// Where queued writes stand: they are staged one after the other through the slots; a slot
-/// is taken again only after its event (recorded after its last copy) has fired.
+/// is taken again only after its event (recorded after its last copy) has fired. Writes that
+/// continue one another (the packets of one message, in order) are copied as one: the run
+/// grows while each write lands right after the last, in device memory and in the slot, and
+/// is handed to the driver when one does not, when it would leave its slot, or at the wait.
 #[derive(Default)]
 struct Queue {
     /// Next free byte of the staging buffer.
@@ -165,6 +168,8 @@ struct Queue {
     used: [bool; SLOTS],
     /// Whether anything is queued.
     pending: bool,
+    /// Staged bytes not yet handed to the driver: device address, staging offset, length.
+    run: Option<(u64, usize, usize)>,
 }
 
 impl Io {
@@ -198,8 +203,11 @@ impl Io {
         if !self.queue.pending {
             return Ok(());
         }
+        let issued = self.issue_run();
         self.queue = Queue::default();
-        self.drain().map_err(|e| {
+        // drained after a failure too: no copy may still read the staging buffer
+        let drained = self.drain();
+        issued.and(drained).map_err(|e| {
             let why = format!("a queued write to GPU memory failed: {e}");
             self.poisoned = Some(why.clone());
             why
@@ -213,27 +221,48 @@ impl Io {
         let mut at = self.queue.cursor;
         if at % SLOT + n > SLOT || at >= STAGING {
             // the next slot, once the driver is done with what it last copied from it
+            self.issue_run()?;
             at = (at.div_ceil(SLOT) * SLOT) % STAGING;
         }
         let k = at / SLOT;
         if at % SLOT == 0 && self.queue.used[k] {
+            self.issue_run()?;
             self.wait(k)?;
             self.queue.used[k] = false;
         }
         // SAFETY: `at + n` stays inside slot `k` of the staging buffer, which no queued copy
-        // reads any more (its last one completed, or it was not used since the last wait).
+        // reads any more (its last one completed, or it was not used since the last wait), and
+        // no staged run covers (a run ends at the cursor, at or before `at`).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.staging.add(at), n) };
-        // SAFETY: the device side is an address the soft NIC checked; the `n` staged bytes
-        // stay put until slot `k`'s event fires.
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst, self.staging.add(at) as *const c_void, n, self.stream)
+        match &mut self.queue.run {
+            // right after the run, in device memory and in the same slot: it grows
+            Some((d, a, len)) if *d + *len as u64 == dst && *a + *len == at && *a / SLOT == k => {
+                *len += n;
+            }
+            _ => {
+                self.issue_run()?;
+                self.queue.run = Some((dst, at, n));
+            }
         }
-        .result()?;
-        self.mark(k)?;
         self.queue.used[k] = true;
         self.queue.pending = true;
         self.queue.cursor = at + n;
         Ok(())
+    }
+
+    /// Hands the staged run, if any, to the driver, with its slot's event after it.
+    fn issue_run(&mut self) -> Result<(), DriverError> {
+        let Some((dst, at, n)) = self.queue.run.take() else {
+            return Ok(());
+        };
+        // SAFETY: the device side is a range the soft NIC checked (each write of the run
+        // was, and they are contiguous); the `n` staged bytes at `at`, inside one slot, stay
+        // put until that slot's event fires.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, self.staging.add(at) as *const c_void, n, self.stream)
+        }
+        .result()?;
+        self.mark(at / SLOT)
     }
 }
 
@@ -642,6 +671,8 @@ impl Drop for CudaMemory {
     fn drop(&mut self) {
         let io = self.io.get_mut().unwrap_or_else(|e| e.into_inner());
         if self.ctx.bind_to_thread().is_ok() {
+            // the queued writes land, and no copy reads the staging buffer once it is freed
+            let _ = io.settle();
             // SAFETY: created in `new`, each destroyed once, here; nothing uses them after.
             unsafe {
                 let _ = cudarc::driver::result::stream::destroy(io.stream);

@@ -729,21 +729,21 @@ fn write_first(r: &mut Resp<'_>, pkt: &Packet<'_>, from: u32) -> Outcome {
     Outcome::Accepted(1)
 }
 
-/// Writes a WRITE packet's payload at offset `off` of `dst`. A first or middle packet that
-/// asks for no ACK may stay queued in device memory (a copy through the driver each, waited
-/// for only when something is said about them: see [`Reply::send`]); the last packet, or one
-/// that asks for an ACK, is written at once, after them.
+/// Writes a WRITE packet's payload at offset `off` of `dst`. Every packet is queued in device
+/// memory (the driver copies the packets of a message that land one after the other as one);
+/// a first or middle packet that asks for no ACK stays queued (waited for only when something
+/// is said about it: see [`Reply::send`]), the last packet, or one that asks for an ACK, is
+/// waited for at once, with everything queued before it.
 ///
 /// # Safety
 /// As for [`write_range`].
 unsafe fn place(dst: &MemRange, off: u64, pkt: &Packet<'_>) -> Result<(), DeviceMemoryError> {
     let middle = matches!(pkt.bth.opcode, op::WRITE_FIRST | op::WRITE_MIDDLE);
-    if middle && !pkt.bth.ack_req {
-        // SAFETY: per the contract.
-        unsafe { crate::mem::write_range_queued(dst, off, pkt.payload) }
-    } else {
-        // SAFETY: per the contract.
-        unsafe { write_range(dst, off, pkt.payload) }
+    // SAFETY: per the contract.
+    unsafe { crate::mem::write_range_queued(dst, off, pkt.payload) }?;
+    match &dst.dev {
+        Some(m) if !middle || pkt.bth.ack_req => m.settle(),
+        _ => Ok(()),
     }
 }
 
