@@ -297,6 +297,10 @@ def main():
             raise RuntimeError(f"rank {rank} ({post}): combined tokens {diff} differ from the reference")
 
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    # The host waits for the exchange asleep (a blocking-sync event), not spinning as
+    # torch.cuda.synchronize does: on the soft NIC the device's engine and wire threads need the
+    # cores that N spinning ranks would take.
+    finished = torch.cuda.Event(blocking=True)
     rounds = 0
 
     def timed(post):
@@ -322,7 +326,8 @@ def main():
             k_comb((n, a.blocks), (a.threads,), (ap, rnd))
             k_red((t_,), (a.threads,), (ap, rnd))
             ev[2].record()
-            torch.cuda.synchronize()
+            finished.record()
+            finished.synchronize()
             check_status(status, f"rank {rank} round {rounds} ({post})")
             if check:
                 check_round(post)
