@@ -252,6 +252,12 @@ impl Cq {
         self.watch_next.store(true, Ordering::SeqCst);
     }
 
+    /// Whether the next CQE written wakes the watcher ([`Cq::wake_at_next_write`]): the CQ is
+    /// armed, and its program may be waiting for the completion event.
+    pub fn wakes_watcher(&self) -> bool {
+        self.watch_next.load(Ordering::SeqCst)
+    }
+
     /// Whether the CQ is in error after an overrun.
     pub fn is_overrun(&self) -> bool {
         self.lock().overrun

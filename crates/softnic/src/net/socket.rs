@@ -80,6 +80,9 @@ pub(crate) struct TxBatch {
     /// being built is there.
     spare: Vec<u8>,
     in_spare: bool,
+    /// The batch's sender may hold plain ACKs back ([`Port::flush_or_hold`]): the wire I/O
+    /// thread's, while it watches for the answer to what it delivers.
+    pub(crate) hold_acks: bool,
 }
 
 impl TxBatch {
@@ -144,6 +147,10 @@ pub(crate) struct Port {
     /// The real IPv4 identifications of received datagrams, from a raw socket opened at the
     /// first need ([`Port::real_ip_id`]); `Err` once refused.
     ip_ids: Mutex<Option<Result<IpIds, ()>>>,
+    /// Plain ACKs held back by the I/O thread ([`Port::flush_or_hold`]) until the device's next
+    /// packet leaves, or the I/O thread lets them go; `acks_held` says whether any may wait.
+    acks: Mutex<TxBatch>,
+    acks_held: AtomicBool,
     /// The receive buffers; whoever holds them receives (the I/O thread, or a thread that
     /// polls the device inline: [`crate::wire::transport::poll_inline`]), so datagrams are
     /// handled one at a time, in the order they arrived.
@@ -347,6 +354,8 @@ impl Port {
             capture: Mutex::new(None),
             path_mtus: Mutex::new(Vec::new()),
             ip_ids: Mutex::new(None),
+            acks: Mutex::new(TxBatch::default()),
+            acks_held: AtomicBool::new(false),
             rx: Mutex::new(RxBufs::new()),
             cfg,
         })
@@ -510,6 +519,16 @@ impl Port {
     /// Sends the batch's `b.count` datagrams, `b.buf[..end]`, and removes them (what follows
     /// `end`, a packet built in place, moves to the front).
     fn send_prefix(&self, b: &mut TxBatch, end: usize) {
+        if b.to.is_none() || b.count == 0 {
+            return;
+        }
+        // ACKs held back leave ahead of anything the device sends after them
+        self.release_acks();
+        self.send_prefix_now(b, end);
+    }
+
+    /// [`Port::send_prefix`] without the ACKs held back.
+    fn send_prefix_now(&self, b: &mut TxBatch, end: usize) {
         let Some(to) = b.to else { return };
         if b.count == 0 {
             return;
@@ -544,6 +563,16 @@ impl Port {
         b.count = 0;
         b.closed = false;
     }
+}
+
+/// Whether every packet `b` holds is a plain ACK: opcode ACKNOWLEDGE (of any class), AETH
+/// syndrome ACK (not an RNR NAK or a NAK).
+fn only_plain_acks(b: &TxBatch) -> bool {
+    const AETH_AT: usize = packet::BTH_LEN;
+    b.seg > 0
+        && b.buf.chunks(b.seg).all(|d| {
+            d.len() > AETH_AT && d[0] & 0x1f == packet::opcode::ACK && d[AETH_AT] & 0xe0 == 0
+        })
 }
 
 fn send_one(sock: &UdpSocket, d: &[u8], to: SocketAddr) -> bool {
@@ -652,6 +681,43 @@ impl Port {
         } else {
             IDLE_TIMEOUT
         }
+    }
+
+    /// Sends what `b` holds ([`Port::flush`]), unless `b` may hold ACKs back
+    /// ([`TxBatch::hold_acks`]) and all it holds are plain ACKs (no NAK, no RNR NAK, no
+    /// response carrying data): those wait until the device's next packet leaves (they leave
+    /// first) or [`Port::release_acks`]; ACKs held before them leave now. A responder
+    /// may delay and coalesce its ACKs (IBTA 9.7.5.1.1); the wire I/O thread holds them only
+    /// while it watches for the answer to what it delivered, tens of microseconds, far below
+    /// any requester's timeout, so that the answer and the ACK reach the peer together and
+    /// its I/O thread wakes once for both, not once for the ACK in the middle of the round
+    /// trip. Their order on the wire stays the one a NIC gives them: before the answer.
+    pub(crate) fn flush_or_hold(&self, b: &mut TxBatch) {
+        if !b.hold_acks || b.count == 0 || !only_plain_acks(b) {
+            self.flush(b);
+            return;
+        }
+        let mut held = self.acks.lock();
+        if held.count > 0 {
+            // those held before leave now (moving them in would renumber their IPv4
+            // identifications)
+            let end = held.buf.len();
+            self.send_prefix_now(&mut held, end);
+        }
+        std::mem::swap(&mut *held, b);
+        b.hold_acks = held.hold_acks;
+        self.acks_held.store(true, Ordering::Release);
+    }
+
+    /// Sends the ACKs [`Port::flush_or_hold`] held back, if any.
+    pub(crate) fn release_acks(&self) {
+        if !self.acks_held.load(Ordering::Acquire) || !self.acks_held.swap(false, Ordering::AcqRel)
+        {
+            return;
+        }
+        let mut held = self.acks.lock();
+        let end = held.buf.len();
+        self.send_prefix_now(&mut held, end);
     }
 
     /// Sends a datagram held back by reordering, if any.
@@ -841,5 +907,98 @@ impl Port {
     /// The local UDP port of socket `i`.
     pub(crate) fn sock_port(&self, i: usize) -> u16 {
         self.socks[i].port
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::packet::{aeth, opcode, Aeth, Bth, Packet, DEFAULT_PKEY};
+
+    /// An ACK or NAK (`syndrome`) for `psn`, encoded for `flow`.
+    fn answer(syndrome: u8, psn: u32, flow: &Flow) -> Vec<u8> {
+        let p = Packet {
+            bth: Bth {
+                opcode: opcode::ACK,
+                pkey: DEFAULT_PKEY,
+                dest_qp: 0x12,
+                psn,
+                ..Bth::default()
+            },
+            aeth: Some(Aeth { syndrome, msn: 1 }),
+            ..Packet::default()
+        };
+        let mut out = Vec::new();
+        packet::encode(&p, flow, &mut out).unwrap();
+        out
+    }
+
+    /// The next datagram `peer` receives: its PSN and AETH syndrome, or `None` within 50 ms.
+    fn next(peer: &UdpSocket) -> Option<(u32, u8)> {
+        let mut buf = [0u8; 256];
+        let n = peer.recv(&mut buf).ok()?;
+        let p = packet::parse(&buf[..n]).unwrap();
+        Some((p.bth.psn, p.aeth.unwrap().syndrome))
+    }
+
+    #[test]
+    fn held_acks_leave_ahead_of_the_next_packet_and_a_nak_is_never_held() {
+        let port = Port::open(
+            WireConfig::loopback(),
+            Ipv4Addr::LOCALHOST,
+            Arc::new(Counters::default()),
+        )
+        .unwrap();
+        let peer = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        peer.set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        let to = peer.local_addr().unwrap();
+        let flow = Flow {
+            src: Ipv4Addr::LOCALHOST,
+            dst: Ipv4Addr::LOCALHOST,
+            sport: port.local.port(),
+            dport: to.port(),
+        };
+        let mut b = TxBatch {
+            hold_acks: true,
+            ..TxBatch::default()
+        };
+        // a plain ACK waits; the next one sends it (as it was sealed) and waits in its place
+        port.send(&answer(aeth::ACK, 5, &flow), to, &flow, &mut b);
+        port.flush_or_hold(&mut b);
+        assert_eq!(next(&peer), None);
+        port.send(&answer(aeth::ACK, 6, &flow), to, &flow, &mut b);
+        port.flush_or_hold(&mut b);
+        assert_eq!(next(&peer), Some((5, aeth::ACK)));
+        assert_eq!(next(&peer), None);
+        // a NAK leaves at once, after it
+        port.send(&answer(aeth::NAK_SEQ, 7, &flow), to, &flow, &mut b);
+        port.flush_or_hold(&mut b);
+        assert_eq!(next(&peer), Some((6, aeth::ACK)));
+        assert_eq!(next(&peer), Some((7, aeth::NAK_SEQ)));
+        // so does an RNR NAK
+        port.send(&answer(aeth::RNR | 3, 8, &flow), to, &flow, &mut b);
+        port.flush_or_hold(&mut b);
+        assert_eq!(next(&peer), Some((8, aeth::RNR | 3)));
+        // a held ACK leaves ahead of another sender's packet (a requester's batch)
+        port.send(&answer(aeth::ACK, 9, &flow), to, &flow, &mut b);
+        port.flush_or_hold(&mut b);
+        let mut other = TxBatch::default();
+        port.send(&answer(aeth::NAK_ACCESS, 10, &flow), to, &flow, &mut other);
+        port.flush(&mut other);
+        assert_eq!(next(&peer), Some((9, aeth::ACK)));
+        assert_eq!(next(&peer), Some((10, aeth::NAK_ACCESS)));
+        // or when let go
+        port.send(&answer(aeth::ACK, 11, &flow), to, &flow, &mut b);
+        port.flush_or_hold(&mut b);
+        assert_eq!(next(&peer), None);
+        port.release_acks();
+        assert_eq!(next(&peer), Some((11, aeth::ACK)));
+        // a batch that may not hold sends at once
+        b.hold_acks = false;
+        port.send(&answer(aeth::ACK, 12, &flow), to, &flow, &mut b);
+        port.flush_or_hold(&mut b);
+        assert_eq!(next(&peer), Some((12, aeth::ACK)));
+        assert_eq!(next(&peer), None);
     }
 }

@@ -180,11 +180,19 @@ pub(super) fn on_request(
     // The answer (ACK or NAK) leaves before the receive completions the request made are
     // visible, as a NIC's does within nanoseconds: here a thread can be descheduled between
     // the two, and a program that answers its completion (a ping-pong) would otherwise send
-    // its own request ahead of this ACK, which no peer expects.
+    // its own request ahead of this ACK, which no peer expects. (A plain ACK the wire I/O
+    // thread holds back, `Port::flush_or_hold`, is queued to leave ahead of the device's next
+    // packet, that answer included; not when the completion wakes a program that waits for
+    // its event: its answer comes late, and the peer, perhaps waiting for events too, takes
+    // the ACK's completion best on its own.)
     r.defer_recv_cqes();
     request(dev, qp, &mut r, pkt, raw, sport, reply);
     if r.has_deferred() {
-        reply.port.flush(reply.batch);
+        if qp.recv_cq.wakes_watcher() {
+            reply.port.flush(reply.batch);
+        } else {
+            reply.port.flush_or_hold(reply.batch);
+        }
         r.write_deferred();
     }
 }

@@ -190,6 +190,7 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>, turn: fn(&Shared) -> bool) 
     let mut busy = false;
     let mut spinner = crate::sched::Spinner::default();
     let mut watch = crate::sched::AnswerWatch::default();
+    let mut dodge = crate::sched::CoreDodge::new();
     let mut doorbells_at_arm = 0;
     while !dev.shutdown.load(Ordering::Acquire) {
         // after traffic, look again before sleeping, unless the program's threads carry the
@@ -198,10 +199,14 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>, turn: fn(&Shared) -> bool) 
         let carried = dev.carried();
         me.set_prompt(!carried);
         let now = Instant::now();
+        dodge.tick(now);
         if carried {
             watch.disarm();
         } else if watch.due(now) {
-            look_for_answer(&dev, &mut watch, turn, doorbells_at_arm);
+            let found = look_for_answer(&dev, &mut watch, turn, doorbells_at_arm);
+            if (found || !watch.armed()) && dodge.looked(found, Instant::now()) {
+                tracing::debug!("wire I/O thread: moved off the core its program's poller uses");
+            }
         }
         let spin =
             (busy && !carried && !watch.armed() && spinner.may_spin(now)).then_some(&mut spinner);
@@ -213,6 +218,8 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>, turn: fn(&Shared) -> bool) 
         }
         busy = true;
         let mut rx = port.rx.lock();
+        // while its stays find the answers, the ACKs of what it delivers wait for them
+        rx.batch.hold_acks = port.cfg.answer_watch && !dev.carried() && watch.stays_pay();
         let mut answerable = false;
         for (i, _) in ready.iter().enumerate().filter(|(_, r)| **r) {
             match drain(&dev, &port, i, &mut rx) {
@@ -228,8 +235,12 @@ pub(crate) fn run(dev: Arc<Shared>, port: Arc<Port>, turn: fn(&Shared) -> bool) 
                 let found =
                     stay_for_answer(&dev, turn, doorbells_at_arm, stay, (&mut fds, &mut ready));
                 watch.stayed(found, Instant::now());
+                dodge.stayed(found);
             }
         }
+        // the ACKs of what it delivered waited for the stay, if any: they leave now (a stay
+        // that found the answer sent them ahead of it)
+        port.release_acks();
     }
 }
 
@@ -264,13 +275,13 @@ fn stay_for_answer(
 /// One look of the I/O thread for the doorbell that answers what it delivered: the engine's
 /// turn on this thread, counted. The answer came if any doorbell was seen since the watch
 /// began, by this look or by the engine (which may have got there first: the watch was
-/// right all the same).
+/// right all the same). Returns whether it came.
 fn look_for_answer(
     dev: &Shared,
     watch: &mut crate::sched::AnswerWatch,
     turn: fn(&Shared) -> bool,
     doorbells_at_arm: u64,
-) {
+) -> bool {
     Counters::add(&dev.counters.answer_looks, 1);
     turn(dev);
     let found = dev.counters.doorbells.get() != doorbells_at_arm;
@@ -284,6 +295,7 @@ fn look_for_answer(
         dev.answered_at.store(0, Ordering::Relaxed);
         dev.kick();
     }
+    found
 }
 
 /// Receives, on the caller's thread, what waits on the device's sockets, unless another
@@ -298,6 +310,8 @@ pub(crate) fn poll_inline(dev: &Shared) -> bool {
     let Some(mut rx) = port.rx.try_lock() else {
         return false;
     };
+    // a program's poll holds nothing back
+    rx.batch.hold_acks = false;
     let mut got = false;
     for i in 0..port.socks.len() {
         match drain(dev, port, i, &mut rx) {
@@ -383,7 +397,7 @@ fn drain(dev: &Shared, port: &Port, i: usize, rx: &mut socket::RxBufs) -> Option
                 batch,
             ),
         }
-        port.flush(batch);
+        port.flush_or_hold(batch);
     }
     Some((taken, answerable))
 }
