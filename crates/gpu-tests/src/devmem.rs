@@ -326,3 +326,103 @@ pub fn devmem_queued_runs(ordinal: usize) -> Result<String> {
         "{writes} queued writes landed in order; a read in between saw the ones before it"
     ))
 }
+
+/// One step of `devmem_queued_copies`, applied to GPU memory (queued) and to the model.
+enum Step {
+    /// A queued write of `n` pattern bytes at `off`.
+    Write(usize, usize, u32),
+    /// A queued copy of `n` bytes from `src` to `dst`.
+    Copy(usize, usize, usize),
+}
+
+/// Queued device-to-device copies (`DeviceMemory::copy_queued`) on the real `CudaMemory`
+/// keep their place among queued writes (one stream): a copy whose source earlier queued
+/// writes covered (a run still staged among them) copies their bytes, a write queued after a
+/// copy over its source does not change what it copied, a copy out of a copy's destination
+/// sees the first copy, a read in between sees everything queued before it, and `settle`
+/// completes the rest.
+pub fn devmem_queued_copies(ordinal: usize) -> Result<String> {
+    let gpu = gpu(ordinal)?;
+    let len = 4 << 20;
+    let buf = gpu.alloc(len)?;
+    let dm = gpu.device_memory();
+    let base = buf.ptr();
+    let mut model: Vec<u8> = (0..len)
+        .map(|i| (i.wrapping_mul(7) ^ (i >> 9)) as u8)
+        .collect();
+    dm.write(base, &model)?;
+    let (mut writes, mut copies) = (0, 0);
+    let mut run = |model: &mut [u8], steps: &[Step]| -> Result<()> {
+        for s in steps {
+            match *s {
+                Step::Write(off, n, seed) => {
+                    let bytes: Vec<u8> = (0..n as u32)
+                        .map(|i| (i.wrapping_mul(131) ^ seed) as u8)
+                        .collect();
+                    dm.write_queued(base + off as u64, &bytes)?;
+                    model[off..off + n].copy_from_slice(&bytes);
+                    writes += 1;
+                }
+                Step::Copy(dst, src, n) => {
+                    dm.copy_queued(base + dst as u64, base + src as u64, n)?;
+                    model.copy_within(src..src + n, dst);
+                    copies += 1;
+                }
+            }
+        }
+        Ok(())
+    };
+    let (a, b, c) = (0usize, 1 << 20, 2 << 20);
+    let mut first = Vec::new();
+    // packets of one message (a staged run, still unissued) over the copy's source
+    for k in 0..16 {
+        first.push(Step::Write(a + k * 4096, 4096, k as u32));
+    }
+    first.extend([
+        // the copy reads the run just staged, and bytes before it that were never queued
+        Step::Copy(b + 3, a + 1000, 60_000),
+        // a write after the copy over its source: the copy keeps the older bytes
+        Step::Write(a + 2000, 5000, 77),
+        // a copy out of the first copy's destination, and one of the later write
+        Step::Copy(c, b + 3, 30_000),
+        Step::Copy(c + 100_000, a + 1500, 8000),
+        // odd sizes
+        Step::Write(a + 300_001, 3, 78),
+        Step::Copy(b + 500_000, a + 300_000, 5),
+    ]);
+    run(&mut model, &first)?;
+    let mut seen = vec![0u8; 200_000];
+    dm.read(base + b as u64, &mut seen)?;
+    ensure!(
+        seen == model[b..b + 200_000],
+        "a read did not see the copies queued before it"
+    );
+    // more after the read: runs round the staging slots, copies between them, then the wait
+    let mut second = Vec::new();
+    for k in 0..100 {
+        second.push(Step::Write(c + 400_000 + k * 4096, 4096, 1000 + k as u32));
+        if k % 10 == 9 {
+            second.push(Step::Copy(
+                a + 600_000 + k * 5000,
+                c + 400_000 + k * 4096 - 20_000,
+                24_000,
+            ));
+        }
+    }
+    second.push(Step::Copy(b + 1_000_000, c + 400_000, 400_000));
+    run(&mut model, &second)?;
+    dm.settle()?;
+    let mut back = vec![0u8; len];
+    dm.read(base, &mut back)?;
+    if let Some(i) = back.iter().zip(&model).position(|(x, y)| x != y) {
+        anyhow::bail!(
+            "byte {i} is {:#x}, the queued writes and copies made it {:#x}",
+            back[i],
+            model[i]
+        );
+    }
+    Ok(format!(
+        "{writes} queued writes and {copies} queued copies landed in call order; a read in \
+         between saw all queued before it"
+    ))
+}

@@ -371,6 +371,9 @@ fn reg_cache_gpumem(ctx: &Ctx) -> Result<String> {
 fn devmem_queued_runs(ctx: &Ctx) -> Result<String> {
     devmem::devmem_queued_runs(ctx.ordinal)
 }
+fn devmem_queued_copies(ctx: &Ctx) -> Result<String> {
+    devmem::devmem_queued_copies(ctx.ordinal)
+}
 fn dropped_doorbell_timeout(ctx: &Ctx) -> Result<String> {
     dataplane::dropped_doorbell_timeout(ctx.ordinal)
 }
@@ -483,6 +486,7 @@ const CASES: &[Case] = cases![
     cpu_initiator_gpumem,
     reg_cache_gpumem,
     devmem_queued_runs,
+    devmem_queued_copies,
     put_gpumem_thread_gpudb,
     put_gpumem_warp_partial_proxy,
     put_gpumem_block_bf,

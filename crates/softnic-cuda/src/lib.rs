@@ -135,7 +135,10 @@ const SLOT: usize = STAGING / SLOTS;
 /// A copy longer than a staging slot is pipelined over the slots (an event per slot says
 /// when the driver is done with it); ordered writes are queued together and waited for once,
 /// and so are the parts of a batched read (`read_many`) that fit the staging buffer together;
-/// queued writes that continue one another are one copy (see `Queue`). The context is bound to whichever thread calls (the soft NIC's engine or wire thread). One
+/// queued writes that continue one another are one copy (see `Queue`), and queued
+/// device-to-device copies (`copy_queued`) go on the same stream behind them, waited for at
+/// the next other call or `settle`. The context is bound to whichever thread calls (the soft
+/// NIC's engine or wire thread). One
 /// copy at a time per GPU (a mutex).
 pub struct CudaMemory {
     ctx: Arc<CudaContext>,
@@ -147,9 +150,10 @@ struct Io {
     staging: *mut u8,
     /// Recorded on the stream after the copy that last used each slot.
     events: [sys::CUevent; SLOTS],
-    /// Writes queued and not waited for ([`DeviceMemory::write_queued`]).
+    /// Writes and copies queued and not waited for ([`DeviceMemory::write_queued`],
+    /// [`DeviceMemory::copy_queued`]).
     queue: Queue,
-    /// Set when a queued write turned out to have failed: every later call fails with it
+    /// Set when a queued write or copy turned out to have failed: every later call fails with it
     /// (as a CUDA context does after an asynchronous fault), so nothing is reported done that
     /// depended on the lost bytes.
     poisoned: Option<String>,
@@ -166,7 +170,7 @@ struct Queue {
     cursor: usize,
     /// Slots holding bytes of queued copies since the last wait.
     used: [bool; SLOTS],
-    /// Whether anything is queued.
+    /// Whether anything is queued (staged writes or device-to-device copies).
     pending: bool,
     /// Staged bytes not yet handed to the driver: device address, staging offset, length.
     run: Option<(u64, usize, usize)>,
@@ -198,7 +202,7 @@ impl Io {
         unsafe { sys::cuStreamSynchronize(self.stream) }.result()
     }
 
-    /// Completes the queued writes, if any; a failure poisons the memory.
+    /// Completes the queued writes and copies, if any; a failure poisons the memory.
     fn settle(&mut self) -> Result<(), String> {
         if !self.queue.pending {
             return Ok(());
@@ -208,7 +212,7 @@ impl Io {
         // drained after a failure too: no copy may still read the staging buffer
         let drained = self.drain();
         issued.and(drained).map_err(|e| {
-            let why = format!("a queued write to GPU memory failed: {e}");
+            let why = format!("a queued write or copy in GPU memory failed: {e}");
             self.poisoned = Some(why.clone());
             why
         })
@@ -247,6 +251,25 @@ impl Io {
         self.queue.used[k] = true;
         self.queue.pending = true;
         self.queue.cursor = at + n;
+        Ok(())
+    }
+
+    /// Queues a device-to-device copy on the stream without waiting for it. The staged run,
+    /// if any, is handed to the driver first, so the copy runs after every write queued
+    /// before it (one stream: copies run in the order they were issued) and sees their bytes.
+    fn queue_copy(&mut self, dst: u64, src: u64, len: usize) -> Result<(), DriverError> {
+        if let Err(e) = self.issue_run() {
+            // the staged writes are lost: no later call may report them done (the caller of
+            // this copy may well copy another way and succeed)
+            self.poisoned = Some(format!("queued writes to GPU memory were refused: {e}"));
+            return Err(e);
+        }
+        // SAFETY: both are device addresses the soft NIC checked against regions (a bad one is
+        // an error, never taken for a host pointer: the direction is named); no host buffer
+        // is involved, and the device memory stays allocated until the wait: a region's
+        // deregistration settles its memory first, and so does this memory's drop.
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.stream) }.result()?;
+        self.queue.pending = true;
         Ok(())
     }
 
@@ -463,6 +486,16 @@ impl DeviceMemory for CudaMemory {
             src.len(),
             true,
             |io| io.queue_write(dst, src),
+        )
+    }
+
+    fn copy_queued(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError> {
+        self.with_io_queued(
+            "cuMemcpyAsync (device to device, queued)",
+            dst,
+            len,
+            true,
+            |io| io.queue_copy(dst, src, len),
         )
     }
 

@@ -35,7 +35,8 @@ pub const BOUNCE: usize = 1 << 20;
 
 /// Access to one kind of device memory by device address.
 ///
-/// Contract, for every method but [`DeviceMemory::write_queued`]:
+/// Contract, for every method but [`DeviceMemory::write_queued`] and
+/// [`DeviceMemory::copy_queued`]:
 /// - it is complete when it returns: written bytes are in device memory, where any later
 ///   access (a kernel's load, a later call from any thread) sees them, and read bytes are what
 ///   device memory held at some point during the call;
@@ -59,14 +60,29 @@ pub trait DeviceMemory: Send + Sync {
 
     /// Queues a copy of `src` to device address `dst`: unlike every other method it need not
     /// be complete on return. It is complete once any later call on this memory other than
-    /// `write_queued` returns (that call waits for it first), [`DeviceMemory::settle`]
-    /// included, and takes effect before it. A queued write that fails after returning makes
-    /// that later call fail, and every call after it. The provided version writes at once.
+    /// `write_queued` or `copy_queued` returns (that call waits for it first),
+    /// [`DeviceMemory::settle`] included, and takes effect before it. A queued write that
+    /// fails after returning makes that later call fail, and every call after it. The
+    /// provided version writes at once.
     fn write_queued(&self, dst: u64, src: &[u8]) -> Result<(), DeviceMemoryError> {
         self.write(dst, src)
     }
 
-    /// Completes every queued write ([`DeviceMemory::write_queued`]).
+    /// Queues a copy of `len` bytes from device address `src` to device address `dst` of this
+    /// same memory (never overlapping, as for [`DeviceMemory::copy`]): the device-to-device
+    /// counterpart of [`DeviceMemory::write_queued`], under the same contract. It need not be
+    /// complete on return; it is complete once any later call on this memory other than
+    /// `write_queued` or `copy_queued` returns, [`DeviceMemory::settle`] included, and takes
+    /// effect in call order with the queued writes (a queued copy whose source a queued write
+    /// wrote before it reads those bytes). One that fails after returning makes that later
+    /// call fail, and every call after it. The provided version copies at once
+    /// ([`DeviceMemory::copy`]).
+    fn copy_queued(&self, dst: u64, src: u64, len: usize) -> Result<(), DeviceMemoryError> {
+        self.copy(dst, src, len)
+    }
+
+    /// Completes every queued write and copy ([`DeviceMemory::write_queued`],
+    /// [`DeviceMemory::copy_queued`]); a failure among them is returned here.
     fn settle(&self) -> Result<(), DeviceMemoryError> {
         Ok(())
     }
