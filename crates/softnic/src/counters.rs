@@ -72,6 +72,8 @@ pub struct Counters {
     pub(crate) devmem_errors: AtomicU64,
     pub(crate) staged_batches: AtomicU64,
     pub(crate) staged_wqes: AtomicU64,
+    pub(crate) local_copy_batches: AtomicU64,
+    pub(crate) local_copy_wqes: AtomicU64,
     pub(crate) carried_turns: AtomicU64,
     pub(crate) carry_calls: AtomicU64,
     pub(crate) answer_looks: AtomicU64,
@@ -103,6 +105,8 @@ impl Default for Counters {
             devmem_errors: AtomicU64::new(0),
             staged_batches: AtomicU64::new(0),
             staged_wqes: AtomicU64::new(0),
+            local_copy_batches: AtomicU64::new(0),
+            local_copy_wqes: AtomicU64::new(0),
             carried_turns: AtomicU64::new(0),
             carry_calls: AtomicU64::new(0),
             answer_looks: AtomicU64::new(0),
@@ -152,6 +156,8 @@ impl Counters {
             device_memory_errors: self.devmem_errors.load(Relaxed),
             staged_batches: self.staged_batches.load(Relaxed),
             staged_wqes: self.staged_wqes.load(Relaxed),
+            local_copy_batches: self.local_copy_batches.load(Relaxed),
+            local_copy_wqes: self.local_copy_wqes.load(Relaxed),
             carried_turns: self.carried_turns.load(Relaxed),
             carry_calls: self.carry_calls.load(Relaxed),
             answer_looks: self.answer_looks.load(Relaxed),
@@ -203,6 +209,11 @@ pub struct CounterSnapshot {
     pub staged_batches: u64,
     /// WQEs whose sources those batches read.
     pub staged_wqes: u64,
+    /// Settles of in-process WRITEs whose device-to-device copies were queued together (one
+    /// wait per device memory for the batch, instead of one synchronous copy per WQE).
+    pub local_copy_batches: u64,
+    /// WQEs those settles completed.
+    pub local_copy_wqes: u64,
     /// Turns of a program's thread ([`crate::Device::progress`]) that found work.
     pub carried_turns: u64,
     /// Turns a program's thread offered ([`crate::Device::progress`] calls), whether or not

@@ -247,10 +247,14 @@ fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) 
         }
     }
     let mut budget = BUDGET;
+    // in-process WRITEs whose copies are queued: completed (one settle) before this returns
+    let mut batch = LocalBatch::default();
+    let mut held = false;
     while sq.ci != sq.target && budget > 0 {
         if sq.wire.as_ref().is_some_and(|w| w.blocked) && qp.state() != QpState::Err {
             // a WQE failed behind WQEs still on the wire: nothing runs until it completes
-            return (work, true);
+            held = true;
+            break;
         }
         if let Some(stall) = sq.stall {
             let over = match stall {
@@ -261,15 +265,95 @@ fn service_locked(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) -> (bool, bool) 
                 Stall::Drain => sq.wire.as_ref().is_none_or(|w| w.msgs.is_empty()),
             };
             if !over && qp.state() != QpState::Err {
-                return (work, true);
+                held = true;
+                break;
             }
             sq.stall = None;
         }
         budget -= 1;
         work = true;
-        step(dev, qp, sq);
+        step(dev, qp, sq, &mut batch);
     }
-    (work, timed || sq.stall.is_some())
+    settle_batch(dev, qp, sq, &mut batch);
+    (work, held || timed || sq.stall.is_some())
+}
+
+/// Most in-process WRITEs whose queued copies one settle completes ([`LocalBatch`]); the
+/// engine's turn on a QP ([`BUDGET`]) bounds a batch as well.
+const LOCAL_BATCH_MAX: usize = 64;
+
+/// In-process WRITEs (no immediate, no fence) whose bytes move within one device memory:
+/// their copies are queued ([`crate::mem::copy_ranges_queued`]) and their completions held
+/// until one settle of those memories ([`settle_batch`]), so that a run of them costs one wait,
+/// not one per WQE, and no CQE is written before its bytes are in place. The batch is
+/// completed before any other WQE runs, before a WQE that failed or did not queue its copy
+/// completes, at [`LOCAL_BATCH_MAX`] WQEs, and at the end of the engine's turn on the QP.
+#[derive(Default)]
+struct LocalBatch {
+    /// The memories holding queued copies.
+    mems: SmallVec<[Arc<dyn crate::DeviceMemory>; 1]>,
+    /// Per WQE, in order: index, opcode, signaled, byte count.
+    wqes: Vec<(u16, u8, bool, u32)>,
+}
+
+impl LocalBatch {
+    /// Whether the WQE with control segment `ctrl` may join the batch (if its copy turns out
+    /// to be queued): an RDMA WRITE without immediate and without a fence, with room left.
+    fn takes(&self, ctrl: &CtrlSeg) -> bool {
+        ctrl.opcode() == prm::wqe::Opcode::RdmaWrite as u8
+            && ctrl.fm_ce_se >> 5 == 0
+            && self.wqes.len() < LOCAL_BATCH_MAX
+    }
+
+    fn is_empty(&self) -> bool {
+        self.wqes.is_empty()
+    }
+
+    /// Adds a WQE whose copy was queued in `mem`.
+    fn add(&mut self, mem: Arc<dyn crate::DeviceMemory>, wqe: (u16, u8, bool, u32)) {
+        if !self.mems.iter().any(|m| same_memory(m, &mem)) {
+            self.mems.push(mem);
+        }
+        self.wqes.push(wqe);
+    }
+}
+
+/// Completes a [`LocalBatch`]: one settle per memory, then each WQE's completion in order.
+/// When a settle fails (the driver cannot say which copy failed), no WQE of the batch
+/// reports success: the first one completes with the device-memory error a failing copy
+/// gives (LOCAL_PROT, vendor `DEVICE_MEMORY`; the responder is not affected), the QP goes to
+/// ERR and the others flush.
+fn settle_batch(dev: &Shared, qp: &Qp, sq: &mut SqState, batch: &mut LocalBatch) {
+    if batch.is_empty() {
+        return;
+    }
+    let mems = std::mem::take(&mut batch.mems);
+    let wqes = std::mem::take(&mut batch.wqes);
+    // every memory settles, after a failure too
+    let settled = mems.iter().map(|m| m.settle()).fold(Ok(()), Result::and);
+    Counters::add(&dev.counters.local_copy_batches, 1);
+    Counters::add(&dev.counters.local_copy_wqes, wqes.len() as u64);
+    match settled {
+        Ok(()) => {
+            for (idx, opcode, signaled, byte_cnt) in wqes {
+                Counters::add(&dev.counters.wqes, 1);
+                if signaled {
+                    let cqe = Cqe64::requester(opcode, qp.qpn, idx, byte_cnt, 0);
+                    push_cqe(dev, qp, sq, &qp.send_cq, cqe);
+                }
+            }
+        }
+        Err(e) => {
+            let (syndrome, why) = local_devmem_err(&dev.counters, &e);
+            let Some((first, rest)) = wqes.split_first() else {
+                return;
+            };
+            fail_at(dev, qp, sq, first.0, first.1, syndrome, why);
+            for &(idx, opcode, ..) in rest {
+                flush_wqe(dev, qp, sq, opcode, idx);
+            }
+        }
+    }
 }
 
 /// Handles a new value in BlueFlame half `h`.
@@ -354,8 +438,10 @@ fn doorbell(dev: &Shared, qp: &Qp, sq: &mut SqState, h: usize, v: u64) {
     }
 }
 
-/// Reads, checks and runs the WQE at the consumer index.
-fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
+/// Reads, checks and runs the WQE at the consumer index. An in-process WRITE whose copy is
+/// queued joins `batch` (its completion held); before anything else completes or runs, the
+/// batch is completed.
+fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState, batch: &mut LocalBatch) {
     let idx = sq.ci;
     if !sq.staged.is_empty() {
         // sources read ahead for WQEs the consumer has passed are dropped
@@ -380,6 +466,7 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
         fetch_wqe(qp, sq, idx, &mut buf)
     };
     if let Err(e) = fetched {
+        settle_batch(dev, qp, sq, batch);
         // The ring (device memory) cannot be read: the WQE's size is unknown, so it ends
         // after one block; the blocks behind it fail (flush) the same way, one by one.
         tracing::warn!(qpn = qp.qpn, wqe = idx, error = %e, "WQE fetch failed");
@@ -395,6 +482,11 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
     let ctrl: CtrlSeg = bytemuck::pod_read_unaligned(&buf[..DS_UNIT]);
     let blocks = blocks_for_ds(ctrl.ds().max(1));
     let opcode = ctrl.opcode();
+    if !batch.takes(&ctrl) {
+        // the batch's completions come first (a failed settle puts the QP in ERR: this WQE
+        // then flushes below)
+        settle_batch(dev, qp, sq, batch);
+    }
     // Never move past the announced producer: a failed or flushed WQE whose ds claims more
     // blocks than were announced (stale, half-written or past-producer WQE) ends at the
     // producer, or the loop in `service` would flush ~64K blocks of garbage until the 16-bit
@@ -407,27 +499,17 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
         }
     };
     if qp.state() == QpState::Err {
+        // the WQEs of the batch executed: their completions come before this flush
+        settle_batch(dev, qp, sq, batch);
         sq.staged.clear();
         flush_wqe(dev, qp, sq, opcode, idx);
         advance(sq);
         return;
     }
-    let past_producer = blocks > sq.target.wrapping_sub(idx) as usize
-        || blocks > qp.sq_blocks as usize
-        || (from_bf && blocks * WQEBB > BF_HALF_SIZE);
-    let check = if ctrl.wqe_index() != idx {
-        Counters::add(&dev.counters.stale_wqes, 1);
-        Err((Syndrome::LocalQpOp, vendor::STALE_WQE))
-    } else if past_producer {
-        Err((Syndrome::LocalQpOp, vendor::WQE_PAST_PRODUCER))
-    } else if ctrl.qpn() != qp.qpn {
-        Err((Syndrome::LocalQpOp, vendor::WQE_QPN))
-    } else if let Some((n, syndrome)) = sq.fail_next {
-        sq.fail_next = (n > 1).then_some((n - 1, syndrome));
-        Err((syndrome, vendor::INJECTED))
-    } else {
-        Ok(())
-    };
+    let check = check_ctrl(dev, qp, sq, &ctrl, idx, from_bf);
+    // where this WQE's copy was left queued, if it may join the batch
+    let mut copied: Option<Arc<dyn crate::DeviceMemory>> = None;
+    let may_queue = batch.takes(&ctrl);
     let outcome = check.and_then(|()| {
         let bytes = &buf[..blocks * WQEBB];
         let malformed = |e: prm::WqeError| (e.syndrome(), vendor::MALFORMED_WQE);
@@ -460,8 +542,14 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
                 return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST))
             }
         };
-        execute(dev, qp, sq, &wqe).map(|r| (r, wqe.flags.signaled))
+        let queue = may_queue.then_some(&mut copied);
+        execute(dev, qp, sq, &wqe, queue).map(|r| (r, wqe.flags.signaled))
     });
+    match batch_turn(dev, qp, sq, batch, &outcome, copied, (idx, opcode)) {
+        Some(true) => return advance(sq),
+        Some(false) => return,
+        None => {}
+    }
     // Behind WQEs still on the wire, a WQE that completes or fails right away takes its turn
     // in the wire's completion order.
     let queued = sq.wire.as_ref().is_some_and(|w| !w.msgs.is_empty());
@@ -502,6 +590,68 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState) {
             advance(sq);
         }
     }
+}
+
+/// The checks of a WQE's control segment at `idx` before it is parsed: its index, its size
+/// against the producer and the ring, its QPN, and an injected failure.
+fn check_ctrl(
+    dev: &Shared,
+    qp: &Qp,
+    sq: &mut SqState,
+    ctrl: &CtrlSeg,
+    idx: u16,
+    from_bf: bool,
+) -> Result<(), Fail> {
+    let blocks = blocks_for_ds(ctrl.ds().max(1));
+    let past_producer = blocks > sq.target.wrapping_sub(idx) as usize
+        || blocks > qp.sq_blocks as usize
+        || (from_bf && blocks * WQEBB > BF_HALF_SIZE);
+    if ctrl.wqe_index() != idx {
+        Counters::add(&dev.counters.stale_wqes, 1);
+        Err((Syndrome::LocalQpOp, vendor::STALE_WQE))
+    } else if past_producer {
+        Err((Syndrome::LocalQpOp, vendor::WQE_PAST_PRODUCER))
+    } else if ctrl.qpn() != qp.qpn {
+        Err((Syndrome::LocalQpOp, vendor::WQE_QPN))
+    } else if let Some((n, syndrome)) = sq.fail_next {
+        sq.fail_next = (n > 1).then_some((n - 1, syndrome));
+        Err((syndrome, vendor::INJECTED))
+    } else {
+        Ok(())
+    }
+}
+
+/// The in-process batch's part in a WQE's outcome: a WRITE whose copy was queued (`copied`)
+/// joins it (`Some(true)`: the consumer moves on, no CQE yet); any other outcome completes
+/// the batch first, and if that failed (the QP is in ERR) the WQE flushes (`Some(true)`) or,
+/// stalled, flushes at its next turn (`Some(false)`). `None`: the WQE completes as usual.
+fn batch_turn(
+    dev: &Shared,
+    qp: &Qp,
+    sq: &mut SqState,
+    batch: &mut LocalBatch,
+    outcome: &Result<(Done, bool), Fail>,
+    copied: Option<Arc<dyn crate::DeviceMemory>>,
+    (idx, opcode): (u16, u8),
+) -> Option<bool> {
+    if let (Ok((Done::Complete(byte_cnt), signaled)), Some(mem)) = (outcome, copied) {
+        sq.rnr_attempts = 0;
+        sq.retry_deadline = None;
+        batch.add(mem, (idx, opcode, *signaled, *byte_cnt));
+        return Some(true);
+    }
+    if batch.is_empty() {
+        return None;
+    }
+    settle_batch(dev, qp, sq, batch);
+    if qp.state() != QpState::Err {
+        return None;
+    }
+    if matches!(outcome, Ok((Done::Stalled(_) | Done::Queued, _))) {
+        return Some(false);
+    }
+    flush_wqe(dev, qp, sq, opcode, idx);
+    Some(true)
 }
 
 /// Most blocks read ahead from a send ring in device memory in one copy (a copy costs a
@@ -593,6 +743,19 @@ fn push_cqe(dev: &Shared, qp: &Qp, sq: &SqState, cq: &crate::cq::Cq, cqe: Cqe64)
 /// Completes the WQE at the consumer index with an error CQE and moves the QP to ERR.
 /// WQEs still on the wire flush first, keeping completions in WQE order.
 fn fail(dev: &Shared, qp: &Qp, sq: &mut SqState, opcode: u8, syndrome: Syndrome, why: u8) {
+    fail_at(dev, qp, sq, sq.ci, opcode, syndrome, why)
+}
+
+/// [`fail`] for the WQE at `idx`.
+fn fail_at(
+    dev: &Shared,
+    qp: &Qp,
+    sq: &mut SqState,
+    idx: u16,
+    opcode: u8,
+    syndrome: Syndrome,
+    why: u8,
+) {
     requester::flush_all(dev, qp, sq);
     sq.staged.clear();
     dev.counters.error(syndrome);
@@ -600,7 +763,7 @@ fn fail(dev: &Shared, qp: &Qp, sq: &mut SqState, opcode: u8, syndrome: Syndrome,
         qpn = qp.qpn,
         ?syndrome,
         vendor = why,
-        wqe = sq.ci,
+        wqe = idx,
         "WQE failed"
     );
     let e = ErrorCqe {
@@ -609,7 +772,7 @@ fn fail(dev: &Shared, qp: &Qp, sq: &mut SqState, opcode: u8, syndrome: Syndrome,
         vendor_syndrome: why,
         wqe_opcode: opcode,
         qpn: qp.qpn,
-        wqe_counter: sq.ci,
+        wqe_counter: idx,
     };
     qp.set_state(QpState::Err);
     push_cqe(dev, qp, sq, &qp.send_cq, Cqe64::error(&e, 0));
@@ -901,11 +1064,16 @@ fn mw_request(op: &MwOp) -> MwRequest {
 
 /// Runs a parsed WQE as the requester: local WQEs here, the rest checked locally, then sent
 /// to the peer (over the wire: handed to the requester transport) and its answer taken.
+///
+/// With `queue` given, a WRITE to an in-process peer whose bytes move within one device
+/// memory may leave its copy queued: the memory is put there, and the caller settles it
+/// before the WQE's completion is written.
 fn execute(
     dev: &Shared,
     qp: &Qp,
     sq: &mut SqState,
     wqe: &prm::ParsedWqe<'_>,
+    queue: Option<&mut Option<Arc<dyn crate::DeviceMemory>>>,
 ) -> Result<Done, Fail> {
     if let ParsedOp::Nop = wqe.op {
         return Ok(Done::Complete(0));
@@ -932,7 +1100,6 @@ fn execute(
     }
     prefetch_data(&wqe.op, sq.wire.is_none());
     let from = qp.qpn;
-    let imm = wqe.imm();
     // Local checks come first: the requester gathers (or validates its scatter list) before
     // anything goes out.
     let prepared = prepare(qp, &g, wqe)?;
@@ -950,7 +1117,7 @@ fn execute(
     };
     let move_data = !dev.completion_only;
     let xrc = sq.xrc_srqn;
-    let (response, len) = request(&peer, from, xrc, &prepared, wqe, imm, move_data);
+    let (response, len) = request(&peer, from, xrc, &prepared, wqe, move_data, queue);
     let own_failure = response == Response::Nak(Syndrome::LocalProt, vendor::DEVICE_MEMORY);
     if qp.is_uc() && !own_failure {
         // UC has no ACK: whatever the responder made of it, the message has left
@@ -1349,16 +1516,18 @@ fn read_one(src: &[MemRange]) -> Result<Vec<u8>, crate::DeviceMemoryError> {
     Ok(out)
 }
 
-/// Sends the request to the in-process peer; its response, and the message's length.
+/// Sends the request to the in-process peer; its response, and the message's length. A WRITE
+/// may leave its copy queued where `queue` is given (see [`execute`]).
 fn request(
     peer: &Qp,
     from: u32,
     xrc: Option<u32>,
     prepared: &Prepared,
     wqe: &prm::ParsedWqe<'_>,
-    imm: Option<u32>,
     move_data: bool,
+    queue: Option<&mut Option<Arc<dyn crate::DeviceMemory>>>,
 ) -> (Response, u64) {
+    let imm = wqe.imm();
     match prepared {
         Prepared::Write(r, src) => {
             let len = total(src);
@@ -1368,6 +1537,7 @@ fn request(
                 src,
                 len,
                 imm,
+                queue,
             };
             (respond(peer, from, xrc, req, move_data), len)
         }

@@ -693,14 +693,62 @@ pub(crate) fn total(r: &[MemRange]) -> u64 {
 /// Every host range must be live host memory: checked by an [`MrGuard`] still held by the
 /// caller, or a buffer the caller owns.
 pub unsafe fn copy_ranges(dst: &[MemRange], src: &[MemRange]) -> Result<u64, CopyError> {
-    let (mut di, mut doff, mut si, mut soff, mut total) = (0, 0u64, 0, 0u64, 0u64);
     let mut bounce = Vec::new();
+    pieces_of(dst, src, |d, doff, s, soff, n| {
+        // SAFETY: both ranges are live per the caller's contract, and n stays within each.
+        unsafe { copy_piece(d, doff, s, soff, n, &mut bounce) }
+    })
+}
+
+/// As [`copy_ranges`] for ranges that all lie in one [`DeviceMemory`] (the same object),
+/// with no piece overlapping its source: every piece is queued
+/// ([`DeviceMemory::copy_queued`]), complete at that memory's next call other than a queued
+/// one, or at its [`DeviceMemory::settle`]. Returns the memory, or `None` when nothing is
+/// left queued: the ranges are not of that kind (host memory, two memories, an overlap, no
+/// bytes), or the driver refused to queue a piece (pieces queued before it may land); the
+/// caller then copies with [`copy_ranges`], which finds the side that fails. No host memory
+/// is touched, so no guard needs to outlive the call: a region's removal settles its memory.
+pub fn copy_ranges_queued(dst: &[MemRange], src: &[MemRange]) -> Option<Arc<dyn DeviceMemory>> {
+    let mem = dst.first()?.dev.clone()?;
+    let one = |r: &MemRange| r.dev.as_ref().is_some_and(|m| same_memory(m, &mem));
+    if !dst.iter().chain(src).all(one) {
+        return None;
+    }
+    let mut pieces: smallvec::SmallVec<[(u64, u64, usize); 4]> = smallvec::SmallVec::new();
+    pieces_of(dst, src, |d, doff, s, soff, n| {
+        let (da, sa) = (d.addr + doff, s.addr + soff);
+        if sa < da + n && da < sa + n {
+            return Err(());
+        }
+        pieces.push((da, sa, n as usize));
+        Ok(())
+    })
+    .ok()?;
+    if pieces.is_empty() {
+        return None;
+    }
+    for (da, sa, n) in pieces {
+        if let Err(e) = mem.copy_queued(da, sa, n) {
+            tracing::debug!(error = %e, "a device-to-device copy could not be queued");
+            return None;
+        }
+    }
+    Some(mem)
+}
+
+/// Calls `f(d, doff, s, soff, n)` for each piece of a copy from `src` to `dst` (each piece
+/// inside one range of each list, up to the shorter total); the bytes it covers.
+fn pieces_of<E>(
+    dst: &[MemRange],
+    src: &[MemRange],
+    mut f: impl FnMut(&MemRange, u64, &MemRange, u64, u64) -> Result<(), E>,
+) -> Result<u64, E> {
+    let (mut di, mut doff, mut si, mut soff, mut total) = (0, 0u64, 0, 0u64, 0u64);
     while di < dst.len() && si < src.len() {
         let (d, s) = (&dst[di], &src[si]);
         let n = (d.len - doff).min(s.len - soff);
         if n > 0 {
-            // SAFETY: both ranges are live per the caller's contract, and n stays within each.
-            unsafe { copy_piece(d, doff, s, soff, n, &mut bounce)? };
+            f(d, doff, s, soff, n)?;
         }
         total += n;
         doff += n;

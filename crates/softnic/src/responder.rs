@@ -29,6 +29,10 @@ pub(crate) enum Request<'a> {
         src: &'a [MemRange],
         len: u64,
         imm: Option<u32>,
+        /// When given (a WRITE without immediate), a copy whose ranges all lie in one device
+        /// memory may be left queued ([`crate::mem::copy_ranges_queued`]): that memory is put
+        /// here, and the caller settles it before anything reports the WRITE done.
+        queue: Option<&'a mut Option<Arc<dyn crate::DeviceMemory>>>,
     },
     Send {
         src: &'a [MemRange],
@@ -493,12 +497,20 @@ pub(crate) fn respond(
             src,
             len,
             imm,
+            queue,
         } => {
             let dst = match r.remote(Access::REMOTE_WRITE, raddr, rkey, len) {
                 Ok(d) => d,
                 Err(e) => return r.fatal(e),
             };
-            if move_data {
+            let queued = match queue {
+                Some(q) if move_data && imm.is_none() => {
+                    *q = crate::mem::copy_ranges_queued(std::slice::from_ref(&dst), src);
+                    q.is_some()
+                }
+                _ => false,
+            };
+            if move_data && !queued {
                 // SAFETY: `dst` was checked under `r.g` (still held); `src` was checked by the
                 // requester under its own guard, still held by the caller.
                 if let Err(e) = unsafe { copy_ranges(&[dst], src) } {
