@@ -369,3 +369,40 @@ fn runs_across_the_sq_index_wrap() {
         assert!(got[..64] == data[off..off + 64], "slot {j}");
     }
 }
+
+/// A WRITE with immediate (it consumes a receive and completes one on the responder) ends the
+/// run: the WRITEs before it complete after one settle, it copies synchronously, and the
+/// WRITEs behind it make a run of their own; every completion in order, the receive's after
+/// its bytes.
+#[test]
+fn a_write_with_immediate_ends_the_run() {
+    let mem = Queuing::new(MB);
+    let mut p = Pair::new();
+    let (src, dst) = setup(&p, &mem);
+    let data = Rng(7).bytes(256 << 10);
+    src.poke(0, &data);
+    p.eb.ini.post_recv(&[]).unwrap();
+    let before: Vec<_> = (0..5).map(|i| post_write(&mut p, &src, &dst, i)).collect();
+    let (ioff, ilen) = (100 * 2048, 3000);
+    let imm = Op::Write {
+        remote: dst.remote(ioff),
+        local: Local::Sges(&[src.sge(ioff, ilen)]),
+        imm: Some(0x1234),
+    };
+    let iidx = p.ea.post(&imm, SIG);
+    let after: Vec<_> = (5..10).map(|i| post_write(&mut p, &src, &dst, i)).collect();
+    p.ea.ini.ring();
+    for &(idx, ..) in &before {
+        p.ea.expect_req(W, idx);
+    }
+    p.ea.expect_req(Opcode::RdmaWriteImm as u8, iidx);
+    for &(idx, ..) in &after {
+        p.ea.expect_req(W, idx);
+    }
+    assert!(matches!(p.eb.recv_cqe(), prm::Completion::Resp { .. }));
+    assert!(dst.peek(ioff, ilen as usize) == data[ioff..ioff + ilen as usize]);
+    for &(_, off, len) in before.iter().chain(&after) {
+        assert!(dst.peek(off, len) == data[off..off + len], "bytes at {off}");
+    }
+    assert_eq!(mem.counts(), (10, 1, 2), "(queued, synchronous, settles)");
+}
