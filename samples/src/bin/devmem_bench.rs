@@ -8,7 +8,9 @@
 //!   NIC's packet buffers and host regions are ordinary memory).
 //! - `rdma`: WRITE and READ between two in-process soft NICs, GPU buffer to GPU buffer against
 //!   host buffer to host buffer: the latency of one signaled WQE (post, ring, wait) and the rate
-//!   of a window of WQEs (every 16th signaled, a doorbell per 16).
+//!   of a window of WQEs (every 16th signaled, a doorbell per 16). For GPU buffers it also
+//!   says on stderr how many WRITEs completed in runs whose device-to-device copies were queued
+//!   and settled together (the requester device's `local_copy_batches` / `local_copy_wqes`).
 //!
 //! `devmem_bench [--gpu N] [--json] [--series copies,rdma] [--sizes 8,4096,...]`.
 
@@ -278,6 +280,12 @@ fn rdma(gpu: &std::sync::Arc<Gpu>, place: Place, n: usize) -> Result<[f64; 4]> {
         Ok(())
     };
     let mut out = [0.0; 4];
+    let counted = |ctx: &Context| {
+        ctx.soft_device()
+            .map(|d| d.counters())
+            .map(|c| (c.local_copy_batches, c.local_copy_wqes))
+    };
+    let before = counted(&a);
     for (k, op) in [&write, &read].into_iter().enumerate() {
         out[2 * k] = time_median(|| {
             ini.post_and_ring(op, CtrlFlags::SIGNALED)?;
@@ -304,6 +312,13 @@ fn rdma(gpu: &std::sync::Arc<Gpu>, place: Place, n: usize) -> Result<[f64; 4]> {
             }
             Ok(())
         })? / WINDOW as f64;
+        if let (0, Place::Gpu, Some((b0, w0)), Some((b1, w1))) = (k, place, before, counted(&a)) {
+            eprintln!(
+                "rdma {n} B, GPU memory: WRITEs completed in queued-copy runs: {} runs, {} WQEs",
+                b1 - b0,
+                w1 - w0
+            );
+        }
     }
     Ok(out)
 }
