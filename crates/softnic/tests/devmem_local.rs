@@ -406,3 +406,32 @@ fn a_write_with_immediate_ends_the_run() {
     }
     assert_eq!(mem.counts(), (10, 1, 2), "(queued, synchronous, settles)");
 }
+
+/// WRITEs within two device memories, alternating, behind one doorbell: one run, each memory
+/// settled once before any completion is written.
+#[test]
+fn a_run_over_two_memories_settles_each_once() {
+    let (m1, m2) = (Queuing::new(MB), Queuing::new(MB));
+    let mut p = Pair::new();
+    let (s1, d1) = setup(&p, &m1);
+    let (s2, d2) = setup(&p, &m2);
+    let (x, y) = (Rng(8).bytes(256 << 10), Rng(9).bytes(256 << 10));
+    s1.poke(0, &x);
+    s2.poke(0, &y);
+    let posted: Vec<_> = (0..20)
+        .map(|i| match i % 2 {
+            0 => (post_write(&mut p, &s1, &d1, i), true),
+            _ => (post_write(&mut p, &s2, &d2, i), false),
+        })
+        .collect();
+    p.ea.ini.ring();
+    for &((idx, off, len), first) in &posted {
+        p.ea.expect_req(W, idx);
+        let (d, data) = if first { (&d1, &x) } else { (&d2, &y) };
+        assert!(d.peek(off, len) == data[off..off + len], "bytes at {off}");
+    }
+    assert_eq!(m1.counts(), (10, 0, 1));
+    assert_eq!(m2.counts(), (10, 0, 1));
+    let c = p.a.dev.counters();
+    assert_eq!((c.local_copy_batches, c.local_copy_wqes), (1, 20));
+}
