@@ -229,6 +229,7 @@ fn emu(a: Emu) -> anyhow::Result<ExitCode> {
     let run = || -> anyhow::Result<ExitCode> {
         uverbs::sysfs::write_tree(&dir, &cfg)
             .with_context(|| format!("cannot write the sysfs tree in {}", dir.display()))?;
+        catch_signals();
         let mut child = std::process::Command::new(prog)
             .args(args)
             .envs(environment(&cfg, &dir, &lib))
@@ -255,17 +256,17 @@ fn emu(a: Emu) -> anyhow::Result<ExitCode> {
 
 /// The process `gpuverbs emu` runs (0: none yet), for [`forward_signal`].
 static CHILD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+/// A signal that came before the process was started (0: none), sent on once it is.
+static PENDING: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
-/// From now on SIGTERM, SIGHUP, SIGINT and SIGQUIT sent to this process by another one
-/// (`kill`, `timeout`) go on to `pid`, so that stopping `gpuverbs emu` stops what it runs, as
-/// stopping a program started without it would. A signal the kernel sends (a terminal's ^C,
-/// which reaches the whole process group, the child included) is not sent twice: this
-/// process then just waits for the child.
-fn forward_signals_to(pid: u32) {
-    CHILD.store(pid as i32, std::sync::atomic::Ordering::Release);
+/// From now on SIGTERM, SIGHUP, SIGINT and SIGQUIT are caught ([`forward_signal`]): installed
+/// before the command starts, so that one sent in between (the command may already have shown
+/// itself to whoever sends it) is held and sent on by [`forward_signals_to`] instead of
+/// killing this process and leaving the command running.
+fn catch_signals() {
     for sig in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT, libc::SIGQUIT] {
         // SAFETY: a zeroed sigaction with an SA_SIGINFO handler of the matching signature;
-        // the handler only loads an atomic and calls kill(2), both async-signal-safe.
+        // the handler only loads and stores atomics and calls kill(2), all async-signal-safe.
         unsafe {
             let mut sa: libc::sigaction = std::mem::zeroed();
             sa.sa_sigaction = forward_signal as *const () as usize;
@@ -276,11 +277,33 @@ fn forward_signals_to(pid: u32) {
     }
 }
 
+/// From now on SIGTERM, SIGHUP, SIGINT and SIGQUIT sent to this process by another one
+/// (`kill`, `timeout`) go on to `pid`, so that stopping `gpuverbs emu` stops what it runs, as
+/// stopping a program started without it would; one held since [`catch_signals`] goes now. A
+/// signal the kernel sends once the command runs (a terminal's ^C, which reaches the whole
+/// process group, the child included) is not sent twice: this process then just waits for the
+/// child.
+fn forward_signals_to(pid: u32) {
+    use std::sync::atomic::Ordering;
+    CHILD.store(pid as i32, Ordering::SeqCst);
+    let held = PENDING.swap(0, Ordering::SeqCst);
+    if held > 0 {
+        // SAFETY: kill(2) on the child this process started.
+        unsafe { libc::kill(pid as i32, held) };
+    }
+}
+
 extern "C" fn forward_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    use std::sync::atomic::Ordering;
+    let pid = CHILD.load(Ordering::SeqCst);
+    if pid <= 0 {
+        // no command yet (whoever sent it, it did not reach one): held for it
+        PENDING.store(sig, Ordering::SeqCst);
+        return;
+    }
     // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
     let from_a_process = !info.is_null() && unsafe { (*info).si_code } <= 0;
-    let pid = CHILD.load(std::sync::atomic::Ordering::Acquire);
-    if from_a_process && pid > 0 {
+    if from_a_process {
         // SAFETY: kill(2) on the child's pid, async-signal-safe.
         unsafe { libc::kill(pid, sig) };
     }
