@@ -18,7 +18,7 @@ use crate::gather::{gather, local_ranges};
 use crate::mem::{total, write_range, Access, MemRange, MrGuard, MwBinding, MwRequest};
 use crate::outcome::{local_devmem_err, local_err, rnr_delay, vendor, Done, Fail, Stall, MAX_MSG};
 use crate::qp::{Qp, QpState, SqState, Transport};
-use crate::responder::{respond, Request, Response};
+use crate::responder::{respond, QueuedCopy, Request, Response};
 use crate::shared::{lookup, Shared};
 use crate::staged::{self, StagedSrc};
 use crate::wire::{requester, responder};
@@ -294,6 +294,9 @@ struct LocalBatch {
     mems: SmallVec<[Arc<dyn crate::DeviceMemory>; 1]>,
     /// Per WQE, in order: index, opcode, signaled, byte count.
     wqes: Vec<(u16, u8, bool, u32)>,
+    /// A settle of `mems` that failed before the batch's own (a later WRITE's bytes moved
+    /// another way and settled them first, [`QueuedCopy`]).
+    failed: Option<crate::DeviceMemoryError>,
 }
 
 impl LocalBatch {
@@ -329,8 +332,9 @@ fn settle_batch(dev: &Shared, qp: &Qp, sq: &mut SqState, batch: &mut LocalBatch)
     }
     let mems = std::mem::take(&mut batch.mems);
     let wqes = std::mem::take(&mut batch.wqes);
+    let earlier = batch.failed.take().map_or(Ok(()), Err);
     // every memory settles, after a failure too
-    let settled = mems.iter().map(|m| m.settle()).fold(Ok(()), Result::and);
+    let settled = mems.iter().map(|m| m.settle()).fold(earlier, Result::and);
     Counters::add(&dev.counters.local_copy_batches, 1);
     Counters::add(&dev.counters.local_copy_wqes, wqes.len() as u64);
     match settled {
@@ -508,44 +512,20 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState, batch: &mut LocalBatch) {
     }
     let check = check_ctrl(dev, qp, sq, &ctrl, idx, from_bf);
     // where this WQE's copy was left queued, if it may join the batch
-    let mut copied: Option<Arc<dyn crate::DeviceMemory>> = None;
+    let mut qc = QueuedCopy {
+        pending: batch.mems.clone(),
+        into: None,
+        failed: None,
+    };
     let may_queue = batch.takes(&ctrl);
-    let outcome = check.and_then(|()| {
-        let bytes = &buf[..blocks * WQEBB];
-        let malformed = |e: prm::WqeError| (e.syndrome(), vendor::MALFORMED_WQE);
-        let wqe = match qp.transport {
-            Transport::Ud => return crate::ud::execute(dev, qp, sq, bytes),
-            Transport::Rc => parse_wqe(bytes).map_err(malformed)?,
-            Transport::Uc => {
-                let wqe = parse_wqe(bytes).map_err(malformed)?;
-                // UC carries SENDs and RDMA WRITEs only (IBTA's UC opcodes)
-                let on_uc = match wqe.op {
-                    ParsedOp::Read { .. } | ParsedOp::Atomic { .. } => false,
-                    ParsedOp::Send { .. } => wqe.invalidate().is_none(),
-                    _ => true,
-                };
-                if !on_uc {
-                    return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST));
-                }
-                wqe
-            }
-            Transport::Dci => {
-                let (wqe, av) = parse_dc_wqe(bytes).map_err(malformed)?;
-                if let Some(stall) = av.and_then(|av| crate::dc::aim(sq, &av)) {
-                    return Ok((Done::Stalled(stall), wqe.flags.signaled));
-                }
-                wqe
-            }
-            Transport::XrcIni => xrc_wqe(sq, bytes)?,
-            // a DC or XRC target has no send queue
-            Transport::Dct { .. } | Transport::XrcTgt => {
-                return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST))
-            }
-        };
-        let queue = may_queue.then_some(&mut copied);
-        execute(dev, qp, sq, &wqe, queue).map(|r| (r, wqe.flags.signaled))
-    });
-    match batch_turn(dev, qp, sq, batch, &outcome, copied, (idx, opcode)) {
+    let queue = may_queue.then_some(&mut qc);
+    let outcome = check.and_then(|()| run_wqe(dev, qp, sq, &buf[..blocks * WQEBB], queue));
+    let QueuedCopy { into, failed, .. } = qc;
+    if let Some(e) = failed {
+        // the batch's copies, settled before this WRITE's own, failed: so does the batch
+        batch.failed.get_or_insert(e);
+    }
+    match batch_turn(dev, qp, sq, batch, &outcome, into, (idx, opcode)) {
         Some(true) => return advance(sq),
         Some(false) => return,
         None => {}
@@ -590,6 +570,48 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState, batch: &mut LocalBatch) {
             advance(sq);
         }
     }
+}
+
+/// Parses the WQE `bytes` as the QP's transport has them and runs it: its outcome and whether
+/// it is signaled. `queue`: see [`execute`].
+fn run_wqe(
+    dev: &Shared,
+    qp: &Qp,
+    sq: &mut SqState,
+    bytes: &[u8],
+    queue: Option<&mut QueuedCopy>,
+) -> Result<(Done, bool), Fail> {
+    let malformed = |e: prm::WqeError| (e.syndrome(), vendor::MALFORMED_WQE);
+    let wqe = match qp.transport {
+        Transport::Ud => return crate::ud::execute(dev, qp, sq, bytes),
+        Transport::Rc => parse_wqe(bytes).map_err(malformed)?,
+        Transport::Uc => {
+            let wqe = parse_wqe(bytes).map_err(malformed)?;
+            // UC carries SENDs and RDMA WRITEs only (IBTA's UC opcodes)
+            let on_uc = match wqe.op {
+                ParsedOp::Read { .. } | ParsedOp::Atomic { .. } => false,
+                ParsedOp::Send { .. } => wqe.invalidate().is_none(),
+                _ => true,
+            };
+            if !on_uc {
+                return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST));
+            }
+            wqe
+        }
+        Transport::Dci => {
+            let (wqe, av) = parse_dc_wqe(bytes).map_err(malformed)?;
+            if let Some(stall) = av.and_then(|av| crate::dc::aim(sq, &av)) {
+                return Ok((Done::Stalled(stall), wqe.flags.signaled));
+            }
+            wqe
+        }
+        Transport::XrcIni => xrc_wqe(sq, bytes)?,
+        // a DC or XRC target has no send queue
+        Transport::Dct { .. } | Transport::XrcTgt => {
+            return Err((Syndrome::LocalQpOp, vendor::INVALID_REQUEST))
+        }
+    };
+    execute(dev, qp, sq, &wqe, queue).map(|r| (r, wqe.flags.signaled))
 }
 
 /// The checks of a WQE's control segment at `idx` before it is parsed: its index, its size
@@ -1073,7 +1095,7 @@ fn execute(
     qp: &Qp,
     sq: &mut SqState,
     wqe: &prm::ParsedWqe<'_>,
-    queue: Option<&mut Option<Arc<dyn crate::DeviceMemory>>>,
+    queue: Option<&mut QueuedCopy>,
 ) -> Result<Done, Fail> {
     if let ParsedOp::Nop = wqe.op {
         return Ok(Done::Complete(0));
@@ -1525,7 +1547,7 @@ fn request(
     prepared: &Prepared,
     wqe: &prm::ParsedWqe<'_>,
     move_data: bool,
-    queue: Option<&mut Option<Arc<dyn crate::DeviceMemory>>>,
+    queue: Option<&mut QueuedCopy>,
 ) -> (Response, u64) {
     let imm = wqe.imm();
     match prepared {

@@ -30,9 +30,8 @@ pub(crate) enum Request<'a> {
         len: u64,
         imm: Option<u32>,
         /// When given (a WRITE without immediate), a copy whose ranges all lie in one device
-        /// memory may be left queued ([`crate::mem::copy_ranges_queued`]): that memory is put
-        /// here, and the caller settles it before anything reports the WRITE done.
-        queue: Option<&'a mut Option<Arc<dyn crate::DeviceMemory>>>,
+        /// memory may be left queued ([`crate::mem::copy_ranges_queued`]); see [`QueuedCopy`].
+        queue: Option<&'a mut QueuedCopy>,
     },
     Send {
         src: &'a [MemRange],
@@ -52,6 +51,31 @@ pub(crate) enum Request<'a> {
         rkey: u32,
         kind: AtomicKind,
     },
+}
+
+/// An in-process WRITE that may leave its copy queued, behind the WRITEs before it on the same
+/// QP whose copies are still queued (the engine's batch).
+pub(crate) struct QueuedCopy {
+    /// The memories holding those earlier copies: settled before this WRITE's bytes move any
+    /// other way (a host destination, another memory), so that they land first, as a NIC
+    /// places the WRITEs of a QP in order.
+    pub pending: smallvec::SmallVec<[Arc<dyn crate::DeviceMemory>; 1]>,
+    /// The memory this WRITE's copy was left queued in, if it was: the caller settles it
+    /// before anything reports the WRITE done.
+    pub into: Option<Arc<dyn crate::DeviceMemory>>,
+    /// A settle of `pending` that failed here: the earlier WRITEs did not all land.
+    pub failed: Option<crate::DeviceMemoryError>,
+}
+
+impl QueuedCopy {
+    /// Settles the memories of the earlier queued copies (each, after a failure too).
+    fn settle_pending(&mut self) {
+        for m in &self.pending {
+            if let Err(e) = m.settle() {
+                self.failed.get_or_insert(e);
+            }
+        }
+    }
 }
 
 /// The responder's answer, as it would travel back in an ACK/NAK.
@@ -503,14 +527,18 @@ pub(crate) fn respond(
                 Ok(d) => d,
                 Err(e) => return r.fatal(e),
             };
-            let queued = match queue {
+            let mut queue = queue;
+            let queued = match queue.as_deref_mut() {
                 Some(q) if move_data && imm.is_none() => {
-                    *q = crate::mem::copy_ranges_queued(std::slice::from_ref(&dst), src);
-                    q.is_some()
+                    q.into = crate::mem::copy_ranges_queued(std::slice::from_ref(&dst), src);
+                    q.into.is_some()
                 }
                 _ => false,
             };
             if move_data && !queued {
+                if let Some(q) = queue {
+                    q.settle_pending();
+                }
                 // SAFETY: `dst` was checked under `r.g` (still held); `src` was checked by the
                 // requester under its own guard, still held by the caller.
                 if let Err(e) = unsafe { copy_ranges(&[dst], src) } {

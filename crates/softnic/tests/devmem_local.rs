@@ -435,3 +435,53 @@ fn a_run_over_two_memories_settles_each_once() {
     let c = p.a.dev.counters();
     assert_eq!((c.local_copy_batches, c.local_copy_wqes), (1, 20));
 }
+
+/// A WRITE whose bytes cannot be queued (here: into host memory, the signal word of a put
+/// with signal) behind queued ones lands after them, as a NIC places a QP's WRITEs in order:
+/// while their settle is held back, the signal is not there; once it returns, the signal and
+/// every byte before it are.
+#[test]
+fn a_write_that_is_not_queued_lands_after_the_queued_ones() {
+    let mem = Queuing::new(MB);
+    let mut p = Pair::new();
+    let (src, dst) = setup(&p, &mem);
+    let data = Rng(9).bytes(256 << 10);
+    src.poke(0, &data);
+    let flag_src = p.a.buf(8, ALL);
+    flag_src.mem.write(GUARD, &1u64.to_le_bytes());
+    let flag = p.b.buf(8, ALL);
+    mem.set_gate(false);
+    let _open = Opener(mem.clone());
+    let posted: Vec<_> = (0..6).map(|i| post_write(&mut p, &src, &dst, i)).collect();
+    let signal = Op::Write {
+        remote: flag.remote(0),
+        local: Local::Sges(&[flag_src.sge(0, 8)]),
+        imm: None,
+    };
+    let sig_idx = p.ea.post(&signal, SIG);
+    p.ea.ini.ring();
+    wait_until("the engine settles", || {
+        mem.settle_calls.load(Ordering::SeqCst) > 0
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        flag.read(0, 8),
+        [0u8; 8],
+        "the signal landed before the WRITEs queued ahead of it"
+    );
+    assert_eq!(
+        p.ea.ini.poll_send(),
+        None,
+        "a CQE before the settle returned"
+    );
+    mem.set_gate(true);
+    for &(idx, ..) in &posted {
+        p.ea.expect_req(W, idx);
+    }
+    p.ea.expect_req(W, sig_idx);
+    assert_eq!(flag.read(0, 8), 1u64.to_le_bytes());
+    for &(_, off, len) in &posted {
+        assert!(dst.peek(off, len) == data[off..off + len], "bytes at {off}");
+    }
+    assert_eq!(mem.counts(), (6, 0, 1));
+}
