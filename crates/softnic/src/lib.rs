@@ -29,6 +29,7 @@ pub mod net;
 pub use net::pcap;
 pub mod qp;
 mod rc_state;
+mod readahead;
 pub mod sched;
 mod shared;
 pub mod srq;

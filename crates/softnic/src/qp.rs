@@ -219,6 +219,14 @@ pub(crate) struct ReadAhead {
     pub bytes: Vec<u8>,
 }
 
+impl SqState {
+    /// How many blocks from `idx` on [`SqState::ahead`] holds.
+    pub fn ahead_blocks(&self, idx: u16) -> usize {
+        let off = idx.wrapping_sub(self.ahead.start) as usize;
+        (self.ahead.bytes.len() / prm::WQEBB).saturating_sub(off)
+    }
+}
+
 /// Responder-side state.
 pub(crate) struct RqState {
     pub ci: u32,

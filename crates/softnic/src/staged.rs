@@ -16,6 +16,9 @@ use std::collections::VecDeque;
 
 /// Most WQEs whose sources one QP keeps read ahead (the WQE being run included).
 pub(crate) const MAX_WQES: usize = 64;
+/// Most bytes of one message whose source is read ahead for the wire (a larger one is read
+/// packet by packet).
+pub(crate) const STAGE_MAX: u64 = 16 << 20;
 /// Most bytes of sources one QP keeps read ahead (the WQE being run not included: it is read
 /// up to the per-message limit as before).
 pub(crate) const MAX_BYTES: u64 = 4 << 20;

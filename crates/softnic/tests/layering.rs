@@ -34,6 +34,8 @@ const LAYERS: &[&str] = &[
     "qp",
     "shared",
     "gather",
+    // the sources of the WQEs announced behind a wire WRITE or SEND, read with it
+    "readahead",
     // behaviour, lowest first
     "completion",
     "responder",
