@@ -99,7 +99,9 @@ pub fn gpumem_roundtrip(
 /// GPU-memory regions driven by the CPU initiator (host rings): `Pd::register_gpu` on a raw
 /// device pointer and `Pd::register_device_mem`; WRITE host → GPU, GPU → GPU (one GPU: a
 /// device-to-device copy), READ GPU → host, fetch-add on a GPU word with the result in GPU
-/// memory, 3 MiB through the staging buffer; registration refuses what is not device memory.
+/// memory, 3 MiB through the staging buffer; then WRITE and READ again with the host region
+/// pinned by the driver (copied directly, odd offsets); registration refuses what is not
+/// device memory.
 pub fn cpu_initiator_gpumem(ordinal: usize) -> Result<String> {
     let gpu = gpu(ordinal)?;
     let (a, b) = crate::dataplane::contexts()?;
@@ -194,6 +196,33 @@ pub fn cpu_initiator_gpumem(ordinal: usize) -> Result<String> {
         word(&gb, 64)?,
         word(&ga, 128)?
     );
+    // the host region pinned by the driver (mapped into the GPU, as a CUDA application's own
+    // pinned buffers are): its copies of 64 KiB and more go directly, not staged
+    gpu.map_host(&host)?;
+    let pinned = pattern(0x4321, big);
+    host.write(0, &pinned);
+    go(&Op::Write {
+        remote: mrb.remote(0),
+        local: Local::Sges(&[mrh.sge(0, big as u32)]),
+        imm: None,
+    })?;
+    ensure!(
+        read_gpu(&gb, 0, big)? == pinned,
+        "pinned host -> GPU bytes differ"
+    );
+    host.fill(0, big, 0);
+    let n = (1 << 20) + 100;
+    go(&Op::Read {
+        remote: mrb.remote(4096 + 3),
+        local: &[mrh.sge(8192 + 5, n as u32)],
+    })?;
+    let back = host.to_vec();
+    ensure!(
+        back[8192 + 5..8192 + 5 + n] == pinned[4099..4099 + n]
+            && back[..8197].iter().all(|&b| b == 0)
+            && back[8197 + n..].iter().all(|&b| b == 0),
+        "GPU -> pinned host bytes differ"
+    );
     if let Some(c) = crate::dataplane::counters(&a) {
         ensure!(c.device_memory_errors == 0 && c.errors.is_empty(), "{c:?}");
     }
@@ -206,7 +235,7 @@ pub fn cpu_initiator_gpumem(ordinal: usize) -> Result<String> {
     drop((ga, gb));
     Ok(format!(
         "register_gpu / register_device_mem{path}; {} MiB host -> GPU, GPU -> GPU, GPU -> \
-         host, fetch-add on GPU memory verified",
+         host, fetch-add on GPU memory, and pinned host <-> GPU verified",
         big >> 20
     ))
 }

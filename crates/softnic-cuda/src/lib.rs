@@ -132,6 +132,7 @@ const SLOT: usize = STAGING / SLOTS;
 /// address works too), staged through pinned host memory, on a non-blocking stream (no
 /// implicit synchronisation with the default stream, where kernels that wait for the very
 /// copies may be running), each complete before it returns, as [`DeviceMemory`] requires.
+/// Host memory the driver has pinned (see `pinned_host`) is copied directly from 64 KiB on.
 /// A copy longer than a staging slot is pipelined over the slots (an event per slot says
 /// when the driver is done with it); ordered writes are queued together and waited for once,
 /// and so are the parts of a batched read (`read_many`) that fit the staging buffer together;
@@ -557,6 +558,16 @@ impl DeviceMemory for CudaMemory {
         len: usize,
     ) -> Result<(), DeviceMemoryError> {
         self.with_io("cuMemcpyAsync (device to host)", src, len, |io| {
+            if len >= DIRECT_MIN && pinned_host(dst as u64, len) {
+                // SAFETY: the caller's contract: `dst..dst+len` is writable host memory, which
+                // the driver knows as pinned (a DMA target); the device side is an address the
+                // soft NIC checked. The wait below returns after the copy completed.
+                let r =
+                    unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, len, io.stream) }
+                        .result();
+                let drained = io.drain();
+                return r.and(drained);
+            }
             // SAFETY: the caller's contract: `dst..dst+len` is writable host memory.
             let r = unsafe { read_pipelined(io, src, dst, len) };
             // on success every chunk was waited for before it was copied out; after a
@@ -574,12 +585,46 @@ impl DeviceMemory for CudaMemory {
         len: usize,
     ) -> Result<(), DeviceMemoryError> {
         self.with_io("cuMemcpyAsync (host to device)", dst, len, |io| {
-            // SAFETY: the caller's contract: `src..src+len` is readable host memory.
-            let r = unsafe { write_pipelined(io, dst, src, len) };
+            let r = if len >= DIRECT_MIN && pinned_host(src as u64, len) {
+                // SAFETY: the caller's contract: `src..src+len` is readable host memory, which
+                // the driver knows as pinned; the device side is an address the soft NIC
+                // checked. The wait below returns after the copy completed.
+                unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), len, io.stream) }
+                    .result()
+            } else {
+                // SAFETY: the caller's contract: `src..src+len` is readable host memory.
+                unsafe { write_pipelined(io, dst, src, len) }
+            };
             let drained = io.drain();
             r.and(drained)
         })
     }
+}
+
+/// Copies between GPU memory and host memory the driver has pinned, at least this long, go
+/// directly (one DMA, as a ConnectX reads and writes an MR's pinned pages) instead of through
+/// the staging slots and a CPU copy; shorter ones cost the same either way.
+const DIRECT_MIN: usize = 64 << 10;
+
+/// Whether the driver knows `addr..addr+len` as pinned host memory (`cuMemHostAlloc`,
+/// `cuMemHostRegister`, by this process or a library in it): its first and last byte are host
+/// memory to CUDA. A copy that still meets pageable pages in between is staged by the driver
+/// itself (correct, slower). Called with the context bound.
+fn pinned_host(addr: u64, len: usize) -> bool {
+    let host = |a: u64| {
+        let mut kind: u32 = 0;
+        // SAFETY: `kind` is the 4-byte value the attribute names; any address may be queried
+        // (memory unknown to CUDA is an error, not a fault).
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut kind as *mut u32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                a,
+            )
+        };
+        r.result().is_ok() && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+    };
+    len > 0 && host(addr) && host(addr + len as u64 - 1)
 }
 
 /// The `n` bytes of chunk `k` of a `len`-byte copy cut into slots.

@@ -4,8 +4,9 @@
 //!   [`DeviceMemory`] a GPU-memory region or ring goes through: `read_to_host`,
 //!   `write_from_host`, `copy`) and by the driver itself (`cuMemcpyDtoH` / `cuMemcpyHtoD` into
 //!   and from pinned and pageable host memory, `cuMemcpyDtoDAsync` + synchronise); the soft NIC's
-//!   ratio is against the driver's copy with the same kind of host memory (pageable: the soft
-//!   NIC's packet buffers and host regions are ordinary memory).
+//!   ratio is against the driver's copy with the same kind of host memory: pageable (the soft
+//!   NIC's packet buffers, and most host regions, are ordinary memory) and pinned (host memory
+//!   CUDA allocated or registered, which the soft NIC copies directly from 64 KiB on).
 //! - `rdma`: WRITE and READ between two in-process soft NICs, GPU buffer to GPU buffer against
 //!   host buffer to host buffer: the latency of one signaled WQE (post, ring, wait) and the rate
 //!   of a window of WQEs (every 16th signaled, a doorbell per 16). For GPU buffers it also
@@ -147,7 +148,7 @@ fn copies(gpu: &std::sync::Arc<Gpu>, mem: &dyn DeviceMemory, n: usize, json: boo
             "cuMemcpyDtoH",
         )
     })?;
-    row("cuMemcpyDtoH, pinned", dtoh_pinned * 1e6, None);
+    let dtoh_pinned = row("cuMemcpyDtoH, pinned", dtoh_pinned * 1e6, None);
     let dtoh = time_median(|| {
         check(
             unsafe { sys::cuMemcpyDtoH_v2(page.as_mut_ptr().cast::<c_void>(), a, n) },
@@ -161,7 +162,7 @@ fn copies(gpu: &std::sync::Arc<Gpu>, mem: &dyn DeviceMemory, n: usize, json: boo
             "cuMemcpyHtoD",
         )
     })?;
-    row("cuMemcpyHtoD, pinned", htod_pinned * 1e6, None);
+    let htod_pinned = row("cuMemcpyHtoD, pinned", htod_pinned * 1e6, None);
     let htod = time_median(|| {
         check(
             unsafe { sys::cuMemcpyHtoD_v2(a, page.as_ptr().cast::<c_void>(), n) },
@@ -195,6 +196,24 @@ fn copies(gpu: &std::sync::Arc<Gpu>, mem: &dyn DeviceMemory, n: usize, json: boo
         "soft NIC write (from pageable)",
         nic_write * 1e6,
         Some(htod),
+    );
+    let nic_read = time_median(|| {
+        // SAFETY: the pinned buffer is `n` writable bytes no reference covers during the call.
+        unsafe { mem.read_to_host(a, pinned.0, n) }.map_err(Into::into)
+    })?;
+    row(
+        "soft NIC read (to pinned)",
+        nic_read * 1e6,
+        Some(dtoh_pinned),
+    );
+    let nic_write = time_median(|| {
+        // SAFETY: the pinned buffer is `n` readable bytes.
+        unsafe { mem.write_from_host(a, pinned.0, n) }.map_err(Into::into)
+    })?;
+    row(
+        "soft NIC write (from pinned)",
+        nic_write * 1e6,
+        Some(htod_pinned),
     );
     let nic_copy = time_median(|| mem.copy(b, a, n).map_err(Into::into))?;
     row(
