@@ -13,7 +13,8 @@
 // states; then both sizes from 256 threads in one kernel, 10 rounds) and compare-swap (taken
 // and not taken), putmem_signal + signal_wait_until as a ping-pong
 // (8 B, 4 KiB: 100 rounds; 64 KiB: 10) with SET and once with ADD, and nvshmem_barrier_all on the device (each round's p
-// visible after the barrier).
+// visible after the barrier). Bench: put rate at 8 B, 4 KiB and 8 KiB (three shapes), and the
+// putmem_signal ping-pong's round trip at 8 B and 4 KiB.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -398,7 +399,7 @@ static void bench(uint8_t *dst, uint8_t *src, uint64_t *sig, int pe, int peer) {
     const Shape shapes[] = {{1, 1, 2000}, {1, 32, 200}, {8, 32, 50}};
     fill<<<64, 256>>>(src, kMaxPut, pe);
     CUDA(cudaDeviceSynchronize());
-    for (size_t size : {(size_t)8, (size_t)4096}) {
+    for (size_t size : {(size_t)8, (size_t)4096, (size_t)8192}) {
         for (const Shape &s : shapes) {
             CUDA(cudaMemset(dst, 0xEE, kMaxPut));
             CUDA(cudaDeviceSynchronize());
@@ -414,9 +415,12 @@ static void bench(uint8_t *dst, uint8_t *src, uint64_t *sig, int pe, int peer) {
                                                                t0)
                          .count();
                 long long msgs = (long long)s.blocks * s.threads * s.iters;
+                // us_per_put: the time over the puts (all threads'), MB/s: their bytes over it
                 printf("{\"bench\":\"nvshmem_put_rate\",\"size\":%zu,\"ctas\":%d,\"threads\":%d,"
-                       "\"messages\":%lld,\"us\":%.1f,\"mpps\":%.4f}\n",
-                       size, s.blocks, s.threads, msgs, us, msgs / us);
+                       "\"messages\":%lld,\"us\":%.1f,\"mpps\":%.4f,\"us_per_put\":%.3f,"
+                       "\"mbps\":%.1f}\n",
+                       size, s.blocks, s.threads, msgs, us, msgs / us, us / msgs,
+                       msgs * (double)size / us);
                 fflush(stdout);
             }
             nvshmem_barrier_all();

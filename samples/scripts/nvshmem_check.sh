@@ -8,7 +8,10 @@
 # the IBGDA transport came up on each, and neither fell back to IBRC. With MODE=bench the same
 # pairs print the put-rate and put-signal round-trip rows instead (PE 0), and, with gpuverbs'
 # samples given, gpuverbs' put_bw and write_lat (GPU initiator, two processes, the same
-# emulated devices and shapes) print theirs after them.
+# emulated devices and shapes) print theirs after them. TRANSPORT=ibrc runs the same with NVSHMEM's
+# IBRC transport instead (its CPU proxy posts the device's operations through libibverbs; IBGDA
+# not loaded; one case, the NIC handlers being IBGDA's), passing when NVSHMEM's log says IBRC came
+# up. MODE=build only builds the binary (in $LOG).
 #
 # usage: nvshmem_check.sh GPUVERBS PRELOAD [NVSHMEM_CHECK_BIN [SAMPLES_DIR]]
 # (without the binary, it is built here with nvcc against the wheel's headers and libraries)
@@ -18,6 +21,7 @@ set -u
 gpuverbs=$(realpath "$1") preload=$(realpath "$2") bin=${3:-} samples=${4:-}
 log=${LOG:-/tmp/nvshmem-check}
 mode=${MODE:-check}
+transport=${TRANSPORT:-ibgda}
 mkdir -p "$log"
 passed=0 failed=0
 ok() { echo "ok   $1"; passed=$((passed + 1)); }
@@ -39,6 +43,7 @@ if [ -z "$bin" ]; then
     fi
 fi
 bin=$(realpath "$bin")
+[ "$mode" = build ] && { echo "built $bin"; exit 0; }
 export LD_LIBRARY_PATH=$nv/lib:${LD_LIBRARY_PATH:-} GPUVERBS_PRELOAD=$preload
 # NVLink multicast stays off (the machine's rule); P2P off so the PEs, on one GPU, talk through
 # the (emulated) NIC; IBGDA asked for on the one emulated HCA each process has, and no other
@@ -48,15 +53,20 @@ export NVSHMEM_DISABLE_NVLS=1 NVSHMEM_DISABLE_P2P=1 NVSHMEM_IB_ENABLE_IBGDA=1 \
     NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NCCL=1 NVSHMEM_DISABLE_GDRCOPY=1 \
     GPUVERBS_EMU_SYSFS=replace NVSHMEM_HCA_LIST=mlx5_0 NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo \
     NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-268435456} NVSHMEM_DEBUG=${NVSHMEM_DEBUG:-INFO}
+up=IBGDA
+if [ "$transport" = ibrc ]; then  # (NVSHMEM_IBGDA_NIC_HANDLER=ibrc below: unread with IBGDA off)
+    export NVSHMEM_IB_ENABLE_IBGDA=0 NVSHMEM_REMOTE_TRANSPORT=ibrc HANDLERS=ibrc
+    up=ibrc
+fi
 mps=0
 if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d 2>/dev/null; then
     mps=1
 fi
 
-# ibgda_up LOG: NVSHMEM brought the IBGDA transport up (no other remote transport is loaded, so
-# a run without it fails).
-ibgda_up() {
-    grep -q "Successfully initialized the transport: IBGDA" "$1"
+# transport_up LOG: NVSHMEM brought the transport asked for up (no other remote transport is
+# loaded, so a run without it fails). NVSHMEM 3.4.5's line, src/host/transport/transport.cpp.
+transport_up() {
+    grep -q "Successfully initialized the transport: $up" "$1"
 }
 
 for h in ${HANDLERS:-gpu cpu_host_memory}; do
@@ -74,7 +84,7 @@ for h in ${HANDLERS:-gpu cpu_host_memory}; do
     rc1=$?
     if [ "$mode" = bench ]; then
         grep -h '^{' "$log/$name.0.log" "$log/$name.1.log"
-        if [ "$rc0" = 0 ] && [ "$rc1" = 0 ] && ibgda_up "$log/$name.0.log" &&
+        if [ "$rc0" = 0 ] && [ "$rc1" = 0 ] && transport_up "$log/$name.0.log" &&
             ! grep -qh '"validated":false' "$log/$name.0.log" "$log/$name.1.log"; then
             ok "bench, NIC handler $h"
         else
@@ -82,8 +92,8 @@ for h in ${HANDLERS:-gpu cpu_host_memory}; do
         fi
     elif [ "$rc0" = 0 ] && [ "$rc1" = 0 ] && grep -q "nvshmem-check: [0-9]* passed, 0 failed" "$log/$name.0.log" &&
         grep -q "nvshmem-check: [0-9]* passed, 0 failed" "$log/$name.1.log" &&
-        ibgda_up "$log/$name.0.log" && ibgda_up "$log/$name.1.log"; then
-        ok "NIC handler $h: $(grep 'nvshmem-check:' "$log/$name.0.log") on each PE, IBGDA up"
+        transport_up "$log/$name.0.log" && transport_up "$log/$name.1.log"; then
+        ok "NIC handler $h: $(grep 'nvshmem-check:' "$log/$name.0.log") on each PE, $up up"
     else
         bad "NIC handler $h (rc $rc0/$rc1; see $log/$name.*)"
         grep -E "^(FAIL|nvshmem-check)" "$log/$name.0.log" "$log/$name.1.log"
