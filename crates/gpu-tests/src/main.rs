@@ -374,6 +374,9 @@ fn devmem_queued_runs(ctx: &Ctx) -> Result<String> {
 fn devmem_queued_copies(ctx: &Ctx) -> Result<String> {
     devmem::devmem_queued_copies(ctx.ordinal)
 }
+fn devmem_words(ctx: &Ctx) -> Result<String> {
+    devmem::devmem_words(ctx.ordinal)
+}
 fn dropped_doorbell_timeout(ctx: &Ctx) -> Result<String> {
     dataplane::dropped_doorbell_timeout(ctx.ordinal)
 }
@@ -487,6 +490,7 @@ const CASES: &[Case] = cases![
     reg_cache_gpumem,
     devmem_queued_runs,
     devmem_queued_copies,
+    devmem_words,
     put_gpumem_thread_gpudb,
     put_gpumem_warp_partial_proxy,
     put_gpumem_block_bf,

@@ -3,7 +3,8 @@
 //! - `copies`: per size, the median time of one copy by the soft NIC's device memory (the
 //!   [`DeviceMemory`] a GPU-memory region or ring goes through: `read_to_host`,
 //!   `write_from_host`, `copy`) and by the driver itself (`cuMemcpyDtoH` / `cuMemcpyHtoD` into
-//!   and from pinned and pageable host memory, `cuMemcpyDtoDAsync` + synchronise); the soft NIC's
+//!   and from pinned and pageable host memory, `cuMemcpyDtoDAsync` + synchronise, at 8 B
+//!   `cuStreamWriteValue64` + synchronise: the soft NIC's write of an aligned word); the soft NIC's
 //!   ratio is against the driver's copy with the same kind of host memory: pageable (the soft
 //!   NIC's packet buffers, and most host regions, are ordinary memory) and pinned (host memory
 //!   CUDA allocated or registered, which the soft NIC copies directly from 64 KiB on).
@@ -181,6 +182,22 @@ fn copies(gpu: &std::sync::Arc<Gpu>, mem: &dyn DeviceMemory, n: usize, json: boo
         )
     })?;
     let dtod = row("cuMemcpyDtoDAsync + sync", dtod * 1e6, None);
+    if n == 8 {
+        // what the soft NIC's write of an aligned word is made of
+        // SAFETY: `a` is 8-byte aligned (an allocation's start) in a live allocation; the
+        // stream is live until destroyed below.
+        let word = time_median(|| {
+            check(
+                unsafe { sys::cuStreamWriteValue64_v2(stream, a, 0x5a5a, 0) },
+                "cuStreamWriteValue64",
+            )?;
+            check(
+                unsafe { sys::cuStreamSynchronize(stream) },
+                "cuStreamSynchronize",
+            )
+        })?;
+        row("cuStreamWriteValue64 + sync", word * 1e6, None);
+    }
     // SAFETY: created above, destroyed once; nothing uses it after.
     unsafe { cudarc::driver::result::stream::destroy(stream) }?;
     let nic_read = time_median(|| {
