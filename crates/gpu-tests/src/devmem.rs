@@ -456,11 +456,10 @@ pub fn devmem_queued_copies(ordinal: usize) -> Result<String> {
     ))
 }
 
-/// Writes of 4 and 8 bytes at aligned addresses (an inline WRITE's payload, a flag) are one
-/// stream memory operation on the real `CudaMemory`; any other small write is a copy. Each
-/// lands exactly (neighbours untouched, unaligned and odd sizes too), and in call order with
-/// queued writes over the same bytes: a word written after a queued run overwrites it, a run
-/// queued after a word overwrites the word.
+/// Small writes on the real `CudaMemory` (words of 4 and 8 bytes aligned and not, an inline
+/// WRITE's payload, a flag; odd sizes) land exactly, neighbours untouched, and in call order
+/// with queued writes over the same bytes: a word written after a queued run overwrites it, a
+/// run queued after a word overwrites the word.
 pub fn devmem_words(ordinal: usize) -> Result<String> {
     let gpu = gpu(ordinal)?;
     let len = 1 << 16;

@@ -585,10 +585,7 @@ impl DeviceMemory for CudaMemory {
         len: usize,
     ) -> Result<(), DeviceMemoryError> {
         self.with_io("cuMemcpyAsync (host to device)", dst, len, |io| {
-            // SAFETY: the caller's contract: `src..src+len` is readable host memory.
-            let r = if let Some(value) = unsafe { small_value(dst, src, len) } {
-                write_value(io, dst, value)
-            } else if len >= DIRECT_MIN && pinned_host(src as u64, len) {
+            let r = if len >= DIRECT_MIN && pinned_host(src as u64, len) {
                 // SAFETY: the caller's contract: `src..src+len` is readable host memory, which
                 // the driver knows as pinned; the device side is an address the soft NIC
                 // checked. The wait below returns after the copy completed.
@@ -628,63 +625,6 @@ fn pinned_host(addr: u64, len: usize) -> bool {
         r.result().is_ok() && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
     };
     len > 0 && host(addr) && host(addr + len as u64 - 1)
-}
-
-/// A word the GPU's front end can store for a write of `len` bytes at `dst`: 4 or 8 bytes at
-/// an address aligned to their size (an inline WRITE's payload, a flag, a counter).
-enum Word {
-    W32(u32),
-    W64(u64),
-}
-
-/// The word of a 4- or 8-byte aligned write, `None` for any other.
-///
-/// # Safety
-/// `src..src+len` is host memory readable for the call.
-unsafe fn small_value(dst: u64, src: *const u8, len: usize) -> Option<Word> {
-    match len {
-        // SAFETY: the caller's contract; unaligned reads of the host bytes.
-        4 if dst % 4 == 0 => Some(Word::W32(unsafe { src.cast::<u32>().read_unaligned() })),
-        // SAFETY: as above.
-        8 if dst % 8 == 0 => Some(Word::W64(unsafe { src.cast::<u64>().read_unaligned() })),
-        _ => None,
-    }
-}
-
-/// Queues a store of `w` at `dst` as a stream memory operation (`cuStreamWriteValue{32,64}`:
-/// the GPU's front end writes it after a system-scope barrier, no copy engine and no staging;
-/// the caller waits); where the driver does not offer stream memory operations, a copy from
-/// the staging buffer does the same.
-fn write_value(io: &Io, dst: u64, w: Word) -> Result<(), DriverError> {
-    use sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as DEFAULT;
-    // SAFETY: the device side is an address the soft NIC checked, aligned to the word's size;
-    // the value is passed by value.
-    let stored = unsafe {
-        match w {
-            Word::W32(v) => sys::cuStreamWriteValue32_v2(io.stream, dst, v, DEFAULT as u32),
-            Word::W64(v) => sys::cuStreamWriteValue64_v2(io.stream, dst, v, DEFAULT as u32),
-        }
-    }
-    .result();
-    match stored {
-        Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)) => {
-            let mut bytes = [0u8; 8];
-            let n = match w {
-                Word::W32(v) => {
-                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
-                    4
-                }
-                Word::W64(v) => {
-                    bytes = v.to_ne_bytes();
-                    8
-                }
-            };
-            // SAFETY: `bytes` holds `n` readable bytes for the call (the copy reads them
-            // into the staging buffer before it returns).
-            unsafe { write_pipelined(io, dst, bytes.as_ptr(), n) }
-        }
-        other => other,
-    }
 }
 
 /// The `n` bytes of chunk `k` of a `len`-byte copy cut into slots.

@@ -4,7 +4,8 @@
 //!   [`DeviceMemory`] a GPU-memory region or ring goes through: `read_to_host`,
 //!   `write_from_host`, `copy`) and by the driver itself (`cuMemcpyDtoH` / `cuMemcpyHtoD` into
 //!   and from pinned and pageable host memory, `cuMemcpyDtoDAsync` + synchronise, at 8 B
-//!   `cuStreamWriteValue64` + synchronise: the soft NIC's write of an aligned word); the soft NIC's
+//!   `cuStreamWriteValue64` + synchronise, a way to store an aligned word without the copy
+//!   engine, against the soft NIC's write of 8 bytes); the soft NIC's
 //!   ratio is against the driver's copy with the same kind of host memory: pageable (the soft
 //!   NIC's packet buffers, and most host regions, are ordinary memory) and pinned (host memory
 //!   CUDA allocated or registered, which the soft NIC copies directly from 64 KiB on).
@@ -183,7 +184,7 @@ fn copies(gpu: &std::sync::Arc<Gpu>, mem: &dyn DeviceMemory, n: usize, json: boo
     })?;
     let dtod = row("cuMemcpyDtoDAsync + sync", dtod * 1e6, None);
     if n == 8 {
-        // what the soft NIC's write of an aligned word is made of
+        // a store of an aligned word by the GPU's front end, without the copy engine
         // SAFETY: `a` is 8-byte aligned (an allocation's start) in a live allocation; the
         // stream is live until destroyed below.
         let word = time_median(|| {
