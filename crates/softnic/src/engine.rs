@@ -511,13 +511,18 @@ fn step(dev: &Shared, qp: &Arc<Qp>, sq: &mut SqState, batch: &mut LocalBatch) {
         return;
     }
     let check = check_ctrl(dev, qp, sq, &ctrl, idx, from_bf);
-    // where this WQE's copy was left queued, if it may join the batch
+    // where this WQE's copy was left queued, if it may join the batch (only then does it
+    // need the batch's memories)
+    let may_queue = batch.takes(&ctrl);
     let mut qc = QueuedCopy {
-        pending: batch.mems.clone(),
+        pending: if may_queue {
+            batch.mems.clone()
+        } else {
+            Default::default()
+        },
         into: None,
         failed: None,
     };
-    let may_queue = batch.takes(&ctrl);
     let queue = may_queue.then_some(&mut qc);
     let outcome = check.and_then(|()| run_wqe(dev, qp, sq, &buf[..blocks * WQEBB], queue));
     let QueuedCopy { into, failed, .. } = qc;
