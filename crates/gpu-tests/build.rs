@@ -8,7 +8,8 @@
 //! With `GPUNETIO_SRC` set to a checkout of NVIDIA's GPUNetIO (github.com/NVIDIA-DOCA/gpunetio;
 //! an input of the build, never part of this repository), its device headers are included too
 //! and `-DGPUVERBS_WITH_GPUNETIO` is defined: the `gpunetio_counter` case then runs NVIDIA's
-//! `put_counter` next to gpuverbs' (`kernels/gpunetio_counter.cu`); without it the case skips.
+//! `put_counter` next to gpuverbs' (`kernels/gpunetio_counter.cu`, with the repository's
+//! `kernels/gpunetio/doca_qp.cuh`); without it the case skips.
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
@@ -30,7 +31,10 @@ fn main() {
             );
             std::process::exit(1);
         }
+        // kernels/gpunetio/doca_qp.cuh: a gpuverbs QP in GPUNetIO's layout, shared with
+        // gpu_bench's `gpunetio` series (samples/build.rs).
         k = k
+            .include(gpuverbs_kernel_build::gpuverbs_root().join("kernels/gpunetio"))
             .include(&inc)
             .include(inc.join("device"))
             .include(inc.join("common"))

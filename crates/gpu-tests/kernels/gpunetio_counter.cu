@@ -11,54 +11,9 @@
 #include <gpuverbs/gpuverbs.cuh>
 #include <gpuverbs/qp.cuh>
 
-namespace gpunetio_counter_tests {
-
-// GPUNetIO's description of a QP gpuverbs exported (GPU doorbell mode; a fresh QP: every
-// index 0, as GPUNetIO's export sets them): the SQ ring and its size, the send doorbell record
-// (word 1 of gpuverbs' record), the doorbell register, the send CQ with its number.
-GPUVERBS_DEVICE void doca_qp_of(const gpuverbs_qp* d, doca_gpu_dev_verbs_qp* o) {
-    doca_gpu_dev_verbs_qp q;
-    memset(&q, 0, sizeof(q));
-    q.sq_rsvd_index = d->sq_reserved;
-    q.sq_ready_index = d->sq_ready;
-    q.sq_wqe_pi = d->sq_rung;
-    q.sq_num = d->qpn;
-    q.sq_num_shift8 = d->qpn << 8;
-    q.sq_num_shift8_be = gpuverbs::bswap32(d->qpn << 8);
-    q.sq_num_shift8_be_1ds = gpuverbs::bswap32(d->qpn << 8 | 1);
-    q.sq_num_shift8_be_2ds = gpuverbs::bswap32(d->qpn << 8 | 2);
-    q.sq_num_shift8_be_3ds = gpuverbs::bswap32(d->qpn << 8 | 3);
-    q.sq_num_shift8_be_4ds = gpuverbs::bswap32(d->qpn << 8 | 4);
-    q.sq_num_shift8_be_5ds = gpuverbs::bswap32(d->qpn << 8 | 5);
-    q.sq_wqe_num = (uint16_t)d->sq_blocks;
-    q.sq_wqe_mask = (uint16_t)(d->sq_blocks - 1);
-    q.sq_wqe_daddr = reinterpret_cast<uint8_t*>(d->sq_ring);
-    q.sq_dbrec = reinterpret_cast<__be32*>(d->dbrec + 4);
-    q.sq_db = reinterpret_cast<uint64_t*>(d->db_reg);
-    q.cq_sq.cqe_daddr = reinterpret_cast<uint8_t*>(d->scq_ring);
-    q.cq_sq.cq_num = d->scq_cqn;
-    q.cq_sq.cqe_num = d->scq_ncqe;
-    q.cq_sq.dbrec = reinterpret_cast<__be32*>(d->scq_dbrec);
-    q.cq_sq.cqe_ci = d->scq_ci;
-    q.cq_sq.cqe_mask = d->scq_ncqe - 1;
-    q.cq_sq.cqe_size = 64;
-    q.cq_sq.cqe_rsvd = 0;
-    const doca_gpu_dev_verbs_mem_type mt =
-        d->ring_loc ? DOCA_GPUNETIO_VERBS_MEM_TYPE_GPU : DOCA_GPUNETIO_VERBS_MEM_TYPE_HOST;
-    q.cq_sq.mem_type = mt;
-    q.nic_handler = DOCA_GPUNETIO_VERBS_NIC_HANDLER_GPU_SM_DB;
-    q.mem_type = mt;
-    *o = q;
-}
-
-GPUVERBS_DEVICE doca_gpu_dev_verbs_addr addr_key(uint64_t addr, uint32_t key) {
-    doca_gpu_dev_verbs_addr a;
-    a.addr = addr;
-    a.key = gpuverbs::bswap32(key);  // GPUNetIO takes keys big-endian (MKEY_SWAPPED)
-    return a;
-}
-
-}  // namespace gpunetio_counter_tests
+// doca_qp_of (a gpuverbs QP in GPUNetIO's layout) and addr_key (a big-endian key), shared
+// with gpu_bench's `gpunetio` series: kernels/gpunetio/ (on the include path with GPUNETIO_SRC).
+#include "doca_qp.cuh"
 
 // One block of n threads (n <= 32: no ring of 64 blocks wraps). Thread t puts `size` bytes
 // src + t*size -> dst + t*size (pair V: from src_v, lkey lk_v) and counts it: on pair G (gq, gcp) with GPUNetIO's put_counter
@@ -76,7 +31,7 @@ GPUVERBS_KERNEL void gv_test_gpunetio_counter(gpuverbs_qp* gq, gpuverbs_qp* gcp,
                                               uint64_t ctr_v, uint32_t ck_v, uint64_t* ctr_v_d,
                                               uint32_t size, uint64_t budget, uint64_t* vals) {
     using namespace gpuverbs;
-    using namespace gpunetio_counter_tests;
+    using namespace gv_gpunetio;
     const uint32_t t = threadIdx.x;
     if (t == 0) {
         doca_qp_of(gq, &dq[0]);
