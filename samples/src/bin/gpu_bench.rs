@@ -13,16 +13,24 @@
 //!   GPU sharing, host or GPU rings), post only, five interleaved rounds, medians.
 //! - `mlx5_shapes`: the GPU-ring shapes on soft-NIC QPs and on DEVX QPs of `mlx5_0` (rings in
 //!   GPU memory through DEVX umems) in the same rounds; run under `gpuverbs emu --devices 2`.
+//! - `gpunetio`: issue 14's launch shapes (1 or N CTAs, a thread or a warp each, exclusive or
+//!   GPU sharing), post only, on QPs with the rings the device picks (`RingPlacement::Auto`),
+//!   GPU doorbell: gpuverbs' gv_bench_post and NVIDIA GPUNetIO's own `doca_gpu_dev_verbs_put`
+//!   on QP sets of identical config in the same five interleaved rounds; medians and
+//!   gpuverbs / GPUNetIO per shape. Needs gpu_bench built with `GPUNETIO_SRC` (a checkout of
+//!   NVIDIA's GPUNetIO, see `samples/build.rs`); soft NICs, or `--gpunetio-device mlx5` for
+//!   DEVX QPs of `mlx5_0` under `gpuverbs emu --devices 2`.
 //! - `counters`: completed, counted 8-byte WRITEs per second on one QP in RTS, GPU doorbell:
 //!   put + poll (every put signaled, quiet at the end), put_counted (a software counter per
 //!   block, wait_counter) and put_counter (a counter per block moved by the NIC through a
 //!   companion QP, wait_counter over both), for 1 thread, 1 warp and 8 blocks of 64 threads.
 //!
-//! `gpu_bench [--gpu N] [--json] [--series post_only,post_complete,engines,shapes]`. Times come from %globaltimer inside the kernels.
+//! `gpu_bench [--gpu N] [--json] [--series post_only,post_complete,engines,shapes]
+//! [--gpunetio-device soft|mlx5]`. Times come from %globaltimer inside the kernels.
 
 use anyhow::{bail, ensure, Context as _, Result};
 use clap::Parser;
-use gpuverbs::gpu::{DeviceMem, ExportedQp, Gpu};
+use gpuverbs::gpu::{DeviceMem, ExportedQp, Gpu, GpuModule};
 use gpuverbs::proxy::{ProxyConfig, ProxyService, ProxyTarget};
 use gpuverbs::{
     Access, ConnectOptions, Context, CqOptions, DeviceRequest, DoorbellMode, HostBuffer, Mr, Qp,
@@ -44,7 +52,9 @@ struct Args {
     /// engines, shapes (the launch shapes of issue 14, five interleaved rounds, medians),
     /// mlx5_shapes (the GPU-ring shapes on soft-NIC QPs and on DEVX QPs of `mlx5_0`, in the
     /// same rounds; not by default: it runs under `gpuverbs emu --devices 2`), counters (put +
-    /// poll next to the software and the NIC-moved counters).
+    /// poll next to the software and the NIC-moved counters), gpunetio (the launch shapes with
+    /// gpuverbs and NVIDIA GPUNetIO's device code in the same rounds; not by default: it needs
+    /// gpu_bench built with GPUNETIO_SRC).
     #[arg(
         long,
         value_delimiter = ',',
@@ -58,6 +68,10 @@ struct Args {
     /// Interleaved rounds of the engine-scaling series (each count once per round; medians).
     #[arg(long, default_value_t = 3)]
     engine_rounds: u32,
+    /// The devices of the gpunetio series: `soft` (two soft NICs) or `mlx5` (`mlx5_0` and
+    /// `mlx5_1`: run under `gpuverbs emu --devices 2`).
+    #[arg(long, default_value = "soft", value_parser = ["soft", "mlx5"])]
+    gpunetio_device: String,
 }
 
 /// A comma-separated list of counts; the empty string is the empty list (clap's own list
@@ -456,6 +470,7 @@ fn gpunetio_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<f6
             db: "gpu",
             value: m / 1e6,
             unit: "M WQE/s",
+            rings: None,
         });
     }
     Ok(medians[0])
@@ -479,18 +494,7 @@ fn shape_rounds(gpu: &Arc<Gpu>, shapes: &[(&str, Shape)]) -> Result<Vec<f64>> {
                 .with_context(|| format!("shape {name}, round {round}"))?;
             eprintln!("shape {name}, round {round}: {:.3} M WQE/s", r / 1e6);
             runs[i].push(r);
-            let (mut qps, mut n) = (setups[i].ptrs.ptr(), setups[i].qps.len() as u32);
-            let mut params = [arg(&mut qps), arg(&mut n)];
-            // SAFETY: parameters match gv_bench_recycle; `qps` lists `n` live descriptors.
-            unsafe {
-                gpu.launch_sync(
-                    "gv_bench_recycle",
-                    (n.div_ceil(128), 1, 1),
-                    (128, 1, 1),
-                    0,
-                    &mut params,
-                )?
-            };
+            recycle(gpu, &setups[i])?;
         }
     }
     let mut medians = Vec::new();
@@ -546,10 +550,255 @@ fn mlx5_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<()> {
                 db: "gpu",
                 value: v,
                 unit,
+                rings: None,
             });
         }
     }
     Ok(())
+}
+
+/// Marks every block posted so far on `s`'s QPs retired (gv_bench_recycle), so that the next
+/// post-only run reuses the ring.
+fn recycle(gpu: &Arc<Gpu>, s: &Setup) -> Result<()> {
+    let (mut qps, mut n) = (s.ptrs.ptr(), s.qps.len() as u32);
+    let mut params = [arg(&mut qps), arg(&mut n)];
+    // SAFETY: parameters match gv_bench_recycle; `qps` lists `n` live descriptors.
+    unsafe {
+        gpu.launch_sync(
+            "gv_bench_recycle",
+            (n.div_ceil(128), 1, 1),
+            (128, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    Ok(())
+}
+
+/// gpu_bench's GPUNetIO kernels (`samples/kernels/gpunetio_bench.cu`, built by
+/// `samples/build.rs` when `GPUNETIO_SRC` named a checkout of NVIDIA's GPUNetIO), 16-byte
+/// aligned as the driver wants a fatbin; empty when built without it.
+#[repr(C, align(16))]
+struct Aligned<B: ?Sized>(B);
+static GPUNETIO_KERNELS: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(
+    env!("OUT_DIR"),
+    "/gpu_bench_gpunetio.fatbin"
+)));
+
+/// Bytes of GPU memory per QP described in GPUNetIO's layout (the kernel asserts that
+/// `doca_gpu_dev_verbs_qp` fits).
+const DOCA_QP_BYTES: usize = 512;
+
+/// The `gpunetio` series (issue 45 item 1): issue 14's launch shapes, post only, on QPs whose
+/// rings go where the device puts them (`RingPlacement::Auto`: host memory on the soft NIC,
+/// DEVX GPU memory on `mlx5_0`), GPU doorbell. In the same five rounds, each shape runs
+/// gpuverbs' gv_bench_post on one QP set and NVIDIA GPUNetIO's own `doca_gpu_dev_verbs_put`
+/// (gv_bench_gpunetio_put) on a second set of identical config, the order of the two
+/// alternating from round to round. Lines: each median, and gpuverbs / GPUNetIO, with the
+/// placement `Auto` chose. `mlx5`: on `mlx5_0` (under `gpuverbs emu --devices 2`), else on
+/// soft NICs.
+fn gpunetio(gpu: &Arc<Gpu>, sms: u32, mlx5: bool, lines: &mut Vec<Line>) -> Result<()> {
+    ensure!(
+        !GPUNETIO_KERNELS.0.is_empty(),
+        "the gpunetio series runs NVIDIA GPUNetIO's device code, and this gpu_bench was built \
+         without it: rebuild with GPUNETIO_SRC set to a checkout of \
+         github.com/NVIDIA-DOCA/gpunetio (and nvcc), e.g. `GPUNETIO_SRC=/path/to/gpunetio \
+         cargo build --release -p gpuverbs-samples --bin gpu_bench`"
+    );
+    let module = gpu.load_module(&GPUNETIO_KERNELS.0)?;
+    let auto = |sh: Shape| Shape {
+        rings: RingPlacement::Auto,
+        mlx5,
+        ..sh
+    };
+    let thread = |grid, share| auto(shape(grid, 1, 0, 4096, 1, true, share));
+    let warp = |grid, share| auto(shape(grid, 32, 1, 128, 1, true, share));
+    let shapes = [
+        ("1 CTA × 1 thread, exclusive", thread(1, Share::Exclusive)),
+        ("1 CTA × 1 thread, GPU sharing", thread(1, Share::Gpu)),
+        ("1 CTA × 1 warp, exclusive", warp(1, Share::Exclusive)),
+        ("1 CTA × 1 warp, GPU sharing", warp(1, Share::Gpu)),
+        (
+            "N CTAs × 1 thread, exclusive",
+            thread(sms, Share::Exclusive),
+        ),
+        ("N CTAs × 1 thread, GPU sharing", thread(sms, Share::Gpu)),
+        ("N CTAs × 1 warp, exclusive", warp(sms, Share::Exclusive)),
+        ("N CTAs × 1 warp, GPU sharing", warp(sms, Share::Gpu)),
+    ];
+    let backend = if mlx5 { "mlx5_0" } else { "soft NIC" };
+    let mut sets = Vec::new();
+    for (name, sh) in &shapes {
+        let mk = || {
+            setup_shape(gpu, DoorbellMode::GpuDoorbell, false, *sh)
+                .with_context(|| format!("{backend}, shape {name}"))
+        };
+        let (gv, dn) = (mk()?, mk()?);
+        let dq = gpu.alloc(DOCA_QP_BYTES * dn.qps.len())?;
+        sets.push((gv, dn, dq));
+    }
+    let rings = {
+        let qp = &sets[0].0.qps[0].0;
+        (qp.placement(), qp.placement_reason().to_string())
+    };
+    for (gv, dn, _) in &sets {
+        for (qa, _, _) in gv.qps.iter().chain(&dn.qps) {
+            ensure!(
+                qa.placement() == rings.0,
+                "QPs of one series with rings apart"
+            );
+        }
+    }
+    eprintln!(
+        "gpunetio on {backend}: RingPlacement::Auto -> {:?} ({})",
+        rings.0, rings.1
+    );
+    let (mut gv_runs, mut dn_runs) = (
+        vec![Vec::new(); shapes.len()],
+        vec![Vec::new(); shapes.len()],
+    );
+    for round in 0..5 {
+        for (i, (name, sh)) in shapes.iter().enumerate() {
+            let (gv, dn, dq) = &sets[i];
+            for gpuverbs_now in [round % 2 == 0, round % 2 != 0] {
+                let what = if gpuverbs_now { "gpuverbs" } else { "GPUNetIO" };
+                let r = if gpuverbs_now {
+                    let r = run_shape(gpu, gv, false, *sh);
+                    recycle(gpu, gv)?;
+                    r
+                } else {
+                    gpunetio_run(gpu, &module, dn, dq, *sh)
+                }
+                .with_context(|| format!("{backend}, {what}, shape {name}, round {round}"))?;
+                eprintln!(
+                    "{backend}, {what}, shape {name}, round {round}: {:.3} M WQE/s",
+                    r / 1e6
+                );
+                let runs = if gpuverbs_now {
+                    &mut gv_runs
+                } else {
+                    &mut dn_runs
+                };
+                runs[i].push(r);
+            }
+        }
+    }
+    for (i, (name, _)) in shapes.iter().enumerate() {
+        let (v, g) = (median(&mut gv_runs[i]), median(&mut dn_runs[i]));
+        eprintln!(
+            "{backend}, shape {name}: gpuverbs {:.3} (runs {}), GPUNetIO {:.3} (runs {}) M WQE/s",
+            v / 1e6,
+            runs_list(&gv_runs[i]),
+            g / 1e6,
+            runs_list(&dn_runs[i])
+        );
+        for (what, value, unit) in [
+            ("gpuverbs", v / 1e6, "M WQE/s"),
+            ("GPUNetIO", g / 1e6, "M WQE/s"),
+            ("gpuverbs / GPUNetIO", v / g, "ratio"),
+        ] {
+            lines.push(Line {
+                test: "gpunetio_same_run",
+                config: format!("{backend}, {name}: {what}"),
+                db: "gpu",
+                value,
+                unit,
+                rings: Some(rings.clone()),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// One post-only run of `sh` with GPUNetIO's device code on `s`'s QPs (described afresh in
+/// GPUNetIO's layout into `dq`, every index 0: `s`'s QPs are never posted to through gpuverbs):
+/// returns WQEs per second, after checking that every WQE was posted and rung.
+fn gpunetio_run(
+    gpu: &Arc<Gpu>,
+    module: &GpuModule,
+    s: &Setup,
+    dq: &DeviceMem,
+    sh: Shape,
+) -> Result<f64> {
+    let (mut qps, mut n, mut dqp) = (s.ptrs.ptr(), s.qps.len() as u32, dq.ptr());
+    let blocks = (n.div_ceil(128), 1, 1);
+    let mut params = [arg(&mut qps), arg(&mut n), arg(&mut dqp)];
+    // SAFETY: parameters match gv_bench_gpunetio_describe; `qps` lists `n` live descriptors,
+    // `dq` holds DOCA_QP_BYTES for each.
+    unsafe {
+        gpu.launch_sync_in(
+            module,
+            "gv_bench_gpunetio_describe",
+            blocks,
+            (128, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    let st = Stamps::new(gpu)?;
+    let (mut laddr, mut lk, mut raddr, mut rk) = (
+        s.src_d,
+        s.src_mr.lkey().0,
+        s.dst_mr.addr(),
+        s.dst_mr.rkey().0,
+    );
+    let (mut iters, mut scope, mut share, mut t) = (sh.iters, sh.scope, sh.share as u32, st.t());
+    let mut params = [
+        arg(&mut dqp),
+        arg(&mut n),
+        arg(&mut laddr),
+        arg(&mut lk),
+        arg(&mut raddr),
+        arg(&mut rk),
+        arg(&mut iters),
+        arg(&mut scope),
+        arg(&mut share),
+        arg(&mut t),
+    ];
+    // SAFETY: parameters match gv_bench_gpunetio_put; `dq` holds `n` QP descriptions, `t` the
+    // stamps' live device memory.
+    unsafe {
+        gpu.launch_sync_in(
+            module,
+            "gv_bench_gpunetio_put",
+            (sh.grid, 1, 1),
+            (sh.block, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    let elapsed = st.elapsed_ns()?;
+    let tally = gpu.alloc(16)?;
+    let mut out = tally.ptr();
+    let mut params = [arg(&mut dqp), arg(&mut n), arg(&mut out)];
+    // SAFETY: parameters match gv_bench_gpunetio_tally; `out` is 16 live zeroed bytes.
+    unsafe {
+        gpu.launch_sync_in(
+            module,
+            "gv_bench_gpunetio_tally",
+            blocks,
+            (128, 1, 1),
+            0,
+            &mut params,
+        )?
+    };
+    let mut b = [0u8; 16];
+    tally.read(0, &mut b)?;
+    let (posted, apart) = (
+        u64::from_ne_bytes(b[..8].try_into().unwrap()),
+        u64::from_ne_bytes(b[8..].try_into().unwrap()),
+    );
+    let wqes = sh.grid as u64 * sh.block as u64 * sh.iters as u64;
+    ensure!(
+        apart == 0,
+        "{apart} QPs with reserved, ready and rung indices apart"
+    );
+    ensure!(posted == wqes, "GPUNetIO posted {posted} of {wqes} WQEs");
+    if let Some(d) = s.a.soft_device() {
+        let errors = d.counters().errors;
+        ensure!(errors.is_empty(), "device errors: {errors:?}");
+    }
+    Ok(wqes as f64 / (elapsed * 1e-9))
 }
 
 struct Line {
@@ -558,6 +807,9 @@ struct Line {
     db: &'static str,
     value: f64,
     unit: &'static str,
+    /// Where the QPs' rings are and why (`placement()`, `placement_reason()`), for lines whose
+    /// QPs leave it to the device (`RingPlacement::Auto`).
+    rings: Option<(RingPlacement, String)>,
 }
 
 fn db_name(m: DoorbellMode) -> &'static str {
@@ -579,13 +831,14 @@ const MODES: [DoorbellMode; 3] = [
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    const SERIES: [&str; 6] = [
+    const SERIES: [&str; 7] = [
         "post_only",
         "post_complete",
         "engines",
         "shapes",
         "mlx5_shapes",
         "counters",
+        "gpunetio",
     ];
     for s in &args.series {
         ensure!(
@@ -629,6 +882,9 @@ fn main() -> Result<()> {
     if want("counters") {
         counters(&gpu, &mut lines)?;
     }
+    if want("gpunetio") {
+        gpunetio(&gpu, sms, args.gpunetio_device == "mlx5", &mut lines)?;
+    }
     let ratios = ratios(want("post_only"), &rates, floor_ns, shape_thread_rate)?;
     print_lines(&args, &gpu.info().to_string(), &lines, ratios);
     Ok(())
@@ -658,6 +914,7 @@ fn store64_ceiling(gpu: &Arc<Gpu>, hd: u64, sms: u32, lines: &mut Vec<Line>) -> 
         db: "-",
         value: store_rate / 1e6,
         unit: "M 64B-stores/s",
+        rings: None,
     });
     Ok(())
 }
@@ -680,6 +937,7 @@ fn fence_floor(gpu: &Arc<Gpu>, hd: u64, lines: &mut Vec<Line>) -> Result<f64> {
         db: "-",
         value: floor_ns,
         unit: "ns",
+        rings: None,
     });
     Ok(floor_ns)
 }
@@ -740,6 +998,7 @@ fn fence_units(gpu: &Arc<Gpu>, hd: u64, lines: &mut Vec<Line>) -> Result<()> {
             db: "-",
             value: best,
             unit: "ns",
+            rings: None,
         });
     }
     Ok(())
@@ -837,6 +1096,7 @@ fn post_only(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<RefRates
                 db: db_name(mode),
                 value: r / 1e6,
                 unit: "M WQE/s",
+                rings: None,
             });
         }
     }
@@ -856,6 +1116,7 @@ fn reference_rate(name: &str, r: f64, rates: &mut RefRates, lines: &mut Vec<Line
             db: db_name(mode),
             value,
             unit: "ns",
+            rings: None,
         });
     }
     if name == "1 thread, checkout, batch 1, put_inline" {
@@ -865,6 +1126,7 @@ fn reference_rate(name: &str, r: f64, rates: &mut RefRates, lines: &mut Vec<Line
             db: db_name(mode),
             value: 1e9 / r,
             unit: "ns",
+            rings: None,
         });
     }
     if name == "1 thread, checkout, batch 1, GPU rings" {
@@ -875,6 +1137,7 @@ fn reference_rate(name: &str, r: f64, rates: &mut RefRates, lines: &mut Vec<Line
             db: db_name(mode),
             value: 1e9 / r,
             unit: "ns",
+            rings: None,
         });
     }
     if name == "1 warp, exclusive, warp scope" {
@@ -916,6 +1179,7 @@ fn post_complete(gpu: &Arc<Gpu>, lines: &mut Vec<Line>) -> Result<()> {
                 db: db_name(mode),
                 value: r / 1e6,
                 unit: "M WQE/s",
+                rings: None,
             });
         }
     }
@@ -1072,6 +1336,7 @@ fn counters(gpu: &Arc<Gpu>, lines: &mut Vec<Line>) -> Result<()> {
                 db: "gpu",
                 value: r / 1e6,
                 unit: "M WQE/s",
+                rings: None,
             });
         }
     }
@@ -1120,6 +1385,7 @@ fn engine_scaling(gpu: &Arc<Gpu>, args: &Args, lines: &mut Vec<Line>) -> Result<
             db: db_name(DoorbellMode::GpuDoorbell),
             value: medians[i] / 1e6,
             unit: "M WQE/s",
+            rings: None,
         });
     }
     Ok(())
@@ -1170,10 +1436,12 @@ fn print_lines(
 ) {
     if args.json {
         for l in lines {
-            println!(
-                "{}",
-                serde_json::json!({"test": l.test, "config": l.config, "db": l.db, "value": l.value, "unit": l.unit, "gpu": info})
-            );
+            let mut j = serde_json::json!({"test": l.test, "config": l.config, "db": l.db, "value": l.value, "unit": l.unit, "gpu": info});
+            if let Some((placement, reason)) = &l.rings {
+                j["rings"] = format!("{placement:?}").into();
+                j["rings_reason"] = reason.as_str().into();
+            }
+            println!("{j}");
         }
         ratios.insert("test".into(), "ratios".into());
         ratios.insert("gpu".into(), info.into());
@@ -1209,5 +1477,15 @@ mod tests {
         let a = Args::try_parse_from(["gpu_bench"]).unwrap();
         assert_eq!(a.engines, Counts(vec![1, 2, 4, 8]));
         assert!(Args::try_parse_from(["gpu_bench", "--engines", "two"]).is_err());
+    }
+
+    #[test]
+    fn the_gpunetio_series_runs_on_soft_nics_or_mlx5() {
+        let a = Args::try_parse_from(["gpu_bench"]).unwrap();
+        assert_eq!(a.gpunetio_device, "soft");
+        assert!(!a.series.iter().any(|s| s == "gpunetio"));
+        let a = Args::try_parse_from(["gpu_bench", "--gpunetio-device", "mlx5"]).unwrap();
+        assert_eq!(a.gpunetio_device, "mlx5");
+        assert!(Args::try_parse_from(["gpu_bench", "--gpunetio-device", "mlx6"]).is_err());
     }
 }
