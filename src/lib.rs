@@ -31,6 +31,8 @@ pub mod memory;
 pub mod proxy;
 pub mod queue;
 pub mod regcache;
+#[cfg(test)]
+mod testing;
 
 pub mod post;
 pub use backend::soft::controls as soft;

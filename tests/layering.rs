@@ -65,6 +65,8 @@ const LAYERS: &[&str] = &[
     "proxy",
     // re-exports for users
     "post",
+    // the unit tests' shared set-up (built for tests only): may use everything
+    "testing",
 ];
 
 /// Crate-wide vocabulary: may name any module's types (the error enum carries them).

@@ -221,7 +221,7 @@ impl Pd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ConnectOptions, CqOptions, DeviceRequest, QpOptions};
+    use crate::testing::{soft_pair, SoftPair};
     use prm::wqe::{CtrlFlags, Local, Op};
     use std::time::Duration;
     use verbs::initiator::RingMode;
@@ -231,43 +231,9 @@ mod tests {
     const T: Duration = Duration::from_secs(10);
     const RIGHTS: Access = Access(Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0);
 
-    /// Two soft NICs of this process, a PD and a QP on each (in RESET: `connect` them).
-    struct Two {
-        a: Context,
-        pa: Pd,
-        pb: Pd,
-        qa: crate::Qp,
-        qb: crate::Qp,
-    }
-
-    fn two() -> Two {
-        let (a, b) = (
-            Context::open(DeviceRequest::Soft).unwrap(),
-            Context::open(DeviceRequest::Soft).unwrap(),
-        );
-        let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
-        let (ca, cb) = (
-            a.create_cq(CqOptions::default()).unwrap(),
-            b.create_cq(CqOptions::default()).unwrap(),
-        );
-        let qa = pa.create_qp(QpOptions::new(&ca, &ca)).unwrap();
-        let qb = pb.create_qp(QpOptions::new(&cb, &cb)).unwrap();
-        Two { a, pa, pb, qa, qb }
-    }
-
-    impl Two {
-        fn connect(&self) {
-            let o = ConnectOptions {
-                access: Access::REMOTE_WRITE,
-                ..Default::default()
-            };
-            self.qa.connect(&self.qb.endpoint(), o).unwrap();
-            self.qb.connect(&self.qa.endpoint(), o).unwrap();
-        }
-        /// Whether key `k` is a live region of side A's device.
-        fn a_has(&self, k: prm::Lkey) -> bool {
-            self.a.soft_device().unwrap().mr(k.0).is_some()
-        }
+    /// Whether key `k` is a live region of side A's device.
+    fn a_has(t: &SoftPair, k: prm::Lkey) -> bool {
+        t.a.soft_device().unwrap().mr(k.0).is_some()
     }
 
     /// A signaled WRITE of `len` bytes of `src` to `dst`, posted and rung.
@@ -289,8 +255,8 @@ mod tests {
 
     #[test]
     fn a_region_registered_again_has_a_new_generation_and_rkey_and_the_old_descriptor_fails() {
-        let t = two();
-        t.connect();
+        let t = soft_pair();
+        t.connect(Access::REMOTE_WRITE);
         let dst = HostBuffer::new(4096);
         let old = t.pb.register_with(&dst, RIGHTS).unwrap();
         // what the peer holds: the descriptor, through its wire form
@@ -340,7 +306,7 @@ mod tests {
 
     #[test]
     fn deregister_waits_for_the_wqes_posted_before_and_gives_the_region_back_on_timeout() {
-        let t = two();
+        let t = soft_pair();
         let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
         src.fill(0, 64, 0x5a);
         let smr = t.pa.register(&src).unwrap();
@@ -364,23 +330,23 @@ mod tests {
             "{err}"
         );
         let smr = err.into_mr();
-        assert!(t.a_has(lkey), "a region that timed out stays registered");
+        assert!(a_has(&t, lkey), "a region that timed out stays registered");
         // Nothing of B's PD is in flight: a region there goes at once.
         let other = t.pb.register(&HostBuffer::new(64)).unwrap();
         other.deregister(Duration::ZERO).unwrap();
         let waiter = std::thread::spawn(move || smr.deregister(Duration::from_secs(60)));
-        t.connect();
+        t.connect(Access::REMOTE_WRITE);
         // The WQE ran with the region still registered: the wait held it.
         let c = ini.wait_send(T).unwrap();
         assert!(matches!(c, prm::Completion::Req { .. }), "{c:?}");
         waiter.join().unwrap().unwrap();
-        assert!(!t.a_has(lkey), "deregistered once the WQE was done");
+        assert!(!a_has(&t, lkey), "deregistered once the WQE was done");
         assert_eq!(dst.to_vec()[..64], [0x5a; 64]);
     }
 
     #[test]
     fn deregister_waits_for_every_wqe_posted_before() {
-        let t = two();
+        let t = soft_pair();
         let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
         src.fill(0, 64, 0x5a);
         let smr = t.pa.register(&src).unwrap();
@@ -390,20 +356,20 @@ mod tests {
         write(&mut ini, smr.sge(0, 32), dmr.remote(64));
         let lkey = smr.lkey();
         let waiter = std::thread::spawn(move || smr.deregister(Duration::from_secs(60)));
-        t.connect();
+        t.connect(Access::REMOTE_WRITE);
         // Both WQEs ran with the region still registered: the wait held it.
         for _ in 0..2 {
             let c = ini.wait_send(T).unwrap();
             assert!(matches!(c, prm::Completion::Req { .. }), "{c:?}");
         }
         waiter.join().unwrap().unwrap();
-        assert!(!t.a_has(lkey));
+        assert!(!a_has(&t, lkey));
         assert_eq!(dst.to_vec()[..96], [0x5a; 96]);
     }
 
     #[test]
     fn a_reset_or_destroyed_qp_has_nothing_in_flight() {
-        let t = two();
+        let t = soft_pair();
         let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
         let dmr = t.pb.register_with(&dst, RIGHTS).unwrap();
         let smr = t.pa.register(&src).unwrap();
@@ -421,7 +387,7 @@ mod tests {
         write(&mut ini, smr.sge(0, 8), dmr.remote(0));
         let smr = smr.deregister(Duration::ZERO).unwrap_err().into_mr();
         // a destroyed QP runs nothing more (the initiator still holds the device QP)
-        let Two { qa, .. } = t;
+        let SoftPair { qa, .. } = t;
         drop(qa);
         smr.deregister(Duration::ZERO).unwrap();
         drop(ini);
@@ -429,7 +395,7 @@ mod tests {
 
     #[test]
     fn a_region_dropped_under_work_in_flight_fails_the_wqe_not_the_memory() {
-        let t = two();
+        let t = soft_pair();
         let (src, dst) = (HostBuffer::new(4096), HostBuffer::new(4096));
         src.fill(0, 64, 1);
         let smr = t.pa.register(&src).unwrap();
@@ -438,8 +404,8 @@ mod tests {
         write(&mut ini, smr.sge(0, 64), dmr.remote(0));
         let lkey = smr.lkey();
         drop(smr); // logs a warning: the QP has a WQE in flight
-        assert!(!t.a_has(lkey));
-        t.connect();
+        assert!(!a_has(&t, lkey));
+        t.connect(Access::REMOTE_WRITE);
         let c = ini.wait_send(T).unwrap();
         assert_eq!(syndrome(&c), Some(prm::Syndrome::LocalProt), "{c:?}");
         assert_eq!(dst.to_vec()[..64], [0; 64]);
@@ -454,28 +420,14 @@ mod tests {
         let lkey = again.lkey();
         let e = Error::from(again.deregister(Duration::ZERO).unwrap_err());
         assert!(matches!(&e, Error::InFlight(r) if r.lkey == lkey.0), "{e}");
-        assert!(!t.a_has(lkey));
+        assert!(!a_has(&t, lkey));
     }
 
     #[test]
     fn device_memory_regions_through_the_host_api() {
-        let (a, b) = (
-            Context::open(DeviceRequest::Soft).unwrap(),
-            Context::open(DeviceRequest::Soft).unwrap(),
-        );
-        let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
-        let (ca, cb) = (
-            a.create_cq(CqOptions::default()).unwrap(),
-            b.create_cq(CqOptions::default()).unwrap(),
-        );
-        let qa = pa.create_qp(QpOptions::new(&ca, &ca)).unwrap();
-        let qb = pb.create_qp(QpOptions::new(&cb, &cb)).unwrap();
-        let conn = ConnectOptions {
-            access: Access::REMOTE_WRITE | Access::REMOTE_READ,
-            ..Default::default()
-        };
-        qa.connect(&qb.endpoint(), conn).unwrap();
-        qb.connect(&qa.endpoint(), conn).unwrap();
+        let t = soft_pair();
+        t.connect(Access::REMOTE_WRITE | Access::REMOTE_READ);
+        let SoftPair { pa, pb, qa, .. } = t;
         let gpu = SimDeviceMemory::new(1 << 16);
         let rights = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
         let target = pb

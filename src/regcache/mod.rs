@@ -483,7 +483,8 @@ impl Pd {
 mod tests {
     use super::*;
     use crate::memory::HostBuffer;
-    use crate::{ConnectOptions, Context, CqOptions, DeviceRequest, QpOptions};
+    use crate::testing::soft_pair;
+    use crate::{Context, DeviceRequest};
     use prm::wqe::{CtrlFlags, Local, Op};
     use verbs::initiator::RingMode;
     use verbs::MemKind;
@@ -706,17 +707,8 @@ mod tests {
 
     #[test]
     fn eviction_stops_new_use_then_waits_for_work_in_flight_then_deregisters() {
-        let (a, b) = (
-            Context::open(DeviceRequest::Soft).unwrap(),
-            Context::open(DeviceRequest::Soft).unwrap(),
-        );
-        let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
-        let (ca, cb) = (
-            a.create_cq(CqOptions::default()).unwrap(),
-            b.create_cq(CqOptions::default()).unwrap(),
-        );
-        let qa = pa.create_qp(QpOptions::new(&ca, &ca)).unwrap();
-        let qb = pb.create_qp(QpOptions::new(&cb, &cb)).unwrap();
+        let t = soft_pair();
+        let (a, pa, pb, qa) = (&t.a, &t.pa, &t.pb, &t.qa);
         let (src, dst) = (HostBuffer::new(PAGE), HostBuffer::new(PAGE));
         src.fill(0, 64, 0x3c);
         let dmr = pb.register_with(&dst, LW | Access::REMOTE_WRITE).unwrap();
@@ -747,34 +739,20 @@ mod tests {
         let fresh = pa.register_cached(&src, LW).unwrap();
         assert_ne!(fresh.lkey(), key);
         assert_eq!(pa.reg_cache().stats().misses, 2);
-        assert!(live(&a, key), "deregistered only once the WQE is done");
-        let o = ConnectOptions {
-            access: Access::REMOTE_WRITE,
-            ..Default::default()
-        };
-        qa.connect(&qb.endpoint(), o).unwrap();
-        qb.connect(&qa.endpoint(), o).unwrap();
+        assert!(live(a, key), "deregistered only once the WQE is done");
+        t.connect(Access::REMOTE_WRITE);
         let c = ini.wait_send(T).unwrap();
         assert!(matches!(c, prm::Completion::Req { .. }), "{c:?}");
         evict.join().unwrap();
-        assert!(!live(&a, key));
+        assert!(!live(a, key));
         assert_eq!(dst.to_vec()[..64], [0x3c; 64]);
         assert_eq!(pa.reg_cache().stats().forced_evictions, 0);
     }
 
     #[test]
     fn an_eviction_whose_wait_runs_out_is_counted_and_the_wqe_fails() {
-        let (a, b) = (
-            Context::open(DeviceRequest::Soft).unwrap(),
-            Context::open(DeviceRequest::Soft).unwrap(),
-        );
-        let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
-        let (ca, cb) = (
-            a.create_cq(CqOptions::default()).unwrap(),
-            b.create_cq(CqOptions::default()).unwrap(),
-        );
-        let qa = pa.create_qp(QpOptions::new(&ca, &ca)).unwrap();
-        let qb = pb.create_qp(QpOptions::new(&cb, &cb)).unwrap();
+        let t = soft_pair();
+        let (a, pa, pb, qa) = (&t.a, &t.pa, &t.pb, &t.qa);
         let (src, dst) = (HostBuffer::new(PAGE), HostBuffer::new(PAGE));
         let dmr = pb.register_with(&dst, LW | Access::REMOTE_WRITE).unwrap();
         pa.reg_cache().set_config(RegCacheConfig {
@@ -794,13 +772,8 @@ mod tests {
         pa.reg_cache().clear();
         let st = pa.reg_cache().stats();
         assert_eq!((st.evictions, st.forced_evictions), (1, 1));
-        assert!(!live(&a, key));
-        let o = ConnectOptions {
-            access: Access::REMOTE_WRITE,
-            ..Default::default()
-        };
-        qa.connect(&qb.endpoint(), o).unwrap();
-        qb.connect(&qa.endpoint(), o).unwrap();
+        assert!(!live(a, key));
+        t.connect(Access::REMOTE_WRITE);
         match ini.wait_send(T).unwrap() {
             prm::Completion::Error(e) => assert_eq!(e.syndrome(), Some(prm::Syndrome::LocalProt)),
             c => panic!("{c:?}"),
