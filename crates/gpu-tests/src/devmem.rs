@@ -4,6 +4,7 @@
 
 use crate::dataplane::{arg, gpu, Mem, Pair, PairSpec, Status, BUDGET_NS};
 use anyhow::{ensure, Result};
+use gpuverbs::gpu::DeviceMemory;
 use gpuverbs::memory::MemKind;
 use gpuverbs::post::Completion;
 use gpuverbs::post::RingMode;
@@ -342,18 +343,21 @@ pub fn devmem_queued_runs(ordinal: usize) -> Result<String> {
         put(&mut model, (1 << 20) + 13 + k * 4096, 4096, 900 + k as u32)?;
     }
     dm.settle()?;
-    let mut back = vec![0u8; len];
-    dm.read(base, &mut back)?;
-    if let Some(i) = back.iter().zip(&model).position(|(a, b)| a != b) {
-        anyhow::bail!(
-            "byte {i} is {:#x}, the writes made it {:#x}",
-            back[i],
-            model[i]
-        );
-    }
+    matches_model(&*dm, base, &model, "the writes")?;
     Ok(format!(
         "{writes} queued writes landed in order; a read in between saw the ones before it"
     ))
+}
+
+/// Reads `model.len()` bytes of device memory at `base` back and names the first byte that
+/// differs from `model` (what `what` should have made it).
+fn matches_model(dm: &dyn DeviceMemory, base: u64, model: &[u8], what: &str) -> Result<()> {
+    let mut back = vec![0u8; model.len()];
+    dm.read(base, &mut back)?;
+    if let Some(i) = back.iter().zip(model).position(|(a, b)| a != b) {
+        anyhow::bail!("byte {i} is {:#x}, {what} made it {:#x}", back[i], model[i]);
+    }
+    Ok(())
 }
 
 /// One step of `devmem_queued_copies`, applied to GPU memory (queued) and to the model.
@@ -441,15 +445,7 @@ pub fn devmem_queued_copies(ordinal: usize) -> Result<String> {
     second.push(Step::Copy(b + 1_000_000, c + 400_000, 400_000));
     run(&mut model, &second)?;
     dm.settle()?;
-    let mut back = vec![0u8; len];
-    dm.read(base, &mut back)?;
-    if let Some(i) = back.iter().zip(&model).position(|(x, y)| x != y) {
-        anyhow::bail!(
-            "byte {i} is {:#x}, the queued writes and copies made it {:#x}",
-            back[i],
-            model[i]
-        );
-    }
+    matches_model(&*dm, base, &model, "the queued writes and copies")?;
     Ok(format!(
         "{writes} queued writes and {copies} queued copies landed in call order; a read in \
          between saw all queued before it"
@@ -505,15 +501,7 @@ pub fn devmem_words(ordinal: usize) -> Result<String> {
     dm.write_queued(base + 4096 + 792, &[0xee; 24])?;
     model[4096 + 792..4096 + 816].fill(0xee);
     write(&mut model, 4096 + 1000, &0xdead_beefu32.to_ne_bytes())?;
-    let mut back = vec![0u8; len];
-    dm.read(base, &mut back)?;
-    if let Some(i) = back.iter().zip(&model).position(|(a, b)| a != b) {
-        anyhow::bail!(
-            "byte {i} is {:#x}, the writes made it {:#x}",
-            back[i],
-            model[i]
-        );
-    }
+    matches_model(&*dm, base, &model, "the writes")?;
     Ok(format!(
         "{words} small writes (words aligned and not, odd sizes) landed exactly and in order with queued runs"
     ))
