@@ -414,6 +414,28 @@ fn run_shape(gpu: &Arc<Gpu>, s: &Setup, complete: bool, sh: Shape) -> Result<f64
     Ok(wqes as f64 / (elapsed * 1e-9))
 }
 
+/// 1 CTA or `sms` CTAs, a thread (`thread`) or a warp (`warp`) each, exclusive or GPU sharing,
+/// under the names of issue 14's table.
+fn thread_warp_shapes(
+    sms: u32,
+    thread: impl Fn(u32, Share) -> Shape,
+    warp: impl Fn(u32, Share) -> Shape,
+) -> [(&'static str, Shape); 8] {
+    [
+        ("1 CTA × 1 thread, exclusive", thread(1, Share::Exclusive)),
+        ("1 CTA × 1 thread, GPU sharing", thread(1, Share::Gpu)),
+        ("1 CTA × 1 warp, exclusive", warp(1, Share::Exclusive)),
+        ("1 CTA × 1 warp, GPU sharing", warp(1, Share::Gpu)),
+        (
+            "N CTAs × 1 thread, exclusive",
+            thread(sms, Share::Exclusive),
+        ),
+        ("N CTAs × 1 thread, GPU sharing", thread(sms, Share::Gpu)),
+        ("N CTAs × 1 warp, exclusive", warp(sms, Share::Exclusive)),
+        ("N CTAs × 1 warp, GPU sharing", warp(sms, Share::Gpu)),
+    ]
+}
+
 /// The launch shapes of issue 14 (post only, 8-byte WRITEs, an SQ of 4,096 blocks, GPU
 /// doorbell, one QP per block), under the names of its table: five rounds, each running every
 /// shape once in turn, and the median of each. Returns the median of "1 CTA × 1 thread,
@@ -425,17 +447,12 @@ fn gpunetio_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<f6
         rings: RingPlacement::Gpu,
         ..sh
     };
-    let shapes = [
-        ("1 CTA × 1 thread, exclusive", thread(1, Share::Exclusive)),
-        ("1 CTA × 1 thread, GPU sharing", thread(1, Share::Gpu)),
-        ("1 CTA × 1 warp, exclusive", warp(1, Share::Exclusive)),
-        (
-            "N CTAs × 1 thread, exclusive",
-            thread(sms, Share::Exclusive),
-        ),
-        ("N CTAs × 1 thread, GPU sharing", thread(sms, Share::Gpu)),
-        ("N CTAs × 1 warp, exclusive", warp(sms, Share::Exclusive)),
-        ("N CTAs × 1 warp, GPU sharing", warp(sms, Share::Gpu)),
+    // issue 14's table has no "1 CTA × 1 warp, GPU sharing"
+    let mut shapes: Vec<_> = thread_warp_shapes(sms, thread, warp)
+        .into_iter()
+        .filter(|(name, _)| *name != "1 CTA × 1 warp, GPU sharing")
+        .collect();
+    shapes.extend([
         (
             "N CTAs × 1 thread, exclusive; gpuverbs with `checkout`",
             thread(sms, Share::Checkout),
@@ -460,7 +477,7 @@ fn gpunetio_shapes(gpu: &Arc<Gpu>, sms: u32, lines: &mut Vec<Line>) -> Result<f6
             "GPU rings: N CTAs × 1 warp, GPU sharing",
             gpu_rings(warp(sms, Share::Gpu)),
         ),
-    ];
+    ]);
     let medians = shape_rounds(gpu, &shapes)?;
     for ((name, _), m) in shapes.iter().zip(&medians) {
         let m = *m;
@@ -613,19 +630,7 @@ fn gpunetio(gpu: &Arc<Gpu>, sms: u32, mlx5: bool, lines: &mut Vec<Line>) -> Resu
     };
     let thread = |grid, share| auto(shape(grid, 1, 0, 4096, 1, true, share));
     let warp = |grid, share| auto(shape(grid, 32, 1, 128, 1, true, share));
-    let shapes = [
-        ("1 CTA × 1 thread, exclusive", thread(1, Share::Exclusive)),
-        ("1 CTA × 1 thread, GPU sharing", thread(1, Share::Gpu)),
-        ("1 CTA × 1 warp, exclusive", warp(1, Share::Exclusive)),
-        ("1 CTA × 1 warp, GPU sharing", warp(1, Share::Gpu)),
-        (
-            "N CTAs × 1 thread, exclusive",
-            thread(sms, Share::Exclusive),
-        ),
-        ("N CTAs × 1 thread, GPU sharing", thread(sms, Share::Gpu)),
-        ("N CTAs × 1 warp, exclusive", warp(sms, Share::Exclusive)),
-        ("N CTAs × 1 warp, GPU sharing", warp(sms, Share::Gpu)),
-    ];
+    let shapes = thread_warp_shapes(sms, thread, warp);
     let backend = if mlx5 { "mlx5_0" } else { "soft NIC" };
     let mut sets = Vec::new();
     for (name, sh) in &shapes {
